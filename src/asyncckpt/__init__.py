@@ -1,0 +1,82 @@
+"""asyncckpt: non-blocking, atomic, verified checkpoints for PyTorch training.
+
+Example:
+    >>> import asyncckpt
+    >>> ckpt = asyncckpt.AsyncCheckpointer("runs/exp1", keep_last=3)
+    >>> fut = ckpt.save_async({"model": model, "optim": optimizer}, step=100)
+    >>> restored = ckpt.load({"model": model, "optim": optimizer})
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .checkpointer import AsyncCheckpointer, CheckpointerConfig, load_from
+from .commit import resolve_step_dir
+from .errors import (
+    CheckpointClosedError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointInFlightError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+    StateMismatchError,
+    UnsupportedLeafError,
+)
+from .storage import LocalStorage
+from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
+from .writer import CheckpointFuture, CheckpointInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncCheckpointer",
+    "CheckpointClosedError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointFuture",
+    "CheckpointInFlightError",
+    "CheckpointInfo",
+    "CheckpointLockedError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointTimeoutError",
+    "CheckpointerConfig",
+    "RNGState",
+    "StateMismatchError",
+    "Stateful",
+    "UnsupportedLeafError",
+    "__version__",
+    "capture_rng_state",
+    "load",
+    "restore_rng_state",
+    "save",
+]
+
+
+def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> CheckpointInfo:
+    """Save ``state`` synchronously as ``step`` under ``directory``.
+
+    Example:
+        >>> asyncckpt.save({"model": model}, "ckpts/final")
+    """
+    with AsyncCheckpointer(directory, mode="sync") as ckpt:
+        return ckpt.save(state, step)
+
+
+def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
+         strict: bool = True, verify: bool = True) -> Any:
+    """Load from a checkpoint root (latest step, or ``step``) or from one step directory.
+
+    Example:
+        >>> asyncckpt.load("ckpts/final", {"model": model})
+    """
+    storage = LocalStorage()
+    step_dir, _ = resolve_step_dir(Path(path), step, storage)
+    return load_from(step_dir, state, storage, strict=strict, verify=verify)

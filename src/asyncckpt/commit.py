@@ -1,0 +1,118 @@
+"""Atomic commit, discovery of committed steps, cleanup and retention.
+
+Layout under a checkpoint root::
+
+    step_000000100/                  committed: has manifest.json, visible to readers
+    .step_000000200.tmp-<id>/        being written, or abandoned by a crash: never read
+    .step_000000050.deleting-<id>/   being removed by retention: never read
+
+A step directory becomes visible in one atomic rename, after every file in it and
+the directory itself have been fsync'd.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from pathlib import Path
+
+from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .manifest import MANIFEST_NAME
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{9,})$")
+_TMP_DIR = re.compile(r"^\.step_\d+\.(tmp|deleting)-[0-9a-f]+$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def new_tmp_dir(root: Path, step: int) -> Path:
+    return root / f".step_{step:09d}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def committed_steps(root: Path, storage: Storage) -> list[int]:
+    """Committed steps under ``root``, oldest first (a step counts once its manifest is there)."""
+    steps = []
+    for name in storage.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and MANIFEST_NAME in storage.listdir(root / name):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def abandoned_dirs(root: Path, storage: Storage) -> list[str]:
+    return sorted(n for n in storage.listdir(root) if _TMP_DIR.match(n))
+
+
+def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
+    """Remove temporary and half-deleted directories; call only while holding the lock."""
+    removed = []
+    for name in abandoned_dirs(root, storage):
+        try:
+            storage.remove_tree(root / name)
+            removed.append(name)
+        except OSError as exc:
+            log.warning("could not remove abandoned %s: %s", root / name, exc)
+    if removed:
+        log.info("removed %d abandoned checkpoint directories under %s: %s", len(removed), root,
+                 ", ".join(removed))
+    return removed
+
+
+def resolve_step_dir(root: Path, step: int | None, storage: Storage) -> tuple[Path, int | None]:
+    """The directory of ``step`` (latest when None), or ``root`` itself if it is a step dir.
+
+    Raises CheckpointNotFoundError listing what was found instead.
+    """
+    if MANIFEST_NAME in storage.listdir(root):
+        return root, None
+    steps = committed_steps(root, storage)
+    if step is None:
+        if not steps:
+            junk = abandoned_dirs(root, storage)
+            extra = f" ({len(junk)} incomplete ones ignored: {', '.join(junk[:3])})" if junk else ""
+            raise CheckpointNotFoundError(f"no committed checkpoint under {root}{extra}")
+        step = steps[-1]
+    elif step not in steps:
+        have = ", ".join(map(str, steps[-10:])) or "none"
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for step {step} under {root} (committed steps: {have})")
+    return root / step_dir_name(step), step
+
+
+def commit(tmp: Path, root: Path, step: int, storage: Storage) -> Path:
+    """Make ``tmp`` (fully written and fsync'd) visible as the step's directory."""
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise CheckpointExistsError(
+            f"step {step} is already committed at {final}; save under a new step number or "
+            "delete that directory first")
+    storage.fsync_dir(tmp)
+    # COMMIT POINT: after this rename the checkpoint is visible; before it, it never was.
+    storage.rename(tmp, final)
+    storage.fsync_dir(root)
+    return final
+
+
+def apply_retention(root: Path, keep_last: int | None, storage: Storage,
+                    protect: int | None = None) -> list[int]:
+    """Delete all but the newest ``keep_last`` committed steps; return the deleted steps.
+
+    A step is first renamed out of sight (one atomic step), then removed, so a reader
+    never sees a half-deleted checkpoint.
+    """
+    if keep_last is None:
+        return []
+    steps = committed_steps(root, storage)
+    doomed = [s for s in steps[:max(0, len(steps) - keep_last)] if s != protect]
+    for s in doomed:
+        gone = root / f".step_{s:09d}.deleting-{uuid.uuid4().hex[:12]}"
+        storage.rename(root / step_dir_name(s), gone)
+        storage.fsync_dir(root)
+        storage.remove_tree(gone)
+    return doomed

@@ -1,0 +1,71 @@
+"""One error tree: everything asyncckpt raises on purpose derives from CheckpointError."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error asyncckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (or no such step) where one was asked for."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A checkpoint's bytes or metadata do not match what was committed.
+
+    ``path`` names the file and ``key`` the tensor (when one is known).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class CheckpointInFlightError(CheckpointError, RuntimeError):
+    """A save was asked for while another is still in flight and ``on_busy="error"``."""
+
+
+class CheckpointSaveError(CheckpointError, RuntimeError):
+    """A save failed in the background; ``__cause__`` holds the original error."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A blocking call ran out of time; the message says what it was waiting for."""
+
+
+class CheckpointClosedError(CheckpointError, RuntimeError):
+    """The checkpointer was closed."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already holds this step."""
+
+
+class CheckpointLockedError(CheckpointError, RuntimeError):
+    """Another process holds the checkpoint directory's lock."""
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A state tree holds a value that cannot be checkpointed; the message names its path."""
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """The checkpoint and the target state disagree: missing, unexpected or mismatched keys."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        mismatched: list[str] | None = None,
+    ):
+        super().__init__(message)
+        self.missing = missing or []
+        self.unexpected = unexpected or []
+        self.mismatched = mismatched or []
+
+    def __str__(self) -> str:  # KeyError would print repr(message)
+        return str(self.args[0])

@@ -1,0 +1,399 @@
+"""The on-disk format: manifest schema, safetensors headers, checksums.
+
+A shard file is a valid safetensors file: an 8-byte little-endian header length, a
+JSON header padded with spaces so that the tensor bytes start on a 4 KiB boundary
+(O_DIRECT writes need that), then the tensor bytes. ``manifest.json`` describes
+every tensor of the checkpoint: dtype, global shape and its chunks (file, key,
+offsets and lengths within the global tensor, byte range in the file, checksums).
+
+Everything read from disk is validated here before anything else trusts it: a
+forged size, offset or file name gives CheckpointCorruptError, never a huge
+allocation or a path outside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import CheckpointCorruptError
+from .tree import dtype_from_name, dtype_name
+
+FORMAT_NAME = "asyncckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ALIGN = 4096
+CHECKSUM_ALGORITHM = "xxh3_64"
+DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+# torch dtype -> safetensors dtype. Dtypes safetensors lacks are stored as raw bytes
+# ("U8" of shape [nbytes]); the manifest keeps their real dtype.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.uint16: "U16", torch.int32: "I32", torch.uint32: "U32", torch.int64: "I64",
+    torch.uint64: "U64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+    torch.float64: "F64", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+# --- checksums -------------------------------------------------------------------------------
+
+def block_checksums(data: memoryview | bytes, block_bytes: int) -> list[str]:
+    """xxh3-64 of each ``block_bytes`` block of ``data`` (one entry for empty data)."""
+    n = len(data)
+    if n == 0:
+        return [xxhash.xxh3_64_hexdigest(b"")]
+    return [xxhash.xxh3_64_hexdigest(data[i:i + block_bytes]) for i in range(0, n, block_bytes)]
+
+
+class BlockHasher:
+    """Streams bytes through xxh3-64, emitting one digest per ``block_bytes`` block.
+
+    Lets a reader hash each piece right after reading it, while it is still in cache.
+    """
+
+    def __init__(self, total: int, block_bytes: int):
+        self.total = total
+        self.block_bytes = block_bytes
+        self.digests: list[str] = []
+        self._h = xxhash.xxh3_64()
+        self._in_block = 0
+        self._seen = 0
+
+    def update(self, data: memoryview) -> None:
+        pos = 0
+        n = len(data)
+        while pos < n:
+            take = min(n - pos, self.block_bytes - self._in_block)
+            self._h.update(data[pos:pos + take])
+            pos += take
+            self._in_block += take
+            self._seen += take
+            if self._in_block == self.block_bytes:
+                self.digests.append(self._h.hexdigest())
+                self._h.reset()
+                self._in_block = 0
+
+    def finish(self) -> list[str]:
+        if self._in_block or not self.digests:
+            self.digests.append(self._h.hexdigest())
+        return self.digests
+
+
+# --- safetensors header ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor in a safetensors header; offsets are relative to the body start."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def st_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+                       ) -> tuple[str, list[int]]:
+    st = _ST_DTYPES.get(dtype)
+    if st is None:
+        return "U8", [nbytes]
+    return st, list(shape)
+
+
+def encode_header(entries: Iterable[HeaderEntry], metadata: dict[str, str] | None = None
+                  ) -> bytes:
+    """Encode a safetensors header (length prefix included), padded to a 4 KiB multiple."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    for e in entries:
+        st, shape = st_dtype_and_shape(e.dtype, e.shape, e.end - e.start)
+        header[e.key] = {"dtype": st, "shape": shape, "data_offsets": [e.start, e.end]}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    total = align_up(8 + len(raw))
+    raw = raw + b" " * (total - 8 - len(raw))
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def decode_header(prefix: bytes, path: str) -> tuple[dict[str, Any], int]:
+    """Parse a safetensors header given the file's first bytes; return (header, body offset).
+
+    Raises CheckpointCorruptError when the header is malformed; ``prefix`` must hold at
+    least 8 bytes plus the declared header length.
+    """
+    if len(prefix) < 8:
+        raise CheckpointCorruptError(f"{path}: file too short for a safetensors header", path=path)
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(f"{path}: safetensors header length {n} is implausible",
+                                     path=path)
+    if len(prefix) < 8 + n:
+        raise CheckpointCorruptError(f"{path}: header truncated ({len(prefix) - 8} of {n} bytes)",
+                                     path=path)
+    try:
+        header = json.loads(prefix[8:8 + n])
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path}: safetensors header is not JSON: {exc}",
+                                     path=path) from exc
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: safetensors header is not an object", path=path)
+    return header, 8 + n
+
+
+# --- manifest --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor stored contiguously (row-major) in one file."""
+
+    file: str
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_range: tuple[int, int]
+    checksums: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_range[1] - self.byte_range[0]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One array leaf of the checkpoint: dtype, global shape and its chunks."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kind: str  # "torch" | "numpy" | "numpy_scalar"
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    bytes: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to know about one committed checkpoint."""
+
+    step: int
+    world_size: int
+    created_unix: float
+    library_version: str
+    block_bytes: int
+    files: dict[str, FileEntry]
+    tensors: dict[str, TensorEntry]
+    skeleton: dict[str, Any]
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": self.block_bytes},
+            "files": {n: {"bytes": f.bytes, "rank": f.rank} for n, f in self.files.items()},
+            "tensors": {
+                k: {
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "kind": t.kind,
+                    "chunks": [
+                        {"file": c.file, "key": c.key, "offsets": list(c.offsets),
+                         "lengths": list(c.lengths), "byte_range": list(c.byte_range),
+                         "checksums": list(c.checksums)}
+                        for c in t.chunks
+                    ],
+                }
+                for k, t in self.tensors.items()
+            },
+            "skeleton": self.skeleton,
+            "user_metadata": self.user_metadata,
+        }
+        return json.dumps(doc, indent=1, ensure_ascii=True).encode("ascii") + b"\n"
+
+
+class _Check:
+    """Small helpers that turn a bad manifest field into CheckpointCorruptError."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, what: str, key: str | None = None) -> CheckpointCorruptError:
+        where = f" (tensor {key!r})" if key else ""
+        return CheckpointCorruptError(f"{self.path}: malformed manifest{where}: {what}",
+                                      path=self.path, key=key)
+
+    def int_(self, v: Any, what: str, key: str | None = None, lo: int = 0) -> int:
+        if type(v) is not int or v < lo:
+            raise self.fail(f"{what} must be an integer >= {lo}, got {v!r:.80}", key)
+        return v
+
+    def ints(self, v: Any, what: str, key: str | None = None) -> tuple[int, ...]:
+        if not isinstance(v, list) or len(v) > 64:
+            raise self.fail(f"{what} must be a list of at most 64 integers", key)
+        return tuple(self.int_(x, what, key) for x in v)
+
+    def obj(self, v: Any, what: str, key: str | None = None) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(f"{what} must be an object", key)
+        return v
+
+    def str_(self, v: Any, what: str, key: str | None = None) -> str:
+        if not isinstance(v, str):
+            raise self.fail(f"{what} must be a string", key)
+        return v
+
+
+def parse_manifest(raw: bytes, path: str) -> Manifest:
+    """Parse and validate manifest bytes; raise CheckpointCorruptError naming what is wrong."""
+    c = _Check(path)
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
+                                     path=path) from exc
+    doc = c.obj(doc, "document")
+    if doc.get("format") != FORMAT_NAME:
+        raise c.fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT_NAME!r}")
+    version = c.int_(doc.get("format_version"), "format_version", lo=1)
+    if version > FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path}: format version {version} is newer than this library understands "
+            f"({FORMAT_VERSION}); upgrade asyncckpt", path=path)
+    cs = c.obj(doc.get("checksum"), "checksum")
+    if cs.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise c.fail(f"unknown checksum algorithm {cs.get('algorithm')!r:.40}")
+    block_bytes = c.int_(cs.get("block_bytes"), "checksum.block_bytes", lo=4096)
+    files: dict[str, FileEntry] = {}
+    for name, f in c.obj(doc.get("files"), "files").items():
+        if not _FILE_NAME.match(name) or name in (".", ".."):
+            raise c.fail(f"file name {name!r:.80} is not a plain file name")
+        f = c.obj(f, f"files[{name!r}]")
+        files[name] = FileEntry(name, c.int_(f.get("bytes"), "file bytes"),
+                                c.int_(f.get("rank"), "file rank"))
+    tensors: dict[str, TensorEntry] = {}
+    for key, t in c.obj(doc.get("tensors"), "tensors").items():
+        tensors[key] = _parse_tensor(c, key, c.obj(t, "tensor", key), files, block_bytes)
+    skeleton = c.obj(doc.get("skeleton"), "skeleton")
+    _check_skeleton(c, skeleton, tensors)
+    meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
+    created = doc.get("created_unix")
+    if not isinstance(created, (int, float)):
+        raise c.fail("created_unix must be a number")
+    return Manifest(
+        step=c.int_(doc.get("step"), "step"),
+        world_size=c.int_(doc.get("world_size"), "world_size", lo=1),
+        created_unix=float(created),
+        library_version=c.str_(doc.get("library_version"), "library_version"),
+        block_bytes=block_bytes, files=files, tensors=tensors, skeleton=skeleton,
+        user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version)
+
+
+def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
+                  block_bytes: int) -> TensorEntry:
+    try:
+        dtype = dtype_from_name(c.str_(t.get("dtype"), "dtype", key))
+    except ValueError as exc:
+        raise c.fail(str(exc), key) from exc
+    shape = c.ints(t.get("shape"), "shape", key)
+    kind = t.get("kind")
+    if kind not in ("torch", "numpy", "numpy_scalar"):
+        raise c.fail(f"kind {kind!r:.40} is unknown", key)
+    raw_chunks = t.get("chunks")
+    if not isinstance(raw_chunks, list):
+        raise c.fail("chunks must be a list", key)
+    chunks = []
+    for ch in raw_chunks:
+        ch = c.obj(ch, "chunk", key)
+        file = c.str_(ch.get("file"), "chunk file", key)
+        if file not in files:
+            raise c.fail(f"chunk names file {file!r:.80}, which the manifest does not list", key)
+        offsets = c.ints(ch.get("offsets"), "chunk offsets", key)
+        lengths = c.ints(ch.get("lengths"), "chunk lengths", key)
+        if len(offsets) != len(shape) or len(lengths) != len(shape):
+            raise c.fail("chunk offsets/lengths do not match the tensor's rank", key)
+        if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+            raise c.fail("chunk lies outside the tensor's shape", key)
+        br = c.ints(ch.get("byte_range"), "chunk byte_range", key)
+        if len(br) != 2 or br[0] > br[1] or br[1] > files[file].bytes:
+            raise c.fail(f"byte_range {list(br)} lies outside {file} ({files[file].bytes} B)", key)
+        if br[1] - br[0] != math.prod(lengths) * dtype.itemsize:
+            raise c.fail("chunk byte_range does not match its lengths and dtype", key)
+        sums = ch.get("checksums")
+        n_blocks = max(1, -(-(br[1] - br[0]) // block_bytes))
+        if not isinstance(sums, list) or len(sums) != n_blocks or not all(
+                isinstance(s, str) and len(s) == 16 for s in sums):
+            raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
+        chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
+                            (br[0], br[1]), tuple(sums)))
+    return TensorEntry(dtype, shape, kind, tuple(chunks))
+
+
+def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth: int = 0) -> None:
+    if depth > 200:
+        raise c.fail("skeleton is nested too deeply")
+    node = c.obj(node, "skeleton node")
+    t = node.get("t")
+    if t in ("tensor", "ndarray", "npscalar"):
+        if node.get("key") not in tensors:
+            raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
+    elif t == "dict":
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise c.fail("dict node needs items")
+        for it in items:
+            if not (isinstance(it, list) and len(it) == 2 and type(it[0]) in (str, int)):
+                raise c.fail("dict item must be [str or int key, node]")
+            _check_skeleton(c, it[1], tensors, depth + 1)
+    elif t in ("list", "tuple"):
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise c.fail(f"{t} node needs items")
+        for it in items:
+            _check_skeleton(c, it, tensors, depth + 1)
+    elif t == "stateful":
+        _check_skeleton(c, node.get("state"), tensors, depth + 1)
+    elif t == "none":
+        pass
+    elif t in ("bool", "int", "str", "float", "bytes"):
+        expect = {"bool": bool, "int": int, "str": str, "float": str, "bytes": str}[t]
+        if type(node.get("v")) is not expect:
+            raise c.fail(f"{t} node has a value of the wrong type")
+    else:
+        raise c.fail(f"unknown skeleton node type {t!r:.40}")

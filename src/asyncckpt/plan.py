@@ -1,0 +1,155 @@
+"""Write plans and read plans: plain data made by pure functions.
+
+A write plan fixes the byte layout of one shard file: the safetensors header, then
+every tensor at a known offset. The staging arena is laid out exactly like the file,
+so the write is a few large sequential writes of the arena.
+
+A read plan says, for each wanted tensor box, which saved chunks intersect it and
+where the intersection lies on both sides (resharding is box intersection).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .manifest import Chunk, HeaderEntry, Manifest, align_up, encode_header
+from .tree import dtype_name
+
+__all__ = ["ReadItem", "WriteItem", "WritePlan", "plan_reads", "plan_writes"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One tensor's place in a shard file; ``offset`` counts from the file's first byte."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """The layout of one shard file: header bytes, then items back to back.
+
+    ``signature`` identifies the layout: two saves with equal signatures can share one
+    arena and one header.
+    """
+
+    file: str
+    header: bytes
+    items: tuple[WriteItem, ...]
+    file_bytes: int
+    signature: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+    @property
+    def body_offset(self) -> int:
+        return len(self.header)
+
+    @property
+    def padded_bytes(self) -> int:
+        """File size rounded up to the O_DIRECT alignment: the arena's size."""
+        return align_up(self.file_bytes)
+
+
+def layout_signature(tensors: Mapping[str, torch.Tensor]
+                     ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    return tuple((k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items())
+
+
+def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
+                metadata: dict[str, str] | None = None) -> WritePlan:
+    """Lay out ``tensors`` in one safetensors file.
+
+    Tensors are ordered by element size, largest first, then by insertion order, so
+    every tensor starts at an offset aligned to its own element size without padding
+    (safetensors forbids holes in the body).
+
+    Example:
+        >>> plan = plan_writes({"w": torch.ones(4)}, "rank_00000.safetensors")
+        >>> plan.items[0].offset == plan.body_offset
+        True
+    """
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())
+    rel: list[tuple[str, int, int]] = []
+    pos = 0
+    for k in order:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        rel.append((k, pos, pos + n))
+        pos += n
+    header = encode_header(
+        (HeaderEntry(k, tensors[k].dtype, tuple(tensors[k].shape), s, e) for k, s, e in rel),
+        metadata)
+    base = len(header)
+    items = tuple(WriteItem(k, tensors[k].dtype, tuple(tensors[k].shape), base + s, e - s)
+                  for k, s, e in rel)
+    return WritePlan(file=file, header=header, items=items, file_bytes=base + pos,
+                     signature=layout_signature(tensors))
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy the intersection ``box`` of a saved chunk into a wanted box of tensor ``key``.
+
+    ``box`` is in global coordinates. ``whole_chunk`` and ``whole_dst`` say when the
+    intersection is the entire chunk and the entire destination: then the chunk's bytes
+    can be read straight into the destination's memory.
+    """
+
+    key: str
+    chunk: Chunk
+    box: Box
+    dst_box: Box
+
+    @property
+    def whole_chunk(self) -> bool:
+        return self.box == (self.chunk.offsets, self.chunk.lengths)
+
+    @property
+    def whole_dst(self) -> bool:
+        return self.box == self.dst_box
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Intersection of two boxes, or None when it is empty (0-d boxes always intersect)."""
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]):
+        lo = max(ao, bo)
+        hi = min(ao + al, bo + bl)
+        if hi <= lo and not (al == 0 and bl == 0 and ao == bo):
+            return None
+        offs.append(lo)
+        lens.append(max(0, hi - lo))
+    return tuple(offs), tuple(lens)
+
+
+def plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[ReadItem]:
+    """Plan the reads that fill each wanted box (``None`` means the whole tensor).
+
+    Items come in file and byte order so that reads stay sequential.
+    """
+    items: list[ReadItem] = []
+    for key, box in wanted.items():
+        entry = manifest.tensors[key]
+        dst: Box = box if box is not None else (tuple(0 for _ in entry.shape), entry.shape)
+        for chunk in entry.chunks:
+            inter = intersect((chunk.offsets, chunk.lengths), dst)
+            if inter is None:
+                continue
+            if math.prod(inter[1]) == 0 and math.prod(dst[1]) != 0:
+                continue
+            items.append(ReadItem(key, chunk, inter, dst))
+    items.sort(key=lambda it: (it.chunk.file, it.chunk.byte_range[0]))
+    return items

@@ -1,0 +1,239 @@
+"""Reading checkpoints: manifests, tensors straight into their targets, verification.
+
+Reads go straight into the destination tensor's memory when the saved chunk is the
+whole destination (the common, same-layout case); otherwise through a temporary
+tensor from which the intersecting box is copied. Each piece is hashed right after
+it is read, while it is still in cache, and compared with the manifest's checksums.
+Nothing here unpickles or executes anything from the file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    BlockHasher,
+    Manifest,
+    decode_header,
+    parse_manifest,
+    st_dtype_and_shape,
+)
+from .plan import ReadItem, plan_reads
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+_PIECE = 8 * 1024 * 1024
+
+
+def read_manifest(step_dir: Path, storage: Storage) -> Manifest:
+    """Read and validate ``step_dir/manifest.json``."""
+    path = step_dir / MANIFEST_NAME
+    try:
+        raw = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{step_dir} has no {MANIFEST_NAME}: not a committed "
+                                      "checkpoint") from None
+    except ValueError as exc:
+        raise CheckpointCorruptError(str(exc), path=str(path)) from exc
+    return parse_manifest(raw, str(path))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
+                 storage: Storage, *, verify: bool = True, threads: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
+
+    Returns key -> loaded tensor. A given destination must have the saved shape and
+    dtype (the caller checks); it is filled in place and returned as is.
+    Raises CheckpointCorruptError naming the file and tensor on any mismatch.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, dst in dests.items():
+        entry = manifest.tensors[key]
+        out[key] = dst if dst is not None else torch.empty(entry.shape, dtype=entry.dtype)
+    items = plan_reads(manifest, dict.fromkeys(dests))
+    n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
+    groups = _split(items, n)
+    if n == 1:
+        _read_group(step_dir, manifest, groups[0], out, storage, verify)
+    else:
+        with cf.ThreadPoolExecutor(n, thread_name_prefix="asyncckpt-read") as ex:
+            for f in [ex.submit(_read_group, step_dir, manifest, g, out, storage, verify)
+                      for g in groups]:
+                f.result()
+    return out
+
+
+def _split(items: list[ReadItem], n: int) -> list[list[ReadItem]]:
+    """Cut the (sorted) items into ``n`` runs of about equal bytes, each sequential."""
+    total = sum(it.chunk.nbytes for it in items) or 1
+    groups: list[list[ReadItem]] = [[] for _ in range(n)]
+    acc = 0
+    for it in items:
+        g = min(n - 1, acc * n // total)
+        groups[g].append(it)
+        acc += it.chunk.nbytes
+    return [g for g in groups if g] or [[]]
+
+
+def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
+                out: Mapping[str, torch.Tensor], storage: Storage, verify: bool) -> None:
+    fds: dict[str, int] = {}
+    try:
+        for it in items:
+            fd = fds.get(it.chunk.file)
+            if fd is None:
+                fd = fds[it.chunk.file] = _open_checked(step_dir, manifest, it.chunk.file,
+                                                        storage)
+            _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
+                       manifest.block_bytes)
+    finally:
+        for fd in fds.values():
+            storage.close(fd)
+
+
+def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: Storage) -> int:
+    path = step_dir / name
+    try:
+        fd = storage.open_read(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
+                                     path=str(path)) from None
+    size = storage.file_size(fd)
+    want = manifest.files[name].bytes
+    if size != want:
+        storage.close(fd)
+        raise CheckpointCorruptError(
+            f"{path} is {size} bytes but the manifest says {want}: the file was truncated or "
+            "replaced", path=str(path))
+    return fd
+
+
+def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Storage,
+               verify: bool, block_bytes: int) -> None:
+    chunk = it.chunk
+    direct = (it.whole_chunk and it.whole_dst and dst.device.type == "cpu"
+              and dst.is_contiguous())
+    buf = dst if direct else torch.empty(chunk.lengths, dtype=dst.dtype,
+                                         pin_memory=dst.is_cuda)
+    mv = tensor_bytes(buf)
+    n = chunk.nbytes
+    hasher = BlockHasher(n, block_bytes) if verify else None
+    pos = 0
+    while pos < n:
+        k = min(_PIECE, n - pos)
+        got = storage.pread_into(fd, [mv[pos:pos + k]], chunk.byte_range[0] + pos)
+        if got <= 0:
+            raise CheckpointCorruptError(f"{path}: unexpected end of file in tensor {it.key!r}",
+                                         path=str(path), key=it.key)
+        if hasher is not None:
+            hasher.update(mv[pos:pos + got])
+        pos += got
+    if hasher is not None and tuple(hasher.finish()) != chunk.checksums:
+        raise CheckpointCorruptError(
+            f"{path}: checksum mismatch in tensor {it.key!r} (bytes {chunk.byte_range[0]}.."
+            f"{chunk.byte_range[1]}): the checkpoint is corrupt; load an earlier step",
+            path=str(path), key=it.key)
+    if not direct:
+        src = buf
+        tgt = dst
+        for d, (o, ln) in enumerate(zip(*it.box)):
+            src = src.narrow(d, o - chunk.offsets[d], ln)
+            tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
+        tgt.copy_(src)
+
+
+@dataclass
+class VerifyReport:
+    """The verdict of :func:`verify_checkpoint`: problems found, and what was checked."""
+
+    path: Path
+    step: int
+    tensors: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(step_dir: Path, storage: Storage) -> VerifyReport:
+    """Check every file header against the manifest and every checksum; collect all problems."""
+    try:
+        manifest = read_manifest(step_dir, storage)
+    except CheckpointCorruptError as exc:
+        return VerifyReport(step_dir, -1, problems=[str(exc)])
+    report = VerifyReport(step_dir, manifest.step)
+    by_file: dict[str, list[str]] = {}
+    for key, entry in manifest.tensors.items():
+        for ch in entry.chunks:
+            by_file.setdefault(ch.file, []).append(key)
+    for name in manifest.files:
+        report.problems.extend(_check_header(step_dir / name, manifest, storage))
+    for key in manifest.tensors:
+        try:
+            load_tensors(step_dir, manifest, {key: None}, storage, verify=True, threads=1)
+            report.tensors += 1
+            report.bytes += manifest.tensors[key].nbytes
+        except CheckpointCorruptError as exc:
+            report.problems.append(str(exc))
+    return report
+
+
+def _check_header(path: Path, manifest: Manifest, storage: Storage) -> list[str]:
+    try:
+        fd = storage.open_read(path)
+    except FileNotFoundError:
+        return [f"{path} is missing"]
+    try:
+        prefix = bytearray(min(storage.file_size(fd), 1 << 20))
+        storage.pread_into(fd, [memoryview(prefix)], 0)
+        try:
+            header, body = decode_header(bytes(prefix), str(path))
+        except CheckpointCorruptError:
+            n = int.from_bytes(prefix[:8], "little") if len(prefix) >= 8 else 0
+            if 8 + n > len(prefix) and n < (100 << 20):
+                big = bytearray(8 + n)
+                storage.pread_into(fd, [memoryview(big)], 0)
+                header, body = decode_header(bytes(big), str(path))
+            else:
+                raise
+    except CheckpointCorruptError as exc:
+        return [str(exc)]
+    finally:
+        storage.close(fd)
+    problems = []
+    for key, entry in manifest.tensors.items():
+        for ch in entry.chunks:
+            if path.name != ch.file:
+                continue
+            h = header.get(ch.key)
+            st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
+            want = {"dtype": st, "shape": shape,
+                    "data_offsets": [ch.byte_range[0] - body, ch.byte_range[1] - body]}
+            if h != want:
+                problems.append(f"{path}: header entry of tensor {key!r} is "
+                                f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")
+    return problems

@@ -1,0 +1,168 @@
+"""The reusable host arena and the copies into it.
+
+The arena is laid out exactly like the shard file (header, then tensor bytes at the
+plan's offsets), so staging is one ``copy_`` per tensor and the write is the arena
+itself. It is allocated once, page aligned (O_DIRECT needs that), backed by
+transparent huge pages when it is plain host memory (faster first touch), or pinned
+when CUDA is present (fast, asynchronous device-to-host copies).
+
+Staging publishes its progress as it goes, so the background writer can write the
+staged prefix of the file while later tensors are still being copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import CheckpointTimeoutError
+from .plan import WriteItem, WritePlan
+
+log = logging.getLogger(__name__)
+
+# How much newly staged data is worth waking the writer for.
+_PUBLISH_BYTES = 32 * 1024 * 1024
+
+
+class HostArena:
+    """A page-aligned host buffer, pinned when asked and CUDA is present.
+
+    Not thread-safe: one save uses it at a time (the checkpointer allows one in flight).
+    """
+
+    def __init__(self, nbytes: int, *, pinned: bool):
+        self.nbytes = nbytes
+        self.pinned = pinned and torch.cuda.is_available()
+        self._mmap: mmap.mmap | None = None
+        t0 = time.perf_counter()
+        if self.pinned:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._mmap.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # THP disabled: plain pages work too
+                    pass
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        log.debug("allocated %s arena of %.3f GB in %.3fs", "pinned" if self.pinned else "host",
+                  nbytes / 1e9, time.perf_counter() - t0)
+
+    def memoryview(self) -> memoryview:
+        if self._mmap is not None:
+            return memoryview(self._mmap)
+        return memoryview(self.tensor.numpy())  # type: ignore[arg-type]
+
+    def view(self, item: WriteItem) -> torch.Tensor:
+        """The arena bytes of ``item``, typed and shaped like the tensor saved there."""
+        raw = self.tensor[item.offset:item.end]
+        if item.dtype == torch.uint8:
+            return raw.view(item.shape)
+        return raw.view(item.dtype).view(item.shape)
+
+    def write_header(self, header: bytes) -> None:
+        self.tensor[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+
+class StagingProgress:
+    """How far staging has got into the arena; the writer waits on it.
+
+    Thread-safe: staging publishes from one thread, the writer and hasher wait on others.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._upto = 0
+        self._events: list[tuple[int, Any]] = []  # (offset, CUDA event) still to sync
+        self._error: BaseException | None = None
+        self._done = False
+        self.finished_at: float | None = None
+
+    def publish(self, upto: int, event: Any = None) -> None:
+        with self._cond:
+            if event is not None:
+                self._events.append((upto, event))
+            self._upto = max(self._upto, upto)
+            self._cond.notify_all()
+
+    def finish(self, upto: int) -> None:
+        with self._cond:
+            self._upto = max(self._upto, upto)
+            self._done = True
+            self.finished_at = time.perf_counter()
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def wait_for(self, offset: int, timeout: float | None = None) -> None:
+        """Block until bytes below ``offset`` are staged; re-raise a staging failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._upto < offset and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CheckpointTimeoutError(
+                        f"timed out after {timeout}s waiting for staging to reach byte {offset}")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise RuntimeError("staging failed") from self._error
+            pending = [e for off, e in self._events if off <= offset]
+            self._events = [(off, e) for off, e in self._events if off > offset]
+        for ev in pending:  # device-to-host copies of this range have to land first
+            ev.synchronize()
+
+
+def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
+          progress: StagingProgress) -> None:
+    """Copy every planned tensor into its place in the arena, publishing progress.
+
+    CUDA tensors are copied asynchronously on a side stream (into pinned memory); this
+    returns once every copy has completed, so the caller may then mutate its tensors.
+    """
+    stream = None
+    if any(t.is_cuda for t in tensors.values()):
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+    progress.publish(plan.body_offset)  # the header was written when the arena was laid out
+    unpublished = 0
+    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
+        for item in plan.items:
+            src = tensors[item.key]
+            if item.nbytes:
+                arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
+            unpublished += item.nbytes
+            if unpublished >= _PUBLISH_BYTES:
+                progress.publish(item.end, _record_event(stream))
+                unpublished = 0
+        if stream is not None:
+            stream.synchronize()
+    progress.finish(plan.file_bytes)
+
+
+def _record_event(stream: Any) -> Any:
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ev.record(stream)
+    return ev
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

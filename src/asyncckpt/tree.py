@@ -1,0 +1,396 @@
+"""Flatten state trees into {path: tensor} plus a JSON skeleton, and build them back.
+
+A state tree is nested dicts (str or int keys), lists and tuples whose leaves are
+torch tensors, numpy arrays and int/float/bool/str/None/bytes. Objects with
+``state_dict()``/``load_state_dict()`` are saved through ``state_dict()`` and
+restored in place through ``load_state_dict()``.
+
+Every array leaf gets a *path*: its keys joined by ``/`` (a ``/`` or ``%`` inside a
+key is percent-escaped), e.g. ``model/layers.0.weight`` or ``optim/state/0/exp_avg``.
+The skeleton keeps everything else (containers, key types, scalars) with type tags,
+so that round trips are exact: int keys stay ints, tuples stay tuples.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedLeafError
+
+__all__ = [
+    "FlatState",
+    "RNGState",
+    "Stateful",
+    "capture_rng_state",
+    "flatten",
+    "restore_rng_state",
+    "unflatten",
+]
+
+# The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
+Node = dict[str, Any]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object saved through ``state_dict()`` and restored through ``load_state_dict()``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+def _is_stateful(obj: object) -> bool:
+    return (
+        not isinstance(obj, (Mapping, torch.Tensor, np.ndarray, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def escape_key(key: str | int) -> str:
+    """Return one path segment for a dict key or list index."""
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def join_path(prefix: str, key: str | int) -> str:
+    seg = escape_key(key)
+    return f"{prefix}/{seg}" if prefix else seg
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises ValueError for names that are no torch dtype."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or dtype_name(dt) != name:
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def _is_bits(name: str) -> bool:
+    """Quantized and sub-byte dtypes have no stable byte layout to promise: refuse them."""
+    if name.startswith(("qint", "quint", "bits")) or name == "bit":
+        return True
+    # int1..int7 and uint1..uint7 are sub-byte placeholder dtypes
+    for p in ("int", "uint"):
+        rest = name[len(p):] if name.startswith(p) else ""
+        if rest.isdigit() and int(rest) < 8:
+            return True
+    return False
+
+
+@dataclass
+class FlatState:
+    """A flattened state tree.
+
+    ``tensors`` maps a storage key to the tensor to save (numpy arrays are viewed as
+    CPU tensors); tensors that alias one another (tied weights) appear once.
+    ``refs`` maps the path of every array leaf to its storage key, so two paths may
+    share one key. ``kinds`` says how a key is restored: ``torch``, ``numpy`` or
+    ``numpy_scalar``. ``statefuls`` maps a path to the stateful object found there
+    and the state dict it returned.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    skeleton: Node = field(default_factory=dict)
+    statefuls: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+
+def flatten(state: Any) -> FlatState:
+    """Flatten a state tree; raise UnsupportedLeafError naming the path of a bad leaf.
+
+    Example:
+        >>> flat = flatten({"w": torch.ones(2), "step": 3})
+        >>> list(flat.tensors), flat.skeleton["t"]
+        (['w'], 'dict')
+    """
+    flat = FlatState()
+    seen: dict[tuple[Any, ...], str] = {}
+    flat.skeleton = _flatten(state, "", flat, seen, set())
+    return flat
+
+
+def _flatten(obj: Any, path: str, flat: FlatState, seen: dict[tuple[Any, ...], str],
+             active: set[int]) -> Node:
+    where = path or "<root>"
+    if isinstance(obj, torch.Tensor):
+        return {"t": "tensor", "key": _add_tensor(obj, path, flat, seen, "torch")}
+    if isinstance(obj, np.ndarray):
+        return {"t": "ndarray", "key": _add_tensor(_numpy_as_tensor(obj, where), path, flat,
+                                                   seen, "numpy")}
+    if isinstance(obj, np.generic) and not isinstance(obj, (np.object_, np.str_, np.bytes_,
+                                                             np.void)):
+        arr = np.asarray(obj)
+        return {"t": "npscalar", "key": _add_tensor(_numpy_as_tensor(arr, where), path, flat,
+                                                    seen, "numpy_scalar")}
+    t = type(obj)
+    if obj is None:
+        return {"t": "none"}
+    if t is bool:
+        return {"t": "bool", "v": obj}
+    if t is int:
+        return {"t": "int", "v": obj}
+    if t is float:
+        return {"t": "float", "v": repr(obj)}
+    if t is str:
+        return {"t": "str", "v": obj}
+    if t is bytes:
+        return {"t": "bytes", "v": base64.b64encode(obj).decode("ascii")}
+    if id(obj) in active:
+        raise UnsupportedLeafError(f"state tree has a cycle at {where!r}")
+    if isinstance(obj, Mapping):
+        active.add(id(obj))
+        items: list[list[Any]] = []
+        seen_segments: dict[str, Any] = {}
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise UnsupportedLeafError(
+                    f"dict key {k!r} of type {type(k).__name__} at {where!r}: only str and int "
+                    "keys can be checkpointed; convert the key to str")
+            seg = escape_key(k)
+            if seg in seen_segments:
+                raise UnsupportedLeafError(
+                    f"dict at {where!r} has keys {seen_segments[seg]!r} and {k!r}, which name the "
+                    "same path; rename one of them")
+            seen_segments[seg] = k
+            items.append([k, _flatten(v, join_path(path, k), flat, seen, active)])
+        active.discard(id(obj))
+        return {"t": "dict", "items": items}
+    if t is list or t is tuple:
+        active.add(id(obj))
+        children = [_flatten(v, join_path(path, i), flat, seen, active) for i, v in enumerate(obj)]
+        active.discard(id(obj))
+        return {"t": "list" if t is list else "tuple", "items": children}
+    if _is_stateful(obj):
+        active.add(id(obj))
+        sd = obj.state_dict()
+        flat.statefuls[path] = (obj, sd)
+        node = {"t": "stateful", "cls": type(obj).__qualname__,
+                "state": _flatten(sd, path, flat, seen, active)}
+        active.discard(id(obj))
+        return node
+    raise UnsupportedLeafError(
+        f"cannot checkpoint the value at {where!r}: type {t.__module__}.{t.__qualname__} is not a "
+        "tensor, numpy array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
+        "state_dict()/load_state_dict()")
+
+
+def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
+    if not arr.dtype.isnative:
+        raise UnsupportedLeafError(
+            f"numpy array at {where!r} has non-native byte order ({arr.dtype.str}); convert it "
+            "with arr.astype(arr.dtype.newbyteorder('='))")
+    if any(s < 0 for s in arr.strides):
+        arr = np.ascontiguousarray(arr)
+    try:
+        return torch.from_numpy(arr)
+    except TypeError as exc:
+        raise UnsupportedLeafError(
+            f"numpy array at {where!r} has dtype {arr.dtype}, which has no tensor equivalent: "
+            "only bool, int, uint, float and complex arrays can be checkpointed") from exc
+
+
+def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[Any, ...], str],
+                kind: str) -> str:
+    where = path or "<root>"
+    if t.layout != torch.strided:
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} has layout {t.layout}; convert it with .to_dense()")
+    if t.is_quantized or _is_bits(dtype_name(t.dtype)):
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
+    if t.device.type == "meta":
+        raise UnsupportedLeafError(f"tensor at {where!r} is on the meta device and holds no data")
+    if type(t).__name__ == "DTensor":
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} is a DTensor: sharded saves are not supported yet; save "
+            "t.full_tensor() or the local shard")
+    if t.numel() > 0 and kind == "torch":
+        alias_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                     tuple(t.stride()), t.dtype, str(t.device))
+        first = seen.get(alias_key)
+        if first is not None:
+            flat.refs[path] = first
+            return first
+        seen[alias_key] = path
+    flat.tensors[path] = t
+    flat.kinds[path] = kind
+    flat.refs[path] = path
+    return path
+
+
+def unflatten(skeleton: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Build a plain tree from a skeleton and loaded tensors (stateful nodes become dicts).
+
+    Two leaves with one storage key come back as the same tensor object.
+    """
+    return _build(skeleton, tensors)
+
+
+def _build(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
+    t = node["t"]
+    if t == "tensor":
+        return tensors[node["key"]]
+    if t == "ndarray":
+        return tensors[node["key"]].numpy()
+    if t == "npscalar":
+        return tensors[node["key"]].numpy()[()]
+    if t == "dict":
+        return {k: _build(v, tensors) for k, v in node["items"]}
+    if t == "list":
+        return [_build(v, tensors) for v in node["items"]]
+    if t == "tuple":
+        return tuple(_build(v, tensors) for v in node["items"])
+    if t == "stateful":
+        return _build(node["state"], tensors)
+    return scalar_value(node)
+
+
+def scalar_value(node: Node) -> Any:
+    """Value of a scalar skeleton node."""
+    t = node["t"]
+    if t == "none":
+        return None
+    if t in ("bool", "int", "str"):
+        return node["v"]
+    if t == "float":
+        return float(node["v"])
+    if t == "bytes":
+        return base64.b64decode(node["v"])
+    raise ValueError(f"unknown skeleton node type {t!r}")
+
+
+def iter_array_nodes(node: Node, path: str = "") -> Iterator[tuple[str, Node]]:
+    """Yield (path, node) for every tensor/ndarray/npscalar node of a skeleton."""
+    t = node["t"]
+    if t in ("tensor", "ndarray", "npscalar"):
+        yield path, node
+    elif t == "dict":
+        for k, v in node["items"]:
+            yield from iter_array_nodes(v, join_path(path, k))
+    elif t in ("list", "tuple"):
+        for i, v in enumerate(node["items"]):
+            yield from iter_array_nodes(v, join_path(path, i))
+    elif t == "stateful":
+        yield from iter_array_nodes(node["state"], path)
+
+
+def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], path: str,
+                 flat: FlatState) -> Any:
+    """Restore a skeleton into an existing tree, in place where the tree allows.
+
+    ``tensors`` maps storage keys to loaded tensors; where a target tensor was loaded
+    in place it *is* that tensor, so identity is kept. Stateful objects receive their
+    rebuilt state dict through ``load_state_dict``; dicts and lists are updated in
+    place; tuples are rebuilt. Returns the restored value for this position.
+    """
+    if path in flat.statefuls:
+        obj, sd = flat.statefuls[path]
+        inner = node["state"] if node["t"] == "stateful" else node
+        obj.load_state_dict(restore_into(sd, inner, tensors, path, _without(flat, path)))
+        return obj
+    t = node["t"]
+    if t == "stateful":
+        return restore_into(target, node["state"], tensors, path, flat)
+    if t in ("tensor", "ndarray", "npscalar"):
+        value = tensors[node["key"]]
+        if (t == "tensor" and isinstance(target, torch.Tensor) and target.shape == value.shape
+                and target.dtype == value.dtype):
+            return target  # loaded in place (or copied into it when saved tied, loaded untied)
+        if isinstance(target, np.ndarray) and t == "ndarray":
+            if target.shape == tuple(value.shape) and np.shares_memory(target, value.numpy()):
+                return target
+            return value.numpy()
+        if t == "ndarray":
+            return value.numpy()
+        if t == "npscalar":
+            return value.numpy()[()]
+        return value
+    if t == "dict":
+        if isinstance(target, dict):
+            for k, child in node["items"]:
+                if k in target:
+                    target[k] = restore_into(target[k], child, tensors, join_path(path, k), flat)
+                elif _all_present(child, tensors):
+                    target[k] = restore_into(None, child, tensors, join_path(path, k), flat)
+            return target
+        return {k: restore_into(None, c, tensors, join_path(path, k), flat)
+                for k, c in node["items"] if _all_present(c, tensors)}
+    if t in ("list", "tuple"):
+        items = node["items"]
+        same_len = isinstance(target, (list, tuple)) and len(target) == len(items)
+        values = [restore_into(target[i] if same_len else None, c, tensors, join_path(path, i),
+                               flat) for i, c in enumerate(items)]
+        if t == "list" and isinstance(target, list) and same_len:
+            target[:] = values
+            return target
+        return values if t == "list" else tuple(values)
+    return scalar_value(node)
+
+
+def _without(flat: FlatState, path: str) -> FlatState:
+    """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
+    return FlatState(tensors=flat.tensors, refs=flat.refs, kinds=flat.kinds,
+                     skeleton=flat.skeleton,
+                     statefuls={p: v for p, v in flat.statefuls.items() if p != path})
+
+
+def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """True when every array leaf under ``node`` was loaded (strict=False may skip some)."""
+    return all(n["key"] in tensors for _, n in iter_array_nodes(node))
+
+
+# --- RNG state -----------------------------------------------------------------------------
+
+def capture_rng_state() -> dict[str, Any]:
+    """Capture the Python, NumPy, torch CPU and (when present) CUDA generators' states.
+
+    Example:
+        >>> state = {"model": model, "rng": capture_rng_state()}
+    """
+    out: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore generator states captured by :func:`capture_rng_state` (e.g. loaded back)."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = state["numpy"]
+    np.random.set_state((npst[0], np.asarray(npst[1]), *npst[2:]))
+    torch.set_rng_state(torch.as_tensor(state["torch"]).to("cpu", torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu() for s in state["cuda"]])
+
+
+class RNGState:
+    """A stateful leaf that captures RNG state on save and restores it on load.
+
+    Put one in the state tree: ``{"model": model, "rng": RNGState()}``. Not thread-safe:
+    it reads and sets process-global generators.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        restore_rng_state(state_dict)

@@ -1,0 +1,222 @@
+"""The background writer: one save in flight, errors kept for ``wait()``.
+
+A save job follows the staging progress: it writes the staged prefix of the arena
+while the rest is still being copied, hashes each tensor on a second thread as soon
+as it is staged, then writes the manifest and commits with one rename.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import errno
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import commit
+from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
+from .manifest import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, block_checksums
+from .plan import WritePlan
+from .staging import HostArena, StagingProgress
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a completed save did, with the timings worth logging.
+
+    ``blocked_s``: time the caller was blocked in ``save_async``; ``staged_s``: from the
+    call until every tensor was copied to the arena; ``durable_s``: from the call until
+    the checkpoint was committed (every byte fsync'd, directory renamed).
+    """
+
+    step: int
+    path: Path
+    bytes: int
+    blocked_s: float
+    staged_s: float
+    durable_s: float
+
+    @property
+    def staged_gbps(self) -> float:
+        return self.bytes / self.staged_s / 1e9 if self.staged_s > 0 else float("inf")
+
+    @property
+    def durable_gbps(self) -> float:
+        return self.bytes / self.durable_s / 1e9 if self.durable_s > 0 else float("inf")
+
+
+@dataclass
+class SaveJob:
+    """Everything the background needs to finish one save. Owned by one save."""
+
+    root: Path
+    step: int
+    plan: WritePlan
+    arena: HostArena
+    progress: StagingProgress
+    kinds: dict[str, str]
+    skeleton: dict[str, Any]
+    storage: Storage
+    keep_last: int | None
+    block_bytes: int
+    library_version: str
+    user_metadata: dict[str, str]
+    direct_io: bool
+    started: float
+    blocked_s: float = 0.0
+    tmp: Path | None = None
+    on_committed: list[Callable[[int], None]] = field(default_factory=list)
+
+
+class CheckpointFuture:
+    """The handle of one save: poll it, wait for staging, or wait for durability.
+
+    Thread-safe.
+    """
+
+    def __init__(self, step: int, durable: cf.Future[CheckpointInfo], staged: cf.Future[None]):
+        self.step = step
+        self._durable = durable
+        self._staged = staged
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._durable.done()
+
+    def staged(self) -> bool:
+        """True once every tensor has been copied to the host arena."""
+        return self._staged.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the tensors are copied; after that the caller may mutate them.
+
+        Raises the staging error, or CheckpointTimeoutError.
+        """
+        try:
+            self._staged.result(timeout)
+        except cf.TimeoutError:
+            raise CheckpointTimeoutError(
+                f"step {self.step}: staging still running after {timeout}s") from None
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until the checkpoint is committed and return its info.
+
+        Re-raises a background failure (as CheckpointSaveError, or the CheckpointError it
+        was); raises CheckpointTimeoutError when ``timeout`` seconds pass first.
+        """
+        try:
+            return self._durable.result(timeout)
+        except cf.TimeoutError:
+            raise CheckpointTimeoutError(
+                f"step {self.step}: checkpoint not durable after {timeout}s") from None
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished save, or None."""
+        if not self._durable.done():
+            return None
+        return self._durable.exception()
+
+    result = wait
+
+
+class BackgroundWriter:
+    """Threads that run save jobs: a writer, a hasher and a stager (for overlap).
+
+    Thread-safe to submit to; the checkpointer submits one job at a time. The threads
+    survive a failed job: its error goes into that job's future.
+    """
+
+    def __init__(self) -> None:
+        self._write = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-write")
+        self._hash = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-hash")
+        self.stager = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-stage")
+
+    def submit(self, job: SaveJob) -> cf.Future[CheckpointInfo]:
+        return self._write.submit(self._run, job)
+
+    def shutdown(self) -> None:
+        for ex in (self.stager, self._write, self._hash):
+            ex.shutdown(wait=True)
+
+    def _run(self, job: SaveJob) -> CheckpointInfo:
+        try:
+            return self._save(job)
+        except BaseException as exc:
+            if job.tmp is not None:
+                with contextlib.suppress(OSError):
+                    job.storage.remove_tree(job.tmp)
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointSaveError(
+                f"saving step {job.step} under {job.root} failed: {type(exc).__name__}: {exc}"
+                + _hint(exc)) from exc
+
+    def _save(self, job: SaveJob) -> CheckpointInfo:
+        plan, storage = job.plan, job.storage
+        job.tmp = commit.new_tmp_dir(job.root, job.step)
+        storage.makedirs(job.tmp)
+        hashes = self._hash.submit(_hash_items, job)
+        try:
+            storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
+                                job.progress.wait_for, job.direct_io)
+        except BaseException:
+            job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
+            with contextlib.suppress(BaseException):
+                hashes.result()
+            raise
+        checksums = hashes.result()
+        manifest = _build_manifest(job, checksums)
+        storage.write_bytes(job.tmp / MANIFEST_NAME, manifest.to_json())
+        final = commit.commit(job.tmp, job.root, job.step, storage)
+        job.tmp = None
+        durable = time.perf_counter()
+        deleted = commit.apply_retention(job.root, job.keep_last, storage, protect=job.step)
+        staged_at = job.progress.finished_at or durable
+        info = CheckpointInfo(step=job.step, path=final, bytes=plan.file_bytes,
+                              blocked_s=job.blocked_s, staged_s=staged_at - job.started,
+                              durable_s=durable - job.started)
+        log.info("step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable %.3fs "
+                 "(%.2f GB/s)%s", job.step, info.bytes / 1e9, final, info.blocked_s,
+                 info.staged_s, info.durable_s, info.durable_gbps,
+                 f"; retention removed steps {deleted}" if deleted else "")
+        return info
+
+
+def _hash_items(job: SaveJob) -> dict[str, tuple[str, ...]]:
+    """Checksum each tensor's staged bytes as soon as staging has got past it."""
+    mv = job.arena.memoryview()
+    out: dict[str, tuple[str, ...]] = {}
+    for item in job.plan.items:
+        job.progress.wait_for(item.end)
+        out[item.key] = tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
+    return out
+
+
+def _build_manifest(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> Manifest:
+    plan = job.plan
+    tensors = {}
+    for item in plan.items:
+        chunk = Chunk(file=plan.file, key=item.key, offsets=tuple(0 for _ in item.shape),
+                      lengths=item.shape, byte_range=(item.offset, item.end),
+                      checksums=checksums[item.key])
+        tensors[item.key] = TensorEntry(item.dtype, item.shape, job.kinds[item.key], (chunk,))
+    return Manifest(
+        step=job.step, world_size=1, created_unix=time.time(),
+        library_version=job.library_version, block_bytes=job.block_bytes,
+        files={plan.file: FileEntry(plan.file, plan.file_bytes, 0)},
+        tensors=tensors, skeleton=job.skeleton, user_metadata=job.user_metadata)
+
+
+def _hint(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return " (the disk is full: free space or lower keep_last; earlier checkpoints are intact)"
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return " (check that the checkpoint directory is writable)"
+    return ""
