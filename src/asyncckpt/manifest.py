@@ -348,7 +348,7 @@ def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileE
         lengths = c.ints(ch.get("lengths"), "chunk lengths", key)
         if len(offsets) != len(shape) or len(lengths) != len(shape):
             raise c.fail("chunk offsets/lengths do not match the tensor's rank", key)
-        if any(o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        if any(o + n > s for o, n, s in zip(offsets, lengths, shape, strict=True)):
             raise c.fail("chunk lies outside the tensor's shape", key)
         br = c.ints(ch.get("byte_range"), "chunk byte_range", key)
         if len(br) != 2 or br[0] > br[1] or br[1] > files[file].bytes:

@@ -125,7 +125,7 @@ class ReadItem:
 def intersect(a: Box, b: Box) -> Box | None:
     """Intersection of two boxes, or None when it is empty (0-d boxes always intersect)."""
     offs, lens = [], []
-    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1]):
+    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1], strict=True):
         lo = max(ao, bo)
         hi = min(ao + al, bo + bl)
         if hi <= lo and not (al == 0 and bl == 0 and ao == bo):

@@ -158,7 +158,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: St
     if not direct:
         src = buf
         tgt = dst
-        for d, (o, ln) in enumerate(zip(*it.box)):
+        for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
             src = src.narrow(d, o - chunk.offsets[d], ln)
             tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
         tgt.copy_(src)

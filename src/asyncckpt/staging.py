@@ -12,6 +12,7 @@ staged prefix of the file while later tensors are still being copied.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -46,10 +47,8 @@ class HostArena:
         else:
             self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
+                with contextlib.suppress(OSError):  # THP disabled: plain pages work too
                     self._mmap.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:  # THP disabled: plain pages work too
-                    pass
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         log.debug("allocated %s arena of %.3f GB in %.3fs", "pinned" if self.pinned else "host",
                   nbytes / 1e9, time.perf_counter() - t0)
