@@ -1,0 +1,394 @@
+"""AsyncCheckpointer: saving, policies, background errors, retention, corruption, crashes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.manifest import MANIFEST_NAME
+from asyncckpt.storage import LocalStorage
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 16, generator=g)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "train": {"step": seed, "epoch": 2}}
+
+
+class GatedStorage(LocalStorage):
+    """Local storage whose shard writes wait for a gate, or fail, on cue."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail_with: BaseException | None = None
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        self.entered.set()
+        assert self.gate.wait(30), "test gate never opened"
+        if self.fail_with is not None:
+            # Fail partway, as a full disk does: some bytes are already on disk.
+            with open(path, "wb") as f:
+                f.write(bytes(buf[:min(nbytes, 4096)]))
+            raise self.fail_with
+        super().write_arena(path, buf, nbytes, ready, direct)
+
+
+def tensors_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_save_loads_back(tmp_path: Path) -> None:
+    state = make_state(1)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        info = ckpt.save_async(state, step=50).wait()
+        assert info.step == 50
+        assert info.path == tmp_path / "step_000000050"
+        assert info.bytes == (info.path / "rank_00000.safetensors").stat().st_size
+        assert 0 < info.blocked_s <= info.durable_s and info.staged_s <= info.durable_s
+        loaded = ckpt.load(step=50)
+    assert tensors_equal(loaded["model"], state["model"].state_dict())
+    assert loaded["train"] == {"step": 1, "epoch": 2}
+    assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_two_saves_in_a_row_both_land(tmp_path: Path) -> None:
+    s1, s2 = make_state(1), make_state(2)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:
+        f1 = ckpt.save_async(s1, step=1)
+        f2 = ckpt.save_async(s2, step=2)  # waits for step 1 first (on_busy="wait")
+        f2.wait()
+        assert f1.done() and f1.exception() is None
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.load(step=1)["train"]["step"] == 1
+        assert tensors_equal(ckpt.load(step=2)["model"], s2["model"].state_dict())
+
+
+def test_sync_and_async_write_the_same_bytes(tmp_path: Path) -> None:
+    state = make_state(3)
+    asyncckpt.AsyncCheckpointer(tmp_path / "a", mode="sync").save(state, step=7)
+    with asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async_with_pinned_mem") as ckpt:
+        ckpt.save_async(state, step=7).wait()
+    a = (tmp_path / "a/step_000000007/rank_00000.safetensors").read_bytes()
+    b = (tmp_path / "b/step_000000007/rank_00000.safetensors").read_bytes()
+    assert a == b
+    ma = json.loads((tmp_path / "a/step_000000007" / MANIFEST_NAME).read_text())
+    mb = json.loads((tmp_path / "b/step_000000007" / MANIFEST_NAME).read_text())
+    assert ma["tensors"] == mb["tensors"] and ma["skeleton"] == mb["skeleton"]
+
+
+def test_sync_mode_is_durable_on_return(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="disabled") as ckpt:
+        fut = ckpt.save_async(make_state(), step=3)
+        assert fut.done()
+        assert ckpt.steps() == [3]
+        assert not ckpt.is_pending
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"keep_last": 0}, {"on_busy": "skip"},
+                                    {"keep_last": 1.5}, {"block_bytes": 1000}])
+def test_bad_config_is_a_value_error(tmp_path: Path, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        asyncckpt.AsyncCheckpointer(tmp_path, **kwargs)
+
+
+def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, on_busy="error", storage=storage)
+    fut = ckpt.save_async(make_state(), step=1)
+    assert storage.entered.wait(10)
+    assert ckpt.is_pending and not fut.done()
+    with pytest.raises(asyncckpt.CheckpointInFlightError, match="step 1"):
+        ckpt.save_async(make_state(), step=2)
+    assert ckpt.steps() == []  # not visible before the commit
+    storage.gate.set()
+    fut.wait(30)
+    ckpt.save_async(make_state(), step=2).wait()
+    assert ckpt.steps() == [1, 2]
+    ckpt.close()
+
+
+def test_on_busy_wait_blocks_until_previous_commits(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, on_busy="wait", storage=storage)
+    f1 = ckpt.save_async(make_state(), step=1)
+    assert storage.entered.wait(10)
+    threading.Timer(0.3, storage.gate.set).start()
+    ckpt.save_async(make_state(), step=2)  # returns only after step 1 finished
+    assert f1.done()
+    assert ckpt.wait() is not None
+    assert ckpt.steps() == [1, 2]
+    ckpt.close()
+
+
+def test_timeouts_name_the_step(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    fut = ckpt.save_async(make_state(), step=4)
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match="step 4"):
+        fut.wait(timeout=0.05)
+    storage.gate.set()
+    assert fut.wait(30).step == 4
+    ckpt.close()
+
+
+def test_background_error_is_reraised_and_nothing_is_lost(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    good = make_state(1)
+    ckpt.save(good, step=1)
+    storage.fail_with = OSError(errno.ENOSPC, "No space left on device")
+    fut = ckpt.save_async(make_state(2), step=2)
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="step 2.*disk is full") as ei:
+        fut.wait()
+    assert isinstance(ei.value.__cause__, OSError)
+    with pytest.raises(asyncckpt.CheckpointSaveError):
+        ckpt.wait()  # the checkpointer-level wait reports it too
+    assert ckpt.steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".asyncckpt.lock", "step_000000001"]  # tmp removed
+    assert tensors_equal(ckpt.load(step=1)["model"], good["model"].state_dict())
+    storage.fail_with = None  # space is back: the same checkpointer saves again
+    ckpt.save(make_state(3), step=3)
+    assert ckpt.steps() == [1, 3]
+    ckpt.close()
+
+
+def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:
+    class Exploding:
+        def state_dict(self) -> dict:
+            raise RuntimeError("boom in state_dict")
+
+        def load_state_dict(self, sd: dict) -> None:
+            pass
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        with pytest.raises(RuntimeError, match="boom"):
+            ckpt.save_async({"x": Exploding()}, step=1)
+        with pytest.raises(asyncckpt.UnsupportedLeafError, match="train/when"):
+            ckpt.save_async({"train": {"when": object()}}, step=1)
+        ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == [1]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".step")]
+
+
+def test_retention_keeps_the_newest(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save_async(make_state(step), step=step)
+        ckpt.wait()
+        assert ckpt.steps() == [30, 40]
+        assert ckpt.latest_step() == 40
+    assert sorted(os.listdir(tmp_path)) == [".asyncckpt.lock", "step_000000030",
+                                            "step_000000040"]
+
+
+def test_committed_step_cannot_be_overwritten(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(make_state(1), step=5)
+        with pytest.raises(asyncckpt.CheckpointExistsError, match="step 5"):
+            ckpt.save_async(make_state(2), step=5)
+        assert ckpt.load(step=5)["train"]["step"] == 1
+
+
+def test_overlap_returns_before_staging_and_matches(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.checkpointer as mod
+
+    release = threading.Event()
+    threads: list[str] = []
+    real_stage = mod.stage
+
+    def gated_stage(*args: object) -> None:
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        real_stage(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mod, "stage", gated_stage)
+    state = make_state(4)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        fut = ckpt.save_async(state, step=1, overlap=True)
+        assert not fut.staged() and not fut.done()  # returned while staging is held
+        with pytest.raises(asyncckpt.CheckpointTimeoutError, match="staging"):
+            fut.wait_staged(0.05)
+        release.set()
+        fut.wait_staged(30)
+        fut.wait(30)
+        assert threads and threads[0] != threading.current_thread().name
+        assert tensors_equal(ckpt.load(step=1)["model"], state["model"].state_dict())
+
+
+def test_in_place_load_keeps_identity_and_restores_everything(tmp_path: Path) -> None:
+    src = make_state(5)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(src, step=1)
+        dst = make_state(6)
+        weight = dst["model"][0].weight
+        ptr = weight.data_ptr()
+        out = ckpt.load(dst)
+    assert out is dst
+    assert dst["model"][0].weight is weight and weight.data_ptr() == ptr
+    assert tensors_equal(dst["model"].state_dict(), src["model"].state_dict())
+    assert dst["train"] == {"step": 5, "epoch": 2}
+    so, do = src["optim"].state_dict(), dst["optim"].state_dict()
+    assert all(tensors_equal(so["state"][i], do["state"][i]) for i in so["state"])
+
+
+def test_corrupted_byte_is_detected_naming_file_and_tensor(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(make_state(), step=1)
+        man = ckpt.manifest(1)
+    key = "model/2.weight"
+    start, end = man.tensors[key].chunks[0].byte_range
+    shard = tmp_path / "step_000000001/rank_00000.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek((start + end) // 2)
+        b = f.read(1)
+        f.seek((start + end) // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match="rank_00000.safetensors") as ei:
+        asyncckpt.load(tmp_path)
+    assert ei.value.key == key and key in str(ei.value)
+    assert asyncckpt.load(tmp_path, verify=False)["train"]["step"] == 0  # verify=False reads
+
+
+def test_truncated_shard_is_detected(tmp_path: Path) -> None:
+    asyncckpt.save(make_state(), tmp_path, step=1)
+    shard = tmp_path / "step_000000001/rank_00000.safetensors"
+    os.truncate(shard, shard.stat().st_size - 10)
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match="truncated"):
+        asyncckpt.load(tmp_path)
+
+
+def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
+    (tmp_path / ".step_000000003.tmp-abc123").mkdir()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):
+        asyncckpt.load(tmp_path)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(make_state(), step=1)
+        with pytest.raises(asyncckpt.CheckpointNotFoundError, match="committed steps: 1"):
+            ckpt.load(step=2)
+    assert not (tmp_path / ".step_000000003.tmp-abc123").exists()  # cleaned at first save
+
+
+def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
+    a = asyncckpt.AsyncCheckpointer(tmp_path)
+    b = asyncckpt.AsyncCheckpointer(tmp_path)
+    a.save(make_state(), step=1)
+    with pytest.raises(asyncckpt.CheckpointLockedError, match=str(os.getpid())):
+        b.save(make_state(), step=2)
+    assert b.load(step=1)["train"]["step"] == 0  # reading needs no lock
+    a.close()
+    b.save(make_state(), step=2)
+    b.close()
+
+
+def test_close_waits_and_refuses_later_saves(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    fut = ckpt.save_async(make_state(), step=1)
+    threading.Timer(0.2, storage.gate.set).start()
+    ckpt.close()
+    assert fut.done() and ckpt.steps() == [1]
+    with pytest.raises(asyncckpt.CheckpointClosedError):
+        ckpt.save_async(make_state(), step=2)
+
+
+def test_one_shot_helpers_accept_root_or_step_dir(tmp_path: Path) -> None:
+    state = make_state(8)
+    info = asyncckpt.save(state, tmp_path / "final")
+    fresh = make_state(9)
+    asyncckpt.load(info.path, fresh)
+    assert tensors_equal(fresh["model"].state_dict(), state["model"].state_dict())
+    assert asyncckpt.load(tmp_path / "final")["train"]["step"] == 8
+
+
+def test_arena_is_reused_across_saves(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        state = make_state()
+        ckpt.save(state, step=1)
+        arena = ckpt._arena
+        assert arena is not None
+        ckpt.save(state, step=2)
+        assert ckpt._arena is arena  # same layout: no new allocation
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time, torch, asyncckpt
+    from asyncckpt.storage import LocalStorage
+
+    class Slow(LocalStorage):
+        def write_arena(self, path, buf, nbytes, ready, direct=True):
+            def slow_ready(n):
+                ready(n)
+                if n > 4096:
+                    print("WRITING", flush=True)
+                    time.sleep(60)
+            super().write_arena(path, buf, nbytes, slow_ready, direct)
+
+    root = sys.argv[1]
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 1}
+    asyncckpt.AsyncCheckpointer(root, mode="sync").save(state, step=1)
+    ckpt = asyncckpt.AsyncCheckpointer(root, storage=Slow(), direct_io=False)
+    state["w"] += 1
+    state["step"] = 2
+    ckpt.save_async(state, step=2).wait()
+""")
+
+
+def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "WRITING"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    names = os.listdir(tmp_path)
+    assert "step_000000001" in names and "step_000000002" not in names
+    assert any(n.startswith(".step_000000002.tmp-") for n in names)  # the abandoned one
+    loaded = asyncckpt.load(tmp_path)
+    assert loaded["step"] == 1
+    assert torch.equal(loaded["w"], torch.arange(1 << 20, dtype=torch.float32))
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:  # the next writer cleans up
+        ckpt.save({"w": torch.zeros(2), "step": 3}, step=3)
+        assert ckpt.steps() == [1, 3]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".step")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_stage_through_pinned_memory(tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:
+        fut = ckpt.save_async({"model": model}, step=1, overlap=True)
+        fut.wait_staged()
+        assert ckpt._arena is not None and ckpt._arena.pinned
+        fut.wait()
+        other = torch.nn.Linear(256, 256).cuda()
+        ckpt.load({"model": other})
+    assert torch.equal(other.weight, model.weight) and other.weight.is_cuda
