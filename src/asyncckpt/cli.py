@@ -1,2 +1,278 @@
-def main(argv=None):
-    return 0
+"""The ``asyncckpt`` command: list, inspect and verify checkpoints.
+
+    asyncckpt ls ROOT                 committed steps under a checkpoint root
+    asyncckpt inspect CKPT [--step N] tensors of one checkpoint (root -> latest step)
+    asyncckpt verify CKPT [--step N]  check every header and checksum
+
+Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
+2 usage error or nothing found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import commit
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .manifest import MANIFEST_NAME, Manifest
+from .reader import read_manifest, verify_checkpoint
+from .storage import LocalStorage
+from .tree import dtype_name, join_path
+
+EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
+
+
+class _Usage(Exception):
+    """A usage problem found after parsing; the message says what to do."""
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(unix: float) -> str:
+    return datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+           ) -> str:
+    """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([fmt(headers), *(fmt(r) for r in rows)])
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
+    """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError."""
+    storage = LocalStorage()
+    path = Path(ckpt)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
+    step_dir, _ = commit.resolve_step_dir(path, step, storage)
+    if step is not None and step_dir == path:
+        found = read_manifest(step_dir, storage).step
+        if found != step:
+            raise _Usage(f"{path} is the step directory of step {found}, not {step}: drop --step "
+                         "or pass the checkpoint root")
+    return step_dir, storage
+
+
+# --- ls ----------------------------------------------------------------------------------------
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise _Usage(f"{root} {what}: pass a checkpoint root directory")
+    storage = LocalStorage()
+    if MANIFEST_NAME in storage.listdir(root):  # a step directory: list just that one
+        dirs = [root]
+        abandoned: list[str] = []
+    else:
+        dirs = [root / commit.step_dir_name(s) for s in commit.committed_steps(root, storage)]
+        abandoned = commit.abandoned_dirs(root, storage)
+    entries: list[dict[str, Any]] = []
+    for d in dirs:
+        try:
+            m = read_manifest(d, storage)
+        except CheckpointError as exc:
+            entries.append({"step": int(d.name.rsplit("_", 1)[-1]), "path": str(d),
+                            "error": str(exc)})
+            continue
+        entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
+                        "tensors": len(m.tensors), "files": len(m.files),
+                        "created_unix": m.created_unix, "created": _iso(m.created_unix),
+                        "library_version": m.library_version})
+    latest = entries[-1]["step"] if entries else None
+    if args.json:
+        _print_json({"root": str(root), "steps": entries, "latest": latest,
+                     "incomplete": abandoned})
+        return EXIT_OK
+    if not entries:
+        print(f"no committed checkpoints under {root}")
+    else:
+        rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),
+                 _when(e["created_unix"]), "latest" if e["step"] == latest else ""]
+                if "error" not in e else
+                [str(e["step"]), "?", "?", "?", f"UNREADABLE: {e['error']}"] for e in entries]
+        print(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
+        total = sum(e.get("bytes", 0) for e in entries)
+        print(f"{len(entries)} committed step{'s' if len(entries) != 1 else ''}, "
+              f"{human_bytes(total)} in all")
+    if abandoned:
+        print(f"{len(abandoned)} incomplete or abandoned temp dir"
+              f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
+              f"them): {', '.join(abandoned)}")
+    return EXIT_OK
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> None:
+    """Collect stateful objects and scalar leaves of a manifest skeleton."""
+    t = node["t"]
+    if t == "stateful":
+        out["stateful"].append({"path": path, "class": node.get("cls", "?")})
+        _skeleton_summary(node["state"], path, out)
+    elif t == "dict":
+        for k, child in node["items"]:
+            _skeleton_summary(child, join_path(path, k), out)
+    elif t in ("list", "tuple"):
+        for i, child in enumerate(node["items"]):
+            _skeleton_summary(child, join_path(path, i), out)
+    elif t not in ("tensor", "ndarray", "npscalar"):
+        out["scalars"].append({"path": path, "type": t, "value": node.get("v")})
+
+
+def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
+    skel: dict[str, Any] = {"stateful": [], "scalars": []}
+    _skeleton_summary(m.skeleton, "", skel)
+    tensors = [{"path": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                "bytes": t.nbytes, "kind": t.kind,
+                "files": sorted({c.file for c in t.chunks}), "chunks": len(t.chunks)}
+               for key, t in m.tensors.items()]
+    return {"path": str(step_dir), "step": m.step, "world_size": m.world_size,
+            "library_version": m.library_version, "format_version": m.format_version,
+            "created_unix": m.created_unix, "created": _iso(m.created_unix),
+            "block_bytes": m.block_bytes, "total_bytes": m.total_bytes,
+            "tensor_bytes": sum(t["bytes"] for t in tensors),
+            "files": {n: {"bytes": f.bytes, "rank": f.rank} for n, f in m.files.items()},
+            "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata}
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    step_dir, storage = _resolve(args.ckpt, args.step)
+    doc = _inspect_doc(step_dir, read_manifest(step_dir, storage))
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
+            for t in doc["tensors"]]
+    if rows:
+        print(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)))
+    else:
+        print("(no tensors)")
+    skel = doc["skeleton"]
+    classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
+    print(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
+          f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
+          f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
+          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
+    print(f"non-tensor state: {len(skel['scalars'])} scalars"
+          + (f"; objects {classes}" if classes else ""))
+    if doc["user_metadata"]:
+        print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items()))
+    print(f"checkpoint: {step_dir}")
+    return EXIT_OK
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    step_dir, storage = _resolve(args.ckpt, args.step)
+    t0 = time.perf_counter()
+    report = verify_checkpoint(step_dir, storage)
+    seconds = time.perf_counter() - t0
+    gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
+    if args.json:
+        _print_json({"path": str(step_dir), "step": report.step, "ok": report.ok,
+                     "tensors": report.tensors, "bytes": report.bytes,
+                     "seconds": round(seconds, 6), "gbps": round(gbps, 3),
+                     "problems": report.problems})
+    elif report.ok:
+        print(f"OK {step_dir}: step {report.step}, {report.tensors} tensors, "
+              f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
+              f"({gbps:.2f} GB/s)")
+    else:
+        n = len(report.problems)
+        print(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
+              f"({report.tensors} tensors intact):")
+        for p in report.problems:
+            print(f"  - {p}")
+        print("load an earlier step (asyncckpt ls ROOT lists them)")
+    return EXIT_OK if report.ok else EXIT_CORRUPT
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asyncckpt", description="List, inspect and verify asyncckpt checkpoints.",
+        epilog="exit codes: 0 ok, 1 corrupt checkpoint, 2 usage error or not found")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
+    ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
+    ls.set_defaults(func=cmd_ls)
+    for name, func, text in (
+            ("inspect", cmd_inspect, "show the tensors of one checkpoint"),
+            ("verify", cmd_verify, "check every header and checksum of one checkpoint")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("ckpt", metavar="CKPT",
+                        help="a checkpoint root (latest step unless --step) or a step directory")
+        sp.add_argument("--step", type=int, default=None, help="which committed step of the root")
+        sp.set_defaults(func=func)
+    for sp in sub.choices.values():
+        sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except _Usage as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except CheckpointNotFoundError as exc:
+        _error(f"{exc}: check the path, or run 'asyncckpt ls' on the checkpoint root")
+        return EXIT_USAGE
+    except CheckpointCorruptError as exc:
+        _error(f"{exc} (run 'asyncckpt verify' for details)")
+        return EXIT_CORRUPT
+    except CheckpointError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except BrokenPipeError:  # piped into head: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:
+        _error(f"cannot read {exc.filename or 'the checkpoint'}: {exc.strerror or exc}")
+        return EXIT_USAGE
+
+
+def _error(message: str) -> None:
+    print(f"asyncckpt: error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
