@@ -185,8 +185,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
           f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
           f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
+    owned = [s["path"] for s in skel["stateful"]]
+    loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
+             if not any(s["path"] == o or s["path"].startswith(o + "/") for o in owned)]
+    shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
     print(f"non-tensor state: {len(skel['scalars'])} scalars"
-          + (f"; objects {classes}" if classes else ""))
+          + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else ""))
     if doc["user_metadata"]:
         print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items()))
     print(f"checkpoint: {step_dir}")
@@ -245,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse has already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         code: int = args.func(args)
         return code

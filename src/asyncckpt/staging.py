@@ -27,6 +27,8 @@ from .plan import WriteItem, WritePlan
 
 log = logging.getLogger(__name__)
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
 # How much newly staged data is worth waking the writer for.
 _PUBLISH_BYTES = 32 * 1024 * 1024
 
@@ -49,6 +51,10 @@ class HostArena:
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 with contextlib.suppress(OSError):  # THP disabled: plain pages work too
                     self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            # Fault every page in now, in the kernel: with huge pages this runs at ~18 GB/s
+            # here, against ~1 GB/s when the first copy touches fresh pages one by one.
+            with contextlib.suppress(OSError):  # kernels before 5.14 lack it: pages fault later
+                self._mmap.madvise(_MADV_POPULATE_WRITE)
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         log.debug("allocated %s arena of %.3f GB in %.3fs", "pinned" if self.pinned else "host",
                   nbytes / 1e9, time.perf_counter() - t0)
