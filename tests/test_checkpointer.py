@@ -108,8 +108,38 @@ def test_sync_mode_is_durable_on_return(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"keep_last": 0}, {"on_busy": "skip"},
                                     {"keep_last": 1.5}, {"block_bytes": 1000}])
 def test_bad_config_is_a_value_error(tmp_path: Path, kwargs: dict) -> None:
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=next(iter(kwargs))) as ei:
         asyncckpt.AsyncCheckpointer(tmp_path, **kwargs)
+    assert isinstance(ei.value, ValueError)
+
+
+def test_bad_step_is_refused(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        for step in (-1, 1.0, "3", True):
+            with pytest.raises(asyncckpt.CheckpointConfigError, match="step"):
+                ckpt.save_async(make_state(), step=step)  # type: ignore[arg-type]
+        assert ckpt.steps() == []
+
+
+def test_dropping_the_checkpointer_waits_for_its_save(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    ckpt.save_async(make_state(), step=1)
+    threading.Timer(0.2, storage.gate.set).start()
+    del ckpt
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1]
+
+
+def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import sys, torch, asyncckpt
+        ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1])
+        ckpt.save_async({"w": torch.ones(1 << 22)}, step=9)
+        # exits at once, the checkpointer still referenced by a global
+    """)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
+    assert torch.equal(asyncckpt.load(tmp_path, step=9)["w"], torch.ones(1 << 22))
 
 
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:

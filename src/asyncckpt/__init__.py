@@ -17,6 +17,7 @@ from .checkpointer import AsyncCheckpointer, CheckpointerConfig, load_from
 from .commit import resolve_step_dir
 from .errors import (
     CheckpointClosedError,
+    CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncCheckpointer",
     "CheckpointClosedError",
+    "CheckpointConfigError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",

@@ -17,6 +17,7 @@ import torch
 from . import commit
 from .errors import (
     CheckpointClosedError,
+    CheckpointConfigError,
     CheckpointExistsError,
     CheckpointInFlightError,
     CheckpointLockedError,
@@ -38,7 +39,7 @@ _MODES = {"sync": "sync", "disabled": "sync", "async": "async",
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointerConfig:
-    """How an AsyncCheckpointer saves. Validated when built."""
+    """How an AsyncCheckpointer saves. Validated when built (CheckpointConfigError)."""
 
     mode: str = "async_pinned"
     """"sync", "async" or "async_pinned" (aliases: "disabled", "async_with_pinned_mem")."""
@@ -53,15 +54,15 @@ class CheckpointerConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
-            raise ValueError(f"mode={self.mode!r}: use one of {sorted(_MODES)}")
+            raise CheckpointConfigError(f"mode={self.mode!r}: use one of {sorted(_MODES)}")
         object.__setattr__(self, "mode", _MODES[self.mode])
         if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
-            raise ValueError(f"keep_last={self.keep_last!r}: use a positive int, or None to keep "
+            raise CheckpointConfigError(f"keep_last={self.keep_last!r}: use a positive int, or None to keep "
                              "every checkpoint")
         if self.on_busy not in ("wait", "error"):
-            raise ValueError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
+            raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
         if self.block_bytes < 4096 or self.block_bytes % 4096:
-            raise ValueError(f"block_bytes={self.block_bytes}: use a multiple of 4096")
+            raise CheckpointConfigError(f"block_bytes={self.block_bytes}: use a multiple of 4096")
 
 
 class AsyncCheckpointer:
@@ -112,7 +113,7 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         self._check_open()
         if type(step) is not int or step < 0:
-            raise ValueError(f"step={step!r}: use a non-negative int")
+            raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
         self._wait_for_previous()
         self._take_lock()
         if step in self.steps():

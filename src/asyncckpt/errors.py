@@ -7,6 +7,10 @@ class CheckpointError(Exception):
     """Base class of every error asyncckpt raises on purpose."""
 
 
+class CheckpointConfigError(CheckpointError, ValueError):
+    """An argument or option has a bad value; the message names it and the allowed values."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint (or no such step) where one was asked for."""
 
