@@ -192,7 +192,7 @@ def test_background_error_is_reraised_and_nothing_is_lost(tmp_path: Path) -> Non
     ckpt.save(good, step=1)
     storage.fail_with = OSError(errno.ENOSPC, "No space left on device")
     fut = ckpt.save_async(make_state(2), step=2)
-    with pytest.raises(asyncckpt.CheckpointSaveError, match="step 2.*disk is full") as ei:
+    with pytest.raises(asyncckpt.CheckpointSaveError, match=r"step 2.*disk is full") as ei:
         fut.wait()
     assert isinstance(ei.value.__cause__, OSError)
     with pytest.raises(asyncckpt.CheckpointSaveError):
@@ -298,7 +298,7 @@ def test_corrupted_byte_is_detected_naming_file_and_tensor(tmp_path: Path) -> No
         b = f.read(1)
         f.seek((start + end) // 2)
         f.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(asyncckpt.CheckpointCorruptError, match="rank_00000.safetensors") as ei:
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"rank_00000\.safetensors") as ei:
         asyncckpt.load(tmp_path)
     assert ei.value.key == key and key in str(ei.value)
     assert asyncckpt.load(tmp_path, verify=False)["train"]["step"] == 0  # verify=False reads

@@ -57,8 +57,9 @@ class CheckpointerConfig:
             raise CheckpointConfigError(f"mode={self.mode!r}: use one of {sorted(_MODES)}")
         object.__setattr__(self, "mode", _MODES[self.mode])
         if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
-            raise CheckpointConfigError(f"keep_last={self.keep_last!r}: use a positive int, or None to keep "
-                             "every checkpoint")
+            raise CheckpointConfigError(
+                f"keep_last={self.keep_last!r}: use a positive int, or None to keep every "
+                "checkpoint")
         if self.on_busy not in ("wait", "error"):
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
         if self.block_bytes < 4096 or self.block_bytes % 4096:
