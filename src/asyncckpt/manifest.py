@@ -32,7 +32,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ALIGN = 4096
 CHECKSUM_ALGORITHM = "xxh3_64"
-DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024  # small enough that a resharding read verifies
+# only the blocks it needs, large enough that hashing costs nothing per block
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -135,6 +135,27 @@ def intersect(a: Box, b: Box) -> Box | None:
     return tuple(offs), tuple(lens)
 
 
+def box_byte_span(chunk_offsets: tuple[int, ...], chunk_lengths: tuple[int, ...], box: Box,
+                  itemsize: int) -> tuple[int, int]:
+    """The byte range, relative to a chunk's first byte, from the first to the last element
+    of ``box`` in the chunk's row-major layout (``(0, 0)`` for an empty box)."""
+    lens = box[1]
+    if any(n == 0 for n in lens):
+        return 0, 0
+    strides = row_major_strides(chunk_lengths)
+    first = sum((o - c) * s for o, c, s in zip(box[0], chunk_offsets, strides, strict=True))
+    last = first + sum((n - 1) * s for n, s in zip(lens, strides, strict=True))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
 def plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[ReadItem]:
     """Plan the reads that fill each wanted box (``None`` means the whole tensor).
 

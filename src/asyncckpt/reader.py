@@ -25,12 +25,13 @@ from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     BlockHasher,
+    Chunk,
     Manifest,
     decode_header,
     parse_manifest,
     st_dtype_and_shape,
 )
-from .plan import ReadItem, plan_reads
+from .plan import ReadItem, box_byte_span, plan_reads, row_major_strides
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -133,35 +134,58 @@ def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: Storag
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Storage,
                verify: bool, block_bytes: int) -> None:
     chunk = it.chunk
-    direct = (it.whole_chunk and it.whole_dst and dst.device.type == "cpu"
-              and dst.is_contiguous())
-    buf = dst if direct else torch.empty(chunk.lengths, dtype=dst.dtype,
-                                         pin_memory=dst.is_cuda)
-    mv = tensor_bytes(buf)
-    n = chunk.nbytes
+    if (it.whole_chunk and it.whole_dst and dst.device.type == "cpu" and dst.is_contiguous()):
+        # The common case: the saved chunk is the whole destination. Read straight into it.
+        _read_range(fd, storage, path, it.key, tensor_bytes(dst), chunk, 0, verify, block_bytes)
+        return
+    # Resharding (or a non-contiguous or device destination): read only the checksum blocks
+    # that cover the wanted box, verify them, and copy the box out of them.
+    itemsize = dst.element_size()
+    if 0 in it.box[1]:
+        return  # an empty box: nothing to read
+    lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
+    first_block = lo // block_bytes
+    b0 = first_block * block_bytes
+    b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
+    buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=dst.is_cuda)
+    _read_range(fd, storage, path, it.key, tensor_bytes(buf), chunk, first_block, verify,
+                block_bytes)
+    typed = buf if dst.dtype == torch.uint8 else buf.view(dst.dtype)
+    src = typed.as_strided(it.box[1], row_major_strides(chunk.lengths), (lo - b0) // itemsize)
+    tgt = dst
+    for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
+        tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
+    tgt.copy_(src)
+
+
+def _read_range(fd: int, storage: Storage, path: Path, key: str, mv: memoryview, chunk: Chunk,
+                first_block: int, verify: bool, block_bytes: int) -> None:
+    """Read ``len(mv)`` bytes of ``chunk`` from block ``first_block`` on, hashing as it goes."""
+    n = len(mv)
+    start = first_block * block_bytes
     hasher = BlockHasher(n, block_bytes) if verify else None
     pos = 0
     while pos < n:
         k = min(_PIECE, n - pos)
-        got = storage.pread_into(fd, [mv[pos:pos + k]], chunk.byte_range[0] + pos)
+        got = storage.pread_into(fd, [mv[pos:pos + k]], chunk.byte_range[0] + start + pos)
         if got <= 0:
-            raise CheckpointCorruptError(f"{path}: unexpected end of file in tensor {it.key!r}",
-                                         path=str(path), key=it.key)
+            raise CheckpointCorruptError(f"{path}: unexpected end of file in tensor {key!r}",
+                                         path=str(path), key=key)
         if hasher is not None:
             hasher.update(mv[pos:pos + got])
         pos += got
-    if hasher is not None and tuple(hasher.finish()) != chunk.checksums:
+    if hasher is None:
+        return
+    got_sums = tuple(hasher.finish())
+    want = chunk.checksums[first_block:first_block + len(got_sums)]
+    if got_sums != want:
+        bad = first_block + next(
+            (i for i, (a, b) in enumerate(zip(got_sums, want, strict=False)) if a != b),
+            len(want))
         raise CheckpointCorruptError(
-            f"{path}: checksum mismatch in tensor {it.key!r} (bytes {chunk.byte_range[0]}.."
-            f"{chunk.byte_range[1]}): the checkpoint is corrupt; load an earlier step",
-            path=str(path), key=it.key)
-    if not direct:
-        src = buf
-        tgt = dst
-        for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
-            src = src.narrow(d, o - chunk.offsets[d], ln)
-            tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
-        tgt.copy_(src)
+            f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
+            f"{chunk.byte_range[0] + bad * block_bytes}..): the checkpoint is corrupt; load an "
+            "earlier step", path=str(path), key=key)
 
 
 @dataclass
