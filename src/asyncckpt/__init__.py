@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .checkpointer import AsyncCheckpointer, CheckpointerConfig, load_from
+from .checkpointer import AsyncCheckpointer, CheckpointerConfig
 from .commit import resolve_step_dir
 from .errors import (
     CheckpointClosedError,
@@ -29,6 +29,7 @@ from .errors import (
     StateMismatchError,
     UnsupportedLeafError,
 )
+from .loader import ShardMetadata, load_from
 from .storage import LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
 from .writer import CheckpointFuture, CheckpointInfo
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "CheckpointerConfig",
     "RNGState",
+    "ShardMetadata",
     "StateMismatchError",
     "Stateful",
     "UnsupportedLeafError",

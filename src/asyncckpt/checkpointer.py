@@ -15,20 +15,22 @@ from typing import Any
 import torch
 
 from . import commit
+from .dist import DistContext, LocalItem, assign_writers, layout_digest, resolve_context
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
     CheckpointExistsError,
     CheckpointInFlightError,
     CheckpointLockedError,
-    StateMismatchError,
+    CheckpointSaveError,
 )
+from .loader import ShardMetadata, apply_shards, load_from
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, shard_file_name
 from .plan import WritePlan, layout_signature, plan_writes
-from .reader import load_tensors, read_manifest
+from .reader import read_manifest
 from .staging import HostArena, StagingProgress, stage
 from .storage import DirectoryLock, LocalStorage, Storage
-from .tree import FlatState, flatten, iter_array_nodes, restore_into, unflatten
+from .tree import FlatState, dtype_name, flatten
 from .writer import BackgroundWriter, CheckpointFuture, CheckpointInfo, SaveJob
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class CheckpointerConfig:
     """Write shard files with O_DIRECT where the filesystem allows it."""
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Checksum granularity: one xxh3-64 per this many bytes of each tensor."""
+    timeout_s: float = 600.0
+    """How long any cross-rank wait may take before it fails naming the silent ranks."""
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -62,6 +66,8 @@ class CheckpointerConfig:
                 "checkpoint")
         if self.on_busy not in ("wait", "error"):
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
+        if not self.timeout_s > 0:
+            raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive number")
         if self.block_bytes < 4096 or self.block_bytes % 4096:
             raise CheckpointConfigError(f"block_bytes={self.block_bytes}: use a multiple of 4096")
 
@@ -70,7 +76,9 @@ class AsyncCheckpointer:
     """Saves state trees without stopping training; loads them back, verified.
 
     Not thread-safe: call it from the training thread. One save is in flight at a
-    time; its background work runs on the checkpointer's own threads.
+    time; its background work runs on the checkpointer's own threads. Under
+    torch.distributed, construction, ``save_async`` and ``save`` are collective: call
+    them on every rank of the group, in the same order. Loading is not collective.
 
     Example:
         >>> ckpt = AsyncCheckpointer("runs/exp1", keep_last=3)
@@ -81,12 +89,18 @@ class AsyncCheckpointer:
 
     def __init__(self, directory: str | os.PathLike[str], *, mode: str = "async_pinned",
                  keep_last: int | None = None, on_busy: str = "wait", direct_io: bool = True,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, storage: Storage | None = None):
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, timeout_s: float = 600.0,
+                 process_group: Any = None, rank: int | None = None,
+                 world_size: int | None = None, store: Any = None,
+                 storage: Storage | None = None):
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last, on_busy=on_busy,
-                                         direct_io=direct_io, block_bytes=block_bytes)
+                                         direct_io=direct_io, block_bytes=block_bytes,
+                                         timeout_s=timeout_s)
         self.directory = Path(directory)
         self.storage: Storage = storage or LocalStorage()
-        self.storage.makedirs(self.directory)
+        self._ctx: DistContext = resolve_context(
+            os.path.abspath(self.directory), process_group=process_group, rank=rank,
+            world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
@@ -95,16 +109,41 @@ class AsyncCheckpointer:
         self._cleaned = False
         self._pending: CheckpointFuture | None = None
         self._closed = False
+        self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
+        self._my_digest: str | None = None
+        self._nonce = commit.new_token()
+        if self._ctx.is_coordinator:
+            self.storage.makedirs(self.directory)
+        if self._ctx.distributed:
+            # The coordinator cleans up before it publishes the nonce that names this run's
+            # temporary directories, so it never removes one a peer is writing into.
+            if self._ctx.is_coordinator:
+                if self._lock.acquire():
+                    self._cleanup()
+                self._ctx.put(self._ctx.key("nonce"), self._nonce)
+            else:
+                self._nonce = self._ctx.get(self._ctx.key("nonce"), "the coordinator's nonce")
+
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
 
     # --- saving --------------------------------------------------------------------------
 
     def save_async(self, state: Any, step: int, *, overlap: bool = False,
-                   metadata: Mapping[str, str] | None = None) -> CheckpointFuture:
+                   metadata: Mapping[str, str] | None = None,
+                   shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointFuture:
         """Stage ``state`` into the host arena and write it in the background.
 
         Returns once the tensors are copied (with ``overlap=True``, at once: then call
         ``fut.wait_staged()`` before mutating the tensors, e.g. before
-        ``optimizer.step()``). The future completes when the checkpoint is committed.
+        ``optimizer.step()``). The future completes when the checkpoint is committed —
+        under torch.distributed, when every rank's part is. ``shards`` declares the
+        global shape and offsets of tensors sharded by hand (DTensors need nothing).
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``.
@@ -116,30 +155,42 @@ class AsyncCheckpointer:
         if type(step) is not int or step < 0:
             raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
         self._wait_for_previous()
-        self._take_lock()
-        if step in self.steps():
-            raise CheckpointExistsError(
-                f"step {step} is already committed under {self.directory}; save under a new "
-                "step number")
-        flat = flatten(state)
-        plan = self._plan_for(flat)
+        ctx = self._ctx
+        try:
+            if ctx.is_coordinator:
+                self._take_lock()
+            if step in self.steps():
+                raise CheckpointExistsError(
+                    f"step {step} is already committed under {self.directory}; save under a "
+                    "new step number")
+            flat = flatten(state)
+            apply_shards(flat, shards)
+            mine = self._my_keys(step, flat)
+        except BaseException as exc:
+            self._announce_failure(step, exc)
+            raise
+        tensors = {k: t for k, t in flat.tensors.items() if k in mine}
+        plan = self._plan_for(tensors)
         arena = self._arena_for(plan)
         progress = StagingProgress()
         job = SaveJob(
             root=self.directory, step=step, plan=plan, arena=arena, progress=progress,
-            kinds=dict(flat.kinds), skeleton=flat.skeleton, storage=self.storage,
-            keep_last=self.config.keep_last, block_bytes=self.config.block_bytes,
-            library_version=_version(), user_metadata=dict(metadata or {}),
-            direct_io=self.config.direct_io, started=started)
+            flat=flat, ctx=ctx,
+            # ranks share one temporary directory per step, named by the run's nonce
+            token=self._nonce if ctx.distributed else commit.new_token(),
+            storage=self.storage, keep_last=self.config.keep_last,
+            block_bytes=self.config.block_bytes, library_version=_version(),
+            user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
+            started=started)
         writer = self._ensure_writer()
         durable = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
         if overlap and self.config.mode != "sync":
-            staged = writer.stager.submit(_stage_or_fail, plan, flat, arena, progress)
+            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress)
         else:
             staged = cf.Future()
             try:
-                _stage_or_fail(plan, flat, arena, progress)
+                _stage_or_fail(plan, tensors, arena, progress)
             except BaseException as exc:
                 staged.set_exception(exc)
                 with contextlib.suppress(BaseException):
@@ -151,7 +202,8 @@ class AsyncCheckpointer:
         self._pending = fut
         if self.config.mode == "sync":
             fut.wait()
-        log.debug("step=%d save_async returned after %.3fs", step, job.blocked_s)
+        log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
+                  job.blocked_s)
         return fut
 
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None
@@ -190,12 +242,13 @@ class AsyncCheckpointer:
         return read_manifest(step_dir, self.storage)
 
     def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
-             verify: bool = True) -> Any:
+             verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
-        kept), stateful objects get ``load_state_dict``, and the tree is returned.
-        Without it, a plain tree of fresh CPU tensors is returned.
+        kept; a DTensor or a hand-sharded tensor gets just its box, whatever world size
+        saved it), stateful objects get ``load_state_dict``, and the tree is returned.
+        Without it, a plain tree of fresh, whole CPU tensors is returned.
 
         Raises:
             CheckpointNotFoundError: nothing committed (or no such step).
@@ -205,7 +258,8 @@ class AsyncCheckpointer:
                 shapes/dtypes that differ.
         """
         step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
-        return load_from(step_dir, state, self.storage, strict=strict, verify=verify)
+        return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
+                         shards=shards)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -258,17 +312,65 @@ class AsyncCheckpointer:
     def _take_lock(self) -> None:
         if self._lock.acquire():
             if not self._cleaned:
-                commit.cleanup_abandoned(self.directory, self.storage)
-                self._cleaned = True
+                self._cleanup()
             return
         raise CheckpointLockedError(
             f"another process (pid {self._lock.holder()}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
 
-    def _plan_for(self, flat: FlatState) -> WritePlan:
-        if self._plan is not None and self._plan.signature == layout_signature(flat.tensors):
+    def _cleanup(self) -> None:
+        commit.cleanup_abandoned(self.directory, self.storage)
+        self._cleaned = True
+
+    def _my_keys(self, step: int, flat: FlatState) -> set[str]:
+        """The tensor keys this rank writes: all of them alone; its share in a group.
+
+        In a group, every rank posts the digest of its layout (keys, dtypes, boxes) and
+        reads everyone's: the one barrier of a save. Only when a digest changed are the
+        full layouts read and the writers of replicated boxes chosen again.
+        """
+        ctx = self._ctx
+        if not ctx.distributed:
+            return set(flat.tensors)
+        items = [LocalItem(k, dtype_name(t.dtype), flat.global_shape(k),
+                           flat.box(k) or (tuple(0 for _ in t.shape), tuple(t.shape)),
+                           t.numel() * t.element_size())
+                 for k, t in flat.tensors.items()]
+        digest = layout_digest(items)
+        if digest != self._my_digest:
+            ctx.put(ctx.key("items", ctx.rank, digest), [i.to_json() for i in items])
+            self._my_digest = digest
+        ctx.put(ctx.key(f"s{step}", "layout", ctx.rank), {"digest": digest})
+        got = ctx.gather((f"s{step}", "layout"), f"the layouts of step {step}")
+        failed = {r: v["error"] for r, v in got.items() if "error" in v}
+        if failed:
+            raise CheckpointSaveError(f"step {step} not started: " + "; ".join(
+                f"rank {r} failed: {m}" for r, m in sorted(failed.items())))
+        digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
+        if self._layout is None or self._layout[0] != digests:
+            layouts = {r: [LocalItem.from_json(v) for v in
+                           ctx.get(ctx.key("items", r, digests[r]), f"rank {r}'s layout")]
+                       for r in range(ctx.world_size)}
+            mine = {key for key, _ in assign_writers(layouts)[ctx.rank]}
+            self._layout = (digests, mine)
+        return self._layout[1]
+
+    def _announce_failure(self, step: int, exc: BaseException) -> None:
+        """Let the other ranks fail this step at once instead of timing out."""
+        ctx = self._ctx
+        if not ctx.distributed:
+            return
+        msg = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            for part in ("layout", "done"):
+                ctx.put(ctx.key(f"s{step}", part, ctx.rank), {"error": msg})
+            if ctx.is_coordinator:
+                ctx.put(ctx.key(f"s{step}", "verdict"), {"error": msg})
+
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> WritePlan:
+        if self._plan is not None and self._plan.signature == layout_signature(tensors):
             return self._plan
-        self._plan = plan_writes(flat.tensors, shard_file_name(0),
+        self._plan = plan_writes(tensors, shard_file_name(self._ctx.rank),
                                  {"asyncckpt_format": "1"})
         return self._plan
 
@@ -291,10 +393,10 @@ class AsyncCheckpointer:
         return self._writer
 
 
-def _stage_or_fail(plan: WritePlan, flat: FlatState, arena: HostArena,
+def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                    progress: StagingProgress) -> None:
     try:
-        stage(plan, flat.tensors, arena, progress)
+        stage(plan, tensors, arena, progress)
     except BaseException as exc:
         progress.fail(exc)
         raise
@@ -304,79 +406,3 @@ def _version() -> str:
     from . import __version__
 
     return __version__
-
-
-def load_from(step_dir: Path, state: Any, storage: Storage, *, strict: bool = True,
-              verify: bool = True) -> Any:
-    """Load the checkpoint in ``step_dir`` (see :meth:`AsyncCheckpointer.load`)."""
-    manifest = read_manifest(step_dir, storage)
-    saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
-    if state is None:
-        loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
-                              verify=verify)
-        return unflatten(manifest.skeleton, loaded)
-    target = flatten(state)
-    dests = _match(manifest, saved, target, strict, step_dir)
-    loaded = load_tensors(step_dir, manifest, {k: v[0] if v else None for k, v in dests.items()},
-                          storage, verify=verify)
-    with torch.no_grad():
-        for key, tensors in dests.items():
-            for extra in tensors[1:]:  # saved once (tied), loaded into untied targets
-                extra.copy_(loaded[key])
-    return restore_into(state, manifest.skeleton, loaded, "", target)
-
-
-def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
-           step_dir: Path) -> dict[str, list[torch.Tensor]]:
-    """Pair saved keys with target tensors; raise StateMismatchError on disagreement."""
-    lenient = [p for p, (obj, _) in target.statefuls.items()
-               if not isinstance(obj, torch.nn.Module)]
-
-    def passes_through(path: str) -> bool:
-        # Optimizers and similar objects create state lazily: what the checkpoint has and
-        # the fresh object lacks goes to their load_state_dict as is.
-        return any(p == "" or path == p or path.startswith(p + "/") for p in lenient)
-
-    missing = [p for p in target.refs if p not in saved]
-    unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
-    mismatched = []
-    dests: dict[str, list[torch.Tensor]] = {}
-    for path, key in saved.items():
-        if path not in target.refs:
-            if passes_through(path) or not strict:
-                dests.setdefault(key, [])
-            continue
-        t = target.tensors[target.refs[path]]
-        entry = manifest.tensors[key]
-        if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
-            mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
-                              f"target {t.dtype} {list(t.shape)}")
-            continue
-        lst = dests.setdefault(key, [])
-        if not any(x is t for x in lst):
-            lst.append(t)
-    if not strict:
-        unexpected_skipped = {saved[p] for p in unexpected}
-        for k in unexpected_skipped:
-            if not dests.get(k):
-                dests.pop(k, None)
-        missing, unexpected = [], []
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
-        if mismatched:
-            parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
-        hint = " (pass strict=False to skip missing and unexpected keys)" if (
-            missing or unexpected) else ""
-        raise StateMismatchError(f"cannot load {step_dir} into the given state: "
-                                 + "; ".join(parts) + hint,
-                                 missing=missing, unexpected=unexpected, mismatched=mismatched)
-    return dests
-
-
-def _few(items: list[str], n: int = 8) -> str:
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return ", ".join(items[:n]) + more

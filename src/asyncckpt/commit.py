@@ -31,8 +31,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def new_tmp_dir(root: Path, step: int) -> Path:
-    return root / f".step_{step:09d}.tmp-{uuid.uuid4().hex[:12]}"
+def new_token() -> str:
+    """A fresh token naming one save's temporary directory."""
+    return uuid.uuid4().hex[:12]
+
+
+def tmp_dir_name(step: int, token: str) -> str:
+    return f".step_{step:09d}.tmp-{token}"
 
 
 def committed_steps(root: Path, storage: Storage) -> list[int]:

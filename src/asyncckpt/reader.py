@@ -31,7 +31,7 @@ from .manifest import (
     parse_manifest,
     st_dtype_and_shape,
 )
-from .plan import ReadItem, box_byte_span, plan_reads, row_major_strides
+from .plan import Box, ReadItem, box_byte_span, plan_reads, row_major_strides
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -61,19 +61,23 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
-                 storage: Storage, *, verify: bool = True, threads: int | None = None
-                 ) -> dict[str, torch.Tensor]:
+                 storage: Storage, *, verify: bool = True, threads: int | None = None,
+                 boxes: Mapping[str, Box] | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
-    Returns key -> loaded tensor. A given destination must have the saved shape and
-    dtype (the caller checks); it is filled in place and returned as is.
-    Raises CheckpointCorruptError naming the file and tensor on any mismatch.
+    ``boxes`` gives, for sharded destinations, the box of the global tensor each one
+    holds; the others get the whole tensor. Returns key -> loaded tensor. A given
+    destination must have the box's shape and the saved dtype (the caller checks); it
+    is filled in place and returned as is. Raises CheckpointCorruptError naming the
+    file and tensor on any mismatch.
     """
+    boxes = boxes or {}
     out: dict[str, torch.Tensor] = {}
     for key, dst in dests.items():
         entry = manifest.tensors[key]
-        out[key] = dst if dst is not None else torch.empty(entry.shape, dtype=entry.dtype)
-    items = plan_reads(manifest, dict.fromkeys(dests))
+        shape = boxes[key][1] if key in boxes else entry.shape
+        out[key] = dst if dst is not None else torch.empty(shape, dtype=entry.dtype)
+    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     groups = _split(items, n)
     if n == 1:

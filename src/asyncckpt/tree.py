@@ -36,6 +36,7 @@ __all__ = [
 
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
 Node = dict[str, Any]
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
 
 
 @runtime_checkable
@@ -107,6 +108,17 @@ class FlatState:
     kinds: dict[str, str] = field(default_factory=dict)
     skeleton: Node = field(default_factory=dict)
     statefuls: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    boxes: dict[str, tuple[tuple[int, ...], Box]] = field(default_factory=dict)
+    loaded_in_place: set[str] = field(default_factory=set)
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        box = self.boxes.get(key)
+        return box[0] if box is not None else tuple(self.tensors[key].shape)
+
+    def box(self, key: str) -> Box | None:
+        """The box of ``key`` in global coordinates, or None for a whole tensor."""
+        b = self.boxes.get(key)
+        return b[1] if b is not None else None
 
 
 def flatten(state: Any) -> FlatState:
@@ -214,10 +226,12 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[An
             f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
     if t.device.type == "meta":
         raise UnsupportedLeafError(f"tensor at {where!r} is on the meta device and holds no data")
-    if type(t).__name__ == "DTensor":
-        raise UnsupportedLeafError(
-            f"tensor at {where!r} is a DTensor: sharded saves are not supported yet; save "
-            "t.full_tensor() or the local shard")
+    box = None
+    if _is_dtensor(t):
+        from .dist import dtensor_box
+
+        t, global_shape, local_box = dtensor_box(t, where)
+        box = (global_shape, local_box)
     if t.numel() > 0 and kind == "torch":
         alias_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                      tuple(t.stride()), t.dtype, str(t.device))
@@ -229,7 +243,13 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[An
     flat.tensors[path] = t
     flat.kinds[path] = kind
     flat.refs[path] = path
+    if box is not None:
+        flat.boxes[path] = box
     return path
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
 def unflatten(skeleton: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -306,10 +326,9 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
     if t in ("tensor", "ndarray", "npscalar"):
+        if t == "tensor" and isinstance(target, torch.Tensor) and path in flat.loaded_in_place:
+            return target  # its data (a DTensor's local shard) was loaded in place
         value = tensors[node["key"]]
-        if (t == "tensor" and isinstance(target, torch.Tensor) and target.shape == value.shape
-                and target.dtype == value.dtype):
-            return target  # loaded in place (or copied into it when saved tied, loaded untied)
         if isinstance(target, np.ndarray) and t == "ndarray":
             if target.shape == tuple(value.shape) and np.shares_memory(target, value.numpy()):
                 return target
@@ -345,12 +364,41 @@ def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
     return FlatState(tensors=flat.tensors, refs=flat.refs, kinds=flat.kinds,
                      skeleton=flat.skeleton,
-                     statefuls={p: v for p, v in flat.statefuls.items() if p != path})
+                     statefuls={p: v for p, v in flat.statefuls.items() if p != path},
+                     boxes=flat.boxes, loaded_in_place=flat.loaded_in_place)
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
     """True when every array leaf under ``node`` was loaded (strict=False may skip some)."""
     return all(n["key"] in tensors for _, n in iter_array_nodes(node))
+
+
+def merge_skeletons(skeletons: list[Node]) -> Node:
+    """Merge the ranks' skeletons: the union of dict keys, earlier skeletons winning
+    where values differ (the coordinator's comes first)."""
+    out = skeletons[0]
+    for other in skeletons[1:]:
+        out = _merge(out, other)
+    return out
+
+
+def _merge(a: Node, b: Node) -> Node:
+    if a["t"] == "dict" and b["t"] == "dict":
+        items = [list(it) for it in a["items"]]
+        index = {(type(k), k): i for i, (k, _) in enumerate(items)}
+        for k, v in b["items"]:
+            i = index.get((type(k), k))
+            if i is None:
+                items.append([k, v])
+            else:
+                items[i][1] = _merge(items[i][1], v)
+        return {"t": "dict", "items": items}
+    if a["t"] == b["t"] == "stateful":
+        return {**a, "state": _merge(a["state"], b["state"])}
+    if a["t"] == b["t"] and a["t"] in ("list", "tuple") and len(a["items"]) == len(b["items"]):
+        return {"t": a["t"], "items": [_merge(x, y) for x, y in zip(a["items"], b["items"],
+                                                                     strict=True)]}
+    return a
 
 
 # --- RNG state -----------------------------------------------------------------------------

@@ -12,17 +12,18 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import commit
+from .dist import DistContext, make_record, merge_records
 from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
-from .manifest import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, block_checksums
+from .manifest import MANIFEST_NAME, block_checksums
 from .plan import WritePlan
 from .staging import HostArena, StagingProgress
 from .storage import Storage
+from .tree import FlatState, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,9 @@ class SaveJob:
     plan: WritePlan
     arena: HostArena
     progress: StagingProgress
-    kinds: dict[str, str]
-    skeleton: dict[str, Any]
+    flat: FlatState
+    ctx: DistContext
+    token: str
     storage: Storage
     keep_last: int | None
     block_bytes: int
@@ -72,7 +74,7 @@ class SaveJob:
     started: float
     blocked_s: float = 0.0
     tmp: Path | None = None
-    on_committed: list[Callable[[int], None]] = field(default_factory=list)
+    announced: bool = False
 
 
 class CheckpointFuture:
@@ -149,44 +151,95 @@ class BackgroundWriter:
         try:
             return self._save(job)
         except BaseException as exc:
-            if job.tmp is not None:
-                with contextlib.suppress(OSError):
-                    job.storage.remove_tree(job.tmp)
+            _abort(job, exc)
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointSaveError(
-                f"saving step {job.step} under {job.root} failed: {type(exc).__name__}: {exc}"
-                + _hint(exc)) from exc
+                f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
+                f"{type(exc).__name__}: {exc}" + _hint(exc)) from exc
 
     def _save(self, job: SaveJob) -> CheckpointInfo:
-        plan, storage = job.plan, job.storage
-        job.tmp = commit.new_tmp_dir(job.root, job.step)
+        plan, storage, ctx = job.plan, job.storage, job.ctx
+        job.tmp = job.root / commit.tmp_dir_name(job.step, job.token)
         storage.makedirs(job.tmp)
-        hashes = self._hash.submit(_hash_items, job)
-        try:
-            storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
-                                job.progress.wait_for, job.direct_io)
-        except BaseException:
-            job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
-            with contextlib.suppress(BaseException):
-                hashes.result()
-            raise
-        checksums = hashes.result()
-        manifest = _build_manifest(job, checksums)
-        storage.write_bytes(job.tmp / MANIFEST_NAME, manifest.to_json())
-        final = commit.commit(job.tmp, job.root, job.step, storage)
-        job.tmp = None
+        checksums: dict[str, tuple[str, ...]] = {}
+        if plan.items:
+            hashes = self._hash.submit(_hash_items, job)
+            try:
+                storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
+                                    job.progress.wait_for, job.direct_io)
+            except BaseException:
+                job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
+                with contextlib.suppress(BaseException):
+                    hashes.result()
+                raise
+            checksums = hashes.result()
+        else:
+            job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
+        record = _record(job, checksums)
+        if not ctx.distributed:
+            final = self._commit(job, [record])
+        elif ctx.is_coordinator:
+            ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), record)
+            job.announced = True
+            records = ctx.gather((f"s{job.step}", "done"), f"the shard files of step {job.step}")
+            failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
+            if failed:
+                raise CheckpointSaveError(
+                    f"step {job.step} aborted, nothing committed: " + "; ".join(
+                        f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
+            final = self._commit(job, [records[r] for r in sorted(records)])
+            ctx.put(ctx.key(f"s{job.step}", "verdict"), {"ok": str(final)})
+        else:
+            ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), record)
+            job.announced = True
+            verdict = ctx.get(ctx.key(f"s{job.step}", "verdict"),
+                              f"the commit of step {job.step}", timeout_s=2 * ctx.timeout_s + 30)
+            if "ok" not in verdict:
+                raise CheckpointSaveError(
+                    f"rank {ctx.rank}: step {job.step} was not committed: {verdict.get('error')}")
+            job.tmp = None
+            final = Path(verdict["ok"])
         durable = time.perf_counter()
-        deleted = commit.apply_retention(job.root, job.keep_last, storage, protect=job.step)
+        if ctx.is_coordinator:
+            deleted = commit.apply_retention(job.root, job.keep_last, storage, protect=job.step)
+        else:
+            deleted = []
         staged_at = job.progress.finished_at or durable
         info = CheckpointInfo(step=job.step, path=final, bytes=plan.file_bytes,
                               blocked_s=job.blocked_s, staged_s=staged_at - job.started,
                               durable_s=durable - job.started)
-        log.info("step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable %.3fs "
-                 "(%.2f GB/s)%s", job.step, info.bytes / 1e9, final, info.blocked_s,
-                 info.staged_s, info.durable_s, info.durable_gbps,
+        log.info("rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable "
+                 "%.3fs (%.2f GB/s)%s", ctx.rank, job.step, info.bytes / 1e9, final,
+                 info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps,
                  f"; retention removed steps {deleted}" if deleted else "")
         return info
+
+    def _commit(self, job: SaveJob, records: list[dict[str, Any]]) -> Path:
+        assert job.tmp is not None
+        manifest = merge_records(records, step=job.step, library_version=job.library_version,
+                                 block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+                                 created_unix=time.time())
+        job.storage.write_bytes(job.tmp / MANIFEST_NAME, manifest.to_json())
+        final = commit.commit(job.tmp, job.root, job.step, job.storage)
+        job.tmp = None
+        return final
+
+
+def _abort(job: SaveJob, exc: BaseException) -> None:
+    """Tell the other ranks (so nobody waits out a timeout), and drop what was written."""
+    ctx = job.ctx
+    msg = f"{type(exc).__name__}: {exc}"
+    if ctx.distributed:
+        with contextlib.suppress(Exception):
+            if not job.announced:
+                ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), {"rank": ctx.rank,
+                                                                     "error": msg})
+            if ctx.is_coordinator:
+                ctx.put(ctx.key(f"s{job.step}", "verdict"), {"error": msg})
+    if job.tmp is not None and (ctx.is_coordinator or not ctx.distributed):
+        with contextlib.suppress(OSError):
+            job.storage.remove_tree(job.tmp)
 
 
 def _hash_items(job: SaveJob) -> dict[str, tuple[str, ...]]:
@@ -201,19 +254,15 @@ def _hash_items(job: SaveJob) -> dict[str, tuple[str, ...]]:
             for item in job.plan.items}
 
 
-def _build_manifest(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> Manifest:
-    plan = job.plan
-    tensors = {}
-    for item in plan.items:
-        chunk = Chunk(file=plan.file, key=item.key, offsets=tuple(0 for _ in item.shape),
-                      lengths=item.shape, byte_range=(item.offset, item.end),
-                      checksums=checksums[item.key])
-        tensors[item.key] = TensorEntry(item.dtype, item.shape, job.kinds[item.key], (chunk,))
-    return Manifest(
-        step=job.step, world_size=1, created_unix=time.time(),
-        library_version=job.library_version, block_bytes=job.block_bytes,
-        files={plan.file: FileEntry(plan.file, plan.file_bytes, 0)},
-        tensors=tensors, skeleton=job.skeleton, user_metadata=job.user_metadata)
+def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    flat = job.flat
+    items = []
+    for it in job.plan.items:
+        box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
+        items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
+                      flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
+    return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
+                       job.plan.file_bytes, items, flat.skeleton)
 
 
 def _hint(exc: BaseException) -> str:

@@ -1,0 +1,288 @@
+"""Ranks, the Store-based completion protocol, and who writes what.
+
+Every cross-rank exchange goes through torch.distributed's key-value Store with JSON
+values: no collective ever runs on the training process group from a background
+thread, and nothing received is unpickled. Every wait has a timeout whose error
+names the ranks that did not answer.
+
+Per save, under ``asyncckpt/<namespace>/s<step>/``:
+
+- ``layout/<rank>``: the digest of the rank's local layout (the one barrier of a
+  save, on the training thread). When a digest is new, the full item list was put
+  under ``asyncckpt/<namespace>/items/<rank>/<digest>`` first.
+- ``done/<rank>``: what the rank wrote (file, chunks, checksums) or its error.
+- ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointConfigError, CheckpointSaveError, CheckpointTimeoutError
+from .manifest import Chunk, FileEntry, Manifest, TensorEntry
+from .plan import intersect
+from .tree import dtype_from_name, merge_skeletons
+
+log = logging.getLogger(__name__)
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class LocalItem:
+    """One tensor box this rank holds: the global tensor's dtype and shape, and the box."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+    nbytes: int
+
+    def to_json(self) -> list[Any]:
+        return [self.key, self.dtype, list(self.global_shape), list(self.box[0]),
+                list(self.box[1]), self.nbytes]
+
+    @staticmethod
+    def from_json(v: list[Any]) -> LocalItem:
+        return LocalItem(v[0], v[1], tuple(v[2]), (tuple(v[3]), tuple(v[4])), v[5])
+
+
+def layout_digest(items: Sequence[LocalItem]) -> str:
+    raw = json.dumps([i.to_json() for i in items], separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:24]
+
+
+def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
+                   ) -> dict[int, set[tuple[str, Box]]]:
+    """Choose one writer for every distinct (key, box); balance bytes across ranks.
+
+    Replicated boxes (held by several ranks) go, largest first, to the holder with the
+    fewest bytes so far. Pure and deterministic: every rank computes the same answer
+    from the same gathered layouts. Raises CheckpointConfigError when ranks disagree
+    on a tensor's dtype or global shape.
+    """
+    holders: dict[tuple[str, Box], list[int]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    sizes: dict[tuple[str, Box], int] = {}
+    for rank in sorted(items_by_rank):
+        for it in items_by_rank[rank]:
+            seen = meta.get(it.key)
+            if seen is None:
+                meta[it.key] = (it.dtype, it.global_shape, rank)
+            elif seen[:2] != (it.dtype, it.global_shape):
+                raise CheckpointConfigError(
+                    f"ranks {seen[2]} and {rank} disagree on tensor {it.key!r}: "
+                    f"{seen[0]} {list(seen[1])} vs {it.dtype} {list(it.global_shape)}")
+            holders.setdefault((it.key, it.box), []).append(rank)
+            sizes[(it.key, it.box)] = it.nbytes
+    load = dict.fromkeys(items_by_rank, 0)
+    out: dict[int, set[tuple[str, Box]]] = {r: set() for r in items_by_rank}
+    for kb in sorted(holders, key=lambda kb: (-sizes[kb], kb[0], kb[1])):
+        cands = holders[kb]
+        writer = min(cands, key=lambda r: (load[r], r))
+        load[writer] += sizes[kb]
+        out[writer].add(kb)
+    return out
+
+
+@dataclass
+class DistContext:
+    """This process's place in a job and the Store it coordinates through.
+
+    Thread-safe (Store clients are). The coordinator is rank 0 of the group.
+    """
+
+    rank: int
+    world_size: int
+    store: Any  # torch.distributed.Store; None when world_size == 1
+    namespace: str
+    timeout_s: float
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def key(self, *parts: object) -> str:
+        return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
+
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value, separators=(",", ":")))
+
+    def get(self, key: str, what: str, timeout_s: float | None = None) -> Any:
+        self.wait_keys({0: key}, what, timeout_s)
+        return json.loads(self.store.get(key))
+
+    def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None
+               ) -> dict[int, Any]:
+        """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values."""
+        keys = {r: self.key(*prefix, r) for r in range(self.world_size)}
+        self.wait_keys(keys, what, timeout_s)
+        raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
+        return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
+
+    def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None) -> None:
+        """Poll until every key exists; on timeout name the ranks whose keys are missing."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        pending = dict(keys)
+        pause = 0.001
+        while pending:
+            for r in [r for r, k in pending.items() if self.store.check([k])]:
+                del pending[r]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(
+                    f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
+                    f"rank(s) {sorted(pending)}; they may have died or not called save_async "
+                    "for this step")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+_instances: dict[str, int] = {}
+
+
+def resolve_context(directory: str, *, process_group: Any = None, rank: int | None = None,
+                    world_size: int | None = None, store: Any = None,
+                    timeout_s: float = 600.0) -> DistContext:
+    """Work out rank, world size and Store from the arguments or the default group.
+
+    Collective in effect: every rank must build its checkpointers in the same order,
+    since the Store namespace counts them.
+    """
+    if process_group is not None or (rank is None and dist.is_available()
+                                     and dist.is_initialized()):
+        group = process_group
+        rank = dist.get_rank(group) if rank is None else rank
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+        if store is None and world_size > 1:
+            store = _group_store(group)
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise CheckpointConfigError(f"rank={rank} is outside world_size={world_size}")
+    if world_size > 1 and store is None:
+        raise CheckpointConfigError(
+            f"world_size={world_size} needs a torch.distributed Store to coordinate through: "
+            "call torch.distributed.init_process_group first, or pass store=")
+    base = hashlib.sha256(directory.encode()).hexdigest()[:12]
+    n = _instances[base] = _instances.get(base, -1) + 1
+    return DistContext(rank, world_size, store, f"{base}.{n}", timeout_s)
+
+
+def _group_store(group: Any) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    if group is None or group is c10d.GroupMember.WORLD:
+        return c10d._get_default_store()
+    return c10d._get_process_group_store(group)
+
+
+def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+    """(local tensor, global shape, box of the local shard) of a DTensor.
+
+    Raises UnsupportedLeafError for placements that are not a plain box (Partial,
+    strided shards) — reduce or redistribute those first.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from .errors import UnsupportedLeafError
+
+    assert isinstance(t, DTensor)
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):
+            raise UnsupportedLeafError(
+                f"DTensor at {where!r} has placement {p}: only Shard(d) and Replicate() can be "
+                "checkpointed; redistribute it first (e.g. t.redistribute(placements=...))")
+    local = t.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise UnsupportedLeafError(
+            f"DTensor at {where!r}: local shard shape {list(local.shape)} does not match its "
+            f"placements ({list(shape)})")
+    return local, tuple(t.shape), (tuple(offsets), tuple(shape))
+
+
+# --- what each rank wrote, and the merged manifest --------------------------------------------
+
+def make_record(rank: int, file: str | None, file_bytes: int,
+                items: Sequence[tuple[str, str, tuple[int, ...], str, Box, tuple[int, int],
+                                      tuple[str, ...]]],
+                skeleton: dict[str, Any]) -> dict[str, Any]:
+    """The JSON a rank reports once its shard file is durable.
+
+    ``items``: (key, dtype, global shape, kind, box, byte range, checksums) per tensor.
+    """
+    return {
+        "rank": rank, "file": file, "bytes": file_bytes, "skeleton": skeleton,
+        "tensors": {k: {"dtype": dt, "shape": list(gs), "kind": kind, "offsets": list(box[0]),
+                        "lengths": list(box[1]), "byte_range": list(br), "checksums": list(cs)}
+                    for k, dt, gs, kind, box, br, cs in items},
+    }
+
+
+def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
+                  block_bytes: int, user_metadata: dict[str, str], created_unix: float
+                  ) -> Manifest:
+    """Build the global manifest from every rank's record (coordinator's first).
+
+    Raises CheckpointSaveError when the chunks of a tensor overlap or leave part of it
+    uncovered: a checkpoint that cannot be loaded whole is never committed.
+    """
+    files: dict[str, FileEntry] = {}
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], str, list[Chunk]]] = {}
+    for rec in records:
+        if rec["file"] is not None:
+            files[rec["file"]] = FileEntry(rec["file"], rec["bytes"], rec["rank"])
+        for key, t in rec["tensors"].items():
+            dtype = dtype_from_name(t["dtype"])
+            entry = tensors.setdefault(key, (dtype, tuple(t["shape"]), t["kind"], []))
+            entry[3].append(Chunk(rec["file"], key, tuple(t["offsets"]), tuple(t["lengths"]),
+                                  (t["byte_range"][0], t["byte_range"][1]),
+                                  tuple(t["checksums"])))
+    out: dict[str, TensorEntry] = {}
+    for key, (dtype, shape, kind, chunks) in tensors.items():
+        chunks.sort(key=lambda c: c.offsets)
+        _check_coverage(key, shape, chunks)
+        out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
+    return Manifest(step=step, world_size=len(records), created_unix=created_unix,
+                    library_version=library_version, block_bytes=block_bytes, files=files,
+                    tensors=out, skeleton=merge_skeletons([r["skeleton"] for r in records]),
+                    user_metadata=user_metadata)
+
+
+def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
+    total = math.prod(shape)
+    covered = sum(math.prod(c.lengths) for c in chunks)
+    overlap = next(((a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:]
+                    if _volume(intersect((a.offsets, a.lengths), (b.offsets, b.lengths))) > 0),
+                   None)
+    if overlap is not None:
+        a, b = overlap
+        raise CheckpointSaveError(
+            f"tensor {key!r}: chunks at offsets {list(a.offsets)} and {list(b.offsets)} overlap; "
+            "ranks declared inconsistent shards")
+    if covered != total:
+        raise CheckpointSaveError(
+            f"tensor {key!r} of shape {list(shape)}: the ranks' chunks cover {covered} of "
+            f"{total} elements; every part of a tensor must be held by some rank")
+
+
+def _volume(box: Box | None) -> int:
+    return 0 if box is None else math.prod(box[1])

@@ -1,0 +1,139 @@
+"""Loading a committed checkpoint into a state tree: match keys, read boxes, restore.
+
+Each target tensor names the box it wants (the whole tensor, or a DTensor's or
+declared shard's box), and the reader fetches exactly that from whichever saved
+chunks intersect it: the world size or layout it was saved with does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointConfigError, StateMismatchError
+from .manifest import Manifest
+from .reader import load_tensors, read_manifest
+from .storage import Storage
+from .tree import Box, FlatState, flatten, iter_array_nodes, restore_into, unflatten
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """How a plain tensor is sharded by hand: the global shape and this rank's offsets.
+
+    Pass ``shards={"model/w": ShardMetadata(global_shape=(1024, 512), offsets=(512, 0))}``
+    to ``save_async`` and ``load``; the local tensor's shape gives the box's lengths.
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) -> None:
+    """Record the declared boxes of hand-sharded tensors (keys are leaf paths)."""
+    for path, meta in (shards or {}).items():
+        key = flat.refs.get(path)
+        if key is None:
+            raise CheckpointConfigError(f"shards names {path!r}, which is no tensor of the state")
+        local = flat.tensors[key]
+        gs, offs = tuple(meta.global_shape), tuple(meta.offsets)
+        lens = tuple(local.shape)
+        if len(gs) != local.dim() or len(offs) != local.dim() or any(
+                o < 0 or o + n > g for o, n, g in zip(offs, lens, gs, strict=True)):
+            raise CheckpointConfigError(
+                f"shards[{path!r}]: a local tensor of shape {list(lens)} at offsets {list(offs)} "
+                f"does not fit in global shape {list(gs)}")
+        flat.boxes[key] = (gs, (offs, lens))
+
+
+def load_from(step_dir: Path, state: Any, storage: Storage, *, strict: bool = True,
+              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+    """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`."""
+    manifest = read_manifest(step_dir, storage)
+    saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
+    if state is None:
+        loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
+                              verify=verify)
+        return unflatten(manifest.skeleton, loaded)
+    target = flatten(state)
+    apply_shards(target, shards)
+    dests, boxes = _match(manifest, saved, target, strict, step_dir)
+    loaded = load_tensors(step_dir, manifest, {k: v[0] if v else None for k, v in dests.items()},
+                          storage, verify=verify, boxes=boxes)
+    with torch.no_grad():
+        for key, tensors in dests.items():
+            for extra in tensors[1:]:  # saved once (tied), loaded into untied targets
+                extra.copy_(loaded[key])
+    return restore_into(state, manifest.skeleton, loaded, "", target)
+
+
+def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
+           step_dir: Path) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box]]:
+    """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
+
+    Returns saved key -> target tensors to fill (empty: load fresh), and the box each
+    saved key is wanted in (absent: the whole tensor).
+    """
+    lenient = [p for p, (obj, _) in target.statefuls.items()
+               if not isinstance(obj, torch.nn.Module)]
+
+    def passes_through(path: str) -> bool:
+        # Optimizers and similar objects create state lazily: what the checkpoint has and
+        # the fresh object lacks goes to their load_state_dict as is.
+        return any(p == "" or path == p or path.startswith(p + "/") for p in lenient)
+
+    missing = [p for p in target.refs if p not in saved]
+    unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
+    mismatched = []
+    dests: dict[str, list[torch.Tensor]] = {}
+    boxes: dict[str, Box] = {}
+    for path, key in saved.items():
+        if path not in target.refs:
+            if passes_through(path) or not strict:
+                dests.setdefault(key, [])
+            continue
+        tkey = target.refs[path]
+        t = target.tensors[tkey]
+        entry = manifest.tensors[key]
+        if target.global_shape(tkey) != entry.shape or t.dtype != entry.dtype:
+            mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
+                              f"target {t.dtype} {list(target.global_shape(tkey))}")
+            continue
+        box = target.box(tkey)
+        if box is not None:
+            if key in boxes and boxes[key] != box:
+                raise CheckpointConfigError(
+                    f"{path}: two target tensors want different boxes of saved tensor {key!r}")
+            boxes[key] = box
+        lst = dests.setdefault(key, [])
+        if not any(x is t for x in lst):
+            lst.append(t)
+        target.loaded_in_place.add(path)
+    if not strict:
+        for k in {saved[p] for p in unexpected}:
+            if not dests.get(k):
+                dests.pop(k, None)
+        missing, unexpected = [], []
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
+        if mismatched:
+            parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
+        hint = " (pass strict=False to skip missing and unexpected keys)" if (
+            missing or unexpected) else ""
+        raise StateMismatchError(f"cannot load {step_dir} into the given state: "
+                                 + "; ".join(parts) + hint,
+                                 missing=missing, unexpected=unexpected, mismatched=mismatched)
+    return dests, boxes
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
