@@ -422,3 +422,34 @@ def test_cuda_tensors_stage_through_pinned_memory(tmp_path: Path) -> None:
         other = torch.nn.Linear(256, 256).cuda()
         ckpt.load({"model": other})
     assert torch.equal(other.weight, model.weight) and other.weight.is_cuda
+
+
+def test_a_step_directory_with_another_step_is_not_found(tmp_path: Path) -> None:
+    info = asyncckpt.save(make_state(), tmp_path, step=5)
+    assert asyncckpt.load(info.path, step=5)["train"]["step"] == 0
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="step 5, not of step 999"):
+        asyncckpt.load(info.path, step=999)
+
+
+def test_reading_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path / "typo")
+    assert ckpt.steps() == [] and ckpt.latest_step() is None
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="no checkpoint directory"):
+        ckpt.load()
+    assert not (tmp_path / "typo").exists()
+    ckpt.save(make_state(), step=1)  # the first save creates it
+    assert ckpt.steps() == [1]
+
+
+def test_rng_state_round_trips_compactly(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    asyncckpt.save({"rng": asyncckpt.RNGState()}, tmp_path)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.random(), np.random.rand(), torch.rand(3)  # move every generator on
+    asyncckpt.load(tmp_path, {"rng": asyncckpt.RNGState()})
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    manifest = (tmp_path / "step_000000000" / MANIFEST_NAME).read_text()
+    assert manifest.count('"t": "int"') < 20  # not 625 scalars for Python's generator

@@ -112,12 +112,11 @@ class AsyncCheckpointer:
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._nonce = commit.new_token()
-        if self._ctx.is_coordinator:
-            self.storage.makedirs(self.directory)
         if self._ctx.distributed:
             # The coordinator cleans up before it publishes the nonce that names this run's
             # temporary directories, so it never removes one a peer is writing into.
             if self._ctx.is_coordinator:
+                self.storage.makedirs(self.directory)
                 if self._lock.acquire():
                     self._cleanup()
                 self._ctx.put(self._ctx.key("nonce"), self._nonce)
@@ -310,6 +309,7 @@ class AsyncCheckpointer:
             fut.wait()
 
     def _take_lock(self) -> None:
+        self.storage.makedirs(self.directory)  # created by the first save, not by reading
         if self._lock.acquire():
             if not self._cleaned:
                 self._cleanup()

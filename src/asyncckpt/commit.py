@@ -75,7 +75,14 @@ def resolve_step_dir(root: Path, step: int | None, storage: Storage) -> tuple[Pa
     Raises CheckpointNotFoundError listing what was found instead.
     """
     if MANIFEST_NAME in storage.listdir(root):
+        m = _STEP_DIR.match(root.name)
+        if step is not None and m is not None and int(m.group(1)) != step:
+            raise CheckpointNotFoundError(
+                f"{root} is the checkpoint of step {int(m.group(1))}, not of step {step}; pass "
+                "its parent directory to choose among steps")
         return root, None
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {root}")
     steps = committed_steps(root, storage)
     if step is None:
         if not steps:

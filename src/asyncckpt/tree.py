@@ -409,8 +409,10 @@ def capture_rng_state() -> dict[str, Any]:
     Example:
         >>> state = {"model": model, "rng": capture_rng_state()}
     """
+    version, mt, gauss = random.getstate()
     out: dict[str, Any] = {
-        "python": random.getstate(),
+        # one int64 tensor rather than 625 scalars in the manifest
+        "python": (version, torch.tensor(mt, dtype=torch.int64), gauss),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
@@ -422,7 +424,8 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Restore generator states captured by :func:`capture_rng_state` (e.g. loaded back)."""
     py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    mt = py[1].tolist() if isinstance(py[1], torch.Tensor) else list(py[1])
+    random.setstate((py[0], tuple(int(x) for x in mt), py[2]))
     npst = state["numpy"]
     np.random.set_state((npst[0], np.asarray(npst[1]), *npst[2:]))
     torch.set_rng_state(torch.as_tensor(state["torch"]).to("cpu", torch.uint8))

@@ -141,15 +141,19 @@ class BackgroundWriter:
         self.stager = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-stage")
 
     def submit(self, job: SaveJob) -> cf.Future[CheckpointInfo]:
-        return self._write.submit(self._run, job)
+        # Both tasks are queued here, on the caller's thread: once the interpreter begins
+        # to exit, executors refuse new work, but still finish what they were given.
+        hashes = self._hash.submit(_hash_items, job) if job.plan.items else None
+        return self._write.submit(self._run, job, hashes)
 
     def shutdown(self) -> None:
         for ex in (self.stager, self._write, self._hash):
             ex.shutdown(wait=True)
 
-    def _run(self, job: SaveJob) -> CheckpointInfo:
+    def _run(self, job: SaveJob, hashes: cf.Future[dict[str, tuple[str, ...]]] | None
+             ) -> CheckpointInfo:
         try:
-            return self._save(job)
+            return self._save(job, hashes)
         except BaseException as exc:
             _abort(job, exc)
             if isinstance(exc, CheckpointError):
@@ -158,13 +162,13 @@ class BackgroundWriter:
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
                 f"{type(exc).__name__}: {exc}" + _hint(exc)) from exc
 
-    def _save(self, job: SaveJob) -> CheckpointInfo:
+    def _save(self, job: SaveJob, hashes: cf.Future[dict[str, tuple[str, ...]]] | None
+              ) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
         job.tmp = job.root / commit.tmp_dir_name(job.step, job.token)
         storage.makedirs(job.tmp)
         checksums: dict[str, tuple[str, ...]] = {}
-        if plan.items:
-            hashes = self._hash.submit(_hash_items, job)
+        if hashes is not None:
             try:
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
                                     job.progress.wait_for, job.direct_io)
