@@ -1,0 +1,218 @@
+"""The asyncckpt command line: ls, inspect, verify, on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt.cli import human_bytes, main
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(4, 8, generator=g), "b": torch.zeros(8, dtype=torch.bfloat16)},
+        "ids": torch.arange(5, dtype=torch.int64),
+        "train": {"step": step, "lr": 0.5},
+    }
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A checkpoint root with steps 10, 20, 30 committed."""
+    d = tmp_path / "ckpts"
+    with asyncckpt.AsyncCheckpointer(d, mode="async") as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save_async(_state(step), step).wait()
+    return d
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def flip_byte(step_dir: Path, tensor: str, offset: int = 3) -> None:
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    chunk = manifest["tensors"][tensor]["chunks"][0]
+    start, end = chunk["byte_range"]
+    assert end - start > offset
+    with open(step_dir / chunk["file"], "r+b") as f:
+        f.seek(start + offset)
+        b = f.read(1)
+        f.seek(start + offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_ls_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "SIZE", "TENSORS", "CREATED"]
+    rows = [ln.split() for ln in lines[1:4]]
+    assert [r[0] for r in rows] == ["10", "20", "30"]
+    assert all(r[3] == "3" for r in rows)  # model/w, model/b, ids
+    assert rows[2][-1] == "latest" and rows[0][-1] != "latest"
+    assert "3 committed steps" in out
+    assert "incomplete" not in out
+
+
+def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / ".step_000000040.tmp-0123abcd").mkdir()
+    (root / "step_000000050").mkdir()  # no manifest: not committed
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
+    assert doc["latest"] == 30
+    assert doc["incomplete"] == [".step_000000040.tmp-0123abcd"]
+    manifest = asyncckpt.AsyncCheckpointer(root).manifest(20)
+    s20 = doc["steps"][1]
+    assert s20["bytes"] == manifest.total_bytes
+    assert s20["tensors"] == 3
+    assert s20["created_unix"] == manifest.created_unix
+    assert Path(s20["path"]).name == "step_000000020"
+    code, out, _ = run(capsys, "ls", str(root))
+    assert "1 incomplete or abandoned temp dir" in out
+    assert ".step_000000040.tmp-0123abcd" in out
+
+
+def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ls", str(tmp_path))
+    assert code == 0 and "no committed checkpoints" in out
+    code, out, err = run(capsys, "ls", str(tmp_path / "nope"))
+    assert code == 2 and out == ""
+    assert "nope does not exist" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "inspect", str(root))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"]
+    by_path = {ln.split()[0]: ln for ln in lines[1:4]}
+    assert set(by_path) == {"model/w", "model/b", "ids"}
+    assert "float32" in by_path["model/w"] and "[4, 8]" in by_path["model/w"]
+    assert by_path["model/w"].split()[-2:] == ["128", "rank_00000.safetensors"]
+    assert "bfloat16" in by_path["model/b"] and by_path["model/b"].split()[-2] == "16"
+    assert "int64" in by_path["ids"] and by_path["ids"].split()[-2] == "40"
+    summary = lines[4]
+    assert summary.startswith("step 30  world size 1  3 tensors  184 tensor bytes")
+    assert f"asyncckpt {asyncckpt.__version__}" in summary
+    assert "train/step=30" in out and "train/lr=0.5" in out
+
+
+def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "inspect", str(root), "--step", "20", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["step"] == 20 and doc["world_size"] == 1
+    assert doc["library_version"] == asyncckpt.__version__
+    tensors = {t["path"]: t for t in doc["tensors"]}
+    assert tensors["model/w"]["dtype"] == "float32"
+    assert tensors["model/w"]["shape"] == [4, 8]
+    assert tensors["model/w"]["bytes"] == 128
+    assert tensors["ids"] == {"path": "ids", "dtype": "int64", "shape": [5], "bytes": 40,
+                              "kind": "torch", "files": ["rank_00000.safetensors"], "chunks": 1}
+    assert doc["tensor_bytes"] == 128 + 16 + 40
+    assert doc["total_bytes"] == sum(f["bytes"] for f in doc["files"].values())
+    assert {"path": "train/step", "type": "int", "value": 20} in doc["skeleton"]["scalars"]
+    # a step directory works directly, and --step must agree with it
+    step_dir = root / "step_000000010"
+    code, out, _ = run(capsys, "inspect", str(step_dir), "--json")
+    assert code == 0 and json.loads(out)["step"] == 10
+    code, out, err = run(capsys, "inspect", str(step_dir), "--step", "20")
+    assert code == 2 and "of step 10, not of step 20" in err
+
+
+def test_inspect_not_found(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                           ) -> None:
+    code, out, err = run(capsys, "inspect", str(root), "--step", "25")
+    assert code == 2 and out == ""
+    assert "no committed checkpoint for step 25" in err and "10, 20, 30" in err
+    code, _, err = run(capsys, "inspect", str(tmp_path / "missing"))
+    assert code == 2 and "does not exist" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "inspect", str(empty))
+    assert code == 2 and "no committed checkpoint under" in err
+    assert "Traceback" not in err
+
+
+def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0
+    assert out.startswith(f"OK {root / 'step_000000030'}: step 30, 3 tensors")
+    assert "(184 bytes) checked" in out and "GB/s" in out
+    code, out, _ = run(capsys, "verify", str(root), "--step", "10", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["ok"] is True and doc["step"] == 10
+    assert doc["tensors"] == 3 and doc["bytes"] == 184 and doc["problems"] == []
+
+
+def test_verify_flipped_byte(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_byte(root / "step_000000030", "model/w")
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1
+    assert out.startswith("CORRUPT") and "1 problem" in out
+    assert "checksum mismatch in tensor 'model/w'" in out
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["tensors"] == 2 and len(doc["problems"]) == 1
+    # the other steps are untouched
+    assert run(capsys, "verify", str(root), "--step", "20")[0] == 0
+
+
+def test_verify_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "verify", str(tmp_path / "nope"))
+    assert code == 2 and out == ""
+    assert "nope" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step_000000020" / "manifest.json").write_text("{not json")
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "UNREADABLE" in out and "latest" in out
+    code, _, err = run(capsys, "inspect", str(root), "--step", "20")
+    assert code == 1 and "manifest is not valid JSON" in err and "Traceback" not in err
+    code, out, _ = run(capsys, "verify", str(root), "--step", "20")
+    assert code == 1 and "manifest is not valid JSON" in out
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["--help"]) == 0
+    capsys.readouterr()
+
+
+def test_python_dash_m(root: Path) -> None:
+    # the subprocess imports the same asyncckpt as this test does
+    src = str(Path(asyncckpt.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()[1:4]] == ["10", "20", "30"]
+    proc = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(root / "nope")],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
