@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import AsyncCheckpointer, CheckpointerConfig
-from .commit import resolve_step_dir
+from .commit import resolve_step_dir as _resolve_step_dir
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -29,8 +29,9 @@ from .errors import (
     StateMismatchError,
     UnsupportedLeafError,
 )
-from .loader import ShardMetadata, load_from
-from .storage import LocalStorage
+from .loader import ShardMetadata
+from .loader import load_from as _load_from
+from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
 from .writer import CheckpointFuture, CheckpointInfo
 
@@ -81,6 +82,6 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
     """
-    storage = LocalStorage()
-    step_dir, _ = resolve_step_dir(Path(path), step, storage)
-    return load_from(step_dir, state, storage, strict=strict, verify=verify)
+    storage = _LocalStorage()
+    step_dir, _ = _resolve_step_dir(Path(path), step, storage)
+    return _load_from(step_dir, state, storage, strict=strict, verify=verify)

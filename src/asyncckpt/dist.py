@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .boxes import tiling_problem
 from .errors import CheckpointConfigError, CheckpointSaveError, CheckpointTimeoutError
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry
-from .plan import intersect
 from .tree import dtype_from_name, merge_skeletons
 
 log = logging.getLogger(__name__)
@@ -268,21 +267,8 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
 
 
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
-    total = math.prod(shape)
-    covered = sum(math.prod(c.lengths) for c in chunks)
-    overlap = next(((a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:]
-                    if _volume(intersect((a.offsets, a.lengths), (b.offsets, b.lengths))) > 0),
-                   None)
-    if overlap is not None:
-        a, b = overlap
+    problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in chunks])
+    if problem is not None:
         raise CheckpointSaveError(
-            f"tensor {key!r}: chunks at offsets {list(a.offsets)} and {list(b.offsets)} overlap; "
-            "ranks declared inconsistent shards")
-    if covered != total:
-        raise CheckpointSaveError(
-            f"tensor {key!r} of shape {list(shape)}: the ranks' chunks cover {covered} of "
-            f"{total} elements; every part of a tensor must be held by some rank")
-
-
-def _volume(box: Box | None) -> int:
-    return 0 if box is None else math.prod(box[1])
+            f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
+            "held by exactly one box of the ranks' declared shards")

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import xxhash
 
+from .boxes import tiling_problem
 from .errors import CheckpointCorruptError
-from .tree import dtype_from_name, dtype_name
+from .tree import _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1
@@ -153,7 +154,7 @@ def decode_header(prefix: bytes, path: str) -> tuple[dict[str, Any], int]:
                                      path=path)
     try:
         header = json.loads(prefix[8:8 + n])
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{path}: safetensors header is not JSON: {exc}",
                                      path=path) from exc
     if not isinstance(header, dict):
@@ -303,7 +304,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     block_bytes = c.int_(cs.get("block_bytes"), "checksum.block_bytes", lo=4096)
     files: dict[str, FileEntry] = {}
     for name, f in c.obj(doc.get("files"), "files").items():
-        if not _FILE_NAME.match(name) or name in (".", ".."):
+        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
             raise c.fail(f"file name {name!r:.80} is not a plain file name")
         f = c.obj(f, f"files[{name!r}]")
         files[name] = FileEntry(name, c.int_(f.get("bytes"), "file bytes"),
@@ -315,8 +316,9 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     _check_skeleton(c, skeleton, tensors)
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
     created = doc.get("created_unix")
-    if not isinstance(created, (int, float)):
-        raise c.fail("created_unix must be a number")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not (
+            -1e12 < created < 1e12):
+        raise c.fail("created_unix must be a plausible number of seconds")
     return Manifest(
         step=c.int_(doc.get("step"), "step"),
         world_size=c.int_(doc.get("world_size"), "world_size", lo=1),
@@ -332,6 +334,8 @@ def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileE
         dtype = dtype_from_name(c.str_(t.get("dtype"), "dtype", key))
     except ValueError as exc:
         raise c.fail(str(exc), key) from exc
+    if _is_bits(dtype_name(dtype)):
+        raise c.fail(f"dtype {dtype} cannot be stored in a checkpoint", key)
     shape = c.ints(t.get("shape"), "shape", key)
     kind = t.get("kind")
     if kind not in ("torch", "numpy", "numpy_scalar"):
@@ -363,6 +367,9 @@ def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileE
             raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
         chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
                             (br[0], br[1]), tuple(sums)))
+    problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks])
+    if problem is not None:
+        raise c.fail(f"its chunks do not tile shape {list(shape)}: {problem}", key)
     return TensorEntry(dtype, shape, kind, tuple(chunks))
 
 
@@ -372,7 +379,7 @@ def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth
     node = c.obj(node, "skeleton node")
     t = node.get("t")
     if t in ("tensor", "ndarray", "npscalar"):
-        if node.get("key") not in tensors:
+        if not isinstance(node.get("key"), str) or node["key"] not in tensors:
             raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
     elif t == "dict":
         items = node.get("items")

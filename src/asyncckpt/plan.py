@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .boxes import Box, box_byte_span, intersect, row_major_strides, tiling_problem
 from .manifest import Chunk, HeaderEntry, Manifest, align_up, encode_header
 from .tree import dtype_name
 
-__all__ = ["ReadItem", "WriteItem", "WritePlan", "plan_reads", "plan_writes"]
+__all__ = ["Box", "ReadItem", "WriteItem", "WritePlan", "box_byte_span", "intersect",
+           "plan_reads", "plan_writes", "row_major_strides", "tiling_problem"]
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
 
 @dataclass(frozen=True)
@@ -120,40 +121,6 @@ class ReadItem:
     @property
     def whole_dst(self) -> bool:
         return self.box == self.dst_box
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """Intersection of two boxes, or None when it is empty (0-d boxes always intersect)."""
-    offs, lens = [], []
-    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo = max(ao, bo)
-        hi = min(ao + al, bo + bl)
-        if hi <= lo and not (al == 0 and bl == 0 and ao == bo):
-            return None
-        offs.append(lo)
-        lens.append(max(0, hi - lo))
-    return tuple(offs), tuple(lens)
-
-
-def box_byte_span(chunk_offsets: tuple[int, ...], chunk_lengths: tuple[int, ...], box: Box,
-                  itemsize: int) -> tuple[int, int]:
-    """The byte range, relative to a chunk's first byte, from the first to the last element
-    of ``box`` in the chunk's row-major layout (``(0, 0)`` for an empty box)."""
-    lens = box[1]
-    if any(n == 0 for n in lens):
-        return 0, 0
-    strides = row_major_strides(chunk_lengths)
-    first = sum((o - c) * s for o, c, s in zip(box[0], chunk_offsets, strides, strict=True))
-    last = first + sum((n - 1) * s for n, s in zip(lens, strides, strict=True))
-    return first * itemsize, (last + 1) * itemsize
-
-
-def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of a contiguous tensor of ``shape``."""
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
 
 
 def plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[ReadItem]:

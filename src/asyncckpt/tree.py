@@ -57,7 +57,13 @@ def _is_stateful(obj: object) -> bool:
 
 
 def escape_key(key: str | int) -> str:
-    """Return one path segment for a dict key or list index."""
+    """Return one path segment for a dict key or list index.
+
+    ``%`` and ``/`` are percent-escaped, and the empty key becomes ``%00`` so that it
+    cannot vanish from a path (``{"": [t]}`` must not name the same path as ``{"0": t}``).
+    """
+    if key == "":
+        return "%00"
     return str(key).replace("%", "%25").replace("/", "%2F")
 
 
@@ -234,12 +240,14 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[An
         box = (global_shape, local_box)
     if t.numel() > 0 and kind == "torch":
         alias_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                     tuple(t.stride()), t.dtype, str(t.device))
+                     tuple(t.stride()), t.dtype, str(t.device), t.is_conj(), t.is_neg())
         first = seen.get(alias_key)
         if first is not None:
             flat.refs[path] = first
             return first
         seen[alias_key] = path
+    if path in flat.tensors:  # escaping makes paths unique; never overwrite if it did not
+        raise UnsupportedLeafError(f"two leaves of the state tree share the path {where!r}")
     flat.tensors[path] = t
     flat.kinds[path] = kind
     flat.refs[path] = path
@@ -326,13 +334,11 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
     if t in ("tensor", "ndarray", "npscalar"):
-        if t == "tensor" and isinstance(target, torch.Tensor) and path in flat.loaded_in_place:
-            return target  # its data (a DTensor's local shard) was loaded in place
+        if path in flat.loaded_in_place and (
+                (t == "tensor" and isinstance(target, torch.Tensor))
+                or (t == "ndarray" and isinstance(target, np.ndarray))):
+            return target  # its data (a DTensor's local shard, an array's memory) was loaded
         value = tensors[node["key"]]
-        if isinstance(target, np.ndarray) and t == "ndarray":
-            if target.shape == tuple(value.shape) and np.shares_memory(target, value.numpy()):
-                return target
-            return value.numpy()
         if t == "ndarray":
             return value.numpy()
         if t == "npscalar":

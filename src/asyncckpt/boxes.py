@@ -1,0 +1,79 @@
+"""Boxes of a tensor (offsets and lengths in global coordinates) and their geometry.
+
+Pure functions shared by planning, the manifest's validation and the coordinator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Intersection of two boxes, or None when it is empty (0-d boxes always intersect)."""
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo = max(ao, bo)
+        hi = min(ao + al, bo + bl)
+        if hi <= lo and not (al == 0 and bl == 0 and ao == bo):
+            return None
+        offs.append(lo)
+        lens.append(max(0, hi - lo))
+    return tuple(offs), tuple(lens)
+
+
+def box_byte_span(chunk_offsets: tuple[int, ...], chunk_lengths: tuple[int, ...], box: Box,
+                  itemsize: int) -> tuple[int, int]:
+    """The byte range, relative to a chunk's first byte, from the first to the last element
+    of ``box`` in the chunk's row-major layout (``(0, 0)`` for an empty box)."""
+    lens = box[1]
+    if any(n == 0 for n in lens):
+        return 0, 0
+    strides = row_major_strides(chunk_lengths)
+    first = sum((o - c) * s for o, c, s in zip(box[0], chunk_offsets, strides, strict=True))
+    last = first + sum((n - 1) * s for n, s in zip(lens, strides, strict=True))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
+def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10_000_000
+                   ) -> str | None:
+    """Why ``boxes`` fail to tile a tensor of ``shape`` exactly once, or None if they do.
+
+    Cuts the tensor into the grid made by every box edge and counts how often each grid
+    cell is covered: exact for any layout, and cheap for the grids sharding produces.
+    """
+    for offs, lens in boxes:
+        if len(offs) != len(shape) or any(o + n > s for o, n, s in zip(offs, lens, shape,
+                                                                        strict=True)):
+            return f"chunk at offsets {list(offs)} does not fit in shape {list(shape)}"
+    boxes = [b for b in boxes if math.prod(b[1]) > 0]
+    if math.prod(shape) == 0:
+        return None
+    if not shape:
+        return None if len(boxes) == 1 else f"{len(boxes)} chunks for one scalar"
+    cuts = [sorted({0, s, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
+            for d, s in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > max_cells:
+        return f"chunks cut the tensor into {cells} pieces, too many to check"
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for offs, lens in boxes:
+        idx = tuple(slice(c.index(o), c.index(o + n)) for c, o, n in zip(cuts, offs, lens,
+                                                                           strict=True))
+        count[idx] += 1
+    if (count > 1).any():
+        return "chunks overlap"
+    if (count == 0).any():
+        return "chunks leave part of the tensor uncovered"
+    return None
