@@ -1,0 +1,607 @@
+"""The on-disk format: safetensors headers, the manifest schema and its validation, checksums."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import struct
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncckpt import CheckpointCorruptError
+from asyncckpt.manifest import (
+    ALIGN,
+    FORMAT_VERSION,
+    BlockHasher,
+    Chunk,
+    FileEntry,
+    HeaderEntry,
+    Manifest,
+    TensorEntry,
+    block_checksums,
+    decode_header,
+    encode_header,
+    parse_manifest,
+)
+
+PATH = "/ckpt/step_000000007/manifest.json"
+FILE = "rank_00000.safetensors"
+BLOCK = 4096
+
+
+def _chunk(key, dtype, shape, start, offsets=None, lengths=None, file=FILE):
+    lengths = tuple(shape) if lengths is None else tuple(lengths)
+    offsets = tuple(0 for _ in shape) if offsets is None else tuple(offsets)
+    n = math.prod(lengths) * dtype.itemsize
+    sums = block_checksums(bytes(n), BLOCK)
+    return Chunk(file, key, offsets, lengths, (start, start + n), tuple(sums))
+
+
+def make_manifest(**overrides) -> Manifest:
+    """A small valid manifest: a 2-D tensor in two chunks, a 0-d scalar, an empty tensor."""
+    base = 4096
+    w0 = _chunk("w.0", torch.float32, (4, 3), base, (0, 0), (2, 3))
+    w1 = _chunk("w.1", torch.float32, (4, 3), w0.byte_range[1], (2, 0), (2, 3))
+    s = _chunk("s", torch.int64, (), w1.byte_range[1])
+    big = _chunk("big", torch.uint8, (5000,), s.byte_range[1])  # two checksum blocks
+    e = _chunk("e", torch.float16, (0, 3), big.byte_range[1])
+    end = e.byte_range[1]
+    tensors = {
+        "model/w": TensorEntry(torch.float32, (4, 3), "torch", (w0, w1)),
+        "step_arr": TensorEntry(torch.int64, (), "numpy_scalar", (s,)),
+        "big": TensorEntry(torch.uint8, (5000,), "numpy", (big,)),
+        "empty": TensorEntry(torch.float16, (0, 3), "torch", (e,)),
+    }
+    skeleton = {"t": "dict", "items": [
+        ["model", {"t": "stateful", "cls": "Linear", "state": {"t": "dict", "items": [
+            ["w", {"t": "tensor", "key": "model/w"}]]}}],
+        ["step_arr", {"t": "npscalar", "key": "step_arr"}],
+        ["big", {"t": "ndarray", "key": "big"}],
+        ["empty", {"t": "tensor", "key": "empty"}],
+        [3, {"t": "tuple", "items": [{"t": "none"}, {"t": "bool", "v": True},
+                                     {"t": "int", "v": -5}, {"t": "float", "v": "-0.0"},
+                                     {"t": "str", "v": "x"}, {"t": "bytes", "v": "AAE="}]}],
+        ["l", {"t": "list", "items": []}],
+    ]}
+    fields = dict(step=7, world_size=1, created_unix=1700000000.25, library_version="0.1.0",
+                  block_bytes=BLOCK, files={FILE: FileEntry(FILE, end, 0)}, tensors=tensors,
+                  skeleton=skeleton, user_metadata={"run": "exp1", "note": "\u00e9"})
+    fields.update(overrides)
+    return Manifest(**fields)
+
+
+def good_doc() -> dict:
+    return json.loads(make_manifest().to_json())
+
+
+def parse_doc(doc) -> Manifest:
+    return parse_manifest(json.dumps(doc).encode(), PATH)
+
+
+# --- safetensors headers ----------------------------------------------------------------------
+
+def _decode_padded(out: bytes) -> tuple[int, dict]:
+    (n,) = struct.unpack("<Q", out[:8])
+    return n, json.loads(out[8:8 + n])
+
+
+def test_encode_header_is_length_prefixed_padded_json():
+    entries = [HeaderEntry("a", torch.float32, (2, 3), 0, 24),
+               HeaderEntry("b/c", torch.int8, (5,), 24, 29)]
+    out = encode_header(entries, {"asyncckpt_format": "1"})
+    assert len(out) % ALIGN == 0
+    n, header = _decode_padded(out)
+    assert 8 + n == len(out)
+    body = out[8:]
+    stripped = body.rstrip(b" ")
+    assert set(body[len(stripped):]) <= {ord(" ")}
+    assert stripped.endswith(b"}")
+    assert header["__metadata__"] == {"format": "pt", "asyncckpt_format": "1"}
+    assert header["a"] == {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}
+    assert header["b/c"] == {"dtype": "I8", "shape": [5], "data_offsets": [24, 29]}
+    decoded, body_offset = decode_header(out, "f")
+    assert decoded == header
+    assert body_offset == len(out)
+
+
+def test_encode_header_pads_only_when_needed():
+    def raw_len(m):
+        return len(json.dumps({"__metadata__": {"format": "pt", "k": "x" * m}},
+                              separators=(",", ":")))
+
+    m = ALIGN - 8 - raw_len(0)  # JSON exactly fills the first 4 KiB with the prefix
+    assert raw_len(m) + 8 == ALIGN
+    exact = encode_header([], {"k": "x" * m})
+    assert len(exact) == ALIGN and exact.endswith(b"}")
+    over = encode_header([], {"k": "x" * (m + 1)})
+    assert len(over) == 2 * ALIGN and over.endswith(b" ")
+    assert decode_header(over, "f")[0]["__metadata__"]["k"] == "x" * (m + 1)
+
+
+def test_encode_header_grows_past_one_block():
+    entries = [HeaderEntry(f"tensor_{i:04d}", torch.float32, (1,), 4 * i, 4 * i + 4)
+               for i in range(300)]
+    out = encode_header(entries)
+    assert len(out) > ALIGN and len(out) % ALIGN == 0
+    header, off = decode_header(out, "f")
+    assert off == len(out) and len(header) == 301
+
+
+def _all_dtypes():
+    names = ["bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+             "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
+             "complex128", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+             "float8_e8m0fnu", "float4_e2m1fn_x2"]
+    return [getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)]
+
+
+# dtypes safetensors has no name for: the file must carry their raw bytes as U8
+_RAW_DTYPES = {torch.complex32, torch.complex128, getattr(torch, "float8_e8m0fnu", None),
+               getattr(torch, "float4_e2m1fn_x2", None)}
+
+
+def _random_tensor(dtype, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def test_header_and_body_open_with_real_safetensors(tmp_path, tensor_bytes):
+    tensors = {}
+    for i, dt in enumerate(_all_dtypes()):
+        tensors[f"t/{dt}".replace("torch.", "")] = _random_tensor(dt, (3, 2), i)
+        tensors[f"scalar_{i}"] = _random_tensor(dt, (), 100 + i)
+        tensors[f"empty_{i}"] = _random_tensor(dt, (0, 2), 0)
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())
+    entries, body, pos = [], b"", 0
+    for k in order:
+        data = tensor_bytes(tensors[k])
+        entries.append(HeaderEntry(k, tensors[k].dtype, tuple(tensors[k].shape), pos,
+                                   pos + len(data)))
+        body += data
+        pos += len(data)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(encode_header(entries, {"user": "meta"}) + body)
+
+    loaded = safetensors.torch.load_file(str(path))
+    assert set(loaded) == set(tensors)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "user": "meta"}
+        assert set(f.keys()) == set(tensors)
+        for k, src in tensors.items():
+            got = f.get_tensor(k)
+            for t in (got, loaded[k]):
+                if src.dtype in _RAW_DTYPES:
+                    assert t.dtype == torch.uint8
+                    assert tuple(t.shape) == (src.numel() * src.element_size(),)
+                else:
+                    assert t.dtype == src.dtype
+                    assert t.shape == src.shape
+                assert tensor_bytes(t) == tensor_bytes(src), k
+
+
+# --- decode_header ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\x01\x00", id="short"),
+    pytest.param(struct.pack("<Q", 2**63) + b"{}", id="implausible-length"),
+    pytest.param(struct.pack("<Q", 10) + b"{}", id="truncated"),
+    pytest.param(struct.pack("<Q", 4) + b"{x}}", id="not-json"),
+    pytest.param(struct.pack("<Q", 2) + b"\xff\xfe", id="not-utf8"),
+    pytest.param(struct.pack("<Q", 2) + b"[]", id="not-an-object"),
+    pytest.param(struct.pack("<Q", 4) + b"null", id="null"),
+])
+def test_decode_header_rejects_malformed_prefixes(prefix):
+    with pytest.raises(CheckpointCorruptError) as info:
+        decode_header(prefix, "/d/rank_00000.safetensors")
+    assert "/d/rank_00000.safetensors" in str(info.value)
+    assert info.value.path == "/d/rank_00000.safetensors"
+
+
+def test_decode_header_rejects_deeply_nested_json():
+    body = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(CheckpointCorruptError):
+        decode_header(struct.pack("<Q", len(body)) + body, "/d/f")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_decode_header_fuzz_random_bytes(data):
+    try:
+        header, off = decode_header(data, "p")
+    except CheckpointCorruptError:
+        return
+    assert isinstance(header, dict) and off <= len(data)
+
+
+_json_text = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
+    lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=4), c,
+                                                                 max_size=3)),
+    max_leaves=10).map(json.dumps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_json_text.map(str.encode), st.binary(max_size=40)), st.integers(-3, 3))
+def test_decode_header_fuzz_consistent_length_prefix(body, slack):
+    n = max(0, len(body) + slack)
+    prefix = struct.pack("<Q", n) + body
+    try:
+        header, off = decode_header(prefix, "p")
+    except CheckpointCorruptError:
+        return
+    assert isinstance(header, dict)
+    assert off == 8 + n <= len(prefix)
+
+
+# --- manifest round trip ----------------------------------------------------------------------
+
+def test_manifest_json_roundtrip_is_exact():
+    m = make_manifest()
+    back = parse_manifest(m.to_json(), PATH)
+    assert back == m
+    assert back.total_bytes == m.files[FILE].bytes
+    assert back.tensors["model/w"].nbytes == 48
+    assert back.format_version == FORMAT_VERSION
+    # int dict keys of the skeleton survive
+    assert back.skeleton["items"][4][0] == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(step=st.integers(0, 2**62), created=st.floats(0, 2e9),
+       meta=st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=4),
+       version=st.text(max_size=10))
+def test_manifest_roundtrip_property(step, created, meta, version):
+    m = make_manifest(step=step, created_unix=created, user_metadata=meta,
+                      library_version=version)
+    raw = m.to_json()
+    raw.decode("ascii")  # the manifest is plain ASCII whatever the metadata holds
+    assert parse_manifest(raw, PATH) == m
+
+
+# --- manifest validation: each corruption is refused, naming the file --------------------------
+
+def _set(path, value):
+    def mutate(doc):
+        *parents, last = path
+        node = doc
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return mutate
+
+
+def _rename_file(new):
+    def mutate(doc):
+        doc["files"] = {new: doc["files"][FILE]}
+        for t in doc["tensors"].values():
+            for c in t["chunks"]:
+                c["file"] = new
+    return mutate
+
+
+def _w_chunk(field, value):
+    return _set(["tensors", "model/w", "chunks", 0, field], value)
+
+
+def _deep_skeleton_text(depth):
+    return ('{"t":"list","items":[' * depth) + '{"t":"none"}' + (']}' * depth)
+
+
+CORRUPTIONS = {
+    "wrong-format-name": _set(["format"], "safetensors"),
+    "missing-format": lambda d: d.pop("format"),
+    "newer-version": _set(["format_version"], FORMAT_VERSION + 1),
+    "version-zero": _set(["format_version"], 0),
+    "version-string": _set(["format_version"], "1"),
+    "unknown-checksum": _set(["checksum", "algorithm"], "md5"),
+    "tiny-block-bytes": _set(["checksum", "block_bytes"], 16),
+    "file-with-slash": _rename_file("sub/rank_00000.safetensors"),
+    "file-dotdot": _rename_file(".."),
+    "file-dot": _rename_file("."),
+    "file-parent-path": _rename_file("../../etc/passwd"),
+    "file-absolute": _rename_file("/etc/passwd"),
+    "file-empty": _rename_file(""),
+    "file-backslash": _rename_file("..\\x"),
+    "file-nul": _rename_file("a\x00b"),
+    "file-negative-bytes": _set(["files", FILE, "bytes"], -1),
+    "chunk-unknown-file": _w_chunk("file", "other.safetensors"),
+    "byte-range-past-eof": _set(["tensors", "empty", "chunks", 0, "byte_range"],
+                                [10**9, 10**9]),
+    "byte-range-reversed": _w_chunk("byte_range", [4120, 4096]),
+    "byte-range-three": _w_chunk("byte_range", [4096, 4120, 4120]),
+    "byte-range-vs-lengths": _w_chunk("byte_range", [4096, 4124]),
+    "lengths-vs-byte-range": _w_chunk("lengths", [1, 3]),
+    "chunk-outside-shape": _w_chunk("offsets", [3, 0]),
+    "chunk-rank-mismatch": _w_chunk("offsets", [0]),
+    "too-few-checksums": _set(["tensors", "big", "chunks", 0, "checksums"],
+                              [block_checksums(bytes(5000), BLOCK)[0]]),
+    "too-many-checksums": _w_chunk("checksums", ["0" * 16, "0" * 16]),
+    "no-checksums-for-empty": _set(["tensors", "empty", "chunks", 0, "checksums"], []),
+    "checksum-wrong-length": _w_chunk("checksums", ["abc"]),
+    "checksum-not-str": _w_chunk("checksums", [12345]),
+    "unknown-dtype": _set(["tensors", "model/w", "dtype"], "float128"),
+    "dtype-alias": _set(["tensors", "model/w", "dtype"], "float"),
+    "dtype-not-a-dtype": _set(["tensors", "model/w", "dtype"], "tensor"),
+    "unknown-kind": _set(["tensors", "model/w", "kind"], "pickle"),
+    "negative-shape": _set(["tensors", "model/w", "shape"], [-4, 3]),
+    "float-shape": _set(["tensors", "model/w", "shape"], [4.0, 3]),
+    "bool-shape": _set(["tensors", "model/w", "shape"], [True, 3]),
+    "shape-not-list": _set(["tensors", "model/w", "shape"], 12),
+    "shape-rank-65": _set(["tensors", "model/w", "shape"], [1] * 65),
+    "chunks-not-list": _set(["tensors", "model/w", "chunks"], {}),
+    "skeleton-unknown-tensor": _set(["skeleton", "items", 0, 1, "state", "items", 0, 1, "key"],
+                                    "model/nope"),
+    "skeleton-unknown-type": _set(["skeleton", "items", 5, 1, "t"], "pickle"),
+    "skeleton-no-type": _set(["skeleton", "items", 5, 1], {}),
+    "skeleton-not-object": _set(["skeleton"], []),
+    "skeleton-int-as-str": _set(["skeleton", "items", 4, 1, "items", 2, "v"], "5"),
+    "skeleton-bool-as-int": _set(["skeleton", "items", 4, 1, "items", 1, "v"], 1),
+    "skeleton-float-as-number": _set(["skeleton", "items", 4, 1, "items", 3, "v"], 0.5),
+    "skeleton-dict-float-key": _set(["skeleton", "items", 0, 0], 1.5),
+    "skeleton-dict-item-short": _set(["skeleton", "items", 0], ["model"]),
+    "skeleton-list-no-items": _set(["skeleton", "items", 5, 1], {"t": "list"}),
+    "skeleton-too-deep": lambda d: d.__setitem__("skeleton", json.loads(_deep_skeleton_text(300))),
+    "step-negative": _set(["step"], -1),
+    "step-bool": _set(["step"], True),
+    "world-size-zero": _set(["world_size"], 0),
+    "created-string": _set(["created_unix"], "yesterday"),
+    "library-version-int": _set(["library_version"], 1),
+    "metadata-list": _set(["user_metadata"], ["a"]),
+    "files-list": _set(["files"], []),
+    "tensors-list": _set(["tensors"], []),
+    "document-list": lambda d: d.clear() or d.update({"not": "a manifest"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_parse_manifest_rejects_corruption(name):
+    doc = good_doc()
+    CORRUPTIONS[name](doc)
+    assert json.dumps(doc) != json.dumps(good_doc())
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_doc(doc)
+    assert PATH in str(info.value)
+    assert info.value.path == PATH
+
+
+@pytest.mark.parametrize("raw", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"{not json", id="not-json"),
+    pytest.param(b"\xff\xfe\x00", id="not-utf8"),
+    pytest.param(b"[1, 2]", id="array"),
+    pytest.param(b"null", id="null"),
+    pytest.param(b"NaN", id="nan"),
+    pytest.param(_deep_skeleton_text(10_000).encode(), id="deep-10000"),
+    pytest.param(b'{"format":"asyncckpt","format_version":1,"skeleton":'
+                 + _deep_skeleton_text(10_000).encode() + b"}", id="deep-skeleton-10000"),
+])
+def test_parse_manifest_rejects_bad_documents(raw):
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_manifest(raw, PATH)
+    assert PATH in str(info.value)
+
+
+def test_deep_but_valid_skeleton_within_limits_is_accepted():
+    doc = good_doc()
+    doc["skeleton"] = json.loads(_deep_skeleton_text(150))
+    assert parse_doc(doc).skeleton == doc["skeleton"]
+
+
+def test_newer_version_message_says_to_upgrade():
+    doc = good_doc()
+    doc["format_version"] = 99
+    with pytest.raises(CheckpointCorruptError, match="upgrade"):
+        parse_doc(doc)
+
+
+def test_dtype_error_names_the_tensor():
+    doc = good_doc()
+    doc["tensors"]["model/w"]["dtype"] = "float128"
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_doc(doc)
+    assert info.value.key == "model/w"
+
+
+@pytest.mark.parametrize("key", [["model/w"], {"a": 1}])
+def test_unhashable_skeleton_key_is_corrupt(key):
+    doc = good_doc()
+    doc["skeleton"]["items"][0][1]["state"]["items"][0][1]["key"] = key
+    with pytest.raises(CheckpointCorruptError):
+        parse_doc(doc)
+
+
+def test_huge_created_unix_is_corrupt():
+    raw = make_manifest().to_json().replace(b'"created_unix": 1700000000.25',
+                                            b'"created_unix": 1' + b"0" * 400)
+    assert raw != make_manifest().to_json()
+    with pytest.raises(CheckpointCorruptError):
+        parse_manifest(raw, PATH)
+
+
+@pytest.mark.parametrize("shape, chunks", [
+    pytest.param([4, 3], [], id="no-chunks"),
+    pytest.param([2**40], [], id="huge-shape-no-chunks"),
+    pytest.param([4, 3], "first-only", id="half-covered"),
+])
+def test_chunks_must_cover_the_tensor(shape, chunks):
+    doc = good_doc()
+    entry = doc["tensors"]["model/w"]
+    entry["shape"] = shape
+    entry["chunks"] = entry["chunks"][:1] if chunks == "first-only" else chunks
+    with pytest.raises(CheckpointCorruptError):
+        parse_doc(doc)
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "bits8", "uint4"])
+def test_unsavable_dtype_in_manifest_is_corrupt(dtype):
+    doc = good_doc()
+    assert getattr(torch, dtype).itemsize == 1  # byte_range of the uint8 tensor stays consistent
+    doc["tensors"]["big"]["dtype"] = dtype
+    with pytest.raises(CheckpointCorruptError):
+        parse_doc(doc)
+
+
+def test_file_name_with_trailing_newline_is_refused():
+    doc = good_doc()
+    _rename_file(FILE + "\n")(doc)
+    with pytest.raises(CheckpointCorruptError):
+        parse_doc(doc)
+
+
+# --- fuzz: parse_manifest returns a Manifest or raises CheckpointCorruptError, nothing else ----
+
+_VALID_RAW = make_manifest().to_json()
+_COMPACT = json.dumps(good_doc(), separators=(",", ":"))
+
+
+def _parse_or_corrupt(raw: bytes) -> None:
+    try:
+        m = parse_manifest(raw, PATH)
+    except CheckpointCorruptError as exc:
+        assert exc.path == PATH
+        return
+    assert isinstance(m, Manifest)
+
+
+_edits = st.lists(st.tuples(st.sampled_from(["flip", "delete", "insert"]),
+                            st.integers(0, len(_COMPACT)), st.integers(1, 8),
+                            st.text(alphabet='{}[]",:0123456789-.eE tfnaul\\x', min_size=1,
+                                    max_size=8)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_edits)
+def test_fuzz_character_edits(edits):
+    text = _COMPACT
+    for op, pos, n, payload in edits:
+        pos = min(pos, len(text))
+        if op == "flip":
+            text = text[:pos] + payload[:n] + text[pos + n:]
+        elif op == "delete":
+            text = text[:pos] + text[pos + n:]
+        else:
+            text = text[:pos] + payload + text[pos:]
+    _parse_or_corrupt(text.encode())
+
+
+def _all_paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _all_paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _all_paths(v, (*prefix, i))
+
+
+_words = st.sampled_from(["tensor", "ndarray", "npscalar", "dict", "list", "tuple", "stateful",
+                          "none", "int", "float", "str", "bool", "bytes", "model/w", "big",
+                          FILE, "..", "float32", "uint8", "torch", "numpy", "xxh3_64",
+                          "asyncckpt", "0" * 16])
+_scalar_json = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6),
+                         _words)
+_container_json = st.recursive(_scalar_json, lambda c: st.one_of(
+    st.lists(c, max_size=3), st.dictionaries(st.one_of(st.text(max_size=4), _words), c,
+                                             max_size=3)), max_leaves=6)
+
+
+def _mutate_structure(data, values):
+    doc = copy.deepcopy(good_doc())
+    paths = list(_all_paths(doc))
+    for _ in range(data.draw(st.integers(1, 3), label="n_mutations")):
+        path = data.draw(st.sampled_from(paths), label="path")
+        op = data.draw(st.sampled_from(["replace", "delete", "insert"]), label="op")
+        if not path:
+            continue
+        parent = doc
+        try:
+            for p in path[:-1]:
+                parent = parent[p]
+            last = path[-1]
+            if not isinstance(parent, (dict, list)):
+                continue  # an earlier mutation replaced this container with a scalar
+            if op == "replace":
+                parent[last] = data.draw(values, label="value")
+            elif op == "delete":
+                del parent[last]
+            elif isinstance(parent, dict):
+                parent[data.draw(_words, label="new key")] = data.draw(values, label="value")
+            else:
+                parent.insert(last, data.draw(values, label="value"))
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation removed or replaced this path
+    return json.dumps(doc).encode()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_structural_scalar_mutations(data):
+    _parse_or_corrupt(_mutate_structure(data, _scalar_json))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_structural_container_mutations(data):
+    _parse_or_corrupt(_mutate_structure(data, _container_json))
+
+
+def test_the_fuzz_base_document_is_valid():
+    assert parse_manifest(_COMPACT.encode(), PATH) == parse_manifest(_VALID_RAW, PATH)
+
+
+# --- checksums --------------------------------------------------------------------------------
+
+def _sizes(bb):
+    return sorted({0, 1, bb - 1, bb, bb + 1, 2 * bb - 1, 2 * bb, 2 * bb + 1, 3 * bb})
+
+
+@pytest.mark.parametrize("bb", [1, 7, 64, 4096])
+def test_block_checksums_hash_each_block(bb):
+    for n in _sizes(bb):
+        data = bytes((i * 31 + 7) % 251 for i in range(n))
+        sums = block_checksums(data, bb)
+        assert len(sums) == max(1, -(-n // bb))
+        if n == 0:
+            assert sums == [xxhash.xxh3_64_hexdigest(b"")]
+        else:
+            assert sums == [xxhash.xxh3_64_hexdigest(data[i:i + bb]) for i in range(0, n, bb)]
+        assert all(len(s) == 16 for s in sums)
+        assert block_checksums(memoryview(data), bb) == sums
+
+
+@settings(max_examples=200, deadline=None)
+@given(bb=st.sampled_from([1, 3, 16, 64]), extra=st.integers(-2, 2), blocks=st.integers(0, 4),
+       cuts=st.lists(st.integers(0, 300), max_size=8), seed=st.integers(0, 255))
+def test_block_hasher_streaming_equals_one_shot(bb, extra, blocks, cuts, seed):
+    n = max(0, blocks * bb + extra)
+    data = bytes((seed + i * 17) % 256 for i in range(n))
+    points = sorted({min(c, n) for c in cuts} | {0, n})
+    hasher = BlockHasher(n, bb)
+    for a, b in itertools.pairwise(points):
+        hasher.update(memoryview(data)[a:b])
+    assert hasher.finish() == block_checksums(data, bb)
+
+
+def test_block_hasher_detects_a_flipped_byte():
+    data = bytearray(range(200))
+    good = block_checksums(bytes(data), 64)
+    data[130] ^= 1
+    h = BlockHasher(200, 64)
+    h.update(memoryview(bytes(data)))
+    got = h.finish()
+    assert got[0] == good[0] and got[1] == good[1] and got[2] != good[2]

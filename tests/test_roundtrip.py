@@ -1,0 +1,487 @@
+"""Save and load through the real AsyncCheckpointer: bit-exact round trips of every dtype,
+in-place loading, tied weights, optimizer resume and strict key checking."""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import asyncckpt
+from asyncckpt import AsyncCheckpointer, RNGState, StateMismatchError
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+MODES = ["sync", "async"]
+SHARD = "rank_00000.safetensors"
+
+
+def _constructible(dtype):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.zeros(2, dtype=dtype).clone()
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+_DTYPE_NAMES = ["bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
+                "complex128", "float8_e8m0fnu", "float4_e2m1fn_x2"]
+_DTYPE_NAMES += sorted(n for n in dir(torch) if n.startswith("float8_"))
+DTYPES = [getattr(torch, n) for n in dict.fromkeys(_DTYPE_NAMES)
+          if isinstance(getattr(torch, n, None), torch.dtype) and _constructible(getattr(torch, n))]
+# dtypes safetensors has no name for: stored as U8 bytes in the shard file
+RAW_IN_FILE = {torch.complex32, torch.complex128, getattr(torch, "float8_e8m0fnu", None),
+               getattr(torch, "float4_e2m1fn_x2", None)}
+
+
+def rand(dtype, shape, seed):
+    """A tensor of random *bytes* (NaNs, infs and odd payloads included for floats)."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def zeros(dtype, shape):
+    """Zeros of any dtype (torch.zeros cannot fill every one, e.g. float4)."""
+    return torch.zeros(math.prod(shape) * dtype.itemsize, dtype=torch.uint8).view(
+        dtype).reshape(shape)
+
+
+def sources(dtype):
+    """Contiguous and non-contiguous tensors of ``dtype``, in the shapes worth checking."""
+    return {
+        "scalar": rand(dtype, (), 1),
+        "empty": rand(dtype, (0, 3), 2),
+        "vec": rand(dtype, (7,), 3),
+        "cube": rand(dtype, (2, 3, 4), 4),
+        "transposed": rand(dtype, (3, 5), 5).T,
+        "stepped": rand(dtype, (10,), 6)[::3],
+        "permuted": rand(dtype, (2, 3, 4), 7).permute(2, 0, 1)[:, 1:],
+        "expanded": rand(dtype, (1, 3), 8).expand(4, 3),
+    }
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+@pytest.fixture
+def ckpt(tmp_path, mode):
+    with AsyncCheckpointer(tmp_path / "ckpt", mode=mode) as c:
+        yield c
+
+
+def _storage_ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+# --- every dtype, every shape ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_every_dtype_roundtrips_bit_exactly(ckpt, dtype, tensor_bytes):
+    src = sources(dtype)
+    assert not src["transposed"].is_contiguous() and not src["stepped"].is_contiguous()
+    info = ckpt.save({"t": src, "step": 3}, 1)
+    assert info.step == 1
+
+    fresh = ckpt.load(step=1)
+    assert fresh["step"] == 3
+    assert set(fresh["t"]) == set(src)
+    for k, s in src.items():
+        got = fresh["t"][k]
+        assert type(got) is torch.Tensor
+        assert got.dtype == dtype and got.shape == s.shape, k
+        assert tensor_bytes(got) == tensor_bytes(s), k
+
+    # the shard file is a safetensors file holding the same bytes
+    path = str(info.path / SHARD)
+    on_disk = safetensors.torch.load_file(path)
+    for k, s in src.items():
+        t = on_disk[f"t/{k}"]
+        if dtype in RAW_IN_FILE:
+            assert t.dtype == torch.uint8 and t.shape == (s.numel() * s.element_size(),)
+        else:
+            assert t.dtype == dtype and t.shape == s.shape
+        assert tensor_bytes(t) == tensor_bytes(s), k
+
+    # in place, into targets of the same layout, contiguous or not
+    targets = {k: zeros(dtype, s.shape) for k, s in src.items() if s.is_contiguous()}
+    targets["transposed"] = zeros(dtype, (3, 5)).T
+    targets["stepped"] = zeros(dtype, (10,))[::3]
+    targets["permuted"] = zeros(dtype, (2, 3, 4)).permute(2, 0, 1)[:, 1:]
+    targets["expanded"] = zeros(dtype, (4, 3))
+    ptrs = {k: t.data_ptr() for k, t in targets.items()}
+    state = {"t": targets, "step": 0}
+    out = ckpt.load(state, step=1)
+    assert out is state and out["step"] == 3
+    for k, s in src.items():
+        assert out["t"][k] is targets[k], k
+        assert targets[k].data_ptr() == ptrs[k], k
+        assert tensor_bytes(targets[k]) == tensor_bytes(s), k
+
+
+NP_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+             np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+
+
+def _np_rand(dtype, shape, seed):
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    raw = rng.integers(0, 256, math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw &= 1
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_numpy_dtypes_roundtrip(ckpt, dtype, same):
+    src = {
+        "zero_d": _np_rand(dtype, (), 1),
+        "empty": _np_rand(dtype, (0, 2), 2),
+        "mat": _np_rand(dtype, (3, 4), 3),
+        "T": _np_rand(dtype, (3, 4), 4).T,
+        "stepped": _np_rand(dtype, (3, 6), 5)[:, ::2],
+        "reversed": _np_rand(dtype, (5,), 6)[::-1],
+        "scalar": _np_rand(dtype, (), 7)[()],
+    }
+    assert isinstance(src["scalar"], np.generic)
+    ckpt.save(src, 1)
+    fresh = ckpt.load()
+    same(src, fresh)
+    assert type(fresh["scalar"]) is np.dtype(dtype).type
+
+    targets = {k: np.zeros_like(v) for k, v in src.items() if isinstance(v, np.ndarray)}
+    targets["T"] = np.zeros((3, 4), dtype=dtype).T  # non-contiguous target
+    targets["stepped"] = np.zeros((3, 6), dtype=dtype)[:, ::2]
+    del targets["reversed"]  # a negative-stride target is copied, not filled in place
+    state = {**targets, "reversed": np.zeros(5, dtype=dtype), "scalar": np.zeros((), dtype)[()]}
+    out = ckpt.load(state)
+    same(src, {k: out[k] for k in src})
+    for k, arr in targets.items():
+        if k != "empty":  # see test_empty_numpy_target_keeps_identity
+            assert out[k] is arr, k
+        assert arr.tobytes() == np.ascontiguousarray(src[k]).tobytes(), k
+
+
+def test_empty_numpy_target_keeps_identity(ckpt):
+    ckpt.save({"e": np.zeros((0, 2), np.float32), "t": torch.zeros(0, 2)}, 1)
+    state = {"e": np.ones((0, 2), np.float32), "t": torch.ones(0, 2)}
+    e, t = state["e"], state["t"]
+    out = ckpt.load(state)
+    assert out["t"] is t  # torch: kept
+    assert out["e"] is e
+
+
+# --- memory: fresh loads are fresh, in-place loads are in place ---------------------------------
+
+def test_fresh_load_shares_no_memory_with_source_or_arena(ckpt):
+    src = {"w": torch.randn(16, 16), "b": torch.arange(5), "a": np.arange(4.0)}
+    keep = {k: v.clone() if isinstance(v, torch.Tensor) else v.copy() for k, v in src.items()}
+    ckpt.save(src, 1)
+    loaded = ckpt.load(step=1)
+    assert _storage_ptr(loaded["w"]) != _storage_ptr(src["w"])
+    assert _storage_ptr(loaded["b"]) != _storage_ptr(src["b"])
+    assert not np.shares_memory(loaded["a"], src["a"])
+    src["w"].add_(1)
+    src["b"].add_(1)
+    src["a"] += 1
+    assert torch.equal(loaded["w"], keep["w"]) and torch.equal(loaded["b"], keep["b"])
+    # a second save re-uses the staging arena; what was loaded must not change
+    ckpt.save(src, 2)
+    assert torch.equal(loaded["w"], keep["w"]) and torch.equal(loaded["b"], keep["b"])
+    assert np.array_equal(loaded["a"], keep["a"])
+    loaded["w"].zero_()
+    assert torch.equal(ckpt.load(step=1)["w"], keep["w"])
+    assert torch.equal(ckpt.load(step=2)["w"], keep["w"] + 1)
+
+
+def test_in_place_load_keeps_identity_and_memory(ckpt):
+    w, b = torch.randn(8, 4), torch.randn(4)
+    base = torch.randn(4, 6)
+    state = {"layer": {"w": w, "b": b}, "wt": base.T, "lst": [torch.randn(3)],
+             "tup": (torch.randn(2),)}
+    saved = {"w": w.clone(), "b": b.clone(), "wt": base.T.clone(), "l0": state["lst"][0].clone(),
+             "t0": state["tup"][0].clone()}
+    ckpt.save(state, 1)
+    for t in (w, b, base, state["lst"][0], state["tup"][0]):
+        t.zero_()
+    ptrs = (w.data_ptr(), b.data_ptr(), base.data_ptr())
+    lst, l0, t0, wt = state["lst"], state["lst"][0], state["tup"][0], state["wt"]
+    out = ckpt.load(state)
+    assert out is state
+    assert out["layer"]["w"] is w and out["layer"]["b"] is b and out["wt"] is wt
+    assert (w.data_ptr(), b.data_ptr(), base.data_ptr()) == ptrs
+    assert out["lst"] is lst and out["lst"][0] is l0 and out["tup"][0] is t0
+    assert torch.equal(w, saved["w"]) and torch.equal(b, saved["b"])
+    assert torch.equal(base.T, saved["wt"])
+    assert torch.equal(l0, saved["l0"]) and torch.equal(t0, saved["t0"])
+
+
+def test_module_loads_in_place(ckpt):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    m.train()
+    m(torch.randn(5, 3))  # moves the BatchNorm running stats
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    ckpt.save({"model": m}, 1)
+    params = list(m.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.zero_()
+    m[1].reset_running_stats()
+    out = ckpt.load({"model": m})
+    assert out["model"] is m
+    assert all(a is b for a, b in zip(m.parameters(), params, strict=True))
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+# --- tied weights -----------------------------------------------------------------------------
+
+class TiedLM(nn.Module):
+    def __init__(self, seed, tie=True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_tied_weights_are_stored_once_and_come_back_tied(ckpt):
+    m = TiedLM(0)
+    assert m.head.weight is m.emb.weight
+    info = ckpt.save({"model": m}, 1)
+    with safetensors.safe_open(str(info.path / SHARD), framework="pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == 1
+    assert torch.equal(safetensors.torch.load_file(str(info.path / SHARD))[keys[0]],
+                       m.emb.weight.detach())
+    assert len(ckpt.manifest().tensors) == 1
+
+    fresh = ckpt.load()
+    assert fresh["model"]["emb.weight"] is fresh["model"]["head.weight"]
+    assert torch.equal(fresh["model"]["emb.weight"], m.emb.weight.detach())
+
+    other = TiedLM(1)
+    assert not torch.equal(other.emb.weight, m.emb.weight)
+    ckpt.load({"model": other})
+    assert other.head.weight is other.emb.weight
+    assert torch.equal(other.emb.weight, m.emb.weight)
+
+
+def test_tied_checkpoint_loads_into_untied_model(ckpt):
+    m = TiedLM(0)
+    ckpt.save({"model": m}, 1)
+    untied = TiedLM(1, tie=False)
+    ckpt.load({"model": untied})
+    assert untied.head.weight is not untied.emb.weight
+    assert torch.equal(untied.emb.weight, m.emb.weight)
+    assert torch.equal(untied.head.weight, m.emb.weight)
+
+
+# --- optimizer --------------------------------------------------------------------------------
+
+def _net(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train_step(model, opt, i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_optimizer_state_keeps_int_keys(ckpt):
+    m = _net(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train_step(m, opt, 0)
+    ckpt.save({"optim": opt}, 1)
+    fresh = ckpt.load()
+    state = fresh["optim"]["state"]
+    assert sorted(state) == [0, 1, 2, 3]
+    assert all(type(k) is int for k in state)
+    assert fresh["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert torch.equal(state[0]["exp_avg"], opt.state[m[0].weight]["exp_avg"])
+
+
+def test_resume_into_fresh_adamw_continues_bit_identically(ckpt):
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95))
+    for i in range(3):
+        _train_step(model, opt, i)
+    ckpt.save({"model": model, "optim": opt, "next": 3}, 3)
+    _train_step(model, opt, 3)
+    _train_step(model, opt, 4)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model2 = _net(1)  # other weights, default hyper-parameters, no optimizer state yet
+    opt2 = torch.optim.AdamW(model2.parameters())
+    assert not opt2.state
+    out = ckpt.load({"model": model2, "optim": opt2, "next": 0})
+    assert out["optim"] is opt2 and out["next"] == 3
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
+    assert len(opt2.state) == 4
+    _train_step(model2, opt2, 3)
+    _train_step(model2, opt2, 4)
+    for a, b in zip(model2.parameters(), expected, strict=True):
+        assert torch.equal(a.detach().view(torch.int32), b.view(torch.int32))
+
+
+# --- strictness -------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved_ab(ckpt):
+    a, b = torch.randn(3), torch.randn(2, 2)
+    ckpt.save({"a": a, "sub": {"b": b}}, 1)
+    return ckpt, a, b
+
+
+def test_missing_key_raises_with_its_name(saved_ab):
+    ckpt, *_ = saved_ab
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"a": torch.zeros(3), "sub": {"b": torch.zeros(2, 2), "extra": torch.zeros(1)}})
+    assert info.value.missing == ["sub/extra"]
+    assert info.value.unexpected == [] and info.value.mismatched == []
+    assert "sub/extra" in str(info.value)
+    assert isinstance(info.value, KeyError)
+
+
+def test_unexpected_key_raises_with_its_name(saved_ab):
+    ckpt, *_ = saved_ab
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"a": torch.zeros(3)})
+    assert info.value.unexpected == ["sub/b"]
+    assert info.value.missing == []
+    assert "sub/b" in str(info.value) and "strict=False" in str(info.value)
+
+
+def test_non_strict_skips_missing_and_unexpected(saved_ab):
+    ckpt, a, _ = saved_ab
+    za, extra = torch.zeros(3), torch.full((2,), 7.0)
+    state = {"a": za, "extra": extra}
+    out = ckpt.load(state, strict=False)
+    assert out is state and set(out) == {"a", "extra"}
+    assert out["a"] is za and torch.equal(za, a)
+    assert torch.equal(extra, torch.full((2,), 7.0))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("bad", [torch.zeros(4), torch.zeros(3, dtype=torch.float64),
+                                 torch.zeros(1, 3)], ids=["shape", "dtype", "rank"])
+def test_shape_or_dtype_mismatch_always_raises(saved_ab, strict, bad):
+    ckpt, *_ = saved_ab
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"a": bad, "sub": {"b": torch.zeros(2, 2)}}, strict=strict)
+    assert len(info.value.mismatched) == 1 and info.value.mismatched[0].startswith("a:")
+    assert torch.equal(bad, torch.zeros_like(bad))  # nothing was written into it
+
+
+def test_module_missing_parameter_is_reported(ckpt):
+    ckpt.save({"model": nn.Linear(2, 2, bias=False)}, 1)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": nn.Linear(2, 2)})
+    assert info.value.missing == ["model/bias"]
+
+
+# --- other leaves through the checkpointer ----------------------------------------------------
+
+def test_rng_state_through_a_checkpoint(ckpt):
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    ckpt.save({"rng": RNGState()}, 1)
+
+    def draw():
+        return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+
+    first = draw()
+    ckpt.load({"rng": RNGState()})
+    assert draw() == first
+    asyncckpt.restore_rng_state(ckpt.load()["rng"])
+    assert draw() == first
+
+
+def test_scalars_and_containers_through_a_checkpoint(ckpt, same):
+    state = {"i": 2**70, "f": -0.0, "nan": float("nan"), "s": "\u00e9\U0001f600", "b": b"\x00",
+             "n": None, "t": (1, [2, {3: "x"}]), 7: True}
+    ckpt.save(state, 1)
+    same(state, ckpt.load())
+
+
+def test_conjugate_view_roundtrips(ckpt):
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    ckpt.save({"z": z, "zc": z.conj()}, 1)
+    out = ckpt.load()
+    assert torch.equal(out["zc"], z.conj().resolve_conj())
+
+
+def test_module_level_save_and_load(tmp_path):
+    t = torch.arange(6.0).reshape(2, 3)
+    info = asyncckpt.save({"t": t}, tmp_path / "r", step=4)
+    assert info.step == 4
+    assert torch.equal(asyncckpt.load(tmp_path / "r")["t"], t)
+    assert torch.equal(asyncckpt.load(info.path)["t"], t)  # a step directory works too
+    target = {"t": torch.zeros(2, 3)}
+    asyncckpt.load(tmp_path / "r", target, step=4)
+    assert torch.equal(target["t"], t)
+
+
+def test_overlapped_async_save(tmp_path):
+    t = torch.randn(64)
+    want = t.clone()
+    with AsyncCheckpointer(tmp_path, mode="async") as c:
+        fut = c.save_async({"t": t}, 1, overlap=True)
+        fut.wait_staged()
+        t.add_(1)  # allowed once staged: must not leak into the checkpoint
+        fut.wait()
+        assert torch.equal(c.load()["t"], want)
+
+
+# --- property: random flat states round-trip through the real checkpointer --------------------
+
+_PROP_DTYPES = [d for d in DTYPES if d not in (torch.complex32,)]
+
+
+@st.composite
+def leaf(draw):
+    kind = draw(st.sampled_from(["tensor", "tensor", "numpy", "scalar"]))
+    if kind == "scalar":
+        return draw(st.one_of(st.integers(), st.floats(), st.text(max_size=5), st.none(),
+                              st.booleans(), st.binary(max_size=5)))
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    seed = draw(st.integers(0, 2**16))
+    if kind == "numpy":
+        return _np_rand(draw(st.sampled_from(NP_DTYPES)), shape, seed)
+    t = rand(draw(st.sampled_from(_PROP_DTYPES)), shape, seed)
+    return t.transpose(0, -1) if t.dim() >= 2 and draw(st.booleans()) else t
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.text(min_size=1, max_size=5), st.one_of(leaf(), st.lists(leaf(),
+       max_size=3)), max_size=6), st.sampled_from(MODES))
+def test_random_states_roundtrip_through_the_checkpointer(tmp_path_factory, same, state, mode):
+    with AsyncCheckpointer(tmp_path_factory.mktemp("prop"), mode=mode) as c:
+        c.save(state, 0)
+        same(state, c.load())

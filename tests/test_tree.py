@@ -1,0 +1,504 @@
+"""flatten / unflatten of state trees, aliasing, unsupported leaves, statefuls and RNG state."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncckpt
+from asyncckpt import UnsupportedLeafError
+from asyncckpt.tree import (
+    RNGState,
+    Stateful,
+    capture_rng_state,
+    escape_key,
+    flatten,
+    restore_rng_state,
+    unflatten,
+)
+
+
+def roundtrip(state, *, via_json=True, clone=True):
+    """flatten -> (skeleton through JSON, as a manifest does) -> unflatten."""
+    flat = flatten(state)
+    skeleton = json.loads(json.dumps(flat.skeleton)) if via_json else flat.skeleton
+    tensors = {k: v.clone() for k, v in flat.tensors.items()} if clone else flat.tensors
+    return flat, unflatten(skeleton, tensors)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ({0: 1}, {"0": 1}),
+    ((1,), [1]),
+    ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+    (-0.0, 0.0),
+    (1, True),
+    (float("nan"), 1.0),
+    (torch.tensor([float("nan")]), torch.tensor([-float("nan")])),
+    (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),
+    (torch.zeros(2, 1), torch.zeros(1, 2)),
+    (np.zeros(2, np.float32), np.zeros(2, np.float64)),
+    (np.float32(1), np.float64(1)),
+    (np.zeros(1), torch.zeros(1, dtype=torch.float64)),
+])
+def test_comparison_helper_is_strict(a, b, same):
+    with pytest.raises(AssertionError):
+        same(a, b)
+
+
+def test_comparison_helper_accepts_nan_and_equal_trees(same):
+    same({"x": [float("nan"), torch.tensor([float("nan")])]},
+         {"x": [float("nan"), torch.tensor([float("nan")])]})
+
+
+# --- scalars and containers ------------------------------------------------------------------
+
+def test_nested_containers_keep_key_types_and_container_types(same):
+    state = {
+        "a": {1: "one", "1x": 2, -7: [None, True, False]},
+        "tup": (1, (2.5, "x"), []),
+        "list": [[], {}, ()],
+        3: {"deep": {"deeper": {0: b"\x00\xff"}}},
+    }
+    _, back = roundtrip(state)
+    same(state, back)
+    assert list(back["a"]) == [1, "1x", -7]
+    assert type(next(iter(back["a"]))) is int
+    assert type(back["tup"]) is tuple and type(back["tup"][1]) is tuple
+    assert type(back["list"][2]) is tuple
+
+
+@pytest.mark.parametrize("value", [
+    0, -1, 2**70, -(2**65), 1.5, 1e-310, 1e308, float("inf"), float("-inf"), 0.0, -0.0, True,
+    False, None, "", "unicode: \u00e9\u4e2d\U0001f600 \\ \" \n", b"", b"\x00\x01\xfe"])
+def test_scalar_leaves_roundtrip_exactly(value, same):
+    _, back = roundtrip({"v": value, "in_list": [value], "in_tuple": (value,)})
+    same({"v": value, "in_list": [value], "in_tuple": (value,)}, back)
+
+
+def test_float_specials_keep_sign_and_bits():
+    state = {"nan": float("nan"), "negzero": -0.0, "poszero": 0.0, "inf": math.inf,
+             "tiny": 5e-324, "third": 1 / 3}
+    _, back = roundtrip(state)
+    assert math.isnan(back["nan"])
+    assert math.copysign(1.0, back["negzero"]) == -1.0
+    assert math.copysign(1.0, back["poszero"]) == 1.0
+    assert back["inf"] == math.inf
+    for k in ("tiny", "third"):
+        assert back[k].hex() == state[k].hex()
+
+
+def test_bool_is_not_turned_into_int():
+    _, back = roundtrip({"t": True, "i": 1})
+    assert back["t"] is True
+    assert type(back["i"]) is int
+
+
+def test_bytes_and_str_stay_distinct():
+    _, back = roundtrip({"b": b"abc", "s": "abc"})
+    assert type(back["b"]) is bytes and type(back["s"]) is str
+
+
+def test_numpy_arrays_and_scalars_roundtrip(same):
+    state = {
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "u64": np.array([0, 2**64 - 1], dtype=np.uint64),
+        "b": np.array([True, False]),
+        "c128": np.array([1 + 2j, np.nan], dtype=np.complex128),
+        "zero_d": np.array(3.5),
+        "empty": np.zeros((0, 4), dtype=np.int16),
+        "strided": np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2],
+        "reversed": np.arange(5, dtype=np.int64)[::-1],
+        "s_f64": np.float64(-0.0),
+        "s_i8": np.int8(-5),
+        "s_bool": np.bool_(True),
+        "s_f16": np.float16(1.5),
+        "s_c64": np.complex64(1 - 1j),
+    }
+    _, back = roundtrip(state)
+    same(state, back)
+    assert type(back["s_f64"]) is np.float64 and math.copysign(1, back["s_f64"]) == -1
+    assert isinstance(back["zero_d"], np.ndarray) and back["zero_d"].shape == ()
+
+
+def test_numpy_leaves_get_their_kind():
+    flat = flatten({"a": np.zeros(2), "s": np.int32(4), "t": torch.zeros(2)})
+    assert flat.kinds == {"a": "numpy", "s": "numpy_scalar", "t": "torch"}
+
+
+# --- paths ------------------------------------------------------------------------------------
+
+def test_paths_join_keys_with_slashes():
+    flat = flatten({"model": {"layers.0.weight": torch.ones(1)}, "optim": {"state": {0: {
+        "exp_avg": torch.ones(1)}}}, "lst": [torch.ones(1), (torch.ones(1),)]})
+    assert set(flat.tensors) == {"model/layers.0.weight", "optim/state/0/exp_avg", "lst/0",
+                                 "lst/1/0"}
+
+
+def test_slash_and_percent_in_keys_do_not_collide(same):
+    tensors = [torch.full((1,), float(i)) for i in range(7)]
+    state = {
+        "a/b": tensors[0],
+        "a": {"b": tensors[1]},
+        "a%2Fb": tensors[2],
+        "%": tensors[3],
+        "%25": tensors[4],
+        "%2F": tensors[5],
+        "/": tensors[6],
+    }
+    flat, back = roundtrip(state)
+    assert len(flat.tensors) == 7
+    assert len(set(flat.refs.values())) == 7
+    same(state, back)
+
+
+@pytest.mark.parametrize("key", ["", "a", "/", "%", "%2F", "a/b%c", "%%//", 0, -3, 17])
+def test_escape_key_is_injective_and_slash_free(key):
+    seg = escape_key(key)
+    assert "/" not in seg
+    others = ["", "a", "/", "%", "%2F", "%25", "a/b%c", "%%//", "0", "-3", "17", "a%2Fb%25c"]
+    for other in others:
+        if str(other) != str(key):
+            assert escape_key(other) != seg
+
+
+@pytest.mark.parametrize("state, where", [
+    ({0: 1, "0": 2}, "<root>"),
+    ({"x": {"y": {7: torch.ones(1), "7": torch.ones(1)}}}, "x/y"),
+    ({"x": [{-1: None, "-1": None}]}, "x/0"),
+])
+def test_int_and_str_key_naming_one_path_raise(state, where):
+    with pytest.raises(UnsupportedLeafError) as info:
+        flatten(state)
+    assert where in str(info.value)
+
+
+def test_empty_string_key_at_root_does_not_collide(same):
+    state = {"": [torch.ones(2)], "0": torch.zeros(2)}
+    try:
+        flat, back = roundtrip(state)
+    except UnsupportedLeafError:
+        return  # refusing is acceptable; losing data silently is not
+    assert len(flat.tensors) == 2
+    same(state, back)
+
+
+def test_empty_string_key_below_root_roundtrips(same):
+    state = {"a": {"": torch.ones(2), "x": [torch.zeros(1)]}, "b": {"": {"": torch.ones(1)}}}
+    flat, back = roundtrip(state)
+    assert len(flat.tensors) == 3
+    same(state, back)
+
+
+def test_root_tensor_and_root_list():
+    t = torch.arange(3.0)
+    flat, back = roundtrip(t)
+    assert torch.equal(back, t)
+    flat, back = roundtrip([t, t + 1])
+    assert set(flat.tensors) == {"0", "1"}
+    assert torch.equal(back[1], t + 1)
+
+
+# --- unsupported leaves -----------------------------------------------------------------------
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized/CSR creation warns
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda: object(), id="object"),
+    pytest.param(lambda: {1, 2}, id="set"),
+    pytest.param(lambda: frozenset(), id="frozenset"),
+    pytest.param(lambda: _Opaque(), id="custom-object"),
+    pytest.param(lambda: {1.5: "x"}, id="float-key"),
+    pytest.param(lambda: {(1, 2): "x"}, id="tuple-key"),
+    pytest.param(lambda: {True: "x"}, id="bool-key"),
+    pytest.param(lambda: 1 + 2j, id="complex-scalar"),
+    pytest.param(lambda: bytearray(b"x"), id="bytearray"),
+    pytest.param(lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8),
+                 id="quantized"),
+    pytest.param(lambda: torch.eye(3).to_sparse(), id="sparse-coo"),
+    pytest.param(lambda: torch.eye(3).to_sparse_csr(), id="sparse-csr"),
+    pytest.param(lambda: torch.empty(3, device="meta"), id="meta"),
+    pytest.param(lambda: torch.empty(2, dtype=torch.bits8), id="bits8"),
+    pytest.param(lambda: torch.empty(2, dtype=torch.uint4), id="uint4"),
+    pytest.param(lambda: np.array([object()], dtype=object), id="numpy-object"),
+    pytest.param(lambda: np.array(["a"]), id="numpy-str"),
+    pytest.param(lambda: np.arange(3, dtype=">i4"), id="numpy-big-endian"),
+    pytest.param(lambda: np.datetime64("2020-01-01"), id="numpy-datetime-scalar"),
+])
+def test_unsupported_leaf_names_its_path(bad):
+    state = {"outer": {"inner": [0, bad()]}}
+    with pytest.raises(UnsupportedLeafError) as info:
+        flatten(state)
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, asyncckpt.CheckpointError)
+    assert "outer/inner" in str(info.value)
+
+
+def test_unsupported_root_says_root():
+    with pytest.raises(UnsupportedLeafError, match="<root>"):
+        flatten(object())
+
+
+def test_cycles_raise():
+    d: dict = {"x": 1}
+    d["self"] = d
+    with pytest.raises(UnsupportedLeafError, match="cycle"):
+        flatten(d)
+    lst: list = []
+    lst.append([lst])
+    with pytest.raises(UnsupportedLeafError, match="cycle"):
+        flatten({"l": lst})
+
+
+def test_shared_subtree_is_not_a_cycle(same):
+    shared = [1, 2, {"k": "v"}]
+    state = {"a": shared, "b": shared, "c": (shared,)}
+    _, back = roundtrip(state)
+    same(state, back)
+
+
+# --- aliasing ---------------------------------------------------------------------------------
+
+def test_tied_tensor_is_stored_once():
+    w = torch.randn(4, 3)
+    flat = flatten({"emb": {"weight": w}, "head": {"weight": w}, "again": w.view(4, 3)})
+    assert len(flat.tensors) == 1
+    (key,) = flat.tensors
+    assert flat.refs == {"emb/weight": key, "head/weight": key, "again": key}
+    back = unflatten(flat.skeleton, flat.tensors)
+    assert back["emb"]["weight"] is back["head"]["weight"] is back["again"]
+
+
+def test_detached_views_of_one_parameter_are_tied():
+    p = torch.nn.Parameter(torch.randn(5))
+    flat = flatten({"a": p.detach(), "b": p.detach(), "c": p})
+    assert len(flat.tensors) == 1
+
+
+@pytest.mark.parametrize("views", [
+    pytest.param(lambda t: (t[0], t[1]), id="rows"),
+    pytest.param(lambda t: (t, t.T), id="transpose"),
+    pytest.param(lambda t: (t, t.reshape(-1)), id="reshape"),
+    pytest.param(lambda t: (t[:, :2], t[:, 1:]), id="overlapping-slices"),
+    pytest.param(lambda t: (t, t.view(torch.int32)), id="dtype-view"),
+    pytest.param(lambda t: (t[0], t[0].clone()), id="clone"),
+])
+def test_different_views_of_one_storage_are_different_keys(views, same):
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    a, b = views(base)
+    flat, back = roundtrip({"a": a, "b": b})
+    assert len(flat.tensors) == 2
+    assert flat.refs == {"a": "a", "b": "b"}
+    same({"a": a, "b": b}, back)
+
+
+def test_conjugate_view_is_not_tied_to_its_base():
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    flat = flatten({"a": z, "b": z.conj()})
+    assert len(flat.tensors) == 2
+
+
+def test_empty_tensors_are_never_aliased():
+    e = torch.empty(0, 3)
+    flat = flatten({"a": e, "b": e, "c": e[:0], "d": torch.empty(0)})
+    assert len(flat.tensors) == 4
+    assert flat.refs == {p: p for p in "abcd"}
+
+
+def test_numpy_arrays_are_not_aliased_with_each_other():
+    arr = np.arange(4.0)
+    flat = flatten({"a": arr, "b": arr})
+    assert len(flat.tensors) == 2
+
+
+# --- statefuls --------------------------------------------------------------------------------
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+        self.buf = torch.zeros(3)
+        self.loaded = None
+
+    def state_dict(self):
+        return {"count": self.count, "buf": self.buf}
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+def test_stateful_protocol_recognises_modules_optimizers_and_custom_classes():
+    m = torch.nn.Linear(2, 2)
+    assert isinstance(m, Stateful)
+    assert isinstance(torch.optim.SGD(m.parameters(), lr=0.1), Stateful)
+    assert isinstance(Counter(), Stateful)
+    assert not isinstance(object(), Stateful)
+
+
+def test_module_flattens_through_state_dict(same):
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    flat = flatten({"model": m})
+    assert set(flat.tensors) == {f"model/{k}" for k in m.state_dict()}
+    assert flat.skeleton["items"][0][1]["t"] == "stateful"
+    assert "model" in flat.statefuls and flat.statefuls["model"][0] is m
+    back = unflatten(json.loads(json.dumps(flat.skeleton)), flat.tensors)
+    assert isinstance(back["model"], dict)
+    assert set(back["model"]) == set(m.state_dict())
+    for k, v in m.state_dict().items():
+        assert torch.equal(back["model"][k], v)
+    # the BatchNorm step counter is an int64 tensor, kept as such
+    assert back["model"]["1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_optimizer_flattens_with_int_state_keys():
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    flat = flatten({"optim": opt})
+    assert "optim/state/0/exp_avg" in flat.tensors
+    assert "optim/state/1/exp_avg_sq" in flat.tensors
+    back = unflatten(json.loads(json.dumps(flat.skeleton)), flat.tensors)
+    assert set(back["optim"]["state"]) == {0, 1}
+    assert all(type(k) is int for k in back["optim"]["state"])
+    assert back["optim"]["param_groups"][0]["params"] == [0, 1]
+    assert type(back["optim"]["param_groups"][0]["betas"]) is tuple
+
+
+def test_custom_stateful_flattens_through_state_dict():
+    c = Counter()
+    c.count = 5
+    flat = flatten({"c": c})
+    assert set(flat.tensors) == {"c/buf"}
+    assert flat.tensors["c/buf"] is c.buf
+    back = unflatten(flat.skeleton, flat.tensors)
+    assert back == {"c": {"count": 5, "buf": c.buf}}
+
+
+def test_stateful_state_dict_is_checked_for_bad_leaves():
+    class Bad(Counter):
+        def state_dict(self):
+            return {"ok": 1, "bad": object()}
+
+    with pytest.raises(UnsupportedLeafError, match="s/bad"):
+        flatten({"s": Bad()})
+
+
+# --- RNG state --------------------------------------------------------------------------------
+
+def _draw():
+    return ([random.random() for _ in range(5)], np.random.rand(5).tolist(),
+            torch.rand(5).tolist(), torch.randn(3).tolist(), np.random.randn(3).tolist(),
+            random.gauss(0, 1))
+
+
+def test_capture_and_restore_rng_state_replays_every_generator():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    state = capture_rng_state()
+    first = _draw()
+    restore_rng_state(state)
+    assert _draw() == first
+
+
+def test_rng_state_survives_flatten_json_unflatten():
+    random.seed(11)
+    state = capture_rng_state()
+    _, back = roundtrip({"rng": state})
+    first = _draw()
+    restore_rng_state(back["rng"])
+    assert _draw() == first
+
+
+def test_rng_state_object_is_a_stateful_leaf():
+    rng = RNGState()
+    assert isinstance(rng, Stateful)
+    flat = flatten({"rng": rng})
+    assert "rng/torch" in flat.tensors
+    first = _draw()
+    back = unflatten(json.loads(json.dumps(flat.skeleton)),
+                     {k: v.clone() for k, v in flat.tensors.items()})
+    RNGState().load_state_dict(back["rng"])
+    assert _draw() == first
+
+
+# --- property: any random state tree round-trips exactly ----------------------------------------
+
+_TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+                 torch.float32, torch.float64, torch.complex64, torch.complex128,
+                 torch.float8_e4m3fn, torch.float8_e5m2]
+_NP_DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.uint64, np.float16, np.float32,
+              np.float64, np.complex64]
+
+
+@st.composite
+def small_tensors(draw):
+    dtype = draw(st.sampled_from(_TORCH_DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    n = math.prod(shape) * dtype.itemsize
+    data = bytearray(draw(st.binary(min_size=n, max_size=n)))
+    raw = torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw & 1
+    t = raw.view(dtype).reshape(shape)
+    if draw(st.booleans()) and t.dim() >= 2:
+        t = t.transpose(0, 1)  # a non-contiguous leaf
+    return t
+
+
+@st.composite
+def small_arrays(draw):
+    dtype = np.dtype(draw(st.sampled_from(_NP_DTYPES)))
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    n = math.prod(shape) * dtype.itemsize
+    data = draw(st.binary(min_size=n, max_size=n))
+    arr = np.frombuffer(data, dtype=np.uint8).copy()
+    if dtype == np.bool_:
+        arr &= 1
+    arr = arr.view(dtype).reshape(shape)
+    return arr[()] if draw(st.booleans()) and shape == () else arr
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
+                     st.binary(max_size=8))
+_leaves = st.one_of(_scalars, small_tensors(), small_arrays())
+_keys = st.one_of(st.text(max_size=4), st.integers(-3, 10))
+
+
+def _dicts(children, keys):
+    pairs = st.lists(st.tuples(keys, children), max_size=4, unique_by=lambda kv: str(kv[0]))
+    return pairs.map(dict)
+
+
+trees = st.recursive(
+    _leaves,
+    lambda children: st.one_of(_dicts(children, _keys), st.lists(children, max_size=4),
+                               st.lists(children, max_size=4).map(tuple)),
+    max_leaves=12)
+root_trees = st.one_of(
+    _dicts(trees, st.one_of(st.text(max_size=4), st.integers(-3, 10))),
+    st.lists(trees, max_size=4), trees.filter(lambda x: not isinstance(x, dict)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(root_trees)
+def test_random_trees_roundtrip_exactly(same, tree):
+    flat = flatten(tree)
+    same(tree, unflatten(flat.skeleton, flat.tensors))
+    # and through JSON with copies of the tensors, as a checkpoint does
+    _, back = roundtrip(tree)
+    same(tree, back)
+    # every array leaf has a path, and refs point at stored tensors only
+    assert set(flat.refs.values()) <= set(flat.tensors)
+    assert set(flat.tensors) <= set(flat.refs)
