@@ -1,8 +1,11 @@
-"""The ``asyncckpt`` command: list, inspect and verify checkpoints.
+"""The ``asyncckpt`` command: list, inspect, verify and export checkpoints.
 
     asyncckpt ls ROOT                 committed steps under a checkpoint root
     asyncckpt inspect CKPT [--step N] tensors of one checkpoint (root -> latest step)
     asyncckpt verify CKPT [--step N]  check every header and checksum
+    asyncckpt export CKPT OUT.safetensors [--step N] [--prefix P] [--strip-prefix]
+                     [--dtype bf16|fp16|fp32] [--force]
+                                      one safetensors file of whole tensors
 
 Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
 2 usage error or nothing found.
@@ -224,11 +227,51 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_CORRUPT
 
 
+# --- export ------------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_safetensors
+
+    if args.strip_prefix and not args.prefix:
+        raise _Usage("--strip-prefix needs --prefix (e.g. --prefix model/)")
+    path = Path(args.ckpt)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
+    try:
+        report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
+                                    strip_prefix=args.strip_prefix, dtype=args.dtype,
+                                    force=args.force)
+    except OSError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise _Usage(f"cannot export to {args.out}: {exc.strerror or exc}"
+                     f"{f' ({exc.filename})' if exc.filename else ''}") from exc
+    for s in report.skipped:
+        _warn(f"skipped {s.key} ({s.dtype} {list(s.shape)}): {s.reason}")
+    if args.json:
+        _print_json(report.to_json())
+        return EXIT_OK
+    rows = [[t.name, t.dtype if t.dtype == t.source_dtype else f"{t.dtype} (from {t.source_dtype})",
+             str(list(t.shape)), str(t.nbytes), "" if t.name == t.key else t.key]
+            for t in report.tensors]
+    if rows:
+        print(_table(["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], rows, right=(3,)))
+    for alias, name in report.aliases.items():
+        print(f"{alias}: tied to {name} (written once)")
+    gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+    print(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
+          f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "
+          f"of {report.step_dir} in {report.seconds:.3f}s ({gbps:.2f} GB/s)"
+          + (f"; {len(report.skipped)} skipped" if report.skipped else ""))
+    return EXIT_OK
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="asyncckpt", description="List, inspect and verify asyncckpt checkpoints.",
+        prog="asyncckpt", description="List, inspect, verify and export asyncckpt checkpoints.",
         epilog="exit codes: 0 ok, 1 corrupt checkpoint, 2 usage error or not found")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
@@ -242,6 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a checkpoint root (latest step unless --step) or a step directory")
         sp.add_argument("--step", type=int, default=None, help="which committed step of the root")
         sp.set_defaults(func=func)
+    ex = sub.add_parser(
+        "export", help="write one safetensors file of whole tensors (for Hugging Face etc.)",
+        description="Consolidate one checkpoint, however many ranks saved it, into ONE "
+        "safetensors file of whole tensors, named by their asyncckpt paths (e.g. "
+        "model/layers.0.weight). Streams tensor by tensor, verifies every checksum, and "
+        "writes to a temporary file renamed into place: a failure leaves no OUT file. "
+        "Tensors whose dtype safetensors lacks (e.g. complex128) are skipped with a "
+        "warning. Tied tensors are written once.")
+    ex.add_argument("ckpt", metavar="CKPT",
+                    help="a checkpoint root (latest step unless --step) or a step directory")
+    ex.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    ex.add_argument("--step", type=int, default=None, help="which committed step of the root")
+    ex.add_argument("--prefix", default="",
+                    help="export only tensors whose path starts with this (e.g. model/)")
+    ex.add_argument("--strip-prefix", action="store_true",
+                    help="remove --prefix from the names (model/w -> w)")
+    ex.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                    help="cast floating tensors to this dtype (others are kept as they are)")
+    ex.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    ex.set_defaults(func=cmd_export)
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -279,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(message: str) -> None:
     print(f"asyncckpt: error: {message}", file=sys.stderr)
+
+
+def _warn(message: str) -> None:
+    print(f"asyncckpt: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ so that round trips are exact: int keys stay ints, tuples stay tuples.
 from __future__ import annotations
 
 import base64
+import functools
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -62,9 +63,13 @@ def escape_key(key: str | int) -> str:
     ``%`` and ``/`` are percent-escaped, and the empty key becomes ``%00`` so that it
     cannot vanish from a path (``{"": [t]}`` must not name the same path as ``{"0": t}``).
     """
+    if type(key) is int:
+        return str(key)
     if key == "":
         return "%00"
-    return str(key).replace("%", "%25").replace("/", "%2F")
+    if "%" not in key and "/" not in key:
+        return key
+    return key.replace("%", "%25").replace("/", "%2F")
 
 
 def join_path(prefix: str, key: str | int) -> str:
@@ -72,6 +77,7 @@ def join_path(prefix: str, key: str | int) -> str:
     return f"{prefix}/{seg}" if prefix else seg
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
@@ -184,7 +190,12 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: dict[tuple[Any, ...], s
                     f"dict at {where!r} has keys {seen_segments[seg]!r} and {k!r}, which name the "
                     "same path; rename one of them")
             seen_segments[seg] = k
-            items.append([k, _flatten(v, join_path(path, k), flat, seen, active)])
+            child = f"{path}/{seg}" if path else seg
+            if type(v) in _PLAIN_TENSOR_TYPES:  # the common leaf, without a recursive call
+                items.append([k, {"t": "tensor", "key": _add_tensor(v, child, flat, seen,
+                                                                    "torch")}])
+            else:
+                items.append([k, _flatten(v, child, flat, seen, active)])
         active.discard(id(obj))
         return {"t": "dict", "items": items}
     if t is list or t is tuple:
@@ -223,37 +234,52 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
 
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[Any, ...], str],
                 kind: str) -> str:
-    where = path or "<root>"
-    if t.layout != torch.strided:
-        raise UnsupportedLeafError(
-            f"tensor at {where!r} has layout {t.layout}; convert it with .to_dense()")
-    if t.is_quantized or _is_bits(dtype_name(t.dtype)):
-        raise UnsupportedLeafError(
-            f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
-    if t.device.type == "meta":
-        raise UnsupportedLeafError(f"tensor at {where!r} is on the meta device and holds no data")
+    # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
-    if _is_dtensor(t):
-        from .dist import dtensor_box
+    if type(t) not in _PLAIN_TENSOR_TYPES or _refused_dtype(t.dtype) or t.layout != torch.strided:
+        _check_unusual_tensor(t, path)
+        if _is_dtensor(t):
+            from .dist import dtensor_box
 
-        t, global_shape, local_box = dtensor_box(t, where)
-        box = (global_shape, local_box)
-    if t.numel() > 0 and kind == "torch":
-        alias_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                     tuple(t.stride()), t.dtype, str(t.device), t.is_conj(), t.is_neg())
+            t, global_shape, local_box = dtensor_box(t, path or "<root>")
+            box = (global_shape, local_box)
+    if t.device.type == "meta":
+        raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
+                                   "holds no data")
+    if kind == "torch" and t.numel() > 0:
+        alias_key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(),
+                     t.is_neg())
         first = seen.get(alias_key)
         if first is not None:
             flat.refs[path] = first
             return first
         seen[alias_key] = path
     if path in flat.tensors:  # escaping makes paths unique; never overwrite if it did not
-        raise UnsupportedLeafError(f"two leaves of the state tree share the path {where!r}")
+        raise UnsupportedLeafError(f"two leaves of the state tree share the path {path!r}")
     flat.tensors[path] = t
     flat.kinds[path] = kind
     flat.refs[path] = path
     if box is not None:
         flat.boxes[path] = box
     return path
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.cache
+def _refused_dtype(dtype: torch.dtype) -> bool:
+    return _is_bits(dtype_name(dtype))
+
+
+def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
+    where = path or "<root>"
+    if t.layout != torch.strided:
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} has layout {t.layout}; convert it with .to_dense()")
+    if t.is_quantized or _refused_dtype(t.dtype):
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
