@@ -63,7 +63,7 @@ def escape_key(key: str | int) -> str:
     ``%`` and ``/`` are percent-escaped, and the empty key becomes ``%00`` so that it
     cannot vanish from a path (``{"": [t]}`` must not name the same path as ``{"0": t}``).
     """
-    if type(key) is int:
+    if isinstance(key, int):  # bool keys never get here: flatten refuses them
         return str(key)
     if key == "":
         return "%00"
