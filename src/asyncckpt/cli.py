@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -232,6 +233,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_safetensors
 
+    # skipped tensors are reported below; keep the library's log line off stderr
+    logging.getLogger("asyncckpt.export").addHandler(logging.NullHandler())
     if args.strip_prefix and not args.prefix:
         raise _Usage("--strip-prefix needs --prefix (e.g. --prefix model/)")
     path = Path(args.ckpt)
