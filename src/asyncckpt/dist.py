@@ -153,7 +153,7 @@ class DistContext:
             pause = min(pause * 2, 0.05)
 
 
-_instances: dict[str, int] = {}
+_instances: dict[tuple[str, int], int] = {}
 
 
 def resolve_context(directory: str, *, process_group: Any = None, rank: int | None = None,
@@ -180,7 +180,8 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
             f"world_size={world_size} needs a torch.distributed Store to coordinate through: "
             "call torch.distributed.init_process_group first, or pass store=")
     base = hashlib.sha256(directory.encode()).hexdigest()[:12]
-    n = _instances[base] = _instances.get(base, -1) + 1
+    # Counted per (directory, rank), so that ranks simulated in one process agree too.
+    n = _instances[(base, rank)] = _instances.get((base, rank), -1) + 1
     return DistContext(rank, world_size, store, f"{base}.{n}", timeout_s)
 
 

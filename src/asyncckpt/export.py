@@ -1,0 +1,343 @@
+"""Export a (possibly sharded) checkpoint as one safetensors file of whole tensors.
+
+The output is what Hugging Face and inference tools load: one ``.safetensors`` file,
+each selected tensor whole, named by its asyncckpt path (``model/layers.0.weight``,
+or ``layers.0.weight`` with the prefix stripped). The export streams: the header is
+built from the manifest's dtypes and shapes first, then the tensors are read one at a
+time (checksums verified as they are read, whichever rank files hold their chunks)
+and appended. The file is written under a temporary name next to the output, fsync'd
+and renamed into place, so a crash or a corrupt checkpoint never leaves a half file.
+
+Example:
+    >>> report = export_safetensors("runs/exp1", "model.safetensors", prefix="model/",
+    ...                             strip_prefix=True, dtype="bf16")
+    >>> [t.name for t in report.tensors][:2]
+    ['layers.0.weight', 'layers.0.bias']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import commit
+from .errors import CheckpointConfigError, CheckpointExistsError, CheckpointNotFoundError
+from .manifest import _ST_DTYPES, Manifest
+from .reader import load_tensors, read_manifest, tensor_bytes
+from .storage import LocalStorage, Storage
+from .tree import dtype_name, iter_array_nodes
+
+__all__ = ["DTYPE_ALIASES", "ExportReport", "ExportedTensor", "SkippedTensor",
+           "export_safetensors"]
+
+log = logging.getLogger(__name__)
+
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+"""Names accepted for ``dtype`` (the CLI offers bf16, fp16 and fp32)."""
+
+_CAST_PIECE_ELEMS = 4 * 1024 * 1024  # a cast goes through pieces of this many elements
+_WRITE_PIECE = 8 * 1024 * 1024
+_HEADER_ALIGN = 8  # the body starts 8-byte aligned, as safetensors' own writer does
+
+
+@dataclass(frozen=True)
+class ExportedTensor:
+    """One tensor of the output file: its name there and where it came from."""
+
+    name: str
+    """The name in the safetensors file."""
+    key: str
+    """The asyncckpt path it was read from."""
+    dtype: str
+    """Its dtype in the output (after ``dtype`` casting)."""
+    source_dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: int
+    """How many saved chunks (rank file pieces) it was assembled from."""
+
+
+@dataclass(frozen=True)
+class SkippedTensor:
+    """A selected tensor that was not written, and why."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    reason: str
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_safetensors` wrote."""
+
+    out_path: Path
+    step_dir: Path
+    step: int
+    tensors: list[ExportedTensor] = field(default_factory=list)
+    skipped: list[SkippedTensor] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Selected paths that share storage with a written tensor (tied weights): alias
+    name -> written name. Written once, as safetensors and Hugging Face expect."""
+    file_bytes: int = 0
+    tensor_bytes: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out_path), "checkpoint": str(self.step_dir), "step": self.step,
+            "file_bytes": self.file_bytes, "tensor_bytes": self.tensor_bytes,
+            "seconds": round(self.seconds, 6),
+            "tensors": [{"name": t.name, "key": t.key, "dtype": t.dtype,
+                         "source_dtype": t.source_dtype, "shape": list(t.shape),
+                         "bytes": t.nbytes, "chunks": t.chunks} for t in self.tensors],
+            "skipped": [{"key": s.key, "dtype": s.dtype, "shape": list(s.shape),
+                         "reason": s.reason} for s in self.skipped],
+            "aliases": dict(self.aliases),
+        }
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    key: str
+    src: torch.dtype
+    out: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: int
+
+
+def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
+                       step: int | None = None, prefix: str = "", strip_prefix: bool = False,
+                       dtype: torch.dtype | str | None = None, force: bool = False,
+                       storage: Storage | None = None) -> ExportReport:
+    """Write the tensors of one checkpoint whose paths start with ``prefix`` to one file.
+
+    ``ckpt_path`` is a checkpoint root (latest step, or ``step``) or a step directory.
+    Tensors are written whole whatever world size saved them, under their path (minus
+    ``prefix`` with ``strip_prefix``; a leading ``/`` left by stripping is dropped too).
+    ``dtype`` ("bf16", "fp16", "fp32" or a torch floating dtype) casts every floating
+    tensor torch can convert; others (integers, bool, complex, packed float4) keep their
+    dtype. Tensors whose dtype safetensors cannot express (e.g. complex128) are skipped
+    with a warning and listed in ``report.skipped``.
+    Tied tensors (two paths, one storage) are written once; see ``report.aliases``.
+
+    Memory: about one tensor at a time (plus the header). The output appears atomically:
+    written to a temporary file beside it, fsync'd, then renamed.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint there (or no such step).
+        CheckpointCorruptError: a checksum, size or header does not match; nothing is
+            left at ``out_path``.
+        CheckpointExistsError: ``out_path`` exists and ``force`` is False.
+        CheckpointConfigError: a bad ``dtype``, a ``prefix`` that selects nothing, or an
+            output path that cannot be written.
+    """
+    started = time.perf_counter()
+    storage = storage or LocalStorage()
+    out = Path(out_path)
+    cast = _cast_dtype(dtype)
+    _check_out(out, force)
+    root = Path(ckpt_path)
+    step_dir, _ = commit.resolve_step_dir(root, step, storage)
+    manifest = read_manifest(step_dir, storage)
+    if step is not None and manifest.step != step:
+        raise CheckpointNotFoundError(
+            f"{step_dir} holds step {manifest.step}, not step {step}: drop the step or pass "
+            "the checkpoint root")
+    report = ExportReport(out_path=out, step_dir=step_dir, step=manifest.step)
+    planned = _plan(manifest, prefix, strip_prefix, cast, report)
+    for s in report.skipped:
+        log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape), s.reason)
+    header = _encode_header(planned, manifest, step_dir)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            _write_all(fd, memoryview(header))
+            for p in planned:
+                _write_tensor(fd, step_dir, manifest, storage, p)
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        _publish(tmp, out, force)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        _fsync_dir(out.parent)
+    report.file_bytes = size
+    report.tensor_bytes = sum(p.nbytes for p in planned)
+    report.tensors = [ExportedTensor(p.name, p.key, dtype_name(p.out), dtype_name(p.src),
+                                     p.shape, p.nbytes, p.chunks) for p in planned]
+    report.seconds = time.perf_counter() - started
+    log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
+             len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
+    return report
+
+
+def _cast_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and not dtype.is_floating_point:
+            raise CheckpointConfigError(f"dtype={dtype}: only floating dtypes can be cast to")
+        return dtype
+    found = DTYPE_ALIASES.get(dtype.lower())
+    if found is None:
+        raise CheckpointConfigError(
+            f"dtype={dtype!r}: use one of {', '.join(sorted(DTYPE_ALIASES))}")
+    return found
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise CheckpointConfigError(f"{out} is a directory: name the .safetensors file to write")
+    if not out.parent.is_dir():
+        raise CheckpointConfigError(f"{out.parent} does not exist: create it first")
+    if out.exists() and not force:
+        raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
+                                    "overwrite it")
+
+
+def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None,
+          report: ExportReport) -> list[_Planned]:
+    """Choose the tensors and their output names, dtypes and order."""
+    written: dict[str, str] = {}  # storage key -> output name
+    names: dict[str, str] = {}  # output name -> storage key
+    planned: list[_Planned] = []
+    for path, node in iter_array_nodes(manifest.skeleton):
+        if not path.startswith(prefix):
+            continue
+        key = node["key"]
+        name = path[len(prefix):].lstrip("/") if strip else path
+        if key in written:
+            report.aliases[name] = written[key]
+            continue
+        entry = manifest.tensors[key]
+        out = cast if cast is not None and _castable(entry.dtype, cast) else entry.dtype
+        if out not in _ST_DTYPES:
+            report.skipped.append(SkippedTensor(
+                key, dtype_name(entry.dtype), entry.shape,
+                f"safetensors has no dtype for {dtype_name(out)}"))
+            continue
+        if not name or name == "__metadata__":
+            raise CheckpointConfigError(
+                f"tensor {path!r} would be named {name!r} in the output, which safetensors "
+                "does not allow; use a shorter prefix or drop strip_prefix")
+        if name in names:
+            raise CheckpointConfigError(
+                f"tensors {names[name]!r} and {key!r} would both be named {name!r}")
+        written[key] = name
+        names[name] = key
+        n = 1
+        for s in entry.shape:
+            n *= s
+        planned.append(_Planned(name, key, entry.dtype, out, entry.shape, n * out.itemsize,
+                                len(entry.chunks)))
+    if not planned and not report.skipped:
+        tops = sorted({p.split("/", 1)[0] + ("/" if "/" in p else "")
+                       for p, _ in iter_array_nodes(manifest.skeleton)})
+        have = ", ".join(repr(t) for t in tops[:10]) or "none"
+        raise CheckpointConfigError(
+            f"no tensor path starts with {prefix!r} in step {manifest.step}; the tensor paths "
+            f"start with: {have}")
+    # Largest element size first: every tensor starts aligned to its own element size
+    # and the body needs no padding (safetensors allows no holes). Stable otherwise.
+    planned.sort(key=lambda p: -p.out.itemsize)
+    return planned
+
+
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Floating dtypes torch can convert (packed ones such as float4_e2m1fn_x2 cannot)."""
+    if not src.is_floating_point:
+        return False
+    try:
+        torch.zeros(src.itemsize, dtype=torch.uint8).view(src).to(dst)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {
+        "format": "pt", "asyncckpt_step": str(manifest.step),
+        "asyncckpt_source": step_dir.name}}
+    pos = 0
+    for p in planned:
+        header[p.name] = {"dtype": _ST_DTYPES[p.out], "shape": list(p.shape),
+                          "data_offsets": [pos, pos + p.nbytes]}
+        pos += p.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    pad = -(8 + len(raw)) % _HEADER_ALIGN
+    raw += b" " * pad
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
+                  p: _Planned) -> None:
+    """Read one whole tensor (verified) and append it, cast piece by piece if asked."""
+    t = load_tensors(step_dir, manifest, {p.key: None}, storage, verify=True)[p.key]
+    if p.out == p.src:
+        _write_all(fd, tensor_bytes(t))
+        return
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), _CAST_PIECE_ELEMS):
+        piece = flat[i:i + _CAST_PIECE_ELEMS].to(p.out).contiguous()
+        _write_all(fd, tensor_bytes(piece))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    pos = 0
+    n = len(data)
+    while pos < n:
+        k = os.write(fd, data[pos:pos + _WRITE_PIECE])
+        if k <= 0:
+            raise OSError(errno.EIO, "short write")
+        pos += k
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished file to ``out``: never over an existing file unless ``force``."""
+    if force:
+        os.replace(tmp, out)
+        return
+    try:
+        os.link(tmp, out)  # atomic and fails if ``out`` appeared in the meantime
+    except FileExistsError:
+        raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
+                                    "overwrite it") from None
+    except OSError as exc:  # filesystems without hard links
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
+                             errno.EMLINK):
+            raise
+        if out.exists():
+            raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
+                                        "overwrite it") from None
+        os.rename(tmp, out)
+        return
+    os.unlink(tmp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

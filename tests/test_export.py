@@ -1,0 +1,437 @@
+"""``asyncckpt export``: one safetensors file of whole tensors from single-process and
+sharded checkpoints; prefix selection, dtype casts, overwrite protection, corruption."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file
+
+import asyncckpt
+from asyncckpt import AsyncCheckpointer, CheckpointExistsError, ShardMetadata
+from asyncckpt import export as export_mod
+from asyncckpt.cli import main
+from asyncckpt.export import export_safetensors
+from asyncckpt.manifest import _ST_DTYPES
+from asyncckpt.tree import flatten
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def assert_exact(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert raw(a) == raw(b), f"{what}: bytes differ"
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def full_state() -> dict[str, Any]:
+    """Model weights of several dtypes and shapes, an optimizer-like subtree, scalars."""
+    return {
+        "model": {
+            "embed.weight": randn(37, 16, seed=1),
+            "layers.0.weight": randn(16, 16, seed=2, dtype=torch.bfloat16),
+            "layers.0.bias": randn(16, seed=3, dtype=torch.float16),
+            "layers.1.weight": randn(5, 16, seed=4, dtype=torch.float64),
+            "norm.scale": torch.tensor(1.5),  # 0-d
+            "mask": torch.tensor([True, False, True]),
+            "empty": torch.zeros(0, 4),
+            "positions": torch.arange(11, dtype=torch.int64),
+        },
+        "optim": {"state": {"0": {"exp_avg": randn(37, 16, seed=5),
+                                  "step": torch.tensor(7.0)}},
+                  "param_groups": [{"lr": 0.1, "params": ["embed.weight"]}]},
+        "step": 7,
+    }
+
+
+def tensors_of(state: Any) -> dict[str, torch.Tensor]:
+    return dict(flatten(state).tensors)
+
+
+def export(*argv: str) -> tuple[int, str, str]:
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["export", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
+
+
+# --- building checkpoints ------------------------------------------------------------------
+
+@pytest.fixture
+def single(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    state = full_state()
+    root = tmp_path / "single"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save(state, step=7)
+    return root, state
+
+
+def save_sharded(root: Path, state: dict[str, Any], split: dict[str, int], step: int,
+                 monkeypatch: pytest.MonkeyPatch, world: int = 2) -> None:
+    """Save ``state`` as ``world`` ranks would, in threads of this process.
+
+    Each tensor path in ``split`` is cut with ``tensor_split`` along the given dim (uneven
+    pieces allowed) and every rank holds its piece as a hand-declared shard; the other
+    tensors are replicated on every rank (one of them writes each). The ranks coordinate
+    through an in-memory HashStore exactly as they would through torch.distributed's.
+    """
+    store = torch.distributed.HashStore()
+    ckpts = []
+    for r in range(world):
+        ckpts.append(AsyncCheckpointer(root, mode="sync", rank=r, world_size=world,
+                                       store=store, timeout_s=60))
+    flat = tensors_of(state)
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            local = _local_tree(state, "", split, r, world)
+            shards = {}
+            for path, dim in split.items():
+                t = flat[path]
+                sizes = [p.shape[dim] for p in t.tensor_split(world, dim)]
+                offsets = [0] * t.dim()
+                offsets[dim] = sum(sizes[:r])
+                shards[path] = ShardMetadata(tuple(t.shape), tuple(offsets))
+            ckpts[r].save_async(local, step, shards=shards).wait()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    for c in ckpts:
+        c.close()
+    if errors:
+        raise errors[0]
+
+
+def _local_tree(node: Any, path: str, split: dict[str, int], r: int, world: int) -> Any:
+    if isinstance(node, dict):
+        return {k: _local_tree(v, f"{path}/{k}" if path else k, split, r, world)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_local_tree(v, f"{path}/{i}", split, r, world) for i, v in enumerate(node)]
+    if isinstance(node, torch.Tensor) and path in split:
+        return node.tensor_split(world, split[path])[r].clone()
+    return node.clone() if isinstance(node, torch.Tensor) else node
+
+
+SPLIT = {"model/embed.weight": 0,  # 37 rows: 19 + 18
+         "model/layers.0.weight": 1,  # columns: chunks are not contiguous in the global tensor
+         "model/layers.1.weight": 0,  # 5 rows: 3 + 2
+         "optim/state/0/exp_avg": 0}
+
+
+@pytest.fixture
+def sharded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
+    state = full_state()
+    root = tmp_path / "sharded"
+    save_sharded(root, state, SPLIT, 7, monkeypatch)
+    return root, state
+
+
+# --- whole-file equality -------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["single", "sharded"])
+def test_export_everything_exactly(which: str, request: pytest.FixtureRequest,
+                                   tmp_path: Path) -> None:
+    root, state = request.getfixturevalue(which)
+    manifest = asyncckpt.AsyncCheckpointer(root).manifest()
+    if which == "sharded":
+        assert manifest.world_size == 2 and len(manifest.files) == 2
+        for path in SPLIT:
+            assert len(manifest.tensors[path].chunks) == 2
+    out = tmp_path / "all.safetensors"
+    report = export_safetensors(root, out)
+    got = load_file(out)
+    want = tensors_of(state)
+    assert list(got) == list(want) or sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert_exact(got[key], t, key)
+    # also equal to what asyncckpt itself loads
+    loaded = tensors_of(asyncckpt.load(root))
+    for key, t in loaded.items():
+        assert_exact(got[key], t, key)
+    assert report.step == 7 and not report.skipped and not report.aliases
+    assert {t.name for t in report.tensors} == set(want)
+    assert report.file_bytes == out.stat().st_size
+    if which == "sharded":
+        assert {t.key: t.chunks for t in report.tensors}["model/layers.0.weight"] == 2
+    with safetensors.safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt" and meta["asyncckpt_step"] == "7"
+    assert leftovers(tmp_path) == []
+
+
+def test_export_prefix_and_strip(sharded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    root, state = sharded
+    want = {k: v for k, v in tensors_of(state).items() if k.startswith("model/")}
+    out = tmp_path / "model.safetensors"
+    code, stdout, stderr = export(str(root), str(out), "--prefix", "model/", "--strip-prefix")
+    assert code == 0, stderr
+    got = load_file(out)
+    assert sorted(got) == sorted(k.removeprefix("model/") for k in want)
+    for k, t in want.items():
+        assert_exact(got[k.removeprefix("model/")], t, k)
+    assert "layers.0.weight" in stdout and "wrote" in stdout
+
+    kept = tmp_path / "kept.safetensors"
+    assert export(str(root), str(kept), "--prefix", "model/layers.")[0] == 0
+    assert sorted(load_file(kept)) == ["model/layers.0.bias", "model/layers.0.weight",
+                                       "model/layers.1.weight"]
+    # a prefix without the slash still gives clean names
+    report = export_safetensors(root, tmp_path / "o.safetensors", prefix="optim",
+                                strip_prefix=True)
+    assert [t.name for t in report.tensors] == ["state/0/exp_avg", "state/0/step"]
+
+
+def test_export_dtype_cast(sharded: tuple[Path, dict[str, Any]], tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    root, state = sharded
+    want = {k: v for k, v in tensors_of(state).items() if k.startswith("model/")}
+    monkeypatch.setattr(export_mod, "_CAST_PIECE_ELEMS", 100)  # cast through several pieces
+    for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                        ("fp32", torch.float32)):
+        out = tmp_path / f"{flag}.safetensors"
+        code, _, err = export(str(root), str(out), "--prefix", "model/", "--dtype", flag)
+        assert code == 0, err
+        got = load_file(out)
+        for k, t in want.items():
+            if t.dtype.is_floating_point:
+                assert_exact(got[k], t.to(dtype), k)
+            else:
+                assert_exact(got[k], t, k)  # int64 and bool are never cast
+    report = export_safetensors(root, tmp_path / "x.safetensors", prefix="model/",
+                                dtype=torch.bfloat16)
+    by = {t.key: t for t in report.tensors}
+    assert by["model/embed.weight"].dtype == "bfloat16"
+    assert by["model/embed.weight"].source_dtype == "float32"
+    assert by["model/embed.weight"].nbytes == 37 * 16 * 2
+    assert by["model/positions"].dtype == "int64"
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="int8"):
+        export_safetensors(root, tmp_path / "y.safetensors", dtype="int8")
+
+
+def test_export_older_step_and_step_dir(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        for s in (1, 2):
+            ckpt.save({"w": torch.full((3,), float(s))}, step=s)
+    out = tmp_path / "one.safetensors"
+    assert export(str(root), str(out), "--step", "1")[0] == 0
+    assert_exact(load_file(out)["w"], torch.full((3,), 1.0), "w")
+    latest = export_safetensors(root / "step_000000002", tmp_path / "two.safetensors")
+    assert latest.step == 2
+    assert export(str(root), str(tmp_path / "n.safetensors"), "--step", "5")[0] == 2
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+# --- refusing, failing ---------------------------------------------------------------------
+
+def test_export_refuses_to_overwrite(single: tuple[Path, dict[str, Any]], tmp_path: Path
+                                     ) -> None:
+    root, state = single
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"precious")
+    code, _, err = export(str(root), str(out))
+    assert code == 2 and "--force" in err
+    assert out.read_bytes() == b"precious"
+    with pytest.raises(CheckpointExistsError):
+        export_safetensors(root, out)
+    assert out.read_bytes() == b"precious"
+    code, _, err = export(str(root), str(out), "--force", "--prefix", "model/")
+    assert code == 0, err
+    assert_exact(load_file(out)["model/embed.weight"], state["model"]["embed.weight"], "w")
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("which", ["single", "sharded"])
+def test_export_of_corrupt_checkpoint_fails_and_leaves_nothing(
+        which: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    root, _ = request.getfixturevalue(which)
+    step_dir = root / "step_000000007"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    # a tensor written late in the output, so part of the file is written before the check
+    chunk = manifest["tensors"]["model/positions"]["chunks"][-1]
+    with open(step_dir / chunk["file"], "r+b") as f:
+        f.seek(chunk["byte_range"][0] + 9)
+        b = f.read(1)
+        f.seek(chunk["byte_range"][0] + 9)
+        f.write(bytes([b[0] ^ 0x01]))
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    out = outdir / "model.safetensors"
+    code, _, err = export(str(root), str(out))
+    assert code == 1
+    assert "checksum mismatch" in err and "model/positions" in err
+    assert not out.exists() and list(outdir.iterdir()) == []
+    with pytest.raises(asyncckpt.CheckpointCorruptError):
+        export_safetensors(root, out, prefix="model/")
+    assert list(outdir.iterdir()) == []
+    # what the corruption does not touch still exports
+    assert export(str(root), str(out), "--prefix", "optim/")[0] == 0
+
+
+def test_export_missing_rank_file_fails(sharded: tuple[Path, dict[str, Any]], tmp_path: Path
+                                        ) -> None:
+    root, _ = sharded
+    (root / "step_000000007" / "rank_00001.safetensors").unlink()
+    out = tmp_path / "m.safetensors"
+    code, _, err = export(str(root), str(out))
+    assert code == 1 and "rank_00001" in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_export_usage_errors(single: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    root, _ = single
+    out = tmp_path / "u.safetensors"
+    code, _, err = export(str(root), str(out), "--prefix", "modle/")
+    assert code == 2 and "'model/'" in err  # names the prefixes that exist
+    code, _, err = export(str(tmp_path / "nothing"), str(out))
+    assert code == 2 and "does not exist" in err
+    code, _, err = export(str(root), str(tmp_path / "no" / "dir" / "x.safetensors"))
+    assert code == 2 and "does not exist" in err
+    code, _, err = export(str(root), str(tmp_path))
+    assert code == 2 and "directory" in err
+    code, _, err = export(str(root), str(out), "--strip-prefix")
+    assert code == 2 and "--prefix" in err
+    assert export(str(root), str(out), "--dtype", "int8")[0] == 2  # argparse choices
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = export(str(empty), str(out))
+    assert code == 2 and "no committed checkpoint" in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+# --- odd content ---------------------------------------------------------------------------
+
+def _all_dtypes() -> list[torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+             "float16", "bfloat16", "float32", "float64", "complex32", "complex64",
+             "complex128", "float8_e8m0fnu", "float4_e2m1fn_x2",
+             *sorted(n for n in dir(torch) if n.startswith("float8_"))]
+    out = []
+    for n in dict.fromkeys(names):
+        dt = getattr(torch, n, None)
+        if not isinstance(dt, torch.dtype):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.zeros(32, dtype=torch.uint8).view(dt).clone()
+        except (RuntimeError, TypeError):
+            continue
+        out.append(dt)
+    return out
+
+
+def test_export_every_dtype(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Dtypes safetensors names come out bit-exact; the others are skipped with a warning."""
+    state = {}
+    for i, dt in enumerate(_all_dtypes()):
+        g = torch.Generator().manual_seed(i)
+        n = 6 * 4 * dt.itemsize
+        bits = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            bits = bits & 1
+        state[str(dt).removeprefix("torch.")] = bits.view(dt).reshape(6, 4)
+    root = tmp_path / "dtypes"
+    asyncckpt.save(state, root)
+    out = tmp_path / "d.safetensors"
+    with caplog.at_level("WARNING", logger="asyncckpt.export"):
+        report = export_safetensors(root, out)
+    got = load_file(out)
+    skipped = {s.key for s in report.skipped}
+    for name, t in state.items():
+        if t.dtype in _ST_DTYPES:
+            assert_exact(got[name], t, name)
+        else:
+            assert name in skipped and name not in got
+            assert name in caplog.text
+    assert "complex128" in skipped
+    code, _, err = export(str(root), str(tmp_path / "e.safetensors"))
+    assert code == 0 and "warning: skipped complex128" in err
+
+
+def test_export_tied_weights_written_once(tmp_path: Path) -> None:
+    w = randn(8, 4, seed=9)
+    root = tmp_path / "tied"
+    asyncckpt.save({"model": {"embed.weight": w, "lm_head.weight": w, "b": torch.ones(4)}}, root)
+    out = tmp_path / "t.safetensors"
+    report = export_safetensors(root, out, prefix="model/", strip_prefix=True)
+    got = load_file(out)
+    assert sorted(got) == ["b", "embed.weight"]
+    assert report.aliases == {"lm_head.weight": "embed.weight"}
+    assert_exact(got["embed.weight"], w, "embed")
+    code, stdout, _ = export(str(root), str(tmp_path / "t2.safetensors"), "--json")
+    assert code == 0
+    doc = json.loads(stdout)
+    assert doc["aliases"] == {"model/lm_head.weight": "model/embed.weight"}
+    assert doc["step"] == 0 and len(doc["tensors"]) == 2
+
+
+def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]],
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """The export never asks the reader for more than one tensor at once."""
+    root, state = sharded
+    asked: list[list[str]] = []
+    real = export_mod.load_tensors
+
+    def spy(step_dir: Path, manifest: Any, dests: dict[str, Any], storage: Any,
+            **kw: Any) -> dict[str, torch.Tensor]:
+        asked.append(list(dests))
+        assert all(v is None for v in dests.values())
+        return real(step_dir, manifest, dests, storage, **kw)
+
+    monkeypatch.setattr(export_mod, "load_tensors", spy)
+    export_safetensors(root, tmp_path / "s.safetensors")
+    assert all(len(a) == 1 for a in asked)
+    assert len(asked) == len(tensors_of(state))
+
+
+def test_export_header_is_compact_and_aligned(single: tuple[Path, dict[str, Any]],
+                                              tmp_path: Path) -> None:
+    root, _ = single
+    out = tmp_path / "h.safetensors"
+    export_safetensors(root, out)
+    data = out.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    assert (8 + n) % 8 == 0
+    header = json.loads(data[8:8 + n])
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and spans[-1][1] == len(data) - 8 - n
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no holes
+    for k, v in header.items():  # every tensor starts aligned to its element size
+        if k != "__metadata__":
+            size = {"F64": 8, "I64": 8, "F32": 4, "BF16": 2, "F16": 2, "BOOL": 1}[v["dtype"]]
+            assert (8 + n + v["data_offsets"][0]) % size == 0
+            assert v["data_offsets"][1] - v["data_offsets"][0] == math.prod(v["shape"]) * size
