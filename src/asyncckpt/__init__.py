@@ -26,6 +26,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    CheckpointTransportError,
     StateMismatchError,
     UnsupportedLeafError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",
+    "CheckpointTransportError",
     "CheckpointerConfig",
     "RNGState",
     "ShardMetadata",
@@ -76,12 +78,25 @@ def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> Che
 
 
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
-         strict: bool = True, verify: bool = True) -> Any:
-    """Load from a checkpoint root (latest step, or ``step``) or from one step directory.
+         strict: bool = True, verify: bool = True, token: str | None = None,
+         timeout: float = 60.0) -> Any:
+    """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
+    peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
+        >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
+    if str(path).startswith("http://"):
+        from .transport.http import HTTPStorage
+
+        peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout)
+        try:
+            peer.step = peer.current_step() if step is None else step
+            return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
+                              verify=verify, threads=8)
+        finally:
+            peer.close_all()
     storage = _LocalStorage()
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict, verify=verify)

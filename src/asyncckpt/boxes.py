@@ -46,9 +46,11 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10_000_000
-                   ) -> str | None:
+def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10_000_000,
+                   *, allow_gaps: bool = False) -> str | None:
     """Why ``boxes`` fail to tile a tensor of ``shape`` exactly once, or None if they do.
+
+    With ``allow_gaps`` only overlaps count (a partial view, as a peer serves).
 
     Cuts the tensor into the grid made by every box edge and counts how often each grid
     cell is covered: exact for any layout, and cheap for the grids sharding produces.
@@ -61,7 +63,9 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
     if math.prod(shape) == 0:
         return None
     if not shape:
-        return None if len(boxes) == 1 else f"{len(boxes)} chunks for one scalar"
+        if len(boxes) > 1 or (not boxes and not allow_gaps):
+            return f"{len(boxes)} chunks for one scalar"
+        return None
     cuts = [sorted({0, s, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
@@ -74,6 +78,6 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
         count[idx] += 1
     if (count > 1).any():
         return "chunks overlap"
-    if (count == 0).any():
+    if not allow_gaps and (count == 0).any():
         return "chunks leave part of the tensor uncovered"
     return None

@@ -109,6 +109,7 @@ class AsyncCheckpointer:
         self._cleaned = False
         self._pending: CheckpointFuture | None = None
         self._closed = False
+        self._transports: list[Any] = []
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._nonce = commit.new_token()
@@ -181,6 +182,9 @@ class AsyncCheckpointer:
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
             started=started)
+        for transport in self._transports:  # peers must stop reading the arena we overwrite
+            transport.disallow_checkpoint()
+        job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
@@ -204,6 +208,14 @@ class AsyncCheckpointer:
         log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
                   job.blocked_s)
         return fut
+
+    def serve(self, transport: Any) -> None:
+        """Serve every later save to peers through ``transport`` (e.g. an HTTPTransport).
+
+        Each save's staged arena — the shard file's bytes — is offered as soon as it is
+        checksummed, with no copy, until the next save starts staging.
+        """
+        self._transports.append(transport)
 
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None
              ) -> CheckpointInfo:

@@ -238,8 +238,8 @@ def make_record(rank: int, file: str | None, file_bytes: int,
 
 
 def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
-                  block_bytes: int, user_metadata: dict[str, str], created_unix: float
-                  ) -> Manifest:
+                  block_bytes: int, user_metadata: dict[str, str], created_unix: float,
+                  partial: bool = False) -> Manifest:
     """Build the global manifest from every rank's record (coordinator's first).
 
     Raises CheckpointSaveError when the chunks of a tensor overlap or leave part of it
@@ -259,16 +259,17 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     out: dict[str, TensorEntry] = {}
     for key, (dtype, shape, kind, chunks) in tensors.items():
         chunks.sort(key=lambda c: c.offsets)
-        _check_coverage(key, shape, chunks)
+        _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
                     library_version=library_version, block_bytes=block_bytes, files=files,
                     tensors=out, skeleton=merge_skeletons([r["skeleton"] for r in records]),
-                    user_metadata=user_metadata)
+                    user_metadata=user_metadata, partial=partial)
 
 
-def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
-    problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in chunks])
+def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
+                    partial: bool = False) -> None:
+    problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in chunks], allow_gaps=partial)
     if problem is not None:
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "

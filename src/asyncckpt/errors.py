@@ -35,6 +35,10 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
     """A save failed in the background; ``__cause__`` holds the original error."""
 
 
+class CheckpointTransportError(CheckpointError, ConnectionError):
+    """A peer refused a transfer or the connection to it broke; the message names the peer."""
+
+
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A blocking call ran out of time; the message says what it was waiting for."""
 

@@ -17,7 +17,7 @@ import torch
 from .errors import CheckpointConfigError, StateMismatchError
 from .manifest import Manifest
 from .reader import load_tensors, read_manifest
-from .storage import Storage
+from .storage import ReadStorage
 from .tree import Box, FlatState, flatten, iter_array_nodes, restore_into, unflatten
 
 
@@ -50,20 +50,21 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
         flat.boxes[key] = (gs, (offs, lens))
 
 
-def load_from(step_dir: Path, state: Any, storage: Storage, *, strict: bool = True,
-              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
+              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
+              threads: int | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`."""
     manifest = read_manifest(step_dir, storage)
     saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
-                              verify=verify)
+                              verify=verify, threads=threads)
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state)
     apply_shards(target, shards)
     dests, boxes = _match(manifest, saved, target, strict, step_dir)
     loaded = load_tensors(step_dir, manifest, {k: v[0] if v else None for k, v in dests.items()},
-                          storage, verify=verify, boxes=boxes)
+                          storage, verify=verify, boxes=boxes, threads=threads)
     with torch.no_grad():
         for key, tensors in dests.items():
             for extra in tensors[1:]:  # saved once (tied), loaded into untied targets

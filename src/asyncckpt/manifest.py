@@ -215,6 +215,8 @@ class Manifest:
     skeleton: dict[str, Any]
     user_metadata: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    partial: bool = False
+    """True for a view that holds only some boxes of its tensors (what a peer serves)."""
 
     @property
     def total_bytes(self) -> int:
@@ -247,6 +249,8 @@ class Manifest:
             "skeleton": self.skeleton,
             "user_metadata": self.user_metadata,
         }
+        if self.partial:
+            doc["partial"] = True
         return json.dumps(doc, indent=1, ensure_ascii=True).encode("ascii") + b"\n"
 
 
@@ -309,9 +313,13 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         f = c.obj(f, f"files[{name!r}]")
         files[name] = FileEntry(name, c.int_(f.get("bytes"), "file bytes"),
                                 c.int_(f.get("rank"), "file rank"))
+    partial = doc.get("partial", False)
+    if type(partial) is not bool:
+        raise c.fail("partial must be true or false")
     tensors: dict[str, TensorEntry] = {}
     for key, t in c.obj(doc.get("tensors"), "tensors").items():
-        tensors[key] = _parse_tensor(c, key, c.obj(t, "tensor", key), files, block_bytes)
+        tensors[key] = _parse_tensor(c, key, c.obj(t, "tensor", key), files, block_bytes,
+                                     partial)
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
     _check_skeleton(c, skeleton, tensors)
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
@@ -325,11 +333,12 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         created_unix=float(created),
         library_version=c.str_(doc.get("library_version"), "library_version"),
         block_bytes=block_bytes, files=files, tensors=tensors, skeleton=skeleton,
-        user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version)
+        user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version,
+        partial=partial)
 
 
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
-                  block_bytes: int) -> TensorEntry:
+                  block_bytes: int, partial: bool) -> TensorEntry:
     try:
         dtype = dtype_from_name(c.str_(t.get("dtype"), "dtype", key))
     except ValueError as exc:
@@ -367,7 +376,8 @@ def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileE
             raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
         chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
                             (br[0], br[1]), tuple(sums)))
-    problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks])
+    problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks],
+                             allow_gaps=partial)
     if problem is not None:
         raise c.fail(f"its chunks do not tile shape {list(shape)}: {problem}", key)
     return TensorEntry(dtype, shape, kind, tuple(chunks))

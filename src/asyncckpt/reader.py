@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import ctypes
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointCorruptError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -32,18 +33,20 @@ from .manifest import (
     st_dtype_and_shape,
 )
 from .plan import Box, ReadItem, box_byte_span, plan_reads, row_major_strides
-from .storage import Storage
+from .storage import ReadStorage
 
 log = logging.getLogger(__name__)
 
 _PIECE = 8 * 1024 * 1024
 
 
-def read_manifest(step_dir: Path, storage: Storage) -> Manifest:
+def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
     """Read and validate ``step_dir/manifest.json``."""
     path = step_dir / MANIFEST_NAME
     try:
         raw = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    except CheckpointError:
+        raise  # already says what is missing (e.g. a peer that serves another step)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{step_dir} has no {MANIFEST_NAME}: not a committed "
                                       "checkpoint") from None
@@ -61,7 +64,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
-                 storage: Storage, *, verify: bool = True, threads: int | None = None,
+                 storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
                  boxes: Mapping[str, Box] | None = None) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
@@ -78,6 +81,7 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
         shape = boxes[key][1] if key in boxes else entry.shape
         out[key] = dst if dst is not None else torch.empty(shape, dtype=entry.dtype)
     items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+    _check_covered(manifest, items, out)
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     groups = _split(items, n)
     if n == 1:
@@ -88,6 +92,21 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
                       for g in groups]:
                 f.result()
     return out
+
+
+def _check_covered(manifest: Manifest, items: list[ReadItem], out: Mapping[str, torch.Tensor]
+                   ) -> None:
+    """Every wanted element must come from some saved chunk: a partial source (a peer's
+    view) that lacks part of a wanted box is an error, never uninitialised memory."""
+    got: dict[str, int] = {}
+    for it in items:
+        got[it.key] = got.get(it.key, 0) + math.prod(it.box[1])
+    for key, dst in out.items():
+        if got.get(key, 0) != dst.numel():
+            raise CheckpointNotFoundError(
+                f"the checkpoint holds {got.get(key, 0)} of the {dst.numel()} wanted elements "
+                f"of tensor {key!r}: the source (e.g. a peer serving only its own shards) "
+                "does not have the box this process needs")
 
 
 def _split(items: list[ReadItem], n: int) -> list[list[ReadItem]]:
@@ -103,7 +122,7 @@ def _split(items: list[ReadItem], n: int) -> list[list[ReadItem]]:
 
 
 def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
-                out: Mapping[str, torch.Tensor], storage: Storage, verify: bool) -> None:
+                out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool) -> None:
     fds: dict[str, int] = {}
     try:
         for it in items:
@@ -118,7 +137,7 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             storage.close(fd)
 
 
-def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: Storage) -> int:
+def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> int:
     path = step_dir / name
     try:
         fd = storage.open_read(path)
@@ -135,7 +154,7 @@ def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: Storag
     return fd
 
 
-def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Storage,
+def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
                verify: bool, block_bytes: int) -> None:
     chunk = it.chunk
     if (it.whole_chunk and it.whole_dst and dst.device.type == "cpu" and dst.is_contiguous()):
@@ -162,7 +181,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: St
     tgt.copy_(src)
 
 
-def _read_range(fd: int, storage: Storage, path: Path, key: str, mv: memoryview, chunk: Chunk,
+def _read_range(fd: int, storage: ReadStorage, path: Path, key: str, mv: memoryview, chunk: Chunk,
                 first_block: int, verify: bool, block_bytes: int) -> None:
     """Read ``len(mv)`` bytes of ``chunk`` from block ``first_block`` on, hashing as it goes."""
     n = len(mv)
@@ -207,7 +226,7 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_checkpoint(step_dir: Path, storage: Storage) -> VerifyReport:
+def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
     """Check every file header against the manifest and every checksum; collect all problems."""
     try:
         manifest = read_manifest(step_dir, storage)
@@ -230,7 +249,7 @@ def verify_checkpoint(step_dir: Path, storage: Storage) -> VerifyReport:
     return report
 
 
-def _check_header(path: Path, manifest: Manifest, storage: Storage) -> list[str]:
+def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
     try:
         fd = storage.open_read(path)
     except FileNotFoundError:

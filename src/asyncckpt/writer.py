@@ -12,7 +12,7 @@ import contextlib
 import errno
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class SaveJob:
     blocked_s: float = 0.0
     tmp: Path | None = None
     announced: bool = False
+    serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
 
 
 class CheckpointFuture:
@@ -181,6 +182,8 @@ class BackgroundWriter:
         else:
             job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
         record = _record(job, checksums)
+        if job.serve_to:
+            _offer_arena(job, record)
         if not ctx.distributed:
             final = self._commit(job, [record])
         elif ctx.is_coordinator:
@@ -244,6 +247,18 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     if job.tmp is not None and (ctx.is_coordinator or not ctx.distributed):
         with contextlib.suppress(OSError):
             job.storage.remove_tree(job.tmp)
+
+
+def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
+    """Serve the staged, checksummed arena to peers, before the save is even durable."""
+    from .transport.base import serve_arena
+
+    view = merge_records([record], step=job.step, library_version=job.library_version,
+                         block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+                         created_unix=time.time(), partial=job.ctx.distributed)
+    buf = job.arena.memoryview()[:job.plan.file_bytes]
+    for transport in job.serve_to:
+        transport.serve(serve_arena(job.step, view, job.plan.file, buf))
 
 
 def _hash_items(job: SaveJob) -> dict[str, tuple[str, ...]]:

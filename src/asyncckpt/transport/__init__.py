@@ -1,0 +1,8 @@
+"""Live recovery: a recovering worker fetches the training state from a healthy peer."""
+
+from __future__ import annotations
+
+from .base import CheckpointTransport
+from .http import HTTPTransport
+
+__all__ = ["CheckpointTransport", "HTTPTransport"]

@@ -1,0 +1,200 @@
+"""The transport interface torchft's Manager drives, and what a transport serves.
+
+A healthy worker serves one checkpoint at a time: its manifest and the bytes of its
+shard file(s), laid out exactly as on disk. The bytes come from wherever they already
+are — the staged arena of the latest save, the live tensors (torchft's contract: they
+stay unchanged until ``disallow_checkpoint`` returns), or committed files — so serving
+adds no copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
+from ..plan import WritePlan, plan_writes
+from ..reader import read_manifest, tensor_bytes
+from ..storage import LocalStorage
+from ..tree import dtype_name, flatten
+
+T = TypeVar("T")
+
+__all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_directory",
+           "serve_state"]
+
+
+class CheckpointTransport(abc.ABC, Generic[T]):
+    """Moves a live checkpoint from a healthy worker to a recovering one.
+
+    The interface of torchft's ``CheckpointTransport``: its Manager calls
+    ``send_checkpoint`` on a healthy worker and ``recv_checkpoint`` on the recovering
+    one, exchanging ``metadata()`` through its own store.
+    """
+
+    @abc.abstractmethod
+    def metadata(self) -> str:
+        """What a peer needs to fetch from this transport (e.g. its address)."""
+
+    @abc.abstractmethod
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
+                        timeout: timedelta) -> None:
+        """Offer ``state_dict`` at ``step`` to ``dst_ranks``; may return before they fetch it."""
+
+    @abc.abstractmethod
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                        timeout: timedelta) -> T:
+        """Fetch the checkpoint of ``step`` from the peer described by ``metadata``."""
+
+    def disallow_checkpoint(self) -> None:
+        """Stop serving; once this returns the served tensors may change."""
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Release sockets and threads."""
+
+
+class FileSource(abc.ABC):
+    """Random access to the bytes of one served file."""
+
+    size: int
+
+    @abc.abstractmethod
+    def read(self, offset: int, n: int) -> memoryview:
+        """``n`` bytes from ``offset`` (the caller keeps the range inside the file)."""
+
+    def close(self) -> None:  # noqa: B027 - an optional hook; most sources hold nothing
+        """Release what the source holds."""
+
+
+class BufferSource(FileSource):
+    """A file already laid out in memory: the staged arena."""
+
+    def __init__(self, buf: memoryview):
+        self._buf = buf
+        self.size = len(buf)
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return self._buf[offset:offset + n]
+
+
+class DiskSource(FileSource):
+    """A committed shard file, read with pread."""
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.size = os.fstat(self._fd).st_size
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return memoryview(os.pread(self._fd, n, offset))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class LiveSource(FileSource):
+    """A shard file made of a header and live tensors, never materialized."""
+
+    def __init__(self, plan: WritePlan, tensors: dict[str, torch.Tensor]):
+        self.plan = plan
+        self.size = plan.file_bytes
+        self._header = memoryview(plan.header)
+        self._starts = [it.offset for it in plan.items]
+        self._bytes: dict[str, memoryview] = {}
+        self._tensors = tensors
+        self._lock = threading.Lock()
+
+    def tensor_view(self, key: str) -> memoryview:
+        with self._lock:
+            mv = self._bytes.get(key)
+            if mv is None:
+                t = self._tensors[key]
+                if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+                    self._tensors[key] = t  # keep the copy alive while it is served
+                mv = self._bytes[key] = tensor_bytes(t)
+            return mv
+
+    def read(self, offset: int, n: int) -> memoryview:
+        out = bytearray(n)
+        pos = offset
+        end = offset + n
+        if pos < len(self._header):
+            k = min(end, len(self._header)) - pos
+            out[0:k] = self._header[pos:pos + k]
+            pos += k
+        i = max(0, bisect.bisect_right(self._starts, pos) - 1)
+        while pos < end and i < len(self.plan.items):
+            it = self.plan.items[i]
+            if it.end > pos:
+                lo = pos - it.offset
+                k = min(end, it.end) - pos
+                out[pos - offset:pos - offset + k] = self.tensor_view(it.key)[lo:lo + k]
+                pos += k
+            i += 1
+        return memoryview(out)
+
+
+@dataclass
+class Served:
+    """One checkpoint being served: its step, manifest and files."""
+
+    step: int
+    manifest: Callable[[], bytes]
+    files: dict[str, FileSource]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def serve_arena(step: int, manifest: Manifest, file: str, buf: memoryview) -> Served:
+    """Serve a staged arena: the file body already sits in memory, checksummed."""
+    raw = manifest.to_json()
+    return Served(step, lambda: raw, {file: BufferSource(buf)})
+
+
+def serve_directory(step_dir: Path) -> Served:
+    """Serve a committed checkpoint from disk."""
+    manifest = read_manifest(step_dir, LocalStorage())
+    raw = (step_dir / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
+    return Served(manifest.step, lambda: raw,
+                  {name: DiskSource(step_dir / name) for name in manifest.files})
+
+
+def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
+    """Serve live tensors: nothing is copied up front; checksums are computed on the
+    first manifest request (off the training thread)."""
+    from ..dist import make_record, merge_records
+
+    flat = flatten(state)
+    plan = plan_writes(flat.tensors, "rank_00000.safetensors", {"asyncckpt_format": "1"})
+    source = LiveSource(plan, dict(flat.tensors))
+    lock = threading.Lock()
+    cache: list[bytes] = []
+
+    def manifest() -> bytes:
+        with lock:
+            if not cache:
+                items = []
+                for it in plan.items:
+                    sums = tuple(block_checksums(source.tensor_view(it.key), block_bytes))
+                    box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
+                    items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
+                                  flat.kinds[it.key], box, (it.offset, it.end), sums))
+                record = make_record(0, plan.file if plan.items else None, plan.file_bytes,
+                                     items, flat.skeleton)
+                cache.append(merge_records([record], step=step, library_version=library_version,
+                                           block_bytes=block_bytes, user_metadata={},
+                                           created_unix=0.0, partial=True).to_json())
+            return cache[0]
+
+    return Served(step, manifest, {plan.file: source})

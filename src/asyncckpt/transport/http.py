@@ -1,0 +1,492 @@
+"""HTTP transport: a healthy worker serves its checkpoint; a recovering one fetches it.
+
+Server: ``GET /v1/<step>/manifest.json`` and ``GET /v1/<step>/files/<name>`` with a
+``Range`` header, over HTTP/1.1 keep-alive. It starts locked, serves only the allowed
+step (requests while locked wait until allowed or time out), requires
+``Authorization: Bearer <token>`` when a token is set, bounds connections and range
+sizes, and binds to 127.0.0.1 unless told otherwise. It serves bytes, never pickle.
+
+Client: an HTTP implementation of ReadStorage, so the ordinary loader — resharding,
+checksum verification, in-place loads — runs over the network unchanged. Ranges are
+fetched on several connections at once and a failed range is retried.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import (
+    CheckpointConfigError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointTransportError,
+)
+from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
+from .base import CheckpointTransport, Served, serve_directory, serve_state
+
+log = logging.getLogger(__name__)
+
+_PATH = re.compile(r"/v1/(\d{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
+_CURRENT = "/v1/current"
+_RANGE = re.compile(r"bytes=(\d{1,18})-(\d{1,18})")
+_PIECE = 8 * 1024 * 1024
+
+
+def _seconds(t: timedelta | float) -> float:
+    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+
+
+class HTTPTransport(CheckpointTransport[Any]):
+    """Serve and fetch checkpoints over HTTP.
+
+    Thread-safe: the server runs on its own threads; ``allow``/``disallow``/``serve``
+    may be called from any thread. ``recv_checkpoint`` runs on the caller's thread
+    and ``num_chunks`` connections.
+
+    Args:
+        timeout: how long a request may wait for a step to be allowed, and the client's
+            network timeout.
+        num_chunks: parallel connections a fetch uses.
+        host: interface to bind (127.0.0.1 by default; "0.0.0.0" for all).
+        port: port to bind (0 picks a free one).
+        advertise_host: the host put in ``metadata()`` when it differs from ``host``.
+        token: a shared secret every request must carry; None disables the check.
+        max_connections: connections served at once; more are refused with 503.
+        max_range_bytes: the largest byte range one request may ask for.
+    """
+
+    def __init__(self, timeout: timedelta | float = 60.0, num_chunks: int = 8, *,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 token: str | None = None, max_connections: int = 64,
+                 max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES):
+        if num_chunks < 1:
+            raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
+        self.timeout_s = _seconds(timeout)
+        self.num_chunks = num_chunks
+        self.token = token
+        self.block_bytes = block_bytes
+        self.max_range_bytes = max_range_bytes
+        self._cond = threading.Condition()
+        self._offered: Served | None = None
+        self._allowed: int | None = None
+        self._active = 0
+        self._server = _Server((host, port), _Handler, self, max_connections)
+        self._advertise = advertise_host or host
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="asyncckpt-http", daemon=True)
+        self._thread.start()
+
+    # --- serving side ----------------------------------------------------------------------
+
+    def address(self) -> str:
+        """Base URL of this server: ``http://host:port/v1``."""
+        host = self._advertise
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self._server.server_address[1]}/v1"
+
+    def metadata(self) -> str:
+        return self.address()
+
+    def serve(self, served: Served, *, allow: bool = True) -> None:
+        """Offer ``served`` (replacing what was offered before) and allow its step."""
+        with self._cond:
+            old = self._offered
+            self._offered = served
+            self._allowed = served.step if allow else None
+            self._cond.notify_all()
+        if old is not None and old is not served:
+            self._close_when_idle(old)
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
+                        timeout: timedelta | float) -> None:
+        """Offer the live ``state_dict`` at ``step``; returns at once.
+
+        Nothing is copied: the tensors are served as they are, so they must not change
+        until ``disallow_checkpoint()`` returns (torchft's contract).
+        """
+        from .. import __version__
+
+        self.serve(serve_state(step, state_dict, block_bytes=self.block_bytes,
+                               library_version=__version__))
+
+    def serve_directory(self, step_dir: str | Path) -> int:
+        """Serve a committed checkpoint from disk; returns its step."""
+        served = serve_directory(Path(step_dir))
+        self.serve(served)
+        return served.step
+
+    def allow_checkpoint(self, step: int) -> None:
+        """Serve the offered checkpoint if it is of ``step``."""
+        with self._cond:
+            if self._offered is None or self._offered.step != step:
+                have = None if self._offered is None else self._offered.step
+                raise CheckpointNotFoundError(
+                    f"cannot allow step {step}: the checkpoint on offer is of step {have}")
+            self._allowed = step
+            self._cond.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        """Stop serving; wait (up to the timeout) for transfers in progress to end."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            self._allowed = None
+            while self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("disallow_checkpoint: %d transfers still running after %.0fs",
+                                self._active, self.timeout_s)
+                    break
+                self._cond.wait(left)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if wait:
+            self._thread.join(self.timeout_s)
+        with self._cond:
+            old, self._offered, self._allowed = self._offered, None, None
+        if old is not None:
+            old.close()
+
+    def _close_when_idle(self, served: Served) -> None:
+        def close() -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: self._active == 0, self.timeout_s)
+            served.close()
+        threading.Thread(target=close, daemon=True).start()
+
+    def _acquire(self, step: int) -> Served | None:
+        """Wait until ``step`` may be served; None when it is not on offer."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._allowed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._cond.wait(left)
+            if self._allowed != step or self._offered is None:
+                return None
+            self._active += 1
+            return self._offered
+
+    def _allowed_step(self) -> int:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._allowed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._cond.wait(left)
+            return self._allowed
+
+    def _release(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def _authorized(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        want = f"Bearer {self.token}".encode()
+        return header is not None and hmac.compare_digest(header.encode(), want)
+
+    # --- receiving side --------------------------------------------------------------------
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                        timeout: timedelta | float, *, into: Any = None,
+                        strict: bool = True) -> Any:
+        """Fetch ``step`` from the peer at ``metadata`` (its ``address()``).
+
+        Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
+        state in place (resharding to its layout) and returns it.
+        """
+        from ..loader import load_from
+
+        storage = HTTPStorage(metadata, step, token=self.token, timeout_s=_seconds(timeout))
+        try:
+            return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
+                             threads=self.num_chunks)
+        finally:
+            storage.close_all()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 transport: HTTPTransport, max_connections: int):
+        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        self.transport = transport
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(addr, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            finally:
+                self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        # a slow or silent client must not hold a thread forever
+        self.connection.settimeout(self.server.transport.timeout_s)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._handle(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._handle(send_body=False)
+
+    def _refuse(self, code: int, why: str) -> None:
+        body = why.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _current(self, tr: HTTPTransport) -> None:
+        """The step on offer, once one is allowed: ``{"step": N}``."""
+        try:
+            step = tr._allowed_step()
+        except TimeoutError:
+            return self._refuse(503, f"no step was allowed within {tr.timeout_s:.0f}s")
+        body = f'{{"step": {step}}}'.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _handle(self, send_body: bool) -> None:
+        tr = self.server.transport
+        if not tr._authorized(self.headers.get("Authorization")):
+            return self._refuse(401, "missing or wrong token")
+        if self.path == _CURRENT:
+            return self._current(tr)
+        m = _PATH.fullmatch(self.path)
+        if m is None:
+            return self._refuse(404, "no such resource")
+        step, what = int(m.group(1)), m.group(2)
+        try:
+            served = tr._acquire(step)
+        except TimeoutError:
+            return self._refuse(503, f"step {step} was not allowed within {tr.timeout_s:.0f}s")
+        if served is None:
+            return self._refuse(404, f"step {step} is not being served")
+        try:
+            if what == MANIFEST_NAME:
+                body = served.manifest()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if send_body:
+                    self.wfile.write(body)
+                return
+            source = served.files.get(what.removeprefix("files/"))
+            if source is None:
+                return self._refuse(404, "no such file")
+            rng = self.headers.get("Range")
+            if rng is None:
+                lo, hi = 0, source.size
+            else:
+                r = _RANGE.fullmatch(rng.strip())
+                if r is None:
+                    return self._refuse(400, "Range must be bytes=<first>-<last>")
+                lo, hi = int(r.group(1)), int(r.group(2)) + 1
+                if lo >= hi or hi > source.size:
+                    return self._refuse(416, f"range outside the file ({source.size} bytes)")
+            if hi - lo > tr.max_range_bytes:
+                return self._refuse(413, f"ranges are limited to {tr.max_range_bytes} bytes")
+            self.send_response(206 if rng is not None else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(hi - lo))
+            if rng is not None:
+                self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{source.size}")
+            self.end_headers()
+            if send_body:
+                for pos in range(lo, hi, _PIECE):
+                    self.wfile.write(source.read(pos, min(_PIECE, hi - pos)))
+        finally:
+            tr._release()
+
+
+class HTTPStorage:
+    """ReadStorage over a peer's HTTP server. Thread-safe: one connection per thread."""
+
+    def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
+                 retries: int = 3):
+        u = urlsplit(base)
+        if u.scheme != "http" or not u.hostname:
+            raise CheckpointConfigError(f"{base!r} is not an http:// address of a peer")
+        self.host, self.port = u.hostname, u.port or 80
+        self.prefix = u.path.rstrip("/")
+        self.step = step
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._local = threading.local()
+        self._names: list[str] = []
+        self._sizes: dict[int, int] = {}
+        self._conns: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
+        c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if c is None or fresh:
+            if c is not None:
+                c.close()
+            c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            self._local.conn = c
+            with self._lock:
+                self._conns.append(c)
+        return c
+
+    def _url(self, what: str) -> str:
+        if what == "current":
+            return f"{self.prefix}/current"
+        return f"{self.prefix}/{self.step}/{what}"
+
+    def current_step(self) -> int:
+        """The step the peer offers (waits until it allows one)."""
+        resp = self._request("GET", "current", {})
+        body = resp.read(256)
+        try:
+            return int(json.loads(body)["step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointTransportError(f"{self.host}:{self.port} answered {body!r} for "
+                                           "the current step") from exc
+
+    def _request(self, method: str, what: str, headers: dict[str, str]
+                 ) -> http.client.HTTPResponse:
+        """Send one request, retrying on connection failures; raise on refusals."""
+        deadline = time.monotonic() + self.timeout_s
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if time.monotonic() > deadline:
+                break
+            try:
+                conn = self._conn(fresh=attempt > 0)
+                conn.request(method, self._url(what), headers={**self._headers, **headers})
+                resp = conn.getresponse()
+            except TimeoutError:
+                raise CheckpointTimeoutError(
+                    f"{self.host}:{self.port} sent nothing for {self.timeout_s:.0f}s on "
+                    f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
+                    "is stuck") from None
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+                continue
+            if resp.status in (200, 206):
+                return resp
+            body = resp.read(4096).decode(errors="replace")
+            where = f"{self.host}:{self.port}{self._url(what)}"
+            if resp.status == 401:
+                raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
+                                               "need the same token")
+            if resp.status == 404:
+                raise CheckpointNotFoundError(f"{where}: {body}")
+            if resp.status == 503 and "not allowed" in body:
+                raise CheckpointTimeoutError(f"{where}: {body}")
+            last = CheckpointTransportError(f"{where}: HTTP {resp.status}: {body}")
+            if resp.status < 500:
+                raise last
+        raise CheckpointTransportError(
+            f"fetching {self._url(what)} from {self.host}:{self.port} failed after "
+            f"{self.retries + 1} attempts: {last}") from last
+
+    # ReadStorage -------------------------------------------------------------------------
+
+    def listdir(self, path: Path) -> list[str]:
+        return [MANIFEST_NAME]
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        resp = self._request("GET", MANIFEST_NAME, {})
+        n = int(resp.getheader("Content-Length") or -1)
+        if not 0 <= n <= limit:
+            resp.close()
+            raise ValueError(f"the peer's manifest is {n} bytes (limit {limit})")
+        return resp.read(n)
+
+    def open_read(self, path: Path) -> int:
+        with self._lock:
+            self._names.append(path.name)
+            return len(self._names) - 1
+
+    def close(self, fd: int) -> None:
+        pass
+
+    def file_size(self, fd: int) -> int:
+        if fd not in self._sizes:
+            resp = self._request("HEAD", f"files/{self._names[fd]}", {})
+            resp.read()
+            self._sizes[fd] = int(resp.getheader("Content-Length") or 0)
+        return self._sizes[fd]
+
+    def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return 0
+        what = f"files/{self._names[fd]}"
+        for attempt in range(self.retries + 1):
+            resp = self._request("GET", what, {"Range": f"bytes={offset}-{offset + total - 1}"})
+            try:
+                got = 0
+                for v in views:
+                    pos = 0
+                    while pos < len(v):
+                        n = resp.readinto(v[pos:])
+                        if not n:
+                            raise http.client.IncompleteRead(b"", len(v) - pos)
+                        pos += n
+                    got += pos
+                return got
+            except (OSError, http.client.HTTPException) as exc:
+                self._conn(fresh=True)
+                if attempt == self.retries:
+                    raise CheckpointTransportError(
+                        f"the peer {self.host}:{self.port} broke off {what} at byte {offset}: "
+                        f"{exc}") from exc
+        raise AssertionError("unreachable")
+
+    def close_all(self) -> None:
+        with self._lock:
+            for c in self._conns:
+                c.close()
+            self._conns.clear()
