@@ -79,9 +79,10 @@ def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> Che
 
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
          strict: bool = True, verify: bool = True, token: str | None = None,
-         timeout: float = 60.0) -> Any:
+         timeout: float = 60.0, fallback: bool = False) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
+    ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -98,5 +99,9 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         finally:
             peer.close_all()
     storage = _LocalStorage()
+    if fallback and step is None:
+        from .loader import load_newest_intact
+
+        return load_newest_intact(Path(path), state, storage, strict=strict)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict, verify=verify)

@@ -24,7 +24,7 @@ from .errors import (
     CheckpointLockedError,
     CheckpointSaveError,
 )
-from .loader import ShardMetadata, apply_shards, load_from
+from .loader import ShardMetadata, apply_shards, load_from, load_newest_intact
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, shard_file_name
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest
@@ -253,7 +253,8 @@ class AsyncCheckpointer:
         return read_manifest(step_dir, self.storage)
 
     def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
-             verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+             verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
+             fallback: bool = False) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -267,7 +268,13 @@ class AsyncCheckpointer:
                 and tensor. Targets loaded in place may then hold partial data.
             StateMismatchError: keys missing or unexpected (unless ``strict=False``), or
                 shapes/dtypes that differ.
+
+        With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
+        log and the next older committed step is tried, down to the oldest.
         """
+        if fallback and step is None:
+            return load_newest_intact(self.directory, state, self.storage, strict=strict,
+                                      shards=shards)
         step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
         return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
                          shards=shards)

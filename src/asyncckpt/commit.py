@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
-from .storage import Storage
+from .storage import ReadStorage, Storage
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def tmp_dir_name(step: int, token: str) -> str:
     return f".step_{step:09d}.tmp-{token}"
 
 
-def committed_steps(root: Path, storage: Storage) -> list[int]:
+def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
     """Committed steps under ``root``, oldest first (a step counts once its manifest is there)."""
     steps = []
     for name in storage.listdir(root):
@@ -50,7 +50,7 @@ def committed_steps(root: Path, storage: Storage) -> list[int]:
     return sorted(steps)
 
 
-def abandoned_dirs(root: Path, storage: Storage) -> list[str]:
+def abandoned_dirs(root: Path, storage: ReadStorage) -> list[str]:
     return sorted(n for n in storage.listdir(root) if _TMP_DIR.match(n))
 
 
@@ -69,7 +69,8 @@ def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
     return removed
 
 
-def resolve_step_dir(root: Path, step: int | None, storage: Storage) -> tuple[Path, int | None]:
+def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
+                     ) -> tuple[Path, int | None]:
     """The directory of ``step`` (latest when None), or ``root`` itself if it is a step dir.
 
     Raises CheckpointNotFoundError listing what was found instead.

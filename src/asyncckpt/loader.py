@@ -7,6 +7,7 @@ chunks intersect it: the world size or layout it was saved with does not matter.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +15,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointConfigError, StateMismatchError
+from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatchError
 from .manifest import Manifest
 from .reader import load_tensors, read_manifest
 from .storage import ReadStorage
 from .tree import Box, FlatState, flatten, iter_array_nodes, restore_into, unflatten
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,31 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
             for extra in tensors[1:]:  # saved once (tied), loaded into untied targets
                 extra.copy_(loaded[key])
     return restore_into(state, manifest.skeleton, loaded, "", target)
+
+
+def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
+                       shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+    """Load the newest committed step that verifies, newest first.
+
+    Raises CheckpointCorruptError listing every step that failed when none is intact.
+    """
+    from . import commit
+
+    steps = commit.committed_steps(root, storage)
+    if not steps:
+        commit.resolve_step_dir(root, None, storage)  # raises, saying why
+    failures = []
+    for step in reversed(steps):
+        step_dir = root / commit.step_dir_name(step)
+        try:
+            return load_from(step_dir, state, storage, strict=strict, verify=True,
+                             shards=shards)
+        except CheckpointCorruptError as exc:
+            log.warning("step %d under %s is corrupt (%s); trying an older step", step, root,
+                        exc)
+            failures.append(f"step {step}: {exc}")
+    raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
+                                 path=str(root))
 
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
