@@ -424,8 +424,8 @@ def test_unhashable_skeleton_key_is_corrupt(key):
 
 
 def test_huge_created_unix_is_corrupt():
-    raw = make_manifest().to_json().replace(b'"created_unix": 1700000000.25',
-                                            b'"created_unix": 1' + b"0" * 400)
+    raw = make_manifest().to_json().replace(b'"created_unix":1700000000.25',
+                                            b'"created_unix":1' + b"0" * 400)
     assert raw != make_manifest().to_json()
     with pytest.raises(CheckpointCorruptError):
         parse_manifest(raw, PATH)

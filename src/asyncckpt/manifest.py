@@ -251,7 +251,8 @@ class Manifest:
         }
         if self.partial:
             doc["partial"] = True
-        return json.dumps(doc, indent=1, ensure_ascii=True).encode("ascii") + b"\n"
+        # Compact: an indented dump takes Python's slow encoder (0.3 s for 4,000 tensors).
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
 
 
 class _Check:
