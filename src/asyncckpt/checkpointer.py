@@ -110,6 +110,9 @@ class AsyncCheckpointer:
         self._pending: CheckpointFuture | None = None
         self._closed = False
         self._transports: list[Any] = []
+        self._seq = 0
+        self._prev_tag: str | None = None
+        self._retention: cf.Future[None] | None = None
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._nonce = commit.new_token()
@@ -152,6 +155,8 @@ class AsyncCheckpointer:
         """
         started = time.perf_counter()
         self._check_open()
+        self._seq += 1  # counted on every rank alike: saves are collective
+        tag = f"s{step}.{self._seq}"
         if type(step) is not int or step < 0:
             raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
         self._wait_for_previous()
@@ -165,9 +170,9 @@ class AsyncCheckpointer:
                     "new step number")
             flat = flatten(state)
             apply_shards(flat, shards)
-            mine = self._my_keys(step, flat)
+            mine = self._my_keys(step, tag, flat)
         except BaseException as exc:
-            self._announce_failure(step, exc)
+            self._announce_failure(tag, exc)
             raise
         tensors = {k: t for k, t in flat.tensors.items() if k in mine}
         plan = self._plan_for(tensors)
@@ -181,12 +186,12 @@ class AsyncCheckpointer:
             storage=self.storage, keep_last=self.config.keep_last,
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
-            started=started)
+            started=started, tag=tag)
         for transport in self._transports:  # peers must stop reading the arena we overwrite
             transport.disallow_checkpoint()
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
-        durable = writer.submit(job)  # follows the staging progress
+        durable, self._retention = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
         if overlap and self.config.mode != "sync":
             staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress)
@@ -223,13 +228,15 @@ class AsyncCheckpointer:
         return self.save_async(state, step, metadata=metadata).wait()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Wait for the save in flight (if any); re-raise its error."""
+        """Wait for the save in flight (if any) and its retention; re-raise its error."""
         fut = self._pending
         if fut is None:
             return None
         info = fut.wait(timeout)
         if self._pending is fut:
             self._pending = None
+        if self._retention is not None:
+            self._retention.result(timeout)
         return info
 
     @property
@@ -341,7 +348,7 @@ class AsyncCheckpointer:
         commit.cleanup_abandoned(self.directory, self.storage)
         self._cleaned = True
 
-    def _my_keys(self, step: int, flat: FlatState) -> set[str]:
+    def _my_keys(self, step: int, tag: str, flat: FlatState) -> set[str]:
         """The tensor keys this rank writes: all of them alone; its share in a group.
 
         In a group, every rank posts the digest of its layout (keys, dtypes, boxes) and
@@ -359,32 +366,36 @@ class AsyncCheckpointer:
         if digest != self._my_digest:
             ctx.put(ctx.key("items", ctx.rank, digest), [i.to_json() for i in items])
             self._my_digest = digest
-        ctx.put(ctx.key(f"s{step}", "layout", ctx.rank), {"digest": digest})
-        got = ctx.gather((f"s{step}", "layout"), f"the layouts of step {step}")
+        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest})
+        got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
         failed = {r: v["error"] for r, v in got.items() if "error" in v}
         if failed:
             raise CheckpointSaveError(f"step {step} not started: " + "; ".join(
                 f"rank {r} failed: {m}" for r, m in sorted(failed.items())))
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
+        previous = self._layout
         if self._layout is None or self._layout[0] != digests:
             layouts = {r: [LocalItem.from_json(v) for v in
                            ctx.get(ctx.key("items", r, digests[r]), f"rank {r}'s layout")]
                        for r in range(ctx.world_size)}
-            mine = {key for key, _ in assign_writers(layouts)[ctx.rank]}
-            self._layout = (digests, mine)
+            self._layout = (digests, {key for key, _ in assign_writers(layouts)[ctx.rank]})
+        if ctx.is_coordinator:
+            # Every rank has entered this save, so all are done with the previous one.
+            ctx.forget(self._prev_tag, () if previous is None else previous[0], digests)
+        self._prev_tag = tag
         return self._layout[1]
 
-    def _announce_failure(self, step: int, exc: BaseException) -> None:
-        """Let the other ranks fail this step at once instead of timing out."""
+    def _announce_failure(self, tag: str, exc: BaseException) -> None:
+        """Let the other ranks fail this save at once instead of timing out."""
         ctx = self._ctx
         if not ctx.distributed:
             return
-        msg = f"{type(exc).__name__}: {exc}"
+        msg = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):
             for part in ("layout", "done"):
-                ctx.put(ctx.key(f"s{step}", part, ctx.rank), {"error": msg})
+                ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg})
             if ctx.is_coordinator:
-                ctx.put(ctx.key(f"s{step}", "verdict"), {"error": msg})
+                ctx.put(ctx.key(tag, "verdict"), {"error": msg})
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> WritePlan:
         if self._plan is not None and self._plan.signature == layout_signature(tensors):

@@ -16,11 +16,12 @@ Per save, under ``asyncckpt/<namespace>/s<step>/``:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,12 @@ import torch
 import torch.distributed as dist
 
 from .boxes import tiling_problem
-from .errors import CheckpointConfigError, CheckpointSaveError, CheckpointTimeoutError
+from .errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+)
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry
 from .tree import dtype_from_name, merge_skeletons
 
@@ -119,19 +125,47 @@ class DistContext:
         return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
 
     def put(self, key: str, value: Any) -> None:
-        self.store.set(key, json.dumps(value, separators=(",", ":")))
+        with self._store_errors(f"posting {key}"):
+            self.store.set(key, json.dumps(value, separators=(",", ":")))
 
     def get(self, key: str, what: str, timeout_s: float | None = None) -> Any:
         self.wait_keys({0: key}, what, timeout_s)
-        return json.loads(self.store.get(key))
+        with self._store_errors(f"reading {what}"):
+            return json.loads(self.store.get(key))
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None
                ) -> dict[int, Any]:
         """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values."""
         keys = {r: self.key(*prefix, r) for r in range(self.world_size)}
         self.wait_keys(keys, what, timeout_s)
-        raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
+        with self._store_errors(f"reading {what}"):
+            raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
         return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
+
+    def forget(self, tag: str | None, old_digests: Sequence[str], digests: Sequence[str]
+               ) -> None:
+        """Delete the keys of a finished save, and layouts no rank uses any more."""
+        keys = []
+        if tag is not None:
+            keys += [self.key(tag, part, r) for part in ("layout", "done")
+                     for r in range(self.world_size)]
+            keys.append(self.key(tag, "verdict"))
+        keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
+        for k in keys:
+            with contextlib.suppress(Exception):  # housekeeping: a missing key is fine
+                self.store.delete_key(k)
+
+    @contextlib.contextmanager
+    def _store_errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:  # the Store's own errors: a dead peer, a broken socket
+            raise CheckpointSaveError(
+                f"rank {self.rank}: coordination through the Store failed while {what} (is "
+                f"rank 0, which hosts the Store, alive?): {type(exc).__name__}: {exc}"
+            ) from exc
 
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None) -> None:
         """Poll until every key exists; on timeout name the ranks whose keys are missing."""
@@ -140,7 +174,9 @@ class DistContext:
         pending = dict(keys)
         pause = 0.001
         while pending:
-            for r in [r for r, k in pending.items() if self.store.check([k])]:
+            with self._store_errors(f"waiting for {what}"):
+                arrived = [r for r, k in pending.items() if self.store.check([k])]
+            for r in arrived:
                 del pending[r]
             if not pending:
                 return

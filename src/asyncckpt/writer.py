@@ -74,7 +74,9 @@ class SaveJob:
     started: float
     blocked_s: float = 0.0
     tmp: Path | None = None
+    tag: str = ""  # names this save's Store keys: s<step>.<save number>
     announced: bool = False
+    committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
 
 
@@ -104,6 +106,8 @@ class CheckpointFuture:
         """
         try:
             self._staged.result(timeout)
+        except CheckpointError:
+            raise  # the staging's own error (a CheckpointTimeoutError is a TimeoutError too)
         except cf.TimeoutError:
             raise CheckpointTimeoutError(
                 f"step {self.step}: staging still running after {timeout}s") from None
@@ -116,6 +120,8 @@ class CheckpointFuture:
         """
         try:
             return self._durable.result(timeout)
+        except CheckpointError:
+            raise  # the save's own error, e.g. a CheckpointTimeoutError naming silent ranks
         except cf.TimeoutError:
             raise CheckpointTimeoutError(
                 f"step {self.step}: checkpoint not durable after {timeout}s") from None
@@ -141,11 +147,15 @@ class BackgroundWriter:
         self._hash = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-hash")
         self.stager = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-stage")
 
-    def submit(self, job: SaveJob) -> cf.Future[CheckpointInfo]:
+    def submit(self, job: SaveJob) -> tuple[cf.Future[CheckpointInfo], cf.Future[None]]:
+        """Queue a save; returns its durability future and its retention future."""
         # Both tasks are queued here, on the caller's thread: once the interpreter begins
         # to exit, executors refuse new work, but still finish what they were given.
         hashes = self._hash.submit(_hash_items, job) if job.plan.items else None
-        return self._write.submit(self._run, job, hashes)
+        durable = self._write.submit(self._run, job, hashes)
+        # Retention runs after the future resolves (deleting a 3 GB step takes ~0.5 s that
+        # nobody should wait for), on the same thread, so before the next save writes.
+        return durable, self._write.submit(_retain, job)
 
     def shutdown(self) -> None:
         for ex in (self.stager, self._write, self._hash):
@@ -187,20 +197,20 @@ class BackgroundWriter:
         if not ctx.distributed:
             final = self._commit(job, [record])
         elif ctx.is_coordinator:
-            ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), record)
+            ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
             job.announced = True
-            records = ctx.gather((f"s{job.step}", "done"), f"the shard files of step {job.step}")
+            records = ctx.gather((job.tag, "done"), f"the shard files of step {job.step}")
             failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
             if failed:
                 raise CheckpointSaveError(
                     f"step {job.step} aborted, nothing committed: " + "; ".join(
                         f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
             final = self._commit(job, [records[r] for r in sorted(records)])
-            ctx.put(ctx.key(f"s{job.step}", "verdict"), {"ok": str(final)})
+            ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
         else:
-            ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), record)
+            ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
             job.announced = True
-            verdict = ctx.get(ctx.key(f"s{job.step}", "verdict"),
+            verdict = ctx.get(ctx.key(job.tag, "verdict"),
                               f"the commit of step {job.step}", timeout_s=2 * ctx.timeout_s + 30)
             if "ok" not in verdict:
                 raise CheckpointSaveError(
@@ -208,18 +218,14 @@ class BackgroundWriter:
             job.tmp = None
             final = Path(verdict["ok"])
         durable = time.perf_counter()
-        if ctx.is_coordinator:
-            deleted = commit.apply_retention(job.root, job.keep_last, storage, protect=job.step)
-        else:
-            deleted = []
+        job.committed = True
         staged_at = job.progress.finished_at or durable
         info = CheckpointInfo(step=job.step, path=final, bytes=plan.file_bytes,
                               blocked_s=job.blocked_s, staged_s=staged_at - job.started,
                               durable_s=durable - job.started)
         log.info("rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable "
-                 "%.3fs (%.2f GB/s)%s", ctx.rank, job.step, info.bytes / 1e9, final,
-                 info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps,
-                 f"; retention removed steps {deleted}" if deleted else "")
+                 "%.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9, final,
+                 info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
         return info
 
     def _commit(self, job: SaveJob, records: list[dict[str, Any]]) -> Path:
@@ -233,20 +239,43 @@ class BackgroundWriter:
         return final
 
 
+def _retain(job: SaveJob) -> None:
+    """Apply keep_last after a committed save (coordinator only). A failure here is logged:
+    the new checkpoint is durable, and the next save tries again."""
+    if not job.committed or not job.ctx.is_coordinator or job.keep_last is None:
+        return
+    try:
+        deleted = commit.apply_retention(job.root, job.keep_last, job.storage, protect=job.step)
+    except OSError as exc:
+        log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
+        return
+    if deleted:
+        log.info("rank=0 step=%d: retention removed steps %s", job.step, deleted)
+
+
 def _abort(job: SaveJob, exc: BaseException) -> None:
     """Tell the other ranks (so nobody waits out a timeout), and drop what was written."""
     ctx = job.ctx
-    msg = f"{type(exc).__name__}: {exc}"
+    text = str(exc)
+    msg = text if text.startswith("rank ") else f"rank {ctx.rank}: {type(exc).__name__}: {text}"
     if ctx.distributed:
         with contextlib.suppress(Exception):
             if not job.announced:
-                ctx.put(ctx.key(f"s{job.step}", "done", ctx.rank), {"rank": ctx.rank,
-                                                                     "error": msg})
+                ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank, "error": msg})
             if ctx.is_coordinator:
-                ctx.put(ctx.key(f"s{job.step}", "verdict"), {"error": msg})
-    if job.tmp is not None and (ctx.is_coordinator or not ctx.distributed):
+                ctx.put(ctx.key(job.tag, "verdict"), {"error": msg})
+    if job.tmp is None:
+        return
+    if ctx.is_coordinator or not ctx.distributed:
         with contextlib.suppress(OSError):
             job.storage.remove_tree(job.tmp)
+    else:
+        # A peer may still be writing into the shared directory: take only this rank's
+        # file, and the directory if that leaves it empty (a late rank may re-create it).
+        with contextlib.suppress(OSError):
+            (job.tmp / job.plan.file).unlink()
+        with contextlib.suppress(OSError):
+            job.tmp.rmdir()
 
 
 def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
