@@ -1,0 +1,457 @@
+"""Failures under distribution: a rank that raises, dies, or cannot commit.
+
+Whatever goes wrong on one rank, every rank's save must fail (promptly when the
+failure is reported, within ``timeout_s`` when a rank goes silent), nothing may
+become visible, and the next save must work. Workers (``*_worker``) run in the ranks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import Checks, Kill, RankCtx, full_tensor, run_ranks, same_bits
+
+import asyncckpt
+
+MODULE = "test_dist_failures"
+PROMPT_S = 5.0  # "promptly": a reported failure must not wait out timeout_s
+TIMEOUT_S = 20.0  # the checkpointers' timeout_s where failures are reported
+SHORT_TIMEOUT_S = 6.0  # the checkpointers' timeout_s where a rank goes silent
+
+
+def _state(ctx: RankCtx, step: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    return {
+        "w": distribute_tensor(full_tensor(f"f{step}/w", (12, 6)), mesh, [Shard(0)],
+                               src_data_rank=None),
+        "p": full_tensor(f"f{step}/p", (40_000,)),
+        "step": step,
+    }
+
+
+def _check_step(c: Checks, ck: Any, step: int) -> None:
+    got = c.run(f"load step {step}", ck.load, step=step)
+    if got is None:
+        return
+    c.check(same_bits(got["w"], full_tensor(f"f{step}/w", (12, 6))), f"step {step}: w differs")
+    c.check(same_bits(got["p"], full_tensor(f"f{step}/p", (40_000,))), f"step {step}: p differs")
+    c.check(got["step"] == step, f"step {step}: step leaf {got['step']!r}")
+
+
+def _attempt(ck: Any, state: Any, step: int) -> dict[str, Any]:
+    """Save and wait; say whether it raised, what, and after how long."""
+    t0 = time.monotonic()
+    where = "save_async"
+    try:
+        fut = ck.save_async(state, step)
+        where = "future"
+        fut.wait(120)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "msg": str(exc), "where": where,
+                "elapsed": time.monotonic() - t0,
+                "is_checkpoint_error": isinstance(exc, asyncckpt.CheckpointError)}
+    return {"raised": None, "elapsed": time.monotonic() - t0}
+
+
+def _tmp_dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".tmp-" in p.name or ".deleting-" in p.name)
+
+
+def _flaky_storage() -> Any:
+    from asyncckpt.storage import LocalStorage
+
+    class Flaky(LocalStorage):
+        """Fails shard writes or the commit rename, or is slow to start, on cue."""
+
+        fail_write = False
+        fail_rename = False
+        slow_makedirs = False
+
+        def makedirs(self, path: Path) -> None:
+            if self.slow_makedirs and ".tmp-" in Path(path).name:
+                time.sleep(1.0)  # a peer that is late to start its write
+            super().makedirs(path)
+
+        def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
+            if self.fail_write:
+                raise OSError(errno.EIO, "injected write failure")
+            super().write_arena(path, *a, **kw)
+
+        def rename(self, src: Path, dst: Path) -> None:
+            if self.fail_rename and Path(dst).name.startswith("step_"):
+                raise OSError(errno.EIO, "injected rename failure")
+            super().rename(src, dst)
+
+    return Flaky()
+
+
+# --- a rank raises (reported failures) --------------------------------------------------------
+
+def raising_worker(ctx: RankCtx) -> dict[str, Any]:
+    root = Path(ctx.args["root"])
+    storage = _flaky_storage()
+    out: dict[str, Any] = {}
+    c = Checks()
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=TIMEOUT_S, storage=storage)
+
+    def good(step: int, name: str) -> None:
+        out[name] = _attempt(ck, _state(ctx, step), step)
+        ctx.barrier()
+
+    def after(name: str, committed: list[int]) -> None:
+        ctx.barrier()  # every rank has seen its failure
+        checks = Checks()
+        checks.check(ck.steps() == committed, f"steps {ck.steps()} != {committed}")
+        checks.check(_tmp_dirs(root) == [], f"temporary dirs left: {_tmp_dirs(root)}")
+        for s in committed:
+            _check_step(checks, ck, s)
+        out[name]["after"] = checks.failures
+        ctx.barrier()
+
+    good(1, "good_1")
+    # (a) an unsupported leaf on rank 1 only: flatten raises there
+    state = _state(ctx, 2)
+    if ctx.rank == 1:
+        state["bad"] = object()
+    out["bad_leaf"] = _attempt(ck, state, 2)
+    after("bad_leaf", [1])
+    good(3, "good_3")
+    # a rank's shard write fails
+    storage.fail_write = ctx.rank == 1
+    out["write_fails"] = _attempt(ck, _state(ctx, 4), 4)
+    storage.fail_write = False
+    after("write_fails", [1, 3])
+    good(5, "good_5")
+    # (c) the coordinator cannot commit (its rename fails)
+    storage.fail_rename = ctx.rank == 0
+    out["commit_fails"] = _attempt(ck, _state(ctx, 6), 6)
+    storage.fail_rename = False
+    after("commit_fails", [1, 3, 5])
+    good(7, "good_7")
+    ctx.barrier()
+    for s in (1, 3, 5, 7):
+        _check_step(c, ck, s)
+    out["loads"] = c.failures
+    # the coordinator's write fails while rank 1 is still on its way to its write
+    storage.fail_write = ctx.rank == 0
+    storage.slow_makedirs = ctx.rank == 1
+    out["late_peer"] = _attempt(ck, _state(ctx, 8), 8)
+    storage.fail_write = storage.slow_makedirs = False
+    ctx.barrier()
+    out["late_peer"]["steps"] = ck.steps()
+    out["late_peer"]["tmp_left"] = _tmp_dirs(root)
+    ctx.barrier()
+    # a failed step, saved again under the same step number
+    state = _state(ctx, 9)
+    if ctx.rank == 1:
+        state["bad"] = object()
+    out["retry_first"] = _attempt(ck, state, 9)
+    ctx.barrier()
+    out["retry"] = _attempt(ck, _state(ctx, 9), 9)
+    ctx.barrier()
+    retry_checks = Checks()
+    if out["retry"]["raised"] is None:
+        _check_step(retry_checks, ck, 9)
+    out["retry"]["after"] = retry_checks.failures
+    ck.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def raising(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    base = tmp_path_factory.mktemp("dist_raise")
+    runs = run_ranks(MODULE, "raising_worker", 2, base / "run", args={"root": str(base / "ck")})
+    return {r: run.result for r, run in runs.items()}
+
+
+def _assert_all_failed_promptly(res: dict[int, dict[str, Any]], name: str,
+                                culprit: int | None) -> None:
+    for rank, out in sorted(res.items()):
+        got = out[name]
+        assert got["raised"] is not None, f"rank {rank}: step saved despite rank {culprit}'s error"
+        assert got["is_checkpoint_error"], f"rank {rank}: raised {got['raised']}: {got['msg']}"
+        assert got["elapsed"] < PROMPT_S, (
+            f"rank {rank} took {got['elapsed']:.1f}s to fail (timeout_s={TIMEOUT_S}): "
+            f"{got['msg']}")
+        if culprit is not None and rank != culprit:
+            assert f"rank {culprit}" in got["msg"], (
+                f"rank {rank}'s error does not name rank {culprit}: {got['msg']}")
+        assert got["after"] == [], f"rank {rank}:\n" + "\n".join(got["after"])
+
+
+def test_good_saves_around_failures_commit(raising: dict[int, dict[str, Any]]) -> None:
+    for rank, out in sorted(raising.items()):
+        for name in ("good_1", "good_3", "good_5", "good_7"):
+            assert out[name]["raised"] is None, f"rank {rank} {name}: {out[name]}"
+        assert out["loads"] == [], f"rank {rank}:\n" + "\n".join(out["loads"])
+
+
+def test_unsupported_leaf_on_one_rank_fails_every_rank(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "bad_leaf", culprit=1)
+    assert raising[1]["bad_leaf"]["raised"] == "UnsupportedLeafError"
+    assert raising[1]["bad_leaf"]["where"] == "save_async"
+
+
+def test_failed_shard_write_fails_every_rank(raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "write_fails", culprit=1)
+    assert "injected write failure" in raising[0]["write_fails"]["msg"]
+
+
+def test_coordinator_commit_failure_fails_every_rank(raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "commit_fails", culprit=None)
+    for rank in (0, 1):
+        assert "injected rename failure" in raising[rank]["commit_fails"]["msg"], rank
+
+
+def test_coordinator_write_failure_with_a_late_peer_fails_every_rank(
+        raising: dict[int, dict[str, Any]]) -> None:
+    for rank, out in sorted(raising.items()):
+        got = out["late_peer"]
+        assert got["raised"] is not None and got["is_checkpoint_error"], (rank, got)
+        assert got["elapsed"] < PROMPT_S, (rank, got)
+        assert "injected write failure" in got["msg"], (rank, got["msg"])
+        assert got["steps"] == [1, 3, 5, 7], (rank, got["steps"])
+
+
+def test_failed_save_with_a_late_peer_leaves_no_temporary_dir(
+        raising: dict[int, dict[str, Any]]) -> None:
+    for rank, out in sorted(raising.items()):
+        assert out["late_peer"]["tmp_left"] == [], (rank, out["late_peer"]["tmp_left"])
+
+
+def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]]) -> None:
+    for rank, out in sorted(raising.items()):
+        assert out["retry_first"]["raised"] is not None, rank
+    outcomes = {rank: out["retry"]["raised"] for rank, out in raising.items()}
+    assert len(set(outcomes.values())) == 1, f"the ranks disagree on the retry: {outcomes}"
+    for rank, out in sorted(raising.items()):
+        got = out["retry"]
+        assert got["raised"] is None, f"rank {rank}: the retry of step 9 failed: {got}"
+        assert got["after"] == [], f"rank {rank}:\n" + "\n".join(got["after"])
+
+
+# --- a rank dies mid-save (silent failures) ------------------------------------------------------
+
+def _dying_storage(ctx: RankCtx, *, die_in: str | None = None, die_after: str | None = None,
+                   hang: bool = False, written_marker: bool = False) -> Any:
+    """Storage that, once armed, SIGKILLs this rank in ``makedirs`` or ``write_arena``
+    (after marker ``die_after`` appears), or stalls it in ``write_arena``."""
+    from asyncckpt.storage import LocalStorage
+
+    class Dying(LocalStorage):
+        armed = False
+
+        def _die(self) -> None:
+            if die_after is not None:
+                deadline = time.monotonic() + 60
+                while not ctx.marker(die_after).exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            ctx.touch(f"dying_{ctx.rank}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def makedirs(self, path: Path) -> None:
+            if self.armed and die_in == "makedirs":
+                self._die()
+            super().makedirs(path)
+
+        def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
+            if self.armed and die_in == "write":
+                self._die()
+            if self.armed and hang:
+                ctx.touch(f"writing_{ctx.rank}")
+                time.sleep(300)  # the parent kills the job meanwhile
+            super().write_arena(path, *a, **kw)
+            if self.armed and written_marker:
+                ctx.touch(f"written_{ctx.rank}")
+
+    return Dying()
+
+
+def one_dies_worker(ctx: RankCtx) -> dict[str, Any]:
+    root = Path(ctx.args["root"])
+    victim = ctx.args["victim"]
+    storage = _dying_storage(ctx, die_in="write" if ctx.rank == victim else None)
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=SHORT_TIMEOUT_S, storage=storage)
+    out: dict[str, Any] = {"good_1": _attempt(ck, _state(ctx, 1), 1)}
+    ctx.barrier()
+    storage.armed = True
+    out["dies"] = _attempt(ck, _state(ctx, 2), 2)
+    # no collective from here on: a rank is gone
+    c = Checks()
+    c.check(ck.steps() == [1], f"steps {ck.steps()}")
+    if ctx.rank == 0:
+        c.check(_tmp_dirs(root) == [], f"the coordinator left {_tmp_dirs(root)}")
+    _check_step(c, ck, 1)
+    out["after"] = c.failures
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_dies(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
+    """Three ranks save step 1; rank 2 is SIGKILLed inside its write of step 2."""
+    base = tmp_path_factory.mktemp("dist_one_dies")
+    root = base / "ck"
+    runs = run_ranks(MODULE, "one_dies_worker", 3, base / "run",
+                     args={"root": str(root), "victim": 2}, expect_killed=[2])
+    assert (base / "run" / "marker_dying_2").exists(), "rank 2 never reached its write"
+    return root, {r: run.result for r, run in runs.items() if r != 2}
+
+
+def test_rank_killed_mid_write_fails_the_others_within_timeout(
+        one_dies: tuple[Path, dict[int, Any]]) -> None:
+    root, res = one_dies
+    for rank, out in sorted(res.items()):
+        assert out["good_1"]["raised"] is None, out["good_1"]
+        got = out["dies"]
+        assert got["raised"] is not None, f"rank {rank}: step 2 committed without rank 2"
+        assert got["is_checkpoint_error"], got
+        assert got["elapsed"] < SHORT_TIMEOUT_S + 5, (
+            f"rank {rank} took {got['elapsed']:.1f}s (timeout_s={SHORT_TIMEOUT_S})")
+        assert out["after"] == [], f"rank {rank}:\n" + "\n".join(out["after"])
+    assert res[0]["dies"]["raised"] == "CheckpointTimeoutError"
+    # rank 1 hears it from the coordinator, whose error names the silent rank
+    assert "rank(s) [2]" in res[1]["dies"]["msg"], res[1]["dies"]["msg"]
+    ck = asyncckpt.AsyncCheckpointer(root)
+    assert ck.steps() == [1]
+    assert not (root / "step_000000002").exists()
+    assert _tmp_dirs(root) == []  # the coordinator removed what the dead step had written
+
+
+def test_coordinator_error_names_the_dead_rank(one_dies: tuple[Path, dict[int, Any]]) -> None:
+    _, res = one_dies
+    msg = res[0]["dies"]["msg"]
+    assert "rank(s) [2]" in msg, f"rank 0's error does not name rank 2: {msg}"
+
+
+def test_future_wait_reraises_the_saves_timeout_error() -> None:
+    """The same bug without ranks: a save that failed with CheckpointTimeoutError."""
+    durable: cf.Future[Any] = cf.Future()
+    durable.set_exception(asyncckpt.CheckpointTimeoutError(
+        "rank 0: timed out after 6s waiting for the shard files of step 2 from rank(s) [2]"))
+    staged: cf.Future[None] = cf.Future()
+    staged.set_result(None)
+    fut = asyncckpt.CheckpointFuture(2, durable, staged)
+    for timeout in (None, 30.0):
+        with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"rank\(s\) \[2\]"):
+            fut.wait(timeout)
+
+
+def crash_worker(ctx: RankCtx) -> dict[str, Any]:
+    root = Path(ctx.args["root"])
+    storage = _dying_storage(ctx, hang=ctx.rank == 1, written_marker=ctx.rank == 0)
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=60, storage=storage)
+    ck.save(_state(ctx, 1), 1)
+    ctx.barrier()
+    storage.armed = True
+    ck.save_async(_state(ctx, 2), 2)
+    time.sleep(300)  # the parent kills the whole job while rank 1 writes
+    return {}
+
+
+def recover_worker(ctx: RankCtx) -> dict[str, Any]:
+    root = Path(ctx.args["root"])
+    c = Checks()
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=TIMEOUT_S)
+    # The coordinator cleans up while constructing, before it publishes the run's nonce,
+    # which every other rank waits for: past the constructor nothing abandoned is left.
+    c.check(_tmp_dirs(root) == [], f"rank {ctx.rank}: after construction {_tmp_dirs(root)}")
+    c.check(ck.steps() == [1], f"steps {ck.steps()}")
+    _check_step(c, ck, 1)
+    ctx.barrier()
+    res = _attempt(ck, _state(ctx, 3), 3)
+    c.check(res["raised"] is None, f"the save after the crash failed: {res}")
+    ctx.barrier()
+    c.check(ck.steps() == [1, 3], f"steps {ck.steps()}")
+    _check_step(c, ck, 3)
+    c.check(_tmp_dirs(root) == [], f"after the save {_tmp_dirs(root)}")
+    ck.close()
+    return {"failures": c.failures}
+
+
+def test_job_killed_mid_save_leaves_nothing_visible_and_next_run_cleans(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("dist_crash")
+    root = base / "ck"
+    run = base / "run"
+    run_ranks(MODULE, "crash_worker", 2, run, args={"root": str(root)},
+              kill=Kill(when=[run / "marker_written_0", run / "marker_writing_1"], ranks=[0, 1]))
+    abandoned = _tmp_dirs(root)
+    assert len(abandoned) == 1 and abandoned[0].startswith(".step_000000002.tmp-"), abandoned
+    assert (root / abandoned[0] / "rank_00000.safetensors").exists()
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [1]
+    with pytest.raises(asyncckpt.CheckpointNotFoundError):
+        asyncckpt.load(root, step=2)
+    runs = run_ranks(MODULE, "recover_worker", 2, base / "run2", args={"root": str(root)})
+    for rank, r in sorted(runs.items()):
+        assert r.result["failures"] == [], f"rank {rank}:\n" + "\n".join(r.result["failures"])
+    assert _tmp_dirs(root) == []
+
+
+def coordinator_dies_worker(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 0 (which hosts the Store) is SIGKILLed during step 2: ``where="write"`` once
+    rank 1 has written its shard, ``where="before"`` before rank 1 calls save_async."""
+    root = Path(ctx.args["root"])
+    where = ctx.args["where"]
+    if ctx.rank == 0:
+        storage = _dying_storage(ctx, die_in="write" if where == "write" else "makedirs",
+                                 die_after="written_1" if where == "write" else None)
+    else:
+        storage = _dying_storage(ctx, written_marker=True)
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=SHORT_TIMEOUT_S, storage=storage)
+    out: dict[str, Any] = {"good_1": _attempt(ck, _state(ctx, 1), 1)}
+    state = _state(ctx, 2)
+    ctx.barrier()
+    storage.armed = True
+    if ctx.rank == 1 and where == "before":
+        while not ctx.marker("dying_0").exists():
+            time.sleep(0.01)
+        time.sleep(0.5)
+    out["dies"] = _attempt(ck, state, 2)
+    out["steps"] = ck.steps()
+    return out
+
+
+def _coordinator_dies(base: Path, where: str) -> tuple[Path, dict[str, Any]]:
+    root = base / "ck"
+    runs = run_ranks(MODULE, "coordinator_dies_worker", 2, base / "run",
+                     args={"root": str(root), "where": where}, expect_killed=[0],
+                     exit_ranks=[1])
+    return root, runs[1].result
+
+
+def _assert_survivor_failed(root: Path, out: dict[str, Any]) -> None:
+    assert out["good_1"]["raised"] is None, out["good_1"]
+    got = out["dies"]
+    assert got["raised"] is not None, "step 2 committed without the coordinator"
+    assert got["elapsed"] < SHORT_TIMEOUT_S + 5, (
+        f"rank 1 took {got['elapsed']:.1f}s (timeout_s={SHORT_TIMEOUT_S}): {got['msg']}")
+    assert out["steps"] == [1]
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [1]
+    assert got["is_checkpoint_error"], (
+        f"rank 1 raised {got['raised']} ({got['msg']}) from {got['where']}, not a "
+        "CheckpointError")
+
+
+def test_coordinator_killed_mid_write_fails_the_others(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    root, out = _coordinator_dies(tmp_path_factory.mktemp("dist_coord_dies_write"), "write")
+    _assert_survivor_failed(root, out)
+    assert out["dies"]["where"] == "future"
+
+
+def test_coordinator_dead_before_save_raises_a_checkpoint_error(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    root, out = _coordinator_dies(tmp_path_factory.mktemp("dist_coord_dies_before"), "before")
+    assert out["dies"]["where"] == "save_async"
+    _assert_survivor_failed(root, out)
