@@ -1,0 +1,75 @@
+"""Smoke test of benchmarks/bench_checkpoint.py: the --quick run works end to end."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench() -> ModuleType:
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    return importlib.import_module("bench_checkpoint")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not math.isnan(x) and x > 0
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    bench = _bench()
+    out = tmp_path / "results.json"
+    assert bench.main(["--quick", "--dir", str(tmp_path), "--json", str(out)]) == 0
+
+    res = json.loads(out.read_text())
+    assert sorted(res["meta"]["sections"]) == sorted(bench.SECTIONS)
+    assert res["meta"]["state_bytes"] > 0
+
+    limits = res["limits"]["median"]
+    for key in ("copy_s", "odirect_write_s", "cold_read_s", "hot_read_s"):
+        assert _positive(limits[key]), key
+
+    methods = res["methods"]
+    expected = [label for label, _, _ in bench.ASYNCCKPT_MODES]
+    expected += ["torch.save", "safetensors", "DCP async_save"]
+    assert sorted(methods) == sorted(expected)
+    for name, m in methods.items():
+        for key in ("blocked_s", "staged_s", "durable_s", "load_cold_s", "load_hot_s"):
+            assert _positive(m["median"][key]), (name, key)
+
+    mem = res["memory"]
+    assert _positive(mem["max_extra"]) and _positive(mem["first_blocked_s"])
+    assert len(mem["blocked_s"]) == mem["saves"]
+
+    verdicts = {t["verdict"] for t in res["targets"]}
+    assert verdicts <= {"PASS", "MISS", "n/a"} and verdicts & {"PASS", "MISS"}
+
+    table = capsys.readouterr().out
+    assert "### Targets" in table and "| asyncckpt async |" in table
+    # the run cleans up after itself: nothing but the JSON is left in --dir
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_only_selects_sections(tmp_path: Path) -> None:
+    bench = _bench()
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--dir", str(tmp_path), "--json", str(out), "--only", "limits"]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["sections"] == ["limits"]
+    assert not res["methods"] and "memory" not in res
+
+
+def test_rejects_unknown_section() -> None:
+    with pytest.raises(SystemExit):
+        _bench().main(["--only", "nonsense"])
