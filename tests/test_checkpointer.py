@@ -475,3 +475,17 @@ def test_fallback_loads_the_newest_intact_step(tmp_path: Path) -> None:
     (tmp_path / "step_000000001/manifest.json").write_text("{}")
     with pytest.raises(asyncckpt.CheckpointCorruptError, match="no intact checkpoint"):
         asyncckpt.load(tmp_path, fallback=True)
+
+
+def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:
+    state = make_state()
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.prepare(state).result(30)
+        arena = ckpt._arena
+        assert arena is not None
+        ckpt.save(state, step=1)
+        assert ckpt._arena is arena
+        ckpt.prepare(state, background=False)
+        ckpt.save(state, step=2)
+        assert ckpt._arena is arena
+    assert tensors_equal(asyncckpt.load(tmp_path, step=2)["model"], state["model"].state_dict())

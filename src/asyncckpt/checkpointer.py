@@ -111,6 +111,7 @@ class AsyncCheckpointer:
         self._closed = False
         self._transports: list[Any] = []
         self._seq = 0
+        self._preparing: cf.Future[Any] | None = None
         self._prev_tag: str | None = None
         self._retention: cf.Future[None] | None = None
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
@@ -175,6 +176,9 @@ class AsyncCheckpointer:
             self._announce_failure(tag, exc)
             raise
         tensors = {k: t for k, t in flat.tensors.items() if k in mine}
+        if self._preparing is not None:  # an arena being allocated ahead of time
+            self._preparing.result()
+            self._preparing = None
         plan = self._plan_for(tensors)
         arena = self._arena_for(plan)
         progress = StagingProgress()
@@ -213,6 +217,25 @@ class AsyncCheckpointer:
         log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
                   job.blocked_s)
         return fut
+
+    def prepare(self, state: Any, *, background: bool = True) -> cf.Future[Any]:
+        """Allocate the host arena for ``state``'s layout now, not in the first save.
+
+        Allocating and faulting in gigabytes of host memory is the one cost the first
+        save has over later ones; call this at start-up (it runs on a background thread
+        by default) so that the first save only copies. Not collective.
+        """
+        self._check_open()
+        tensors = flatten(state).tensors  # on this thread: state_dict() calls stay here
+        plan = self._plan_for(tensors)
+        writer = self._ensure_writer()
+        if background:
+            self._preparing = writer.stager.submit(self._arena_for, plan)
+        else:
+            self._preparing = cf.Future()
+            self._arena_for(plan)
+            self._preparing.set_result(None)
+        return self._preparing
 
     def serve(self, transport: Any) -> None:
         """Serve every later save to peers through ``transport`` (e.g. an HTTPTransport).
