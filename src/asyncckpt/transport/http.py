@@ -171,27 +171,26 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def _acquire(self, step: int) -> Served | None:
         """Wait until ``step`` may be served; None when it is not on offer."""
-        deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while self._allowed is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self._cond.wait(left)
-            if self._allowed != step or self._offered is None:
+            if self._wait_allowed() != step or self._offered is None:
                 return None
             self._active += 1
             return self._offered
 
-    def _allowed_step(self) -> int:
+    def _wait_allowed(self) -> int:
+        """The allowed step, once there is one; TimeoutError after the timeout.
+        Call with ``self._cond`` held."""
         deadline = time.monotonic() + self.timeout_s
+        while self._allowed is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._cond.wait(left)
+        return self._allowed
+
+    def _allowed_step(self) -> int:
         with self._cond:
-            while self._allowed is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self._cond.wait(left)
-            return self._allowed
+            return self._wait_allowed()
 
     def _release(self) -> None:
         with self._cond:
