@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -168,25 +169,31 @@ class DistContext:
             ) from exc
 
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None) -> None:
-        """Poll until every key exists; on timeout name the ranks whose keys are missing."""
+        """Block until every key exists; on timeout name the ranks whose keys are missing.
+
+        ``store.wait`` answers as soon as the last key lands (no polling delay); it is
+        asked in slices of at most a second so that a dead Store is noticed.
+        """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         pending = dict(keys)
-        pause = 0.001
         while pending:
+            left = deadline - time.monotonic()
+            if left > 0:
+                try:
+                    self.store.wait(list(pending.values()), timedelta(seconds=min(left, 1.0)))
+                    return
+                except Exception:  # a slice ran out (or the Store broke: checked below)
+                    pass
             with self._store_errors(f"waiting for {what}"):
                 arrived = [r for r, k in pending.items() if self.store.check([k])]
             for r in arrived:
                 del pending[r]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
+            if pending and time.monotonic() >= deadline:
                 raise CheckpointTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
                     f"rank(s) {sorted(pending)}; they may have died or not called save_async "
                     "for this step")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
 
 
 _instances: dict[tuple[str, int], int] = {}
@@ -229,6 +236,9 @@ def _group_store(group: Any) -> Any:
     return c10d._get_process_group_store(group)
 
 
+_boxes: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+
+
 def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     """(local tensor, global shape, box of the local shard) of a DTensor.
 
@@ -241,13 +251,25 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     from .errors import UnsupportedLeafError
 
     assert isinstance(t, DTensor)
-    for p in t.placements:
-        if type(p) not in (Shard, Replicate):
-            raise UnsupportedLeafError(
-                f"DTensor at {where!r} has placement {p}: only Shard(d) and Replicate() can be "
-                "checkpointed; redistribute it first (e.g. t.redistribute(placements=...))")
-    local = t.to_local()
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    spec = (tuple(t.shape), placements, id(mesh))
+    hit = _boxes.get(spec)
+    if hit is None or hit[0] is not mesh:
+        for p in placements:
+            if type(p) not in (Shard, Replicate):
+                raise UnsupportedLeafError(
+                    f"DTensor at {where!r} has placement {p}: only Shard(d) and Replicate() can "
+                    "be checkpointed; redistribute it first (e.g. t.redistribute(placements=...))")
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        if len(_boxes) > 100_000:
+            _boxes.clear()
+        # The mesh is kept alive in the entry, so its id cannot be reused by another mesh.
+        hit = _boxes[spec] = (mesh, tuple(shape), tuple(offsets))
+    _, shape, offsets = hit
+    # to_local() goes through autograd (~7 us a tensor, every save); the attribute does not.
+    local = getattr(t, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor):
+        local = t.to_local()
     if tuple(shape) != tuple(local.shape):
         raise UnsupportedLeafError(
             f"DTensor at {where!r}: local shard shape {list(local.shape)} does not match its "
