@@ -9,7 +9,10 @@ plus its AdamW moments), measured in this order:
               reference), cold and hot sequential reads;
 * asyncckpt -- modes sync, async, async_pinned, and async with ``overlap=True``;
 * torch_save, safetensors, dcp -- the anchors (DCP: ``async_save`` with a reused
-              ``DefaultStager``).
+              ``DefaultStager``);
+* dist     -- ``--world`` (2) rank processes, each holding its share of the same state as
+              DTensors, asyncckpt against DCP: see ``bench_dist.py`` (run first, before this
+              process builds its state, so that the ranks have the memory).
 
 Every save reports blocked (until the call returned), staged (until the tensors were
 copied and may be mutated) and durable (until everything was fsync'd) seconds; every
@@ -21,6 +24,7 @@ Usage:
     python benchmarks/bench_checkpoint.py                 # full run, ~3 GiB state
     python benchmarks/bench_checkpoint.py --quick         # smoke test, ~64 MiB state
     python benchmarks/bench_checkpoint.py --only limits,asyncckpt --json out.json
+    python benchmarks/bench_checkpoint.py --only dist --world 2   # the 2-rank section alone
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import torch
 import _limits as lim
 import asyncckpt
 
-SECTIONS = ("limits", "asyncckpt", "torch_save", "safetensors", "dcp", "memory")
+SECTIONS = ("limits", "asyncckpt", "torch_save", "safetensors", "dcp", "memory", "dist")
 RUN_ORDER = ("memory", "limits", "asyncckpt", "torch_save", "safetensors", "dcp")
 ASYNCCKPT_MODES: tuple[tuple[str, str, bool], ...] = (
     # (label, mode, overlap)
@@ -785,6 +789,10 @@ def render(res: dict[str, Any]) -> str:
                   table(["target", "measured", "threshold", "ratio", "verdict"],
                         [[t.name, t.measured, t.threshold, fmt_x(t.ratio), t.verdict]
                          for t in targets]), ""]
+    if res.get("dist"):
+        import bench_dist
+
+        parts += [bench_dist.render(res["dist"]), ""]
     parts.append(f"Peak RSS of the run: {meta.get('peak_rss', 0) / GiB:.2f} GiB; wall time "
                  f"{meta.get('wall_s', 0):.0f} s.")
     return "\n".join(parts)
@@ -810,6 +818,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model tensors, each with 2 moments and a step (1000; quick 100)")
     p.add_argument("--dcp-threads", type=int, default=2,
                    help="FileSystemWriter thread_count for DCP (default 2)")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks of the dist section (default 2)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads for the whole run (default: torch's default)")
     p.add_argument("--only", action="append", default=None, metavar="SECTIONS",
@@ -829,6 +839,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tensors = args.tensors or (100 if args.quick else 1000)
     if args.repeats < 1 or args.saves < 2 or args.state_gib <= 0 or args.tensors < 16:
         p.error("need --repeats >= 1, --saves >= 2, --state-gib > 0, --tensors >= 16")
+    if args.world < 2:
+        p.error("need --world >= 2")
     return args
 
 
@@ -868,23 +880,39 @@ def main(argv: list[str] | None = None) -> int:
     if fs.startswith("tmpfs"):
         log(f"warning: {work} is on tmpfs; disk numbers will be memory numbers")
     try:
+        dist_res = None
+        if "dist" in args.sections:  # first: its ranks get the memory our state would take
+            import bench_dist
+
+            log("--- dist")
+            dist_res = bench_dist.run(args, work / "dist")
+            free_memory()
+        single = bool(args.sections - {"dist"})  # sections that need a state here
         model_floats = int(args.state_gib * GiB / 12)
-        log(f"building a {args.state_gib:.3g} GiB state of ~{args.tensors} model tensors")
-        t0 = time.perf_counter()
-        state = build_state(model_floats, args.tensors)
-        nbytes = state_bytes(state)
-        n_tensors = sum(1 for _ in named_tensors(state))
-        log(f"built {nbytes / GiB:.3f} GiB in {n_tensors} tensors in "
-            f"{time.perf_counter() - t0:.1f}s")
+        state: State = {"model": {}}
+        if single:
+            log(f"building a {args.state_gib:.3g} GiB state of ~{args.tensors} model tensors")
+            t0 = time.perf_counter()
+            state = build_state(model_floats, args.tensors)
+        nbytes, n_tensors = state_bytes(state), sum(1 for _ in named_tensors(state))
+        n_model = len(state["model"])
+        if single:
+            log(f"built {nbytes / GiB:.3f} GiB in {n_tensors} tensors in "
+                f"{time.perf_counter() - t0:.1f}s")
+        elif dist_res is not None:  # the dist section alone: its state's numbers
+            nbytes, n_tensors = dist_res["state_bytes"], dist_res["tensors"]
+            n_model = dist_res["model_tensors"]
         ctx = Context(state, nbytes, work, args.repeats, args.saves, args.dcp_threads)
         machine = lim.machine()
         res: dict[str, Any] = {"meta": {
             "date": dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "machine": asdict(machine), "state_bytes": nbytes, "tensors": n_tensors,
-            "model_tensors": len(state["model"]), "repeats": args.repeats,
+            "model_tensors": n_model, "repeats": args.repeats,
             "saves": args.saves, "dir": str(work), "filesystem": fs,
             "sections": sorted(args.sections), "argv": list(argv or sys.argv[1:]),
-            "header": header(machine, nbytes, n_tensors, len(state["model"]), work, args)}}
+            "header": header(machine, nbytes, n_tensors, n_model, work, args)}}
+        if dist_res is not None:
+            res["dist"] = dist_res
         methods: dict[str, MethodResult] = {}
         for section in RUN_ORDER:
             if section not in args.sections:
@@ -907,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                     ctx, lambda r: DcpMethod(r, state, ctx.dcp_threads), first_save=True)
             free_memory()
         res["methods"] = methods
-        targets = evaluate_targets(res, nbytes)
+        targets = evaluate_targets(res, nbytes) if single else []
         res["targets_obj"] = targets
         res["meta"]["peak_rss"] = lim.peak_rss_bytes()
         res["meta"]["wall_s"] = time.perf_counter() - started
