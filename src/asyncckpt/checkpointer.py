@@ -176,6 +176,7 @@ class AsyncCheckpointer:
             self._announce_failure(tag, exc)
             raise
         tensors = {k: t for k, t in flat.tensors.items() if k in mine}
+        self._stop_serving()  # before the arena's header or bytes change
         if self._preparing is not None:  # an arena being allocated ahead of time
             self._preparing.result()
             self._preparing = None
@@ -191,8 +192,6 @@ class AsyncCheckpointer:
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
             started=started, tag=tag)
-        for transport in self._transports:  # peers must stop reading the arena we overwrite
-            transport.disallow_checkpoint()
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable, self._retention = writer.submit(job)  # follows the staging progress
@@ -227,6 +226,7 @@ class AsyncCheckpointer:
         """
         self._check_open()
         tensors = flatten(state).tensors  # on this thread: state_dict() calls stay here
+        self._stop_serving()
         plan = self._plan_for(tensors)
         writer = self._ensure_writer()
         if background:
@@ -439,6 +439,11 @@ class AsyncCheckpointer:
             self._arena.write_header(plan.header)
             self._arena_header_for = plan
         return self._arena
+
+    def _stop_serving(self) -> None:
+        """Peers must stop reading the arena before anything in it changes."""
+        for transport in self._transports:
+            transport.disallow_checkpoint()
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:

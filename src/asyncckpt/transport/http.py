@@ -43,6 +43,7 @@ _PATH = re.compile(r"/v1/(\d{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})
 _CURRENT = "/v1/current"
 _RANGE = re.compile(r"bytes=(\d{1,18})-(\d{1,18})")
 _PIECE = 8 * 1024 * 1024
+_NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
 
 
 def _seconds(t: timedelta | float) -> float:
@@ -72,8 +73,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  token: str | None = None, max_connections: int = 64,
                  max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES):
-        if num_chunks < 1:
+        if num_chunks < 0:
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
+        num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
         self.timeout_s = _seconds(timeout)
         self.num_chunks = num_chunks
         self.token = token
@@ -85,7 +87,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._active = 0
         self._server = _Server((host, port), _Handler, self, max_connections)
         self._advertise = advertise_host or host
-        self._thread = threading.Thread(target=self._server.serve_forever,
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name="asyncckpt-http", daemon=True)
         self._thread.start()
 
@@ -245,6 +247,10 @@ class _Server(ThreadingHTTPServer):
             return
         super().process_request(request, client_address)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-response is routine (a fetch retried or cancelled).
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
@@ -270,6 +276,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._handle(send_body=False)
 
+    def _not_allowed(self) -> None:
+        self.send_response(405)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
+
     def _refuse(self, code: int, why: str) -> None:
         body = why.encode()
         self.send_response(code)
@@ -284,13 +298,14 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             step = tr._allowed_step()
         except TimeoutError:
-            return self._refuse(503, f"no step was allowed within {tr.timeout_s:.0f}s")
+            return self._refuse(503, f"a step {_NOT_ALLOWED} within {tr.timeout_s:g}s")
         body = f'{{"step": {step}}}'.encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def _handle(self, send_body: bool) -> None:
         tr = self.server.transport
@@ -305,7 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             served = tr._acquire(step)
         except TimeoutError:
-            return self._refuse(503, f"step {step} was not allowed within {tr.timeout_s:.0f}s")
+            return self._refuse(503, f"step {step} {_NOT_ALLOWED} within {tr.timeout_s:g}s")
         if served is None:
             return self._refuse(404, f"step {step} is not being served")
         try:
@@ -331,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
                 lo, hi = int(r.group(1)), int(r.group(2)) + 1
                 if lo >= hi or hi > source.size:
                     return self._refuse(416, f"range outside the file ({source.size} bytes)")
-            if hi - lo > tr.max_range_bytes:
+            if send_body and hi - lo > tr.max_range_bytes:  # HEAD only asks for the size
                 return self._refuse(413, f"ranges are limited to {tr.max_range_bytes} bytes")
             self.send_response(206 if rng is not None else 200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -344,6 +359,10 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(source.read(pos, min(_PIECE, hi - pos)))
         finally:
             tr._release()
+
+
+class _RangeTooLarge(Exception):
+    """The server answered 413: the range is above its max_range_bytes."""
 
 
 class HTTPStorage:
@@ -421,7 +440,9 @@ class HTTPStorage:
                                                "need the same token")
             if resp.status == 404:
                 raise CheckpointNotFoundError(f"{where}: {body}")
-            if resp.status == 503 and "not allowed" in body:
+            if resp.status == 413:
+                raise _RangeTooLarge(body)
+            if resp.status == 503 and _NOT_ALLOWED in body:
                 raise CheckpointTimeoutError(f"{where}: {body}")
             last = CheckpointTransportError(f"{where}: HTTP {resp.status}: {body}")
             if resp.status < 500:
@@ -459,6 +480,24 @@ class HTTPStorage:
         return self._sizes[fd]
 
     def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        if len(views) != 1:
+            got = 0
+            for v in views:
+                got += self.pread_into(fd, [v], offset + got)
+            return got
+        try:
+            return self._fetch(fd, views, offset)
+        except _RangeTooLarge:
+            # The server bounds its ranges below our piece size: ask for halves.
+            (v,) = views
+            if len(v) <= 64 * 1024:
+                raise CheckpointTransportError(
+                    f"{self.host}:{self.port} refuses even {len(v)}-byte ranges") from None
+            half = len(v) // 2
+            return (self.pread_into(fd, [v[:half]], offset)
+                    + self.pread_into(fd, [v[half:]], offset + half))
+
+    def _fetch(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         total = sum(len(v) for v in views)
         if total == 0:
             return 0
