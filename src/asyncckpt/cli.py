@@ -6,6 +6,9 @@
     asyncckpt export CKPT OUT.safetensors [--step N] [--prefix P] [--strip-prefix]
                      [--dtype bf16|fp16|fp32] [--force]
                                       one safetensors file of whole tensors
+    asyncckpt serve CKPT [--step N] [--host H] [--port P] [--advertise-host A]
+                    [--token-file F] [--timeout S]
+                                      serve one checkpoint to peers over HTTP
 
 Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
 2 usage error or nothing found.
@@ -270,11 +273,90 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- serve -------------------------------------------------------------------------------------
+
+TOKEN_ENV = "ASYNCCKPT_TOKEN"
+
+
+def _serve_token(args: argparse.Namespace) -> str | None:
+    """The shared secret, from --token-file or $ASYNCCKPT_TOKEN (never from argv: ps shows it)."""
+    if args.token_file is not None:
+        path = Path(args.token_file)
+        try:
+            token = path.read_text().strip()
+            mode = path.stat().st_mode
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not text"
+            raise _Usage(f"cannot read --token-file {path}: {why}") from exc
+        if not token:
+            raise _Usage(f"--token-file {path} is empty")
+        if mode & 0o077:
+            _warn(f"{path} can be read by other users; chmod 600 it")
+        return token
+    env = os.environ.get(TOKEN_ENV)
+    if env is None:
+        return None
+    if not env.strip():
+        raise _Usage(f"${TOKEN_ENV} is set but empty")
+    return env.strip()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from .transport.http import HTTPTransport
+
+    step_dir, _ = _resolve(args.ckpt, args.step)
+    token = _serve_token(args)
+    if not args.timeout > 0:
+        raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds")
+    if not 0 <= args.port <= 65535:
+        raise _Usage(f"--port {args.port}: use 0 (any free port) to 65535")
+    if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+        _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
+              f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
+    stop = threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    transport = None
+    try:
+        try:
+            transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
+                                      advertise_host=args.advertise_host, token=token)
+        except OSError as exc:
+            raise _Usage(f"cannot listen on {args.host}:{args.port}: "
+                         f"{exc.strerror or exc}") from exc
+        step = transport.serve_directory(step_dir)
+        address = transport.address()
+        if args.json:
+            print(json.dumps({"address": address, "step": step, "path": str(step_dir),
+                              "token_required": token is not None}), flush=True)
+        else:
+            print(address, flush=True)
+        print(f"asyncckpt: serving step {step} of {step_dir} at {address}"
+              f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
+              file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if transport is not None:
+            transport.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_OK
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="asyncckpt", description="List, inspect, verify and export asyncckpt checkpoints.",
+        prog="asyncckpt",
+        description="List, inspect, verify, export and serve asyncckpt checkpoints.",
         epilog="exit codes: 0 ok, 1 corrupt checkpoint, 2 usage error or not found")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
@@ -308,6 +390,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cast floating tensors to this dtype (others are kept as they are)")
     ex.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     ex.set_defaults(func=cmd_export)
+    sv = sub.add_parser(
+        "serve", help="serve one committed checkpoint to peers over HTTP",
+        description="Serve one committed checkpoint over HTTP until SIGINT/SIGTERM, for "
+        "asyncckpt.load(ADDRESS, token=...) or a recovering worker. Prints the address "
+        "(http://HOST:PORT/v1) as the first line of stdout. The token is read from "
+        f"--token-file or ${TOKEN_ENV}, never from the command line.")
+    sv.add_argument("ckpt", metavar="CKPT",
+                    help="a checkpoint root (latest step unless --step) or a step directory")
+    sv.add_argument("--step", type=int, default=None, help="which committed step of the root")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    sv.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
+    sv.add_argument("--advertise-host", default=None,
+                    help="host name peers use to reach this one, put in the printed address")
+    sv.add_argument("--token-file", default=None,
+                    help=f"file holding the shared secret (else ${TOKEN_ENV}; none: no check)")
+    sv.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds an idle connection or a request may wait (default 60)")
+    sv.set_defaults(func=cmd_serve)
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from .base import CheckpointTransport
 from .http import HTTPTransport
+from .pg import PGTransport
 
-__all__ = ["CheckpointTransport", "HTTPTransport"]
+__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport"]

@@ -1,0 +1,677 @@
+"""HTTPTransport beyond the shared contract: gating, tokens, hostile requests, bounds,
+corruption and dying servers, retries, binding, AsyncCheckpointer.serve and the
+``asyncckpt serve`` command. Only 127.0.0.1; every wait has a deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import AsyncCheckpointer
+from asyncckpt.cli import main as cli_main
+from asyncckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointTransportError,
+)
+from asyncckpt.manifest import parse_manifest
+from asyncckpt.storage import LocalStorage
+from asyncckpt.transport import HTTPTransport
+from asyncckpt.transport.base import FileSource, Served, serve_state
+
+TOKEN = "s3cret-token"
+FILE = "rank_00000.safetensors"
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def transports() -> Iterator[Callable[..., HTTPTransport]]:
+    """Make HTTPTransports that are shut down after the test."""
+    made: list[HTTPTransport] = []
+
+    def make(**kw: Any) -> HTTPTransport:
+        kw.setdefault("timeout", 10.0)
+        tr = HTTPTransport(**kw)
+        made.append(tr)
+        return tr
+
+    yield make
+    for tr in made:  # each takes up to the server's 0.5 s poll interval: not waited for
+        threading.Thread(target=tr.shutdown, args=(False,), daemon=True).start()
+
+
+def state_of(seed: int = 0, n: int = 4096) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "i": torch.arange(7, dtype=torch.int16),
+            "h": torch.randn(5, generator=g).to(torch.bfloat16), "step": seed}
+
+
+def assert_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == list(want)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+class Background:
+    """Run ``fn`` on a thread; ``result()`` re-raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kw: Any):
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.ended: float | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn(*args, **kw)
+            except BaseException as exc:
+                self.error = exc
+            self.ended = time.monotonic()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 20.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"still running after {timeout}s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def port_of(tr: HTTPTransport) -> int:
+    return int(tr.address().rsplit(":", 1)[1].split("/")[0])
+
+
+def raw_request(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes, return everything the server sends back before closing."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        chunks = []
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                chunks.append(b)
+    return b"".join(chunks)
+
+
+def status_of(port: int, method: str, path: str, headers: dict[str, str] | None = None,
+              token: str | None = TOKEN) -> int:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    if token is not None:
+        lines.append(f"Authorization: Bearer {token}")
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines.append("Connection: close")
+    reply = raw_request(port, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+    assert reply.startswith(b"HTTP/1."), reply[:200]
+    return int(reply.split(b" ", 2)[1])
+
+
+_clients: dict[tuple[Any, ...], HTTPTransport] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shut_clients() -> Iterator[None]:
+    yield
+    closing = [threading.Thread(target=c.shutdown, args=(False,)) for c in _clients.values()]
+    for t in closing:
+        t.start()
+    for t in closing:
+        t.join(10)
+    _clients.clear()
+
+
+def fetch(tr: HTTPTransport, step: int, timeout: float = 10.0, token: str | None = TOKEN,
+          num_chunks: int = 4, **kw: Any) -> Any:
+    """recv_checkpoint on a client transport (one per setting, shared by the module)."""
+    key = (timeout, token, num_chunks)
+    if key not in _clients:
+        _clients[key] = HTTPTransport(timeout=timeout, token=token, num_chunks=num_chunks)
+    return _clients[key].recv_checkpoint(0, tr.address(), step, timeout, **kw)
+
+
+# --- gating ----------------------------------------------------------------------------------
+
+def test_requests_wait_while_disallowed_then_succeed(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(1)
+    srv.send_checkpoint([1], 3, state, 10.0)
+    srv.disallow_checkpoint()
+    client = Background(fetch, srv, 3)
+    time.sleep(0.6)
+    assert client.thread.is_alive(), "a disallowed step was served"
+    srv.allow_checkpoint(3)
+    assert_state(client.result(), state)
+    assert client.ended is not None and client.ended - client.started >= 0.6
+    with pytest.raises(CheckpointNotFoundError):
+        srv.allow_checkpoint(4)  # not on offer
+
+
+def test_disallowed_requests_time_out_within_the_timeout(transports: Any) -> None:
+    # the server gives up first: 503 "not allowed" -> CheckpointTimeoutError
+    srv = transports(token=TOKEN, timeout=1.0)
+    srv.send_checkpoint([1], 3, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError, match="not allowed"):
+        fetch(srv, 3, timeout=10.0)
+    assert time.monotonic() - t0 < 5.0
+    # the client gives up first: its socket timeout -> CheckpointTimeoutError
+    srv2 = transports(token=TOKEN, timeout=30.0)
+    srv2.send_checkpoint([1], 3, state_of(), 10.0)
+    srv2.disallow_checkpoint()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError):
+        fetch(srv2, 3, timeout=1.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_load_of_the_current_step_times_out_clearly(transports: Any) -> None:
+    srv = transports(token=TOKEN, timeout=0.5)
+    srv.send_checkpoint([1], 3, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CheckpointTimeoutError):
+            asyncckpt.load(srv.address(), token=TOKEN, timeout=1.5)
+    finally:
+        assert time.monotonic() - t0 < 5.0
+
+
+# --- tokens ----------------------------------------------------------------------------------
+
+def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(2)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    port = port_of(srv)
+    for token in ("wrong", None, TOKEN + "x", TOKEN[:-1], "", TOKEN.upper()):
+        with pytest.raises(CheckpointTransportError, match="401"):
+            fetch(srv, 5, token=token)
+    for path in ("/v1/current", "/v1/5/manifest.json", f"/v1/5/files/{FILE}", "/nope"):
+        assert status_of(port, "GET", path, token=None) == 401
+        assert status_of(port, "GET", path, token="wrong") == 401
+    assert status_of(port, "GET", "/v1/5/manifest.json",
+                     headers={"Authorization": f"bearer {TOKEN}"}, token=None) == 401
+    assert status_of(port, "GET", "/v1/5/manifest.json", token=TOKEN) == 200
+    assert_state(fetch(srv, 5), state)
+
+
+# --- hostile requests ------------------------------------------------------------------------
+
+def test_malformed_paths_traversal_and_absurd_ranges_get_4xx(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(3)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    port = port_of(srv)
+    size = parse_manifest(srv._offered.manifest(), "m").files[FILE].bytes  # type: ignore
+    f = f"/v1/5/files/{FILE}"
+    cases: list[tuple[str, str, dict[str, str], set[int]]] = [
+        ("GET", "/v1/5/files/../../etc/passwd", {}, {404}),
+        ("GET", "/v1/5/files/..%2F..%2Fetc%2Fpasswd", {}, {404}),
+        ("GET", "/v1/5/files/%2e%2e%2f%2e%2e%2fetc%2fpasswd", {}, {404}),
+        ("GET", "/v1/5/files/..", {}, {404}),
+        ("GET", "/v1/5/files/.", {}, {404}),
+        ("GET", f"/v1/5/files/{FILE}/../manifest.json", {}, {404}),
+        ("GET", f"/v1/5/files/{FILE}%00", {}, {404}),
+        ("GET", "/v1/5/files/manifest.json", {}, {404}),
+        ("GET", "/v1/5/manifest.json?x=1", {}, {404}),
+        ("GET", "/v1/5/manifest.json/", {}, {404}),
+        ("GET", "/v1/-5/manifest.json", {}, {404}),
+        ("GET", "/v1/" + "9" * 30 + "/manifest.json", {}, {404}),
+        ("GET", "//etc/passwd", {}, {404}),
+        ("GET", "/etc/passwd", {}, {404}),
+        ("GET", "http://127.0.0.1/v1/5/manifest.json", {}, {404}),
+        ("GET", "/v1/6/manifest.json", {}, {404}),  # a step not on offer
+        ("GET", f, {"Range": "bytes=0-" + "9" * 20}, {400}),
+        ("GET", f, {"Range": "bytes=-10"}, {400}),
+        ("GET", f, {"Range": "bytes=10-"}, {400}),
+        ("GET", f, {"Range": "bytes=0-1,3-4"}, {400}),
+        ("GET", f, {"Range": "items=0-1"}, {400}),
+        ("GET", f, {"Range": "bytes=-1-5"}, {400}),
+        ("GET", f, {"Range": "bytes=5-2"}, {416}),
+        ("GET", f, {"Range": f"bytes=0-{size}"}, {416}),
+        ("GET", f, {"Range": f"bytes={size}-{size}"}, {416}),
+        ("GET", f, {"Range": f"bytes=0-{10**17}"}, {416}),
+    ]
+    for method, path, headers, want in cases:
+        got = status_of(port, method, path, headers)
+        assert got in want, f"{method} {path} {headers}: {got}, expected {want}"
+    # requests that are not HTTP at all, or too big to parse
+    assert b"400" in raw_request(port, b"HELLO\r\n\r\n")[:400]  # (an HTTP/0.9 reply)
+    assert raw_request(port, b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n").split(b" ")[1] \
+        == b"414"
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
+    assert raw_request(port, b"GET /v1/current HTTP/1.1\r\n" + many + b"\r\n").split(
+        b" ")[1] == b"431"
+    # a sane range still works, and the whole state can still be fetched
+    assert status_of(port, "GET", f, {"Range": "bytes=0-99"}) == 206
+    assert_state(fetch(srv, 5), state)
+    # ranges above max_range_bytes
+    small = transports(token=TOKEN, max_range_bytes=1 << 20)
+    small.send_checkpoint([1], 5, state_of(3, n=1 << 19), 10.0)  # a 2 MiB file
+    port = port_of(small)
+    assert status_of(port, "GET", f, {"Range": f"bytes=0-{(1 << 20) + 5}"}) == 413
+    assert status_of(port, "GET", f) == 413  # the whole file in one request
+    assert status_of(port, "GET", f, {"Range": f"bytes=0-{(1 << 20) - 1}"}) == 206
+
+
+def test_a_file_larger_than_max_range_bytes_can_be_fetched(transports: Any) -> None:
+    srv = transports(token=TOKEN, max_range_bytes=8 << 20)
+    state = state_of(3, n=3 << 20)  # a 12 MiB file, fetched in 8 MiB pieces
+    srv.send_checkpoint([1], 5, state, 10.0)
+    assert_state(fetch(srv, 5), state)
+
+
+def test_a_server_with_small_max_range_bytes_can_still_be_fetched(transports: Any) -> None:
+    srv = transports(token=TOKEN, max_range_bytes=1 << 20)
+    state = state_of(3, n=1 << 19)  # one 2 MiB tensor
+    srv.send_checkpoint([1], 5, state, 10.0)
+    assert_state(fetch(srv, 5), state)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+def test_other_methods_are_refused_and_the_server_keeps_serving(transports: Any,
+                                                                 method: str) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(4)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    port = port_of(srv)
+    assert status_of(port, method, "/v1/5/manifest.json",
+                     {"Content-Length": "5"}) >= 400
+    assert_state(fetch(srv, 5), state)
+
+
+def test_other_methods_get_405(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    assert status_of(port_of(srv), "POST", "/v1/5/manifest.json") == 405
+
+
+def test_head_of_current_has_no_body(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    reply = raw_request(port_of(srv), b"HEAD /v1/current HTTP/1.1\r\nAuthorization: Bearer "
+                        + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n")
+    assert reply.endswith(b"\r\n\r\n"), reply
+
+
+def test_connections_above_max_connections_get_503_and_the_server_recovers(
+        transports: Any) -> None:
+    srv = transports(token=TOKEN, max_connections=4, timeout=5.0)
+    state = state_of(5)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    port = port_of(srv)
+    idle = []
+    for _ in range(4):  # hold every slot: connected, silent
+        idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.05)
+    time.sleep(0.3)
+    refused = 0
+    extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(16)]
+    for s in extra:
+        reply = s.recv(200)
+        refused += reply.startswith(b"HTTP/1.1 503")
+        s.close()
+    assert refused == 16
+    for s in idle:
+        s.close()
+    deadline = time.monotonic() + 5
+    while True:  # the slots come back once the handlers see the closed connections
+        try:
+            assert_state(fetch(srv, 5, timeout=5.0), state)
+            break
+        except CheckpointTransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+# --- damaged transfers -----------------------------------------------------------------------
+
+class FlipOneByte(FileSource):
+    """Serves ``inner`` with the byte at ``at`` flipped."""
+
+    def __init__(self, inner: FileSource, at: int):
+        self.inner, self.at, self.size = inner, at, inner.size
+
+    def read(self, offset: int, n: int) -> memoryview:
+        data = bytearray(self.inner.read(offset, n))
+        if offset <= self.at < offset + n:
+            data[self.at - offset] ^= 0x01
+        return memoryview(data)
+
+
+class FailFirstRead(FileSource):
+    """Raises on its first read (the server then drops the connection mid-response)."""
+
+    def __init__(self, inner: FileSource):
+        self.inner, self.size = inner, inner.size
+        self.failures = 0
+        self.lock = threading.Lock()
+
+    def read(self, offset: int, n: int) -> memoryview:
+        with self.lock:
+            if self.failures == 0:
+                self.failures += 1
+                raise OSError("injected failure of the first read")
+        return self.inner.read(offset, n)
+
+
+def wrapped(state: Any, step: int, wrap: Callable[[FileSource], FileSource]) -> Served:
+    served = serve_state(step, state, block_bytes=1 << 16, library_version="test")
+    return Served(served.step, served.manifest,
+                  {name: wrap(src) for name, src in served.files.items()})
+
+
+def test_a_byte_corrupted_in_flight_is_caught_and_names_the_tensor(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = {"a": torch.randn(1000), "victim": torch.randn(50000), "z": torch.ones(3)}
+    probe = serve_state(7, state, block_bytes=1 << 16, library_version="test")
+    manifest = parse_manifest(probe.manifest(), "m")
+    lo, hi = manifest.tensors["victim"].chunks[0].byte_range
+    srv.serve(wrapped(state, 7, lambda src: FlipOneByte(src, (lo + hi) // 2)))
+    with pytest.raises(CheckpointCorruptError, match="victim") as info:
+        fetch(srv, 7)
+    assert info.value.key == "victim"
+
+
+def test_a_failed_read_is_retried(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(6, n=1 << 16)
+    sources: list[FailFirstRead] = []
+
+    def wrap(src: FileSource) -> FileSource:
+        sources.append(FailFirstRead(src))
+        return sources[-1]
+
+    srv.serve(wrapped(state, 8, wrap))
+    assert_state(fetch(srv, 8, num_chunks=1), state)
+    assert sources[0].failures == 1
+
+
+_SLOW_SERVER = r"""
+import sys, time, torch
+from asyncckpt.transport import HTTPTransport
+from asyncckpt.transport.base import FileSource, Served, serve_state
+
+class Slow(FileSource):
+    def __init__(self, inner):
+        self.inner, self.size, self.told = inner, inner.size, False
+    def read(self, offset, n):
+        if not self.told:
+            self.told = True
+            print("STREAMING", flush=True)
+        time.sleep(0.05)
+        return self.inner.read(offset, n)
+
+state = {"big": torch.zeros(200 * 1024 * 1024 // 4), "w": torch.ones(10)}
+srv = HTTPTransport(timeout=30.0, token="tok")
+served = serve_state(3, state, block_bytes=4 << 20, library_version="test")
+served.manifest()
+srv.serve(Served(3, served.manifest, {n: Slow(s) for n, s in served.files.items()}))
+print(srv.address(), flush=True)
+time.sleep(60)
+"""
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output from the child within {timeout}s"
+    return proc.stdout.readline().decode().strip()
+
+
+def test_a_server_killed_mid_transfer_fails_the_client_clearly(tmp_path: Path) -> None:
+    err = open(tmp_path / "server.err", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SERVER], stdout=subprocess.PIPE,
+                            stderr=err)
+    try:
+        address = read_line(proc, 30)
+        assert address.startswith("http://127.0.0.1:"), address
+        client = HTTPTransport(timeout=3.0, token="tok", num_chunks=4)
+        fetching = Background(client.recv_checkpoint, 0, address, 3, 3.0)
+        assert read_line(proc, 20) == "STREAMING"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises((CheckpointTransportError, CheckpointTimeoutError)) as info:
+            fetching.result(30)
+        assert time.monotonic() - killed < 3.0 + 2.0, "the client took longer than its timeout"
+        assert "127.0.0.1" in str(info.value)
+        client.shutdown(wait=False)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        err.close()
+
+
+# --- binding ---------------------------------------------------------------------------------
+
+def listening_ips(port: int) -> set[str]:
+    conns = psutil.Process().net_connections(kind="tcp")
+    return {c.laddr.ip for c in conns
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
+
+
+def test_binds_to_loopback_by_default_and_advertise_host_changes_only_the_address(
+        transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    assert listening_ips(port_of(srv)) == {"127.0.0.1"}
+    assert srv.metadata() == f"http://127.0.0.1:{port_of(srv)}/v1"
+    adv = transports(token=TOKEN, advertise_host="node-7.cluster.example")
+    port = port_of(adv)
+    assert adv.metadata() == f"http://node-7.cluster.example:{port}/v1"
+    assert listening_ips(port) == {"127.0.0.1"}
+    assert transports(advertise_host="fe80::1").metadata().startswith("http://[fe80::1]:")
+    state = state_of(9)
+    adv.send_checkpoint([1], 2, state, 10.0)
+    client = HTTPTransport(timeout=5.0, token=TOKEN)
+    try:
+        got = client.recv_checkpoint(0, f"http://127.0.0.1:{port}/v1", 2, 5.0)
+    finally:
+        client.shutdown(wait=False)
+    assert_state(got, state)
+
+
+# --- AsyncCheckpointer.serve -----------------------------------------------------------------
+
+class GatedStorage(LocalStorage):
+    """LocalStorage whose shard writes wait for ``gate`` (to hold a save mid-flight)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writing = threading.Event()
+
+    def write_arena(self, *args: Any, **kw: Any) -> None:
+        self.writing.set()
+        assert self.gate.wait(30), "gate never opened"
+        super().write_arena(*args, **kw)
+
+
+def test_ckpt_serve_offers_each_save_and_never_a_half_staged_arena(
+        tmp_path: Path, transports: Any) -> None:
+    storage = GatedStorage()
+    srv = transports(token=TOKEN, timeout=1.5)
+    state = {"w": torch.full((1 << 16,), 1.0), "b": torch.arange(10), "step": 1}
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async", storage=storage) as ckpt:
+        ckpt.serve(srv)
+        ckpt.save(state, 1)
+        assert_state(asyncckpt.load(srv.address(), token=TOKEN, timeout=5.0), state)
+        assert_state(fetch(srv, 1), state)
+        # save 2 stages new values into the same arena while its write is held back
+        state["w"].fill_(2.0)
+        state["step"] = 2
+        storage.gate.clear()
+        storage.writing.clear()
+        fut = ckpt.save_async(state, 2)
+        assert storage.writing.wait(10)
+        for step in (1, 2):  # neither the old manifest over new bytes, nor an unverified step
+            with pytest.raises(CheckpointTimeoutError):
+                fetch(srv, step, timeout=5.0)
+        storage.gate.set()
+        fut.wait(30)
+        assert_state(fetch(srv, 2), state)
+        assert_state(asyncckpt.load(srv.address(), token=TOKEN, timeout=5.0), state)
+        with pytest.raises(CheckpointNotFoundError):
+            fetch(srv, 1)
+
+
+def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transports: Any) -> None:
+    srv = transports(token=TOKEN, timeout=15.0, max_range_bytes=1 << 30)
+    state = {"w": torch.randn(8 << 20), "step": 1}  # 32 MiB: more than the socket buffers
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        ckpt.serve(srv)
+        info = ckpt.save(state, 1)
+        on_disk = (info.path / FILE).read_bytes()
+        sock = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
+        sock.sendall(f"GET /v1/1/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        got = bytearray(sock.recv(65536))
+        with torch.no_grad():
+            state["w"].mul_(-1)  # (only the save below reads it)
+        saving = Background(ckpt.save_async, state, 2)
+        time.sleep(0.8)
+        assert saving.thread.is_alive(), "the next save staged over an arena being served"
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+        sock.close()
+        saving.result(20).wait(30)
+    body = bytes(got).split(b"\r\n\r\n", 1)[1]
+    assert body == on_disk
+
+
+class ProbingTransport(HTTPTransport):
+    """Fetches step 1 at the last moment before each disallow: a peer request that lands
+    just before the next save stops the serving."""
+
+    probe: Callable[[], Any] | None = None
+
+    def disallow_checkpoint(self) -> None:
+        if self.probe is not None:
+            self.probe()
+        super().disallow_checkpoint()
+
+
+def test_a_new_layout_does_not_touch_the_arena_on_offer(tmp_path: Path) -> None:
+    srv = ProbingTransport(timeout=5.0, token=TOKEN)
+    s1 = {"a": torch.randn(1 << 18)}  # 1 MiB, header of 4 KiB
+    # the same arena (smaller body) but a header of 28 KiB
+    s2 = {f"k{i:03d}_" + "x" * 60: torch.full((4,), float(i)) for i in range(300)}
+    try:
+        with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+            ckpt.serve(srv)
+            ckpt.save(s1, 1)
+            seen: list[Any] = []
+            srv.probe = lambda: seen.append(fetch(srv, 1, timeout=5.0))
+            ckpt.save(s2, 2)
+            assert_state(seen[0], s1)
+    finally:
+        srv.shutdown(wait=False)
+
+
+# --- the asyncckpt serve command -------------------------------------------------------------
+
+def spawn_serve(args: list[str], env: dict[str, str], tmp_path: Path
+                ) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "asyncckpt", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"),
+                            env=env)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_a_committed_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    s3, s5 = state_of(3), state_of(5)
+    asyncckpt.save(s3, root, step=3)
+    with AsyncCheckpointer(root) as ckpt:
+        ckpt.save(s5, 5)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_TOKEN"}
+    # the latest step, token from a file, stopped with SIGTERM
+    proc = spawn_serve([str(root), "--token-file", str(token_file), "--timeout", "10"], env,
+                       tmp_path)
+    try:
+        address = read_line(proc, 30)
+        assert address.startswith("http://127.0.0.1:") and address.endswith("/v1"), address
+        assert TOKEN not in " ".join(proc.args)  # type: ignore[arg-type]
+        assert_state(asyncckpt.load(address, token=TOKEN, timeout=10.0), s5)
+        with pytest.raises(CheckpointTransportError, match="401"):
+            asyncckpt.load(address, token="wrong", timeout=10.0)
+        assert stop(proc, signal.SIGTERM) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # an older step, token from the environment, JSON, advertised host, stopped with SIGINT
+    proc = spawn_serve([str(root), "--step", "3", "--json", "--advertise-host", "node-9"],
+                       {**env, "ASYNCCKPT_TOKEN": TOKEN}, tmp_path)
+    try:
+        doc = json.loads(read_line(proc, 30))
+        assert doc["step"] == 3 and doc["token_required"] is True
+        assert doc["address"].startswith("http://node-9:")
+        port = doc["address"].rsplit(":", 1)[1].split("/")[0]
+        got = asyncckpt.load(f"http://127.0.0.1:{port}/v1", state_of(0), token=TOKEN,
+                             timeout=10.0)
+        assert_state(got, s3)
+        assert stop(proc, signal.SIGINT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    asyncckpt.save(state_of(), root, step=1)
+    monkeypatch.delenv("ASYNCCKPT_TOKEN", raising=False)
+    assert cli_main(["serve", str(tmp_path / "missing")]) == 2
+    assert cli_main(["serve", str(root), "--step", "9"]) == 2
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert cli_main(["serve", str(root), "--token-file", str(empty)]) == 2
+    assert cli_main(["serve", str(root), "--token-file", str(tmp_path / "nofile")]) == 2
+    monkeypatch.setenv("ASYNCCKPT_TOKEN", " ")
+    assert cli_main(["serve", str(root)]) == 2
+    monkeypatch.delenv("ASYNCCKPT_TOKEN")
+    assert cli_main(["serve", str(root), "--timeout", "0"]) == 2
+    assert cli_main(["serve", str(root), "--port", "70000"]) == 2
+    assert cli_main(["serve", str(root), "--token", "x"]) == 2  # no such option: never argv
+    err = capsys.readouterr().err
+    assert "empty" in err and "nofile" in err

@@ -1,0 +1,591 @@
+"""PGTransport beyond the shared contract: the wire protocol's defences, zero-copy
+sends, timeouts, and real gloo ranks (several destinations, a silent peer, a dying one).
+
+Most tests run two "ranks" as threads of this process over a fake process group (a
+mailbox with the ``send``/``recv``/``rank`` methods of a ProcessGroup), which lets them
+forge or damage any message. The ``gloo_*`` tests start real gloo ranks on 127.0.0.1:
+this file is also their rank program (``python test_pg.py SPEC``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncckpt.errors import (
+    CheckpointClosedError,
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointTransportError,
+)
+from asyncckpt.transport import PGTransport
+from asyncckpt.transport.pg import MAGIC, OFFER, REQUEST, VERSION
+
+HARD_TIMEOUT_S = 40.0
+
+
+# --- a fake process group --------------------------------------------------------------------
+
+class Wire:
+    """The mailboxes between fake ranks, a log of what was sent, and a tamper hook."""
+
+    def __init__(self, tamper: Callable[[int, torch.Tensor], None] | None = None):
+        self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = defaultdict(queue.Queue)
+        self.lock = threading.Lock()
+        self.sent: list[tuple[int, int, int, int]] = []  # (src, dst, nbytes, data_ptr)
+        self.tamper = tamper
+
+    def box(self, src: int, dst: int) -> queue.Queue[torch.Tensor]:
+        with self.lock:
+            return self.boxes[(src, dst)]
+
+
+class _Work:
+    def __init__(self, fn: Callable[[float], None]):
+        self.fn = fn
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        self.fn(timeout.total_seconds())
+        return True
+
+
+class FakeGroup:
+    """A process group over a Wire: messages are copied, sizes must match (as in gloo)."""
+
+    def __init__(self, wire: Wire, rank: int, size: int = 2):
+        self.wire, self._rank, self._size = wire, rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        (t,) = tensors
+        assert t.is_contiguous()
+        with self.wire.lock:
+            index = len(self.wire.sent)
+            self.wire.sent.append((self._rank, dst, t.numel() * t.element_size(), t.data_ptr()))
+        copy = t.clone()
+        if self.wire.tamper is not None:
+            self.wire.tamper(index, copy)
+        self.wire.box(self._rank, dst).put(copy)
+        return _Work(lambda timeout: None)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        (t,) = tensors
+
+        def wait(timeout: float) -> None:
+            try:
+                got = self.wire.box(src, self._rank).get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"Timed out waiting {timeout * 1000:.0f}ms for recv "
+                                   "operation to complete") from None
+            if got.numel() * got.element_size() != t.numel() * t.element_size():
+                raise RuntimeError(f"size mismatch: sent {got.numel()}, posted {t.numel()}")
+            t.copy_(got.view(t.dtype).reshape(t.shape))
+        return _Work(wait)
+
+
+def pair(wire: Wire | None = None, **kw: Any) -> tuple[PGTransport, PGTransport, Wire]:
+    wire = wire or Wire()
+    return (PGTransport(FakeGroup(wire, 0), 10.0, **kw),
+            PGTransport(FakeGroup(wire, 1), 10.0, **kw), wire)
+
+
+class Background:
+    """Run ``fn`` on a thread; ``result()`` re-raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kw: Any):
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn(*args, **kw)
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 20.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "still running"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def small_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.arange(5, dtype=torch.int32),
+            "h": torch.randn(3, 3, generator=g).to(torch.bfloat16), "n": 4}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k].view(-1).view(torch.uint8) if a[k].numel() else a[k],
+                               b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k]), k
+        else:
+            assert a[k] == b[k] and type(a[k]) is type(b[k]), k
+
+
+# --- round trips over the fake group ---------------------------------------------------------
+
+def test_round_trip_sends_tensors_from_their_own_memory() -> None:
+    a, b, wire = pair()
+    state = small_state()
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    got = b.recv_checkpoint(0, a.metadata(), 5, 10.0)
+    sender.result()
+    same(got, state)
+    sent = {ptr for src, _, _, ptr in wire.sent if src == 0}
+    for key in ("w", "b", "h"):  # contiguous CPU tensors go out without a copy
+        assert state[key].data_ptr() in sent, key
+    assert a.metadata() == "pg:0" and b.metadata() == "pg:1"
+
+
+def test_into_loads_in_place_and_odd_tensors_survive() -> None:
+    a, b, _ = pair()
+    g = torch.Generator().manual_seed(1)
+    state = {"t": torch.randn(4, 6, generator=g).t(), "e": torch.empty(0, 3),
+             "z": torch.tensor(2.5, dtype=torch.float64), "c": torch.randn(3, 2, generator=g)[:, 1],
+             "neg": torch.randn(4, generator=g, dtype=torch.complex64).conj(), 7: "seven"}
+    target = {"t": torch.zeros(6, 4), "e": torch.zeros(0, 3),
+              "z": torch.tensor(0.0, dtype=torch.float64), "c": torch.zeros(3),
+              "neg": torch.zeros(4, dtype=torch.complex64), 7: ""}
+    before = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
+    sender = Background(a.send_checkpoint, [1], 3, state, 10.0)
+    out = b.recv_checkpoint(0, "pg:0", 3, 10.0, into=target)
+    sender.result()
+    assert out is target
+    for k, t in before.items():
+        assert target[k] is t, k
+        assert torch.equal(t, state[k].resolve_conj()), k
+    assert target[7] == "seven"
+
+
+def test_empty_states() -> None:
+    for state in ({}, {"e": torch.empty(0), "s": 1}, {"nothing": None}):
+        a, b, _ = pair()
+        sender = Background(a.send_checkpoint, [1], 1, state, 10.0)
+        got = b.recv_checkpoint(0, "pg:0", 1, 10.0)
+        sender.result()
+        assert list(got) == list(state)
+
+
+def test_several_destinations_in_turn() -> None:
+    wire = Wire()
+    trs = [PGTransport(FakeGroup(wire, r, 3), 10.0) for r in range(3)]
+    state = small_state()
+    sender = Background(trs[0].send_checkpoint, [2, 1], 8, state, 10.0)
+    recv1 = Background(trs[1].recv_checkpoint, 0, "pg:0", 8, 10.0)
+    got2 = trs[2].recv_checkpoint(0, "pg:0", 8, 10.0)
+    sender.result()
+    same(got2, state)
+    same(recv1.result(), state)
+
+
+def test_wrong_step_is_refused_without_sending_the_state() -> None:
+    a, b, wire = pair()
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 10.0)
+    with pytest.raises(CheckpointNotFoundError, match=r"sends step 5, not step 6"):
+        b.recv_checkpoint(0, "pg:0", 6, 10.0)
+    sender.result()  # the sender is not at fault: it returns normally
+    assert [(src, n) for src, _, n, _ in wire.sent] == [(1, 64), (0, 64)]  # request, refusal
+
+
+# --- defences against a broken or hostile peer -----------------------------------------------
+
+def forge(wire: Wire, *messages: torch.Tensor) -> None:
+    """Play rank 0 by hand: take the request, then send ``messages``."""
+    req = wire.box(1, 0).get(timeout=10)
+    assert req.tolist()[:3] == [MAGIC, VERSION, REQUEST]
+    for m in messages:
+        wire.box(0, 1).put(m)
+
+
+def words(*w: int) -> torch.Tensor:
+    return torch.tensor([*w] + [0] * (8 - len(w)), dtype=torch.int64)
+
+
+def real_offer(step: int = 5) -> tuple[bytes, list[torch.Tensor]]:
+    """What a real sender sends for small_state(): the manifest and the file's messages."""
+    captured: list[torch.Tensor] = []
+    wire = Wire(tamper=lambda i, t: captured.append(t))
+    a, b, _ = pair(wire)
+    sender = Background(a.send_checkpoint, [1], step, small_state(), 10.0)
+    b.recv_checkpoint(0, "pg:0", step, 10.0)
+    sender.result()
+    ours = [t for (src, *_), t in zip(wire.sent, captured, strict=True) if src == 0]
+    return bytes(ours[1].numpy()), ours[2:]
+
+
+@pytest.mark.parametrize("limit", ["manifest", "file"])
+def test_announced_sizes_above_the_limits_are_refused_before_allocating(
+        limit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0, max_manifest_bytes=1 << 20,
+                    max_file_bytes=1 << 30)
+    huge = 1 << 50
+    offer = (words(MAGIC, VERSION, OFFER, 5, huge, 100, 2) if limit == "manifest"
+             else words(MAGIC, VERSION, OFFER, 5, 100, huge, 2))
+    big: list[int] = []
+    real_empty = torch.empty
+
+    def watch_empty(*size: Any, **kw: Any) -> torch.Tensor:
+        n = size[0] if size and isinstance(size[0], int) else 0
+        big.append(n)
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", watch_empty)
+    forger = Background(forge, wire, offer)
+    with pytest.raises(CheckpointTransportError, match="refused before allocating"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+    assert all(n < (1 << 20) for n in big), big
+
+
+def test_garbage_instead_of_an_offer() -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    forger = Background(forge, wire, words(1234, 5, 6, 7))
+    with pytest.raises(CheckpointTransportError, match="not an asyncckpt offer"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+
+
+def test_an_offer_of_another_step_is_a_protocol_error() -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    forger = Background(forge, wire, words(MAGIC, VERSION, OFFER, 9, 10, 10, 1))
+    with pytest.raises(CheckpointTransportError, match="broke the protocol"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+
+
+def test_a_manifest_that_is_not_json() -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    junk = torch.frombuffer(bytearray(b"{not json" * 3), dtype=torch.uint8)
+    forger = Background(forge, wire, words(MAGIC, VERSION, OFFER, 5, junk.numel(), 0, 0), junk)
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+
+
+@pytest.mark.parametrize("lie", ["file_bytes", "segments", "step"])
+def test_an_offer_that_disagrees_with_its_manifest(lie: str) -> None:
+    manifest, file_msgs = real_offer(step=5)
+    flen = sum(t.numel() for t in file_msgs)
+    m = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+    fields = {"step": 5, "flen": flen, "nseg": len(file_msgs)}
+    if lie == "file_bytes":
+        fields["flen"] += 8
+    elif lie == "segments":
+        fields["nseg"] += 1
+    else:
+        forged = re.sub(rb'"step":\s*5', b'"step": 6', manifest, count=1)
+        assert forged != manifest
+        m = torch.frombuffer(bytearray(forged), dtype=torch.uint8)
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    offer = words(MAGIC, VERSION, OFFER, 5, m.numel(), fields["flen"], fields["nseg"])
+    forger = Background(forge, wire, offer, m, *file_msgs)
+    with pytest.raises(CheckpointCorruptError):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+
+
+def test_a_byte_flipped_in_flight_is_caught_and_names_the_tensor() -> None:
+    # messages of rank 0: offer (0), manifest (1), file header (2), then tensors in file
+    # order: w (float32, largest first), b, h ... flip a byte in the middle of "w"
+    def flip(index: int, t: torch.Tensor) -> None:
+        if index == 4:  # request is 0 (rank 1), so rank 0's messages are 1..: w is index 4
+            t[t.numel() // 2] ^= 0x10
+
+    a, b, _ = pair(Wire(tamper=flip))
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 10.0)
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as info:
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    sender.result()
+    assert info.value.key == "w"
+
+
+def test_a_silent_peer_times_out_within_the_timeout() -> None:
+    _, b, _ = pair()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError, match="no answer"):
+        b.recv_checkpoint(0, "pg:0", 5, datetime.timedelta(seconds=0.5))
+    assert time.monotonic() - t0 < 3.0
+    a, _, _ = pair()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError):
+        a.send_checkpoint([1], 5, small_state(), 0.5)
+    assert time.monotonic() - t0 < 3.0
+
+
+# --- lifecycle and configuration -------------------------------------------------------------
+
+def test_disallow_waits_for_a_send_running_on_another_thread() -> None:
+    a, b, _ = pair()
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 10.0)
+    time.sleep(0.2)  # the sender now waits for the request
+    disallow = Background(a.disallow_checkpoint)
+    time.sleep(0.3)
+    assert disallow.thread.is_alive(), "disallow returned while the state was being sent"
+    b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    sender.result()
+    disallow.result()
+    a.disallow_checkpoint()  # nothing running: returns at once
+
+
+def test_disallow_then_send_again_and_shutdown_refuses() -> None:
+    a, b, _ = pair()
+    a.disallow_checkpoint()
+    for step in (1, 2):
+        sender = Background(a.send_checkpoint, [1], step, small_state(), 10.0)
+        same(b.recv_checkpoint(0, "pg:0", step, 10.0), small_state())
+        sender.result()
+        a.disallow_checkpoint()
+    a.shutdown()
+    b.shutdown()
+    with pytest.raises(CheckpointClosedError):
+        a.send_checkpoint([1], 3, small_state(), 1.0)
+    with pytest.raises(CheckpointClosedError):
+        b.recv_checkpoint(0, "pg:0", 3, 1.0)
+
+
+def test_configuration_errors() -> None:
+    wire = Wire()
+    with pytest.raises(CheckpointConfigError, match="no send"):
+        PGTransport(object(), 1.0)
+    with pytest.raises(CheckpointConfigError, match="includes this rank"):
+        PGTransport(FakeGroup(wire, 0), 1.0).send_checkpoint([1, 0], 1, {}, 1.0)
+    with pytest.raises(CheckpointConfigError):
+        PGTransport(FakeGroup(wire, 0), 1.0, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckpointConfigError, match="CUDA is not available"):
+            PGTransport(FakeGroup(wire, 0), 1.0, device="cuda")
+    assert PGTransport(FakeGroup(wire, 0), 1.0).device == torch.device("cpu")
+
+
+class _Unconfigured(FakeGroup):
+    """Like torchft's groups before their first configure(): rank() fails."""
+
+    def rank(self) -> int:
+        raise RuntimeError("not configured")
+
+    def getBackendName(self) -> str:  # the name of the ProcessGroup method
+        return "torchft-baby-nccl"
+
+
+def test_metadata_and_backend_of_a_group_torch_does_not_know() -> None:
+    wire = Wire()
+    if torch.cuda.is_available():
+        assert PGTransport(_Unconfigured(wire, 0), 1.0).device.type == "cuda"
+    else:
+        with pytest.raises(CheckpointConfigError, match="CUDA is not available"):
+            PGTransport(_Unconfigured(wire, 0), 1.0)  # an NCCL group needs the GPU
+    tr = PGTransport(_Unconfigured(wire, 0), 1.0, device="cpu")
+    assert tr.metadata() == "pg:?"
+
+
+def test_exported() -> None:
+    import asyncckpt.transport as t
+
+    assert {"PGTransport", "HTTPTransport", "CheckpointTransport"} <= set(t.__all__)
+    assert issubclass(t.PGTransport, t.CheckpointTransport)
+
+
+def test_a_file_above_max_file_bytes_is_refused() -> None:
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 10.0)
+    b = PGTransport(FakeGroup(wire, 1), 10.0, max_file_bytes=4096)
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 2.0)
+    with pytest.raises(CheckpointTransportError, match="max_file_bytes"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    sender.thread.join(10)  # (a real group would leave the sender waiting: nothing drains)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_over_a_cpu_group() -> None:
+    a, b, _ = pair()
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in small_state().items()}
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+              for k, v in state.items()}
+    ptrs = {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)}
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    b.recv_checkpoint(0, "pg:0", 5, 10.0, into=target)
+    sender.result()
+    for k, p in ptrs.items():
+        assert target[k].is_cuda and target[k].data_ptr() == p
+        assert torch.equal(target[k], state[k])
+
+
+# --- real gloo ranks -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_gloo(worker: str, world: int, run_dir: Path) -> dict[int, Any]:
+    """Run ``worker`` (a function of this file) on ``world`` gloo ranks; rank -> result."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for rank in range(world):
+        spec = run_dir / f"spec_{rank}.json"
+        spec.write_text(json.dumps({"rank": rank, "world": world, "port": port,
+                                    "worker": worker, "out": str(run_dir)}))
+        with open(run_dir / f"log_{rank}.txt", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(spec)], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          cwd=str(run_dir)))
+    deadline = time.monotonic() + HARD_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results: dict[int, Any] = {}
+    problems = []
+    for rank, p in enumerate(procs):
+        res = run_dir / f"result_{rank}.json"
+        if res.exists():
+            results[rank] = json.loads(res.read_text())
+        else:
+            log = (run_dir / f"log_{rank}.txt").read_text(errors="replace")[-5000:]
+            problems.append(f"rank {rank} (exit {p.returncode}) left no result:\n{log}")
+    assert not problems, "\n".join(problems)
+    return results
+
+
+def _expect(fn: Callable[[], Any], exc_type: type[BaseException]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"raised": None, "seconds": time.monotonic() - t0}
+    except BaseException as exc:
+        ok = isinstance(exc, exc_type)
+        return {"raised": type(exc).__name__, "ok": ok, "message": str(exc)[:500],
+                "seconds": time.monotonic() - t0,
+                "trace": "" if ok else traceback.format_exc()}
+
+
+def gloo_fan_out_and_silence(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """Rank 0 sends to ranks 2 and 1; then rank 2 waits for a send that never comes."""
+    out: dict[str, Any] = {}
+    state = small_state()
+    if rank == 0:
+        tr.send_checkpoint([2, 1], 4, state, datetime.timedelta(seconds=20))
+    else:
+        got = tr.recv_checkpoint(0, "pg:0", 4, datetime.timedelta(seconds=20))
+        same(got, state)
+        out["received"] = True
+    if rank == 2:
+        out["silence"] = _expect(
+            lambda: tr.recv_checkpoint(0, "pg:0", 5, datetime.timedelta(seconds=1.5)),
+            CheckpointTimeoutError)
+    dist.barrier()  # on the default group: rank 0 stays alive through the silence
+    return out
+
+
+class _DiesAfter:
+    """A group that makes this process die (as if killed) before its ``n``-th send."""
+
+    def __init__(self, group: Any, n: int):
+        self.group, self.n = group, n
+
+    def rank(self) -> int:
+        return int(self.group.rank())
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.n -= 1
+        if self.n <= 0:
+            os._exit(0)
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self.group.recv(tensors, src, tag)
+
+
+def gloo_sender_dies(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """Rank 0 dies after the offer and the manifest; rank 1 must fail fast, clearly."""
+    state = {"big": torch.zeros(4 << 20)}
+    if rank == 0:
+        Path(tr.out, "result_0.json").write_text("{}")  # type: ignore[attr-defined]
+        dying = PGTransport(_DiesAfter(tr.pg, 3), 20.0)
+        dying.send_checkpoint([1], 4, state, 20.0)
+        return {}
+    return {"died": _expect(lambda: tr.recv_checkpoint(0, "pg:0", 4, 20.0),
+                            CheckpointTransportError)}
+
+
+def rank_main(spec_path: str) -> None:
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = spec["rank"]
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_S - 5, exit=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=spec["world"], timeout=datetime.timedelta(seconds=30))
+    tr = PGTransport(dist.new_group(backend="gloo"), 20.0)
+    tr.out = spec["out"]  # type: ignore[attr-defined]
+    result = globals()[spec["worker"]](rank, tr, dist)
+    Path(spec["out"], f"result_{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_gloo_fan_out_and_a_silent_peer(tmp_path: Path) -> None:
+    res = run_gloo("gloo_fan_out_and_silence", 3, tmp_path)
+    assert res[1]["received"] and res[2]["received"]
+    silence = res[2]["silence"]
+    assert silence["raised"] == "CheckpointTimeoutError", silence
+    assert 1.0 < silence["seconds"] < 5.0, silence
+
+
+def test_gloo_a_sender_that_dies_mid_transfer(tmp_path: Path) -> None:
+    res = run_gloo("gloo_sender_dies", 2, tmp_path)
+    died = res[1]["died"]
+    assert died["raised"] == "CheckpointTransportError" and died["ok"], died
+    assert died["seconds"] < 10.0, died
+    assert "peer rank 0" in died["message"], died
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1])
