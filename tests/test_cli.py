@@ -193,9 +193,9 @@ def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 0 and "UNREADABLE" in out and "latest" in out
     code, _, err = run(capsys, "inspect", str(root), "--step", "20")
-    assert code == 1 and "manifest is not valid JSON" in err and "Traceback" not in err
+    assert code == 1 and "does not end with its digest" in err and "Traceback" not in err
     code, out, _ = run(capsys, "verify", str(root), "--step", "20")
-    assert code == 1 and "manifest is not valid JSON" in out
+    assert code == 1 and "does not end with its digest" in out
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import copy
 import itertools
 import json
 import math
+import re
 import struct
 
 import pytest
@@ -30,6 +31,7 @@ from asyncckpt.manifest import (
     decode_header,
     encode_header,
     parse_manifest,
+    seal,
 )
 
 PATH = "/ckpt/step_000000007/manifest.json"
@@ -72,7 +74,8 @@ def make_manifest(**overrides) -> Manifest:
         ["l", {"t": "list", "items": []}],
     ]}
     fields = dict(step=7, world_size=1, created_unix=1700000000.25, library_version="0.1.0",
-                  block_bytes=BLOCK, files={FILE: FileEntry(FILE, end, 0)}, tensors=tensors,
+                  block_bytes=BLOCK, files={FILE: FileEntry(FILE, end, 0, 8, "0" * 16)},
+                  tensors=tensors,
                   skeleton=skeleton, user_metadata={"run": "exp1", "note": "\u00e9"})
     fields.update(overrides)
     return Manifest(**fields)
@@ -82,8 +85,17 @@ def good_doc() -> dict:
     return json.loads(make_manifest().to_json())
 
 
+def resealed(raw: bytes) -> bytes:
+    """``raw`` with its digest tail (if any) replaced by a valid one, so that tests reach
+    the checks behind the digest."""
+    m = re.search(rb',"digest":"[^"]*"\}\n?\Z', raw)
+    body = raw[:m.start()] + b"}" if m else raw
+    return seal(body)
+
+
 def parse_doc(doc) -> Manifest:
-    return parse_manifest(json.dumps(doc).encode(), PATH)
+    doc = {k: v for k, v in doc.items() if k != "digest"}
+    return parse_manifest(seal(json.dumps(doc).encode()), PATH)
 
 
 # --- safetensors headers ----------------------------------------------------------------------
@@ -389,9 +401,10 @@ def test_parse_manifest_rejects_corruption(name):
                  + _deep_skeleton_text(10_000).encode() + b"}", id="deep-skeleton-10000"),
 ])
 def test_parse_manifest_rejects_bad_documents(raw):
-    with pytest.raises(CheckpointCorruptError) as info:
-        parse_manifest(raw, PATH)
-    assert PATH in str(info.value)
+    for doc in (raw, resealed(raw)):  # refused by the digest, and by the parser behind it
+        with pytest.raises(CheckpointCorruptError) as info:
+            parse_manifest(doc, PATH)
+        assert PATH in str(info.value)
 
 
 def test_deep_but_valid_skeleton_within_limits_is_accepted():
@@ -427,8 +440,8 @@ def test_huge_created_unix_is_corrupt():
     raw = make_manifest().to_json().replace(b'"created_unix":1700000000.25',
                                             b'"created_unix":1' + b"0" * 400)
     assert raw != make_manifest().to_json()
-    with pytest.raises(CheckpointCorruptError):
-        parse_manifest(raw, PATH)
+    with pytest.raises(CheckpointCorruptError, match="created_unix"):
+        parse_manifest(resealed(raw), PATH)
 
 
 @pytest.mark.parametrize("shape, chunks", [
@@ -468,12 +481,13 @@ _COMPACT = json.dumps(good_doc(), separators=(",", ":"))
 
 
 def _parse_or_corrupt(raw: bytes) -> None:
-    try:
-        m = parse_manifest(raw, PATH)
-    except CheckpointCorruptError as exc:
-        assert exc.path == PATH
-        return
-    assert isinstance(m, Manifest)
+    for doc in (raw, resealed(raw)):  # as damaged, and re-sealed to reach the parser
+        try:
+            m = parse_manifest(doc, PATH)
+        except CheckpointCorruptError as exc:
+            assert exc.path == PATH
+            continue
+        assert isinstance(m, Manifest)
 
 
 _edits = st.lists(st.tuples(st.sampled_from(["flip", "delete", "insert"]),

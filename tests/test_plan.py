@@ -196,7 +196,7 @@ def _grid_manifest(shape, cuts_per_dim, files, dtype=torch.float32, key="t"):
         pos[file] += n
     return Manifest(step=0, world_size=len(files), created_unix=0.0, library_version="t",
                     block_bytes=4096,
-                    files={f: FileEntry(f, pos[f], r) for r, f in enumerate(files)},
+                    files={f: FileEntry(f, pos[f], r, 8, "0" * 16) for r, f in enumerate(files)},
                     tensors={key: TensorEntry(dtype, tuple(shape), "torch", tuple(chunks))},
                     skeleton={"t": "tensor", "key": key})
 
@@ -277,7 +277,7 @@ def test_plan_reads_of_an_empty_tensor_still_visits_its_chunk():
     chunk = Chunk("a.safetensors", "t", (0, 0), (0, 3), (4096, 4096),
                   tuple(block_checksums(b"", 4096)))
     m = Manifest(step=0, world_size=1, created_unix=0.0, library_version="t", block_bytes=4096,
-                 files={"a.safetensors": FileEntry("a.safetensors", 4096, 0)},
+                 files={"a.safetensors": FileEntry("a.safetensors", 4096, 0, 8, "0" * 16)},
                  tensors={"t": TensorEntry(torch.float32, (0, 3), "torch", (chunk,))},
                  skeleton={"t": "tensor", "key": "t"})
     (item,) = plan_reads(m, {"t": None})

@@ -108,7 +108,19 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage) -> Path:
     storage.fsync_dir(tmp)
     # COMMIT POINT: after this rename the checkpoint is visible; before it, it never was.
     storage.rename(tmp, final)
-    storage.fsync_dir(root)
+    try:
+        storage.fsync_dir(root)
+    except BaseException:
+        # The rename may not survive a crash, and the caller is told the save failed: so
+        # it must not stay visible either. Take it out of sight again, then remove it.
+        gone = root / f".step_{step:09d}.deleting-{uuid.uuid4().hex[:12]}"
+        try:
+            storage.rename(final, gone)
+            storage.remove_tree(gone)
+        except OSError as exc:
+            log.error("step %d: could not withdraw %s after a failed fsync: %s", step, final,
+                      exc)
+        raise
     return final
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from .boxes import tiling_problem
 from .errors import (
@@ -279,7 +280,7 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
 
 # --- what each rank wrote, and the merged manifest --------------------------------------------
 
-def make_record(rank: int, file: str | None, file_bytes: int,
+def make_record(rank: int, file: str | None, file_bytes: int, header: bytes,
                 items: Sequence[tuple[str, str, tuple[int, ...], str, Box, tuple[int, int],
                                       tuple[str, ...]]],
                 skeleton: dict[str, Any]) -> dict[str, Any]:
@@ -289,6 +290,7 @@ def make_record(rank: int, file: str | None, file_bytes: int,
     """
     return {
         "rank": rank, "file": file, "bytes": file_bytes, "skeleton": skeleton,
+        "header_bytes": len(header), "header_checksum": xxhash.xxh3_64_hexdigest(header),
         "tensors": {k: {"dtype": dt, "shape": list(gs), "kind": kind, "offsets": list(box[0]),
                         "lengths": list(box[1]), "byte_range": list(br), "checksums": list(cs)}
                     for k, dt, gs, kind, box, br, cs in items},
@@ -307,7 +309,8 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], str, list[Chunk]]] = {}
     for rec in records:
         if rec["file"] is not None:
-            files[rec["file"]] = FileEntry(rec["file"], rec["bytes"], rec["rank"])
+            files[rec["file"]] = FileEntry(rec["file"], rec["bytes"], rec["rank"],
+                                           rec["header_bytes"], rec["header_checksum"])
         for key, t in rec["tensors"].items():
             dtype = dtype_from_name(t["dtype"])
             entry = tensors.setdefault(key, (dtype, tuple(t["shape"]), t["kind"], []))

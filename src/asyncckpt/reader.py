@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import (
@@ -75,6 +76,11 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     file and tensor on any mismatch.
     """
     boxes = boxes or {}
+    # Every file this load needs must exist, have its manifest size and its header: only
+    # then are fresh tensors allocated, so a forged manifest cannot make us allocate more
+    # than the files really hold.
+    for name in sorted({c.file for k in dests for c in manifest.tensors[k].chunks}):
+        storage.close(_open_checked(step_dir, manifest, name, storage))
     out: dict[str, torch.Tensor] = {}
     for key, dst in dests.items():
         entry = manifest.tensors[key]
@@ -144,13 +150,22 @@ def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: ReadSt
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
-    size = storage.file_size(fd)
-    want = manifest.files[name].bytes
-    if size != want:
+    try:
+        size = storage.file_size(fd)
+        entry = manifest.files[name]
+        if size != entry.bytes:
+            raise CheckpointCorruptError(
+                f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
+                "truncated or replaced", path=str(path))
+        header = bytearray(entry.header_bytes)
+        if (storage.pread_into(fd, [memoryview(header)], 0) != len(header)
+                or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum):
+            raise CheckpointCorruptError(
+                f"{path}: its safetensors header does not match the manifest's checksum: the "
+                "file is corrupt or belongs to another checkpoint", path=str(path))
+    except BaseException:
         storage.close(fd)
-        raise CheckpointCorruptError(
-            f"{path} is {size} bytes but the manifest says {want}: the file was truncated or "
-            "replaced", path=str(path))
+        raise
     return fd
 
 
@@ -261,6 +276,8 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
             header, body = decode_header(bytes(prefix), str(path))
         except CheckpointCorruptError:
             n = int.from_bytes(prefix[:8], "little") if len(prefix) >= 8 else 0
+            if 8 + n > storage.file_size(fd):
+                return [f"{path}: its header claims {n} bytes, more than the whole file"]
             if 8 + n > len(prefix) and n < (100 << 20):
                 big = bytearray(8 + n)
                 storage.pread_into(fd, [memoryview(big)], 0)
@@ -272,6 +289,10 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
     finally:
         storage.close(fd)
     problems = []
+    fentry = manifest.files[path.name]
+    if body != fentry.header_bytes or xxhash.xxh3_64_hexdigest(
+            bytes(prefix[:body]) if len(prefix) >= body else b"") != fentry.header_checksum:
+        problems.append(f"{path}: its safetensors header does not match the manifest's checksum")
     for key, entry in manifest.tensors.items():
         for ch in entry.chunks:
             if path.name != ch.file:

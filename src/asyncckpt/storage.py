@@ -148,7 +148,10 @@ class LocalStorage:
 
     def read_bytes(self, path: Path, limit: int) -> bytes:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:  # asked before reading: nothing is allocated for a forged file
+                raise ValueError(f"{path} is {size} bytes, larger than {limit}")
+            data = f.read(size + 1)
         if len(data) > limit:
             raise ValueError(f"{path} is larger than {limit} bytes")
         return data

@@ -329,7 +329,7 @@ def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, An
         items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
                       flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
     return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
-                       job.plan.file_bytes, items, flat.skeleton)
+                       job.plan.file_bytes, job.plan.header, items, flat.skeleton)
 
 
 def _hint(exc: BaseException) -> str:

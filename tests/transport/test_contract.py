@@ -37,9 +37,16 @@ HARD_TIMEOUT_S = 50.0  # the rank processes are killed after this
 
 # --- the state every scenario moves --------------------------------------------------------
 
+# Module init draws from torch's global generator; the HTTP scenarios build the sender's
+# and the receiver's models on two threads at once, so seeding and drawing must not race.
+_GLOBAL_RNG = threading.Lock()
+
+
 def make_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
 

@@ -191,7 +191,7 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                     items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
                                   flat.kinds[it.key], box, (it.offset, it.end), sums))
                 record = make_record(0, plan.file if plan.items else None, plan.file_bytes,
-                                     items, flat.skeleton)
+                                     plan.header, items, flat.skeleton)
                 cache.append(merge_records([record], step=step, library_version=library_version,
                                            block_bytes=block_bytes, user_metadata={},
                                            created_unix=0.0, partial=True).to_json())

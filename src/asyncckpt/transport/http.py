@@ -13,6 +13,7 @@ fetched on several connections at once and a failed range is retried.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import json
@@ -267,6 +268,23 @@ class _Handler(BaseHTTPRequestHandler):
         # a slow or silent client must not hold a thread forever
         self.connection.settimeout(self.server.transport.timeout_s)
 
+    def handle_one_request(self) -> None:
+        # The socket timeout bounds each recv, not a whole request: a client sending one
+        # header byte at a time (or an idle keep-alive) would hold its slot for ever. A
+        # watchdog closes the connection if the request line and headers are not in by the
+        # deadline; it is cancelled once they are (a long transfer may take its time).
+        self._watchdog = threading.Timer(self.server.transport.timeout_s, self._cut_off)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._watchdog.cancel()
+
+    def _cut_off(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
@@ -308,6 +326,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _handle(self, send_body: bool) -> None:
+        self._watchdog.cancel()  # the request is in: serving it may take longer
         tr = self.server.transport
         if not tr._authorized(self.headers.get("Authorization")):
             return self._refuse(401, "missing or wrong token")
