@@ -1,0 +1,1 @@
+"""Reliability suite: crashes, corruption, I/O errors, hostile input, soak (docs/reliability.md)."""

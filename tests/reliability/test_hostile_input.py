@@ -1,0 +1,586 @@
+"""Hostile input: forged manifests and headers, traversal, pickles, misuse.
+
+- The manifest parser and the shard-header parser are fuzzed with hypothesis (random
+  mutations of real documents, random JSON, random bytes): they return or raise the
+  library's own errors, never anything else, and never hang. The same mutations then
+  run through load and verify (over an in-memory storage). The long run is
+  ``fuzz_manifest.py`` (>= 10^5 cases); CI runs a smoke of it too.
+- Forged sizes (a 2^60-byte tensor, a 10^9-element shape, a 2^40-byte header) are
+  refused before anything that large is allocated: checked under an address-space cap
+  in a subprocess, and with tracemalloc.
+- A manifest naming "../x", "/etc/passwd" or "a/b" never makes load, verify or the CLI
+  open a path outside the step directory.
+- A planted pickle (a .pt file, a header metadata value, a manifest field, a saved
+  bytes leaf, a manifest that is itself a pickle) is never unpickled.
+- Misuse: an unsupported leaf names its path, a committed step cannot be saved again,
+  and a second process saving into the same directory gets CheckpointLockedError
+  naming the holder's pid.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import tracemalloc
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncckpt
+from asyncckpt import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointLockedError,
+    UnsupportedLeafError,
+)
+from asyncckpt.commit import step_dir_name
+from asyncckpt.manifest import MANIFEST_NAME, Manifest, decode_header, parse_manifest, seal
+from asyncckpt.reader import verify_checkpoint
+from asyncckpt.storage import LocalStorage
+
+from . import fuzz_manifest as fz
+from ._crash_worker import same_tree, state_for
+
+SHARD = "rank_00000.safetensors"
+FUZZ = settings(max_examples=500, deadline=timedelta(seconds=10), derandomize=True,
+                database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                      HealthCheck.data_too_large])
+_CASES = {"n": 0}
+
+
+@functools.cache
+def corpus() -> list[fz.Seed]:
+    with tempfile.TemporaryDirectory(prefix="ackhostile-") as tmp:
+        return fz.build_corpus(Path(tmp))
+
+
+def check_manifest_invariants(m: Manifest) -> None:
+    """What the reader relies on once parse_manifest accepted a document."""
+    plain = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+    for name, f in m.files.items():
+        assert plain.fullmatch(name) and name not in (".", ".."), name
+        assert f.bytes >= 0
+    for key, t in m.tensors.items():
+        for ch in t.chunks:
+            assert ch.file in m.files, (key, ch.file)
+            lo, hi = ch.byte_range
+            assert 0 <= lo <= hi <= m.files[ch.file].bytes, (key, ch.byte_range)
+            assert hi - lo == math.prod(ch.lengths) * t.dtype.itemsize, key
+            assert all(o + n <= s for o, n, s in zip(ch.offsets, ch.lengths, t.shape,
+                                                     strict=True)), key
+
+
+def parse_or_refuse(raw: bytes) -> None:
+    _CASES["n"] += 1
+    try:
+        m = parse_manifest(raw, "fuzz/manifest.json")
+    except CheckpointError:
+        return
+    check_manifest_invariants(m)
+
+
+def header_or_refuse(raw: bytes) -> None:
+    _CASES["n"] += 1
+    try:
+        header, body = decode_header(raw, "fuzz/header")
+    except CheckpointError:
+        return
+    assert isinstance(header, dict) and 8 <= body <= len(raw)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+    | st.sampled_from(["..", "../x", "/etc/passwd", "a/b", "float32", "tensor", "dict",
+                       SHARD, MANIFEST_NAME]),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner,
+                                                               max_size=6),
+    max_leaves=25)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_fuzz_cases(figures: Any) -> Iterator[None]:
+    yield
+    figures.add("fuzz_cases_ci", _CASES["n"])
+
+
+@FUZZ
+@given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
+def test_fuzz_manifest_byte_mutations(rnd: Any, pick: int) -> None:
+    docs = [s.manifest for s in corpus()]
+    parse_or_refuse(fz.mutate_bytes(rnd, docs[pick % len(docs)], docs))
+
+
+@FUZZ
+@given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
+def test_fuzz_manifest_json_mutations(rnd: Any, pick: int) -> None:
+    docs = [s.manifest for s in corpus()]
+    parse_or_refuse(fz.mutate_json(rnd, docs[pick % len(docs)]))
+
+
+@FUZZ
+@given(value=json_values, where=st.integers(0, 10 ** 6), pick=st.integers(0, 1000))
+def test_fuzz_manifest_generated_values(value: Any, where: int, pick: int) -> None:
+    """A hypothesis-generated JSON value put in place of one node of a real manifest."""
+    docs = [s.manifest for s in corpus()]
+    doc = json.loads(docs[pick % len(docs)])
+    nodes: list[tuple[Any, Any]] = []
+    fz._nodes(doc, nodes)
+    parent, key = nodes[where % len(nodes)]
+    parent[key] = value
+    parse_or_refuse(json.dumps(doc).encode())
+
+
+@FUZZ
+@given(doc=json_values)
+def test_fuzz_manifest_random_json(doc: Any) -> None:
+    parse_or_refuse(json.dumps(doc).encode())
+
+
+@FUZZ
+@given(raw=st.binary(max_size=2048))
+def test_fuzz_manifest_random_bytes(raw: bytes) -> None:
+    parse_or_refuse(raw)
+
+
+@FUZZ
+@given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
+def test_fuzz_header_mutations(rnd: Any, pick: int) -> None:
+    headers = [s.header(n) for s in corpus() for n in s.files]
+    header_or_refuse(fz.mutate_header(rnd, headers[pick % len(headers)], headers))
+
+
+@FUZZ
+@given(length=st.integers(0, 2 ** 64 - 1), body=st.binary(max_size=512))
+def test_fuzz_header_random(length: int, body: bytes) -> None:
+    header_or_refuse(length.to_bytes(8, "little") + body)
+    header_or_refuse(body)
+
+
+@settings(FUZZ, max_examples=300)
+@given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000),
+       kind=st.sampled_from(["manifest-json", "manifest-bytes", "header"]))
+def test_fuzz_load_and_verify_of_mutations(rnd: Any, pick: int, kind: str) -> None:
+    """Mutated manifests and headers through parse, load and verify (in memory): only the
+    library's errors, no hang, no path outside the step directory. Known bugs (listed in
+    fuzz_manifest.KNOWN_BUGS, each with its own xfail test) are tolerated here."""
+    seeds = corpus()
+    s = seeds[pick % len(seeds)]
+    stats = fz.Stats()
+    if kind == "header":
+        name = sorted(s.files)[pick % len(s.files)]
+        headers = [x.header(n) for x in seeds for n in x.files]
+        fz.run_one(stats, kind, s, fz.mutate_header(rnd, s.header(name), headers), name, 10.0)
+    elif kind == "manifest-json":
+        fz.run_one(stats, kind, s, fz.mutate_json(rnd, s.manifest), None, 10.0)
+    else:
+        fz.run_one(stats, kind, s, fz.mutate_bytes(rnd, s.manifest, [x.manifest for x in seeds]),
+                   None, 10.0)
+    _CASES["n"] += 1
+    unknown = {k: v for k, v in stats.failures.items() if not v["known_bug"]}
+    assert not unknown, unknown
+
+
+def test_fuzz_script_smoke(tmp_path: Path, figures: Any) -> None:
+    """fuzz_manifest.py's own loop (the scheduled run does >= 10^5 cases)."""
+    out = tmp_path / "summary.json"
+    rc = fz.main(["--cases", "1500", "--seed", "7", "--quiet", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc["failures"]
+    assert doc["cases"] == 1500 and doc["unknown_failures"] == 0
+    figures.add("fuzz_cases_ci", doc["cases"])
+
+
+# --- forged sizes are refused before allocation --------------------------------------------------
+
+def _forge(root: Path, name: str, edit: Any) -> Path:
+    """A real small checkpoint whose manifest (or shard file) ``edit`` then forges."""
+    d = root / name
+    asyncckpt.save({"w": torch.arange(16, dtype=torch.float32)}, d, step=1)
+    step_dir = d / step_dir_name(1)
+    mp = step_dir / MANIFEST_NAME
+    doc = json.loads(mp.read_bytes())
+    edit(doc, step_dir)
+    mp.write_text(json.dumps(doc))
+    return d
+
+
+def _huge_tensor(nbytes_elems: int) -> Any:
+    def edit(doc: dict, step_dir: Path) -> None:
+        doc["checksum"]["block_bytes"] = 2 ** 62  # one checksum covers it all
+        t = doc["tensors"]["w"]
+        ch = t["chunks"][0]
+        lo = ch["byte_range"][0]
+        t["shape"] = [nbytes_elems]
+        ch["lengths"] = [nbytes_elems]
+        ch["byte_range"] = [lo, lo + 4 * nbytes_elems]
+        doc["files"][SHARD]["bytes"] = lo + 4 * nbytes_elems
+    return edit
+
+
+def _huge_file(doc: dict, step_dir: Path) -> None:
+    doc["files"][SHARD]["bytes"] = 2 ** 62
+
+
+def _header_length(n: int) -> Any:
+    def edit(doc: dict, step_dir: Path) -> None:
+        f = step_dir / SHARD
+        raw = f.read_bytes()
+        f.write_bytes(n.to_bytes(8, "little") + raw[8:])
+    return edit
+
+
+FORGED = {
+    "tensor_of_2e60_bytes": _huge_tensor(2 ** 58),
+    "shape_of_1e9_elements": _huge_tensor(10 ** 9),
+    "file_of_2e62_bytes": _huge_file,
+    "header_length_2e40": _header_length(2 ** 40),
+    "header_length_99MiB": _header_length(99 << 20),
+}
+
+_CAPPED = textwrap.dedent("""
+    import json, resource, sys
+    from pathlib import Path
+    import asyncckpt
+    from asyncckpt.reader import verify_checkpoint
+    from asyncckpt.storage import LocalStorage
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    # headroom: 1.5 GiB (each manifest read still sets aside 1 GiB, see the xfail below)
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1536 << 20), resource.RLIM_INFINITY))
+    out = {}
+    for d in sys.argv[1:]:
+        res = {}
+        try:
+            asyncckpt.load(d)
+            res["load"] = "ok"
+        except Exception as exc:
+            res["load"] = type(exc).__name__ + ": " + str(exc)[:200]
+        try:
+            rep = verify_checkpoint(Path(d) / "step_000000001", LocalStorage())
+            res["verify"] = "ok" if rep.ok else "problems"
+        except Exception as exc:
+            res["verify"] = type(exc).__name__ + ": " + str(exc)[:200]
+        out[Path(d).name] = res
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def capped_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    root = tmp_path_factory.mktemp("forged")
+    dirs = [str(_forge(root, name, edit)) for name, edit in FORGED.items()]
+    r = subprocess.run([sys.executable, "-c", _CAPPED, *dirs], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", [
+    "tensor_of_2e60_bytes", "shape_of_1e9_elements",
+    "file_of_2e62_bytes", "header_length_2e40", "header_length_99MiB"])
+def test_forged_size_is_refused_before_allocation(capped_results: dict, case: str) -> None:
+    res = capped_results[case]
+    if case.startswith("header"):  # the header's checksum is checked by load and verify
+        assert res["load"].startswith("CheckpointCorruptError"), res
+        assert res["verify"] == "problems", res
+    else:
+        assert res["load"].startswith("CheckpointCorruptError"), res
+        assert res["verify"] == "problems" or res["verify"].startswith("Checkpoint"), res
+
+
+class ExactReadStorage(LocalStorage):
+    """LocalStorage whose manifest read allocates the file's size, not the limit
+    (isolates the forged-header check from the manifest-read bug below)."""
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise ValueError(f"{path} is larger than {limit} bytes")
+            return f.read(size)
+
+
+def peak_python_bytes(fn: Any) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_loading_a_small_checkpoint_allocates_little(tmp_path: Path) -> None:
+    asyncckpt.save(state_for(1), tmp_path, step=1)
+    peak = peak_python_bytes(lambda: asyncckpt.load(tmp_path))
+    assert peak < 64 << 20, f"loading a 26 KB checkpoint peaked at {peak / 1e6:.0f} MB"
+
+
+def test_verify_of_forged_header_length_allocates_little(tmp_path: Path) -> None:
+    d = _forge(tmp_path, "h", _header_length(99 << 20))
+    step_dir = d / step_dir_name(1)
+    storage = ExactReadStorage()
+    peak = peak_python_bytes(lambda: verify_checkpoint(step_dir, storage))
+    assert peak < 16 << 20, f"verify peaked at {peak / 1e6:.0f} MB for a 4 KB file"
+
+
+def test_overflowing_dimension_is_a_corrupt_error(tmp_path: Path) -> None:
+    asyncckpt.save({"e": torch.empty(0, 4)}, tmp_path, step=1)
+    mp = tmp_path / step_dir_name(1) / MANIFEST_NAME
+    doc = json.loads(mp.read_bytes())
+    t = doc["tensors"]["e"]
+    t["shape"] = t["chunks"][0]["lengths"] = [0, 2 ** 64]
+    mp.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointCorruptError):
+        asyncckpt.load(tmp_path)
+
+
+def test_forged_shapes_loaded_in_place_allocate_nothing(tmp_path: Path) -> None:
+    """With a target tree there is nothing to allocate: a forged shape is a mismatch."""
+    d = _forge(tmp_path, "inplace", _huge_tensor(10 ** 9))
+    target = {"w": torch.zeros(16)}
+    with pytest.raises(CheckpointError):
+        asyncckpt.load(d, target)
+    assert torch.equal(target["w"], torch.zeros(16))
+
+
+# --- no path outside the checkpoint directory --------------------------------------------------
+
+@contextlib.contextmanager
+def recording_opens() -> Iterator[list[str]]:
+    """Record every path opened through os.open, builtins.open and io.open."""
+    seen: list[str] = []
+    real_os_open, real_open, real_io_open = os.open, builtins.open, io.open
+
+    def os_open(path: Any, *a: Any, **kw: Any) -> int:
+        seen.append(os.fspath(path) if not isinstance(path, int) else f"fd:{path}")
+        return real_os_open(path, *a, **kw)
+
+    def py_open(file: Any, *a: Any, **kw: Any) -> Any:
+        if not isinstance(file, int):
+            seen.append(os.fsdecode(os.fspath(file)))
+        return real_open(file, *a, **kw)
+
+    os.open = os_open  # type: ignore[assignment]
+    builtins.open = py_open  # type: ignore[assignment]
+    io.open = py_open  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        os.open = real_os_open  # type: ignore[assignment]
+        builtins.open = real_open  # type: ignore[assignment]
+        io.open = real_io_open  # type: ignore[assignment]
+
+
+TRAVERSAL_NAMES = ["../x", "../../etc/passwd", "/etc/passwd", "a/b", "..", ".", "",
+                   "x\x00y", "..\\x", "step_000000001/../../x"]
+
+
+@pytest.mark.parametrize("name", TRAVERSAL_NAMES)
+@pytest.mark.parametrize("where", ["file", "chunk", "both"])
+def test_manifest_cannot_point_outside(tmp_path: Path, name: str, where: str) -> None:
+    import asyncckpt.cli as cli
+
+    root = tmp_path / "root"
+    asyncckpt.save({"w": torch.arange(16, dtype=torch.float32)}, root, step=1)
+    step_dir = root / step_dir_name(1)
+    # decoys: files that would open if a name were joined naively
+    (tmp_path / "x").write_bytes(b"decoy")
+    (root / "x").write_bytes(b"decoy")
+    (step_dir / "a").mkdir()
+    (step_dir / "a" / "b").write_bytes((step_dir / SHARD).read_bytes())
+    mp = step_dir / MANIFEST_NAME
+    doc = json.loads(mp.read_bytes())
+    if where in ("file", "both"):
+        doc["files"][name] = doc["files"].pop(SHARD)
+    if where in ("chunk", "both"):
+        doc["tensors"]["w"]["chunks"][0]["file"] = name
+    mp.write_text(json.dumps(doc))
+    inside = os.path.realpath(step_dir) + os.sep
+    with recording_opens() as seen:
+        for fn in (lambda: asyncckpt.load(root), lambda: asyncckpt.load(step_dir)):
+            with pytest.raises(CheckpointError):
+                fn()
+        assert not verify_checkpoint(step_dir, LocalStorage()).ok
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            for args in (["verify", str(root)], ["inspect", str(step_dir)], ["ls", str(root)]):
+                with contextlib.suppress(SystemExit):
+                    cli.main(args)
+    outside = [p for p in seen if not p.startswith("fd:") and not _is_code(p)
+               and not os.path.realpath(p).startswith(inside)]
+    assert not outside, f"opened outside {step_dir}: {outside}"
+    assert any(p.endswith(MANIFEST_NAME) for p in seen)
+
+
+def _is_code(path: str) -> bool:
+    """Python modules, shared libraries and /dev, /proc, /sys reads the runtime makes."""
+    return path.endswith((".py", ".pyc", ".so")) or path.startswith(("/proc/", "/sys/",
+                                                                     "/dev/"))
+
+
+# --- a planted pickle is never executed --------------------------------------------------------
+
+class _Payload:
+    """Unpickling this creates the marker file: proof that something unpickled it."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (builtins.open, (self.marker, "w"))
+
+
+def _plant(root: Path, marker: Path) -> None:
+    payload = pickle.dumps(_Payload(str(marker)))
+    b64 = base64.b64encode(payload).decode()
+    state = {"w": torch.arange(8, dtype=torch.float32), "blob": payload}
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save(state, 1, metadata={"payload": b64, "loader": "pickle"})
+        ckpt.save(state, 2)
+    s1 = root / step_dir_name(1)
+    for name in ("model.pt", "pytorch_model.bin", "optimizer.pkl", "checkpoint.pth"):
+        (s1 / name).write_bytes(payload)
+        (root / name).write_bytes(payload)
+    torch.save(_Payload(str(marker)), s1 / "state.pt")  # a real torch checkpoint
+    # the shard header's metadata carries the pickle too (same length: padding absorbs it)
+    f = s1 / SHARD
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"]["pickle"] = b64
+    header["__metadata__"]["torch_load"] = payload.hex()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    doctored = raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
+    f.write_bytes(doctored)
+    # the manifest grows a field holding the pickle; step 2's manifest *is* a pickle. Step 1
+    # is forged consistently (header checksum and manifest digest redone), so it loads:
+    # what is tested is that its planted bytes come back as bytes, never unpickled.
+    mp = s1 / MANIFEST_NAME
+    doc = json.loads(mp.read_bytes())
+    doc.pop("digest")
+    doc["files"][SHARD]["header_checksum"] = xxhash.xxh3_64_hexdigest(doctored[:8 + n])
+    doc["pickle"] = b64
+    mp.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    (root / step_dir_name(2) / MANIFEST_NAME).write_bytes(payload)
+
+
+def test_planted_pickles_are_never_unpickled(tmp_path: Path) -> None:
+    import asyncckpt.cli as cli
+    from asyncckpt.transport.http import HTTPTransport
+
+    marker = tmp_path / "PWNED"
+    proof = tmp_path / "proof"
+    pickle.loads(pickle.dumps(_Payload(str(proof))))  # the payload is live
+    assert proof.exists()
+    root = tmp_path / "root"
+    _plant(root, marker)
+    s1 = root / step_dir_name(1)
+    got = asyncckpt.load(root, step=1)
+    assert got["blob"] == pickle.dumps(_Payload(str(marker)))  # bytes back, not unpickled
+    assert verify_checkpoint(s1, LocalStorage()).ok
+    with pytest.raises(CheckpointCorruptError):
+        asyncckpt.load(root, step=2)
+    assert not verify_checkpoint(root / step_dir_name(2), LocalStorage()).ok
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for args in (["ls", str(root)], ["inspect", str(s1)], ["verify", str(s1)],
+                     ["verify", str(root), "--step", "2"], ["inspect", str(root), "--json"],
+                     ["export", str(s1), str(tmp_path / "out.safetensors")]):
+            with contextlib.suppress(SystemExit):
+                cli.main(args)
+    tr = HTTPTransport(timeout=30)
+    try:
+        tr.serve_directory(s1)
+        over_http = asyncckpt.load(tr.address())
+        assert over_http["blob"] == got["blob"]
+    finally:
+        tr.shutdown()
+    assert not marker.exists(), "a planted pickle was unpickled"
+
+
+# --- misuse ------------------------------------------------------------------------------------
+
+def _gen() -> Iterator[int]:
+    yield 1
+
+
+@pytest.mark.parametrize(("state", "path"), [
+    ({"a": {"b": object()}}, "a/b"),
+    ({"opt": [1, {"fn": lambda: 0}]}, "opt/1/fn"),
+    ({"s": {1, 2}}, "s"),
+    ({"g": {"x": _gen()}}, "g/x"),
+    ({"m": {"t": torch.ones(2), "f": open}}, "m/f"),
+])
+def test_unsupported_leaf_names_its_path(tmp_path: Path, state: Any, path: str) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        with pytest.raises(UnsupportedLeafError, match=re.escape(path)):
+            ckpt.save_async(state, 1)
+        assert ckpt.steps() == []
+        ckpt.save(state_for(1), 1)  # the checkpointer is fine afterwards
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".step_")]
+
+
+def test_colliding_steps_are_refused(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(state_for(1), 1)
+        with pytest.raises(CheckpointExistsError, match="step 1"):
+            ckpt.save_async(state_for(2), 1)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as other, \
+            pytest.raises(CheckpointExistsError, match="step 1"):
+        other.save(state_for(3), 1)  # another checkpointer, later
+    assert same_tree(asyncckpt.load(tmp_path, step=1), state_for(1)) is None
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, torch, asyncckpt
+    ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1], mode="sync")
+    ckpt.save({"w": torch.ones(4)}, 1)
+    print("holding", flush=True)
+    sys.stdin.readline()
+    ckpt.save({"w": torch.ones(4)}, 3)
+    ckpt.close()
+    print("done", flush=True)
+""")
+
+
+def test_second_process_gets_locked_error_naming_the_holder(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "holding"
+        ckpt = asyncckpt.AsyncCheckpointer(tmp_path)
+        with pytest.raises(CheckpointLockedError, match=rf"pid {holder.pid}\b"):
+            ckpt.save(state_for(2), 2)
+        assert ckpt.steps() == [1]
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "done"
+        assert holder.wait(60) == 0
+        ckpt.save(state_for(2), 2)  # the holder is gone: this process may save now
+        assert ckpt.steps() == [1, 2, 3]
+        ckpt.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
