@@ -44,6 +44,7 @@ _PATH = re.compile(r"/v1/(\d{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})
 _CURRENT = "/v1/current"
 _RANGE = re.compile(r"bytes=(\d{1,18})-(\d{1,18})")
 _PIECE = 8 * 1024 * 1024
+_READAHEAD = 8 * 1024 * 1024
 _NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
 
 
@@ -236,7 +237,32 @@ class _Server(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.transport = transport
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._deadlines: dict[int, tuple[float, socket.socket]] = {}
+        self._deadlines_lock = threading.Lock()
         super().__init__(addr, handler)
+        threading.Thread(target=self._reap, name="asyncckpt-http-reaper", daemon=True).start()
+
+    def set_deadline(self, handler: BaseHTTPRequestHandler) -> None:
+        with self._deadlines_lock:
+            self._deadlines[id(handler)] = (time.monotonic() + self.transport.timeout_s,
+                                            handler.connection)
+
+    def clear_deadline(self, handler: BaseHTTPRequestHandler) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(id(handler), None)
+
+    def _reap(self) -> None:
+        """Close connections whose request did not arrive in time (one thread for all)."""
+        tick = min(0.25, self.transport.timeout_s / 4)
+        while self.socket.fileno() != -1:
+            time.sleep(tick)
+            now = time.monotonic()
+            with self._deadlines_lock:
+                late = [k for k, (d, _) in self._deadlines.items() if d < now]
+                socks = [self._deadlines.pop(k)[1] for k in late]
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -261,6 +287,9 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Responses are a header write then body writes: without this, Nagle holds the last
+    # small segment for the client's delayed ACK (~35 ms a request on loopback).
+    disable_nagle_algorithm = True
     server: _Server
 
     def setup(self) -> None:
@@ -270,20 +299,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         # The socket timeout bounds each recv, not a whole request: a client sending one
-        # header byte at a time (or an idle keep-alive) would hold its slot for ever. A
-        # watchdog closes the connection if the request line and headers are not in by the
-        # deadline; it is cancelled once they are (a long transfer may take its time).
-        self._watchdog = threading.Timer(self.server.transport.timeout_s, self._cut_off)
-        self._watchdog.daemon = True
-        self._watchdog.start()
+        # header byte at a time (or an idle keep-alive) would hold its slot for ever. The
+        # server's reaper closes the connection if the request line and headers are not in
+        # by the deadline; the deadline is lifted once they are (a transfer may take long).
+        self.server.set_deadline(self)
         try:
             super().handle_one_request()
         finally:
-            self._watchdog.cancel()
-
-    def _cut_off(self) -> None:
-        with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
+            self.server.clear_deadline(self)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -326,7 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _handle(self, send_body: bool) -> None:
-        self._watchdog.cancel()  # the request is in: serving it may take longer
+        self.server.clear_deadline(self)  # the request is in: serving it may take longer
         tr = self.server.transport
         if not tr._authorized(self.headers.get("Authorization")):
             return self._refuse(401, "missing or wrong token")
@@ -374,8 +397,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{source.size}")
             self.end_headers()
             if send_body:
-                for pos in range(lo, hi, _PIECE):
-                    self.wfile.write(source.read(pos, min(_PIECE, hi - pos)))
+                for piece in source.pieces(lo, hi - lo):
+                    self.wfile.write(piece)
         finally:
             tr._release()
 
@@ -499,10 +522,28 @@ class HTTPStorage:
         return self._sizes[fd]
 
     def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        # Small reads (a state's many small tensors, headers) are served from a per-thread
+        # read-ahead window: one request per window, not per tensor.
+        if len(views) == 1 and 0 < len(views[0]) < _READAHEAD:
+            (v,) = views
+            win = getattr(self._local, "window", None)
+            if not (win and win[0] == fd and win[1] <= offset
+                    and offset + len(v) <= win[1] + len(win[2])):
+                size = self.file_size(fd)
+                n = max(len(v), min(_READAHEAD, size - offset))
+                buf = memoryview(bytearray(n))
+                self._read_direct(fd, [buf], offset)
+                win = self._local.window = (fd, offset, buf)
+            start = offset - win[1]
+            v[:] = win[2][start:start + len(v)]
+            return len(v)
+        return self._read_direct(fd, views, offset)
+
+    def _read_direct(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         if len(views) != 1:
             got = 0
             for v in views:
-                got += self.pread_into(fd, [v], offset + got)
+                got += self._read_direct(fd, [v], offset + got)
             return got
         try:
             return self._fetch(fd, views, offset)
@@ -513,8 +554,8 @@ class HTTPStorage:
                 raise CheckpointTransportError(
                     f"{self.host}:{self.port} refuses even {len(v)}-byte ranges") from None
             half = len(v) // 2
-            return (self.pread_into(fd, [v[:half]], offset)
-                    + self.pread_into(fd, [v[half:]], offset + half))
+            return (self._read_direct(fd, [v[:half]], offset)
+                    + self._read_direct(fd, [v[half:]], offset + half))
 
     def _fetch(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         total = sum(len(v) for v in views)
