@@ -12,7 +12,10 @@ plus its AdamW moments), measured in this order:
               ``DefaultStager``);
 * dist     -- ``--world`` (2) rank processes, each holding its share of the same state as
               DTensors, asyncckpt against DCP: see ``bench_dist.py`` (run first, before this
-              process builds its state, so that the ranks have the memory).
+              process builds its state, so that the ranks have the memory);
+* peer     -- a recovering worker receiving the state from a serving process over
+              127.0.0.1, beside raw TCP and torchft's HTTPTransport: see ``bench_peer.py``
+              (also run before this process builds its state).
 
 Every save reports blocked (until the call returned), staged (until the tensors were
 copied and may be mutated) and durable (until everything was fsync'd) seconds; every
@@ -52,7 +55,7 @@ import torch
 import _limits as lim
 import asyncckpt
 
-SECTIONS = ("limits", "asyncckpt", "torch_save", "safetensors", "dcp", "memory", "dist")
+SECTIONS = ("limits", "asyncckpt", "torch_save", "safetensors", "dcp", "memory", "dist", "peer")
 RUN_ORDER = ("memory", "limits", "asyncckpt", "torch_save", "safetensors", "dcp")
 ASYNCCKPT_MODES: tuple[tuple[str, str, bool], ...] = (
     # (label, mode, overlap)
@@ -793,6 +796,10 @@ def render(res: dict[str, Any]) -> str:
         import bench_dist
 
         parts += [bench_dist.render(res["dist"]), ""]
+    if res.get("peer"):
+        import bench_peer
+
+        parts += [bench_peer.render(res["peer"]), ""]
     parts.append(f"Peak RSS of the run: {meta.get('peak_rss', 0) / GiB:.2f} GiB; wall time "
                  f"{meta.get('wall_s', 0):.0f} s.")
     return "\n".join(parts)
@@ -887,7 +894,14 @@ def main(argv: list[str] | None = None) -> int:
             log("--- dist")
             dist_res = bench_dist.run(args, work / "dist")
             free_memory()
-        single = bool(args.sections - {"dist"})  # sections that need a state here
+        peer_res = None
+        if "peer" in args.sections:  # first too: the serving process needs the memory
+            import bench_peer
+
+            log("--- peer")
+            peer_res = bench_peer.run(args, work / "peer")
+            free_memory()
+        single = bool(args.sections - {"dist", "peer"})  # sections that need a state here
         model_floats = int(args.state_gib * GiB / 12)
         state: State = {"model": {}}
         if single:
@@ -902,6 +916,9 @@ def main(argv: list[str] | None = None) -> int:
         elif dist_res is not None:  # the dist section alone: its state's numbers
             nbytes, n_tensors = dist_res["state_bytes"], dist_res["tensors"]
             n_model = dist_res["model_tensors"]
+        elif peer_res is not None:
+            nbytes, n_tensors = peer_res["state_bytes"], peer_res["tensors"]
+            n_model = peer_res["model_tensors"]
         ctx = Context(state, nbytes, work, args.repeats, args.saves, args.dcp_threads)
         machine = lim.machine()
         res: dict[str, Any] = {"meta": {
@@ -913,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
             "header": header(machine, nbytes, n_tensors, n_model, work, args)}}
         if dist_res is not None:
             res["dist"] = dist_res
+        if peer_res is not None:
+            res["peer"] = peer_res
         methods: dict[str, MethodResult] = {}
         for section in RUN_ORDER:
             if section not in args.sections:
