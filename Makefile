@@ -1,7 +1,7 @@
 # The two commands of the README. Both set everything up themselves (scripts/setup).
 PY := .venv/bin/python
 
-.PHONY: setup test demo bench lint
+.PHONY: setup test demo bench lint fuzz
 
 setup:
 	@./scripts/setup
@@ -18,3 +18,7 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/bench_checkpoint.py $(BENCH_ARGS)
+
+# The scheduled fuzz run of the manifest and header parsers (10^5 cases, a few minutes).
+fuzz: setup
+	$(PY) tests/reliability/fuzz_manifest.py --cases 100000
