@@ -150,23 +150,7 @@ class LiveSource(FileSource):
             i += 1
 
     def read(self, offset: int, n: int) -> memoryview:
-        out = bytearray(n)
-        pos = offset
-        end = offset + n
-        if pos < len(self._header):
-            k = min(end, len(self._header)) - pos
-            out[0:k] = self._header[pos:pos + k]
-            pos += k
-        i = max(0, bisect.bisect_right(self._starts, pos) - 1)
-        while pos < end and i < len(self.plan.items):
-            it = self.plan.items[i]
-            if it.end > pos:
-                lo = pos - it.offset
-                k = min(end, it.end) - pos
-                out[pos - offset:pos - offset + k] = self.tensor_view(it.key)[lo:lo + k]
-                pos += k
-            i += 1
-        return memoryview(out)
+        return memoryview(b"".join(self.pieces(offset, n)))
 
 
 @dataclass
