@@ -92,3 +92,23 @@ def test_box_byte_span_matches_the_row_major_layout() -> None:
     assert lo == (1 * 30 + 2 * 6 + 3) * 2
     assert hi == ((2 * 30 + 2 * 6 + 4) + 1) * 2
     assert box_byte_span((0,), (5,), ((1,), (0,)), 4) == (0, 0)
+
+
+def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Path) -> None:
+    # A peer's partial view covers only its own boxes, so the tensor's shape is not bounded
+    # by the file: the coverage check must refuse it before anything is allocated.
+    import json
+    import re
+
+    from asyncckpt.errors import CheckpointNotFoundError
+    from asyncckpt.manifest import seal
+
+    asyncckpt.save({"x": torch.arange(1024, dtype=torch.float32)}, tmp_path)
+    path = tmp_path / "step_000000000" / "manifest.json"
+    raw = path.read_bytes()
+    doc = json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}")
+    doc["partial"] = True
+    doc["tensors"]["x"]["shape"] = [2**40]  # 4 TB of float32 if it were allocated
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    with pytest.raises(CheckpointNotFoundError, match="wanted elements"):
+        asyncckpt.load(tmp_path)

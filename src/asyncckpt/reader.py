@@ -81,13 +81,13 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     # than the files really hold.
     for name in sorted({c.file for k in dests for c in manifest.tensors[k].chunks}):
         storage.close(_open_checked(step_dir, manifest, name, storage))
+    shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
+    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+    _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
     for key, dst in dests.items():
-        entry = manifest.tensors[key]
-        shape = boxes[key][1] if key in boxes else entry.shape
-        out[key] = dst if dst is not None else torch.empty(shape, dtype=entry.dtype)
-    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
-    _check_covered(manifest, items, out)
+        out[key] = dst if dst is not None else torch.empty(
+            shapes[key], dtype=manifest.tensors[key].dtype)
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     groups = _split(items, n)
     if n == 1:
@@ -100,17 +100,17 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     return out
 
 
-def _check_covered(manifest: Manifest, items: list[ReadItem], out: Mapping[str, torch.Tensor]
-                   ) -> None:
+def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Every wanted element must come from some saved chunk: a partial source (a peer's
     view) that lacks part of a wanted box is an error, never uninitialised memory."""
     got: dict[str, int] = {}
     for it in items:
         got[it.key] = got.get(it.key, 0) + math.prod(it.box[1])
-    for key, dst in out.items():
-        if got.get(key, 0) != dst.numel():
+    for key, shape in shapes.items():
+        want = math.prod(shape)
+        if got.get(key, 0) != want:
             raise CheckpointNotFoundError(
-                f"the checkpoint holds {got.get(key, 0)} of the {dst.numel()} wanted elements "
+                f"the checkpoint holds {got.get(key, 0)} of the {want} wanted elements "
                 f"of tensor {key!r}: the source (e.g. a peer serving only its own shards) "
                 "does not have the box this process needs")
 
