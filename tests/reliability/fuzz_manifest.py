@@ -558,6 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_atheris(corpus, rest)
         return 0
     seed = args.seed if args.seed is not None else random.randrange(2 ** 32)
+    print(f"fuzz seed {seed} (replay with --seed {seed})", file=sys.stderr, flush=True)
     if args.max_memory_mb and __name__ == "__main__":
         cap_memory(args.max_memory_mb)
     t0 = time.monotonic()
