@@ -75,12 +75,19 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     is filled in place and returned as is. Raises CheckpointCorruptError naming the
     file and tensor on any mismatch.
     """
-    boxes = boxes or {}
     # Every file this load needs must exist, have its manifest size and its header: only
     # then are fresh tensors allocated, so a forged manifest cannot make us allocate more
     # than the files really hold.
     for name in sorted({c.file for k in dests for c in manifest.tensors[k].chunks}):
-        storage.close(_open_checked(step_dir, manifest, name, storage))
+        _check_file(step_dir, manifest, name, storage)
+    return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
+                         boxes=boxes or {})
+
+
+def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
+                  storage: ReadStorage, *, verify: bool, threads: int | None,
+                  boxes: Mapping[str, Box]) -> dict[str, torch.Tensor]:
+    """load_tensors once the files are known to be whole."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
     items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
@@ -133,9 +140,8 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
     try:
         for it in items:
             fd = fds.get(it.chunk.file)
-            if fd is None:
-                fd = fds[it.chunk.file] = _open_checked(step_dir, manifest, it.chunk.file,
-                                                        storage)
+            if fd is None:  # checked by load_tensors already: just open it
+                fd = fds[it.chunk.file] = _open(step_dir / it.chunk.file, storage)
             _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
                        manifest.block_bytes)
     finally:
@@ -143,13 +149,18 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             storage.close(fd)
 
 
-def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> int:
-    path = step_dir / name
+def _open(path: Path, storage: ReadStorage) -> int:
     try:
-        fd = storage.open_read(path)
+        return storage.open_read(path)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
+
+
+def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
+    """The file exists, has the manifest's size, and its header has the manifest's checksum."""
+    path = step_dir / name
+    fd = _open(path, storage)
     try:
         size = storage.file_size(fd)
         entry = manifest.files[name]
@@ -163,10 +174,8 @@ def _open_checked(step_dir: Path, manifest: Manifest, name: str, storage: ReadSt
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header does not match the manifest's checksum: the "
                 "file is corrupt or belongs to another checkpoint", path=str(path))
-    except BaseException:
+    finally:
         storage.close(fd)
-        raise
-    return fd
 
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
@@ -248,15 +257,16 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
     except CheckpointCorruptError as exc:
         return VerifyReport(step_dir, -1, problems=[str(exc)])
     report = VerifyReport(step_dir, manifest.step)
-    by_file: dict[str, list[str]] = {}
-    for key, entry in manifest.tensors.items():
-        for ch in entry.chunks:
-            by_file.setdefault(ch.file, []).append(key)
-    for name in manifest.files:
-        report.problems.extend(_check_header(step_dir / name, manifest, storage))
-    for key in manifest.tensors:
+    for name in manifest.files:  # each file once: size and header checksum, then entries
         try:
-            load_tensors(step_dir, manifest, {key: None}, storage, verify=True, threads=1)
+            _check_file(step_dir, manifest, name, storage)
+        except CheckpointCorruptError as exc:
+            report.problems.append(str(exc))
+        report.problems.extend(_check_header(step_dir / name, manifest, storage))
+    for key in manifest.tensors:  # one at a time, to name every damaged tensor
+        try:
+            _load_checked(step_dir, manifest, {key: None}, storage, verify=True, threads=1,
+                          boxes={})
             report.tensors += 1
             report.bytes += manifest.tensors[key].nbytes
         except CheckpointCorruptError as exc:
@@ -288,11 +298,7 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
         return [str(exc)]
     finally:
         storage.close(fd)
-    problems = []
-    fentry = manifest.files[path.name]
-    if body != fentry.header_bytes or xxhash.xxh3_64_hexdigest(
-            bytes(prefix[:body]) if len(prefix) >= body else b"") != fentry.header_checksum:
-        problems.append(f"{path}: its safetensors header does not match the manifest's checksum")
+    problems = []  # the header's checksum is _check_file's; here: entries vs the manifest
     for key, entry in manifest.tensors.items():
         for ch in entry.chunks:
             if path.name != ch.file:
