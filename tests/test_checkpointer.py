@@ -251,10 +251,10 @@ def test_overlap_returns_before_staging_and_matches(tmp_path: Path,
     threads: list[str] = []
     real_stage = mod.stage
 
-    def gated_stage(*args: object) -> None:
+    def gated_stage(*args: object, **kwargs: object) -> None:
         threads.append(threading.current_thread().name)
         assert release.wait(30)
-        real_stage(*args)  # type: ignore[arg-type]
+        real_stage(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mod, "stage", gated_stage)
     state = make_state(4)

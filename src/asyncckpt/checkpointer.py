@@ -55,6 +55,8 @@ class CheckpointerConfig:
     """Checksum granularity: one xxh3-64 per this many bytes of each tensor."""
     timeout_s: float = 600.0
     """How long any cross-rank wait may take before it fails naming the silent ranks."""
+    copy_threads: int | None = None
+    """Threads that copy CPU tensors into the arena; None: min(4, CPU count)."""
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -68,6 +70,11 @@ class CheckpointerConfig:
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
         if not self.timeout_s > 0:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive number")
+        if self.copy_threads is None:
+            object.__setattr__(self, "copy_threads", min(4, os.cpu_count() or 1))
+        elif type(self.copy_threads) is not int or self.copy_threads < 1:
+            raise CheckpointConfigError(
+                f"copy_threads={self.copy_threads!r}: use a positive int, or None for the default")
         if self.block_bytes < 4096 or self.block_bytes % 4096:
             raise CheckpointConfigError(f"block_bytes={self.block_bytes}: use a multiple of 4096")
 
@@ -92,10 +99,10 @@ class AsyncCheckpointer:
                  block_bytes: int = DEFAULT_BLOCK_BYTES, timeout_s: float = 600.0,
                  process_group: Any = None, rank: int | None = None,
                  world_size: int | None = None, store: Any = None,
-                 storage: Storage | None = None):
+                 storage: Storage | None = None, copy_threads: int | None = None):
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
-                                         timeout_s=timeout_s)
+                                         timeout_s=timeout_s, copy_threads=copy_threads)
         self.directory = Path(directory)
         self.storage: Storage = storage or LocalStorage()
         self._ctx: DistContext = resolve_context(
@@ -197,11 +204,11 @@ class AsyncCheckpointer:
         durable, self._retention = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
         if overlap and self.config.mode != "sync":
-            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress)
+            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress, writer)
         else:
             staged = cf.Future()
             try:
-                _stage_or_fail(plan, tensors, arena, progress)
+                _stage_or_fail(plan, tensors, arena, progress, writer)
             except BaseException as exc:
                 staged.set_exception(exc)
                 with contextlib.suppress(BaseException):
@@ -447,14 +454,15 @@ class AsyncCheckpointer:
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:
-            self._writer = BackgroundWriter()
+            self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
 
 
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                   progress: StagingProgress) -> None:
+                   progress: StagingProgress, writer: BackgroundWriter) -> None:
     try:
-        stage(plan, tensors, arena, progress)
+        stage(plan, tensors, arena, progress, helpers=writer.copiers,
+              threads=writer.copy_threads)
     except BaseException as exc:
         progress.fail(exc)
         raise

@@ -10,6 +10,7 @@ where the intersection lies on both sides (resharding is box intersection).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from .tree import dtype_name
 __all__ = ["Box", "ReadItem", "WriteItem", "WritePlan", "box_byte_span", "intersect",
            "plan_reads", "plan_writes", "row_major_strides", "tiling_problem"]
 
+# Parallel staging hands out units of about this many consecutive bytes.
+COPY_UNIT_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,32 @@ class WritePlan:
     @property
     def body_offset(self) -> int:
         return len(self.header)
+
+    @functools.cached_property
+    def copy_units(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """The items split into units of about 16 MiB of consecutive bytes, in file order.
+
+        A unit is a tuple of ``(item index, first byte, end byte)`` segments; a tensor
+        larger than a unit is split over several. Parallel staging hands them out.
+        """
+        units: list[tuple[tuple[int, int, int], ...]] = []
+        cur: list[tuple[int, int, int]] = []
+        size = 0
+        for i, item in enumerate(self.items):
+            lo = 0
+            while True:
+                take = min(item.nbytes - lo, COPY_UNIT_BYTES - size)
+                cur.append((i, lo, lo + take))
+                size += take
+                lo += take
+                if size >= COPY_UNIT_BYTES:
+                    units.append(tuple(cur))
+                    cur, size = [], 0
+                if lo >= item.nbytes:
+                    break
+        if cur:
+            units.append(tuple(cur))
+        return tuple(units)
 
     @property
     def padded_bytes(self) -> int:

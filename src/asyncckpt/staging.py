@@ -12,13 +12,16 @@ staged prefix of the file while later tensors are still being copied.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import ctypes
+import itertools
 import logging
 import mmap
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -132,12 +135,107 @@ class StagingProgress:
 
 
 def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-          progress: StagingProgress) -> None:
+          progress: StagingProgress, *, helpers: Executor | None = None,
+          threads: int = 1) -> None:
     """Copy every planned tensor into its place in the arena, publishing progress.
 
-    CUDA tensors are copied asynchronously on a side stream (into pinned memory); this
-    returns once every copy has completed, so the caller may then mutate its tensors.
+    CPU tensors are copied by ``threads`` threads (this one plus ``threads - 1`` run on
+    ``helpers``), each taking the next unit of about 16 MiB of the arena; progress
+    advances over the prefix of finished units, so the writer still follows in order.
+    CUDA tensors are copied asynchronously on a side stream (into pinned memory) by this
+    thread alone. Returns once every copy has completed, so the caller may then mutate
+    its tensors.
     """
+    if any(t.is_cuda for t in tensors.values()) or helpers is None or threads <= 1:
+        _stage_serial(plan, tensors, arena, progress)
+        return
+    _stage_parallel(plan, tensors, arena, progress, helpers, threads)
+
+
+def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
+                    progress: StagingProgress, helpers: Executor, threads: int) -> None:
+    units = plan.copy_units
+    items = plan.items
+    base = arena.tensor.data_ptr()
+    progress.publish(plan.body_offset)
+    claim = itertools.count()  # next() on a count is atomic under the GIL
+    finished = [False] * len(units)
+    lock = threading.Lock()
+    frontier = 0  # units below it are all finished
+    published = plan.body_offset
+    failed: list[BaseException] = []
+
+    def unit_end(u: int) -> int:
+        i, _, hi = units[u][-1]
+        return items[i].offset + hi
+
+    def work() -> None:
+        nonlocal frontier, published
+        with torch.no_grad():
+            while not failed:
+                u = next(claim)
+                if u >= len(units):
+                    return
+                try:
+                    for i, lo, hi in units[u]:
+                        if hi > lo:
+                            _copy_range(items[i], tensors[items[i].key], arena, base, lo, hi)
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
+                with lock:
+                    finished[u] = True
+                    while frontier < len(units) and finished[frontier]:
+                        frontier += 1
+                    upto = unit_end(frontier - 1) if frontier else plan.body_offset
+                    if upto - published >= _PUBLISH_BYTES:
+                        published = upto
+                        progress.publish(upto)
+
+    others = [helpers.submit(work) for _ in range(threads - 1)]
+    try:
+        work()
+    finally:
+        for f in others:  # never return while a helper may still write the arena
+            cf.wait([f])
+    for f in others:
+        f.result()
+    if failed:
+        raise failed[0]
+    progress.finish(plan.file_bytes)
+
+
+def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
+                hi: int) -> None:
+    if (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
+            and not src.is_neg()):
+        # One memcpy with the GIL released: the threads copy in parallel.
+        ctypes.memmove(base + item.offset + lo, src.data_ptr() + lo, hi - lo)
+    elif lo == 0 and hi == item.nbytes:
+        arena.view(item).copy_(src)
+    else:  # a part of a non-contiguous tensor: copy the rows that cover it
+        _copy_rows(item, src, arena, lo, hi)
+
+
+def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi: int) -> None:
+    """Copy the bytes [lo, hi) of a tensor that cannot be memcpy'd, by whole rows.
+
+    Units split tensors at arbitrary bytes; a strided copy goes by rows of dim 0, so the
+    unit that holds the start of a row copies all of it (rows are never split).
+    """
+    if src.dim() == 0:
+        if lo == 0:
+            arena.view(item).copy_(src)
+        return
+    row = item.nbytes // src.shape[0]
+    first = -(-lo // row)  # rows that start inside [lo, hi)
+    last = -(-hi // row)
+    if last > first:
+        arena.view(item)[first:last].copy_(src[first:last])
+
+
+def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
+                  progress: StagingProgress) -> None:
     stream = None
     if any(t.is_cuda for t in tensors.values()):
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]

@@ -10,15 +10,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import errno
-import gc
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import commit
+from ._gc import gc_paused
 from .dist import DistContext, make_record, merge_records
 from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
 from .manifest import MANIFEST_NAME, block_checksums
@@ -28,6 +27,8 @@ from .storage import Storage
 from .tree import FlatState, dtype_name
 
 log = logging.getLogger(__name__)
+
+_gc_paused = gc_paused  # the transports import it from here
 
 
 @dataclass(frozen=True)
@@ -138,33 +139,37 @@ class CheckpointFuture:
 
 
 class BackgroundWriter:
-    """Threads that run save jobs: a writer, a hasher and a stager (for overlap).
+    """Threads that run save jobs: a writer, a hasher, a stager (for overlap) and copiers.
+
+    The copiers help the staging thread copy tensors into the arena in parallel.
 
     Thread-safe to submit to; the checkpointer submits one job at a time. The threads
     survive a failed job: its error goes into that job's future.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy_threads: int = 1) -> None:
         self._write = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-write")
         self._hash = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-hash")
         self.stager = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-stage")
+        self.copy_threads = max(1, copy_threads)
+        self.copiers = cf.ThreadPoolExecutor(max(1, copy_threads - 1),
+                                             thread_name_prefix="asyncckpt-copy")
 
     def submit(self, job: SaveJob) -> tuple[cf.Future[CheckpointInfo], cf.Future[None]]:
         """Queue a save; returns its durability future and its retention future."""
         # Both tasks are queued here, on the caller's thread: once the interpreter begins
         # to exit, executors refuse new work, but still finish what they were given.
-        hashes = self._hash.submit(_hash_items, job) if job.plan.items else None
+        hashes = self._hash.submit(_describe, job) if job.plan.items else None
         durable = self._write.submit(self._run, job, hashes)
         # Retention runs after the future resolves (deleting a 3 GB step takes ~0.5 s that
         # nobody should wait for), on the same thread, so before the next save writes.
         return durable, self._write.submit(_retain, job)
 
     def shutdown(self) -> None:
-        for ex in (self.stager, self._write, self._hash):
+        for ex in (self.stager, self.copiers, self._write, self._hash):
             ex.shutdown(wait=True)
 
-    def _run(self, job: SaveJob, hashes: cf.Future[dict[str, tuple[str, ...]]] | None
-             ) -> CheckpointInfo:
+    def _run(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         try:
             return self._save(job, hashes)
         except BaseException as exc:
@@ -175,12 +180,11 @@ class BackgroundWriter:
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
                 f"{type(exc).__name__}: {exc}" + _hint(exc)) from exc
 
-    def _save(self, job: SaveJob, hashes: cf.Future[dict[str, tuple[str, ...]]] | None
-              ) -> CheckpointInfo:
+    def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
         job.tmp = job.root / commit.tmp_dir_name(job.step, job.token)
         storage.makedirs(job.tmp)
-        checksums: dict[str, tuple[str, ...]] = {}
+        raw: bytes | None = None
         if hashes is not None:
             try:
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
@@ -190,15 +194,15 @@ class BackgroundWriter:
                 with contextlib.suppress(BaseException):
                     hashes.result()
                 raise
-            checksums = hashes.result()
+            record, raw = hashes.result()
         else:
             job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
-        with _gc_paused():
-            record = _record(job, checksums)
+            with _gc_paused():
+                record = _record(job, {})
         if job.serve_to:
             _offer_arena(job, record)
         if not ctx.distributed:
-            final = self._commit(job, [record])
+            final = self._commit(job, [record], raw)
         elif ctx.is_coordinator:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
             job.announced = True
@@ -231,31 +235,16 @@ class BackgroundWriter:
                  info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
         return info
 
-    def _commit(self, job: SaveJob, records: list[dict[str, Any]]) -> Path:
+    def _commit(self, job: SaveJob, records: list[dict[str, Any]], raw: bytes | None = None
+                ) -> Path:
+        """Write the manifest (``raw``, or merged from ``records``) and commit the step."""
         assert job.tmp is not None
-        with _gc_paused():
-            manifest = merge_records(records, step=job.step, library_version=job.library_version,
-                                     block_bytes=job.block_bytes,
-                                     user_metadata=job.user_metadata, created_unix=time.time())
-            raw = manifest.to_json()
+        if raw is None:
+            raw = _manifest_bytes(job, records)
         job.storage.write_bytes(job.tmp / MANIFEST_NAME, raw)
         final = commit.commit(job.tmp, job.root, job.step, job.storage)
         job.tmp = None
         return final
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Building a manifest makes many small objects in a burst, which sets off full
-    collections of the whole process (0.2-0.6 s seen, holding the GIL the training
-    thread needs). They are pointless here: nothing of ours forms cycles."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _retain(job: SaveJob) -> None:
@@ -309,16 +298,34 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
         transport.serve(serve_arena(job.step, view, job.plan.file, buf))
 
 
-def _hash_items(job: SaveJob) -> dict[str, tuple[str, ...]]:
-    """Checksum each tensor's staged bytes once staging is over.
+# What the hash thread hands the writer: this rank's record and, for a single process,
+# the finished manifest's bytes.
+_Described = tuple[dict[str, Any], bytes | None]
 
-    Hashing (~30 GB/s) would otherwise take a core from the copies the caller is
-    waiting for; after staging it still finishes long before the write does.
+
+def _describe(job: SaveJob) -> _Described:
+    """Checksum the staged bytes, then build this rank's record (and manifest).
+
+    Runs on the hash thread once staging is over — hashing (~30 GB/s) would otherwise
+    take a core from the copies the caller is waiting for — and still finishes long
+    before the write does, so building the manifest costs the save nothing.
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv = job.arena.memoryview()
-    return {item.key: tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
-            for item in job.plan.items}
+    checksums = {item.key: tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
+                 for item in job.plan.items}
+    with _gc_paused():
+        record = _record(job, checksums)
+    raw = None if job.ctx.distributed else _manifest_bytes(job, [record])
+    return record, raw
+
+
+def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
+    with _gc_paused():
+        manifest = merge_records(records, step=job.step, library_version=job.library_version,
+                                 block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+                                 created_unix=time.time())
+        return manifest.to_json()
 
 
 def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, Any]:

@@ -1,0 +1,153 @@
+"""Staging: serial and parallel copies into the arena give the same bytes, in order."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import asyncckpt.plan as plan_mod
+import asyncckpt.staging as staging
+from asyncckpt.plan import WritePlan, plan_writes
+from asyncckpt.staging import HostArena, StagingProgress, stage
+
+
+@pytest.fixture()
+def helpers() -> Iterator[cf.ThreadPoolExecutor]:
+    with cf.ThreadPoolExecutor(3) as ex:
+        yield ex
+
+
+def awkward_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(50_000, generator=gen)
+    wide = torch.randn(60, 70, generator=gen)
+    cplx = torch.randn(300, dtype=torch.complex64, generator=gen)
+    return {
+        "big": big,
+        "transposed": wide.t(),  # not contiguous: copied by rows
+        "permuted": torch.randn(6, 7, 8, generator=gen).permute(2, 0, 1),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "conj": cplx.conj(),  # a lazy conjugate: must be resolved, not memcpy'd
+        "neg": torch.randn(40, generator=gen, dtype=torch.float64)._neg_view(),
+        "bf16": torch.randn(999, generator=gen).to(torch.bfloat16),
+        "bool": torch.rand(333, generator=gen) > 0.5,
+        "slice": big[7:3007],  # a view with an offset into another tensor's storage
+    }
+
+
+def fresh_plan(tensors: dict[str, torch.Tensor]) -> WritePlan:
+    return plan_writes(tensors, "rank_00000.safetensors")
+
+
+def arena_for(plan: WritePlan) -> HostArena:
+    arena = HostArena(plan.padded_bytes, pinned=False)
+    arena.write_header(plan.header)
+    return arena
+
+
+def assert_staged(plan: WritePlan, tensors: dict[str, torch.Tensor], arena: HostArena) -> None:
+    for item in plan.items:
+        got = arena.view(item)
+        want = tensors[item.key].resolve_conj().resolve_neg()
+        assert torch.equal(got, want), item.key
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("unit", [3000, 4096, 1 << 20])
+def test_parallel_stage_copies_every_byte(threads: int, unit: int, helpers: cf.Executor,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Units of 3000 bytes split tensors mid-element and mid-row.
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", unit)
+    tensors = awkward_tensors()
+    plan = fresh_plan(tensors)
+    arena = arena_for(plan)
+    progress = StagingProgress()
+    stage(plan, tensors, arena, progress, helpers=helpers, threads=threads)
+    assert progress.done
+    progress.wait_for(plan.file_bytes, timeout=0)
+    assert_staged(plan, tensors, arena)
+    if unit == 3000:  # the segments tile every item exactly
+        covered: dict[int, int] = {}
+        for u in plan.copy_units:
+            assert sum(hi - lo for _, lo, hi in u) <= unit
+            for i, lo, hi in u:
+                assert covered.get(i, 0) == lo
+                covered[i] = hi
+        assert covered == {i: it.nbytes for i, it in enumerate(plan.items) if it.nbytes} | {
+            i: 0 for i, it in enumerate(plan.items) if not it.nbytes}
+
+
+def test_published_prefix_is_always_staged(helpers: cf.Executor,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer follows publish(); every byte below a published offset must be final."""
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 4096)
+    monkeypatch.setattr(staging, "_PUBLISH_BYTES", 1)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(1000 + 37 * i, generator=gen) for i in range(40)}
+    plan = fresh_plan(tensors)
+    want = arena_for(plan)
+    stage(plan, tensors, want, StagingProgress())
+    arena = arena_for(plan)
+    seen: list[int] = []
+
+    class Checking(StagingProgress):
+        def publish(self, upto: int, event: object = None) -> None:
+            assert torch.equal(arena.tensor[:upto], want.tensor[:upto]), upto
+            seen.append(upto)
+            super().publish(upto, event)
+
+    stage(plan, tensors, arena, Checking(), helpers=helpers, threads=2)
+    assert seen == sorted(seen) and seen[0] == plan.body_offset
+    assert torch.equal(arena.tensor[:plan.file_bytes], want.tensor[:plan.file_bytes])
+
+
+def test_a_failing_copy_is_raised_after_every_thread_stopped(
+        helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 4096)
+    tensors = {f"t{i}": torch.randn(2048) for i in range(20)}
+    plan = fresh_plan(tensors)
+    arena = arena_for(plan)
+    real = staging._copy_range
+    calls: list[str] = []
+
+    def flaky(item: plan_mod.WriteItem, *args: object) -> None:
+        calls.append(item.key)
+        if item.key == "t5":
+            raise RuntimeError("boom at t5")
+        real(item, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "_copy_range", flaky)
+    progress = StagingProgress()
+    with pytest.raises(RuntimeError, match="boom at t5"):
+        stage(plan, tensors, arena, progress, helpers=helpers, threads=3)
+    assert not progress.done  # the writer must never see this save as staged
+    n = len(calls)
+    assert helpers.submit(lambda: None).result(timeout=5) is None  # helpers are free again
+    assert len(calls) == n  # and nothing copies any more
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_checkpointer_round_trips_with_any_copy_threads(tmp_path: object, copy_threads: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt
+
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 8192)
+    state = awkward_tensors()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async",  # type: ignore[arg-type]
+                                     copy_threads=copy_threads) as ckpt:
+        ckpt.save_async(state, step=1).wait()
+        back = ckpt.load(step=1)
+    for k, t in state.items():
+        assert torch.equal(back[k], t.resolve_conj().resolve_neg()), k
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_copy_threads_must_be_a_positive_int(tmp_path: object, bad: object) -> None:
+    import asyncckpt
+
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="copy_threads"):
+        asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=bad)  # type: ignore[arg-type]
