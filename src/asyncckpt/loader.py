@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._gc import gc_paused
 from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatchError
 from .manifest import Manifest
 from .reader import load_tensors, read_manifest
@@ -57,6 +58,14 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`."""
+    with gc_paused():  # parsing, matching and planning make thousands of small objects
+        return _load_from(step_dir, state, storage, strict=strict, verify=verify,
+                          shards=shards, threads=threads)
+
+
+def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
+               verify: bool, shards: Mapping[str, ShardMetadata] | None,
+               threads: int | None) -> Any:
     manifest = read_manifest(step_dir, storage)
     saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:

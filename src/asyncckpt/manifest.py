@@ -292,6 +292,10 @@ class _Check:
         return v
 
     def ints(self, v: Any, what: str, key: str | None = None) -> tuple[int, ...]:
+        if type(v) is list and len(v) <= 64:  # the common, valid case: checked in one pass
+            out = tuple(v)
+            if all(type(x) is int for x in out) and (not out or min(out) >= 0):
+                return out
         if not isinstance(v, list) or len(v) > 64:
             raise self.fail(f"{what} must be a list of at most 64 integers", key)
         return tuple(self.int_(x, what, key) for x in v)
@@ -372,14 +376,23 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         partial=partial)
 
 
+# Names of the dtypes a manifest may hold, for a fast lookup; others take the slow path.
+_STORABLE_DTYPES: dict[str, torch.dtype] = {
+    dtype_name(d): d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and not _is_bits(dtype_name(d))}
+
+
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
                   block_bytes: int, partial: bool) -> TensorEntry:
-    try:
-        dtype = dtype_from_name(c.str_(t.get("dtype"), "dtype", key))
-    except ValueError as exc:
-        raise c.fail(str(exc), key) from exc
-    if _is_bits(dtype_name(dtype)):
-        raise c.fail(f"dtype {dtype} cannot be stored in a checkpoint", key)
+    name = t.get("dtype")
+    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        try:
+            dtype = dtype_from_name(c.str_(t.get("dtype"), "dtype", key))
+        except ValueError as exc:
+            raise c.fail(str(exc), key) from exc
+        if _is_bits(dtype_name(dtype)):
+            raise c.fail(f"dtype {dtype} cannot be stored in a checkpoint", key)
     shape = c.ints(t.get("shape"), "shape", key)
     if any(d >= _MAX_DIM for d in shape) or math.prod(shape) * dtype.itemsize >= _MAX_DIM:
         raise c.fail(f"shape {list(shape)[:8]} is impossibly large", key)
@@ -413,8 +426,11 @@ def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileE
             raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
         chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
                             (br[0], br[1]), tuple(sums)))
-    problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks],
-                             allow_gaps=partial)
+    if len(chunks) == 1 and chunks[0].lengths == shape and not any(chunks[0].offsets):
+        problem = None  # one chunk that is the whole tensor: the common case
+    else:
+        problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks],
+                                 allow_gaps=partial)
     if problem is not None:
         raise c.fail(f"its chunks do not tile shape {list(shape)}: {problem}", key)
     return TensorEntry(dtype, shape, kind, tuple(chunks))

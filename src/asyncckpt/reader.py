@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from ._gc import gc_paused
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import (
     MANIFEST_NAME,
@@ -53,7 +54,8 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
                                       "checkpoint") from None
     except ValueError as exc:
         raise CheckpointCorruptError(str(exc), path=str(path)) from exc
-    return parse_manifest(raw, str(path))
+    with gc_paused():
+        return parse_manifest(raw, str(path))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

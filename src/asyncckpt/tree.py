@@ -35,6 +35,9 @@ __all__ = [
     "unflatten",
 ]
 
+# Tensors met so far, by data pointer: (tensor, its storage key) for alias detection.
+_Seen = dict[int, list[tuple[torch.Tensor, str]]]
+
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
 Node = dict[str, Any]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
@@ -142,12 +145,12 @@ def flatten(state: Any) -> FlatState:
         (['w'], 'dict')
     """
     flat = FlatState()
-    seen: dict[tuple[Any, ...], str] = {}
+    seen: _Seen = {}
     flat.skeleton = _flatten(state, "", flat, seen, set())
     return flat
 
 
-def _flatten(obj: Any, path: str, flat: FlatState, seen: dict[tuple[Any, ...], str],
+def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
              active: set[int]) -> Node:
     where = path or "<root>"
     if isinstance(obj, torch.Tensor):
@@ -232,28 +235,32 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
             "only bool, int, uint, float and complex arrays can be checkpointed") from exc
 
 
-def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[Any, ...], str],
-                kind: str) -> str:
+def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
-    if type(t) not in _PLAIN_TENSOR_TYPES or _refused_dtype(t.dtype) or t.layout != torch.strided:
+    if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
+            or t.layout is not torch.strided):
         _check_unusual_tensor(t, path)
         if _is_dtensor(t):
             from .dist import dtensor_box
 
             t, global_shape, local_box = dtensor_box(t, path or "<root>")
             box = (global_shape, local_box)
-    if t.device.type == "meta":
+    if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
-    if kind == "torch" and t.numel() > 0:
-        alias_key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.is_conj(),
-                     t.is_neg())
-        first = seen.get(alias_key)
-        if first is not None:
-            flat.refs[path] = first
-            return first
-        seen[alias_key] = path
+    if kind == "torch":
+        ptr = t.data_ptr()
+        if ptr:  # empty tensors have no data to share
+            others = seen.get(ptr)
+            if others is None:
+                seen[ptr] = [(t, path)]
+            else:
+                for other, key in others:
+                    if _same_view(t, other):
+                        flat.refs[path] = key
+                        return key
+                others.append((t, path))
     if path in flat.tensors:  # escaping makes paths unique; never overwrite if it did not
         raise UnsupportedLeafError(f"two leaves of the state tree share the path {path!r}")
     flat.tensors[path] = t
@@ -264,12 +271,25 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: dict[tuple[An
     return path
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors at one data pointer show the same elements the same way."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.numel() > 0 and a.is_conj() == b.is_conj()
+            and a.is_neg() == b.is_neg())
+
+
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.cache
+def _refused_dtypes() -> frozenset[torch.dtype]:
+    """Every torch dtype without a stable byte layout (see _is_bits)."""
+    return frozenset(d for d in vars(torch).values()
+                     if isinstance(d, torch.dtype) and _is_bits(dtype_name(d)))
+
+
 def _refused_dtype(dtype: torch.dtype) -> bool:
-    return _is_bits(dtype_name(dtype))
+    return dtype in _refused_dtypes() or _is_bits(dtype_name(dtype))
 
 
 def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
