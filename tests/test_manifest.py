@@ -619,3 +619,56 @@ def test_block_hasher_detects_a_flipped_byte():
     h.update(memoryview(bytes(data)))
     got = h.finish()
     assert got[0] == good[0] and got[1] == good[1] and got[2] != good[2]
+
+
+_ODD_VALUES = [None, True, False, 0, 1, -1, 2, 3, 12, 48, 2**62, 1.0, "x", "0" * 16, "float32",
+               "torch", [], [0], [1], [True], [-1], [0, 0], [4, 3], [2, 3], [0, 48], [48, 0],
+               ["0" * 16], ["0" * 15], [[]], {}, {"a": 1}]
+
+
+def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> None:
+    """The one-pass parser agrees with the checked one: same entry, or it declines."""
+    from asyncckpt.manifest import _Check, _parse_tensor_checked, _parse_whole_tensor
+
+    try:
+        fast = _parse_whole_tensor(t, files, block_bytes)  # type: ignore[arg-type]
+    except Exception as exc:  # it must decline, never raise
+        raise AssertionError(f"fast path raised {exc!r} on {t!r}") from exc
+    if fast is None:
+        return
+    slow = _parse_tensor_checked(_Check(PATH), "k", t, files, block_bytes,  # type: ignore[arg-type]
+                                 False)
+    assert fast == slow, t
+
+
+def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
+    doc = good_doc()
+    files = parse_doc(doc).files
+    whole = doc["tensors"]["big"]  # one chunk that is the whole tensor, two blocks
+    _fast_vs_checked(whole, files, BLOCK)
+    assert _parse_whole(whole, files) is not None  # the fast path does take valid entries
+    fields = [("dtype",), ("shape",), ("kind",), ("chunks",)] + [
+        ("chunks", 0, f) for f in ("file", "key", "offsets", "lengths", "byte_range",
+                                   "checksums")]
+    n = 0
+    for path in fields:
+        for value in [*_ODD_VALUES, "__delete__"]:
+            t = copy.deepcopy(whole)
+            parent = t
+            for p in path[:-1]:
+                parent = parent[p]
+            if value == "__delete__":
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+            _fast_vs_checked(t, files, BLOCK)
+            n += 1
+    for name in ("step_arr", "empty", "model/w"):  # 0-d, empty and two-chunk tensors
+        _fast_vs_checked(doc["tensors"][name], files, BLOCK)
+    assert n > 300
+
+
+def _parse_whole(t: dict, files: dict):
+    from asyncckpt.manifest import _parse_whole_tensor
+
+    return _parse_whole_tensor(t, files, BLOCK)

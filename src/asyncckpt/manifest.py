@@ -382,8 +382,63 @@ _STORABLE_DTYPES: dict[str, torch.dtype] = {
     if isinstance(d, torch.dtype) and not _is_bits(dtype_name(d))}
 
 
+def _nonneg_ints(v: Any) -> bool:
+    return type(v) is list and len(v) <= 64 and all(type(x) is int and x >= 0 for x in v)
+
+
+def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_bytes: int
+                        ) -> TensorEntry | None:
+    """The common entry, one chunk that is the whole tensor, checked in one pass.
+
+    Returns None for anything else (or anything wrong): the full parser then takes it
+    and names the problem. Accepts exactly what the full parser accepts.
+    """
+    name = t.get("dtype")
+    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
+    shape = t.get("shape")
+    chunks = t.get("chunks")
+    if (dtype is None or not _nonneg_ints(shape) or type(chunks) is not list
+            or len(chunks) != 1 or type(t.get("kind")) is not str or t["kind"] not in _KINDS):
+        return None
+    ch = chunks[0]
+    if type(ch) is not dict:
+        return None
+    file: Any = ch.get("file")
+    ckey: Any = ch.get("key")
+    offsets: Any = ch.get("offsets")
+    lengths: Any = ch.get("lengths")
+    br: Any = ch.get("byte_range")
+    sums: Any = ch.get("checksums")
+    entry = files.get(file) if type(file) is str else None
+    if (entry is None or type(ckey) is not str or lengths != shape or not _nonneg_ints(lengths)
+            or not _nonneg_ints(offsets) or len(offsets) != len(shape) or any(offsets)
+            or not _nonneg_ints(br) or len(br) != 2 or type(sums) is not list):
+        return None
+    nbytes = math.prod(shape) * dtype.itemsize
+    if (any(d >= _MAX_DIM for d in shape) or nbytes >= _MAX_DIM or br[0] > br[1]
+            or br[1] > entry.bytes or br[1] - br[0] != nbytes
+            or len(sums) != max(1, -(-nbytes // block_bytes))
+            or not all(type(s) is str and len(s) == 16 for s in sums)):
+        return None
+    dims = tuple(shape)
+    return TensorEntry(dtype, dims, t["kind"], (Chunk(file, ckey, tuple(offsets), dims,
+                                                      (br[0], br[1]), tuple(sums)),))
+
+
+_KINDS = frozenset(("torch", "numpy", "numpy_scalar"))
+
+
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
                   block_bytes: int, partial: bool) -> TensorEntry:
+    fast = _parse_whole_tensor(t, files, block_bytes)
+    if fast is not None:
+        return fast
+    return _parse_tensor_checked(c, key, t, files, block_bytes, partial)
+
+
+def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
+                          block_bytes: int, partial: bool) -> TensorEntry:
+    """Every check one by one, so that the error names the first problem."""
     name = t.get("dtype")
     dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
     if dtype is None:

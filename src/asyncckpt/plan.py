@@ -160,6 +160,12 @@ def plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[Rea
     items: list[ReadItem] = []
     for key, box in wanted.items():
         entry = manifest.tensors[key]
+        chunks = entry.chunks
+        if box is None and len(chunks) == 1 and chunks[0].lengths == entry.shape:
+            # The common case: one chunk holds the whole tensor (so its offsets are 0).
+            whole = (chunks[0].offsets, entry.shape)
+            items.append(ReadItem(key, chunks[0], whole, whole))
+            continue
         dst: Box = box if box is not None else (tuple(0 for _ in entry.shape), entry.shape)
         for chunk in entry.chunks:
             inter = intersect((chunk.offsets, chunk.lengths), dst)

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,11 +103,30 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     if n == 1:
         _read_group(step_dir, manifest, groups[0], out, storage, verify)
     else:
-        with cf.ThreadPoolExecutor(n, thread_name_prefix="asyncckpt-read") as ex:
-            for f in [ex.submit(_read_group, step_dir, manifest, g, out, storage, verify)
-                      for g in groups]:
-                f.result()
+        # The other groups go to kept reader threads; this thread reads the first one.
+        pool = _read_pool(n - 1)
+        futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify)
+                   for g in groups[1:]]
+        try:
+            _read_group(step_dir, manifest, groups[0], out, storage, verify)
+        finally:
+            cf.wait(futures)  # never leave a thread writing into tensors we return
+        for f in futures:
+            f.result()
     return out
+
+
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _read_pool(n: int) -> cf.ThreadPoolExecutor:
+    """Reader threads kept for the process's later loads (starting them costs ~5 ms)."""
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = cf.ThreadPoolExecutor(n, thread_name_prefix="asyncckpt-read")
+        return pool
 
 
 def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]]) -> None:
