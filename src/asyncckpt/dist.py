@@ -246,16 +246,15 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     Raises UnsupportedLeafError for placements that are not a plain box (Partial,
     strided shards) — reduce or redistribute those first.
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from .errors import UnsupportedLeafError
-
-    assert isinstance(t, DTensor)
-    mesh, placements = t.device_mesh, tuple(t.placements)
-    spec = (tuple(t.shape), placements, id(mesh))
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    spec = (t.shape, placements, id(mesh))
     hit = _boxes.get(spec)
     if hit is None or hit[0] is not mesh:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        from .errors import UnsupportedLeafError
+
         for p in placements:
             if type(p) not in (Shard, Replicate):
                 raise UnsupportedLeafError(
@@ -270,12 +269,14 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     # to_local() goes through autograd (~7 us a tensor, every save); the attribute does not.
     local = getattr(t, "_local_tensor", None)
     if not isinstance(local, torch.Tensor):
-        local = t.to_local()
-    if tuple(shape) != tuple(local.shape):
+        local = t.to_local()  # type: ignore[attr-defined]
+    if shape != local.shape:
+        from .errors import UnsupportedLeafError
+
         raise UnsupportedLeafError(
             f"DTensor at {where!r}: local shard shape {list(local.shape)} does not match its "
             f"placements ({list(shape)})")
-    return local, tuple(t.shape), (tuple(offsets), tuple(shape))
+    return local, tuple(t.shape), (offsets, shape)
 
 
 # --- what each rank wrote, and the merged manifest --------------------------------------------

@@ -242,9 +242,7 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
             or t.layout is not torch.strided):
         _check_unusual_tensor(t, path)
         if _is_dtensor(t):
-            from .dist import dtensor_box
-
-            t, global_shape, local_box = dtensor_box(t, path or "<root>")
+            t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
             box = (global_shape, local_box)
     if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
@@ -289,7 +287,7 @@ def _refused_dtypes() -> frozenset[torch.dtype]:
 
 
 def _refused_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _refused_dtypes() or _is_bits(dtype_name(dtype))
+    return dtype in _refused_dtypes()
 
 
 def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
@@ -300,6 +298,13 @@ def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
     if t.is_quantized or _refused_dtype(t.dtype):
         raise UnsupportedLeafError(
             f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
+
+
+@functools.cache
+def _dtensor_box() -> Any:
+    from .dist import dtensor_box  # dist imports torch.distributed: only when DTensors appear
+
+    return dtensor_box
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
