@@ -224,8 +224,8 @@ class LoadProbe:
                 raise RuntimeError(f"{who}: loading did not restore {name} in place")
 
 
-def run_method(method: Method, state: State, repeats: int, *, first_save: bool,
-               sampler: LimitSampler | None = None) -> MethodResult:
+def run_method(method: Method, state: State, repeats: int, *, first_save: bool
+               ) -> MethodResult:
     """Save ``repeats`` times (after one reported-apart first save when ``first_save``);
     after each save load cold, then hot, then delete the checkpoint."""
     res = MethodResult(method.name)
@@ -238,8 +238,6 @@ def run_method(method: Method, state: State, repeats: int, *, first_save: bool,
         _remove(t.path)
         step += 1
     for r in range(repeats):
-        if sampler is not None:
-            sampler.sample()
         t = method.save(step)
         step += 1
         res.blocked_s.append(t.blocked_s)
@@ -527,34 +525,6 @@ def copy_candidates(views: list[torch.Tensor], tensors: list[torch.Tensor]
     return out
 
 
-class LimitSampler:
-    """Measures the copy and write limits again beside each save, under the same noise.
-
-    On a shared VM the copy limit swings by 2x within minutes; a limit sampled once,
-    minutes before, says little about the conditions a save ran under. The verdicts
-    pool these samples with the limits section's.
-    """
-
-    def __init__(self, ctx: Context, copy_method: str):
-        tensors = [t for _, t in named_tensors(ctx.state)]
-        self.buf = lim.AlignedBuffer(lim.packed_nbytes(tensors))
-        self.views = self.buf.views_like(tensors)
-        self.copy_fn = copy_candidates(self.views, tensors)[copy_method]
-        self.path = ctx.work / "limit-sample.bin"
-        self.nbytes = ctx.nbytes
-        self.copy_s: list[float] = []
-        self.write_s: list[float] = []
-
-    def sample(self) -> None:
-        self.copy_s.append(self.copy_fn())
-        self.write_s.append(lim.odirect_write(self.path, self.buf.memoryview(), self.nbytes)[0])
-        self.path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        del self.views
-        self.buf.close()
-
-
 def drop_methods_report(path: Path, mv: memoryview) -> dict[str, Any]:
     """Try both ways to drop a (fully cached) file's pages; report residency before/after."""
     report: dict[str, Any] = {}
@@ -569,28 +539,18 @@ def drop_methods_report(path: Path, mv: memoryview) -> dict[str, Any]:
     return report
 
 
-def run_asyncckpt(ctx: Context, limits: dict[str, Any] | None
-                  ) -> tuple[dict[str, MethodResult], dict[str, list[float]]]:
-    """Every mode; with the limits section run, the limits are sampled beside each save."""
+def run_asyncckpt(ctx: Context) -> dict[str, MethodResult]:
     out = {}
-    sampler = LimitSampler(ctx, limits["copy_method"]) if limits else None
-    try:
-        for label, mode, overlap in ASYNCCKPT_MODES:
-            root = ctx.work / label.replace(" ", "_")
-            m = AsyncckptMethod(label, root, ctx.state, mode, overlap)
-            try:
-                out[label] = run_method(m, ctx.state, ctx.repeats, first_save=True,
-                                        sampler=sampler)
-            finally:
-                m.close()
-            shutil.rmtree(root, ignore_errors=True)
-            free_memory()
-    finally:
-        samples = {"copy_s": sampler.copy_s, "odirect_write_s": sampler.write_s} if sampler else {}
-        if sampler is not None:
-            sampler.close()
+    for label, mode, overlap in ASYNCCKPT_MODES:
+        root = ctx.work / label.replace(" ", "_")
+        m = AsyncckptMethod(label, root, ctx.state, mode, overlap)
+        try:
+            out[label] = run_method(m, ctx.state, ctx.repeats, first_save=True)
+        finally:
+            m.close()
+        shutil.rmtree(root, ignore_errors=True)
         free_memory()
-    return out, samples
+    return out
 
 
 def run_anchor(ctx: Context, make: Callable[[Path], Method], first_save: bool
@@ -698,24 +658,11 @@ class Target:
         return "n/a" if self.ok is None else ("PASS" if self.ok else "MISS")
 
 
-def pooled_limits(res: dict[str, Any]) -> dict[str, float]:
-    """The limits' medians, the copy and write limits pooled with the samples taken
-    beside the saves."""
-    limits = res.get("limits")
-    if not limits:
-        return {}
-    out = dict(limits["median"])
-    samples = res.get("limit_samples") or {}
-    for key in ("copy_s", "odirect_write_s"):
-        if samples.get(key):
-            out[key] = median([*limits[key], *samples[key]])
-    return out
-
-
 def evaluate_targets(res: dict[str, Any], nbytes: int) -> list[Target]:
     methods: dict[str, MethodResult] = res.get("methods", {})
     mem = res.get("memory")
-    lm = pooled_limits(res)
+    limits = res.get("limits")
+    lm = limits["median"] if limits else {}
     copy_s = lm.get("copy_s", math.nan)
     write_s = lm.get("odirect_write_s", math.nan)
     read_s = lm.get("cold_read_s", math.nan)
@@ -795,8 +742,6 @@ def render(res: dict[str, Any]) -> str:
     if limits:
         lm = limits["median"]
         drops = limits.get("drop_methods", {})
-        pooled = pooled_limits(res)
-        samples = res.get("limit_samples") or {}
         rows = [
             *[[f"copy into a pre-touched buffer ({k})", fmt_s(median(v)),
                fmt_gbps(nbytes, median(v)),
@@ -819,21 +764,6 @@ def render(res: dict[str, Any]) -> str:
             ["hot sequential read (reference)", fmt_s(lm["hot_read_s"]),
              fmt_gbps(nbytes, lm["hot_read_s"]), "file in the page cache"],
         ]
-        if samples.get("copy_s"):
-            rows += [
-                [f"copy limit, sampled again before each asyncckpt save ({len(samples['copy_s'])}"
-                 f" samples: {min(samples['copy_s']) * 1e3:.0f}-"
-                 f"{max(samples['copy_s']) * 1e3:.0f} ms)", fmt_s(median(samples["copy_s"])),
-                 fmt_gbps(nbytes, median(samples["copy_s"])), ""],
-                [f"O_DIRECT write, sampled again before each asyncckpt save "
-                 f"({len(samples['odirect_write_s'])} samples)",
-                 fmt_s(median(samples["odirect_write_s"])),
-                 fmt_gbps(nbytes, median(samples["odirect_write_s"])), ""],
-                ["**copy limit used by the ratios** (median of all copy samples)",
-                 fmt_s(pooled["copy_s"]), fmt_gbps(nbytes, pooled["copy_s"]), ""],
-                ["**write limit used by the ratios** (median of all write samples)",
-                 fmt_s(pooled["odirect_write_s"]), fmt_gbps(nbytes, pooled["odirect_write_s"]),
-                 ""]]
         for how, d in drops.items():
             state = "refused: " + d["error"] if d["error"] else "permitted"
             rows.append([f"page-cache drop by {how}", "", "",
@@ -859,7 +789,7 @@ def render(res: dict[str, Any]) -> str:
         if notes:
             parts += [*notes, ""]
         if limits:
-            lm = pooled_limits(res)
+            lm = limits["median"]
             rows = []
             for m in methods.values():
                 rows.append([m.name, fmt_x(ratio(m.med("blocked_s"), lm["copy_s"])),
@@ -1045,8 +975,7 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "limits":
                 res["limits"] = run_limits(ctx)
             elif section == "asyncckpt":
-                ours, res["limit_samples"] = run_asyncckpt(ctx, res.get("limits"))
-                methods.update(ours)
+                methods.update(run_asyncckpt(ctx))
             elif section == "torch_save":
                 methods["torch.save"] = run_anchor(
                     ctx, lambda r: TorchSaveMethod(r, state), first_save=False)
