@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import commit
+from ._gc import gc_paused
 from .dist import DistContext, LocalItem, assign_writers, layout_digest, resolve_context
 from .errors import (
     CheckpointClosedError,
@@ -161,6 +162,15 @@ class AsyncCheckpointer:
             CheckpointExistsError: ``step`` is already committed.
             UnsupportedLeafError: the state holds a value that cannot be saved.
         """
+        # Flattening and the layout exchange make thousands of small objects; with a large
+        # state alive, the collections they set off took 0.2 s of a 0.5 s save (2 ranks).
+        with gc_paused():
+            return self._save_async(state, step, overlap=overlap, metadata=metadata,
+                                    shards=shards)
+
+    def _save_async(self, state: Any, step: int, *, overlap: bool,
+                    metadata: Mapping[str, str] | None,
+                    shards: Mapping[str, ShardMetadata] | None) -> CheckpointFuture:
         started = time.perf_counter()
         self._check_open()
         self._seq += 1  # counted on every rank alike: saves are collective
