@@ -82,6 +82,11 @@ class SaveJob:
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
 
+    @property
+    def tmp_path(self) -> Path:
+        """The temporary directory this save writes into (``tmp`` once it exists)."""
+        return self.root / commit.tmp_dir_name(self.step, self.token)
+
 
 class CheckpointFuture:
     """The handle of one save: poll it, wait for staging, or wait for durability.
@@ -173,6 +178,10 @@ class BackgroundWriter:
         try:
             return self._save(job, hashes)
         except BaseException as exc:
+            if hashes is not None:  # it may write into the temporary directory: let it end
+                job.progress.fail(RuntimeError("the save failed"))
+                with contextlib.suppress(BaseException):
+                    hashes.result()
             _abort(job, exc)
             if isinstance(exc, CheckpointError):
                 raise
@@ -182,7 +191,7 @@ class BackgroundWriter:
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
-        job.tmp = job.root / commit.tmp_dir_name(job.step, job.token)
+        job.tmp = job.tmp_path
         storage.makedirs(job.tmp)
         raw: bytes | None = None
         if hashes is not None:
@@ -202,7 +211,7 @@ class BackgroundWriter:
         if job.serve_to:
             _offer_arena(job, record)
         if not ctx.distributed:
-            final = self._commit(job, [record], raw)
+            final = self._commit(job, [record], manifest_written=raw is not None)
         elif ctx.is_coordinator:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
             job.announced = True
@@ -235,13 +244,13 @@ class BackgroundWriter:
                  info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
         return info
 
-    def _commit(self, job: SaveJob, records: list[dict[str, Any]], raw: bytes | None = None
-                ) -> Path:
-        """Write the manifest (``raw``, or merged from ``records``) and commit the step."""
+    def _commit(self, job: SaveJob, records: list[dict[str, Any]], *,
+                manifest_written: bool = False) -> Path:
+        """Write the manifest merged from ``records`` (unless the hash thread already
+        did) and commit the step."""
         assert job.tmp is not None
-        if raw is None:
-            raw = _manifest_bytes(job, records)
-        job.storage.write_bytes(job.tmp / MANIFEST_NAME, raw)
+        if not manifest_written:
+            job.storage.write_bytes(job.tmp / MANIFEST_NAME, _manifest_bytes(job, records))
         final = commit.commit(job.tmp, job.root, job.step, job.storage)
         job.tmp = None
         return final
@@ -299,7 +308,7 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
 
 
 # What the hash thread hands the writer: this rank's record and, for a single process,
-# the finished manifest's bytes.
+# the manifest's bytes, already written (and fsync'd) into the temporary directory.
 _Described = tuple[dict[str, Any], bytes | None]
 
 
@@ -308,7 +317,9 @@ def _describe(job: SaveJob) -> _Described:
 
     Runs on the hash thread once staging is over — hashing (~30 GB/s) would otherwise
     take a core from the copies the caller is waiting for — and still finishes long
-    before the write does, so building the manifest costs the save nothing.
+    before the write does, so building (one process: and writing) the manifest costs the
+    save nothing. The manifest lies in the temporary directory, which nothing reads
+    before the rename that commits it.
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv = job.arena.memoryview()
@@ -316,7 +327,11 @@ def _describe(job: SaveJob) -> _Described:
                  for item in job.plan.items}
     with _gc_paused():
         record = _record(job, checksums)
-    raw = None if job.ctx.distributed else _manifest_bytes(job, [record])
+    if job.ctx.distributed:
+        return record, None
+    raw = _manifest_bytes(job, [record])
+    job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
+    job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
     return record, raw
 
 
