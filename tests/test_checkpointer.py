@@ -489,3 +489,31 @@ def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None
         ckpt.save(state, step=2)
         assert ckpt._arena is arena
     assert tensors_equal(asyncckpt.load(tmp_path, step=2)["model"], state["model"].state_dict())
+
+
+class RecordingTransport:
+    """What a checkpointer asks of a transport it serves through."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.served: list[object] = []
+
+    def serve(self, served: object, *, allow: bool = True) -> None:
+        self.calls.append("serve")
+        self.served.append(served)
+
+    def disallow_checkpoint(self) -> None:
+        self.calls.append("disallow")
+
+
+def test_close_withdraws_the_arena_from_its_transports(tmp_path: Path) -> None:
+    transport = RecordingTransport()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")
+    ckpt.serve(transport)
+    ckpt.save({"w": torch.arange(10.0)}, step=1)
+    assert transport.calls[-1] == "serve"  # the staged arena was offered
+    ckpt.close()
+    assert transport.calls[-1] == "disallow"  # and withdrawn before the arena is released
+    n = len(transport.calls)
+    ckpt.close()
+    assert len(transport.calls) == n  # once

@@ -338,6 +338,9 @@ class AsyncCheckpointer:
                     self._pending.wait()
         finally:
             self._closed = True
+            with contextlib.suppress(Exception):  # peers must not read a released arena
+                self._stop_serving()
+            self._transports = []
             if self._writer is not None:
                 self._writer.shutdown()
                 self._writer = None
