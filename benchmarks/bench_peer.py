@@ -29,7 +29,8 @@ Measured, in one run:
                for parity;
 * profile   -- one instrumented in-place receive (default num_chunks): the server's
                checksum time (a timed manifest request), and per connection the bytes, the
-               8 MiB pieces and the time spent fetching and hashing them; and for every
+               range requests, the reads (one per tensor, or per 8 MiB piece of a larger
+               one) and the time spent fetching and hashing them; and for every
                transfer the CPU seconds both processes spent.
 
 Every receive zeroes a few target tensors first and checks them afterwards against the
@@ -543,7 +544,8 @@ def manifest_request(address: str, step: int, token: str, timeout_s: float) -> f
 
 def profiled(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     """Run ``fn`` (one receive) recording, per thread (= connection), the bytes, the
-    pieces and the seconds spent in HTTPStorage._fetch and in hashing."""
+    reads, the range requests and the seconds spent in HTTPStorage._fetch and in
+    hashing."""
     import asyncckpt.reader as reader
     from asyncckpt.transport import http as ahttp
 
@@ -553,10 +555,17 @@ def profiled(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     def rec() -> dict[str, float]:
         with lock:
             return recs.setdefault(threading.get_ident(), {
-                "bytes": 0, "pieces": 0, "fetch_s": 0.0, "hash_s": 0.0, "first": math.inf,
+                "bytes": 0, "pieces": 0, "requests": 0, "fetch_s": 0.0, "hash_s": 0.0,
+                "first": math.inf,
                 "last": 0.0})
 
     orig_fetch = ahttp.HTTPStorage._fetch
+    orig_request = ahttp.HTTPStorage._request
+
+    def request(self: Any, method: str, what: str, headers: dict[str, str]) -> Any:
+        if "Range" in headers:
+            rec()["requests"] += 1
+        return orig_request(self, method, what, headers)
     orig_hasher = reader.BlockHasher
 
     def fetch(self: Any, fd: int, views: Any, offset: int) -> int:
@@ -581,6 +590,7 @@ def profiled(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
             r["last"] = max(r["last"], t1)
 
     ahttp.HTTPStorage._fetch = fetch  # type: ignore[method-assign]
+    ahttp.HTTPStorage._request = request  # type: ignore[method-assign]
     reader.BlockHasher = TimedHasher  # type: ignore[misc]
     try:
         t0 = pc()
@@ -588,6 +598,7 @@ def profiled(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
         total = pc() - t0
     finally:
         ahttp.HTTPStorage._fetch = orig_fetch  # type: ignore[method-assign]
+        ahttp.HTTPStorage._request = orig_request  # type: ignore[method-assign]
         reader.BlockHasher = orig_hasher  # type: ignore[misc]
     conns = sorted(({**r, "span_s": r["last"] - r["first"]} for r in recs.values()
                     if r["pieces"]), key=lambda r: r["first"])
@@ -1059,22 +1070,25 @@ def render(res: dict[str, Any]) -> str:
     for key, prof in res.get("profiles", {}).items():
         rows = []
         for i, c in enumerate(prof["connections"]):
-            rows.append([str(i), f"{c['bytes'] / MiB:.0f} MiB", str(int(c["pieces"])),
+            rows.append([str(i), f"{c['bytes'] / MiB:.0f} MiB", str(int(c["requests"])),
+                         str(int(c["pieces"])),
                          fmt_s(c["fetch_s"]), bc.fmt_gbps(int(c["bytes"]), c["fetch_s"]),
                          fmt_s(c["hash_s"]), f"{fmt_s(c['first_s'])} → "
                          f"{fmt_s(c['first_s'] + c['span_s'])}",
-                         fmt_s(c["fetch_s"] / max(1, c["pieces"]))])
+                         fmt_s(c["fetch_s"] / max(1, c["requests"]))])
         pieces = sum(int(c["pieces"]) for c in prof["connections"])
+        requests = sum(int(c["requests"]) for c in prof["connections"])
         parts += [f"#### Profile of one in-place receive, num_chunks={DEFAULT_CHUNKS}: {key}", "",
                   f"Server checksums (the first manifest request after send_checkpoint): "
                   f"{fmt_s(prof['server_checksum_s'])} (a second request: "
                   f"{fmt_s(prof['manifest_again_s'])}); then the receive, manifest cached: "
                   f"{fmt_s(prof['recv_s'])} ({gbps(prof['recv_s'])} GB/s, "
-                  f"{fmt_x(ratio(limit, prof['recv_s']))} the limit) in {pieces} range requests "
-                  f"(one per tensor, or per 8 MiB piece of a larger one); CPU s/GB send / recv "
+                  f"{fmt_x(ratio(limit, prof['recv_s']))} the limit) in {requests} range "
+                  f"requests and {pieces} reads (one per tensor, or per 8 MiB piece of a larger "
+                  f"one); CPU s/GB send / recv "
                   f"{prof['send_cpu_s'] / (nbytes / GB):.2f} / "
                   f"{prof['recv_cpu_s'] / (nbytes / GB):.2f}.", "",
-                  bc.table(["connection", "bytes", "requests", "in _fetch",
+                  bc.table(["connection", "bytes", "requests", "reads", "in _fetch",
                             "GB/s while fetching", "hashing", "active (from the call)",
                             "per request"], rows), ""]
     parts += ["#### Targets (peer recovery)", "",

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import abc
 import bisect
+import concurrent.futures as cf
+import itertools
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .._gc import gc_paused
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, plan_writes
 from ..reader import read_manifest, tensor_bytes
@@ -30,6 +34,9 @@ from ..tree import dtype_name, flatten
 T = TypeVar("T")
 
 _PIECE = 8 * 1024 * 1024
+_GATHER = 1024 * 1024  # small pieces (a state's many small tensors) go out in one sendmsg
+_IOV_MAX = 512
+_HASH_THREADS = 4  # at most, for the checksums of live tensors
 
 __all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_directory",
            "serve_state"]
@@ -78,8 +85,50 @@ class FileSource(abc.ABC):
         for pos in range(offset, offset + n, _PIECE):
             yield self.read(pos, min(_PIECE, offset + n - pos))
 
+    def send(self, sock: socket.socket, offset: int, n: int) -> None:
+        """Send ``n`` bytes from ``offset`` on ``sock``, straight from where they are.
+
+        In pieces of at most 8 MiB: the socket's timeout bounds each ``sendall`` as a
+        whole, so a slow but live client is not cut off in the middle of a large range.
+        """
+        send_pieces(sock, self.pieces(offset, n))
+
     def close(self) -> None:  # noqa: B027 - an optional hook; most sources hold nothing
         """Release what the source holds."""
+
+
+def send_pieces(sock: socket.socket, pieces: Iterator[memoryview]) -> None:
+    """``sendall`` of each piece in turn; runs of small pieces are gathered into one
+    ``sendmsg`` (one system call, still no copy in user space)."""
+    batch: list[memoryview] = []
+    size = 0
+    for p in pieces:
+        if not len(p):
+            continue
+        if len(p) >= _GATHER and not batch:
+            sock.sendall(p)
+            continue
+        batch.append(p)
+        size += len(p)
+        if size >= _GATHER or len(batch) >= _IOV_MAX:
+            _sendmsg_all(sock, batch)
+            batch, size = [], 0
+    if batch:
+        _sendmsg_all(sock, batch)
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    while len(bufs) > 1:
+        sent = sock.sendmsg(bufs)
+        k = 0
+        while k < len(bufs) and sent >= len(bufs[k]):
+            sent -= len(bufs[k])
+            k += 1
+        bufs = bufs[k:]
+        if sent:
+            bufs[0] = bufs[0][sent:]
+    if bufs:
+        sock.sendall(bufs[0])
 
 
 class BufferSource(FileSource):
@@ -94,17 +143,25 @@ class BufferSource(FileSource):
 
 
 class DiskSource(FileSource):
-    """A committed shard file, read with pread."""
+    """A committed shard file, read with pread and sent with sendfile (from the page
+    cache to the socket, never through user space)."""
 
     def __init__(self, path: Path):
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.size = os.fstat(self._fd).st_size
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.size = os.fstat(self._file.fileno()).st_size
 
     def read(self, offset: int, n: int) -> memoryview:
-        return memoryview(os.pread(self._fd, n, offset))
+        return memoryview(os.pread(self._file.fileno(), n, offset))
+
+    def send(self, sock: socket.socket, offset: int, n: int) -> None:
+        # (socket.sendfile ends with a seek of the shared file: harmless, every read here
+        # names its offset.) A file shorter than its size sends less: the client notices.
+        sent = sock.sendfile(self._file, offset, n)
+        if sent != n:
+            raise EOFError(f"{self._file.name} ended {n - sent} bytes early")
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._file.close()
 
 
 class LiveSource(FileSource):
@@ -184,29 +241,58 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     """Serve live tensors: nothing is copied up front; checksums are computed on the
     first manifest request (off the training thread)."""
     from ..dist import make_record, merge_records
-    from ..writer import _gc_paused
 
-    with _gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
+    with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = plan_writes(flat.tensors, "rank_00000.safetensors", {"asyncckpt_format": "1"})
     source = LiveSource(plan, dict(flat.tensors))
     lock = threading.Lock()
     cache: list[bytes] = []
 
+    def checksums() -> list[tuple[str, ...]]:
+        """Every item's block checksums, on up to _HASH_THREADS threads (xxhash releases
+        the GIL): a recovering peer waits for them before its transfer starts."""
+        items = plan.items
+        total = sum(it.end - it.offset for it in items) or 1
+        n = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(items)))
+        cuts = [0]
+        acc = 0
+        for i, it in enumerate(items):  # n runs of about equal bytes
+            acc += it.end - it.offset
+            if len(cuts) < n and acc * n >= total * len(cuts):
+                cuts.append(i + 1)
+        cuts.append(len(items))
+
+        def run(lo: int, hi: int) -> list[tuple[str, ...]]:
+            return [tuple(block_checksums(source.tensor_view(it.key), block_bytes))
+                    for it in items[lo:hi]]
+
+        spans = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+        if len(spans) <= 1:
+            return run(0, len(items))
+        with cf.ThreadPoolExecutor(len(spans) - 1, thread_name_prefix="asyncckpt-hash") as ex:
+            rest = [ex.submit(run, a, b) for a, b in spans[1:]]
+            out = run(*spans[0])
+            for f in rest:
+                out += f.result()
+        return out
+
     def manifest() -> bytes:
         with lock:
             if not cache:
-                items = []
-                for it in plan.items:
-                    sums = tuple(block_checksums(source.tensor_view(it.key), block_bytes))
-                    box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
-                    items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
-                                  flat.kinds[it.key], box, (it.offset, it.end), sums))
-                record = make_record(0, plan.file if plan.items else None, plan.file_bytes,
-                                     plan.header, items, flat.skeleton)
-                cache.append(merge_records([record], step=step, library_version=library_version,
-                                           block_bytes=block_bytes, user_metadata={},
-                                           created_unix=0.0, partial=True).to_json())
+                sums = checksums()
+                with gc_paused():
+                    items = []
+                    for it, s in zip(plan.items, sums, strict=True):
+                        box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
+                        items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
+                                      flat.kinds[it.key], box, (it.offset, it.end), s))
+                    record = make_record(0, plan.file if plan.items else None,
+                                         plan.file_bytes, plan.header, items, flat.skeleton)
+                    cache.append(merge_records(
+                        [record], step=step, library_version=library_version,
+                        block_bytes=block_bytes, user_metadata={}, created_unix=0.0,
+                        partial=True).to_json())
             return cache[0]
 
     return Served(step, manifest, {plan.file: source})

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from ..errors import (
     CheckpointConfigError,
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
@@ -43,8 +44,11 @@ log = logging.getLogger(__name__)
 _PATH = re.compile(r"/v1/(\d{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
 _RANGE = re.compile(r"bytes=(\d{1,18})-(\d{1,18})")
-_PIECE = 8 * 1024 * 1024
-_READAHEAD = 8 * 1024 * 1024
+_MiB = 1024 * 1024
+_STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts reading
+_STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
+_SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
+_MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than halved again
 _NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
 
 
@@ -397,14 +401,33 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{source.size}")
             self.end_headers()
             if send_body:
-                for piece in source.pieces(lo, hi - lo):
-                    self.wfile.write(piece)
+                source.send(self.connection, lo, hi - lo)
         finally:
             tr._release()
 
 
 class _RangeTooLarge(Exception):
     """The server answered 413: the range is above its max_range_bytes."""
+
+
+class _Stream:
+    """A range response a client thread reads on: bytes [pos, end) of file ``name`` are
+    still to come."""
+
+    __slots__ = ("ahead", "end", "name", "pos", "resp")
+
+    def __init__(self, name: str, pos: int, end: int, resp: http.client.HTTPResponse,
+                 ahead: int):
+        self.name, self.pos, self.end, self.resp, self.ahead = name, pos, end, resp, ahead
+
+
+def _discard(resp: http.client.HTTPResponse, n: int) -> None:
+    """Read ``n`` bytes of ``resp`` and drop them."""
+    while n > 0:
+        got = len(resp.read(min(n, _MiB)))
+        if not got:
+            raise http.client.IncompleteRead(b"", n)
+        n -= got
 
 
 class HTTPStorage:
@@ -423,18 +446,22 @@ class HTTPStorage:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._local = threading.local()
         self._names: list[str] = []
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[str, int] = {}  # by file name: a file is opened more than once
         self._conns: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        self._max_range = 1 << 62  # lowered when the server answers 413
 
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if c is None or fresh:
-            if c is not None:
-                c.close()
+            old = c
             c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
             self._local.conn = c
             with self._lock:
+                if old is not None:
+                    old.close()
+                    with contextlib.suppress(ValueError):
+                        self._conns.remove(old)
                 self._conns.append(c)
         return c
 
@@ -456,6 +483,7 @@ class HTTPStorage:
     def _request(self, method: str, what: str, headers: dict[str, str]
                  ) -> http.client.HTTPResponse:
         """Send one request, retrying on connection failures; raise on refusals."""
+        self._drop_stream()  # the connection must be done with any earlier response
         deadline = time.monotonic() + self.timeout_s
         last: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -515,73 +543,117 @@ class HTTPStorage:
         pass
 
     def file_size(self, fd: int) -> int:
-        if fd not in self._sizes:
-            resp = self._request("HEAD", f"files/{self._names[fd]}", {})
+        name = self._names[fd]
+        size = self._sizes.get(name)
+        if size is None:
+            resp = self._request("HEAD", f"files/{name}", {})
             resp.read()
-            self._sizes[fd] = int(resp.getheader("Content-Length") or 0)
-        return self._sizes[fd]
+            size = self._sizes[name] = int(resp.getheader("Content-Length") or 0)
+        return size
 
     def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
-        # Small reads (a state's many small tensors, headers) are served from a per-thread
-        # read-ahead window: one request per window, not per tensor.
-        if len(views) == 1 and 0 < len(views[0]) < _READAHEAD:
-            (v,) = views
-            win = getattr(self._local, "window", None)
-            if not (win and win[0] == fd and win[1] <= offset
-                    and offset + len(v) <= win[1] + len(win[2])):
-                size = self.file_size(fd)
-                n = max(len(v), min(_READAHEAD, size - offset))
-                buf = memoryview(bytearray(n))
-                self._read_direct(fd, [buf], offset)
-                win = self._local.window = (fd, offset, buf)
-            start = offset - win[1]
-            v[:] = win[2][start:start + len(v)]
-            return len(v)
-        return self._read_direct(fd, views, offset)
+        """Read into ``views`` from ``offset``: straight from the socket into their memory.
 
-    def _read_direct(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
-        if len(views) != 1:
-            got = 0
-            for v in views:
-                got += self._read_direct(fd, [v], offset + got)
-            return got
-        try:
-            return self._fetch(fd, views, offset)
-        except _RangeTooLarge:
-            # The server bounds its ranges below our piece size: ask for halves.
-            (v,) = views
-            if len(v) <= 64 * 1024:
-                raise CheckpointTransportError(
-                    f"{self.host}:{self.port} refuses even {len(v)}-byte ranges") from None
-            half = len(v) // 2
-            return (self._read_direct(fd, [v[:half]], offset)
-                    + self._read_direct(fd, [v[half:]], offset + half))
-
-    def _fetch(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        Each thread reads from one open range response (a stream) as long as its reads go
+        on sequentially, which is how the loader reads: no request per tensor, and no
+        read-ahead buffer to copy out of. A broken stream is retried on a fresh connection.
+        """
         total = sum(len(v) for v in views)
         if total == 0:
             return 0
-        what = f"files/{self._names[fd]}"
         for attempt in range(self.retries + 1):
-            resp = self._request("GET", what, {"Range": f"bytes={offset}-{offset + total - 1}"})
             try:
-                got = 0
-                for v in views:
-                    pos = 0
-                    while pos < len(v):
-                        n = resp.readinto(v[pos:])
-                        if not n:
-                            raise http.client.IncompleteRead(b"", len(v) - pos)
-                        pos += n
-                    got += pos
-                return got
+                return self._fetch(fd, views, offset)
+            except CheckpointError:
+                self._drop_stream()
+                raise
             except (OSError, http.client.HTTPException) as exc:
-                self._conn(fresh=True)
+                self._drop_stream(keep=False)
                 if attempt == self.retries:
                     raise CheckpointTransportError(
-                        f"the peer {self.host}:{self.port} broke off {what} at byte {offset}: "
-                        f"{exc}") from exc
+                        f"the peer {self.host}:{self.port} broke off files/{self._names[fd]} "
+                        f"at byte {offset}: {exc}") from exc
         raise AssertionError("unreachable")
+
+    def _fetch(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
+        end = offset + sum(len(v) for v in views)
+        pos = offset
+        for v in views:
+            done = 0
+            while done < len(v):
+                st = self._stream_at(fd, pos, end - pos)
+                k = min(len(v) - done, st.end - st.pos)
+                part = v[done:done + k]
+                got = 0
+                while got < k:
+                    n = st.resp.readinto(part[got:])
+                    if not n:
+                        raise http.client.IncompleteRead(b"", k - got)
+                    got += n
+                st.pos += k
+                done += k
+                pos += k
+        return end - offset
+
+    def _stream_at(self, fd: int, pos: int, need: int) -> _Stream:
+        """This thread's stream, positioned at ``pos`` of file ``fd``; a new range request
+        when there is none there. Ranges grow while a thread reads on from where its last
+        one ended (as TCP's slow start does), so a sequential reader makes few requests and
+        one that jumps around asks for little it will not read."""
+        st: _Stream | None = getattr(self._local, "stream", None)
+        name = self._names[fd]
+        if st is not None and st.name == name and st.pos <= pos < st.end \
+                and pos - st.pos <= _SKIP:
+            if pos > st.pos:  # a small gap (alignment, a tensor not wanted): read past it
+                _discard(st.resp, pos - st.pos)
+                st.pos = pos
+            return st
+        ahead = _STREAM_FIRST
+        if st is not None:
+            if st.name == name and st.pos == st.end == pos:
+                ahead = min(2 * st.ahead, _STREAM_MAX)
+            self._drop_stream()
+        size = self.file_size(fd)
+        what = f"files/{name}"
+        while True:
+            n = max(1, min(max(need, ahead), size - pos, self._max_range))
+            try:
+                resp = self._request("GET", what, {"Range": f"bytes={pos}-{pos + n - 1}"})
+            except _RangeTooLarge:
+                # The server bounds its ranges below what we asked for: ask for halves.
+                if n <= _MIN_RANGE:
+                    raise CheckpointTransportError(
+                        f"{self.host}:{self.port} refuses even {n}-byte ranges") from None
+                with self._lock:
+                    self._max_range = min(self._max_range, max(_MIN_RANGE, n // 2))
+                continue
+            got = resp.getheader("Content-Range") or ""
+            if resp.length != n or not got.startswith(f"bytes {pos}-{pos + n - 1}/"):
+                resp.close()
+                self._conn(fresh=True)
+                raise CheckpointTransportError(
+                    f"{self.host}:{self.port} answered {resp.length} bytes ({got!r}) for the "
+                    f"range {pos}-{pos + n - 1} of {what}")
+            st = self._local.stream = _Stream(name, pos, pos + n, resp, ahead)
+            return st
+
+    def _drop_stream(self, keep: bool = True) -> None:
+        """Forget this thread's stream. With ``keep``, a stream with a few bytes left is
+        read to its end so that its connection can be reused; otherwise it is closed."""
+        st: _Stream | None = getattr(self._local, "stream", None)
+        if st is None:
+            return
+        self._local.stream = None
+        left = st.end - st.pos
+        if left == 0:
+            return
+        if keep and left <= _SKIP:
+            try:
+                _discard(st.resp, left)
+                return
+            except (OSError, http.client.HTTPException):
+                pass
+        self._conn(fresh=True)
 
     def close_all(self) -> None:
         with self._lock:
