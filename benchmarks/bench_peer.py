@@ -263,11 +263,6 @@ def server_main(spec_path: str) -> None:
                 elif op == "raw_prepare":
                     if ring is None:
                         ring = lim.AlignedBuffer(cmd["ring_bytes"])
-                elif op == "nodelay":
-                    # diagnostic only: TCP_NODELAY on the server's connections
-                    from asyncckpt.transport import http as ahttp
-
-                    ahttp._Handler.disable_nagle_algorithm = bool(cmd["on"])
                 elif op == "raw_done":
                     if ring is not None:
                         ring.close()
@@ -769,14 +764,6 @@ class Session:
 
             self.profile("the library as is")
             self.arena()
-            label = f"in place, num_chunks={d}, server with TCP_NODELAY"
-            self.peer.call("nodelay", self.timeout_s, on=True)
-            try:
-                self.measure(label, {"kind": "diagnostic", "chunks": d},
-                             self.in_place(d, label))
-                self.profile("diagnostic: server patched with TCP_NODELAY")
-            finally:
-                self.peer.call("nodelay", self.timeout_s, on=False)
             self.res["torchft"].update(self.torchft())
             self.optional()
         finally:
@@ -1017,8 +1004,6 @@ def render(res: dict[str, Any]) -> str:
         b = median(m["blocked_s"])
         r = ratio(limit, t)
         name = label if label.startswith(("torchft", "asyncckpt.")) else f"asyncckpt {label}"
-        if m["kind"] == "diagnostic":
-            name = f"diagnostic: {name} (patched in the serving process; not the library as is)"
         if "runs_note" in m:
             name += f" [{m['runs_note']}]"
         if label.startswith("torchft"):
