@@ -31,6 +31,7 @@ from .manifest import (
     BlockHasher,
     Chunk,
     Manifest,
+    block_checksums,
     decode_header,
     parse_manifest,
     st_dtype_and_shape,
@@ -41,6 +42,8 @@ from .storage import ReadStorage
 log = logging.getLogger(__name__)
 
 _PIECE = 8 * 1024 * 1024
+_MAX_IOV = 1024  # Linux's IOV_MAX
+_MAX_GAP = 1 << 20  # padding read into scratch rather than starting a new read
 
 
 def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
@@ -160,15 +163,77 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool) -> None:
     fds: dict[str, int] = {}
     try:
-        for it in items:
+        i = 0
+        while i < len(items):
+            it = items[i]
             fd = fds.get(it.chunk.file)
             if fd is None:  # checked by load_tensors already: just open it
                 fd = fds[it.chunk.file] = _open(step_dir / it.chunk.file, storage)
-            _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
-                       manifest.block_bytes)
+            j = _batch_end(items, i, out)
+            if j - i > 1:
+                _read_batch(fd, step_dir / it.chunk.file, items[i:j], out, storage, verify,
+                            manifest.block_bytes)
+            else:
+                _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
+                           manifest.block_bytes)
+            i = max(j, i + 1)
     finally:
         for fd in fds.values():
             storage.close(fd)
+
+
+def _direct(it: ReadItem, dst: torch.Tensor) -> bool:
+    """The saved chunk is the whole destination, which can take the bytes as they are."""
+    return (it.whole_chunk and it.whole_dst and dst.device.type == "cpu"
+            and dst.is_contiguous())
+
+
+def _batch_end(items: list[ReadItem], i: int, out: Mapping[str, torch.Tensor]) -> int:
+    """The end of the run of small direct items from ``i`` on that lie back to back (up
+    to small gaps) in one file: one vectored read of at most _PIECE bytes fills them."""
+    first = items[i]
+    if first.chunk.nbytes >= _PIECE or not _direct(first, out[first.key]):
+        return i + 1
+    end = first.chunk.byte_range[1]
+    size = first.chunk.nbytes
+    j = i + 1
+    while j < len(items) and j - i < _MAX_IOV // 2:
+        it = items[j]
+        ch = it.chunk
+        gap = ch.byte_range[0] - end
+        if (ch.file != first.chunk.file or not 0 <= gap <= _MAX_GAP
+                or size + gap + ch.nbytes > _PIECE or not _direct(it, out[it.key])):
+            break
+        end = ch.byte_range[1]
+        size += gap + ch.nbytes
+        j += 1
+    return j
+
+
+def _read_batch(fd: int, path: Path, items: list[ReadItem], out: Mapping[str, torch.Tensor],
+                storage: ReadStorage, verify: bool, block_bytes: int) -> None:
+    """Read a run of whole chunks straight into their tensors with one vectored read."""
+    views: list[memoryview] = []
+    dsts: list[memoryview] = []
+    pos = items[0].chunk.byte_range[0]
+    for it in items:
+        gap = it.chunk.byte_range[0] - pos
+        if gap:
+            views.append(memoryview(bytearray(gap)))  # alignment padding between tensors
+        mv = tensor_bytes(out[it.key])
+        views.append(mv)
+        dsts.append(mv)
+        pos = it.chunk.byte_range[1]
+    start = items[0].chunk.byte_range[0]
+    if storage.pread_into(fd, views, start) != pos - start:
+        # A short read (the end of a truncated file, or a signal): item by item, which
+        # names the tensor that is missing.
+        for it in items:
+            _read_item(fd, path, it, out[it.key], storage, verify, block_bytes)
+        return
+    if verify:
+        for it, mv in zip(items, dsts, strict=True):
+            _check_sums(path, it.key, it.chunk, 0, block_checksums(mv, block_bytes), block_bytes)
 
 
 def _open(path: Path, storage: ReadStorage) -> int:
@@ -203,7 +268,7 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
                verify: bool, block_bytes: int) -> None:
     chunk = it.chunk
-    if (it.whole_chunk and it.whole_dst and dst.device.type == "cpu" and dst.is_contiguous()):
+    if _direct(it, dst):
         # The common case: the saved chunk is the whole destination. Read straight into it.
         _read_range(fd, storage, path, it.key, tensor_bytes(dst), chunk, 0, verify, block_bytes)
         return
@@ -245,7 +310,12 @@ def _read_range(fd: int, storage: ReadStorage, path: Path, key: str, mv: memoryv
         pos += got
     if hasher is None:
         return
-    got_sums = tuple(hasher.finish())
+    _check_sums(path, key, chunk, first_block, hasher.finish(), block_bytes)
+
+
+def _check_sums(path: Path, key: str, chunk: Chunk, first_block: int, sums: list[str],
+                block_bytes: int) -> None:
+    got_sums = tuple(sums)
     want = chunk.checksums[first_block:first_block + len(got_sums)]
     if got_sums != want:
         bad = first_block + next(
