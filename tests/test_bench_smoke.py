@@ -46,6 +46,11 @@ def test_quick_run_measures_every_section(tmp_path: Path, capsys: pytest.Capture
     for name, m in methods.items():
         for key in ("blocked_s", "staged_s", "durable_s", "load_cold_s", "load_hot_s"):
             assert _positive(m["median"][key]), (name, key)
+        # every save had the limits measured beside it, and the ratios follow from them
+        for key in ("paired_copy_s", "paired_write_s", "paired_read_s"):
+            assert len(m[key]) == len(m["blocked_s"]) and all(map(_positive, m[key])), key
+        assert m["paired_ratio"]["durable_write"] == pytest.approx(
+            m["durable_s"][0] / m["paired_write_s"][0])
 
     mem = res["memory"]
     assert _positive(mem["max_extra"]) and _positive(mem["first_blocked_s"])
