@@ -183,29 +183,6 @@ def sequential_read(path: Path, buf: memoryview) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-def sequential_read_files(paths: Sequence[Path], buf: memoryview) -> tuple[float, int]:
-    """Read each file in turn in 8 MiB pieces, like :func:`sequential_read`; a file larger
-    than ``buf`` wraps around to its start. Returns (seconds, bytes)."""
-    t0 = time.perf_counter()
-    total = 0
-    cap = len(buf) // PIECE_BYTES * PIECE_BYTES or len(buf)
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            pos = 0
-            while pos < size:
-                at = pos % cap
-                n = os.preadv(fd, [buf[at:at + min(PIECE_BYTES, size - pos, cap - at)]], pos)
-                if n <= 0:
-                    break
-                pos += n
-            total += pos
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0, total
-
-
 def parallel_read(path: Path, buf: memoryview, streams: int) -> float:
     """Read the file as ``streams`` contiguous parts, each sequentially on its own thread."""
     size = path.stat().st_size

@@ -258,21 +258,17 @@ def run_method(method: Method, state: State, repeats: int, *, first_save: bool,
     for r in range(repeats):
         limit_first = r % 2 == 1  # alternate: see PairedLimits
         if paired and limit_first:
-            res.paired_write_s.append(paired.write())
+            _limit_round(paired, res)
         if paired:
             res.paired_copy_s.append(paired.copy())
         t = method.save(step)
         step += 1
-        if paired and not limit_first:
-            res.paired_write_s.append(paired.write())
         res.blocked_s.append(t.blocked_s)
         res.staged_s.append(t.staged_s)
         res.durable_s.append(t.durable_s)
         if not res.first:
             res.first = {"blocked_s": t.blocked_s, "staged_s": t.staged_s,
                          "durable_s": t.durable_s}
-        if paired and limit_first:
-            res.paired_read_s.append(paired.cold_read(t.path))
         drop = lim.drop_cache(t.path)
         res.cold_drop.append(drop.method)
         res.cold_residency.append(drop.residency_after)
@@ -280,20 +276,18 @@ def run_method(method: Method, state: State, repeats: int, *, first_save: bool,
             t0 = time.perf_counter()
             method.load(t.path)
             res.load_cold_s.append(time.perf_counter() - t0)
-        if paired and not limit_first:
-            res.paired_read_s.append(paired.cold_read(t.path))
         res.hot_residency.append(lim.residency(t.path))
         with probe.check(f"{method.name} hot"):
             t0 = time.perf_counter()
             method.load(t.path)
             res.load_hot_s.append(time.perf_counter() - t0)
-        beside = (f" | beside it: copy {res.paired_copy_s[-1]:.3f}s, O_DIRECT write "
-                  f"{res.paired_write_s[-1]:.3f}s, cold read {res.paired_read_s[-1]:.3f}s"
-                  if paired else "")
         log(f"{method.name} {r + 1}/{repeats}: blocked {t.blocked_s:.3f}s staged "
             f"{t.staged_s:.3f}s durable {t.durable_s:.3f}s | load cold "
-            f"{res.load_cold_s[-1]:.3f}s hot {res.load_hot_s[-1]:.3f}s" + beside)
+            f"{res.load_cold_s[-1]:.3f}s hot {res.load_hot_s[-1]:.3f}s"
+            + (f" | copy beside it {res.paired_copy_s[-1]:.3f}s" if paired else ""))
         _remove(t.path)
+        if paired and not limit_first:
+            _limit_round(paired, res)
     res.notes = list(method.notes)
     if res.cold_residency and max(res.cold_residency) > 0.01:
         res.notes.append(f"cold loads started with up to {max(res.cold_residency):.1%} of the "
@@ -302,6 +296,14 @@ def run_method(method: Method, state: State, repeats: int, *, first_save: bool,
         res.notes.append(f"hot loads started with only {min(res.hot_residency):.1%} of the "
                          "files cached")
     return res
+
+
+def _limit_round(paired: PairedLimits, res: MethodResult) -> None:
+    w, rd = paired.write_then_read()
+    res.paired_write_s.append(w)
+    res.paired_read_s.append(rd)
+    log(f"{res.name}: limit round beside save {len(res.paired_write_s)}: O_DIRECT write "
+        f"{w:.3f}s, then its cold read {rd:.3f}s")
 
 
 def _remove(path: Path) -> None:
@@ -482,14 +484,16 @@ class Context:
 class PairedLimits:
     """The machine's limits measured again beside every save and load.
 
-    On this kind of VM the disk drifts 2-4x within minutes (the host flushes our writes
-    on its own schedule: one sequential read of a just-written file took 6.5 s, the next
-    2.1 s), so a ratio to a limit measured minutes earlier says more about the drift than
-    about the method. So each save of every method gets, in the same minute: a copy of
-    the state into the pre-touched buffer, an O_DIRECT write of as many bytes, and a cold
-    sequential read of the files it wrote. The write and the read alternate sides (before
-    or after the save, the load) from one repeat to the next, so that neither the method
-    nor the limit always follows the other's I/O.
+    On this kind of VM the disk drifts 2-4x within minutes, and a read depends on what
+    came just before it: the first read of a file written a moment ago is slow (0.5-1.3
+    GB/s) while a second one, cache dropped, can run at 3 GB/s (the host caches it). So a
+    ratio to a limit measured minutes earlier, or to a read of the files a load has just
+    read, says more about the VM than about the method. Each save of every method is
+    paired with a copy of the state into the pre-touched buffer right before it, and with
+    a limit round that repeats the save-then-cold-load sequence with the simplest code:
+    an O_DIRECT write + fsync of as many bytes, then a cold sequential read of that fresh
+    file. The round goes after the method's save and loads in even repeats, before them
+    in odd ones, so neither always follows the other's I/O.
     """
 
     def __init__(self, buf: lim.AlignedBuffer, copy: Callable[[], float], path: Path,
@@ -503,15 +507,18 @@ class PairedLimits:
         self.buf.tensor.fill_(1)  # untimed: it is a copy into a pre-touched buffer
         return self._copy()
 
-    def write(self) -> float:
+    def write_then_read(self) -> tuple[float, float]:
+        """O_DIRECT write + fsync of the state's bytes to a new file, then a cold read of
+        it; returns (write seconds, read seconds)."""
+        mv = self.buf.memoryview()
         try:
-            return lim.odirect_write(self.path, self.buf.memoryview(), self.nbytes)[0]
+            write_s = lim.odirect_write(self.path, mv, self.nbytes)[0]
+            lim.drop_cache(self.path)
+            read_s = lim.sequential_read(self.path, mv)[0]
         finally:
+            del mv
             self.path.unlink(missing_ok=True)
-
-    def cold_read(self, path: Path) -> float:
-        lim.drop_cache(path)
-        return lim.sequential_read_files(lim.files_under(path), self.buf.memoryview())[0]
+        return write_s, read_s
 
     def close(self) -> None:
         self.buf.close()
@@ -901,11 +908,13 @@ def render(res: dict[str, Any]) -> str:
                     fmt_x(m.paired("load_cold_s", "paired_read_s", bandwidth=True))])
             parts += [f"### Ratios to the limits measured beside each save (median of {n} "
                       "per-save ratios)", "",
-                      "The disk of this VM drifts 2-4x within minutes, so every save also "
-                      "measured, in the same minute: the copy of the state into a pre-touched "
-                      "buffer, an O_DIRECT write + fsync of as many bytes, and a cold "
-                      "sequential read (8 MiB preads) of the files the save wrote. The targets "
-                      "use these ratios.", "",
+                      "The disk of this VM drifts 2-4x within minutes, so every save was "
+                      "paired, in the same minute, with a copy of the state into a pre-touched "
+                      "buffer (right before the save) and a limit round (after the save and "
+                      "its loads, or before them, alternating): an O_DIRECT write + fsync of "
+                      "as many bytes, then a cold sequential read (8 MiB preads) of that "
+                      "fresh file, as the method's cold load reads its fresh checkpoint. The "
+                      "targets use these ratios.", "",
                       table(["method", "copy beside", "O_DIRECT write beside",
                              "cold read beside (GB/s)", "blocked / copy", "durable / write",
                              "hot load / copy", "cold load BW / read BW"], rows), ""]
