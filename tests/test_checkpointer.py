@@ -517,3 +517,37 @@ def test_close_withdraws_the_arena_from_its_transports(tmp_path: Path) -> None:
     n = len(transport.calls)
     ckpt.close()
     assert len(transport.calls) == n  # once
+
+
+def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
+    """Retention hides an old step at once but removes its files on the reaper thread:
+    the next save commits while a removal is stuck, and wait() waits for the removal."""
+    from asyncckpt.storage import LocalStorage
+
+    release = threading.Event()
+    removing = threading.Event()
+
+    class SlowRemove(LocalStorage):
+        def remove_tree(self, path: Path) -> None:
+            removing.set()
+            assert release.wait(30)
+            super().remove_tree(path)
+
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1, storage=SlowRemove())
+    try:
+        ckpt.save(make_state(1), step=1)
+        ckpt.save(make_state(2), step=2)  # hides step 1; its removal blocks
+        assert removing.wait(10)
+        assert ckpt.steps() == [2]  # out of sight already
+        info = ckpt.save_async(make_state(3), step=3).wait(timeout=20)
+        assert info.step == 3 and not release.is_set()  # committed behind the stuck removal
+        assert ckpt.steps() == [3]
+        with pytest.raises(asyncckpt.CheckpointTimeoutError, match="being removed"):
+            ckpt.wait(timeout=0.2)  # the retention of step 3 is behind the stuck one
+        release.set()
+        ckpt.wait(timeout=20)
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step", ".step"))) == [
+            "step_000000003"]
+    finally:
+        release.set()
+        ckpt.close()

@@ -24,6 +24,7 @@ from .errors import (
     CheckpointInFlightError,
     CheckpointLockedError,
     CheckpointSaveError,
+    CheckpointTimeoutError,
 )
 from .loader import ShardMetadata, apply_shards, load_from, load_newest_intact
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, shard_file_name
@@ -270,13 +271,19 @@ class AsyncCheckpointer:
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight (if any) and its retention; re-raise its error."""
         fut = self._pending
-        if fut is None:
-            return None
-        info = fut.wait(timeout)
-        if self._pending is fut:
-            self._pending = None
+        info = None
+        if fut is not None:
+            info = fut.wait(timeout)
+            if self._pending is fut:
+                self._pending = None
         if self._retention is not None:
-            self._retention.result(timeout)
+            try:
+                self._retention.result(timeout)
+            except cf.TimeoutError:
+                raise CheckpointTimeoutError(
+                    f"old steps under {self.directory} are still being removed after "
+                    f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
+            self._retention = None
         return info
 
     @property

@@ -131,13 +131,27 @@ def apply_retention(root: Path, keep_last: int | None, storage: Storage,
     A step is first renamed out of sight (one atomic step), then removed, so a reader
     never sees a half-deleted checkpoint.
     """
+    doomed = doomed_steps(root, keep_last, storage, protect)
+    for s in doomed:
+        storage.remove_tree(hide_step(root, s, storage))
+    return doomed
+
+
+def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
+                 protect: int | None = None) -> list[int]:
+    """The committed steps that retention deletes: all but the newest ``keep_last``
+    (never ``protect``), oldest first."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage)
-    doomed = [s for s in steps[:max(0, len(steps) - keep_last)] if s != protect]
-    for s in doomed:
-        gone = root / f".step_{s:09d}.deleting-{uuid.uuid4().hex[:12]}"
-        storage.rename(root / step_dir_name(s), gone)
-        storage.fsync_dir(root)
-        storage.remove_tree(gone)
-    return doomed
+    return [s for s in steps[:max(0, len(steps) - keep_last)] if s != protect]
+
+
+def hide_step(root: Path, step: int, storage: Storage) -> Path:
+    """Rename a committed step out of sight (durably); return where it now lies, for the
+    caller to remove. Readers and ``steps()`` no longer see it; a crash before the
+    removal leaves a ``.deleting-`` directory that the next checkpointer removes."""
+    gone = root / f".step_{step:09d}.deleting-{uuid.uuid4().hex[:12]}"
+    storage.rename(root / step_dir_name(step), gone)
+    storage.fsync_dir(root)
+    return gone

@@ -159,6 +159,7 @@ class BackgroundWriter:
         self.copy_threads = max(1, copy_threads)
         self.copiers = cf.ThreadPoolExecutor(max(1, copy_threads - 1),
                                              thread_name_prefix="asyncckpt-copy")
+        self._reap = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-reap")
 
     def submit(self, job: SaveJob) -> tuple[cf.Future[CheckpointInfo], cf.Future[None]]:
         """Queue a save; returns its durability future and its retention future."""
@@ -166,12 +167,15 @@ class BackgroundWriter:
         # to exit, executors refuse new work, but still finish what they were given.
         hashes = self._hash.submit(_describe, job) if job.plan.items else None
         durable = self._write.submit(self._run, job, hashes)
-        # Retention runs after the future resolves (deleting a 3 GB step takes ~0.5 s that
-        # nobody should wait for), on the same thread, so before the next save writes.
-        return durable, self._write.submit(_retain, job)
+        # Retention runs after the future resolves, on the same thread, so the old steps
+        # are out of sight before the next save writes; removing their files (~0.5 s for
+        # a 3 GB step) goes to the reaper thread, so that it never delays that save.
+        retained: cf.Future[None] = cf.Future()
+        self._write.submit(_retain, job, self._reap, retained)
+        return durable, retained
 
     def shutdown(self) -> None:
-        for ex in (self.stager, self.copiers, self._write, self._hash):
+        for ex in (self.stager, self.copiers, self._write, self._hash, self._reap):
             ex.shutdown(wait=True)
 
     def _run(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
@@ -256,18 +260,43 @@ class BackgroundWriter:
         return final
 
 
-def _retain(job: SaveJob) -> None:
-    """Apply keep_last after a committed save (coordinator only). A failure here is logged:
-    the new checkpoint is durable, and the next save tries again."""
-    if not job.committed or not job.ctx.is_coordinator or job.keep_last is None:
-        return
+def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
+    """Apply keep_last after a committed save (coordinator only): hide the old steps here,
+    remove their files on ``reaper``; ``done`` resolves once they are gone. A failure is
+    logged, never raised: the new checkpoint is durable, and the next save tries again."""
+    hidden: list[tuple[int, Path]] = []
     try:
-        deleted = commit.apply_retention(job.root, job.keep_last, job.storage, protect=job.step)
+        if job.committed and job.ctx.is_coordinator:
+            doomed = commit.doomed_steps(job.root, job.keep_last, job.storage, protect=job.step)
+            for s in doomed:
+                hidden.append((s, commit.hide_step(job.root, s, job.storage)))
     except OSError as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
-        return
-    if deleted:
-        log.info("rank=0 step=%d: retention removed steps %s", job.step, deleted)
+    except BaseException as exc:
+        done.set_exception(exc)
+        raise
+    finally:
+        if not hidden:
+            if not done.done():
+                done.set_result(None)
+        else:
+            try:
+                reaper.submit(_reap, job, hidden, done)
+            except RuntimeError:  # the interpreter is exiting: remove them here
+                _reap(job, hidden, done)
+
+
+def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None]) -> None:
+    try:
+        for _, gone in hidden:
+            job.storage.remove_tree(gone)
+    except OSError as exc:  # the next checkpointer removes what is left (cleanup_abandoned)
+        log.warning("rank=0 step=%d: retention could not remove %s: %s", job.step, gone, exc)
+    finally:
+        if not done.done():
+            done.set_result(None)
+    if hidden:
+        log.info("rank=0 step=%d: retention removed steps %s", job.step, [s for s, _ in hidden])
 
 
 def _abort(job: SaveJob, exc: BaseException) -> None:
