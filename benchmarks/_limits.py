@@ -26,7 +26,10 @@ import numpy as np
 import psutil
 import torch
 
-PIECE_BYTES = 8 * 1024 * 1024
+PIECE_BYTES = 8 * 1024 * 1024  # reads (and dd)
+# O_DIRECT writes go in 32 MiB pieces, as asyncckpt's writer does: on this VM that was
+# ~3% faster than 8 MiB (0.83 s against 0.86 s for 3.2 GB), so the limit is the stricter.
+WRITE_PIECE_BYTES = 32 * 1024 * 1024
 PAGE = mmap.PAGESIZE
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -131,7 +134,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def odirect_write(path: Path, buf: memoryview, nbytes: int) -> tuple[float, bool]:
-    """Write ``buf[:align_up(nbytes)]`` to a new file in 8 MiB pieces, then fsync.
+    """Write ``buf[:align_up(nbytes)]`` to a new file in 32 MiB pieces, then fsync.
 
     Uses O_DIRECT when the filesystem accepts it. Returns (seconds, used O_DIRECT).
     """
@@ -145,8 +148,8 @@ def odirect_write(path: Path, buf: memoryview, nbytes: int) -> tuple[float, bool
         direct = False
         fd = os.open(path, flags, 0o644)
     try:
-        for off in range(0, padded, PIECE_BYTES):
-            _pwrite_all(fd, buf[off:min(off + PIECE_BYTES, padded)], off)
+        for off in range(0, padded, WRITE_PIECE_BYTES):
+            _pwrite_all(fd, buf[off:min(off + WRITE_PIECE_BYTES, padded)], off)
         os.fsync(fd)
     finally:
         os.close(fd)

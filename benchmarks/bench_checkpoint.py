@@ -846,7 +846,7 @@ def render(res: dict[str, Any]) -> str:
               for k, v in limits["copy_s_by_method"].items()],
             ["copy flat buffer → flat buffer (reference)", fmt_s(lm["flat_copy_s"]),
              fmt_gbps(nbytes, lm["flat_copy_s"]), "one `copy_` of the whole byte range"],
-            ["O_DIRECT write + fsync, 8 MiB pieces", fmt_s(lm["odirect_write_s"]),
+            ["O_DIRECT write + fsync, 32 MiB pieces", fmt_s(lm["odirect_write_s"]),
              fmt_gbps(nbytes, lm["odirect_write_s"]),
              "**the write limit**" + ("" if limits.get("odirect") else " (O_DIRECT refused)")],
             ["dd if=/dev/zero bs=8M conv=fsync (reference)", fmt_s(lm.get("dd_write_s", math.nan)),
