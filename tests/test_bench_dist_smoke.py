@@ -79,6 +79,10 @@ def test_quick_dist_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
                 assert len(s["ranks"][r][key]) == 1, (label, r, key)
         assert len(s["global_durable_s"]) == 1
     assert "first_prepared" in d["saves"]["asyncckpt async"]["ranks"]["0"]
+    # every timed asyncckpt save had its limits measured beside it
+    ours = d["saves"]["asyncckpt async"]
+    assert len(ours["paired_write_global_s"]) == 1 and ours["paired_write_global_s"][0] > 0
+    assert all(len(v) == 1 and v[0] > 0 for v in ours["paired_copy_s"].values())
     for lib in ("asyncckpt", "DCP"):
         for case in ("same_shard0", "reshard_shard1"):
             for temp in ("cold", "hot"):
