@@ -65,7 +65,10 @@ def build_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def emit(*words: object) -> None:
-    print(*words, flush=True)
+    # One write of the whole line: print() writes each word on its own when stdout is
+    # unbuffered (PYTHONUNBUFFERED), and a SIGKILL between two writes cut a line short.
+    sys.stdout.write(" ".join(map(str, words)) + "\n")
+    sys.stdout.flush()
 
 
 def worker(kind: str, steps: int, every: int, directory: Path | None, gated: bool = False
@@ -196,7 +199,8 @@ def run_worker(kind: str, opts: argparse.Namespace, directory: Path | None,
                 proc.stdin.flush()
             run.returncode = proc.wait()
             for line in proc.stdout:  # whatever it printed before it died
-                run.feed(line)
+                if line.endswith("\n"):  # not a line the kill cut short
+                    run.feed(line)
         finally:
             watchdog.cancel()
             run.seconds = time.perf_counter() - t0
