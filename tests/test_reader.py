@@ -174,3 +174,47 @@ def test_a_short_vectored_read_falls_back_to_reading_each_tensor(tmp_path: Path)
     assert any(n > 1 for n in storage.calls)  # it tried, was cut short, and recovered
     for k, t in want.items():
         assert torch.equal(t, state[k]), k
+
+
+def _vma_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``addr`` in /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_large_fresh_tensors_are_advised_huge_pages() -> None:
+    from asyncckpt.reader import _HUGE_PAGE, fresh_tensor
+
+    t = fresh_tensor((3, 5 << 20), torch.float16)  # 30 MiB
+    inner = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    assert "hg" in _vma_flags(inner)
+    assert t.shape == (3, 5 << 20) and t.dtype == torch.float16 and t.is_contiguous()
+
+
+def test_fresh_loads_of_large_tensors_are_ordinary_independent_tensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "bf16": torch.randn(1025, 2049, generator=g).to(torch.bfloat16),  # > 4 MiB, odd size
+        "c64": torch.randn(700, 1001, dtype=torch.complex64, generator=g),
+        "flags": torch.rand(5 << 20, generator=g) > 0.5,
+        "small": torch.arange(7, dtype=torch.int16),
+    }
+    asyncckpt.save(state, tmp_path / "ck")
+    a = asyncckpt.load(tmp_path / "ck")
+    b = asyncckpt.load(tmp_path / "ck")
+    for k, v in state.items():
+        assert a[k].dtype == v.dtype and a[k].shape == v.shape
+        assert torch.equal(a[k], v), k
+    a["bf16"].zero_()  # each load owns its memory
+    assert torch.equal(b["bf16"], state["bf16"])
+    a["c64"].resize_(10)  # and it is a plain resizable tensor
+    assert a["c64"].numel() == 10
