@@ -218,3 +218,18 @@ def test_fresh_loads_of_large_tensors_are_ordinary_independent_tensors(tmp_path:
     assert torch.equal(b["bf16"], state["bf16"])
     a["c64"].resize_(10)  # and it is a plain resizable tensor
     assert a["c64"].numel() == 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_one_load_advises_a_bounded_number_of_tensors(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.reader as reader
+
+    state = {f"t{i}": torch.full((3 << 20,), i, dtype=torch.int16) for i in range(3)}  # 6 MiB
+    asyncckpt.save(state, tmp_path / "ck")
+    monkeypatch.setattr(reader, "_MAX_ADVISED", 2)
+    got = asyncckpt.load(tmp_path / "ck")
+    advised = ["hg" in _vma_flags(-(-t.data_ptr() // reader._HUGE_PAGE) * reader._HUGE_PAGE)
+               for t in got.values()]
+    assert sorted(advised) == [False, True, True]
+    assert all(torch.equal(got[k], v) for k, v in state.items())

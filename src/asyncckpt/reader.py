@@ -100,9 +100,12 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
+    advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
     for key, dst in dests.items():
-        out[key] = dst if dst is not None else fresh_tensor(shapes[key],
-                                                            manifest.tensors[key].dtype)
+        if dst is None:
+            dst = fresh_tensor(shapes[key], manifest.tensors[key].dtype, advise=advise > 0)
+            advise -= dst.numel() * dst.element_size() >= _HUGE_MIN_BYTES
+        out[key] = dst
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     groups = _split(items, n)
     if n == 1:
@@ -125,6 +128,9 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
 _HUGE_MIN_BYTES = 4 << 20
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
+# Advising part of a mapping splits it in up to three, and a process may hold at most
+# vm.max_map_count (65,530 by default) mappings: one load advises this many tensors at most.
+_MAX_ADVISED = 4096
 
 
 def _libc_madvise() -> Any:
@@ -140,7 +146,8 @@ def _libc_madvise() -> Any:
 _madvise = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
-def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = True
+                 ) -> torch.Tensor:
     """An uninitialised CPU tensor for a load to fill: ``torch.empty`` plus a hint.
 
     Before anything touches a large one, its whole 2 MiB-aligned interior is advised
@@ -150,7 +157,7 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     t = torch.empty(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
-    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+    if advise and _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
         addr = t.data_ptr()
         start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
         end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
