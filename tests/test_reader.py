@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,31 @@ def test_one_load_advises_a_bounded_number_of_tensors(tmp_path: Path,
                for t in got.values()]
     assert sorted(advised) == [False, True, True]
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+class ThreadRecordingStorage(LocalStorage):
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+
+    def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+        self.threads.add(threading.get_ident())
+        return super().pread_into(fd, views, offset)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_load_reads_with_the_threads_asked_for(tmp_path: Path, threads: int) -> None:
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}
+    storage = ThreadRecordingStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=storage) as ckpt:
+        ckpt.save(state, step=1)
+        storage.threads.clear()
+        got = ckpt.load(threads=threads)
+    assert len(storage.threads) == threads
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
+def test_a_bad_threads_argument_is_refused_before_reading(tmp_path: Path, bad: object) -> None:
+    asyncckpt.save({"x": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="threads="):
+        asyncckpt.load(tmp_path / "ck", threads=bad)  # type: ignore[arg-type]

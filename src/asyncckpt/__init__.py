@@ -31,6 +31,7 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .loader import ShardMetadata
+from .loader import check_threads as _check_threads
 from .loader import load_from as _load_from
 from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
@@ -79,15 +80,18 @@ def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> Che
 
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
          strict: bool = True, verify: bool = True, token: str | None = None,
-         timeout: float = 60.0, fallback: bool = False) -> Any:
+         timeout: float = 60.0, fallback: bool = False, threads: int | None = None) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
+    ``threads``: reader threads for files (default: up to 2), parallel connections for
+    a peer (default 8).
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
         >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
+    _check_threads(threads)
     if str(path).startswith("http://"):
         from .transport.http import HTTPStorage
 
@@ -95,13 +99,14 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         try:
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
-                              verify=verify, threads=8)
+                              verify=verify, threads=threads or 8)
         finally:
             peer.close_all()
     storage = _LocalStorage()
     if fallback and step is None:
         from .loader import load_newest_intact
 
-        return load_newest_intact(Path(path), state, storage, strict=strict)
+        return load_newest_intact(Path(path), state, storage, strict=strict, threads=threads)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
-    return _load_from(step_dir, state, storage, strict=strict, verify=verify)
+    return _load_from(step_dir, state, storage, strict=strict, verify=verify, threads=threads)
+

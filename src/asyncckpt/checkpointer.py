@@ -26,7 +26,7 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
-from .loader import ShardMetadata, apply_shards, load_from, load_newest_intact
+from .loader import ShardMetadata, apply_shards, check_threads, load_from, load_newest_intact
 from .manifest import DEFAULT_BLOCK_BYTES, Manifest, shard_file_name
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest
@@ -308,7 +308,7 @@ class AsyncCheckpointer:
 
     def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
-             fallback: bool = False) -> Any:
+             fallback: bool = False, threads: int | None = None) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -324,14 +324,16 @@ class AsyncCheckpointer:
                 shapes/dtypes that differ.
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
-        log and the next older committed step is tried, down to the oldest.
+        log and the next older committed step is tried, down to the oldest. ``threads``
+        sets the reader threads (default: up to 2).
         """
+        check_threads(threads)
         if fallback and step is None:
             return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                      shards=shards)
+                                      shards=shards, threads=threads)
         step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
         return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
-                         shards=shards)
+                         shards=shards, threads=threads)
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -54,6 +54,13 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
         flat.boxes[key] = (gs, (offs, lens))
 
 
+def check_threads(threads: int | None) -> None:
+    """Reject a ``threads=`` argument a load cannot use."""
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise CheckpointConfigError(f"threads={threads!r}: use a whole number of 1 or more, or "
+                                    "None for the default")
+
+
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None) -> Any:
@@ -85,7 +92,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
 
 
 def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
-                       shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+                       shards: Mapping[str, ShardMetadata] | None = None,
+                       threads: int | None = None) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     Raises CheckpointCorruptError listing every step that failed when none is intact.
@@ -100,7 +108,7 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
         step_dir = root / commit.step_dir_name(step)
         try:
             return load_from(step_dir, state, storage, strict=strict, verify=True,
-                             shards=shards)
+                             shards=shards, threads=threads)
         except CheckpointCorruptError as exc:
             log.warning("step %d under %s is corrupt (%s); trying an older step", step, root,
                         exc)

@@ -842,3 +842,24 @@ def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["serve", str(root), "--token", "x"]) == 2  # no such option: never argv
     err = capsys.readouterr().err
     assert "empty" in err and "nofile" in err
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_load_from_a_peer_opens_the_connections_asked_for(
+        transports: Any, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    import http.client
+
+    opened = []
+    connect = http.client.HTTPConnection.connect
+
+    def counting(self: http.client.HTTPConnection) -> None:
+        opened.append(self)
+        connect(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", counting)
+    srv = transports(token=TOKEN)
+    state = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(16)}
+    srv.send_checkpoint([1], 3, state, 10.0)
+    got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0, threads=threads)
+    assert len(opened) == threads
+    assert all(torch.equal(got[k], v) for k, v in state.items())
