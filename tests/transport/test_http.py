@@ -282,7 +282,7 @@ def test_malformed_paths_traversal_and_absurd_ranges_get_4xx(transports: Any) ->
 
 def test_a_file_larger_than_max_range_bytes_can_be_fetched(transports: Any) -> None:
     srv = transports(token=TOKEN, max_range_bytes=8 << 20)
-    state = state_of(3, n=3 << 20)  # a 12 MiB file, fetched in 8 MiB pieces
+    state = state_of(3, n=3 << 20)  # a 12 MiB file, fetched in pieces
     srv.send_checkpoint([1], 5, state, 10.0)
     assert_state(fetch(srv, 5), state)
 
