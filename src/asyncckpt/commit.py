@@ -124,19 +124,6 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage) -> Path:
     return final
 
 
-def apply_retention(root: Path, keep_last: int | None, storage: Storage,
-                    protect: int | None = None) -> list[int]:
-    """Delete all but the newest ``keep_last`` committed steps; return the deleted steps.
-
-    A step is first renamed out of sight (one atomic step), then removed, so a reader
-    never sees a half-deleted checkpoint.
-    """
-    doomed = doomed_steps(root, keep_last, storage, protect)
-    for s in doomed:
-        storage.remove_tree(hide_step(root, s, storage))
-    return doomed
-
-
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
