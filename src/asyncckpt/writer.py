@@ -290,13 +290,12 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None]) -
     try:
         for _, gone in hidden:
             job.storage.remove_tree(gone)
+        log.info("rank=0 step=%d: retention removed steps %s", job.step, [s for s, _ in hidden])
     except OSError as exc:  # the next checkpointer removes what is left (cleanup_abandoned)
         log.warning("rank=0 step=%d: retention could not remove %s: %s", job.step, gone, exc)
     finally:
         if not done.done():
             done.set_result(None)
-    if hidden:
-        log.info("rank=0 step=%d: retention removed steps %s", job.step, [s for s, _ in hidden])
 
 
 def _abort(job: SaveJob, exc: BaseException) -> None:
