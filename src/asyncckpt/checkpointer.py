@@ -444,7 +444,7 @@ class AsyncCheckpointer:
             return
         msg = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):
-            for part in ("layout", "done"):
+            for part in ("layout", "record", "done"):
                 ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg})
             if ctx.is_coordinator:
                 ctx.put(ctx.key(tag, "verdict"), {"error": msg})

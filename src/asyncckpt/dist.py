@@ -10,7 +10,10 @@ Per save, under ``asyncckpt/<namespace>/s<step>/``:
 - ``layout/<rank>``: the digest of the rank's local layout (the one barrier of a
   save, on the training thread). When a digest is new, the full item list was put
   under ``asyncckpt/<namespace>/items/<rank>/<digest>`` first.
-- ``done/<rank>``: what the rank wrote (file, chunks, checksums) or its error.
+- ``record/<rank>``: what the rank writes (file, chunks, checksums), or its error. Put
+  once its bytes are hashed, long before they are durable, so that the coordinator
+  merges the manifest while the shard files are still being written.
+- ``done/<rank>``: that the rank's shard file is durable, or its error.
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
 """
 
@@ -21,7 +24,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -135,11 +138,15 @@ class DistContext:
         with self._store_errors(f"reading {what}"):
             return json.loads(self.store.get(key))
 
-    def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None
-               ) -> dict[int, Any]:
-        """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values."""
+    def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
+               *, cancelled: Callable[[], bool] | None = None) -> dict[int, Any]:
+        """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values.
+
+        ``cancelled`` is asked about once a second; when it says yes the wait ends with
+        CheckpointSaveError (a background wait whose save has already failed).
+        """
         keys = {r: self.key(*prefix, r) for r in range(self.world_size)}
-        self.wait_keys(keys, what, timeout_s)
+        self.wait_keys(keys, what, timeout_s, cancelled=cancelled)
         with self._store_errors(f"reading {what}"):
             raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
         return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
@@ -149,7 +156,7 @@ class DistContext:
         """Delete the keys of a finished save, and layouts no rank uses any more."""
         keys = []
         if tag is not None:
-            keys += [self.key(tag, part, r) for part in ("layout", "done")
+            keys += [self.key(tag, part, r) for part in ("layout", "record", "done")
                      for r in range(self.world_size)]
             keys.append(self.key(tag, "verdict"))
         keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
@@ -169,16 +176,21 @@ class DistContext:
                 f"rank 0, which hosts the Store, alive?): {type(exc).__name__}: {exc}"
             ) from exc
 
-    def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None) -> None:
+    def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None,
+                  *, cancelled: Callable[[], bool] | None = None) -> None:
         """Block until every key exists; on timeout name the ranks whose keys are missing.
 
         ``store.wait`` answers as soon as the last key lands (no polling delay); it is
-        asked in slices of at most a second so that a dead Store is noticed.
+        asked in slices of at most a second so that a dead Store (or ``cancelled``) is
+        noticed.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         pending = dict(keys)
         while pending:
+            if cancelled is not None and cancelled():
+                raise CheckpointSaveError(
+                    f"rank {self.rank}: stopped waiting for {what}: the save already failed")
             left = deadline - time.monotonic()
             if left > 0:
                 try:

@@ -116,6 +116,11 @@ class StagingProgress:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def failed(self) -> bool:
+        """Whether staging, or the save it belongs to, has failed."""
+        return self._error is not None
+
     def wait_for(self, offset: int, timeout: float | None = None) -> None:
         """Block until bytes below ``offset`` are staged; re-raise a staging failure."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -3,6 +3,10 @@
 A save job follows the staging progress: it writes the staged prefix of the arena
 while the rest is still being copied, hashes the tensors on a second thread once
 staging is over, then writes the manifest and commits with one rename.
+
+Under torch.distributed the hash thread also publishes the rank's record, and the
+coordinator's merges every rank's into the manifest while the shard files are still
+being written: once they are durable, only the commit is left.
 """
 
 from __future__ import annotations
@@ -212,23 +216,24 @@ class BackgroundWriter:
             job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
             with _gc_paused():
                 record = _record(job, {})
+            if ctx.distributed:
+                ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if job.serve_to:
             _offer_arena(job, record)
         if not ctx.distributed:
             final = self._commit(job, [record], manifest_written=raw is not None)
         elif ctx.is_coordinator:
-            ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
+            ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
-            records = ctx.gather((job.tag, "done"), f"the shard files of step {job.step}")
-            failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
-            if failed:
-                raise CheckpointSaveError(
-                    f"step {job.step} aborted, nothing committed: " + "; ".join(
-                        f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
-            final = self._commit(job, [records[r] for r in sorted(records)])
+            _raise_failed(job, ctx.gather((job.tag, "done"),
+                                          f"the shard files of step {job.step}"))
+            if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
+                final = self._commit(job, _gather_records(job))
+            else:
+                final = self._commit(job, [], manifest_written=True)
             ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
         else:
-            ctx.put(ctx.key(job.tag, "done", ctx.rank), record)
+            ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
             verdict = ctx.get(ctx.key(job.tag, "verdict"),
                               f"the commit of step {job.step}", timeout_s=2 * ctx.timeout_s + 30)
@@ -306,7 +311,9 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     if ctx.distributed:
         with contextlib.suppress(Exception):
             if not job.announced:
-                ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank, "error": msg})
+                # the record too: the coordinator's hash thread may be waiting for it
+                for part in ("record", "done"):
+                    ctx.put(ctx.key(job.tag, part, ctx.rank), {"rank": ctx.rank, "error": msg})
             if ctx.is_coordinator:
                 ctx.put(ctx.key(job.tag, "verdict"), {"error": msg})
     if job.tmp is None:
@@ -335,8 +342,9 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
         transport.serve(serve_arena(job.step, view, job.plan.file, buf))
 
 
-# What the hash thread hands the writer: this rank's record and, for a single process,
-# the manifest's bytes, already written (and fsync'd) into the temporary directory.
+# What the hash thread hands the writer: this rank's record and, for a single process
+# or the coordinator, the manifest's bytes, already written (and fsync'd) into the
+# temporary directory.
 _Described = tuple[dict[str, Any], bytes | None]
 
 
@@ -345,9 +353,11 @@ def _describe(job: SaveJob) -> _Described:
 
     Runs on the hash thread once staging is over — hashing (~30 GB/s) would otherwise
     take a core from the copies the caller is waiting for — and still finishes long
-    before the write does, so building (one process: and writing) the manifest costs the
-    save nothing. The manifest lies in the temporary directory, which nothing reads
-    before the rename that commits it.
+    before the write does, so building and writing the manifest costs the save nothing.
+    In a group, every rank publishes its record here, and the coordinator waits for all
+    of them and merges the manifest (~50 ms for 1,000 tensors on 2 ranks) while the
+    shard files are still being written. The manifest lies in the temporary directory,
+    which nothing reads before the rename that commits it (after every rank's ``done``).
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv = job.arena.memoryview()
@@ -355,12 +365,36 @@ def _describe(job: SaveJob) -> _Described:
                  for item in job.plan.items}
     with _gc_paused():
         record = _record(job, checksums)
-    if job.ctx.distributed:
-        return record, None
-    raw = _manifest_bytes(job, [record])
+    ctx = job.ctx
+    if ctx.distributed:
+        ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
+        if not ctx.is_coordinator:
+            return record, None
+        records = _gather_records(job)
+        records[0] = record  # the same, without a second decode
+    else:
+        records = [record]
+    raw = _manifest_bytes(job, records)
     job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
     job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
     return record, raw
+
+
+def _gather_records(job: SaveJob) -> list[dict[str, Any]]:
+    """Every rank's record, in rank order (coordinator); raises if a rank reported an
+    error, and gives up once this save has failed anyway."""
+    got = job.ctx.gather((job.tag, "record"), f"the shard layouts of step {job.step}",
+                         cancelled=lambda: job.progress.failed)
+    _raise_failed(job, got)
+    return [got[r] for r in sorted(got)]
+
+
+def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
+    failed = {r: a["error"] for r, a in answers.items() if "error" in a}
+    if failed:
+        raise CheckpointSaveError(
+            f"step {job.step} aborted, nothing committed: " + "; ".join(
+                f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
 
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:

@@ -8,6 +8,7 @@ their slice of what those spawns found. Workers (``*_worker``) run in the ranks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import threading
 import time
@@ -582,12 +583,67 @@ def _store_keys(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
         c.failures.append(f"keys: {counts[0]} {counts[1]}")  # read by the test, not a failure
 
 
+def _early_manifest(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """The coordinator merges the manifest while a peer's shard file is still being
+    written; a peer whose write then fails still leaves nothing committed."""
+    from torch.distributed.tensor import Shard
+
+    from asyncckpt.storage import LocalStorage
+
+    class Slow(LocalStorage):
+        """Rank 1's shard write starts 1.5 s late (and fails when asked); rank 0 notes
+        which files were in the directory when it wrote the manifest."""
+
+        def __init__(self) -> None:
+            self.fail = False
+            self.seen: list[list[str]] = []
+
+        def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
+            if ctx.rank == 1:
+                time.sleep(1.5)
+                if self.fail:
+                    raise OSError(errno.EIO, "injected late write failure")
+            super().write_arena(path, *a, **kw)
+
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            if Path(path).name == "manifest.json":
+                self.seen.append(sorted(p.name for p in Path(path).parent.iterdir()))
+            super().write_bytes(path, data)
+
+    storage = Slow()
+    sub = root / "early_manifest"
+    with asyncckpt.AsyncCheckpointer(sub, mode="async", timeout_s=20, storage=storage) as ck:
+        state = {"w": _dt("e/w", (64, 8), "float32", mesh, [Shard(0)]), "step": 1}
+        ck.save(state, 1)
+        got = ck.load(step=1)
+        c.check(same_bits(got["w"], full_tensor("e/w", (64, 8))), "step 1: w differs")
+        storage.fail = True
+        t0 = time.monotonic()
+        try:
+            ck.save(state, 2)
+            c.check(False, "step 2 was committed although rank 1's write failed")
+        except asyncckpt.CheckpointError as exc:
+            c.check("rank 1" in str(exc), f"the error does not name rank 1: {exc}")
+            c.check(time.monotonic() - t0 < 10, f"failing took {time.monotonic() - t0:.1f}s")
+        ctx.barrier()
+        c.check(ck.steps() == [1], f"steps {ck.steps()} != [1]")
+        left = [p.name for p in sub.iterdir() if ".tmp-" in p.name]
+        c.check(left == [], f"temporary dirs left: {left}")
+    if ctx.rank == 0:
+        # Both manifests (the committed one and the aborted one) were written before
+        # rank 1's shard file existed: the merge waited for its record, not its write.
+        c.check(len(storage.seen) == 2 and all("rank_00001.safetensors" not in s
+                                               for s in storage.seen),
+                f"files beside the manifest when it was written: {storage.seen}")
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
     out = {}
     for name, fn in (("mutation", _mutation), ("retention", _retention),
-                     ("layout_change", _layout_change), ("store_keys", _store_keys)):
+                     ("layout_change", _layout_change), ("store_keys", _store_keys),
+                     ("early_manifest", _early_manifest)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -616,6 +672,11 @@ def test_keep_last_with_two_ranks_and_plan_reuse(async_results: dict[str, list[s
 
 def test_layout_change_between_saves(async_results: dict[str, list[str]]) -> None:
     assert async_results["layout_change"] == [], "\n".join(async_results["layout_change"])
+
+
+def test_manifest_merged_before_the_shards_are_durable(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["early_manifest"] == [], "\n".join(async_results["early_manifest"])
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
