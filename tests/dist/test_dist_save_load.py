@@ -629,12 +629,21 @@ def _early_manifest(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
         c.check(ck.steps() == [1], f"steps {ck.steps()} != [1]")
         left = [p.name for p in sub.iterdir() if ".tmp-" in p.name]
         c.check(left == [], f"temporary dirs left: {left}")
+        # The coordinator holds no tensor at all: it merges after the writes instead.
+        storage.fail = False
+        only = full_tensor("e/only1", (100,))
+        ck.save({"step": 3, **({"only1": only} if ctx.rank == 1 else {})}, 3)
+        got = ck.load(step=3)
+        c.check(got["step"] == 3 and "only1" in got and same_bits(got["only1"], only),
+                f"step 3 loaded as {got}")
     if ctx.rank == 0:
-        # Both manifests (the committed one and the aborted one) were written before
-        # rank 1's shard file existed: the merge waited for its record, not its write.
-        c.check(len(storage.seen) == 2 and all("rank_00001.safetensors" not in s
-                                               for s in storage.seen),
-                f"files beside the manifest when it was written: {storage.seen}")
+        # The first two manifests (the committed one and the aborted one) were written
+        # before rank 1's shard file existed: the merge waited for its record, not its
+        # write. The third, with nothing hashed on the coordinator, after it.
+        seen = storage.seen
+        c.check(len(seen) == 3 and all("rank_00001.safetensors" not in s for s in seen[:2])
+                and "rank_00001.safetensors" in seen[2],
+                f"files beside the manifest when it was written: {seen}")
 
 
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
