@@ -17,9 +17,10 @@ import fcntl
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .manifest import align_up
 
@@ -140,7 +141,19 @@ class LocalStorage:
         os.rename(src, dst)
 
     def remove_tree(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=False)
+        """Remove ``path`` and what it holds; entries that vanish meanwhile are fine.
+
+        In a group, a rank that aborts takes its own shard file out of the shared
+        temporary directory while the coordinator removes the whole of it.
+        """
+        def gone_is_fine(func: Any, p: str, exc: BaseException) -> None:
+            if not isinstance(exc, FileNotFoundError):
+                raise exc
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=gone_is_fine)
+        else:
+            shutil.rmtree(path, onerror=lambda f, p, info: gone_is_fine(f, p, info[1]))
 
     def listdir(self, path: Path) -> list[str]:
         try:
