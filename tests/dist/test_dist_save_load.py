@@ -553,6 +553,16 @@ def _layout_change(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
             c.check(sorted(got) == sorted(want), f"step {step}: keys {sorted(got)}")
             for k, v in want.items():
                 c.check(k in got and same_bits(got[k], v), f"step {step}: {k} differs")
+        # Same keys, dtypes and local shapes, other boxes: "h" is replicated whole in
+        # step 5 (one rank writes it) and split by rows in step 6 (each rank writes its
+        # half). Reusing step 5's layout for step 6 would leave half of "h" unwritten.
+        for step, glob in ((5, (4, 3)), (6, (8, 3))):
+            h = full_tensor(f"l{step}/h", glob)
+            row = 0 if glob[0] == 4 else 4 * ctx.rank
+            ck.save({"h": h[row:row + 4].clone()}, step, shards={
+                "h": asyncckpt.ShardMetadata(global_shape=glob, offsets=(row, 0))})
+            got = ck.load(step=step)
+            c.check(same_bits(got["h"], h), f"step {step}: h differs")
         # step 2 again, resharded into the current ranks as Shard(1) / Shard(0)
         tgt = {"a": _dt("x", (8, 6), "float32", mesh, [Shard(1)], zero=True),
                "b": torch.zeros(5, dtype=torch.float64),
