@@ -194,7 +194,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
                     "same path; rename one of them")
             seen_segments[seg] = k
             child = f"{path}/{seg}" if path else seg
-            if type(v) in _PLAIN_TENSOR_TYPES:  # the common leaf, without a recursive call
+            if type(v) in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
+                    type(v).__name__ == "DTensor" and isinstance(v, torch.Tensor)):
                 items.append([k, {"t": "tensor", "key": _add_tensor(v, child, flat, seen,
                                                                     "torch")}])
             else:
