@@ -122,6 +122,7 @@ class AsyncCheckpointer:
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
         self._prev_tag: str | None = None
+        self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._retention: cf.Future[None] | None = None
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
@@ -191,16 +192,19 @@ class AsyncCheckpointer:
             flat = flatten(state)
             apply_shards(flat, shards)
             mine = self._my_keys(step, tag, flat)
+            tensors = {k: t for k, t in flat.tensors.items() if k in mine}
+            self._stop_serving()  # before the arena's header or bytes change
+            if self._preparing is not None:  # an arena being allocated ahead of time
+                preparing, self._preparing = self._preparing, None
+                preparing.result()
+            plan = self._plan_for(tensors)
+            arena = self._arena_for(plan)  # may fail: e.g. out of (pinned) memory
         except BaseException as exc:
+            # Up to here the other ranks wait on this one: tell them, or they time out.
             self._announce_failure(tag, exc)
+            if tag != self._prev_tag:  # not reached the layout exchange: not forgotten there
+                self._failed_tags.append(tag)
             raise
-        tensors = {k: t for k, t in flat.tensors.items() if k in mine}
-        self._stop_serving()  # before the arena's header or bytes change
-        if self._preparing is not None:  # an arena being allocated ahead of time
-            self._preparing.result()
-            self._preparing = None
-        plan = self._plan_for(tensors)
-        arena = self._arena_for(plan)
         progress = StagingProgress()
         job = SaveJob(
             root=self.directory, step=step, plan=plan, arena=arena, progress=progress,
@@ -440,8 +444,11 @@ class AsyncCheckpointer:
                        for r in range(ctx.world_size)}
             self._layout = (digests, {key for key, _ in assign_writers(layouts)[ctx.rank]})
         if ctx.is_coordinator:
-            # Every rank has entered this save, so all are done with the previous one.
-            ctx.forget(self._prev_tag, () if previous is None else previous[0], digests)
+            # Every rank has entered this save, so all are done with the previous one
+            # (and with any that failed before their layout exchange).
+            ctx.forget([self._prev_tag, *self._failed_tags],
+                       () if previous is None else previous[0], digests)
+        self._failed_tags.clear()
         self._prev_tag = tag
         return self._layout[1]
 
@@ -470,8 +477,15 @@ class AsyncCheckpointer:
         if self._arena is None or self._arena.nbytes < need or self._arena.pinned != (
                 pinned and torch.cuda.is_available()):
             self._arena = None  # drop the old one first: never hold two at once
-            self._arena = HostArena(need, pinned=pinned)
             self._arena_header_for = None
+            try:
+                self._arena = HostArena(need, pinned=pinned)
+            except (MemoryError, OSError, RuntimeError) as exc:  # mmap: OSError; pinned: Runtime
+                raise CheckpointSaveError(
+                    f"rank {self._ctx.rank}: could not allocate the "
+                    f"{'pinned ' if pinned and torch.cuda.is_available() else ''}host buffer "
+                    f"of {need / 1e9:.2f} GB that saves stage into ({type(exc).__name__}: "
+                    f"{exc}); free host memory, or try mode='async' (not pinned)") from exc
         if self._arena_header_for is not plan:
             self._arena.write_header(plan.header)
             self._arena_header_for = plan

@@ -151,11 +151,13 @@ class DistContext:
             raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
         return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
 
-    def forget(self, tag: str | None, old_digests: Sequence[str], digests: Sequence[str]
-               ) -> None:
-        """Delete the keys of a finished save, and layouts no rank uses any more."""
+    def forget(self, tags: Sequence[str | None], old_digests: Sequence[str],
+               digests: Sequence[str]) -> None:
+        """Delete the keys of finished saves, and layouts no rank uses any more."""
         keys = []
-        if tag is not None:
+        for tag in tags:
+            if tag is None:
+                continue
             keys += [self.key(tag, part, r) for part in ("layout", "record", "done")
                      for r in range(self.world_size)]
             keys.append(self.key(tag, "verdict"))
