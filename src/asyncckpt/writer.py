@@ -82,7 +82,8 @@ class SaveJob:
     blocked_s: float = 0.0
     tmp: Path | None = None
     tag: str = ""  # names this save's Store keys: s<step>.<save number>
-    announced: bool = False
+    announced: bool = False  # this rank posted "done" (its file is durable)
+    rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
 
@@ -206,10 +207,12 @@ class BackgroundWriter:
             try:
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
                                     job.progress.wait_for, job.direct_io)
-            except BaseException:
+            except BaseException as exc:
                 job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
                 with contextlib.suppress(BaseException):
                     hashes.result()
+                if isinstance(exc.__cause__, CheckpointError):  # the hash thread stopped it:
+                    raise exc.__cause__ from None  # e.g. "rank 1 failed", say that
                 raise
             record, raw = hashes.result()
         else:
@@ -238,6 +241,7 @@ class BackgroundWriter:
             verdict = ctx.get(ctx.key(job.tag, "verdict"),
                               f"the commit of step {job.step}", timeout_s=2 * ctx.timeout_s + 30)
             if "ok" not in verdict:
+                job.rejected = True
                 raise CheckpointSaveError(
                     f"rank {ctx.rank}: step {job.step} was not committed: {verdict.get('error')}")
             job.tmp = None
@@ -321,6 +325,12 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     if ctx.is_coordinator or not ctx.distributed:
         with contextlib.suppress(OSError):
             job.storage.remove_tree(job.tmp)
+    elif job.announced and not job.rejected:
+        # This rank's file is durable and announced, and no verdict came: the coordinator
+        # may still commit the step, and then the file must be in it. If it aborts
+        # instead, it removes the directory; if it died, the next run's clean-up does.
+        log.warning("rank=%d step=%d: left %s for the coordinator to commit or remove",
+                    ctx.rank, job.step, job.tmp / job.plan.file)
     else:
         # A peer may still be writing into the shared directory: take only this rank's
         # file, and the directory if that leaves it empty (a late rank may re-create it).
@@ -370,11 +380,15 @@ def _describe(job: SaveJob) -> _Described:
         ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if not ctx.is_coordinator:
             return record, None
-        records = _gather_records(job)
-        records[0] = record  # the same, without a second decode
+        try:
+            records = _gather_records(job)
+            records[0] = record  # the same, without a second decode
+            raw = _manifest_bytes(job, records)
+        except BaseException as exc:
+            job.progress.fail(exc)  # the step cannot commit: stop this rank's write now
+            raise
     else:
-        records = [record]
-    raw = _manifest_bytes(job, records)
+        raw = _manifest_bytes(job, [record])
     job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
     job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
     return record, raw

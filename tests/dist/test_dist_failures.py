@@ -76,6 +76,7 @@ def _flaky_storage() -> Any:
         fail_write = False
         fail_rename = False
         slow_makedirs = False
+        slow_write = False  # a 10 s write that stops as soon as its save has failed
 
         def makedirs(self, path: Path) -> None:
             if self.slow_makedirs and ".tmp-" in Path(path).name:
@@ -85,6 +86,12 @@ def _flaky_storage() -> Any:
         def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
             if self.fail_write:
                 raise OSError(errno.EIO, "injected write failure")
+            if self.slow_write:
+                nbytes, ready = a[1], a[2]
+                end = time.monotonic() + 10.0
+                while time.monotonic() < end:
+                    ready(nbytes)  # raises once the save has failed
+                    time.sleep(0.05)
             super().write_arena(path, *a, **kw)
 
         def rename(self, src: Path, dst: Path) -> None:
@@ -163,6 +170,22 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     if out["retry"]["raised"] is None:
         _check_step(retry_checks, ck, 9)
     out["retry"]["after"] = retry_checks.failures
+    ctx.barrier()
+    # rank 1 cannot allocate its arena (after the layout exchange, before any write)
+    # while the coordinator's write is slow: the coordinator stops writing at once
+    storage.slow_write = ctx.rank == 0
+    import asyncckpt.checkpointer as checkpointer_module
+
+    real_arena = checkpointer_module.HostArena
+    if ctx.rank == 1:
+        def no_memory(*a: Any, **kw: Any) -> Any:
+            raise MemoryError("injected: no memory")
+        ck._arena = None  # the next save allocates one
+        checkpointer_module.HostArena = no_memory  # type: ignore[misc, assignment]
+    out["arena_fails"] = _attempt(ck, _state(ctx, 10), 10)
+    storage.slow_write = False
+    checkpointer_module.HostArena = real_arena  # type: ignore[misc]
+    after("arena_fails", [1, 3, 5, 7, 9])
     ck.close()
     return out
 
@@ -228,6 +251,15 @@ def test_failed_save_with_a_late_peer_leaves_no_temporary_dir(
         raising: dict[int, dict[str, Any]]) -> None:
     for rank, out in sorted(raising.items()):
         assert out["late_peer"]["tmp_left"] == [], (rank, out["late_peer"]["tmp_left"])
+
+
+def test_arena_failure_on_one_rank_stops_the_coordinators_write(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "arena_fails", culprit=1)
+    assert raising[1]["arena_fails"]["where"] == "save_async"
+    for rank in (0, 1):
+        msg = raising[rank]["arena_fails"]["msg"]
+        assert "could not allocate the host buffer" in msg and "injected: no memory" in msg, msg
 
 
 def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]]) -> None:
