@@ -491,6 +491,54 @@ def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None
     assert tensors_equal(asyncckpt.load(tmp_path, step=2)["model"], state["model"].state_dict())
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_prepare_for_a_new_layout_waits_for_the_save_in_flight(tmp_path: Path,
+                                                               background: bool) -> None:
+    # The new layout's (longer) header must not land in the arena while the save in
+    # flight still writes it: that save would commit a file its manifest does not match.
+    storage = GatedStorage()
+    storage.gate.clear()
+    small = {"w": torch.arange(1000, dtype=torch.float32)}
+    big = {f"layer{i}.weight_with_a_long_name": torch.ones(8) for i in range(300)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        fut = ckpt.save_async(small, step=1)
+        assert storage.entered.wait(30)
+        done = threading.Event()
+
+        def prepare() -> None:
+            ckpt.prepare(big, background=background).result(30)
+            done.set()
+
+        t = threading.Thread(target=prepare)
+        t.start()
+        assert not done.wait(0.5)  # it waits for step 1, which cannot finish yet
+        storage.gate.set()
+        fut.wait(30)
+        t.join(30)
+        assert done.is_set()
+        ckpt.save(big, step=2)
+    from asyncckpt.reader import verify_checkpoint
+
+    report = verify_checkpoint(tmp_path / "step_000000001", LocalStorage())
+    assert report.ok, report
+    assert torch.equal(asyncckpt.load(tmp_path, step=1)["w"], small["w"])
+    assert torch.equal(asyncckpt.load(tmp_path, step=2)["layer7.weight_with_a_long_name"],
+                       torch.ones(8))
+
+
+def test_prepare_with_on_busy_error_refuses_while_a_save_is_in_flight(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    storage.gate.clear()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", on_busy="error",
+                                     storage=storage) as ckpt:
+        fut = ckpt.save_async({"w": torch.ones(4)}, step=1)
+        with pytest.raises(asyncckpt.CheckpointInFlightError, match="step 1"):
+            ckpt.prepare({"v": torch.ones(8)})
+        storage.gate.set()
+        fut.wait(30)
+    assert asyncckpt.load(tmp_path, step=1)["w"].sum() == 4
+
+
 class RecordingTransport:
     """What a checkpointer asks of a transport it serves through."""
 

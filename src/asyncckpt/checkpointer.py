@@ -249,14 +249,28 @@ class AsyncCheckpointer:
         """
         self._check_open()
         tensors = flatten(state).tensors  # on this thread: state_dict() calls stay here
-        self._stop_serving()
+        pending = self._pending
+        if pending is not None and not pending.done() and self.config.on_busy == "error":
+            raise CheckpointInFlightError(
+                f"step {pending.step} is still being saved to {self.directory}; wait() for it "
+                "before prepare(), or use on_busy='wait'")
         plan = self._plan_for(tensors)
         writer = self._ensure_writer()
+
+        def allocate() -> None:
+            # The save in flight still writes (and then offers) the arena: a new layout's
+            # header must not land in it before that save is durable.
+            if pending is not None:
+                with contextlib.suppress(Exception):  # its error is its future's to report
+                    pending.wait()
+            self._stop_serving()
+            self._arena_for(plan)
+
         if background:
-            self._preparing = writer.stager.submit(self._arena_for, plan)
+            self._preparing = writer.stager.submit(allocate)
         else:
             self._preparing = cf.Future()
-            self._arena_for(plan)
+            allocate()
             self._preparing.set_result(None)
         return self._preparing
 
