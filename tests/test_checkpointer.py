@@ -206,6 +206,33 @@ def test_background_error_is_reraised_and_nothing_is_lost(tmp_path: Path) -> Non
     ckpt.close()
 
 
+def test_overlapped_staging_stops_before_a_failed_save_resolves(tmp_path: Path) -> None:
+    # The write fails at once while overlap=True staging still copies on its thread: the
+    # future must not resolve (and free the arena for the next save) until it has stopped.
+    class NoTmpDir(LocalStorage):
+        fail = True
+
+        def makedirs(self, path: Path) -> None:
+            if self.fail and ".tmp-" in Path(path).name:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().makedirs(path)
+
+    storage = NoTmpDir()
+    slow = torch.ones(4096, 8192).t()  # 128 MiB, non-contiguous: a slow copy
+    zeros = torch.zeros(30 << 20)  # another layout, same arena
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage,
+                                     copy_threads=2) as ckpt:
+        for step in (1, 3, 5):
+            storage.fail = True
+            fut = ckpt.save_async({"a": slow}, step=step, overlap=True)
+            with pytest.raises(asyncckpt.CheckpointSaveError, match="disk is full"):
+                fut.wait(60)
+            storage.fail = False
+            ckpt.save({"b": zeros}, step=step + 1)
+            got = ckpt.load(step=step + 1)["b"]
+            assert int(torch.count_nonzero(got)) == 0, f"step {step + 1} holds step {step}'s ones"
+
+
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:
     class Exploding:
         def state_dict(self) -> dict:

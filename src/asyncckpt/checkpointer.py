@@ -220,7 +220,8 @@ class AsyncCheckpointer:
         durable, self._retention = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
         if overlap and self.config.mode != "sync":
-            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress, writer)
+            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress, writer,
+                                          stoppable=True)
         else:
             staged = cf.Future()
             try:
@@ -517,13 +518,21 @@ class AsyncCheckpointer:
 
 
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                   progress: StagingProgress, writer: BackgroundWriter) -> None:
+                   progress: StagingProgress, writer: BackgroundWriter, *,
+                   stoppable: bool = False) -> None:
+    """Stage, and fail the save's progress if staging fails. ``stoppable`` (overlap=True,
+    on the stager thread): give up as soon as the save has failed, since the next save
+    may want the arena; on the caller's thread the copy just finishes."""
+    if not progress.begin(stoppable):  # overlap=True, and the save failed before this ran
+        raise CheckpointSaveError("the save failed before its tensors were staged")
     try:
         stage(plan, tensors, arena, progress, helpers=writer.copiers,
-              threads=writer.copy_threads)
+              threads=writer.copy_threads, stoppable=stoppable)
     except BaseException as exc:
         progress.fail(exc)
         raise
+    finally:
+        progress.end()
 
 
 def _version() -> str:

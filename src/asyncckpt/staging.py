@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointTimeoutError
+from .errors import CheckpointSaveError, CheckpointTimeoutError
 from .plan import WriteItem, WritePlan
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class StagingProgress:
         self._events: list[tuple[int, Any]] = []  # (offset, CUDA event) still to sync
         self._error: BaseException | None = None
         self._done = False
+        self._staging = False  # a thread is copying into the arena right now
         self.finished_at: float | None = None
 
     def publish(self, upto: int, event: Any = None) -> None:
@@ -121,6 +122,26 @@ class StagingProgress:
         """Whether staging, or the save it belongs to, has failed."""
         return self._error is not None
 
+    def begin(self, stoppable: bool = True) -> bool:
+        """Staging starts; False (do not start) when it is ``stoppable`` and the save
+        has already failed."""
+        with self._cond:
+            self._staging = not (stoppable and self._error is not None)
+            return self._staging
+
+    def end(self) -> None:
+        """Staging touches the arena no more."""
+        with self._cond:
+            self._staging = False
+            self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """After ``fail()``: block until no staging thread writes the arena any more
+        (staging stops at its next unit once the save has failed)."""
+        with self._cond:
+            while self._staging:
+                self._cond.wait()
+
     def wait_for(self, offset: int, timeout: float | None = None) -> None:
         """Block until bytes below ``offset`` are staged; re-raise a staging failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -141,7 +162,7 @@ class StagingProgress:
 
 def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
           progress: StagingProgress, *, helpers: Executor | None = None,
-          threads: int = 1) -> None:
+          threads: int = 1, stoppable: bool = False) -> None:
     """Copy every planned tensor into its place in the arena, publishing progress.
 
     CPU tensors are copied by ``threads`` threads (this one plus ``threads - 1`` run on
@@ -149,16 +170,18 @@ def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena
     advances over the prefix of finished units, so the writer still follows in order.
     CUDA tensors are copied asynchronously on a side stream (into pinned memory) by this
     thread alone. Returns once every copy has completed, so the caller may then mutate
-    its tensors.
+    its tensors. ``stoppable``: raise StagingStopped at the next unit once the save has
+    failed (``progress.fail``) instead of finishing the copy.
     """
     if any(t.is_cuda for t in tensors.values()) or helpers is None or threads <= 1:
-        _stage_serial(plan, tensors, arena, progress)
+        _stage_serial(plan, tensors, arena, progress, stoppable)
         return
-    _stage_parallel(plan, tensors, arena, progress, helpers, threads)
+    _stage_parallel(plan, tensors, arena, progress, helpers, threads, stoppable)
 
 
 def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                    progress: StagingProgress, helpers: Executor, threads: int) -> None:
+                    progress: StagingProgress, helpers: Executor, threads: int,
+                    stoppable: bool) -> None:
     units = plan.copy_units
     items = plan.items
     base = arena.tensor.data_ptr()
@@ -178,6 +201,9 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
         nonlocal frontier, published
         with torch.no_grad():
             while not failed:
+                if stoppable and progress.failed:  # the save failed: leave the arena
+                    failed.append(_stopped())
+                    return
                 u = next(claim)
                 if u >= len(units):
                     return
@@ -240,7 +266,7 @@ def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi
 
 
 def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                  progress: StagingProgress) -> None:
+                  progress: StagingProgress, stoppable: bool = False) -> None:
     stream = None
     if any(t.is_cuda for t in tensors.values()):
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -250,6 +276,8 @@ def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: H
     base = arena.tensor.data_ptr()
     with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
         for item in plan.items:
+            if stoppable and progress.failed:  # the save failed: leave the arena
+                raise _stopped()
             src = tensors[item.key]
             if not item.nbytes:
                 pass
@@ -267,6 +295,14 @@ def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: H
         if stream is not None:
             stream.synchronize()
     progress.finish(plan.file_bytes)
+
+
+class StagingStopped(CheckpointSaveError):
+    """Staging gave up because its save had already failed (the save's error says why)."""
+
+
+def _stopped() -> BaseException:
+    return StagingStopped("staging stopped: the save failed (see its future)")
 
 
 def _record_event(stream: Any) -> Any:

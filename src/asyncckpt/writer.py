@@ -187,10 +187,13 @@ class BackgroundWriter:
         try:
             return self._save(job, hashes)
         except BaseException as exc:
+            job.progress.fail(RuntimeError("the save failed"))
             if hashes is not None:  # it may write into the temporary directory: let it end
-                job.progress.fail(RuntimeError("the save failed"))
                 with contextlib.suppress(BaseException):
                     hashes.result()
+            # With overlap=True staging may still be copying: the arena is free, and this
+            # future may resolve, only once it has stopped (at its next unit).
+            job.progress.wait_idle()
             _abort(job, exc)
             if isinstance(exc, CheckpointError):
                 raise
