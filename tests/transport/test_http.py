@@ -863,3 +863,58 @@ def test_load_from_a_peer_opens_the_connections_asked_for(
     got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0, threads=threads)
     assert len(opened) == threads
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_disallow_cuts_off_a_slow_transfer_before_returning() -> None:
+    # torchft changes the tensors as soon as disallow_checkpoint() returns: a client
+    # reading slowly (each 8 MiB piece within the socket timeout) must not get any byte
+    # of the new state.
+    from asyncckpt.transport.base import BufferSource, Served
+    from asyncckpt.transport.http import HTTPTransport
+
+    n = 64 << 20
+    buf = bytearray(b"\x01") * n
+    tr = HTTPTransport(timeout=2.0)
+    try:
+        tr.serve(Served(1, lambda: b"{}", {"f": BufferSource(memoryview(buf))}))
+        s = socket.create_connection(("127.0.0.1", tr._server.server_address[1]))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(b"GET /v1/1/files/f HTTP/1.1\r\nRange: bytes=0-%d\r\n\r\n" % (n - 1))
+        got = bytearray()
+        done = threading.Event()
+
+        def read_slowly() -> None:
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(1 << 16):
+                    got.extend(chunk)
+                    time.sleep(len(chunk) / 12e6)  # 12 MB/s: 8 MiB well within 2 s
+            done.set()
+
+        threading.Thread(target=read_slowly, daemon=True).start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        tr.disallow_checkpoint()
+        waited = time.monotonic() - t0
+        buf[:] = b"\xff" * n  # the next training step
+        assert done.wait(60), "the cut-off connection was not closed"
+        body = bytes(got).split(b"\r\n\r\n", 1)[1]
+        assert 0 < len(body) < n and body.count(0xFF) == 0, (len(body), body.count(0xFF))
+        assert 1.9 < waited < 15, waited  # the grace time, then the cut
+        assert tr._active == 0
+        s.close()
+    finally:
+        tr.shutdown()
+
+
+def test_disallow_stops_checksumming_live_tensors() -> None:
+    # A manifest request makes the server checksum the live tensors; a disallow whose
+    # grace time runs out stops that at the next tensor.
+    from asyncckpt.transport.base import serve_state
+
+    state = {f"t{i}": torch.zeros(1 << 16) for i in range(64)}
+    served = serve_state(1, state, block_bytes=1 << 22, library_version="t")
+    served.cancelled.set()
+    with pytest.raises(asyncckpt.CheckpointTransportError, match="cut off while checksumming"):
+        served.manifest()
+    served.cancelled.clear()  # allowed again: it checksums in full
+    assert json.loads(served.manifest())["step"] == 1

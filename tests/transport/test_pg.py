@@ -364,6 +364,26 @@ def test_disallow_waits_for_a_send_running_on_another_thread() -> None:
     a.disallow_checkpoint()  # nothing running: returns at once
 
 
+def test_disallow_cuts_off_a_send_that_outlasts_its_grace_time() -> None:
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 0.5)  # disallow's grace time
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    state = small_state()
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    time.sleep(0.2)  # the sender now waits for the request
+    disallow = Background(a.disallow_checkpoint)
+    time.sleep(1.0)  # past the grace time: the send is cut off, and waited for
+    assert disallow.thread.is_alive(), "disallow returned while the send could still run"
+    receiver = Background(b.recv_checkpoint, 0, "pg:0", 5, 1.5)
+    with pytest.raises(CheckpointTransportError, match="cut off by disallow_checkpoint"):
+        sender.result()
+    disallow.result()
+    with pytest.raises(CheckpointTimeoutError):
+        receiver.result()
+    # the offer and the manifest went out, no segment (tensor bytes) did
+    assert len([s for s in wire.sent if s[0] == 0]) == 2, wire.sent
+
+
 def test_disallow_then_send_again_and_shutdown_refuses() -> None:
     a, b, _ = pair()
     a.disallow_checkpoint()

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from .._gc import gc_paused
+from ..errors import CheckpointTransportError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, plan_writes
 from ..reader import read_manifest, tensor_bytes
@@ -212,11 +213,17 @@ class LiveSource(FileSource):
 
 @dataclass
 class Served:
-    """One checkpoint being served: its step, manifest and files."""
+    """One checkpoint being served: its step, manifest and files.
+
+    ``cancelled`` is set by a transport that cuts its transfers off (after
+    ``disallow_checkpoint``'s grace time): work still reading the served memory, such as
+    checksumming live tensors, stops at its next tensor.
+    """
 
     step: int
     manifest: Callable[[], bytes]
     files: dict[str, FileSource]
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -248,6 +255,7 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     source = LiveSource(plan, dict(flat.tensors))
     lock = threading.Lock()
     cache: list[bytes] = []
+    cancelled = threading.Event()
 
     def checksums() -> list[tuple[str, ...]]:
         """Every item's block checksums, on up to _HASH_THREADS threads (xxhash releases
@@ -264,8 +272,13 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
         cuts.append(len(items))
 
         def run(lo: int, hi: int) -> list[tuple[str, ...]]:
-            return [tuple(block_checksums(source.tensor_view(it.key), block_bytes))
-                    for it in items[lo:hi]]
+            out = []
+            for it in items[lo:hi]:
+                if cancelled.is_set():  # disallowed: the tensors may be changing now
+                    raise CheckpointTransportError(
+                        f"step {step}: serving was cut off while checksumming the live state")
+                out.append(tuple(block_checksums(source.tensor_view(it.key), block_bytes)))
+            return out
 
         spans = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
         if len(spans) <= 1:
@@ -295,4 +308,4 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                         partial=True).to_json())
             return cache[0]
 
-    return Served(step, manifest, {plan.file: source})
+    return Served(step, manifest, {plan.file: source}, cancelled)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import http.client
+import itertools
 import json
 import logging
 import re
@@ -91,6 +92,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._offered: Served | None = None
         self._allowed: int | None = None
         self._active = 0
+        self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
+        self._tickets = itertools.count()
         self._server = _Server((host, port), _Handler, self, max_connections)
         self._advertise = advertise_host or host
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
@@ -145,20 +148,16 @@ class HTTPTransport(CheckpointTransport[Any]):
                 raise CheckpointNotFoundError(
                     f"cannot allow step {step}: the checkpoint on offer is of step {have}")
             self._allowed = step
+            self._offered.cancelled.clear()  # a disallow may have cut its checksumming off
             self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving; wait (up to the timeout) for transfers in progress to end."""
-        deadline = time.monotonic() + self.timeout_s
+        """Stop serving. Transfers in progress may finish within the timeout; then they
+        are cut off. Once this returns, nothing served is read any more (torchft changes
+        the tensors right after)."""
         with self._cond:
             self._allowed = None
-            while self._active:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("disallow_checkpoint: %d transfers still running after %.0fs",
-                                self._active, self.timeout_s)
-                    break
-                self._cond.wait(left)
+            self._drain(None, self.timeout_s, "disallow_checkpoint")
 
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()
@@ -167,23 +166,46 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._thread.join(self.timeout_s)
         with self._cond:
             old, self._offered, self._allowed = self._offered, None, None
+            self._drain(None, 0.0, "shutdown")  # never close a file a transfer still sends
         if old is not None:
             old.close()
+
+    def _drain(self, served: Served | None, grace_s: float, who: str) -> None:
+        """Wait up to ``grace_s`` for the transfers of ``served`` (None: of anything) to
+        end, then cut off the rest: shut their sockets (a send fails at once) and cancel
+        checksumming; return once none runs. Call with ``self._cond`` held."""
+        def running() -> list[tuple[socket.socket, Served]]:
+            return [v for v in self._serving.values() if served is None or v[1] is served]
+
+        self._cond.wait_for(lambda: not running(), grace_s)
+        if not running():
+            return
+        log.warning("%s: cutting off %d transfers still running after %.0fs", who,
+                    len(running()), grace_s)
+        for sock, srv in running():
+            srv.cancelled.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if not self._cond.wait_for(lambda: not running(), max(10.0, self.timeout_s)):
+            log.error("%s: %d transfers did not stop", who, len(running()))
 
     def _close_when_idle(self, served: Served) -> None:
         def close() -> None:
             with self._cond:
-                self._cond.wait_for(lambda: self._active == 0, self.timeout_s)
+                self._drain(served, self.timeout_s, "serve")
             served.close()
         threading.Thread(target=close, daemon=True).start()
 
-    def _acquire(self, step: int) -> Served | None:
-        """Wait until ``step`` may be served; None when it is not on offer."""
+    def _acquire(self, step: int, sock: socket.socket) -> tuple[Served, int] | None:
+        """Wait until ``step`` may be served; None when it is not on offer. Returns the
+        offer and the ticket to ``_release``."""
         with self._cond:
             if self._wait_allowed() != step or self._offered is None:
                 return None
             self._active += 1
-            return self._offered
+            ticket = next(self._tickets)
+            self._serving[ticket] = (sock, self._offered)
+            return self._offered, ticket
 
     def _wait_allowed(self) -> int:
         """The allowed step, once there is one; TimeoutError after the timeout.
@@ -200,9 +222,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             return self._wait_allowed()
 
-    def _release(self) -> None:
+    def _release(self, ticket: int) -> None:
         with self._cond:
             self._active -= 1
+            del self._serving[ticket]
             self._cond.notify_all()
 
     def _authorized(self, header: str | None) -> bool:
@@ -364,11 +387,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._refuse(404, "no such resource")
         step, what = int(m.group(1)), m.group(2)
         try:
-            served = tr._acquire(step)
+            got = tr._acquire(step, self.connection)
         except TimeoutError:
             return self._refuse(503, f"step {step} {_NOT_ALLOWED} within {tr.timeout_s:g}s")
-        if served is None:
+        if got is None:
             return self._refuse(404, f"step {step} is not being served")
+        served, ticket = got
         try:
             if what == MANIFEST_NAME:
                 body = served.manifest()
@@ -403,7 +427,7 @@ class _Handler(BaseHTTPRequestHandler):
             if send_body:
                 source.send(self.connection, lo, hi - lo)
         finally:
-            tr._release()
+            tr._release(ticket)
 
 
 class _RangeTooLarge(Exception):

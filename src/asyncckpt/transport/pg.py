@@ -132,6 +132,7 @@ class PGTransport(CheckpointTransport[Any]):
         self._lock = threading.Lock()  # one transfer at a time on the group
         self._cond = threading.Condition()
         self._sending = 0
+        self._cuts: set[threading.Event] = set()  # one per send in progress
         self._closed = False
 
     # --- the interface --------------------------------------------------------------------
@@ -170,20 +171,25 @@ class PGTransport(CheckpointTransport[Any]):
             (source,) = served.files.values()
             if not isinstance(source, LiveSource):
                 raise AssertionError("serve_state serves a LiveSource")
+            cut = served.cancelled  # set by disallow_checkpoint to cut this send off
+            with self._cond:
+                self._cuts.add(cut)
             manifest = served.manifest()  # checksums every tensor once, here
             segments = _send_segments(source)
             self._acquire(deadline, "send")
             try:
                 for dst in dst_ranks:
-                    self._send_to(dst, step, manifest, source, segments, deadline)
+                    self._send_to(dst, step, manifest, source, segments, deadline, cut)
             finally:
                 self._lock.release()
         finally:
-            if served is not None:
-                served.close()
             with self._cond:
+                if served is not None:
+                    self._cuts.discard(served.cancelled)
                 self._sending -= 1
                 self._cond.notify_all()
+            if served is not None:
+                served.close()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
@@ -216,11 +222,16 @@ class PGTransport(CheckpointTransport[Any]):
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
-        a send running on another thread is waited for (up to the timeout)."""
+        a send running on another thread may finish within the timeout, then it is cut
+        off before its next segment (its peer's receive fails) and waited for."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._sending == 0, self.timeout_s):
-                log.warning("disallow_checkpoint: a send is still running after %.0fs",
-                            self.timeout_s)
+            if self._cond.wait_for(lambda: self._sending == 0, self.timeout_s):
+                return
+            log.warning("disallow_checkpoint: cutting off a send still running after %.0fs",
+                        self.timeout_s)
+            for cut in self._cuts:
+                cut.set()
+            self._cond.wait_for(lambda: self._sending == 0)
 
     def shutdown(self, wait: bool = True) -> None:
         """Refuse later transfers. The group belongs to the caller and is left as it is."""
@@ -230,7 +241,7 @@ class PGTransport(CheckpointTransport[Any]):
 
     def _send_to(self, dst: int, step: int, manifest: bytes, source: LiveSource,
                  segments: list[tuple[int, Callable[[], torch.Tensor]]],
-                 deadline: float) -> None:
+                 deadline: float, cut: threading.Event) -> None:
         req = self._recv_words(dst, deadline, f"the request of rank {dst}")
         if req[:3] != [MAGIC, VERSION, REQUEST]:
             raise CheckpointTransportError(
@@ -249,6 +260,10 @@ class PGTransport(CheckpointTransport[Any]):
         raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
         self._send(raw, dst, deadline, f"the manifest of step {step} to rank {dst}")
         for i, (nbytes, get) in enumerate(segments[:nseg]):
+            if cut.is_set():
+                raise CheckpointTransportError(
+                    f"step {step}: the send to rank {dst} was cut off by disallow_checkpoint "
+                    f"after {i} of {nseg} segments; rank {dst}'s receive fails")
             t = get()
             if t.numel() != nbytes:
                 raise AssertionError(f"segment {i}: {t.numel()} bytes, planned {nbytes}")
