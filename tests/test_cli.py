@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,9 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt.cli import human_bytes, main
+from asyncckpt.cli import _iso, _when, human_bytes, main
+from asyncckpt.reader import read_manifest
+from asyncckpt.storage import LocalStorage
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -196,6 +200,42 @@ def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1 and "does not end with its digest" in err and "Traceback" not in err
     code, out, _ = run(capsys, "verify", str(root), "--step", "20")
     assert code == 1 and "does not end with its digest" in out
+
+
+def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # datetime cannot show it: the manifest is refused as corrupt, and nothing crashes
+    step_dir = root / "step_000000030"
+    m = read_manifest(step_dir, LocalStorage())
+    (step_dir / "manifest.json").write_bytes(dataclasses.replace(m, created_unix=5e11).to_json())
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0 and err == ""
+    row = out.splitlines()[3].split()
+    assert row[:5] == ["30", "?", "?", "?", "UNREADABLE:"] and "created_unix" in out
+    code, out, err = run(capsys, "inspect", str(root))
+    assert code == 1 and out == "" and "created_unix must be seconds from 0" in err
+    assert len(err.strip().splitlines()) == 1
+    # were such a time to reach the formatting, it would show as the raw number
+    assert _when(5e11) == _iso(5e11) == "500000000000.0"
+    assert _iso(0) == "1970-01-01T00:00:00+00:00"
+
+
+def test_ls_of_a_renamed_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    best = root.parent / "best"
+    shutil.copytree(root / "step_000000020", best)
+    code, out, err = run(capsys, "ls", str(best))
+    assert code == 0 and err == ""
+    assert out.splitlines()[1].split()[0] == "20"  # the step comes from the manifest
+    (best / "manifest.json").write_bytes(b"{}")
+    code, out, err = run(capsys, "ls", str(best))
+    assert code == 0 and err == ""
+    row = out.splitlines()[1].split()
+    assert row[:5] == ["?", "?", "?", "?", "UNREADABLE:"]
+    assert "does not end with its digest" in out
+    code, out, _ = run(capsys, "ls", str(best), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["steps"][0]["step"] is None and "error" in doc["steps"][0]
+    assert doc["latest"] is None
 
 
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

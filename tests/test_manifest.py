@@ -8,6 +8,7 @@ import json
 import math
 import re
 import struct
+import warnings
 
 import pytest
 import safetensors
@@ -19,6 +20,8 @@ from hypothesis import strategies as st
 
 from asyncckpt import CheckpointCorruptError
 from asyncckpt.manifest import (
+    _NUMPY_DTYPES,
+    _STORABLE_DTYPES,
     ALIGN,
     FORMAT_VERSION,
     BlockHasher,
@@ -320,6 +323,7 @@ CORRUPTIONS = {
     "version-string": _set(["format_version"], "1"),
     "unknown-checksum": _set(["checksum", "algorithm"], "md5"),
     "tiny-block-bytes": _set(["checksum", "block_bytes"], 16),
+    "unaligned-block-bytes": _set(["checksum", "block_bytes"], 4098),
     "file-with-slash": _rename_file("sub/rank_00000.safetensors"),
     "file-dotdot": _rename_file(".."),
     "file-dot": _rename_file("."),
@@ -370,6 +374,9 @@ CORRUPTIONS = {
     "step-bool": _set(["step"], True),
     "world-size-zero": _set(["world_size"], 0),
     "created-string": _set(["created_unix"], "yesterday"),
+    "created-negative": _set(["created_unix"], -1.0),
+    "created-past-year-9999": _set(["created_unix"], 5e11),
+    "created-nan": _set(["created_unix"], float("nan")),
     "library-version-int": _set(["library_version"], 1),
     "metadata-list": _set(["user_metadata"], ["a"]),
     "files-list": _set(["files"], []),
@@ -442,6 +449,69 @@ def test_huge_created_unix_is_corrupt():
     assert raw != make_manifest().to_json()
     with pytest.raises(CheckpointCorruptError, match="created_unix"):
         parse_manifest(resealed(raw), PATH)
+
+
+@pytest.mark.parametrize("created, ok", [(0, True), (253402300799, True), (253402300799.5, False),
+                                         (-0.5, False)])
+def test_created_unix_must_be_a_time_a_datetime_can_show(created, ok):
+    doc = good_doc()
+    doc["created_unix"] = created
+    if ok:
+        assert parse_doc(doc).created_unix == created
+    else:
+        with pytest.raises(CheckpointCorruptError, match="created_unix must be seconds from 0"):
+            parse_doc(doc)
+
+
+def _with_block_bytes(doc, block_bytes):
+    """``doc`` with ``block_bytes`` and every chunk's checksums recomputed to match."""
+    doc["checksum"]["block_bytes"] = block_bytes
+    for t in doc["tensors"].values():
+        for c in t["chunks"]:
+            start, end = c["byte_range"]
+            c["checksums"] = block_checksums(bytes(end - start), block_bytes)
+    return doc
+
+
+def test_block_bytes_must_be_a_multiple_of_4096():
+    # a reader seeks to block starts: an unaligned block size would misalign its reads
+    assert parse_doc(_with_block_bytes(good_doc(), 8192)).block_bytes == 8192
+    doc = _with_block_bytes(good_doc(), 4098)
+    with pytest.raises(CheckpointCorruptError,
+                       match=r"checksum\.block_bytes 4098 is not a multiple of 4096") as info:
+        parse_doc(doc)
+    assert info.value.path == PATH
+
+
+@pytest.mark.parametrize("key, node, dtype", [
+    pytest.param("empty", "ndarray", "bfloat16", id="bfloat16-ndarray"),
+    pytest.param("empty", "npscalar", "bfloat16", id="bfloat16-npscalar"),
+    pytest.param("big", "ndarray", "float8_e4m3fn", id="float8-ndarray"),
+    pytest.param("big", "ndarray", "float8_e5m2", id="float8-e5m2-ndarray"),
+])
+def test_numpy_node_of_a_dtype_numpy_lacks_is_corrupt(key, node, dtype):
+    doc = good_doc()
+    doc["tensors"][key]["dtype"] = dtype  # same itemsize: the byte ranges stay consistent
+    skeleton_node = dict(doc["skeleton"]["items"])[key]  # "big" and "empty" sit at the top
+    skeleton_node["t"] = node
+    with pytest.raises(CheckpointCorruptError, match=f"{node} node has dtype {dtype}") as info:
+        parse_doc(doc)
+    assert info.value.key == key
+    # the same tensor under a "tensor" node is fine: torch holds every storable dtype
+    skeleton_node["t"] = "tensor"
+    assert str(parse_doc(doc).tensors[key].dtype) == f"torch.{dtype}"
+
+
+def test_numpy_dtypes_are_those_torch_converts_to_numpy():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 warns that it is experimental
+        for dtype in _STORABLE_DTYPES.values():
+            try:
+                torch.zeros(0, dtype=dtype).numpy()
+                converts = True
+            except (TypeError, NotImplementedError):
+                converts = False
+            assert (dtype in _NUMPY_DTYPES) == converts, dtype
 
 
 @pytest.mark.parametrize("shape, chunks", [

@@ -21,7 +21,14 @@ from asyncckpt.manifest import (
     block_checksums,
     decode_header,
 )
-from asyncckpt.plan import box_byte_span, intersect, plan_reads, plan_writes, row_major_strides
+from asyncckpt.plan import (
+    box_byte_span,
+    intersect,
+    plan_reads,
+    plan_writes,
+    row_major_strides,
+    tiling_problem,
+)
 
 _DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32,
            torch.uint32, torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
@@ -176,6 +183,59 @@ def test_intersect_property(a, b):
         assert (mg == both).all()
     elif got is not None:
         assert math.prod(got[1]) == 0  # only empty boxes may "meet" without sharing elements
+
+
+# --- tiling_problem ---------------------------------------------------------------------------
+
+def _tiling_by_counting(shape, boxes, allow_gaps):
+    """The verdict tiling_problem must give, by counting every element's boxes."""
+    count = np.zeros(shape, np.int64)
+    for offs, lens in boxes:
+        count[tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))] += 1
+    if (count > 1).any():
+        return "chunks overlap"
+    if not allow_gaps and (count == 0).any():
+        return "chunks leave part of the tensor uncovered"
+    return None
+
+
+@st.composite
+def shape_and_boxes(draw):
+    """A grid that tiles a shape, often spoiled: a cell dropped, doubled, or a box added."""
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=rank, max_size=rank)))
+    edges = [sorted({0, n, *draw(st.lists(st.integers(0, n), max_size=3))}) for n in shape]
+    cells = [(tuple(a for a, _ in cell), tuple(b - a for a, b in cell))
+             for cell in itertools.product(*(itertools.pairwise(e) for e in edges))]
+    for _ in range(draw(st.integers(0, 2))):
+        op = draw(st.sampled_from(["drop", "double", "add"]))
+        if op == "drop" and cells:
+            cells.pop(draw(st.integers(0, len(cells) - 1)))
+        elif op == "double" and cells:
+            cells.append(cells[draw(st.integers(0, len(cells) - 1))])
+        else:
+            offs = tuple(draw(st.integers(0, n)) for n in shape)
+            cells.append((offs, tuple(draw(st.integers(0, n - o))
+                                      for n, o in zip(shape, offs, strict=True))))
+    return shape, draw(st.permutations(cells))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape_and_boxes(), st.booleans())
+def test_tiling_problem_matches_counting_every_element(case, allow_gaps):
+    shape, boxes = case
+    assert (tiling_problem(shape, boxes, allow_gaps=allow_gaps)
+            == _tiling_by_counting(shape, boxes, allow_gaps))
+
+
+def test_tiling_problem_rejects_nested_boxes_without_visiting_each_one():
+    # K boxes nested on the diagonal of a K x K tensor: adding each box to a count before
+    # looking for overlaps took O(K^3) (seconds for one small hostile manifest)
+    k = 1500
+    nested = [((i, i), (k - i, k - i)) for i in range(k)]
+    assert tiling_problem((k, k), nested) == "chunks overlap"
+    assert tiling_problem((k, k), nested[::-1]) == "chunks overlap"
+    assert tiling_problem((k, k), nested[::-1], allow_gaps=True) == "chunks overlap"
 
 
 # --- plan_reads -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import commit
+from .commit import _STEP_DIR
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import read_manifest, verify_checkpoint
@@ -51,11 +52,19 @@ def human_bytes(n: float) -> str:
 
 
 def _when(unix: float) -> str:
-    return datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    """Local time of ``unix``, or the raw number where no date can show it."""
+    try:
+        return datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):
+        return str(unix)
 
 
 def _iso(unix: float) -> str:
-    return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
+    """ISO 8601 UTC time of ``unix``, or the raw number where no date can show it."""
+    try:
+        return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        return str(unix)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
@@ -110,7 +119,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         try:
             m = read_manifest(d, storage)
         except CheckpointError as exc:
-            entries.append({"step": int(d.name.rsplit("_", 1)[-1]), "path": str(d),
+            named = _STEP_DIR.match(d.name)  # a copied step dir may have any name
+            entries.append({"step": int(named.group(1)) if named else None, "path": str(d),
                             "error": str(exc)})
             continue
         entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
@@ -128,7 +138,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),
                  _when(e["created_unix"]), "latest" if e["step"] == latest else ""]
                 if "error" not in e else
-                [str(e["step"]), "?", "?", "?", f"UNREADABLE: {e['error']}"] for e in entries]
+                ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
+                 f"UNREADABLE: {e['error']}"] for e in entries]
         print(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
         print(f"{len(entries)} committed step{'s' if len(entries) != 1 else ''}, "

@@ -42,6 +42,7 @@ MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _DIGEST_TAIL = re.compile(rb',"digest":"([0-9a-f]{16})"\}\n?\Z')
 _MAX_DIM = 1 << 62
+_MAX_UNIX = 253402300799  # 9999-12-31T23:59:59Z, the last second a datetime can show
 
 # torch dtype -> safetensors dtype. Dtypes safetensors lacks are stored as raw bytes
 # ("U8" of shape [nbytes]); the manifest keeps their real dtype.
@@ -337,7 +338,9 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     cs = c.obj(doc.get("checksum"), "checksum")
     if cs.get("algorithm") != CHECKSUM_ALGORITHM:
         raise c.fail(f"unknown checksum algorithm {cs.get('algorithm')!r:.40}")
-    block_bytes = c.int_(cs.get("block_bytes"), "checksum.block_bytes", lo=4096)
+    block_bytes = c.int_(cs.get("block_bytes"), "checksum.block_bytes", lo=ALIGN)
+    if block_bytes % ALIGN:  # a reader seeks to block starts, which must stay aligned
+        raise c.fail(f"checksum.block_bytes {block_bytes} is not a multiple of {ALIGN}")
     files: dict[str, FileEntry] = {}
     for name, f in c.obj(doc.get("files"), "files").items():
         if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
@@ -364,8 +367,9 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
     created = doc.get("created_unix")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not (
-            -1e12 < created < 1e12):
-        raise c.fail("created_unix must be a plausible number of seconds")
+            0 <= created <= _MAX_UNIX):
+        raise c.fail(f"created_unix must be seconds from 0 to {_MAX_UNIX} (year 9999), got "
+                     f"{created!r:.40}")
     return Manifest(
         step=c.int_(doc.get("step"), "step"),
         world_size=c.int_(doc.get("world_size"), "world_size", lo=1),
@@ -380,6 +384,13 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
 _STORABLE_DTYPES: dict[str, torch.dtype] = {
     dtype_name(d): d for d in vars(torch).values()
     if isinstance(d, torch.dtype) and not _is_bits(dtype_name(d))}
+
+
+# The dtypes a numpy array (an "ndarray"/"npscalar" skeleton node) can be restored as.
+_NUMPY_DTYPES = frozenset((
+    torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128))
 
 
 def _nonneg_ints(v: Any) -> bool:
@@ -499,6 +510,10 @@ def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth
     if t in ("tensor", "ndarray", "npscalar"):
         if not isinstance(node.get("key"), str) or node["key"] not in tensors:
             raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
+        dtype = tensors[node["key"]].dtype
+        if t != "tensor" and dtype not in _NUMPY_DTYPES:
+            raise c.fail(f"{t} node has dtype {dtype_name(dtype)}, which numpy cannot hold",
+                         node["key"])
     elif t == "dict":
         items = node.get("items")
         if not isinstance(items, list):
