@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -169,8 +172,8 @@ def test_numpy_dtypes_roundtrip(ckpt, dtype, same):
     targets = {k: np.zeros_like(v) for k, v in src.items() if isinstance(v, np.ndarray)}
     targets["T"] = np.zeros((3, 4), dtype=dtype).T  # non-contiguous target
     targets["stepped"] = np.zeros((3, 6), dtype=dtype)[:, ::2]
-    del targets["reversed"]  # a negative-stride target is copied, not filled in place
-    state = {**targets, "reversed": np.zeros(5, dtype=dtype), "scalar": np.zeros((), dtype)[()]}
+    targets["reversed"] = np.zeros(5, dtype=dtype)[::-1]  # loaded through a copy, written back
+    state = {**targets, "scalar": np.zeros((), dtype)[()]}
     out = ckpt.load(state)
     same(src, {k: out[k] for k in src})
     for k, arr in targets.items():
@@ -186,6 +189,63 @@ def test_empty_numpy_target_keeps_identity(ckpt):
     out = ckpt.load(state)
     assert out["t"] is t  # torch: kept
     assert out["e"] is e
+
+
+def test_negative_stride_numpy_targets_get_the_saved_values(ckpt):
+    src = {"v": np.arange(6, dtype=np.float32) + 100,
+           "m": np.arange(12, dtype=np.int64).reshape(3, 4)}
+    ckpt.save(src, 1)
+    base_v, base_m = np.zeros(6, np.float32), np.zeros((3, 8), np.int64)
+    state = {"v": base_v[::-1], "m": base_m[::-1, ::-2]}
+    v, m = state["v"], state["m"]
+    out = ckpt.load(state)
+    assert out["v"] is v and out["m"] is m
+    assert np.array_equal(v, src["v"]) and np.array_equal(m, src["m"])
+    assert np.array_equal(base_v, src["v"][::-1])
+    assert np.array_equal(base_m[::-1, ::-2], src["m"]) and not base_m[:, 0::2].any()
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_read_only_numpy_target_is_refused_before_reading(ckpt):
+    ckpt.save({"w": np.arange(4.0), "t": torch.ones(2)}, 1)
+    ro = np.zeros(4)
+    ro.setflags(write=False)
+    t = torch.zeros(2)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"w": ro, "t": t})
+    assert "'w'" not in str(info.value) and "w; pass writeable" in str(info.value)
+    assert info.value.mismatched == ["w: read-only numpy array"]
+    assert not ro.any() and not t.any()  # nothing was read
+    with pytest.raises(StateMismatchError):  # whatever strict says
+        ckpt.load({"w": ro, "t": t}, strict=False)
+    w = np.zeros(4)
+    ckpt.load({"w": w, "t": t})
+    assert np.array_equal(w, np.arange(4.0))
+
+
+def test_read_only_memmap_view_target_is_refused(tmp_path):
+    # Reading into a read-only mapping used to crash the process: run it in a child.
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import asyncckpt
+        d = sys.argv[1]
+        asyncckpt.save({"w": np.arange(2048, dtype=np.float32)}, d + "/c", step=0)
+        np.zeros(4096, np.float32).tofile(d + "/arr.bin")
+        ro = np.memmap(d + "/arr.bin", dtype=np.float32, mode="r")
+        for target in (ro[::2], ro[:2048]):
+            try:
+                asyncckpt.load(d + "/c", {"w": target})
+            except asyncckpt.StateMismatchError as exc:
+                print("refused:", exc)
+        print("file untouched:", not np.fromfile(d + "/arr.bin", np.float32).any())
+    """)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and lines[-1] == "file untouched: True", r.stdout
+    assert all("read-only numpy arrays: w; pass writeable" in line for line in lines[:2])
 
 
 # --- memory: fresh loads are fresh, in-place loads are in place ---------------------------------
@@ -296,6 +356,34 @@ def test_tied_checkpoint_loads_into_untied_model(ckpt):
     assert torch.equal(untied.head.weight, m.emb.weight)
 
 
+def test_untied_checkpoint_into_one_target_tensor_never_races(ckpt, caplog):
+    # Two saved tensors, one target tensor: two reader threads must not fill (and hash)
+    # the same memory at once. Each is read apart and copied in order: the last one wins.
+    n = 1 << 20
+    ckpt.save({"a": torch.zeros(n), "b": torch.ones(n)}, 1)
+    for _ in range(5):
+        t = torch.full((n,), 5.0)
+        caplog.clear()
+        out = ckpt.load({"a": t, "b": t}, threads=2)
+        assert out["a"] is t and out["b"] is t
+        assert torch.equal(t, torch.ones(n))
+        assert "saved tensors a, b share memory" in caplog.text
+    assert torch.equal(ckpt.load(step=1)["a"], torch.zeros(n))  # the checkpoint is intact
+
+
+def test_overlapping_targets_of_different_keys_are_filled_in_order(ckpt, caplog):
+    ckpt.save({"a": torch.arange(6.0), "b": torch.arange(6.0) + 10, "c": torch.arange(3.0) + 20,
+               "x": np.arange(4.0), "y": np.arange(4.0) + 5}, 1)
+    base = torch.zeros(10)
+    arr = np.zeros(4)
+    c = torch.zeros(3)
+    ckpt.load({"a": base[:6], "b": base[4:], "c": c, "x": arr, "y": arr[::-1]}, threads=4)
+    assert torch.equal(base, torch.tensor([0.0, 1, 2, 3, 10, 11, 12, 13, 14, 15]))
+    assert np.array_equal(arr, np.arange(4.0)[::-1] + 5)
+    assert torch.equal(c, torch.arange(3.0) + 20)  # apart from the others: read in place
+    assert "saved tensors a, b, x, y share memory" in caplog.text
+
+
 # --- optimizer --------------------------------------------------------------------------------
 
 def _net(seed):
@@ -395,6 +483,52 @@ def test_shape_or_dtype_mismatch_always_raises(saved_ab, strict, bad):
         ckpt.load({"a": bad, "sub": {"b": torch.zeros(2, 2)}}, strict=strict)
     assert len(info.value.mismatched) == 1 and info.value.mismatched[0].startswith("a:")
     assert torch.equal(bad, torch.zeros_like(bad))  # nothing was written into it
+
+
+def test_checkpoint_list_longer_than_target_list(ckpt):
+    t0, t1 = torch.randn(2), torch.randn(2)
+    ckpt.save({"l": [t0, t1], "h": [1, 2, 3]}, 1)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"l": [torch.zeros(2)], "h": []})
+    assert info.value.unexpected == ["l/1"] and info.value.missing == []
+    z = torch.zeros(2)
+    state = {"l": [z], "h": []}
+    lst, hist = state["l"], state["h"]
+    out = ckpt.load(state, strict=False)
+    assert out["l"] is lst and lst == [z] and torch.equal(z, t0)
+    assert out["h"] is hist and hist == [1, 2, 3]  # scalars come from the checkpoint
+
+
+def test_target_list_longer_than_checkpoint_list(ckpt):
+    t0 = torch.randn(2)
+    ckpt.save({"l": [t0], "h": [1]}, 1)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"l": [torch.zeros(2), torch.zeros(2)], "h": [1]})
+    assert info.value.missing == ["l/1"] and info.value.unexpected == []
+    a, b = torch.zeros(2), torch.full((2,), 7.0)
+    state = {"l": [a, b, "x"], "t": (a.clone(), b), "h": [9, 9, 9]}
+    lst, hist = state["l"], state["h"]
+    ckpt.save({"l": [t0], "t": (t0,), "h": [1]}, 2)
+    out = ckpt.load(state, strict=False)
+    assert out["l"] is lst and len(lst) == 3 and lst[0] is a and lst[1] is b and lst[2] == "x"
+    assert torch.equal(a, t0) and torch.equal(b, torch.full((2,), 7.0))
+    assert type(out["t"]) is tuple and len(out["t"]) == 2 and out["t"][1] is b
+    assert torch.equal(out["t"][0], t0)
+    assert out["h"] is hist and hist == [1]  # only scalars differ: the checkpoint's list
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_list_of_different_length_never_crashes(ckpt, strict):
+    ckpt.save({"l": [torch.ones(2), {"w": torch.ones(1)}, torch.ones(3)]}, 1)
+    for target in ([torch.zeros(2)], [torch.zeros(2), {"w": torch.zeros(1), "v": 1}],
+                   [torch.zeros(2), {}, torch.zeros(3), torch.zeros(4)], [], [5, {}]):
+        state = {"l": target}
+        try:
+            out = ckpt.load(state, strict=strict)
+        except StateMismatchError:
+            assert strict
+        else:
+            assert out["l"] is target
 
 
 def test_module_missing_parameter_is_reported(ckpt):

@@ -20,6 +20,8 @@ from asyncckpt.tree import (
     capture_rng_state,
     escape_key,
     flatten,
+    is_copied,
+    restore_into,
     restore_rng_state,
     unflatten,
 )
@@ -318,6 +320,59 @@ def test_numpy_arrays_are_not_aliased_with_each_other():
     arr = np.arange(4.0)
     flat = flatten({"a": arr, "b": arr})
     assert len(flat.tensors) == 2
+
+
+def test_numpy_arrays_are_recorded_and_negative_strides_copied():
+    arr = np.arange(6.0)
+    rev = arr[::-1]
+    flat = flatten({"a": arr, "r": rev, "s": np.float32(1), "t": torch.zeros(1)})
+    assert set(flat.arrays) == {"a", "r"}
+    assert flat.arrays["a"] is arr and flat.arrays["r"] is rev
+    assert not is_copied(arr) and is_copied(rev) and is_copied(np.zeros((2, 3))[:, ::-1])
+    assert np.shares_memory(flat.tensors["a"].numpy(), arr)
+    assert not np.shares_memory(flat.tensors["r"].numpy(), arr)
+    assert flat.tensors["r"].tolist() == rev.tolist()
+
+
+def _restore(saved, target, keys):
+    """restore_into ``target`` from ``saved``'s skeleton with only ``keys`` loaded (as fresh
+    tensors: not in place, so a restored leaf becomes the loaded tensor)."""
+    src, flat = flatten(saved), flatten(target)
+    tensors = {k: v for k, v in src.tensors.items() if k in keys}
+    return restore_into(target, json.loads(json.dumps(src.skeleton)), tensors, "", flat)
+
+
+def _ids(items):
+    return [id(x) for x in items]
+
+
+def test_restore_into_lists_of_different_lengths():
+    t0, t1, a, b = torch.ones(1), torch.ones(1) * 2, torch.zeros(1), torch.zeros(1)
+    # the checkpoint's extra item was skipped (strict=False): left out, no KeyError
+    lst = [a]
+    assert _restore({"l": [t0, t1]}, {"l": lst}, {"l/0"})["l"] is lst
+    assert _ids(lst) == _ids([t0])
+    # ... or loaded (a lenient stateful passes it through): added
+    lst = [a]
+    _restore({"l": [t0, t1]}, {"l": lst}, {"l/0", "l/1"})
+    assert _ids(lst) == _ids([t0, t1])
+    # an item after a skipped one is not shifted into its place
+    lst = []
+    _restore({"l": [t0, t1, 3]}, {"l": lst}, {"l/1"})
+    assert lst == []
+    # the target's extra items hold arrays the checkpoint lacks: kept, in place
+    c = {"c": 1}
+    lst = [a, b, c]
+    assert _restore({"l": [t0]}, {"l": lst}, {"l/0"})["l"] is lst
+    assert _ids(lst) == _ids([t0, b, c])
+    tup = _restore((t0,), (a, b), {"0"})
+    assert type(tup) is tuple and _ids(tup) == _ids([t0, b])
+    # only scalars differ: the checkpoint's list wins, as it always did
+    lst = [5, 6, 7]
+    assert _restore({"l": [1]}, {"l": lst}, set())["l"] is lst and lst == [1]
+    # a leaf the target lacks keeps the target's value
+    assert _restore({"l": [t0], "d": {"x": t1}}, {"l": [5], "d": {"x": None}}, set()) == {
+        "l": [5], "d": {"x": None}}
 
 
 # --- statefuls --------------------------------------------------------------------------------

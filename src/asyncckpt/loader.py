@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._gc import gc_paused
@@ -20,7 +21,7 @@ from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatch
 from .manifest import Manifest
 from .reader import load_tensors, read_manifest
 from .storage import ReadStorage
-from .tree import Box, FlatState, flatten, iter_array_nodes, restore_into, unflatten
+from .tree import Box, FlatState, flatten, is_copied, iter_array_nodes, restore_into, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,25 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     target = flatten(state)
     apply_shards(target, shards)
     dests, boxes = _match(manifest, saved, target, strict, step_dir)
-    loaded = load_tensors(step_dir, manifest, {k: v[0] if v else None for k, v in dests.items()},
+    # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
+    copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
+    staged = _sharing_memory(dests, copies)
+    if staged:
+        log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
+                    "read into a temporary and copied in checkpoint order, so the last one wins",
+                    step_dir, _few(staged))
+    loaded = load_tensors(step_dir, manifest,
+                          {k: v[0] if v and k not in staged else None for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads)
     with torch.no_grad():
-        for key, tensors in dests.items():
-            for extra in tensors[1:]:  # saved once (tied), loaded into untied targets
-                extra.copy_(loaded[key])
+        for key, tensors in dests.items():  # in checkpoint order
+            # extra targets: saved once (tied), loaded into untied targets
+            for t in tensors if key in staged else tensors[1:]:
+                t.copy_(loaded[key])
+            for t in tensors:
+                arr = copies.get(id(t))
+                if arr is not None:
+                    np.copyto(arr, t.numpy())
     return restore_into(state, manifest.skeleton, loaded, "", target)
 
 
@@ -135,6 +149,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     missing = [p for p in target.refs if p not in saved]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched = []
+    readonly = []
     dests: dict[str, list[torch.Tensor]] = {}
     boxes: dict[str, Box] = {}
     for path, key in saved.items():
@@ -148,6 +163,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if target.global_shape(tkey) != entry.shape or t.dtype != entry.dtype:
             mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                               f"target {t.dtype} {list(target.global_shape(tkey))}")
+            continue
+        arr = target.arrays.get(tkey)
+        if arr is not None and not arr.flags.writeable:
+            readonly.append(path)
             continue
         box = target.box(tkey)
         if box is not None:
@@ -164,7 +183,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if not dests.get(k):
                 dests.pop(k, None)
         missing, unexpected = [], []
-    if missing or unexpected or mismatched:
+    if missing or unexpected or mismatched or readonly:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
@@ -172,12 +191,67 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
         if mismatched:
             parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
+        if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
+            parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
+                         "np.array(a), or a np.memmap opened with mode='r+')")
+            mismatched += [f"{p}: read-only numpy array" for p in readonly]
         hint = " (pass strict=False to skip missing and unexpected keys)" if (
             missing or unexpected) else ""
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     return dests, boxes
+
+
+def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
+                    copies: Mapping[int, np.ndarray]) -> list[str]:
+    """The saved keys whose targets share memory with another saved key's targets.
+
+    Reader threads must not fill one memory from two keys at once (each hashes what
+    it wrote): such keys are loaded into temporaries and copied in order instead.
+    Memory is compared by byte ranges, so interleaved strided views count as sharing.
+    """
+    spans: list[tuple[str, int, int, int]] = []
+    order = {k: i for i, k in enumerate(dests)}
+    for key, tensors in dests.items():
+        for t in tensors:
+            arr = copies.get(id(t))
+            span = _array_span(arr) if arr is not None else _tensor_span(t)
+            if span is not None:
+                spans.append((*span, order[key]))
+    spans.sort()
+    shared: set[int] = set()
+    group: set[int] = set()
+    device, end = "", 0
+    for dev, lo, hi, k in spans:
+        if dev != device or lo >= end:  # a new run of overlapping ranges
+            if len(group) > 1:
+                shared |= group
+            group, device, end = set(), dev, hi
+        group.add(k)
+        end = max(end, hi)
+    if len(group) > 1:
+        shared |= group
+    return [k for k in dests if order[k] in shared]
+
+
+def _tensor_span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """(device, first byte, end byte) of the memory a tensor's elements lie in."""
+    if t.numel() == 0:
+        return None
+    lo = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return str(t.device), lo, lo + (last + 1) * t.element_size()
+
+
+def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
+    """:func:`_tensor_span` of a numpy array, whose strides may be negative."""
+    if a.size == 0:
+        return None
+    ptr = a.__array_interface__["data"][0]
+    steps = [(n - 1) * s for n, s in zip(a.shape, a.strides, strict=True)]
+    lo = ptr + sum(x for x in steps if x < 0)
+    return "cpu", lo, ptr + sum(x for x in steps if x > 0) + a.itemsize
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -14,6 +14,7 @@ so that round trips are exact: int keys stay ints, tuples stay tuples.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import random
 from collections.abc import Iterator, Mapping
@@ -115,7 +116,9 @@ class FlatState:
     ``refs`` maps the path of every array leaf to its storage key, so two paths may
     share one key. ``kinds`` says how a key is restored: ``torch``, ``numpy`` or
     ``numpy_scalar``. ``statefuls`` maps a path to the stateful object found there
-    and the state dict it returned.
+    and the state dict it returned. ``arrays`` maps the key of every numpy array leaf
+    to the array itself: its tensor is a view of it, or a contiguous copy where the
+    array has negative strides (see :func:`is_copied`), which a load writes back.
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -125,6 +128,7 @@ class FlatState:
     statefuls: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     boxes: dict[str, tuple[tuple[int, ...], Box]] = field(default_factory=dict)
     loaded_in_place: set[str] = field(default_factory=set)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -156,8 +160,9 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     if isinstance(obj, torch.Tensor):
         return {"t": "tensor", "key": _add_tensor(obj, path, flat, seen, "torch")}
     if isinstance(obj, np.ndarray):
-        return {"t": "ndarray", "key": _add_tensor(_numpy_as_tensor(obj, where), path, flat,
-                                                   seen, "numpy")}
+        key = _add_tensor(_numpy_as_tensor(obj, where), path, flat, seen, "numpy")
+        flat.arrays[key] = obj
+        return {"t": "ndarray", "key": key}
     if isinstance(obj, np.generic) and not isinstance(obj, (np.object_, np.str_, np.bytes_,
                                                              np.void)):
         arr = np.asarray(obj)
@@ -226,7 +231,7 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
         raise UnsupportedLeafError(
             f"numpy array at {where!r} has non-native byte order ({arr.dtype.str}); convert it "
             "with arr.astype(arr.dtype.newbyteorder('='))")
-    if any(s < 0 for s in arr.strides):
+    if is_copied(arr):
         arr = np.ascontiguousarray(arr)
     try:
         return torch.from_numpy(arr)
@@ -234,6 +239,11 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
         raise UnsupportedLeafError(
             f"numpy array at {where!r} has dtype {arr.dtype}, which has no tensor equivalent: "
             "only bool, int, uint, float and complex arrays can be checkpointed") from exc
+
+
+def is_copied(arr: np.ndarray) -> bool:
+    """Whether a flattened array's tensor is a copy: torch has no negative strides."""
+    return any(s < 0 for s in arr.strides)
 
 
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
@@ -376,6 +386,12 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     in place it *is* that tensor, so identity is kept. Stateful objects receive their
     rebuilt state dict through ``load_state_dict``; dicts and lists are updated in
     place; tuples are rebuilt. Returns the restored value for this position.
+
+    What was not loaded (strict=False skips what either side lacks) keeps the target's
+    value: a leaf the checkpoint has but the target lacks is left out, and of two lists
+    of different lengths the common prefix is restored, the checkpoint's extra items
+    are added while all their arrays were loaded, and the target's extra items are
+    kept when they hold arrays (the checkpoint's list wins where only scalars differ).
     """
     if path in flat.statefuls:
         obj, sd = flat.statefuls[path]
@@ -390,7 +406,9 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
                 (t == "tensor" and isinstance(target, torch.Tensor))
                 or (t == "ndarray" and isinstance(target, np.ndarray))):
             return target  # its data (a DTensor's local shard, an array's memory) was loaded
-        value = tensors[node["key"]]
+        value = tensors.get(node["key"])
+        if value is None:  # skipped: the target has no array here
+            return target
         if t == "ndarray":
             return value.numpy()
         if t == "npscalar":
@@ -408,22 +426,38 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
                 for k, c in node["items"] if _all_present(c, tensors)}
     if t in ("list", "tuple"):
         items = node["items"]
-        same_len = isinstance(target, (list, tuple)) and len(target) == len(items)
-        values = [restore_into(target[i] if same_len else None, c, tensors, join_path(path, i),
-                               flat) for i, c in enumerate(items)]
-        if t == "list" and isinstance(target, list) and same_len:
+        old = list(target) if isinstance(target, (list, tuple)) else []
+        common = min(len(old), len(items))
+        values = [restore_into(old[i], items[i], tensors, join_path(path, i), flat)
+                  for i in range(common)]
+        for i in range(common, len(items)):  # the checkpoint's extra items
+            if not _all_present(items[i], tensors):
+                break  # strict=False skipped it: the items after it would take its index
+            values.append(restore_into(None, items[i], tensors, join_path(path, i), flat))
+        if len(old) > len(items) and _holds_arrays(flat, path, len(items)):
+            values += old[len(items):]  # the checkpoint lacks them: strict=False keeps them
+        if t == "list" and isinstance(target, list):
             target[:] = values
             return target
         return values if t == "list" else tuple(values)
     return scalar_value(node)
 
 
+def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
+    """Whether the items from ``start`` on of the target's list at ``path`` hold arrays."""
+    prefix = f"{path}/" if path else ""
+    for p in flat.refs:
+        if p.startswith(prefix):
+            seg = p[len(prefix):].partition("/")[0]
+            if seg.isdigit() and int(seg) >= start:
+                return True
+    return False
+
+
 def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
-    return FlatState(tensors=flat.tensors, refs=flat.refs, kinds=flat.kinds,
-                     skeleton=flat.skeleton,
-                     statefuls={p: v for p, v in flat.statefuls.items() if p != path},
-                     boxes=flat.boxes, loaded_in_place=flat.loaded_in_place)
+    return dataclasses.replace(flat, statefuls={p: v for p, v in flat.statefuls.items()
+                                                if p != path})
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
