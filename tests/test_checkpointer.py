@@ -233,6 +233,80 @@ def test_overlapped_staging_stops_before_a_failed_save_resolves(tmp_path: Path) 
             assert int(torch.count_nonzero(got)) == 0, f"step {step + 1} holds step {step}'s ones"
 
 
+def test_retention_spares_the_step_being_loaded(tmp_path: Path) -> None:
+    # keep_last=1: the save in flight's retention would delete step 1 while it is read.
+    class Hooked(GatedStorage):
+        on_open: Callable[[], None] | None = None
+
+        def open_read(self, path: Path) -> int:
+            if self.on_open is not None and "step_000000001" in str(path):
+                hook, self.on_open = self.on_open, None
+                hook()
+            return super().open_read(path)
+
+    storage = Hooked()
+    big = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1,
+                                     storage=storage) as ckpt:
+        ckpt.save(big, step=1)
+        storage.gate.clear()
+        fut = ckpt.save_async({"w": torch.zeros(4)}, step=2)
+
+        def retention_runs_now() -> None:  # inside the load of step 1, after it began
+            storage.gate.set()
+            fut.wait(30)
+            assert ckpt._retention is not None
+            ckpt._retention.result(30)
+
+        storage.on_open = retention_runs_now
+        got = ckpt.load(step=1)
+        assert torch.equal(got["w"], big["w"])
+        assert ckpt.steps() == [1, 2]  # spared this time
+        ckpt.save({"w": torch.ones(4)}, step=3)
+        ckpt.wait()
+        assert ckpt.steps() == [3]  # and removed by the next retention
+
+
+def test_an_error_nobody_waited_for_is_logged_and_raised_by_wait(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = GatedStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        storage.fail_with = OSError(errno.EIO, "injected")
+        dropped = ckpt.save_async({"w": torch.ones(4)}, step=1)  # nobody waits on it
+        while not dropped.done():  # (polling is not asking for the outcome)
+            threading.Event().wait(0.01)
+        storage.fail_with = None
+        ckpt.save_async({"w": torch.ones(4)}, step=2)
+        assert "step 1 was not saved" in caplog.text
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1"):
+            ckpt.wait()
+        assert ckpt.wait() is not None and ckpt.steps() == [2]  # reported once
+        # a failure its caller saw is not reported again
+        storage.fail_with = OSError(errno.EIO, "injected")
+        fut = ckpt.save_async({"w": torch.ones(4)}, step=3)
+        with pytest.raises(asyncckpt.CheckpointSaveError):
+            fut.wait()
+        storage.fail_with = None
+        ckpt.save({"w": torch.ones(4)}, step=4)
+        ckpt.wait()
+        assert ckpt.steps() == [2, 4]
+
+
+def test_a_new_checkpoint_directory_is_made_durable_in_its_parent(tmp_path: Path) -> None:
+    class Recording(LocalStorage):
+        synced: list[Path] = []
+
+        def fsync_dir(self, path: Path) -> None:
+            self.synced.append(Path(path))
+            super().fsync_dir(path)
+
+    storage = Recording()
+    root = tmp_path / "new" / "run"
+    with asyncckpt.AsyncCheckpointer(root, storage=storage) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1)
+    assert storage.synced.index(root.parent) < storage.synced.index(root)  # before the commit
+
+
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:
     class Exploding:
         def state_dict(self) -> dict:

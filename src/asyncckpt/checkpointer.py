@@ -123,6 +123,8 @@ class AsyncCheckpointer:
         self._preparing: cf.Future[Any] | None = None
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
+        self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
+        self._missed: BaseException | None = None  # a failed save's error nobody collected
         self._retention: cf.Future[None] | None = None
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
@@ -132,7 +134,7 @@ class AsyncCheckpointer:
             # The coordinator cleans up before it publishes the nonce that names this run's
             # temporary directories, so it never removes one a peer is writing into.
             if self._ctx.is_coordinator:
-                self.storage.makedirs(self.directory)
+                self._make_root()
                 if self._lock.acquire():
                     self._cleanup()
                 self._ctx.put(self._ctx.key("nonce"), self._nonce)
@@ -214,7 +216,7 @@ class AsyncCheckpointer:
             storage=self.storage, keep_last=self.config.keep_last,
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
-            started=started, tag=tag)
+            started=started, tag=tag, in_use=self._in_use)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable, self._retention = writer.submit(job)  # follows the staging progress
@@ -290,9 +292,13 @@ class AsyncCheckpointer:
         return self.save_async(state, step, metadata=metadata, shards=shards).wait()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Wait for the save in flight (if any) and its retention; re-raise its error."""
+        """Wait for the save in flight (if any) and its retention; re-raise its error, or
+        that of an earlier save whose future nobody waited on."""
         fut = self._pending
         info = None
+        if self._missed is not None:
+            missed, self._missed = self._missed, None
+            raise missed
         if fut is not None:
             info = fut.wait(timeout)
             if self._pending is fut:
@@ -349,12 +355,20 @@ class AsyncCheckpointer:
         sets the reader threads (default: up to 2).
         """
         check_threads(threads)
-        if fallback and step is None:
-            return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                      shards=shards, threads=threads)
-        step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
-        return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
-                         shards=shards, threads=threads)
+        # The retention of a save in flight (keep_last) must not delete what this reads.
+        held: int | None = None
+        with self._in_use.lock:
+            if not (fallback and step is None):  # (a fallback may read any older step)
+                step_dir, held = commit.resolve_step_dir(self.directory, step, self.storage)
+            self._in_use.hold(held)
+        try:
+            if fallback and step is None:
+                return load_newest_intact(self.directory, state, self.storage, strict=strict,
+                                          shards=shards, threads=threads)
+            return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
+                             shards=shards, threads=threads)
+        finally:
+            self._in_use.release(held)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -402,13 +416,21 @@ class AsyncCheckpointer:
                 f"step {fut.step} is still being saved to {self.directory}; wait() for it first "
                 "or use on_busy='wait'")
         self._pending = None
-        # A failure of the previous save was the previous future's to report; it does
-        # not stop this save (the arena is free again either way).
-        with contextlib.suppress(Exception):
+        # A failure of the previous save is its future's to report; it does not stop this
+        # save (the arena is free again either way). If nobody asked that future, the
+        # log says so, and the next ckpt.wait() raises it.
+        seen = fut.observed
+        try:
             fut.wait()
+        except Exception as exc:
+            if not seen:
+                log.error("step %d was not saved, and its future was never waited on: %s",
+                          fut.step, exc)
+                if self._missed is None:
+                    self._missed = exc
 
     def _take_lock(self) -> None:
-        self.storage.makedirs(self.directory)  # created by the first save, not by reading
+        self._make_root()  # created by the first save, not by reading
         if self._lock.acquire():
             if not self._cleaned:
                 self._cleanup()
@@ -416,6 +438,15 @@ class AsyncCheckpointer:
         raise CheckpointLockedError(
             f"another process (pid {self._lock.holder()}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
+
+    def _make_root(self) -> None:
+        """Create the checkpoint directory; a new one is made durable in its parent, so
+        that the first step committed in it cannot vanish with it in a crash."""
+        if self.directory.is_dir():
+            return
+        self.storage.makedirs(self.directory)
+        with contextlib.suppress(OSError):  # best effort: some filesystems refuse it
+            self.storage.fsync_dir(self.directory.parent)
 
     def _cleanup(self) -> None:
         commit.cleanup_abandoned(self.directory, self.storage)

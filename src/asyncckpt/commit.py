@@ -12,8 +12,10 @@ the directory itself have been fsync'd.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
+import threading
 import uuid
 from pathlib import Path
 
@@ -132,6 +134,34 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
         return []
     steps = committed_steps(root, storage)
     return [s for s in steps[:max(0, len(steps) - keep_last)] if s != protect]
+
+
+class StepsInUse:
+    """The steps a checkpointer is loading, which its retention must leave alone.
+
+    Thread-safe: loads ``hold`` a step (None: every step, for a load that may fall back
+    to older ones) while retention picks and hides steps under ``lock``.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._held: collections.Counter[int | None] = collections.Counter()
+
+    def hold(self, step: int | None) -> None:
+        """Call with ``lock`` held, right after resolving the step."""
+        self._held[step] += 1
+
+    def release(self, step: int | None) -> None:
+        with self.lock:
+            self._held[step] -= 1
+            if not self._held[step]:
+                del self._held[step]
+
+    def spare(self, doomed: list[int]) -> list[int]:
+        """The steps of ``doomed`` that no load holds (call with ``lock`` held)."""
+        if None in self._held:
+            return []
+        return [s for s in doomed if s not in self._held]
 
 
 def hide_step(root: Path, step: int, storage: Storage) -> Path:

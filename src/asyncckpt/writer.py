@@ -86,6 +86,7 @@ class SaveJob:
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
+    in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
 
     @property
     def tmp_path(self) -> Path:
@@ -103,6 +104,7 @@ class CheckpointFuture:
         self.step = step
         self._durable = durable
         self._staged = staged
+        self.observed = False  # someone asked for the outcome (wait, result, exception)
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -132,8 +134,11 @@ class CheckpointFuture:
         was); raises CheckpointTimeoutError when ``timeout`` seconds pass first.
         """
         try:
-            return self._durable.result(timeout)
+            info = self._durable.result(timeout)
+            self.observed = True
+            return info
         except CheckpointError:
+            self.observed = True
             raise  # the save's own error, e.g. a CheckpointTimeoutError naming silent ranks
         except cf.TimeoutError:
             raise CheckpointTimeoutError(
@@ -143,6 +148,7 @@ class CheckpointFuture:
         """The failure of a finished save, or None."""
         if not self._durable.done():
             return None
+        self.observed = True
         return self._durable.exception()
 
     result = wait
@@ -279,9 +285,11 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     hidden: list[tuple[int, Path]] = []
     try:
         if job.committed and job.ctx.is_coordinator:
-            doomed = commit.doomed_steps(job.root, job.keep_last, job.storage, protect=job.step)
-            for s in doomed:
-                hidden.append((s, commit.hide_step(job.root, s, job.storage)))
+            with job.in_use.lock:  # a load of this checkpointer keeps its step meanwhile
+                doomed = job.in_use.spare(commit.doomed_steps(job.root, job.keep_last,
+                                                              job.storage, protect=job.step))
+                for s in doomed:
+                    hidden.append((s, commit.hide_step(job.root, s, job.storage)))
     except OSError as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
     except BaseException as exc:
