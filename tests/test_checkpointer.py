@@ -304,7 +304,21 @@ def test_a_new_checkpoint_directory_is_made_durable_in_its_parent(tmp_path: Path
     root = tmp_path / "new" / "run"
     with asyncckpt.AsyncCheckpointer(root, storage=storage) as ckpt:
         ckpt.save({"w": torch.ones(4)}, step=1)
-    assert storage.synced.index(root.parent) < storage.synced.index(root)  # before the commit
+    # every directory it created is durable in its parent, before the commit
+    assert storage.synced.index(tmp_path) < storage.synced.index(root)
+    assert storage.synced.index(root.parent) < storage.synced.index(root)
+
+
+def test_a_step_directory_without_manifest_is_named_not_overwritten(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1)
+        (tmp_path / "step_000000002").mkdir()
+        (tmp_path / "step_000000002" / "notes.txt").write_text("copy in progress")
+        with pytest.raises(asyncckpt.CheckpointExistsError, match=r"holds no manifest\.json"):
+            ckpt.save({"w": torch.ones(4)}, step=2)
+        assert (tmp_path / "step_000000002" / "notes.txt").exists()
+        assert ckpt.steps() == [1]
+        ckpt.save({"w": torch.ones(4)}, step=3)
 
 
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:

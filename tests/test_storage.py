@@ -46,3 +46,33 @@ def test_remove_tree_still_reports_other_errors(tmp_path: Path,
     with pytest.raises(PermissionError):
         LocalStorage().remove_tree(d)
     assert (d / "f").exists()
+
+
+def test_a_forked_child_neither_keeps_nor_releases_the_parents_lock(tmp_path: Path) -> None:
+    import warnings
+
+    from asyncckpt.storage import DirectoryLock
+
+    lock = DirectoryLock(tmp_path)
+    assert lock.acquire()
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads around
+        pid = os.fork()
+    if pid == 0:  # the child: it does not hold the lock, and closing changes nothing
+        code = 1
+        try:
+            held = lock._fd is not None
+            lock.release()  # what close() or __del__ of a copied checkpointer does
+            mine = DirectoryLock(tmp_path).acquire()  # the parent still holds it
+            code = 0 if (not held and not mine) else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"\x00", "the child held the lock, or could take it"
+    os.close(r)
+    assert not DirectoryLock(tmp_path).acquire(), "the parent's lock was released by its child"
+    lock.release()
+    assert DirectoryLock(tmp_path).acquire()

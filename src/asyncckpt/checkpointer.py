@@ -191,6 +191,11 @@ class AsyncCheckpointer:
                 raise CheckpointExistsError(
                     f"step {step} is already committed under {self.directory}; save under a "
                     "new step number")
+            if (self.directory / commit.step_dir_name(step)).exists():
+                raise CheckpointExistsError(
+                    f"{self.directory / commit.step_dir_name(step)} exists but holds no "
+                    "manifest.json, so it is not a committed checkpoint (an interrupted copy?); "
+                    "remove or rename it, or save under a new step number")
             flat = flatten(state)
             apply_shards(flat, shards)
             mine = self._my_keys(step, tag, flat)
@@ -444,9 +449,13 @@ class AsyncCheckpointer:
         that the first step committed in it cannot vanish with it in a crash."""
         if self.directory.is_dir():
             return
+        new = [self.directory]  # this directory and the ancestors it creates, outermost last
+        while not new[-1].parent.exists() and new[-1].parent != new[-1]:
+            new.append(new[-1].parent)
         self.storage.makedirs(self.directory)
-        with contextlib.suppress(OSError):  # best effort: some filesystems refuse it
-            self.storage.fsync_dir(self.directory.parent)
+        for d in reversed(new):
+            with contextlib.suppress(OSError):  # best effort: some filesystems refuse it
+                self.storage.fsync_dir(d.parent)
 
     def _cleanup(self) -> None:
         commit.cleanup_abandoned(self.directory, self.storage)

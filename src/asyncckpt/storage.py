@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -204,9 +205,10 @@ class DirectoryLock:
     def __init__(self, directory: Path):
         self.path = directory / self.NAME
         self._fd: int | None = None
+        self._pid = 0  # the process that took the lock
 
     def acquire(self) -> bool:
-        if self._fd is not None:
+        if self._fd is not None and self._pid == os.getpid():
             return True
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -216,7 +218,8 @@ class DirectoryLock:
             return False
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
+        _held_locks.add(self)
         return True
 
     def holder(self) -> str:
@@ -227,6 +230,30 @@ class DirectoryLock:
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if self._pid == os.getpid():  # a forked child must not unlock its parent
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
                 os.close(self._fd)
             self._fd = None
+            _held_locks.discard(self)
+
+
+_held_locks: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the lock descriptors it inherited, without unlocking.
+
+    The lock belongs to the parent; a child that kept the descriptor would keep the
+    directory locked after the parent died, and one that unlocked it would let another
+    process save (and clean up) under the parent's feet.
+    """
+    for lock in list(_held_locks):
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
