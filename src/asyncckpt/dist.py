@@ -41,7 +41,7 @@ from .errors import (
     CheckpointTimeoutError,
 )
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry
-from .tree import dtype_from_name, merge_skeletons
+from .tree import dtype_from_name, iter_array_nodes, merge_skeletons
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,10 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
 
         from .errors import UnsupportedLeafError
 
+        if mesh.get_coordinate() is None:
+            raise UnsupportedLeafError(
+                f"DTensor at {where!r} lives on a device mesh that does not include this "
+                "rank, which holds none of it: leave it out of this rank's state")
         for p in placements:
             if type(p) not in (Shard, Replicate):
                 raise UnsupportedLeafError(
@@ -342,10 +346,19 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
         chunks.sort(key=lambda c: c.offsets)
         _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
+    skeleton = merge_skeletons([r["skeleton"] for r in records])
+    reachable = {node["key"] for _, node in iter_array_nodes(skeleton)}
+    lost = [k for k in out if k not in reachable]
+    if lost:  # written, but a load would never find them: refuse rather than lose them
+        more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
+        raise CheckpointSaveError(
+            f"tensors {', '.join(map(repr, lost[:8]))}{more} are saved by some ranks where the "
+            "ranks' state trees disagree (a list of another length, or a non-tensor value on "
+            "another rank); give every rank a state tree of the same structure")
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
                     library_version=library_version, block_bytes=block_bytes, files=files,
-                    tensors=out, skeleton=merge_skeletons([r["skeleton"] for r in records]),
-                    user_metadata=user_metadata, partial=partial)
+                    tensors=out, skeleton=skeleton, user_metadata=user_metadata,
+                    partial=partial)
 
 
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],

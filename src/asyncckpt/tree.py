@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # Tensors met so far, by data pointer: (tensor, its storage key) for alias detection.
-_Seen = dict[int, list[tuple[torch.Tensor, str]]]
+_Seen = dict[Any, list[tuple[torch.Tensor, str]]]  # data pointer (or storage) -> leaves
 
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
 Node = dict[str, Any]
@@ -259,14 +259,21 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
     if kind == "torch":
-        ptr = t.data_ptr()
-        if ptr:  # empty tensors have no data to share
-            others = seen.get(ptr)
+        tie: Any = t.data_ptr()  # empty tensors have no data to share...
+        empty_shard = box is not None and t.numel() == 0
+        if empty_shard:
+            # ...but an empty shard of a DTensor (a rank that holds none of a small tensor)
+            # must be tied where the ranks holding data tie it by data pointer, or the
+            # ranks disagree on the keys: tie it by its storage.
+            tie = ("empty shard", t.untyped_storage()._cdata, t.storage_offset())
+        if tie:
+            others = seen.get(tie)
             if others is None:
-                seen[ptr] = [(t, path)]
+                seen[tie] = [(t, path)]
             else:
                 for other, key in others:
-                    if _same_view(t, other):
+                    if _same_view(t, other, empty_ok=empty_shard) and (
+                            not empty_shard or flat.boxes.get(key) == box):
                         flat.refs[path] = key
                         return key
                 others.append((t, path))
@@ -280,11 +287,11 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
     return path
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_view(a: torch.Tensor, b: torch.Tensor, *, empty_ok: bool = False) -> bool:
     """Whether two tensors at one data pointer show the same elements the same way."""
     return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.numel() > 0 and a.is_conj() == b.is_conj()
-            and a.is_neg() == b.is_neg())
+            and a.stride() == b.stride() and (empty_ok or a.numel() > 0)
+            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)

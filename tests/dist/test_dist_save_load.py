@@ -663,13 +663,53 @@ def _early_manifest(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
                 f"files beside the manifest when it was written: {seen}")
 
 
+def _tree_edge_cases(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """Tied DTensors where one rank's shard is empty; ranks whose trees disagree; a
+    DTensor on a mesh without this rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with asyncckpt.AsyncCheckpointer(root / "edge", timeout_s=20) as ck:
+        # (1, 3) over 2 ranks: rank 1's local shard is empty
+        d = distribute_tensor(full_tensor("edge/tied", (1, 3)), mesh, [Shard(0)],
+                              src_data_rank=None)
+        ck.save({"embed": d, "lm_head": d}, 1)  # one object at two paths
+        ck.save({"embed": d.detach(), "lm_head": d.detach()}, 2)  # two views (state_dict)
+        for step in (1, 2):
+            got = ck.load(step=step)
+            c.check(got["lm_head"] is got["embed"], f"step {step}: the tie was lost")
+            c.check(same_bits(got["embed"], full_tensor("edge/tied", (1, 3))),
+                    f"step {step}: values differ")
+        # a list of another length on rank 1: refused, on every rank, nothing committed
+        lst = [full_tensor("edge/l0", (4,))] + ([full_tensor("edge/l1", (4,))]
+                                                 if ctx.rank == 1 else [])
+        try:
+            ck.save({"lst": lst}, 3)
+            c.check(False, "a save whose ranks' trees disagree was committed")
+        except asyncckpt.CheckpointError as exc:
+            c.check("state trees disagree" in str(exc), f"unclear error: {exc}")
+        ctx.barrier()
+        c.check(ck.steps() == [1, 2], f"steps {ck.steps()}")
+        # a DTensor on a mesh of rank 0 only
+        sub = DeviceMesh("cpu", [0])
+        w = distribute_tensor(full_tensor("edge/w", (4, 3)), sub, [Shard(0)],
+                              src_data_rank=None)
+        try:
+            ck.save({"w": w}, 4)
+            c.check(False, "a DTensor on a mesh without rank 1 was saved")
+        except asyncckpt.CheckpointError as exc:
+            if ctx.rank == 1:
+                c.check("does not include this rank" in str(exc), f"unclear error: {exc}")
+        ctx.barrier()
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
     out = {}
     for name, fn in (("mutation", _mutation), ("retention", _retention),
                      ("layout_change", _layout_change), ("store_keys", _store_keys),
-                     ("early_manifest", _early_manifest)):
+                     ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -703,6 +743,11 @@ def test_layout_change_between_saves(async_results: dict[str, list[str]]) -> Non
 def test_manifest_merged_before_the_shards_are_durable(
         async_results: dict[str, list[str]]) -> None:
     assert async_results["early_manifest"] == [], "\n".join(async_results["early_manifest"])
+
+
+def test_tied_empty_shards_disagreeing_trees_and_foreign_meshes(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["tree_edges"] == [], "\n".join(async_results["tree_edges"])
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
