@@ -93,13 +93,15 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     """
     _check_threads(threads)
     if str(path).startswith("http://"):
-        from .transport.http import HTTPStorage
+        from .transport.http import HTTPStorage, partial_data
 
         peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout)
         try:
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                               verify=verify, threads=threads or 8)
+        except CheckpointError as exc:
+            raise partial_data(exc, state) from exc.__cause__
         finally:
             peer.close_all()
     storage = _LocalStorage()

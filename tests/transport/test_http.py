@@ -918,3 +918,109 @@ def test_disallow_stops_checksumming_live_tensors() -> None:
         served.manifest()
     served.cancelled.clear()  # allowed again: it checksums in full
     assert json.loads(served.manifest())["step"] == 1
+
+
+class _Hostile:
+    """A server that answers every request with ``reply(method, path)`` raw bytes."""
+
+    def __init__(self, reply: Callable[[str, str], bytes]):
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data:
+                    method, path = data.split(b" ", 2)[:2]
+                    with contextlib.suppress(OSError):
+                        conn.sendall(self.reply(method.decode(), path.decode()))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(("case", "want"), [
+    ("short_manifest", "sent 10 of the 1000 bytes of the manifest"),
+    ("chunked_manifest", "without a Content-Length"),
+    ("bad_head_length", "gave files/rank_00000.safetensors the size 'abc'"),
+    ("413_manifest", "HTTP 413"),
+    ("infinite_step", "for the current step"),
+])
+def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: str) -> None:
+    def reply(method: str, path: str) -> bytes:
+        if path.endswith("/current"):
+            body = b'{"step": 1e999}' if case == "infinite_step" else b'{"step": 5}'
+            return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        if path.endswith("manifest.json"):
+            if case == "short_manifest":
+                return b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789"
+            if case == "chunked_manifest":
+                return (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"5\r\nabcde\r\n0\r\n\r\n")
+            if case == "413_manifest":
+                return b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig"
+            if case == "bad_head_length":
+                return _REAL_MANIFEST[0]
+        if method == "HEAD":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n"
+        return b"HTTP/1.1 500 Nope\r\nContent-Length: 0\r\n\r\n"
+
+    if case == "bad_head_length":
+        _REAL_MANIFEST[:] = [_manifest_reply()]
+    srv = _Hostile(reply)
+    try:
+        with pytest.raises(asyncckpt.CheckpointTransportError) as ei:
+            asyncckpt.load(f"http://127.0.0.1:{srv.port}/v1", timeout=5)
+        assert want in str(ei.value) and f"127.0.0.1:{srv.port}" in str(ei.value), ei.value
+    finally:
+        srv.close()
+
+
+_REAL_MANIFEST: list[bytes] = [b""]
+
+
+def _manifest_reply() -> bytes:
+    from asyncckpt.transport.base import serve_state
+
+    body = serve_state(5, {"w": torch.ones(4)}, block_bytes=1 << 22,
+                       library_version="t").manifest()
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_bad_peer_address_is_a_config_error() -> None:
+    for bad in ("http://127.0.0.1:99999/v1", "http://[::1/v1"):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="not an http:// address"):
+            asyncckpt.load(bad, timeout=1)
+
+
+def test_a_failed_in_place_receive_says_the_targets_may_hold_partial_data() -> None:
+    from asyncckpt.transport.base import serve_state
+    from asyncckpt.transport.http import HTTPTransport
+
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    served = serve_state(5, state, block_bytes=1 << 22, library_version="t")
+    served.manifest()  # checksummed now...
+    state["w"][100] = -1.0  # ...and changed before the transfer: torchft's contract broken
+    tr = HTTPTransport(timeout=5)
+    try:
+        tr.serve(served)
+        into = {"w": torch.zeros(1 << 16)}
+        with pytest.raises(asyncckpt.CheckpointCorruptError, match="may hold part of"):
+            tr.recv_checkpoint(0, tr.address(), 5, 5, into=into)
+        with pytest.raises(asyncckpt.CheckpointCorruptError) as ei:  # fresh: nothing to say
+            tr.recv_checkpoint(0, tr.address(), 5, 5)
+        assert "may hold part" not in str(ei.value)
+    finally:
+        tr.shutdown()

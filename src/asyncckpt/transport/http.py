@@ -36,6 +36,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    StateMismatchError,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from .base import CheckpointTransport, Served, serve_directory, serve_state
@@ -250,8 +251,22 @@ class HTTPTransport(CheckpointTransport[Any]):
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              threads=self.num_chunks)
+        except CheckpointError as exc:
+            raise partial_data(exc, into) from exc.__cause__
         finally:
             storage.close_all()
+
+
+def partial_data(exc: CheckpointError, into: Any) -> CheckpointError:
+    """``exc``, saying that in-place targets may hold part of the peer's state (a receive
+    into ``into`` writes the targets as bytes arrive)."""
+    if into is None or isinstance(exc, (CheckpointConfigError, StateMismatchError)):
+        return exc  # nothing was written: these are raised before any byte is read
+    note = ("; the targets were loaded in place and may hold part of the peer's state: "
+            "receive again before using them")
+    out = type(exc)(str(exc) + note)
+    out.__dict__.update(exc.__dict__)
+    return out
 
 
 class _Server(ThreadingHTTPServer):
@@ -459,10 +474,15 @@ class HTTPStorage:
 
     def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
                  retries: int = 3):
-        u = urlsplit(base)
+        try:
+            u = urlsplit(base)
+            port = u.port
+        except ValueError as exc:  # a port out of range, a broken IPv6 literal
+            raise CheckpointConfigError(f"{base!r} is not an http:// address of a peer: "
+                                        f"{exc}") from None
         if u.scheme != "http" or not u.hostname:
             raise CheckpointConfigError(f"{base!r} is not an http:// address of a peer")
-        self.host, self.port = u.hostname, u.port or 80
+        self.host, self.port = u.hostname, port or 80
         self.prefix = u.path.rstrip("/")
         self.step = step
         self.timeout_s = timeout_s
@@ -497,9 +517,12 @@ class HTTPStorage:
     def current_step(self) -> int:
         """The step the peer offers (waits until it allows one)."""
         resp = self._request("GET", "current", {})
-        body = resp.read(256)
+        body = self._read_body(resp, 256, "the current step", exact=False)
         try:
-            return int(json.loads(body)["step"])
+            step = json.loads(body)["step"]
+            if type(step) is not int or step < 0:
+                raise TypeError(f"step {step!r:.40} is not a step number")
+            return step
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointTransportError(f"{self.host}:{self.port} answered {body!r} for "
                                            "the current step") from exc
@@ -534,7 +557,7 @@ class HTTPStorage:
                                                "need the same token")
             if resp.status == 404:
                 raise CheckpointNotFoundError(f"{where}: {body}")
-            if resp.status == 413:
+            if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
             if resp.status == 503 and _NOT_ALLOWED in body:
                 raise CheckpointTimeoutError(f"{where}: {body}")
@@ -552,11 +575,43 @@ class HTTPStorage:
 
     def read_bytes(self, path: Path, limit: int) -> bytes:
         resp = self._request("GET", MANIFEST_NAME, {})
-        n = int(resp.getheader("Content-Length") or -1)
-        if not 0 <= n <= limit:
+        n = self._length(resp, MANIFEST_NAME)
+        if n > limit:
             resp.close()
-            raise ValueError(f"the peer's manifest is {n} bytes (limit {limit})")
-        return resp.read(n)
+            raise CheckpointTransportError(
+                f"{self._peer}: the manifest is {n} bytes, above the limit of {limit}; "
+                "refused before reading it")
+        return self._read_body(resp, n, "the manifest")
+
+    @property
+    def _peer(self) -> str:
+        return f"the peer {self.host}:{self.port}"
+
+    def _length(self, resp: http.client.HTTPResponse, what: str) -> int:
+        """The body length a response announces; a response without one is refused."""
+        if resp.length is None or resp.chunked:
+            resp.close()
+            raise CheckpointTransportError(
+                f"{self._peer} answered {what} without a Content-Length (chunked or "
+                "unbounded): not an asyncckpt server?")
+        return resp.length
+
+    def _read_body(self, resp: http.client.HTTPResponse, n: int, what: str, *,
+                   exact: bool = True) -> bytes:
+        """Up to ``n`` bytes of a response's body (exactly ``n`` when ``exact``), with
+        the transport's errors: a stalled or broken peer never surfaces as a raw error."""
+        try:
+            body = resp.read(n)
+        except TimeoutError:
+            raise CheckpointTimeoutError(
+                f"{self._peer} stalled for {self.timeout_s:.0f}s sending {what}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise CheckpointTransportError(
+                f"{self._peer} broke off {what}: {type(exc).__name__}: {exc}") from exc
+        if exact and len(body) != n:
+            raise CheckpointTransportError(
+                f"{self._peer} sent {len(body)} of the {n} bytes of {what}")
+        return body
 
     def open_read(self, path: Path) -> int:
         with self._lock:
@@ -572,7 +627,12 @@ class HTTPStorage:
         if size is None:
             resp = self._request("HEAD", f"files/{name}", {})
             resp.read()
-            size = self._sizes[name] = int(resp.getheader("Content-Length") or 0)
+            raw = resp.getheader("Content-Length") or ""
+            if not raw.isdigit() or len(raw) > 18:
+                raise CheckpointTransportError(
+                    f"{self._peer} gave files/{name} the size {raw!r:.40}: not an asyncckpt "
+                    "server?")
+            size = self._sizes[name] = int(raw)
         return size
 
     def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
@@ -591,6 +651,11 @@ class HTTPStorage:
             except CheckpointError:
                 self._drop_stream()
                 raise
+            except TimeoutError:  # a stall, not a broken connection: retrying waits again
+                self._drop_stream(keep=False)
+                raise CheckpointTimeoutError(
+                    f"{self._peer} stalled for {self.timeout_s:.0f}s sending "
+                    f"files/{self._names[fd]} at byte {offset}") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_stream(keep=False)
                 if attempt == self.retries:
