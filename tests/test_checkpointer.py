@@ -279,8 +279,8 @@ def test_an_error_nobody_waited_for_is_logged_and_raised_by_wait(
         ckpt.save_async({"w": torch.ones(4)}, step=2)
         assert "step 1 was not saved" in caplog.text
         with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1"):
-            ckpt.wait()
-        assert ckpt.wait() is not None and ckpt.steps() == [2]  # reported once
+            ckpt.wait()  # (after waiting for step 2)
+        assert ckpt.wait() is None and ckpt.steps() == [2]  # reported once
         # a failure its caller saw is not reported again
         storage.fail_with = OSError(errno.EIO, "injected")
         fut = ckpt.save_async({"w": torch.ones(4)}, step=3)
@@ -319,6 +319,36 @@ def test_a_step_directory_without_manifest_is_named_not_overwritten(tmp_path: Pa
         assert (tmp_path / "step_000000002" / "notes.txt").exists()
         assert ckpt.steps() == [1]
         ckpt.save({"w": torch.ones(4)}, step=3)
+
+
+def test_an_uncollected_error_survives_prepare_and_is_not_reported_twice(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = GatedStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        storage.fail_with = OSError(errno.EIO, "injected")
+        f1 = ckpt.save_async({"w": torch.ones(4)}, step=1)
+        while not f1.done():
+            threading.Event().wait(0.01)
+        storage.fail_with = None
+        ckpt.prepare({"w": torch.ones(8)}, background=False)  # waits for step 1 itself
+        ckpt.save_async({"w": torch.ones(8)}, step=2)
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="earlier save failed"):
+            ckpt.wait()  # prepare's wait did not count as the caller's
+        # seen by its caller after the next save began: not raised again
+        storage.fail_with = OSError(errno.EIO, "injected")
+        f3 = ckpt.save_async({"w": torch.ones(8)}, step=3)
+        while not f3.done():
+            threading.Event().wait(0.01)
+        storage.fail_with = None
+        ckpt.save_async({"w": torch.ones(8)}, step=4)
+        with pytest.raises(asyncckpt.CheckpointSaveError):
+            f3.wait()
+        assert ckpt.wait() is not None and ckpt.steps() == [2, 4]
+    # closing with a failed save nobody waited on says so
+    storage.fail_with = OSError(errno.EIO, "injected")
+    with asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async", storage=storage) as ckpt:
+        ckpt.save_async({"w": torch.ones(4)}, step=1)
+    assert "closing" in caplog.text and "step 1 was not saved" in caplog.text
 
 
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,8 @@ class AsyncCheckpointer:
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
-        self._missed: BaseException | None = None  # a failed save's error nobody collected
+        # a failed save nobody waited on: (its future, its error), raised by wait()
+        self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
@@ -268,9 +270,8 @@ class AsyncCheckpointer:
         def allocate() -> None:
             # The save in flight still writes (and then offers) the arena: a new layout's
             # header must not land in it before that save is durable.
-            if pending is not None:
-                with contextlib.suppress(Exception):  # its error is its future's to report
-                    pending.wait()
+            if pending is not None:  # (not pending.wait(): its error stays uncollected)
+                cf.wait([pending._durable])
             self._stop_serving()
             self._arena_for(plan)
 
@@ -301,9 +302,7 @@ class AsyncCheckpointer:
         that of an earlier save whose future nobody waited on."""
         fut = self._pending
         info = None
-        if self._missed is not None:
-            missed, self._missed = self._missed, None
-            raise missed
+        missed, self._missed = self._missed, None
         if fut is not None:
             info = fut.wait(timeout)
             if self._pending is fut:
@@ -316,6 +315,13 @@ class AsyncCheckpointer:
                     f"old steps under {self.directory} are still being removed after "
                     f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
             self._retention = None
+        if missed is not None:
+            ref, error = missed
+            earlier = ref()
+            if earlier is None or not earlier.observed:  # nobody has seen it since
+                if earlier is not None:
+                    earlier.observed = True
+                raise error
         return info
 
     @property
@@ -382,9 +388,15 @@ class AsyncCheckpointer:
         if self._closed:
             return
         try:
-            if self._pending is not None and not self._pending.done():
-                with contextlib.suppress(Exception):
-                    self._pending.wait()
+            fut = self._pending
+            if fut is not None:
+                seen = fut.observed
+                try:
+                    fut.wait()
+                except Exception as exc:
+                    if not seen:
+                        log.error("closing %s: step %d was not saved, and its future was "
+                                  "never waited on: %s", self.directory, fut.step, exc)
         finally:
             self._closed = True
             with contextlib.suppress(Exception):  # peers must not read a released arena
@@ -429,10 +441,12 @@ class AsyncCheckpointer:
             fut.wait()
         except Exception as exc:
             if not seen:
+                fut.observed = False  # the wait above was ours, not the caller's
                 log.error("step %d was not saved, and its future was never waited on: %s",
                           fut.step, exc)
-                if self._missed is None:
-                    self._missed = exc
+                if self._missed is None:  # the message only: the traceback holds its state
+                    self._missed = (weakref.ref(fut), CheckpointSaveError(
+                        f"an earlier save failed and nobody waited on its future: {exc}"))
 
     def _take_lock(self) -> None:
         self._make_root()  # created by the first save, not by reading

@@ -272,29 +272,36 @@ def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: H
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
     progress.publish(plan.body_offset)  # the header was written when the arena was laid out
-    unpublished = 0
     base = arena.tensor.data_ptr()
     with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
-        for item in plan.items:
-            if stoppable and progress.failed:  # the save failed: leave the arena
-                raise _stopped()
-            src = tensors[item.key]
-            if not item.nbytes:
-                pass
-            elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
-                    and not src.is_neg()):
-                # One memcpy, GIL released, on this thread: torch's copy_ would fan each
-                # tensor out to its intra-op threads, which here is slower and erratic.
-                ctypes.memmove(base + item.offset, src.data_ptr(), item.nbytes)
-            else:
-                arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
-            unpublished += item.nbytes
-            if unpublished >= _PUBLISH_BYTES:
-                progress.publish(item.end, _record_event(stream))
-                unpublished = 0
-        if stream is not None:
-            stream.synchronize()
+        try:
+            _copy_serial(plan, tensors, arena, progress, stoppable, stream, base)
+        finally:
+            if stream is not None:  # also on a stop or error: no copy may land later
+                stream.synchronize()
     progress.finish(plan.file_bytes)
+
+
+def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
+                 progress: StagingProgress, stoppable: bool, stream: Any, base: int) -> None:
+    unpublished = 0
+    for item in plan.items:
+        if stoppable and progress.failed:  # the save failed: leave the arena
+            raise _stopped()
+        src = tensors[item.key]
+        if not item.nbytes:
+            pass
+        elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
+                and not src.is_neg()):
+            # One memcpy, GIL released, on this thread: torch's copy_ would fan each
+            # tensor out to its intra-op threads, which here is slower and erratic.
+            ctypes.memmove(base + item.offset, src.data_ptr(), item.nbytes)
+        else:
+            arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
+        unpublished += item.nbytes
+        if unpublished >= _PUBLISH_BYTES:
+            progress.publish(item.end, _record_event(stream))
+            unpublished = 0
 
 
 class StagingStopped(CheckpointSaveError):

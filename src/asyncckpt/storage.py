@@ -228,13 +228,13 @@ class DirectoryLock:
         return "unknown"
 
     def release(self) -> None:
-        if self._fd is not None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _held_locks.discard(self)  # first: a fork from now on must not close fd
             with contextlib.suppress(OSError):
                 if self._pid == os.getpid():  # a forked child must not unlock its parent
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-                os.close(self._fd)
-            self._fd = None
-            _held_locks.discard(self)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
 
 _held_locks: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()

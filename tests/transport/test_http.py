@@ -1024,3 +1024,25 @@ def test_a_failed_in_place_receive_says_the_targets_may_hold_partial_data() -> N
         assert "may hold part" not in str(ei.value)
     finally:
         tr.shutdown()
+
+
+def test_transports_refuse_a_block_size_receivers_would_refuse() -> None:
+    from asyncckpt.transport import PGTransport
+    from asyncckpt.transport.http import HTTPTransport
+
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="multiple of 4096"):
+        HTTPTransport(block_bytes=1_000_000)
+
+    class Group:
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 2
+
+        def send(self, *a: object) -> None: ...
+
+        def recv(self, *a: object) -> None: ...
+
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="multiple of 4096"):
+        PGTransport(Group(), 10.0, block_bytes=1_000_000)

@@ -87,6 +87,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.timeout_s = _seconds(timeout)
         self.num_chunks = num_chunks
         self.token = token
+        if type(block_bytes) is not int or block_bytes < 4096 or block_bytes % 4096:
+            raise CheckpointConfigError(
+                f"block_bytes={block_bytes!r}: use a multiple of 4096 (receivers refuse others)")
         self.block_bytes = block_bytes
         self.max_range_bytes = max_range_bytes
         self._cond = threading.Condition()
