@@ -277,8 +277,8 @@ def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]
 
 def _dying_storage(ctx: RankCtx, *, die_in: str | None = None, die_after: str | None = None,
                    hang: bool = False, written_marker: bool = False) -> Any:
-    """Storage that, once armed, SIGKILLs this rank in ``makedirs`` or ``write_arena``
-    (after marker ``die_after`` appears), or stalls it in ``write_arena``."""
+    """Storage that, once armed, SIGKILLs this rank in ``makedirs``, ``listdir`` or
+    ``write_arena`` (after marker ``die_after`` appears), or stalls it in ``write_arena``."""
     from asyncckpt.storage import LocalStorage
 
     class Dying(LocalStorage):
@@ -296,6 +296,11 @@ def _dying_storage(ctx: RankCtx, *, die_in: str | None = None, die_after: str | 
             if self.armed and die_in == "makedirs":
                 self._die()
             super().makedirs(path)
+
+        def listdir(self, path: Path) -> list[str]:
+            if self.armed and die_in == "listdir":  # save_async looks for committed steps
+                self._die()
+            return super().listdir(path)
 
         def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
             if self.armed and die_in == "write":
@@ -436,7 +441,7 @@ def coordinator_dies_worker(ctx: RankCtx) -> dict[str, Any]:
     root = Path(ctx.args["root"])
     where = ctx.args["where"]
     if ctx.rank == 0:
-        storage = _dying_storage(ctx, die_in="write" if where == "write" else "makedirs",
+        storage = _dying_storage(ctx, die_in="write" if where == "write" else "listdir",
                                  die_after="written_1" if where == "write" else None)
     else:
         storage = _dying_storage(ctx, written_marker=True)
