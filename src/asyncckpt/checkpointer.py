@@ -17,7 +17,14 @@ import torch
 
 from . import commit
 from ._gc import gc_paused
-from .dist import DistContext, LocalItem, assign_writers, layout_digest, resolve_context
+from .dist import (
+    DistContext,
+    LocalItem,
+    assign_writers,
+    layout_digest,
+    raise_failures,
+    resolve_context,
+)
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -501,10 +508,7 @@ class AsyncCheckpointer:
         digest = self._my_digest
         ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest})
         got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
-        failed = {r: v["error"] for r, v in got.items() if "error" in v}
-        if failed:
-            raise CheckpointSaveError(f"step {step} not started: " + "; ".join(
-                f"rank {r} failed: {m}" for r, m in sorted(failed.items())))
+        raise_failures(got, f"step {step} not started")
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
         previous = self._layout
         if self._layout is None or self._layout[0] != digests:

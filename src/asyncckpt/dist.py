@@ -211,6 +211,15 @@ class DistContext:
                     "for this step")
 
 
+def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
+    """Raise CheckpointSaveError ``head: rank r failed: ...`` if any rank's answer is an
+    error (what a rank posts when its part of a save fails)."""
+    failed = {r: a["error"] for r, a in answers.items() if "error" in a}
+    if failed:
+        raise CheckpointSaveError(f"{head}: " + "; ".join(
+            f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
+
+
 _instances: dict[tuple[str, int], int] = {}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import commit
 from ._gc import gc_paused
-from .dist import DistContext, make_record, merge_records
+from .dist import DistContext, make_record, merge_records, raise_failures
 from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
 from .manifest import MANIFEST_NAME, block_checksums
 from .plan import WritePlan
@@ -415,11 +415,7 @@ def _gather_records(job: SaveJob) -> list[dict[str, Any]]:
 
 
 def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
-    failed = {r: a["error"] for r, a in answers.items() if "error" in a}
-    if failed:
-        raise CheckpointSaveError(
-            f"step {job.step} aborted, nothing committed: " + "; ".join(
-                f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
+    raise_failures(answers, f"step {job.step} aborted, nothing committed")
 
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
