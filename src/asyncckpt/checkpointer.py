@@ -395,15 +395,8 @@ class AsyncCheckpointer:
         if self._closed:
             return
         try:
-            fut = self._pending
-            if fut is not None:
-                seen = fut.observed
-                try:
-                    fut.wait()
-                except Exception as exc:
-                    if not seen:
-                        log.error("closing %s: step %d was not saved, and its future was "
-                                  "never waited on: %s", self.directory, fut.step, exc)
+            if self._pending is not None:
+                self._settle(self._pending, f"closing {self.directory}: ")
         finally:
             self._closed = True
             with contextlib.suppress(Exception):  # peers must not read a released arena
@@ -443,17 +436,25 @@ class AsyncCheckpointer:
         # A failure of the previous save is its future's to report; it does not stop this
         # save (the arena is free again either way). If nobody asked that future, the
         # log says so, and the next ckpt.wait() raises it.
+        exc = self._settle(fut, "")
+        if exc is not None and self._missed is None:  # the message: its traceback holds state
+            self._missed = (weakref.ref(fut), CheckpointSaveError(
+                f"an earlier save failed and nobody waited on its future: {exc}"))
+
+    @staticmethod
+    def _settle(fut: CheckpointFuture, context: str) -> BaseException | None:
+        """Wait for ``fut`` without counting as its caller; log a failure nobody has
+        waited on, and return it (None if it succeeded or its caller saw it)."""
         seen = fut.observed
         try:
             fut.wait()
         except Exception as exc:
+            fut.observed = seen  # the wait above was ours, not the caller's
             if not seen:
-                fut.observed = False  # the wait above was ours, not the caller's
-                log.error("step %d was not saved, and its future was never waited on: %s",
-                          fut.step, exc)
-                if self._missed is None:  # the message only: the traceback holds its state
-                    self._missed = (weakref.ref(fut), CheckpointSaveError(
-                        f"an earlier save failed and nobody waited on its future: {exc}"))
+                log.error("%sstep %d was not saved, and its future was never waited on: %s",
+                          context, fut.step, exc)
+                return exc
+        return None
 
     def _take_lock(self) -> None:
         self._make_root()  # created by the first save, not by reading
