@@ -35,7 +35,7 @@ from .errors import (
     CheckpointTimeoutError,
 )
 from .loader import ShardMetadata, apply_shards, check_threads, load_from, load_newest_intact
-from .manifest import DEFAULT_BLOCK_BYTES, Manifest, shard_file_name
+from .manifest import DEFAULT_BLOCK_BYTES, Manifest, check_block_bytes, shard_file_name
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest
 from .staging import HostArena, StagingProgress, stage
@@ -85,8 +85,7 @@ class CheckpointerConfig:
         elif type(self.copy_threads) is not int or self.copy_threads < 1:
             raise CheckpointConfigError(
                 f"copy_threads={self.copy_threads!r}: use a positive int, or None for the default")
-        if self.block_bytes < 4096 or self.block_bytes % 4096:
-            raise CheckpointConfigError(f"block_bytes={self.block_bytes}: use a multiple of 4096")
+        check_block_bytes(self.block_bytes)
 
 
 class AsyncCheckpointer:

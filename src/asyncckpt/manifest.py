@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from .boxes import tiling_problem
-from .errors import CheckpointCorruptError
+from .errors import CheckpointConfigError, CheckpointCorruptError
 from .tree import _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
@@ -54,6 +54,13 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
+
+
+def check_block_bytes(block_bytes: object) -> None:
+    """Refuse a checksum block size other than a positive multiple of ALIGN (a reader
+    seeks to block starts, and receivers refuse manifests with any other)."""
+    if type(block_bytes) is not int or block_bytes < ALIGN or block_bytes % ALIGN:
+        raise CheckpointConfigError(f"block_bytes={block_bytes!r}: use a multiple of {ALIGN}")
 
 
 def shard_file_name(rank: int) -> str:

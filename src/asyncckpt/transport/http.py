@@ -38,7 +38,7 @@ from ..errors import (
     CheckpointTransportError,
     StateMismatchError,
 )
-from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
+from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, check_block_bytes
 from .base import CheckpointTransport, Served, serve_directory, serve_state
 
 log = logging.getLogger(__name__)
@@ -87,15 +87,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.timeout_s = _seconds(timeout)
         self.num_chunks = num_chunks
         self.token = token
-        if type(block_bytes) is not int or block_bytes < 4096 or block_bytes % 4096:
-            raise CheckpointConfigError(
-                f"block_bytes={block_bytes!r}: use a multiple of 4096 (receivers refuse others)")
+        check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
         self.max_range_bytes = max_range_bytes
         self._cond = threading.Condition()
         self._offered: Served | None = None
         self._allowed: int | None = None
-        self._active = 0
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._tickets = itertools.count()
         self._server = _Server((host, port), _Handler, self, max_connections)
@@ -206,7 +203,6 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             if self._wait_allowed() != step or self._offered is None:
                 return None
-            self._active += 1
             ticket = next(self._tickets)
             self._serving[ticket] = (sock, self._offered)
             return self._offered, ticket
@@ -228,7 +224,6 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def _release(self, ticket: int) -> None:
         with self._cond:
-            self._active -= 1
             del self._serving[ticket]
             self._cond.notify_all()
 

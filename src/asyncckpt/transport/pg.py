@@ -60,6 +60,7 @@ from ..manifest import (
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
     Manifest,
+    check_block_bytes,
     parse_manifest,
 )
 from ..reader import tensor_bytes
@@ -126,9 +127,7 @@ class PGTransport(CheckpointTransport[Any]):
         self.pg = pg
         self.timeout_s = _seconds(timeout)
         self.device = _resolve_device(pg, device)
-        if type(block_bytes) is not int or block_bytes < 4096 or block_bytes % 4096:
-            raise CheckpointConfigError(
-                f"block_bytes={block_bytes!r}: use a multiple of 4096 (receivers refuse others)")
+        check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
         self.max_manifest_bytes = max_manifest_bytes
         self.max_file_bytes = max_file_bytes
