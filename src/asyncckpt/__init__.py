@@ -85,7 +85,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
-    a peer (default 8).
+    a peer (default 8). ``timeout``: seconds a fetch from a peer may take as a whole.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -95,7 +95,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     if str(path).startswith("http://"):
         from .transport.http import HTTPStorage, partial_data
 
-        peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout)
+        peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
         try:
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,

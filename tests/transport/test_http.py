@@ -1046,3 +1046,39 @@ def test_transports_refuse_a_block_size_receivers_would_refuse() -> None:
 
     with pytest.raises(asyncckpt.CheckpointConfigError, match="multiple of 4096"):
         PGTransport(Group(), 10.0, block_bytes=1_000_000)
+
+
+class _Trickle(FileSource):
+    """The bytes of ``inner``, sent a few at a time: never a stall of the socket
+    timeout, and never done."""
+
+    def __init__(self, inner: FileSource):
+        self.inner, self.size = inner, inner.size
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return self.inner.read(offset, n)
+
+    def send(self, sock: socket.socket, offset: int, n: int) -> None:
+        data = self.read(offset, n)
+        for i in range(0, n, 64):
+            sock.sendall(data[i:i + 64])
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["recv_checkpoint", "load"])
+def test_a_trickling_peer_cannot_hold_a_fetch_beyond_its_timeout(how: str,
+                                                                 transports: Any) -> None:
+    live = serve_state(4, {"w": torch.randn(1 << 16)}, block_bytes=1 << 22,
+                       library_version="t")
+    srv = transports(token=TOKEN)
+    srv.serve(Served(4, live.manifest, {FILE: _Trickle(live.files[FILE])}))
+    timeout = 1.5
+    if how == "load":
+        bg = Background(asyncckpt.load, srv.address(), token=TOKEN, timeout=timeout)
+    else:
+        client = transports(token=TOKEN, timeout=timeout, num_chunks=2)
+        bg = Background(client.recv_checkpoint, 0, srv.address(), 4, timeout)
+    with pytest.raises(CheckpointTimeoutError, match=r"did not end within its timeout of 1.5s"):
+        bg.result(timeout=20)
+    assert bg.ended is not None and bg.ended - bg.started < timeout + 1.5, \
+        bg.ended - bg.started

@@ -66,8 +66,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     and ``num_chunks`` connections.
 
     Args:
-        timeout: how long a request may wait for a step to be allowed, and the client's
-            network timeout.
+        timeout: how long a request may wait for a step to be allowed, and the default
+            for how long a fetch may take as a whole.
         num_chunks: parallel connections a fetch uses.
         host: interface to bind (127.0.0.1 by default; "0.0.0.0" for all).
         port: port to bind (0 picks a free one).
@@ -238,14 +238,16 @@ class HTTPTransport(CheckpointTransport[Any]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float, *, into: Any = None,
                         strict: bool = True) -> Any:
-        """Fetch ``step`` from the peer at ``metadata`` (its ``address()``).
+        """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
+        ``timeout`` (the whole fetch, waiting for the step to be allowed included).
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
         state in place (resharding to its layout) and returns it.
         """
         from ..loader import load_from
 
-        storage = HTTPStorage(metadata, step, token=self.token, timeout_s=_seconds(timeout))
+        t = _seconds(timeout)
+        storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              threads=self.num_chunks)
@@ -468,10 +470,16 @@ def _discard(resp: http.client.HTTPResponse, n: int) -> None:
 
 
 class HTTPStorage:
-    """ReadStorage over a peer's HTTP server. Thread-safe: one connection per thread."""
+    """ReadStorage over a peer's HTTP server. Thread-safe: one connection per thread.
+
+    ``timeout_s`` bounds every wait on the network (a stalled peer); ``deadline_s``, when
+    given, bounds the whole fetch: once it has passed, a watchdog shuts every connection,
+    so that a peer trickling bytes just fast enough to beat the stall timeout cannot hold
+    the receiver for ever. Call ``close_all()`` when done (it also stops the watchdog).
+    """
 
     def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
-                 retries: int = 3):
+                 retries: int = 3, deadline_s: float | None = None):
         try:
             u = urlsplit(base)
             port = u.port
@@ -492,6 +500,36 @@ class HTTPStorage:
         self._conns: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._max_range = 1 << 62  # lowered when the server answers 413
+        self._deadline_s = deadline_s
+        self._expired = False
+        self._closed = threading.Event()
+        if deadline_s is not None:
+            threading.Thread(target=self._watch, args=(deadline_s,), daemon=True,
+                             name="asyncckpt-http-deadline").start()
+
+    def _watch(self, deadline_s: float) -> None:
+        """Once the fetch has run out of time, cut its connections until it is closed
+        (again and again: a thread may be opening a new one meanwhile); the threads
+        reading on them fail and raise the timeout."""
+        if self._closed.wait(deadline_s):
+            return
+        self._expired = True
+        while True:
+            with self._lock:
+                socks = [c.sock for c in self._conns if c.sock is not None]
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            if self._closed.wait(0.1):
+                return
+
+    def _check_deadline(self) -> None:
+        """Raise the timeout error once the whole fetch's deadline has passed."""
+        if self._expired:
+            raise CheckpointTimeoutError(
+                f"fetching step {self.step} from {self._peer} did not end within its "
+                f"timeout of {self._deadline_s:g}s: the peer stalls or sends too slowly "
+                "(pass a larger timeout if the state is this large)")
 
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
@@ -505,6 +543,7 @@ class HTTPStorage:
                     with contextlib.suppress(ValueError):
                         self._conns.remove(old)
                 self._conns.append(c)
+            self._check_deadline()
         return c
 
     def _url(self, what: str) -> str:
@@ -532,6 +571,7 @@ class HTTPStorage:
         deadline = time.monotonic() + self.timeout_s
         last: Exception | None = None
         for attempt in range(self.retries + 1):
+            self._check_deadline()
             if time.monotonic() > deadline:
                 break
             try:
@@ -539,6 +579,7 @@ class HTTPStorage:
                 conn.request(method, self._url(what), headers={**self._headers, **headers})
                 resp = conn.getresponse()
             except TimeoutError:
+                self._check_deadline()
                 raise CheckpointTimeoutError(
                     f"{self.host}:{self.port} sent nothing for {self.timeout_s:.0f}s on "
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
@@ -548,7 +589,11 @@ class HTTPStorage:
                 continue
             if resp.status in (200, 206):
                 return resp
-            body = resp.read(4096).decode(errors="replace")
+            try:
+                body = resp.read(4096).decode(errors="replace")
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+                continue
             where = f"{self.host}:{self.port}{self._url(what)}"
             if resp.status == 401:
                 raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
@@ -601,12 +646,15 @@ class HTTPStorage:
         try:
             body = resp.read(n)
         except TimeoutError:
+            self._check_deadline()
             raise CheckpointTimeoutError(
                 f"{self._peer} stalled for {self.timeout_s:.0f}s sending {what}") from None
         except (OSError, http.client.HTTPException) as exc:
+            self._check_deadline()
             raise CheckpointTransportError(
                 f"{self._peer} broke off {what}: {type(exc).__name__}: {exc}") from exc
         if exact and len(body) != n:
+            self._check_deadline()
             raise CheckpointTransportError(
                 f"{self._peer} sent {len(body)} of the {n} bytes of {what}")
         return body
@@ -624,7 +672,7 @@ class HTTPStorage:
         size = self._sizes.get(name)
         if size is None:
             resp = self._request("HEAD", f"files/{name}", {})
-            resp.read()
+            self._read_body(resp, 0, f"the size of files/{name}")
             raw = resp.getheader("Content-Length") or ""
             if not raw.isdigit() or len(raw) > 18:
                 raise CheckpointTransportError(
@@ -651,11 +699,13 @@ class HTTPStorage:
                 raise
             except TimeoutError:  # a stall, not a broken connection: retrying waits again
                 self._drop_stream(keep=False)
+                self._check_deadline()
                 raise CheckpointTimeoutError(
                     f"{self._peer} stalled for {self.timeout_s:.0f}s sending "
                     f"files/{self._names[fd]} at byte {offset}") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_stream(keep=False)
+                self._check_deadline()
                 if attempt == self.retries:
                     raise CheckpointTransportError(
                         f"the peer {self.host}:{self.port} broke off files/{self._names[fd]} "
@@ -743,6 +793,7 @@ class HTTPStorage:
         self._conn(fresh=True)
 
     def close_all(self) -> None:
+        self._closed.set()
         with self._lock:
             for c in self._conns:
                 c.close()
