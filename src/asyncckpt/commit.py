@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError
@@ -100,14 +101,19 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     return root / step_dir_name(step), step
 
 
-def commit(tmp: Path, root: Path, step: int, storage: Storage) -> Path:
-    """Make ``tmp`` (fully written and fsync'd) visible as the step's directory."""
+def commit(tmp: Path, root: Path, step: int, storage: Storage,
+           before_rename: Callable[[], None] | None = None) -> Path:
+    """Make ``tmp`` (fully written and fsync'd) visible as the step's directory.
+
+    ``before_rename`` runs just before the commit point; raising there aborts it."""
     final = root / step_dir_name(step)
     if final.exists():
         raise CheckpointExistsError(
             f"step {step} is already committed at {final}; save under a new step number or "
             "delete that directory first")
     storage.fsync_dir(tmp)
+    if before_rename is not None:
+        before_rename()
     # COMMIT POINT: after this rename the checkpoint is visible; before it, it never was.
     storage.rename(tmp, final)
     try:

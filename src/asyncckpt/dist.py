@@ -14,6 +14,10 @@ Per save, under ``asyncckpt/<namespace>/s<step>/``:
   once its bytes are hashed, long before they are durable, so that the coordinator
   merges the manifest while the shard files are still being written.
 - ``done/<rank>``: that the rank's shard file is durable, or its error.
+- ``decision``: claimed once, atomically (``compare_set``): "commit" by the coordinator
+  just before its rename, or why not by a peer that gave up waiting for the verdict.
+  Whoever claims first decides, so a late commit never meets a rank that already
+  reported the save failed.
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
 """
 
@@ -151,6 +155,12 @@ class DistContext:
             raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
         return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
 
+    def claim(self, key: str, value: str, what: str) -> str:
+        """Set ``key`` to ``value`` unless it is set already; return what it holds now."""
+        with self._store_errors(what):
+            got = self.store.compare_set(key, "", value)
+        return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
+
     def forget(self, tags: Sequence[str | None], old_digests: Sequence[str],
                digests: Sequence[str]) -> None:
         """Delete the keys of finished saves, and layouts no rank uses any more."""
@@ -160,7 +170,7 @@ class DistContext:
                 continue
             keys += [self.key(tag, part, r) for part in ("layout", "record", "done")
                      for r in range(self.world_size)]
-            keys.append(self.key(tag, "verdict"))
+            keys += [self.key(tag, "verdict"), self.key(tag, "decision")]
         keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
         for k in keys:
             with contextlib.suppress(Exception):  # housekeeping: a missing key is fine

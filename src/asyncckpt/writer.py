@@ -247,8 +247,7 @@ class BackgroundWriter:
         else:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
-            verdict = ctx.get(ctx.key(job.tag, "verdict"),
-                              f"the commit of step {job.step}", timeout_s=2 * ctx.timeout_s + 30)
+            verdict = _await_verdict(job)
             if "ok" not in verdict:
                 job.rejected = True
                 raise CheckpointSaveError(
@@ -273,9 +272,41 @@ class BackgroundWriter:
         assert job.tmp is not None
         if not manifest_written:
             job.storage.write_bytes(job.tmp / MANIFEST_NAME, _manifest_bytes(job, records))
-        final = commit.commit(job.tmp, job.root, job.step, job.storage)
+        claim = (lambda: _claim_commit(job)) if job.ctx.distributed else None
+        final = commit.commit(job.tmp, job.root, job.step, job.storage, before_rename=claim)
         job.tmp = None
         return final
+
+
+def _claim_commit(job: SaveJob) -> None:
+    """Coordinator, just before the rename: decide "commit" for every rank, unless a peer
+    that gave up waiting has already decided otherwise."""
+    ctx = job.ctx
+    got = ctx.claim(ctx.key(job.tag, "decision"), "commit", f"the commit of step {job.step}")
+    if got != "commit":
+        raise CheckpointSaveError(f"rank {ctx.rank}: step {job.step} not committed: {got}")
+
+
+def _await_verdict(job: SaveJob) -> dict[str, Any]:
+    """A peer's wait for the coordinator's verdict. If it runs out, the peer claims the
+    outcome "not committed"; should the coordinator have claimed "commit" first, only
+    its rename is left, and the peer waits for that instead."""
+    ctx = job.ctx
+    key, what = ctx.key(job.tag, "verdict"), f"the commit of step {job.step}"
+    try:
+        return dict(ctx.get(key, what, timeout_s=2 * ctx.timeout_s + _VERDICT_GRACE_S))
+    except CheckpointTimeoutError as exc:
+        got = ctx.claim(ctx.key(job.tag, "decision"), f"rank {ctx.rank} gave up: {exc}", what)
+        if got != "commit":
+            job.rejected = True  # nothing can commit the step now: take this rank's file back
+            raise
+    try:
+        return dict(ctx.get(key, what))
+    except CheckpointTimeoutError as exc:
+        raise CheckpointTimeoutError(
+            f"rank {ctx.rank}: the coordinator decided to commit step {job.step} but did not "
+            f"confirm it within {ctx.timeout_s:.0f}s; it may have died mid-commit: check "
+            f"whether {job.root} holds the step") from exc
 
 
 def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
@@ -367,6 +398,10 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
 # or the coordinator, the manifest's bytes, already written (and fsync'd) into the
 # temporary directory.
 _Described = tuple[dict[str, Any], bytes | None]
+
+# How much longer than the coordinator's two waits (records, then shard files) a peer
+# waits for the verdict before it claims the step's outcome as "not committed".
+_VERDICT_GRACE_S = 30.0
 
 
 def _describe(job: SaveJob) -> _Described:

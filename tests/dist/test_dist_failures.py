@@ -492,3 +492,64 @@ def test_coordinator_dead_before_save_raises_a_checkpoint_error(
     root, out = _coordinator_dies(tmp_path_factory.mktemp("dist_coord_dies_before"), "before")
     assert out["dies"]["where"] == "save_async"
     _assert_survivor_failed(root, out)
+
+
+# --- a slow coordinator: every rank must agree on the outcome ----------------------------------
+
+VERDICT_T = 2.5  # timeout_s here: a peer waits 2 * VERDICT_T (no grace) for the verdict
+
+
+def slow_coordinator_worker(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 0 is slow past rank 1's wait for the verdict: in its write (step 2: it has
+    not decided yet, so rank 1's claim wins and nothing commits), then in its rename
+    (step 3: it decided "commit" first, so rank 1 waits for it and both succeed)."""
+    from asyncckpt import writer
+    from asyncckpt.storage import LocalStorage
+
+    writer._VERDICT_GRACE_S = 0.0
+    verdict_wait = 2 * VERDICT_T
+
+    class Slow(LocalStorage):
+        where: str | None = None
+
+        def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
+            super().write_arena(path, *a, **kw)
+            if self.where == "write":
+                time.sleep(verdict_wait + 2.0)
+
+        def rename(self, src: Path, dst: Path) -> None:
+            if self.where == "rename":
+                time.sleep(verdict_wait + 0.8)
+            super().rename(src, dst)
+
+    storage = Slow()
+    root = Path(ctx.args["root"])
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=VERDICT_T, storage=storage)
+    out: dict[str, Any] = {"good_1": _attempt(ck, _state(ctx, 1), 1)}
+    for step, where in ((2, "write"), (3, "rename")):
+        ctx.barrier()
+        storage.where = where if ctx.rank == 0 else None
+        out[where] = _attempt(ck, _state(ctx, step), step)
+        storage.where = None
+    ctx.barrier()
+    out["steps"] = ck.steps()
+    out["tmp"] = _tmp_dirs(root)
+    return out
+
+
+def test_a_late_commit_never_meets_a_rank_that_reported_failure(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("dist_slow_coordinator")
+    runs = run_ranks(MODULE, "slow_coordinator_worker", 2, base / "run",
+                     args={"root": str(base / "ck")})
+    res = {r: run.result for r, run in runs.items()}
+    for rank, out in sorted(res.items()):
+        assert out["good_1"]["raised"] is None, (rank, out["good_1"])
+        # step 2: rank 1 gave up first, so rank 0 must not commit it
+        assert out["write"]["raised"] is not None, (rank, "step 2 reported committed")
+        assert out["write"]["is_checkpoint_error"], (rank, out["write"])
+        # step 3: rank 0 had decided to commit, so rank 1 waited for its rename
+        assert out["rename"]["raised"] is None, (rank, out["rename"])
+        assert out["steps"] == [1, 3], (rank, out["steps"])
+    assert "gave up" in res[0]["write"]["msg"], res[0]["write"]["msg"]
+    assert res[0]["tmp"] == [], res[0]["tmp"]
