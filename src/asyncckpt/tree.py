@@ -272,8 +272,11 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
                 seen[tie] = [(t, path)]
             else:
                 for other, key in others:
+                    # the same memory as another leaf's, seen the same way and standing
+                    # for the same part of the same global tensor (a DTensor's local
+                    # shard may also be a plain leaf, or the shard of another placement)
                     if _same_view(t, other, empty_ok=empty_shard) and (
-                            not empty_shard or flat.boxes.get(key) == box):
+                            flat.boxes.get(key) == box):
                         flat.refs[path] = key
                         return key
                 others.append((t, path))

@@ -665,9 +665,11 @@ def _early_manifest(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
 
 def _tree_edge_cases(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
     """Tied DTensors where one rank's shard is empty; ranks whose trees disagree; a
-    DTensor on a mesh without this rank."""
+    DTensor on a mesh without this rank; leaves aliasing one memory as different
+    global tensors."""
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     with asyncckpt.AsyncCheckpointer(root / "edge", timeout_s=20) as ck:
         # (1, 3) over 2 ranks: rank 1's local shard is empty
@@ -701,6 +703,18 @@ def _tree_edge_cases(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
             if ctx.rank == 1:
                 c.check("does not include this rank" in str(exc), f"unclear error: {exc}")
         ctx.barrier()
+        # leaves sharing one local memory but standing for different global tensors
+        local = full_tensor(f"edge/local{ctx.rank}", (2, 3))
+        alias = {"plain": local,
+                 "rows": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+                 "cols": DTensor.from_local(local, mesh, [Shard(1)], run_check=False)}
+        ck.save(alias, 5)
+        got = ck.load(step=5)
+        mine = full_tensor(f"edge/local{ctx.rank}", (2, 3))
+        both = [full_tensor(f"edge/local{r}", (2, 3)) for r in range(ctx.world)]
+        c.check(same_bits(got["rows"], torch.cat(both, 0)), f"rows: {list(got['rows'].shape)}")
+        c.check(same_bits(got["cols"], torch.cat(both, 1)), f"cols: {list(got['cols'].shape)}")
+        c.check(ctx.rank != 0 or same_bits(got["plain"], mine), "plain: rank 0's values differ")
 
 
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
