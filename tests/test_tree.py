@@ -21,6 +21,7 @@ from asyncckpt.tree import (
     escape_key,
     flatten,
     is_copied,
+    merge_skeletons,
     restore_into,
     restore_rng_state,
     unflatten,
@@ -479,12 +480,64 @@ def test_rng_state_object_is_a_stateful_leaf():
     rng = RNGState()
     assert isinstance(rng, Stateful)
     flat = flatten({"rng": rng})
-    assert "rng/torch" in flat.tensors
+    assert "rng/ranks/0/torch" in flat.tensors
     first = _draw()
     back = unflatten(json.loads(json.dumps(flat.skeleton)),
                      {k: v.clone() for k, v in flat.tensors.items()})
     RNGState().load_state_dict(back["rng"])
     assert _draw() == first
+
+
+def test_rng_state_of_the_old_layout_still_restores():
+    old = capture_rng_state()  # what RNGState.state_dict() returned before per-rank entries
+    first = _draw()
+    RNGState().load_state_dict(old)
+    assert _draw() == first
+
+
+def test_each_rank_restores_its_own_generators(tmp_path, caplog):
+    import asyncckpt
+
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    r0 = RNGState(rank=0).state_dict()
+    want0 = _draw()
+    random.seed(6)
+    np.random.seed(6)
+    torch.manual_seed(6)
+    r1 = RNGState(rank=1).state_dict()
+    want1 = _draw()
+    both = {"rng": {"ranks": {**r0["ranks"], **r1["ranks"]}}}
+    asyncckpt.save(both, tmp_path / "ck")
+    for rank, want in ((1, want1), (0, want0)):
+        asyncckpt.load(tmp_path / "ck", {"rng": RNGState(rank=rank)})
+        assert _draw() == want, rank
+    # a rank the checkpoint has nothing for (a larger world): not missing, left as it is
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    with caplog.at_level("WARNING"):
+        asyncckpt.load(tmp_path / "ck", {"rng": RNGState(rank=2)})
+    assert "not of rank 2" in caplog.text
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    unchanged = _draw()
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    asyncckpt.load(tmp_path / "ck", {"rng": RNGState(rank=2)})
+    assert _draw() == unchanged
+
+
+def test_merged_skeletons_report_the_non_tensor_values_ranks_disagree_on():
+    a = flatten({"step": 3, "pos": 10, "w": torch.ones(2), "l": [1, 2]}).skeleton
+    b = flatten({"step": 3, "pos": 11, "w": torch.ones(2), "l": [1, 5]}).skeleton
+    differing: list[str] = []
+    merged = merge_skeletons([a, b], differing)
+    assert differing == ["pos", "l/1"]
+    assert merged == a
 
 
 # --- property: any random state tree round-trips exactly ----------------------------------------

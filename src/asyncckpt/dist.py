@@ -365,7 +365,14 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
         chunks.sort(key=lambda c: c.offsets)
         _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
-    skeleton = merge_skeletons([r["skeleton"] for r in records])
+    differing: list[str] = []
+    skeleton = merge_skeletons([r["skeleton"] for r in records], differing)
+    if differing:
+        more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+        log.warning("step %d: ranks saved different non-tensor values at %s%s; the checkpoint "
+                    "keeps rank %d's (values with one path on every rank are taken as "
+                    "replicated: give per-rank values per-rank paths, e.g. under the rank)",
+                    step, ", ".join(map(repr, differing[:5])), more, records[0]["rank"])
     reachable = {node["key"] for _, node in iter_array_nodes(skeleton)}
     lost = [k for k in out if k not in reachable]
     if lost:  # written, but a load would never find them: refuse rather than lose them

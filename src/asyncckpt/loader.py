@@ -80,7 +80,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads)
         return unflatten(manifest.skeleton, loaded)
-    target = flatten(state)
+    target = flatten(state, target=True)
     apply_shards(target, shards)
     dests, boxes = _match(manifest, saved, target, strict, step_dir)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import logging
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 from .errors import UnsupportedLeafError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FlatState",
@@ -129,6 +132,7 @@ class FlatState:
     boxes: dict[str, tuple[tuple[int, ...], Box]] = field(default_factory=dict)
     loaded_in_place: set[str] = field(default_factory=set)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    target: bool = False  # flattened as the target of a load
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -140,15 +144,19 @@ class FlatState:
         return b[1] if b is not None else None
 
 
-def flatten(state: Any) -> FlatState:
+def flatten(state: Any, *, target: bool = False) -> FlatState:
     """Flatten a state tree; raise UnsupportedLeafError naming the path of a bad leaf.
+
+    ``target``: the tree is what a load fills. Stateful objects that ask for it (a true
+    ``_asyncckpt_load_fresh`` attribute, as RNGState has) then stand for an empty state
+    dict: whatever the checkpoint holds for them is loaded fresh and handed over whole.
 
     Example:
         >>> flat = flatten({"w": torch.ones(2), "step": 3})
         >>> list(flat.tensors), flat.skeleton["t"]
         (['w'], 'dict')
     """
-    flat = FlatState()
+    flat = FlatState(target=target)
     seen: _Seen = {}
     flat.skeleton = _flatten(state, "", flat, seen, set())
     return flat
@@ -213,6 +221,10 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         active.discard(id(obj))
         return {"t": "list" if t is list else "tuple", "items": children}
     if _is_stateful(obj):
+        if flat.target and getattr(obj, "_asyncckpt_load_fresh", False) is True:
+            flat.statefuls[path] = (obj, {})
+            return {"t": "stateful", "cls": type(obj).__qualname__,
+                    "state": {"t": "dict", "items": []}}
         active.add(id(obj))
         sd = obj.state_dict()
         flat.statefuls[path] = (obj, sd)
@@ -475,16 +487,17 @@ def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
     return all(n["key"] in tensors for _, n in iter_array_nodes(node))
 
 
-def merge_skeletons(skeletons: list[Node]) -> Node:
+def merge_skeletons(skeletons: list[Node], differing: list[str] | None = None) -> Node:
     """Merge the ranks' skeletons: the union of dict keys, earlier skeletons winning
-    where values differ (the coordinator's comes first)."""
+    where values differ (the coordinator's comes first). The paths where a later
+    skeleton had another non-tensor value are appended to ``differing``."""
     out = skeletons[0]
     for other in skeletons[1:]:
-        out = _merge(out, other)
+        out = _merge(out, other, "", differing)
     return out
 
 
-def _merge(a: Node, b: Node) -> Node:
+def _merge(a: Node, b: Node, path: str, differing: list[str] | None) -> Node:
     if a["t"] == "dict" and b["t"] == "dict":
         items = [list(it) for it in a["items"]]
         index = {(type(k), k): i for i, (k, _) in enumerate(items)}
@@ -493,13 +506,16 @@ def _merge(a: Node, b: Node) -> Node:
             if i is None:
                 items.append([k, v])
             else:
-                items[i][1] = _merge(items[i][1], v)
+                items[i][1] = _merge(items[i][1], v, join_path(path, k), differing)
         return {"t": "dict", "items": items}
     if a["t"] == b["t"] == "stateful":
-        return {**a, "state": _merge(a["state"], b["state"])}
+        return {**a, "state": _merge(a["state"], b["state"], path, differing)}
     if a["t"] == b["t"] and a["t"] in ("list", "tuple") and len(a["items"]) == len(b["items"]):
-        return {"t": a["t"], "items": [_merge(x, y) for x, y in zip(a["items"], b["items"],
-                                                                     strict=True)]}
+        return {"t": a["t"], "items": [_merge(x, y, join_path(path, i), differing)
+                                       for i, (x, y) in enumerate(zip(a["items"], b["items"],
+                                                                      strict=True))]}
+    if differing is not None and a != b and "key" not in a:
+        differing.append(path or "<root>")
     return a
 
 
@@ -524,7 +540,11 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng_state` (e.g. loaded back)."""
+    """Restore generator states captured by :func:`capture_rng_state` (e.g. loaded back),
+    or this rank's from what an :class:`RNGState` saved."""
+    if "ranks" in state:
+        RNGState().load_state_dict(state)
+        return
     py = state["python"]
     mt = py[1].tolist() if isinstance(py[1], torch.Tensor) else list(py[1])
     random.setstate((py[0], tuple(int(x) for x in mt), py[2]))
@@ -538,12 +558,42 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 class RNGState:
     """A stateful leaf that captures RNG state on save and restores it on load.
 
-    Put one in the state tree: ``{"model": model, "rng": RNGState()}``. Not thread-safe:
-    it reads and sets process-global generators.
+    Put one in the state tree: ``{"model": model, "rng": RNGState()}``. Under
+    torch.distributed every rank's generators are saved under its own rank (``rank``,
+    by default the rank in the default process group), and each rank restores its own.
+    Generators saved by one process (or fetched from one peer) are restored whatever
+    the rank; a rank that a checkpoint of several has none for (a larger world size)
+    keeps its generators as they are, with a warning. Not thread-safe: it reads and
+    sets process-global generators.
     """
 
+    # A load hands this object the checkpoint's generators as they are (every rank's
+    # entry that was saved, never mixed with this process's current ones).
+    _asyncckpt_load_fresh = True
+
+    def __init__(self, rank: int | None = None):
+        self.rank = rank
+
+    def _rank(self) -> int:
+        if self.rank is not None:
+            return self.rank
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
     def state_dict(self) -> dict[str, Any]:
-        return capture_rng_state()
+        return {"ranks": {self._rank(): capture_rng_state()}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        restore_rng_state(state_dict)
+        if "ranks" not in state_dict:  # saved before generators were kept per rank
+            restore_rng_state(state_dict)
+            return
+        ranks = state_dict["ranks"]
+        rank = self._rank()
+        if rank not in ranks and len(ranks) == 1:  # one process's (or a peer's): take it
+            rank = next(iter(ranks))
+        if rank not in ranks:
+            log.warning("RNGState: the checkpoint holds the generators of ranks %s, not of "
+                        "rank %d: its generators keep their current state", sorted(ranks), rank)
+            return
+        restore_rng_state(ranks[rank])

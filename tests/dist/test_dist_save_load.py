@@ -717,13 +717,38 @@ def _tree_edge_cases(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
         c.check(ctx.rank != 0 or same_bits(got["plain"], mine), "plain: rank 0's values differ")
 
 
+def _per_rank_rng(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """RNGState keeps every rank's generators, and each rank gets its own back."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def draw() -> list[float]:
+        return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+    def seed(n: int) -> None:
+        random.seed(n)
+        np.random.seed(n)
+        torch.manual_seed(n)
+
+    seed(100 + ctx.rank)
+    with asyncckpt.AsyncCheckpointer(root / "rng", timeout_s=20) as ck:
+        ck.save({"rng": asyncckpt.RNGState()}, 1)
+        want = draw()
+        seed(7)  # the same on every rank
+        ck.load({"rng": asyncckpt.RNGState()})
+        c.check(draw() == want, "this rank's generators did not come back")
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
     out = {}
     for name, fn in (("mutation", _mutation), ("retention", _retention),
                      ("layout_change", _layout_change), ("store_keys", _store_keys),
-                     ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases)):
+                     ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases),
+                     ("per_rank_rng", _per_rank_rng)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -762,6 +787,10 @@ def test_manifest_merged_before_the_shards_are_durable(
 def test_tied_empty_shards_disagreeing_trees_and_foreign_meshes(
         async_results: dict[str, list[str]]) -> None:
     assert async_results["tree_edges"] == [], "\n".join(async_results["tree_edges"])
+
+
+def test_each_rank_gets_its_own_generators_back(async_results: dict[str, list[str]]) -> None:
+    assert async_results["per_rank_rng"] == []
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
