@@ -146,6 +146,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         # the fresh object lacks goes to their load_state_dict as is.
         return any(p == "" or path == p or path.startswith(p + "/") for p in lenient)
 
+    _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
     missing = [p for p in target.refs if p not in saved]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched = []
@@ -252,6 +253,28 @@ def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
     steps = [(n - 1) * s for n, s in zip(a.shape, a.strides, strict=True)]
     lo = ptr + sum(x for x in steps if x < 0)
     return "cpu", lo, ptr + sum(x for x in steps if x > 0) + a.itemsize
+
+
+def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatState,
+                                           lenient: list[str], step_dir: Path) -> None:
+    """An optimizer of DTensor parameters (FSDP2) with no state yet would get the
+    checkpoint's state as whole plain tensors, and fail at its next step() with "mixed
+    torch.Tensor and DTensor": refuse before reading anything, and say what works."""
+    for path in lenient:
+        obj = target.statefuls[path][0]
+        if not isinstance(obj, torch.optim.Optimizer) or not any(
+                type(p).__name__ == "DTensor" for g in obj.param_groups for p in g["params"]):
+            continue
+        prefix = path + "/" if path else ""
+        fresh = [p for p in saved if p.startswith(prefix) and p not in target.refs]
+        if fresh:
+            where = path or "<root>"
+            raise StateMismatchError(
+                f"cannot load {step_dir}: the optimizer at {where!r} has DTensor parameters "
+                f"(FSDP2) but no state yet, so {_few(fresh, 3)} would come back as whole plain "
+                "tensors; load its state dict instead: osd = get_state_dict(model, optim)[1] "
+                "(torch.distributed.checkpoint.state_dict), load into {'optim': osd}, then "
+                "set_state_dict(...) (see examples/train_fsdp.py)", mismatched=fresh)
 
 
 def _few(items: list[str], n: int = 8) -> str:

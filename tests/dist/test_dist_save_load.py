@@ -741,6 +741,36 @@ def _per_rank_rng(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
         c.check(draw() == want, "this rank's generators did not come back")
 
 
+def _fsdp_optimizer_passed_directly(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """A fresh FSDP2 optimizer passed as it is: a clear error before any byte is read,
+    not whole plain tensors that fail at its next step()."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)),
+                            mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    with asyncckpt.AsyncCheckpointer(root / "fsdp_direct", timeout_s=20) as ck:
+        ck.save({"model": model, "optim": opt}, 1)
+        model2, opt2 = build()
+        before = [p.to_local().clone() for p in model2.parameters()]
+        try:
+            ck.load({"model": model2, "optim": opt2})
+            c.check(False, "a fresh FSDP2 optimizer was loaded with plain tensors")
+        except asyncckpt.StateMismatchError as exc:
+            c.check("DTensor parameters" in str(exc) and "get_state_dict" in str(exc),
+                    f"unclear error: {exc}")
+        c.check(all(torch.equal(a, p.to_local()) for a, p in zip(before, model2.parameters(),
+                                                                  strict=True)),
+                "the model was changed by a load that was refused")
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
@@ -748,7 +778,8 @@ def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     for name, fn in (("mutation", _mutation), ("retention", _retention),
                      ("layout_change", _layout_change), ("store_keys", _store_keys),
                      ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases),
-                     ("per_rank_rng", _per_rank_rng)):
+                     ("per_rank_rng", _per_rank_rng),
+                     ("fsdp_optimizer", _fsdp_optimizer_passed_directly)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -791,6 +822,11 @@ def test_tied_empty_shards_disagreeing_trees_and_foreign_meshes(
 
 def test_each_rank_gets_its_own_generators_back(async_results: dict[str, list[str]]) -> None:
     assert async_results["per_rank_rng"] == []
+
+
+def test_a_fresh_fsdp2_optimizer_passed_directly_is_refused_clearly(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["fsdp_optimizer"] == []
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
