@@ -619,3 +619,90 @@ def test_random_states_roundtrip_through_the_checkpointer(tmp_path_factory, same
     with AsyncCheckpointer(tmp_path_factory.mktemp("prop"), mode=mode) as c:
         c.save(state, 0)
         same(state, c.load())
+
+
+# --- targets and trees that once loaded wrong or failed unclearly --------------------------------
+
+def test_conjugate_and_negative_view_targets_get_the_saved_values(tmp_path):
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    r = torch.tensor([1.0, -2.0, 3.0])
+    asyncckpt.save({"c": c, "r": r}, tmp_path)
+    tc = torch.zeros(2, dtype=torch.complex64).conj()  # contiguous, conjugate bit set
+    tr = torch.zeros(3, dtype=torch.complex64).conj().imag  # contiguous, negative bit set
+    assert tc.is_conj() and tr.is_neg()
+    asyncckpt.load(tmp_path, {"c": tc, "r": tr})
+    assert torch.equal(tc.resolve_conj(), c) and torch.equal(tr.resolve_neg(), r)
+
+
+def test_a_target_keeps_its_kind_when_the_checkpoint_had_the_other(tmp_path):
+    asyncckpt.save({"n": np.arange(3.0), "t": torch.arange(3.0, dtype=torch.float64)}, tmp_path)
+    t, n = torch.zeros(3, dtype=torch.float64), np.zeros(3)
+    out = asyncckpt.load(tmp_path, {"n": t, "t": n})
+    assert out["n"] is t and out["t"] is n
+    assert t.tolist() == [0.0, 1.0, 2.0] and n.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_strict_load_reports_values_the_checkpoint_lacks(tmp_path):
+    asyncckpt.save({"w": torch.ones(2), "train": {"step": 5}}, tmp_path)
+    target = {"w": torch.zeros(2), "train": {"step": 0, "epoch": 3}, "sampler": {"pos": 1}}
+    with pytest.raises(StateMismatchError) as ei:
+        asyncckpt.load(tmp_path, target)
+    assert ei.value.missing == ["train/epoch", "sampler"], ei.value.missing
+    assert target["w"].tolist() == [0.0, 0.0]  # refused before reading
+    out = asyncckpt.load(tmp_path, target, strict=False)
+    assert out["train"] == {"step": 5, "epoch": 3} and out["sampler"] == {"pos": 1}
+
+
+def test_int_and_str_keys_of_one_name_are_a_mismatch_not_two_entries(tmp_path):
+    asyncckpt.save({"layers": {1: torch.ones(2), 2: torch.ones(2)}}, tmp_path)
+    target = {"layers": {"1": torch.zeros(2), "2": torch.zeros(2)}}
+    for strict in (True, False):
+        with pytest.raises(StateMismatchError, match="the checkpoint's key is 1, the target's '1'"):
+            asyncckpt.load(tmp_path, target, strict=strict)
+    assert list(target["layers"]) == ["1", "2"]
+
+
+def test_numpy_fields_of_record_arrays_round_trip(tmp_path):
+    rec = np.zeros(4, dtype=[("a", np.int16), ("x", np.float32)])
+    rec["x"] = [1, 2, 3, 4]
+    assert rec["x"].strides[0] % 4  # 6-byte steps: torch cannot view it
+    asyncckpt.save({"x": rec["x"]}, tmp_path)
+    target = np.zeros(4, dtype=[("a", np.int16), ("x", np.float32)])
+    asyncckpt.load(tmp_path, {"x": target["x"]})
+    assert target["x"].tolist() == [1.0, 2.0, 3.0, 4.0] and target["a"].tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("case", ["lazy", "nested", "deep"])
+def test_unsupported_leaves_are_refused_naming_the_path(tmp_path, case):
+    if case == "lazy":
+        state, where = {"m": torch.nn.LazyLinear(3)}, "'m/weight'"
+    elif case == "nested":
+        state = {"x": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}
+        where = "'x'"
+    else:
+        deep: dict[str, object] = {"w": torch.ones(1)}
+        for _ in range(250):
+            deep = {"a": deep}
+        state, where = deep, "nested more than"
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=where):
+        asyncckpt.save(state, tmp_path)
+    assert not any(tmp_path.iterdir()) or asyncckpt.AsyncCheckpointer(tmp_path).steps() == []
+
+
+@pytest.mark.parametrize("step", ["1", 1.0, True, -1])
+def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step):
+    asyncckpt.save({"w": torch.ones(1)}, tmp_path, step=1)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
+        asyncckpt.load(tmp_path, step=step)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
+        AsyncCheckpointer(tmp_path).load(step=step)
+
+
+def test_a_stray_file_named_like_a_step_is_ignored(tmp_path):
+    asyncckpt.save({"w": torch.ones(1)}, tmp_path, step=1)
+    (tmp_path / "step_000000003").write_bytes(b"not a checkpoint")
+    ck = AsyncCheckpointer(tmp_path)
+    assert ck.steps() == [1]
+    assert asyncckpt.load(tmp_path)["w"].tolist() == [1.0]
+    ck.save({"w": torch.ones(1)}, 2)
+    assert ck.steps() == [1, 2]

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointConfigError, CheckpointExistsError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 from .storage import ReadStorage, Storage
 
@@ -48,8 +48,13 @@ def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
     steps = []
     for name in storage.listdir(root):
         m = _STEP_DIR.match(name)
-        if m and MANIFEST_NAME in storage.listdir(root / name):
-            steps.append(int(m.group(1)))
+        if not m:
+            continue
+        try:
+            if MANIFEST_NAME in storage.listdir(root / name):
+                steps.append(int(m.group(1)))
+        except NotADirectoryError:  # a stray file named like a step is no checkpoint
+            continue
     return sorted(steps)
 
 
@@ -78,6 +83,9 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
 
     Raises CheckpointNotFoundError listing what was found instead.
     """
+    if step is not None and (type(step) is not int or step < 0):
+        raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
+                                    "latest)")
     if MANIFEST_NAME in storage.listdir(root):
         m = _STEP_DIR.match(root.name)
         if step is not None and m is not None and int(m.group(1)) != step:

@@ -21,7 +21,17 @@ from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatch
 from .manifest import Manifest
 from .reader import load_tensors, read_manifest
 from .storage import ReadStorage
-from .tree import Box, FlatState, flatten, is_copied, iter_array_nodes, restore_into, unflatten
+from .tree import (
+    Box,
+    FlatState,
+    escape_key,
+    flatten,
+    is_copied,
+    iter_array_nodes,
+    join_path,
+    restore_into,
+    unflatten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +159,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
     missing = [p for p in target.refs if p not in saved]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
-    mismatched = []
+    mismatched: list[str] = []
+    # what the tensor keys do not show: values without arrays the checkpoint lacks, and
+    # dict keys whose type differs (1 vs "1" name one path, but are not one key)
+    _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
+                       mismatched)
     readonly = []
     dests: dict[str, list[torch.Tensor]] = {}
     boxes: dict[str, Box] = {}
@@ -253,6 +267,36 @@ def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
     steps = [(n - 1) * s for n, s in zip(a.shape, a.strides, strict=True)]
     lo = ptr + sum(x for x in steps if x < 0)
     return "cpu", lo, ptr + sum(x for x in steps if x > 0) + a.itemsize
+
+
+def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
+                       lenient: set[str], missing: list[str], mismatched: list[str]) -> None:
+    """Walk the checkpoint's and the target's skeletons together: target dict keys the
+    checkpoint lacks and that hold no arrays go to ``missing`` (those holding arrays are
+    there already); keys of another type go to ``mismatched``. Stateful objects other
+    than modules (optimizers...) take what the checkpoint has: not walked."""
+    if want["t"] == "stateful":
+        if path in lenient:
+            return
+        want = want["state"]
+    if saved["t"] == "stateful":
+        saved = saved["state"]
+    if saved["t"] == "dict" and want["t"] == "dict":
+        by_seg = {escape_key(k): (k, c) for k, c in saved["items"]}
+        for k, child in want["items"]:
+            here = join_path(path, k)
+            got = by_seg.get(escape_key(k))
+            if got is None:
+                if next(iter_array_nodes(child), None) is None:
+                    missing.append(here)
+            elif type(got[0]) is not type(k):
+                mismatched.append(f"{here}: the checkpoint's key is {got[0]!r}, the target's "
+                                  f"{k!r}")
+            else:
+                _compare_skeletons(got[1], child, here, lenient, missing, mismatched)
+    elif saved["t"] in ("list", "tuple") and want["t"] in ("list", "tuple"):
+        for i, (a, b) in enumerate(zip(saved["items"], want["items"], strict=False)):
+            _compare_skeletons(a, b, join_path(path, i), lenient, missing, mismatched)
 
 
 def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatState,

@@ -43,6 +43,7 @@ __all__ = [
 _Seen = dict[Any, list[tuple[torch.Tensor, str]]]  # data pointer (or storage) -> leaves
 
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
+MAX_DEPTH = 190  # containers nested in one another; loads refuse skeletons deeper than 200
 Node = dict[str, Any]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
 
@@ -191,6 +192,9 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         return {"t": "bytes", "v": base64.b64encode(obj).decode("ascii")}
     if id(obj) in active:
         raise UnsupportedLeafError(f"state tree has a cycle at {where!r}")
+    if len(active) >= MAX_DEPTH:  # a load would refuse the skeleton: refuse the save
+        raise UnsupportedLeafError(
+            f"state tree is nested more than {MAX_DEPTH} levels deep at {where!r}; flatten it")
     if isinstance(obj, Mapping):
         active.add(id(obj))
         items: list[list[Any]] = []
@@ -254,15 +258,16 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
 
 
 def is_copied(arr: np.ndarray) -> bool:
-    """Whether a flattened array's tensor is a copy: torch has no negative strides."""
-    return any(s < 0 for s in arr.strides)
+    """Whether a flattened array's tensor is a copy: torch has no negative strides, nor
+    strides that are no multiple of the item size (a field of a record array)."""
+    return any(s < 0 or s % arr.itemsize for s in arr.strides)
 
 
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
     if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
-            or t.layout is not torch.strided):
+            or t.layout is not torch.strided or t.is_nested):
         _check_unusual_tensor(t, path)
         if _is_dtensor(t):
             t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
@@ -325,6 +330,14 @@ def _refused_dtype(dtype: torch.dtype) -> bool:
 
 def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
     where = path or "<root>"
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} is an uninitialized parameter of a lazy module: run one "
+            "forward pass (or materialize the module) before saving or loading it")
+    if t.is_nested:
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} is a nested tensor; save its components "
+            "(t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
     if t.layout != torch.strided:
         raise UnsupportedLeafError(
             f"tensor at {where!r} has layout {t.layout}; convert it with .to_dense()")
@@ -424,10 +437,10 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
     if t in ("tensor", "ndarray", "npscalar"):
-        if path in flat.loaded_in_place and (
-                (t == "tensor" and isinstance(target, torch.Tensor))
-                or (t == "ndarray" and isinstance(target, np.ndarray))):
-            return target  # its data (a DTensor's local shard, an array's memory) was loaded
+        if path in flat.loaded_in_place and isinstance(target, (torch.Tensor, np.ndarray)):
+            # its data (a DTensor's local shard, an array's memory) was loaded; it keeps
+            # its own kind even where the checkpoint's was the other (tensor vs array)
+            return target
         value = tensors.get(node["key"])
         if value is None:  # skipped: the target has no array here
             return target
