@@ -401,10 +401,13 @@ def test_export_tied_weights_written_once(tmp_path: Path) -> None:
 def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]],
                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
-    """The export never asks the reader for more than one tensor at once."""
+    """The export never asks the reader for more than one tensor at once, and checks
+    each file's header once (not once per tensor: that grew with the square of the
+    tensor count)."""
     root, state = sharded
     asked: list[list[str]] = []
-    real = export_mod.load_tensors
+    checked: list[str] = []
+    real, real_check = export_mod._load_checked, export_mod._check_file
 
     def spy(step_dir: Path, manifest: Any, dests: dict[str, Any], storage: Any,
             **kw: Any) -> dict[str, torch.Tensor]:
@@ -412,10 +415,16 @@ def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]
         assert all(v is None for v in dests.values())
         return real(step_dir, manifest, dests, storage, **kw)
 
-    monkeypatch.setattr(export_mod, "load_tensors", spy)
+    def check_spy(step_dir: Path, manifest: Any, name: str, storage: Any) -> None:
+        checked.append(name)
+        real_check(step_dir, manifest, name, storage)
+
+    monkeypatch.setattr(export_mod, "_load_checked", spy)
+    monkeypatch.setattr(export_mod, "_check_file", check_spy)
     export_safetensors(root, tmp_path / "s.safetensors")
     assert all(len(a) == 1 for a in asked)
     assert len(asked) == len(tensors_of(state))
+    assert sorted(checked) == sorted(set(checked)) and len(checked) >= 2, checked
 
 
 def test_export_header_is_compact_and_aligned(single: tuple[Path, dict[str, Any]],
@@ -435,3 +444,44 @@ def test_export_header_is_compact_and_aligned(single: tuple[Path, dict[str, Any]
             size = {"F64": 8, "I64": 8, "F32": 4, "BF16": 2, "F16": 2, "BOOL": 1}[v["dtype"]]
             assert (8 + n + v["data_offsets"][0]) % size == 0
             assert v["data_offsets"][1] - v["data_offsets"][0] == math.prod(v["shape"]) * size
+
+
+# --- names, prefixes and where errors come from ---------------------------------------------------
+
+def test_prefix_selects_whole_name_parts_and_names_keep_their_keys(tmp_path: Path) -> None:
+    one = torch.ones(2)
+    state = {"model": {"a.weight": one, "odd/key": one * 2, "50%": one * 3},
+             "model_ema": {"a.weight": one * 4}, "model.flat": one * 5}
+    asyncckpt.save(state, tmp_path / "ck")
+    out = tmp_path / "m.safetensors"
+    export_safetensors(tmp_path / "ck", out, prefix="model", strip_prefix=True)
+    got = load_file(str(out))
+    assert sorted(got) == ["50%", "a.weight", "flat", "odd/key"], sorted(got)
+    assert got["odd/key"].tolist() == [2.0, 2.0] and got["50%"].tolist() == [3.0, 3.0]
+    export_safetensors(tmp_path / "ck", out, prefix="model_ema", force=True)
+    assert sorted(load_file(str(out))) == ["model_ema/a.weight"]
+
+
+def test_export_never_writes_inside_the_checkpoint(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    shard = tmp_path / "ck" / "step_000000001" / "rank_00000.safetensors"
+    before = shard.read_bytes()
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="inside the checkpoint"):
+        export_safetensors(tmp_path / "ck", shard, force=True)
+    assert shard.read_bytes() == before
+    assert asyncckpt.load(tmp_path / "ck")["w"].tolist() == [1.0, 1.0]
+
+
+def test_export_errors_name_the_side_they_come_from(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="cannot write /proc"):
+        export_safetensors(tmp_path / "ck", "/proc/asyncckpt.safetensors")
+    long_name = tmp_path / ("x" * 240 + ".safetensors")  # legal; its temporary must be too
+    export_safetensors(tmp_path / "ck", long_name)
+    assert load_file(str(long_name))["w"].tolist() == [1.0, 1.0]
+    shard = tmp_path / "ck" / "step_000000001" / "rank_00000.safetensors"
+    shard.unlink()
+    shard.mkdir()  # unreadable as a file: the checkpoint's fault, not the output's
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"rank_00000\.safetensors"):
+        export_safetensors(tmp_path / "ck", tmp_path / "y.safetensors")
+    assert main(["verify", str(tmp_path / "ck")]) == 1

@@ -36,6 +36,7 @@ from .storage import LocalStorage
 from .tree import dtype_name, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
+_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # as transport.http.MAX_TIMEOUT_S (not imported for ls)
 
 
 class _Usage(Exception):
@@ -262,7 +263,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise _Usage(f"cannot export to {args.out}: {exc.strerror or exc}"
+        raise _Usage(f"cannot export {path}: {exc.strerror or exc}"
                      f"{f' ({exc.filename})' if exc.filename else ''}") from exc
     for s in report.skipped:
         _warn(f"skipped {s.key} ({s.dtype} {list(s.shape)}): {s.reason}")
@@ -320,8 +321,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     step_dir, _ = _resolve(args.ckpt, args.step)
     token = _serve_token(args)
-    if not args.timeout > 0:
-        raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds")
+    if not 0 < args.timeout <= _MAX_TIMEOUT_S:
+        raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds, at most "
+                     f"{_MAX_TIMEOUT_S:.0f}")
     if not 0 <= args.port <= 65535:
         raise _Usage(f"--port {args.port}: use 0 (any free port) to 65535")
     if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
@@ -394,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("out", metavar="OUT", help="the .safetensors file to write")
     ex.add_argument("--step", type=int, default=None, help="which committed step of the root")
     ex.add_argument("--prefix", default="",
-                    help="export only tensors whose path starts with this (e.g. model/)")
+                    help="export only the tensors under this name (model: model/... and "
+                         "model.... but not model_ema/...)")
     ex.add_argument("--strip-prefix", action="store_true",
                     help="remove --prefix from the names (model/w -> w)")
     ex.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,

@@ -25,6 +25,7 @@ import os
 import struct
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,14 @@ from typing import Any
 import torch
 
 from . import commit
-from .errors import CheckpointConfigError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+)
 from .manifest import _ST_DTYPES, Manifest
-from .reader import load_tensors, read_manifest, tensor_bytes
+from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import LocalStorage, Storage
 from .tree import dtype_name, iter_array_nodes
 
@@ -127,11 +133,14 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                        step: int | None = None, prefix: str = "", strip_prefix: bool = False,
                        dtype: torch.dtype | str | None = None, force: bool = False,
                        storage: Storage | None = None) -> ExportReport:
-    """Write the tensors of one checkpoint whose paths start with ``prefix`` to one file.
+    """Write the tensors of one checkpoint under ``prefix`` to one safetensors file.
 
     ``ckpt_path`` is a checkpoint root (latest step, or ``step``) or a step directory.
-    Tensors are written whole whatever world size saved them, under their path (minus
-    ``prefix`` with ``strip_prefix``; a leading ``/`` left by stripping is dropped too).
+    Tensors are written whole whatever world size saved them, named by their path in
+    the state tree (dict keys joined by ``/``, as they were: no escaping). ``prefix``
+    selects whole parts of that name: ``"model"`` takes ``model/...`` and ``model.…``
+    but not ``model_ema/...``; a prefix ending in ``/`` or ``.`` is matched as it is.
+    ``strip_prefix`` removes it (and the separator after it) from the names.
     ``dtype`` ("bf16", "fp16", "fp32" or a torch floating dtype) casts every floating
     tensor torch can convert; others (integers, bool, complex, packed float4) keep their
     dtype. Tensors whose dtype safetensors cannot express (e.g. complex128) are skipped
@@ -146,8 +155,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
         CheckpointCorruptError: a checksum, size or header does not match; nothing is
             left at ``out_path``.
         CheckpointExistsError: ``out_path`` exists and ``force`` is False.
-        CheckpointConfigError: a bad ``dtype``, a ``prefix`` that selects nothing, or an
-            output path that cannot be written.
+        CheckpointConfigError: a bad ``dtype``, a ``prefix`` that selects nothing, an
+            output path inside the checkpoint, or one that cannot be written (the
+            error names it).
     """
     started = time.perf_counter()
     storage = storage or LocalStorage()
@@ -161,23 +171,35 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
         raise CheckpointNotFoundError(
             f"{step_dir} holds step {manifest.step}, not step {step}: drop the step or pass "
             "the checkpoint root")
+    if step_dir.resolve() in out.resolve().parents:
+        raise CheckpointConfigError(f"{out} is inside the checkpoint it exports ({step_dir}): "
+                                    "write the export elsewhere")
     report = ExportReport(out_path=out, step_dir=step_dir, step=manifest.step)
     planned = _plan(manifest, prefix, strip_prefix, cast, report)
     for s in report.skipped:
         log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape), s.reason)
     header = _encode_header(planned, manifest, step_dir)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    # every file once, up front (size and header): not once per tensor, which re-read
+    # and re-hashed the headers of all the files a sharded tensor touches
+    for name in sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}):
+        _check_file(step_dir, manifest, name, storage)
+    tmp = out.parent / f".asyncckpt-export-{uuid.uuid4().hex[:12]}.tmp"
+    with _writing(out):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
     try:
         try:
-            _write_all(fd, memoryview(header))
+            with _writing(out):
+                _write_all(fd, memoryview(header))
             for p in planned:
-                _write_tensor(fd, step_dir, manifest, storage, p)
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
+                _write_tensor(fd, step_dir, manifest, storage, p, out)
+            with _writing(out):
+                os.fsync(fd)
+                size = os.fstat(fd).st_size
         finally:
             os.close(fd)
-        _publish(tmp, out, force)
+        with _writing(out):
+            _publish(tmp, out, force)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -206,6 +228,31 @@ def _cast_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """Errors of the output side, as CheckpointConfigError naming the output."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointConfigError(f"cannot write {out}: {exc.strerror or exc}") from exc
+
+
+def _unescape(path: str) -> str:
+    """A tree path with its keys as they were (the inverse of tree.escape_key per part)."""
+    if "%" not in path:
+        return path
+    return "/".join("" if seg == "%00" else seg.replace("%2F", "/").replace("%25", "%")
+                    for seg in path.split("/"))
+
+
+def _selects(name: str, prefix: str) -> bool:
+    if not prefix or prefix.endswith(("/", ".")):
+        return name.startswith(prefix)
+    return name == prefix or (name.startswith(prefix) and name[len(prefix)] in "/.")
+
+
 def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
         raise CheckpointConfigError(f"{out} is a directory: name the .safetensors file to write")
@@ -223,10 +270,11 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
     names: dict[str, str] = {}  # output name -> storage key
     planned: list[_Planned] = []
     for path, node in iter_array_nodes(manifest.skeleton):
-        if not path.startswith(prefix):
+        full = _unescape(path)
+        if not _selects(full, prefix):
             continue
         key = node["key"]
-        name = path[len(prefix):].lstrip("/") if strip else path
+        name = full[len(prefix):].lstrip("/.") if strip else full
         if key in written:
             report.aliases[name] = written[key]
             continue
@@ -256,7 +304,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                        for p, _ in iter_array_nodes(manifest.skeleton)})
         have = ", ".join(repr(t) for t in tops[:10]) or "none"
         raise CheckpointConfigError(
-            f"no tensor path starts with {prefix!r} in step {manifest.step}; the tensor paths "
+            f"no tensor is under {prefix!r} in step {manifest.step}; the tensor paths "
             f"start with: {have}")
     # Largest element size first: every tensor starts aligned to its own element size
     # and the body needs no padding (safetensors allows no holes). Stable otherwise.
@@ -291,16 +339,20 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) 
 
 
 def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
-                  p: _Planned) -> None:
-    """Read one whole tensor (verified) and append it, cast piece by piece if asked."""
-    t = load_tensors(step_dir, manifest, {p.key: None}, storage, verify=True)[p.key]
+                  p: _Planned, out: Path) -> None:
+    """Read one whole tensor (verified; its files were checked) and append it, cast piece
+    by piece if asked."""
+    t = _load_checked(step_dir, manifest, {p.key: None}, storage, verify=True, threads=None,
+                      boxes={})[p.key]
     if p.out == p.src:
-        _write_all(fd, tensor_bytes(t))
+        with _writing(out):
+            _write_all(fd, tensor_bytes(t))
         return
     flat = t.reshape(-1)
     for i in range(0, flat.numel(), _CAST_PIECE_ELEMS):
         piece = flat[i:i + _CAST_PIECE_ELEMS].to(p.out).contiguous()
-        _write_all(fd, tensor_bytes(piece))
+        with _writing(out):
+            _write_all(fd, tensor_bytes(piece))
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -219,12 +219,19 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             if fd is None:  # checked by load_tensors already: just open it
                 fd = fds[it.chunk.file] = _open(step_dir / it.chunk.file, storage)
             j = _batch_end(items, i, out)
-            if j - i > 1:
-                _read_batch(fd, step_dir / it.chunk.file, items[i:j], out, storage, verify,
-                            manifest.block_bytes)
-            else:
-                _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
-                           manifest.block_bytes)
+            try:
+                if j - i > 1:
+                    _read_batch(fd, step_dir / it.chunk.file, items[i:j], out, storage, verify,
+                                manifest.block_bytes)
+                else:
+                    _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
+                               manifest.block_bytes)
+            except CheckpointError:
+                raise
+            except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
+                raise CheckpointCorruptError(
+                    f"reading {step_dir / it.chunk.file} (tensor {it.key!r}) failed: "
+                    f"{exc.strerror or exc}", path=str(step_dir / it.chunk.file)) from exc
             i = max(j, i + 1)
     finally:
         for fd in fds.values():
@@ -291,6 +298,12 @@ def _open(path: Path, storage: ReadStorage) -> int:
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
+    except CheckpointError:
+        raise
+    except OSError as exc:  # a directory, a symlink loop, no permission, EIO
+        raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
+                                     "checkpoint is damaged or unreadable",
+                                     path=str(path)) from exc
 
 
 def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
@@ -420,6 +433,8 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
         fd = storage.open_read(path)
     except FileNotFoundError:
         return [f"{path} is missing"]
+    except OSError as exc:
+        return [f"{path} cannot be read: {exc.strerror or exc}"]
     try:
         prefix = bytearray(min(storage.file_size(fd), 1 << 20))
         storage.pread_into(fd, [memoryview(prefix)], 0)
@@ -437,6 +452,10 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
                 raise
     except CheckpointCorruptError as exc:
         return [str(exc)]
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        return [f"{path} cannot be read: {exc.strerror or exc}"]
     finally:
         storage.close(fd)
     problems = []  # the header's checksum is _check_file's; here: entries vs the manifest

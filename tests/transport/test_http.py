@@ -838,6 +838,10 @@ def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["serve", str(root)]) == 2
     monkeypatch.delenv("ASYNCCKPT_TOKEN")
     assert cli_main(["serve", str(root), "--timeout", "0"]) == 2
+    for huge in ("1e10", "inf", "nan"):  # sockets and thread joins overflow on such values
+        assert cli_main(["serve", str(root), "--timeout", huge]) == 2
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="at most"):
+            HTTPTransport(timeout=float(huge))
     assert cli_main(["serve", str(root), "--port", "70000"]) == 2
     assert cli_main(["serve", str(root), "--token", "x"]) == 2  # no such option: never argv
     err = capsys.readouterr().err

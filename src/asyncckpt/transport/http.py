@@ -54,6 +54,9 @@ _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than hal
 _NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
+
+
 def _seconds(t: timedelta | float) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
@@ -85,6 +88,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
         self.timeout_s = _seconds(timeout)
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
+                                        f"seconds, at most {MAX_TIMEOUT_S:.0f}")
         self.num_chunks = num_chunks
         self.token = token
         check_block_bytes(block_bytes)
