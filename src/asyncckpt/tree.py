@@ -511,6 +511,8 @@ def merge_skeletons(skeletons: list[Node], differing: list[str] | None = None) -
 
 
 def _merge(a: Node, b: Node, path: str, differing: list[str] | None) -> Node:
+    if a == b:  # the common case for whole subtrees: compared in C
+        return a
     if a["t"] == "dict" and b["t"] == "dict":
         items = [list(it) for it in a["items"]]
         index = {(type(k), k): i for i, (k, _) in enumerate(items)}
