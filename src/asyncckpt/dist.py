@@ -24,6 +24,7 @@ Per save, under ``asyncckpt/<namespace>/s<step>/``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -277,8 +278,10 @@ _boxes: dict[Any, tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     """(local tensor, global shape, box of the local shard) of a DTensor.
 
-    Raises UnsupportedLeafError for placements that are not a plain box (Partial,
-    strided shards) — reduce or redistribute those first.
+    Shard(d), Replicate() and the strided shards of FSDP2 + tensor parallel
+    (``_StridedShard``) are taken where every rank's shard is one box of the global
+    tensor. Raises UnsupportedLeafError for anything else (Partial, a strided shard
+    whose local rows are scattered) — reduce or redistribute those first.
     """
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
     # The DTensor's own spec (mesh, placements, global shape, dtype, stride) is the key
@@ -288,25 +291,7 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
         spec = (t.shape, placements, id(mesh))
     hit = _boxes.get(spec)
     if hit is None or hit[0] is not mesh:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        from .errors import UnsupportedLeafError
-
-        if mesh.get_coordinate() is None:
-            raise UnsupportedLeafError(
-                f"DTensor at {where!r} lives on a device mesh that does not include this "
-                "rank, which holds none of it: leave it out of this rank's state")
-        for p in placements:
-            if type(p) not in (Shard, Replicate):
-                raise UnsupportedLeafError(
-                    f"DTensor at {where!r} has placement {p}: only Shard(d) and Replicate() can "
-                    "be checkpointed; redistribute it first (e.g. t.redistribute(placements=...))")
-        shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        if len(_boxes) > 100_000:
-            _boxes.clear()
-        # The mesh is kept alive in the entry, so its id cannot be reused by another mesh.
-        hit = _boxes[spec] = (mesh, tuple(shape), tuple(offsets), tuple(t.shape))
+        hit = _new_box(spec, t, mesh, tuple(placements), where)
     _, shape, offsets, global_shape = hit
     # to_local() goes through autograd (~7 us a tensor, every save); the attribute does not.
     local = getattr(t, "_local_tensor", None)
@@ -319,6 +304,99 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
             f"DTensor at {where!r}: local shard shape {list(local.shape)} does not match its "
             f"placements ({list(shape)})")
     return local, global_shape, (offsets, shape)
+
+
+def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], where: str
+             ) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Work out (and cache) the box of a DTensor layout not seen before."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from .errors import UnsupportedLeafError
+
+    if mesh.get_coordinate() is None:
+        raise UnsupportedLeafError(
+            f"DTensor at {where!r} lives on a device mesh that does not include this "
+            "rank, which holds none of it: leave it out of this rank's state")
+    unusual = [p for p in placements if type(p) not in (Shard, Replicate)]
+    for p in unusual:
+        if type(p) is not _strided_shard_type():
+            raise UnsupportedLeafError(
+                f"DTensor at {where!r} has placement {p}: only Shard(d), Replicate() and strided "
+                "shards that leave each rank one box can be checkpointed; redistribute it first "
+                "(e.g. t.redistribute(placements=...))")
+    shape, offsets = _local_shape_and_offsets(t.shape, mesh, placements, where)
+    if unusual:  # strided shards, rare: check that this rank's part really is one box
+        _check_one_box(t, mesh, placements, {p.dim for p in unusual}, shape, offsets, where)
+    if len(_boxes) > 100_000:
+        _boxes.clear()
+    # The mesh is kept alive in the entry, so its id cannot be reused by another mesh.
+    hit = _boxes[spec] = (mesh, tuple(shape), tuple(offsets), tuple(t.shape))
+    return hit
+
+
+@functools.cache
+def _strided_shard_type() -> type | None:
+    """torch's ``_StridedShard`` placement (FSDP2 over tensor parallel), if it has one."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # a torch without it cannot make such DTensors either
+        return None
+    return _StridedShard
+
+
+def _local_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: tuple[Any, ...],
+                             where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch's own (local shape, global offsets) of this rank's shard."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError as exc:  # a private helper: a future torch may move it
+        from .errors import UnsupportedLeafError
+
+        raise UnsupportedLeafError(
+            f"DTensor at {where!r}: this torch {torch.__version__} lacks "
+            "torch.distributed.tensor._utils.compute_local_shape_and_global_offset, which "
+            "asyncckpt uses to find a DTensor's shard; use a torch version asyncckpt supports, "
+            "or save t.to_local() with shards=ShardMetadata(...)") from exc
+    shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(shape), tuple(offsets)
+
+
+def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims: set[int],
+                   shape: tuple[int, ...], offsets: tuple[int, ...], where: str) -> None:
+    """Raise UnsupportedLeafError unless this rank's indices along each of ``dims`` are the
+    contiguous range [offset, offset + length) of the computed box.
+
+    torch's own sharding finds them: a tensor of global indices along ``d`` (size 1 on
+    the other dimensions) is split by the same placements (``src_data_rank=None``:
+    locally, with no communication). Runs once per new layout, never per save.
+    """
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from .errors import UnsupportedLeafError
+
+    ndim = len(t.shape)
+    for d in sorted(x % ndim for x in dims):
+        n = t.shape[d]
+        index = torch.arange(n).reshape([n if e == d else 1 for e in range(ndim)])
+        along = [p if type(p) is not Replicate and p.dim % ndim == d else Replicate()
+                 for p in placements]
+        try:
+            got = distribute_tensor(index, mesh, along, src_data_rank=None).to_local()
+            got = got.reshape(-1).cpu()
+        except Exception as exc:
+            raise UnsupportedLeafError(
+                f"DTensor at {where!r} has placements {tuple(map(str, placements))}, which this "
+                f"torch {torch.__version__} could not split along dimension {d} to check that "
+                f"each rank holds one box ({type(exc).__name__}: {exc}); redistribute it first "
+                "(e.g. t.redistribute(placements=...))") from exc
+        if not torch.equal(got, torch.arange(offsets[d], offsets[d] + shape[d])):
+            rows: list[Any] = got[:9].tolist()
+            shown = rows if len(rows) <= 8 else [*rows[:8], "..."]
+            raise UnsupportedLeafError(
+                f"DTensor at {where!r} has placements {tuple(map(str, placements))}, which give "
+                f"this rank indices {shown} of dimension {d}, not one contiguous range: only "
+                "Shard(d), Replicate() and strided shards that leave each rank one box can be "
+                "checkpointed; redistribute it first (e.g. t.redistribute(placements=...))")
 
 
 # --- what each rank wrote, and the merged manifest --------------------------------------------

@@ -1,0 +1,244 @@
+"""FSDP2 + tensor parallel: DTensors with ``_StridedShard`` placements saved and loaded.
+
+Four ranks on a 2x2 ("dp", "tp") mesh train a small model (ColwiseParallel +
+RowwiseParallel, then fully_shard) for one AdamW step and save its model and optimizer
+state. The Colwise layer's weight and bias come out of ``get_state_dict`` as
+``(_StridedShard(0, sf=2), Shard(0))``, here unevenly (10 rows on 2x2: 3, 2, 3, 2).
+The checkpoint is loaded back into the same layout, whole in one process, and into a
+plain FSDP2 model on two ranks; every value must come back bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import Checks, RankCtx, bits, run_ranks
+
+import asyncckpt
+
+MODULE = "test_dist_tp"
+IN, HIDDEN, OUT = 4, 10, 5  # HIDDEN rows of the Colwise weight split unevenly on 2x2
+STEP = 1
+
+
+def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, tensor) of every tensor of a nested dict/list state, in a fixed order."""
+    import torch
+
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _leaves(tree[k], f"{path}/{k}" if path else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{path}/{i}" if path else str(i))
+    elif isinstance(tree, torch.Tensor):
+        yield path, tree
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "device_mesh") else t
+
+
+def _full(t: Any) -> Any:
+    return t.full_tensor() if hasattr(t, "device_mesh") else t
+
+
+def _model(seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, OUT))
+
+
+def _fsdp_tp(seed: int) -> tuple[Any, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = _model(seed)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+
+
+def _fsdp(seed: int, world: int) -> tuple[Any, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+
+
+def _train_step(model: Any, opt: Any) -> None:
+    import torch
+
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(7))  # the same on all ranks
+    model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _state(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _target(model: Any, opt: Any) -> dict[str, Any]:
+    """A fresh model's state to load into, optimizer state tensors included."""
+    import torch
+
+    state = _state(model, opt)
+    if not state["optim"]["state"]:  # give the fresh optimizer its state, params unchanged
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        opt.step()
+        for g in opt.param_groups:
+            g["lr"] = 0.1
+        opt.zero_grad(set_to_none=True)
+        state = _state(model, opt)
+    return state
+
+
+def _load_and_apply(ck: Any, model: Any, opt: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    target = _target(model, opt)
+    ck.load(target, step=STEP)
+    set_state_dict(model, opt, model_state_dict=target["model"],
+                   optim_state_dict=target["optim"])
+
+
+# --- rank workers ------------------------------------------------------------------------------
+
+def tp_worker(ctx: RankCtx) -> dict[str, Any]:
+    """Train, save, and load back into a fresh FSDP2 + TP model; report the full values."""
+    c = Checks()
+    root = Path(ctx.args["root"])
+    model, opt = _fsdp_tp(seed=0)
+    _train_step(model, opt)
+    state = _state(model, opt)
+    placements = {p: str(t.placements) for p, t in _leaves(state) if hasattr(t, "placements")}
+    before = {p: _local(t).clone() for p, t in _leaves(state)}
+    full = {p: [str(_full(t).dtype), list(t.shape), bits(_full(t)).hex()]
+            for p, t in _leaves(state)}
+    with asyncckpt.AsyncCheckpointer(root, timeout_s=30) as ck:
+        ck.save(state, STEP)
+        # (a) the same layout, fresh weights and optimizer: every local shard bit-exact
+        model2, opt2 = _fsdp_tp(seed=1)
+        c.run("load tp", _load_and_apply, ck, model2, opt2)
+    after = dict(_leaves(_state(model2, opt2)))
+    c.check(sorted(after) == sorted(before), f"keys {sorted(after)} != {sorted(before)}")
+    for p, want in before.items():
+        got = _local(after[p]) if p in after else None
+        c.check(got is not None and bits(got) == bits(want) and got.shape == want.shape,
+                f"tp reload {p}: {got} != {want}")
+    return {"failures": c.failures, "placements": placements, "full": full}
+
+
+def fsdp_worker(ctx: RankCtx) -> dict[str, Any]:
+    """Load the 4-rank FSDP2 + TP checkpoint into a plain FSDP2 model (1-D mesh)."""
+    c = Checks()
+    model, opt = _fsdp(seed=2, world=ctx.world)
+    with asyncckpt.AsyncCheckpointer(Path(ctx.args["root"]), timeout_s=30) as ck:
+        c.run("load fsdp", _load_and_apply, ck, model, opt)
+    got = {p: _full(t) for p, t in _leaves(_state(model, opt))}
+    want = ctx.args["full"]
+    c.check(sorted(got) == sorted(want), f"keys {sorted(got)} != {sorted(want)}")
+    for p, (dtype, shape, hexbits) in want.items():
+        t = got.get(p)
+        c.check(t is not None and str(t.dtype) == dtype and list(t.shape) == shape
+                and bits(t).hex() == hexbits, f"fsdp reload {p}: {t}")
+    return {"failures": c.failures}
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("tp")
+    runs = run_ranks(MODULE, "tp_worker", 4, base / "run_tp", args={"root": str(base / "ck")},
+                     timeout_s=90)
+    return {"root": base / "ck", "base": base,
+            "results": {r: run.result for r, run in runs.items()}}
+
+
+def test_fsdp_tp_strided_shards_save_and_reload_bit_exact(tp_run: dict[str, Any]) -> None:
+    results = tp_run["results"]
+    for r in range(4):
+        assert results[r]["failures"] == [], (r, results[r]["failures"])
+    pls = results[0]["placements"]
+    assert pls["model/0.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", pls
+    assert pls["optim/state/0.weight/exp_avg"] == pls["model/0.weight"], pls
+    assert all(results[r]["full"] == results[0]["full"] for r in range(4))
+    m = asyncckpt.AsyncCheckpointer(tp_run["root"]).manifest(STEP)
+    assert m.world_size == 4
+    # 10 rows on 2x2 with FSDP over TP: (offset, rows) 0/3, 3/2, 5/3, 8/2
+    rows = sorted((c.offsets[0], c.lengths[0]) for c in m.tensors["model/0.weight"].chunks)
+    assert rows == [(0, 3), (3, 2), (5, 3), (8, 2)], rows
+
+
+def test_fsdp_tp_checkpoint_loads_whole_in_one_process(tp_run: dict[str, Any]) -> None:
+    import torch
+
+    full = tp_run["results"][0]["full"]
+    got = dict(_leaves(asyncckpt.load(tp_run["root"])))
+    assert sorted(got) == sorted(full)
+    for p, (dtype, shape, hexbits) in full.items():
+        t = got[p]
+        assert isinstance(t, torch.Tensor) and not hasattr(t, "device_mesh"), p
+        assert (str(t.dtype), list(t.shape), bits(t).hex()) == (dtype, shape, hexbits), p
+
+
+def test_fsdp_tp_checkpoint_loads_into_plain_fsdp_on_two_ranks(tp_run: dict[str, Any]) -> None:
+    runs = run_ranks(MODULE, "fsdp_worker", 2, tp_run["base"] / "run_fsdp",
+                     args={"root": str(tp_run["root"]), "full": tp_run["results"][0]["full"]},
+                     timeout_s=90)
+    for r, run in runs.items():
+        assert run.result["failures"] == [], (r, run.result["failures"])
+
+
+def test_strided_shard_that_is_not_one_box_is_refused(tmp_path: Path) -> None:
+    runs = run_ranks(MODULE, "refuse_worker", 2, tmp_path / "run", timeout_s=60,
+                     args={"root": str(tmp_path / "ck")})
+    for r, run in runs.items():
+        assert run.result["failures"] == [], (r, run.result["failures"])
+
+
+def refuse_worker(ctx: RankCtx) -> dict[str, Any]:
+    """A lone _StridedShard gives each rank scattered rows: refused with a clear error."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from asyncckpt.errors import UnsupportedLeafError
+
+    c = Checks()
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    t = distribute_tensor(torch.arange(8.0).reshape(8, 1), mesh,
+                          [_StridedShard(0, split_factor=2)], src_data_rank=None)
+    c.check(t.to_local().reshape(-1).tolist() == ([0, 1, 4, 5] if ctx.rank == 0
+                                                  else [2, 3, 6, 7]), str(t.to_local()))
+    try:
+        with asyncckpt.AsyncCheckpointer(Path(ctx.args["root"]), timeout_s=30) as ck:
+            ck.save({"w": t}, 1)
+        c.check(False, "saved a strided shard that is not one box")
+    except UnsupportedLeafError as exc:
+        c.check("not one contiguous range" in str(exc) and "'w'" in str(exc), str(exc))
+    return {"failures": c.failures}
