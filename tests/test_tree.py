@@ -610,3 +610,15 @@ def test_random_trees_roundtrip_exactly(same, tree):
     # every array leaf has a path, and refs point at stored tensors only
     assert set(flat.refs.values()) <= set(flat.tensors)
     assert set(flat.tensors) <= set(flat.refs)
+
+
+def test_unescape_path_undoes_escape_key_on_every_part():
+    from asyncckpt.tree import join_path, unescape_path
+
+    keys = ["model", "50%", "", "a.b", 3, "%2F"]
+    path = ""
+    for k in keys:
+        path = join_path(path, k)
+    assert "%00" in path and "%2525" not in path
+    assert unescape_path(path) == "/".join(str(k) for k in keys)
+    assert unescape_path("plain/path") == "plain/path"

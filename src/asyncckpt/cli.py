@@ -36,7 +36,6 @@ from .storage import LocalStorage
 from .tree import dtype_name, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
-_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # as transport.http.MAX_TIMEOUT_S (not imported for ls)
 
 
 class _Usage(Exception):
@@ -317,13 +316,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from .transport.http import HTTPTransport
+    from .transport.http import MAX_TIMEOUT_S, HTTPTransport
 
     step_dir, _ = _resolve(args.ckpt, args.step)
     token = _serve_token(args)
-    if not 0 < args.timeout <= _MAX_TIMEOUT_S:
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
         raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds, at most "
-                     f"{_MAX_TIMEOUT_S:.0f}")
+                     f"{MAX_TIMEOUT_S:.0f}")
     if not 0 <= args.port <= 65535:
         raise _Usage(f"--port {args.port}: use 0 (any free port) to 65535")
     if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):

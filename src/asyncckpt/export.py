@@ -42,7 +42,7 @@ from .errors import (
 from .manifest import _ST_DTYPES, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import LocalStorage, Storage
-from .tree import dtype_name, iter_array_nodes
+from .tree import dtype_name, iter_array_nodes, unescape_path
 
 __all__ = ["DTYPE_ALIASES", "ExportReport", "ExportedTensor", "SkippedTensor",
            "export_safetensors"]
@@ -239,14 +239,6 @@ def _writing(out: Path) -> Iterator[None]:
         raise CheckpointConfigError(f"cannot write {out}: {exc.strerror or exc}") from exc
 
 
-def _unescape(path: str) -> str:
-    """A tree path with its keys as they were (the inverse of tree.escape_key per part)."""
-    if "%" not in path:
-        return path
-    return "/".join("" if seg == "%00" else seg.replace("%2F", "/").replace("%25", "%")
-                    for seg in path.split("/"))
-
-
 def _selects(name: str, prefix: str) -> bool:
     if not prefix or prefix.endswith(("/", ".")):
         return name.startswith(prefix)
@@ -270,7 +262,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
     names: dict[str, str] = {}  # output name -> storage key
     planned: list[_Planned] = []
     for path, node in iter_array_nodes(manifest.skeleton):
-        full = _unescape(path)
+        full = unescape_path(path)
         if not _selects(full, prefix):
             continue
         key = node["key"]

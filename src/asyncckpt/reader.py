@@ -430,11 +430,9 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
 
 def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
     try:
-        fd = storage.open_read(path)
-    except FileNotFoundError:
-        return [f"{path} is missing"]
-    except OSError as exc:
-        return [f"{path} cannot be read: {exc.strerror or exc}"]
+        fd = _open(path, storage)
+    except CheckpointCorruptError as exc:  # missing, or cannot be opened
+        return [str(exc)]
     try:
         prefix = bytearray(min(storage.file_size(fd), 1 << 20))
         storage.pread_into(fd, [memoryview(prefix)], 0)

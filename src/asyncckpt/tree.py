@@ -80,6 +80,15 @@ def escape_key(key: str | int) -> str:
     return key.replace("%", "%25").replace("/", "%2F")
 
 
+def unescape_path(path: str) -> str:
+    """A path with its keys as they were: :func:`escape_key` undone on every part (for
+    names shown to other tools; ``/`` inside a key then reads like a separator)."""
+    if "%" not in path:
+        return path
+    return "/".join("" if seg == "%00" else seg.replace("%2F", "/").replace("%25", "%")
+                    for seg in path.split("/"))
+
+
 def join_path(prefix: str, key: str | int) -> str:
     seg = escape_key(key)
     return f"{prefix}/{seg}" if prefix else seg
