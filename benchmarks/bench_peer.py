@@ -74,6 +74,7 @@ import asyncckpt
 import bench_checkpoint as bc
 import bench_dist as bd
 from asyncckpt.transport import HTTPTransport
+from asyncckpt.transport.http import fetch_connections
 
 GB = 1e9
 GiB = 2**30
@@ -623,7 +624,8 @@ def run(args: Any, work: Path) -> dict[str, Any]:
         "model_tensors": sum(lf.kind == "model" for lf in leaves), "repeats": args.repeats,
         "default_chunks": DEFAULT_CHUNKS, "streams": list(STREAMS), "budget_s": budget_s,
         "slow_s": max(2.0, 10.0 * args.state_gib / 3), "ring_bytes": min(nbytes, RING_BYTES),
-        "skipped": {}, "torchft": {"version": torchft_version()}}
+        "skipped": {}, "torchft": {"version": torchft_version()},
+        "connections": {str(c): fetch_connections(c) for c in STREAMS}}
     spec = {"state_gib": args.state_gib, "tensors": args.tensors, "token": token,
             "timeout_s": timeout_s, "work": str(work)}
     bc.log(f"peer: starting the serving process ({nbytes / GiB:.3f} GiB state)")
@@ -874,8 +876,14 @@ class Session:
             return self.transfer(blocked, lambda: asyncckpt.load(
                 self.address, self.target, token=self.token, timeout=self.timeout_s), label)
         todo.append((label, base, {"kind": "live", "chunks": 8}, load))
+        seen = {fetch_connections(DEFAULT_CHUNKS)}
         for c in sorted((c for c in STREAMS if c != DEFAULT_CHUNKS), reverse=True):
             label = f"in place, num_chunks={c}"
+            if fetch_connections(c) in seen:  # bounded by the CPUs: a run already measured
+                self.res["skipped"][label] = (f"opens {fetch_connections(c)} connections on "
+                                              "this machine, as a larger num_chunks did")
+                continue
+            seen.add(fetch_connections(c))
             todo.append((label, base * DEFAULT_CHUNKS / c, {"kind": "live", "chunks": c},
                          self.in_place(c, label)))
         for label, est, meta, one in todo:
@@ -1020,6 +1028,11 @@ def render(res: dict[str, Any]) -> str:
         notes.append(f"- num_chunks: best {best} "
                      f"({fmt_s(median(res['methods'][f'in place, num_chunks={best}']['recv_s']))})"
                      f", default {DEFAULT_CHUNKS}")
+    conns = res.get("connections", {})
+    if any(int(c) != n for c, n in conns.items()):
+        notes.append("- connections opened: " + ", ".join(
+            f"num_chunks={c}: {n}" for c, n in sorted(conns.items(), key=lambda kv: -int(kv[0])))
+            + " (a fetch opens at most one per CPU, 2 at least)")
     arena = next((m for k, m in res["methods"].items() if k.startswith("arena")), None)
     if arena:
         serve_s, prep_s = arena.get("serve_call_s", math.nan), arena.get("prepare_s", math.nan)

@@ -85,7 +85,8 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
-    a peer (default 8). ``timeout``: seconds a fetch from a peer may take as a whole.
+    a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
+    from a peer may take as a whole.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -93,13 +94,13 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     """
     _check_threads(threads)
     if str(path).startswith("http://"):
-        from .transport.http import HTTPStorage, partial_data
+        from .transport.http import HTTPStorage, fetch_connections, partial_data
 
         peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
         try:
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
-                              verify=verify, threads=threads or 8)
+                              verify=verify, threads=fetch_connections(threads or 8))
         except CheckpointError as exc:
             raise partial_data(exc, state) from exc.__cause__
         finally:

@@ -848,11 +848,15 @@ def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert "empty" in err and "nofile" in err
 
 
-@pytest.mark.parametrize("threads", [1, 2, 5])
-def test_load_from_a_peer_opens_the_connections_asked_for(
-        transports: Any, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+@pytest.mark.parametrize(("cpus", "threads", "want"), [(16, 1, 1), (16, 2, 2), (16, 5, 5),
+                                                      (2, 5, 2), (1, 5, 2), (3, 8, 3)])
+def test_load_from_a_peer_opens_the_connections_asked_for_up_to_one_per_cpu(
+        transports: Any, monkeypatch: pytest.MonkeyPatch, cpus: int, threads: int,
+        want: int) -> None:
     import http.client
+    import os
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     opened = []
     connect = http.client.HTTPConnection.connect
 
@@ -865,8 +869,19 @@ def test_load_from_a_peer_opens_the_connections_asked_for(
     state = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(16)}
     srv.send_checkpoint([1], 3, state, 10.0)
     got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0, threads=threads)
-    assert len(opened) == threads
+    assert len(opened) == want
     assert all(torch.equal(got[k], v) for k, v in state.items())
+    if threads == 5:  # recv_checkpoint's num_chunks is bounded the same way
+        from asyncckpt.transport.http import HTTPTransport
+
+        opened.clear()
+        client = HTTPTransport(timeout=10.0, token=TOKEN, num_chunks=threads)
+        try:
+            got = client.recv_checkpoint(0, srv.address(), 3, 10.0)
+        finally:
+            client.shutdown()
+        assert len(opened) == want
+        assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
 def test_disallow_cuts_off_a_slow_transfer_before_returning() -> None:

@@ -19,6 +19,7 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -57,6 +58,18 @@ _NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeou
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
 
 
+def fetch_connections(asked: int) -> int:
+    """The connections (and reader threads) a fetch uses: ``asked``, but at most one per
+    CPU this process may run on (2 at least). Each connection needs a CPU to copy its
+    bytes out of the kernel: on a 2-core machine 8 of them only contend for the GIL and
+    the cores, and receive about a fifth slower than 2 do."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(asked, max(2, cpus)))
+
+
 def _seconds(t: timedelta | float) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
@@ -71,7 +84,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     Args:
         timeout: how long a request may wait for a step to be allowed, and the default
             for how long a fetch may take as a whole.
-        num_chunks: parallel connections a fetch uses.
+        num_chunks: parallel connections a fetch uses (at most one per CPU the process
+            may run on, 2 at least: more only contend for the CPUs).
         host: interface to bind (127.0.0.1 by default; "0.0.0.0" for all).
         port: port to bind (0 picks a free one).
         advertise_host: the host put in ``metadata()`` when it differs from ``host``.
@@ -256,7 +270,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
-                             threads=self.num_chunks)
+                             threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
             raise partial_data(exc, into) from exc.__cause__
         finally:
