@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     sv.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
     sv.add_argument("--advertise-host", default=None,
-                    help="host name peers use to reach this one, put in the printed address")
+                    help="host name peers use to reach this one, put in the printed address "
+                    "(default: --host, or this machine's host name when --host is 0.0.0.0 or ::)")
     sv.add_argument("--token-file", default=None,
                     help=f"file holding the shared secret (else ${TOKEN_ENV}; none: no check)")
     sv.add_argument("--timeout", type=float, default=60.0,

@@ -664,6 +664,30 @@ def test_binds_to_loopback_by_default_and_advertise_host_changes_only_the_addres
     assert_state(got, state)
 
 
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", ""])
+def test_a_wildcard_bind_advertises_the_host_name_not_the_wildcard(
+        transports: Any, monkeypatch: pytest.MonkeyPatch, wildcard: str) -> None:
+    # A peer told to connect to 0.0.0.0 connects to itself: never advertise a wildcard.
+    # (The server really binds 127.0.0.1 here: tests stay off the machine's interfaces.)
+    import socket
+
+    from asyncckpt.transport import http as http_mod
+
+    class LoopbackServer(http_mod._Server):
+        def __init__(self, addr: tuple[str, int], *args: Any) -> None:
+            bound.append(addr[0])
+            super().__init__(("127.0.0.1", addr[1]), *args)
+
+    bound: list[str] = []
+    monkeypatch.setattr(http_mod, "_Server", LoopbackServer)
+    srv = transports(token=TOKEN, host=wildcard)
+    assert bound == [wildcard]
+    assert srv.metadata() == f"http://{socket.gethostname()}:{port_of(srv)}/v1"
+    named = transports(token=TOKEN, host=wildcard, advertise_host="10.1.2.3")
+    assert named.metadata() == f"http://10.1.2.3:{port_of(named)}/v1"
+    assert transports(token=TOKEN, host="127.0.0.1").metadata().startswith("http://127.0.0.1:")
+
+
 # --- AsyncCheckpointer.serve -----------------------------------------------------------------
 
 class GatedStorage(LocalStorage):

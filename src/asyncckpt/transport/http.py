@@ -70,6 +70,14 @@ def fetch_connections(asked: int) -> int:
     return max(1, min(asked, max(2, cpus)))
 
 
+def _reachable(host: str) -> str:
+    """The host to advertise for a server bound to ``host``: a wildcard address ("0.0.0.0",
+    "::", "") means every interface, which no peer can connect to by that name."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return host
+
+
 def _seconds(t: timedelta | float) -> float:
     return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
@@ -86,9 +94,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             for how long a fetch may take as a whole.
         num_chunks: parallel connections a fetch uses (at most one per CPU the process
             may run on, 2 at least: more only contend for the CPUs).
-        host: interface to bind (127.0.0.1 by default; "0.0.0.0" for all).
+        host: interface to bind (127.0.0.1 by default; "0.0.0.0" or "::" for all).
         port: port to bind (0 picks a free one).
-        advertise_host: the host put in ``metadata()`` when it differs from ``host``.
+        advertise_host: the host put in ``metadata()`` when it differs from ``host``
+            (default: ``host``; for a wildcard ``host``, this machine's host name, since
+            a peer told "0.0.0.0" would connect to itself).
         token: a shared secret every request must carry; None disables the check.
         max_connections: connections served at once; more are refused with 503.
         max_range_bytes: the largest byte range one request may ask for.
@@ -116,7 +126,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._tickets = itertools.count()
         self._server = _Server((host, port), _Handler, self, max_connections)
-        self._advertise = advertise_host or host
+        self._advertise = advertise_host or _reachable(host)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name="asyncckpt-http", daemon=True)
         self._thread.start()
