@@ -123,6 +123,21 @@ def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "train/step=30" in out and "train/lr=0.5" in out
 
 
+def test_inspect_shows_tied_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Tied weights are stored once under one path; inspect must still show the others.
+    emb = torch.randn(6, 4)
+    asyncckpt.save({"embed": {"weight": emb}, "head": {"weight": emb}, "x": emb[:2],
+                    "b": torch.zeros(3)}, tmp_path / "ck", step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"))
+    assert code == 0
+    assert "head/weight: tied to embed/weight (stored once)" in out
+    assert out.count("tied to") == 1  # a view of another shape is saved apart, not tied
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"), "--json")
+    tensors = {t["path"]: t for t in json.loads(out)["tensors"]}
+    assert tensors["embed/weight"]["tied"] == ["head/weight"]
+    assert tensors["b"]["tied"] == [] and "head/weight" not in tensors
+
+
 def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "inspect", str(root), "--step", "20", "--json")
     assert code == 0
@@ -134,7 +149,8 @@ def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixtur
     assert tensors["model/w"]["shape"] == [4, 8]
     assert tensors["model/w"]["bytes"] == 128
     assert tensors["ids"] == {"path": "ids", "dtype": "int64", "shape": [5], "bytes": 40,
-                              "kind": "torch", "files": ["rank_00000.safetensors"], "chunks": 1}
+                              "kind": "torch", "files": ["rank_00000.safetensors"], "chunks": 1,
+                              "tied": []}
     assert doc["tensor_bytes"] == 128 + 16 + 40
     assert doc["total_bytes"] == sum(f["bytes"] for f in doc["files"].values())
     assert {"path": "train/step", "type": "int", "value": 20} in doc["skeleton"]["scalars"]

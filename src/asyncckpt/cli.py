@@ -33,7 +33,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import read_manifest, verify_checkpoint
 from .storage import LocalStorage
-from .tree import dtype_name, join_path
+from .tree import dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
 
@@ -172,9 +172,15 @@ def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> N
 def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
     skel: dict[str, Any] = {"stateful": [], "scalars": []}
     _skeleton_summary(m.skeleton, "", skel)
+    paths: dict[str, list[str]] = {}  # storage key -> the paths of the tree that hold it
+    for path, node in iter_array_nodes(m.skeleton):
+        paths.setdefault(node["key"], []).append(path)
+    tied = {key: [p for p in ps if p != key] if key in ps else ps[1:]  # the other paths
+            for key, ps in paths.items() if len(ps) > 1}
     tensors = [{"path": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                 "bytes": t.nbytes, "kind": t.kind,
-                "files": sorted({c.file for c in t.chunks}), "chunks": len(t.chunks)}
+                "files": sorted({c.file for c in t.chunks}), "chunks": len(t.chunks),
+                "tied": tied.get(key, [])}
                for key, t in m.tensors.items()]
     return {"path": str(step_dir), "step": m.step, "world_size": m.world_size,
             "library_version": m.library_version, "format_version": m.format_version,
@@ -197,6 +203,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)))
     else:
         print("(no tensors)")
+    for t in doc["tensors"]:
+        for path in t["tied"]:
+            print(f"{path}: tied to {t['path']} (stored once)")
     skel = doc["skeleton"]
     classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
     print(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
