@@ -706,3 +706,26 @@ def test_a_stray_file_named_like_a_step_is_ignored(tmp_path):
     assert asyncckpt.load(tmp_path)["w"].tolist() == [1.0]
     ck.save({"w": torch.ones(1)}, 2)
     assert ck.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_targets_autograd_or_inference_mode_would_refuse_are_filled(tmp_path, threads):
+    # Non-contiguous targets take the copy path, on reader threads that do not inherit the
+    # caller's grad or inference mode: an inference tensor loaded outside inference mode, a
+    # transposed view of a parameter, a transposed parameter, and the second of two
+    # untied targets of one saved tensor, each must get the saved values.
+    saved = {f"w{i}": torch.arange(12.0).reshape(3, 4) + i for i in range(4)}
+    saved["tied"] = saved["w0"]
+    asyncckpt.save({**saved, "u": saved["w0"]}, tmp_path / "ck", step=1)
+    with torch.inference_mode():
+        inference = torch.zeros(4, 3)
+        untied = torch.zeros(4, 3).t()
+    param = torch.nn.Parameter(torch.zeros(4, 3))
+    target = {"w0": inference.t(), "w1": param.t(),
+              "w2": torch.nn.Parameter(torch.zeros(4, 3).t()), "w3": torch.zeros(3, 4),
+              "tied": untied, "u": untied.clone()}
+    asyncckpt.load(tmp_path / "ck", target, threads=threads)
+    for k in ("w0", "w1", "w2", "w3", "tied"):
+        assert torch.equal(target[k].detach(), saved[k]), k
+    assert torch.equal(target["u"], saved["w0"])
+    assert param.requires_grad and target["w2"].requires_grad and inference.is_inference()

@@ -19,7 +19,7 @@ import torch
 from ._gc import gc_paused
 from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatchError
 from .manifest import Manifest
-from .reader import load_tensors, read_manifest
+from .reader import copy_into, load_tensors, read_manifest
 from .storage import ReadStorage
 from .tree import (
     Box,
@@ -103,15 +103,14 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     loaded = load_tensors(step_dir, manifest,
                           {k: v[0] if v and k not in staged else None for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads)
-    with torch.no_grad():
-        for key, tensors in dests.items():  # in checkpoint order
-            # extra targets: saved once (tied), loaded into untied targets
-            for t in tensors if key in staged else tensors[1:]:
-                t.copy_(loaded[key])
-            for t in tensors:
-                arr = copies.get(id(t))
-                if arr is not None:
-                    np.copyto(arr, t.numpy())
+    for key, tensors in dests.items():  # in checkpoint order
+        # extra targets: saved once (tied), loaded into untied targets
+        for t in tensors if key in staged else tensors[1:]:
+            copy_into(t, loaded[key])
+        for t in tensors:
+            arr = copies.get(id(t))
+            if arr is not None:
+                np.copyto(arr, t.numpy())
     return restore_into(state, manifest.skeleton, loaded, "", target)
 
 

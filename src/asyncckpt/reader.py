@@ -74,6 +74,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for any target a user may pass: autograd off (a view of a
+    parameter takes its new values in place), and inference mode on for an inference
+    tensor (which refuses in-place writes outside it). Reader threads do not inherit the
+    caller's modes, so each copy sets them."""
+    with torch.inference_mode(dst.is_inference()), torch.no_grad():
+        dst.copy_(src)
+
+
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                  storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
                  boxes: Mapping[str, Box] | None = None) -> dict[str, torch.Tensor]:
@@ -351,7 +360,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     tgt = dst
     for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
         tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
-    tgt.copy_(src)
+    copy_into(tgt, src)
 
 
 def _read_range(fd: int, storage: ReadStorage, path: Path, key: str, mv: memoryview, chunk: Chunk,
