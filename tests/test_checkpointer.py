@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,6 +293,101 @@ def test_an_error_nobody_waited_for_is_logged_and_raised_by_wait(
         assert ckpt.steps() == [2, 4]
 
 
+def test_an_earlier_failure_outlives_a_wait_timeout_and_joins_a_later_failure(
+        tmp_path: Path) -> None:
+    storage = GatedStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        storage.fail_with = OSError(errno.EIO, "injected")
+        dropped = ckpt.save_async({"w": torch.ones(4)}, step=1)  # nobody waits on it
+        while not dropped.done():
+            threading.Event().wait(0.01)
+        storage.fail_with = None
+        storage.gate.clear()
+        ckpt.save_async({"w": torch.ones(4)}, step=2)
+        with pytest.raises(asyncckpt.CheckpointTimeoutError):
+            ckpt.wait(timeout=0.05)  # step 2 still writing: step 1's failure must stay
+        storage.gate.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1"):
+            ckpt.wait()
+        assert ckpt.wait() is None and ckpt.steps() == [2]  # reported once
+        # two failures nobody waited on: the one wait() raises names the other too
+        storage.fail_with = OSError(errno.EIO, "injected")
+        three = ckpt.save_async({"w": torch.ones(4)}, step=3)
+        while not three.done():
+            threading.Event().wait(0.01)
+        ckpt.save_async({"w": torch.ones(4)}, step=4)
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="step 4") as got:
+            ckpt.wait()
+        assert any("step 3" in note for note in getattr(got.value, "__notes__", []))
+        storage.fail_with = None
+
+
+def test_a_signal_while_waiting_for_the_previous_save_keeps_it_pending(tmp_path: Path) -> None:
+    # A preemption handler raises on the training thread while save_async waits for the
+    # save in flight: that is not the save's failure. It must propagate, and the save
+    # must stay pending, or the next save would restage the arena the writer still reads.
+    import signal
+
+    class Preempted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Preempted
+
+    storage = GatedStorage()
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+            storage.gate.clear()
+            ckpt.save_async({"w": torch.full((1 << 16,), 1.0)}, step=1)
+            assert storage.entered.wait(10)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(Preempted):
+                ckpt.save_async({"w": torch.full((1 << 16,), 2.0)}, step=2)
+            assert ckpt.is_pending  # step 1 is still being written
+            storage.gate.set()
+            ckpt.save({"w": torch.full((1 << 16,), 3.0)}, step=3)  # waits for step 1 first
+            assert ckpt.steps() == [1, 3]
+        for step, value in ((1, 1.0), (3, 3.0)):
+            got = asyncckpt.load(tmp_path, step=step)["w"]
+            assert torch.equal(got, torch.full((1 << 16,), value))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        storage.gate.set()
+
+
+def test_a_failed_save_releases_its_arena_and_its_checkpointer(tmp_path: Path) -> None:
+    # Neither the arena nor the checkpointer (its lock, its threads) may stay alive through
+    # a failed save's error, which the future keeps and a traceback links back to frames.
+    import gc
+    import weakref
+
+    storage = GatedStorage()
+    storage.fail_with = OSError(errno.EIO, "injected")
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage)
+    fut = ckpt.save_async({"w": torch.ones(1 << 16)}, step=1)
+    with pytest.raises(asyncckpt.CheckpointSaveError):
+        ckpt.wait()
+    arena = weakref.ref(ckpt._arena)
+    ckpt_ref = weakref.ref(ckpt)
+    was = gc.isenabled()
+    gc.disable()  # reference counting alone must free them
+    try:
+        ckpt.close()
+        assert arena() is None
+        del ckpt
+        assert ckpt_ref() is None
+    finally:
+        if was:
+            gc.enable()
+    with pytest.raises(asyncckpt.CheckpointSaveError):
+        fut.wait()  # the future still reports its failure
+    storage.fail_with = None
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as again:
+        again.save({"w": torch.ones(4)}, step=2)  # the lock was released
+
+
 def test_a_new_checkpoint_directory_is_made_durable_in_its_parent(tmp_path: Path) -> None:
     class Recording(LocalStorage):
         synced: list[Path] = []
@@ -344,11 +440,18 @@ def test_an_uncollected_error_survives_prepare_and_is_not_reported_twice(
         with pytest.raises(asyncckpt.CheckpointSaveError):
             f3.wait()
         assert ckpt.wait() is not None and ckpt.steps() == [2, 4]
-    # closing with a failed save nobody waited on says so
+    # closing with a failed save nobody waited on raises it (the caller's last chance)...
     storage.fail_with = OSError(errno.EIO, "injected")
-    with asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async", storage=storage) as ckpt:
+    with (pytest.raises(asyncckpt.CheckpointSaveError, match=r"closing .*nobody waited on"),
+          asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async", storage=storage) as ckpt):
         ckpt.save_async({"w": torch.ones(4)}, step=1)
     assert "closing" in caplog.text and "step 1 was not saved" in caplog.text
+    # ...but never hides the exception that is already ending the block
+    with (pytest.raises(KeyError, match="from the training loop"),
+          asyncckpt.AsyncCheckpointer(tmp_path / "c", mode="async", storage=storage) as ckpt):
+        ckpt.save_async({"w": torch.ones(4)}, step=1)
+        raise KeyError("from the training loop")
+    assert not ckpt.is_pending
 
 
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:
@@ -413,6 +516,38 @@ def test_overlap_returns_before_staging_and_matches(tmp_path: Path,
         fut.wait(30)
         assert threads and threads[0] != threading.current_thread().name
         assert tensors_equal(ckpt.load(step=1)["model"], state["model"].state_dict())
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_overlap_refuses_tensors_changed_before_they_were_staged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_threads: int) -> None:
+    # optimizer.step() before fut.wait_staged(): the copy may mix old and new values, and
+    # the checksums would bless it. The save must fail instead, naming the tensor.
+    import asyncckpt.checkpointer as mod
+
+    release = threading.Event()
+    real_stage = mod.stage
+
+    def gated_stage(*args: object, **kwargs: object) -> None:
+        assert release.wait(30)
+        real_stage(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mod, "stage", gated_stage)
+    state = {"w": torch.zeros(1 << 16), "b": torch.zeros(8), "n": np.zeros(4)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=copy_threads) as ckpt:
+        fut = ckpt.save_async(state, step=1, overlap=True)
+        state["w"].add_(1.0)  # in place, while the copy has not even begun
+        release.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError, match=r"'w' were changed in place.*"
+                           r"wait_staged\(\)"):
+            fut.wait(30)
+        assert ckpt.steps() == []
+        # used as documented, the same save goes through
+        fut = ckpt.save_async(state, step=2, overlap=True)
+        fut.wait_staged(30)
+        state["w"].add_(1.0)
+        fut.wait(30)
+        assert torch.equal(ckpt.load(step=2)["w"], torch.ones(1 << 16))
 
 
 def test_in_place_load_keeps_identity_and_restores_everything(tmp_path: Path) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from .dist import (
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointInFlightError,
     CheckpointLockedError,
@@ -235,8 +237,9 @@ class AsyncCheckpointer:
         durable, self._retention = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None]
         if overlap and self.config.mode != "sync":
+            check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
             staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress, writer,
-                                          stoppable=True)
+                                          stoppable=True, check=check)
         else:
             staged = cf.Future()
             try:
@@ -308,27 +311,52 @@ class AsyncCheckpointer:
         that of an earlier save whose future nobody waited on."""
         fut = self._pending
         info = None
-        missed, self._missed = self._missed, None
-        if fut is not None:
-            info = fut.wait(timeout)
-            if self._pending is fut:
-                self._pending = None
-        if self._retention is not None:
-            try:
-                self._retention.result(timeout)
-            except cf.TimeoutError:
-                raise CheckpointTimeoutError(
-                    f"old steps under {self.directory} are still being removed after "
-                    f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
-            self._retention = None
-        if missed is not None:
-            ref, error = missed
-            earlier = ref()
-            if earlier is None or not earlier.observed:  # nobody has seen it since
-                if earlier is not None:
-                    earlier.observed = True
+        try:
+            if fut is not None:
+                try:
+                    info = fut.wait(timeout)
+                except CheckpointError as exc:
+                    if not isinstance(exc, CheckpointTimeoutError) or fut.done():
+                        self._note_missed(exc)  # two failures: report both at once
+                    raise
+                if self._pending is fut:
+                    self._pending = None
+            if self._retention is not None:
+                try:
+                    self._retention.result(timeout)
+                except cf.TimeoutError:
+                    raise CheckpointTimeoutError(
+                        f"old steps under {self.directory} are still being removed after "
+                        f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
+                self._retention = None
+            error = self._take_missed()
+            if error is not None:
                 raise error
-        return info
+            return info
+        finally:
+            # A raised error keeps this frame (in its traceback) and so its locals; the
+            # error is also kept by the future this checkpointer holds: without these,
+            # the checkpointer would be in a cycle, and `del ckpt` would not release it.
+            del self, fut
+
+    def _take_missed(self) -> CheckpointSaveError | None:
+        """The failure of an earlier save nobody has seen yet, once (then forgotten)."""
+        missed, self._missed = self._missed, None
+        if missed is None:
+            return None
+        ref, error = missed
+        earlier = ref()
+        if earlier is not None and earlier.observed:  # its own caller has seen it since
+            return None
+        if earlier is not None:
+            earlier.observed = True
+        return error
+
+    def _note_missed(self, exc: BaseException) -> None:
+        """Add the unseen failure of an earlier save to ``exc``, which is being raised."""
+        error = self._take_missed()
+        if error is not None and hasattr(exc, "add_note"):
+            exc.add_note(str(error))
 
     @property
     def is_pending(self) -> bool:
@@ -390,12 +418,21 @@ class AsyncCheckpointer:
     # --- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the save in flight, then release threads, memory and the lock."""
+        """Wait for the save in flight, then release threads, memory and the lock.
+
+        Raises the failure of a save whose future nobody waited on (the last one, or an
+        earlier one ``wait()`` has not reported yet): closing is the caller's last chance
+        to learn that a step was not saved.
+        """
+        self._close(raise_missed=True)
+
+    def _close(self, *, raise_missed: bool) -> None:
         if self._closed:
             return
+        unseen: BaseException | None = None
         try:
             if self._pending is not None:
-                self._settle(self._pending, f"closing {self.directory}: ")
+                unseen = self._settle(self._pending, f"closing {self.directory}: ")
         finally:
             self._closed = True
             with contextlib.suppress(Exception):  # peers must not read a released arena
@@ -405,17 +442,31 @@ class AsyncCheckpointer:
                 self._writer.shutdown()
                 self._writer = None
             self._arena = None
+            self._pending = self._preparing = None
             self._lock.release()
+        earlier = self._take_missed()
+        if not raise_missed:
+            return
+        if unseen is not None:
+            if earlier is not None and hasattr(unseen, "add_note"):
+                unseen.add_note(str(earlier))
+            raise CheckpointSaveError(
+                f"closing {self.directory}: the last save, whose future nobody waited on, "
+                f"failed: {unseen}") from unseen
+        if earlier is not None:
+            raise earlier
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # With an exception already on its way out, a failed save is only logged (by
+        # _settle): raising here would hide the exception that ended the block.
+        self._close(raise_missed=exc_type is None)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.close()
+            self._close(raise_missed=False)
 
     # --- internals -----------------------------------------------------------------------
 
@@ -431,29 +482,32 @@ class AsyncCheckpointer:
             raise CheckpointInFlightError(
                 f"step {fut.step} is still being saved to {self.directory}; wait() for it first "
                 "or use on_busy='wait'")
-        self._pending = None
         # A failure of the previous save is its future's to report; it does not stop this
         # save (the arena is free again either way). If nobody asked that future, the
-        # log says so, and the next ckpt.wait() raises it.
+        # log says so, and the next ckpt.wait() raises it. Anything else raised while
+        # waiting (a signal handler's exception, KeyboardInterrupt) propagates, and the
+        # save stays pending: the next save must still wait for it.
         exc = self._settle(fut, "")
+        self._pending = None
         if exc is not None and self._missed is None:  # the message: its traceback holds state
             self._missed = (weakref.ref(fut), CheckpointSaveError(
                 f"an earlier save failed and nobody waited on its future: {exc}"))
+        del fut, exc  # frames of a raised error keep their locals: no cycle through them
 
     @staticmethod
     def _settle(fut: CheckpointFuture, context: str) -> BaseException | None:
         """Wait for ``fut`` without counting as its caller; log a failure nobody has
         waited on, and return it (None if it succeeded or its caller saw it)."""
-        seen = fut.observed
-        try:
-            fut.wait()
-        except Exception as exc:
-            fut.observed = seen  # the wait above was ours, not the caller's
-            if not seen:
-                log.error("%sstep %d was not saved, and its future was never waited on: %s",
-                          context, fut.step, exc)
-                return exc
-        return None
+        # Not fut.wait(): raising the failure here would add this frame, and through it
+        # its callers' (the checkpointer), to the traceback the future keeps. Anything
+        # raised while waiting (a signal handler's exception) propagates as it is.
+        cf.wait([fut._durable])
+        exc = fut._durable.exception()
+        if exc is None or fut.observed:
+            return None
+        log.error("%sstep %d was not saved, and its future was never waited on: %s",
+                  context, fut.step, exc)
+        return exc
 
     def _take_lock(self) -> None:
         self._make_root()  # created by the first save, not by reading
@@ -575,17 +629,45 @@ class AsyncCheckpointer:
         return self._writer
 
 
+def _versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter (bumped by every in-place op on it or on a view of
+    its storage), where it has one: inference tensors have none."""
+    out = {}
+    for key, t in tensors.items():
+        try:  # noqa: SIM105 - suppress() would cost more than the read, per tensor
+            out[key] = t._version
+        except RuntimeError:
+            pass
+    return out
+
+
+def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
+                     versions: Mapping[str, int]) -> None:
+    """With overlap=True, refuse a checkpoint whose tensors were changed in place while
+    they were being copied: it could hold old values of some and new values of others
+    (changes made outside torch, e.g. through numpy, cannot be seen)."""
+    changed = [key for key, v in versions.items() if tensors[key]._version != v]
+    if changed:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        raise CheckpointSaveError(
+            f"step {step} was not saved: tensor(s) {', '.join(map(repr, changed[:5]))}{more} "
+            "were changed in place while save_async(overlap=True) was still copying them, so "
+            "the checkpoint could mix old and new values. Call fut.wait_staged() before "
+            "changing the tensors (e.g. before optimizer.step())")
+
+
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                    progress: StagingProgress, writer: BackgroundWriter, *,
-                   stoppable: bool = False) -> None:
+                   stoppable: bool = False, check: Callable[[], None] | None = None) -> None:
     """Stage, and fail the save's progress if staging fails. ``stoppable`` (overlap=True,
     on the stager thread): give up as soon as the save has failed, since the next save
-    may want the arena; on the caller's thread the copy just finishes."""
+    may want the arena; on the caller's thread the copy just finishes. ``check`` runs
+    once the copy is complete, before the writer may finish (see ``stage``)."""
     if not progress.begin(stoppable):  # overlap=True, and the save failed before this ran
         raise CheckpointSaveError("the save failed before its tensors were staged")
     try:
         stage(plan, tensors, arena, progress, helpers=writer.copiers,
-              threads=writer.copy_threads, stoppable=stoppable)
+              threads=writer.copy_threads, stoppable=stoppable, check=check)
     except BaseException as exc:
         progress.fail(exc)
         raise

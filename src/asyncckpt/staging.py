@@ -20,7 +20,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
@@ -162,7 +162,8 @@ class StagingProgress:
 
 def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
           progress: StagingProgress, *, helpers: Executor | None = None,
-          threads: int = 1, stoppable: bool = False) -> None:
+          threads: int = 1, stoppable: bool = False,
+          check: Callable[[], None] | None = None) -> None:
     """Copy every planned tensor into its place in the arena, publishing progress.
 
     CPU tensors are copied by ``threads`` threads (this one plus ``threads - 1`` run on
@@ -171,17 +172,19 @@ def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena
     CUDA tensors are copied asynchronously on a side stream (into pinned memory) by this
     thread alone. Returns once every copy has completed, so the caller may then mutate
     its tensors. ``stoppable``: raise StagingStopped at the next unit once the save has
-    failed (``progress.fail``) instead of finishing the copy.
+    failed (``progress.fail``) instead of finishing the copy. ``check``: called once
+    every byte is copied, before the last of them is published to the writer; what it
+    raises fails the save.
     """
     if any(t.is_cuda for t in tensors.values()) or helpers is None or threads <= 1:
-        _stage_serial(plan, tensors, arena, progress, stoppable)
+        _stage_serial(plan, tensors, arena, progress, stoppable, check)
         return
-    _stage_parallel(plan, tensors, arena, progress, helpers, threads, stoppable)
+    _stage_parallel(plan, tensors, arena, progress, helpers, threads, stoppable, check)
 
 
 def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                     progress: StagingProgress, helpers: Executor, threads: int,
-                    stoppable: bool) -> None:
+                    stoppable: bool, check: Callable[[], None] | None = None) -> None:
     units = plan.copy_units
     items = plan.items
     base = arena.tensor.data_ptr()
@@ -233,6 +236,8 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
         f.result()
     if failed:
         raise failed[0]
+    if check is not None:
+        check()
     progress.finish(plan.file_bytes)
 
 
@@ -266,7 +271,8 @@ def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi
 
 
 def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                  progress: StagingProgress, stoppable: bool = False) -> None:
+                  progress: StagingProgress, stoppable: bool = False,
+                  check: Callable[[], None] | None = None) -> None:
     stream = None
     if any(t.is_cuda for t in tensors.values()):
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -279,6 +285,8 @@ def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: H
         finally:
             if stream is not None:  # also on a stop or error: no copy may land later
                 stream.synchronize()
+    if check is not None:
+        check()
     progress.finish(plan.file_bytes)
 
 

@@ -88,6 +88,12 @@ class SaveJob:
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
     in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
 
+    def release(self) -> None:
+        """Drop the arena and the state tree: a failed save's error, whose traceback holds
+        this job, must not keep gigabytes of host memory alive for as long as it is kept."""
+        self.arena = None  # type: ignore[assignment]  # (never read after a failure)
+        self.flat = None  # type: ignore[assignment]
+
     @property
     def tmp_path(self) -> Path:
         """The temporary directory this save writes into (``tmp`` once it exists)."""
@@ -201,6 +207,7 @@ class BackgroundWriter:
             # future may resolve, only once it has stopped (at its next unit).
             job.progress.wait_idle()
             _abort(job, exc)
+            job.release()
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointSaveError(
