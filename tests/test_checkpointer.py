@@ -880,3 +880,22 @@ def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
     finally:
         release.set()
         ckpt.close()
+
+
+def test_serving_through_a_transport_that_cannot_is_refused_and_never_costs_a_save(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class SendOnly:  # e.g. a PGTransport: send_checkpoint on request, no serve()
+        def send_checkpoint(self, *args: object) -> None:
+            pass
+
+    class Broken(RecordingTransport):
+        def serve(self, served: object, *, allow: bool = True) -> None:
+            raise OSError("the transport broke")
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="SendOnly cannot serve"):
+            ckpt.serve(SendOnly())
+        ckpt.serve(Broken())
+        ckpt.save({"w": torch.ones(4)}, step=1)  # offering the arena failed: saved anyway
+        assert ckpt.steps() == [1]
+    assert "offering the staged state to peers through Broken failed" in caplog.text

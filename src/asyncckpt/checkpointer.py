@@ -297,7 +297,15 @@ class AsyncCheckpointer:
 
         Each save's staged arena — the shard file's bytes — is offered as soon as it is
         checksummed, with no copy, until the next save starts staging.
+
+        Raises:
+            CheckpointConfigError: ``transport`` cannot serve a staged arena (only
+                HTTPTransport can; a PGTransport sends on request, with send_checkpoint).
         """
+        if not callable(getattr(transport, "serve", None)):
+            raise CheckpointConfigError(
+                f"{type(transport).__name__} cannot serve saves (it has no serve()): use an "
+                "HTTPTransport, or call the transport's send_checkpoint() when a peer asks")
         self._transports.append(transport)
 
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None,

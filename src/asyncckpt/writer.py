@@ -398,7 +398,12 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
                          created_unix=time.time(), partial=job.ctx.distributed)
     buf = job.arena.memoryview()[:job.plan.file_bytes]
     for transport in job.serve_to:
-        transport.serve(serve_arena(job.step, view, job.plan.file, buf))
+        try:
+            transport.serve(serve_arena(job.step, view, job.plan.file, buf))
+        except Exception as exc:  # serving is a bonus: it never costs the save itself
+            log.error("rank=%d step=%d: offering the staged state to peers through %s failed "
+                      "(the save goes on): %s: %s", job.ctx.rank, job.step,
+                      type(transport).__name__, type(exc).__name__, exc)
 
 
 # What the hash thread hands the writer: this rank's record and, for a single process
