@@ -106,6 +106,25 @@ def test_sync_mode_is_durable_on_return(tmp_path: Path) -> None:
         assert not ckpt.is_pending
 
 
+def test_sync_mode_has_applied_keep_last_on_return(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from asyncckpt import commit
+
+    real = commit.doomed_steps
+
+    def slow(*args: object, **kwargs: object) -> list[int]:
+        time.sleep(0.05)  # retention runs on the writer thread, after the commit
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commit, "doomed_steps", slow)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=1) as ckpt:
+        for step in range(1, 4):
+            ckpt.save({"w": torch.ones(4)}, step=step)
+            assert ckpt.steps() == [step]
+
+
 @pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"keep_last": 0}, {"on_busy": "skip"},
                                     {"keep_last": 1.5}, {"block_bytes": 1000}])
 def test_bad_config_is_a_value_error(tmp_path: Path, kwargs: dict) -> None:
@@ -607,12 +626,32 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     a = asyncckpt.AsyncCheckpointer(tmp_path)
     b = asyncckpt.AsyncCheckpointer(tmp_path)
     a.save(make_state(), step=1)
-    with pytest.raises(asyncckpt.CheckpointLockedError, match=str(os.getpid())):
+    with pytest.raises(asyncckpt.CheckpointLockedError,
+                       match=r"another AsyncCheckpointer of this process holds .*close"):
         b.save(make_state(), step=2)
     assert b.load(step=1)["train"]["step"] == 0  # reading needs no lock
     a.close()
     b.save(make_state(), step=2)
     b.close()
+    # another process: named by its pid
+    lock = tmp_path / ".asyncckpt.lock"
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys, time
+            fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.pwrite(fd, f"{{os.getpid()}}\\n".encode(), 0)
+            print("locked", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "locked"
+        with (pytest.raises(asyncckpt.CheckpointLockedError,
+                            match=f"another process \\(pid {child.pid}\\)"),
+              asyncckpt.AsyncCheckpointer(tmp_path) as c):
+            c.save(make_state(), step=3)
+    finally:
+        child.communicate("", timeout=30)
 
 
 def test_close_waits_and_refuses_later_saves(tmp_path: Path) -> None:

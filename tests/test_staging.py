@@ -10,6 +10,7 @@ import torch
 
 import asyncckpt.plan as plan_mod
 import asyncckpt.staging as staging
+from asyncckpt.errors import CheckpointSaveError
 from asyncckpt.plan import WritePlan, plan_writes
 from asyncckpt.staging import HostArena, StagingProgress, stage
 
@@ -122,7 +123,7 @@ def test_a_failing_copy_is_raised_after_every_thread_stopped(
 
     monkeypatch.setattr(staging, "_copy_range", flaky)
     progress = StagingProgress()
-    with pytest.raises(RuntimeError, match="boom at t5"):
+    with pytest.raises(CheckpointSaveError, match=r"copying tensor 't5'.*boom at t5"):
         stage(plan, tensors, arena, progress, helpers=helpers, threads=3)
     assert not progress.done  # the writer must never see this save as staged
     n = len(calls)
@@ -151,3 +152,26 @@ def test_copy_threads_must_be_a_positive_int(tmp_path: object, bad: object) -> N
 
     with pytest.raises(asyncckpt.CheckpointConfigError, match="copy_threads"):
         asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_copy_names_its_tensor_to_the_caller(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch, copy_threads: int,
+        overlap: bool) -> None:
+    import asyncckpt
+
+    real = HostArena.view
+
+    def view(self: HostArena, item: plan_mod.WriteItem) -> torch.Tensor:
+        if item.key == "bad":
+            raise RuntimeError("device lost (simulated)")
+        return real(self, item)
+
+    monkeypatch.setattr(HostArena, "view", view)
+    state = {"ok": torch.ones(64, 64).t(), "bad": torch.ones(64, 64).t()}  # copied by view
+    with asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=copy_threads) as ckpt:
+        with pytest.raises(CheckpointSaveError,
+                           match=r"copying tensor 'bad'.*device lost \(simulated\)"):
+            ckpt.save_async(state, step=1, overlap=overlap).wait(30)
+        assert ckpt.steps() == []

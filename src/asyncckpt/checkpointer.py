@@ -255,6 +255,9 @@ class AsyncCheckpointer:
         self._pending = fut
         if self.config.mode == "sync":
             fut.wait()
+            if self._retention is not None:  # keep_last's removals too: sync means done
+                self._retention.result()
+                self._retention = None
         log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
                   job.blocked_s)
         return fut
@@ -523,8 +526,13 @@ class AsyncCheckpointer:
             if not self._cleaned:
                 self._cleanup()
             return
+        holder = self._lock.holder()
+        if self._lock.held_in_this_process():
+            raise CheckpointLockedError(
+                f"another AsyncCheckpointer of this process holds {self.directory}: close() "
+                "it (or use it in a `with` block) before saving into that directory again")
         raise CheckpointLockedError(
-            f"another process (pid {self._lock.holder()}) is saving into {self.directory}; "
+            f"another process (pid {holder}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
 
     def _make_root(self) -> None:

@@ -153,7 +153,8 @@ class StagingProgress:
                         f"timed out after {timeout}s waiting for staging to reach byte {offset}")
                 self._cond.wait(left)
             if self._error is not None:
-                raise RuntimeError("staging failed") from self._error
+                err = self._error
+                raise RuntimeError(f"staging failed: {type(err).__name__}: {err}") from err
             pending = [e for off, e in self._events if off <= offset]
             self._events = [(off, e) for off, e in self._events if off > offset]
         for ev in pending:  # device-to-host copies of this range have to land first
@@ -210,13 +211,17 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
                 u = next(claim)
                 if u >= len(units):
                     return
+                i = -1
                 try:
                     for i, lo, hi in units[u]:
                         if hi > lo:
                             _copy_range(items[i], tensors[items[i].key], arena, base, lo, hi)
                 except BaseException as exc:
-                    failed.append(exc)
-                    raise
+                    named = _naming(exc, items[i].key if i >= 0 else None)
+                    failed.append(named)
+                    if named is exc:
+                        raise
+                    raise named from exc
                 with lock:
                     finished[u] = True
                     while frontier < len(units) and finished[frontier]:
@@ -290,6 +295,14 @@ def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: H
     progress.finish(plan.file_bytes)
 
 
+def _naming(exc: BaseException, key: str | None) -> BaseException:
+    """A copy's error, with the tensor it was copying named (torch's errors do not)."""
+    if key is None or not isinstance(exc, Exception) or isinstance(exc, CheckpointSaveError):
+        return exc
+    return CheckpointSaveError(
+        f"copying tensor {key!r} into the host buffer failed: {type(exc).__name__}: {exc}")
+
+
 def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                  progress: StagingProgress, stoppable: bool, stream: Any, base: int) -> None:
     unpublished = 0
@@ -297,15 +310,18 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
         if stoppable and progress.failed:  # the save failed: leave the arena
             raise _stopped()
         src = tensors[item.key]
-        if not item.nbytes:
-            pass
-        elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
-                and not src.is_neg()):
-            # One memcpy, GIL released, on this thread: torch's copy_ would fan each
-            # tensor out to its intra-op threads, which here is slower and erratic.
-            ctypes.memmove(base + item.offset, src.data_ptr(), item.nbytes)
-        else:
-            arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
+        try:
+            if not item.nbytes:
+                pass
+            elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
+                    and not src.is_neg()):
+                # One memcpy, GIL released, on this thread: torch's copy_ would fan each
+                # tensor out to its intra-op threads, which here is slower and erratic.
+                ctypes.memmove(base + item.offset, src.data_ptr(), item.nbytes)
+            else:
+                arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
+        except Exception as exc:
+            raise _naming(exc, item.key) from exc
         unpublished += item.nbytes
         if unpublished >= _PUBLISH_BYTES:
             progress.publish(item.end, _record_event(stream))

@@ -222,6 +222,11 @@ class DirectoryLock:
         _held_locks.add(self)
         return True
 
+    def held_in_this_process(self) -> bool:
+        """Another lock object of this process holds the same directory."""
+        return any(lk is not self and lk.path == self.path and lk._fd is not None
+                   and lk._pid == os.getpid() for lk in list(_held_locks))
+
     def holder(self) -> str:
         with contextlib.suppress(OSError):
             return self.path.read_text().strip() or "unknown"
