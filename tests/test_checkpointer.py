@@ -510,6 +510,22 @@ def test_committed_step_cannot_be_overwritten(tmp_path: Path) -> None:
         assert ckpt.load(step=5)["train"]["step"] == 1
 
 
+@pytest.mark.parametrize("keep_last", [None, 2])
+def test_a_step_older_than_a_committed_one_is_refused(tmp_path: Path,
+                                                      keep_last: int | None) -> None:
+    # After a rollback to step 10, saving 11 beside a committed 20 would make every load
+    # take the abandoned step 20, and keep_last would delete 11, 12... before it.
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=keep_last) as ckpt:
+        for step in (10, 20):
+            ckpt.save(make_state(step), step=step)
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"step 11 is older than step\(s\) \[20\].*move them out"):
+            ckpt.save(make_state(11), step=11)
+        assert ckpt.steps() == [10, 20]
+        ckpt.save(make_state(21), step=21)  # later steps go on as before
+        assert ckpt.steps() == [10, 20, 21] if keep_last is None else [20, 21]
+
+
 def test_overlap_returns_before_staging_and_matches(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncckpt.checkpointer as mod

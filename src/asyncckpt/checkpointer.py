@@ -174,7 +174,7 @@ class AsyncCheckpointer:
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``.
-            CheckpointExistsError: ``step`` is already committed.
+            CheckpointExistsError: ``step`` is already committed, or a later step is.
             UnsupportedLeafError: the state holds a value that cannot be saved.
         """
         # Flattening and the layout exchange make thousands of small objects; with a large
@@ -197,10 +197,20 @@ class AsyncCheckpointer:
         try:
             if ctx.is_coordinator:
                 self._take_lock()
-            if step in self.steps():
+            committed = self.steps()
+            if step in committed:
                 raise CheckpointExistsError(
                     f"step {step} is already committed under {self.directory}; save under a "
                     "new step number")
+            if committed and step < committed[-1]:
+                later = [s for s in committed if s > step]
+                raise CheckpointExistsError(
+                    f"step {step} is older than step(s) {later[:5]} already committed under "
+                    f"{self.directory}: a load would take step {committed[-1]}"
+                    + (", and keep_last would remove the new steps before it"
+                       if self.config.keep_last else "")
+                    + ". If the later steps belong to a run you rolled back, move them out of "
+                    "the directory (or save into a new one)")
             if (self.directory / commit.step_dir_name(step)).exists():
                 raise CheckpointExistsError(
                     f"{self.directory / commit.step_dir_name(step)} exists but holds no "
