@@ -954,3 +954,5 @@ def test_serving_through_a_transport_that_cannot_is_refused_and_never_costs_a_sa
         ckpt.save({"w": torch.ones(4)}, step=1)  # offering the arena failed: saved anyway
         assert ckpt.steps() == [1]
     assert "offering the staged state to peers through Broken failed" in caplog.text
+    with pytest.raises(asyncckpt.CheckpointClosedError):
+        ckpt.serve(RecordingTransport())  # it would never be offered anything

@@ -315,6 +315,7 @@ class AsyncCheckpointer:
             CheckpointConfigError: ``transport`` cannot serve a staged arena (only
                 HTTPTransport can; a PGTransport sends on request, with send_checkpoint).
         """
+        self._check_open()
         if not callable(getattr(transport, "serve", None)):
             raise CheckpointConfigError(
                 f"{type(transport).__name__} cannot serve saves (it has no serve()): use an "
