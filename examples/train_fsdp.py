@@ -1,8 +1,13 @@
 """FSDP2 training with asyncckpt: async sharded checkpoints, crash, resume at any world size.
 
-    torchrun --nproc-per-node 2 examples/train_fsdp.py --dir runs/fsdp --steps 20 --every 5
     torchrun --nproc-per-node 2 examples/train_fsdp.py --dir runs/fsdp --steps 20 --kill-at 12
     torchrun --nproc-per-node 1 examples/train_fsdp.py --dir runs/fsdp --steps 20   # resumes
+    torchrun --nproc-per-node 3 examples/train_fsdp.py --dir runs/fsdp --steps 30   # again
+
+In this order, from a fresh ``--dir``: 2 ranks save every 5 steps (``--every``) and
+crash after step 12; 1 rank resumes from the last committed save (step 10, or 5 if
+step 10 was still being written) and finishes step 20; 3 ranks resume at step 20 and
+go on to step 30.
 
 Runs on CPU with the gloo backend. A small MLP is sharded with FSDP2
 (``torch.distributed.fsdp.fully_shard``; every parameter becomes a DTensor sharded on

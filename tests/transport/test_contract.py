@@ -300,6 +300,15 @@ def run_http(name: str) -> list[str]:
 
 # --- PG: two gloo ranks ----------------------------------------------------------------------
 
+def _import_path() -> str:
+    """PYTHONPATH for the ranks: the asyncckpt under test first (a relative path in
+    the caller's PYTHONPATH would not hold in the ranks' working directory)."""
+    import asyncckpt
+
+    src = str(Path(asyncckpt.__file__).resolve().parents[1])
+    return os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -310,7 +319,7 @@ def launch_pg_ranks(run_dir: Path) -> dict[str, list[str]]:
     """Run every scenario on two gloo ranks; scenario -> failures of both sides."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "PYTHONPATH": _import_path()}
     procs, logs = [], []
     for rank in range(2):
         spec = run_dir / f"spec_{rank}.json"

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 
+import asyncckpt.transport.pg as pgmod
 from asyncckpt.errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -36,11 +37,13 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    UnsupportedLeafError,
 )
 from asyncckpt.transport import PGTransport
 from asyncckpt.transport.pg import MAGIC, OFFER, REQUEST, VERSION
 
 HARD_TIMEOUT_S = 40.0
+MiB = 1 << 20  # GATHER_BYTES: runs of smaller pieces are gathered into one message
 
 
 # --- a fake process group --------------------------------------------------------------------
@@ -156,17 +159,52 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 # --- round trips over the fake group ---------------------------------------------------------
 
-def test_round_trip_sends_tensors_from_their_own_memory() -> None:
+def test_round_trip_sends_large_tensors_from_their_own_memory() -> None:
     a, b, wire = pair()
-    state = small_state()
+    state = {**small_state(), "big": torch.randn(MiB // 4 + 1)}
     sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
     got = b.recv_checkpoint(0, a.metadata(), 5, 10.0)
     sender.result()
     same(got, state)
-    sent = {ptr for src, _, _, ptr in wire.sent if src == 0}
-    for key in ("w", "b", "h"):  # contiguous CPU tensors go out without a copy
-        assert state[key].data_ptr() in sent, key
+    # file order: w, b, big (4-byte elements), h. Messages of rank 0: offer, manifest, a
+    # control word, then [header + w + b] gathered, big from its own memory, h alone
+    ours = [(n, ptr) for src, _, n, ptr in wire.sent if src == 0]
+    assert [n for n, _ in ours[3:]][1:] == [state["big"].numel() * 4, 18], ours
+    assert ours[4][1] == state["big"].data_ptr() and ours[5][1] == state["h"].data_ptr()
     assert a.metadata() == "pg:0" and b.metadata() == "pg:1"
+
+
+def test_many_small_tensors_go_in_few_messages() -> None:
+    a, b, wire = pair()
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    sender = Background(a.send_checkpoint, [1], 2, state, 10.0)
+    got = b.recv_checkpoint(0, "pg:0", 2, 10.0)
+    sender.result()
+    same(got, state)
+    sizes = [n for src, _, n, _ in wire.sent if src == 0]
+    assert len(sizes) <= 6, sizes  # offer, manifest, control word, the file in <= 3 runs
+    assert max(sizes) <= MiB
+
+
+def test_segments_gather_small_pieces_and_slice_large_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pgmod, "GATHER_BYTES", 100)
+    monkeypatch.setattr(pgmod, "SLICE_BYTES", 250)
+    monkeypatch.setattr(pgmod, "CONTROL_BYTES", 300)
+    sizes = [40, 30, 30, 20, 600, 10, 99, 100, 5]
+    pieces, pos = [], 0
+    for n in sizes:
+        pieces.append((pos, pos + n))
+        pos += n
+    segs = pgmod._segments(pieces)
+    # runs of up to 100 bytes; 600 and 100 bytes go alone, 600 in slices of 250
+    assert [(lo, hi) for lo, hi, _, _ in segs] == [
+        (0, 100), (100, 120), (120, 370), (370, 620), (620, 720), (720, 730), (730, 829),
+        (829, 929), (929, 934)]
+    assert [(f, s) for _, _, f, s in segs] == [
+        (0, 3), (3, 4), (4, 5), (4, 5), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9)]
+    assert pgmod._batches(segs) == [(0, 3), (3, 5), (5, 9)]  # a batch ends at >= 300 bytes
+    assert pgmod._segments([]) == [] and pgmod._batches([]) == []
 
 
 def test_into_loads_in_place_and_odd_tensors_survive() -> None:
@@ -242,7 +280,7 @@ def real_offer(step: int = 5) -> tuple[bytes, list[torch.Tensor]]:
     b.recv_checkpoint(0, "pg:0", step, 10.0)
     sender.result()
     ours = [t for (src, *_), t in zip(wire.sent, captured, strict=True) if src == 0]
-    return bytes(ours[1].numpy()), ours[2:]
+    return bytes(ours[1].numpy()), ours[2:]  # (control words, then the file's segments)
 
 
 @pytest.mark.parametrize("limit", ["manifest", "file"])
@@ -301,9 +339,10 @@ def test_a_manifest_that_is_not_json() -> None:
 @pytest.mark.parametrize("lie", ["file_bytes", "segments", "step"])
 def test_an_offer_that_disagrees_with_its_manifest(lie: str) -> None:
     manifest, file_msgs = real_offer(step=5)
-    flen = sum(t.numel() for t in file_msgs)
+    segments = [t for t in file_msgs if t.dtype == torch.uint8]
+    flen = sum(t.numel() for t in segments)
     m = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-    fields = {"step": 5, "flen": flen, "nseg": len(file_msgs)}
+    fields = {"step": 5, "flen": flen, "nseg": len(segments)}
     if lie == "file_bytes":
         fields["flen"] += 8
     elif lie == "segments":
@@ -322,11 +361,12 @@ def test_an_offer_that_disagrees_with_its_manifest(lie: str) -> None:
 
 
 def test_a_byte_flipped_in_flight_is_caught_and_names_the_tensor() -> None:
-    # messages of rank 0: offer (0), manifest (1), file header (2), then tensors in file
-    # order: w (float32, largest first), b, h ... flip a byte in the middle of "w"
+    # messages: the request (0, of rank 1), then rank 0's offer (1), manifest (2), control
+    # word (3) and the whole file gathered (4): header, then w (8 KiB, float32, first), b,
+    # h. Flip a byte in the middle of "w"
     def flip(index: int, t: torch.Tensor) -> None:
-        if index == 4:  # request is 0 (rank 1), so rank 0's messages are 1..: w is index 4
-            t[t.numel() // 2] ^= 0x10
+        if index == 4:
+            t[t.numel() - 4096] ^= 0x10
 
     a, b, _ = pair(Wire(tamper=flip))
     sender = Background(a.send_checkpoint, [1], 5, small_state(), 10.0)
@@ -374,14 +414,127 @@ def test_disallow_cuts_off_a_send_that_outlasts_its_grace_time() -> None:
     disallow = Background(a.disallow_checkpoint)
     time.sleep(1.0)  # past the grace time: the send is cut off, and waited for
     assert disallow.thread.is_alive(), "disallow returned while the send could still run"
-    receiver = Background(b.recv_checkpoint, 0, "pg:0", 5, 1.5)
+    t0 = time.monotonic()
+    receiver = Background(b.recv_checkpoint, 0, "pg:0", 5, 10.0)
     with pytest.raises(CheckpointTransportError, match="cut off by disallow_checkpoint"):
         sender.result()
     disallow.result()
-    with pytest.raises(CheckpointTimeoutError):
+    with pytest.raises(CheckpointTransportError,
+                       match=r"peer rank 0 \(pg:0\) could not send step 5: the send to rank 1 "
+                             "was cut off by disallow_checkpoint before its offer"):
         receiver.result()
-    # the offer and the manifest went out, no segment (tensor bytes) did
-    assert len([s for s in wire.sent if s[0] == 0]) == 2, wire.sent
+    assert time.monotonic() - t0 < 3.0  # told at once, not at its timeout
+    # the error and its text went out instead of the offer: no tensor byte did
+    ours = [s for s in wire.sent if s[0] == 0]
+    assert len(ours) == 2 and ours[0][2] == 64, wire.sent
+
+
+def test_a_cut_in_the_middle_of_the_file_reaches_the_receiver(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pgmod, "CONTROL_BYTES", 1)  # a control word before every segment
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 0.2)  # disallow's grace time
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+
+    def cut_during_segment_2(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][3] == state["t1"].data_ptr():  # (t is a copy)
+            Background(a.disallow_checkpoint)
+            time.sleep(0.6)  # past the grace time: the cut is set before the next batch
+
+    wire.tamper = cut_during_segment_2
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTransportError,
+                       match="could not send step 5: the send to rank 1 was cut off by "
+                             "disallow_checkpoint after 3 of 5 segments"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(CheckpointTransportError, match="after 3 of 5 segments"):
+        sender.result()
+    # after the cut, no further tensor byte went out
+    big = [s for s in wire.sent if s[0] == 0 and s[2] == MiB]
+    assert len(big) == 2, wire.sent
+
+
+class _Unsupported:
+    """A leaf asyncckpt refuses (not a tensor, number, string ...)."""
+
+
+def test_a_sender_that_cannot_serve_tells_the_receiver() -> None:
+    a, b, wire = pair()
+    key = "k" * 5000  # the error names it: the text sent is cut to MAX_REASON_BYTES
+    sender = Background(a.send_checkpoint, [1], 5, {"w": torch.ones(3), key: _Unsupported()},
+                        10.0)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTransportError,
+                       match=r"peer rank 0 \(pg:0\) could not send step 5: "
+                             "UnsupportedLeafError: .*kkkk"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(UnsupportedLeafError):  # the sender raises its own error
+        sender.result()
+    ours = [n for src, _, n, _ in wire.sent if src == 0]
+    assert ours[0] == 64 and 100 < ours[1] <= pgmod.MAX_REASON_BYTES, ours
+    # both sides stay in step: the next transfer works
+    sender = Background(a.send_checkpoint, [1], 6, small_state(), 10.0)
+    same(b.recv_checkpoint(0, "pg:0", 6, 10.0), small_state())
+    sender.result()
+
+
+def test_an_error_text_above_the_limit_is_refused() -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    forger = Background(forge, wire, words(MAGIC, VERSION, pgmod.ERROR, 5, 1 << 40))
+    with pytest.raises(CheckpointTransportError, match="error text of 1099511627776 bytes"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+
+
+def test_a_peer_of_another_protocol_version_is_named() -> None:
+    wire = Wire()
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    forger = Background(forge, wire, words(MAGIC, VERSION - 1, OFFER, 5, 10, 10, 1))
+    with pytest.raises(CheckpointTransportError,
+                       match=f"speaks version {VERSION - 1} of the asyncckpt process-group "
+                             f"protocol, this rank version {VERSION}"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    forger.result()
+    # an older receiver's request: told with an error header (its own version check
+    # fails at once), and the sender names the versions
+    a = PGTransport(FakeGroup(wire, 0), 10.0)
+    wire.box(1, 0).put(words(MAGIC, VERSION - 1, REQUEST, 5))
+    with pytest.raises(CheckpointTransportError,
+                       match=f"rank 1 asked for step 5 in version {VERSION - 1}"):
+        a.send_checkpoint([1], 5, small_state(), 10.0)
+    assert wire.box(0, 1).get(timeout=1).tolist()[:4] == [MAGIC, VERSION, pgmod.ERROR, 5]
+    assert wire.box(0, 1).empty()
+
+
+@pytest.mark.parametrize("call", [
+    "send [5]", "send [-1]", "send [0]", "send [1, 1]", "send [1.0]", "send [True]", "send 1",
+    "recv 5", "recv -1", "recv 0", "recv '1'"])
+def test_ranks_are_checked_before_any_message(call: str) -> None:
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 10.0)
+    side, arg = call.split(" ", 1)
+    ranks = eval(arg)  # the literals above
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointConfigError) as info:
+        if side == "send":
+            a.send_checkpoint(ranks, 1, small_state(), 10.0)
+        else:
+            a.recv_checkpoint(ranks, "pg:?", 1, 10.0)
+    assert time.monotonic() - t0 < 1.0
+    assert wire.sent == []
+    text = str(info.value)
+    assert ("dst_ranks=" if side == "send" else "src_rank=") in text, text
+    if call in ("send [5]", "send [-1]", "recv 5", "recv -1"):
+        assert f"rank {arg.strip('[]')} is not a rank of this group of 2 ranks (0..1)" in text
+    elif call in ("send [0]", "recv 0"):
+        assert "rank 0 is this rank" in text
+    elif call == "send [1, 1]":
+        assert "rank 1 is named twice" in text
 
 
 def test_disallow_then_send_again_and_shutdown_refuses() -> None:
@@ -404,7 +557,7 @@ def test_configuration_errors() -> None:
     wire = Wire()
     with pytest.raises(CheckpointConfigError, match="no send"):
         PGTransport(object(), 1.0)
-    with pytest.raises(CheckpointConfigError, match="includes this rank"):
+    with pytest.raises(CheckpointConfigError, match="rank 0 is this rank"):
         PGTransport(FakeGroup(wire, 0), 1.0).send_checkpoint([1, 0], 1, {}, 1.0)
     with pytest.raises(CheckpointConfigError):
         PGTransport(FakeGroup(wire, 0), 1.0, device="meta")
@@ -470,6 +623,15 @@ def test_cuda_state_over_a_cpu_group() -> None:
 
 # --- real gloo ranks -------------------------------------------------------------------------
 
+def _import_path() -> str:
+    """PYTHONPATH for the ranks: the asyncckpt under test first (a relative path in
+    the caller's PYTHONPATH would not hold in the ranks' working directory)."""
+    import asyncckpt
+
+    src = str(Path(asyncckpt.__file__).resolve().parents[1])
+    return os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -480,7 +642,7 @@ def run_gloo(worker: str, world: int, run_dir: Path) -> dict[int, Any]:
     """Run ``worker`` (a function of this file) on ``world`` gloo ranks; rank -> result."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "PYTHONPATH": _import_path()}
     procs = []
     for rank in range(world):
         spec = run_dir / f"spec_{rank}.json"
@@ -575,6 +737,79 @@ def gloo_sender_dies(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
                             CheckpointTransportError)}
 
 
+def gloo_bad_ranks(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """Rank 0 names ranks that are not peers (gloo crashed on rank 5, waited out the
+    group's timeout on -1); then a transfer shows that nothing was sent."""
+    out: dict[str, Any] = {}
+    state = small_state()
+    if rank == 0:
+        for case, call in [
+                ("dst 5", lambda: tr.send_checkpoint([5], 1, state, 10.0)),
+                ("dst -1", lambda: tr.send_checkpoint([-1], 1, state, 10.0)),
+                ("dst self", lambda: tr.send_checkpoint([0], 1, state, 10.0)),
+                ("dst twice", lambda: tr.send_checkpoint([1, 1], 1, state, 10.0)),
+                ("src 5", lambda: tr.recv_checkpoint(5, "pg:5", 1, 10.0)),
+                ("src -1", lambda: tr.recv_checkpoint(-1, "pg:-1", 1, 10.0)),
+                ("src self", lambda: tr.recv_checkpoint(0, "pg:0", 1, 10.0))]:
+            out[case] = _expect(call, CheckpointConfigError)
+        tr.send_checkpoint([1], 2, state, 20.0)
+    else:
+        same(tr.recv_checkpoint(0, "pg:0", 2, 20.0), state)
+        out["received"] = True
+    return out
+
+
+class _CutsDuring:
+    """A group that starts ``disallow_checkpoint`` of ``tr`` during its ``n``-th send and
+    waits until the cut is set (past the transport's grace time) before sending."""
+
+    def __init__(self, group: Any, n: int):
+        self.group, self.n = group, n
+        self.tr: PGTransport | None = None
+
+    def rank(self) -> int:
+        return int(self.group.rank())
+
+    def size(self) -> int:
+        return int(self.group.size())
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.n -= 1
+        if self.n == 0 and self.tr is not None:
+            Background(self.tr.disallow_checkpoint)
+            time.sleep(3 * self.tr.timeout_s)
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self.group.recv(tensors, src, tag)
+
+
+def gloo_failures_reach_the_receiver(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """Rank 0 cannot serve a state (an unsupported leaf), then is cut off in the middle
+    of the file; rank 1's receives fail at once with rank 0's reason, not at their
+    timeout, and the pair stays in step for a third transfer."""
+    big = {f"t{i}": torch.full((10 << 20,), float(i)) for i in range(3)}  # 3 x 40 MiB
+    if rank == 0:
+        out = {"leaf": _expect(lambda: tr.send_checkpoint([1], 1, {"bad": _Unsupported()}, 20.0),
+                               UnsupportedLeafError)}
+        # messages: offer 1, manifest 2, control 3, header 4, t0 5: cut while t0 goes,
+        # told after the first batch (64 MiB: header, t0, t1), before t2
+        group = _CutsDuring(tr.pg, 5)
+        cutting = PGTransport(group, 0.3)  # disallow's grace time
+        group.tr = cutting
+        out["cut"] = _expect(lambda: cutting.send_checkpoint([1], 2, big, 20.0),
+                             CheckpointTransportError)
+        tr.send_checkpoint([1], 3, small_state(), 20.0)
+        return out
+    out = {"leaf": _expect(lambda: tr.recv_checkpoint(0, "pg:0", 1, 20.0),
+                           CheckpointTransportError),
+           "cut": _expect(lambda: tr.recv_checkpoint(0, "pg:0", 2, 20.0),
+                          CheckpointTransportError)}
+    same(tr.recv_checkpoint(0, "pg:0", 3, 20.0), small_state())
+    out["received"] = True
+    return out
+
+
 def rank_main(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -605,6 +840,34 @@ def test_gloo_a_sender_that_dies_mid_transfer(tmp_path: Path) -> None:
     assert died["raised"] == "CheckpointTransportError" and died["ok"], died
     assert died["seconds"] < 10.0, died
     assert "peer rank 0" in died["message"], died
+
+
+def test_gloo_ranks_that_are_not_peers_are_refused_before_any_message(tmp_path: Path) -> None:
+    res = run_gloo("gloo_bad_ranks", 2, tmp_path)
+    assert res[1]["received"]
+    for case, got in res[0].items():
+        assert got["raised"] == "CheckpointConfigError" and got["ok"], (case, got)
+        assert got["seconds"] < 1.0, (case, got)
+    for case in ("dst 5", "dst -1", "src 5", "src -1"):
+        rank = case.split()[1]
+        assert f"rank {rank} is not a rank of this group of 2 ranks" in res[0][case]["message"]
+    assert "rank 0 is this rank" in res[0]["dst self"]["message"]
+    assert "rank 0 is this rank" in res[0]["src self"]["message"]
+    assert "rank 1 is named twice" in res[0]["dst twice"]["message"]
+
+
+def test_gloo_a_sender_that_fails_tells_the_receiver_at_once(tmp_path: Path) -> None:
+    res = run_gloo("gloo_failures_reach_the_receiver", 2, tmp_path)
+    sender, receiver = res[0], res[1]
+    assert sender["leaf"]["ok"] and sender["cut"]["ok"], sender
+    assert receiver["received"]
+    leaf, cut = receiver["leaf"], receiver["cut"]
+    assert leaf["ok"] and cut["ok"], receiver
+    assert leaf["seconds"] < 5.0 and cut["seconds"] < 8.0, receiver  # its timeout is 20 s
+    assert ("peer rank 0 (pg:0) could not send step 1: UnsupportedLeafError"
+            in leaf["message"]), leaf
+    assert ("could not send step 2: the send to rank 1 was cut off by disallow_checkpoint "
+            "after 3 of 4 segments" in cut["message"]), cut
 
 
 if __name__ == "__main__":

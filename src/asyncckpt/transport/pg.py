@@ -8,21 +8,31 @@ on the calling thread, on the group passed in: give the transport a group of its
 (``dist.new_group(backend="gloo")``), never the training group, whose collectives would
 interleave with these messages.
 
-Wire protocol (every message is one tensor; ranks are ranks of the group):
+Wire protocol, version 2 (every message is one tensor; ranks are ranks of the group):
 
 1. receiver -> sender: a request, 8 int64 words
    ``[MAGIC, VERSION, REQUEST, wanted_step, 0, 0, 0, 0]``;
 2. sender -> receiver: a reply, 8 int64 words
    ``[MAGIC, VERSION, OFFER, step, manifest_bytes, file_bytes, segments, 0]``, or
-   ``[MAGIC, VERSION, NOT_FOUND, step_on_offer, 0, 0, 0, 0]`` when the steps differ
-   (then nothing else follows and both sides stay in step);
+   ``[MAGIC, VERSION, NOT_FOUND, step_on_offer, 0, 0, 0, 0]`` when the steps differ, or
+   an error (below) when the sender failed before it could offer: then nothing else
+   follows and both sides stay in step;
 3. the manifest (JSON, the format of ``manifest.json``) as ``manifest_bytes`` uint8;
 4. the shard file (the safetensors layout of a committed checkpoint) in ``segments``
-   uint8 messages: its header, then each non-empty tensor in file order, sent straight
-   from the tensor's memory.
+   uint8 messages, cut by :func:`_segments` from the file's pieces (its header, then
+   each non-empty tensor in file order): runs of small adjacent pieces are gathered into
+   one message of at most ``GATHER_BYTES``, a larger tensor goes from its own memory in
+   slices of at most ``SLICE_BYTES``. A control word
+   ``[MAGIC, VERSION, MORE, step, first, stop, 0, 0]`` precedes segments
+   ``first..stop-1``, a batch of about ``CONTROL_BYTES`` (:func:`_batches`); in its
+   place a sender that was cut off sends an error.
+
+An error is ``[MAGIC, VERSION, ERROR, step, reason_bytes, 0, 0, 0]``, then (when
+``reason_bytes`` > 0) that many uint8 of UTF-8 text, at most ``MAX_REASON_BYTES``.
+A peer of another protocol version is answered with the error header alone.
 
 The receiver refuses sizes above its limits before it allocates anything, derives the
-segment sizes from the validated manifest (they must tile the file exactly), receives
+segments from the validated manifest (its pieces must tile the file exactly), receives
 the file into one buffer and loads it through the ordinary loader: checksums are
 verified, ``into=`` loads in place. Nothing is unpickled.
 
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,11 +82,17 @@ log = logging.getLogger(__name__)
 __all__ = ["PGTransport"]
 
 MAGIC = 0x61636B70745F7067  # "ackpt_pg"
-VERSION = 1
-REQUEST, OFFER, NOT_FOUND = 1, 2, 3
+VERSION = 2  # 2: errors, control words, gathered segments
+REQUEST, OFFER, NOT_FOUND, ERROR, MORE = 1, 2, 3, 4, 5
 HEADER_WORDS = 8
 DEFAULT_MAX_FILE_BYTES = 1 << 40
+MAX_REASON_BYTES = 1024  # an error's text: enough to say why, bounded for the receiver
+GATHER_BYTES = 1 << 20  # a gloo message costs ~0.3 ms: runs of smaller pieces go as one
+SLICE_BYTES = 64 << 20  # a larger tensor goes in slices of at most this (no copy)
+CONTROL_BYTES = 64 << 20  # a control word every ~this: how late a cut-off is told
 _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
+
+_Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
 
 def _seconds(t: timedelta | float) -> float:
@@ -87,7 +104,7 @@ class PGTransport(CheckpointTransport[Any]):
 
     Thread-safe in the sense that one transfer runs at a time (a second call waits for
     the first); transfers run on the caller's thread. Ranks (``dst_ranks``,
-    ``src_rank``) are ranks *of the group* passed in.
+    ``src_rank``) are ranks *of the group* passed in, checked before any message.
 
     Args:
         pg: the process group to use: a ``ProcessGroup`` (e.g. from
@@ -153,37 +170,51 @@ class PGTransport(CheckpointTransport[Any]):
 
         Returns once every destination has received it (or was told the step it asked
         for is not this one: that is logged, not raised). The tensors are sent from
-        their own memory, so they must not change until this returns. Raises
-        CheckpointTimeoutError when a destination does not take part in time, and
-        CheckpointTransportError when the group fails.
+        their own memory, so they must not change until this returns. When the state
+        cannot be served (an unsupported leaf, a cut-off), each destination's request is
+        answered with the reason, so that its receive fails at once rather than at its
+        timeout, and then the error is raised here.
+
+        Raises:
+            CheckpointConfigError: a rank of ``dst_ranks`` is not another rank of the
+                group, or is named twice (checked before any message).
+            CheckpointTimeoutError: a destination does not take part in time.
+            CheckpointTransportError: the group fails, or the send was cut off.
         """
         from .. import __version__
 
         self._check_open()
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
-        me = self.pg.rank()
-        if me in dst_ranks:
-            raise CheckpointConfigError(f"dst_ranks={dst_ranks} includes this rank ({me})")
+        dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
         with self._cond:  # counted from the start: disallow_checkpoint waits for it
             self._sending += 1
         served = None
         try:
-            served = serve_state(step, state_dict, block_bytes=self.block_bytes,
-                                 library_version=__version__)
-            (source,) = served.files.values()
-            if not isinstance(source, LiveSource):
-                raise AssertionError("serve_state serves a LiveSource")
-            cut = served.cancelled  # set by disallow_checkpoint to cut this send off
-            with self._cond:
-                self._cuts.add(cut)
-            manifest = served.manifest()  # checksums every tensor once, here
-            segments = _send_segments(source)
+            try:
+                served = serve_state(step, state_dict, block_bytes=self.block_bytes,
+                                     library_version=__version__)
+                (source,) = served.files.values()
+                if not isinstance(source, LiveSource):
+                    raise AssertionError("serve_state serves a LiveSource")
+                cut = served.cancelled  # set by disallow_checkpoint to cut this send off
+                with self._cond:
+                    self._cuts.add(cut)
+                manifest = served.manifest()  # checksums every tensor once, here
+                pieces, view = _send_pieces(source)
+                segments = _segments(pieces)
+            except Exception as exc:
+                self._tell_failure(dsts, step, exc, deadline)
+                raise
             self._acquire(deadline, "send")
             try:
-                for dst in dst_ranks:
-                    self._send_to(dst, step, manifest, source, segments, deadline, cut)
+                cut_off = None
+                for dst in dsts:  # a cut-off is told to every destination, then raised
+                    cut_off = self._send_to(dst, step, manifest, pieces, view, segments,
+                                            deadline, cut) or cut_off
             finally:
                 self._lock.release()
+            if cut_off is not None:
+                raise CheckpointTransportError(f"step {step}: {cut_off}")
         finally:
             with self._cond:
                 if served is not None:
@@ -203,29 +234,34 @@ class PGTransport(CheckpointTransport[Any]):
         in place (tensor identity kept, resharding as ``load`` does) and returns it.
 
         Raises:
+            CheckpointConfigError: ``src_rank`` is not another rank of the group
+                (checked before any message).
             CheckpointNotFoundError: the peer sends another step.
             CheckpointCorruptError: the manifest or a checksum does not match.
             CheckpointTimeoutError: the peer did not answer in time.
-            CheckpointTransportError: the peer broke the protocol or the group failed.
+            CheckpointTransportError: the peer could not send (its reason is quoted),
+                broke the protocol, or the group failed.
         """
         from ..loader import load_from
 
         self._check_open()
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
-        where = f"peer rank {src_rank} ({metadata})"
+        (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
+        where = f"peer rank {src} ({metadata})"
         self._acquire(deadline, "receive")
         try:
-            raw, name, host = self._recv_from(src_rank, step, deadline, where)
+            raw, name, host = self._recv_from(src, step, deadline, where)
         finally:
             self._lock.release()
         # (``host`` owns the memory the storage's view points into: it lives until we return)
         storage = _MemoryStorage(raw, {name: tensor_bytes(host)} if name is not None else {})
-        return load_from(Path(f"pg-rank-{src_rank}-step-{step}"), into, storage, strict=strict)
+        return load_from(Path(f"pg-rank-{src}-step-{step}"), into, storage, strict=strict)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
         a send running on another thread may finish within the timeout, then it is cut
-        off before its next segment (its peer's receive fails) and waited for."""
+        off: it finishes the batch of segments in flight (at most ``CONTROL_BYTES``, or
+        one slice), tells its receiver, whose call fails at once, and is waited for."""
         with self._cond:
             if self._cond.wait_for(lambda: self._sending == 0, self.timeout_s):
                 return
@@ -241,35 +277,84 @@ class PGTransport(CheckpointTransport[Any]):
 
     # --- sending --------------------------------------------------------------------------
 
-    def _send_to(self, dst: int, step: int, manifest: bytes, source: LiveSource,
-                 segments: list[tuple[int, Callable[[], torch.Tensor]]],
-                 deadline: float, cut: threading.Event) -> None:
+    def _send_to(self, dst: int, step: int, manifest: bytes, pieces: list[tuple[int, int]],
+                 view: Callable[[int], memoryview], segments: list[_Segment],
+                 deadline: float, cut: threading.Event) -> str | None:
+        """Serve one destination; returns why it was cut off (once it was told), or None."""
+        wanted = self._read_request(dst, step, deadline)
+        if wanted != step:
+            self._send_words(dst, [MAGIC, VERSION, NOT_FOUND, step, 0, 0, 0, 0], deadline,
+                             f"the refusal to rank {dst}")
+            log.warning("rank %d asked for step %d; this rank sends step %d: refused", dst,
+                        wanted, step)
+            return None
+        if cut.is_set():
+            reason = f"the send to rank {dst} was cut off by disallow_checkpoint before its offer"
+            self._send_error(dst, step, reason, deadline)
+            return reason
+        file_bytes = pieces[-1][1] if pieces else 0
+        self._send_words(dst, [MAGIC, VERSION, OFFER, step, len(manifest), file_bytes,
+                               len(segments), 0], deadline, f"the offer to rank {dst}")
+        raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+        self._send(raw, dst, deadline, f"the manifest of step {step} to rank {dst}")
+        for first, stop in _batches(segments):
+            if cut.is_set():  # (checked per batch: the receiver expects whole batches)
+                reason = (f"the send to rank {dst} was cut off by disallow_checkpoint after "
+                          f"{first} of {len(segments)} segments")
+                self._send_error(dst, step, reason, deadline)
+                return reason
+            self._send_words(dst, [MAGIC, VERSION, MORE, step, first, stop, 0, 0], deadline,
+                             f"the control word before segment {first} of step {step} to "
+                             f"rank {dst}")
+            for i in range(first, stop):
+                self._send(_segment_tensor(segments[i], pieces, view), dst, deadline,
+                           f"segment {i} of step {step} to rank {dst}")
+        return None
+
+    def _read_request(self, dst: int, step: int, deadline: float) -> int:
+        """The step rank ``dst`` asks for. A peer of another protocol version gets an
+        error header, which its own version check rejects at once."""
         req = self._recv_words(dst, deadline, f"the request of rank {dst}")
+        if req[0] == MAGIC and req[2] == REQUEST and req[1] != VERSION:
+            self._send_words(dst, [MAGIC, VERSION, ERROR, step, 0, 0, 0, 0], deadline,
+                             f"the version error to rank {dst}")
+            raise CheckpointTransportError(
+                f"rank {dst} asked for step {req[3]} in version {req[1]} of the asyncckpt "
+                f"process-group protocol, this rank speaks version {VERSION}: run the same "
+                "asyncckpt version on every rank")
         if req[:3] != [MAGIC, VERSION, REQUEST]:
             raise CheckpointTransportError(
                 f"rank {dst} sent {req} instead of an asyncckpt request: is it running "
                 "recv_checkpoint on the same group, with the same asyncckpt version?")
-        if req[3] != step:
-            self._send_words(dst, [MAGIC, VERSION, NOT_FOUND, step, 0, 0, 0, 0], deadline,
-                             f"the refusal to rank {dst}")
-            log.warning("rank %d asked for step %d; this rank sends step %d: refused", dst,
-                        req[3], step)
+        return req[3]
+
+    def _send_error(self, dst: int, step: int, reason: str, deadline: float) -> None:
+        """Tell ``dst`` why nothing (more) comes: its receive fails at once, quoting
+        ``reason`` (cut to MAX_REASON_BYTES), and the pair stays in step."""
+        text = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+        text = text.decode("utf-8", "ignore").encode("utf-8")  # no character cut in two
+        self._send_words(dst, [MAGIC, VERSION, ERROR, step, len(text), 0, 0, 0], deadline,
+                         f"the error of step {step} to rank {dst}")
+        if text:
+            self._send(torch.frombuffer(bytearray(text), dtype=torch.uint8), dst, deadline,
+                       f"the error text of step {step} to rank {dst}")
+
+    def _tell_failure(self, dsts: list[int], step: int, exc: Exception,
+                      deadline: float) -> None:
+        """The state could not be served: answer each destination's request with the
+        reason, so that its receive fails now rather than at its timeout. Best effort
+        (the caller raises ``exc`` whatever happens here)."""
+        if not dsts or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return
-        file_bytes = source.size if source.plan.items else 0
-        nseg = len(segments) if file_bytes else 0
-        self._send_words(dst, [MAGIC, VERSION, OFFER, step, len(manifest), file_bytes, nseg, 0],
-                         deadline, f"the offer to rank {dst}")
-        raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
-        self._send(raw, dst, deadline, f"the manifest of step {step} to rank {dst}")
-        for i, (nbytes, get) in enumerate(segments[:nseg]):
-            if cut.is_set():
-                raise CheckpointTransportError(
-                    f"step {step}: the send to rank {dst} was cut off by disallow_checkpoint "
-                    f"after {i} of {nseg} segments; rank {dst}'s receive fails")
-            t = get()
-            if t.numel() != nbytes:
-                raise AssertionError(f"segment {i}: {t.numel()} bytes, planned {nbytes}")
-            self._send(t, dst, deadline, f"segment {i} of step {step} to rank {dst}")
+        try:
+            for dst in dsts:
+                self._read_request(dst, step, deadline)
+                self._send_error(dst, step, f"{type(exc).__name__}: {exc}", deadline)
+        except Exception as told:
+            log.warning("step %d could not be served (%s), and not every destination "
+                        "could be told: %s", step, exc, told)
+        finally:
+            self._lock.release()
 
     # --- receiving ------------------------------------------------------------------------
 
@@ -278,13 +363,12 @@ class PGTransport(CheckpointTransport[Any]):
         self._send_words(src, [MAGIC, VERSION, REQUEST, step, 0, 0, 0, 0], deadline,
                          f"the request for step {step} to {where}")
         h = self._recv_words(src, deadline, f"the answer of {where}")
-        if h[:2] != [MAGIC, VERSION]:
-            raise CheckpointTransportError(
-                f"{where} answered {h}, not an asyncckpt offer: is it running send_checkpoint "
-                "on the same group, with the same asyncckpt version?")
+        _check_words(h, where, "offer")
         kind, have, mlen, flen, nseg = h[2:7]
         if kind == NOT_FOUND:
             raise CheckpointNotFoundError(f"{where} sends step {have}, not step {step}")
+        if kind == ERROR:
+            raise self._peer_error(src, h, deadline, where, step)
         if kind != OFFER or have != step:
             raise CheckpointTransportError(
                 f"{where} broke the protocol: answered {h} to a request for step {step}; "
@@ -306,14 +390,26 @@ class PGTransport(CheckpointTransport[Any]):
         if manifest.step != step:
             raise CheckpointCorruptError(
                 f"{where}: the manifest is of step {manifest.step}, the offer of step {step}")
-        name, segs = _recv_segments(manifest, flen, where)
+        name, pieces = _recv_pieces(manifest, flen, where)
+        segs = _segments(pieces)
         if len(segs) != nseg:
             raise CheckpointCorruptError(
                 f"{where}: announced {nseg} segments, its manifest implies {len(segs)}")
         cuda = self.device.type == "cuda"
         buf = torch.empty(flen, dtype=torch.uint8, device=self.device)
-        for i, (lo, hi) in enumerate(segs):
-            self._recv(buf[lo:hi], src, deadline, f"segment {i} of step {step} from {where}")
+        for first, stop in _batches(segs):
+            w = self._recv_words(src, deadline, f"the control word before segment {first} of "
+                                 f"step {step} from {where}")
+            _check_words(w, where, "control word")
+            if w[2] == ERROR:
+                raise self._peer_error(src, w, deadline, where, step)
+            if w != [MAGIC, VERSION, MORE, step, first, stop, 0, 0]:
+                raise CheckpointTransportError(
+                    f"{where} broke the protocol: sent {w} before segment {first} of step "
+                    f"{step}; recreate the process group before using it again")
+            for i in range(first, stop):
+                lo, hi = segs[i][:2]
+                self._recv(buf[lo:hi], src, deadline, f"segment {i} of step {step} from {where}")
         if cuda:  # the loader reads (and verifies) host memory
             host = torch.empty(flen, dtype=torch.uint8, pin_memory=True)
             host.copy_(buf)
@@ -321,6 +417,23 @@ class PGTransport(CheckpointTransport[Any]):
         else:
             host = buf
         return raw, name, host
+
+    def _peer_error(self, src: int, words: list[int], deadline: float, where: str,
+                    step: int) -> CheckpointTransportError:
+        """The error a peer sent instead of an offer or a control word, with its reason."""
+        n = words[4]
+        if not 0 <= n <= MAX_REASON_BYTES:
+            return CheckpointTransportError(
+                f"{where} announced an error text of {n} bytes (limit {MAX_REASON_BYTES}); "
+                "refused before allocating it. Recreate the process group before using it "
+                "again")
+        reason = "(no reason given)"
+        if n:
+            t = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self._recv(t, src, deadline, f"the error text of {where}")
+            text = bytes(t.cpu().numpy()).decode("utf-8", "replace")
+            reason = "".join(c if c.isprintable() else " " for c in text)
+        return CheckpointTransportError(f"{where} could not send step {step}: {reason}")
 
     # --- messages -------------------------------------------------------------------------
 
@@ -370,6 +483,60 @@ class PGTransport(CheckpointTransport[Any]):
         if self._closed:
             raise CheckpointClosedError("this PGTransport was shut down")
 
+    def _check_peers(self, ranks: Any, label: str) -> list[int]:
+        """Each rank must be another rank of the group, named once. Checked before any
+        message: the backend does not check (gloo crashes the process on a rank past the
+        group's size, waits out the group's timeout on a negative one, and a rank named
+        twice would wait for a second request that never comes)."""
+        try:
+            given = list(ranks)
+        except TypeError:
+            raise CheckpointConfigError(f"{label}: pass a list of ranks") from None
+        me = int(self.pg.rank())
+        size = _group_size(self.pg)
+        group = "this group" if size is None else f"this group of {size} ranks"
+        seen: set[int] = set()
+        for r in given:
+            if isinstance(r, bool) or not hasattr(r, "__index__"):
+                raise CheckpointConfigError(f"{label}: {r!r} is not a rank (an int) of {group}")
+            rank = operator.index(r)
+            if rank < 0 or (size is not None and rank >= size):
+                span = "" if size is None else f" (0..{size - 1})"
+                raise CheckpointConfigError(
+                    f"{label}: rank {rank} is not a rank of {group}{span}; ranks are ranks "
+                    "of the group passed to PGTransport")
+            if rank == me:
+                raise CheckpointConfigError(
+                    f"{label}: rank {rank} is this rank; name another rank of {group}")
+            if rank in seen:
+                raise CheckpointConfigError(
+                    f"{label}: rank {rank} is named twice; name each destination once")
+            seen.add(rank)
+        return [operator.index(r) for r in given]
+
+
+def _group_size(pg: Any) -> int | None:
+    """The group's size, or None where it cannot say (no size(), or not configured)."""
+    size = getattr(pg, "size", None)
+    if not callable(size):
+        return None
+    try:
+        return int(size())
+    except Exception:
+        return None
+
+
+def _check_words(words: list[int], where: str, what: str) -> None:
+    if words[0] != MAGIC:
+        raise CheckpointTransportError(
+            f"{where} answered {words}, not an asyncckpt {what}: is it running send_checkpoint "
+            "on the same group, with the same asyncckpt version?")
+    if words[1] != VERSION:
+        raise CheckpointTransportError(
+            f"{where} speaks version {words[1]} of the asyncckpt process-group protocol, this "
+            f"rank version {VERSION}: run the same asyncckpt version on every rank, then "
+            "recreate the process group")
+
 
 def _resolve_device(pg: Any, device: torch.device | str | None) -> torch.device:
     if device is None:
@@ -399,25 +566,85 @@ def _resolve_device(pg: Any, device: torch.device | str | None) -> torch.device:
     return d
 
 
-def _send_segments(source: LiveSource) -> list[tuple[int, Callable[[], torch.Tensor]]]:
-    """The messages that carry the shard file: its header, then each non-empty tensor
-    in file order, as uint8 tensors over the bytes that were checksummed (no copy for
-    contiguous CPU tensors)."""
-    plan = source.plan
-    header = bytearray(plan.header)
-    segs: list[tuple[int, Callable[[], torch.Tensor]]] = [
-        (len(header), lambda: torch.frombuffer(header, dtype=torch.uint8))]
-
-    def tensor(key: str) -> Callable[[], torch.Tensor]:
-        return lambda: torch.frombuffer(source.tensor_view(key), dtype=torch.uint8)
-
-    segs.extend((it.nbytes, tensor(it.key)) for it in plan.items if it.nbytes)
+def _segments(pieces: Sequence[tuple[int, int]]) -> list[_Segment]:
+    """Cut the file into messages, the same on both sides (the sender from its plan, the
+    receiver from the manifest). ``pieces`` tile the file: its header, then each
+    non-empty tensor. A run of adjacent pieces below GATHER_BYTES goes as one message of
+    at most GATHER_BYTES (gathered by the sender: one message per small tensor costs far
+    more than the copy); a larger piece goes alone, in slices of at most SLICE_BYTES."""
+    segs: list[_Segment] = []
+    run = -1  # the first piece of the run being gathered
+    for i, (lo, hi) in enumerate(pieces):
+        big = hi - lo >= GATHER_BYTES
+        if run >= 0 and (big or hi - pieces[run][0] > GATHER_BYTES):
+            segs.append((pieces[run][0], lo, run, i))
+            run = -1
+        if big:
+            segs.extend((a, min(a + SLICE_BYTES, hi), i, i + 1)
+                        for a in range(lo, hi, SLICE_BYTES))
+        elif run < 0:
+            run = i
+    if run >= 0:
+        segs.append((pieces[run][0], pieces[-1][1], run, len(pieces)))
     return segs
 
 
-def _recv_segments(manifest: Manifest, flen: int, where: str
-                   ) -> tuple[str | None, list[tuple[int, int]]]:
-    """The file's name and the byte ranges of its messages, as the sender cuts them."""
+def _batches(segments: Sequence[_Segment]) -> list[tuple[int, int]]:
+    """The segments ``first..stop-1`` that each control word announces: a new batch
+    starts once CONTROL_BYTES have gone since the last word."""
+    out: list[tuple[int, int]] = []
+    first = acc = 0
+    for i, (lo, hi, _, _) in enumerate(segments):
+        acc += hi - lo
+        if acc >= CONTROL_BYTES:
+            out.append((first, i + 1))
+            first, acc = i + 1, 0
+    if first < len(segments):
+        out.append((first, len(segments)))
+    return out
+
+
+def _send_pieces(source: LiveSource
+                 ) -> tuple[list[tuple[int, int]], Callable[[int], memoryview]]:
+    """The file's pieces (its header, then each non-empty tensor in file order; none for
+    a state without tensors) and the bytes of piece ``i``: the tensor's own memory, the
+    bytes that were checksummed (no copy for contiguous CPU tensors)."""
+    plan = source.plan
+    if not plan.items:
+        return [], lambda i: memoryview(b"")
+    header = memoryview(bytearray(plan.header))  # writable: torch.frombuffer wants it so
+    items = [it for it in plan.items if it.nbytes]
+    pieces = [(0, len(header))] + [(it.offset, it.end) for it in items]
+
+    def view(i: int) -> memoryview:
+        return header if i == 0 else source.tensor_view(items[i - 1].key)
+
+    return pieces, view
+
+
+def _segment_tensor(seg: _Segment, pieces: list[tuple[int, int]],
+                    view: Callable[[int], memoryview]) -> torch.Tensor:
+    """One segment's bytes: a slice of one piece's own memory, or a run of small pieces
+    gathered into a new buffer."""
+    lo, hi, first, stop = seg
+    views = [view(j) for j in range(first, stop)]
+    for j, v in zip(range(first, stop), views, strict=True):
+        if len(v) != pieces[j][1] - pieces[j][0]:
+            raise AssertionError(f"piece {j}: {len(v)} bytes, planned "
+                                 f"{pieces[j][1] - pieces[j][0]}")
+    if stop - first == 1:
+        base = pieces[first][0]
+        return torch.frombuffer(views[0][lo - base:hi - base], dtype=torch.uint8)
+    buf = bytearray(hi - lo)
+    for j, v in zip(range(first, stop), views, strict=True):
+        buf[pieces[j][0] - lo:pieces[j][1] - lo] = v
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _recv_pieces(manifest: Manifest, flen: int, where: str
+                 ) -> tuple[str | None, list[tuple[int, int]]]:
+    """The file's name and its pieces (header, then each non-empty tensor), which must
+    tile it exactly."""
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{where}: the manifest of step {manifest.step} {what}")
 
@@ -435,16 +662,16 @@ def _recv_segments(manifest: Manifest, flen: int, where: str
     body = ranges[0][0] if ranges else flen
     if not 8 < body <= 8 + MAX_HEADER_BYTES:
         raise bad(f"puts the first tensor at byte {body}")
-    segs = [(0, body)]
+    pieces = [(0, body)]
     pos = body
     for lo, hi in ranges:
         if lo != pos:
             raise bad(f"has a gap or overlap at byte {pos} of {name}")
-        segs.append((lo, hi))
+        pieces.append((lo, hi))
         pos = hi
     if pos != flen:
         raise bad(f"leaves bytes {pos}..{flen} of {name} undescribed")
-    return name, segs
+    return name, pieces
 
 
 class _MemoryStorage:
