@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -956,3 +958,38 @@ def test_serving_through_a_transport_that_cannot_is_refused_and_never_costs_a_sa
     assert "offering the staged state to peers through Broken failed" in caplog.text
     with pytest.raises(asyncckpt.CheckpointClosedError):
         ckpt.serve(RecordingTransport())  # it would never be offered anything
+
+
+def test_an_entry_named_like_a_step_that_cannot_be_listed_is_skipped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # One stray entry (a symlink loop here; no permission or EIO alike) must not make
+    # every load, fallback and save of the root fail.
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(make_state(step), step=step)
+    loop = tmp_path / "step_000000003"
+    loop.symlink_to(loop)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.commit"):
+        assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2]
+    assert f"skipping {loop}: it cannot be listed (Too many levels of symbolic links)" \
+        in caplog.text
+    assert asyncckpt.load(tmp_path)["train"]["step"] == 2
+    assert asyncckpt.load(tmp_path, fallback=True)["train"]["step"] == 2
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ckpt:
+        ckpt.save(make_state(4), step=4)
+    assert ckpt.steps() == [2, 4] and loop.is_symlink()  # retention works, leaves it be
+
+
+def test_only_the_canonical_name_of_a_step_directory_counts(tmp_path: Path) -> None:
+    # step_0000000003 (10 digits) is no step 3: counted as one, it resolved to
+    # step_000000003, which does not exist, and a load (fallback too) found nothing.
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(make_state(step), step=step)
+    for odd in ("step_0000000003", "step_00000000\u0664"):  # and no Arabic-Indic digit
+        shutil.copytree(tmp_path / "step_000000002", tmp_path / odd)
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2]
+    assert asyncckpt.load(tmp_path)["train"]["step"] == 2
+    assert asyncckpt.load(tmp_path, fallback=True)["train"]["step"] == 2
+    # passed itself, it loads like any copy of a step directory under another name
+    assert asyncckpt.load(tmp_path / "step_0000000003")["train"]["step"] == 2

@@ -272,3 +272,18 @@ def test_python_dash_m(root: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "asyncckpt", "ls", str(root / "nope")],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_inspect_prints_keys_and_values_no_encoding_can_hold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A lone surrogate is a valid str (and JSON) that save keeps and load returns; no
+    # stdout encoding takes it, so it is printed as a backslash escape.
+    asyncckpt.save({"w\ud800": torch.ones(2), "note": "x\udcff"}, tmp_path, step=1)
+    errors = sys.stdout.errors
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 0 and err == "", err
+    assert "w\\ud800" in out and "note=x\\udcff" in out
+    assert sys.stdout.errors == errors  # set back as it was
+    code, out, _ = run(capsys, "inspect", "--json", str(tmp_path))
+    assert code == 0 and json.loads(out)["tensors"][0]["path"] == "w\ud800"
+    assert run(capsys, "verify", str(tmp_path))[0] == 0

@@ -331,6 +331,26 @@ def test_export_usage_errors(single: tuple[Path, dict[str, Any]], tmp_path: Path
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+def test_export_refuses_a_name_that_is_not_utf8_before_writing(tmp_path: Path) -> None:
+    # save keeps a key holding a lone surrogate (a str and JSON allow it) and load gives
+    # it back, but no safetensors name can hold it: refused before anything is written.
+    root = tmp_path / "s"
+    asyncckpt.save({"w\ud800": torch.ones(2), "ok": torch.zeros(3)}, root, step=1)
+    assert torch.equal(asyncckpt.load(root)["w\ud800"], torch.ones(2))
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    out = outdir / "m.safetensors"
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"would be named 'w\\ud800' in the output, which is not valid UTF-8"):
+        export_safetensors(root, out)
+    assert list(outdir.iterdir()) == []
+    code, _, err = export(str(root), str(out))
+    assert code == 2 and "lone surrogate" in err and list(outdir.iterdir()) == []
+    code, _, err = export(str(root), str(out), "--prefix", "ok")  # the others export
+    assert code == 0, err
+    assert list(load_file(out)) == ["ok"]
+
+
 # --- odd content ---------------------------------------------------------------------------
 
 def _all_dtypes() -> list[torch.dtype]:

@@ -24,6 +24,7 @@ from asyncckpt.manifest import (
     _STORABLE_DTYPES,
     ALIGN,
     FORMAT_VERSION,
+    MAX_HEADER_BYTES,
     BlockHasher,
     Chunk,
     FileEntry,
@@ -348,6 +349,17 @@ CORRUPTIONS = {
     "no-checksums-for-empty": _set(["tensors", "empty", "chunks", 0, "checksums"], []),
     "checksum-wrong-length": _w_chunk("checksums", ["abc"]),
     "checksum-not-str": _w_chunk("checksums", [12345]),
+    "checksum-not-hex": _w_chunk("checksums", ["g" * 16]),
+    "checksum-upper-case": _w_chunk("checksums", ["ABCDEF0123456789"]),
+    "checksum-of-whole-tensor-not-hex": _set(["tensors", "step_arr", "chunks", 0, "checksums"],
+                                             ["-" * 16]),
+    "header-checksum-not-hex": _set(["files", FILE, "header_checksum"], "z" * 16),
+    "byte-ranges-overlap": _set(["tensors", "step_arr", "chunks", 0, "byte_range"],
+                                [4104, 4112]),  # inside model/w's first chunk
+    "byte-ranges-identical": _set(["tensors", "model/w", "chunks", 1, "byte_range"],
+                                  [4096, 4120]),  # the first chunk's bytes again
+    "byte-range-in-header": _set(["files", FILE, "header_bytes"], 4104),
+    "header-bytes-past-max": lambda d: d["files"][FILE].update(bytes=2**40, header_bytes=2**40),
     "unknown-dtype": _set(["tensors", "model/w", "dtype"], "float128"),
     "dtype-alias": _set(["tensors", "model/w", "dtype"], "float"),
     "dtype-not-a-dtype": _set(["tensors", "model/w", "dtype"], "tensor"),
@@ -412,6 +424,45 @@ def test_parse_manifest_rejects_bad_documents(raw):
         with pytest.raises(CheckpointCorruptError) as info:
             parse_manifest(doc, PATH)
         assert PATH in str(info.value)
+
+
+def test_header_bytes_are_bounded_by_the_largest_header():
+    # A sparse file (or a peer's claim) can make a file as large as the manifest says:
+    # header_bytes is allocated and hashed by every reader, so it is bounded on its own.
+    doc = good_doc()
+    doc["files"][FILE].update(bytes=2**40, header_bytes=8 + MAX_HEADER_BYTES + 1)
+    with pytest.raises(CheckpointCorruptError, match="exceed the largest safetensors header"):
+        parse_doc(doc)
+    doc = good_doc()
+    doc["files"][FILE]["header_bytes"] = 4096  # up to where the first tensor starts: fine
+    assert parse_doc(doc).files[FILE].header_bytes == 4096
+
+
+def test_overlapping_byte_ranges_name_both_tensors():
+    doc = good_doc()
+    doc["tensors"]["step_arr"]["chunks"][0]["byte_range"] = [4104, 4112]
+    with pytest.raises(CheckpointCorruptError, match="overlaps the bytes of tensor 'model/w'") \
+            as info:
+        parse_doc(doc)
+    assert info.value.key == "step_arr" and "4104, 4112" in str(info.value)
+
+
+def test_many_tensors_sharing_one_byte_range_are_refused():
+    # What made a 1 MiB file allocate and fill a GiB: every entry points at one range.
+    doc = good_doc()
+    for i in range(100):
+        doc["tensors"][f"copy{i}"] = copy.deepcopy(doc["tensors"]["big"])
+        doc["skeleton"]["items"].append([f"copy{i}", {"t": "tensor", "key": f"copy{i}"}])
+    with pytest.raises(CheckpointCorruptError, match="overlaps"):
+        parse_doc(doc)
+
+
+def test_empty_chunks_may_lie_anywhere():
+    # Zero-length ranges hold no bytes: inside the header or another tensor's is fine.
+    for where in ([0, 0], [8, 8], [4100, 4100]):
+        doc = good_doc()
+        doc["tensors"]["empty"]["chunks"][0]["byte_range"] = where
+        assert parse_doc(doc).tensors["empty"].chunks[0].byte_range == tuple(where)
 
 
 def test_deep_but_valid_skeleton_within_limits_is_accepted():

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
 from asyncckpt.errors import CheckpointCorruptError
+from asyncckpt.loader import load_from, load_newest_intact
+from asyncckpt.manifest import seal
 from asyncckpt.plan import box_byte_span, plan_reads, row_major_strides
-from asyncckpt.reader import _read_item, read_manifest
+from asyncckpt.reader import _read_item, read_manifest, verify_checkpoint
 from asyncckpt.storage import LocalStorage
 
 
@@ -98,11 +109,7 @@ def test_box_byte_span_matches_the_row_major_layout() -> None:
 def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Path) -> None:
     # A peer's partial view covers only its own boxes, so the tensor's shape is not bounded
     # by the file: the coverage check must refuse it before anything is allocated.
-    import json
-    import re
-
     from asyncckpt.errors import CheckpointNotFoundError
-    from asyncckpt.manifest import seal
 
     asyncckpt.save({"x": torch.arange(1024, dtype=torch.float32)}, tmp_path)
     path = tmp_path / "step_000000000" / "manifest.json"
@@ -112,7 +119,13 @@ def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Pat
     doc["tensors"]["x"]["shape"] = [2**40]  # 4 TB of float32 if it were allocated
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
     with pytest.raises(CheckpointNotFoundError, match="wanted elements"):
-        asyncckpt.load(tmp_path)
+        load_from(tmp_path / "step_000000000", None, PeerViewStorage())
+
+
+class PeerViewStorage(LocalStorage):
+    """Files read as a peer's view, which may be partial."""
+
+    peer_view = True
 
 
 class VectoredStorage(LocalStorage):
@@ -268,3 +281,225 @@ def test_a_bad_threads_argument_is_refused_before_reading(tmp_path: Path, bad: o
     asyncckpt.save({"x": torch.ones(3)}, tmp_path / "ck")
     with pytest.raises(asyncckpt.CheckpointConfigError, match="threads="):
         asyncckpt.load(tmp_path / "ck", threads=bad)  # type: ignore[arg-type]
+
+
+# --- damaged or forged checkpoints: refused as corrupt, and fallback passes them ------------
+
+SHARD = "rank_00000.safetensors"
+HUGE = 2 ** 59  # more than any address space holds: no allocator can give it
+
+
+def _reseal(step_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite ``step_dir``'s manifest with ``edit`` and seal it again, as a forger would."""
+    path = step_dir / "manifest.json"
+    raw = path.read_bytes()
+    doc = json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}")  # type: ignore[union-attr]
+    edit(doc)
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+
+
+def _two_steps(root: Path) -> None:
+    asyncckpt.save({"x": torch.arange(8, dtype=torch.float32)}, root, step=1)
+    asyncckpt.save({"x": torch.arange(8, dtype=torch.float32) + 1}, root, step=2)
+
+
+def _claim_huge_tensor(step_dir: Path) -> int:
+    """Add a tensor of HUGE bytes past the end of the shard (as its size); returns the
+    size the shard really has."""
+    size = (step_dir / SHARD).stat().st_size
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["checksum"]["block_bytes"] = HUGE  # one checksum for the whole claimed tensor
+        doc["files"][SHARD]["bytes"] = size + HUGE
+        doc["tensors"]["big"] = {"dtype": "uint8", "shape": [HUGE], "kind": "torch", "chunks": [
+            {"file": SHARD, "key": "big", "offsets": [0], "lengths": [HUGE],
+             "byte_range": [size, size + HUGE], "checksums": ["0" * 16]}]}
+        doc["skeleton"]["items"].append(["big", {"t": "tensor", "key": "big"}])
+
+    _reseal(step_dir, edit)
+    return size
+
+
+class SparseStorage(LocalStorage):
+    """Gives one file the size ``claimed``, as a sparse file of that size would have."""
+
+    def __init__(self, path: Path, claimed: int) -> None:
+        self.path, self.claimed = path, claimed
+        self.fds: set[int] = set()
+
+    def open_read(self, path: Path) -> int:
+        fd = super().open_read(path)
+        (self.fds.add if path == self.path else self.fds.discard)(fd)
+        return fd
+
+    def file_size(self, fd: int) -> int:
+        return self.claimed if fd in self.fds else super().file_size(fd)
+
+
+def test_a_size_no_memory_can_hold_is_a_corrupt_error_naming_the_tensor(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    size = _claim_huge_tensor(step_dir)
+    storage = SparseStorage(step_dir / SHARD, size + HUGE)
+    with pytest.raises(CheckpointCorruptError, match=f"tensor 'big' claims {HUGE} bytes, which "
+                       "cannot be allocated: the checkpoint is likely damaged") as info:
+        load_from(step_dir, None, storage)
+    assert info.value.key == "big" and info.value.path == str(step_dir / SHARD)
+    got = load_newest_intact(tmp_path, None, storage)
+    assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
+
+
+def test_verify_reads_no_tensor_of_a_file_of_another_size(tmp_path: Path) -> None:
+    # The file's size is checked first: the tensors of a file that failed it are not
+    # allocated at their claimed sizes (which no file backs).
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    size = _claim_huge_tensor(step_dir)
+    report = verify_checkpoint(step_dir, LocalStorage())
+    assert not report.ok and report.tensors == 0
+    assert any(f"is {size} bytes but the manifest says {size + HUGE}" in p
+               for p in report.problems), report.problems
+    assert f"{step_dir / SHARD}: its 2 tensors were not read, as the file is damaged " \
+           "(see above)" in report.problems
+    assert not any("cannot be allocated" in p for p in report.problems), report.problems
+
+
+def test_a_manifest_marked_partial_on_disk_is_corrupt(tmp_path: Path) -> None:
+    # Only a peer's view may be partial: on disk it would make a load say the source
+    # "does not have the box" (not found), and fallback would stop there.
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    body = (step_dir / SHARD).read_bytes()
+
+    def edit(doc: dict[str, Any]) -> None:  # keep only the first half of x
+        doc["partial"] = True
+        ch = doc["tensors"]["x"]["chunks"][0]
+        lo = ch["byte_range"][0]
+        ch.update(lengths=[4], byte_range=[lo, lo + 16],
+                  checksums=[xxhash.xxh3_64_hexdigest(body[lo:lo + 16])])
+
+    _reseal(step_dir, edit)
+    with pytest.raises(CheckpointCorruptError, match="the manifest is marked partial"):
+        asyncckpt.load(tmp_path)
+    assert torch.equal(asyncckpt.load(tmp_path, fallback=True)["x"],
+                       torch.arange(8, dtype=torch.float32))
+    assert not verify_checkpoint(step_dir, LocalStorage()).ok
+
+
+def test_a_manifest_of_another_step_is_corrupt(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    step1, step2 = tmp_path / "step_000000001", tmp_path / "step_000000002"
+    shutil.rmtree(step2)
+    shutil.copytree(step1, step2)  # step 2's directory now holds step 1
+    with pytest.raises(CheckpointCorruptError, match="is the manifest of step 1, but its "
+                       "directory is that of step 2") as info:
+        asyncckpt.load(tmp_path)
+    assert info.value.path == str(step2 / "manifest.json")
+    assert torch.equal(asyncckpt.load(tmp_path, fallback=True)["x"],
+                       torch.arange(8, dtype=torch.float32))
+    shutil.copytree(step1, tmp_path / "best")  # a copy under a name of its own is fine
+    assert torch.equal(asyncckpt.load(tmp_path / "best")["x"],
+                       torch.arange(8, dtype=torch.float32))
+
+
+class EIOStorage(LocalStorage):
+    """Fails one kind of read of the files under ``bad`` with EIO, as a failing disk does."""
+
+    def __init__(self, bad: Path, what: str) -> None:
+        self.bad, self.what = bad, what
+        self.fds: set[int] = set()
+
+    def _eio(self) -> OSError:
+        return OSError(errno.EIO, "Input/output error")
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        if self.what == "manifest" and path.parent == self.bad:
+            raise self._eio()
+        return super().read_bytes(path, limit)
+
+    def open_read(self, path: Path) -> int:
+        fd = super().open_read(path)
+        (self.fds.add if path.parent == self.bad else self.fds.discard)(fd)
+        return fd
+
+    def file_size(self, fd: int) -> int:
+        if self.what == "size" and fd in self.fds:
+            raise self._eio()
+        return super().file_size(fd)
+
+    def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if self.what == "header" and fd in self.fds and offset == 0:
+            raise self._eio()
+        return super().pread_into(fd, views, offset)
+
+
+@pytest.mark.parametrize("what", ["manifest", "size", "header"])
+def test_a_read_error_is_a_corrupt_error_naming_the_file(tmp_path: Path, what: str) -> None:
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    storage = EIOStorage(step_dir, what)
+    name = "manifest.json" if what == "manifest" else SHARD
+    with pytest.raises(CheckpointCorruptError, match="Input/output error") as info:
+        load_from(step_dir, None, storage)
+    assert info.value.path == str(step_dir / name)
+    got = load_newest_intact(tmp_path, None, storage)
+    assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
+    if what != "manifest":
+        assert any("Input/output error" in p for p in verify_checkpoint(step_dir, storage).problems)
+
+
+@pytest.mark.parametrize("how", ["directory", "symlink_loop", "fifo"])
+def test_a_manifest_that_is_no_readable_file_is_corrupt(tmp_path: Path, how: str) -> None:
+    _two_steps(tmp_path)
+    manifest = tmp_path / "step_000000002" / "manifest.json"
+    manifest.unlink()
+    if how == "directory":
+        manifest.mkdir()
+    elif how == "symlink_loop":
+        manifest.symlink_to(manifest)
+    else:
+        os.mkfifo(manifest)
+    with pytest.raises(CheckpointCorruptError) as info:
+        unblocked(manifest, lambda: asyncckpt.load(tmp_path))
+    assert info.value.path == str(manifest)
+    got = unblocked(manifest, lambda: asyncckpt.load(tmp_path, fallback=True))
+    assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
+
+
+def unblocked(fifo: Path, fn: Callable[[], Any], seconds: float = 10.0) -> Any:
+    """``fn()``; fails the test if it is still blocked after ``seconds`` (first opening
+    ``fifo`` for writing, which lets a reader blocked in its open go on)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(seconds)
+        pytest.fail(f"blocked for {seconds}s on the FIFO {fifo}")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fifo_for_a_shard_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    shard = step_dir / SHARD
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(CheckpointCorruptError, match="is not a regular file") as info:
+        unblocked(shard, lambda: asyncckpt.load(tmp_path))
+    assert info.value.path == str(shard)
+    got = unblocked(shard, lambda: asyncckpt.load(tmp_path, fallback=True))
+    assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
+    report = unblocked(shard, lambda: verify_checkpoint(step_dir, LocalStorage()))
+    assert any(f"{shard} is not a regular file" in p for p in report.problems), report.problems

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
+from asyncckpt.errors import CheckpointCorruptError
 from asyncckpt.storage import LocalStorage
 
 
@@ -76,3 +79,50 @@ def test_a_forked_child_neither_keeps_nor_releases_the_parents_lock(tmp_path: Pa
     assert not DirectoryLock(tmp_path).acquire(), "the parent's lock was released by its child"
     lock.release()
     assert DirectoryLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("how", ["open_read", "read_bytes"])
+def test_a_fifo_or_directory_is_refused_without_blocking(tmp_path: Path, how: str) -> None:
+    # A plain open of a FIFO blocks until a writer comes: a load, a fallback and a
+    # verify of a step directory holding one would hang for ever.
+    fifo = tmp_path / "rank_00000.safetensors"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    storage = LocalStorage()
+    for path in (fifo, tmp_path / "dir"):
+        out: dict[str, BaseException] = {}
+
+        def run(path: Path = path, out: dict[str, BaseException] = out) -> None:
+            try:
+                if how == "open_read":
+                    os.close(storage.open_read(path))
+                else:
+                    storage.read_bytes(path, 1 << 20)
+            except BaseException as exc:
+                out["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(10)
+        if t.is_alive():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # let the blocked open go on
+            t.join(10)
+            pytest.fail(f"{how} of {path.name} blocked")
+        err = out.get("error")
+        assert isinstance(err, CheckpointCorruptError), err
+        assert str(err).startswith(f"{path} is not a regular file") and err.path == str(path)
+
+
+def test_regular_files_are_read_with_blocking_descriptors(tmp_path: Path) -> None:
+    f = tmp_path / "manifest.json"
+    f.write_bytes(b"0123456789")
+    storage = LocalStorage()
+    fd = storage.open_read(f)
+    try:
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+        assert storage.file_size(fd) == 10
+    finally:
+        storage.close(fd)
+    assert storage.read_bytes(f, 10) == b"0123456789"
+    (tmp_path / "link").symlink_to(f)  # a symlink to a regular file is one
+    assert storage.read_bytes(tmp_path / "link", 10) == b"0123456789"

@@ -622,3 +622,73 @@ def test_unescape_path_undoes_escape_key_on_every_part():
     assert "%00" in path and "%2525" not in path
     assert unescape_path(path) == "/".join(str(k) for k in keys)
     assert unescape_path("plain/path") == "plain/path"
+
+
+def _python_version_99(s):
+    s["python"] = (99, *s["python"][1:])
+
+
+def _numpy_name(s):
+    s["numpy"] = ("XYZ", *s["numpy"][1:])
+
+
+BAD_RNG = {  # case -> (the part named, the change to this rank's saved state)
+    "python_version": ("ranks/0/python", _python_version_99),
+    "python_short": ("ranks/0/python",
+                     lambda s: s.__setitem__("python", (3, torch.zeros(5, dtype=torch.int64)))),
+    "numpy_name": ("ranks/0/numpy", _numpy_name),
+    "torch_size": ("ranks/0/torch",
+                   lambda s: s.__setitem__("torch", torch.zeros(3, dtype=torch.uint8))),
+    "torch_missing": ("ranks/0/torch", lambda s: s.pop("torch")),
+    "rank_not_a_dict": ("ranks/0", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RNG))
+def test_a_malformed_rng_state_is_corrupt_and_changes_no_generator(case):
+    # Python's generator used to be set before numpy's refused its state: a partly
+    # restored set of generators, and a raw ValueError.
+    what, change = BAD_RNG[case]
+    rank0 = dict(RNGState().state_dict()["ranks"][0])
+    if change is not None:
+        change(rank0)
+    bad = {"ranks": {0: rank0 if change is not None else 1}}
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    with pytest.raises(asyncckpt.CheckpointCorruptError,
+                       match=f"the saved generator state {what} is malformed .*no generator "
+                       "was changed"):
+        RNGState().load_state_dict(bad)
+    drawn = _draw()
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    assert _draw() == drawn
+
+
+def test_a_rewritten_rng_state_in_a_checkpoint_is_corrupt_naming_its_path(tmp_path):
+    import re
+
+    from asyncckpt.manifest import seal
+
+    asyncckpt.save({"rng": RNGState()}, tmp_path, step=1)
+    asyncckpt.save({"rng": RNGState()}, tmp_path, step=2)
+    path = tmp_path / "step_000000002" / "manifest.json"
+    raw = path.read_bytes()
+    doc = json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}")
+
+    def bump(node):  # Python's generator state version, the one int 3 of the state
+        if isinstance(node, dict):
+            if node.get("t") == "int" and node.get("v") == 3:
+                node["v"] = 99
+                return True
+            return any(bump(v) for v in node.values())
+        return isinstance(node, list) and any(bump(v) for v in node)
+
+    assert bump(doc["skeleton"])
+    path.write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(asyncckpt.CheckpointCorruptError,
+                       match=r"^rng \(RNGState\): the saved generator state ranks/0/python"):
+        asyncckpt.load(tmp_path, {"rng": RNGState()})
+    asyncckpt.load(tmp_path, {"rng": RNGState()}, fallback=True)  # step 1 is intact

@@ -102,7 +102,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                               verify=verify, threads=fetch_connections(threads or 8))
         except CheckpointError as exc:
-            raise partial_data(exc, state) from exc.__cause__
+            raise partial_data(exc, state, peer) from exc.__cause__
         finally:
             peer.close_all()
     storage = _LocalStorage()

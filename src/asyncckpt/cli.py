@@ -17,18 +17,19 @@ Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from . import commit
-from .commit import _STEP_DIR
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import read_manifest, verify_checkpoint
@@ -119,8 +120,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         try:
             m = read_manifest(d, storage)
         except CheckpointError as exc:
-            named = _STEP_DIR.match(d.name)  # a copied step dir may have any name
-            entries.append({"step": int(named.group(1)) if named else None, "path": str(d),
+            # a copied step dir may have any name
+            entries.append({"step": commit.step_of_dir_name(d.name), "path": str(d),
                             "error": str(exc)})
             continue
         entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
@@ -437,8 +438,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SURROGATEESCAPE = codecs.lookup_error("surrogateescape")
+
+
+def _escape_or_backslash(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """surrogateescape where it applies (the bytes of a path), else backslashreplace."""
+    try:
+        return _SURROGATEESCAPE(exc)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(exc)
+
+
+codecs.register_error("asyncckpt.print", _escape_or_backslash)
+
+
+@contextlib.contextmanager
+def _printable_output() -> Iterator[None]:
+    """Print what cannot be encoded as backslash escapes rather than fail.
+
+    A saved key or string may hold a lone surrogate (valid in a Python str and in JSON,
+    and save keeps it), which no encoding of stdout takes. The streams are set back as
+    they were afterwards.
+    """
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and errors in ("strict", "surrogateescape"):
+            lenient = "backslashreplace" if errors == "strict" else "asyncckpt.print"
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors=lenient)
+                changed.append((reconfigure, errors))
+    try:
+        yield
+    finally:
+        for reconfigure, errors in changed:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors=errors)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
+    with _printable_output():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed

@@ -20,18 +20,36 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import CheckpointConfigError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+)
 from .manifest import MANIFEST_NAME
 from .storage import ReadStorage, Storage
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{9,})$")
-_TMP_DIR = re.compile(r"^\.step_\d+\.(tmp|deleting)-[0-9a-f]+$")
+_STEP_DIR = re.compile(r"^step_([0-9]{9,})$")
+_TMP_DIR = re.compile(r"^\.step_[0-9]+\.(tmp|deleting)-[0-9a-f]+$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step whose directory ``name`` is, or None for any other name.
+
+    Only the name a commit gives counts: ``step_0000000003`` is not step 3's directory
+    (``step_000000003`` is), and reading it as step 3 would resolve to another directory.
+    """
+    m = _STEP_DIR.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if name == step_dir_name(step) else None
 
 
 def new_token() -> str:
@@ -47,14 +65,21 @@ def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
     """Committed steps under ``root``, oldest first (a step counts once its manifest is there)."""
     steps = []
     for name in storage.listdir(root):
-        m = _STEP_DIR.match(name)
-        if not m:
+        step = step_of_dir_name(name)
+        if step is None:
             continue
         try:
             if MANIFEST_NAME in storage.listdir(root / name):
-                steps.append(int(m.group(1)))
+                steps.append(step)
         except NotADirectoryError:  # a stray file named like a step is no checkpoint
             continue
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            # A symlink loop, no permission, EIO: one entry that cannot be listed must not
+            # make every load (and save) of the root fail; the others are still there.
+            log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
+                        "step", root / name, exc.strerror or exc)
     return sorted(steps)
 
 
@@ -87,10 +112,10 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
                                     "latest)")
     if MANIFEST_NAME in storage.listdir(root):
-        m = _STEP_DIR.match(root.name)
-        if step is not None and m is not None and int(m.group(1)) != step:
+        named = step_of_dir_name(root.name)
+        if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(
-                f"{root} is the checkpoint of step {int(m.group(1))}, not of step {step}; pass "
+                f"{root} is the checkpoint of step {named}, not of step {step}; pass "
                 "its parent directory to choose among steps")
         return root, None
     if not root.is_dir():

@@ -284,6 +284,13 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
         if name in names:
             raise CheckpointConfigError(
                 f"tensors {names[name]!r} and {key!r} would both be named {name!r}")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: a str and JSON allow it, UTF-8 not
+            raise CheckpointConfigError(
+                f"tensor {path!r} would be named {name!r} in the output, which is not valid "
+                "UTF-8 (it holds a lone surrogate) and so no safetensors name; export the "
+                "other tensors with a prefix that leaves it out, or rename its key") from None
         written[key] = name
         names[name] = key
         n = 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import math
 import re
@@ -41,6 +42,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _DIGEST_TAIL = re.compile(rb',"digest":"([0-9a-f]{16})"\}\n?\Z')
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _MAX_DIM = 1 << 62
 _MAX_UNIX = 253402300799  # 9999-12-31T23:59:59Z, the last second a datetime can show
 
@@ -357,8 +359,11 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         header_bytes = c.int_(f.get("header_bytes"), "file header_bytes", lo=8)
         if header_bytes > size:
             raise c.fail(f"file {name}: header_bytes {header_bytes} exceed its size {size}")
+        if header_bytes > 8 + MAX_HEADER_BYTES:  # a reader allocates and hashes that many
+            raise c.fail(f"file {name}: header_bytes {header_bytes} exceed the largest "
+                         f"safetensors header ({8 + MAX_HEADER_BYTES} bytes)")
         hsum = f.get("header_checksum")
-        if not (isinstance(hsum, str) and len(hsum) == 16):
+        if not (isinstance(hsum, str) and _HEX16.fullmatch(hsum)):
             raise c.fail(f"file {name}: header_checksum must be 16 hex digits")
         files[name] = FileEntry(name, size, c.int_(f.get("rank"), "file rank"), header_bytes,
                                 hsum)
@@ -369,6 +374,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     for key, t in c.obj(doc.get("tensors"), "tensors").items():
         tensors[key] = _parse_tensor(c, key, c.obj(t, "tensor", key), files, block_bytes,
                                      partial)
+    _check_layout(c, files, tensors)
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
     _check_skeleton(c, skeleton, tensors)
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
@@ -436,7 +442,7 @@ def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_by
     if (any(d >= _MAX_DIM for d in shape) or nbytes >= _MAX_DIM or br[0] > br[1]
             or br[1] > entry.bytes or br[1] - br[0] != nbytes
             or len(sums) != max(1, -(-nbytes // block_bytes))
-            or not all(type(s) is str and len(s) == 16 for s in sums)):
+            or not all(type(s) is str and _HEX16.fullmatch(s) for s in sums)):
         return None
     dims = tuple(shape)
     return TensorEntry(dtype, dims, t["kind"], (Chunk(file, ckey, tuple(offsets), dims,
@@ -495,7 +501,7 @@ def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[st
         sums = ch.get("checksums")
         n_blocks = max(1, -(-(br[1] - br[0]) // block_bytes))
         if not isinstance(sums, list) or len(sums) != n_blocks or not all(
-                isinstance(s, str) and len(s) == 16 for s in sums):
+                isinstance(s, str) and _HEX16.fullmatch(s) for s in sums):
             raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
         chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
                             (br[0], br[1]), tuple(sums)))
@@ -507,6 +513,34 @@ def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[st
     if problem is not None:
         raise c.fail(f"its chunks do not tile shape {list(shape)}: {problem}", key)
     return TensorEntry(dtype, shape, kind, tuple(chunks))
+
+
+def _check_layout(c: _Check, files: dict[str, FileEntry], tensors: dict[str, TensorEntry]
+                  ) -> None:
+    """In each file, the tensor bytes lie past the header and no two chunks share a byte.
+
+    A writer stores every tensor once (tied ones too) and back to back after the header,
+    so shared bytes are forged: unchecked, a small file could stand in for any number of
+    large tensors, each allocated and filled from the same bytes. Empty chunks hold no
+    bytes and may lie anywhere in the file.
+    """
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for key, t in tensors.items():
+        for ch in t.chunks:
+            lo, hi = ch.byte_range
+            if hi > lo:
+                ranges.setdefault(ch.file, []).append((lo, hi, key))
+    for name, spans in ranges.items():
+        spans.sort()
+        body = files[name].header_bytes
+        lo, hi, key = spans[0]
+        if lo < body:
+            raise c.fail(f"byte_range [{lo}, {hi}] of {name} starts inside its header (the "
+                         f"tensor bytes start at byte {body})", key)
+        for (_, end, prev), (lo, hi, key) in itertools.pairwise(spans):
+            if lo < end:
+                raise c.fail(f"byte_range [{lo}, {hi}] of {name} overlaps the bytes of tensor "
+                             f"{prev!r} (which end at byte {end})", key)
 
 
 def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth: int = 0) -> None:

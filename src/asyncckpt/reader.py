@@ -10,6 +10,7 @@ Nothing here unpickles or executes anything from the file.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import json
 import logging
@@ -17,7 +18,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 import xxhash
 
 from ._gc import gc_paused
+from .commit import step_of_dir_name
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import (
     MANIFEST_NAME,
@@ -51,7 +53,12 @@ _MAX_GAP = 1 << 20  # padding read into scratch rather than starting a new read
 
 
 def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
-    """Read and validate ``step_dir/manifest.json``."""
+    """Read and validate ``step_dir/manifest.json``.
+
+    A manifest marked partial (the view of some boxes that a peer serves) is refused
+    unless ``storage`` serves such views (``peer_view``): a committed checkpoint is
+    whole. A step directory's manifest must be of the step its name says.
+    """
     path = step_dir / MANIFEST_NAME
     try:
         raw = storage.read_bytes(path, MAX_MANIFEST_BYTES)
@@ -62,8 +69,24 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
                                       "checkpoint") from None
     except ValueError as exc:
         raise CheckpointCorruptError(str(exc), path=str(path)) from exc
+    except OSError as exc:  # a directory, a symlink loop, no permission, EIO
+        raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
+                                     "checkpoint is damaged or unreadable",
+                                     path=str(path)) from exc
     with gc_paused():
-        return parse_manifest(raw, str(path))
+        manifest = parse_manifest(raw, str(path))
+    if manifest.partial and not getattr(storage, "peer_view", False):
+        raise CheckpointCorruptError(
+            f"{path}: the manifest is marked partial (as a peer's view of some boxes is, and "
+            "a committed checkpoint never): it is corrupt; load an earlier step",
+            path=str(path))
+    named = step_of_dir_name(step_dir.name)
+    if named is not None and named != manifest.step:
+        raise CheckpointCorruptError(
+            f"{path} is the manifest of step {manifest.step}, but its directory is that of "
+            f"step {named}: it was copied from another step or rewritten; load an earlier "
+            "step", path=str(path))
+    return manifest
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -114,7 +137,10 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
     for key, dst in dests.items():
         if dst is None:
-            dst = fresh_tensor(shapes[key], manifest.tensors[key].dtype, advise=advise > 0)
+            entry = manifest.tensors[key]
+            where = step_dir / entry.chunks[0].file if entry.chunks else step_dir
+            with _allocating(where, key, math.prod(shapes[key]) * entry.dtype.itemsize):
+                dst = fresh_tensor(shapes[key], entry.dtype, advise=advise > 0)
             advise -= dst.numel() * dst.element_size() >= _HUGE_MIN_BYTES
         out[key] = dst
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
@@ -155,6 +181,19 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise() if sys.platform.startswith("linux") else None
+
+
+@contextlib.contextmanager
+def _allocating(where: Path, key: str, nbytes: int) -> Iterator[None]:
+    """A failed allocation of a size the manifest claims, as CheckpointCorruptError:
+    sizes are checked against the files, but a sparse file or a peer can claim any."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointCorruptError(
+            f"{where}: tensor {key!r} claims {nbytes} bytes, which cannot be allocated: the "
+            "checkpoint is likely damaged (load an earlier step), or too large for this "
+            "machine's memory", path=str(where), key=key) from exc
 
 
 def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = True
@@ -318,22 +357,29 @@ def _open(path: Path, storage: ReadStorage) -> int:
 def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
     """The file exists, has the manifest's size, and its header has the manifest's checksum."""
     path = step_dir / name
+    entry = manifest.files[name]
     fd = _open(path, storage)
     try:
-        size = storage.file_size(fd)
-        entry = manifest.files[name]
-        if size != entry.bytes:
-            raise CheckpointCorruptError(
-                f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
-                "truncated or replaced", path=str(path))
-        header = bytearray(entry.header_bytes)
-        if (storage.pread_into(fd, [memoryview(header)], 0) != len(header)
-                or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum):
-            raise CheckpointCorruptError(
-                f"{path}: its safetensors header does not match the manifest's checksum: the "
-                "file is corrupt or belongs to another checkpoint", path=str(path))
+        try:
+            size = storage.file_size(fd)
+            if size != entry.bytes:
+                raise CheckpointCorruptError(
+                    f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
+                    "truncated or replaced", path=str(path))
+            header = bytearray(entry.header_bytes)  # parse_manifest bounds it
+            got = storage.pread_into(fd, [memoryview(header)], 0)
+        except CheckpointError:
+            raise
+        except OSError as exc:  # EIO from a failing disk
+            raise CheckpointCorruptError(f"reading {path} failed ({exc.strerror or exc}): the "
+                                         "checkpoint is damaged or unreadable",
+                                         path=str(path)) from exc
     finally:
         storage.close(fd)
+    if got != len(header) or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum:
+        raise CheckpointCorruptError(
+            f"{path}: its safetensors header does not match the manifest's checksum: the "
+            "file is corrupt or belongs to another checkpoint", path=str(path))
 
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
@@ -352,7 +398,8 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     first_block = lo // block_bytes
     b0 = first_block * block_bytes
     b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
-    buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=dst.is_cuda)
+    with _allocating(path, it.key, b1 - b0):
+        buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=dst.is_cuda)
     _read_range(fd, storage, path, it.key, tensor_bytes(buf), chunk, first_block, verify,
                 block_bytes)
     typed = buf if dst.dtype == torch.uint8 else buf.view(dst.dtype)
@@ -420,20 +467,33 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
     except CheckpointCorruptError as exc:
         return VerifyReport(step_dir, -1, problems=[str(exc)])
     report = VerifyReport(step_dir, manifest.step)
+    damaged: set[str] = set()
     for name in manifest.files:  # each file once: size and header checksum, then entries
         try:
             _check_file(step_dir, manifest, name, storage)
         except CheckpointCorruptError as exc:
             report.problems.append(str(exc))
+            damaged.add(name)
         report.problems.extend(_check_header(step_dir / name, manifest, storage))
-    for key in manifest.tensors:  # one at a time, to name every damaged tensor
+    unread: dict[str, int] = {}
+    for key, entry in manifest.tensors.items():  # one at a time, to name every damaged one
+        bad = next((c.file for c in entry.chunks if c.file in damaged), None)
+        if bad is not None:
+            # The manifest's sizes are not those of the file there: never allocate or
+            # read by them (a forged size would allocate without limit).
+            unread[bad] = unread.get(bad, 0) + 1
+            continue
         try:
             _load_checked(step_dir, manifest, {key: None}, storage, verify=True, threads=1,
                           boxes={})
             report.tensors += 1
-            report.bytes += manifest.tensors[key].nbytes
+            report.bytes += entry.nbytes
         except CheckpointCorruptError as exc:
             report.problems.append(str(exc))
+    for name, n in unread.items():
+        report.problems.append(f"{step_dir / name}: its {n} tensor"
+                               f"{'s were' if n != 1 else ' was'} not read, as the file is "
+                               "damaged (see above)")
     return report
 
 

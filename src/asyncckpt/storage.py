@@ -17,12 +17,14 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import sys
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from .errors import CheckpointCorruptError
 from .manifest import align_up
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,9 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 class ReadStorage(Protocol):
     """What loading needs: a manifest and ranged reads. Implementations must be thread-safe.
 
-    Local files implement it, and so does a peer's HTTP server (transport/http.py).
+    Local files implement it, and so does a peer's HTTP server (transport/http.py). A
+    storage that serves a peer's view sets ``peer_view = True``: only its manifests may be
+    partial (hold some boxes of their tensors).
     """
 
     def listdir(self, path: Path) -> list[str]: ...
@@ -163,7 +167,7 @@ class LocalStorage:
             return []
 
     def read_bytes(self, path: Path, limit: int) -> bytes:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=lambda p, _: open_regular(p)) as f:
             size = os.fstat(f.fileno()).st_size
             if size > limit:  # asked before reading: nothing is allocated for a forged file
                 raise ValueError(f"{path} is {size} bytes, larger than {limit}")
@@ -173,7 +177,7 @@ class LocalStorage:
         return data
 
     def open_read(self, path: Path) -> int:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(path)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -183,6 +187,26 @@ class LocalStorage:
 
     def pread_into(self, fd: int, views: Sequence[memoryview], offset: int) -> int:
         return os.preadv(fd, views, offset)
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open ``path`` for reading; CheckpointCorruptError unless it is a regular file.
+
+    A plain open of a FIFO blocks until something writes to it (forever, in a step
+    directory), and a device or a directory is no checkpoint file either: open without
+    blocking, check, then make reads block again.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointCorruptError(f"{os.fsdecode(path)} is not a regular file (a FIFO, "
+                                         "device or directory): the checkpoint is damaged; "
+                                         "load an earlier step", path=os.fsdecode(path))
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import UnsupportedLeafError
+from .errors import CheckpointCorruptError, UnsupportedLeafError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _is_bits(name: str) -> bool:
     # int1..int7 and uint1..uint7 are sub-byte placeholder dtypes
     for p in ("int", "uint"):
         rest = name[len(p):] if name.startswith(p) else ""
-        if rest.isdigit() and int(rest) < 8:
+        if rest.isascii() and rest.isdigit() and int(rest) < 8:
             return True
     return False
 
@@ -440,7 +440,12 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if path in flat.statefuls:
         obj, sd = flat.statefuls[path]
         inner = node["state"] if node["t"] == "stateful" else node
-        obj.load_state_dict(restore_into(sd, inner, tensors, path, _without(flat, path)))
+        restored = restore_into(sd, inner, tensors, path, _without(flat, path))
+        try:
+            obj.load_state_dict(restored)
+        except CheckpointCorruptError as exc:  # e.g. RNGState's: say whose state it was
+            raise CheckpointCorruptError(f"{path or '<root>'} ({type(obj).__name__}): {exc}",
+                                         path=exc.path, key=exc.key) from exc
         return obj
     t = node["t"]
     if t == "stateful":
@@ -493,7 +498,7 @@ def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
     for p in flat.refs:
         if p.startswith(prefix):
             seg = p[len(prefix):].partition("/")[0]
-            if seg.isdigit() and int(seg) >= start:
+            if seg.isascii() and seg.isdigit() and int(seg) >= start:  # not "²"
                 return True
     return False
 
@@ -565,18 +570,72 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Restore generator states captured by :func:`capture_rng_state` (e.g. loaded back),
-    or this rank's from what an :class:`RNGState` saved."""
-    if "ranks" in state:
+    or this rank's from what an :class:`RNGState` saved.
+
+    Every part is checked before any generator is set: a malformed one raises
+    CheckpointCorruptError naming it, and the generators keep their state.
+    """
+    if isinstance(state, Mapping) and "ranks" in state:
         RNGState().load_state_dict(state)
         return
-    py = state["python"]
-    mt = py[1].tolist() if isinstance(py[1], torch.Tensor) else list(py[1])
-    random.setstate((py[0], tuple(int(x) for x in mt), py[2]))
-    npst = state["numpy"]
-    np.random.set_state((npst[0], np.asarray(npst[1]), *npst[2:]))
-    torch.set_rng_state(torch.as_tensor(state["torch"]).to("cpu", torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu() for s in state["cuda"]])
+    _set_rng_state(_checked_rng_state(state, ""))
+
+
+# What a malformed generator state makes the conversions and setters below raise.
+_RNG_ERRORS = (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError,
+               AttributeError)
+
+
+@dataclass(frozen=True)
+class _RNGParts:
+    python_state: tuple[Any, ...]
+    numpy_state: tuple[Any, ...]
+    cpu_state: torch.Tensor
+    cuda_states: list[torch.Tensor] | None
+
+
+def _checked_rng_state(state: Any, where: str) -> _RNGParts:
+    """The generator states of ``state``, each tried on a scratch generator first.
+
+    ``where`` names ``state`` within an RNGState's state dict (e.g. ``ranks/0/``).
+    """
+    part = ""
+    try:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"got {type(state).__name__}, not a dict of generator states")
+        part = "python"
+        py = state["python"]
+        mt = py[1].tolist() if isinstance(py[1], torch.Tensor) else list(py[1])
+        py_state = (py[0], tuple(int(x) for x in mt), py[2])
+        random.Random().setstate(py_state)
+        part = "numpy"
+        npst = state["numpy"]
+        np_state = (npst[0], np.asarray(npst[1]), *npst[2:])
+        np.random.RandomState().set_state(np_state)
+        part = "torch"
+        cpu = torch.as_tensor(state["torch"]).to("cpu", torch.uint8)
+        torch.Generator().set_state(cpu)
+        cuda = None
+        if "cuda" in state and torch.cuda.is_available():
+            part = "cuda"
+            cuda = [torch.as_tensor(s).cpu() for s in state["cuda"]]
+            if any(s.dtype != torch.uint8 or s.dim() != 1 for s in cuda):
+                raise TypeError("each device's state must be a 1-D uint8 tensor")
+    except _RNG_ERRORS as exc:
+        what = f"{where}{part}".rstrip("/")
+        raise CheckpointCorruptError(
+            f"the saved generator state{' ' + what if what else ''} is malformed "
+            f"({type(exc).__name__}: "
+            f"{str(exc)[:200]}): the checkpoint is corrupt; no generator was changed") from exc
+    return _RNGParts(py_state, np_state, cpu, cuda)
+
+
+def _set_rng_state(parts: _RNGParts) -> None:
+    if parts.cuda_states is not None:  # first: a machine with fewer devices may refuse it
+        torch.cuda.set_rng_state_all(parts.cuda_states)
+    random.setstate(parts.python_state)
+    np.random.set_state(parts.numpy_state)
+    torch.set_rng_state(parts.cpu_state)
 
 
 class RNGState:
@@ -609,10 +668,17 @@ class RNGState:
         return {"ranks": {self._rank(): capture_rng_state()}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if "ranks" not in state_dict:  # saved before generators were kept per rank
-            restore_rng_state(state_dict)
+        """Restore this rank's generators; CheckpointCorruptError, with every generator
+        left as it was, when any part of their saved state is malformed."""
+        if not isinstance(state_dict, Mapping) or "ranks" not in state_dict:
+            # saved before generators were kept per rank
+            _set_rng_state(_checked_rng_state(state_dict, ""))
             return
         ranks = state_dict["ranks"]
+        if not isinstance(ranks, Mapping):
+            raise CheckpointCorruptError(
+                f"the saved generator state ranks is a {type(ranks).__name__}, not a dict of "
+                "ranks: the checkpoint is corrupt; no generator was changed")
         rank = self._rank()
         if rank not in ranks and len(ranks) == 1:  # one process's (or a peer's): take it
             rank = next(iter(ranks))
@@ -620,4 +686,4 @@ class RNGState:
             log.warning("RNGState: the checkpoint holds the generators of ranks %s, not of "
                         "rank %d: its generators keep their current state", sorted(ranks), rank)
             return
-        restore_rng_state(ranks[rank])
+        _set_rng_state(_checked_rng_state(ranks[rank], f"ranks/{rank}/"))

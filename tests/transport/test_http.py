@@ -31,7 +31,7 @@ from asyncckpt.errors import (
     CheckpointTimeoutError,
     CheckpointTransportError,
 )
-from asyncckpt.manifest import parse_manifest
+from asyncckpt.manifest import parse_manifest, seal
 from asyncckpt.storage import LocalStorage
 from asyncckpt.transport import HTTPTransport
 from asyncckpt.transport.base import DiskSource, FileSource, Served, send_pieces, serve_state
@@ -998,6 +998,8 @@ class _Hostile:
     ("short_manifest", "sent 10 of the 1000 bytes of the manifest"),
     ("chunked_manifest", "without a Content-Length"),
     ("bad_head_length", "gave files/rank_00000.safetensors the size 'abc'"),
+    # "²".isdigit() is True, and int("²") a ValueError
+    ("superscript_head_length", "gave files/rank_00000.safetensors the size '²'"),
     ("413_manifest", "HTTP 413"),
     ("infinite_step", "for the current step"),
 ])
@@ -1014,13 +1016,14 @@ def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: s
                         b"5\r\nabcde\r\n0\r\n\r\n")
             if case == "413_manifest":
                 return b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig"
-            if case == "bad_head_length":
+            if case in ("bad_head_length", "superscript_head_length"):
                 return _REAL_MANIFEST[0]
         if method == "HEAD":
-            return b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n"
+            size = b"\xb2" if case == "superscript_head_length" else b"abc"  # latin-1 "²"
+            return b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\n" % size
         return b"HTTP/1.1 500 Nope\r\nContent-Length: 0\r\n\r\n"
 
-    if case == "bad_head_length":
+    if case in ("bad_head_length", "superscript_head_length"):
         _REAL_MANIFEST[:] = [_manifest_reply()]
     srv = _Hostile(reply)
     try:
@@ -1067,6 +1070,56 @@ def test_a_failed_in_place_receive_says_the_targets_may_hold_partial_data() -> N
         assert "may hold part" not in str(ei.value)
     finally:
         tr.shutdown()
+
+
+def test_an_in_place_receive_that_fails_before_reading_tensors_says_nothing_of_partial_data(
+        transports: Any) -> None:
+    # The header is checked before any tensor byte is read: the targets are untouched.
+    srv = transports(token=TOKEN)
+    state = state_of(3)
+    srv.serve(wrapped(state, 4, lambda src: FlipOneByte(src, 20)))  # in the header
+    into = state_of(9)
+    with pytest.raises(CheckpointCorruptError, match="safetensors header does not match") as ei:
+        fetch(srv, 4, into=into)
+    assert "may hold part" not in str(ei.value)
+    assert_state(into, state_of(9))
+    with pytest.raises(CheckpointCorruptError) as ei:  # the one-shot load says the same
+        asyncckpt.load(srv.address(), state_of(9), step=4, token=TOKEN, timeout=10)
+    assert "may hold part" not in str(ei.value)
+
+
+class ClaimsSize(FileSource):
+    """Serves ``inner``'s bytes under a claimed ``size`` (zeros past its end)."""
+
+    def __init__(self, inner: FileSource, size: int):
+        self.inner, self.size = inner, size
+
+    def read(self, offset: int, n: int) -> memoryview:
+        have = bytes(self.inner.read(offset, max(0, min(n, self.inner.size - offset))))
+        return memoryview(have + bytes(n - len(have)))
+
+
+def test_a_peer_claiming_a_tensor_no_memory_holds_gives_a_corrupt_error(transports: Any) -> None:
+    # The peer's HEAD gives the file the size its manifest claims: sizes match, and the
+    # claimed tensor reaches the allocation, which must fail as corrupt, not RuntimeError.
+    huge = 2 ** 59  # beyond any address space; its size still has 18 digits
+    served = serve_state(5, {"w": torch.ones(4)}, block_bytes=1 << 22, library_version="t")
+    raw = served.manifest()
+    doc = json.loads(raw[:raw.rindex(b',"digest"')] + b"}")
+    size = doc["files"][FILE]["bytes"]
+    doc["checksum"]["block_bytes"] = huge
+    doc["files"][FILE]["bytes"] = size + huge
+    doc["tensors"]["big"] = {"dtype": "uint8", "shape": [huge], "kind": "torch", "chunks": [
+        {"file": FILE, "key": "big", "offsets": [0], "lengths": [huge],
+         "byte_range": [size, size + huge], "checksums": ["0" * 16]}]}
+    doc["skeleton"]["items"].append(["big", {"t": "tensor", "key": "big"}])
+    forged = seal(json.dumps(doc, separators=(",", ":")).encode())
+    srv = transports(token=TOKEN)
+    srv.serve(Served(5, lambda: forged, {FILE: ClaimsSize(served.files[FILE], size + huge)}))
+    with pytest.raises(CheckpointCorruptError, match=f"tensor 'big' claims {huge} bytes, which "
+                       "cannot be allocated") as ei:
+        asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10)
+    assert ei.value.key == "big"
 
 
 def test_transports_refuse_a_block_size_receivers_would_refuse() -> None:

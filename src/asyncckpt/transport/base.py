@@ -29,7 +29,7 @@ from ..errors import CheckpointTransportError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, plan_writes
 from ..reader import read_manifest, tensor_bytes
-from ..storage import LocalStorage
+from ..storage import LocalStorage, open_regular
 from ..tree import dtype_name, flatten
 
 T = TypeVar("T")
@@ -148,7 +148,9 @@ class DiskSource(FileSource):
     cache to the socket, never through user space)."""
 
     def __init__(self, path: Path):
-        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        # a FIFO would block the open: open_regular refuses anything but a plain file
+        self._file = open(path, "rb", buffering=0,  # noqa: SIM115 - closed by close()
+                          opener=lambda p, _: open_regular(p))
         self.size = os.fstat(self._file.fileno()).st_size
 
     def read(self, offset: int, n: int) -> memoryview:

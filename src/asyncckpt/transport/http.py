@@ -37,16 +37,16 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
-    StateMismatchError,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, check_block_bytes
 from .base import CheckpointTransport, Served, serve_directory, serve_state
 
 log = logging.getLogger(__name__)
 
-_PATH = re.compile(r"/v1/(\d{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
+_PATH = re.compile(r"/v1/([0-9]{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
-_RANGE = re.compile(r"bytes=(\d{1,18})-(\d{1,18})")
+_RANGE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{1,18})")
+_SIZE = re.compile(r"[0-9]{1,18}")
 _MiB = 1024 * 1024
 _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts reading
 _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
@@ -282,16 +282,17 @@ class HTTPTransport(CheckpointTransport[Any]):
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
-            raise partial_data(exc, into) from exc.__cause__
+            raise partial_data(exc, into, storage) from exc.__cause__
         finally:
             storage.close_all()
 
 
-def partial_data(exc: CheckpointError, into: Any) -> CheckpointError:
+def partial_data(exc: CheckpointError, into: Any, storage: HTTPStorage) -> CheckpointError:
     """``exc``, saying that in-place targets may hold part of the peer's state (a receive
-    into ``into`` writes the targets as bytes arrive)."""
-    if into is None or isinstance(exc, (CheckpointConfigError, StateMismatchError)):
-        return exc  # nothing was written: these are raised before any byte is read
+    into ``into`` writes the targets as bytes arrive) once ``storage`` has begun to read
+    tensor bytes."""
+    if into is None or not storage.tensor_bytes_read:
+        return exc  # nothing was written into the targets
     note = ("; the targets were loaded in place and may hold part of the peer's state: "
             "receive again before using them")
     out = type(exc)(str(exc) + note)
@@ -508,6 +509,9 @@ class HTTPStorage:
     the receiver for ever. Call ``close_all()`` when done (it also stops the watchdog).
     """
 
+    peer_view = True
+    """A peer serves the boxes it holds: a manifest marked partial is read as such."""
+
     def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
                  retries: int = 3, deadline_s: float | None = None):
         try:
@@ -533,6 +537,8 @@ class HTTPStorage:
         self._deadline_s = deadline_s
         self._expired = False
         self._closed = threading.Event()
+        self.tensor_bytes_read = False
+        """Set once a read of tensor bytes (into the load's targets) has started."""
         if deadline_s is not None:
             threading.Thread(target=self._watch, args=(deadline_s,), daemon=True,
                              name="asyncckpt-http-deadline").start()
@@ -704,7 +710,7 @@ class HTTPStorage:
             resp = self._request("HEAD", f"files/{name}", {})
             self._read_body(resp, 0, f"the size of files/{name}")
             raw = resp.getheader("Content-Length") or ""
-            if not raw.isdigit() or len(raw) > 18:
+            if not _SIZE.fullmatch(raw):  # ASCII digits: str.isdigit() takes "²" too
                 raise CheckpointTransportError(
                     f"{self._peer} gave files/{name} the size {raw!r:.40}: not an asyncckpt "
                     "server?")
@@ -721,6 +727,10 @@ class HTTPStorage:
         total = sum(len(v) for v in views)
         if total == 0:
             return 0
+        if offset > 0:
+            # Byte 0 starts the header, which a load reads (to check it) before anything
+            # else; every later read is of tensor bytes.
+            self.tensor_bytes_read = True
         for attempt in range(self.retries + 1):
             try:
                 return self._fetch(fd, views, offset)

@@ -677,6 +677,9 @@ def _recv_pieces(manifest: Manifest, flen: int, where: str
 class _MemoryStorage:
     """ReadStorage over a received manifest and file held in memory. Thread-safe."""
 
+    peer_view = True
+    """A peer sends the boxes it holds: a manifest marked partial is read as such."""
+
     def __init__(self, manifest: bytes, files: dict[str, memoryview]):
         self._manifest = manifest
         self._names = list(files)
