@@ -203,7 +203,8 @@ def test_segments_gather_small_pieces_and_slice_large_ones(
         (829, 929), (929, 934)]
     assert [(f, s) for _, _, f, s in segs] == [
         (0, 3), (3, 4), (4, 5), (4, 5), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9)]
-    assert pgmod._batches(segs) == [(0, 3), (3, 5), (5, 9)]  # a batch ends at >= 300 bytes
+    # a batch holds at most 300 bytes (a 250-byte slice goes alone after 120 bytes)
+    assert pgmod._batches(segs) == [(0, 2), (2, 3), (3, 4), (4, 7), (7, 9)]
     assert pgmod._segments([]) == [] and pgmod._batches([]) == []
 
 
@@ -411,14 +412,14 @@ def test_disallow_cuts_off_a_send_that_outlasts_its_grace_time() -> None:
     state = small_state()
     sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
     time.sleep(0.2)  # the sender now waits for the request
-    disallow = Background(a.disallow_checkpoint)
-    time.sleep(1.0)  # past the grace time: the send is cut off, and waited for
-    assert disallow.thread.is_alive(), "disallow returned while the send could still run"
+    t0 = time.monotonic()
+    a.disallow_checkpoint()  # past the grace time the send is cut off; waiting for a
+    assert time.monotonic() - t0 < 2.0  # request, it reads no tensor: not waited for
+    assert sender.thread.is_alive()
     t0 = time.monotonic()
     receiver = Background(b.recv_checkpoint, 0, "pg:0", 5, 10.0)
     with pytest.raises(CheckpointTransportError, match="cut off by disallow_checkpoint"):
         sender.result()
-    disallow.result()
     with pytest.raises(CheckpointTransportError,
                        match=r"peer rank 0 \(pg:0\) could not send step 5: the send to rank 1 "
                              "was cut off by disallow_checkpoint before its offer"):
@@ -455,6 +456,51 @@ def test_a_cut_in_the_middle_of_the_file_reaches_the_receiver(
     # after the cut, no further tensor byte went out
     big = [s for s in wire.sent if s[0] == 0 and s[2] == MiB]
     assert len(big) == 2, wire.sent
+
+
+def test_disallow_does_not_wait_for_a_send_that_can_read_no_tensor() -> None:
+    # The state cannot be served: the send only waits to tell its receiver why. That
+    # reads no tensor, so disallow_checkpoint returns after its grace time, not the
+    # send's whole timeout.
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 0.3)  # disallow's grace time
+    sender = Background(a.send_checkpoint, [1], 5, {"w": torch.ones(3), "x": _Unsupported()},
+                        8.0)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    a.disallow_checkpoint()
+    assert time.monotonic() - t0 < 2.0
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    with pytest.raises(CheckpointTransportError, match="could not send step 5"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)  # (and the receiver is still told)
+    with pytest.raises(UnsupportedLeafError):
+        sender.result()
+
+
+def test_a_failing_destination_does_not_leave_the_others_unserved() -> None:
+    wire = Wire()
+    trs = [PGTransport(FakeGroup(wire, r, 3), 10.0) for r in range(3)]
+    state = small_state()
+    wire.box(1, 0).put(words(MAGIC, VERSION, 77, 5))  # rank 1 sends garbage, not a request
+    sender = Background(trs[0].send_checkpoint, [1, 2], 5, state, 10.0)
+    same(trs[2].recv_checkpoint(0, "pg:0", 5, 10.0), state)  # served all the same
+    with pytest.raises(CheckpointTransportError, match="instead of an asyncckpt request"):
+        sender.result()  # and the first failure is raised afterwards
+
+
+def test_a_batch_holds_at_most_control_bytes() -> None:
+    # a cut-off reads at most one batch more: batches never pass CONTROL_BYTES
+    sizes = [200, pgmod.CONTROL_BYTES - 300, pgmod.SLICE_BYTES, 5, pgmod.CONTROL_BYTES // 2,
+             pgmod.CONTROL_BYTES // 2, 1]
+    pieces, pos = [], 0
+    for n in sizes:
+        pieces.append((pos, pos + n))
+        pos += n
+    segs = pgmod._segments(pieces)
+    batches = pgmod._batches(segs)
+    assert [i for b in batches for i in range(*b)] == list(range(len(segs)))
+    for first, stop in batches:
+        assert sum(hi - lo for lo, hi, _, _ in segs[first:stop]) <= pgmod.CONTROL_BYTES
 
 
 class _Unsupported:
@@ -793,7 +839,7 @@ def gloo_failures_reach_the_receiver(rank: int, tr: PGTransport, dist: Any) -> d
         out = {"leaf": _expect(lambda: tr.send_checkpoint([1], 1, {"bad": _Unsupported()}, 20.0),
                                UnsupportedLeafError)}
         # messages: offer 1, manifest 2, control 3, header 4, t0 5: cut while t0 goes,
-        # told after the first batch (64 MiB: header, t0, t1), before t2
+        # told after the first batch (at most 64 MiB: header, t0), before t1
         group = _CutsDuring(tr.pg, 5)
         cutting = PGTransport(group, 0.3)  # disallow's grace time
         group.tr = cutting
@@ -867,7 +913,7 @@ def test_gloo_a_sender_that_fails_tells_the_receiver_at_once(tmp_path: Path) -> 
     assert ("peer rank 0 (pg:0) could not send step 1: UnsupportedLeafError"
             in leaf["message"]), leaf
     assert ("could not send step 2: the send to rank 1 was cut off by disallow_checkpoint "
-            "after 3 of 4 segments" in cut["message"]), cut
+            "after 2 of 4 segments" in cut["message"]), cut
 
 
 if __name__ == "__main__":

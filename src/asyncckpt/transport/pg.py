@@ -151,6 +151,7 @@ class PGTransport(CheckpointTransport[Any]):
         self._lock = threading.Lock()  # one transfer at a time on the group
         self._cond = threading.Condition()
         self._sending = 0
+        self._reading = 0  # sends in a stretch that reads the live tensors
         self._cuts: set[threading.Event] = set()  # one per send in progress
         self._closed = False
 
@@ -186,8 +187,10 @@ class PGTransport(CheckpointTransport[Any]):
         self._check_open()
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
         dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
+        cut = threading.Event()  # set by disallow_checkpoint to cut this send off
         with self._cond:  # counted from the start: disallow_checkpoint waits for it
             self._sending += 1
+            self._cuts.add(cut)
         served = None
         try:
             try:
@@ -196,10 +199,18 @@ class PGTransport(CheckpointTransport[Any]):
                 (source,) = served.files.values()
                 if not isinstance(source, LiveSource):
                     raise AssertionError("serve_state serves a LiveSource")
-                cut = served.cancelled  # set by disallow_checkpoint to cut this send off
-                with self._cond:
-                    self._cuts.add(cut)
-                manifest = served.manifest()  # checksums every tensor once, here
+                with self._cond:  # stops its checksumming too
+                    self._cuts.add(served.cancelled)
+                    if cut.is_set():
+                        served.cancelled.set()
+                if not self._begin_reading(cut):
+                    raise CheckpointTransportError(
+                        f"step {step}: the send was cut off by disallow_checkpoint before it "
+                        "began")
+                try:
+                    manifest = served.manifest()  # checksums every tensor once, here
+                finally:
+                    self._end_reading()
                 pieces, view = _send_pieces(source)
                 segments = _segments(pieces)
             except Exception as exc:
@@ -207,16 +218,24 @@ class PGTransport(CheckpointTransport[Any]):
                 raise
             self._acquire(deadline, "send")
             try:
-                cut_off = None
-                for dst in dsts:  # a cut-off is told to every destination, then raised
-                    cut_off = self._send_to(dst, step, manifest, pieces, view, segments,
-                                            deadline, cut) or cut_off
+                cut_off: str | None = None
+                failed: Exception | None = None
+                for dst in dsts:  # one destination's failure is no reason to drop the others
+                    try:
+                        cut_off = self._send_to(dst, step, manifest, pieces, view, segments,
+                                                deadline, cut) or cut_off
+                    except Exception as exc:
+                        log.warning("step %d: sending to rank %d failed: %s", step, dst, exc)
+                        failed = failed or exc
             finally:
                 self._lock.release()
+            if failed is not None:
+                raise failed
             if cut_off is not None:
                 raise CheckpointTransportError(f"step {step}: {cut_off}")
         finally:
             with self._cond:
+                self._cuts.discard(cut)
                 if served is not None:
                     self._cuts.discard(served.cancelled)
                 self._sending -= 1
@@ -260,8 +279,10 @@ class PGTransport(CheckpointTransport[Any]):
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
         a send running on another thread may finish within the timeout, then it is cut
-        off: it finishes the batch of segments in flight (at most ``CONTROL_BYTES``, or
-        one slice), tells its receiver, whose call fails at once, and is waited for."""
+        off: it finishes the batch of segments in flight (at most ``CONTROL_BYTES``),
+        tells its receiver, whose call fails at once, and reads no tensor any more once
+        this returns. (A cut send that waits for a request, or is telling its receivers,
+        reads no tensor: it is not waited for.)"""
         with self._cond:
             if self._cond.wait_for(lambda: self._sending == 0, self.timeout_s):
                 return
@@ -269,7 +290,20 @@ class PGTransport(CheckpointTransport[Any]):
                         self.timeout_s)
             for cut in self._cuts:
                 cut.set()
-            self._cond.wait_for(lambda: self._sending == 0)
+            self._cond.wait_for(lambda: self._reading == 0)
+
+    def _begin_reading(self, cut: threading.Event) -> bool:
+        """Enter a stretch that reads the live tensors, unless the send was cut off."""
+        with self._cond:
+            if cut.is_set():
+                return False
+            self._reading += 1
+            return True
+
+    def _end_reading(self) -> None:
+        with self._cond:
+            self._reading -= 1
+            self._cond.notify_all()
 
     def shutdown(self, wait: bool = True) -> None:
         """Refuse later transfers. The group belongs to the caller and is left as it is."""
@@ -298,17 +332,21 @@ class PGTransport(CheckpointTransport[Any]):
         raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
         self._send(raw, dst, deadline, f"the manifest of step {step} to rank {dst}")
         for first, stop in _batches(segments):
-            if cut.is_set():  # (checked per batch: the receiver expects whole batches)
+            # (checked per batch: the receiver expects whole batches)
+            if not self._begin_reading(cut):
                 reason = (f"the send to rank {dst} was cut off by disallow_checkpoint after "
                           f"{first} of {len(segments)} segments")
                 self._send_error(dst, step, reason, deadline)
                 return reason
-            self._send_words(dst, [MAGIC, VERSION, MORE, step, first, stop, 0, 0], deadline,
-                             f"the control word before segment {first} of step {step} to "
-                             f"rank {dst}")
-            for i in range(first, stop):
-                self._send(_segment_tensor(segments[i], pieces, view), dst, deadline,
-                           f"segment {i} of step {step} to rank {dst}")
+            try:
+                self._send_words(dst, [MAGIC, VERSION, MORE, step, first, stop, 0, 0],
+                                 deadline, f"the control word before segment {first} of step "
+                                 f"{step} to rank {dst}")
+                for i in range(first, stop):
+                    self._send(_segment_tensor(segments[i], pieces, view), dst, deadline,
+                               f"segment {i} of step {step} to rank {dst}")
+            finally:
+                self._end_reading()
         return None
 
     def _read_request(self, dst: int, step: int, deadline: float) -> int:
@@ -348,11 +386,12 @@ class PGTransport(CheckpointTransport[Any]):
             return
         try:
             for dst in dsts:
-                self._read_request(dst, step, deadline)
-                self._send_error(dst, step, f"{type(exc).__name__}: {exc}", deadline)
-        except Exception as told:
-            log.warning("step %d could not be served (%s), and not every destination "
-                        "could be told: %s", step, exc, told)
+                try:
+                    self._read_request(dst, step, deadline)
+                    self._send_error(dst, step, f"{type(exc).__name__}: {exc}", deadline)
+                except Exception as told:
+                    log.warning("step %d could not be served (%s), and rank %d could not be "
+                                "told: %s", step, exc, dst, told)
         finally:
             self._lock.release()
 
@@ -590,15 +629,16 @@ def _segments(pieces: Sequence[tuple[int, int]]) -> list[_Segment]:
 
 
 def _batches(segments: Sequence[_Segment]) -> list[tuple[int, int]]:
-    """The segments ``first..stop-1`` that each control word announces: a new batch
-    starts once CONTROL_BYTES have gone since the last word."""
+    """The segments ``first..stop-1`` that each control word announces: batches of at
+    most CONTROL_BYTES (a segment is at most SLICE_BYTES <= CONTROL_BYTES), so a send
+    that is cut off reads at most that much more."""
     out: list[tuple[int, int]] = []
     first = acc = 0
     for i, (lo, hi, _, _) in enumerate(segments):
+        if acc and acc + (hi - lo) > CONTROL_BYTES:
+            out.append((first, i))
+            first, acc = i, 0
         acc += hi - lo
-        if acc >= CONTROL_BYTES:
-            out.append((first, i + 1))
-            first, acc = i + 1, 0
     if first < len(segments):
         out.append((first, len(segments)))
     return out
