@@ -192,9 +192,11 @@ class AsyncCheckpointer:
         tag = f"s{step}.{self._seq}"
         if type(step) is not int or step < 0:
             raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
-        self._wait_for_previous()
         ctx = self._ctx
         try:
+            # (inside: a rank still busy with its last save, on_busy="error", must tell the
+            # others, who would otherwise wait out their timeout for it)
+            self._wait_for_previous()
             if ctx.is_coordinator:
                 self._take_lock()
             committed = self.steps()

@@ -23,8 +23,13 @@ from typing import Any
 from . import commit
 from ._gc import gc_paused
 from .dist import DistContext, make_record, merge_records, raise_failures
-from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError
-from .manifest import MANIFEST_NAME, block_checksums
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+)
+from .manifest import MANIFEST_NAME, block_checksums, parse_manifest
 from .plan import WritePlan
 from .staging import HostArena, StagingProgress
 from .storage import Storage
@@ -86,6 +91,7 @@ class SaveJob:
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
+    records: list[dict[str, Any]] = field(default_factory=list)  # every rank's (coordinator)
     in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
 
     def release(self) -> None:
@@ -247,7 +253,8 @@ class BackgroundWriter:
             _raise_failed(job, ctx.gather((job.tag, "done"),
                                           f"the shard files of step {job.step}"))
             if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
-                final = self._commit(job, _gather_records(job))
+                job.records = _gather_records(job)
+                final = self._commit(job, job.records)
             else:
                 final = self._commit(job, [], manifest_written=True)
             ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
@@ -279,8 +286,12 @@ class BackgroundWriter:
         assert job.tmp is not None
         if not manifest_written:
             job.storage.write_bytes(job.tmp / MANIFEST_NAME, _manifest_bytes(job, records))
-        claim = (lambda: _claim_commit(job)) if job.ctx.distributed else None
-        final = commit.commit(job.tmp, job.root, job.step, job.storage, before_rename=claim)
+        def claim() -> None:
+            _claim_commit(job)  # first: a peer that gave up has taken its file away
+            _check_shared(job)
+
+        final = commit.commit(job.tmp, job.root, job.step, job.storage,
+                              before_rename=claim if job.ctx.distributed else None)
         job.tmp = None
         return final
 
@@ -382,11 +393,21 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
                     ctx.rank, job.step, job.tmp / job.plan.file)
     else:
         # A peer may still be writing into the shared directory: take only this rank's
-        # file, and the directory if that leaves it empty (a late rank may re-create it).
+        # file. The coordinator removes the directory when it aborts; only once it has
+        # (its verdict is out) may this rank, late, have re-created it: then remove it if
+        # that leaves it empty. (Removing it earlier, the coordinator's write, about to
+        # create its file, failed with FileNotFoundError instead of naming this rank.)
         with contextlib.suppress(OSError):
             (job.tmp / job.plan.file).unlink()
-        with contextlib.suppress(OSError):
-            job.tmp.rmdir()
+        if _verdict_out(job):
+            with contextlib.suppress(OSError):
+                job.tmp.rmdir()
+
+
+def _verdict_out(job: SaveJob) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(job.ctx.store.check([job.ctx.key(job.tag, "verdict")]))
+    return False
 
 
 def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
@@ -439,7 +460,7 @@ def _describe(job: SaveJob) -> _Described:
         if not ctx.is_coordinator:
             return record, None
         try:
-            records = _gather_records(job)
+            records = job.records = _gather_records(job)
             records[0] = record  # the same, without a second decode
             raw = _manifest_bytes(job, records)
         except BaseException as exc:
@@ -470,7 +491,43 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
         manifest = merge_records(records, step=job.step, library_version=job.library_version,
                                  block_bytes=job.block_bytes, user_metadata=job.user_metadata,
                                  created_unix=time.time())
-        return manifest.to_json()
+        raw = manifest.to_json()
+        if len(records) > 1:
+            # Merged from what other processes reported: read it as a load will, and
+            # never commit a manifest that no load could read.
+            try:
+                parse_manifest(raw, f"the merged manifest of step {job.step}")
+            except CheckpointCorruptError as exc:
+                raise CheckpointSaveError(
+                    f"step {job.step} aborted, nothing committed: the ranks' shard layouts do "
+                    f"not merge into a readable manifest ({exc})") from exc
+        return raw
+
+
+def _check_shared(job: SaveJob) -> None:
+    """Coordinator, before the commit: every rank's shard file must be in the temporary
+    directory as this rank sees it. Ranks that each write to a directory of their own
+    (a node-local disk under the same path) would otherwise commit a step whose other
+    files are elsewhere, and report success."""
+    for rec in job.records:
+        if rec.get("file") is None:
+            continue
+        path = job.tmp_path / rec["file"]
+        try:
+            fd = job.storage.open_read(path)
+            try:
+                size = job.storage.file_size(fd)
+            finally:
+                job.storage.close(fd)
+        except FileNotFoundError:
+            size = None
+        if size != rec["bytes"]:
+            seen = "is not there" if size is None else f"has {size} bytes, not {rec['bytes']}"
+            raise CheckpointSaveError(
+                f"step {job.step} aborted, nothing committed: rank {rec['rank']}'s shard file "
+                f"{path} {seen} as rank {job.ctx.rank} sees it. The checkpoint directory must "
+                "be on a filesystem every rank shares (e.g. NFS or Lustre), under the same "
+                "path")
 
 
 def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ become visible, and the next save must work. Workers (``*_worker``) run in the r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import errno
 import os
 import signal
@@ -77,6 +78,8 @@ def _flaky_storage() -> Any:
         fail_rename = False
         slow_makedirs = False
         slow_write = False  # a 10 s write that stops as soon as its save has failed
+        write_elsewhere = False  # a node-local disk: the shard lands in another directory
+        pause_write = 0.0  # seconds a write waits first
 
         def makedirs(self, path: Path) -> None:
             if self.slow_makedirs and ".tmp-" in Path(path).name:
@@ -84,6 +87,11 @@ def _flaky_storage() -> Any:
             super().makedirs(path)
 
         def write_arena(self, path: Path, *a: Any, **kw: Any) -> None:
+            time.sleep(self.pause_write)
+            if self.write_elsewhere:
+                other = Path(path).parent.parent / "elsewhere" / Path(path).parent.name
+                other.mkdir(parents=True, exist_ok=True)
+                path = other / Path(path).name
             if self.fail_write:
                 raise OSError(errno.EIO, "injected write failure")
             if self.slow_write:
@@ -186,7 +194,39 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     storage.slow_write = False
     checkpointer_module.HostArena = real_arena  # type: ignore[misc]
     after("arena_fails", [1, 3, 5, 7, 9])
+    # rank 1's shard lands in a directory of its own (node-local disks under one path):
+    # a step the coordinator cannot see whole is never committed
+    storage.write_elsewhere = ctx.rank == 1
+    out["not_shared"] = _attempt(ck, _state(ctx, 11), 11)
+    storage.write_elsewhere = False
+    after("not_shared", [1, 3, 5, 7, 9])
+    # rank 1 is still busy with its last save and has on_busy="error": it refuses the
+    # next one at once, and the coordinator must hear of it, not wait out its timeout
+    ck.config = dataclasses.replace(ck.config, on_busy="error" if ctx.rank == 1 else "wait")
+    storage.pause_write = 1.5 if ctx.rank == 1 else 0.0
+    ck.save_async(_state(ctx, 12), 12)  # (its future is waited on by the next wait())
+    storage.pause_write = 0.0
+    out["busy"] = _attempt(ck, _state(ctx, 13), 13)
+    ck.config = dataclasses.replace(ck.config, on_busy="wait")
+    ck.wait()
+    after("busy", [1, 3, 5, 7, 9, 12])
     ck.close()
+    # ranks that chunk their checksums differently (block_bytes): their layouts do not
+    # merge into a manifest a load could read, so nothing is committed
+    root2 = Path(ctx.args["root"] + "_blocks")
+    ck2 = asyncckpt.AsyncCheckpointer(root2, timeout_s=TIMEOUT_S,
+                                      block_bytes=(1 if ctx.rank == 0 else 2) << 20)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    state = _state(ctx, 1)  # each rank writes a 4 MiB row: 4 or 2 checksum blocks
+    state["big"] = distribute_tensor(full_tensor("big", (2, 1 << 20)),
+                                     init_device_mesh("cpu", (ctx.world,)), [Shard(0)],
+                                     src_data_rank=None)
+    out["block_bytes"] = _attempt(ck2, state, 1)
+    ctx.barrier()
+    out["block_bytes"]["after"] = [] if ck2.steps() == [] else [f"committed {ck2.steps()}"]
+    ck2.close()
     return out
 
 
@@ -260,6 +300,25 @@ def test_arena_failure_on_one_rank_stops_the_coordinators_write(
     for rank in (0, 1):
         msg = raising[rank]["arena_fails"]["msg"]
         assert "could not allocate the host buffer" in msg and "injected: no memory" in msg, msg
+
+
+def test_a_shard_outside_the_shared_directory_fails_every_rank(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "not_shared", culprit=1)
+    for rank in (0, 1):
+        assert "must be on a filesystem every rank shares" in raising[rank]["not_shared"]["msg"]
+
+
+def test_a_rank_busy_with_on_busy_error_fails_every_rank_at_once(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "busy", culprit=1)
+    assert raising[1]["busy"]["raised"] == "CheckpointInFlightError"
+
+
+def test_ranks_with_different_block_bytes_commit_nothing(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "block_bytes", culprit=None)
+    assert "do not merge into a readable manifest" in raising[0]["block_bytes"]["msg"]
 
 
 def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]]) -> None:
