@@ -587,6 +587,29 @@ def test_overlap_refuses_tensors_changed_before_they_were_staged(
         assert torch.equal(ckpt.load(step=2)["w"], torch.ones(1 << 16))
 
 
+def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.checkpointer as mod
+
+    real_stage = mod.stage
+    fail = [True]
+
+    def failing_stage(*args: object, **kwargs: object) -> None:
+        if fail[0]:
+            raise RuntimeError("device lost (simulated)")
+        real_stage(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mod, "stage", failing_stage)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        fut = ckpt.save_async({"w": torch.ones(4)}, step=1, overlap=True)
+        with pytest.raises(RuntimeError, match="device lost"):
+            fut.wait_staged(30)  # the caller sees the failure here...
+        fail[0] = False
+        ckpt.save({"w": torch.ones(4)}, step=2)
+    # ...so leaving the block (close) does not raise it again as one nobody saw
+    assert ckpt.steps() == [2]
+
+
 def test_in_place_load_keeps_identity_and_restores_everything(tmp_path: Path) -> None:
     src = make_state(5)
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
@@ -651,6 +674,13 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     a.close()
     b.save(make_state(), step=2)
     b.close()
+    # the same directory under another name (a symlink) is still this process's
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    c = asyncckpt.AsyncCheckpointer(tmp_path.parent / f"{tmp_path.name}-link")
+    c.save(make_state(), step=3)
+    with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process"):
+        asyncckpt.AsyncCheckpointer(tmp_path).save(make_state(), step=4)
+    c.close()
     # another process: named by its pid
     lock = tmp_path / ".asyncckpt.lock"
     child = subprocess.Popen(

@@ -35,19 +35,28 @@ def _peer_job(root: Path, store: Any, *, announced: bool, rejected: bool) -> Sav
     return job
 
 
-@pytest.mark.parametrize(("announced", "rejected", "kept"), [
-    (True, False, True),    # durable, announced, no verdict heard: the coordinator may commit
-    (True, True, False),    # the coordinator's verdict said no: take the file out
-    (False, False, False),  # failed before its file was durable
+@pytest.mark.parametrize(("announced", "rejected", "verdict", "kept", "dir_kept"), [
+    # durable, announced, no verdict heard: the coordinator may commit
+    (True, False, False, True, True),
+    # the coordinator's verdict said no: take the file out, and the directory
+    (True, True, False, False, False),
+    # failed before its file was durable: the file goes; the directory is the
+    # coordinator's to remove (it may be about to create its own file in it)...
+    (False, False, False, False, True),
+    # ...unless the coordinator has aborted already (this rank re-created it, late)
+    (False, False, True, False, False),
 ])
 def test_peer_abort_keeps_an_announced_file_until_a_verdict(
-        tmp_path: Path, announced: bool, rejected: bool, kept: bool) -> None:
+        tmp_path: Path, announced: bool, rejected: bool, verdict: bool, kept: bool,
+        dir_kept: bool) -> None:
     store = dist.HashStore()
     job = _peer_job(tmp_path, store, announced=announced, rejected=rejected)
+    if verdict:
+        store.set(job.ctx.key("s3.1", "verdict"), json.dumps({"error": "rank 0 gave up"}))
     shard = job.tmp_path / job.plan.file
     _abort(job, TimeoutError("no verdict"))
     assert shard.exists() == kept
-    assert job.tmp_path.exists() == kept  # the directory goes with its last file
+    assert job.tmp_path.exists() == dir_kept
     if not announced:  # the failure is posted where the coordinator waits for it
         for part in ("record", "done"):
             got = json.loads(store.get(job.ctx.key("s3.1", part, 1)))

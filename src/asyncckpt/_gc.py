@@ -7,7 +7,7 @@ import gc
 import threading
 from collections.abc import Iterator
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a signal handler may pause on a thread holding it
 _depth = 0  # pauses in progress, on any thread
 _resume = False  # whether the collector was enabled when the first of them began
 

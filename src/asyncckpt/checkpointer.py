@@ -682,7 +682,8 @@ def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
             f"step {step} was not saved: tensor(s) {', '.join(map(repr, changed[:5]))}{more} "
             "were changed in place while save_async(overlap=True) was still copying them, so "
             "the checkpoint could mix old and new values. Call fut.wait_staged() before "
-            "changing the tensors (e.g. before optimizer.step())")
+            "anything changes them: optimizer.step(), or a forward pass that updates buffers "
+            "(BatchNorm in training mode)")
 
 
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,

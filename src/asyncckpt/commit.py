@@ -27,7 +27,7 @@ from .errors import (
     CheckpointNotFoundError,
 )
 from .manifest import MANIFEST_NAME
-from .storage import ReadStorage, Storage
+from .storage import ReadStorage, Storage, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
         except CheckpointError:
             raise
         except OSError as exc:
+            if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
+                raise
             # A symlink loop, no permission, EIO: one entry that cannot be listed must not
             # make every load (and save) of the root fail; the others are still there.
             log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "

@@ -41,7 +41,7 @@ from .manifest import (
     st_dtype_and_shape,
 )
 from .plan import Box, ReadItem, box_byte_span, plan_reads, row_major_strides
-from .storage import ReadStorage
+from .storage import ReadStorage, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
     except ValueError as exc:
         raise CheckpointCorruptError(str(exc), path=str(path)) from exc
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
+        if is_transient(exc):
+            raise
         raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
                                      "checkpoint is damaged or unreadable",
                                      path=str(path)) from exc
@@ -190,10 +192,21 @@ def _allocating(where: Path, key: str, nbytes: int) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, MemoryError) as exc:
+        if nbytes <= _physical_memory():  # a size this machine could hold: out of memory
+            raise CheckpointError(
+                f"{where}: tensor {key!r} needs {nbytes} bytes, which could not be allocated "
+                "(out of memory?): free memory, or load into an existing state") from exc
         raise CheckpointCorruptError(
-            f"{where}: tensor {key!r} claims {nbytes} bytes, which cannot be allocated: the "
-            "checkpoint is likely damaged (load an earlier step), or too large for this "
-            "machine's memory", path=str(where), key=key) from exc
+            f"{where}: tensor {key!r} claims {nbytes} bytes, more than this machine's memory "
+            "could ever hold: the checkpoint is likely damaged (load an earlier step)",
+            path=str(where), key=key) from exc
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = True
@@ -277,6 +290,8 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             except CheckpointError:
                 raise
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
+                if is_transient(exc):
+                    raise
                 raise CheckpointCorruptError(
                     f"reading {step_dir / it.chunk.file} (tensor {it.key!r}) failed: "
                     f"{exc.strerror or exc}", path=str(step_dir / it.chunk.file)) from exc
@@ -349,6 +364,8 @@ def _open(path: Path, storage: ReadStorage) -> int:
     except CheckpointError:
         raise
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
+        if is_transient(exc):
+            raise
         raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
                                      "checkpoint is damaged or unreadable",
                                      path=str(path)) from exc
@@ -371,6 +388,8 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
         except CheckpointError:
             raise
         except OSError as exc:  # EIO from a failing disk
+            if is_transient(exc):
+                raise
             raise CheckpointCorruptError(f"reading {path} failed ({exc.strerror or exc}): the "
                                          "checkpoint is damaged or unreadable",
                                          path=str(path)) from exc

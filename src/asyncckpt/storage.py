@@ -189,6 +189,19 @@ class LocalStorage:
         return os.preadv(fd, views, offset)
 
 
+_TRANSIENT = {errno.EINTR, errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
+              errno.ESTALE, errno.ETIMEDOUT, errno.ENOBUFS, errno.ECONNRESET,
+              errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH}
+
+
+def is_transient(exc: OSError) -> bool:
+    """An error of the moment or of this process (out of file descriptors or memory, a
+    timeout, a stale NFS handle, a dropped connection), not of the data: a reader re-raises
+    it as it is, rather than calling the checkpoint damaged (and falling back past it)."""
+    return isinstance(exc, (TimeoutError, ConnectionError, InterruptedError)) or \
+        exc.errno in _TRANSIENT
+
+
 def open_regular(path: str | os.PathLike[str]) -> int:
     """Open ``path`` for reading; CheckpointCorruptError unless it is a regular file.
 
@@ -248,8 +261,19 @@ class DirectoryLock:
 
     def held_in_this_process(self) -> bool:
         """Another lock object of this process holds the same directory."""
-        return any(lk is not self and lk.path == self.path and lk._fd is not None
-                   and lk._pid == os.getpid() for lk in list(_held_locks))
+        try:
+            mine = os.stat(self.path)
+        except OSError:
+            return False
+        for lk in list(_held_locks):
+            fd = lk._fd
+            if lk is self or fd is None or lk._pid != os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                theirs = os.fstat(fd)  # the same file, however its path is spelled
+                if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+                    return True
+        return False
 
     def holder(self) -> str:
         with contextlib.suppress(OSError):

@@ -134,10 +134,14 @@ class CheckpointFuture:
         try:
             self._staged.result(timeout)
         except CheckpointError:
+            self.observed = True  # the caller has seen how this save failed
             raise  # the staging's own error (a CheckpointTimeoutError is a TimeoutError too)
         except cf.TimeoutError:
             raise CheckpointTimeoutError(
                 f"step {self.step}: staging still running after {timeout}s") from None
+        except Exception:
+            self.observed = True
+            raise
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the checkpoint is committed and return its info.
@@ -399,7 +403,7 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
         # create its file, failed with FileNotFoundError instead of naming this rank.)
         with contextlib.suppress(OSError):
             (job.tmp / job.plan.file).unlink()
-        if _verdict_out(job):
+        if job.rejected or _verdict_out(job):
             with contextlib.suppress(OSError):
                 job.tmp.rmdir()
 
