@@ -70,11 +70,7 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
     except ValueError as exc:
         raise CheckpointCorruptError(str(exc), path=str(path)) from exc
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
-        if is_transient(exc):
-            raise
-        raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
-                                     "checkpoint is damaged or unreadable",
-                                     path=str(path)) from exc
+        raise _damaged(path, exc) from exc
     with gc_paused():
         manifest = parse_manifest(raw, str(path))
     if manifest.partial and not getattr(storage, "peer_view", False):
@@ -355,6 +351,15 @@ def _read_batch(fd: int, path: Path, items: list[ReadItem], out: Mapping[str, to
             _check_sums(path, it.key, it.chunk, 0, block_checksums(mv, block_bytes), block_bytes)
 
 
+def _damaged(path: Path, exc: OSError) -> CheckpointCorruptError:
+    """A lasting error reading ``path`` (EIO, a directory, a symlink loop, no permission)
+    as damage; an error of the moment (see ``is_transient``) is re-raised as it is."""
+    if is_transient(exc):
+        raise exc
+    return CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
+                                  "checkpoint is damaged or unreadable", path=str(path))
+
+
 def _open(path: Path, storage: ReadStorage) -> int:
     try:
         return storage.open_read(path)
@@ -364,11 +369,7 @@ def _open(path: Path, storage: ReadStorage) -> int:
     except CheckpointError:
         raise
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
-        if is_transient(exc):
-            raise
-        raise CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
-                                     "checkpoint is damaged or unreadable",
-                                     path=str(path)) from exc
+        raise _damaged(path, exc) from exc
 
 
 def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
@@ -388,11 +389,7 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
         except CheckpointError:
             raise
         except OSError as exc:  # EIO from a failing disk
-            if is_transient(exc):
-                raise
-            raise CheckpointCorruptError(f"reading {path} failed ({exc.strerror or exc}): the "
-                                         "checkpoint is damaged or unreadable",
-                                         path=str(path)) from exc
+            raise _damaged(path, exc) from exc
     finally:
         storage.close(fd)
     if got != len(header) or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum:
