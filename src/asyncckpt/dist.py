@@ -145,16 +145,28 @@ class DistContext:
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
                *, cancelled: Callable[[], bool] | None = None) -> dict[int, Any]:
-        """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values.
+        """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values, or
+        as soon as one that has arrived is an error: then only those read so far (the
+        callers raise the error; a late or dead rank must not delay a reported failure).
 
         ``cancelled`` is asked about once a second; when it says yes the wait ends with
         CheckpointSaveError (a background wait whose save has already failed).
         """
         keys = {r: self.key(*prefix, r) for r in range(self.world_size)}
-        self.wait_keys(keys, what, timeout_s, cancelled=cancelled)
+        got: dict[int, Any] = {}
+
+        def failed(r: int) -> bool:
+            with self._store_errors(f"reading {what}"):
+                got[r] = json.loads(self.store.get(keys[r]))
+            return isinstance(got[r], dict) and "error" in got[r]
+
+        if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed):
+            return got
+        rest = [r for r in range(self.world_size) if r not in got]
         with self._store_errors(f"reading {what}"):
-            raw = self.store.multi_get([keys[r] for r in range(self.world_size)])
-        return {r: json.loads(v) for r, v in zip(range(self.world_size), raw, strict=True)}
+            raw = self.store.multi_get([keys[r] for r in rest]) if rest else []
+        got.update({r: json.loads(v) for r, v in zip(rest, raw, strict=True)})
+        return {r: got[r] for r in range(self.world_size)}
 
     def claim(self, key: str, value: str, what: str) -> str:
         """Set ``key`` to ``value`` unless it is set already; return what it holds now."""
@@ -190,12 +202,14 @@ class DistContext:
             ) from exc
 
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None,
-                  *, cancelled: Callable[[], bool] | None = None) -> None:
+                  *, cancelled: Callable[[], bool] | None = None,
+                  stop: Callable[[int], bool] | None = None) -> bool:
         """Block until every key exists; on timeout name the ranks whose keys are missing.
 
         ``store.wait`` answers as soon as the last key lands (no polling delay); it is
         asked in slices of at most a second so that a dead Store (or ``cancelled``) is
-        noticed.
+        noticed, and ``stop`` is asked about each key that arrived meanwhile: when it
+        says yes, the wait ends early and returns True.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -208,18 +222,21 @@ class DistContext:
             if left > 0:
                 try:
                     self.store.wait(list(pending.values()), timedelta(seconds=min(left, 1.0)))
-                    return
+                    return False
                 except Exception:  # a slice ran out (or the Store broke: checked below)
                     pass
             with self._store_errors(f"waiting for {what}"):
                 arrived = [r for r, k in pending.items() if self.store.check([k])]
             for r in arrived:
                 del pending[r]
+                if stop is not None and stop(r):
+                    return True
             if pending and time.monotonic() >= deadline:
                 raise CheckpointTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
                     f"rank(s) {sorted(pending)}; they may have died or not called save_async "
                     "for this step")
+        return False
 
 
 def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:

@@ -612,3 +612,33 @@ def test_a_late_commit_never_meets_a_rank_that_reported_failure(
         assert out["steps"] == [1, 3], (rank, out["steps"])
     assert "gave up" in res[0]["write"]["msg"], res[0]["write"]["msg"]
     assert res[0]["tmp"] == [], res[0]["tmp"]
+
+
+# --- a failure reported while another rank is late ---------------------------------------------
+
+def late_rank_worker(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 1 cannot save (an unsupported leaf), rank 2 comes 4 s late: rank 0 must fail
+    as soon as rank 1's error is posted, not when the late rank arrives."""
+    root = Path(ctx.args["root"])
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=TIMEOUT_S)
+    state = _state(ctx, 1)
+    if ctx.rank == 1:
+        state["bad"] = object()
+    if ctx.rank == 2:
+        time.sleep(4.0)
+    out = _attempt(ck, state, 1)
+    ctx.barrier()
+    out["next"] = _attempt(ck, _state(ctx, 2), 2)  # and the group goes on
+    ck.close()
+    return out
+
+
+def test_a_reported_failure_is_not_held_up_by_a_late_rank(tmp_path: Path) -> None:
+    runs = run_ranks(MODULE, "late_rank_worker", 3, tmp_path / "run",
+                     args={"root": str(tmp_path / "ck")})
+    got = runs[0].result
+    assert got["raised"] is not None and got["is_checkpoint_error"], got
+    assert "rank 1" in got["msg"] and "UnsupportedLeafError" in got["msg"], got["msg"]
+    assert got["elapsed"] < 3.0, got  # rank 2 arrives only after 4 s
+    for rank, run in sorted(runs.items()):
+        assert run.result["next"]["raised"] is None, (rank, run.result["next"])
