@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from asyncckpt import AsyncCheckpointer
 from asyncckpt.dist import DistContext
-from asyncckpt.errors import CheckpointSaveError, CheckpointTimeoutError
+from asyncckpt.errors import (
+    CheckpointConfigError,
+    CheckpointExistsError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+)
 
 
 def _ctx(timeout_s: float = 30.0) -> DistContext:
@@ -46,3 +56,141 @@ def test_gather_that_is_never_cancelled_still_completes() -> None:
     ctx = _ctx()
     threading.Timer(0.3, lambda: [ctx.put(ctx.key("s", "done", r), {}) for r in range(3)]).start()
     assert len(ctx.gather(("s", "done"), "dones", cancelled=lambda: False)) == 3
+
+
+def test_a_wait_whose_last_slice_is_under_a_millisecond_still_ends() -> None:
+    """A HashStore waits forever when asked to wait less than 1 ms; the last slice of a
+    wait can be that short (a rank hung in a test instead of timing out)."""
+    ctx = _ctx()
+    out: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            ctx.wait_keys({1: ctx.key("s1", "x", 1)}, "x", timeout_s=0.0005)
+        except BaseException as exc:
+            out.append(exc)
+
+    th = threading.Thread(target=wait, daemon=True)
+    th.start()
+    th.join(10)
+    assert len(out) == 1 and isinstance(out[0], CheckpointTimeoutError), out
+
+
+# --- checkpointers of one group, simulated by threads sharing a HashStore ------------------
+
+
+def _in_threads(fn: Callable[[int], Any], world: int = 2, timeout: float = 60.0
+                ) -> dict[int, Any]:
+    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
+    out: dict[int, Any] = {}
+
+    def main(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert sorted(out) == list(range(world)), "a rank hung"
+    return out
+
+
+def _state(r: int) -> dict[str, Any]:
+    return {"w": torch.arange(6, dtype=torch.float32) + r, "step": 1}
+
+
+def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: Path) -> None:
+    """Rank 1 opens a checkpointer of the directory to list its steps, then both ranks open
+    the one they save with: the saves pair (they timed out when construction counted)."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> list[int]:
+        if r == 1:
+            with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store) as reader:
+                assert reader.steps() == []
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=5) as ck:
+            ck.save(_state(r), step=1)
+            return ck.steps()
+
+    assert _in_threads(rank) == {0: [1], 1: [1]}
+
+
+def test_the_same_directory_spelled_differently_pairs(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.chdir(tmp_path)
+    store = dist.HashStore()
+    paths = {0: tmp_path / "real", 1: Path("link")}
+
+    def rank(r: int) -> list[int]:
+        with AsyncCheckpointer(paths[r], mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=5) as ck:
+            ck.save(_state(r), step=1)
+            return ck.steps()
+
+    assert _in_threads(rank) == {0: [1], 1: [1]}
+
+
+def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=60) as ck:
+            ck.save(_state(r), step=10 + r)
+
+    t0 = time.monotonic()
+    out = _in_threads(rank)
+    assert time.monotonic() - t0 < 20  # not the 60 s timeout
+    for r in (0, 1):  # (a rank that reads the other's announced error raises that one)
+        assert isinstance(out[r], (CheckpointConfigError, CheckpointSaveError)), out[r]
+        assert "different steps (rank 0: 10, rank 1: 11)" in str(out[r])
+    assert AsyncCheckpointer(tmp_path).steps() == []
+
+
+def test_a_timeout_says_a_rank_is_saving_with_another_checkpointer(tmp_path: Path) -> None:
+    """After step 1, rank 1 reopens its checkpointer and rank 0 does not: the saves of
+    step 2 never meet, and the timeouts say why."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=2)
+        ck.save(_state(r), step=1)
+        if r == 1:
+            ck.close()
+            ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                                   timeout_s=2)
+        with ck:
+            ck.save(_state(r), step=2)
+
+    out = _in_threads(rank)
+    for r, (theirs, mine) in {0: (2, 1), 1: (1, 2)}.items():
+        assert isinstance(out[r], CheckpointTimeoutError), out[r]
+        assert out[r].ranks == (1 - r,)
+        assert (f"rank {1 - r} last started saving with its checkpointer #{theirs} of "
+                f"{str(tmp_path)!r}, this rank with its #{mine}") in str(out[r])
+
+
+def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            for step in (1, 2, 3):
+                ck.save_async(_state(r), step=step).wait()
+            with pytest.raises(CheckpointExistsError):
+                ck.save(_state(r), step=3)  # a failed save leaves its keys too
+            ck.save({"w": torch.zeros(3), "x": torch.ones(2)}, step=4)  # a new layout
+
+    out = _in_threads(rank)
+    assert out == {0: None, 1: None}
+    assert store.num_keys() == 2, "left in the Store after close()"
+    assert all(store.check([f"asyncckpt/where/{r}"]) for r in (0, 1))

@@ -95,8 +95,10 @@ class AsyncCheckpointer:
 
     Not thread-safe: call it from the training thread. One save is in flight at a
     time; its background work runs on the checkpointer's own threads. Under
-    torch.distributed, construction, ``save_async`` and ``save`` are collective: call
-    them on every rank of the group, in the same order. Loading is not collective.
+    torch.distributed, ``save_async`` and ``save`` are collective: call them on every
+    rank of the group, the same number of times, with the same step. The ranks'
+    checkpointers of one directory pair up by the order of their first saves (open one
+    on a single rank to load or list steps at will). Loading is not collective.
 
     Example:
         >>> ckpt = AsyncCheckpointer("runs/exp1", keep_last=3)
@@ -117,7 +119,7 @@ class AsyncCheckpointer:
         self.directory = Path(directory)
         self.storage: Storage = storage or LocalStorage()
         self._ctx: DistContext = resolve_context(
-            os.path.abspath(self.directory), process_group=process_group, rank=rank,
+            os.path.realpath(self.directory), process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
         self._writer: BackgroundWriter | None = None
@@ -139,17 +141,9 @@ class AsyncCheckpointer:
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
+        # Names the temporary directory the ranks share: the coordinator's, which the
+        # others learn in each save's layout exchange.
         self._nonce = commit.new_token()
-        if self._ctx.distributed:
-            # The coordinator cleans up before it publishes the nonce that names this run's
-            # temporary directories, so it never removes one a peer is writing into.
-            if self._ctx.is_coordinator:
-                self._make_root()
-                if self._lock.acquire():
-                    self._cleanup()
-                self._ctx.put(self._ctx.key("nonce"), self._nonce)
-            else:
-                self._nonce = self._ctx.get(self._ctx.key("nonce"), "the coordinator's nonce")
 
     @property
     def rank(self) -> int:
@@ -188,11 +182,13 @@ class AsyncCheckpointer:
                     shards: Mapping[str, ShardMetadata] | None) -> CheckpointFuture:
         started = time.perf_counter()
         self._check_open()
+        ctx = self._ctx
+        if ctx.distributed:
+            ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
-        tag = f"s{step}.{self._seq}"
+        tag = f"n{self._seq}"
         if type(step) is not int or step < 0:
             raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
-        ctx = self._ctx
         try:
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
@@ -468,6 +464,9 @@ class AsyncCheckpointer:
             self._arena = None
             self._pending = self._preparing = None
             self._lock.release()
+            if self._ctx.distributed:  # the Store keys of this checkpointer's saves
+                self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
+                                  self._layout[0] if self._layout else ())
         earlier = self._take_missed()
         if not raise_missed:
             return
@@ -589,9 +588,24 @@ class AsyncCheckpointer:
                 self._my_digest = digest
             self._my_sig = sig
         digest = self._my_digest
-        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest})
-        got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
+        mine: dict[str, Any] = {"digest": digest, "step": step}
+        if ctx.is_coordinator:
+            mine["nonce"] = self._nonce  # it cleaned up in _take_lock, before this
+        ctx.put(ctx.key(tag, "layout", ctx.rank), mine)
+        try:
+            got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
+        except CheckpointTimeoutError as exc:
+            err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
+            err.ranks = exc.ranks
+            raise err from exc
         raise_failures(got, f"step {step} not started")
+        steps = {r: got[r]["step"] for r in range(ctx.world_size)}
+        if len(set(steps.values())) > 1:
+            raise CheckpointConfigError(
+                "the ranks called save_async with different steps ("
+                + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
+                + "); every rank must save the same step")
+        self._nonce = got[0]["nonce"]
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
         previous = self._layout
         if self._layout is None or self._layout[0] != digests:

@@ -5,11 +5,12 @@ values: no collective ever runs on the training process group from a background
 thread, and nothing received is unpickled. Every wait has a timeout whose error
 names the ranks that did not answer.
 
-Per save, under ``asyncckpt/<namespace>/s<step>/``:
+Per save, under ``asyncckpt/<namespace>/n<save number>/``:
 
-- ``layout/<rank>``: the digest of the rank's local layout (the one barrier of a
-  save, on the training thread). When a digest is new, the full item list was put
-  under ``asyncckpt/<namespace>/items/<rank>/<digest>`` first.
+- ``layout/<rank>``: the step and the digest of the rank's local layout (the one barrier
+  of a save, on the training thread; the coordinator adds the nonce that names the
+  step's temporary directory). When a digest is new, the full item list was put under
+  ``asyncckpt/<namespace>/items/<rank>/<digest>`` first.
 - ``record/<rank>``: what the rank writes (file, chunks, checksums), or its error. Put
   once its bytes are hashed, long before they are durable, so that the coordinator
   merges the manifest while the shard files are still being written.
@@ -19,6 +20,12 @@ Per save, under ``asyncckpt/<namespace>/s<step>/``:
   Whoever claims first decides, so a late commit never meets a rank that already
   reported the save failed.
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
+
+The namespace pairs the checkpointers of one directory across ranks: the directory's
+resolved path and how many checkpointers of it this process has saved with before. It
+is chosen by the first save, not by the constructor, so a checkpointer one rank opens
+only to load or list steps pairs with nothing. ``asyncckpt/where/<rank>`` says which
+namespace a rank joined last, for the error of a wait that never meets its peers.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -120,8 +128,9 @@ class DistContext:
     rank: int
     world_size: int
     store: Any  # torch.distributed.Store; None when world_size == 1
-    namespace: str
+    namespace: str  # "" until join()
     timeout_s: float
+    directory: str = ""  # resolved: what pairs checkpointers across ranks (with a count)
 
     @property
     def is_coordinator(self) -> bool:
@@ -132,7 +141,67 @@ class DistContext:
         return self.world_size > 1
 
     def key(self, *parts: object) -> str:
+        assert self.namespace, "join() first"
         return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
+
+    def join(self) -> None:
+        """Choose the namespace (the first save of a checkpointer in a group calls this).
+
+        Every rank's n-th checkpointer of a directory to save pairs with every other
+        rank's n-th: saves are collective, so they start in the same order everywhere.
+        """
+        if self.namespace:
+            return
+        base = hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+        with _sessions_lock:  # ranks simulated by threads of one process count apart
+            n = _sessions[(base, self.rank)] = _sessions.get((base, self.rank), -1) + 1
+        self.namespace = f"{base}.{n}"
+        with contextlib.suppress(Exception):  # only ever read to explain a timeout
+            self.store.set(f"asyncckpt/where/{self.rank}", json.dumps(
+                {"directory": self.directory, "namespace": self.namespace, "session": n}))
+
+    def why_absent(self, ranks: Sequence[int], seq: int) -> str:
+        """What ``ranks``, which never posted their layout for save number ``seq`` of
+        this namespace, are doing instead, as far as the Store tells: for an error."""
+        notes = []
+        for r in ranks:
+            try:
+                where_key = f"asyncckpt/where/{r}"
+                where = json.loads(self.store.get(where_key)) if self.store.check(
+                    [where_key]) else None
+                if where is not None and where["namespace"] != self.namespace:
+                    mine = int(self.namespace.rsplit(".", 1)[1])
+                    notes.append(
+                        f"rank {r} last started saving with its checkpointer #"
+                        f"{where['session'] + 1} of {where['directory']!r}, this rank with its "
+                        f"#{mine + 1} of {self.directory!r}")
+                    continue
+                for later in range(seq + 1, seq + 4):
+                    key = self.key(f"n{later}", "layout", r)
+                    if self.store.check([key]):
+                        got = json.loads(self.store.get(key))
+                        notes.append(f"rank {r} is at its save #{later} (step "
+                                     f"{got.get('step')}), this rank at #{seq}")
+                        break
+            except Exception:  # an explanation is a best effort
+                continue
+        if not notes:
+            return ""
+        return ("; " + "; ".join(notes) + ". Every rank must create the checkpointers it "
+                "saves with in the same order, for the same directory, and call save_async "
+                "the same number of times")
+
+    def release(self, tags: Sequence[str], digests: Sequence[str]) -> None:
+        """At close: count this rank out; the last rank of the group to close deletes
+        what is left of the namespace (by then no rank waits on any of it). The
+        ``where`` keys stay: one per rank, overwritten by the next join."""
+        if not self.namespace:
+            return
+        with contextlib.suppress(Exception):
+            if self.store.add(self.key("closed"), 1) < self.world_size:
+                return
+            self.forget(tags, digests, ["" for _ in digests])
+            self.store.delete_key(self.key("closed"))
 
     def put(self, key: str, value: Any) -> None:
         with self._store_errors(f"posting {key}"):
@@ -220,8 +289,10 @@ class DistContext:
                     f"rank {self.rank}: stopped waiting for {what}: the save already failed")
             left = deadline - time.monotonic()
             if left > 0:
+                # At least 10 ms: a HashStore waits forever on a timeout under 1 ms.
+                wait_ms = max(10, int(min(left, 1.0) * 1000))
                 try:
-                    self.store.wait(list(pending.values()), timedelta(seconds=min(left, 1.0)))
+                    self.store.wait(list(pending.values()), timedelta(milliseconds=wait_ms))
                     return False
                 except Exception:  # a slice ran out (or the Store broke: checked below)
                     pass
@@ -232,10 +303,12 @@ class DistContext:
                 if stop is not None and stop(r):
                     return True
             if pending and time.monotonic() >= deadline:
-                raise CheckpointTimeoutError(
+                err = CheckpointTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
                     f"rank(s) {sorted(pending)}; they may have died or not called save_async "
                     "for this step")
+                err.ranks = tuple(sorted(pending))
+                raise err
         return False
 
 
@@ -248,7 +321,8 @@ def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
             f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
 
 
-_instances: dict[tuple[str, int], int] = {}
+_sessions: dict[tuple[str, int], int] = {}  # (directory hash, rank) -> checkpointers
+_sessions_lock = threading.Lock()
 
 
 def resolve_context(directory: str, *, process_group: Any = None, rank: int | None = None,
@@ -256,8 +330,8 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
                     timeout_s: float = 600.0) -> DistContext:
     """Work out rank, world size and Store from the arguments or the default group.
 
-    Collective in effect: every rank must build its checkpointers in the same order,
-    since the Store namespace counts them.
+    ``directory`` should be resolved (``os.path.realpath``): it pairs the checkpointers
+    of the ranks (see DistContext.join).
     """
     if process_group is not None or (rank is None and dist.is_available()
                                      and dist.is_initialized()):
@@ -274,10 +348,7 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
         raise CheckpointConfigError(
             f"world_size={world_size} needs a torch.distributed Store to coordinate through: "
             "call torch.distributed.init_process_group first, or pass store=")
-    base = hashlib.sha256(directory.encode()).hexdigest()[:12]
-    # Counted per (directory, rank), so that ranks simulated in one process agree too.
-    n = _instances[(base, rank)] = _instances.get((base, rank), -1) + 1
-    return DistContext(rank, world_size, store, f"{base}.{n}", timeout_s)
+    return DistContext(rank, world_size, store, "", timeout_s, directory)
 
 
 def _group_store(group: Any) -> Any:

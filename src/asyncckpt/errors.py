@@ -42,6 +42,9 @@ class CheckpointTransportError(CheckpointError, ConnectionError):
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A blocking call ran out of time; the message says what it was waiting for."""
 
+    #: the ranks that did not answer, for a wait on other ranks
+    ranks: tuple[int, ...] = ()
+
 
 class CheckpointClosedError(CheckpointError, RuntimeError):
     """The checkpointer was closed."""
