@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncckpt import AsyncCheckpointer
+import asyncckpt
+from asyncckpt import AsyncCheckpointer, ShardMetadata
 from asyncckpt.dist import DistContext
 from asyncckpt.errors import (
     CheckpointConfigError,
@@ -194,3 +195,33 @@ def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> 
     assert out == {0: None, 1: None}
     assert store.num_keys() == 2, "left in the Store after close()"
     assert all(store.check([f"asyncckpt/where/{r}"]) for r in (0, 1))
+
+
+def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path) -> None:
+    """Replicated tensors are written once, spread over the ranks: prepare() must not
+    allocate every rank an arena for all of them (with 8 ranks: 8x the memory)."""
+    store = dist.HashStore()
+    world = 4
+    full = world * 2**20 * 4  # the replicated bytes, one copy
+
+    def rank(r: int) -> tuple[int, bool, list[int]]:
+        state = {f"rep{i}": torch.full((2**18,), float(i)) for i in range(world * 4)}
+        state["mine"] = torch.full((2**16,), float(r))  # declared: each rank its own part
+        shards = {"mine": ShardMetadata((world * 2**16,), (r * 2**16,))}
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=world, store=store,
+                               timeout_s=30) as ck:
+            ck.prepare(state, background=False, shards=shards)
+            prepared = ck._arena
+            assert prepared is not None
+            ck.save(state, step=1, shards=shards)
+            return prepared.nbytes, ck._arena is prepared, ck.steps()
+
+    out = _in_threads(rank, world=world)
+    for r in range(world):
+        nbytes, reused, steps = out[r]
+        assert steps == [1]
+        assert reused, f"rank {r}: the first save allocated again"
+        # its quarter of the replicated data, the largest replicated tensor, its shard
+        assert nbytes <= full // world + 2**20 + 2**18 + 2**16, (r, nbytes)
+    loaded = asyncckpt.load(tmp_path)
+    assert torch.equal(loaded["mine"], torch.arange(world).repeat_interleave(2**16).float())

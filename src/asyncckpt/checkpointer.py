@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import contextlib
 import functools
 import logging
+import math
 import os
 import time
 import weakref
@@ -37,7 +38,13 @@ from .errors import (
     CheckpointTimeoutError,
 )
 from .loader import ShardMetadata, apply_shards, check_threads, load_from, load_newest_intact
-from .manifest import DEFAULT_BLOCK_BYTES, Manifest, check_block_bytes, shard_file_name
+from .manifest import (
+    DEFAULT_BLOCK_BYTES,
+    Manifest,
+    align_up,
+    check_block_bytes,
+    shard_file_name,
+)
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest
 from .staging import HostArena, StagingProgress, stage
@@ -270,21 +277,30 @@ class AsyncCheckpointer:
                   job.blocked_s)
         return fut
 
-    def prepare(self, state: Any, *, background: bool = True) -> cf.Future[Any]:
+    def prepare(self, state: Any, *, background: bool = True,
+                shards: Mapping[str, ShardMetadata] | None = None) -> cf.Future[Any]:
         """Allocate the host arena for ``state``'s layout now, not in the first save.
 
         Allocating and faulting in gigabytes of host memory is the one cost the first
         save has over later ones; call this at start-up (it runs on a background thread
-        by default) so that the first save only copies. Not collective.
+        by default) so that the first save only copies. Not collective: in a group, the
+        arena is sized for this rank's estimated share of replicated data (its
+        replicas split the writing), and a first save that needs more allocates again.
         """
         self._check_open()
-        tensors = flatten(state).tensors  # on this thread: state_dict() calls stay here
+        flat = flatten(state)  # on this thread: state_dict() calls stay here
+        apply_shards(flat, shards)
         pending = self._pending
         if pending is not None and not pending.done() and self.config.on_busy == "error":
             raise CheckpointInFlightError(
                 f"step {pending.step} is still being saved to {self.directory}; wait() for it "
                 "before prepare(), or use on_busy='wait'")
-        plan = self._plan_for(tensors)
+        if self._ctx.distributed:
+            plan = None
+            need = _share_estimate(flat, self._ctx.world_size)
+        else:
+            plan = self._plan_for(flat.tensors)
+            need = plan.padded_bytes
         writer = self._ensure_writer()
 
         def allocate() -> None:
@@ -293,7 +309,10 @@ class AsyncCheckpointer:
             if pending is not None:  # (not pending.wait(): its error stays uncollected)
                 cf.wait([pending._durable])
             self._stop_serving()
-            self._arena_for(plan)
+            if plan is None:
+                self._arena_of(need)
+            else:
+                self._arena_for(plan)
 
         if background:
             self._preparing = writer.stager.submit(allocate)
@@ -642,7 +661,14 @@ class AsyncCheckpointer:
         return self._plan
 
     def _arena_for(self, plan: WritePlan) -> HostArena:
-        need = plan.padded_bytes
+        arena = self._arena_of(plan.padded_bytes)
+        if self._arena_header_for is not plan:
+            arena.write_header(plan.header)
+            self._arena_header_for = plan
+        return arena
+
+    def _arena_of(self, need: int) -> HostArena:
+        """The arena, reallocated first if it holds fewer than ``need`` bytes."""
         pinned = self.config.mode == "async_pinned"
         if self._arena is None or self._arena.nbytes < need or self._arena.pinned != (
                 pinned and torch.cuda.is_available()):
@@ -656,9 +682,6 @@ class AsyncCheckpointer:
                     f"{'pinned ' if pinned and torch.cuda.is_available() else ''}host buffer "
                     f"of {need / 1e9:.2f} GB that saves stage into ({type(exc).__name__}: "
                     f"{exc}); free host memory, or try mode='async' (not pinned)") from exc
-        if self._arena_header_for is not plan:
-            self._arena.write_header(plan.header)
-            self._arena_header_for = plan
         return self._arena
 
     def _stop_serving(self) -> None:
@@ -670,6 +693,26 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+def _share_estimate(flat: FlatState, world_size: int) -> int:
+    """Arena bytes for this rank's share of a group save, estimated without the others'
+    layouts: a box held by n ranks (a plain tensor: all of them; a DTensor or declared
+    shard: the group's size times the fraction of the tensor it is) costs 1/n of its
+    bytes, plus the largest replicated box, by which the writers' balance can be off.
+    Never more than the whole local state."""
+    body = extra = total = 0
+    for key, t in flat.tensors.items():
+        nbytes = t.numel() * t.element_size()
+        total += nbytes
+        numel = math.prod(flat.global_shape(key))
+        replicas = max(1, round(world_size * t.numel() / numel)) if numel else 1
+        body += -(-nbytes // replicas)
+        if replicas > 1:
+            extra = max(extra, nbytes)
+    header = len(plan_writes(flat.tensors, shard_file_name(0), {"asyncckpt_format": "1"}
+                             ).header)  # of every local tensor: more than the share's
+    return align_up(header + min(total, body + extra))
 
 
 def _versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
