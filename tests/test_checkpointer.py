@@ -1023,3 +1023,27 @@ def test_only_the_canonical_name_of_a_step_directory_counts(tmp_path: Path) -> N
     assert asyncckpt.load(tmp_path, fallback=True)["train"]["step"] == 2
     # passed itself, it loads like any copy of a step directory under another name
     assert asyncckpt.load(tmp_path / "step_0000000003")["train"]["step"] == 2
+
+
+def test_a_commit_that_can_be_neither_made_durable_nor_withdrawn_says_so(
+        tmp_path: Path) -> None:
+    """The rename happened, the fsync of the root failed, and so did taking the step
+    back: the error must not read as "nothing was saved" while the step is visible."""
+    class Stuck(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:
+            if Path(path) == tmp_path and (tmp_path / "step_000000002").exists():
+                raise OSError(errno.EIO, "fsync failed")
+            super().fsync_dir(path)
+
+        def rename(self, src: Path, dst: Path) -> None:
+            if ".deleting-" in Path(dst).name:
+                raise OSError(errno.EROFS, "read-only now")
+            super().rename(src, dst)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=Stuck()) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1)
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"step 2 is committed at .*a crash may lose it.*read-only"):
+            ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
+        assert ckpt.steps() == [1, 2]
+        assert torch.equal(ckpt.load(step=2)["w"], torch.full((4,), 2.0))

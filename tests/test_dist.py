@@ -225,3 +225,36 @@ def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path)
         assert nbytes <= full // world + 2**20 + 2**18 + 2**16, (r, nbytes)
     loaded = asyncckpt.load(tmp_path)
     assert torch.equal(loaded["mine"], torch.arange(world).repeat_interleave(2**16).float())
+
+
+class _LosesVerdicts:
+    """A Store through which the coordinator's "ok" verdict never arrives."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/verdict") and '"ok"' in value:
+            raise RuntimeError("connection reset by peer")
+        self.store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(asyncckpt.writer, "_VERDICT_GRACE_S", 0.0)
+    store = _LosesVerdicts()
+
+    def rank(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            return ck.save_async(_state(r), step=5).wait()
+
+    out = _in_threads(rank)
+    assert isinstance(out[0], asyncckpt.CheckpointInfo), out[0]  # it is committed
+    assert out[0].path == tmp_path / "step_000000005"
+    assert isinstance(out[1], CheckpointTimeoutError), out[1]
+    assert "decided to commit step 5 but did not confirm it" in str(out[1])
+    assert AsyncCheckpointer(tmp_path).steps() == [5]

@@ -13,6 +13,7 @@ the directory itself have been fsync'd.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
 import threading
@@ -25,6 +26,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
 )
 from .manifest import MANIFEST_NAME
 from .storage import ReadStorage, Storage, is_transient
@@ -153,16 +155,23 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
     storage.rename(tmp, final)
     try:
         storage.fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         # The rename may not survive a crash, and the caller is told the save failed: so
         # it must not stay visible either. Take it out of sight again, then remove it.
         gone = root / f".step_{step:09d}.deleting-{uuid.uuid4().hex[:12]}"
         try:
             storage.rename(final, gone)
+        except OSError as stuck:
+            if not isinstance(exc, Exception):
+                raise
+            # Then the failure must not pass for "nothing was saved": the step is there.
+            raise CheckpointSaveError(
+                f"step {step} is committed at {final}, but making its name durable in {root} "
+                f"failed ({type(exc).__name__}: {exc}), so a crash may lose it, and taking "
+                f"it back failed too ({type(stuck).__name__}: {stuck}). Its files are "
+                "durable and verified; check the filesystem, and save a later step") from exc
+        with contextlib.suppress(OSError):  # out of sight: the next clean-up removes it
             storage.remove_tree(gone)
-        except OSError as exc:
-            log.error("step %d: could not withdraw %s after a failed fsync: %s", step, final,
-                      exc)
         raise
     return final
 

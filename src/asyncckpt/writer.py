@@ -261,7 +261,15 @@ class BackgroundWriter:
                 final = self._commit(job, job.records)
             else:
                 final = self._commit(job, [], manifest_written=True)
-            ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
+            job.committed = True  # from here on, the save succeeded whatever the Store says
+            try:
+                ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
+            except CheckpointError as exc:
+                # The step is committed; the other ranks time out with a message that
+                # says it may be (they saw the "commit" decision), and retention is
+                # still this rank's. Failing here would report a visible step as lost.
+                log.error("rank=0 step=%d: committed to %s, but the other ranks could not be "
+                          "told: %s", job.step, final, exc)
         else:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
