@@ -646,9 +646,30 @@ def test_a_file_above_max_file_bytes_is_refused() -> None:
     a = PGTransport(FakeGroup(wire, 0), 10.0)
     b = PGTransport(FakeGroup(wire, 1), 10.0, max_file_bytes=4096)
     sender = Background(a.send_checkpoint, [1], 5, small_state(), 2.0)
-    with pytest.raises(CheckpointTransportError, match="max_file_bytes"):
+    with pytest.raises(CheckpointTransportError, match=r"could not send step 5: .*rank 1 takes "
+                       r"at most \d+ and 4096 .*max_file_bytes="):
         b.recv_checkpoint(0, "pg:0", 5, 10.0)
-    sender.thread.join(10)  # (a real group would leave the sender waiting: nothing drains)
+    # The sender is told in the request, so it sends nothing the receiver would refuse (on
+    # a real group, that wait ran out its timeout).
+    with pytest.raises(CheckpointTransportError, match=r"not sent to rank 1: .*4096"):
+        sender.result()
+    assert wire.box(0, 1).empty()
+
+
+def test_a_receiver_that_states_no_limits_still_refuses_a_file_over_its_own() -> None:
+    """An older receiver sends zeros where the limits go: the sender offers, the
+    receiver refuses by itself."""
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 10.0)
+    b = PGTransport(FakeGroup(wire, 1), 10.0, max_file_bytes=4096)
+    request = b._send_words
+    b._send_words = lambda peer, words, *rest: request(  # type: ignore[method-assign]
+        peer, [*words[:4], 0, 0, 0, 0] if words[2] == REQUEST else words, *rest)
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 2.0)
+    with pytest.raises(CheckpointTransportError, match=r"announced a shard file of \d+ bytes "
+                       r"\(limit 4096"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    sender.thread.join(10)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,9 @@ interleave with these messages.
 Wire protocol, version 2 (every message is one tensor; ranks are ranks of the group):
 
 1. receiver -> sender: a request, 8 int64 words
-   ``[MAGIC, VERSION, REQUEST, wanted_step, 0, 0, 0, 0]``;
+   ``[MAGIC, VERSION, REQUEST, wanted_step, max_manifest_bytes, max_file_bytes, 0, 0]``
+   (the receiver's limits; 0: not stated, as receivers older than the limits send):
+   a sender whose step is over them answers with an error saying so;
 2. sender -> receiver: a reply, 8 int64 words
    ``[MAGIC, VERSION, OFFER, step, manifest_bytes, file_bytes, segments, 0]``, or
    ``[MAGIC, VERSION, NOT_FOUND, step_on_offer, 0, 0, 0, 0]`` when the steps differ, or
@@ -315,7 +317,7 @@ class PGTransport(CheckpointTransport[Any]):
                  view: Callable[[int], memoryview], segments: list[_Segment],
                  deadline: float, cut: threading.Event) -> str | None:
         """Serve one destination; returns why it was cut off (once it was told), or None."""
-        wanted = self._read_request(dst, step, deadline)
+        wanted, max_manifest, max_file = self._read_request(dst, step, deadline)
         if wanted != step:
             self._send_words(dst, [MAGIC, VERSION, NOT_FOUND, step, 0, 0, 0, 0], deadline,
                              f"the refusal to rank {dst}")
@@ -327,6 +329,15 @@ class PGTransport(CheckpointTransport[Any]):
             self._send_error(dst, step, reason, deadline)
             return reason
         file_bytes = pieces[-1][1] if pieces else 0
+        if (max_manifest and len(manifest) > max_manifest) or (max_file and
+                                                               file_bytes > max_file):
+            # Offered anyway, the receiver would refuse it and this rank would wait out
+            # its timeout sending what nobody reads.
+            reason = (f"step {step} is a manifest of {len(manifest)} bytes and a shard file of "
+                      f"{file_bytes} bytes; rank {dst} takes at most {max_manifest} and "
+                      f"{max_file} (its PGTransport's max_manifest_bytes=, max_file_bytes=)")
+            self._send_error(dst, step, reason, deadline)
+            raise CheckpointTransportError(f"not sent to rank {dst}: {reason}")
         self._send_words(dst, [MAGIC, VERSION, OFFER, step, len(manifest), file_bytes,
                                len(segments), 0], deadline, f"the offer to rank {dst}")
         raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
@@ -349,9 +360,10 @@ class PGTransport(CheckpointTransport[Any]):
                 self._end_reading()
         return None
 
-    def _read_request(self, dst: int, step: int, deadline: float) -> int:
-        """The step rank ``dst`` asks for. A peer of another protocol version gets an
-        error header, which its own version check rejects at once."""
+    def _read_request(self, dst: int, step: int, deadline: float) -> tuple[int, int, int]:
+        """The step rank ``dst`` asks for, and its limits on the manifest's and the
+        file's sizes (0: not stated). A peer of another protocol version gets an error
+        header, which its own version check rejects at once."""
         req = self._recv_words(dst, deadline, f"the request of rank {dst}")
         if req[0] == MAGIC and req[2] == REQUEST and req[1] != VERSION:
             self._send_words(dst, [MAGIC, VERSION, ERROR, step, 0, 0, 0, 0], deadline,
@@ -364,7 +376,7 @@ class PGTransport(CheckpointTransport[Any]):
             raise CheckpointTransportError(
                 f"rank {dst} sent {req} instead of an asyncckpt request: is it running "
                 "recv_checkpoint on the same group, with the same asyncckpt version?")
-        return req[3]
+        return req[3], max(0, req[4]), max(0, req[5])
 
     def _send_error(self, dst: int, step: int, reason: str, deadline: float) -> None:
         """Tell ``dst`` why nothing (more) comes: its receive fails at once, quoting
@@ -399,7 +411,8 @@ class PGTransport(CheckpointTransport[Any]):
 
     def _recv_from(self, src: int, step: int, deadline: float, where: str
                    ) -> tuple[bytes, str | None, torch.Tensor]:
-        self._send_words(src, [MAGIC, VERSION, REQUEST, step, 0, 0, 0, 0], deadline,
+        self._send_words(src, [MAGIC, VERSION, REQUEST, step, self.max_manifest_bytes,
+                               self.max_file_bytes, 0, 0], deadline,
                          f"the request for step {step} to {where}")
         h = self._recv_words(src, deadline, f"the answer of {where}")
         _check_words(h, where, "offer")
