@@ -258,3 +258,43 @@ def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0
     assert isinstance(out[1], CheckpointTimeoutError), out[1]
     assert "decided to commit step 5 but did not confirm it" in str(out[1])
     assert AsyncCheckpointer(tmp_path).steps() == [5]
+
+
+def test_a_per_rank_tensor_under_a_shared_path_is_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One path on every rank is one replicated tensor, saved once: a rank whose copy
+    differs (each rank's RNG state saved as a tensor at one path) loses it; say so."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        rng = torch.Generator().manual_seed(r).get_state()  # (ranks are threads here)
+        state = {"w": torch.ones(8), "rng": rng, "same": torch.arange(5),
+                 "big": torch.full((1 << 15,), float(r))}  # 128 KiB: not compared
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            ck.save(state, step=1)
+
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _in_threads(rank) == {0: None, 1: None}
+    warned = [rec.getMessage() for rec in caplog.records if "different values" in
+              rec.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "'rng'" in warned[0] and "'same'" not in warned[0] and "'w'" not in warned[0]
+    assert "RNGState()" in warned[0]
+
+
+def test_equal_replicas_are_not_warned_about(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        state = {f"t{i}": torch.arange(i + 3, dtype=torch.float64) for i in range(20)}
+        state["conj"] = torch.tensor([1 + 2j, 3 - 1j]).conj()  # a lazy view: its bytes differ
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            ck.save(state, step=1)
+            ck.save(state, step=2)
+
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert _in_threads(rank) == {0: None, 1: None}
+    assert "different values" not in caplog.text

@@ -42,11 +42,12 @@ from .manifest import (
     DEFAULT_BLOCK_BYTES,
     Manifest,
     align_up,
+    block_checksums,
     check_block_bytes,
     shard_file_name,
 )
 from .plan import WritePlan, layout_signature, plan_writes
-from .reader import read_manifest
+from .reader import read_manifest, tensor_bytes
 from .staging import HostArena, StagingProgress, stage
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
@@ -148,6 +149,7 @@ class AsyncCheckpointer:
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
+        self._probed: tuple[Any, list[str]] | None = None  # (for _layout) replicas to hash
         # Names the temporary directory the ranks share: the coordinator's, which the
         # others learn in each save's layout exchange.
         self._nonce = commit.new_token()
@@ -225,6 +227,7 @@ class AsyncCheckpointer:
             apply_shards(flat, shards)
             mine = self._my_keys(step, tag, flat)
             tensors = {k: t for k, t in flat.tensors.items() if k in mine}
+            replicas = self._replica_checksums(flat) if ctx.distributed else {}
             self._stop_serving()  # before the arena's header or bytes change
             if self._preparing is not None:  # an arena being allocated ahead of time
                 preparing, self._preparing = self._preparing, None
@@ -246,7 +249,7 @@ class AsyncCheckpointer:
             storage=self.storage, keep_last=self.config.keep_last,
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
-            started=started, tag=tag, in_use=self._in_use)
+            started=started, tag=tag, in_use=self._in_use, replicas=replicas)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable, self._retention = writer.submit(job)  # follows the staging progress
@@ -641,6 +644,27 @@ class AsyncCheckpointer:
         self._prev_tag = tag
         return self._layout[1]
 
+    def _replica_checksums(self, flat: FlatState) -> dict[str, list[str]]:
+        """Checksums of the small replicated CPU tensors this rank holds but another
+        writes, for the coordinator to compare with the copy saved (a per-rank value
+        under a shared path would otherwise be lost without a word). GPU tensors are
+        left out: hashing them would cost a device-to-host copy on the caller's thread."""
+        assert self._layout is not None
+        if self._probed is None or self._probed[0] is not self._layout:
+            mine = self._layout[1]
+            keys = [k for k, t in flat.tensors.items()
+                    if k not in mine and k not in flat.boxes and t.device.type == "cpu"
+                    and 0 < t.numel() * t.element_size() <= _PROBE_BYTES]
+            self._probed = (self._layout, keys[:_PROBE_COUNT])
+        out = {}
+        for key in self._probed[1]:
+            t = flat.tensors.get(key)
+            if t is None or t.device.type != "cpu":
+                continue
+            c = t.detach().resolve_conj().resolve_neg().contiguous()
+            out[key] = block_checksums(tensor_bytes(c), self.config.block_bytes)
+        return out
+
     def _announce_failure(self, tag: str, exc: BaseException) -> None:
         """Let the other ranks fail this save at once instead of timing out."""
         ctx = self._ctx
@@ -693,6 +717,10 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+_PROBE_BYTES = 64 << 10  # replicated tensors up to this size are compared across ranks
+_PROBE_COUNT = 4096  # and at most this many
 
 
 def _share_estimate(flat: FlatState, world_size: int) -> int:

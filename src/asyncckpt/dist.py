@@ -492,12 +492,15 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
 def make_record(rank: int, file: str | None, file_bytes: int, header: bytes,
                 items: Sequence[tuple[str, str, tuple[int, ...], str, Box, tuple[int, int],
                                       tuple[str, ...]]],
-                skeleton: dict[str, Any]) -> dict[str, Any]:
+                skeleton: dict[str, Any], replicas: Mapping[str, list[str]] | None = None
+                ) -> dict[str, Any]:
     """The JSON a rank reports once its shard file is durable.
 
-    ``items``: (key, dtype, global shape, kind, box, byte range, checksums) per tensor.
+    ``items``: (key, dtype, global shape, kind, box, byte range, checksums) per tensor;
+    ``replicas``: the checksums of replicated tensors it holds but does not write.
     """
-    return {
+    extra = {"replicas": dict(replicas)} if replicas else {}
+    return {**extra,
         "rank": rank, "file": file, "bytes": file_bytes, "skeleton": skeleton,
         "header_bytes": len(header), "header_checksum": xxhash.xxh3_64_hexdigest(header),
         "tensors": {k: {"dtype": dt, "shape": list(gs), "kind": kind, "offsets": list(box[0]),
@@ -539,6 +542,7 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
                     "keeps rank %d's (values with one path on every rank are taken as "
                     "replicated: give per-rank values per-rank paths, e.g. under the rank)",
                     step, ", ".join(map(repr, differing[:5])), more, records[0]["rank"])
+    _warn_differing_replicas(step, records, out)
     reachable = {node["key"] for _, node in iter_array_nodes(skeleton)}
     lost = [k for k in out if k not in reachable]
     if lost:  # written, but a load would never find them: refuse rather than lose them
@@ -551,6 +555,29 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
                     library_version=library_version, block_bytes=block_bytes, files=files,
                     tensors=out, skeleton=skeleton, user_metadata=user_metadata,
                     partial=partial)
+
+
+def _warn_differing_replicas(step: int, records: Sequence[dict[str, Any]],
+                             tensors: Mapping[str, TensorEntry]) -> None:
+    """Warn when a rank's copy of a replicated tensor differs from the copy saved: one
+    path on every rank is taken as one replicated tensor, written once, so the others'
+    values are lost (per-rank values under a shared path, e.g. each rank's RNG state)."""
+    differing: dict[str, list[int]] = {}
+    for rec in records:
+        for key, sums in rec.get("replicas", {}).items():
+            entry = tensors.get(key)
+            if entry is not None and len(entry.chunks) == 1 and list(
+                    entry.chunks[0].checksums) != list(sums):
+                differing.setdefault(key, []).append(rec["rank"])
+    if differing:
+        keys = sorted(differing)
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        log.warning("step %d: ranks hold different values of tensor(s) %s%s, each saved once as "
+                    "a replicated tensor (rank(s) %s differ from the copy saved); a tensor at "
+                    "one path on every rank is taken as replicated: give per-rank values "
+                    "per-rank paths, e.g. under the rank (asyncckpt.RNGState() for generators)",
+                    step, ", ".join(map(repr, keys[:5])), more,
+                    sorted({r for ranks in differing.values() for r in ranks}))
 
 
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],

@@ -86,13 +86,16 @@ class SaveJob:
     started: float
     blocked_s: float = 0.0
     tmp: Path | None = None
-    tag: str = ""  # names this save's Store keys: s<step>.<save number>
+    tag: str = ""  # names this save's Store keys: n<save number>
     announced: bool = False  # this rank posted "done" (its file is durable)
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
     records: list[dict[str, Any]] = field(default_factory=list)  # every rank's (coordinator)
     in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
+    # checksums of small replicated tensors this rank holds but another writes: compared
+    # with the writer's by the coordinator (dist.merge_records)
+    replicas: dict[str, list[str]] = field(default_factory=dict)
 
     def release(self) -> None:
         """Drop the arena and the state tree: a failed save's error, whose traceback holds
@@ -550,7 +553,8 @@ def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, An
         items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
                       flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
     return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
-                       job.plan.file_bytes, job.plan.header, items, flat.skeleton)
+                       job.plan.file_bytes, job.plan.header, items, flat.skeleton,
+                       job.replicas)
 
 
 def _hint(exc: BaseException) -> str:
