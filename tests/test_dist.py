@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,10 +20,12 @@ from asyncckpt import AsyncCheckpointer, ShardMetadata
 from asyncckpt.dist import DistContext
 from asyncckpt.errors import (
     CheckpointConfigError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
+from asyncckpt.storage import LocalStorage
 
 
 def _ctx(timeout_s: float = 30.0) -> DistContext:
@@ -100,8 +105,12 @@ def _in_threads(fn: Callable[[int], Any], world: int = 2, timeout: float = 60.0
     return out
 
 
+def _dir_hash(path: Path) -> str:
+    return hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:12]
+
+
 def _state(r: int) -> dict[str, Any]:
-    return {"w": torch.arange(6, dtype=torch.float32) + r, "step": 1}
+    return {"w": torch.arange(6, dtype=torch.float32), "step": 1}  # replicated: equal
 
 
 def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: Path) -> None:
@@ -175,8 +184,46 @@ def test_a_timeout_says_a_rank_is_saving_with_another_checkpointer(tmp_path: Pat
     for r, (theirs, mine) in {0: (2, 1), 1: (1, 2)}.items():
         assert isinstance(out[r], CheckpointTimeoutError), out[r]
         assert out[r].ranks == (1 - r,)
-        assert (f"rank {1 - r} last started saving with its checkpointer #{theirs} of "
-                f"{str(tmp_path)!r}, this rank with its #{mine}") in str(out[r])
+        assert (f"rank {1 - r} last started saving into {str(tmp_path)!r} with its "
+                f"checkpointer #{theirs} of it, this rank with its #{mine}") in str(out[r])
+
+
+def test_a_rank_that_saved_into_another_directory_since_is_not_called_unpaired(
+        tmp_path: Path) -> None:
+    """Both ranks save into A and B; rank 1 never saves A's step 2: rank 0's timeout
+    must not blame the order of checkpointers (rank 1 is not ahead, just absent)."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path / "A", mode="sync", rank=r, world_size=2,
+                               store=store, timeout_s=2) as a, \
+                AsyncCheckpointer(tmp_path / "B", mode="sync", rank=r, world_size=2,
+                                  store=store, timeout_s=2) as b:
+            a.save(_state(r), step=1)
+            b.save(_state(r), step=1)
+            if r == 0:
+                a.save(_state(r), step=2)
+
+    out = _in_threads(rank)
+    assert out[1] is None
+    assert isinstance(out[0], CheckpointTimeoutError), out[0]
+    assert "last started saving" not in str(out[0])
+    assert "not called save_async" in str(out[0])
+
+
+def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=60) as ck:
+            ck.save(_state(r), step=5 if r == 0 else -5)
+
+    t0 = time.monotonic()
+    out = _in_threads(rank)
+    assert time.monotonic() - t0 < 20  # not the 60 s timeout
+    assert isinstance(out[1], CheckpointConfigError), out[1]
+    assert isinstance(out[0], CheckpointSaveError) and "step=-5" in str(out[0]), out[0]
 
 
 def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> None:
@@ -194,7 +241,39 @@ def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> 
     out = _in_threads(rank)
     assert out == {0: None, 1: None}
     assert store.num_keys() == 2, "left in the Store after close()"
-    assert all(store.check([f"asyncckpt/where/{r}"]) for r in (0, 1))
+    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
+
+
+@pytest.mark.parametrize("case", ["new layout, one rank fails", "first save fails",
+                                  "one rank saves once more"])
+def test_keys_of_failed_saves_are_deleted_at_close_too(tmp_path: Path, case: str) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            if case == "first save fails":  # before any layout exchange went through
+                with pytest.raises(CheckpointError):
+                    ck.save(_state(r), step=1 + r)
+                return
+            ck.save(_state(r), step=1)
+            if case == "one rank saves once more":
+                if r == 1:  # rank 0 does not take part: it times out
+                    with pytest.raises(CheckpointTimeoutError):
+                        ck.save(_state(r), step=2)
+                else:
+                    time.sleep(2)  # and closes last
+                return
+            big: dict[str, Any] = {f"layer{i}": torch.zeros(4) for i in range(20)}
+            if r == 0:
+                big["bad"] = object()  # rank 0 fails in flatten, rank 1 posts its layout
+            with pytest.raises(CheckpointError):
+                ck.save(big, step=2)
+
+    out = _in_threads(rank)
+    assert out == {0: None, 1: None}
+    assert store.num_keys() == 2, "left in the Store after close()"
+    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
 
 
 def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path) -> None:
@@ -298,3 +377,53 @@ def test_equal_replicas_are_not_warned_about(tmp_path: Path,
     with caplog.at_level("WARNING", logger="asyncckpt"):
         assert _in_threads(rank) == {0: None, 1: None}
     assert "different values" not in caplog.text
+
+
+class _StuckCommit(LocalStorage):
+    """The root's fsync fails once step 2 is renamed into place, and so does taking it
+    back out of sight."""
+
+    def __init__(self, root: Path, interrupt: bool = False):
+        self.root, self.interrupt = root, interrupt
+
+    def fsync_dir(self, path: Path) -> None:
+        if Path(path) == self.root and (self.root / "step_000000002").exists():
+            if self.interrupt:
+                raise KeyboardInterrupt
+            raise OSError(errno.EIO, "fsync failed")
+        super().fsync_dir(path)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        if ".deleting-" in Path(dst).name:
+            raise OSError(errno.EROFS, "read-only now")
+        super().rename(src, dst)
+
+
+def test_a_step_committed_but_not_durable_is_reported_so_on_every_rank(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> Any:
+        storage = _StuckCommit(tmp_path) if r == 0 else LocalStorage()
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
+                               storage=storage) as ck:
+            ck.save(_state(r), step=1)
+            with pytest.raises(CheckpointSaveError) as failed:
+                ck.save(_state(r), step=2)
+            return str(failed.value)
+
+    out = _in_threads(rank)
+    for r in (0, 1):
+        assert "step 2 is committed at" in out[r], out[r]
+        assert "was not committed" not in out[r], out[r]
+    assert AsyncCheckpointer(tmp_path).steps() == [1, 2]
+    assert torch.equal(asyncckpt.load(tmp_path, step=2)["w"], _state(0)["w"])
+
+
+def test_an_interrupt_in_the_commit_stays_an_interrupt(tmp_path: Path) -> None:
+    from asyncckpt import commit
+
+    tmp = tmp_path / ".step_000000002.tmp-abc"
+    tmp.mkdir()
+    (tmp / "manifest.json").write_text("{}")
+    with pytest.raises(KeyboardInterrupt):
+        commit.commit(tmp, tmp_path, 2, _StuckCommit(tmp_path, interrupt=True))

@@ -149,6 +149,7 @@ class AsyncCheckpointer:
         self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
         self._my_digest: str | None = None
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
+        self._posted_digests: set[str] = set()  # every layout this rank posted
         self._probed: tuple[Any, list[str]] | None = None  # (for _layout) replicas to hash
         # Names the temporary directory the ranks share: the coordinator's, which the
         # others learn in each save's layout exchange.
@@ -196,9 +197,9 @@ class AsyncCheckpointer:
             ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
         tag = f"n{self._seq}"
-        if type(step) is not int or step < 0:
-            raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
         try:
+            if type(step) is not int or step < 0:
+                raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
             self._wait_for_previous()
@@ -288,7 +289,9 @@ class AsyncCheckpointer:
         save has over later ones; call this at start-up (it runs on a background thread
         by default) so that the first save only copies. Not collective: in a group, the
         arena is sized for this rank's estimated share of replicated data (its
-        replicas split the writing), and a first save that needs more allocates again.
+        replicas split the writing; a plain tensor counts as held by every rank), and a
+        first save that needs more allocates again (as when plain tensors are held by
+        only some ranks, e.g. pipeline stages).
         """
         self._check_open()
         flat = flatten(state)  # on this thread: state_dict() calls stay here
@@ -488,7 +491,7 @@ class AsyncCheckpointer:
             self._lock.release()
             if self._ctx.distributed:  # the Store keys of this checkpointer's saves
                 self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
-                                  self._layout[0] if self._layout else ())
+                                  sorted(self._posted_digests))
         earlier = self._take_missed()
         if not raise_missed:
             return
@@ -607,6 +610,8 @@ class AsyncCheckpointer:
             digest = layout_digest(items)
             if digest != self._my_digest:
                 ctx.put(ctx.key("items", ctx.rank, digest), [i.to_json() for i in items])
+                self._posted_digests.add(digest)  # (for close: the coordinator may not
+                # have seen it, and then forgets it never)
                 self._my_digest = digest
             self._my_sig = sig
         digest = self._my_digest

@@ -138,6 +138,15 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     return root / step_dir_name(step), step
 
 
+class CommittedNotDurableError(CheckpointSaveError):
+    """The step's directory was renamed into place, but its name may not survive a crash
+    and could not be taken back: the step is visible, the save is reported failed."""
+
+    def __init__(self, message: str, final: Path):
+        super().__init__(message)
+        self.final = final
+
+
 def commit(tmp: Path, root: Path, step: int, storage: Storage,
            before_rename: Callable[[], None] | None = None) -> Path:
     """Make ``tmp`` (fully written and fsync'd) visible as the step's directory.
@@ -162,14 +171,15 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
         try:
             storage.rename(final, gone)
         except OSError as stuck:
-            if not isinstance(exc, Exception):
-                raise
+            if not isinstance(exc, Exception):  # (an interrupt stays one)
+                raise exc from None
             # Then the failure must not pass for "nothing was saved": the step is there.
-            raise CheckpointSaveError(
+            raise CommittedNotDurableError(
                 f"step {step} is committed at {final}, but making its name durable in {root} "
                 f"failed ({type(exc).__name__}: {exc}), so a crash may lose it, and taking "
                 f"it back failed too ({type(stuck).__name__}: {stuck}). Its files are "
-                "durable and verified; check the filesystem, and save a later step") from exc
+                "durable and verified; check the filesystem, and save a later step",
+                final) from exc
         with contextlib.suppress(OSError):  # out of sight: the next clean-up removes it
             storage.remove_tree(gone)
         raise

@@ -24,8 +24,9 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
 The namespace pairs the checkpointers of one directory across ranks: the directory's
 resolved path and how many checkpointers of it this process has saved with before. It
 is chosen by the first save, not by the constructor, so a checkpointer one rank opens
-only to load or list steps pairs with nothing. ``asyncckpt/where/<rank>`` says which
-namespace a rank joined last, for the error of a wait that never meets its peers.
+only to load or list steps pairs with nothing. ``asyncckpt/where/<dir hash>/<rank>`` says which
+namespace a rank joined last (per directory), for the error of a wait that never meets
+its peers.
 """
 
 from __future__ import annotations
@@ -152,36 +153,43 @@ class DistContext:
         """
         if self.namespace:
             return
-        base = hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+        base = self._base()
         with _sessions_lock:  # ranks simulated by threads of one process count apart
             n = _sessions[(base, self.rank)] = _sessions.get((base, self.rank), -1) + 1
         self.namespace = f"{base}.{n}"
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
-            self.store.set(f"asyncckpt/where/{self.rank}", json.dumps(
-                {"directory": self.directory, "namespace": self.namespace, "session": n}))
+            self.store.set(self._where_key(self.rank), json.dumps(
+                {"namespace": self.namespace, "session": n}))
+
+    def _base(self) -> str:
+        return hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+
+    def _where_key(self, rank: int) -> str:
+        """Which checkpointer of this directory ``rank`` last started saving with."""
+        return f"asyncckpt/where/{self._base()}/{rank}"
 
     def why_absent(self, ranks: Sequence[int], seq: int) -> str:
         """What ``ranks``, which never posted their layout for save number ``seq`` of
         this namespace, are doing instead, as far as the Store tells: for an error."""
         notes = []
+        mine = int(self.namespace.rsplit(".", 1)[1])
         for r in ranks:
             try:
-                where_key = f"asyncckpt/where/{r}"
+                where_key = self._where_key(r)
                 where = json.loads(self.store.get(where_key)) if self.store.check(
                     [where_key]) else None
                 if where is not None and where["namespace"] != self.namespace:
-                    mine = int(self.namespace.rsplit(".", 1)[1])
                     notes.append(
-                        f"rank {r} last started saving with its checkpointer #"
-                        f"{where['session'] + 1} of {where['directory']!r}, this rank with its "
-                        f"#{mine + 1} of {self.directory!r}")
+                        f"rank {r} last started saving into {self.directory!r} with its "
+                        f"checkpointer #{where['session'] + 1} of it, this rank with its "
+                        f"#{mine + 1}")
                     continue
                 for later in range(seq + 1, seq + 4):
                     key = self.key(f"n{later}", "layout", r)
                     if self.store.check([key]):
                         got = json.loads(self.store.get(key))
-                        notes.append(f"rank {r} is at its save #{later} (step "
-                                     f"{got.get('step')}), this rank at #{seq}")
+                        notes.append(f"rank {r} is at its save #{later} with this checkpointer "
+                                     f"(step {got.get('step')}), this rank at #{seq}")
                         break
             except Exception:  # an explanation is a best effort
                 continue
@@ -192,16 +200,30 @@ class DistContext:
                 "the same number of times")
 
     def release(self, tags: Sequence[str], digests: Sequence[str]) -> None:
-        """At close: count this rank out; the last rank of the group to close deletes
-        what is left of the namespace (by then no rank waits on any of it). The
-        ``where`` keys stay: one per rank, overwritten by the next join."""
+        """At close: post what this rank may have left in the Store (the tags of saves
+        not yet forgotten, the digests of the layouts it posted) and count itself out;
+        the last rank of the group to close deletes all of it (by then no rank waits on
+        any of it). The ``where`` keys stay: one per rank and directory."""
         if not self.namespace:
             return
         with contextlib.suppress(Exception):
+            self.store.set(self.key("closing", self.rank),
+                           json.dumps({"tags": list(tags), "digests": list(digests)}))
             if self.store.add(self.key("closed"), 1) < self.world_size:
                 return
-            self.forget(tags, digests, ["" for _ in digests])
-            self.store.delete_key(self.key("closed"))
+            left: set[str] = set()
+            keys = [self.key("closed")]
+            for r in range(self.world_size):
+                closing = self.key("closing", r)
+                if self.store.check([closing]):
+                    info = json.loads(self.store.get(closing))
+                    left.update(info["tags"])
+                    keys += [self.key("items", r, d) for d in info["digests"]]
+                keys.append(closing)
+            self.forget(sorted(left), (), ())
+            for k in keys:
+                with contextlib.suppress(Exception):
+                    self.store.delete_key(k)
 
     def put(self, key: str, value: Any) -> None:
         with self._store_errors(f"posting {key}"):

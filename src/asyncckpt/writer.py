@@ -277,6 +277,11 @@ class BackgroundWriter:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
             verdict = _await_verdict(job)
+            if "committed" in verdict:  # visible, but its name may not survive a crash
+                job.tmp = None
+                raise CheckpointSaveError(
+                    f"rank {ctx.rank}: step {job.step} is committed at {verdict['committed']} "
+                    f"with this rank's file, but the coordinator reports: {verdict['error']}")
             if "ok" not in verdict:
                 job.rejected = True
                 raise CheckpointSaveError(
@@ -394,7 +399,12 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
                 for part in ("record", "done"):
                     ctx.put(ctx.key(job.tag, part, ctx.rank), {"rank": ctx.rank, "error": msg})
             if ctx.is_coordinator:
-                ctx.put(ctx.key(job.tag, "verdict"), {"error": msg})
+                verdict = {"error": msg}
+                if isinstance(exc, commit.CommittedNotDurableError):  # the step is visible
+                    verdict["committed"] = str(exc.final)
+                ctx.put(ctx.key(job.tag, "verdict"), verdict)
+    if isinstance(exc, commit.CommittedNotDurableError):
+        job.tmp = None  # renamed into the step: nothing of it is this save's to remove
     if job.tmp is None:
         return
     if ctx.is_coordinator or not ctx.distributed:
