@@ -127,7 +127,8 @@ class AsyncCheckpointer:
         self.directory = Path(directory)
         self.storage: Storage = storage or LocalStorage()
         self._ctx: DistContext = resolve_context(
-            os.path.realpath(self.directory), process_group=process_group, rank=rank,
+            # (not realpath: nodes may resolve one shared alias to different mounts)
+            os.path.abspath(self.directory), process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
         self._writer: BackgroundWriter | None = None

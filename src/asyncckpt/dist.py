@@ -22,7 +22,7 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
 
 The namespace pairs the checkpointers of one directory across ranks: the directory's
-resolved path and how many checkpointers of it this process has saved with before. It
+absolute path and how many checkpointers of it this process has saved with before. It
 is chosen by the first save, not by the constructor, so a checkpointer one rank opens
 only to load or list steps pairs with nothing. ``asyncckpt/where/<dir hash>/<rank>`` says which
 namespace a rank joined last (per directory), for the error of a wait that never meets
@@ -352,8 +352,8 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
                     timeout_s: float = 600.0) -> DistContext:
     """Work out rank, world size and Store from the arguments or the default group.
 
-    ``directory`` should be resolved (``os.path.realpath``): it pairs the checkpointers
-    of the ranks (see DistContext.join).
+    ``directory`` should be absolute and normalized (``os.path.abspath``): it pairs the
+    checkpointers of the ranks (see DistContext.join).
     """
     if process_group is not None or (rank is None and dist.is_available()
                                      and dist.is_initialized()):
