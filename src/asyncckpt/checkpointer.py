@@ -715,9 +715,16 @@ class AsyncCheckpointer:
         return self._arena
 
     def _stop_serving(self) -> None:
-        """Peers must stop reading the arena before anything in it changes."""
+        """Peers must stop reading the arena before anything in it changes (the next save
+        restages it) or it is released (close). The offer is withdrawn, not only
+        disallowed: allowing its step again would serve whatever the arena holds by then,
+        and the transport would keep the arena alive."""
         for transport in self._transports:
-            transport.disallow_checkpoint()
+            withdraw = getattr(transport, "withdraw", None)
+            if callable(withdraw):
+                withdraw()
+            else:
+                transport.disallow_checkpoint()
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:

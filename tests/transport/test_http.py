@@ -26,6 +26,8 @@ import asyncckpt
 from asyncckpt import AsyncCheckpointer
 from asyncckpt.cli import main as cli_main
 from asyncckpt.errors import (
+    CheckpointClosedError,
+    CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
@@ -209,7 +211,7 @@ def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transpor
     state = state_of(2)
     srv.send_checkpoint([1], 5, state, 10.0)
     port = port_of(srv)
-    for token in ("wrong", None, TOKEN + "x", TOKEN[:-1], "", TOKEN.upper()):
+    for token in ("wrong", None, TOKEN + "x", TOKEN[:-1], TOKEN.upper()):
         with pytest.raises(CheckpointTransportError, match="401"):
             fetch(srv, 5, token=token)
     for path in ("/v1/current", "/v1/5/manifest.json", f"/v1/5/files/{FILE}", "/nope"):
@@ -325,30 +327,152 @@ def test_connections_above_max_connections_get_503_and_the_server_recovers(
     srv = transports(token=TOKEN, max_connections=4, timeout=5.0)
     state = state_of(5)
     srv.send_checkpoint([1], 5, state, 10.0)
+    srv.disallow_checkpoint()
     port = port_of(srv)
-    idle = []
-    for _ in range(4):  # hold every slot: connected, silent
-        idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        time.sleep(0.05)
+    busy = []
+    for _ in range(4):  # hold every slot with a request that is in: waiting for its step
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(f"GET /v1/current HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+                  .encode())
+        busy.append(s)
     time.sleep(0.3)
     refused = 0
     extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(16)]
     for s in extra:
         reply = s.recv(200)
-        refused += reply.startswith(b"HTTP/1.1 503")
+        refused += reply.startswith(b"HTTP/1.1 503") and b"server full" in reply
         s.close()
     assert refused == 16
-    for s in idle:
+    srv.allow_checkpoint(5)
+    for s in busy:
+        assert s.recv(200).startswith(b"HTTP/1.1 200")
         s.close()
-    deadline = time.monotonic() + 5
-    while True:  # the slots come back once the handlers see the closed connections
-        try:
-            assert_state(fetch(srv, 5, timeout=5.0), state)
-            break
-        except CheckpointTransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    assert_state(fetch(srv, 5, timeout=5.0), state)
+
+
+def test_silent_and_unauthenticated_connections_cannot_lock_out_a_fetch(
+        transports: Any) -> None:
+    # a long timeout (the wait for a step) must not let idle clients keep their slots
+    srv = transports(token=TOKEN, max_connections=4, timeout=60.0)
+    state = state_of(5)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    port = port_of(srv)
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+    time.sleep(0.3)  # connected, silent: each one beyond 4 took an older one's slot
+    t0 = time.monotonic()
+    assert_state(fetch(srv, 5, timeout=60.0), state)
+    assert time.monotonic() - t0 < 10  # not a wait for the 60 s timeout
+    for s in held:
+        s.close()
+
+
+def test_a_refused_request_closes_its_connection(transports: Any) -> None:
+    srv = transports(token=TOKEN, timeout=60.0)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    port = port_of(srv)
+    size = parse_manifest(srv._offered.manifest(), "m").files[FILE].bytes  # type: ignore
+    f = f"/v1/5/files/{FILE}"
+    cases = [  # keep-alive requests: the server must hang up after the refusal
+        (b"GET /v1/current HTTP/1.1\r\n\r\n", b"401", b"WWW-Authenticate: Bearer"),
+        (b"POST /v1/current HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"401",
+         b"WWW-Authenticate: Bearer"),
+        (b"GET /v1/6/manifest.json HTTP/1.1\r\nAuthorization: Bearer %s\r\n\r\n", b"404",
+         b""),
+        (b"POST /v1/current HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: 0\r\n"
+         b"\r\n", b"405", b"Allow: GET, HEAD"),
+        (f"GET {f} HTTP/1.1\r\nAuthorization: Bearer %s\r\nRange: bytes=0-{size}\r\n\r\n"
+         .encode(), b"416", f"Content-Range: bytes */{size}".encode()),
+    ]
+    for request, code, header in cases:
+        # raw_request reads until the server closes: a kept connection times out
+        reply = raw_request(port, request.replace(b"%s", TOKEN.encode()), timeout=5.0)
+        assert reply.split(b" ", 2)[1] == code, reply[:200]
+        assert header in reply.split(b"\r\n\r\n", 1)[0], reply[:300]
+
+
+def test_no_100_continue_without_the_token(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    reply = raw_request(port_of(srv), b"POST /v1/current HTTP/1.1\r\nContent-Length: 9\r\n"
+                        b"Expect: 100-continue\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+
+
+def test_waiting_for_request_headers_has_its_own_short_bound(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncckpt.transport import http as http_mod
+
+    monkeypatch.setattr(http_mod, "_HEADER_WAIT_S", 0.5)  # (10 s in earnest)
+    srv = transports(token=TOKEN, timeout=60.0)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    with socket.create_connection(("127.0.0.1", port_of(srv)), timeout=8) as s:
+        s.sendall(b"GET /v1/curr")  # half a request, then nothing
+        assert s.recv(100) == b""  # closed long before the 60 s timeout (else: timeout)
+
+
+def test_receivers_beyond_max_connections_wait_for_a_slot(transports: Any) -> None:
+    srv = transports(token=TOKEN, max_connections=2, timeout=10.0)
+    state = state_of(6)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    srv.disallow_checkpoint()
+    busy = []
+    for _ in range(2):  # both slots: requests waiting for a step
+        s = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
+        s.sendall(f"GET /v1/current HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        busy.append(s)
+    time.sleep(0.3)
+    receiving = Background(fetch, srv, 5, timeout=10.0)
+    time.sleep(1.0)  # its requests get 503 "server full" meanwhile
+    assert receiving.thread.is_alive(), f"the receiver gave up: {receiving.error}"
+    srv.allow_checkpoint(5)  # the waiting requests are answered: their slots come free
+    for s in busy:
+        raw = s.recv(200)
+        assert raw.startswith(b"HTTP/1.1 200"), raw
+        s.close()
+    assert_state(receiving.result(15), state)
+
+
+def test_shutdown_ends_every_connection_and_refuses_new_offers() -> None:
+    srv = HTTPTransport(token=TOKEN, timeout=30.0)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    port = port_of(srv)
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    idle = socket.create_connection(("127.0.0.1", port), timeout=8)  # a keep-alive
+    idle.sendall(b"GET /v1/current HTTP/1.1\r\n" + auth + b"\r\n")
+    answer = b""
+    while not answer.endswith(b'{"step": 5}'):  # the whole answer: headers and body
+        chunk = idle.recv(1000)
+        assert chunk, answer
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200")
+    half = socket.create_connection(("127.0.0.1", port), timeout=8)
+    half.sendall(b"GET /v1/current HTTP/1.1\r\n")  # headers never finished
+    srv.disallow_checkpoint()
+    waiting = socket.create_connection(("127.0.0.1", port), timeout=8)
+    waiting.sendall(b"GET /v1/5/manifest.json HTTP/1.1\r\n" + auth + b"\r\n")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    srv.shutdown()
+    assert time.monotonic() - t0 < 10  # not the 30 s timeout
+    for s in (idle, half, waiting):  # each ends at once (a timeout here: it was kept)
+        with contextlib.suppress(ConnectionResetError):
+            reply = s.recv(1000)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 503"), reply
+        s.close()
+    for offer in (lambda: srv.allow_checkpoint(5),
+                  lambda: srv.send_checkpoint([1], 6, state_of(), 10.0)):
+        with pytest.raises(CheckpointClosedError, match="shut down"):
+            offer()
+
+
+def test_bad_settings_are_config_errors() -> None:
+    for kw in ({"token": ""}, {"max_connections": 0}, {"max_range_bytes": 0},
+               {"port": 70000}):
+        with pytest.raises(CheckpointConfigError, match=next(iter(kw))):
+            HTTPTransport(**kw)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointConfigError, match="token"):
+        asyncckpt.load("http://127.0.0.1:1/v1", token="")
 
 
 # --- damaged transfers -----------------------------------------------------------------------
@@ -579,6 +703,32 @@ def test_a_file_served_from_disk_is_sent_whole_or_fails(tmp_path: Path) -> None:
     assert bytes(got[2 << 20:]) == body[:1 << 20]  # what there was, then an error
 
 
+def test_a_file_served_from_disk_without_sendfile_sends_the_asked_for_bytes(
+        tmp_path: Path, transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        info = ckpt.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, 3)
+    on_disk = (info.path / FILE).read_bytes()
+
+    def no_sendfile(*args: Any) -> int:  # as on a filesystem without sendfile support
+        raise OSError(errno.EINVAL, "sendfile not supported here")
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    srv = transports(token=TOKEN)
+    srv.serve_directory(info.path)
+    with socket.create_connection(("127.0.0.1", port_of(srv)), timeout=5) as s:
+        for lo, hi in ((100000, 100099), (0, 15), (50000, 50999)):  # one keep-alive
+            s.sendall(f"GET /v1/3/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}"
+                      f"\r\nRange: bytes={lo}-{hi}\r\n\r\n".encode())
+            reply = b""
+            while len(reply.partition(b"\r\n\r\n")[2]) < hi - lo + 1:
+                chunk = s.recv(65536)
+                assert chunk, reply[:200]
+                reply += chunk
+            assert reply.partition(b"\r\n\r\n")[2] == on_disk[lo:hi + 1], (lo, hi)
+
+
 _SLOW_SERVER = r"""
 import sys, time, torch
 from asyncckpt.transport import HTTPTransport
@@ -730,6 +880,44 @@ def test_ckpt_serve_offers_each_save_and_never_a_half_staged_arena(
         assert_state(asyncckpt.load(srv.address(), token=TOKEN, timeout=5.0), state)
         with pytest.raises(CheckpointNotFoundError):
             fetch(srv, 1)
+
+
+def test_a_withdrawn_offer_cannot_be_allowed_again(tmp_path: Path, transports: Any) -> None:
+    storage = GatedStorage()
+    srv = transports(token=TOKEN, timeout=1.5)
+    state = {"w": torch.full((1 << 16,), 1.0)}
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt", mode="async", storage=storage)
+    try:
+        ckpt.serve(srv)
+        ckpt.save(state, 1)
+        storage.gate.clear()
+        storage.writing.clear()
+        state["w"].fill_(2.0)
+        fut = ckpt.save_async(state, 2)  # restages the arena of step 1, held unoffered
+        assert storage.writing.wait(10)
+        with pytest.raises(CheckpointNotFoundError, match="step 1"):
+            srv.allow_checkpoint(1)  # it would serve step 2's bytes as step 1
+        storage.gate.set()
+        fut.wait(30)
+        assert_state(fetch(srv, 2), state)
+    finally:
+        storage.gate.set()
+        ckpt.close()
+    assert srv._offered is None  # the closed checkpointer's arena is not held
+    with pytest.raises(CheckpointNotFoundError):
+        srv.allow_checkpoint(2)
+
+
+def test_disallow_alone_keeps_a_live_offer_that_can_be_allowed_again(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(7)
+    srv.send_checkpoint([1], 5, state, 10.0)
+    srv.disallow_checkpoint()
+    srv.allow_checkpoint(5)  # torchft's interface: the same live state, re-allowed
+    assert_state(fetch(srv, 5), state)
+    srv.withdraw()
+    with pytest.raises(CheckpointNotFoundError):
+        srv.allow_checkpoint(5)
 
 
 def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transports: Any) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import abc
 import bisect
 import concurrent.futures as cf
+import errno
 import itertools
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -157,14 +159,44 @@ class DiskSource(FileSource):
         return memoryview(os.pread(self._file.fileno(), n, offset))
 
     def send(self, sock: socket.socket, offset: int, n: int) -> None:
-        # (socket.sendfile ends with a seek of the shared file: harmless, every read here
-        # names its offset.) A file shorter than its size sends less: the client notices.
-        sent = sock.sendfile(self._file, offset, n)
-        if sent != n:
-            raise EOFError(f"{self._file.name} ended {n - sent} bytes early")
+        """``os.sendfile`` with explicit offsets: the file is shared by every handler
+        thread, so nothing here may use its position (``socket.sendfile`` falls back to
+        seek and read, racing with other threads, where the filesystem has no sendfile).
+        Without sendfile the bytes are sent with pread instead; the socket's timeout bounds
+        each wait for it to take more. A file shorter than its size fails the send."""
+        fd, out = self._file.fileno(), sock.fileno()
+        timeout = sock.gettimeout()
+        sent = 0
+        while sent < n:
+            try:
+                k = os.sendfile(out, fd, offset + sent, min(n - sent, _SENDFILE_MAX))
+            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+                _wait_writable(sock, timeout)
+                continue
+            except OSError as exc:
+                if sent == 0 and exc.errno in _NO_SENDFILE:
+                    send_pieces(sock, self.pieces(offset, n))
+                    return
+                raise
+            if k == 0:
+                raise EOFError(f"{self._file.name} ended {n - sent} bytes early")
+            sent += k
 
     def close(self) -> None:
         self._file.close()
+
+
+_SENDFILE_MAX = 1 << 30  # bytes one os.sendfile call is asked for (Linux caps it near 2 GiB)
+# os.sendfile's errors where it cannot work on this file or socket (not a failed transfer)
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTSOCK}
+
+
+def _wait_writable(sock: socket.socket, timeout: float | None) -> None:
+    """Wait until ``sock`` takes more bytes; TimeoutError after ``timeout`` seconds."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
+        raise TimeoutError(f"the peer took no bytes for {timeout:g}s")
 
 
 class LiveSource(FileSource):

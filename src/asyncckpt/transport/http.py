@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import (
+    CheckpointClosedError,
     CheckpointConfigError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,6 +55,10 @@ _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on se
 _SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
 _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than halved again
 _NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
+_CLOSED = "is shutting down"  # the 503 of a request that waited while the server shut down
+_HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
+_BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
+_BACKOFF_MAX_S = 1.0  # the pauses double up to this
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
@@ -99,8 +105,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         advertise_host: the host put in ``metadata()`` when it differs from ``host``
             (default: ``host``; for a wildcard ``host``, this machine's host name, since
             a peer told "0.0.0.0" would connect to itself).
-        token: a shared secret every request must carry; None disables the check.
-        max_connections: connections served at once; more are refused with 503.
+        token: a shared secret every request must carry; None disables the check (an
+            empty token is refused: it could never match).
+        max_connections: connections served at once. When all are taken, a new one
+            replaces the connection that has waited longest for a request (idle, or
+            still sending its headers); with none such it is refused with 503.
         max_range_bytes: the largest byte range one request may ask for.
     """
 
@@ -116,13 +125,20 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
                                         f"seconds, at most {MAX_TIMEOUT_S:.0f}")
         self.num_chunks = num_chunks
-        self.token = token
+        self.token = _check_token(token)
+        if max_connections < 1:
+            raise CheckpointConfigError(f"max_connections={max_connections}: use 1 or more")
+        if max_range_bytes < 1:
+            raise CheckpointConfigError(f"max_range_bytes={max_range_bytes}: use 1 or more")
+        if not 0 <= port <= 65535:
+            raise CheckpointConfigError(f"port={port}: use 0 (any free port) to 65535")
         check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
         self.max_range_bytes = max_range_bytes
         self._cond = threading.Condition()
         self._offered: Served | None = None
         self._allowed: int | None = None
+        self._closed = False  # shutdown() has begun: requests and offers are refused
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._tickets = itertools.count()
         self._server = _Server((host, port), _Handler, self, max_connections)
@@ -144,8 +160,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         return self.address()
 
     def serve(self, served: Served, *, allow: bool = True) -> None:
-        """Offer ``served`` (replacing what was offered before) and allow its step."""
+        """Offer ``served`` (replacing what was offered before) and allow its step.
+
+        Raises:
+            CheckpointClosedError: after ``shutdown()``.
+        """
         with self._cond:
+            self._check_open("serve")
             old = self._offered
             self._offered = served
             self._allowed = served.step if allow else None
@@ -168,12 +189,23 @@ class HTTPTransport(CheckpointTransport[Any]):
     def serve_directory(self, step_dir: str | Path) -> int:
         """Serve a committed checkpoint from disk; returns its step."""
         served = serve_directory(Path(step_dir))
-        self.serve(served)
+        try:
+            self.serve(served)
+        except BaseException:
+            served.close()
+            raise
         return served.step
 
     def allow_checkpoint(self, step: int) -> None:
-        """Serve the offered checkpoint if it is of ``step``."""
+        """Serve the offered checkpoint if it is of ``step``.
+
+        Raises:
+            CheckpointNotFoundError: nothing of ``step`` is on offer (never offered, or
+                withdrawn).
+            CheckpointClosedError: after ``shutdown()``.
+        """
         with self._cond:
+            self._check_open("allow_checkpoint")
             if self._offered is None or self._offered.step != step:
                 have = None if self._offered is None else self._offered.step
                 raise CheckpointNotFoundError(
@@ -190,16 +222,44 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._allowed = None
             self._drain(None, self.timeout_s, "disallow_checkpoint")
 
+    def withdraw(self) -> None:
+        """Stop serving as ``disallow_checkpoint()`` does, then forget the offer: its step
+        cannot be allowed again, and the memory it serves (a checkpointer's staged arena)
+        is no longer held. A checkpointer calls this before it restages its arena and
+        when it closes: the bytes on offer are about to change or be released."""
+        with self._cond:
+            old = self._offered
+        self.disallow_checkpoint()
+        with self._cond:
+            if self._offered is not old or self._allowed is not None:
+                return  # offered or allowed anew meanwhile: that is not withdrawn
+            self._offered = None
+        if old is not None:
+            old.close()
+
     def shutdown(self, wait: bool = True) -> None:
+        """Stop the server and end every connection: idle keep-alives, half-sent requests
+        and requests waiting for a step (answered 503) included. Transfers in progress are
+        cut off; the files they send are closed only once they have stopped."""
+        with self._cond:
+            self._closed = True
+            self._allowed = None
+            self._cond.notify_all()  # requests waiting for a step get 503 at once
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_connections()
         if wait:
             self._thread.join(self.timeout_s)
         with self._cond:
-            old, self._offered, self._allowed = self._offered, None, None
+            old, self._offered = self._offered, None
             self._drain(None, 0.0, "shutdown")  # never close a file a transfer still sends
         if old is not None:
             old.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointClosedError(f"{what}: this HTTPTransport was shut down; make a "
+                                        "new one to serve again")
 
     def _drain(self, served: Served | None, grace_s: float, who: str) -> None:
         """Wait up to ``grace_s`` for the transfers of ``served`` (None: of anything) to
@@ -238,10 +298,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             return self._offered, ticket
 
     def _wait_allowed(self) -> int:
-        """The allowed step, once there is one; TimeoutError after the timeout.
-        Call with ``self._cond`` held."""
+        """The allowed step, once there is one; TimeoutError after the timeout,
+        CheckpointClosedError once shutdown() has begun. Call with ``self._cond`` held."""
         deadline = time.monotonic() + self.timeout_s
         while self._allowed is None:
+            self._check_open("serving a request")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -287,6 +348,15 @@ class HTTPTransport(CheckpointTransport[Any]):
             storage.close_all()
 
 
+def _check_token(token: str | None) -> str | None:
+    """An empty token is refused rather than taken as "no token": a server would then want
+    "Bearer " while a client sends no header at all, so every request would get 401."""
+    if token is not None and not token:
+        raise CheckpointConfigError("token='': use a non-empty shared secret, or None for "
+                                    "no token check")
+    return token
+
+
 def partial_data(exc: CheckpointError, into: Any, storage: HTTPStorage) -> CheckpointError:
     """``exc``, saying that in-place targets may hold part of the peer's state (a receive
     into ``into`` writes the targets as bytes arrive) once ``storage`` has begun to read
@@ -309,16 +379,22 @@ class _Server(ThreadingHTTPServer):
                  transport: HTTPTransport, max_connections: int):
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.transport = transport
+        self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
+        # Connections waiting for a request's line and headers (idle keep-alives too), by
+        # handler: when their deadline passes, or a new connection needs the slot, they go.
         self._deadlines: dict[int, tuple[float, socket.socket]] = {}
         self._deadlines_lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # every connection holding a slot
         super().__init__(addr, handler)
         threading.Thread(target=self._reap, name="asyncckpt-http-reaper", daemon=True).start()
 
     def set_deadline(self, handler: BaseHTTPRequestHandler) -> None:
+        # Its own short bound, not the transport's timeout (which may be long: it bounds
+        # the wait for a step): a client that says nothing must not keep its slot.
+        wait = min(self.transport.timeout_s, _HEADER_WAIT_S)
         with self._deadlines_lock:
-            self._deadlines[id(handler)] = (time.monotonic() + self.transport.timeout_s,
-                                            handler.connection)
+            self._deadlines[id(handler)] = (time.monotonic() + wait, handler.connection)
 
     def clear_deadline(self, handler: BaseHTTPRequestHandler) -> None:
         with self._deadlines_lock:
@@ -330,22 +406,48 @@ class _Server(ThreadingHTTPServer):
         while self.socket.fileno() != -1:
             time.sleep(tick)
             now = time.monotonic()
-            with self._deadlines_lock:
-                late = [k for k, (d, _) in self._deadlines.items() if d < now]
-                socks = [self._deadlines.pop(k)[1] for k in late]
-            for sock in socks:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            with self._deadlines_lock:  # (held: a handler whose request is in is not cut)
+                for k in [k for k, (d, _) in self._deadlines.items() if d < now]:
+                    _cut(self._deadlines.pop(k)[1])
+
+    def _evict_idle(self) -> bool:
+        """Cut the connection that has waited longest for a request, so that a new one can
+        have its slot: a client that connects and says nothing, or keeps an unused
+        keep-alive, must not lock authorized ones out. One with a request in (a transfer,
+        or a wait for a step) is never cut. False when there is none to cut."""
+        with self._deadlines_lock:
+            if not self._deadlines:
+                return False
+            k = min(self._deadlines, key=lambda k: self._deadlines[k][0])
+            _cut(self._deadlines.pop(k)[1])
+        return True
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        # The cut connection's handler sees its end at once and gives its slot back.
+        if not self._slots.acquire(blocking=False) and not (
+                self._evict_idle() and self._slots.acquire(timeout=1.0)):
+            body = (f"server full: {self.max_connections} connections are busy; retry "
+                    "later").encode()
             try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                b"Connection: close\r\n\r\n")
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                b"text/plain\r\nContent-Length: %d\r\nConnection: close"
+                                b"\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
             finally:
                 self.shutdown_request(request)
             return
+        with self._deadlines_lock:
+            self._connections.add(request)
         super().process_request(request, client_address)
+
+    def close_connections(self) -> None:
+        """Shut every connection (call once no new one is accepted): idle and half-sent
+        ones end at once, and a transfer's next send fails."""
+        with self._deadlines_lock:
+            self._deadlines.clear()
+            for sock in self._connections:
+                _cut(sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hangs up mid-response is routine (a fetch retried or cancelled).
@@ -355,7 +457,16 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._deadlines_lock:
+                self._connections.discard(request)
             self._slots.release()
+
+
+def _cut(sock: socket.socket) -> None:
+    """Shut ``sock`` both ways: its handler's read or send fails at once. (Not closed:
+    its handler still owns the descriptor.)"""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -374,7 +485,8 @@ class _Handler(BaseHTTPRequestHandler):
         # The socket timeout bounds each recv, not a whole request: a client sending one
         # header byte at a time (or an idle keep-alive) would hold its slot for ever. The
         # server's reaper closes the connection if the request line and headers are not in
-        # by the deadline; the deadline is lifted once they are (a transfer may take long).
+        # by the deadline (at most _HEADER_WAIT_S); the deadline is lifted once they are (a
+        # transfer may take long). Until then a new connection may also take its slot.
         self.server.set_deadline(self)
         try:
             super().handle_one_request()
@@ -390,22 +502,43 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._handle(send_body=False)
 
+    def handle_expect_100(self) -> bool:
+        # No "100 Continue" (an invitation to send a body) without the token.
+        if not self.server.transport._authorized(self.headers.get("Authorization")):
+            self._unauthorized()
+            return False
+        return super().handle_expect_100()
+
     def _not_allowed(self) -> None:
+        self.server.clear_deadline(self)
+        if not self.server.transport._authorized(self.headers.get("Authorization")):
+            return self._unauthorized()  # nothing is told to a client without the token
         self.send_response(405)
         self.send_header("Allow", "GET, HEAD")
         self.send_header("Content-Length", "0")
+        self.send_header("Connection", "close")  # its body, if any, is never read
         self.end_headers()
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
 
-    def _refuse(self, code: int, why: str) -> None:
+    def _refuse(self, code: int, why: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        """Answer ``code``, and close the connection: a refused client (a wrong token, a
+        bad request, a step not served) gets nothing more by staying. A 413 is the one
+        refusal a client works through on the same connection (it asks for less)."""
         body = why.encode()
         self.send_response(code)
+        for name, value in headers:
+            self.send_header(name, value)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
+        if code != 413:
+            self.send_header("Connection", "close")  # sets self.close_connection
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def _unauthorized(self) -> None:
+        self._refuse(401, "missing or wrong token", [("WWW-Authenticate", "Bearer")])
 
     def _current(self, tr: HTTPTransport) -> None:
         """The step on offer, once one is allowed: ``{"step": N}``."""
@@ -413,6 +546,8 @@ class _Handler(BaseHTTPRequestHandler):
             step = tr._allowed_step()
         except TimeoutError:
             return self._refuse(503, f"a step {_NOT_ALLOWED} within {tr.timeout_s:g}s")
+        except CheckpointClosedError:
+            return self._refuse(503, f"the server {_CLOSED}")
         body = f'{{"step": {step}}}'.encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -425,7 +560,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.clear_deadline(self)  # the request is in: serving it may take longer
         tr = self.server.transport
         if not tr._authorized(self.headers.get("Authorization")):
-            return self._refuse(401, "missing or wrong token")
+            return self._unauthorized()
         if self.path == _CURRENT:
             return self._current(tr)
         m = _PATH.fullmatch(self.path)
@@ -436,6 +571,8 @@ class _Handler(BaseHTTPRequestHandler):
             got = tr._acquire(step, self.connection)
         except TimeoutError:
             return self._refuse(503, f"step {step} {_NOT_ALLOWED} within {tr.timeout_s:g}s")
+        except CheckpointClosedError:
+            return self._refuse(503, f"the server {_CLOSED}")
         if got is None:
             return self._refuse(404, f"step {step} is not being served")
         served, ticket = got
@@ -461,7 +598,8 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._refuse(400, "Range must be bytes=<first>-<last>")
                 lo, hi = int(r.group(1)), int(r.group(2)) + 1
                 if lo >= hi or hi > source.size:
-                    return self._refuse(416, f"range outside the file ({source.size} bytes)")
+                    return self._refuse(416, f"range outside the file ({source.size} bytes)",
+                                        [("Content-Range", f"bytes */{source.size}")])
             if send_body and hi - lo > tr.max_range_bytes:  # HEAD only asks for the size
                 return self._refuse(413, f"ranges are limited to {tr.max_range_bytes} bytes")
             self.send_response(206 if rng is not None else 200)
@@ -527,7 +665,8 @@ class HTTPStorage:
         self.step = step
         self.timeout_s = timeout_s
         self.retries = retries
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        token = _check_token(token)
+        self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         self._local = threading.local()
         self._names: list[str] = []
         self._sizes: dict[str, int] = {}  # by file name: a file is opened more than once
@@ -602,11 +741,19 @@ class HTTPStorage:
 
     def _request(self, method: str, what: str, headers: dict[str, str]
                  ) -> http.client.HTTPResponse:
-        """Send one request, retrying on connection failures; raise on refusals."""
+        """Send one request, retrying on connection failures; raise on refusals.
+
+        A 503 from a full server is not a failure but a wait: the request is sent again
+        after a pause (exponential with jitter, 50 ms doubling to 1 s) until the timeout,
+        so that receivers beyond the server's max_connections get their turn as others
+        end, rather than all failing at once."""
         self._drop_stream()  # the connection must be done with any earlier response
         deadline = time.monotonic() + self.timeout_s
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        pause = _BACKOFF_FIRST_S
+        full = False  # the last answer was a 503 "server full"
+        while attempt <= self.retries:
             self._check_deadline()
             if time.monotonic() > deadline:
                 break
@@ -621,7 +768,8 @@ class HTTPStorage:
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
                     "is stuck") from None
             except (OSError, http.client.HTTPException) as exc:
-                last = exc
+                last, full = exc, False
+                attempt += 1
                 continue
             if resp.status in (200, 206):
                 return resp
@@ -629,6 +777,7 @@ class HTTPStorage:
                 body = resp.read(4096).decode(errors="replace")
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
+                attempt += 1
                 continue
             where = f"{self.host}:{self.port}{self._url(what)}"
             if resp.status == 401:
@@ -643,6 +792,19 @@ class HTTPStorage:
             last = CheckpointTransportError(f"{where}: HTTP {resp.status}: {body}")
             if resp.status < 500:
                 raise last
+            full = resp.status == 503 and _CLOSED not in body
+            if full:  # wait for a free slot
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+                pause = min(2 * pause, _BACKOFF_MAX_S)
+                continue
+            attempt += 1
+        if full:
+            raise CheckpointTransportError(
+                f"fetching {self._url(what)} from {self.host}:{self.port}: the server stayed "
+                f"full for {self.timeout_s:g}s: {last}") from last
         raise CheckpointTransportError(
             f"fetching {self._url(what)} from {self.host}:{self.port} failed after "
             f"{self.retries + 1} attempts: {last}") from last
