@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import asyncckpt
+from _faults import StuckCommit
 from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.storage import LocalStorage
 
@@ -1029,18 +1030,7 @@ def test_a_commit_that_can_be_neither_made_durable_nor_withdrawn_says_so(
         tmp_path: Path) -> None:
     """The rename happened, the fsync of the root failed, and so did taking the step
     back: the error must not read as "nothing was saved" while the step is visible."""
-    class Stuck(LocalStorage):
-        def fsync_dir(self, path: Path) -> None:
-            if Path(path) == tmp_path and (tmp_path / "step_000000002").exists():
-                raise OSError(errno.EIO, "fsync failed")
-            super().fsync_dir(path)
-
-        def rename(self, src: Path, dst: Path) -> None:
-            if ".deleting-" in Path(dst).name:
-                raise OSError(errno.EROFS, "read-only now")
-            super().rename(src, dst)
-
-    with asyncckpt.AsyncCheckpointer(tmp_path, storage=Stuck()) as ckpt:
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=StuckCommit(tmp_path)) as ckpt:
         ckpt.save({"w": torch.ones(4)}, step=1)
         with pytest.raises(asyncckpt.CheckpointSaveError,
                            match=r"step 2 is committed at .*a crash may lose it.*read-only"):

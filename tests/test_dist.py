@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import threading
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import asyncckpt
+from _faults import StuckCommit
 from asyncckpt import AsyncCheckpointer, ShardMetadata
 from asyncckpt.dist import DistContext
 from asyncckpt.errors import (
@@ -378,31 +378,11 @@ def test_equal_replicas_are_not_warned_about(tmp_path: Path,
     assert "different values" not in caplog.text
 
 
-class _StuckCommit(LocalStorage):
-    """The root's fsync fails once step 2 is renamed into place, and so does taking it
-    back out of sight."""
-
-    def __init__(self, root: Path, interrupt: bool = False):
-        self.root, self.interrupt = root, interrupt
-
-    def fsync_dir(self, path: Path) -> None:
-        if Path(path) == self.root and (self.root / "step_000000002").exists():
-            if self.interrupt:
-                raise KeyboardInterrupt
-            raise OSError(errno.EIO, "fsync failed")
-        super().fsync_dir(path)
-
-    def rename(self, src: Path, dst: Path) -> None:
-        if ".deleting-" in Path(dst).name:
-            raise OSError(errno.EROFS, "read-only now")
-        super().rename(src, dst)
-
-
 def test_a_step_committed_but_not_durable_is_reported_so_on_every_rank(tmp_path: Path) -> None:
     store = dist.HashStore()
 
     def rank(r: int) -> Any:
-        storage = _StuckCommit(tmp_path) if r == 0 else LocalStorage()
+        storage = StuckCommit(tmp_path) if r == 0 else LocalStorage()
         with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
                                storage=storage) as ck:
             ck.save(_state(r), step=1)
@@ -425,4 +405,4 @@ def test_an_interrupt_in_the_commit_stays_an_interrupt(tmp_path: Path) -> None:
     tmp.mkdir()
     (tmp / "manifest.json").write_text("{}")
     with pytest.raises(KeyboardInterrupt):
-        commit.commit(tmp, tmp_path, 2, _StuckCommit(tmp_path, interrupt=True))
+        commit.commit(tmp, tmp_path, 2, StuckCommit(tmp_path, interrupt=True))
