@@ -1404,3 +1404,73 @@ def test_live_serving_lays_out_an_unchanged_layout_once() -> None:
         assert plan is not first and plan.signature != first.signature
         assert [it.key for it in plan.items] == sorted(
             changed, key=lambda k: -changed[k].element_size())
+
+
+def test_closing_a_file_ends_the_range_streaming_ahead_of_the_reads(
+        transports: Any) -> None:
+    """A reader asks for ranges ahead of what it reads; once it closes the file, the
+    rest must not keep the server's handler sending it (and so a connection slot: on a
+    full server, the next receivers waited for the server's 30 s send timeout)."""
+    srv = transports(token=TOKEN, timeout=30.0)
+    srv.send_checkpoint([1], 5, {f"w{i}": torch.randn(1 << 20) for i in range(48)}, 10.0)
+    storage, fd = storage_for(srv, 5)
+    try:
+        buf = bytearray(1 << 20)
+        for i in range(40):  # sequential reads: the stream's ranges grow ahead of them
+            assert storage.pread_into(fd, [memoryview(buf)], i << 20) == 1 << 20
+        assert srv._serving, "no range in flight: the test no longer tests anything"
+        storage.close(fd)
+        deadline = time.monotonic() + 5
+        while srv._serving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not srv._serving, "the server still sends a range nobody will read"
+    finally:
+        storage.close_all()
+
+
+def test_an_evicted_request_whose_headers_then_end_is_not_served(transports: Any) -> None:
+    """A request still sending its headers is evicted by a new connection; its handler
+    reads the cut as the end of the headers. Served, it would hold the slot (waiting for
+    a disallowed step) and the newcomer would get 503 after all."""
+    srv = transports(token=TOKEN, max_connections=1, timeout=30.0)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    port = port_of(srv)
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as first:
+        first.sendall(f"GET /v1/5/manifest.json HTTP/1.1\r\n{auth}".encode())  # no blank line
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as newcomer:
+            newcomer.sendall(f"GET /v1/current HTTP/1.1\r\n{auth}Connection: close\r\n\r\n"
+                             .encode())
+            time.sleep(1.5)  # longer than a newcomer waits for an evicted slot (1 s)
+            srv.allow_checkpoint(5)
+            reply = newcomer.recv(200)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        assert first.recv(100) == b""  # cut, and answered nothing
+
+
+def test_a_file_that_ends_early_fails_its_response_without_sendfile(
+        tmp_path: Path, transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without sendfile, a file cut short on disk sent fewer bytes than its Content-Length
+    and kept the connection: the client waited for the rest until a timeout."""
+    import errno
+
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        info = ckpt.save({"w": torch.randn(1 << 18)}, 3)
+    size = (info.path / FILE).stat().st_size
+
+    def no_sendfile(*args: Any) -> int:
+        raise OSError(errno.EINVAL, "sendfile not supported here")
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    srv = transports(token=TOKEN, timeout=30.0)
+    srv.serve_directory(info.path)
+    os.truncate(info.path / FILE, size // 2)
+    with socket.create_connection(("127.0.0.1", port_of(srv)), timeout=5) as s:
+        s.sendall(f"GET /v1/3/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  f"Range: bytes=0-{size - 1}\r\n\r\n".encode())
+        got = b""
+        while chunk := s.recv(1 << 20):  # a timeout (5 s) here: the old behaviour
+            got += chunk
+    assert len(got.partition(b"\r\n\r\n")[2]) < size

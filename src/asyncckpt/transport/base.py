@@ -156,7 +156,10 @@ class DiskSource(FileSource):
         self.size = os.fstat(self._file.fileno()).st_size
 
     def read(self, offset: int, n: int) -> memoryview:
-        return memoryview(os.pread(self._file.fileno(), n, offset))
+        data = os.pread(self._file.fileno(), n, offset)
+        if len(data) < n:  # (a short response would leave the client waiting for the rest)
+            raise EOFError(f"{self._file.name} ended {n - len(data)} bytes early")
+        return memoryview(data)
 
     def send(self, sock: socket.socket, offset: int, n: int) -> None:
         """``os.sendfile`` with explicit offsets: the file is shared by every handler

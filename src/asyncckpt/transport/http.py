@@ -396,9 +396,11 @@ class _Server(ThreadingHTTPServer):
         with self._deadlines_lock:
             self._deadlines[id(handler)] = (time.monotonic() + wait, handler.connection)
 
-    def clear_deadline(self, handler: BaseHTTPRequestHandler) -> None:
+    def clear_deadline(self, handler: BaseHTTPRequestHandler) -> bool:
+        """Lift ``handler``'s deadline; False when it was already gone: the reaper or an
+        eviction took it, and has cut (or is cutting) the connection."""
         with self._deadlines_lock:
-            self._deadlines.pop(id(handler), None)
+            return self._deadlines.pop(id(handler), None) is not None
 
     def _reap(self) -> None:
         """Close connections whose request did not arrive in time (one thread for all)."""
@@ -492,6 +494,17 @@ class _Handler(BaseHTTPRequestHandler):
             super().handle_one_request()
         finally:
             self.server.clear_deadline(self)
+
+    def parse_request(self) -> bool:
+        # The request is in: from here on it is never evicted. If it was meanwhile (the
+        # cut socket reads as the end of the headers), it is not served: its slot is
+        # for the connection that evicted it.
+        if not super().parse_request():
+            return False
+        if not self.server.clear_deadline(self):
+            self.close_connection = True
+            return False
+        return True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -801,8 +814,8 @@ class HTTPStorage:
                 pause = min(2 * pause, _BACKOFF_MAX_S)
                 continue
             attempt += 1
-        if full:
-            raise CheckpointTransportError(
+        if full:  # out of time, as a receive whose server never answers
+            raise CheckpointTimeoutError(
                 f"fetching {self._url(what)} from {self.host}:{self.port}: the server stayed "
                 f"full for {self.timeout_s:g}s: {last}") from last
         raise CheckpointTransportError(
@@ -863,7 +876,12 @@ class HTTPStorage:
             return len(self._names) - 1
 
     def close(self, fd: int) -> None:
-        pass
+        # A range this thread will not read further keeps the server's handler sending
+        # it, holding a connection slot until the server's send times out: on a full
+        # server, other receivers would wait for that.
+        st: _Stream | None = getattr(self._local, "stream", None)
+        if st is not None and st.name == self._names[fd]:
+            self._drop_stream()
 
     def file_size(self, fd: int) -> int:
         name = self._names[fd]
