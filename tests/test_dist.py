@@ -236,6 +236,7 @@ def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> 
             with pytest.raises(CheckpointExistsError):
                 ck.save(_state(r), step=3)  # a failed save leaves its keys too
             ck.save({"w": torch.zeros(3), "x": torch.ones(2)}, step=4)  # a new layout
+            assert len(ck._posted_digests) == 1  # the old layout's key is already gone
 
     out = _in_threads(rank)
     assert out == {0: None, 1: None}

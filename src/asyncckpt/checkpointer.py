@@ -646,6 +646,8 @@ class AsyncCheckpointer:
             # (and with any that failed before their layout exchange).
             ctx.forget([self._prev_tag, *self._failed_tags],
                        () if previous is None else previous[0], digests)
+        if previous is not None and previous[0][ctx.rank] != digest:
+            self._posted_digests.discard(previous[0][ctx.rank])  # the coordinator's to forget
         self._failed_tags.clear()
         self._prev_tag = tag
         return self._layout[1]
