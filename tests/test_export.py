@@ -8,7 +8,13 @@ import io
 import itertools
 import json
 import math
+import os
+import signal
+import stat
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -505,3 +511,61 @@ def test_export_errors_name_the_side_they_come_from(tmp_path: Path) -> None:
     with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"rank_00000\.safetensors"):
         export_safetensors(tmp_path / "ck", tmp_path / "y.safetensors")
     assert main(["verify", str(tmp_path / "ck")]) == 1
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_export_never_replaces_what_is_not_a_regular_file(
+        single: tuple[Path, dict[str, Any]], tmp_path: Path, kind: str) -> None:
+    """The output is renamed into place: over a symlink (/dev/stdout) or a device
+    (/dev/full) it would replace the node itself, even with --force."""
+    root, _ = single
+    out = tmp_path / "out.safetensors"
+    target = tmp_path / "kept.safetensors"
+    if kind == "symlink":
+        target.write_bytes(b"precious")
+        out.symlink_to(target)
+    else:
+        os.mkfifo(out)
+    code, _, err = export(str(root), str(out), "--force")
+    assert code == 2 and ("symlink" if kind == "symlink" else "not a regular file") in err
+    assert out.is_symlink() if kind == "symlink" else stat.S_ISFIFO(os.lstat(out).st_mode)
+    if kind == "symlink":
+        assert target.read_bytes() == b"precious"
+
+
+def test_export_of_only_unsupported_tensors_writes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save({"model": {"c": torch.ones(3, dtype=torch.complex128)},
+                   "w": torch.ones(2)}, step=1)
+    out = tmp_path / "out.safetensors"
+    code, _, err = export(str(root), str(out), "--prefix", "model/")
+    assert code == 2 and "model/c (complex128)" in err and "nothing to export" in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_export_into_a_path_under_a_file_says_it_is_not_a_directory(
+        single: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    root, _ = single
+    (tmp_path / "afile").write_bytes(b"x")
+    code, _, err = export(str(root), str(tmp_path / "afile" / "out.safetensors"))
+    assert code == 2 and "is not a directory" in err
+
+
+def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save({f"w{i}": torch.randn(1 << 21) for i in range(48)}, step=1)  # 384 MiB
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", "export", str(root),
+                             str(out_dir / "o.safetensors"), "--dtype", "bf16"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the temporary output exists
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err  # (signalled as soon as its output file appeared)
+    assert "interrupted" in err
+    assert list(out_dir.iterdir()) == []

@@ -11,7 +11,7 @@
                                       serve one checkpoint to peers over HTTP
 
 Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
-2 usage error or nothing found.
+2 usage error or nothing found, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
@@ -37,6 +39,7 @@ from .storage import LocalStorage
 from .tree import dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 
 class _Usage(Exception):
@@ -266,9 +269,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         what = "is not a directory" if path.exists() else "does not exist"
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
     try:
-        report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
-                                    strip_prefix=args.strip_prefix, dtype=args.dtype,
-                                    force=args.force)
+        with _sigterm_interrupts():  # so that the half-written output is removed
+            report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
+                                        strip_prefix=args.strip_prefix, dtype=args.dtype,
+                                        force=args.force)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -323,8 +327,6 @@ def _serve_token(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
 
     from .transport.http import MAX_TIMEOUT_S, HTTPTransport
 
@@ -483,6 +485,24 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile (its default ends the process without
+    running any clean-up)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -503,6 +523,9 @@ def _main(argv: list[str] | None) -> int:
     except CheckpointError as exc:
         _error(str(exc))
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # piped into head: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import struct
 import time
 import uuid
@@ -249,8 +250,20 @@ def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
         raise CheckpointConfigError(f"{out} is a directory: name the .safetensors file to write")
     if not out.parent.is_dir():
-        raise CheckpointConfigError(f"{out.parent} does not exist: create it first")
-    if out.exists() and not force:
+        what = "is not a directory" if out.parent.exists() else "does not exist"
+        raise CheckpointConfigError(f"{out.parent} {what}: name a file in an existing directory")
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        # The output is renamed over the path: a device (/dev/full), a FIFO or a symlink
+        # (/dev/stdout) would be replaced by a regular file, not written through.
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise CheckpointConfigError(
+            f"{out} is {kind}; export writes a new file and renames it into place, so it "
+            "would replace it: name a regular file (even with force=True)")
+    if not force:
         raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                     "overwrite it")
 
@@ -298,7 +311,12 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             n *= s
         planned.append(_Planned(name, key, entry.dtype, out, entry.shape, n * out.itemsize,
                                 len(entry.chunks)))
-    if not planned and not report.skipped:
+    if not planned and report.skipped:
+        raise CheckpointConfigError(
+            f"every tensor under {prefix!r} in step {manifest.step} is of a dtype safetensors "
+            "cannot hold: " + "; ".join(f"{k.key} ({k.dtype})" for k in report.skipped[:5])
+            + ("..." if len(report.skipped) > 5 else "") + "; nothing to export")
+    if not planned:
         tops = sorted({p.split("/", 1)[0] + ("/" if "/" in p else "")
                        for p, _ in iter_array_nodes(manifest.skeleton)})
         have = ", ".join(repr(t) for t in tops[:10]) or "none"
