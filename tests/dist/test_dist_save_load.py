@@ -502,6 +502,7 @@ def _retention(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
             info = ck.save(state, step)
             c.check(info.step == step, f"info.step {info.step} != {step}")
             plans.append(getattr(ck, "_plan", None))
+            ck.wait()  # and its retention: save() returns once the step is durable
             ctx.barrier()  # the coordinator has applied retention
             want = list(range(max(1, step - 1), step + 1))
             c.check(ck.steps() == want, f"after step {step}: steps {ck.steps()} != {want}")
