@@ -131,7 +131,7 @@ class DistContext:
     store: Any  # torch.distributed.Store; None when world_size == 1
     namespace: str  # "" until join()
     timeout_s: float
-    directory: str = ""  # resolved: what pairs checkpointers across ranks (with a count)
+    directory: str = ""  # absolute: what pairs checkpointers across ranks (with a count)
 
     @property
     def is_coordinator(self) -> bool:
@@ -221,9 +221,7 @@ class DistContext:
                     keys += [self.key("items", r, d) for d in info["digests"]]
                 keys.append(closing)
             self.forget(sorted(left), (), ())
-            for k in keys:
-                with contextlib.suppress(Exception):
-                    self.store.delete_key(k)
+            self._delete(keys)
 
     def put(self, key: str, value: Any) -> None:
         with self._store_errors(f"posting {key}"):
@@ -276,6 +274,9 @@ class DistContext:
                      for r in range(self.world_size)]
             keys += [self.key(tag, "verdict"), self.key(tag, "decision")]
         keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
+        self._delete(keys)
+
+    def _delete(self, keys: Sequence[str]) -> None:
         for k in keys:
             with contextlib.suppress(Exception):  # housekeeping: a missing key is fine
                 self.store.delete_key(k)

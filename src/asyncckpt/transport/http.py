@@ -517,15 +517,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_expect_100(self) -> bool:
         # No "100 Continue" (an invitation to send a body) without the token.
-        if not self.server.transport._authorized(self.headers.get("Authorization")):
-            self._unauthorized()
-            return False
-        return super().handle_expect_100()
+        return self._token_ok() and super().handle_expect_100()
+
+    def _token_ok(self) -> bool:
+        """Whether the request carries the token; if not, it is answered 401 here."""
+        if self.server.transport._authorized(self.headers.get("Authorization")):
+            return True
+        self._refuse(401, "missing or wrong token", [("WWW-Authenticate", "Bearer")])
+        return False
 
     def _not_allowed(self) -> None:
-        self.server.clear_deadline(self)
-        if not self.server.transport._authorized(self.headers.get("Authorization")):
-            return self._unauthorized()  # nothing is told to a client without the token
+        if not self._token_ok():  # nothing is told to a client without the token
+            return
         self.send_response(405)
         self.send_header("Allow", "GET, HEAD")
         self.send_header("Content-Length", "0")
@@ -550,9 +553,6 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _unauthorized(self) -> None:
-        self._refuse(401, "missing or wrong token", [("WWW-Authenticate", "Bearer")])
-
     def _current(self, tr: HTTPTransport) -> None:
         """The step on offer, once one is allowed: ``{"step": N}``."""
         try:
@@ -570,10 +570,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _handle(self, send_body: bool) -> None:
-        self.server.clear_deadline(self)  # the request is in: serving it may take longer
+        # (the request is in: parse_request lifted its deadline, serving may take longer)
         tr = self.server.transport
-        if not tr._authorized(self.headers.get("Authorization")):
-            return self._unauthorized()
+        if not self._token_ok():
+            return None
         if self.path == _CURRENT:
             return self._current(tr)
         m = _PATH.fullmatch(self.path)
