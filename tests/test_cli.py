@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -287,3 +288,83 @@ def test_inspect_prints_keys_and_values_no_encoding_can_hold(
     code, out, _ = run(capsys, "inspect", "--json", str(tmp_path))
     assert code == 0 and json.loads(out)["tensors"][0]["path"] == "w\ud800"
     assert run(capsys, "verify", str(tmp_path))[0] == 0
+
+
+def _deny(monkeypatch: pytest.MonkeyPatch, method: str, name: str) -> None:
+    """Make LocalStorage.<method> fail with EACCES for paths ending in ``name`` (the tests
+    run as root, for whom chmod 000 denies nothing)."""
+    real = getattr(LocalStorage, method)
+
+    def denied(self: LocalStorage, path: Path, *args: Any) -> Any:
+        if Path(path).name == name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(self, path, *args)
+
+    monkeypatch.setattr(LocalStorage, method, denied)
+
+
+def test_a_file_it_may_not_read_is_not_called_corrupt(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No permission says nothing of the bytes: no CORRUPT verdict, no "load an earlier
+    step", and a fallback load does not silently skip the step."""
+    _deny(monkeypatch, "open_read", "rank_00000.safetensors")
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 2 and "CORRUPT" not in out + err
+    assert "rank_00000.safetensors cannot be read: Permission denied" in err
+    assert "read access" in err and "earlier step" not in err
+    with pytest.raises(asyncckpt.CheckpointPermissionError, match="read access") as info:
+        asyncckpt.load(root)
+    assert info.value.path == str(root / "step_000000030" / "rank_00000.safetensors")
+    with asyncckpt.AsyncCheckpointer(root) as ckpt, \
+            pytest.raises(asyncckpt.CheckpointPermissionError):
+        ckpt.load(fallback=True)  # step 20 is there, but 30 may well be intact
+
+
+def test_verify_names_a_missing_file_once(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step_000000030" / "rank_00000.safetensors").unlink()
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    assert code == 1
+    problems = json.loads(out)["problems"]
+    assert len(problems) == 2, problems
+    assert problems[0].endswith("rank_00000.safetensors is missing: the checkpoint is damaged")
+    assert "its 3 tensors were not read" in problems[1]
+
+
+def test_verify_json_of_an_unreadable_manifest_has_no_step(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step_000000020" / "manifest.json").write_text("{not json")
+    code, out, _ = run(capsys, "verify", str(root), "--step", "20", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False
+    assert doc["step"] is None  # not -1, which is no step either
+
+
+def test_ls_shows_a_step_dir_it_cannot_list(root: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _deny(monkeypatch, "listdir", "step_000000020")
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert [ln.split()[0] for ln in lines[1:4]] == ["10", "20", "30"]
+    assert "UNREADABLE: cannot be listed (Permission denied)" in lines[2]
+    assert lines[3].rstrip().endswith("latest")
+    assert "2 committed steps" in out and "1 step directory cannot be listed" in out
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)
+    assert doc["latest"] == 30 and [e["step"] for e in doc["steps"]] == [10, 20, 30]
+    assert "Permission denied" in doc["steps"][1]["error"]
+
+
+def test_tables_escape_control_characters_in_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A key is the checkpoint's data: printed raw, a newline breaks the table and an
+    escape sequence drives the terminal."""
+    key = "w\x1b[2J\nfake\u202erow"
+    asyncckpt.save({key: torch.ones(2), "meta": {"x\ry": 1}}, tmp_path / "c", step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "c"))
+    assert code == 0
+    assert "\x1b" not in out and "\u202e" not in out and "\r" not in out
+    assert "w\\x1b[2J\\nfake\\u202erow" in out and "x\\ry=1" in out
+    # JSON output escapes by itself and keeps the key exact
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "c"), "--json")
+    assert key in [t["path"] for t in json.loads(out)["tensors"]]

@@ -569,3 +569,22 @@ def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> Non
     assert proc.returncode == 130, err  # (signalled as soon as its output file appeared)
     assert "interrupted" in err
     assert list(out_dir.iterdir()) == []
+
+
+def test_export_cast_says_which_values_overflowed(tmp_path: Path) -> None:
+    """fp16 tops out at 65504: a cast that turns finite weights into inf is worth a word."""
+    big = torch.tensor([1.0, 7e4, -1e6, float("inf"), 3.0])
+    asyncckpt.save({"big": big, "fine": torch.ones(3), "bf": big.to(torch.bfloat16)},
+                   tmp_path / "c", step=1)
+    out = tmp_path / "half.safetensors"
+    code, _, err = export(str(tmp_path / "c"), str(out), "--dtype", "fp16")
+    assert code == 0
+    got = load_file(out)
+    assert torch.isinf(got["big"]).tolist() == [False, True, True, True, False]
+    # the inf that was inf before is not counted; "fine" has nothing to say
+    assert "2 finite values of big are beyond the range of fp16 and became inf" in err
+    assert "2 finite values of bf are" in err and "fine" not in err
+    report = export_safetensors(tmp_path / "c", tmp_path / "b.safetensors", dtype="bf16")
+    assert report.overflowed == {}  # float32 7e4 and 1e6 fit in bfloat16
+    assert export_safetensors(tmp_path / "c", tmp_path / "h.safetensors",
+                              dtype=torch.float16).overflowed == {"big": 2, "bf": 2}

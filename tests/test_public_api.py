@@ -71,6 +71,7 @@ def test_the_documented_entry_points_are_callable():
     ("CheckpointSaveError", RuntimeError),
     ("CheckpointClosedError", RuntimeError),
     ("CheckpointLockedError", RuntimeError),
+    ("CheckpointPermissionError", PermissionError),
 ])
 def test_error_derives_from_checkpoint_error_and_its_builtin(name, builtin):
     assert name in asyncckpt.__all__

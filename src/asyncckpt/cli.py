@@ -71,9 +71,19 @@ def _iso(unix: float) -> str:
         return str(unix)
 
 
+def _shown(text: str) -> str:
+    """``text`` with its unprintable characters (a newline, an escape sequence, a
+    right-to-left override in a key) written as Python escapes, so a table stays a table
+    and a terminal is never driven by a checkpoint's contents."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
            ) -> str:
     """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart."""
+    rows = [[_shown(str(c)) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
 
     def fmt(row: Sequence[str]) -> str:
@@ -112,13 +122,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         what = "is not a directory" if root.exists() else "does not exist"
         raise _Usage(f"{root} {what}: pass a checkpoint root directory")
     storage = LocalStorage()
+    unlistable: list[tuple[str, str]] = []
     if MANIFEST_NAME in storage.listdir(root):  # a step directory: list just that one
         dirs = [root]
         abandoned: list[str] = []
     else:
-        dirs = [root / commit.step_dir_name(s) for s in commit.committed_steps(root, storage)]
+        # unlistable step dirs get a row of their own: keep the log line off stderr
+        logging.getLogger("asyncckpt.commit").addHandler(logging.NullHandler())
+        steps = commit.committed_steps(root, storage, unlistable)
+        dirs = [root / commit.step_dir_name(s) for s in steps]
         abandoned = commit.abandoned_dirs(root, storage)
-    entries: list[dict[str, Any]] = []
+    entries: list[dict[str, Any]] = [
+        {"step": commit.step_of_dir_name(name), "path": str(root / name),
+         "error": f"cannot be listed ({why}): it counts as no committed step"}
+        for name, why in unlistable]
     for d in dirs:
         try:
             m = read_manifest(d, storage)
@@ -131,7 +148,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "tensors": len(m.tensors), "files": len(m.files),
                         "created_unix": m.created_unix, "created": _iso(m.created_unix),
                         "library_version": m.library_version})
-    latest = entries[-1]["step"] if entries else None
+    latest = entries[-1]["step"] if dirs else None  # as latest_step() says: unlistable
+    entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])  # dirs do not count
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
                      "incomplete": abandoned})
@@ -146,8 +164,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  f"UNREADABLE: {e['error']}"] for e in entries]
         print(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
-        print(f"{len(entries)} committed step{'s' if len(entries) != 1 else ''}, "
-              f"{human_bytes(total)} in all")
+        print(f"{len(dirs)} committed step{'s' if len(dirs) != 1 else ''}, "
+              f"{human_bytes(total)} in all"
+              + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
+                 "cannot be listed" if unlistable else ""))
     if abandoned:
         print(f"{len(abandoned)} incomplete or abandoned temp dir"
               f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
@@ -209,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("(no tensors)")
     for t in doc["tensors"]:
         for path in t["tied"]:
-            print(f"{path}: tied to {t['path']} (stored once)")
+            print(f"{_shown(path)}: tied to {_shown(t['path'])} (stored once)")
     skel = doc["skeleton"]
     classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
     print(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
@@ -220,10 +240,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
              if not any(s["path"] == o or s["path"].startswith(o + "/") for o in owned)]
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
-    print(f"non-tensor state: {len(skel['scalars'])} scalars"
-          + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else ""))
+    print(_shown(f"non-tensor state: {len(skel['scalars'])} scalars"
+                 + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
     if doc["user_metadata"]:
-        print("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items()))
+        print(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
     print(f"checkpoint: {step_dir}")
     return EXIT_OK
 
@@ -250,7 +270,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
               f"({report.tensors} tensors intact):")
         for p in report.problems:
-            print(f"  - {p}")
+            print(f"  - {_shown(p)}")
         print("load an earlier step (asyncckpt ls ROOT lists them)")
     return EXIT_OK if report.ok else EXIT_CORRUPT
 
@@ -279,7 +299,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise _Usage(f"cannot export {path}: {exc.strerror or exc}"
                      f"{f' ({exc.filename})' if exc.filename else ''}") from exc
     for s in report.skipped:
-        _warn(f"skipped {s.key} ({s.dtype} {list(s.shape)}): {s.reason}")
+        _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
+    for name, n in report.overflowed.items():
+        _warn(f"{n} finite value{'s' if n != 1 else ''} of {_shown(name)} "
+              f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became inf")
     if args.json:
         _print_json(report.to_json())
         return EXIT_OK
@@ -289,7 +312,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if rows:
         print(_table(["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], rows, right=(3,)))
     for alias, name in report.aliases.items():
-        print(f"{alias}: tied to {name} (written once)")
+        print(f"{_shown(alias)}: tied to {_shown(name)} (written once)")
     gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     print(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
           f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "

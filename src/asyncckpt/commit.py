@@ -63,8 +63,13 @@ def tmp_dir_name(step: int, token: str) -> str:
     return f".step_{step:09d}.tmp-{token}"
 
 
-def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
-    """Committed steps under ``root``, oldest first (a step counts once its manifest is there)."""
+def committed_steps(root: Path, storage: ReadStorage,
+                    unlistable: list[tuple[str, str]] | None = None) -> list[int]:
+    """Committed steps under ``root``, oldest first (a step counts once its manifest is there).
+
+    Step directories that cannot be listed are left out (logged); ``unlistable``, when
+    given, receives each one's name and why.
+    """
     steps = []
     for name in storage.listdir(root):
         step = step_of_dir_name(name)
@@ -84,6 +89,8 @@ def committed_steps(root: Path, storage: ReadStorage) -> list[int]:
             # make every load (and save) of the root fail; the others are still there.
             log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
                         "step", root / name, exc.strerror or exc)
+            if unlistable is not None:
+                unlistable.append((name, str(exc.strerror or exc)))
     return sorted(steps)
 
 

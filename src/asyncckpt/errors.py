@@ -27,6 +27,21 @@ class CheckpointCorruptError(CheckpointError, ValueError):
         self.key = key
 
 
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """A checkpoint file cannot be read for lack of permission: the data may well be
+    intact, so this is no CheckpointCorruptError (and a fallback load does not skip it).
+
+    ``path`` names the file.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+    def __str__(self) -> str:  # OSError would print its args' tuple
+        return str(self.args[0])
+
+
 class CheckpointInFlightError(CheckpointError, RuntimeError):
     """A save was asked for while another is still in flight and ``on_busy="error"``."""
 

@@ -101,6 +101,9 @@ class ExportReport:
     aliases: dict[str, str] = field(default_factory=dict)
     """Selected paths that share storage with a written tensor (tied weights): alias
     name -> written name. Written once, as safetensors and Hugging Face expect."""
+    overflowed: dict[str, int] = field(default_factory=dict)
+    """Written name -> how many finite values the ``dtype`` cast turned into +-inf (values
+    beyond the smaller dtype's range, e.g. above 65504 for fp16)."""
     file_bytes: int = 0
     tensor_bytes: int = 0
     seconds: float = 0.0
@@ -116,6 +119,7 @@ class ExportReport:
             "skipped": [{"key": s.key, "dtype": s.dtype, "shape": list(s.shape),
                          "reason": s.reason} for s in self.skipped],
             "aliases": dict(self.aliases),
+            "overflowed": dict(self.overflowed),
         }
 
 
@@ -193,7 +197,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
             with _writing(out):
                 _write_all(fd, memoryview(header))
             for p in planned:
-                _write_tensor(fd, step_dir, manifest, storage, p, out)
+                over = _write_tensor(fd, step_dir, manifest, storage, p, out)
+                if over:
+                    report.overflowed[p.name] = over
             with _writing(out):
                 os.fsync(fd)
                 size = os.fstat(fd).st_size
@@ -212,6 +218,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     report.tensors = [ExportedTensor(p.name, p.key, dtype_name(p.out), dtype_name(p.src),
                                      p.shape, p.nbytes, p.chunks) for p in planned]
     report.seconds = time.perf_counter() - started
+    for name, n in report.overflowed.items():
+        log.warning("export: %d finite values of %s are beyond the range of %s and became inf",
+                    n, name, dtype_name(cast) if cast is not None else "its dtype")
     log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
              len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
     return report
@@ -356,20 +365,26 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) 
 
 
 def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
-                  p: _Planned, out: Path) -> None:
+                  p: _Planned, out: Path) -> int:
     """Read one whole tensor (verified; its files were checked) and append it, cast piece
-    by piece if asked."""
+    by piece if asked; returns how many finite values the cast made infinite."""
     t = _load_checked(step_dir, manifest, {p.key: None}, storage, verify=True, threads=None,
                       boxes={})[p.key]
     if p.out == p.src:
         with _writing(out):
             _write_all(fd, tensor_bytes(t))
-        return
+        return 0
     flat = t.reshape(-1)
+    narrower = torch.finfo(p.out).max < torch.finfo(p.src).max
+    over = 0
     for i in range(0, flat.numel(), _CAST_PIECE_ELEMS):
-        piece = flat[i:i + _CAST_PIECE_ELEMS].to(p.out).contiguous()
+        src = flat[i:i + _CAST_PIECE_ELEMS]
+        piece = src.to(p.out).contiguous()
+        if narrower:
+            over += int((torch.isinf(piece) & torch.isfinite(src)).sum())
         with _writing(out):
             _write_all(fd, tensor_bytes(piece))
+    return over
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import math
@@ -28,7 +29,12 @@ import xxhash
 
 from ._gc import gc_paused
 from .commit import step_of_dir_name
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointPermissionError,
+)
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -286,11 +292,7 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             except CheckpointError:
                 raise
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
-                if is_transient(exc):
-                    raise
-                raise CheckpointCorruptError(
-                    f"reading {step_dir / it.chunk.file} (tensor {it.key!r}) failed: "
-                    f"{exc.strerror or exc}", path=str(step_dir / it.chunk.file)) from exc
+                raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
             i = max(j, i + 1)
     finally:
         for fd in fds.values():
@@ -351,13 +353,19 @@ def _read_batch(fd: int, path: Path, items: list[ReadItem], out: Mapping[str, to
             _check_sums(path, it.key, it.chunk, 0, block_checksums(mv, block_bytes), block_bytes)
 
 
-def _damaged(path: Path, exc: OSError) -> CheckpointCorruptError:
-    """A lasting error reading ``path`` (EIO, a directory, a symlink loop, no permission)
-    as damage; an error of the moment (see ``is_transient``) is re-raised as it is."""
+def _damaged(path: Path, exc: OSError, key: str | None = None) -> CheckpointError:
+    """A lasting error reading ``path`` (EIO, a directory, a symlink loop) as damage; no
+    permission as CheckpointPermissionError (the bytes may be intact: nothing to fall back
+    past); an error of the moment (see ``is_transient``) is re-raised as it is."""
     if is_transient(exc):
         raise exc
-    return CheckpointCorruptError(f"{path} cannot be read ({exc.strerror or exc}): the "
-                                  "checkpoint is damaged or unreadable", path=str(path))
+    what = f"{path}" if key is None else f"{path} (tensor {key!r})"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return CheckpointPermissionError(
+            f"{what} cannot be read: {exc.strerror or exc}; the checkpoint may be intact: give "
+            "this user read access (or run as one that has it), then try again", path=str(path))
+    return CheckpointCorruptError(f"{what} cannot be read ({exc.strerror or exc}): the "
+                                  "checkpoint is damaged or unreadable", path=str(path), key=key)
 
 
 def _open(path: Path, storage: ReadStorage) -> int:
@@ -466,7 +474,8 @@ class VerifyReport:
     """The verdict of :func:`verify_checkpoint`: problems found, and what was checked."""
 
     path: Path
-    step: int
+    step: int | None
+    """The manifest's step; None when the manifest itself cannot be read."""
     tensors: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
@@ -481,10 +490,16 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
     try:
         manifest = read_manifest(step_dir, storage)
     except CheckpointCorruptError as exc:
-        return VerifyReport(step_dir, -1, problems=[str(exc)])
+        return VerifyReport(step_dir, None, problems=[str(exc)])
     report = VerifyReport(step_dir, manifest.step)
     damaged: set[str] = set()
     for name in manifest.files:  # each file once: size and header checksum, then entries
+        try:
+            storage.close(_open(step_dir / name, storage))
+        except CheckpointCorruptError as exc:  # missing or unreadable: say so once
+            report.problems.append(str(exc))
+            damaged.add(name)
+            continue
         try:
             _check_file(step_dir, manifest, name, storage)
         except CheckpointCorruptError as exc:
