@@ -12,8 +12,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1037,3 +1039,90 @@ def test_a_commit_that_can_be_neither_made_durable_nor_withdrawn_says_so(
             ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
         assert ckpt.steps() == [1, 2]
         assert torch.equal(ckpt.load(step=2)["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("sharded", ["a", "b"])
+def test_a_tied_weight_loads_whole_at_one_path_and_a_shard_at_another(
+        tmp_path: Path, sharded: str) -> None:
+    """Tied embedding and output weights, one of them sharded in the target (tensor
+    parallel on one side only): each path gets its own part. Once, the whole target got
+    the shard, broadcast over its rows, without a word."""
+    w = torch.arange(12.0).reshape(4, 3)
+    asyncckpt.save({"a": w, "b": w}, tmp_path)
+    target = {"a": torch.zeros(4, 3), "b": torch.zeros(4, 3)}
+    target[sharded] = torch.zeros(1, 3)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.load(target, shards={sharded: asyncckpt.ShardMetadata((4, 3), (2, 0))})
+    whole = "b" if sharded == "a" else "a"
+    assert torch.equal(target[whole], w)
+    assert torch.equal(target[sharded], w[2:3])
+
+
+def test_load_step_of_a_step_dir_with_a_name_of_ones_own(tmp_path: Path) -> None:
+    """A step directory copied to "best/" says nothing of its step by its name: a load
+    that asks for another step is refused, not served step 3's data; fallback works."""
+    asyncckpt.save({"a": torch.arange(4.0)}, tmp_path / "run", step=3)
+    best = tmp_path / "best"
+    shutil.copytree(tmp_path / "run" / "step_000000003", best)
+    assert torch.equal(asyncckpt.load(best, step=3)["a"], torch.arange(4.0))
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="of step 3, not of step 7"):
+        asyncckpt.load(best, step=7)
+    with asyncckpt.AsyncCheckpointer(best) as ck, \
+            pytest.raises(asyncckpt.CheckpointNotFoundError, match="not of step 7"):
+        ck.load(step=7)
+    for d in (best, tmp_path / "run" / "step_000000003"):  # no older step, but this one
+        assert torch.equal(asyncckpt.load(d, fallback=True)["a"], torch.arange(4.0))
+        with asyncckpt.AsyncCheckpointer(d) as ck:
+            assert torch.equal(ck.load(fallback=True)["a"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize(("saved", "target", "says"), [
+    ({"x": 3}, {"x": {"y": 5}}, "x: the checkpoint holds an int, the target a dict"),
+    ({"layers": {0: torch.ones(2), 1: torch.ones(2)}},
+     {"layers": [torch.zeros(2), torch.zeros(2)]},
+     "the checkpoint holds a dict, the target a list"),
+    ({"cfg": [torch.ones(2), 5]}, {"cfg": {0: torch.zeros(2), 1: 0}},
+     "the checkpoint holds a list, the target a dict"),
+])
+def test_a_container_the_checkpoint_replaces_with_another_kind_is_a_mismatch(
+        tmp_path: Path, saved: dict[str, Any], target: dict[str, Any], says: str) -> None:
+    """The load would swap the target's container for the checkpoint's value; whoever
+    holds the old one sees stale values. strict=False does not make it fit either."""
+    asyncckpt.save(saved, tmp_path)
+    for strict in (True, False):
+        with pytest.raises(asyncckpt.StateMismatchError, match=says):
+            asyncckpt.load(tmp_path, target, strict=strict)
+
+
+def test_targets_whose_elements_share_memory_are_refused_before_any_read(
+        tmp_path: Path) -> None:
+    asyncckpt.save({"a": torch.arange(10.0), "b": torch.arange(10.0)}, tmp_path)
+    b = torch.zeros(10)
+    with pytest.raises(asyncckpt.StateMismatchError, match=r"elements share memory.*: a;"):
+        asyncckpt.load(tmp_path, {"a": torch.zeros(1).expand(10), "b": b})
+    assert torch.equal(b, torch.zeros(10))  # refused before anything was read
+
+
+def test_one_saved_tensor_into_two_overlapping_targets(tmp_path: Path) -> None:
+    """Tied at save, two overlapping views at load: the second copy would read what it
+    overwrites (torch raised half-way); each target gets the value, the last one wins."""
+    w = torch.arange(6.0)
+    asyncckpt.save({"a": w, "b": w}, tmp_path)
+    buf = torch.zeros(8)
+    asyncckpt.load(tmp_path, {"a": buf[0:6], "b": buf[2:8]})
+    assert torch.equal(buf[2:8], w)
+    assert torch.equal(buf[0:2], w[0:2])
+
+
+def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) -> None:
+    """pread into memory it may not write fails with EFAULT: the checkpoint is intact, so
+    neither "corrupt" nor a fallback past every intact step."""
+    asyncckpt.save({"a": torch.arange(4.0)}, tmp_path / "c", step=1)
+    asyncckpt.save({"a": torch.arange(4.0)}, tmp_path / "c", step=2)
+    np.save(tmp_path / "z.npy", np.zeros(4, dtype=np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: the array is not writable
+        t = torch.from_numpy(np.load(tmp_path / "z.npy", mmap_mode="r"))
+    for fallback in (False, True):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="cannot be written"):
+            asyncckpt.load(tmp_path / "c", {"a": t}, fallback=fallback)

@@ -277,6 +277,21 @@ def test_a_load_reads_with_the_threads_asked_for(tmp_path: Path, threads: int) -
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_loads_of_any_size_share_one_set_of_reader_threads(tmp_path: Path) -> None:
+    """A pool per thread count kept them all: loads of 2..9 tensors with threads=8 left
+    1+2+...+7 idle reader threads behind."""
+    def readers() -> int:
+        return sum(t.name.startswith("asyncckpt-read") for t in threading.enumerate())
+
+    for n in range(2, 10):
+        asyncckpt.save({f"t{i}": torch.ones(1 << 12) for i in range(n)}, tmp_path / str(n))
+    before = readers()
+    for n in range(2, 10):
+        got = asyncckpt.load(tmp_path / str(n), threads=8)
+        assert len(got) == n and all(torch.equal(t, torch.ones(1 << 12)) for t in got.values())
+    assert readers() <= max(before, 7)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
 def test_a_bad_threads_argument_is_refused_before_reading(tmp_path: Path, bad: object) -> None:
     asyncckpt.save({"x": torch.ones(3)}, tmp_path / "ck")

@@ -113,4 +113,5 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
 
         return load_newest_intact(Path(path), state, storage, strict=strict, threads=threads)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
-    return _load_from(step_dir, state, storage, strict=strict, verify=verify, threads=threads)
+    return _load_from(step_dir, state, storage, strict=strict, verify=verify, threads=threads,
+                      step=step)

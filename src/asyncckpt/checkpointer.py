@@ -457,7 +457,7 @@ class AsyncCheckpointer:
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
                                           shards=shards, threads=threads)
             return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
-                             shards=shards, threads=threads)
+                             shards=shards, threads=threads, step=step)
         finally:
             self._in_use.release(held)
 

@@ -17,8 +17,13 @@ import numpy as np
 import torch
 
 from ._gc import gc_paused
-from .errors import CheckpointConfigError, CheckpointCorruptError, StateMismatchError
-from .manifest import Manifest
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StateMismatchError,
+)
+from .manifest import MANIFEST_NAME, Manifest
 from .reader import copy_into, load_tensors, read_manifest
 from .storage import ReadStorage
 from .tree import (
@@ -74,17 +79,25 @@ def check_threads(threads: int | None) -> None:
 
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
-              threads: int | None = None) -> Any:
-    """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`."""
+              threads: int | None = None, step: int | None = None) -> Any:
+    """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
+
+    ``step``, when given, is the step the caller asked for: a step directory of another
+    step (one copied to a name of the user's choosing, e.g. ``best/``) is refused.
+    """
     with gc_paused():  # parsing, matching and planning make thousands of small objects
         return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                          shards=shards, threads=threads)
+                          shards=shards, threads=threads, step=step)
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
                verify: bool, shards: Mapping[str, ShardMetadata] | None,
-               threads: int | None) -> Any:
+               threads: int | None, step: int | None = None) -> Any:
     manifest = read_manifest(step_dir, storage)
+    if step is not None and manifest.step != step:
+        raise CheckpointNotFoundError(
+            f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
+            "drop the step, or pass the directory that holds the step directories")
     saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
@@ -92,7 +105,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state, target=True)
     apply_shards(target, shards)
-    dests, boxes = _match(manifest, saved, target, strict, step_dir)
+    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies)
@@ -101,16 +114,27 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                     "read into a temporary and copied in checkpoint order, so the last one wins",
                     step_dir, _few(staged))
     loaded = load_tensors(step_dir, manifest,
-                          {k: v[0] if v and k not in staged else None for k, v in dests.items()},
+                          {k: v[0] if v and k not in staged and k not in regions else None
+                           for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads)
     for key, tensors in dests.items():  # in checkpoint order
-        # extra targets: saved once (tied), loaded into untied targets
-        for t in tensors if key in staged else tensors[1:]:
-            copy_into(t, loaded[key])
-        for t in tensors:
-            arr = copies.get(id(t))
-            if arr is not None:
-                np.copyto(arr, t.numpy())
+        try:
+            if key in regions:  # targets wanting different parts of it: each gets its own
+                for t, box in zip(tensors, regions[key], strict=True):
+                    copy_into(t, _region(loaded[key], box))
+                continue
+            # extra targets: saved once (tied), loaded into untied targets
+            for t in tensors if key in staged else tensors[1:]:
+                copy_into(t, loaded[key])
+            for t in tensors:
+                arr = copies.get(id(t))
+                if arr is not None:
+                    np.copyto(arr, t.numpy())
+        except (RuntimeError, ValueError) as exc:  # a target torch or numpy cannot write
+            raise StateMismatchError(
+                f"loading {step_dir}: copying saved tensor {key!r} into its target failed: "
+                f"{exc}; targets loaded before it hold the checkpoint's values",
+                mismatched=[key]) from exc
     return restore_into(state, manifest.skeleton, loaded, "", target)
 
 
@@ -123,6 +147,9 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     from . import commit
 
+    if MANIFEST_NAME in storage.listdir(root):  # a step directory: nothing to fall back to
+        return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
+                         threads=threads)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -141,11 +168,14 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
 
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
-           step_dir: Path) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box]]:
+           step_dir: Path) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
+                                    dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
 
-    Returns saved key -> target tensors to fill (empty: load fresh), and the box each
-    saved key is wanted in (absent: the whole tensor).
+    Returns saved key -> target tensors to fill (empty: load fresh), the box each saved
+    key is wanted in (absent: the whole tensor), and for the keys whose targets want
+    different boxes (a tied weight that is a shard at one path and whole at another)
+    each target's box, in the order of its target tensors: those are loaded whole.
     """
     lenient = [p for p, (obj, _) in target.statefuls.items()
                if not isinstance(obj, torch.nn.Module)]
@@ -163,9 +193,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # dict keys whose type differs (1 vs "1" name one path, but are not one key)
     _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
                        mismatched)
-    readonly = []
+    readonly, overlapping = [], []
     dests: dict[str, list[torch.Tensor]] = {}
-    boxes: dict[str, Box] = {}
+    wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
     for path, key in saved.items():
         if path not in target.refs:
             if passes_through(path) or not strict:
@@ -182,22 +212,24 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if arr is not None and not arr.flags.writeable:
             readonly.append(path)
             continue
-        box = target.box(tkey)
-        if box is not None:
-            if key in boxes and boxes[key] != box:
-                raise CheckpointConfigError(
-                    f"{path}: two target tensors want different boxes of saved tensor {key!r}")
-            boxes[key] = box
+        if _overlaps_itself(t):
+            overlapping.append(path)
+            continue
         lst = dests.setdefault(key, [])
         if not any(x is t for x in lst):
             lst.append(t)
+            box = target.box(tkey)
+            whole = ((0,) * len(entry.shape), tuple(entry.shape))
+            wanted.setdefault(key, []).append(None if box == whole else box)
         target.loaded_in_place.add(path)
+    boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
+    regions = {k: b for k, b in wanted.items() if len(set(b)) > 1}
     if not strict:
         for k in {saved[p] for p in unexpected}:
             if not dests.get(k):
                 dests.pop(k, None)
         missing, unexpected = [], []
-    if missing or unexpected or mismatched or readonly:
+    if missing or unexpected or mismatched or readonly or overlapping:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
@@ -209,17 +241,41 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")
             mismatched += [f"{p}: read-only numpy array" for p in readonly]
+        if overlapping:  # a copy into one raises half-way through a load: refuse up front
+            parts.append(f"tensors whose elements share memory (expanded or as_strided views): "
+                         f"{_few(overlapping)}; load into tensors with memory of their own "
+                         "(e.g. t.clone())")
+            mismatched += [f"{p}: elements share memory" for p in overlapping]
         hint = " (pass strict=False to skip missing and unexpected keys)" if (
             missing or unexpected) else ""
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
-    return dests, boxes
+    return dests, boxes, regions
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location, as torch tells (it refuses
+    to copy into such a tensor; layouts too hard for it to tell it lets through)."""
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    if check is not None:
+        return bool(check(t) == 1)
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True))
+
+
+def _region(whole: torch.Tensor, box: Box | None) -> torch.Tensor:
+    """The part of a whole loaded tensor that ``box`` covers (all of it for None)."""
+    if box is None:
+        return whole
+    out = whole
+    for d, (o, n) in enumerate(zip(*box, strict=True)):
+        out = out.narrow(d, o, n)
+    return out
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
                     copies: Mapping[int, np.ndarray]) -> list[str]:
-    """The saved keys whose targets share memory with another saved key's targets.
+    """The saved keys whose targets share memory with another target (of any key).
 
     Reader threads must not fill one memory from two keys at once (each hashes what
     it wrote): such keys are loaded into temporaries and copied in order instead.
@@ -235,17 +291,17 @@ def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
                 spans.append((*span, order[key]))
     spans.sort()
     shared: set[int] = set()
-    group: set[int] = set()
+    group: list[int] = []
     device, end = "", 0
     for dev, lo, hi, k in spans:
         if dev != device or lo >= end:  # a new run of overlapping ranges
             if len(group) > 1:
-                shared |= group
-            group, device, end = set(), dev, hi
-        group.add(k)
+                shared.update(group)
+            group, device, end = [], dev, hi
+        group.append(k)
         end = max(end, hi)
-    if len(group) > 1:
-        shared |= group
+    if len(group) > 1:  # (two targets of one key count too: the copy from one into the
+        shared.update(group)  # other would read what it overwrites)
     return [k for k in dests if order[k] in shared]
 
 
@@ -295,9 +351,20 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                                   f"{k!r}")
             else:
                 _compare_skeletons(got[1], child, here, lenient, missing, mismatched)
-    elif saved["t"] in ("list", "tuple") and want["t"] in ("list", "tuple"):
+    elif saved["t"] in _SEQUENCES and want["t"] in _SEQUENCES:
         for i, (a, b) in enumerate(zip(saved["items"], want["items"], strict=False)):
             _compare_skeletons(a, b, join_path(path, i), lenient, missing, mismatched)
+    elif want["t"] == "dict" or want["t"] in _SEQUENCES:
+        # the checkpoint's value would replace the target's container, and all it holds
+        mismatched.append(f"{path or '<root>'}: the checkpoint holds {_a(saved['t'])}, the "
+                          f"target {_a(want['t'])}")
+
+
+_SEQUENCES = ("list", "tuple")
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatState,

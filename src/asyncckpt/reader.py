@@ -30,6 +30,7 @@ import xxhash
 from ._gc import gc_paused
 from .commit import step_of_dir_name
 from .errors import (
+    CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -231,17 +232,24 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = T
     return t
 
 
-_pools: dict[int, cf.ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
+# One pool for every load of the process: it starts a thread only when none is idle, so
+# it holds as many as the most loads have ever read at once (one pool per thread count
+# kept a pool for each count asked: 120 idle threads after loads of 1..16 tensors).
+_MAX_READ_THREADS = 64
+_pool: cf.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _read_pool(n: int) -> cf.ThreadPoolExecutor:
-    """Reader threads kept for the process's later loads (starting them costs ~5 ms)."""
-    with _pools_lock:
-        pool = _pools.get(n)
-        if pool is None:
-            pool = _pools[n] = cf.ThreadPoolExecutor(n, thread_name_prefix="asyncckpt-read")
-        return pool
+    """Reader threads kept for the process's later loads (starting them costs ~5 ms).
+
+    A load of ``n`` groups submits ``n`` tasks; beyond the pool's size they queue (each
+    load also reads a group on its own thread, so it always makes progress)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = cf.ThreadPoolExecutor(_MAX_READ_THREADS, thread_name_prefix="asyncckpt-read")
+        return _pool
 
 
 def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -360,6 +368,11 @@ def _damaged(path: Path, exc: OSError, key: str | None = None) -> CheckpointErro
     if is_transient(exc):
         raise exc
     what = f"{path}" if key is None else f"{path} (tensor {key!r})"
+    if exc.errno == errno.EFAULT:  # the kernel could not write where it was told to
+        return CheckpointConfigError(
+            f"reading {what} into its target failed: {exc.strerror or exc}; the target's "
+            "memory cannot be written (a tensor over a read-only mapping?): load into "
+            "writable tensors; the checkpoint is not at fault")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return CheckpointPermissionError(
             f"{what} cannot be read: {exc.strerror or exc}; the checkpoint may be intact: give "
