@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 import asyncckpt
-from asyncckpt import AsyncCheckpointer, CheckpointExistsError, ShardMetadata
+from asyncckpt import AsyncCheckpointer, CheckpointExistsError, ShardMetadata, tree
 from asyncckpt import export as export_mod
 from asyncckpt.cli import main
 from asyncckpt.export import export_safetensors
@@ -337,10 +337,13 @@ def test_export_usage_errors(single: tuple[Path, dict[str, Any]], tmp_path: Path
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_export_refuses_a_name_that_is_not_utf8_before_writing(tmp_path: Path) -> None:
-    # save keeps a key holding a lone surrogate (a str and JSON allow it) and load gives
-    # it back, but no safetensors name can hold it: refused before anything is written.
+def test_export_refuses_a_name_that_is_not_utf8_before_writing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Older versions saved a key holding a lone surrogate (a str and JSON allow it, save
+    # now refuses it) and load gives it back, but no safetensors name can hold it: export
+    # refuses it before anything is written.
     root = tmp_path / "s"
+    monkeypatch.setattr(tree, "_check_key_text", lambda k, where: None)
     asyncckpt.save({"w\ud800": torch.ones(2), "ok": torch.zeros(3)}, root, step=1)
     assert torch.equal(asyncckpt.load(root)["w\ud800"], torch.ones(2))
     outdir = tmp_path / "out"

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -729,3 +731,107 @@ def test_targets_autograd_or_inference_mode_would_refuse_are_filled(tmp_path, th
         assert torch.equal(target[k].detach(), saved[k]), k
     assert torch.equal(target["u"], saved["w0"])
     assert param.requires_grad and target["w2"].requires_grad and inference.is_inference()
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as torchao's NF4 and Float8 tensors are): no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        t.inner = inner  # type: ignore[attr-defined]
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def unwrap(x):  # type: ignore[no-untyped-def]
+            return x.inner if isinstance(x, _Wrapped) else x
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.parametrize(("leaf", "says"), [
+    (lambda: np.ma.masked_array([1.0, -999.0], mask=[False, True]), "MaskedArray"),
+    (lambda: np.matrix([[1, 2]]), "matrix"),
+    (lambda: _Wrapped(torch.arange(4.0)), "holds no memory of its own"),
+    (lambda: 10 ** 5000, "bits, more than"),
+])
+def test_leaves_a_save_would_lose_or_crash_on_are_refused_naming_the_path(
+        tmp_path: Path, leaf: Any, says: str) -> None:
+    """A masked array came back without its mask, a wrapper tensor crashed the process
+    (a copy from address 0), a huge int failed in the background writer."""
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=f"'x/y'.*{says}|{says}.*'x/y'"):
+        asyncckpt.save({"x": {"y": leaf()}}, tmp_path)
+    assert not list(tmp_path.glob("step_*"))
+
+
+def test_a_wrapper_target_is_refused_before_reading(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.arange(4.0)}, tmp_path)
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=r"'w'.*no memory of its own"):
+        asyncckpt.load(tmp_path, {"w": _Wrapped(torch.zeros(4))})
+
+
+def test_memmap_arrays_are_still_saved(tmp_path: Path) -> None:
+    mm = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="w+", shape=(5,))
+    mm[:] = np.arange(5)
+    asyncckpt.save({"m": mm}, tmp_path / "c")
+    assert np.array_equal(asyncckpt.load(tmp_path / "c")["m"], np.arange(5, dtype=np.float32))
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    (10 ** 5000, "dict key at 'x'.*bits"),
+    ("a\ud800b", "lone surrogate"),
+], ids=["huge-int", "surrogate"])
+def test_dict_keys_no_manifest_or_header_can_hold_are_refused(tmp_path: Path, key: Any,
+                                                              says: str) -> None:
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=says):
+        asyncckpt.save({"x": {key: torch.ones(1)}}, tmp_path)
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused(tmp_path: Path) -> None:
+    """It overwrote the header's metadata: safetensors readers then failed on the file."""
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=r"__metadata__.*rename"):
+        asyncckpt.save({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path)
+    # below the root it is a path like any other
+    asyncckpt.save({"m": {"__metadata__": torch.ones(2)}}, tmp_path / "ok")
+    assert safetensors.torch.load_file(
+        next((tmp_path / "ok").glob("step_*/rank_*.safetensors")))["m/__metadata__"].sum() == 2
+
+
+def test_load_state_dict_refusals_are_state_mismatches_naming_the_object(
+        tmp_path: Path) -> None:
+    """An optimizer whose param groups changed between runs raised torch's ValueError."""
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [m.weight]}, {"params": [m.bias], "weight_decay": 0.0}])
+    asyncckpt.save({"model": m, "optim": opt}, tmp_path)
+    m2 = torch.nn.Linear(2, 2)
+    for strict in (True, False):
+        with pytest.raises(asyncckpt.StateMismatchError,
+                           match=r"optim \(SGD\)\.load_state_dict refused.*parameter groups"):
+            asyncckpt.load(tmp_path, {"model": m2, "optim": torch.optim.SGD(m2.parameters())},
+                           strict=strict)
+
+
+class _WithExtra(torch.nn.Linear):
+    def get_extra_state(self) -> Any:
+        return {"version": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+def test_a_module_state_key_the_target_module_lacks(tmp_path: Path) -> None:
+    """torch's load_state_dict refused _extra_state with a RuntimeError after the weights
+    were loaded: a strict load says so before reading, strict=False skips it."""
+    src = _WithExtra(2, 2)
+    asyncckpt.save({"m": src}, tmp_path)
+    dst = torch.nn.Linear(2, 2)
+    before = dst.weight.detach().clone()
+    with pytest.raises(asyncckpt.StateMismatchError, match="not in the target: m/_extra_state"):
+        asyncckpt.load(tmp_path, {"m": dst})
+    assert torch.equal(dst.weight, before)
+    asyncckpt.load(tmp_path, {"m": dst}, strict=False)
+    assert torch.equal(dst.weight, src.weight)
+    dst2 = _WithExtra(2, 2)  # and the module that has it gets it
+    asyncckpt.load(tmp_path, {"m": dst2})
+    assert dst2.extra == {"version": 3}

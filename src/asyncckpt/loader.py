@@ -192,7 +192,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # what the tensor keys do not show: values without arrays the checkpoint lacks, and
     # dict keys whose type differs (1 vs "1" name one path, but are not one key)
     _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
-                       mismatched)
+                       mismatched, unexpected)
     readonly, overlapping = [], []
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
@@ -225,7 +225,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
     regions = {k: b for k, b in wanted.items() if len(set(b)) > 1}
     if not strict:
-        for k in {saved[p] for p in unexpected}:
+        for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
         missing, unexpected = [], []
@@ -325,19 +325,28 @@ def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
 
 
 def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
-                       lenient: set[str], missing: list[str], mismatched: list[str]) -> None:
+                       lenient: set[str], missing: list[str], mismatched: list[str],
+                       unexpected: list[str]) -> None:
     """Walk the checkpoint's and the target's skeletons together: target dict keys the
     checkpoint lacks and that hold no arrays go to ``missing`` (those holding arrays are
     there already); keys of another type go to ``mismatched``. Stateful objects other
     than modules (optimizers...) take what the checkpoint has: not walked."""
     if saved == want:  # the common case for whole subtrees (a model's): compared in C
         return
+    module = False
     if want["t"] == "stateful":
         if path in lenient:
             return
         want = want["state"]
+        module = True
     if saved["t"] == "stateful":
         saved = saved["state"]
+    if module and saved["t"] == "dict" and want["t"] == "dict":
+        # a module's load_state_dict refuses keys it lacks (e.g. an _extra_state its class
+        # no longer has): say so before any read. Keys holding arrays are the refs' to tell.
+        have = {escape_key(k) for k, _ in want["items"]}
+        unexpected.extend(join_path(path, k) for k, c in saved["items"]
+                          if escape_key(k) not in have and next(iter_array_nodes(c), None) is None)
     if saved["t"] == "dict" and want["t"] == "dict":
         by_seg = {escape_key(k): (k, c) for k, c in saved["items"]}
         for k, child in want["items"]:
@@ -350,10 +359,12 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                 mismatched.append(f"{here}: the checkpoint's key is {got[0]!r}, the target's "
                                   f"{k!r}")
             else:
-                _compare_skeletons(got[1], child, here, lenient, missing, mismatched)
+                _compare_skeletons(got[1], child, here, lenient, missing, mismatched,
+                                   unexpected)
     elif saved["t"] in _SEQUENCES and want["t"] in _SEQUENCES:
         for i, (a, b) in enumerate(zip(saved["items"], want["items"], strict=False)):
-            _compare_skeletons(a, b, join_path(path, i), lenient, missing, mismatched)
+            _compare_skeletons(a, b, join_path(path, i), lenient, missing, mismatched,
+                               unexpected)
     elif want["t"] == "dict" or want["t"] in _SEQUENCES:
         # the checkpoint's value would replace the target's container, and all it holds
         mismatched.append(f"{path or '<root>'}: the checkpoint holds {_a(saved['t'])}, the "

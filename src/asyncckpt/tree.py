@@ -25,7 +25,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import CheckpointCorruptError, UnsupportedLeafError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    StateMismatchError,
+    UnsupportedLeafError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ _Seen = dict[Any, list[tuple[torch.Tensor, str]]]  # data pointer (or storage) -
 
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
 MAX_DEPTH = 190  # containers nested in one another; loads refuse skeletons deeper than 200
+RESERVED_KEY = "__metadata__"  # a safetensors header's name for its metadata: no tensor's
 Node = dict[str, Any]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in global coordinates
 
@@ -178,6 +184,11 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     if isinstance(obj, torch.Tensor):
         return {"t": "tensor", "key": _add_tensor(obj, path, flat, seen, "torch")}
     if isinstance(obj, np.ndarray):
+        if type(obj) is not np.ndarray and not isinstance(obj, np.memmap):
+            raise UnsupportedLeafError(
+                f"numpy array at {where!r} is a {type(obj).__module__}.{type(obj).__qualname__}, "
+                "whose extras (a mask, a matrix's shape rules) an array would lose: save "
+                "np.asarray(x) and what else it holds (e.g. np.ma.getmaskarray(x)) apart")
         key = _add_tensor(_numpy_as_tensor(obj, where), path, flat, seen, "numpy")
         flat.arrays[key] = obj
         return {"t": "ndarray", "key": key}
@@ -192,6 +203,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     if t is bool:
         return {"t": "bool", "v": obj}
     if t is int:
+        if obj.bit_length() > _MAX_INT_BITS:
+            raise UnsupportedLeafError(_huge_int(f"int at {where!r}", obj))
         return {"t": "int", "v": obj}
     if t is float:
         return {"t": "float", "v": repr(obj)}
@@ -213,6 +226,10 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
                 raise UnsupportedLeafError(
                     f"dict key {k!r} of type {type(k).__name__} at {where!r}: only str and int "
                     "keys can be checkpointed; convert the key to str")
+            if type(k) is int and k.bit_length() > _MAX_INT_BITS:
+                raise UnsupportedLeafError(_huge_int(f"dict key at {where!r}", k))
+            if type(k) is str and not k.isascii():
+                _check_key_text(k, where)
             seg = escape_key(k)
             if seg in seen_segments:
                 raise UnsupportedLeafError(
@@ -251,6 +268,28 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         "state_dict()/load_state_dict()")
 
 
+def _check_key_text(k: str, where: str) -> None:
+    try:
+        k.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedLeafError(
+            f"dict key {k!r} at {where!r} holds a lone surrogate, which is no text (UTF-8 "
+            "cannot encode it, and safetensors readers refuse the file's header); fix the "
+            "key") from None
+
+
+# str(int) refuses more than 4300 digits (sys.int_info.default_max_str_digits), and a
+# manifest writes ints as text: refuse such an int when the tree is flattened, naming
+# its path, not when the background writer encodes the manifest.
+_MAX_INT_BITS = 14_000  # ~4214 decimal digits
+
+
+def _huge_int(what: str, value: int) -> str:
+    return (f"{what} has {value.bit_length()} bits, more than the {_MAX_INT_BITS} a "
+            "checkpoint's metadata holds: save it as bytes (value.to_bytes(...)) or a string "
+            "of hex digits")
+
+
 def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
     if not arr.dtype.isnative:
         raise UnsupportedLeafError(
@@ -284,6 +323,10 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
     if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
+    if path == RESERVED_KEY:
+        raise UnsupportedLeafError(
+            f"a tensor at {RESERVED_KEY!r}: safetensors reserves that name for the file's "
+            "metadata (readers would fail on the shard file); rename the key")
     if kind == "torch":
         tie: Any = t.data_ptr()  # empty tensors have no data to share...
         empty_shard = box is not None and t.numel() == 0
@@ -353,6 +396,11 @@ def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
     if t.is_quantized or _refused_dtype(t.dtype):
         raise UnsupportedLeafError(
             f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
+    if not _is_dtensor(t) and t.numel() > 0 and not t.is_meta and t.data_ptr() == 0:
+        raise UnsupportedLeafError(
+            f"tensor at {where!r} is a {type(t).__qualname__} that holds no memory of its own "
+            "(a wrapper subclass, as torchao's NF4 or Float8 tensors are): save its "
+            "component tensors, or a plain tensor of its values")
 
 
 @functools.cache
@@ -440,12 +488,28 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if path in flat.statefuls:
         obj, sd = flat.statefuls[path]
         inner = node["state"] if node["t"] == "stateful" else node
+        own = set(sd) if isinstance(obj, torch.nn.Module) and isinstance(sd, dict) else None
         restored = restore_into(sd, inner, tensors, path, _without(flat, path))
+        if own is not None and isinstance(restored, dict) and len(restored) > len(own):
+            # a module refuses keys its state dict lacks; strict loads refused them before
+            # reading, so these are what strict=False skips (deleted in place: the dict
+            # keeps its _metadata, which modules read for their version)
+            for k in [k for k in restored if k not in own]:
+                del restored[k]
         try:
             obj.load_state_dict(restored)
         except CheckpointCorruptError as exc:  # e.g. RNGState's: say whose state it was
             raise CheckpointCorruptError(f"{path or '<root>'} ({type(obj).__name__}): {exc}",
                                          path=exc.path, key=exc.key) from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:  # its own refusal (param groups differ, unexpected keys)
+            where = path or "<root>"
+            raise StateMismatchError(
+                f"{where} ({type(obj).__name__}).load_state_dict refused the checkpoint's "
+                f"state: {type(exc).__name__}: {exc} (tensors loaded in place before it hold "
+                "the checkpoint's values; restore a state that matches the checkpoint's)",
+                mismatched=[where]) from exc
         return obj
     t = node["t"]
     if t == "stateful":
