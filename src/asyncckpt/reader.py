@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno
+import itertools
 import json
 import logging
 import math
@@ -431,20 +432,67 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     itemsize = dst.element_size()
     if 0 in it.box[1]:
         return  # an empty box: nothing to read
-    lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
-    first_block = lo // block_bytes
-    b0 = first_block * block_bytes
-    b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
-    with _allocating(path, it.key, b1 - b0):
-        buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=dst.is_cuda)
-    _read_range(fd, storage, path, it.key, tensor_bytes(buf), chunk, first_block, verify,
-                block_bytes)
-    typed = buf if dst.dtype == torch.uint8 else buf.view(dst.dtype)
-    src = typed.as_strided(it.box[1], row_major_strides(chunk.lengths), (lo - b0) // itemsize)
     tgt = dst
     for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
         tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
-    copy_into(tgt, src)
+    runs = _sparse_runs(chunk, it.box, itemsize, block_bytes)
+    if runs is None:  # the box's span touches (nearly) every block in it: read the span
+        lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
+        _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, lo, hi,
+                       it.box[1], tgt, dst.is_cuda)
+        return
+    # Rows longer than a block with wide gaps between them (a column slice of wide
+    # rows): read and verify only the blocks each row's part touches.
+    d, run_shape, starts = runs
+    for index, start in starts:
+        part = tgt[index] if d else tgt
+        _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, start,
+                       start + math.prod(run_shape) * itemsize, run_shape, part, dst.is_cuda)
+
+
+def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: Chunk,
+                   verify: bool, block_bytes: int, lo: int, hi: int, shape: tuple[int, ...],
+                   tgt: torch.Tensor, pinned: bool) -> None:
+    """Read the blocks of ``chunk`` covering its bytes ``lo..hi``, verify them, and copy
+    the elements there (a box of ``shape`` starting at ``lo``, in the chunk's row-major
+    layout) into ``tgt``."""
+    first_block = lo // block_bytes
+    b0 = first_block * block_bytes
+    b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
+    with _allocating(path, key, b1 - b0):
+        buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=pinned)
+    _read_range(fd, storage, path, key, tensor_bytes(buf), chunk, first_block, verify,
+                block_bytes)
+    typed = buf if tgt.dtype == torch.uint8 else buf.view(tgt.dtype)
+    strides = row_major_strides(chunk.lengths)[len(chunk.lengths) - len(shape):]
+    copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // tgt.element_size()))
+
+
+def _sparse_runs(chunk: Chunk, box: Box, itemsize: int, block_bytes: int
+                 ) -> tuple[int, tuple[int, ...], list[tuple[tuple[int, ...], int]]] | None:
+    """Where the gaps between the box's contiguous parts hold whole blocks: the first dim
+    ``d`` of the parts, their shape, and each part's index in the box's leading ``d``
+    dims with its first byte in the chunk. None when reading the box's whole span costs
+    (nearly) nothing more."""
+    lens, clens = box[1], chunk.lengths
+    # dims from ``d`` on: the box covers them whole but for ``d`` itself, so each part is
+    # contiguous in the chunk; the parts are laid out by the leading dims
+    d = len(lens) - 1
+    while d > 0 and lens[d] == clens[d]:
+        d -= 1
+    if d == 0:
+        return None  # one contiguous run
+    strides = row_major_strides(clens)
+    run = lens[d] * strides[d] * itemsize
+    gap = strides[d - 1] * itemsize - run
+    if gap < 2 * block_bytes:  # no gap holds a whole block to skip (with margin)
+        return None
+    rel = [o - c for o, c in zip(box[0], chunk.offsets, strict=True)]
+    base = sum(r * s for r, s in zip(rel, strides, strict=True)) * itemsize
+    starts = []
+    for index in itertools.product(*(range(n) for n in lens[:d])):
+        starts.append((index, base + sum(i * strides[k] for k, i in enumerate(index)) * itemsize))
+    return d, tuple(lens[d:]), starts
 
 
 def _read_range(fd: int, storage: ReadStorage, path: Path, key: str, mv: memoryview, chunk: Chunk,
