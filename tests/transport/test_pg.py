@@ -167,9 +167,9 @@ def test_round_trip_sends_large_tensors_from_their_own_memory() -> None:
     sender.result()
     same(got, state)
     # file order: w, b, big (4-byte elements), h. Messages of rank 0: offer, manifest, a
-    # control word, then [header + w + b] gathered, big from its own memory, h alone
+    # control word, then [header + w + b] gathered, big from its own memory, h alone, DONE
     ours = [(n, ptr) for src, _, n, ptr in wire.sent if src == 0]
-    assert [n for n, _ in ours[3:]][1:] == [state["big"].numel() * 4, 18], ours
+    assert [n for n, _ in ours[3:]][1:] == [state["big"].numel() * 4, 18, 64], ours
     assert ours[4][1] == state["big"].data_ptr() and ours[5][1] == state["h"].data_ptr()
     assert a.metadata() == "pg:0" and b.metadata() == "pg:1"
 
@@ -182,7 +182,7 @@ def test_many_small_tensors_go_in_few_messages() -> None:
     sender.result()
     same(got, state)
     sizes = [n for src, _, n, _ in wire.sent if src == 0]
-    assert len(sizes) <= 6, sizes  # offer, manifest, control word, the file in <= 3 runs
+    assert len(sizes) <= 7, sizes  # offer, manifest, control word, the file in <= 3 runs, DONE
     assert max(sizes) <= MiB
 
 
@@ -362,11 +362,12 @@ def test_an_offer_that_disagrees_with_its_manifest(lie: str) -> None:
 
 
 def test_a_byte_flipped_in_flight_is_caught_and_names_the_tensor() -> None:
-    # messages: the request (0, of rank 1), then rank 0's offer (1), manifest (2), control
-    # word (3) and the whole file gathered (4): header, then w (8 KiB, float32, first), b,
-    # h. Flip a byte in the middle of "w"
+    # messages: the request (0, of rank 1), then rank 0's offer (1), rank 1's READY (2),
+    # the manifest (3), rank 1's READY (4), the control word (5) and the whole file
+    # gathered (6): header, then w (8 KiB, float32, first), b, h. Flip a byte in the
+    # middle of "w"
     def flip(index: int, t: torch.Tensor) -> None:
-        if index == 4:
+        if index == 6:
             t[t.numel() - 4096] ^= 0x10
 
     a, b, _ = pair(Wire(tamper=flip))
@@ -657,8 +658,8 @@ def test_a_file_above_max_file_bytes_is_refused() -> None:
 
 
 def test_a_receiver_that_states_no_limits_still_refuses_a_file_over_its_own() -> None:
-    """An older receiver sends zeros where the limits go: the sender offers, the
-    receiver refuses by itself."""
+    """A receiver that sends zeros where the limits go: the sender offers, the receiver
+    refuses by itself, and tells the sender (which sends nothing more)."""
     wire = Wire()
     a = PGTransport(FakeGroup(wire, 0), 10.0)
     b = PGTransport(FakeGroup(wire, 1), 10.0, max_file_bytes=4096)
@@ -669,7 +670,204 @@ def test_a_receiver_that_states_no_limits_still_refuses_a_file_over_its_own() ->
     with pytest.raises(CheckpointTransportError, match=r"announced a shard file of \d+ bytes "
                        r"\(limit 4096"):
         b.recv_checkpoint(0, "pg:0", 5, 10.0)
-    sender.thread.join(10)
+    with pytest.raises(CheckpointTransportError,
+                       match=r"rank 1 refused step 5 after the offer: .*limit 4096"):
+        sender.result()
+    assert [n for src, _, n, _ in wire.sent if src == 0] == [64]  # the offer, nothing more
+
+
+# --- a receive that fails leaves the targets as they were; the sender is told -------------
+
+def test_a_damaged_transfer_leaves_the_in_place_targets_untouched() -> None:
+    new = {"a": torch.full((MiB // 4,), 2.0), "b": torch.full((MiB // 4,), 2.0)}  # step 6
+    target = {"a": torch.full((MiB // 4,), 1.0), "b": torch.full((MiB // 4,), 1.0)}  # step 5
+    before = dict(target)
+
+    def damage_b(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][3] == new["b"].data_ptr():  # b goes from its own memory
+            t[100] ^= 1
+
+    wire = Wire(tamper=damage_b)
+    a, b, _ = pair(wire)
+    sender = Background(a.send_checkpoint, [1], 6, new, 10.0)
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch in tensor 'b'") as info:
+        b.recv_checkpoint(0, "pg:0", 6, 10.0, into=target)
+    sender.result()
+    assert info.value.key == "b"
+    text = str(info.value)
+    assert "damaged in transit" in text and "again" in text and "earlier step" not in text
+    # not a mix of two steps: "a" (sent before b) and "b" keep step 5's values
+    for k, t in target.items():
+        assert t is before[k] and bool((t == 1.0).all()), (k, t.unique())
+
+
+def _failing_receive_buffer(monkeypatch: pytest.MonkeyPatch, min_bytes: int) -> None:
+    """torch.empty of at least ``min_bytes`` on the main thread (the receiver's; the
+    sender runs on another) fails as an out-of-memory allocation does."""
+    real_empty = torch.empty
+    main = threading.main_thread()
+
+    def empty(*size: Any, **kw: Any) -> torch.Tensor:
+        n = size[0] if size and isinstance(size[0], int) else 0
+        if n >= min_bytes and threading.current_thread() is main:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                               f"can't allocate memory: you tried to allocate {n} bytes")
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def test_a_receiver_out_of_memory_tells_the_sender_and_both_stay_in_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, wire = pair()
+    state = {"big": torch.ones(MiB // 2)}  # a 2 MiB file
+    _failing_receive_buffer(monkeypatch, MiB)
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    with pytest.raises(CheckpointTransportError,
+                       match=r"cannot receive step 5 from peer rank 0 \(pg:0\): allocating "
+                             r"\d{7} bytes of cpu for the shard file failed"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    with pytest.raises(CheckpointTransportError,
+                       match=r"rank 1 refused step 5 after the manifest: .*allocating"):
+        sender.result()
+    # the offer and the manifest went, no byte of the file
+    assert next(n for src, _, n, _ in wire.sent if src == 0) == 64
+    assert all(n < MiB for src, _, n, _ in wire.sent if src == 0), wire.sent
+    monkeypatch.undo()
+    sender = Background(a.send_checkpoint, [1], 6, state, 10.0)  # still in step
+    same(b.recv_checkpoint(0, "pg:0", 6, 10.0), state)
+    sender.result()
+
+
+def test_a_manifest_the_receiver_rejects_is_told_to_the_sender() -> None:
+    def damage_manifest(index: int, t: torch.Tensor) -> None:
+        ours = [s for s, *_ in wire.sent[:index + 1]].count(0)
+        if wire.sent[index][0] == 0 and ours == 2:  # rank 0's second message: the manifest
+            t[t.numel() // 2] ^= 1
+
+    wire = Wire(tamper=damage_manifest)
+    a, b, _ = pair(wire)
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 10.0)
+    with pytest.raises(CheckpointCorruptError):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    with pytest.raises(CheckpointTransportError,
+                       match="rank 1 refused step 5 after the manifest: CheckpointCorruptError"):
+        sender.result()
+    assert next(n for src, _, n, _ in wire.sent if src == 0) == 64
+    assert len([1 for src, *_ in wire.sent if src == 0]) == 2  # offer, manifest: no file
+
+
+# --- disallow_checkpoint is bounded, and cuts between segments --------------------------------
+
+def test_disallow_is_bounded_when_a_segment_never_goes(caplog: pytest.LogCaptureFixture) -> None:
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(2)}
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 0.3)  # disallow's grace time
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    stuck, release = threading.Event(), threading.Event()
+
+    def stall_t0(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][3] == state["t0"].data_ptr():  # its receiver takes no bytes
+            stuck.set()
+            release.wait(30)
+
+    wire.tamper = stall_t0
+    sender = Background(a.send_checkpoint, [1], 5, state, 20.0)
+    receiver = Background(b.recv_checkpoint, 0, "pg:0", 5, 20.0)
+    try:
+        assert stuck.wait(10)
+        disallow = Background(a.disallow_checkpoint)
+        disallow.thread.join(8)  # grace 0.3 s, then at most 0.3 s for the segment
+        assert not disallow.thread.is_alive(), "disallow_checkpoint waited without bound"
+        disallow.result()
+        assert "still reads the live tensors" in caplog.text
+    finally:
+        release.set()
+    with pytest.raises(CheckpointTransportError, match="after 2 of 3 segments"):
+        sender.result()
+    with pytest.raises(CheckpointTransportError, match="after 2 of 3 segments"):
+        receiver.result()
+
+
+def test_a_cut_within_a_batch_reads_no_further_tensor() -> None:
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}  # 5 segments, one batch
+    wire = Wire()
+    a = PGTransport(FakeGroup(wire, 0), 0.2)  # disallow's grace time
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+
+    def cut_during_t1(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][3] == state["t1"].data_ptr():
+            Background(a.disallow_checkpoint)
+            end = time.monotonic() + 10
+            while time.monotonic() < end:  # past the grace time: the cut is set before t2
+                with a._cond:
+                    if any(c.is_set() for c in a._cuts):
+                        return
+                time.sleep(0.01)
+
+    wire.tamper = cut_during_t1
+    sender = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    with pytest.raises(CheckpointTransportError,
+                       match="could not send step 5: the send to rank 1 was cut off by "
+                             "disallow_checkpoint after 3 of 5 segments"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    with pytest.raises(CheckpointTransportError, match="after 3 of 5 segments"):
+        sender.result()
+    ptrs = {src_ptr for src, _, _, src_ptr in wire.sent if src == 0}
+    assert state["t1"].data_ptr() in ptrs
+    assert state["t2"].data_ptr() not in ptrs and state["t3"].data_ptr() not in ptrs
+
+
+# --- arguments checked before any message ----------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{"max_file_bytes": 0}, {"max_manifest_bytes": 0},
+                                {"max_file_bytes": 1 << 63}, {"max_manifest_bytes": 1 << 64},
+                                {"max_file_bytes": 1.5}, {"max_file_bytes": True}])
+def test_limits_that_do_not_fit_the_wire_are_refused(kw: dict[str, Any]) -> None:
+    (name,) = kw
+    with pytest.raises(CheckpointConfigError, match=f"{name}="):
+        PGTransport(FakeGroup(Wire(), 1), 10.0, **kw)
+    PGTransport(FakeGroup(Wire(), 1), 10.0, **{name: (1 << 63) - 1})
+
+
+@pytest.mark.parametrize("step", [1 << 63, -1, 2.0, True, "3"])
+def test_steps_that_do_not_fit_the_wire_are_refused_before_any_message(step: Any) -> None:
+    wire = Wire()
+    a, b = PGTransport(FakeGroup(wire, 0), 10.0), PGTransport(FakeGroup(wire, 1), 10.0)
+    with pytest.raises(CheckpointConfigError, match="step="):
+        a.send_checkpoint([1], step, small_state(), 1.0)
+    with pytest.raises(CheckpointConfigError, match="step="):
+        b.recv_checkpoint(0, "pg:0", step, 1.0)
+    assert wire.sent == []
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), datetime.timedelta.max,
+                                     datetime.timedelta(days=365_000)])
+def test_an_unbounded_timeout_waits_instead_of_overflowing(timeout: Any) -> None:
+    a, b, _ = pair()
+    sender = Background(a.send_checkpoint, [1], (1 << 63) - 1, small_state(), timeout)
+    same(b.recv_checkpoint(0, "pg:0", (1 << 63) - 1, timeout), small_state())
+    sender.result()
+    with pytest.raises(CheckpointConfigError, match="timeout=nan"):
+        b.recv_checkpoint(0, "pg:0", 1, float("nan"))
+
+
+def test_errors_name_the_step_and_the_peer() -> None:
+    a, b, _ = pair()
+    with a._lock, pytest.raises(  # another transfer is running
+            CheckpointTimeoutError, match=r"cannot send step 5 to ranks \[1\]: another transfer"):
+        a.send_checkpoint([1], 5, small_state(), 0.2)
+    with b._lock, pytest.raises(CheckpointTimeoutError, match=r"cannot receive step 5 from "
+                                r"peer rank 0 \(pg:0\): another transfer"):
+        b.recv_checkpoint(0, "pg:0", 5, 0.2)
+    # the sender's error quotes the step it was sending, not only the one asked for
+    sender = Background(a.send_checkpoint, [1], 7, {"x": _Unsupported()}, 10.0)
+    with pytest.raises(CheckpointTransportError,
+                       match=r"could not send step 7 \(this rank asked for step 5\): "
+                             "UnsupportedLeafError"):
+        b.recv_checkpoint(0, "pg:0", 5, 10.0)
+    with pytest.raises(UnsupportedLeafError):
+        sender.result()
 
 
 @pytest.mark.gpu
@@ -877,6 +1075,39 @@ def gloo_failures_reach_the_receiver(rank: int, tr: PGTransport, dist: Any) -> d
     return out
 
 
+def gloo_a_receiver_out_of_memory(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """Rank 1 cannot allocate the file's buffer: it tells rank 0, which goes on to rank
+    2 at once (it waited out its timeout on a send rank 1 never took), then serves rank
+    1 again: the pair stayed in step."""
+    state = {"big": torch.ones(4 << 20)}  # 16 MiB
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["fan"] = _expect(lambda: tr.send_checkpoint([1, 2], 4, state, 20.0),
+                             CheckpointTransportError)
+        tr.send_checkpoint([1], 5, state, 20.0)
+    elif rank == 1:
+        real_empty = torch.empty
+
+        def empty(*size: Any, **kw: Any) -> torch.Tensor:
+            if size and isinstance(size[0], int) and size[0] >= 1 << 24:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+            return real_empty(*size, **kw)
+
+        torch.empty = empty  # type: ignore[assignment]
+        try:
+            out["oom"] = _expect(lambda: tr.recv_checkpoint(0, "pg:0", 4, 20.0),
+                                 CheckpointTransportError)
+        finally:
+            torch.empty = real_empty
+        same(tr.recv_checkpoint(0, "pg:0", 5, 20.0), state)
+        out["received"] = True
+    else:
+        same(tr.recv_checkpoint(0, "pg:0", 4, 20.0), state)
+        out["received"] = True
+    dist.barrier()
+    return out
+
+
 def rank_main(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -935,6 +1166,18 @@ def test_gloo_a_sender_that_fails_tells_the_receiver_at_once(tmp_path: Path) -> 
             in leaf["message"]), leaf
     assert ("could not send step 2: the send to rank 1 was cut off by disallow_checkpoint "
             "after 2 of 4 segments" in cut["message"]), cut
+
+
+
+def test_gloo_a_receiver_that_cannot_allocate_tells_the_sender(tmp_path: Path) -> None:
+    res = run_gloo("gloo_a_receiver_out_of_memory", 3, tmp_path)
+    fan, oom = res[0]["fan"], res[1]["oom"]
+    assert fan["ok"] and oom["ok"], res
+    assert res[1]["received"] and res[2]["received"], res
+    assert fan["seconds"] < 10.0, fan  # its timeout is 20 s
+    assert "rank 1 refused step 4 after the manifest" in fan["message"], fan
+    assert ("cannot receive step 4 from peer rank 0 (pg:0): allocating 167" in oom["message"]
+            and "for the shard file failed" in oom["message"]), oom
 
 
 if __name__ == "__main__":

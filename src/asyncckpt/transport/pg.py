@@ -8,26 +8,36 @@ on the calling thread, on the group passed in: give the transport a group of its
 (``dist.new_group(backend="gloo")``), never the training group, whose collectives would
 interleave with these messages.
 
-Wire protocol, version 2 (every message is one tensor; ranks are ranks of the group):
+Wire protocol, version 3 (every message is one tensor; ranks are ranks of the group; a
+send completes only once its receiver has posted a receive of the same size, so each
+side must know what the other sends next: hence the READY words):
 
 1. receiver -> sender: a request, 8 int64 words
    ``[MAGIC, VERSION, REQUEST, wanted_step, max_manifest_bytes, max_file_bytes, 0, 0]``
-   (the receiver's limits; 0: not stated, as receivers older than the limits send):
-   a sender whose step is over them answers with an error saying so;
+   (the receiver's limits, >= 1; a 0 reads as not stated): a sender whose step is over them
+   answers with an error saying so;
 2. sender -> receiver: a reply, 8 int64 words
    ``[MAGIC, VERSION, OFFER, step, manifest_bytes, file_bytes, segments, 0]``, or
    ``[MAGIC, VERSION, NOT_FOUND, step_on_offer, 0, 0, 0, 0]`` when the steps differ, or
    an error (below) when the sender failed before it could offer: then nothing else
    follows and both sides stay in step;
-3. the manifest (JSON, the format of ``manifest.json``) as ``manifest_bytes`` uint8;
-4. the shard file (the safetensors layout of a committed checkpoint) in ``segments``
+3. receiver -> sender: ``[MAGIC, VERSION, READY, step, 0, 0, 0, 0]`` once it has checked
+   the sizes and allocated the manifest's buffer, or an error (it refuses: then nothing
+   else follows);
+4. the manifest (JSON, the format of ``manifest.json``) as ``manifest_bytes`` uint8;
+5. receiver -> sender: ``[MAGIC, VERSION, READY, step, 1, 0, 0, 0]`` once it has
+   validated the manifest and allocated the file's buffer, or an error (as in 3);
+6. the shard file (the safetensors layout of a committed checkpoint) in ``segments``
    uint8 messages, cut by :func:`_segments` from the file's pieces (its header, then
    each non-empty tensor in file order): runs of small adjacent pieces are gathered into
    one message of at most ``GATHER_BYTES``, a larger tensor goes from its own memory in
    slices of at most ``SLICE_BYTES``. A control word
    ``[MAGIC, VERSION, MORE, step, first, stop, 0, 0]`` precedes segments
    ``first..stop-1``, a batch of about ``CONTROL_BYTES`` (:func:`_batches`); in its
-   place a sender that was cut off sends an error.
+   place a sender that was cut off sends an error. A sender cut off in the middle of a
+   batch sends the rest of the batch as zeros (no tensor is read once it is cut);
+7. ``[MAGIC, VERSION, DONE, step, segments, 0, 0, 0]`` once the file is whole, or an
+   error in its place (a sender cut off during the last batch).
 
 An error is ``[MAGIC, VERSION, ERROR, step, reason_bytes, 0, 0, 0]``, then (when
 ``reason_bytes`` > 0) that many uint8 of UTF-8 text, at most ``MAX_REASON_BYTES``.
@@ -35,8 +45,9 @@ A peer of another protocol version is answered with the error header alone.
 
 The receiver refuses sizes above its limits before it allocates anything, derives the
 segments from the validated manifest (its pieces must tile the file exactly), receives
-the file into one buffer and loads it through the ordinary loader: checksums are
-verified, ``into=`` loads in place. Nothing is unpickled.
+the file into one buffer, verifies every checksum in that buffer, and only then loads
+it through the ordinary loader (``into=`` loads in place): a transfer that fails leaves
+the targets as they were. Nothing is unpickled.
 
 Timeouts: every wait is bounded by the call's ``timeout`` (``Work.wait(timeout)``); the
 group's own timeout (``init_process_group``/``new_group(timeout=...)``) bounds the
@@ -47,9 +58,12 @@ using it again, as torchft does on every reconfiguration.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import logging
+import math
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from ..errors import (
     CheckpointClosedError,
@@ -72,7 +87,9 @@ from ..manifest import (
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
+    Chunk,
     Manifest,
+    block_checksums,
     check_block_bytes,
     parse_manifest,
 )
@@ -84,21 +101,51 @@ log = logging.getLogger(__name__)
 __all__ = ["PGTransport"]
 
 MAGIC = 0x61636B70745F7067  # "ackpt_pg"
-VERSION = 2  # 2: errors, control words, gathered segments
-REQUEST, OFFER, NOT_FOUND, ERROR, MORE = 1, 2, 3, 4, 5
+VERSION = 3  # 2: errors, control words, gathered segments; 3: READY words, DONE
+REQUEST, OFFER, NOT_FOUND, ERROR, MORE, READY, DONE = 1, 2, 3, 4, 5, 6, 7
 HEADER_WORDS = 8
+MAX_WORD = (1 << 63) - 1  # every number on the wire is an int64 word
 DEFAULT_MAX_FILE_BYTES = 1 << 40
 MAX_REASON_BYTES = 1024  # an error's text: enough to say why, bounded for the receiver
 GATHER_BYTES = 1 << 20  # a gloo message costs ~0.3 ms: runs of smaller pieces go as one
 SLICE_BYTES = 64 << 20  # a larger tensor goes in slices of at most this (no copy)
 CONTROL_BYTES = 64 << 20  # a control word every ~this: how late a cut-off is told
+_VERIFY_BYTES = 16 << 20  # a received file is verified in tasks of about this (2 threads)
 _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
 
 _Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
 
-def _seconds(t: timedelta | float) -> float:
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+def _seconds(t: timedelta | float, label: str = "timeout") -> float:
+    """A timeout in seconds (inf, or timedelta.max, waits as long as a wait can)."""
+    if isinstance(t, timedelta):
+        return t.total_seconds()
+    try:
+        if isinstance(t, (bool, str, bytes)):
+            raise TypeError
+        seconds = float(t)
+    except (TypeError, ValueError):
+        raise CheckpointConfigError(
+            f"{label}={t!r}: pass seconds (a number) or a timedelta") from None
+    if math.isnan(seconds):
+        raise CheckpointConfigError(f"{label}=nan: pass seconds (a number) or a timedelta")
+    return seconds
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (>= 0), at most what a wait accepts
+    (``threading.TIMEOUT_MAX``: a longer one raises OverflowError)."""
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+
+
+def _check_word(value: Any, label: str, lo: int) -> int:
+    """An int in ``lo..MAX_WORD`` (it goes on the wire as an int64 word)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise CheckpointConfigError(f"{label}={value!r}: pass an int")
+    v = operator.index(value)
+    if not lo <= v <= MAX_WORD:
+        raise CheckpointConfigError(f"{label}={v}: use an int in {lo}..2**63-1")
+    return v
 
 
 class PGTransport(CheckpointTransport[Any]):
@@ -139,10 +186,9 @@ class PGTransport(CheckpointTransport[Any]):
             if not callable(getattr(pg, method, None)):
                 raise CheckpointConfigError(
                     f"pg={pg!r} has no {method}() method: pass a torch.distributed process group")
-        if max_manifest_bytes < 1 or max_file_bytes < 0:
-            raise CheckpointConfigError(
-                f"max_manifest_bytes={max_manifest_bytes}, max_file_bytes={max_file_bytes}: "
-                "use positive limits")
+        # (>= 1: a limit of 0 would go on the wire as "not stated")
+        max_manifest_bytes = _check_word(max_manifest_bytes, "max_manifest_bytes", 1)
+        max_file_bytes = _check_word(max_file_bytes, "max_file_bytes", 1)
         self.pg = pg
         self.timeout_s = _seconds(timeout)
         self.device = _resolve_device(pg, device)
@@ -176,17 +222,22 @@ class PGTransport(CheckpointTransport[Any]):
         their own memory, so they must not change until this returns. When the state
         cannot be served (an unsupported leaf, a cut-off), each destination's request is
         answered with the reason, so that its receive fails at once rather than at its
-        timeout, and then the error is raised here.
+        timeout, and then the error is raised here. A destination that refuses the
+        offer (it cannot allocate the buffers, or rejects the manifest) says so: the
+        others are still served, then its reason is raised.
 
         Raises:
             CheckpointConfigError: a rank of ``dst_ranks`` is not another rank of the
-                group, or is named twice (checked before any message).
+                group, or is named twice, or ``step`` is not an int in 0..2**63-1
+                (checked before any message).
             CheckpointTimeoutError: a destination does not take part in time.
-            CheckpointTransportError: the group fails, or the send was cut off.
+            CheckpointTransportError: the group fails, a destination refused, or the
+                send was cut off.
         """
         from .. import __version__
 
         self._check_open()
+        step = _check_word(step, "step", 0)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
         dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
         cut = threading.Event()  # set by disallow_checkpoint to cut this send off
@@ -218,7 +269,7 @@ class PGTransport(CheckpointTransport[Any]):
             except Exception as exc:
                 self._tell_failure(dsts, step, exc, deadline)
                 raise
-            self._acquire(deadline, "send")
+            self._acquire(deadline, f"send step {step} to ranks {dsts}")
             try:
                 cut_off: str | None = None
                 failed: Exception | None = None
@@ -254,45 +305,65 @@ class PGTransport(CheckpointTransport[Any]):
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that state
         in place (tensor identity kept, resharding as ``load`` does) and returns it.
 
+        Every checksum is verified against the received bytes before anything is
+        loaded: a receive that fails leaves ``into`` as it was, never a mix of two steps.
+
         Raises:
-            CheckpointConfigError: ``src_rank`` is not another rank of the group
-                (checked before any message).
+            CheckpointConfigError: ``src_rank`` is not another rank of the group, or
+                ``step`` is not an int in 0..2**63-1 (checked before any message).
             CheckpointNotFoundError: the peer sends another step.
-            CheckpointCorruptError: the manifest or a checksum does not match.
+            CheckpointCorruptError: the manifest or a checksum does not match (damaged
+                in transit: receive again).
             CheckpointTimeoutError: the peer did not answer in time.
             CheckpointTransportError: the peer could not send (its reason is quoted),
-                broke the protocol, or the group failed.
+                broke the protocol, or the group failed; or this rank cannot allocate
+                the buffers (the peer is told).
         """
         from ..loader import load_from
 
         self._check_open()
+        step = _check_word(step, "step", 0)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         where = f"peer rank {src} ({metadata})"
-        self._acquire(deadline, "receive")
+        self._acquire(deadline, f"receive step {step} from {where}")
         try:
-            raw, name, host = self._recv_from(src, step, deadline, where)
+            raw, manifest, name, host = self._recv_from(src, step, deadline, where)
         finally:
             self._lock.release()
+        step_dir = Path(f"pg-rank-{src}-step-{step}")
+        view = tensor_bytes(host) if name is not None else memoryview(b"")
+        if name is not None:  # all of it, before a single target is touched
+            _verify_file(manifest, name, view, step_dir, where)
         # (``host`` owns the memory the storage's view points into: it lives until we return)
-        storage = _MemoryStorage(raw, {name: tensor_bytes(host)} if name is not None else {})
-        return load_from(Path(f"pg-rank-{src}-step-{step}"), into, storage, strict=strict)
+        storage = _MemoryStorage(raw, {name: view} if name is not None else {})
+        return load_from(step_dir, into, storage, strict=strict, verify=False)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
         a send running on another thread may finish within the timeout, then it is cut
-        off: it finishes the batch of segments in flight (at most ``CONTROL_BYTES``),
-        tells its receiver, whose call fails at once, and reads no tensor any more once
-        this returns. (A cut send that waits for a request, or is telling its receivers,
-        reads no tensor: it is not waited for.)"""
+        off: it finishes the segment in flight (at most ``SLICE_BYTES``), sends the rest
+        of its batch as zeros, tells its receiver, whose call fails at once, and reads no
+        tensor any more once this returns. (A cut send that waits for a request, or is
+        telling its receivers, reads no tensor: it is not waited for.)
+
+        The wait for the segment in flight is bounded by the timeout too: a receiver
+        that takes no more bytes cannot hold this call forever. Past it, an error is
+        logged and this returns although that segment may still be read (its receiver's
+        checksums reject what changes meanwhile)."""
+        grace = min(max(0.0, self.timeout_s), threading.TIMEOUT_MAX)
         with self._cond:
-            if self._cond.wait_for(lambda: self._sending == 0, self.timeout_s):
+            if self._cond.wait_for(lambda: self._sending == 0, grace):
                 return
             log.warning("disallow_checkpoint: cutting off a send still running after %.0fs",
-                        self.timeout_s)
+                        grace)
             for cut in self._cuts:
                 cut.set()
-            self._cond.wait_for(lambda: self._reading == 0)
+            if not self._cond.wait_for(lambda: self._reading == 0, grace):
+                log.error("disallow_checkpoint: a send still reads the live tensors %.0fs "
+                          "after it was cut off (its receiver takes no more bytes); returning "
+                          "anyway: that segment may be read while the state changes, and its "
+                          "receiver's checksums will reject it", grace)
 
     def _begin_reading(self, cut: threading.Event) -> bool:
         """Enter a stretch that reads the live tensors, unless the send was cut off."""
@@ -340,25 +411,57 @@ class PGTransport(CheckpointTransport[Any]):
             raise CheckpointTransportError(f"not sent to rank {dst}: {reason}")
         self._send_words(dst, [MAGIC, VERSION, OFFER, step, len(manifest), file_bytes,
                                len(segments), 0], deadline, f"the offer to rank {dst}")
+        self._await_ready(dst, step, 0, deadline, "offer")
         raw = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
         self._send(raw, dst, deadline, f"the manifest of step {step} to rank {dst}")
+        self._await_ready(dst, step, 1, deadline, "manifest")
+        sent = 0  # segments sent from the tensors
+        zeros: torch.Tensor | None = None  # what goes in their place once cut off
         for first, stop in _batches(segments):
-            # (checked per batch: the receiver expects whole batches)
-            if not self._begin_reading(cut):
-                reason = (f"the send to rank {dst} was cut off by disallow_checkpoint after "
-                          f"{first} of {len(segments)} segments")
-                self._send_error(dst, step, reason, deadline)
-                return reason
-            try:
-                self._send_words(dst, [MAGIC, VERSION, MORE, step, first, stop, 0, 0],
-                                 deadline, f"the control word before segment {first} of step "
-                                 f"{step} to rank {dst}")
-                for i in range(first, stop):
-                    self._send(_segment_tensor(segments[i], pieces, view), dst, deadline,
-                               f"segment {i} of step {step} to rank {dst}")
-            finally:
-                self._end_reading()
+            # (the receiver expects whole batches: a cut is told at the next control word)
+            if cut.is_set():
+                break
+            self._send_words(dst, [MAGIC, VERSION, MORE, step, first, stop, 0, 0],
+                             deadline, f"the control word before segment {first} of step "
+                             f"{step} to rank {dst}")
+            for i in range(first, stop):
+                what = f"segment {i} of step {step} to rank {dst}"
+                if self._begin_reading(cut):  # checked before every segment
+                    try:
+                        self._send(_segment_tensor(segments[i], pieces, view), dst, deadline,
+                                   what)
+                        sent += 1
+                    finally:
+                        self._end_reading()
+                    continue
+                if zeros is None:  # cut off within the batch: its rest reads no tensor
+                    zeros = torch.zeros(max(hi - lo for lo, hi, _, _ in segments[i:stop]),
+                                        dtype=torch.uint8)
+                lo, hi = segments[i][:2]
+                self._send(zeros[:hi - lo], dst, deadline, what + " (zeros: cut off)")
+        if sent < len(segments):
+            reason = (f"the send to rank {dst} was cut off by disallow_checkpoint after "
+                      f"{sent} of {len(segments)} segments")
+            self._send_error(dst, step, reason, deadline)
+            return reason
+        self._send_words(dst, [MAGIC, VERSION, DONE, step, len(segments), 0, 0, 0], deadline,
+                         f"the end of step {step} to rank {dst}")
         return None
+
+    def _await_ready(self, dst: int, step: int, stage: int, deadline: float,
+                     after: str) -> None:
+        """Wait for rank ``dst``'s READY word after the offer (stage 0) or the manifest
+        (stage 1); raise its reason when it refuses instead (the pair stays in step)."""
+        w = self._recv_words(dst, deadline, f"the answer of rank {dst} to the {after} of "
+                             f"step {step}")
+        if w[:3] == [MAGIC, VERSION, ERROR]:
+            reason = self._error_text(dst, w, deadline, f"rank {dst}")
+            raise CheckpointTransportError(
+                f"rank {dst} refused step {step} after the {after}: {reason}")
+        if w != [MAGIC, VERSION, READY, step, stage, 0, 0, 0]:
+            raise CheckpointTransportError(
+                f"rank {dst} broke the protocol: answered {w} to the {after} of step {step}; "
+                "recreate the process group before using it again")
 
     def _read_request(self, dst: int, step: int, deadline: float) -> tuple[int, int, int]:
         """The step rank ``dst`` asks for, and its limits on the manifest's and the
@@ -394,7 +497,7 @@ class PGTransport(CheckpointTransport[Any]):
         """The state could not be served: answer each destination's request with the
         reason, so that its receive fails now rather than at its timeout. Best effort
         (the caller raises ``exc`` whatever happens here)."""
-        if not dsts or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not dsts or not self._lock.acquire(timeout=_left(deadline)):
             return
         try:
             for dst in dsts:
@@ -410,7 +513,9 @@ class PGTransport(CheckpointTransport[Any]):
     # --- receiving ------------------------------------------------------------------------
 
     def _recv_from(self, src: int, step: int, deadline: float, where: str
-                   ) -> tuple[bytes, str | None, torch.Tensor]:
+                   ) -> tuple[bytes, Manifest, str | None, torch.Tensor]:
+        """The manifest's bytes, the manifest, the file's name and the file's bytes in
+        host memory (not verified yet)."""
         self._send_words(src, [MAGIC, VERSION, REQUEST, step, self.max_manifest_bytes,
                                self.max_file_bytes, 0, 0], deadline,
                          f"the request for step {step} to {where}")
@@ -425,67 +530,124 @@ class PGTransport(CheckpointTransport[Any]):
             raise CheckpointTransportError(
                 f"{where} broke the protocol: answered {h} to a request for step {step}; "
                 "recreate the process group before using it again")
-        if not 0 < mlen <= self.max_manifest_bytes:
-            raise CheckpointTransportError(
-                f"{where} announced a manifest of {mlen} bytes (limit "
-                f"{self.max_manifest_bytes}); refused before allocating it. Recreate the "
-                "process group before using it again")
-        if not 0 <= flen <= self.max_file_bytes:
-            raise CheckpointTransportError(
-                f"{where} announced a shard file of {flen} bytes (limit {self.max_file_bytes}, "
-                "max_file_bytes=); refused before allocating it. Recreate the process group "
-                "before using it again")
-        raw_t = torch.empty(mlen, dtype=torch.uint8, device=self.device)
+        # From the offer on, the sender waits for this rank's READY: a failure here is
+        # told (the sender stops, both stay in step), never left to its timeout.
+        try:
+            if not 0 < mlen <= self.max_manifest_bytes:
+                raise CheckpointTransportError(
+                    f"{where} announced a manifest of {mlen} bytes (limit "
+                    f"{self.max_manifest_bytes}, max_manifest_bytes=) for step {step}; "
+                    "refused before allocating it")
+            if not 0 <= flen <= self.max_file_bytes:
+                raise CheckpointTransportError(
+                    f"{where} announced a shard file of {flen} bytes (limit "
+                    f"{self.max_file_bytes}, max_file_bytes=) for step {step}; refused before "
+                    "allocating it")
+            raw_t = self._alloc(mlen, "the manifest", step, where)
+        except Exception as exc:
+            self._refuse(src, step, exc, deadline, where)
+            raise
+        self._send_words(src, [MAGIC, VERSION, READY, step, 0, 0, 0, 0], deadline,
+                         f"the ready word for the manifest of step {step} to {where}")
         self._recv(raw_t, src, deadline, f"the manifest of step {step} from {where}")
-        raw = bytes(raw_t.cpu().numpy())
-        manifest = parse_manifest(raw, f"{where}: manifest of step {step}")
-        if manifest.step != step:
-            raise CheckpointCorruptError(
-                f"{where}: the manifest is of step {manifest.step}, the offer of step {step}")
-        name, pieces = _recv_pieces(manifest, flen, where)
-        segs = _segments(pieces)
-        if len(segs) != nseg:
-            raise CheckpointCorruptError(
-                f"{where}: announced {nseg} segments, its manifest implies {len(segs)}")
         cuda = self.device.type == "cuda"
-        buf = torch.empty(flen, dtype=torch.uint8, device=self.device)
+        try:
+            raw = bytes(raw_t.cpu().numpy())
+            del raw_t
+            manifest = parse_manifest(raw, f"{where}: manifest of step {step}")
+            if manifest.step != step:
+                raise CheckpointCorruptError(
+                    f"{where}: the manifest is of step {manifest.step}, the offer of step "
+                    f"{step}")
+            name, pieces = _recv_pieces(manifest, flen, where)
+            segs = _segments(pieces)
+            if len(segs) != nseg:
+                raise CheckpointCorruptError(
+                    f"{where}: announced {nseg} segments, its manifest implies {len(segs)}")
+            buf = self._alloc(flen, "the shard file", step, where)
+            # (the loader reads and verifies host memory: for CUDA, a pinned copy)
+            host = self._alloc(flen, "the shard file", step, where, pin=True) if cuda else buf
+        except Exception as exc:
+            self._refuse(src, step, exc, deadline, where)
+            raise
+        self._send_words(src, [MAGIC, VERSION, READY, step, 1, 0, 0, 0], deadline,
+                         f"the ready word for the file of step {step} to {where}")
         for first, stop in _batches(segs):
             w = self._recv_words(src, deadline, f"the control word before segment {first} of "
                                  f"step {step} from {where}")
-            _check_words(w, where, "control word")
-            if w[2] == ERROR:
-                raise self._peer_error(src, w, deadline, where, step)
-            if w != [MAGIC, VERSION, MORE, step, first, stop, 0, 0]:
-                raise CheckpointTransportError(
-                    f"{where} broke the protocol: sent {w} before segment {first} of step "
-                    f"{step}; recreate the process group before using it again")
+            self._expect(w, [MAGIC, VERSION, MORE, step, first, stop, 0, 0], src, deadline,
+                         where, step, f"before segment {first}")
             for i in range(first, stop):
                 lo, hi = segs[i][:2]
                 self._recv(buf[lo:hi], src, deadline, f"segment {i} of step {step} from {where}")
-        if cuda:  # the loader reads (and verifies) host memory
-            host = torch.empty(flen, dtype=torch.uint8, pin_memory=True)
+        w = self._recv_words(src, deadline, f"the end of step {step} from {where}")
+        self._expect(w, [MAGIC, VERSION, DONE, step, nseg, 0, 0, 0], src, deadline, where,
+                     step, "after the last segment")
+        if cuda:
             host.copy_(buf)
             del buf
-        else:
-            host = buf
-        return raw, name, host
+        return raw, manifest, name, host
+
+    def _expect(self, w: list[int], want: list[int], src: int, deadline: float, where: str,
+                step: int, when: str) -> None:
+        """A control word must be ``want``; the sender's error is raised as such."""
+        _check_words(w, where, "control word")
+        if w[2] == ERROR:
+            raise self._peer_error(src, w, deadline, where, step)
+        if w != want:
+            raise CheckpointTransportError(
+                f"{where} broke the protocol: sent {w} {when} of step {step}; recreate the "
+                "process group before using it again")
+
+    def _alloc(self, n: int, what: str, step: int, where: str, *,
+               pin: bool = False) -> torch.Tensor:
+        """``n`` bytes for ``what``; running out of memory is a CheckpointTransportError
+        naming the peer, the step and the size."""
+        try:
+            if pin:
+                return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(n, dtype=torch.uint8, device=self.device)
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            place = "pinned host memory" if pin else str(self.device)
+            raise CheckpointTransportError(
+                f"cannot receive step {step} from {where}: allocating {n} bytes of {place} "
+                f"for {what} failed ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+    def _refuse(self, src: int, step: int, exc: Exception, deadline: float,
+                where: str) -> None:
+        """Tell the sender, which waits for a READY word, why this rank will not take
+        step ``step``. Best effort: the caller raises ``exc`` whatever happens here."""
+        try:
+            self._send_error(src, step, f"{type(exc).__name__}: {exc}", deadline)
+        except Exception as told:
+            log.warning("step %d from %s: refused (%s), and the sender could not be told: %s",
+                        step, where, exc, told)
 
     def _peer_error(self, src: int, words: list[int], deadline: float, where: str,
                     step: int) -> CheckpointTransportError:
-        """The error a peer sent instead of an offer or a control word, with its reason."""
+        """The error a peer sent instead of an offer or a control word, with its reason
+        and the step the peer was sending (``words[3]``)."""
+        reason = self._error_text(src, words, deadline, where)
+        theirs = words[3]
+        asked = "" if theirs == step else f" (this rank asked for step {step})"
+        return CheckpointTransportError(
+            f"{where} could not send step {theirs}{asked}: {reason}")
+
+    def _error_text(self, peer: int, words: list[int], deadline: float, where: str) -> str:
+        """Receive the text of the error ``words`` announces (printable characters only);
+        raise when its length is over MAX_REASON_BYTES (the pair is then out of step)."""
         n = words[4]
         if not 0 <= n <= MAX_REASON_BYTES:
-            return CheckpointTransportError(
+            raise CheckpointTransportError(
                 f"{where} announced an error text of {n} bytes (limit {MAX_REASON_BYTES}); "
                 "refused before allocating it. Recreate the process group before using it "
                 "again")
-        reason = "(no reason given)"
-        if n:
-            t = torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._recv(t, src, deadline, f"the error text of {where}")
-            text = bytes(t.cpu().numpy()).decode("utf-8", "replace")
-            reason = "".join(c if c.isprintable() else " " for c in text)
-        return CheckpointTransportError(f"{where} could not send step {step}: {reason}")
+        if not n:
+            return "(no reason given)"
+        t = torch.empty(n, dtype=torch.uint8, device=self.device)
+        self._recv(t, peer, deadline, f"the error text of {where}")
+        text = bytes(t.cpu().numpy()).decode("utf-8", "replace")
+        return "".join(c if c.isprintable() else " " for c in text)
 
     # --- messages -------------------------------------------------------------------------
 
@@ -507,7 +669,7 @@ class PGTransport(CheckpointTransport[Any]):
         self._wait(lambda: self.pg.recv([t], peer, _TAG), deadline, f"receiving {what}")
 
     def _wait(self, start: Callable[[], Any], deadline: float, what: str) -> None:
-        left = deadline - time.monotonic()
+        left = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
         if left <= 0:
             raise CheckpointTimeoutError(f"ran out of time before {what}")
         t0 = time.monotonic()
@@ -527,9 +689,10 @@ class PGTransport(CheckpointTransport[Any]):
             raise CheckpointTimeoutError(f"{what}: no answer within {left:.1f}s")
 
     def _acquire(self, deadline: float, what: str) -> None:
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not self._lock.acquire(timeout=_left(deadline)):
             raise CheckpointTimeoutError(
-                f"cannot {what}: another transfer on this transport is still running")
+                f"cannot {what}: another transfer on this transport is still running (one "
+                "transfer at a time)")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -588,6 +751,54 @@ def _check_words(words: list[int], where: str, what: str) -> None:
             f"{where} speaks version {words[1]} of the asyncckpt process-group protocol, this "
             f"rank version {VERSION}: run the same asyncckpt version on every rank, then "
             "recreate the process group")
+
+
+def _verify_file(manifest: Manifest, name: str, view: memoryview, step_dir: Path,
+                 where: str) -> None:
+    """Check the received file against every checksum of its manifest (the header's
+    and each chunk's blocks), all before anything is loaded: a damaged transfer must
+    leave the targets untouched (the loader, which verifies as it copies, would leave
+    them a mix of two steps). The loader then loads without verifying again."""
+    path = step_dir / name
+    entry = manifest.files[name]
+    header = view[:entry.header_bytes]
+    if len(header) != entry.header_bytes or (
+            xxhash.xxh3_64_hexdigest(header) != entry.header_checksum):
+        raise CheckpointCorruptError(
+            f"{path}: the safetensors header sent by {where} does not match the manifest's "
+            f"checksum: damaged in transit; nothing was loaded: receive step "
+            f"{manifest.step} again", path=str(path))
+    bb = manifest.block_bytes
+    span = max(1, _VERIFY_BYTES // bb)  # blocks per task
+    tasks = [(key, c, b, min(b + span, len(c.checksums)))
+             for key, t in manifest.tensors.items() for c in t.chunks if c.file == name
+             for b in range(0, len(c.checksums), span)]
+
+    def bad_block(task: tuple[str, Chunk, int, int]) -> int | None:
+        _, c, b0, b1 = task
+        lo = c.byte_range[0] + b0 * bb
+        hi = min(c.byte_range[0] + b1 * bb, c.byte_range[1])
+        got = block_checksums(view[lo:hi], bb)
+        want = c.checksums[b0:b1]
+        if tuple(got) == want:
+            return None
+        return b0 + next((i for i, (x, y) in enumerate(zip(got, want, strict=False))
+                          if x != y), min(len(got), len(want)))
+
+    total = sum(c.nbytes for t in manifest.tensors.values() for c in t.chunks if c.file == name)
+    threads = min(2, os.cpu_count() or 1, len(tasks))  # as many as the loader reads with
+    if threads > 1 and total >= _VERIFY_BYTES:
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-pg-verify") as pool:
+            found = list(pool.map(bad_block, tasks))
+    else:
+        found = [bad_block(task) for task in tasks]
+    for (key, c, _, _), bad in zip(tasks, found, strict=True):
+        if bad is not None:
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
+                f"{c.byte_range[0] + bad * bb}..) of step {manifest.step} sent by {where}: "
+                "damaged in transit; nothing was loaded: receive it again (retry the "
+                "transfer)", path=str(path), key=key)
 
 
 def _resolve_device(pg: Any, device: torch.device | str | None) -> torch.device:
