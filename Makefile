@@ -6,7 +6,7 @@ PY := .venv/bin/python
 setup:
 	@./scripts/setup
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup

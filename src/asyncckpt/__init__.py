@@ -4,6 +4,7 @@ Example:
     >>> import asyncckpt
     >>> ckpt = asyncckpt.AsyncCheckpointer("runs/exp1", keep_last=3)
     >>> fut = ckpt.save_async({"model": model, "optim": optimizer}, step=100)
+    >>> fut.wait()  # committed: a load sees committed steps only
     >>> restored = ckpt.load({"model": model, "optim": optimizer})
 """
 
@@ -72,6 +73,9 @@ __all__ = [
 
 def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> CheckpointInfo:
     """Save ``state`` synchronously as ``step`` under ``directory``.
+
+    A committed step is never overwritten (CheckpointExistsError), nor is a step older
+    than one already there saved: pass a new ``step``, or another directory.
 
     Example:
         >>> asyncckpt.save({"model": model}, "ckpts/final")

@@ -432,7 +432,8 @@ class AsyncCheckpointer:
         With ``state``, tensors are read into the existing tensors in place (identity
         kept; a DTensor or a hand-sharded tensor gets just its box, whatever world size
         saved it), stateful objects get ``load_state_dict``, and the tree is returned.
-        Without it, a plain tree of fresh, whole CPU tensors is returned.
+        Without it, a plain tree of fresh, whole CPU tensors is returned. A save still in
+        flight is not committed, so not seen: ``fut.wait()`` (or ``wait()``) first.
 
         Raises:
             CheckpointNotFoundError: nothing committed (or no such step).
@@ -774,7 +775,8 @@ def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
                      versions: Mapping[str, int]) -> None:
     """With overlap=True, refuse a checkpoint whose tensors were changed in place while
     they were being copied: it could hold old values of some and new values of others
-    (changes made outside torch, e.g. through numpy, cannot be seen)."""
+    (changes torch does not count cannot be seen: through ``.data``, through numpy, or
+    to inference tensors; ``wait_staged()`` is the guarantee, this a safety net)."""
     changed = [key for key, v in versions.items() if tensors[key]._version != v]
     if changed:
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -1474,3 +1475,18 @@ def test_a_file_that_ends_early_fails_its_response_without_sendfile(
         while chunk := s.recv(1 << 20):  # a timeout (5 s) here: the old behaviour
             got += chunk
     assert len(got.partition(b"\r\n\r\n")[2]) < size
+
+
+def test_recv_timeout_none_is_the_transports_and_bad_ones_are_config_errors(
+        transports: Callable[..., HTTPTransport]) -> None:
+    """PGTransport took timeout=None as its own timeout; HTTP raised a raw TypeError."""
+    tr = transports(token=TOKEN)
+    tr.send_checkpoint([1], 4, {"w": torch.arange(8.0)}, timedelta(seconds=10))
+    tr.allow_checkpoint(4)
+    client = transports(token=TOKEN)
+    got = client.recv_checkpoint(0, tr.address(), 4, None)
+    assert torch.equal(got["w"], torch.arange(8.0))
+    assert torch.equal(client.recv_checkpoint(0, tr.address(), 4)["w"], torch.arange(8.0))
+    for bad in ("5", float("nan"), -1.0, 0):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="timeout="):
+            client.recv_checkpoint(0, tr.address(), 4, bad)  # type: ignore[arg-type]

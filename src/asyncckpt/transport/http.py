@@ -85,7 +85,15 @@ def _reachable(host: str) -> str:
 
 
 def _seconds(t: timedelta | float) -> float:
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
+    if isinstance(t, timedelta):
+        return t.total_seconds()
+    try:
+        if isinstance(t, (bool, str, bytes)):
+            raise TypeError
+        return float(t)
+    except (TypeError, ValueError):
+        raise CheckpointConfigError(f"timeout={t!r}: pass seconds (a number) or a "
+                                    "timedelta") from None
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -327,17 +335,21 @@ class HTTPTransport(CheckpointTransport[Any]):
     # --- receiving side --------------------------------------------------------------------
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
-                        timeout: timedelta | float, *, into: Any = None,
+                        timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True) -> Any:
         """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
-        ``timeout`` (the whole fetch, waiting for the step to be allowed included).
+        ``timeout`` (the whole fetch, waiting for the step to be allowed included;
+        None: the transport's timeout; at most a week).
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
         state in place (resharding to its layout) and returns it.
         """
         from ..loader import load_from
 
-        t = _seconds(timeout)
+        t = self.timeout_s if timeout is None else min(_seconds(timeout), MAX_TIMEOUT_S)
+        if not t > 0:  # (nan too)
+            raise CheckpointConfigError(f"timeout={timeout!r}: pass a positive number of "
+                                        "seconds (or None for the transport's timeout)")
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
