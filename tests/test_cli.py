@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt import tree
 from asyncckpt.cli import _iso, _when, human_bytes, main
 from asyncckpt.reader import read_manifest
 from asyncckpt.storage import LocalStorage
@@ -276,9 +277,12 @@ def test_python_dash_m(root: Path) -> None:
 
 
 def test_inspect_prints_keys_and_values_no_encoding_can_hold(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A lone surrogate is a valid str (and JSON) that save keeps and load returns; no
-    # stdout encoding takes it, so it is printed as a backslash escape.
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lone surrogate is a valid str (and JSON) that load returns (save refuses it in a
+    # key now, as a safetensors header cannot hold it, but older versions kept it, and a
+    # str value keeps it); no stdout encoding takes it: printed as a backslash escape.
+    monkeypatch.setattr(tree, "_check_key_text", lambda k, where: None)
     asyncckpt.save({"w\ud800": torch.ones(2), "note": "x\udcff"}, tmp_path, step=1)
     errors = sys.stdout.errors
     code, out, err = run(capsys, "inspect", str(tmp_path))
