@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -12,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +23,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 import asyncckpt
+import asyncckpt.storage
 from _faults import StuckCommit
 from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.storage import LocalStorage
@@ -1126,3 +1132,228 @@ def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) ->
     for fallback in (False, True):
         with pytest.raises(asyncckpt.CheckpointConfigError, match="cannot be written"):
             asyncckpt.load(tmp_path / "c", {"a": t}, fallback=fallback)
+
+
+# --- interrupts and leftovers of the save path (from a review of the lifecycle) ------------
+
+def _lock_fds() -> list[str]:
+    return [f for f in os.listdir("/proc/self/fd")
+            if os.path.realpath(f"/proc/self/fd/{f}").endswith(".asyncckpt.lock")]
+
+
+def _within(fn: Callable[[], Any], seconds: float = 30.0) -> None:
+    """Run ``fn`` on a thread; fail (rather than hang the suite) if it does not end."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} still blocked after {seconds}s"
+    if errors:
+        raise errors[0]
+
+
+def test_an_interrupt_before_staging_begins_lets_the_next_save_and_close_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer was queued and waited for staging that never began: the next save
+    and close() hung forever (and so did the interpreter's exit)."""
+    from asyncckpt import checkpointer as C
+
+    real = C._versions
+
+    def ctrl_c(tensors: Any) -> Any:
+        monkeypatch.setattr(C, "_versions", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(C, "_versions", ctrl_c)
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")
+    state = {"w": torch.arange(1000.0)}
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_async(state, step=1, overlap=True)
+    _within(lambda: ck.save(state, step=2))
+    _within(ck.close)  # the interrupted save's failure was the caller's: not raised again
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [2]
+
+
+def test_an_interrupt_after_staging_keeps_the_save_pending(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted after staging but before the save was recorded as pending: its write
+    went on while the next save restaged the arena under it (step 1 became corrupt)."""
+    from asyncckpt import checkpointer as C
+
+    class SlowDisk(LocalStorage):
+        def write_arena(self, path, buf, nbytes, ready, direct=True):  # type: ignore[no-untyped-def]
+            def slowly(n: int) -> None:
+                ready(n)
+                time.sleep(0.05)
+            return super().write_arena(path, buf, nbytes, slowly, direct)
+
+    monkeypatch.setattr(asyncckpt.storage, "PIECE_BYTES", 1 << 20)
+    real = C.CheckpointFuture
+
+    class Interrupted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any) -> None:
+            monkeypatch.setattr(C, "CheckpointFuture", real)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(C, "CheckpointFuture", Interrupted)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=SlowDisk()) as ck:
+        with pytest.raises(KeyboardInterrupt):
+            ck.save_async({"w": torch.full((4_000_000,), 1.0)}, step=1)
+        ck.save_async({"w": torch.full((4_000_000,), 2.0)}, step=2).wait()
+        assert ck.steps() == [1, 2]
+        assert torch.equal(ck.load(step=1)["w"].unique(), torch.tensor([1.0]))
+
+
+def test_an_interrupted_close_still_releases_the_lock(tmp_path: Path) -> None:
+    class SlowRemove(LocalStorage):
+        def remove_tree(self, path: Path) -> None:
+            raise KeyboardInterrupt  # Ctrl-C while retention removes an old step
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1, storage=SlowRemove())
+    state = {"w": torch.ones(10)}
+    ck.save(state, step=1)
+    ck.save_async(state, step=2).wait()  # its retention, run by close(), is interrupted
+    with contextlib.suppress(KeyboardInterrupt, asyncckpt.CheckpointSaveError):
+        ck.close()
+    assert ck._lock._fd is None and not _lock_fds()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as again:
+        again.save(state, step=3)  # was: "another AsyncCheckpointer of this process holds"
+
+
+def test_a_checkpointer_dropped_by_its_own_prepare_releases_the_lock(tmp_path: Path) -> None:
+    """Dropped while prepare() allocates in the background, the last reference was the
+    stager's task: close ran on that thread, could not join it, and kept the lock."""
+    def run() -> None:
+        ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")
+        ck.save({"w": torch.ones(10)}, step=1)
+        ck.prepare({"w": torch.ones(20_000_000)})
+
+    run()
+    deadline = time.monotonic() + 30
+    while _lock_fds() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert not _lock_fds()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as again:
+        again.save({"w": torch.ones(10)}, step=2)
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_still_taken_and_released(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.pwrite
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".asyncckpt.lock"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        ck.save({"w": torch.ones(4)}, step=1)  # raised a bare OSError
+    monkeypatch.setattr(os, "pwrite", real)
+    assert not _lock_fds()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as again:
+        again.save({"w": torch.ones(4)}, step=2)  # was: "another process is saving"
+
+
+def test_a_failed_future_does_not_keep_the_arena_alive(tmp_path: Path) -> None:
+    """The error's frames held views of the arena: close() could not free it while the
+    caller kept the future (or the next, larger save held two arenas)."""
+    class Full(LocalStorage):
+        def write_arena(self, path, buf, nbytes, ready, direct=True):  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Full())
+    fut = ck.save_async({"w": torch.ones(1 << 16)}, step=1)
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="No space left"):
+        fut.wait()
+    exc: BaseException | None = fut.exception()
+    views = []
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            views += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, memoryview)]
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    assert views == []
+
+
+def test_prepare_in_the_foreground_waits_for_one_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both allocated at once: the first one's header landed in the second's arena, and
+    the next save committed a shard that neither it nor safetensors could read."""
+    from asyncckpt import staging as S
+
+    main_wrote = threading.Event()
+    real = S.HostArena.write_header
+
+    def interleaved(self: Any, header: bytes) -> None:
+        # the background prepare writes its header after the foreground one (when they
+        # run at once; with the fix, the foreground waits, and this waits 2 s in vain)
+        if threading.current_thread() is not threading.main_thread():
+            main_wrote.wait(2)
+            real(self, header)
+        else:
+            real(self, header)
+            main_wrote.set()
+            time.sleep(0.5)
+
+    monkeypatch.setattr(S.HostArena, "write_header", interleaved)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        ck.prepare({"a": torch.randn(100_000)})
+        time.sleep(0.3)
+        b = {"b": torch.randn(5000), "c": torch.arange(3)}
+        ck.prepare(b, background=False)
+        ck.save(b, step=1)
+        assert torch.equal(ck.load(step=1)["c"], torch.arange(3))
+    assert set(safetensors.torch.load_file(tmp_path / "step_000000001" /
+                                           "rank_00000.safetensors")) == {"b", "c"}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mode": ["sync"]}, {"on_busy": ["wait"]}, {"timeout_s": "5"}, {"timeout_s": math.inf},
+    {"timeout_s": True}, {"direct_io": "no"},
+])
+def test_config_values_of_the_wrong_type_are_config_errors(tmp_path: Path,
+                                                           kwargs: dict[str, Any]) -> None:
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=next(iter(kwargs)) + "="):
+        asyncckpt.AsyncCheckpointer(tmp_path, **kwargs)
+
+
+def test_an_arena_that_cannot_be_allocated_names_the_directory_and_fitting_advice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncckpt import checkpointer as C
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(C, "HostArena", no_memory)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck, \
+            pytest.raises(asyncckpt.CheckpointSaveError) as info:
+        ck.save({"w": torch.ones(4)}, step=1)
+    assert str(tmp_path) in str(info.value) and "free host memory" in str(info.value)
+    assert "not pinned" not in str(info.value)  # it was not pinned
+
+
+def test_staging_copies_alone_once_the_interpreter_refuses_new_threads_work(
+        tmp_path: Path) -> None:
+    """A script that ends right after save_async(overlap=True): the copy helpers refuse
+    work once the interpreter is exiting, and the save was lost (only a log line)."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", copy_threads=2) as ck:
+        ck.save({"w": torch.ones(4)}, step=1)  # the writer and its helpers exist now
+
+        def exiting(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+        ck._writer.copiers.submit = exiting  # type: ignore[union-attr, method-assign]
+        state = {f"t{i}": torch.full((1000,), float(i)) for i in range(64)}
+        ck.save_async(state, step=2, overlap=True).wait()
+        got = ck.load(step=2)
+    assert all(torch.equal(got[k], v) for k, v in state.items())

@@ -79,17 +79,21 @@ class CheckpointerConfig:
     """Threads that copy CPU tensors into the arena; None: min(4, CPU count)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
+        if not isinstance(self.mode, str) or self.mode not in _MODES:
             raise CheckpointConfigError(f"mode={self.mode!r}: use one of {sorted(_MODES)}")
         object.__setattr__(self, "mode", _MODES[self.mode])
         if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
             raise CheckpointConfigError(
                 f"keep_last={self.keep_last!r}: use a positive int, or None to keep every "
                 "checkpoint")
-        if self.on_busy not in ("wait", "error"):
+        if not isinstance(self.on_busy, str) or self.on_busy not in ("wait", "error"):
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
-        if not self.timeout_s > 0:
-            raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive number")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s < math.inf:
+            raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive, finite "
+                                        "number of seconds (a day is 86400)")
+        if not isinstance(self.direct_io, bool):  # "no" would read as True
+            raise CheckpointConfigError(f"direct_io={self.direct_io!r}: use True or False")
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", min(4, os.cpu_count() or 1))
         elif type(self.copy_threads) is not int or self.copy_threads < 1:
@@ -255,24 +259,40 @@ class AsyncCheckpointer:
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable, self._retention = writer.submit(job)  # follows the staging progress
-        staged: cf.Future[None]
-        if overlap and self.config.mode != "sync":
-            check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
-            staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress, writer,
-                                          stoppable=True, check=check)
-        else:
-            staged = cf.Future()
-            try:
-                _stage_or_fail(plan, tensors, arena, progress, writer)
-            except BaseException as exc:
+        staged: cf.Future[None] | None = None
+        try:
+            if overlap and self.config.mode != "sync":
+                check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
+                staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress,
+                                              writer, stoppable=True, check=check)
+            else:
+                staged = cf.Future()
+                try:
+                    _stage_or_fail(plan, tensors, arena, progress, writer)
+                except BaseException as exc:
+                    progress.fail(exc)  # (interrupted before staging began: tell the writer)
+                    staged.set_exception(exc)
+                    with contextlib.suppress(BaseException):
+                        durable.result()
+                    raise
+                staged.set_result(None)
+            job.blocked_s = time.perf_counter() - started
+            fut = CheckpointFuture(step, durable, staged)
+            self._pending = fut
+        except BaseException as exc:
+            # From writer.submit on, the writer follows this save: an interrupt (Ctrl-C)
+            # before staging began must fail its progress (or the writer waits forever),
+            # and the save stays pending, so that the next one waits for the writer to
+            # let go of the arena. The caller sees the interrupt: the future's failure
+            # is not reported again.
+            if staged is None:
+                progress.fail(exc)
+                staged = cf.Future()
                 staged.set_exception(exc)
-                with contextlib.suppress(BaseException):
-                    durable.result()
-                raise
-            staged.set_result(None)
-        job.blocked_s = time.perf_counter() - started
-        fut = CheckpointFuture(step, durable, staged)
-        self._pending = fut
+            if self._pending is None or self._pending._durable is not durable:
+                self._pending = CheckpointFuture(step, durable, staged)
+                self._pending.observed = True
+            raise
         if self.config.mode == "sync":
             fut.wait()
             if self._retention is not None:  # keep_last's removals too: sync means done
@@ -321,9 +341,11 @@ class AsyncCheckpointer:
             else:
                 self._arena_for(plan)
 
-        if background:
+        if background:  # (after an earlier prepare(): the stager runs one task at a time)
             self._preparing = writer.stager.submit(allocate)
         else:
+            if self._preparing is not None:  # an earlier prepare() may be allocating now
+                cf.wait([self._preparing])
             self._preparing = cf.Future()
             allocate()
             self._preparing.set_result(None)
@@ -482,18 +504,21 @@ class AsyncCheckpointer:
                 unseen = self._settle(self._pending, f"closing {self.directory}: ")
         finally:
             self._closed = True
-            with contextlib.suppress(Exception):  # peers must not read a released arena
-                self._stop_serving()
-            self._transports = []
-            if self._writer is not None:
-                self._writer.shutdown()
-                self._writer = None
-            self._arena = None
-            self._pending = self._preparing = None
-            self._lock.release()
-            if self._ctx.distributed:  # the Store keys of this checkpointer's saves
-                self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
-                                  sorted(self._posted_digests))
+            try:
+                with contextlib.suppress(Exception):  # peers must not read a released arena
+                    self._stop_serving()
+                self._transports = []
+                writer, self._writer = self._writer, None
+                if writer is not None:
+                    writer.shutdown()
+            finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
+                # and no later close() of this closed checkpointer could release it
+                self._arena = None
+                self._pending = self._preparing = None
+                self._lock.release()
+                if self._ctx.distributed:  # the Store keys of this checkpointer's saves
+                    self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
+                                      sorted(self._posted_digests))
         earlier = self._take_missed()
         if not raise_missed:
             return
@@ -710,11 +735,13 @@ class AsyncCheckpointer:
             try:
                 self._arena = HostArena(need, pinned=pinned)
             except (MemoryError, OSError, RuntimeError) as exc:  # mmap: OSError; pinned: Runtime
+                pinned = pinned and torch.cuda.is_available()
                 raise CheckpointSaveError(
                     f"rank {self._ctx.rank}: could not allocate the "
-                    f"{'pinned ' if pinned and torch.cuda.is_available() else ''}host buffer "
-                    f"of {need / 1e9:.2f} GB that saves stage into ({type(exc).__name__}: "
-                    f"{exc}); free host memory, or try mode='async' (not pinned)") from exc
+                    f"{'pinned ' if pinned else ''}host buffer of {need / 1e9:.2f} GB that "
+                    f"saves into {self.directory} stage into ({type(exc).__name__}: {exc}); "
+                    "free host memory" + (", or try mode='async' (not pinned)" if pinned
+                                          else "")) from exc
         return self._arena
 
     def _stop_serving(self) -> None:

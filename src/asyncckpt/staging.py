@@ -231,7 +231,12 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
                         published = upto
                         progress.publish(upto)
 
-    others = [helpers.submit(work) for _ in range(threads - 1)]
+    others = []
+    for _ in range(threads - 1):
+        try:
+            others.append(helpers.submit(work))
+        except RuntimeError:  # the interpreter is exiting: this thread copies the rest
+            break
     try:
         work()
     finally:

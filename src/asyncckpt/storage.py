@@ -250,11 +250,16 @@ class DirectoryLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BaseException as exc:  # held elsewhere (or ENOLCK, or Ctrl-C): not ours
             os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            if isinstance(exc, BlockingIOError):
+                return False
+            raise
+        # The pid is for the message another process shows; writing it may fail (a full
+        # disk) without making the lock any less held.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd, self._pid = fd, os.getpid()
         _held_locks.add(self)
         return True

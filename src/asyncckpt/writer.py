@@ -15,7 +15,9 @@ import concurrent.futures as cf
 import contextlib
 import errno
 import logging
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,8 +207,13 @@ class BackgroundWriter:
         return durable, retained
 
     def shutdown(self) -> None:
+        """Stop the threads, waiting for their work; from one of them (a checkpointer
+        dropped by a task of its own stager), that thread is not waited for: it ends
+        with its task."""
+        mine = threading.current_thread()
         for ex in (self.stager, self.copiers, self._write, self._hash, self._reap):
-            ex.shutdown(wait=True)
+            ours = mine in getattr(ex, "_threads", ())
+            ex.shutdown(wait=not ours)
 
     def _run(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         try:
@@ -221,6 +228,10 @@ class BackgroundWriter:
             job.progress.wait_idle()
             _abort(job, exc)
             job.release()
+            # The future keeps this error for its caller, and the error's frames their
+            # locals: views of the arena among them, which would keep it alive after
+            # close() (or beside the next save's larger one). Only the frames' text stays.
+            traceback.clear_frames(exc.__traceback__)
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointSaveError(
