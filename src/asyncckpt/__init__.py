@@ -100,8 +100,9 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     """
     _check_threads(threads)
     if str(path).startswith("http://"):
-        from .transport.http import HTTPStorage, fetch_connections, partial_data
+        from .transport.http import HTTPStorage, fetch_connections, fetch_timeout, partial_data
 
+        timeout = fetch_timeout(timeout)
         peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
         try:
             peer.step = peer.current_step() if step is None else step

@@ -1490,3 +1490,86 @@ def test_recv_timeout_none_is_the_transports_and_bad_ones_are_config_errors(
     for bad in ("5", float("nan"), -1.0, 0):
         with pytest.raises(asyncckpt.CheckpointConfigError, match="timeout="):
             client.recv_checkpoint(0, tr.address(), 4, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token", ["s3cret\n", "s3cr\u20act", "s3 cret", "s3cret\r\nX-Evil: 1"])
+def test_a_token_no_header_can_carry_is_a_config_error_that_does_not_show_it(
+        transports: Callable[..., HTTPTransport], token: str) -> None:
+    """A token file's trailing newline made every request fail with a raw ValueError (or
+    'corrupt' from recv_checkpoint) that quoted the secret into the logs."""
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="printable ASCII") as info:
+        transports(token=token)
+    assert "s3" not in str(info.value)
+    srv = transports(token=TOKEN)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="printable ASCII") as info:
+        asyncckpt.load(srv.address(), token=token, timeout=5)
+    assert "s3" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["5", 0, -1.0, float("nan")])
+def test_load_from_a_peer_checks_its_timeout(transports: Callable[..., HTTPTransport],
+                                             bad: Any) -> None:
+    srv = transports(token=TOKEN)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="timeout="):
+        asyncckpt.load(srv.address(), token=TOKEN, timeout=bad)
+
+
+def test_load_from_a_peer_with_an_unbounded_timeout_waits_as_long_as_it_can(
+        transports: Callable[..., HTTPTransport]) -> None:
+    """float('inf') raised a raw OverflowError (and the deadline thread a traceback)."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 3, {"w": torch.arange(6.0)}, timedelta(seconds=10))
+    srv.allow_checkpoint(3)
+    got = asyncckpt.load(srv.address(), token=TOKEN, timeout=float("inf"))
+    assert torch.equal(got["w"], torch.arange(6.0))
+
+
+def test_a_manifest_over_the_fetch_limit_is_refused_before_reading_it(
+        transports: Callable[..., HTTPTransport]) -> None:
+    """A peer's manifest grows ~25x while parsed: the fetch bounds what it accepts."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 3, {f"w{i}": torch.ones(2) for i in range(50)},
+                        timedelta(seconds=10))
+    srv.allow_checkpoint(3)
+    small = transports(token=TOKEN, max_manifest_bytes=1000)
+    with pytest.raises(asyncckpt.CheckpointTransportError,
+                       match=r"above the limit of 1000 \(max_manifest_bytes=\)"):
+        small.recv_checkpoint(0, srv.address(), 3, 10)
+    assert len(transports(token=TOKEN).recv_checkpoint(0, srv.address(), 3, 10)) == 50
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="max_manifest_bytes=0"):
+        transports(max_manifest_bytes=0)
+
+
+def test_a_new_connection_waits_no_longer_than_the_fetch_has_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline's watchdog cuts connected sockets only: a connect to a peer that
+    went down waited the full per-request timeout past the fetch's deadline."""
+    import http.client
+
+    from asyncckpt.transport.http import HTTPStorage
+
+    timeouts: list[float] = []
+
+    class Recording(http.client.HTTPConnection):
+        def __init__(self, host: str, port: int, timeout: float) -> None:
+            timeouts.append(timeout)
+            super().__init__(host, port, timeout=timeout)
+
+    monkeypatch.setattr(http.client, "HTTPConnection", Recording)
+    peer = HTTPStorage("http://127.0.0.1:9/v1", 1, token=None, timeout_s=100.0, deadline_s=2.0)
+    try:
+        time.sleep(1.0)
+        peer._conn(fresh=True)
+    finally:
+        peer.close_all()
+    assert timeouts and timeouts[-1] <= 1.05
+
+
+@pytest.mark.parametrize("wildcard", ["::0", "0:0:0:0:0:0:0:0", "0", "[::]", "0.0.0.0"])
+def test_every_spelling_of_the_wildcard_is_advertised_as_the_host_name(wildcard: str) -> None:
+    import socket
+
+    from asyncckpt.transport.http import _reachable
+
+    assert _reachable(wildcard) == socket.gethostname()
+    assert _reachable("10.1.2.3") == "10.1.2.3" and _reachable("node7") == "node7"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import http.client
+import ipaddress
 import itertools
 import json
 import logging
@@ -79,9 +80,30 @@ def fetch_connections(asked: int) -> int:
 def _reachable(host: str) -> str:
     """The host to advertise for a server bound to ``host``: a wildcard address ("0.0.0.0",
     "::", "") means every interface, which no peer can connect to by that name."""
-    if host in ("", "0.0.0.0", "::"):
+    if host in ("", "0") or _unspecified(host):
         return socket.gethostname()
     return host
+
+
+def _unspecified(host: str) -> bool:
+    """Any spelling of the wildcard address ("0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0")."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a host name
+        return False
+
+
+PEER_MAX_MANIFEST_BYTES = 256 << 20
+"""The largest manifest a fetch accepts by default (``max_manifest_bytes``): JSON grows
+up to ~25x once parsed, and a peer chooses what it sends (~60 MB for 100k tensors)."""
+
+
+def fetch_timeout(timeout: timedelta | float) -> float:
+    """A fetch's whole-fetch timeout in seconds: positive, at most ``MAX_TIMEOUT_S``."""
+    t = _seconds(timeout)
+    if not t > 0:  # (nan too)
+        raise CheckpointConfigError(f"timeout={timeout!r}: pass a positive number of seconds")
+    return min(t, MAX_TIMEOUT_S)
 
 
 def _seconds(t: timedelta | float) -> float:
@@ -119,12 +141,15 @@ class HTTPTransport(CheckpointTransport[Any]):
             replaces the connection that has waited longest for a request (idle, or
             still sending its headers); with none such it is refused with 503.
         max_range_bytes: the largest byte range one request may ask for.
+        max_manifest_bytes: the largest manifest a fetch accepts from a peer (a manifest
+            grows up to ~25x in memory while parsed; ~60 MB holds 100k tensors).
     """
 
     def __init__(self, timeout: timedelta | float = 60.0, num_chunks: int = 8, *,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  token: str | None = None, max_connections: int = 64,
-                 max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES):
+                 max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES):
         if num_chunks < 0:
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
@@ -138,6 +163,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"max_connections={max_connections}: use 1 or more")
         if max_range_bytes < 1:
             raise CheckpointConfigError(f"max_range_bytes={max_range_bytes}: use 1 or more")
+        if type(max_manifest_bytes) is not int or max_manifest_bytes < 1:
+            raise CheckpointConfigError(f"max_manifest_bytes={max_manifest_bytes!r}: use an "
+                                        "int of 1 or more")
+        self.max_manifest_bytes = max_manifest_bytes
         if not 0 <= port <= 65535:
             raise CheckpointConfigError(f"port={port}: use 0 (any free port) to 65535")
         check_block_bytes(block_bytes)
@@ -346,11 +375,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         """
         from ..loader import load_from
 
-        t = self.timeout_s if timeout is None else min(_seconds(timeout), MAX_TIMEOUT_S)
-        if not t > 0:  # (nan too)
-            raise CheckpointConfigError(f"timeout={timeout!r}: pass a positive number of "
-                                        "seconds (or None for the transport's timeout)")
-        storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t)
+        t = self.timeout_s if timeout is None else fetch_timeout(timeout)
+        storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
+                              max_manifest_bytes=self.max_manifest_bytes)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              threads=fetch_connections(self.num_chunks))
@@ -366,6 +393,13 @@ def _check_token(token: str | None) -> str | None:
     if token is not None and not token:
         raise CheckpointConfigError("token='': use a non-empty shared secret, or None for "
                                     "no token check")
+    if token is not None and not (isinstance(token, str) and token.isascii()
+                                  and token.isprintable() and " " not in token):
+        # (a header cannot carry it: a raw error at the first request, quoting the secret;
+        # the usual cause is the newline a token file ends with)
+        raise CheckpointConfigError(
+            "token: use printable ASCII without spaces or line breaks (a token read from a "
+            "file: strip its trailing newline); the token itself is not shown")
     return token
 
 
@@ -676,7 +710,8 @@ class HTTPStorage:
     """A peer serves the boxes it holds: a manifest marked partial is read as such."""
 
     def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
-                 retries: int = 3, deadline_s: float | None = None):
+                 retries: int = 3, deadline_s: float | None = None,
+                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES):
         try:
             u = urlsplit(base)
             port = u.port
@@ -699,6 +734,8 @@ class HTTPStorage:
         self._lock = threading.Lock()
         self._max_range = 1 << 62  # lowered when the server answers 413
         self._deadline_s = deadline_s
+        self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
+        self.max_manifest_bytes = max_manifest_bytes
         self._expired = False
         self._closed = threading.Event()
         self.tensor_bytes_read = False
@@ -735,7 +772,10 @@ class HTTPStorage:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if c is None or fresh:
             old = c
-            c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            # (not cut by the deadline's watchdog until connected: bounded by what is left)
+            left = self.timeout_s if self._ends_at is None else max(
+                0.01, min(self.timeout_s, self._ends_at - time.monotonic()))
+            c = http.client.HTTPConnection(self.host, self.port, timeout=left)
             self._local.conn = c
             with self._lock:
                 if old is not None:
@@ -842,11 +882,12 @@ class HTTPStorage:
     def read_bytes(self, path: Path, limit: int) -> bytes:
         resp = self._request("GET", MANIFEST_NAME, {})
         n = self._length(resp, MANIFEST_NAME)
+        limit = min(limit, self.max_manifest_bytes)
         if n > limit:
             resp.close()
             raise CheckpointTransportError(
-                f"{self._peer}: the manifest is {n} bytes, above the limit of {limit}; "
-                "refused before reading it")
+                f"{self._peer}: the manifest is {n} bytes, above the limit of {limit} "
+                "(max_manifest_bytes=); refused before reading it")
         return self._read_body(resp, n, "the manifest")
 
     @property
