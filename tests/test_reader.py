@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,30 @@ def test_loads_of_any_size_share_one_set_of_reader_threads(tmp_path: Path) -> No
         got = asyncckpt.load(tmp_path / str(n), threads=8)
         assert len(got) == n and all(torch.equal(t, torch.ones(1 << 12)) for t in got.values())
     assert readers() <= max(before, 7)
+
+
+def test_a_failing_group_stops_the_other_readers(tmp_path: Path) -> None:
+    """One reader thread met a corrupt tensor: the others went on to read their whole
+    share (a peer's fetch reported a corrupt first range only after the last one)."""
+    state = {f"t{i:02d}": torch.full((1 << 19,), float(i)) for i in range(24)}  # 2 MiB each
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(state, step=1)
+        man = ckpt.manifest(1)
+    step_dir = tmp_path / "step_000000001"
+    chunk = man.tensors["t00"].chunks[0]  # the first item of the first group
+    with open(step_dir / chunk.file, "r+b") as f:
+        f.seek(chunk.byte_range[0] + 7)
+        f.write(b"\xff")
+
+    class Slow(CountingStorage):
+        def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+            time.sleep(0.02)
+            return super().pread_into(fd, views, offset)
+
+    storage = Slow()
+    with pytest.raises(CheckpointCorruptError, match="t00"):
+        load_from(step_dir, None, storage, threads=2)
+    assert storage.read < 6 * (1 << 21)  # the other group: one or two of its 12 tensors
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])

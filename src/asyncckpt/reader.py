@@ -156,10 +156,11 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     else:
         # The other groups go to kept reader threads; this thread reads the first one.
         pool = _read_pool(n - 1)
-        futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify)
+        stop = threading.Event()  # one group failed: the others end at their next item
+        futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify, stop)
                    for g in groups[1:]]
         try:
-            _read_group(step_dir, manifest, groups[0], out, storage, verify)
+            _read_group(step_dir, manifest, groups[0], out, storage, verify, stop)
         finally:
             cf.wait(futures)  # never leave a thread writing into tensors we return
         for f in futures:
@@ -281,11 +282,17 @@ def _split(items: list[ReadItem], n: int) -> list[list[ReadItem]]:
 
 
 def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
-                out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool) -> None:
+                out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
+                stop: threading.Event | None = None) -> None:
+    """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
+    it, and a group that sees it set ends before its next item (a corrupt first range
+    of a peer's fetch is reported at once, not after every other range came in)."""
     fds: dict[str, int] = {}
     try:
         i = 0
         while i < len(items):
+            if stop is not None and stop.is_set():
+                return  # another group failed: its error is the one raised
             it = items[i]
             fd = fds.get(it.chunk.file)
             if fd is None:  # checked by load_tensors already: just open it
@@ -303,6 +310,10 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
                 raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
             i = max(j, i + 1)
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        raise
     finally:
         for fd in fds.values():
             storage.close(fd)
