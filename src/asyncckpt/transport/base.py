@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from .._gc import gc_paused
-from ..errors import CheckpointTransportError
+from ..errors import CheckpointConfigError, CheckpointTransportError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import read_manifest, tensor_bytes
@@ -44,6 +44,20 @@ _HASH_THREADS = 4  # at most, for the checksums of live tensors
 __all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_directory",
            "serve_state"]
 
+
+
+def seconds(t: timedelta | float, label: str = "timeout") -> float:
+    """A timeout in seconds, from seconds or a timedelta; CheckpointConfigError for
+    anything else (a str, a bool). Bounds (and nan) are the caller's to check."""
+    if isinstance(t, timedelta):
+        return t.total_seconds()
+    try:
+        if isinstance(t, (bool, str, bytes)):
+            raise TypeError
+        return float(t)
+    except (TypeError, ValueError):
+        raise CheckpointConfigError(
+            f"{label}={t!r}: pass seconds (a number) or a timedelta") from None
 
 class CheckpointTransport(abc.ABC, Generic[T]):
     """Moves a live checkpoint from a healthy worker to a recovering one.

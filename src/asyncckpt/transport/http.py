@@ -42,7 +42,7 @@ from ..errors import (
     CheckpointTransportError,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, check_block_bytes
-from .base import CheckpointTransport, Served, serve_directory, serve_state
+from .base import CheckpointTransport, Served, seconds, serve_directory, serve_state
 
 log = logging.getLogger(__name__)
 
@@ -100,22 +100,10 @@ up to ~25x once parsed, and a peer chooses what it sends (~60 MB for 100k tensor
 
 def fetch_timeout(timeout: timedelta | float) -> float:
     """A fetch's whole-fetch timeout in seconds: positive, at most ``MAX_TIMEOUT_S``."""
-    t = _seconds(timeout)
+    t = seconds(timeout)
     if not t > 0:  # (nan too)
         raise CheckpointConfigError(f"timeout={timeout!r}: pass a positive number of seconds")
     return min(t, MAX_TIMEOUT_S)
-
-
-def _seconds(t: timedelta | float) -> float:
-    if isinstance(t, timedelta):
-        return t.total_seconds()
-    try:
-        if isinstance(t, (bool, str, bytes)):
-            raise TypeError
-        return float(t)
-    except (TypeError, ValueError):
-        raise CheckpointConfigError(f"timeout={t!r}: pass seconds (a number) or a "
-                                    "timedelta") from None
 
 
 class HTTPTransport(CheckpointTransport[Any]):
@@ -153,7 +141,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if num_chunks < 0:
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
-        self.timeout_s = _seconds(timeout)
+        self.timeout_s = seconds(timeout)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
                                         f"seconds, at most {MAX_TIMEOUT_S:.0f}")

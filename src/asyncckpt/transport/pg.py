@@ -94,7 +94,7 @@ from ..manifest import (
     parse_manifest,
 )
 from ..reader import tensor_bytes
-from .base import CheckpointTransport, LiveSource, serve_state
+from .base import CheckpointTransport, LiveSource, seconds, serve_state
 
 log = logging.getLogger(__name__)
 
@@ -116,20 +116,12 @@ _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
 _Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
 
-def _seconds(t: timedelta | float, label: str = "timeout") -> float:
+def _timeout(t: timedelta | float) -> float:
     """A timeout in seconds (inf, or timedelta.max, waits as long as a wait can)."""
-    if isinstance(t, timedelta):
-        return t.total_seconds()
-    try:
-        if isinstance(t, (bool, str, bytes)):
-            raise TypeError
-        seconds = float(t)
-    except (TypeError, ValueError):
-        raise CheckpointConfigError(
-            f"{label}={t!r}: pass seconds (a number) or a timedelta") from None
-    if math.isnan(seconds):
-        raise CheckpointConfigError(f"{label}=nan: pass seconds (a number) or a timedelta")
-    return seconds
+    value = seconds(t)
+    if math.isnan(value):
+        raise CheckpointConfigError("timeout=nan: pass seconds (a number) or a timedelta")
+    return value
 
 
 def _left(deadline: float) -> float:
@@ -190,7 +182,7 @@ class PGTransport(CheckpointTransport[Any]):
         max_manifest_bytes = _check_word(max_manifest_bytes, "max_manifest_bytes", 1)
         max_file_bytes = _check_word(max_file_bytes, "max_file_bytes", 1)
         self.pg = pg
-        self.timeout_s = _seconds(timeout)
+        self.timeout_s = _timeout(timeout)
         self.device = _resolve_device(pg, device)
         check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
@@ -238,7 +230,7 @@ class PGTransport(CheckpointTransport[Any]):
 
         self._check_open()
         step = _check_word(step, "step", 0)
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
         cut = threading.Event()  # set by disallow_checkpoint to cut this send off
         with self._cond:  # counted from the start: disallow_checkpoint waits for it
@@ -323,7 +315,7 @@ class PGTransport(CheckpointTransport[Any]):
 
         self._check_open()
         step = _check_word(step, "step", 0)
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else _seconds(timeout))
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         where = f"peer rank {src} ({metadata})"
         self._acquire(deadline, f"receive step {step} from {where}")
