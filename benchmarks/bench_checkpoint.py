@@ -1033,6 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     base = (args.dir or DEFAULT_OUT).resolve()
+    _remove_dead_runs(base)
     work = base / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     work.mkdir(parents=True)
     fs = lim.filesystem_of(work)
@@ -1122,6 +1123,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _remove_dead_runs(base: Path) -> None:
+    """Remove the run folders of earlier runs that were killed (a timeout's SIGTERM runs
+    no cleanup): each holds gigabytes of checkpoints, and they piled up to fill the disk."""
+    if not base.is_dir():
+        return
+    for old in base.glob("run-*-*"):
+        try:
+            pid = int(old.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # alive (or not ours to ask): keep it
+            continue
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        log(f"removing {old}: left by a run (pid {pid}) that no longer runs")
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def to_json(res: dict[str, Any]) -> Any:

@@ -78,3 +78,20 @@ def test_only_selects_sections(tmp_path: Path) -> None:
 def test_rejects_unknown_section() -> None:
     with pytest.raises(SystemExit):
         _bench().main(["--only", "nonsense"])
+
+
+def test_run_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """A run killed by a timeout leaves gigabytes behind (37 GB had piled up)."""
+    import os
+    import subprocess
+
+    bench = _bench()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"run-20260101-000000-{gone.pid}"
+    live = tmp_path / f"run-20260101-000001-{os.getpid()}"
+    other = tmp_path / "notes"
+    for d in (dead, live, other):
+        (d / "step").mkdir(parents=True)
+    bench._remove_dead_runs(tmp_path)
+    assert not dead.exists() and live.exists() and other.exists()
