@@ -46,6 +46,11 @@ __all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_
 
 
 
+PEER_MAX_MANIFEST_BYTES = 256 << 20
+"""The largest manifest a receive accepts from a peer by default (``max_manifest_bytes``):
+JSON grows up to ~25x once parsed, and a peer chooses what it sends (~60 MB holds 100k
+tensors)."""
+
 def seconds(t: timedelta | float, label: str = "timeout") -> float:
     """A timeout in seconds, from seconds or a timedelta; CheckpointConfigError for
     anything else (a str, a bool). Bounds (and nan) are the caller's to check."""

@@ -42,7 +42,14 @@ from ..errors import (
     CheckpointTransportError,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, check_block_bytes
-from .base import CheckpointTransport, Served, seconds, serve_directory, serve_state
+from .base import (
+    PEER_MAX_MANIFEST_BYTES,
+    CheckpointTransport,
+    Served,
+    seconds,
+    serve_directory,
+    serve_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +98,6 @@ def _unspecified(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:  # a host name
         return False
-
-
-PEER_MAX_MANIFEST_BYTES = 256 << 20
-"""The largest manifest a fetch accepts by default (``max_manifest_bytes``): JSON grows
-up to ~25x once parsed, and a peer chooses what it sends (~60 MB for 100k tensors)."""
 
 
 def fetch_timeout(timeout: timedelta | float) -> float:

@@ -86,7 +86,6 @@ from ..manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
-    MAX_MANIFEST_BYTES,
     Chunk,
     Manifest,
     block_checksums,
@@ -94,7 +93,7 @@ from ..manifest import (
     parse_manifest,
 )
 from ..reader import tensor_bytes
-from .base import CheckpointTransport, LiveSource, seconds, serve_state
+from .base import PEER_MAX_MANIFEST_BYTES, CheckpointTransport, LiveSource, seconds, serve_state
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +156,15 @@ class PGTransport(CheckpointTransport[Any]):
         device: where messages live: CPU for gloo, the rank's GPU for NCCL. None picks
             the current CUDA device for an NCCL group and the CPU otherwise.
         block_bytes: checksum granularity of the manifests this side sends.
-        max_manifest_bytes: the largest manifest a peer may announce.
+        max_manifest_bytes: the largest manifest a peer may announce (256 MiB by
+            default: a manifest grows up to ~25x in memory while parsed).
         max_file_bytes: the largest shard file a peer may announce.
     """
 
     def __init__(self, pg: Any, timeout: timedelta | float = 60.0, *,
                  device: torch.device | str | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES):
         if pg is None:
             import torch.distributed as dist
