@@ -43,7 +43,7 @@ from .errors import (
 from .manifest import _ST_DTYPES, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import LocalStorage, Storage
-from .tree import dtype_name, iter_array_nodes, unescape_path
+from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
 
 __all__ = ["DTYPE_ALIASES", "ExportReport", "ExportedTensor", "SkippedTensor",
            "export_safetensors"]
@@ -299,7 +299,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 key, dtype_name(entry.dtype), entry.shape,
                 f"safetensors has no dtype for {dtype_name(out)}"))
             continue
-        if not name or name == "__metadata__":
+        if not name or name == RESERVED_KEY:
             raise CheckpointConfigError(
                 f"tensor {path!r} would be named {name!r} in the output, which safetensors "
                 "does not allow; use a shorter prefix or drop strip_prefix")
@@ -350,7 +350,7 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {
+    header: dict[str, Any] = {RESERVED_KEY: {
         "format": "pt", "asyncckpt_step": str(manifest.step),
         "asyncckpt_source": step_dir.name}}
     pos = 0

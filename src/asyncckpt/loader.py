@@ -24,7 +24,7 @@ from .errors import (
     StateMismatchError,
 )
 from .manifest import MANIFEST_NAME, Manifest
-from .reader import copy_into, load_tensors, read_manifest
+from .reader import copy_into, load_tensors, narrow_to_box, read_manifest
 from .storage import ReadStorage
 from .tree import (
     Box,
@@ -121,7 +121,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         try:
             if key in regions:  # targets wanting different parts of it: each gets its own
                 for t, box in zip(tensors, regions[key], strict=True):
-                    copy_into(t, _region(loaded[key], box))
+                    copy_into(t, loaded[key] if box is None else narrow_to_box(loaded[key], box))
                 continue
             # extra targets: saved once (tied), loaded into untied targets
             for t in tensors if key in staged else tensors[1:]:
@@ -261,16 +261,6 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     if check is not None:
         return bool(check(t) == 1)
     return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True))
-
-
-def _region(whole: torch.Tensor, box: Box | None) -> torch.Tensor:
-    """The part of a whole loaded tensor that ``box`` covers (all of it for None)."""
-    if box is None:
-        return whole
-    out = whole
-    for d, (o, n) in enumerate(zip(*box, strict=True)):
-        out = out.narrow(d, o, n)
-    return out
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],

@@ -29,7 +29,7 @@ import xxhash
 
 from .boxes import tiling_problem
 from .errors import CheckpointConfigError, CheckpointCorruptError
-from .tree import _is_bits, dtype_from_name, dtype_name
+from .tree import RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1
@@ -141,7 +141,7 @@ def st_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
 def encode_header(entries: Iterable[HeaderEntry], metadata: dict[str, str] | None = None
                   ) -> bytes:
     """Encode a safetensors header (length prefix included), padded to a 4 KiB multiple."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    header: dict[str, Any] = {RESERVED_KEY: {"format": "pt", **(metadata or {})}}
     for e in entries:
         st, shape = st_dtype_and_shape(e.dtype, e.shape, e.end - e.start)
         header[e.key] = {"dtype": st, "shape": shape, "data_offsets": [e.start, e.end]}

@@ -443,9 +443,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     itemsize = dst.element_size()
     if 0 in it.box[1]:
         return  # an empty box: nothing to read
-    tgt = dst
-    for d, (o, ln) in enumerate(zip(*it.box, strict=True)):
-        tgt = tgt.narrow(d, o - it.dst_box[0][d], ln)
+    tgt = narrow_to_box(dst, it.box, it.dst_box[0])
     runs = _sparse_runs(chunk, it.box, itemsize, block_bytes)
     if runs is None:  # the box's span touches (nearly) every block in it: read the span
         lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
@@ -459,6 +457,15 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
         part = tgt[index] if d else tgt
         _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, start,
                        start + math.prod(run_shape) * itemsize, run_shape, part, dst.is_cuda)
+
+
+def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = None
+                  ) -> torch.Tensor:
+    """The view of ``t`` (whose first element is at ``origin`` in global coordinates, the
+    zero point by default) that ``box`` covers."""
+    for d, (o, n) in enumerate(zip(*box, strict=True)):
+        t = t.narrow(d, o - (origin[d] if origin is not None else 0), n)
+    return t
 
 
 def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: Chunk,
