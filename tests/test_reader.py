@@ -632,3 +632,34 @@ def test_a_fifo_for_a_shard_file_is_refused_without_blocking(tmp_path: Path) -> 
     assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
     report = unblocked(shard, lambda: verify_checkpoint(step_dir, LocalStorage()))
     assert any(f"{shard} is not a regular file" in p for p in report.problems), report.problems
+
+
+class _HidesTheStep(LocalStorage):
+    """Opening a shard file first takes the step away, as retention does (``hide``) or
+    only that file (damage)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def open_read(self, path: Path) -> int:
+        if Path(path).name.startswith("rank_"):
+            step_dir = Path(path).parent
+            if self.how == "hide":
+                step_dir.rename(step_dir.parent / f".{step_dir.name}.deleting-x")
+            else:
+                Path(path).unlink()
+        return super().open_read(path)
+
+
+@pytest.mark.parametrize("how,error", [("hide", asyncckpt.CheckpointNotFoundError),
+                                       ("file", CheckpointCorruptError)])
+def test_a_step_deleted_while_read_is_not_reported_as_damage(
+        tmp_path: Path, how: str, error: type[Exception]) -> None:
+    ck = asyncckpt.AsyncCheckpointer(tmp_path)
+    ck.save({"w": torch.arange(10.0)}, step=1)
+    ck.close()
+    with pytest.raises(error) as info:
+        load_from(tmp_path / commit.step_dir_name(1), None, _HidesTheStep(how))
+    if how == "hide":
+        assert "deleted while it was being read" in str(info.value)
+        assert not isinstance(info.value, CheckpointCorruptError)

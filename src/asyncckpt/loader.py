@@ -163,6 +163,9 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
             log.warning("step %d under %s is corrupt (%s); trying an older step", step, root,
                         exc)
             failures.append(f"step {step}: {exc}")
+        except CheckpointNotFoundError as exc:  # retention deleted it while it was read
+            log.warning("step %d under %s is gone (%s); trying an older step", step, root, exc)
+            failures.append(f"step {step}: {exc}")
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 

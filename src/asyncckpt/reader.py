@@ -397,12 +397,25 @@ def _open(path: Path, storage: ReadStorage) -> int:
     try:
         return storage.open_read(path)
     except FileNotFoundError:
+        if _gone(path.parent, storage):
+            raise CheckpointNotFoundError(
+                f"{path.parent} was deleted while it was being read (the keep_last retention "
+                "of a newer save, or another process): load a step that is still committed"
+            ) from None
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
     except CheckpointError:
         raise
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
         raise _damaged(path, exc) from exc
+
+
+def _gone(step_dir: Path, storage: ReadStorage) -> bool:
+    """Whether the whole step has vanished (its manifest too, not just one shard file)."""
+    try:
+        return MANIFEST_NAME not in storage.listdir(step_dir)
+    except Exception:
+        return False
 
 
 def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
