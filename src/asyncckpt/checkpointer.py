@@ -22,6 +22,7 @@ from ._gc import gc_paused
 from .dist import (
     DistContext,
     LocalItem,
+    Pulse,
     assign_writers,
     layout_digest,
     raise_failures,
@@ -255,7 +256,8 @@ class AsyncCheckpointer:
             storage=self.storage, keep_last=self.config.keep_last,
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
-            started=started, tag=tag, in_use=self._in_use, replicas=replicas)
+            started=started, tag=tag, in_use=self._in_use, replicas=replicas,
+            pulse=Pulse(ctx, tag) if ctx.distributed else None)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
         durable, self._retention = writer.submit(job)  # follows the staging progress
@@ -475,13 +477,20 @@ class AsyncCheckpointer:
             if not (fallback and step is None):  # (a fallback may read any older step)
                 step_dir, held = commit.resolve_step_dir(self.directory, step, self.storage)
             self._in_use.hold(held)
+        shared = False
         try:
+            # ... nor that of the coordinator of the group, should this rank not be it
+            shared = self._ctx.hold_step(held)
             if fallback and step is None:
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
                                           shards=shards, threads=threads)
+            if shared and held is not None:  # counted: is it still there?
+                commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
                              shards=shards, threads=threads, step=step)
         finally:
+            if shared:
+                self._ctx.release_step(held)
             self._in_use.release(held)
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -705,6 +714,7 @@ class AsyncCheckpointer:
         if not ctx.distributed:
             return
         msg = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
+        Pulse(ctx, tag).abort(msg)
         with contextlib.suppress(Exception):
             for part in ("layout", "record", "done"):
                 ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg})

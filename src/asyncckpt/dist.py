@@ -20,6 +20,11 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
   Whoever claims first decides, so a late commit never meets a rank that already
   reported the save failed.
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
+- ``beat/<rank>``: a count the rank moves about once a second while it writes or waits
+  (see Pulse): a wait counts a rank whose count moves as alive, so its timeout names
+  only ranks that went silent, not ones that are merely slower.
+- ``abort``: why the save failed, posted by the first rank whose part failed; the others
+  notice within about a second and stop their writes instead of finishing them.
 
 The namespace pairs the checkpointers of one directory across ranks: the directory's
 absolute path and how many checkpointers of it this process has saved with before. It
@@ -51,6 +56,7 @@ from .boxes import tiling_problem
 from .errors import (
     CheckpointConfigError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
@@ -168,6 +174,63 @@ class DistContext:
         """Which checkpointer of this directory ``rank`` last started saving with."""
         return f"asyncckpt/where/{self._base()}/{rank}"
 
+    # --- loads on any rank against the coordinator's retention (keep_last) ---------------
+    # A load counts itself under ``asyncckpt/holds/<dir hash>/<step>`` ("any": a load
+    # that may fall back to any step); retention posts ``retiring/<dir hash>/<step>``
+    # before it reads that count. The Store orders the two, so either retention sees the
+    # load and spares the step, or the load sees the step retiring and does not read it.
+
+    def _hold_key(self, step: int | None) -> str:
+        return f"asyncckpt/holds/{self._base()}/{'any' if step is None else step}"
+
+    def _retiring_key(self, step: int) -> str:
+        return f"asyncckpt/retiring/{self._base()}/{step}"
+
+    def hold_step(self, step: int | None) -> bool:
+        """Count a load of ``step`` (None: any step) for the coordinator's retention;
+        True once counted (then ``release_step``). Raises CheckpointNotFoundError when
+        retention is deleting the step."""
+        if not self.distributed:
+            return False
+        try:
+            self.store.add(self._hold_key(step), 1)
+            if step is None or not self.store.check([self._retiring_key(step)]):
+                return True
+            self.store.add(self._hold_key(step), -1)
+        except Exception as exc:  # no Store, no coordinator: no retention to fear either
+            log.warning("rank=%d: could not hold step %s for a load through the Store "
+                        "(%s: %s); loading it anyway", self.rank, step, type(exc).__name__, exc)
+            return False
+        raise CheckpointNotFoundError(
+            f"step {step} under {self.directory} is being deleted by the keep_last retention "
+            "of a newer save: load a newer step")
+
+    def release_step(self, step: int | None) -> None:
+        with contextlib.suppress(Exception):  # a dead Store keeps the count: steps stay
+            self.store.add(self._hold_key(step), -1)
+
+    def may_retire(self, step: int) -> bool:
+        """Coordinator: mark ``step`` retiring unless a load on any rank holds it; True
+        when it may be deleted (then ``retired`` once it is out of sight)."""
+        if not self.distributed:
+            return True
+        try:
+            self.store.set(self._retiring_key(step), "1")
+            if not (self.store.add(self._hold_key(step), 0)
+                    or self.store.add(self._hold_key(None), 0)):
+                return True
+        except Exception as exc:  # unsure whether a load holds it: keep it
+            log.warning("rank=0: keeping step %d: the Store could not say whether a load "
+                        "holds it (%s: %s)", step, type(exc).__name__, exc)
+        self.retired(step)
+        return False
+
+    def retired(self, step: int) -> None:
+        """Coordinator: the step is out of sight (or spared): drop its retiring mark, so
+        that a later save of the same step number loads again."""
+        with contextlib.suppress(Exception):
+            self.store.delete_key(self._retiring_key(step))
+
     def why_absent(self, ranks: Sequence[int], seq: int) -> str:
         """What ``ranks``, which never posted their layout for save number ``seq`` of
         this namespace, are doing instead, as far as the Store tells: for an error."""
@@ -227,13 +290,16 @@ class DistContext:
         with self._store_errors(f"posting {key}"):
             self.store.set(key, json.dumps(value, separators=(",", ":")))
 
-    def get(self, key: str, what: str, timeout_s: float | None = None) -> Any:
-        self.wait_keys({0: key}, what, timeout_s)
+    def get(self, key: str, what: str, timeout_s: float | None = None, *, rank: int = 0,
+            pulse: Pulse | None = None) -> Any:
+        """Wait for ``key`` (posted by ``rank``) and return its decoded value."""
+        self.wait_keys({rank: key}, what, timeout_s, pulse=pulse)
         with self._store_errors(f"reading {what}"):
             return json.loads(self.store.get(key))
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
-               *, cancelled: Callable[[], bool] | None = None) -> dict[int, Any]:
+               *, cancelled: Callable[[], bool] | None = None,
+               pulse: Pulse | None = None) -> dict[int, Any]:
         """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values, or
         as soon as one that has arrived is an error: then only those read so far (the
         callers raise the error; a late or dead rank must not delay a reported failure).
@@ -249,7 +315,7 @@ class DistContext:
                 got[r] = json.loads(self.store.get(keys[r]))
             return isinstance(got[r], dict) and "error" in got[r]
 
-        if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed):
+        if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed, pulse=pulse):
             return got
         rest = [r for r in range(self.world_size) if r not in got]
         with self._store_errors(f"reading {what}"):
@@ -272,7 +338,8 @@ class DistContext:
                 continue
             keys += [self.key(tag, part, r) for part in ("layout", "record", "done")
                      for r in range(self.world_size)]
-            keys += [self.key(tag, "verdict"), self.key(tag, "decision")]
+            keys += [self.key(tag, "beat", r) for r in range(self.world_size)]
+            keys += [self.key(tag, "verdict"), self.key(tag, "decision"), self.key(tag, "abort")]
         keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
         self._delete(keys)
 
@@ -295,21 +362,30 @@ class DistContext:
 
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None,
                   *, cancelled: Callable[[], bool] | None = None,
-                  stop: Callable[[int], bool] | None = None) -> bool:
+                  stop: Callable[[int], bool] | None = None,
+                  pulse: Pulse | None = None) -> bool:
         """Block until every key exists; on timeout name the ranks whose keys are missing.
 
         ``store.wait`` answers as soon as the last key lands (no polling delay); it is
         asked in slices of at most a second so that a dead Store (or ``cancelled``) is
         noticed, and ``stop`` is asked about each key that arrived meanwhile: when it
         says yes, the wait ends early and returns True.
+
+        With ``pulse`` (the save's), this rank beats while it waits, the wait ends with
+        the other ranks' abort, and the timeout counts from the last sign of life of the
+        ranks waited for: a rank still writing (its beat moved within ``timeout_s``)
+        holds the wait open, and only the silent ones are named.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         pending = dict(keys)
+        baseline = False
         while pending:
             if cancelled is not None and cancelled():
                 raise CheckpointSaveError(
                     f"rank {self.rank}: stopped waiting for {what}: the save already failed")
+            if pulse is not None:
+                pulse()
             left = deadline - time.monotonic()
             if left > 0:
                 # At least 10 ms: a HashStore waits forever on a timeout under 1 ms.
@@ -325,14 +401,93 @@ class DistContext:
                 del pending[r]
                 if stop is not None and stop(r):
                     return True
+            if pulse is not None and not baseline and pending:
+                # what the counts of the ranks still missing are a slice into the wait:
+                # one that has not moved from here by the deadline went silent
+                pulse.progressed(sorted(pending))
+                baseline = True
             if pending and time.monotonic() >= deadline:
+                silent = sorted(pending)
+                if pulse is not None:
+                    alive = set(pulse.progressed(silent))
+                    silent = [r for r in silent if r not in alive]
+                    if not silent:  # slower, not dead: wait on while they make progress
+                        deadline = time.monotonic() + timeout
+                        continue
+                    why = (f"rank(s) {silent}, which showed no sign of life for the last "
+                           f"{timeout:.0f}s; they may have died or hung")
+                else:
+                    why = (f"rank(s) {silent}; they may have died or not called save_async "
+                           "for this step")
                 err = CheckpointTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
-                    f"rank(s) {sorted(pending)}; they may have died or not called save_async "
-                    "for this step")
-                err.ranks = tuple(sorted(pending))
+                    + why)
+                err.ranks = tuple(silent)
                 raise err
         return False
+
+
+class Pulse:
+    """One rank's signs of life during one save, through the Store (never the training
+    process group, so background threads may call it).
+
+    Calling it (cheap: it acts at most once a second) moves this rank's count under
+    ``<tag>/beat/<rank>`` and, while ``watch`` is set, raises CheckpointSaveError once
+    another rank posted ``<tag>/abort``: the writers call it between pieces and the
+    waits in ``wait_keys`` once a second. A peer clears ``watch`` once its file is
+    durable and announced: from then on only the coordinator's verdict decides.
+    ``progressed`` tells a wait which of the ranks it waits for moved their count since
+    it last asked. Thread-safe.
+    """
+
+    def __init__(self, ctx: DistContext, tag: str) -> None:
+        self.ctx, self.tag = ctx, tag
+        # at least four beats within the shortest wait (timeout_s): one cannot fall
+        # between a wait's baseline and its deadline
+        self.every_s = min(1.0, ctx.timeout_s / 4)
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._count = 0
+        self._seen: dict[int, bytes] = {}
+        self._abort_key = ctx.key(tag, "abort")
+        self.watch = True
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                return
+            self._next = now + self.every_s
+            self._count += 1
+            count = self._count
+        ctx = self.ctx
+        with ctx._store_errors(f"posting rank {ctx.rank}'s sign of life"):
+            ctx.store.set(ctx.key(self.tag, "beat", ctx.rank), str(count))
+            if not self.watch or not ctx.store.check([self._abort_key]):
+                return
+            why = ctx.store.get(self._abort_key).decode(errors="replace")
+        raise CheckpointSaveError(f"rank {ctx.rank}: stopped, nothing committed: {why}")
+
+    def abort(self, why: str) -> None:
+        """Post why the save failed, unless a rank did first (best effort)."""
+        with contextlib.suppress(Exception):
+            self.ctx.store.compare_set(self._abort_key, "", why)
+
+    def progressed(self, ranks: Sequence[int]) -> list[int]:
+        """Which of ``ranks`` moved their count since the last call (at the first call,
+        which takes the baseline: those that beat at all)."""
+        ctx, moved = self.ctx, []
+        for r in ranks:
+            key = ctx.key(self.tag, "beat", r)
+            with ctx._store_errors(f"reading rank {r}'s sign of life"):
+                if not ctx.store.check([key]):
+                    continue
+                count = ctx.store.get(key)
+            with self._lock:
+                if self._seen.get(r) != count:
+                    self._seen[r] = count
+                    moved.append(r)
+        return moved
 
 
 def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:

@@ -18,13 +18,14 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import commit
 from ._gc import gc_paused
-from .dist import DistContext, make_record, merge_records, raise_failures
+from .dist import DistContext, Pulse, make_record, merge_records, raise_failures
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -98,6 +99,7 @@ class SaveJob:
     # checksums of small replicated tensors this rank holds but another writes: compared
     # with the writer's by the coordinator (dist.merge_records)
     replicas: dict[str, list[str]] = field(default_factory=dict)
+    pulse: Pulse | None = None  # in a group: this rank's signs of life, the others' abort
 
     def release(self) -> None:
         """Drop the arena and the state tree: a failed save's error, whose traceback holds
@@ -246,7 +248,7 @@ class BackgroundWriter:
         if hashes is not None:
             try:
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
-                                    job.progress.wait_for, job.direct_io)
+                                    _ready(job), job.direct_io)
             except BaseException as exc:
                 job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
                 with contextlib.suppress(BaseException):
@@ -269,7 +271,7 @@ class BackgroundWriter:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
             _raise_failed(job, ctx.gather((job.tag, "done"),
-                                          f"the shard files of step {job.step}"))
+                                          f"the shard files of step {job.step}", pulse=job.pulse))
             if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
                 job.records = _gather_records(job)
                 final = self._commit(job, job.records)
@@ -285,6 +287,8 @@ class BackgroundWriter:
                 log.error("rank=0 step=%d: committed to %s, but the other ranks could not be "
                           "told: %s", job.step, final, exc)
         else:
+            if job.pulse is not None:
+                job.pulse.watch = False  # announced: from now on the verdict decides
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
             verdict = _await_verdict(job)
@@ -343,7 +347,10 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
     ctx = job.ctx
     key, what = ctx.key(job.tag, "verdict"), f"the commit of step {job.step}"
     try:
-        return dict(ctx.get(key, what, timeout_s=2 * ctx.timeout_s + _VERDICT_GRACE_S))
+        # The timeout counts from the coordinator's last sign of life: it beats while it
+        # writes and while it waits for slower ranks.
+        return dict(ctx.get(key, what, timeout_s=2 * ctx.timeout_s + _VERDICT_GRACE_S,
+                            pulse=job.pulse))
     except CheckpointTimeoutError as exc:
         got = ctx.claim(ctx.key(job.tag, "decision"), f"rank {ctx.rank} gave up: {exc}", what)
         if got != "commit":
@@ -369,7 +376,12 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                 doomed = job.in_use.spare(commit.doomed_steps(job.root, job.keep_last,
                                                               job.storage, protect=job.step))
                 for s in doomed:
-                    hidden.append((s, commit.hide_step(job.root, s, job.storage)))
+                    if not job.ctx.may_retire(s):  # a load on another rank holds it
+                        continue
+                    try:
+                        hidden.append((s, commit.hide_step(job.root, s, job.storage)))
+                    finally:
+                        job.ctx.retired(s)
     except OSError as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
     except BaseException as exc:
@@ -391,7 +403,7 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None]) -
         for _, gone in hidden:
             job.storage.remove_tree(gone)
         log.info("rank=0 step=%d: retention removed steps %s", job.step, [s for s, _ in hidden])
-    except OSError as exc:  # the next checkpointer removes what is left (cleanup_abandoned)
+    except Exception as exc:  # the next checkpointer removes what is left (cleanup_abandoned)
         log.warning("rank=0 step=%d: retention could not remove %s: %s", job.step, gone, exc)
     finally:
         if not done.done():
@@ -403,6 +415,8 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     ctx = job.ctx
     text = str(exc)
     msg = text if text.startswith("rank ") else f"rank {ctx.rank}: {type(exc).__name__}: {text}"
+    if job.pulse is not None and not job.committed:
+        job.pulse.abort(msg)  # the others stop their writes now, not when they finish
     if ctx.distributed:
         with contextlib.suppress(Exception):
             if not job.announced:
@@ -444,6 +458,25 @@ def _verdict_out(job: SaveJob) -> bool:
     with contextlib.suppress(Exception):
         return bool(job.ctx.store.check([job.ctx.key(job.tag, "verdict")]))
     return False
+
+
+def _ready(job: SaveJob) -> Callable[[int], None]:
+    """What the writer calls before each piece: wait for staging to pass it; in a group,
+    beat meanwhile and stop once another rank has aborted the save."""
+    pulse = job.pulse
+    if pulse is None:
+        return job.progress.wait_for
+
+    def ready(offset: int) -> None:
+        while True:
+            pulse()
+            try:
+                job.progress.wait_for(offset, timeout=pulse.every_s)
+                return
+            except CheckpointTimeoutError:  # staging is slow: beat, look, wait on
+                continue
+
+    return ready
 
 
 def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
@@ -504,8 +537,12 @@ def _describe(job: SaveJob) -> _Described:
             raise
     else:
         raw = _manifest_bytes(job, [record])
-    job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
-    job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
+    try:
+        job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
+        job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
+    except BaseException as exc:
+        job.progress.fail(exc)  # the step cannot commit: stop the shard's write now
+        raise
     return record, raw
 
 
@@ -513,7 +550,7 @@ def _gather_records(job: SaveJob) -> list[dict[str, Any]]:
     """Every rank's record, in rank order (coordinator); raises if a rank reported an
     error, and gives up once this save has failed anyway."""
     got = job.ctx.gather((job.tag, "record"), f"the shard layouts of step {job.step}",
-                         cancelled=lambda: job.progress.failed)
+                         cancelled=lambda: job.progress.failed, pulse=job.pulse)
     _raise_failed(job, got)
     return [got[r] for r in sorted(got)]
 

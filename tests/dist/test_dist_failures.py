@@ -78,6 +78,8 @@ def _flaky_storage() -> Any:
         fail_rename = False
         slow_makedirs = False
         slow_write = False  # a 10 s write that stops as soon as its save has failed
+        slow_s = 10.0  # (how long the slow write takes)
+        fail_late = False  # the write fails after staging, once its record is out
         write_elsewhere = False  # a node-local disk: the shard lands in another directory
         pause_write = 0.0  # seconds a write waits first
 
@@ -94,9 +96,13 @@ def _flaky_storage() -> Any:
                 path = other / Path(path).name
             if self.fail_write:
                 raise OSError(errno.EIO, "injected write failure")
+            if self.fail_late:
+                a[2](a[1])  # staged: the hash thread posts this rank's record meanwhile
+                time.sleep(0.5)  # e.g. the fsync at the end of the file fails
+                raise OSError(errno.EIO, "injected late write failure")
             if self.slow_write:
                 nbytes, ready = a[1], a[2]
-                end = time.monotonic() + 10.0
+                end = time.monotonic() + self.slow_s
                 while time.monotonic() < end:
                     ready(nbytes)  # raises once the save has failed
                     time.sleep(0.05)
@@ -610,8 +616,124 @@ def test_a_late_commit_never_meets_a_rank_that_reported_failure(
         # step 3: rank 0 had decided to commit, so rank 1 waited for its rename
         assert out["rename"]["raised"] is None, (rank, out["rename"])
         assert out["steps"] == [1, 3], (rank, out["steps"])
-    assert "gave up" in res[0]["write"]["msg"], res[0]["write"]["msg"]
+    # rank 0 hears why: rank 1 gave up waiting (by its claim, or by its abort)
+    msg = res[0]["write"]["msg"]
+    assert "rank 1" in msg and "waiting for the commit of step 2" in msg, msg
     assert res[0]["tmp"] == [], res[0]["tmp"]
+
+
+# --- ranks that are slow, not dead; loads on other ranks against retention --------------------
+
+LIVE_TIMEOUT_S = 3.0
+
+
+def liveness_worker(ctx: RankCtx) -> dict[str, Any]:
+    """With timeout_s=3: a rank whose write fails late stops the other rank's 10 s
+    write within a second or so (and the next save meets no stale barrier); a rank that
+    writes for 7 s longer than the other is slow, not dead; a load of an old step on
+    rank 1 keeps the coordinator's keep_last retention from deleting it."""
+    root = Path(ctx.args["root"])
+    storage = _flaky_storage()
+    out: dict[str, Any] = {}
+    ck = asyncckpt.AsyncCheckpointer(root, timeout_s=LIVE_TIMEOUT_S, storage=storage)
+    for step, failing in ((1, 1), (3, 0)):
+        storage.fail_late = ctx.rank == failing
+        storage.slow_write = ctx.rank != failing
+        out[f"fails_{step}"] = _attempt(ck, _state(ctx, step), step)
+        storage.fail_late = storage.slow_write = False
+        # at once, as a training loop would: no barrier between the two saves
+        out[f"next_{step + 1}"] = _attempt(ck, _state(ctx, step + 1), step + 1)
+    ctx.barrier()
+    storage.slow_write, storage.slow_s = ctx.rank == 1, 7.0
+    out["slow"] = _attempt(ck, _state(ctx, 5), 5)
+    storage.slow_write = False
+    ctx.barrier()
+    out["steps"] = ck.steps()
+    ck.close()
+
+    class SlowReads(type(storage)):  # type: ignore[misc]
+        slow = 0.0
+
+        def pread_into(self, *a: Any, **kw: Any) -> int:
+            time.sleep(self.slow)
+            return int(super().pread_into(*a, **kw))
+
+    reads = SlowReads()
+    root2 = Path(ctx.args["root"] + "_keep")
+    ck2 = asyncckpt.AsyncCheckpointer(root2, keep_last=1, timeout_s=TIMEOUT_S, storage=reads)
+    ck2.save(_state(ctx, 1), 1)
+    ctx.barrier()
+    loaded: cf.Future[Any] = cf.Future()
+    if ctx.rank == 1:
+        reads.slow = 0.3
+
+        def load() -> None:
+            try:
+                loaded.set_result(ck2.load(step=1))
+            except BaseException as exc:
+                loaded.set_exception(exc)
+
+        import threading
+
+        threading.Thread(target=load).start()
+        time.sleep(0.5)  # the load has found step 1 and is reading it
+    ctx.barrier()
+    out["keep_2"] = _attempt(ck2, _state(ctx, 2), 2)
+    ck2.wait()  # and its retention
+    if ctx.rank == 1:
+        c = Checks()
+        got = c.run("load of step 1 beside retention", loaded.result, 60)
+        if got is not None:
+            c.check(same_bits(got["p"], full_tensor("f1/p", (40_000,))), "step 1: p differs")
+        out["load"] = c.failures
+        reads.slow = 0.0
+    ctx.barrier()
+    out["keep_steps"] = ck2.steps()
+    ctx.barrier()  # the load is over: the next retention deletes step 1 (and 2)
+    out["keep_3"] = _attempt(ck2, _state(ctx, 3), 3)
+    ck2.wait()
+    ctx.barrier()
+    out["keep_after"] = ck2.steps()
+    ck2.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def liveness(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    base = tmp_path_factory.mktemp("dist_live")
+    runs = run_ranks(MODULE, "liveness_worker", 2, base / "run", args={"root": str(base / "ck")})
+    return {r: run.result for r, run in runs.items()}
+
+
+@pytest.mark.parametrize("step,failing", [(1, 1), (3, 0)])
+def test_a_late_write_failure_stops_the_other_ranks_write(
+        liveness: dict[int, dict[str, Any]], step: int, failing: int) -> None:
+    for rank, out in sorted(liveness.items()):
+        got = out[f"fails_{step}"]
+        assert got["raised"] is not None and got["is_checkpoint_error"], (rank, got)
+        assert f"rank {failing}" in got["msg"] and "injected late" in got["msg"], (rank, got)
+        # the other rank's write would take 10 s: it stopped when the failure was posted
+        assert got["elapsed"] < PROMPT_S, (rank, got)
+        # and the next save, started at once, met no barrier left waiting
+        assert out[f"next_{step + 1}"]["raised"] is None, (rank, out[f"next_{step + 1}"])
+
+
+def test_a_rank_slower_than_timeout_s_is_not_declared_dead(
+        liveness: dict[int, dict[str, Any]]) -> None:
+    for rank, out in sorted(liveness.items()):
+        assert out["slow"]["raised"] is None, (rank, out["slow"])
+        assert out["slow"]["elapsed"] > 2 * LIVE_TIMEOUT_S, (rank, out["slow"])
+        assert out["steps"] == [2, 4, 5], (rank, out["steps"])
+
+
+def test_retention_spares_a_step_another_rank_is_loading(
+        liveness: dict[int, dict[str, Any]]) -> None:
+    assert liveness[1]["load"] == [], liveness[1]["load"]
+    for rank, out in sorted(liveness.items()):
+        assert out["keep_2"]["raised"] is None, (rank, out["keep_2"])
+        assert out["keep_steps"] == [1, 2], (rank, out["keep_steps"])  # 1 spared
+        assert out["keep_3"]["raised"] is None, (rank, out["keep_3"])
+        assert out["keep_after"] == [3], (rank, out["keep_after"])  # then deleted
 
 
 # --- a failure reported while another rank is late ---------------------------------------------
