@@ -1357,3 +1357,41 @@ def test_staging_copies_alone_once_the_interpreter_refuses_new_threads_work(
         ck.save_async(state, step=2, overlap=True).wait()
         got = ck.load(step=2)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_file_where_the_directory_should_be_gets_checkpoint_errors(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"mine")
+    for call in (lambda: asyncckpt.load(afile), lambda: asyncckpt.AsyncCheckpointer(afile).steps(),
+                 lambda: asyncckpt.AsyncCheckpointer(afile).load(),
+                 lambda: asyncckpt.AsyncCheckpointer(afile).latest_step()):
+        with pytest.raises(asyncckpt.CheckpointNotFoundError, match="is a file"):
+            call()
+    for where in (afile, afile / "sub"):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="is a file"):
+            asyncckpt.save({"a": torch.ones(1)}, where, step=1)
+    assert afile.read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fallback": True, "step": 1}, "pass one of them"),
+    ({"fallback": True, "verify": False}, "drop verify=False")])
+def test_fallback_beside_what_it_would_override_is_refused(
+        tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    asyncckpt.save({"a": torch.ones(1)}, tmp_path, step=1)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=match):
+        asyncckpt.load(tmp_path, **kwargs)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=match):
+        asyncckpt.AsyncCheckpointer(tmp_path).load(**kwargs)
+
+
+@pytest.mark.parametrize("address", ["https://127.0.0.1:1/v1", "HTTP://127.0.0.1:1/v1",
+                                     "s3://bucket/ckpt"])
+def test_an_address_of_another_scheme_is_refused_by_name(address: str) -> None:
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="must start with http://"):
+        asyncckpt.load(address)
+
+
+def test_fallback_from_a_peer_address_is_refused() -> None:
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="drop fallback"):
+        asyncckpt.load("http://127.0.0.1:1/v1", fallback=True)

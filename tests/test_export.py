@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -30,6 +31,8 @@ from asyncckpt import export as export_mod
 from asyncckpt.cli import main
 from asyncckpt.export import export_safetensors
 from asyncckpt.manifest import _ST_DTYPES
+from asyncckpt.reader import verify_checkpoint
+from asyncckpt.storage import DirectoryLock, LocalStorage
 from asyncckpt.tree import flatten
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -499,6 +502,39 @@ def test_export_never_writes_inside_the_checkpoint(tmp_path: Path) -> None:
         export_safetensors(tmp_path / "ck", shard, force=True)
     assert shard.read_bytes() == before
     assert asyncckpt.load(tmp_path / "ck")["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("where", ["other_step/manifest.json", "other_step/x.safetensors",
+                                   "lock", "copied_step/x.safetensors", "tmp_step/x",
+                                   "named_like_a_step"])
+def test_export_never_writes_into_any_step_or_the_lock(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "ck"
+    for step in (1, 2):
+        asyncckpt.save({"w": torch.full((2,), float(step))}, root, step=step)
+    copied = tmp_path / "best"  # a step directory copied under another name
+    shutil.copytree(root / "step_000000002", copied)
+    (root / ".step_000000003.tmp-0123456789ab").mkdir()  # a save in flight
+    (root / DirectoryLock.NAME).touch()
+    out = {"other_step/manifest.json": root / "step_000000002" / "manifest.json",
+           "other_step/x.safetensors": root / "step_000000002" / "x.safetensors",
+           "lock": root / DirectoryLock.NAME,
+           "copied_step/x.safetensors": copied / "x.safetensors",
+           "tmp_step/x": root / ".step_000000003.tmp-0123456789ab" / "x",
+           "named_like_a_step": root / "step_000000004"}[where]
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    manifest = (root / "step_000000002" / "manifest.json").read_bytes()
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"name a|name another"):
+        export_safetensors(root, out, step=1, force=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (root / "step_000000002" / "manifest.json").read_bytes() == manifest
+    assert not verify_checkpoint(root / "step_000000002", LocalStorage()).problems
+
+
+def test_export_to_a_path_ending_in_a_separator_is_refused(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="name it"):
+        export_safetensors(tmp_path / "ck", f"{tmp_path}/outdir/")
+    assert not (tmp_path / "outdir").exists()
 
 
 def test_export_errors_name_the_side_they_come_from(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .loader import ShardMetadata
+from .loader import check_fallback as _check_fallback
 from .loader import check_threads as _check_threads
 from .loader import load_from as _load_from
 from .storage import LocalStorage as _LocalStorage
@@ -99,7 +101,17 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
     _check_threads(threads)
+    _check_fallback(fallback, step, verify)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
+    if scheme is not None and str(path)[:7] != "http://":
+        raise CheckpointConfigError(
+            f"{path}: a peer's address must start with http:// (as HTTPTransport.address() "
+            f"gives), not {scheme.group(1)}://; a local path has no scheme")
     if str(path).startswith("http://"):
+        if fallback:
+            raise CheckpointConfigError(
+                "fallback=True picks among committed steps on disk; a peer serves one step: "
+                "drop fallback to load from an address")
         from .transport.http import HTTPStorage, fetch_connections, fetch_timeout, partial_data
 
         timeout = fetch_timeout(timeout)

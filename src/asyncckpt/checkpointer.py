@@ -38,7 +38,14 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
-from .loader import ShardMetadata, apply_shards, check_threads, load_from, load_newest_intact
+from .loader import (
+    ShardMetadata,
+    apply_shards,
+    check_fallback,
+    check_threads,
+    load_from,
+    load_newest_intact,
+)
 from .manifest import (
     DEFAULT_BLOCK_BYTES,
     Manifest,
@@ -52,7 +59,13 @@ from .reader import read_manifest, tensor_bytes
 from .staging import HostArena, StagingProgress, stage
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
-from .writer import BackgroundWriter, CheckpointFuture, CheckpointInfo, SaveJob
+from .writer import (
+    BackgroundWriter,
+    CheckpointFuture,
+    CheckpointInfo,
+    SaveJob,
+    os_error_hint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -471,6 +484,7 @@ class AsyncCheckpointer:
         sets the reader threads (default: up to 2).
         """
         check_threads(threads)
+        check_fallback(fallback, step, verify)
         # The retention of a save in flight (keep_last) must not delete what this reads.
         held: int | None = None
         with self._in_use.lock:
@@ -616,7 +630,16 @@ class AsyncCheckpointer:
         new = [self.directory]  # this directory and the ancestors it creates, outermost last
         while not new[-1].parent.exists() and new[-1].parent != new[-1]:
             new.append(new[-1].parent)
-        self.storage.makedirs(self.directory)
+        try:
+            self.storage.makedirs(self.directory)
+        except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+            raise CheckpointConfigError(
+                f"cannot create the checkpoint directory {self.directory}: it, or a parent of "
+                "it, is a file; choose another path (or move the file)") from None
+        except OSError as exc:
+            raise CheckpointSaveError(
+                f"cannot create the checkpoint directory {self.directory}: "
+                f"{exc.strerror or exc}" + os_error_hint(exc)) from exc
         for d in reversed(new):
             with contextlib.suppress(OSError):  # best effort: some filesystems refuse it
                 self.storage.fsync_dir(d.parent)

@@ -54,6 +54,12 @@ def step_of_dir_name(name: str) -> int | None:
     return step if name == step_dir_name(step) else None
 
 
+def is_step_dir_name(name: str) -> bool:
+    """Whether ``name`` is one a step directory gets: committed, being written, or
+    being deleted."""
+    return _STEP_DIR.match(name) is not None or _TMP_DIR.match(name) is not None
+
+
 def new_token() -> str:
     """A fresh token naming one save's temporary directory."""
     return uuid.uuid4().hex[:12]
@@ -61,6 +67,15 @@ def new_token() -> str:
 
 def tmp_dir_name(step: int, token: str) -> str:
     return f".step_{step:09d}.tmp-{token}"
+
+
+def _list_root(root: Path, storage: ReadStorage) -> list[str]:
+    try:
+        return storage.listdir(root)
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(
+            f"{root} is a file, not a checkpoint directory: pass the directory that holds "
+            "the step_* directories (or one of them)") from None
 
 
 def committed_steps(root: Path, storage: ReadStorage,
@@ -71,7 +86,7 @@ def committed_steps(root: Path, storage: ReadStorage,
     given, receives each one's name and why.
     """
     steps = []
-    for name in storage.listdir(root):
+    for name in _list_root(root, storage):
         step = step_of_dir_name(name)
         if step is None:
             continue
@@ -122,7 +137,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     if step is not None and (type(step) is not int or step < 0):
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
                                     "latest)")
-    if MANIFEST_NAME in storage.listdir(root):
+    if MANIFEST_NAME in _list_root(root, storage):
         named = step_of_dir_name(root.name)
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(

@@ -40,9 +40,9 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
 )
-from .manifest import _ST_DTYPES, Manifest
+from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
-from .storage import LocalStorage, Storage
+from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
 
 __all__ = ["DTYPE_ALIASES", "ExportReport", "ExportedTensor", "SkippedTensor",
@@ -167,6 +167,10 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     started = time.perf_counter()
     storage = storage or LocalStorage()
     out = Path(out_path)
+    if str(out_path).endswith(("/", os.sep)):
+        raise CheckpointConfigError(
+            f"{out_path} ends in a separator, but export writes one file: name it (e.g. "
+            f"{out_path}model.safetensors)")
     cast = _cast_dtype(dtype)
     _check_out(out, force)
     root = Path(ckpt_path)
@@ -261,6 +265,19 @@ def _check_out(out: Path, force: bool) -> None:
     if not out.parent.is_dir():
         what = "is not a directory" if out.parent.exists() else "does not exist"
         raise CheckpointConfigError(f"{out.parent} {what}: name a file in an existing directory")
+    if out.name == DirectoryLock.NAME:
+        raise CheckpointConfigError(
+            f"{out} is the lock file of a checkpoint directory: writing it would let two "
+            "savers in at once; name another file (even with force=True)")
+    target = out.parent.resolve() / out.name
+    for d in (target, *target.parents):  # (the file itself, named like a step: refused)
+        if commit.is_step_dir_name(d.name) or _holds_a_step(d):
+            where = ("is named like a step directory" if d == target else
+                     f"is inside the checkpoint directory {d}")
+            raise CheckpointConfigError(
+                f"{out} {where}: writing there would change a "
+                "committed (or in-flight) step; name a file outside it (even with "
+                "force=True)")
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -275,6 +292,15 @@ def _check_out(out: Path, force: bool) -> None:
     if not force:
         raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                     "overwrite it")
+
+
+def _holds_a_step(d: Path) -> bool:
+    """A step directory under another name (copied, or passed as is): a manifest beside
+    shard files."""
+    try:
+        return (d / MANIFEST_NAME).is_file() and any(d.glob("rank_*.safetensors"))
+    except OSError:
+        return False
 
 
 def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None,

@@ -77,6 +77,18 @@ def check_threads(threads: int | None) -> None:
                                     "None for the default")
 
 
+def check_fallback(fallback: bool, step: int | None, verify: bool) -> None:
+    """Refuse ``fallback=True`` beside the arguments it would silently override."""
+    if fallback and step is not None:
+        raise CheckpointConfigError(
+            f"fallback=True picks the newest intact step, step={step!r} one step: pass one "
+            "of them")
+    if fallback and not verify:
+        raise CheckpointConfigError(
+            "fallback=True verifies every step it reads, to know which is intact: drop "
+            "verify=False")
+
+
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None, step: int | None = None) -> Any:

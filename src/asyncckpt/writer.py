@@ -238,7 +238,7 @@ class BackgroundWriter:
                 raise
             raise CheckpointSaveError(
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
-                f"{type(exc).__name__}: {exc}" + _hint(exc)) from exc
+                f"{type(exc).__name__}: {exc}" + os_error_hint(exc)) from exc
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
@@ -251,10 +251,16 @@ class BackgroundWriter:
                                     _ready(job), job.direct_io)
             except BaseException as exc:
                 job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
-                with contextlib.suppress(BaseException):
+                hash_error = None
+                try:
                     hashes.result()
-                if isinstance(exc.__cause__, CheckpointError):  # the hash thread stopped it:
-                    raise exc.__cause__ from None  # e.g. "rank 1 failed", say that
+                except BaseException as e:
+                    hash_error = e
+                # The hash thread stopped it (e.g. "rank 1 failed", or its manifest could
+                # not be written): say that, not "staging failed".
+                if isinstance(exc.__cause__, CheckpointError) or (
+                        hash_error is not None and exc.__cause__ is hash_error):
+                    raise exc.__cause__ from None
                 raise
             record, raw = hashes.result()
         else:
@@ -615,7 +621,7 @@ def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, An
                        job.replicas)
 
 
-def _hint(exc: BaseException) -> str:
+def os_error_hint(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return " (the disk is full: free space or lower keep_last; earlier checkpoints are intact)"
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
