@@ -322,11 +322,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if opts.worker:
         return opts
+    if opts.every < 1 or opts.steps < 2:
+        p.error("use --every >= 1 and --steps >= 2")
     if opts.kill_at is None:
         # just after a save: that save is likely still being written when the kill comes
         opts.kill_at = max(opts.steps * 7 // 10 // opts.every * opts.every, opts.every) + 1
-    if opts.every < 1 or opts.steps < 2:
-        p.error("use --every >= 1 and --steps >= 2")
     if not opts.every < opts.kill_at < opts.steps:
         p.error(f"--kill-at must lie after the first checkpoint and before the end: "
                 f"{opts.every} < KILL_AT < {opts.steps}")

@@ -78,12 +78,14 @@ def test_compare_flags_any_difference(demo: ModuleType) -> None:
     assert demo.compare(ref, {1: ref[1]}, range(1, 4)) == [2, 3]
 
 
-@pytest.mark.parametrize("argv", [["--steps", "10", "--kill-at", "12"],
-                                  ["--steps", "10", "--every", "5", "--kill-at", "3"]])
-def test_bad_options(demo: ModuleType, argv: list[str],
+@pytest.mark.parametrize("argv,named", [
+    (["--steps", "10", "--kill-at", "12"], "--kill-at"),
+    (["--steps", "10", "--every", "5", "--kill-at", "3"], "--kill-at"),
+    (["--every", "0"], "--every"), (["--steps", "1"], "--steps")])
+def test_bad_options(demo: ModuleType, argv: list[str], named: str,
                      capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(argv) == 2
-    assert "--kill-at" in capsys.readouterr().err
+    assert named in capsys.readouterr().err
 
 
 def test_refuses_non_empty_dir(demo: ModuleType, tmp_path: Path,

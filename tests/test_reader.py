@@ -663,3 +663,11 @@ def test_a_step_deleted_while_read_is_not_reported_as_damage(
     if how == "hide":
         assert "deleted while it was being read" in str(info.value)
         assert not isinstance(info.value, CheckpointCorruptError)
+
+
+def test_verify_of_a_step_deleted_meanwhile_says_so_rather_than_corrupt(tmp_path: Path) -> None:
+    ck = asyncckpt.AsyncCheckpointer(tmp_path)
+    ck.save({"w": torch.arange(10.0)}, step=1)
+    ck.close()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="deleted while"):
+        verify_checkpoint(tmp_path / commit.step_dir_name(1), _HidesTheStep("hide"))
