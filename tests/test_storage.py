@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import mmap
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import asyncckpt.storage as storage_mod
+from asyncckpt import AsyncCheckpointer
 from asyncckpt.errors import CheckpointCorruptError
+from asyncckpt.manifest import align_up
+from asyncckpt.reader import verify_checkpoint
 from asyncckpt.storage import LocalStorage
 
 
@@ -126,3 +134,93 @@ def test_regular_files_are_read_with_blocking_descriptors(tmp_path: Path) -> Non
     assert storage.read_bytes(f, 10) == b"0123456789"
     (tmp_path / "link").symlink_to(f)  # a symlink to a regular file is one
     assert storage.read_bytes(tmp_path / "link", 10) == b"0123456789"
+
+
+def _refuse_direct_at_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulate ramfs (or tmpfs before Linux 6.6): an O_DIRECT open creates the file,
+    then fails with EINVAL."""
+    real_open = os.open
+
+    def open_(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode, dir_fd=dir_fd))
+            raise OSError(errno.EINVAL, "Invalid argument", os.fsdecode(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def _refuse_direct_at_setfl(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Emulate the same filesystem's answer to fcntl(F_SETFL, O_DIRECT): EINVAL. Returns
+    the descriptors it was refused for."""
+    real_fcntl = fcntl.fcntl
+    refused: list[int] = []
+
+    def fcntl_(fd: int, cmd: int, arg: Any = 0) -> Any:
+        if cmd == fcntl.F_SETFL and isinstance(arg, int) and arg & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_)
+    return refused
+
+
+def _save_and_load(directory: Path) -> None:
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.randn(3, 7)}
+    ck = AsyncCheckpointer(directory, mode="sync")
+    try:
+        ck.save(state, step=1)
+        out = ck.load(verify=True)
+    finally:
+        ck.close()
+    assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"], state["b"])
+    assert not verify_checkpoint(directory / "step_000000001", LocalStorage()).problems
+
+
+def test_a_filesystem_refusing_o_direct_at_open_still_saves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The O_DIRECT open used to create the file before EINVAL; the buffered O_EXCL retry
+    # then failed with EEXIST, so every save on such a filesystem failed.
+    _refuse_direct_at_open(monkeypatch)
+    _refuse_direct_at_setfl(monkeypatch)
+    _save_and_load(tmp_path / "ck")
+
+
+def test_o_direct_refused_by_fcntl_writes_buffered(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = _refuse_direct_at_setfl(monkeypatch)
+    monkeypatch.setattr(storage_mod, "PIECE_BYTES", 3 * 4096)  # several pieces
+    nbytes = 4 * 3 * 4096 + 123  # not a multiple of the page size
+    buf = mmap.mmap(-1, align_up(nbytes))
+    buf[:nbytes] = os.urandom(nbytes)
+    buf[nbytes:] = b"\xff" * (len(buf) - nbytes)  # padding that must not reach the file
+    asked: list[int] = []
+    f = tmp_path / "rank_00000.safetensors"
+    LocalStorage().write_arena(f, memoryview(buf), nbytes, asked.append, direct=True)
+    assert refused, "O_DIRECT was not asked for"
+    assert f.stat().st_size == nbytes
+    assert f.read_bytes() == buf[:nbytes]
+    assert asked[-1] == nbytes and asked == sorted(asked)
+    _save_and_load(tmp_path / "ck")
+
+
+def test_o_direct_is_asked_for_unless_turned_off(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real_fcntl = fcntl.fcntl
+    direct_asks: list[int] = []
+
+    def fcntl_(fd: int, cmd: int, arg: Any = 0) -> Any:
+        if cmd == fcntl.F_SETFL and isinstance(arg, int) and arg & os.O_DIRECT:
+            direct_asks.append(fd)
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_)
+    buf = mmap.mmap(-1, 4096)
+    buf[:100] = b"x" * 100
+    LocalStorage().write_arena(tmp_path / "d", memoryview(buf), 100, lambda end: None)
+    assert len(direct_asks) == 1
+    LocalStorage().write_arena(tmp_path / "b", memoryview(buf), 100, lambda end: None,
+                               direct=False)
+    assert len(direct_asks) == 1
+    assert (tmp_path / "d").read_bytes() == (tmp_path / "b").read_bytes() == b"x" * 100

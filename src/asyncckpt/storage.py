@@ -2,8 +2,8 @@
 
 Shard files are written with O_DIRECT from the aligned arena in 32 MiB pieces: the
 page cache is bypassed (no dirty-page pile-up, no double copy) and the disk runs at
-its sequential speed. Filesystems that refuse O_DIRECT (tmpfs, some network
-filesystems) get buffered writes with periodic fdatasync instead.
+its sequential speed. Filesystems that refuse O_DIRECT (ramfs, tmpfs before Linux 6.6,
+some FUSE and network filesystems) get buffered writes with periodic fdatasync instead.
 
 ``Storage`` is the extension point: tests inject failing layers through it, and
 object stores can implement it later.
@@ -88,17 +88,12 @@ class LocalStorage:
         is written once ``ready(end)`` returns, i.e. once staging has got past it.
         """
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        fd = -1
-        if direct and _O_DIRECT:
-            try:
-                fd = os.open(path, flags | _O_DIRECT, 0o644)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        using_direct = fd >= 0
-        if fd < 0:
-            fd = os.open(path, flags, 0o644)
+        # Open buffered, then ask for O_DIRECT: a filesystem that refuses O_DIRECT at open
+        # (ramfs, tmpfs before Linux 6.6, some FUSE) creates the file first, and a buffered
+        # retry of an O_EXCL open would then find it there (EEXIST) and fail every save.
+        fd = os.open(path, flags, 0o644)
         try:
+            using_direct = direct and bool(_O_DIRECT) and _set_direct(fd, path)
             padded = align_up(nbytes) if using_direct else nbytes
             since_sync = 0
             for off in range(0, padded, PIECE_BYTES):
@@ -220,6 +215,18 @@ def open_regular(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _set_direct(fd: int, path: Path) -> bool:
+    """Turn on O_DIRECT for ``fd``; False (the file stays buffered) where it is refused."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        log.info("O_DIRECT refused on %s; using buffered writes", path)
+        return False
+    return True
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

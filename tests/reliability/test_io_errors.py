@@ -9,7 +9,8 @@
 (b) A real 8 MiB tmpfs (needs root; skipped with the reason when it cannot be
     mounted) is filled to several levels so that a save hits a real ENOSPC in its
     shard file or its manifest; then space is freed and saving works again. tmpfs
-    refuses O_DIRECT, so this also runs the buffered fallback.
+    accepts O_DIRECT since Linux 6.6, so on older kernels only this also runs the
+    buffered fallback (tests/test_storage.py emulates a filesystem that refuses it).
 """
 
 from __future__ import annotations
