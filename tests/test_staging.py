@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 import asyncckpt.plan as plan_mod
 import asyncckpt.staging as staging
+import asyncckpt.storage as storage_mod
 from asyncckpt.errors import CheckpointSaveError
+from asyncckpt.manifest import align_up
 from asyncckpt.plan import WritePlan, plan_writes
 from asyncckpt.staging import HostArena, StagingProgress, stage
+from asyncckpt.storage import LocalStorage
 
 
 @pytest.fixture()
@@ -175,3 +181,124 @@ def test_a_failing_copy_names_its_tensor_to_the_caller(
                            match=r"copying tensor 'bad'.*device lost \(simulated\)"):
             ckpt.save_async(state, step=1, overlap=overlap).wait(30)
         assert ckpt.steps() == []
+
+
+class FakeEvent:
+    """A CUDA event stand-in: records who synchronized it; ``gate`` holds that call."""
+
+    def __init__(self, name: str, calls: list[str], gate: threading.Event | None = None):
+        self.name, self.calls, self.gate = name, calls, gate
+
+    def synchronize(self) -> None:
+        self.calls.append(self.name)
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate"
+
+
+def test_wait_for_synchronizes_the_event_that_covers_the_offset() -> None:
+    # Events come at the end of an item every >= 32 MiB, the writer asks for piece ends:
+    # the event past a piece end is the one that says its bytes have landed.
+    mib = 1 << 20
+    calls: list[str] = []
+    progress = StagingProgress()
+    progress.publish(4096)
+    for off in (40, 80, 120):
+        progress.publish(off * mib, FakeEvent(f"e{off}", calls))
+    progress.wait_for(32 * mib)
+    assert calls == ["e40"]
+    progress.wait_for(64 * mib)
+    assert calls == ["e40", "e80"]
+    progress.wait_for(80 * mib)  # exactly at an event: that one already covers it
+    assert calls == ["e40", "e80"]
+    progress.wait_for(96 * mib)
+    assert calls == ["e40", "e80", "e120"]
+    progress.finish(130 * mib)
+    progress.wait_for(130 * mib)
+    assert calls == ["e40", "e80", "e120"]
+
+
+def test_a_second_waiter_does_not_pass_an_event_still_landing() -> None:
+    # The hasher waits beside the writer: it must not find the event taken by the other
+    # waiter and go on before the copies behind it have landed.
+    calls: list[str] = []
+    gate = threading.Event()
+    progress = StagingProgress()
+    progress.publish(1000, FakeEvent("e", calls, gate))
+    changed = threading.Condition()
+    returned: list[str] = []
+
+    def waiter(name: str) -> None:
+        progress.wait_for(1000)
+        with changed:
+            returned.append(name)
+            changed.notify_all()
+
+    a = threading.Thread(target=waiter, args=("a",))
+    a.start()
+    b = threading.Thread(target=waiter, args=("b",))
+    try:
+        with changed:
+            assert changed.wait_for(lambda: calls == ["e"], 30)
+        b.start()
+        with changed:  # b either synchronizes the event too, or (wrongly) returns
+            assert changed.wait_for(lambda: len(calls) == 2 or bool(returned), 30)
+        assert returned == [], "a waiter went on while the event was still landing"
+    finally:
+        gate.set()
+        a.join(30)
+        if b.ident is not None:  # started
+            b.join(30)
+    assert sorted(returned) == ["a", "b"]
+
+
+def test_the_writer_writes_only_landed_bytes(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Emulated asynchronous device-to-host copies: each lands in the arena only when an
+    # event recorded after it is synchronized, as with CUDA streams. Events fall at item
+    # ends, which are not piece ends.
+    monkeypatch.setattr(storage_mod, "PIECE_BYTES", 3 * 4096)
+    body, sizes = 4096, [5000, 7000, 11000, 6000, 9000]
+    nbytes = body + sum(sizes)
+    arena = mmap.mmap(-1, align_up(nbytes))
+    queued: list[tuple[int, int]] = []  # (offset, size) of copies not landed yet
+    calls: list[str] = []
+
+    class Landing(FakeEvent):
+        def __init__(self, upto: int):
+            super().__init__(str(upto), calls)
+            self.upto = upto
+
+        def synchronize(self) -> None:
+            super().synchronize()
+            for off, n in [c for c in queued if c[0] + c[1] <= self.upto]:
+                arena[off:off + n] = b"\xaa" * n
+                queued.remove((off, n))
+
+    progress = StagingProgress()
+    progress.publish(body)
+    off = body
+    for n in sizes:  # every copy enqueued and its event published; none has landed
+        queued.append((off, n))
+        off += n
+        progress.publish(off, Landing(off))
+    f = tmp_path / "shard"
+    LocalStorage().write_arena(f, memoryview(arena), nbytes, progress.wait_for)
+    data = f.read_bytes()
+    assert len(data) == nbytes
+    assert data[body:] == b"\xaa" * (nbytes - body), "a piece was written before it landed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copies_land_before_their_pieces_are_written(tmp_path: Path) -> None:
+    # Queued GPU work delays the side stream's copies; pieces must not be written early.
+    import asyncckpt
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:
+        for step in (1, 2):  # step 2 restages over step 1's arena: stale bytes differ
+            state = {f"t{i}": torch.full((5 << 20,), float(step * 10 + i), device="cuda")
+                     for i in range(8)}  # 8 x 20 MiB
+            torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
+            ckpt.save_async(state, step=step).wait()
+            out = ckpt.load(step=step)
+            assert all(torch.equal(out[k], state[k].cpu()) for k in state)

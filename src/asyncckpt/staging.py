@@ -89,6 +89,7 @@ class StagingProgress:
         self._cond = threading.Condition()
         self._upto = 0
         self._events: list[tuple[int, Any]] = []  # (offset, CUDA event) still to sync
+        self._landed = 0  # bytes below it have landed: an event there was synchronized
         self._error: BaseException | None = None
         self._done = False
         self._staging = False  # a thread is copying into the arena right now
@@ -143,7 +144,14 @@ class StagingProgress:
                 self._cond.wait()
 
     def wait_for(self, offset: int, timeout: float | None = None) -> None:
-        """Block until bytes below ``offset`` are staged; re-raise a staging failure."""
+        """Block until bytes below ``offset`` are staged; re-raise a staging failure.
+
+        Device-to-host copies are asynchronous: bytes below ``offset`` have landed once
+        the first event published at or past ``offset`` has completed (an event covers
+        every copy enqueued before it on the one staging stream). Callers ask for piece
+        boundaries, which rarely fall on an event's offset, so that event is the one
+        that matters, not only those below ``offset``.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._upto < offset and self._error is None:
@@ -155,10 +163,23 @@ class StagingProgress:
             if self._error is not None:
                 err = self._error
                 raise RuntimeError(f"staging failed: {type(err).__name__}: {err}") from err
-            pending = [e for off, e in self._events if off <= offset]
-            self._events = [(off, e) for off, e in self._events if off > offset]
-        for ev in pending:  # device-to-host copies of this range have to land first
+            if offset <= self._landed:
+                return
+            # Events are published in increasing offsets: those below, and the first
+            # at or past ``offset``.
+            n = next((k + 1 for k, (off, _) in enumerate(self._events) if off >= offset),
+                     len(self._events))
+            pending = self._events[:n]
+        # Outside the lock, and left listed until done: another waiter (the hasher beside
+        # the writer) must not find the list empty and go on while these are still
+        # landing. Synchronizing an event twice, or one already complete, is harmless.
+        for _, ev in pending:
             ev.synchronize()
+        if pending:
+            with self._cond:
+                self._landed = max(self._landed, pending[-1][0])
+                done = {id(ev) for _, ev in pending}
+                self._events = [(off, ev) for off, ev in self._events if id(ev) not in done]
 
 
 def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
