@@ -978,6 +978,42 @@ def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
         ckpt.close()
 
 
+def test_a_stuck_removal_keeps_neither_the_old_arena_nor_the_old_state(tmp_path: Path) -> None:
+    """Retention holds its save's job until old steps are removed: it must not hold the
+    arena and the state tree too, or a save whose state grew has two arenas at once."""
+    import weakref
+
+    release = threading.Event()
+    removing = threading.Event()
+
+    class SlowRemove(LocalStorage):
+        def remove_tree(self, path: Path) -> None:
+            removing.set()
+            assert release.wait(30)
+            super().remove_tree(path)
+
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1,
+                                       storage=SlowRemove())
+    try:
+        ckpt.save_async({"w": torch.zeros(1 << 16)}, step=1).wait()
+        state = {"w": torch.zeros(1 << 16)}
+        ckpt.save_async(state, step=2).wait()  # hides step 1; its removal blocks
+        assert removing.wait(10)
+        old_tensor = weakref.ref(state["w"])
+        old_arena = weakref.ref(ckpt._arena)
+        del state
+        ckpt.save_async({"w": torch.zeros(1 << 18)}, step=3).wait()  # grown: a new arena
+        assert ckpt._arena is not old_arena()  # (what the rest relies on)
+        assert not release.is_set()  # step 2's retention still holds its job
+        gc.collect()
+        assert old_tensor() is None, "the stuck retention keeps the saved state alive"
+        assert old_arena() is None, "the stuck retention keeps the old arena alive"
+    finally:
+        release.set()
+        ckpt.close()
+    assert ckpt.steps() == [3]
+
+
 def test_serving_through_a_transport_that_cannot_is_refused_and_never_costs_a_save(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     class SendOnly:  # e.g. a PGTransport: send_checkpoint on request, no serve()

@@ -102,9 +102,10 @@ class SaveJob:
     pulse: Pulse | None = None  # in a group: this rank's signs of life, the others' abort
 
     def release(self) -> None:
-        """Drop the arena and the state tree: a failed save's error, whose traceback holds
-        this job, must not keep gigabytes of host memory alive for as long as it is kept."""
-        self.arena = None  # type: ignore[assignment]  # (never read after a failure)
+        """Drop the arena and the state tree once the save is over: a failed save's error,
+        whose traceback holds this job, and a committed save's retention, which holds it
+        until old steps are removed, must not keep gigabytes of host memory alive."""
+        self.arena = None  # type: ignore[assignment]  # (never read once the save is over)
         self.flat = None  # type: ignore[assignment]
 
     @property
@@ -219,7 +220,13 @@ class BackgroundWriter:
 
     def _run(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         try:
-            return self._save(job, hashes)
+            info = self._save(job, hashes)
+            # Retention (and its reaper, which may take a while or get stuck) keeps this
+            # job: it must not keep the arena and the state tree too, or a next save whose
+            # state grew allocates its arena beside this one. Nothing reads them from here:
+            # peers are served from the memoryview the transports were handed.
+            job.release()
+            return info
         except BaseException as exc:
             job.progress.fail(RuntimeError("the save failed"))
             if hashes is not None:  # it may write into the temporary directory: let it end
