@@ -513,6 +513,72 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
                                             "step_000000040"]
 
 
+def _step_dirs(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith(("step_", ".step_")))
+
+
+def test_a_step_whose_removal_failed_is_removed_by_a_later_retention(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Only a new checkpointer's clean-up used to retry it: a long run leaked a step's
+    # disk space per failed removal.
+    class FailsOnce(LocalStorage):
+        fails = 1
+
+        def remove_tree(self, path: Path) -> None:
+            if ".deleting-" in path.name and self.fails:
+                self.fails -= 1
+                raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(path))
+            super().remove_tree(path)
+
+    caplog.set_level(logging.INFO, logger="asyncckpt.writer")
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=1,
+                                     storage=FailsOnce()) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, step=1)
+        ckpt.save({"w": torch.ones(8)}, step=2)  # removing step 1 fails
+        left = [n for n in _step_dirs(tmp_path) if n.startswith(".step_000000001.deleting-")]
+        assert len(left) == 1 and "could not remove" in caplog.text
+        ckpt.save({"w": torch.ones(8)}, step=3)
+        assert _step_dirs(tmp_path) == ["step_000000003"]
+        assert f"removed {left[0]}" in caplog.text
+
+
+def test_a_step_hidden_but_not_made_durable_is_removed_all_the_same(tmp_path: Path) -> None:
+    # hide_step renamed the step, then the directory fsync failed: retention saw an error
+    # and had nothing to remove, and the .deleting- directory stayed.
+    class FsyncFailsOnce(LocalStorage):
+        armed = tripped = False
+
+        def rename(self, src: Path, dst: Path) -> None:
+            super().rename(src, dst)
+            self.armed = ".deleting-" in dst.name and not self.tripped
+
+        def fsync_dir(self, path: Path) -> None:
+            if self.armed:
+                self.armed, self.tripped = False, True
+                raise OSError(errno.EIO, "Input/output error (injected)", str(path))
+            super().fsync_dir(path)
+
+    storage = FsyncFailsOnce()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=1,
+                                     storage=storage) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, step=1)
+        ckpt.save({"w": torch.ones(8)}, step=2)
+        assert storage.tripped
+        assert _step_dirs(tmp_path) == ["step_000000002"]
+
+
+def test_retention_leaves_a_save_in_progress_alone(tmp_path: Path) -> None:
+    # A .tmp- directory may be a save being written (another rank's, in a group): only
+    # .deleting- ones are retention's to remove.
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=1) as ckpt:
+        ckpt.save({"w": torch.ones(8)}, step=1)
+        writing = tmp_path / ".step_000000009.tmp-0123456789ab"
+        writing.mkdir()
+        (writing / "rank_00000.safetensors").write_bytes(b"x")
+        ckpt.save({"w": torch.ones(8)}, step=2)
+        assert (writing / "rank_00000.safetensors").exists()
+
+
 def test_committed_step_cannot_be_overwritten(tmp_path: Path) -> None:
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         ckpt.save(make_state(1), step=5)

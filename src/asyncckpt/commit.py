@@ -254,3 +254,10 @@ def hide_step(root: Path, step: int, storage: Storage) -> Path:
     storage.rename(root / step_dir_name(step), gone)
     storage.fsync_dir(root)
     return gone
+
+
+def deleting_dirs(root: Path, storage: ReadStorage) -> list[str]:
+    """The ``.deleting-`` directories under ``root``: steps hidden by retention whose
+    removal is still to come, or failed. (``.tmp-`` ones are left out: a save may be
+    writing one.)"""
+    return [n for n in abandoned_dirs(root, storage) if ".deleting-" in n]

@@ -383,6 +383,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     remove their files on ``reaper``; ``done`` resolves once they are gone. A failure is
     logged, never raised: the new checkpoint is durable, and the next save tries again."""
     hidden: list[tuple[int, Path]] = []
+    leftovers: list[Path] = []
     try:
         if job.committed and job.ctx.is_coordinator:
             with job.in_use.lock:  # a load of this checkpointer keeps its step meanwhile
@@ -401,26 +402,65 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
         done.set_exception(exc)
         raise
     finally:
-        if not hidden:
+        if job.committed and job.ctx.is_coordinator and not done.done():
+            leftovers = _leftovers(job, {gone for _, gone in hidden})
+        if not hidden and not leftovers:
             if not done.done():
                 done.set_result(None)
         else:
             try:
-                reaper.submit(_reap, job, hidden, done)
+                reaper.submit(_reap, job, hidden, done, leftovers)
             except RuntimeError:  # the interpreter is exiting: remove them here
-                _reap(job, hidden, done)
+                _reap(job, hidden, done, leftovers)
 
 
-def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None]) -> None:
+def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
+    """Hidden steps whose removal failed (or ``hide_step``'s fsync did): retried by every
+    retention, not only by the next checkpointer's clean-up, or a long run leaks a step's
+    disk space per failure. Some may still be queued on the reaper: ``_reap`` runs after
+    those removals (one thread), and takes only what is still there then."""
     try:
-        for _, gone in hidden:
-            job.storage.remove_tree(gone)
-        log.info("rank=0 step=%d: retention removed steps %s", job.step, [s for s, _ in hidden])
-    except Exception as exc:  # the next checkpointer removes what is left (cleanup_abandoned)
-        log.warning("rank=0 step=%d: retention could not remove %s: %s", job.step, gone, exc)
+        names = commit.deleting_dirs(job.root, job.storage)
+    except OSError as exc:
+        log.warning("rank=0 step=%d: retention could not list %s for steps left half-removed: "
+                    "%s", job.step, job.root, exc)
+        return []
+    return [job.root / n for n in names if job.root / n not in hidden]
+
+
+def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
+          leftovers: list[Path] | None = None) -> None:
+    try:
+        removed = [s for s, gone in hidden if _remove(job, gone)]
+        if removed:
+            log.info("rank=0 step=%d: retention removed steps %s", job.step, removed)
+        if leftovers:
+            try:
+                there = set(job.storage.listdir(job.root))
+            except OSError as exc:
+                log.warning("rank=0 step=%d: retention could not list %s: %s", job.step,
+                            job.root, exc)
+                there = set()
+            again = [p for p in leftovers if p.name in there and _remove(job, p)]
+            if again:
+                log.info("rank=0 step=%d: retention removed %s, left by an earlier removal "
+                         "that failed", job.step, ", ".join(p.name for p in again))
     finally:
         if not done.done():
             done.set_result(None)
+
+
+def _remove(job: SaveJob, gone: Path) -> bool:
+    """Remove a hidden step; False (logged) when that fails: the next retention retries."""
+    try:
+        job.storage.remove_tree(gone)
+        return True
+    except FileNotFoundError:  # removed meanwhile (e.g. by an earlier, slower removal)
+        return True
+    except Exception as exc:
+        log.warning("rank=0 step=%d: retention could not remove %s (the next save's retention "
+                    "tries again): %s", job.step, gone, exc)
+        return False
 
 
 def _abort(job: SaveJob, exc: BaseException) -> None:
