@@ -4,8 +4,10 @@ caller disabled stays disabled."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -54,4 +56,91 @@ def test_a_collector_the_caller_disabled_stays_disabled() -> None:
     gc.enable()
     with gc_paused():
         assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def _in_child(report: Callable[[], bytes]) -> bytes:
+    """Fork; the child writes ``report()`` to a pipe and exits. Returns what it wrote."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads around
+        pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, report())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        os.waitpid(pid, 0)
+        return os.read(r, 64)
+    finally:
+        os.close(r)
+
+
+def _state() -> bytes:
+    return b"on" if gc.isenabled() else b"off"
+
+
+def _with_another_thread_paused(report: Callable[[], bytes]) -> bytes:
+    inside, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with gc_paused():
+            inside.set()
+            assert leave.wait(30)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert inside.wait(10)
+        return _in_child(report)
+    finally:
+        leave.set()
+        t.join(10)
+
+
+def test_a_child_forked_during_another_threads_pause_collects_again() -> None:
+    # That thread does not exist in the child: its pause never ends there.
+    gc.enable()
+
+    def report() -> bytes:
+        now = _state()
+        with gc_paused():
+            during = _state()
+        return now + b"," + during + b"," + _state()
+
+    assert _with_another_thread_paused(report) == b"on,off,on"
+    assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_pause_keeps_a_collector_the_caller_disabled() -> None:
+    gc.disable()
+    assert _with_another_thread_paused(_state) == b"off"
+    assert not gc.isenabled()
+
+
+def test_a_child_forked_inside_its_own_pause_resumes_when_the_pause_ends() -> None:
+    # The forking thread lives on in the child: its pause ends there as usual.
+    gc.enable()
+    r, w = os.pipe()
+    pid = -1
+    try:
+        with gc_paused():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                os.write(w, _state() + b",")
+        if pid == 0:
+            os.write(w, _state())
+    finally:
+        if pid == 0:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    try:
+        assert os.read(r, 64) == b"off,on"
+    finally:
+        os.close(r)
     assert gc.isenabled()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 _lock = threading.RLock()  # reentrant: a signal handler may pause on a thread holding it
 _depth = 0  # pauses in progress, on any thread
 _resume = False  # whether the collector was enabled when the first of them began
+_held: dict[int, int] = {}  # pauses in progress by thread: a forked child keeps its own
 
 
 @contextlib.contextmanager
@@ -23,15 +25,44 @@ def gc_paused() -> Iterator[None]:
     ends, and only if it was enabled when the first began (a ``gc.disable()`` of the
     caller's made before then stays in force)."""
     global _depth, _resume
+    me = threading.get_ident()
     with _lock:
         if _depth == 0:
             _resume = gc.isenabled()
             gc.disable()
         _depth += 1
+        _held[me] = _held.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
+            _held[me] -= 1
+            if not _held[me]:
+                del _held[me]
             if _depth == 0 and _resume:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread lives on in a child: the pauses of the others never end
+    there, and would leave its collector disabled for good. Keep the forking thread's
+    own (they end as usual), and enable the collector now if there are none."""
+    global _lock, _depth
+    _lock = threading.RLock()  # the parent's is held by the fork (see below)
+    inherited = _depth
+    me = threading.get_ident()
+    mine = _held.get(me, 0)
+    _held.clear()
+    if mine:
+        _held[me] = mine
+    _depth = mine
+    if inherited and not mine and _resume:
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    # Holding the lock across the fork, the child sees the count and the collector's
+    # state agree (not a pause caught between gc.disable() and its count).
+    os.register_at_fork(before=lambda: _lock.acquire(), after_in_parent=lambda: _lock.release(),
+                        after_in_child=_after_fork_in_child)
