@@ -369,8 +369,9 @@ class AsyncCheckpointer:
     def serve(self, transport: Any) -> None:
         """Serve every later save to peers through ``transport`` (e.g. an HTTPTransport).
 
-        Each save's staged arena — the shard file's bytes — is offered as soon as it is
-        checksummed, with no copy, until the next save starts staging.
+        Each save's staged arena — the shard file's bytes — is offered once the file is
+        written and its bytes checksummed (before the commit), with no copy, until the
+        next save starts staging.
 
         Raises:
             CheckpointConfigError: ``transport`` cannot serve a staged arena (only
