@@ -671,3 +671,36 @@ def test_verify_of_a_step_deleted_meanwhile_says_so_rather_than_corrupt(tmp_path
     ck.close()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="deleted while"):
         verify_checkpoint(tmp_path / commit.step_dir_name(1), _HidesTheStep("hide"))
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as torchao's NF4 and Float8 tensors are): no memory of its own."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        t.inner = inner  # type: ignore[attr-defined]
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def unwrap(x):  # type: ignore[no-untyped-def]
+            return x.inner if isinstance(x, _Wrapped) else x
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_a_destination_without_memory_of_its_own_is_filled_by_copy(tmp_path: Path) -> None:
+    """Flattening refuses wrapper subclasses as targets; one that reaches the reader anyway
+    must not be read into at its data pointer, 0 (EFAULT, blamed on a read-only mapping)."""
+    from asyncckpt.reader import load_tensors
+
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(4))
+    asyncckpt.save({"x": x}, tmp_path)
+    step_dir = tmp_path / "step_000000000"
+    storage = LocalStorage()
+    dst = _Wrapped(torch.zeros(5, 7))
+    assert dst.data_ptr() == 0
+    load_tensors(step_dir, read_manifest(step_dir, storage), {"x": dst}, storage)
+    assert torch.equal(dst.inner, x)  # type: ignore[attr-defined]
+

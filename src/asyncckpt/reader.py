@@ -320,9 +320,11 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
 
 
 def _direct(it: ReadItem, dst: torch.Tensor) -> bool:
-    """The saved chunk is the whole destination, which can take the bytes as they are."""
+    """The saved chunk is the whole destination, which can take the bytes as they are
+    (a wrapper subclass has no memory at its data pointer, 0: it takes them by copy_)."""
     return (it.whole_chunk and it.whole_dst and dst.device.type == "cpu"
-            and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg())
+            and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()
+            and (dst.data_ptr() != 0 or dst.numel() == 0))
 
 
 def _batch_end(items: list[ReadItem], i: int, out: Mapping[str, torch.Tensor]) -> int:

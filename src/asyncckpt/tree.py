@@ -320,6 +320,10 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         if _is_dtensor(t):
             t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
             box = (global_shape, local_box)
+            if type(t) not in _PLAIN_TENSOR_TYPES:  # what is saved or filled is the local
+                # shard: a wrapper subclass there (FSDP2 over torchao's Float8 or NF4) has
+                # no memory at its data pointer, which staging and reads would use
+                _check_unusual_tensor(t, path, "the local shard of the DTensor")
     if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
@@ -380,25 +384,28 @@ def _refused_dtype(dtype: torch.dtype) -> bool:
     return dtype in _refused_dtypes()
 
 
-def _check_unusual_tensor(t: torch.Tensor, path: str) -> None:
+def _check_unusual_tensor(t: torch.Tensor, path: str, what: str = "tensor") -> None:
+    """Refuse a tensor whose bytes cannot be saved or filled as they lie in memory.
+
+    ``what`` says which tensor at ``path`` is ``t`` (a DTensor's local shard)."""
     where = path or "<root>"
     if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
         raise UnsupportedLeafError(
-            f"tensor at {where!r} is an uninitialized parameter of a lazy module: run one "
+            f"{what} at {where!r} is an uninitialized parameter of a lazy module: run one "
             "forward pass (or materialize the module) before saving or loading it")
     if t.is_nested:
         raise UnsupportedLeafError(
-            f"tensor at {where!r} is a nested tensor; save its components "
+            f"{what} at {where!r} is a nested tensor; save its components "
             "(t.unbind()) or a padded tensor (t.to_padded_tensor(0))")
     if t.layout != torch.strided:
         raise UnsupportedLeafError(
-            f"tensor at {where!r} has layout {t.layout}; convert it with .to_dense()")
+            f"{what} at {where!r} has layout {t.layout}; convert it with .to_dense()")
     if t.is_quantized or _refused_dtype(t.dtype):
         raise UnsupportedLeafError(
-            f"tensor at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
+            f"{what} at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
     if not _is_dtensor(t) and t.numel() > 0 and not t.is_meta and t.data_ptr() == 0:
         raise UnsupportedLeafError(
-            f"tensor at {where!r} is a {type(t).__qualname__} that holds no memory of its own "
+            f"{what} at {where!r} is a {type(t).__qualname__} that holds no memory of its own "
             "(a wrapper subclass, as torchao's NF4 or Float8 tensors are): save its "
             "component tensors, or a plain tensor of its values")
 

@@ -772,6 +772,74 @@ def _fsdp_optimizer_passed_directly(ctx: RankCtx, mesh: Any, root: Path, c: Chec
                 "the model was changed by a load that was refused")
 
 
+def _wrapper_type() -> type:
+    """A wrapper tensor subclass, as torchao's Float8 and NF4 tensors are: no memory of its
+    own (data_ptr() is 0); its ops run on the plain tensor it wraps."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    class Wrapped(torch.Tensor):
+        inner: torch.Tensor
+
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor) -> Any:
+            t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                    strides=inner.stride())
+            t.inner = inner
+            return t
+
+        def __tensor_flatten__(self) -> tuple[list[str], None]:
+            return ["inner"], None
+
+        @staticmethod
+        def __tensor_unflatten__(inner: dict[str, Any], meta: Any, size: Any,
+                                 stride: Any) -> Any:
+            return Wrapped(inner["inner"])
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*tree_map(lambda x: x.inner if isinstance(x, Wrapped) else x, args),
+                       **tree_map(lambda x: x.inner if isinstance(x, Wrapped) else x,
+                                  kwargs or {}))
+            return tree_map(lambda x: Wrapped(x) if type(x) is torch.Tensor else x, out)
+
+    return Wrapped
+
+
+def _wrapper_locals(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """A DTensor whose local shard is a wrapper subclass (FSDP2 over torchao's Float8 or
+    NF4): refused naming its path, on save and as a load target. The save crashed the
+    process (a copy from address 0); the load read into address 0 and blamed a
+    read-only mapping."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    wrapped = _wrapper_type()
+    with asyncckpt.AsyncCheckpointer(root / "wrapper", timeout_s=20) as ck:
+        local = full_tensor(f"wrap/{ctx.rank}", (2, 3))
+        dt = DTensor.from_local(wrapped(local), mesh, [Shard(0)], run_check=False)
+        c.check(dt._local_tensor.data_ptr() == 0, "the local shard has memory of its own")
+        try:
+            ck.save({"x": {"w": dt}}, 1)
+            c.check(False, "a DTensor with a wrapper-subclass local shard was saved")
+        except asyncckpt.UnsupportedLeafError as exc:
+            c.check("'x/w'" in str(exc) and "no memory of its own" in str(exc),
+                    f"unclear error: {exc}")
+        ctx.barrier()
+        plain = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        ck.save({"x": {"w": plain}}, 2)
+        target = DTensor.from_local(wrapped(torch.zeros(2, 3)), mesh, [Shard(0)],
+                                    run_check=False)
+        try:
+            ck.load({"x": {"w": target}}, step=2)
+            c.check(False, "loaded into a DTensor with a wrapper-subclass local shard")
+        except asyncckpt.UnsupportedLeafError as exc:
+            c.check("'x/w'" in str(exc) and "no memory of its own" in str(exc),
+                    f"unclear error: {exc}")
+        c.check(ck.steps() == [2], f"steps {ck.steps()}")
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
@@ -780,7 +848,8 @@ def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
                      ("layout_change", _layout_change), ("store_keys", _store_keys),
                      ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases),
                      ("per_rank_rng", _per_rank_rng),
-                     ("fsdp_optimizer", _fsdp_optimizer_passed_directly)):
+                     ("fsdp_optimizer", _fsdp_optimizer_passed_directly),
+                     ("wrapper_locals", _wrapper_locals)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -828,6 +897,11 @@ def test_each_rank_gets_its_own_generators_back(async_results: dict[str, list[st
 def test_a_fresh_fsdp2_optimizer_passed_directly_is_refused_clearly(
         async_results: dict[str, list[str]]) -> None:
     assert async_results["fsdp_optimizer"] == []
+
+
+def test_a_dtensor_whose_local_shard_is_a_wrapper_subclass_is_refused(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["wrapper_locals"] == [], "\n".join(async_results["wrapper_locals"])
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
