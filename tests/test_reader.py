@@ -704,3 +704,77 @@ def test_a_destination_without_memory_of_its_own_is_filled_by_copy(tmp_path: Pat
     load_tensors(step_dir, read_manifest(step_dir, storage), {"x": dst}, storage)
     assert torch.equal(dst.inner, x)  # type: ignore[attr-defined]
 
+
+# --- a load opens only the files it reads ---------------------------------------------------
+
+class OpenCounting(LocalStorage):
+    """Counts the opens of each file, by name."""
+
+    def __init__(self) -> None:
+        self.opened: dict[str, int] = {}
+
+    def open_read(self, path: Path) -> int:
+        self.opened[Path(path).name] = self.opened.get(Path(path).name, 0) + 1
+        return super().open_read(path)
+
+
+ROWS = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+
+
+def _saved_by_two_ranks(root: Path) -> Path:
+    """``w`` of ROWS, rows 0..3 saved by rank 0 and rows 4..7 by rank 1 (one file each):
+    two checkpointers in threads of this process, paired by a HashStore."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with asyncckpt.AsyncCheckpointer(root, mode="sync", rank=r, world_size=2,
+                                             store=store, timeout_s=30) as ck:
+                ck.save({"w": ROWS[4 * r:4 * r + 4].clone()}, 1, shards={
+                    "w": asyncckpt.ShardMetadata(global_shape=(8, 3), offsets=(4 * r, 0))})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    return root / commit.step_dir_name(1)
+
+
+def _load_rows(step_dir: Path, first: int, storage: LocalStorage) -> torch.Tensor:
+    target = {"w": torch.zeros(4, 3)}
+    load_from(step_dir, target, storage,
+              shards={"w": asyncckpt.ShardMetadata(global_shape=(8, 3), offsets=(first, 0))})
+    return target["w"]
+
+
+def test_a_load_opens_only_the_files_holding_its_box(tmp_path: Path) -> None:
+    """Every rank opened and read the header of every file holding any part of a tensor
+    it loads (world x world opens for a sharded model), and so failed on a damaged file
+    it does not need."""
+    step_dir = _saved_by_two_ranks(tmp_path)
+    assert {c.file for c in read_manifest(step_dir, LocalStorage()).tensors["w"].chunks} == {
+        "rank_00000.safetensors", "rank_00001.safetensors"}
+    storage = OpenCounting()
+    assert torch.equal(_load_rows(step_dir, 0, storage), ROWS[:4])
+    assert "rank_00001.safetensors" not in storage.opened, storage.opened
+    assert storage.opened.get("rank_00000.safetensors", 0) >= 1, storage.opened
+    # the file this load does not need is damaged: the load goes on, verify tells
+    other = step_dir / "rank_00001.safetensors"
+    with open(other, "r+b") as f:
+        f.truncate(other.stat().st_size - 5)
+    assert torch.equal(_load_rows(step_dir, 0, LocalStorage()), ROWS[:4])
+    with pytest.raises(CheckpointCorruptError, match=r"rank_00001\.safetensors"):
+        _load_rows(step_dir, 4, LocalStorage())
+    report = verify_checkpoint(step_dir, LocalStorage())
+    assert not report.ok and any("rank_00001.safetensors" in p for p in report.problems)
+    other.unlink()
+    assert torch.equal(_load_rows(step_dir, 0, LocalStorage()), ROWS[:4])
+    assert any("rank_00001.safetensors is missing" in p
+               for p in verify_checkpoint(step_dir, LocalStorage()).problems)

@@ -123,21 +123,29 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     is filled in place and returned as is. Raises CheckpointCorruptError naming the
     file and tensor on any mismatch.
     """
-    # Every file this load needs must exist, have its manifest size and its header: only
+    boxes = boxes or {}
+    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+    # Every file this load reads must exist, have its manifest size and its header: only
     # then are fresh tensors allocated, so a forged manifest cannot make us allocate more
-    # than the files really hold.
-    for name in sorted({c.file for k in dests for c in manifest.tensors[k].chunks}):
+    # than the files really hold. Only those it reads: a rank wanting one box of a
+    # tensor sharded over every rank's file opens the few files holding that box, not
+    # every file (world x world opens), and a damaged file it does not need is no error
+    # of its load (verify_checkpoint checks every file).
+    for name in sorted({it.chunk.file for it in items}):
         _check_file(step_dir, manifest, name, storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
-                         boxes=boxes or {})
+                         boxes=boxes, items=items)
 
 
 def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                   storage: ReadStorage, *, verify: bool, threads: int | None,
-                  boxes: Mapping[str, Box]) -> dict[str, torch.Tensor]:
-    """load_tensors once the files are known to be whole."""
+                  boxes: Mapping[str, Box], items: list[ReadItem] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """load_tensors once the files it reads are known to be whole (``items``: the read
+    plan, where the caller made it already)."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
-    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+    if items is None:
+        items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
