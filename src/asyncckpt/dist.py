@@ -564,6 +564,10 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     if not isinstance(local, torch.Tensor):
         local = t.to_local()  # type: ignore[attr-defined]
     if shape != local.shape:
+        if local.numel() == 0 and 0 in shape:
+            # FSDP2 gives a shard with no elements the length 0 on its shard dim and
+            # keeps the rest: (0, 0) where the placements say (2, 0). Both hold nothing.
+            return local.reshape(shape), global_shape, (offsets, shape)
         from .errors import UnsupportedLeafError
 
         raise UnsupportedLeafError(

@@ -124,6 +124,51 @@ def _load_and_apply(ck: Any, model: Any, opt: Any) -> None:
                    optim_state_dict=target["optim"])
 
 
+def _empty_model(seed: int) -> Any:
+    """A model with parameters some ranks hold nothing of: a (4, 0) adapter, and a Linear
+    whose single input column tensor parallel leaves one rank of each pair without."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, 1), torch.nn.ReLU(), torch.nn.Linear(1, 3))
+    model.register_parameter("adapter", torch.nn.Parameter(torch.randn(4, 0)))
+    return model
+
+
+def _empty_shards(ctx: RankCtx, root: Path, c: Checks) -> dict[str, Any]:
+    """FSDP2 + TP where FSDP2 gives a shard with no elements the local shape (0, 0) rather
+    than the (2, 0) its placements say: saved and loaded back bit-exact (both refused)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(seed: int) -> Any:
+        model = _empty_model(seed)
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    model = build(seed=0)
+    state = model.state_dict()
+    locals_ = {k: list(_local(t).shape) for k, t in state.items()}
+    before = {k: _local(t).clone() for k, t in state.items()}
+    with asyncckpt.AsyncCheckpointer(root, timeout_s=30) as ck:
+        c.run("save", ck.save, {"model": state}, STEP)
+        fresh = build(seed=1)
+        c.run("load", ck.load, {"model": fresh}, step=STEP)
+    for k, t in fresh.state_dict().items():
+        c.check(bits(_local(t)) == bits(before[k]) and _local(t).shape == before[k].shape,
+                f"{k} reloaded: {_local(t)} != {before[k]}")
+    return {"locals": locals_,
+            "placements": {k: str(t.placements) for k, t in state.items()}}
+
+
 # --- rank workers ------------------------------------------------------------------------------
 
 def tp_worker(ctx: RankCtx) -> dict[str, Any]:
@@ -148,7 +193,10 @@ def tp_worker(ctx: RankCtx) -> dict[str, Any]:
         got = _local(after[p]) if p in after else None
         c.check(got is not None and bits(got) == bits(want) and got.shape == want.shape,
                 f"tp reload {p}: {got} != {want}")
-    return {"failures": c.failures, "placements": placements, "full": full}
+    empty = Checks()
+    seen = empty.run("empty shards", _empty_shards, ctx, root.parent / "empty", empty)
+    return {"failures": c.failures, "placements": placements, "full": full,
+            "empty": empty.failures, "empty_layout": seen}
 
 
 def fsdp_worker(ctx: RankCtx) -> dict[str, Any]:
@@ -191,6 +239,21 @@ def test_fsdp_tp_strided_shards_save_and_reload_bit_exact(tp_run: dict[str, Any]
     # 10 rows on 2x2 with FSDP over TP: (offset, rows) 0/3, 3/2, 5/3, 8/2
     rows = sorted((c.offsets[0], c.lengths[0]) for c in m.tensors["model/0.weight"].chunks)
     assert rows == [(0, 3), (3, 2), (5, 3), (8, 2)], rows
+
+
+def test_fsdp_zero_element_shards_save_and_reload_bit_exact(tp_run: dict[str, Any]) -> None:
+    results = tp_run["results"]
+    for r in range(4):
+        assert results[r]["empty"] == [], (r, results[r]["empty"])
+    # what FSDP2 makes of them (what the test is about): no elements, shape (0, 0)
+    seen = results[1]["empty_layout"]
+    assert seen["placements"]["2.weight"] == "(Shard(dim=0), Shard(dim=1))", seen
+    assert seen["locals"]["2.weight"] == [0, 0] and seen["locals"]["adapter"] == [0, 0], seen
+    got = asyncckpt.load(tp_run["base"] / "empty")["model"]
+    want = _empty_model(seed=0).state_dict()
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert (t.dtype, t.shape, bits(t)) == (got[k].dtype, got[k].shape, bits(got[k])), k
 
 
 def test_fsdp_tp_checkpoint_loads_whole_in_one_process(tp_run: dict[str, Any]) -> None:
