@@ -544,17 +544,18 @@ _boxes: dict[Any, tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     """(local tensor, global shape, box of the local shard) of a DTensor.
 
-    Shard(d), Replicate() and the strided shards of FSDP2 + tensor parallel
-    (``_StridedShard``) are taken where every rank's shard is one box of the global
-    tensor. Raises UnsupportedLeafError for anything else (Partial, a strided shard
-    whose local rows are scattered) — reduce or redistribute those first.
+    Shard(d) (split in the spec's shard order where it has one), Replicate() and the
+    strided shards of FSDP2 + tensor parallel (``_StridedShard``) are taken where every
+    rank's shard is one box of the global tensor. Raises UnsupportedLeafError for
+    anything else (Partial, a strided shard whose local rows are scattered) — reduce or
+    redistribute those first.
     """
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
     # The DTensor's own spec (mesh, placements, global shape, dtype, stride) is the key
     # where there is one: it caches its hash, so a hit costs a fraction of a microsecond.
     spec: Any = getattr(t, "_spec", None)
     if spec is None or not getattr(type(spec), "__hash__", None):
-        spec = (t.shape, placements, id(mesh))
+        spec = (t.shape, placements, id(mesh), getattr(spec, "shard_order", None))
     hit = _boxes.get(spec)
     if hit is None or hit[0] is not mesh:
         hit = _new_box(spec, t, mesh, tuple(placements), where)
@@ -594,7 +595,17 @@ def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...],
                 f"DTensor at {where!r} has placement {p}: only Shard(d), Replicate() and strided "
                 "shards that leave each rank one box can be checkpointed; redistribute it first "
                 "(e.g. t.redistribute(placements=...))")
-    shape, offsets = _local_shape_and_offsets(t.shape, mesh, placements, where)
+    order = _shard_order(getattr(t, "_spec", None))
+    if order is not None and unusual:  # each rank's part may be no box: never guess
+        raise UnsupportedLeafError(
+            f"DTensor at {where!r} has placements {tuple(map(str, placements))} and the shard "
+            f"order {order}: only Shard(d) and Replicate() can be checkpointed in an order "
+            "other than the mesh's; redistribute it first (e.g. t.redistribute(placements="
+            "...))")
+    if order is not None:
+        shape, offsets = _ordered_shape_and_offsets(t.shape, mesh, placements, order, where)
+    else:
+        shape, offsets = _local_shape_and_offsets(t.shape, mesh, placements, where)
     if unusual:  # strided shards, rare: check that this rank's part really is one box
         _check_one_box(t, mesh, placements, {p.dim for p in unusual}, shape, offsets, where)
     if len(_boxes) > 100_000:
@@ -628,6 +639,49 @@ def _local_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: tu
             "asyncckpt uses to find a DTensor's shard; use a torch version asyncckpt supports, "
             "or save t.to_local() with shards=ShardMetadata(...)") from exc
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(shape), tuple(offsets)
+
+
+def _shard_order(spec: Any) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """A spec's ``shard_order`` (a field of newer torch's DTensorSpec) as (tensor dim, mesh
+    dims) pairs, where it is not the default that the placements alone say (each tensor
+    dim split by its mesh dims in increasing order); None where it is."""
+    order = getattr(spec, "shard_order", None)
+    if not order:
+        return None
+    pairs = tuple((int(e.tensor_dim), tuple(int(m) for m in e.mesh_dims)) for e in order)
+    if all(list(dims) == sorted(dims) for _, dims in pairs):
+        return None
+    return pairs
+
+
+def _ordered_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: tuple[Any, ...],
+                               order: tuple[tuple[int, tuple[int, ...]], ...], where: str
+                               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of a DTensor whose shard order is not the default.
+
+    A tensor dim sharded over several mesh dims is split by each in the order given
+    (``ShardOrderEntry(0, (1, 0))``: by mesh dim 1, then each part by mesh dim 0), so the
+    rank's part is still one box. torch computes boxes splitting by mesh dims left to
+    right, and each tensor dim apart: it is asked with the mesh dims reordered so that
+    left to right is the order given.
+    """
+    from .errors import UnsupportedLeafError
+
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError as exc:  # a private helper: a future torch may move it
+        raise UnsupportedLeafError(
+            f"DTensor at {where!r} has a shard order other than its mesh's ({order}), and "
+            f"this torch {torch.__version__} lacks the helper asyncckpt finds its shard with; "
+            "redistribute it to the default order first (e.g. t.redistribute(placements="
+            "t.placements))") from exc
+    firsts = [m for _, dims in order for m in dims]
+    perm = firsts + [m for m in range(len(placements)) if m not in firsts]
+    coord = mesh.get_coordinate()
+    shape, offsets = _compute_local_shape_and_global_offset(
+        global_shape, [mesh.size(m) for m in perm], [coord[m] for m in perm],
+        [placements[m] for m in perm])
     return tuple(shape), tuple(offsets)
 
 

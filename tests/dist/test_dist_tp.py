@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _harness import Checks, RankCtx, bits, run_ranks
+from _harness import Checks, RankCtx, bits, full_tensor, run_ranks
 
 import asyncckpt
 
@@ -169,6 +169,44 @@ def _empty_shards(ctx: RankCtx, root: Path, c: Checks) -> dict[str, Any]:
             "placements": {k: str(t.placements) for k, t in state.items()}}
 
 
+def _ordered(ctx: RankCtx, root: Path, c: Checks) -> None:
+    """A DTensor whose shard order is not the mesh's: Shard(0) twice on 2x2, split by mesh
+    dim 1 first (rank (i, j) holds row block 2j + i of 4, not 2i + j). Saved as its
+    placements alone say, its rows came back scrambled."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = full_tensor("order/o", ORDERED)
+    i, j = mesh.get_coordinate()
+    mine = full.chunk(2, 0)[j].chunk(2, 0)[i].clone()
+
+    def ordered(local: Any) -> Any:
+        spec = DTensorSpec(mesh, (Shard(0), Shard(0)),
+                           TensorMeta(full.shape, full.stride(), full.dtype),
+                           shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),))
+        return DTensor(local, spec, requires_grad=False)
+
+    dt = ordered(mine)
+    c.check(bits(dt.full_tensor()) == bits(full), "torch disagrees on the test's layout")
+    with asyncckpt.AsyncCheckpointer(root, timeout_s=30) as ck:
+        c.run("save", ck.save, {"o": dt}, STEP)
+        back = ordered(torch.zeros_like(mine))
+        c.run("load ordered", ck.load, {"o": back}, step=STEP)
+        c.check(bits(back.to_local()) == bits(mine), f"ordered reload: {back.to_local()}")
+        default = distribute_tensor(torch.zeros_like(full), mesh, [Shard(0), Shard(0)],
+                                    src_data_rank=None)
+        c.run("load default order", ck.load, {"o": default}, step=STEP)
+        want = distribute_tensor(full, mesh, [Shard(0), Shard(0)], src_data_rank=None)
+        c.check(bits(default.to_local()) == bits(want.to_local()),
+                f"default-order reload: {default.to_local()}")
+
+
+ORDERED = (7, 3)  # 7 rows split by mesh dim 1 (4, 3), then by mesh dim 0 (2, 2 | 2, 1)
+
+
 # --- rank workers ------------------------------------------------------------------------------
 
 def tp_worker(ctx: RankCtx) -> dict[str, Any]:
@@ -193,10 +231,12 @@ def tp_worker(ctx: RankCtx) -> dict[str, Any]:
         got = _local(after[p]) if p in after else None
         c.check(got is not None and bits(got) == bits(want) and got.shape == want.shape,
                 f"tp reload {p}: {got} != {want}")
-    empty = Checks()
+    empty, order = Checks(), Checks()
     seen = empty.run("empty shards", _empty_shards, ctx, root.parent / "empty", empty)
+    ctx.barrier()
+    order.run("shard order", _ordered, ctx, root.parent / "ordered", order)
     return {"failures": c.failures, "placements": placements, "full": full,
-            "empty": empty.failures, "empty_layout": seen}
+            "empty": empty.failures, "empty_layout": seen, "order": order.failures}
 
 
 def fsdp_worker(ctx: RankCtx) -> dict[str, Any]:
@@ -254,6 +294,17 @@ def test_fsdp_zero_element_shards_save_and_reload_bit_exact(tp_run: dict[str, An
     assert sorted(got) == sorted(want)
     for k, t in want.items():
         assert (t.dtype, t.shape, bits(t)) == (got[k].dtype, got[k].shape, bits(got[k])), k
+
+
+def test_a_dtensor_in_another_shard_order_saves_its_own_rows(tp_run: dict[str, Any]) -> None:
+    results = tp_run["results"]
+    for r in range(4):
+        assert results[r]["order"] == [], (r, results[r]["order"])
+    m = asyncckpt.AsyncCheckpointer(tp_run["base"] / "ordered").manifest(STEP)
+    rows = sorted((c.offsets[0], c.lengths[0]) for c in m.tensors["o"].chunks)
+    assert rows == [(0, 2), (2, 2), (4, 2), (6, 1)], rows
+    got = asyncckpt.load(tp_run["base"] / "ordered")["o"]
+    assert bits(got) == bits(full_tensor("order/o", ORDERED)) and got.shape == ORDERED
 
 
 def test_fsdp_tp_checkpoint_loads_whole_in_one_process(tp_run: dict[str, Any]) -> None:
