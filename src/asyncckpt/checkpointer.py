@@ -720,7 +720,7 @@ class AsyncCheckpointer:
         if self._probed is None or self._probed[0] is not self._layout:
             mine = self._layout[1]
             keys = [k for k, t in flat.tensors.items()
-                    if k not in mine and k not in flat.boxes and t.device.type == "cpu"
+                    if k not in mine and _whole(flat, k) and t.device.type == "cpu"
                     and 0 < t.numel() * t.element_size() <= _PROBE_BYTES]
             self._probed = (self._layout, keys[:_PROBE_COUNT])
         out = {}
@@ -798,6 +798,13 @@ class AsyncCheckpointer:
 
 _PROBE_BYTES = 64 << 10  # replicated tensors up to this size are compared across ranks
 _PROBE_COUNT = 4096  # and at most this many
+
+
+def _whole(flat: FlatState, key: str) -> bool:
+    """Whether ``key`` is held whole (a plain tensor, or a DTensor replicated on every mesh
+    dim): then its one saved chunk is what every rank's copy is compared with."""
+    box = flat.boxes.get(key)
+    return box is None or box[1][1] == box[0]
 
 
 def _share_estimate(flat: FlatState, world_size: int) -> int:

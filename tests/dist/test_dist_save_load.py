@@ -840,6 +840,32 @@ def _wrapper_locals(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
         c.check(ck.steps() == [2], f"steps {ck.steps()}")
 
 
+def _differing_replicated_dtensor(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """A Replicate() DTensor whose ranks hold different values is saved once, from one
+    rank: the coordinator warns, as it does for a plain tensor (it said nothing)."""
+    import io
+    import logging
+
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("asyncckpt").addHandler(handler)
+    try:
+        with asyncckpt.AsyncCheckpointer(root / "replicas", timeout_s=20) as ck:
+            ck.save({"differ": DTensor.from_local(torch.full((3,), float(ctx.rank)), mesh,
+                                                  [Replicate()], run_check=False),
+                     "same": DTensor.from_local(torch.ones(3), mesh, [Replicate()],
+                                                run_check=False)}, 1)
+    finally:
+        logging.getLogger("asyncckpt").removeHandler(handler)
+    if ctx.rank == 0:  # the coordinator merges the records, and warns
+        said = buf.getvalue()
+        c.check("different values of tensor(s) 'differ'" in said and "'same'" not in said,
+                f"the coordinator logged: {said!r}")
+
+
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
     mesh, _ = _meshes(ctx.world)
     root = Path(ctx.args["root"])
@@ -849,7 +875,8 @@ def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
                      ("early_manifest", _early_manifest), ("tree_edges", _tree_edge_cases),
                      ("per_rank_rng", _per_rank_rng),
                      ("fsdp_optimizer", _fsdp_optimizer_passed_directly),
-                     ("wrapper_locals", _wrapper_locals)):
+                     ("wrapper_locals", _wrapper_locals),
+                     ("replicated_dtensor", _differing_replicated_dtensor)):
         c = Checks()
         c.run(name, fn, ctx, mesh, root, c)
         out[name] = c.failures
@@ -902,6 +929,12 @@ def test_a_fresh_fsdp2_optimizer_passed_directly_is_refused_clearly(
 def test_a_dtensor_whose_local_shard_is_a_wrapper_subclass_is_refused(
         async_results: dict[str, list[str]]) -> None:
     assert async_results["wrapper_locals"] == [], "\n".join(async_results["wrapper_locals"])
+
+
+def test_a_replicated_dtensor_whose_ranks_differ_is_warned_about(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["replicated_dtensor"] == [], "\n".join(
+        async_results["replicated_dtensor"])
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
