@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _wrapped import Wrapped
 from asyncckpt import commit
 from asyncckpt.errors import CheckpointCorruptError
 from asyncckpt.loader import load_from, load_newest_intact
@@ -673,21 +674,6 @@ def test_verify_of_a_step_deleted_meanwhile_says_so_rather_than_corrupt(tmp_path
         verify_checkpoint(tmp_path / commit.step_dir_name(1), _HidesTheStep("hide"))
 
 
-class _Wrapped(torch.Tensor):
-    """A wrapper subclass (as torchao's NF4 and Float8 tensors are): no memory of its own."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
-        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
-        t.inner = inner  # type: ignore[attr-defined]
-        return t
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        def unwrap(x):  # type: ignore[no-untyped-def]
-            return x.inner if isinstance(x, _Wrapped) else x
-        return func(*torch.utils._pytree.tree_map(unwrap, args),
-                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
 
 
 def test_a_destination_without_memory_of_its_own_is_filled_by_copy(tmp_path: Path) -> None:
@@ -699,7 +685,7 @@ def test_a_destination_without_memory_of_its_own_is_filled_by_copy(tmp_path: Pat
     asyncckpt.save({"x": x}, tmp_path)
     step_dir = tmp_path / "step_000000000"
     storage = LocalStorage()
-    dst = _Wrapped(torch.zeros(5, 7))
+    dst = Wrapped(torch.zeros(5, 7))
     assert dst.data_ptr() == 0
     load_tensors(step_dir, read_manifest(step_dir, storage), {"x": dst}, storage)
     assert torch.equal(dst.inner, x)  # type: ignore[attr-defined]

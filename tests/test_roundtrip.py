@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import asyncckpt
+from _wrapped import Wrapped
 from asyncckpt import AsyncCheckpointer, RNGState, StateMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -733,27 +734,12 @@ def test_targets_autograd_or_inference_mode_would_refuse_are_filled(tmp_path, th
     assert param.requires_grad and target["w2"].requires_grad and inference.is_inference()
 
 
-class _Wrapped(torch.Tensor):
-    """A wrapper subclass (as torchao's NF4 and Float8 tensors are): no storage of its own."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
-        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
-        t.inner = inner  # type: ignore[attr-defined]
-        return t
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        def unwrap(x):  # type: ignore[no-untyped-def]
-            return x.inner if isinstance(x, _Wrapped) else x
-        return func(*torch.utils._pytree.tree_map(unwrap, args),
-                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
 
 
 @pytest.mark.parametrize(("leaf", "says"), [
     (lambda: np.ma.masked_array([1.0, -999.0], mask=[False, True]), "MaskedArray"),
     (lambda: np.matrix([[1, 2]]), "matrix"),
-    (lambda: _Wrapped(torch.arange(4.0)), "holds no memory of its own"),
+    (lambda: Wrapped(torch.arange(4.0)), "holds no memory of its own"),
     (lambda: 10 ** 5000, "bits, more than"),
 ])
 def test_leaves_a_save_would_lose_or_crash_on_are_refused_naming_the_path(
@@ -768,7 +754,7 @@ def test_leaves_a_save_would_lose_or_crash_on_are_refused_naming_the_path(
 def test_a_wrapper_target_is_refused_before_reading(tmp_path: Path) -> None:
     asyncckpt.save({"w": torch.arange(4.0)}, tmp_path)
     with pytest.raises(asyncckpt.UnsupportedLeafError, match=r"'w'.*no memory of its own"):
-        asyncckpt.load(tmp_path, {"w": _Wrapped(torch.zeros(4))})
+        asyncckpt.load(tmp_path, {"w": Wrapped(torch.zeros(4))})
 
 
 def test_memmap_arrays_are_still_saved(tmp_path: Path) -> None:

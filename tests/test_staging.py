@@ -14,6 +14,7 @@ import torch
 import asyncckpt.plan as plan_mod
 import asyncckpt.staging as staging
 import asyncckpt.storage as storage_mod
+from _wrapped import Wrapped
 from asyncckpt.errors import CheckpointSaveError
 from asyncckpt.manifest import align_up
 from asyncckpt.plan import WritePlan, plan_writes
@@ -304,21 +305,6 @@ def test_cuda_copies_land_before_their_pieces_are_written(tmp_path: Path) -> Non
             assert all(torch.equal(out[k], state[k].cpu()) for k in state)
 
 
-class _Wrapped(torch.Tensor):
-    """A wrapper subclass (as torchao's NF4 and Float8 tensors are): no memory of its own."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
-        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
-        t.inner = inner  # type: ignore[attr-defined]
-        return t
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        def unwrap(x):  # type: ignore[no-untyped-def]
-            return x.inner if isinstance(x, _Wrapped) else x
-        return func(*torch.utils._pytree.tree_map(unwrap, args),
-                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -338,7 +324,7 @@ def test_a_tensor_without_memory_of_its_own_is_copied_not_memcpyd_from_address_0
     monkeypatch.setattr(ctypes, "memmove", memmove)
     monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 3000)  # the wrapper in several units
     values = torch.randn(40, 30, generator=torch.Generator().manual_seed(2))
-    tensors = {"plain": values + 1, "wrapped": _Wrapped(values)}
+    tensors = {"plain": values + 1, "wrapped": Wrapped(values)}
     assert tensors["wrapped"].data_ptr() == 0
     plan = fresh_plan(tensors)
     arena = arena_for(plan)
