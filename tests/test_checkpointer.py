@@ -1009,21 +1009,26 @@ def test_close_withdraws_the_arena_from_its_transports(tmp_path: Path) -> None:
     assert len(transport.calls) == n  # once
 
 
+class SlowRemove(LocalStorage):
+    """Removing a directory blocks until ``release`` is set; ``removing`` says one began."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.removing = threading.Event()
+
+    def remove_tree(self, path: Path) -> None:
+        self.removing.set()
+        assert self.release.wait(30)
+        super().remove_tree(path)
+
+
 def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
     """Retention hides an old step at once but removes its files on the reaper thread:
     the next save commits while a removal is stuck, and wait() waits for the removal."""
-    from asyncckpt.storage import LocalStorage
+    storage = SlowRemove()
+    release, removing = storage.release, storage.removing
 
-    release = threading.Event()
-    removing = threading.Event()
-
-    class SlowRemove(LocalStorage):
-        def remove_tree(self, path: Path) -> None:
-            removing.set()
-            assert release.wait(30)
-            super().remove_tree(path)
-
-    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1, storage=SlowRemove())
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1, storage=storage)
     try:
         ckpt.save(make_state(1), step=1)
         ckpt.save(make_state(2), step=2)  # hides step 1; its removal blocks
@@ -1049,17 +1054,11 @@ def test_a_stuck_removal_keeps_neither_the_old_arena_nor_the_old_state(tmp_path:
     arena and the state tree too, or a save whose state grew has two arenas at once."""
     import weakref
 
-    release = threading.Event()
-    removing = threading.Event()
-
-    class SlowRemove(LocalStorage):
-        def remove_tree(self, path: Path) -> None:
-            removing.set()
-            assert release.wait(30)
-            super().remove_tree(path)
+    storage = SlowRemove()
+    release, removing = storage.release, storage.removing
 
     ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1,
-                                       storage=SlowRemove())
+                                       storage=storage)
     try:
         ckpt.save_async({"w": torch.zeros(1 << 16)}, step=1).wait()
         state = {"w": torch.zeros(1 << 16)}
@@ -1314,11 +1313,12 @@ def test_an_interrupt_after_staging_keeps_the_save_pending(
 
 
 def test_an_interrupted_close_still_releases_the_lock(tmp_path: Path) -> None:
-    class SlowRemove(LocalStorage):
+    class InterruptedRemove(LocalStorage):
         def remove_tree(self, path: Path) -> None:
             raise KeyboardInterrupt  # Ctrl-C while retention removes an old step
 
-    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1, storage=SlowRemove())
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1,
+                                     storage=InterruptedRemove())
     state = {"w": torch.ones(10)}
     ck.save(state, step=1)
     ck.save_async(state, step=2).wait()  # its retention, run by close(), is interrupted
