@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -88,6 +89,7 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
     assert doc["latest"] == 30
     assert doc["incomplete"] == [".step_000000040.tmp-0123abcd"]
+    assert doc["no_manifest"] == ["step_000000050"]
     manifest = asyncckpt.AsyncCheckpointer(root).manifest(20)
     s20 = doc["steps"][1]
     assert s20["bytes"] == manifest.total_bytes
@@ -97,6 +99,8 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     code, out, _ = run(capsys, "ls", str(root))
     assert "1 incomplete or abandoned temp dir" in out
     assert ".step_000000040.tmp-0123abcd" in out
+    assert "1 step directory without manifest.json (not committed steps" in out
+    assert "step_000000050" in out
 
 
 def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -372,3 +376,54 @@ def test_tables_escape_control_characters_in_keys(
     # JSON output escapes by itself and keeps the key exact
     code, out, _ = run(capsys, "inspect", str(tmp_path / "c"), "--json")
     assert key in [t["path"] for t in json.loads(out)["tensors"]]
+
+
+def test_library_warnings_come_out_as_the_commands_own(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A warning the library logs (here: a step directory it cannot list, skipped when
+    finding the latest step) is printed with the command's prefix, escaped, and the
+    handler is gone once the command returns."""
+    os.symlink("step_000000040", root / "step_000000040")  # a loop: listing it fails
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 0 and "step 30" in out
+    assert err.startswith("asyncckpt: warning: skipping ") and "step_000000040" in err
+    assert len(err.strip().splitlines()) == 1
+    library = logging.getLogger("asyncckpt")
+    assert not any(type(h).__name__ == "_LibraryLog" for h in library.handlers)
+    code, out, err = run(capsys, "ls", str(root))  # ls shows it in a row of its own
+    assert code == 0 and err == "" and "1 step directory cannot be listed" in out
+
+
+def test_a_temp_or_deleting_dir_is_named_uncommitted(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp = root / ".step_000000040.tmp-0123abcd"
+    shutil.copytree(root / "step_000000030", tmp)  # a crash between manifest and rename
+    for cmd in ("ls", "verify", "inspect"):
+        code, _, err = run(capsys, cmd, str(tmp))
+        assert code == 0, (cmd, err)
+        assert err.startswith(f"asyncckpt: warning: {tmp} is the temporary directory of a "
+                              "save that did not commit"), (cmd, err)
+    gone = root / ".step_000000020.deleting-0123abcd"
+    (root / "step_000000020").rename(gone)
+    code, _, err = run(capsys, "verify", str(gone))
+    assert code == 0 and "is a step being removed by retention" in err
+    code, _, err = run(capsys, "verify", str(root / "step_000000030"))
+    assert code == 0 and err == ""  # a committed step: no warning
+
+
+def test_commit_names_a_step_dir_without_manifest_in_the_way(tmp_path: Path) -> None:
+    from asyncckpt import commit
+    from asyncckpt.errors import CheckpointExistsError
+
+    storage = LocalStorage()
+    (tmp_path / "step_000000007").mkdir()  # empty: rename() would silently replace it
+    tmp = tmp_path / commit.tmp_dir_name(7, "abc")
+    tmp.mkdir()
+    (tmp / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match=r"holds no manifest\.json, so it is no "
+                       "committed step"):
+        commit.commit(tmp, tmp_path, 7, storage)
+    assert tmp.is_dir() and os.listdir(tmp_path / "step_000000007") == []
+    (tmp_path / "step_000000007" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match="step 7 is already committed"):
+        commit.commit(tmp, tmp_path, 7, storage)

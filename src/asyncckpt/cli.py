@@ -46,6 +46,29 @@ class _Usage(Exception):
     """A usage problem found after parsing; the message says what to do."""
 
 
+class _LibraryLog(logging.Handler):
+    """The library's warnings, printed as the command's own (``asyncckpt: warning: ...``)
+    while a command runs; loggers a command reports on by itself are muted."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.muted: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if any(record.name == m or record.name.startswith(m + ".") for m in self.muted):
+            return
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string in a log call: logging's own report
+            self.handleError(record)
+            return
+        level = "error" if record.levelno >= logging.ERROR else "warning"
+        print(f"asyncckpt: {level}: {_shown(message)}", file=sys.stderr)
+
+
+_LOG = _LibraryLog()
+
+
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -106,12 +129,25 @@ def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
         what = "is not a directory" if path.exists() else "does not exist"
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
     step_dir, _ = commit.resolve_step_dir(path, step, storage)
+    if step_dir == path:
+        _warn_if_uncommitted(path)
     if step is not None and step_dir == path:
         found = read_manifest(step_dir, storage).step
         if found != step:
             raise _Usage(f"{path} is the step directory of step {found}, not {step}: drop --step "
                          "or pass the checkpoint root")
     return step_dir, storage
+
+
+def _warn_if_uncommitted(step_dir: Path) -> None:
+    kind = commit.temp_dir_kind(step_dir.name)
+    if kind == "tmp":
+        _warn(f"{step_dir} is the temporary directory of a save that did not commit (still "
+              "being written, or abandoned by a crash): no load reads it, and it may hold no "
+              "step's whole state")
+    elif kind == "deleting":
+        _warn(f"{step_dir} is a step being removed by retention (or whose removal failed): "
+              "no load reads it")
 
 
 # --- ls ----------------------------------------------------------------------------------------
@@ -123,13 +159,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise _Usage(f"{root} {what}: pass a checkpoint root directory")
     storage = LocalStorage()
     unlistable: list[tuple[str, str]] = []
+    no_manifest: list[str] = []
     if MANIFEST_NAME in storage.listdir(root):  # a step directory: list just that one
+        _warn_if_uncommitted(root)
         dirs = [root]
         abandoned: list[str] = []
     else:
-        # unlistable step dirs get a row of their own: keep the log line off stderr
-        logging.getLogger("asyncckpt.commit").addHandler(logging.NullHandler())
-        steps = commit.committed_steps(root, storage, unlistable)
+        _LOG.muted.add("asyncckpt.commit")  # unlistable step dirs get a row of their own
+        steps = commit.committed_steps(root, storage, unlistable, no_manifest)
         dirs = [root / commit.step_dir_name(s) for s in steps]
         abandoned = commit.abandoned_dirs(root, storage)
     entries: list[dict[str, Any]] = [
@@ -152,7 +189,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])  # dirs do not count
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
-                     "incomplete": abandoned})
+                     "incomplete": abandoned, "no_manifest": no_manifest})
         return EXIT_OK
     if not entries:
         print(f"no committed checkpoints under {root}")
@@ -172,6 +209,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{len(abandoned)} incomplete or abandoned temp dir"
               f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
               f"them): {', '.join(abandoned)}")
+    if no_manifest:
+        print(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
+                     f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
+                     f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
     return EXIT_OK
 
 
@@ -280,8 +321,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_safetensors
 
-    # skipped tensors are reported below; keep the library's log line off stderr
-    logging.getLogger("asyncckpt.export").addHandler(logging.NullHandler())
+    _LOG.muted.add("asyncckpt.export")  # skipped tensors are reported below
     if args.strip_prefix and not args.prefix:
         raise _Usage("--strip-prefix needs --prefix (e.g. --prefix model/)")
     path = Path(args.ckpt)
@@ -531,6 +571,8 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    library = logging.getLogger("asyncckpt")
+    library.addHandler(_LOG)
     try:
         code: int = args.func(args)
         return code
@@ -556,6 +598,9 @@ def _main(argv: list[str] | None) -> int:
     except OSError as exc:
         _error(f"cannot read {exc.filename or 'the checkpoint'}: {exc.strerror or exc}")
         return EXIT_USAGE
+    finally:
+        library.removeHandler(_LOG)
+        _LOG.muted.clear()
 
 
 def _error(message: str) -> None:

@@ -60,6 +60,13 @@ def is_step_dir_name(name: str) -> bool:
     return _STEP_DIR.match(name) is not None or _TMP_DIR.match(name) is not None
 
 
+def temp_dir_kind(name: str) -> str | None:
+    """``"tmp"`` for a save's uncommitted directory, ``"deleting"`` for a step being
+    removed, None for any other name."""
+    m = _TMP_DIR.match(name)
+    return m.group(1) if m else None
+
+
 def new_token() -> str:
     """A fresh token naming one save's temporary directory."""
     return uuid.uuid4().hex[:12]
@@ -79,11 +86,14 @@ def _list_root(root: Path, storage: ReadStorage) -> list[str]:
 
 
 def committed_steps(root: Path, storage: ReadStorage,
-                    unlistable: list[tuple[str, str]] | None = None) -> list[int]:
+                    unlistable: list[tuple[str, str]] | None = None,
+                    no_manifest: list[str] | None = None) -> list[int]:
     """Committed steps under ``root``, oldest first (a step counts once its manifest is there).
 
     Step directories that cannot be listed are left out (logged); ``unlistable``, when
-    given, receives each one's name and why.
+    given, receives each one's name and why. ``no_manifest``, when given, receives the
+    names of step directories without a manifest (never committed here: a copy or a
+    hand edit).
     """
     steps = []
     for name in _list_root(root, storage):
@@ -93,6 +103,8 @@ def committed_steps(root: Path, storage: ReadStorage,
         try:
             if MANIFEST_NAME in storage.listdir(root / name):
                 steps.append(step)
+            elif no_manifest is not None:
+                no_manifest.append(name)
         except NotADirectoryError:  # a stray file named like a step is no checkpoint
             continue
         except CheckpointError:
@@ -175,10 +187,19 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
 
     ``before_rename`` runs just before the commit point; raising there aborts it."""
     final = root / step_dir_name(step)
-    if final.exists():
+    if final.name in storage.listdir(root):
+        try:
+            committed = MANIFEST_NAME in storage.listdir(final)
+        except NotADirectoryError:
+            committed = False
+        if committed:
+            raise CheckpointExistsError(
+                f"step {step} is already committed at {final}; save under a new step number "
+                "or delete that directory first")
         raise CheckpointExistsError(
-            f"step {step} is already committed at {final}; save under a new step number or "
-            "delete that directory first")
+            f"{final} is in the way of step {step}'s commit: it holds no {MANIFEST_NAME}, so "
+            "it is no committed step (a copy cut short or a hand edit?); move or delete it, "
+            "or save under a new step number")
     storage.fsync_dir(tmp)
     if before_rename is not None:
         before_rename()

@@ -268,7 +268,7 @@ def _check_out(out: Path, force: bool) -> None:
     if out.name == DirectoryLock.NAME:
         raise CheckpointConfigError(
             f"{out} is the lock file of a checkpoint directory: writing it would let two "
-            "savers in at once; name another file (even with force=True)")
+            "savers in at once; name another file (force=True or --force does not change that)")
     target = out.parent.resolve() / out.name
     for d in (target, *target.parents):  # (the file itself, named like a step: refused)
         if commit.is_step_dir_name(d.name) or _holds_a_step(d):
@@ -276,8 +276,8 @@ def _check_out(out: Path, force: bool) -> None:
                      f"is inside the checkpoint directory {d}")
             raise CheckpointConfigError(
                 f"{out} {where}: writing there would change a "
-                "committed (or in-flight) step; name a file outside it (even with "
-                "force=True)")
+                "committed (or in-flight) step; name a file outside it (force=True or --force "
+                "does not change that)")
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -288,7 +288,7 @@ def _check_out(out: Path, force: bool) -> None:
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise CheckpointConfigError(
             f"{out} is {kind}; export writes a new file and renames it into place, so it "
-            "would replace it: name a regular file (even with force=True)")
+            "would replace it: name a regular file (force=True or --force does not change that)")
     if not force:
         raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                     "overwrite it")
