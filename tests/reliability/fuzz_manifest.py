@@ -548,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--atheris", action="store_true", help="coverage-guided, with atheris")
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
+    if rest and not args.atheris:  # (the rest is for libFuzzer, with --atheris)
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if __name__ == "__main__":  # a process of its own: keep torch off the other cores
         import torch
 

@@ -210,6 +210,15 @@ def test_fuzz_script_smoke(tmp_path: Path, figures: Any) -> None:
     figures.add("fuzz_cases_ci", doc["cases"])
 
 
+def test_fuzz_script_refuses_a_mistyped_option(capsys: Any) -> None:
+    """Without --atheris nothing takes the unknown options: a typo (--sed for --seed)
+    must not run with a random seed as if it had been heard."""
+    with pytest.raises(SystemExit) as exc:
+        fz.main(["--sed", "5", "--quiet"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --sed 5" in capsys.readouterr().err
+
+
 # --- forged sizes are refused before allocation --------------------------------------------------
 
 def _forge(root: Path, name: str, edit: Any) -> Path:
