@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = asyncckpt.AsyncCheckpointer(args.dir, keep_last=2)
     try:
         start = resume(ckpt, model, opt, rank, world)
+        if start >= args.steps and rank == 0:
+            print(f"the checkpoint is at step {start}, not before --steps {args.steps}: "
+                  "nothing to train (pass a larger --steps to go on)", file=sys.stderr,
+                  flush=True)
         for step in range(start + 1, args.steps + 1):
             x, y = make_batch(step, rank, world)
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.kill_at is not None and step == args.kill_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
-        emit(rank, "done", args.steps)
+        emit(rank, "done", max(start, args.steps))
     finally:
         ckpt.close()
     dist.destroy_process_group()
