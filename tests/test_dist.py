@@ -6,7 +6,6 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 import asyncckpt
 from _faults import StuckCommit
+from _ranks import in_threads
 from asyncckpt import AsyncCheckpointer, ShardMetadata
 from asyncckpt.dist import DistContext
 from asyncckpt.errors import (
@@ -85,26 +85,6 @@ def test_a_wait_whose_last_slice_is_under_a_millisecond_still_ends() -> None:
 # --- checkpointers of one group, simulated by threads sharing a HashStore ------------------
 
 
-def _in_threads(fn: Callable[[int], Any], world: int = 2, timeout: float = 60.0
-                ) -> dict[int, Any]:
-    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
-    out: dict[int, Any] = {}
-
-    def main(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout)
-    assert sorted(out) == list(range(world)), "a rank hung"
-    return out
-
-
 def _dir_hash(path: Path) -> str:
     return hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
 
@@ -127,7 +107,7 @@ def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: 
             ck.save(_state(r), step=1)
             return ck.steps()
 
-    assert _in_threads(rank) == {0: [1], 1: [1]}
+    assert in_threads(rank) == {0: [1], 1: [1]}
 
 
 def test_the_same_directory_spelled_differently_pairs(tmp_path: Path,
@@ -143,7 +123,7 @@ def test_the_same_directory_spelled_differently_pairs(tmp_path: Path,
             ck.save(_state(r), step=1)
             return ck.steps()
 
-    assert _in_threads(rank) == {0: [1], 1: [1]}
+    assert in_threads(rank) == {0: [1], 1: [1]}
 
 
 def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
@@ -155,7 +135,7 @@ def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
             ck.save(_state(r), step=10 + r)
 
     t0 = time.monotonic()
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     for r in (0, 1):  # (a rank that reads the other's announced error raises that one)
         assert isinstance(out[r], (CheckpointConfigError, CheckpointSaveError)), out[r]
@@ -179,7 +159,7 @@ def test_a_timeout_says_a_rank_is_saving_with_another_checkpointer(tmp_path: Pat
         with ck:
             ck.save(_state(r), step=2)
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     for r, (theirs, mine) in {0: (2, 1), 1: (1, 2)}.items():
         assert isinstance(out[r], CheckpointTimeoutError), out[r]
         assert out[r].ranks == (1 - r,)
@@ -203,7 +183,7 @@ def test_a_rank_that_saved_into_another_directory_since_is_not_called_unpaired(
             if r == 0:
                 a.save(_state(r), step=2)
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert out[1] is None
     assert isinstance(out[0], CheckpointTimeoutError), out[0]
     assert "last started saving" not in str(out[0])
@@ -219,7 +199,7 @@ def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -
             ck.save(_state(r), step=5 if r == 0 else -5)
 
     t0 = time.monotonic()
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     assert isinstance(out[1], CheckpointConfigError), out[1]
     assert isinstance(out[0], CheckpointSaveError) and "step=-5" in str(out[0]), out[0]
@@ -238,7 +218,7 @@ def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> 
             ck.save({"w": torch.zeros(3), "x": torch.ones(2)}, step=4)  # a new layout
             assert len(ck._posted_digests) == 1  # the old layout's key is already gone
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert out == {0: None, 1: None}
     assert store.num_keys() == 2, "left in the Store after close()"
     assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
@@ -270,7 +250,7 @@ def test_keys_of_failed_saves_are_deleted_at_close_too(tmp_path: Path, case: str
             with pytest.raises(CheckpointError):
                 ck.save(big, step=2)
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert out == {0: None, 1: None}
     assert store.num_keys() == 2, "left in the Store after close()"
     assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
@@ -295,7 +275,7 @@ def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path)
             ck.save(state, step=1, shards=shards)
             return prepared.nbytes, ck._arena is prepared, ck.steps()
 
-    out = _in_threads(rank, world=world)
+    out = in_threads(rank, world=world)
     for r in range(world):
         nbytes, reused, steps = out[r]
         assert steps == [1]
@@ -331,7 +311,7 @@ def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0
                                timeout_s=1) as ck:
             return ck.save_async(_state(r), step=5).wait()
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     assert isinstance(out[0], asyncckpt.CheckpointInfo), out[0]  # it is committed
     assert out[0].path == tmp_path / "step_000000005"
     assert isinstance(out[1], CheckpointTimeoutError), out[1]
@@ -354,7 +334,7 @@ def test_a_per_rank_tensor_under_a_shared_path_is_warned_about(
             ck.save(state, step=1)
 
     with caplog.at_level("WARNING", logger="asyncckpt"):
-        assert _in_threads(rank) == {0: None, 1: None}
+        assert in_threads(rank) == {0: None, 1: None}
     warned = [rec.getMessage() for rec in caplog.records if "different values" in
               rec.getMessage()]
     assert len(warned) == 1, caplog.text
@@ -375,7 +355,7 @@ def test_equal_replicas_are_not_warned_about(tmp_path: Path,
             ck.save(state, step=2)
 
     with caplog.at_level("WARNING", logger="asyncckpt"):
-        assert _in_threads(rank) == {0: None, 1: None}
+        assert in_threads(rank) == {0: None, 1: None}
     assert "different values" not in caplog.text
 
 
@@ -391,7 +371,7 @@ def test_a_step_committed_but_not_durable_is_reported_so_on_every_rank(tmp_path:
                 ck.save(_state(r), step=2)
             return str(failed.value)
 
-    out = _in_threads(rank)
+    out = in_threads(rank)
     for r in (0, 1):
         assert "step 2 is committed at" in out[r], out[r]
         assert "was not committed" not in out[r], out[r]

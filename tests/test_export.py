@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 import asyncckpt
+from _ranks import all_ok, in_threads
 from asyncckpt import AsyncCheckpointer, CheckpointExistsError, ShardMetadata, tree
 from asyncckpt import export as export_mod
 from asyncckpt.cli import main
@@ -115,31 +115,23 @@ def save_sharded(root: Path, state: dict[str, Any], split: dict[str, int], step:
         ckpts.append(AsyncCheckpointer(root, mode="sync", rank=r, world_size=world,
                                        store=store, timeout_s=60))
     flat = tensors_of(state)
-    errors: list[BaseException] = []
 
     def rank_main(r: int) -> None:
-        try:
-            local = _local_tree(state, "", split, r, world)
-            shards = {}
-            for path, dim in split.items():
-                t = flat[path]
-                sizes = [p.shape[dim] for p in t.tensor_split(world, dim)]
-                offsets = [0] * t.dim()
-                offsets[dim] = sum(sizes[:r])
-                shards[path] = ShardMetadata(tuple(t.shape), tuple(offsets))
-            ckpts[r].save_async(local, step, shards=shards).wait()
-        except BaseException as exc:
-            errors.append(exc)
+        local = _local_tree(state, "", split, r, world)
+        shards = {}
+        for path, dim in split.items():
+            t = flat[path]
+            sizes = [p.shape[dim] for p in t.tensor_split(world, dim)]
+            offsets = [0] * t.dim()
+            offsets[dim] = sum(sizes[:r])
+            shards[path] = ShardMetadata(tuple(t.shape), tuple(offsets))
+        ckpts[r].save_async(local, step, shards=shards).wait()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    for c in ckpts:
-        c.close()
-    if errors:
-        raise errors[0]
+    try:
+        all_ok(in_threads(rank_main, world, timeout=120))
+    finally:
+        for c in ckpts:
+            c.close()
 
 
 def _local_tree(node: Any, path: str, split: dict[str, int], r: int, world: int) -> Any:

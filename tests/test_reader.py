@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _ranks import all_ok, in_threads
 from _wrapped import Wrapped
 from asyncckpt import commit
 from asyncckpt.errors import CheckpointCorruptError
@@ -713,23 +714,14 @@ def _saved_by_two_ranks(root: Path) -> Path:
     import torch.distributed as dist
 
     store = dist.HashStore()
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        try:
-            with asyncckpt.AsyncCheckpointer(root, mode="sync", rank=r, world_size=2,
-                                             store=store, timeout_s=30) as ck:
-                ck.save({"w": ROWS[4 * r:4 * r + 4].clone()}, 1, shards={
-                    "w": asyncckpt.ShardMetadata(global_shape=(8, 3), offsets=(4 * r, 0))})
-        except BaseException as exc:
-            errors.append(exc)
+        with asyncckpt.AsyncCheckpointer(root, mode="sync", rank=r, world_size=2,
+                                         store=store, timeout_s=30) as ck:
+            ck.save({"w": ROWS[4 * r:4 * r + 4].clone()}, 1, shards={
+                "w": asyncckpt.ShardMetadata(global_shape=(8, 3), offsets=(4 * r, 0))})
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors and not any(th.is_alive() for th in threads), errors
+    all_ok(in_threads(rank))
     return root / commit.step_dir_name(1)
 
 
