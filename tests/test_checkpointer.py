@@ -226,8 +226,10 @@ def test_background_error_is_reraised_and_nothing_is_lost(tmp_path: Path) -> Non
     with pytest.raises(asyncckpt.CheckpointSaveError, match=r"step 2.*disk is full") as ei:
         fut.wait()
     assert isinstance(ei.value.__cause__, OSError)
-    with pytest.raises(asyncckpt.CheckpointSaveError):
-        ckpt.wait()  # the checkpointer-level wait reports it too
+    assert ckpt.wait() is None  # handed over by fut.wait(): not reported again
+    with pytest.raises(asyncckpt.CheckpointSaveError, match=r"step 2.*disk is full"):
+        ckpt.save(make_state(2), step=2)
+    assert ckpt.wait() is None  # nor after a failed save(), at the end of training
     assert ckpt.steps() == [1]
     assert sorted(os.listdir(tmp_path)) == [".asyncckpt.lock", "step_000000001"]  # tmp removed
     assert tensors_equal(ckpt.load(step=1)["model"], good["model"].state_dict())
@@ -1497,3 +1499,129 @@ def test_an_address_of_another_scheme_is_refused_by_name(address: str) -> None:
 def test_fallback_from_a_peer_address_is_refused() -> None:
     with pytest.raises(asyncckpt.CheckpointConfigError, match="drop fallback"):
         asyncckpt.load("http://127.0.0.1:1/v1", fallback=True)
+
+
+class _Reentrant:
+    """A stateful object whose state_dict() runs ``hook`` once: a signal handler or
+    another thread calling in while save_async flattens the state."""
+
+    def __init__(self, hook: Callable[[], None]):
+        self.hook: Callable[[], None] | None = hook
+
+    def state_dict(self) -> dict[str, Any]:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return {"x": torch.ones(3)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_call_from_within_save_async_is_refused_and_the_save_lands(tmp_path: Path) -> None:
+    """A save_async started before the one running has returned (a signal handler
+    interrupting it) would stage into the same arena while the first is written from it,
+    or deadlock waiting for it: it is refused, and the running save is not harmed."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        ckpt.save({"w": torch.zeros(4)}, 1)  # the arena exists: the next save reuses it
+        refused: list[BaseException] = []
+
+        def handler() -> None:
+            for call in (lambda: ckpt.save_async({"w": torch.full((4,), 9.0)}, 999),
+                         lambda: ckpt.prepare({"w": torch.zeros(4)}), ckpt.close):
+                try:
+                    call()
+                except asyncckpt.CheckpointInFlightError as exc:
+                    refused.append(exc)
+
+        state = {"w": torch.arange(4.0), "obj": _Reentrant(handler)}
+        ckpt.save_async(state, 2).wait()
+        assert len(refused) == 3, refused
+        assert "while its save_async() is still running on thread 'MainThread'" in str(
+            refused[0])
+        assert "set a flag and save from the training loop" in str(refused[0])
+        assert ckpt.steps() == [1, 2]
+        assert torch.equal(ckpt.load(step=2)["w"], torch.arange(4.0))
+        ckpt.save({"w": torch.ones(4)}, 3)  # and the checkpointer goes on as before
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2, 3]
+
+
+def test_save_async_from_a_second_thread_meanwhile_is_refused(tmp_path: Path) -> None:
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert go_on.wait(30)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        first = threading.Thread(
+            target=lambda: ckpt.save({"w": torch.ones(4), "obj": _Reentrant(hold)}, 1))
+        first.start()
+        try:
+            assert inside.wait(30)
+            with pytest.raises(asyncckpt.CheckpointInFlightError,
+                               match="from several threads, save from one"):
+                ckpt.save_async({"w": torch.full((4,), 2.0)}, 2)
+        finally:
+            go_on.set()
+            first.join(30)
+        assert ckpt.steps() == [1]
+        assert torch.equal(ckpt.load(step=1)["w"], torch.ones(4))
+
+
+def test_a_tensor_resized_once_staged_does_not_fail_its_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once save_async returns the tensors are the caller's again; the manifest record,
+    built later on the hash thread, must take the shapes the save began with."""
+    from asyncckpt import writer
+
+    resized = threading.Event()
+    real = writer._record
+
+    def late_record(job: Any, checksums: Any) -> Any:
+        assert resized.wait(30)
+        return real(job, checksums)
+
+    monkeypatch.setattr(writer, "_record", late_record)
+    buf = torch.arange(6.0)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        fut = ckpt.save_async({"buf": buf}, 1)
+        buf.resize_(2, 2)
+        resized.set()
+        fut.wait()
+        assert ckpt.manifest(1).tensors["buf"].shape == (6,)
+        assert torch.equal(ckpt.load(step=1)["buf"], torch.arange(6.0))
+
+
+def test_ckpt_wait_reports_a_failure_it_has_not_handed_over_once(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        storage.fail_with = OSError(errno.EIO, "injected")
+        ckpt.save_async({"w": torch.ones(4)}, step=1)
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="injected"):
+            ckpt.wait()
+        assert ckpt.wait() is None  # once
+        storage.fail_with = None
+
+
+def test_wait_staged_of_a_save_that_failed_first_raises_why(tmp_path: Path) -> None:
+    """overlap=True: the save fails before staging starts (its directory cannot be
+    made); wait_staged must raise that failure, not only "failed before staging", and
+    must not mark it seen without having said what it was."""
+    class NoTmpDir(LocalStorage):
+        def makedirs(self, path: Path) -> None:
+            if ".tmp-" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().makedirs(path)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=NoTmpDir()) as ckpt:
+        go = threading.Event()
+        ckpt._ensure_writer().stager.submit(go.wait, 30)  # staging starts once it failed
+        fut = ckpt.save_async({"w": torch.ones(1 << 20)}, step=1, overlap=True)
+        while not fut.done():
+            time.sleep(0.01)
+        go.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="disk is full"):
+            fut.wait_staged()
+        assert fut.observed
+        assert ckpt.wait() is None and ckpt.steps() == []

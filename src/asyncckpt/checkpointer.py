@@ -8,9 +8,10 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from .manifest import (
 )
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest, tensor_bytes
-from .staging import HostArena, StagingProgress, stage
+from .staging import HostArena, StagingProgress, StagingStopped, stage
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
 from .writer import (
@@ -173,6 +174,8 @@ class AsyncCheckpointer:
         # Names the temporary directory the ranks share: the coordinator's, which the
         # others learn in each save's layout exchange.
         self._nonce = commit.new_token()
+        self._calling = threading.Lock()  # held while save_async, prepare or close runs
+        self._caller = ("?", "?")  # which of them, on which thread
 
     @property
     def rank(self) -> int:
@@ -202,9 +205,30 @@ class AsyncCheckpointer:
         """
         # Flattening and the layout exchange make thousands of small objects; with a large
         # state alive, the collections they set off took 0.2 s of a 0.5 s save (2 ranks).
-        with gc_paused():
+        with self._one_call("save_async"), gc_paused():
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
                                     shards=shards)
+
+    @contextlib.contextmanager
+    def _one_call(self, what: str) -> Iterator[None]:
+        """Refuse a call that would start while save_async, prepare or close runs: from a
+        signal handler interrupting it, or from another thread. Until save_async returns,
+        its save is not yet the one in flight: a second one would stage into the same
+        arena while the first is written from it (a step committed with wrong bytes), or,
+        waiting for it, deadlock the handler that interrupted its staging."""
+        if not self._calling.acquire(blocking=False):
+            busy = self._caller
+            raise CheckpointInFlightError(
+                f"{what}() of the checkpointer of {self.directory} was called while its "
+                f"{busy[0]}() is still running on thread {busy[1]!r}: a checkpointer takes "
+                "one call at a time. From a signal handler, set a flag and save from the "
+                "training loop; from several threads, save from one")
+        self._caller = (what, threading.current_thread().name)
+        try:
+            yield
+        finally:
+            self._caller = ("?", "?")
+            self._calling.release()
 
     def _save_async(self, state: Any, step: int, *, overlap: bool,
                     metadata: Mapping[str, str] | None,
@@ -329,6 +353,11 @@ class AsyncCheckpointer:
         first save that needs more allocates again (as when plain tensors are held by
         only some ranks, e.g. pipeline stages).
         """
+        with self._one_call("prepare"):
+            return self._prepare(state, background=background, shards=shards)
+
+    def _prepare(self, state: Any, *, background: bool,
+                 shards: Mapping[str, ShardMetadata] | None) -> cf.Future[Any]:
         self._check_open()
         flat = flatten(state)  # on this thread: state_dict() calls stay here
         apply_shards(flat, shards)
@@ -397,12 +426,17 @@ class AsyncCheckpointer:
         info = None
         try:
             if fut is not None:
+                seen = fut.observed  # its failure was handed over already (fut.wait, save)
                 try:
                     info = fut.wait(timeout)
                 except CheckpointError as exc:
-                    if not isinstance(exc, CheckpointTimeoutError) or fut.done():
+                    if isinstance(exc, CheckpointTimeoutError) and not fut.done():
+                        raise
+                    if self._pending is fut:
+                        self._pending = None
+                    if not seen:
                         self._note_missed(exc)  # two failures: report both at once
-                    raise
+                        raise
                 if self._pending is fut:
                     self._pending = None
             if self._retention is not None:
@@ -517,7 +551,8 @@ class AsyncCheckpointer:
         earlier one ``wait()`` has not reported yet): closing is the caller's last chance
         to learn that a step was not saved.
         """
-        self._close(raise_missed=True)
+        with self._one_call("close"):
+            self._close(raise_missed=True)
 
     def _close(self, *, raise_missed: bool) -> None:
         if self._closed:
@@ -561,7 +596,8 @@ class AsyncCheckpointer:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # With an exception already on its way out, a failed save is only logged (by
         # _settle): raising here would hide the exception that ended the block.
-        self._close(raise_missed=exc_type is None)
+        with self._one_call("close"):
+            self._close(raise_missed=exc_type is None)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -864,7 +900,8 @@ def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: 
     may want the arena; on the caller's thread the copy just finishes. ``check`` runs
     once the copy is complete, before the writer may finish (see ``stage``)."""
     if not progress.begin(stoppable):  # overlap=True, and the save failed before this ran
-        raise CheckpointSaveError("the save failed before its tensors were staged")
+        raise StagingStopped("the save failed before its tensors were staged (see its "
+                             "future)")
     try:
         stage(plan, tensors, arena, progress, helpers=writer.copiers,
               threads=writer.copy_threads, stoppable=stoppable, check=check)

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, block_checksums, parse_manifest
 from .plan import WritePlan
-from .staging import HostArena, StagingProgress
+from .staging import HostArena, StagingProgress, StagingStopped
 from .storage import Storage
 from .tree import FlatState, dtype_name
 
@@ -137,10 +137,17 @@ class CheckpointFuture:
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the tensors are copied; after that the caller may mutate them.
 
-        Raises the staging error, or CheckpointTimeoutError.
+        Raises the staging error, or CheckpointTimeoutError. When staging stopped
+        because the save had already failed (overlap=True: e.g. its directory could not
+        be made), that failure is raised, as ``wait()`` would.
         """
         try:
             self._staged.result(timeout)
+        except StagingStopped:
+            # Not the news: the save's own error says why (a full disk...). Report it,
+            # rather than mark this save's failure as seen with no word of its cause.
+            self.wait(timeout)
+            raise
         except CheckpointError:
             self.observed = True  # the caller has seen how this save failed
             raise  # the staging's own error (a CheckpointTimeoutError is a TimeoutError too)
@@ -660,8 +667,11 @@ def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, An
     flat = job.flat
     items = []
     for it in job.plan.items:
+        # The plan's shapes, taken when the save began: not the live tensors', which the
+        # caller may resize once staging is over (this runs later, on the hash thread).
+        whole = flat.boxes[it.key][0] if it.key in flat.boxes else tuple(it.shape)
         box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
-        items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
+        items.append((it.key, dtype_name(it.dtype), whole,
                       flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
     return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
                        job.plan.file_bytes, job.plan.header, items, flat.skeleton,
