@@ -1625,3 +1625,29 @@ def test_wait_staged_of_a_save_that_failed_first_raises_why(tmp_path: Path) -> N
             fut.wait_staged()
         assert fut.observed
         assert ckpt.wait() is None and ckpt.steps() == []
+
+
+def test_the_collector_runs_while_a_save_writes_and_a_load_calls_user_code(
+        tmp_path: Path) -> None:
+    """The cyclic collector is paused only over the bursts of small objects (flattening,
+    the layout, planning): not over the write of a sync save, nor over the user's
+    load_state_dict, which may make cycles of its own."""
+    seen: dict[str, bool] = {}
+
+    class Recording(LocalStorage):
+        def write_arena(self, *args: Any, **kw: Any) -> Any:
+            seen["write"] = gc.isenabled()
+            return super().write_arena(*args, **kw)
+
+    class Obj:
+        def state_dict(self) -> dict[str, Any]:
+            return {"x": torch.ones(2)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            seen["load_state_dict"] = gc.isenabled()
+
+    assert gc.isenabled()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=Recording()) as ckpt:
+        ckpt.save({"obj": Obj(), "w": torch.ones(3)}, 1)
+        ckpt.load({"obj": Obj(), "w": torch.zeros(3)})
+    assert seen == {"write": True, "load_state_dict": True}

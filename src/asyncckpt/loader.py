@@ -97,9 +97,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     ``step``, when given, is the step the caller asked for: a step directory of another
     step (one copied to a name of the user's choosing, e.g. ``best/``) is refused.
     """
-    with gc_paused():  # parsing, matching and planning make thousands of small objects
-        return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                          shards=shards, threads=threads, step=step)
+    return _load_from(step_dir, state, storage, strict=strict, verify=verify,
+                      shards=shards, threads=threads, step=step)
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
@@ -115,9 +114,13 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads)
         return unflatten(manifest.skeleton, loaded)
-    target = flatten(state, target=True)
-    apply_shards(target, shards)
-    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir)
+    # Flattening and matching make thousands of small objects: the collections they
+    # would set off are pointless (see gc_paused). Not paused over the reads (long) or
+    # the load_state_dict calls (the caller's code).
+    with gc_paused():
+        target = flatten(state, target=True)
+        apply_shards(target, shards)
+        dests, boxes, regions = _match(manifest, saved, target, strict, step_dir)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies)
