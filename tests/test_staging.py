@@ -289,6 +289,99 @@ def test_the_writer_writes_only_landed_bytes(tmp_path: Path,
     assert data[body:] == b"\xaa" * (nbytes - body), "a piece was written before it landed"
 
 
+class _FakeStream:
+    def __init__(self, device: torch.device | None = None, name: str = "side"):
+        self.device, self.name, self.waited = device, name, []  # type: ignore[var-annotated]
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.waited.append(other)
+
+
+class _OnDevice:
+    """Stands for a CUDA tensor where only its device is asked."""
+
+    is_cuda = True
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+
+def test_side_streams_follow_the_callers_stream_of_each_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """overlap=True stages on another thread: each device's side stream must be made on
+    that device and wait for the stream the *caller* was on (current streams are per
+    thread), not for the staging thread's own."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(device))
+    current = {torch.device("cuda:0"): _FakeStream(None, "stager's own 0"),
+               torch.device("cuda:1"): _FakeStream(None, "stager's own 1")}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[torch.device(d)])
+    callers = {torch.device("cuda:1"): _FakeStream(None, "caller's 1")}
+    tensors = {"a": _OnDevice("cuda:1"), "b": _OnDevice("cuda:0"), "c": _OnDevice("cuda:1")}
+    got = staging.side_streams(tensors, callers)  # type: ignore[arg-type]
+    assert {str(d): s.device for d, s in got.items()} == {
+        "cuda:0": torch.device("cuda:0"), "cuda:1": torch.device("cuda:1")}
+    assert [w.name for w in got[torch.device("cuda:1")].waited] == ["caller's 1"]
+    assert [w.name for w in got[torch.device("cuda:0")].waited] == ["stager's own 0"]
+    assert staging.side_streams({"x": torch.ones(2)}, None) == {}  # CPU: none
+
+
+def test_an_overlapped_save_takes_the_callers_streams_on_the_callers_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt
+    import asyncckpt.checkpointer as ck_mod
+
+    threads = []
+
+    def spy(tensors: object) -> dict[torch.device, object]:
+        threads.append(threading.current_thread().name)
+        return {}
+
+    monkeypatch.setattr(ck_mod, "caller_streams", spy)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        ckpt.save_async({"w": torch.ones(8)}, 1, overlap=True).wait()
+    assert threads == [threading.current_thread().name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_stages_after_the_kernels_queued_on_the_callers_stream(
+        tmp_path: Path) -> None:
+    """The caller updates its tensors on a stream of its own, behind a long kernel, then
+    saves with overlap=True: the copy must wait for that update (it waited for the
+    stager thread's default stream, and saved the values from before)."""
+    import asyncckpt
+
+    x = torch.zeros(4 << 20, device="cuda")
+    mine = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:
+        ckpt.save({"x": x}, 1)  # the arena exists; it holds zeros
+        with torch.cuda.stream(mine):
+            torch.cuda._sleep(500_000_000)  # type: ignore[no-untyped-call]
+            x.fill_(7.0)
+            fut = ckpt.save_async({"x": x}, 2, overlap=True)
+        fut.wait()
+        assert torch.equal(ckpt.load(step=2)["x"], torch.full((4 << 20,), 7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensors_on_another_device_than_the_current_one_land_before_written(
+        tmp_path: Path) -> None:
+    import asyncckpt
+
+    torch.cuda.set_device(0)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:
+        for step in (1, 2):  # step 2 restages over step 1's arena: stale bytes differ
+            state = {f"t{i}": torch.full((4 << 20,), float(step * 10 + i), device=f"cuda:{i % 2}")
+                     for i in range(6)}
+            with torch.cuda.device(1):
+                torch.cuda._sleep(500_000_000)  # type: ignore[no-untyped-call]
+            for overlap in (False, True):
+                ckpt.save_async(state, step=2 * step + overlap, overlap=overlap).wait()
+                out = ckpt.load(step=2 * step + overlap)
+                assert all(torch.equal(out[k], state[k].cpu()) for k in state)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copies_land_before_their_pieces_are_written(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ from .manifest import (
 )
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest, tensor_bytes
-from .staging import HostArena, StagingProgress, StagingStopped, stage
+from .staging import HostArena, StagingProgress, StagingStopped, caller_streams, stage
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
 from .writer import (
@@ -305,8 +305,10 @@ class AsyncCheckpointer:
         try:
             if overlap and self.config.mode != "sync":
                 check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
+                # (the caller's streams, taken here: the stager thread has its own)
                 staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress,
-                                              writer, stoppable=True, check=check)
+                                              writer, stoppable=True, check=check,
+                                              after=caller_streams(tensors))
             else:
                 staged = cf.Future()
                 try:
@@ -897,7 +899,8 @@ def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
 
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                    progress: StagingProgress, writer: BackgroundWriter, *,
-                   stoppable: bool = False, check: Callable[[], None] | None = None) -> None:
+                   stoppable: bool = False, check: Callable[[], None] | None = None,
+                   after: Mapping[torch.device, Any] | None = None) -> None:
     """Stage, and fail the save's progress if staging fails. ``stoppable`` (overlap=True,
     on the stager thread): give up as soon as the save has failed, since the next save
     may want the arena; on the caller's thread the copy just finishes. ``check`` runs
@@ -907,7 +910,7 @@ def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: 
                              "future)")
     try:
         stage(plan, tensors, arena, progress, helpers=writer.copiers,
-              threads=writer.copy_threads, stoppable=stoppable, check=check)
+              threads=writer.copy_threads, stoppable=stoppable, check=check, after=after)
     except BaseException as exc:
         progress.fail(exc)
         raise

@@ -148,7 +148,7 @@ class StagingProgress:
 
         Device-to-host copies are asynchronous: bytes below ``offset`` have landed once
         the first event published at or past ``offset`` has completed (an event covers
-        every copy enqueued before it on the one staging stream). Callers ask for piece
+        every copy enqueued before it on the staging streams). Callers ask for piece
         boundaries, which rarely fall on an event's offset, so that event is the one
         that matters, not only those below ``offset``.
         """
@@ -182,24 +182,36 @@ class StagingProgress:
                 self._events = [(off, ev) for off, ev in self._events if id(ev) not in done]
 
 
+def caller_streams(tensors: Mapping[str, torch.Tensor]) -> dict[torch.device, Any]:
+    """The current CUDA stream of each device ``tensors`` live on, as the calling thread
+    sees it: the streams the caller's last kernels on those tensors were queued on.
+    Call it on the caller's thread (current streams and devices are per thread) and
+    pass it to ``stage``, which may run on another."""
+    devices = {t.device for t in tensors.values() if t.is_cuda}
+    return {d: torch.cuda.current_stream(d) for d in devices}
+
+
 def stage(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
           progress: StagingProgress, *, helpers: Executor | None = None,
           threads: int = 1, stoppable: bool = False,
-          check: Callable[[], None] | None = None) -> None:
+          check: Callable[[], None] | None = None,
+          after: Mapping[torch.device, Any] | None = None) -> None:
     """Copy every planned tensor into its place in the arena, publishing progress.
 
     CPU tensors are copied by ``threads`` threads (this one plus ``threads - 1`` run on
     ``helpers``), each taking the next unit of about 16 MiB of the arena; progress
     advances over the prefix of finished units, so the writer still follows in order.
-    CUDA tensors are copied asynchronously on a side stream (into pinned memory) by this
-    thread alone. Returns once every copy has completed, so the caller may then mutate
-    its tensors. ``stoppable``: raise StagingStopped at the next unit once the save has
-    failed (``progress.fail``) instead of finishing the copy. ``check``: called once
-    every byte is copied, before the last of them is published to the writer; what it
+    CUDA tensors are copied asynchronously on a side stream per device (into pinned
+    memory) by this thread alone; each side stream first waits for ``after[device]``
+    (``caller_streams`` of the caller's thread; None: this thread's current streams).
+    Returns once every copy has completed, so the caller may then mutate its tensors.
+    ``stoppable``: raise StagingStopped at the next unit once the save has failed
+    (``progress.fail``) instead of finishing the copy. ``check``: called once every
+    byte is copied, before the last of them is published to the writer; what it
     raises fails the save.
     """
     if any(t.is_cuda for t in tensors.values()) or helpers is None or threads <= 1:
-        _stage_serial(plan, tensors, arena, progress, stoppable, check)
+        _stage_serial(plan, tensors, arena, progress, stoppable, check, after)
         return
     _stage_parallel(plan, tensors, arena, progress, helpers, threads, stoppable, check)
 
@@ -308,20 +320,37 @@ def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi
         arena.view(item)[first:last].copy_(src[first:last])
 
 
+def side_streams(tensors: Mapping[str, torch.Tensor],
+                 after: Mapping[torch.device, Any] | None) -> dict[torch.device, Any]:
+    """A new stream on each CUDA device of ``tensors``, ordered after that device's
+    stream in ``after`` (else this thread's current one): the copies queued on it see
+    every kernel the caller queued before it asked for the save."""
+    streams = {}
+    for device in sorted({t.device for t in tensors.values() if t.is_cuda}, key=str):
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        before = (after or {}).get(device)
+        stream.wait_stream(before if before is not None else
+                           torch.cuda.current_stream(device))
+        streams[device] = stream
+    return streams
+
+
 def _stage_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                   progress: StagingProgress, stoppable: bool = False,
-                  check: Callable[[], None] | None = None) -> None:
-    stream = None
-    if any(t.is_cuda for t in tensors.values()):
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
+                  check: Callable[[], None] | None = None,
+                  after: Mapping[torch.device, Any] | None = None) -> None:
+    streams = side_streams(tensors, after)
     progress.publish(plan.body_offset)  # the header was written when the arena was laid out
     base = arena.tensor.data_ptr()
-    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
+    # One device: its side stream is current for the whole copy. Several: each copy
+    # makes its device's current (a copy runs on the current stream of its source's
+    # device, whatever device this thread has selected).
+    only = next(iter(streams.values())) if len(streams) == 1 else None
+    with torch.no_grad(), (torch.cuda.stream(only) if only is not None else _nullctx()):
         try:
-            _copy_serial(plan, tensors, arena, progress, stoppable, stream, base)
+            _copy_serial(plan, tensors, arena, progress, stoppable, streams, base)
         finally:
-            if stream is not None:  # also on a stop or error: no copy may land later
+            for stream in streams.values():  # also on a stop or error: no copy lands later
                 stream.synchronize()
     if check is not None:
         check()
@@ -337,7 +366,9 @@ def _naming(exc: BaseException, key: str | None) -> BaseException:
 
 
 def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
-                 progress: StagingProgress, stoppable: bool, stream: Any, base: int) -> None:
+                 progress: StagingProgress, stoppable: bool, streams: Mapping[torch.device, Any],
+                 base: int) -> None:
+    several = len(streams) > 1
     unpublished = 0
     for item in plan.items:
         if stoppable and progress.failed:  # the save failed: leave the arena
@@ -350,13 +381,16 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
                 # One memcpy, GIL released, on this thread: torch's copy_ would fan each
                 # tensor out to its intra-op threads, which here is slower and erratic.
                 ctypes.memmove(base + item.offset, src.data_ptr(), item.nbytes)
+            elif several and src.is_cuda:
+                with torch.cuda.stream(streams[src.device]):
+                    arena.view(item).copy_(src, non_blocking=arena.pinned)
             else:
                 arena.view(item).copy_(src, non_blocking=src.is_cuda and arena.pinned)
         except Exception as exc:
             raise _naming(exc, item.key) from exc
         unpublished += item.nbytes
         if unpublished >= _PUBLISH_BYTES:
-            progress.publish(item.end, _record_event(stream))
+            progress.publish(item.end, _record_events(streams))
             unpublished = 0
 
 
@@ -368,12 +402,29 @@ def _stopped() -> BaseException:
     return StagingStopped("staging stopped: the save failed (see its future)")
 
 
-def _record_event(stream: Any) -> Any:
-    if stream is None:
+class _Events:
+    """Events recorded on every side stream at once: synchronized, all the copies queued
+    before them have landed, whatever device they ran on."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[Any]):
+        self.events = events
+
+    def synchronize(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+
+
+def _record_events(streams: Mapping[torch.device, Any]) -> Any:
+    if not streams:
         return None
-    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    ev.record(stream)
-    return ev
+    events = []
+    for stream in streams.values():
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(stream)
+        events.append(ev)
+    return events[0] if len(events) == 1 else _Events(events)
 
 
 class _nullctx:
