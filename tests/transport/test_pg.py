@@ -63,6 +63,8 @@ class Wire:
 
 
 class _Work:
+    """A work that cannot be polled (as some of torchft's): only ``wait`` tells."""
+
     def __init__(self, fn: Callable[[float], None]):
         self.fn = fn
 
@@ -71,8 +73,21 @@ class _Work:
         return True
 
 
+class _PolledWork(_Work):
+    """A posted receive: ``is_completed()`` once a message waits in its mailbox (then
+    ``wait`` takes it at once), as gloo's works say."""
+
+    def __init__(self, fn: Callable[[float], None], box: queue.Queue[torch.Tensor]):
+        super().__init__(fn)
+        self.box = box
+
+    def is_completed(self) -> bool:
+        return not self.box.empty()
+
+
 class FakeGroup:
-    """A process group over a Wire: messages are copied, sizes must match (as in gloo)."""
+    """A process group over a Wire: messages are copied, sizes must match (as in gloo).
+    Its posted receives can be polled (``is_completed``)."""
 
     def __init__(self, wire: Wire, rank: int, size: int = 2):
         self.wire, self._rank, self._size = wire, rank, size
@@ -107,7 +122,14 @@ class FakeGroup:
             if got.numel() * got.element_size() != t.numel() * t.element_size():
                 raise RuntimeError(f"size mismatch: sent {got.numel()}, posted {t.numel()}")
             t.copy_(got.view(t.dtype).reshape(t.shape))
-        return _Work(wait)
+        return _PolledWork(wait, self.wire.box(src, self._rank))
+
+
+class UnpolledGroup(FakeGroup):
+    """A FakeGroup whose works have no ``is_completed`` (as some of torchft's groups)."""
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        return _Work(super().recv(tensors, src, tag).fn)
 
 
 def pair(wire: Wire | None = None, **kw: Any) -> tuple[PGTransport, PGTransport, Wire]:
@@ -487,6 +509,98 @@ def test_a_failing_destination_does_not_leave_the_others_unserved() -> None:
     same(trs[2].recv_checkpoint(0, "pg:0", 5, 10.0), state)  # served all the same
     with pytest.raises(CheckpointTransportError, match="instead of an asyncckpt request"):
         sender.result()  # and the first failure is raised afterwards
+
+
+def test_a_destination_that_never_asks_holds_up_none_of_the_others() -> None:
+    wire = Wire()
+    trs = [PGTransport(FakeGroup(wire, r, 3), 10.0) for r in range(3)]
+    state = small_state()
+    t0 = time.monotonic()
+    sender = Background(trs[0].send_checkpoint, [1, 2], 5, state, 3.0)  # rank 1 never asks
+    same(trs[2].recv_checkpoint(0, "pg:0", 5, 6.0), state)
+    assert time.monotonic() - t0 < 1.5  # served as it asked, not after rank 1's timeout
+    with pytest.raises(CheckpointTimeoutError,
+                       match=r"rank 1 did not ask for step 5 within 3\.0s: is it calling "
+                             "recv_checkpoint on this group"):
+        sender.result()  # raised once the others were served
+
+
+def test_destinations_are_served_in_the_order_they_ask() -> None:
+    wire = Wire()
+    trs = [PGTransport(FakeGroup(wire, r, 3), 10.0) for r in range(3)]
+    state = small_state()
+    sender = Background(trs[0].send_checkpoint, [1, 2], 5, state, 10.0)
+    same(trs[2].recv_checkpoint(0, "pg:0", 5, 5.0), state)  # rank 1 asks later
+    same(trs[1].recv_checkpoint(0, "pg:0", 5, 5.0), state)
+    sender.result()
+    offers = [dst for src, dst, n, _ in wire.sent if src == 0 and n == 64]
+    assert offers[0] == 2 and 1 in offers, wire.sent
+
+
+class _InheritedWork(torch.distributed.Work):
+    """As torchft's _BabyWork: a Python subclass of torch's Work that does not define
+    is_completed, so it inherits a flag that nothing ever sets."""
+
+    def __init__(self, fn: Callable[[float], None]):
+        super().__init__()
+        self.fn = fn
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.fn(60.0 if timeout is None else timeout.total_seconds())
+        return True
+
+
+class InheritedWorkGroup(FakeGroup):
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return _InheritedWork(super().recv(tensors, src, tag).fn)
+
+
+@pytest.mark.parametrize("group", [FakeGroup, UnpolledGroup, InheritedWorkGroup])
+def test_each_destination_has_a_timeout_of_its_own_for_its_transfer(group: Any) -> None:
+    # A slow link: each transfer takes ~0.8 s of the sender's 1.2 s timeout. Works that
+    # cannot be polled are waited on in the order given, still each with its own budget.
+    wire = Wire()
+    state = {"big": torch.randn(MiB // 2)}  # its header, then one 2 MiB segment
+
+    def slow_link(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][0] == 0 and t.numel() >= MiB:
+            time.sleep(0.8)
+
+    wire.tamper = slow_link
+    trs = [PGTransport(group(wire, r, 3), 10.0) for r in range(3)]
+    sender = Background(trs[0].send_checkpoint, [1, 2], 5, state, 1.2)
+    receivers = [Background(trs[r].recv_checkpoint, 0, "pg:0", 5, 10.0) for r in (1, 2)]
+    for r in receivers:
+        same(r.result(), state)
+    sender.result()
+
+
+def test_works_that_cannot_be_polled_are_waited_on_at_once() -> None:
+    # (polling an inherited is_completed, the request would be found at the timeout only)
+    assert not pgmod._can_poll(_InheritedWork(lambda t: None))
+    assert not pgmod._can_poll(_Work(lambda t: None))
+    assert pgmod._can_poll(_PolledWork(lambda t: None, queue.Queue()))
+    wire = Wire()
+    a = PGTransport(InheritedWorkGroup(wire, 0), 10.0)
+    b = PGTransport(FakeGroup(wire, 1), 10.0)
+    t0 = time.monotonic()
+    sender = Background(a.send_checkpoint, [1], 5, small_state(), 3.0)
+    same(b.recv_checkpoint(0, "pg:0", 5, 6.0), small_state())
+    sender.result()
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_sender_that_cannot_serve_tells_each_destination_as_it_asks() -> None:
+    wire = Wire()
+    trs = [PGTransport(FakeGroup(wire, r, 3), 10.0) for r in range(3)]
+    t0 = time.monotonic()
+    sender = Background(trs[0].send_checkpoint, [1, 2], 5, {"x": _Unsupported()}, 3.0)
+    with pytest.raises(CheckpointTransportError,
+                       match="could not send step 5: UnsupportedLeafError"):
+        trs[2].recv_checkpoint(0, "pg:0", 5, 6.0)  # rank 1 never asks
+    assert time.monotonic() - t0 < 1.5  # told at once, not after rank 1's timeout
+    with pytest.raises(UnsupportedLeafError):
+        sender.result()
 
 
 def test_a_batch_holds_at_most_control_bytes() -> None:
@@ -1108,6 +1222,24 @@ def gloo_a_receiver_out_of_memory(rank: int, tr: PGTransport, dist: Any) -> dict
     return out
 
 
+def gloo_a_destination_that_never_asks(rank: int, tr: PGTransport, dist: Any
+                                       ) -> dict[str, Any]:
+    """Rank 0 sends to ranks 1 and 2; rank 1 never asks. Rank 2 is served as it asks
+    (gloo's receives cannot be polled with is_completed: the request is seen arriving),
+    and rank 0 raises the timeout naming rank 1, after serving rank 2."""
+    state = small_state()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["send"] = _expect(lambda: tr.send_checkpoint([1, 2], 4, state, 3.0),
+                              CheckpointTimeoutError)
+    elif rank == 2:
+        t0 = time.monotonic()
+        same(tr.recv_checkpoint(0, "pg:0", 4, 20.0), state)
+        out["seconds"] = time.monotonic() - t0
+    dist.barrier()  # on the default group: rank 1 stays alive, silent, meanwhile
+    return out
+
+
 def rank_main(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -1130,6 +1262,15 @@ def test_gloo_fan_out_and_a_silent_peer(tmp_path: Path) -> None:
     silence = res[2]["silence"]
     assert silence["raised"] == "CheckpointTimeoutError", silence
     assert 1.0 < silence["seconds"] < 5.0, silence
+
+
+def test_gloo_a_destination_that_never_asks_holds_up_none_of_the_others(
+        tmp_path: Path) -> None:
+    res = run_gloo("gloo_a_destination_that_never_asks", 3, tmp_path)
+    assert res[2]["seconds"] < 2.0, res  # not after rank 1's timeout of 3 s
+    send = res[0]["send"]
+    assert send["ok"], send
+    assert "rank 1 did not ask for step 4 within 3.0s" in send["message"], send
 
 
 def test_gloo_a_sender_that_dies_mid_transfer(tmp_path: Path) -> None:

@@ -51,9 +51,17 @@ the targets as they were. Nothing is unpickled.
 
 Timeouts: every wait is bounded by the call's ``timeout`` (``Work.wait(timeout)``); the
 group's own timeout (``init_process_group``/``new_group(timeout=...)``) bounds the
-backend underneath. After a timeout or a protocol error the pair of ranks may be out of
-step (gloo closes the connection after a timed-out receive): recreate the group before
-using it again, as torchft does on every reconfiguration.
+backend underneath. A sender posts a receive for every destination's request at once
+and serves the destinations one at a time, in the order their requests arrive (polled:
+``Work.is_completed()``, or for gloo the bytes landing in the posted buffer): it waits
+for requests up to ``timeout`` from the call's start, and each destination's transfer,
+from its turn on, has a ``timeout`` of its own. So a destination that never asks fails
+alone, at the timeout, and holds up none of the others; a receiver's ``timeout`` must
+cover the transfers to the destinations served before it. (A group whose works cannot
+be polled, such as some of torchft's, is waited on in the order of ``dst_ranks``.)
+After a timeout or a protocol error the pair of ranks may be out of step (gloo closes
+the connection after a timed-out receive): recreate the group before using it again,
+as torchft does on every reconfiguration.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -111,6 +119,8 @@ SLICE_BYTES = 64 << 20  # a larger tensor goes in slices of at most this (no cop
 CONTROL_BYTES = 64 << 20  # a control word every ~this: how late a cut-off is told
 _VERIFY_BYTES = 16 << 20  # a received file is verified in tasks of about this (2 threads)
 _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
+_POLL_FIRST_S = 0.001  # a sender waiting for requests looks again after this,
+_POLL_MAX_S = 0.02  # doubling up to this
 
 _Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
@@ -207,7 +217,8 @@ class PGTransport(CheckpointTransport[Any]):
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
                         timeout: timedelta | float | None = None) -> None:
-        """Send ``state_dict`` at ``step`` to each rank of ``dst_ranks``, one after another.
+        """Send ``state_dict`` at ``step`` to each rank of ``dst_ranks``, one at a time, in
+        the order their requests arrive.
 
         Returns once every destination has received it (or was told the step it asked
         for is not this one: that is logged, not raised). The tensors are sent from
@@ -217,6 +228,13 @@ class PGTransport(CheckpointTransport[Any]):
         timeout, and then the error is raised here. A destination that refuses the
         offer (it cannot allocate the buffers, or rejects the manifest) says so: the
         others are still served, then its reason is raised.
+
+        ``timeout`` bounds the wait for the destinations' requests, from this call's
+        start; each destination's transfer then has a ``timeout`` of its own from its
+        turn on. A destination that does not ask in time fails alone (the others are
+        served as they ask), with a CheckpointTimeoutError raised once all were served.
+        A group whose works have no usable ``is_completed()`` (some of torchft's) is
+        waited on in the order of ``dst_ranks`` instead.
 
         Raises:
             CheckpointConfigError: a rank of ``dst_ranks`` is not another rank of the
@@ -230,7 +248,8 @@ class PGTransport(CheckpointTransport[Any]):
 
         self._check_open()
         step = _check_word(step, "step", 0)
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
+        budget = self.timeout_s if timeout is None else _timeout(timeout)
+        deadline = time.monotonic() + budget  # for the requests: from the call's start
         dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
         cut = threading.Event()  # set by disallow_checkpoint to cut this send off
         with self._cond:  # counted from the start: disallow_checkpoint waits for it
@@ -259,16 +278,21 @@ class PGTransport(CheckpointTransport[Any]):
                 pieces, view = _send_pieces(source)
                 segments = _segments(pieces)
             except Exception as exc:
-                self._tell_failure(dsts, step, exc, deadline)
+                self._tell_failure(dsts, step, exc, budget, deadline)
                 raise
             self._acquire(deadline, f"send step {step} to ranks {dsts}")
             try:
                 cut_off: str | None = None
                 failed: Exception | None = None
-                for dst in dsts:  # one destination's failure is no reason to drop the others
+                # one destination's failure is no reason to drop the others
+                for dst, request in self._requests(dsts, step, budget, deadline):
                     try:
-                        cut_off = self._send_to(dst, step, manifest, pieces, view, segments,
-                                                deadline, cut) or cut_off
+                        if isinstance(request, Exception):
+                            raise request
+                        # (its own budget: the ranks served before it took theirs)
+                        cut_off = self._send_to(dst, step, request, manifest, pieces, view,
+                                                segments, time.monotonic() + budget,
+                                                cut) or cut_off
                     except Exception as exc:
                         log.warning("step %d: sending to rank %d failed: %s", step, dst, exc)
                         failed = failed or exc
@@ -376,11 +400,13 @@ class PGTransport(CheckpointTransport[Any]):
 
     # --- sending --------------------------------------------------------------------------
 
-    def _send_to(self, dst: int, step: int, manifest: bytes, pieces: list[tuple[int, int]],
-                 view: Callable[[int], memoryview], segments: list[_Segment],
-                 deadline: float, cut: threading.Event) -> str | None:
-        """Serve one destination; returns why it was cut off (once it was told), or None."""
-        wanted, max_manifest, max_file = self._read_request(dst, step, deadline)
+    def _send_to(self, dst: int, step: int, request: list[int], manifest: bytes,
+                 pieces: list[tuple[int, int]], view: Callable[[int], memoryview],
+                 segments: list[_Segment], deadline: float,
+                 cut: threading.Event) -> str | None:
+        """Serve one destination, whose ``request`` is in; returns why it was cut off
+        (once it was told), or None."""
+        wanted, max_manifest, max_file = self._check_request(dst, step, request, deadline)
         if wanted != step:
             self._send_words(dst, [MAGIC, VERSION, NOT_FOUND, step, 0, 0, 0, 0], deadline,
                              f"the refusal to rank {dst}")
@@ -455,11 +481,89 @@ class PGTransport(CheckpointTransport[Any]):
                 f"rank {dst} broke the protocol: answered {w} to the {after} of step {step}; "
                 "recreate the process group before using it again")
 
-    def _read_request(self, dst: int, step: int, deadline: float) -> tuple[int, int, int]:
-        """The step rank ``dst`` asks for, and its limits on the manifest's and the
-        file's sizes (0: not stated). A peer of another protocol version gets an error
-        header, which its own version check rejects at once."""
-        req = self._recv_words(dst, deadline, f"the request of rank {dst}")
+    def _requests(self, dsts: list[int], step: int, budget: float, deadline: float
+                  ) -> Iterator[tuple[int, list[int] | Exception]]:
+        """Each destination's request, in the order they arrive: ``(rank, its words)``,
+        or ``(rank, the error in its place)``.
+
+        A receive is posted for every destination at once, then polled (see
+        :func:`_arrived`; every 1 ms doubling to 20 ms) until ``deadline``; a
+        request that has arrived is still yielded after it (the caller took that long
+        serving the others). Destinations that never ask get a CheckpointTimeoutError;
+        their receives are then waited on for a moment, so that the backend ends them
+        (gloo: rather than let a request that comes later land in a buffer nobody
+        reads). Works that cannot be polled are waited on in the order of ``dsts``."""
+        posted: dict[int, tuple[torch.Tensor, Any]] = {}
+        for dst in dsts:
+            t = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
+            try:
+                posted[dst] = (t, self.pg.recv([t], dst, _TAG))
+            except Exception as exc:
+                yield dst, CheckpointTransportError(
+                    f"receiving the request of rank {dst} failed: {exc}; recreate the process "
+                    "group before using it again")
+        poll = all(_can_poll(work) for _, work in posted.values())
+        pause = _POLL_FIRST_S
+        while posted:
+            dst = next(iter(posted))  # in order, for works that cannot be polled
+            if poll:
+                ready = next((d for d, (t, work) in posted.items() if _arrived(t, work)),
+                             None)
+                if ready is None and time.monotonic() < deadline:
+                    time.sleep(min(pause, _left(deadline)))
+                    pause = min(2 * pause, _POLL_MAX_S)
+                    continue
+                if ready is None:  # out of time: these never asked
+                    for late, (t, work) in list(posted.items()):
+                        del posted[late]
+                        yield late, self._never_asked(late, step, t, work, budget)
+                    return
+                dst = ready
+            t, work = posted.pop(dst)
+            if poll:  # it has arrived: its wait returns at once
+                until = time.monotonic() + budget
+            else:  # until the deadline, or a moment past it (it may have come meanwhile)
+                until = max(deadline, time.monotonic() + min(budget, 1.0))
+            try:
+                self._wait_posted(work, until, f"receiving the request of rank {dst} for step "
+                                  f"{step}")
+            except CheckpointTimeoutError as exc:
+                yield dst, self._asked_nothing(dst, step, budget, exc)
+                continue
+            except Exception as exc:
+                yield dst, exc
+                continue
+            pause = _POLL_FIRST_S
+            yield dst, [int(x) for x in t.cpu().tolist()]
+
+    def _never_asked(self, dst: int, step: int, t: torch.Tensor, work: Any,
+                     budget: float) -> list[int] | Exception:
+        """A destination that did not ask in time: its receive is waited on for a
+        moment (it may have come just now), which lets the backend end it."""
+        try:
+            ok = work.wait(timedelta(seconds=0.001))
+        except Exception as exc:
+            return self._asked_nothing(dst, step, budget, exc)
+        if ok is False:
+            return self._asked_nothing(dst, step, budget, None)
+        return [int(x) for x in t.cpu().tolist()]
+
+    @staticmethod
+    def _asked_nothing(dst: int, step: int, budget: float,
+                       cause: Exception | None) -> CheckpointTimeoutError:
+        err = CheckpointTimeoutError(
+            f"rank {dst} did not ask for step {step} within {budget:.1f}s: is it calling "
+            "recv_checkpoint on this group? (recreate the process group before using it "
+            "again)")
+        err.__cause__ = cause
+        return err
+
+    def _check_request(self, dst: int, step: int, req: list[int],
+                       deadline: float) -> tuple[int, int, int]:
+        """The step rank ``dst`` asks for in its request ``req`` (received), and its
+        limits on the manifest's and the file's sizes (0: not stated). A peer of another
+        protocol version gets an error header, which its own version check rejects at
+        once."""
         if req[0] == MAGIC and req[2] == REQUEST and req[1] != VERSION:
             self._send_words(dst, [MAGIC, VERSION, ERROR, step, 0, 0, 0, 0], deadline,
                              f"the version error to rank {dst}")
@@ -484,18 +588,22 @@ class PGTransport(CheckpointTransport[Any]):
             self._send(torch.frombuffer(bytearray(text), dtype=torch.uint8), dst, deadline,
                        f"the error text of step {step} to rank {dst}")
 
-    def _tell_failure(self, dsts: list[int], step: int, exc: Exception,
+    def _tell_failure(self, dsts: list[int], step: int, exc: Exception, budget: float,
                       deadline: float) -> None:
         """The state could not be served: answer each destination's request with the
-        reason, so that its receive fails now rather than at its timeout. Best effort
-        (the caller raises ``exc`` whatever happens here)."""
+        reason, in the order the requests arrive, so that its receive fails now rather
+        than at its timeout. Best effort (the caller raises ``exc`` whatever happens
+        here)."""
         if not dsts or not self._lock.acquire(timeout=_left(deadline)):
             return
         try:
-            for dst in dsts:
+            for dst, request in self._requests(dsts, step, budget, deadline):
                 try:
-                    self._read_request(dst, step, deadline)
-                    self._send_error(dst, step, f"{type(exc).__name__}: {exc}", deadline)
+                    if isinstance(request, Exception):
+                        raise request
+                    until = time.monotonic() + budget
+                    self._check_request(dst, step, request, until)
+                    self._send_error(dst, step, f"{type(exc).__name__}: {exc}", until)
                 except Exception as told:
                     log.warning("step %d could not be served (%s), and rank %d could not be "
                                 "told: %s", step, exc, dst, told)
@@ -660,7 +768,12 @@ class PGTransport(CheckpointTransport[Any]):
     def _recv(self, t: torch.Tensor, peer: int, deadline: float, what: str) -> None:
         self._wait(lambda: self.pg.recv([t], peer, _TAG), deadline, f"receiving {what}")
 
+    def _wait_posted(self, work: Any, deadline: float, what: str) -> None:
+        self._wait(lambda: work, deadline, what)
+
     def _wait(self, start: Callable[[], Any], deadline: float, what: str) -> None:
+        """Start a work (``start()``: a send, a receive, or one posted before) and wait
+        for it until ``deadline``."""
         left = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
         if left <= 0:
             raise CheckpointTimeoutError(f"ran out of time before {what}")
@@ -720,6 +833,38 @@ class PGTransport(CheckpointTransport[Any]):
                     f"{label}: rank {rank} is named twice; name each destination once")
             seen.add(rank)
         return [operator.index(r) for r in given]
+
+
+def _can_poll(work: Any) -> bool:
+    """Whether ``work.is_completed()`` tells when the work is done. torch's own works
+    (gloo, NCCL) do, and so does any object with an ``is_completed`` of its own; a
+    Python subclass of torch's Work that does not define it (torchft's _BabyWork)
+    inherits a flag nothing sets: it would never say True."""
+    if not callable(getattr(work, "is_completed", None)):
+        return False
+    try:
+        import torch.distributed as dist
+
+        base: Any = dist.Work
+    except Exception:  # a build without torch.distributed
+        return True
+    if type(work) is base or not isinstance(work, base):
+        return True
+    return type(work).is_completed is not base.is_completed
+
+
+def _arrived(t: torch.Tensor, work: Any) -> bool:
+    """Whether the request that ``work`` receives into ``t`` (zeros until then) has come,
+    or is coming: its wait then returns at once. ``work.is_completed()`` says so where
+    the backend can tell (NCCL; True when it raises: the wait then says what failed).
+    Gloo's receives cannot tell (False until waited on, torch 2.13), but write straight
+    into ``t`` as the bytes come, and no request is all zeros."""
+    try:
+        if work.is_completed():
+            return True
+    except Exception:
+        return True
+    return t.device.type == "cpu" and bool(t.any())
 
 
 def _group_size(pg: Any) -> int | None:
