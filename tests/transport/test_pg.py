@@ -603,6 +603,15 @@ def test_a_sender_that_cannot_serve_tells_each_destination_as_it_asks() -> None:
         sender.result()
 
 
+def test_a_receiver_that_gets_no_offer_is_told_the_sender_may_be_busy() -> None:
+    _, b, _ = pair()
+    with pytest.raises(CheckpointTimeoutError,
+                       match=r"the answer of peer rank 0 \(pg:0\): no answer within .*still "
+                             "serving other ranks: a sender serves its destinations one at a "
+                             "time, so this rank's timeout must also cover"):
+        b.recv_checkpoint(0, "pg:0", 5, 0.3)
+
+
 def test_a_batch_holds_at_most_control_bytes() -> None:
     # a cut-off reads at most one batch more: batches never pass CONTROL_BYTES
     sizes = [200, pgmod.CONTROL_BYTES - 300, pgmod.SLICE_BYTES, 5, pgmod.CONTROL_BYTES // 2,

@@ -121,6 +121,10 @@ _VERIFY_BYTES = 16 << 20  # a received file is verified in tasks of about this (
 _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
 _POLL_FIRST_S = 0.001  # a sender waiting for requests looks again after this,
 _POLL_MAX_S = 0.02  # doubling up to this
+_STUCK = "the peer is not taking part, or is stuck"
+_BUSY = ("the peer is not taking part, is stuck, or is still serving other ranks: a sender "
+         "serves its destinations one at a time, so this rank's timeout must also cover the "
+         "transfers to the ranks served before it")
 
 _Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
@@ -619,7 +623,7 @@ class PGTransport(CheckpointTransport[Any]):
         self._send_words(src, [MAGIC, VERSION, REQUEST, step, self.max_manifest_bytes,
                                self.max_file_bytes, 0, 0], deadline,
                          f"the request for step {step} to {where}")
-        h = self._recv_words(src, deadline, f"the answer of {where}")
+        h = self._recv_words(src, deadline, f"the answer of {where}", stuck=_BUSY)
         _check_words(h, where, "offer")
         kind, have, mlen, flen, nseg = h[2:7]
         if kind == NOT_FOUND:
@@ -755,9 +759,10 @@ class PGTransport(CheckpointTransport[Any]):
         self._send(torch.tensor(words, dtype=torch.int64, device=self.device), peer, deadline,
                    what)
 
-    def _recv_words(self, peer: int, deadline: float, what: str) -> list[int]:
+    def _recv_words(self, peer: int, deadline: float, what: str, *,
+                    stuck: str = _STUCK) -> list[int]:
         t = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
-        self._recv(t, peer, deadline, what)
+        self._recv(t, peer, deadline, what, stuck=stuck)
         return [int(x) for x in t.cpu().tolist()]
 
     def _send(self, t: torch.Tensor, peer: int, deadline: float, what: str) -> None:
@@ -765,15 +770,18 @@ class PGTransport(CheckpointTransport[Any]):
             t = t.to(self.device)
         self._wait(lambda: self.pg.send([t], peer, _TAG), deadline, f"sending {what}")
 
-    def _recv(self, t: torch.Tensor, peer: int, deadline: float, what: str) -> None:
-        self._wait(lambda: self.pg.recv([t], peer, _TAG), deadline, f"receiving {what}")
+    def _recv(self, t: torch.Tensor, peer: int, deadline: float, what: str, *,
+              stuck: str = _STUCK) -> None:
+        self._wait(lambda: self.pg.recv([t], peer, _TAG), deadline, f"receiving {what}",
+                   stuck=stuck)
 
     def _wait_posted(self, work: Any, deadline: float, what: str) -> None:
         self._wait(lambda: work, deadline, what)
 
-    def _wait(self, start: Callable[[], Any], deadline: float, what: str) -> None:
+    def _wait(self, start: Callable[[], Any], deadline: float, what: str, *,
+              stuck: str = _STUCK) -> None:
         """Start a work (``start()``: a send, a receive, or one posted before) and wait
-        for it until ``deadline``."""
+        for it until ``deadline``; ``stuck`` says why a timeout may have happened."""
         left = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
         if left <= 0:
             raise CheckpointTimeoutError(f"ran out of time before {what}")
@@ -785,13 +793,13 @@ class PGTransport(CheckpointTransport[Any]):
             text = str(exc)
             if "timed out" in text.lower() or time.monotonic() - t0 >= left * 0.95:
                 raise CheckpointTimeoutError(
-                    f"{what}: no answer within {left:.1f}s (the peer is not taking part, or is "
-                    "stuck); recreate the process group before using it again") from exc
+                    f"{what}: no answer within {left:.1f}s ({stuck}); recreate the process "
+                    "group before using it again") from exc
             raise CheckpointTransportError(
                 f"{what} failed: {text}; recreate the process group before using it again"
                 ) from exc
         if ok is False:
-            raise CheckpointTimeoutError(f"{what}: no answer within {left:.1f}s")
+            raise CheckpointTimeoutError(f"{what}: no answer within {left:.1f}s ({stuck})")
 
     def _acquire(self, deadline: float, what: str) -> None:
         if not self._lock.acquire(timeout=_left(deadline)):
