@@ -737,6 +737,29 @@ def test_configuration_errors() -> None:
     assert PGTransport(FakeGroup(wire, 0), 1.0).device == torch.device("cpu")
 
 
+def test_the_default_group_is_used_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level("WARNING", logger="asyncckpt.transport.pg"):
+            assert PGTransport(None, 1.0).pg is dist.group.WORLD
+            PGTransport(dist.group.WORLD, 1.0)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 2, warnings  # once per transport
+        assert "default process group" in warnings[0], warnings
+        assert 'dist.new_group(backend="gloo")' in warnings[0], warnings
+        assert "only from the training thread" in warnings[0], warnings
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="asyncckpt.transport.pg"):
+            PGTransport(dist.new_group(backend="gloo"), 1.0)  # a group of its own
+        assert not caplog.records, caplog.text
+    finally:
+        dist.destroy_process_group()
+
+
 class _Unconfigured(FakeGroup):
     """Like torchft's groups before their first configure(): rank() fails."""
 

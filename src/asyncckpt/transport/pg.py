@@ -164,7 +164,8 @@ class PGTransport(CheckpointTransport[Any]):
         pg: the process group to use: a ``ProcessGroup`` (e.g. from
             ``dist.new_group(backend="gloo")``) or anything with the same
             ``send``/``recv``/``rank``/``size`` methods (torchft's process groups).
-            None means the default group; a dedicated group is strongly preferred.
+            None means the default group; a dedicated group is strongly preferred (on
+            the default group, a warning is logged).
         timeout: the default for calls given no timeout, and how long
             ``disallow_checkpoint`` waits for a send running on another thread.
         device: where messages live: CPU for gloo, the rank's GPU for NCCL. None picks
@@ -192,6 +193,13 @@ class PGTransport(CheckpointTransport[Any]):
             if not callable(getattr(pg, method, None)):
                 raise CheckpointConfigError(
                     f"pg={pg!r} has no {method}() method: pass a torch.distributed process group")
+        if _is_default_group(pg):
+            log.warning(
+                "PGTransport on the default process group (pg=None or group.WORLD): its "
+                "collectives interleave with this transport's messages if anything runs "
+                "on another thread. Pass a group of its own (dist.new_group(backend=\"gloo\")), "
+                "or call send_checkpoint/recv_checkpoint only from the training thread, "
+                "between collectives")
         # (>= 1: a limit of 0 would go on the wire as "not stated")
         max_manifest_bytes = _check_word(max_manifest_bytes, "max_manifest_bytes", 1)
         max_file_bytes = _check_word(max_file_bytes, "max_file_bytes", 1)
@@ -841,6 +849,16 @@ class PGTransport(CheckpointTransport[Any]):
                     f"{label}: rank {rank} is named twice; name each destination once")
             seen.add(rank)
         return [operator.index(r) for r in given]
+
+
+def _is_default_group(pg: Any) -> bool:
+    """Whether ``pg`` is torch.distributed's default group (``group.WORLD``)."""
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized() and pg is dist.group.WORLD)
+    except Exception:
+        return False
 
 
 def _can_poll(work: Any) -> bool:
