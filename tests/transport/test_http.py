@@ -434,6 +434,61 @@ def test_receivers_beyond_max_connections_wait_for_a_slot(transports: Any) -> No
     assert_state(receiving.result(15), state)
 
 
+def test_a_client_that_hangs_up_while_its_step_waits_frees_its_slot(transports: Any) -> None:
+    # The step is offered but not allowed (between quorums): requests wait, up to the
+    # server's 30 s. Clients that give up sooner must not keep their slots meanwhile
+    # (they piled up until every new client got 503 "server full", none connected).
+    srv = transports(token=TOKEN, max_connections=2, timeout=30.0)
+    state = state_of(3)
+    srv.send_checkpoint([1], 3, state, 10.0)
+    srv.disallow_checkpoint()
+    port = port_of(srv)
+    for path in ("/v1/3/manifest.json", f"/v1/3/files/{FILE}", "/v1/current"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+                      .encode())
+            time.sleep(0.3)  # the request is in and waits; then the client hangs up
+    deadline = time.monotonic() + 5.0  # well before the server's 30 s
+    while srv._server._connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not srv._server._connections, "a request whose client hung up kept its slot"
+    # and the slots serve the next clients: waiting, not "server full"
+    waiting = []
+    for _ in range(2):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(f"GET /v1/current HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        waiting.append(s)
+    time.sleep(0.5)
+    srv.allow_checkpoint(3)
+    for s in waiting:
+        reply = s.recv(200)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        s.close()
+    assert_state(fetch(srv, 3, timeout=10.0), state)
+
+
+def test_a_client_that_gives_up_waiting_leaves_the_server_serving_the_next(
+        transports: Any) -> None:
+    # fetches with a shorter timeout than the server's, retried while the step is not
+    # allowed, then one once it is: served, not refused with 503 "server full"
+    srv = transports(token=TOKEN, max_connections=2, timeout=30.0)
+    state = state_of(4)
+    srv.send_checkpoint([1], 3, state, 10.0)
+    srv.disallow_checkpoint()
+    for _ in range(3):
+        with pytest.raises(CheckpointTimeoutError):
+            fetch(srv, 3, timeout=0.5, num_chunks=2)
+    deadline = time.monotonic() + 5.0
+    while srv._server._connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not srv._server._connections
+    client = Background(fetch, srv, 3, timeout=10.0, num_chunks=2)
+    time.sleep(0.3)
+    srv.allow_checkpoint(3)
+    assert_state(client.result(), state)
+
+
 def test_shutdown_ends_every_connection_and_refuses_new_offers() -> None:
     srv = HTTPTransport(token=TOKEN, timeout=30.0)
     srv.send_checkpoint([1], 5, state_of(), 10.0)

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import re
+import select
 import socket
 import threading
 import time
@@ -67,6 +68,7 @@ _CLOSED = "is shutting down"  # the 503 of a request that waited while the serve
 _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
 _BACKOFF_MAX_S = 1.0  # the pauses double up to this
+_HANGUP_CHECK_S = 0.25  # a request waiting for a step checks this often that its client is there
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
@@ -316,29 +318,36 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def _acquire(self, step: int, sock: socket.socket) -> tuple[Served, int] | None:
         """Wait until ``step`` may be served; None when it is not on offer. Returns the
-        offer and the ticket to ``_release``."""
+        offer and the ticket to ``_release``. ``_ClientGone`` when the client on ``sock``
+        hangs up meanwhile."""
         with self._cond:
-            if self._wait_allowed() != step or self._offered is None:
+            if self._wait_allowed(sock) != step or self._offered is None:
                 return None
             ticket = next(self._tickets)
             self._serving[ticket] = (sock, self._offered)
             return self._offered, ticket
 
-    def _wait_allowed(self) -> int:
+    def _wait_allowed(self, sock: socket.socket) -> int:
         """The allowed step, once there is one; TimeoutError after the timeout,
-        CheckpointClosedError once shutdown() has begun. Call with ``self._cond`` held."""
+        CheckpointClosedError once shutdown() has begun, ``_ClientGone`` once the client
+        on ``sock`` has hung up (checked every ``_HANGUP_CHECK_S``: a client that gave
+        up must not keep its connection slot for the rest of the timeout, or slots
+        pile up until the server answers "server full" with nobody connected). Call
+        with ``self._cond`` held."""
         deadline = time.monotonic() + self.timeout_s
         while self._allowed is None:
             self._check_open("serving a request")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            self._cond.wait(left)
+            self._cond.wait(min(left, _HANGUP_CHECK_S))
+            if self._allowed is None and _hung_up(sock):
+                raise _ClientGone
         return self._allowed
 
-    def _allowed_step(self) -> int:
+    def _allowed_step(self, sock: socket.socket) -> int:
         with self._cond:
-            return self._wait_allowed()
+            return self._wait_allowed(sock)
 
     def _release(self, ticket: int) -> None:
         with self._cond:
@@ -500,6 +509,33 @@ class _Server(ThreadingHTTPServer):
             self._slots.release()
 
 
+class _ClientGone(Exception):
+    """The client hung up while its request waited for a step to be allowed."""
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the client on ``sock`` has closed its end (or the connection failed), at
+    once. ``poll``, not ``select``: select fails on descriptors above 1024. A client that
+    sends more (a pipelined request) is still there; one that only shut its sending half
+    reads as gone (an HTTP client does not)."""
+    try:
+        p = select.poll()
+        p.register(sock, select.POLLIN)  # (POLLHUP and POLLERR come unasked)
+        events = p.poll(0)
+    except (OSError, ValueError):  # closed meanwhile
+        return True
+    if not events:
+        return False
+    if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+        return True
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 def _cut(sock: socket.socket) -> None:
     """Shut ``sock`` both ways: its handler's read or send fails at once. (Not closed:
     its handler still owns the descriptor.)"""
@@ -589,10 +625,19 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def _client_gone(self) -> None:
+        """The client hung up while its request waited for a step: answer nothing, and
+        close the connection (its slot comes free)."""
+        log.debug("%s hung up while its request for %s waited for a step to be allowed",
+                  self.address_string(), self.path)
+        self.close_connection = True
+
     def _current(self, tr: HTTPTransport) -> None:
         """The step on offer, once one is allowed: ``{"step": N}``."""
         try:
-            step = tr._allowed_step()
+            step = tr._allowed_step(self.connection)
+        except _ClientGone:
+            return self._client_gone()
         except TimeoutError:
             return self._refuse(503, f"a step {_NOT_ALLOWED} within {tr.timeout_s:g}s")
         except CheckpointClosedError:
@@ -618,6 +663,8 @@ class _Handler(BaseHTTPRequestHandler):
         step, what = int(m.group(1)), m.group(2)
         try:
             got = tr._acquire(step, self.connection)
+        except _ClientGone:
+            return self._client_gone()
         except TimeoutError:
             return self._refuse(503, f"step {step} {_NOT_ALLOWED} within {tr.timeout_s:g}s")
         except CheckpointClosedError:
