@@ -205,6 +205,23 @@ def test_load_of_the_current_step_times_out_clearly(transports: Any) -> None:
         assert time.monotonic() - t0 < 5.0
 
 
+def test_a_fetch_that_runs_out_of_time_waiting_for_a_step_says_so(transports: Any) -> None:
+    # the client gives up first: not a byte was requested, so not "sends too slowly"
+    srv = transports(token=TOKEN, timeout=30.0)
+    srv.send_checkpoint([1], 3, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError) as info:
+        fetch(srv, 3, timeout=1.0)
+    assert time.monotonic() - t0 < 5.0
+    text = str(info.value)
+    assert "did not answer the request for step 3" in text, text
+    assert "not serving that step (not allowed yet, or withdrawn)" in text, text
+    assert "pass a larger timeout" in text and "too slowly" not in text, text
+    with pytest.raises(CheckpointTimeoutError, match="did not say which step it serves"):
+        asyncckpt.load(srv.address(), token=TOKEN, timeout=1.0)
+
+
 # --- tokens ----------------------------------------------------------------------------------
 
 def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transports: Any) -> None:

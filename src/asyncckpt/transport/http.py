@@ -774,6 +774,7 @@ class HTTPStorage:
         self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
         self.max_manifest_bytes = max_manifest_bytes
         self._expired = False
+        self._answered = False  # the peer has answered a request of this fetch
         self._closed = threading.Event()
         self.tensor_bytes_read = False
         """Set once a read of tensor bytes (into the load's targets) has started."""
@@ -804,6 +805,25 @@ class HTTPStorage:
                 f"fetching step {self.step} from {self._peer} did not end within its "
                 f"timeout of {self._deadline_s:g}s: the peer stalls or sends too slowly "
                 "(pass a larger timeout if the state is this large)")
+
+    def _unanswered(self, what: str, slack: float = 0.0) -> None:
+        """Raise the timeout error of a request (``_url``'s ``what``) that was sent and
+        whose answer had not begun when the fetch's deadline passed (or was ``slack``
+        seconds away), the peer having answered none of this fetch's requests: it did
+        not serve the step, rather than sent it too slowly."""
+        if self._answered or not (self._expired or (
+                self._ends_at is not None and time.monotonic() >= self._ends_at - slack)):
+            return
+        if what == "current":
+            raise CheckpointTimeoutError(
+                f"{self._peer} did not say which step it serves within the fetch's timeout "
+                f"of {self._deadline_s:g}s: it allows none (not yet, or it was withdrawn), "
+                "or is stuck; pass a larger timeout to wait longer")
+        raise CheckpointTimeoutError(
+            f"{self._peer} did not answer the request for step {self.step} "
+            f"({self._url(what)}) within the fetch's timeout of {self._deadline_s:g}s: it is "
+            "not serving that step (not allowed yet, or withdrawn), or is stuck; pass a "
+            "larger timeout to wait longer")
 
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
@@ -859,17 +879,24 @@ class HTTPStorage:
             self._check_deadline()
             if time.monotonic() > deadline:
                 break
+            sent = False  # then its answer is awaited: a deadline hit here is no stall
             try:
                 conn = self._conn(fresh=attempt > 0)
                 conn.request(method, self._url(what), headers={**self._headers, **headers})
+                sent = True
                 resp = conn.getresponse()
+                self._answered = True
             except TimeoutError:
+                if sent:  # (the socket's timeout ends with the fetch's: whichever is first)
+                    self._unanswered(what, slack=0.1)
                 self._check_deadline()
                 raise CheckpointTimeoutError(
                     f"{self.host}:{self.port} sent nothing for {self.timeout_s:.0f}s on "
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
                     "is stuck") from None
             except (OSError, http.client.HTTPException) as exc:
+                if sent:  # (the deadline's watchdog cuts the connection: that ends it too)
+                    self._unanswered(what)
                 last, full = exc, False
                 attempt += 1
                 continue
