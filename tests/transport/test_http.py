@@ -300,6 +300,21 @@ def test_malformed_paths_traversal_and_absurd_ranges_get_4xx(transports: Any) ->
     assert status_of(port, "GET", f, {"Range": f"bytes=0-{(1 << 20) - 1}"}) == 206
 
 
+def test_a_request_for_another_step_is_told_which_step_is_served(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"step 3 is not being served \(step 5 is\): fetch step 5, or ask "
+                             "/v1/current"):
+        fetch(srv, 3)
+    with srv._cond:  # (allowed, but withdrawn meanwhile: a moment's state)
+        srv._offered = None
+    reply = raw_request(port_of(srv), f"GET /v1/3/manifest.json HTTP/1.1\r\nAuthorization: "
+                        f"Bearer {TOKEN}\r\n\r\n".encode())
+    assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
+    assert reply.endswith(b"step 3 is not being served: no step is on offer"), reply
+
+
 def test_a_file_larger_than_max_range_bytes_can_be_fetched(transports: Any) -> None:
     srv = transports(token=TOKEN, max_range_bytes=8 << 20)
     state = state_of(3, n=3 << 20)  # a 12 MiB file, fetched in pieces

@@ -316,13 +316,16 @@ class HTTPTransport(CheckpointTransport[Any]):
             served.close()
         threading.Thread(target=close, daemon=True).start()
 
-    def _acquire(self, step: int, sock: socket.socket) -> tuple[Served, int] | None:
-        """Wait until ``step`` may be served; None when it is not on offer. Returns the
-        offer and the ticket to ``_release``. ``_ClientGone`` when the client on ``sock``
-        hangs up meanwhile."""
+    def _acquire(self, step: int, sock: socket.socket) -> tuple[Served, int] | int | None:
+        """Wait until ``step`` may be served. Returns the offer and the ticket to
+        ``_release``; or the step that is served instead, None when nothing is on offer.
+        ``_ClientGone`` when the client on ``sock`` hangs up meanwhile."""
         with self._cond:
-            if self._wait_allowed(sock) != step or self._offered is None:
+            allowed = self._wait_allowed(sock)
+            if self._offered is None:
                 return None
+            if allowed != step:
+                return allowed
             ticket = next(self._tickets)
             self._serving[ticket] = (sock, self._offered)
             return self._offered, ticket
@@ -670,7 +673,10 @@ class _Handler(BaseHTTPRequestHandler):
         except CheckpointClosedError:
             return self._refuse(503, f"the server {_CLOSED}")
         if got is None:
-            return self._refuse(404, f"step {step} is not being served")
+            return self._refuse(404, f"step {step} is not being served: no step is on offer")
+        if isinstance(got, int):
+            return self._refuse(404, f"step {step} is not being served (step {got} is): fetch "
+                                f"step {got}, or ask {_CURRENT} for the step on offer")
         served, ticket = got
         try:
             if what == MANIFEST_NAME:
