@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import copy
 import json
 import os
 import random
@@ -154,7 +155,9 @@ def _dumps(v: Any) -> bytes:
 
 
 def hostile(rng: random.Random) -> Any:
-    v = rng.choice(HOSTILE)
+    # A copy: a later mutation of the same document may edit inside the value put there
+    # (HOSTILE holds lists and dicts), which must not change HOSTILE for the next case.
+    v = copy.deepcopy(rng.choice(HOSTILE))
     if rng.random() < 0.1:  # deep nesting
         depth = rng.choice([50, 250, 450])
         for _ in range(depth):
