@@ -1630,14 +1630,16 @@ def test_wait_staged_of_a_save_that_failed_first_raises_why(tmp_path: Path) -> N
 def test_the_collector_runs_while_a_save_writes_and_a_load_calls_user_code(
         tmp_path: Path) -> None:
     """The cyclic collector is paused only over the bursts of small objects (flattening,
-    the layout, planning): not over the write of a sync save, nor over the user's
-    load_state_dict, which may make cycles of its own."""
+    the layout, planning, the copy): not over the write a sync save waits for, nor over
+    the user's load_state_dict, which may make cycles of its own."""
     seen: dict[str, bool] = {}
 
     class Recording(LocalStorage):
         def write_arena(self, *args: Any, **kw: Any) -> Any:
+            out = super().write_arena(*args, **kw)
+            time.sleep(0.5)  # (the copy of a few bytes is long over: save() waits)
             seen["write"] = gc.isenabled()
-            return super().write_arena(*args, **kw)
+            return out
 
     class Obj:
         def state_dict(self) -> dict[str, Any]:
@@ -1651,3 +1653,22 @@ def test_the_collector_runs_while_a_save_writes_and_a_load_calls_user_code(
         ckpt.save({"obj": Obj(), "w": torch.ones(3)}, 1)
         ckpt.load({"obj": Obj(), "w": torch.zeros(3)})
     assert seen == {"write": True, "load_state_dict": True}
+
+
+def test_the_collector_runs_while_a_save_waits_for_the_previous_one(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        storage.gate.clear()  # step 1's write waits
+        ckpt.save_async({"w": torch.ones(4)}, 1)
+        seen: list[bool] = []
+
+        def sample_then_open() -> None:
+            time.sleep(0.5)  # the next save_async is waiting for step 1 by now
+            seen.append(gc.isenabled())
+            storage.gate.set()
+
+        sampler = threading.Thread(target=sample_then_open)
+        sampler.start()
+        ckpt.save_async({"w": torch.ones(4)}, 2).wait()
+        sampler.join()
+        assert seen == [True] and ckpt.steps() == [1, 2]
