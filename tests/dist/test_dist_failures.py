@@ -236,11 +236,17 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     return out
 
 
+def _two_ranks_ran(tmp_path_factory: pytest.TempPathFactory, name: str,
+                   worker: str) -> dict[int, dict[str, Any]]:
+    """Each rank's result of ``worker`` run by two ranks on a fresh root."""
+    base = tmp_path_factory.mktemp(name)
+    runs = run_ranks(MODULE, worker, 2, base / "run", args={"root": str(base / "ck")})
+    return {r: run.result for r, run in runs.items()}
+
+
 @pytest.fixture(scope="module")
 def raising(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    base = tmp_path_factory.mktemp("dist_raise")
-    runs = run_ranks(MODULE, "raising_worker", 2, base / "run", args={"root": str(base / "ck")})
-    return {r: run.result for r, run in runs.items()}
+    return _two_ranks_ran(tmp_path_factory, "dist_raise", "raising_worker")
 
 
 def _assert_all_failed_promptly(res: dict[int, dict[str, Any]], name: str,
@@ -700,9 +706,7 @@ def liveness_worker(ctx: RankCtx) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def liveness(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    base = tmp_path_factory.mktemp("dist_live")
-    runs = run_ranks(MODULE, "liveness_worker", 2, base / "run", args={"root": str(base / "ck")})
-    return {r: run.result for r, run in runs.items()}
+    return _two_ranks_ran(tmp_path_factory, "dist_live", "liveness_worker")
 
 
 @pytest.mark.parametrize("step,failing", [(1, 1), (3, 0)])
