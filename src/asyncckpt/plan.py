@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._gc import gc_paused
 from .boxes import Box, box_byte_span, intersect, row_major_strides, tiling_problem
 from .manifest import Chunk, HeaderEntry, Manifest, align_up, encode_header
 from .tree import dtype_name
@@ -155,8 +156,14 @@ class ReadItem:
 def plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[ReadItem]:
     """Plan the reads that fill each wanted box (``None`` means the whole tensor).
 
-    Items come in file and byte order so that reads stay sequential.
+    Items come in file and byte order so that reads stay sequential. Thousands of small
+    objects in a burst: the cyclic collector is paused meanwhile (see gc_paused).
     """
+    with gc_paused():
+        return _plan_reads(manifest, wanted)
+
+
+def _plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[ReadItem]:
     items: list[ReadItem] = []
     for key, box in wanted.items():
         entry = manifest.tensors[key]

@@ -124,8 +124,7 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     file and tensor on any mismatch.
     """
     boxes = boxes or {}
-    with gc_paused():  # thousands of small objects, a burst
-        items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+    items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     # Every file this load reads must exist, have its manifest size and its header: only
     # then are fresh tensors allocated, so a forged manifest cannot make us allocate more
     # than the files really hold. Only those it reads: a rank wanting one box of a
@@ -146,8 +145,7 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     plan, where the caller made it already)."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
     if items is None:
-        with gc_paused():
-            items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
+        items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
