@@ -261,11 +261,7 @@ class AsyncCheckpointer:
                        if self.config.keep_last else "")
                     + ". If the later steps belong to a run you rolled back, move them out of "
                     "the directory (or save into a new one)")
-            if (self.directory / commit.step_dir_name(step)).exists():
-                raise CheckpointExistsError(
-                    f"{self.directory / commit.step_dir_name(step)} exists but holds no "
-                    "manifest.json, so it is not a committed checkpoint (an interrupted copy?); "
-                    "remove or rename it, or save under a new step number")
+            commit.check_step_free(self.directory, step, self.storage)  # (before any write)
             # Flattening, the layout exchange, planning and staging make thousands of
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:

@@ -181,25 +181,33 @@ class CommittedNotDurableError(CheckpointSaveError):
         self.final = final
 
 
+def check_step_free(root: Path, step: int, storage: ReadStorage) -> Path:
+    """The directory ``step`` would be committed to; CheckpointExistsError when something
+    is there already: the step committed, or a directory without a manifest (which a
+    rename would silently replace if it were empty)."""
+    final = root / step_dir_name(step)
+    if final.name not in storage.listdir(root):
+        return final
+    try:
+        committed = MANIFEST_NAME in storage.listdir(final)
+    except NotADirectoryError:
+        committed = False
+    if committed:
+        raise CheckpointExistsError(
+            f"step {step} is already committed at {final}; save under a new step number or "
+            "delete that directory first")
+    raise CheckpointExistsError(
+        f"{final} is in the way of step {step}'s commit: it holds no {MANIFEST_NAME}, so it "
+        "is no committed step (a copy cut short or a hand edit?); move or delete it, or save "
+        "under a new step number")
+
+
 def commit(tmp: Path, root: Path, step: int, storage: Storage,
            before_rename: Callable[[], None] | None = None) -> Path:
     """Make ``tmp`` (fully written and fsync'd) visible as the step's directory.
 
     ``before_rename`` runs just before the commit point; raising there aborts it."""
-    final = root / step_dir_name(step)
-    if final.name in storage.listdir(root):
-        try:
-            committed = MANIFEST_NAME in storage.listdir(final)
-        except NotADirectoryError:
-            committed = False
-        if committed:
-            raise CheckpointExistsError(
-                f"step {step} is already committed at {final}; save under a new step number "
-                "or delete that directory first")
-        raise CheckpointExistsError(
-            f"{final} is in the way of step {step}'s commit: it holds no {MANIFEST_NAME}, so "
-            "it is no committed step (a copy cut short or a hand edit?); move or delete it, "
-            "or save under a new step number")
+    final = check_step_free(root, step, storage)
     storage.fsync_dir(tmp)
     if before_rename is not None:
         before_rename()
