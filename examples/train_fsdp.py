@@ -38,6 +38,11 @@ Without torchrun (``python examples/train_fsdp.py ...``) it runs as a group of o
 ``--kill-at K``: rank 0 sends itself SIGKILL right after step K (a crash; a save may
 be in flight); torchrun then tears down the other ranks.
 
+Preemption: SIGTERM to any rank (a scheduler's notice; ``--term-at K`` makes the last
+rank send it to itself during step K) is noted by ``asyncckpt.PreemptionWatch``; at the
+end of that step every rank learns of it through ``should_stop()``, they save that step
+synchronously, print ``preempted STEP`` and exit 0. A later run resumes from it.
+
 Output (rank 0): ``resume STEP SAVED_WORLD WORLD`` when resuming, ``loss STEP VALUE``
 per step (the global-batch loss, repr of the float), ``saved STEP`` as each save is
 started, and ``done STEP`` at the end.
@@ -138,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=5, help="save every N steps")
     p.add_argument("--kill-at", type=int, default=None,
                    help="rank 0 SIGKILLs itself after this step (simulated crash)")
+    p.add_argument("--term-at", type=int, default=None,
+                   help="the last rank SIGTERMs itself during this step (simulated preemption)")
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args(argv)
     if args.steps < 1 or args.every < 1:
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"world size {world} does not divide the global batch {GLOBAL_BATCH}")
     model, opt = build(world, args.lr)
     ckpt = asyncckpt.AsyncCheckpointer(args.dir, keep_last=2)
+    preempt = asyncckpt.PreemptionWatch().install()  # SIGTERM: save at the step's end
     try:
         start = resume(ckpt, model, opt, rank, world)
         if start >= args.steps and rank == 0:
@@ -168,15 +176,25 @@ def main(argv: list[str] | None = None) -> int:
             total = loss.detach().clone()
             dist.all_reduce(total)
             emit(rank, "loss", step, repr(total.item() / world))
+            if args.term_at is not None and step == args.term_at and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if preempt.should_stop():  # every rank, every step: did any rank get SIGTERM?
+                ckpt.wait()  # a save in flight commits first
+                if ckpt.latest_step() != step:
+                    ckpt.save(state_of(model, opt, step), step)  # durable when it returns
+                emit(rank, "preempted", step)
+                break
             if step % args.every == 0 or step == args.steps:
                 # returns once the shards are copied out; the files are written meanwhile
                 ckpt.save_async(state_of(model, opt, step), step)
                 emit(rank, "saved", step)
             if args.kill_at is not None and step == args.kill_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-        ckpt.wait()
-        emit(rank, "done", max(start, args.steps))
+        else:
+            ckpt.wait()
+            emit(rank, "done", max(start, args.steps))
     finally:
+        preempt.uninstall()
         ckpt.close()
     dist.destroy_process_group()
     return 0

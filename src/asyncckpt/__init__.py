@@ -37,6 +37,7 @@ from .loader import ShardMetadata
 from .loader import check_fallback as _check_fallback
 from .loader import check_threads as _check_threads
 from .loader import load_from as _load_from
+from .preemption import PreemptionWatch
 from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
 from .writer import CheckpointFuture, CheckpointInfo
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "CheckpointTransportError",
     "CheckpointerConfig",
+    "PreemptionWatch",
     "RNGState",
     "ShardMetadata",
     "StateMismatchError",

@@ -159,3 +159,23 @@ def test_resume_at_world_size(world: int, runs: dict[str, object], tmp_path: Pat
     for name, t in exported.items():
         assert torch.equal(t, got["model/" + name]), name
         assert torch.allclose(t, want["model/" + name], rtol=RTOL, atol=ATOL), name
+
+
+def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
+        runs: dict[str, object], tmp_path: Path) -> None:
+    ref = runs["ref"]
+    assert isinstance(ref, Run)
+    term_at = EVERY + 2  # not a save step: the preempted save is the only one of it
+    directory = tmp_path / "preempted"
+    run = torchrun(2, directory, "--term-at", str(term_at))
+    assert run.rc == 0, run.describe()
+    assert f"preempted {term_at}" in run.out.splitlines() and run.done is None, run.describe()
+    assert max(run.losses) == term_at, run.describe()  # stopped at the end of that step
+    assert asyncckpt.AsyncCheckpointer(directory).steps() == [EVERY, term_at]
+    assert asyncckpt.load(directory)["step"] == term_at
+
+    resumed = torchrun(2, directory)
+    assert resumed.rc == 0 and resumed.resumed == (term_at, 2, 2), resumed.describe()
+    assert resumed.done == STEPS
+    for s, loss in {**run.losses, **resumed.losses}.items():
+        assert loss == ref.losses[s], (s, loss, ref.losses[s])
