@@ -821,3 +821,23 @@ def test_a_module_state_key_the_target_module_lacks(tmp_path: Path) -> None:
     dst2 = _WithExtra(2, 2)  # and the module that has it gets it
     asyncckpt.load(tmp_path, {"m": dst2})
     assert dst2.extra == {"version": 3}
+
+
+def test_non_strict_keeps_a_target_value_the_checkpoint_has_no_match_for(ckpt):
+    # the checkpoint holds containers or scalars where the target holds tensors (or None):
+    # strict loads refuse; strict=False keeps the target's values instead of replacing
+    # them with emptied containers or the checkpoint's scalar
+    ckpt.save({"a": {"x": torch.ones(2)}, "b": [torch.ones(2)], "c": {"x": torch.ones(2), "n": 3},
+               "d": 5, "e": None, "ema": {"w": torch.ones(2)}, "keep": torch.ones(1)}, 1)
+    ta, tb, tc, td, te = (torch.zeros(2) for _ in range(5))
+    keep = torch.zeros(1)
+    state = {"a": ta, "b": tb, "c": tc, "d": td, "e": te, "ema": None, "keep": keep}
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load(dict(state))
+    assert {"a", "b", "c", "d", "e"} <= set(info.value.missing), info.value
+    out = ckpt.load(state, strict=False)
+    assert out is state
+    for k, t in (("a", ta), ("b", tb), ("c", tc), ("d", td), ("e", te)):
+        assert out[k] is t and torch.equal(t, torch.zeros(2)), k
+    assert out["ema"] is None
+    assert out["keep"] is keep and torch.equal(keep, torch.ones(1))

@@ -521,7 +521,12 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     t = node["t"]
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
-    if t in ("tensor", "ndarray", "npscalar"):
+    if t not in _ARRAY_NODES and isinstance(target, (torch.Tensor, np.ndarray)):
+        # strict loads refused this (the target's array is missing from the checkpoint);
+        # strict=False keeps the target's value rather than drop it for a container or
+        # scalar that held nothing the target asked for
+        return target
+    if t in _ARRAY_NODES:
         if path in flat.loaded_in_place and isinstance(target, (torch.Tensor, np.ndarray)):
             # its data (a DTensor's local shard, an array's memory) was loaded; it keeps
             # its own kind even where the checkpoint's was the other (tensor vs array)
@@ -542,8 +547,11 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
                 elif _all_present(child, tensors):
                     target[k] = restore_into(None, child, tensors, join_path(path, k), flat)
             return target
-        return {k: restore_into(None, c, tensors, join_path(path, k), flat)
-                for k, c in node["items"] if _all_present(c, tensors)}
+        fresh = {k: restore_into(None, c, tensors, join_path(path, k), flat)
+                 for k, c in node["items"] if _all_present(c, tensors)}
+        # every entry skipped (strict=False: the target had no place for them): keep the
+        # target's own value (a None, say) rather than put an empty dict in its place
+        return target if node["items"] and not fresh else fresh
     if t in ("list", "tuple"):
         items = node["items"]
         old = list(target) if isinstance(target, (list, tuple)) else []
@@ -556,11 +564,16 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             values.append(restore_into(None, items[i], tensors, join_path(path, i), flat))
         if len(old) > len(items) and _holds_arrays(flat, path, len(items)):
             values += old[len(items):]  # the checkpoint lacks them: strict=False keeps them
+        if items and not values and not isinstance(target, (list, tuple)):
+            return target  # as for dicts: all skipped, the target keeps its value
         if t == "list" and isinstance(target, list):
             target[:] = values
             return target
         return values if t == "list" else tuple(values)
     return scalar_value(node)
+
+
+_ARRAY_NODES = ("tensor", "ndarray", "npscalar")
 
 
 def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
