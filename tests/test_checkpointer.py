@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -919,6 +920,22 @@ def test_fallback_loads_the_newest_intact_step(tmp_path: Path) -> None:
     (tmp_path / "step_000000001/manifest.json").write_text("{}")
     with pytest.raises(asyncckpt.CheckpointCorruptError, match="no intact checkpoint"):
         asyncckpt.load(tmp_path, fallback=True)
+
+
+def test_a_newer_format_stops_a_fallback_load_instead_of_rolling_back(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(make_state(step), step=step)
+        man = ckpt.manifest(2)
+    (tmp_path / "step_000000002" / MANIFEST_NAME).write_bytes(
+        dataclasses.replace(man, format_version=man.format_version + 1).to_json())
+    for load in (lambda: asyncckpt.load(tmp_path, fallback=True),
+                 lambda: asyncckpt.load(tmp_path)):
+        with pytest.raises(asyncckpt.CheckpointVersionError, match="upgrade") as info:
+            load()
+        assert not isinstance(info.value, asyncckpt.CheckpointCorruptError)
+        assert info.value.path == str(tmp_path / "step_000000002" / MANIFEST_NAME)
+    assert asyncckpt.load(tmp_path, step=1)["train"]["step"] == 1
 
 
 def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:

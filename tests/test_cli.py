@@ -224,6 +224,17 @@ def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1 and "does not end with its digest" in out
 
 
+def test_verify_of_a_newer_format_is_no_verdict_of_corruption(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step_dir = root / "step_000000030"
+    m = read_manifest(step_dir, LocalStorage())
+    (step_dir / "manifest.json").write_bytes(
+        dataclasses.replace(m, format_version=m.format_version + 1).to_json())
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 2, (out, err)  # could not tell: not 1 (corrupt), which says "roll back"
+    assert "CORRUPT" not in out and "upgrade asyncckpt" in err and "not damaged" in err
+
+
 def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # datetime cannot show it: the manifest is refused as corrupt, and nothing crashes
     step_dir = root / "step_000000030"

@@ -18,7 +18,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncckpt import CheckpointCorruptError
+from asyncckpt import CheckpointCorruptError, CheckpointVersionError
 from asyncckpt.manifest import (
     _NUMPY_DTYPES,
     _STORABLE_DTYPES,
@@ -319,7 +319,6 @@ def _deep_skeleton_text(depth):
 CORRUPTIONS = {
     "wrong-format-name": _set(["format"], "safetensors"),
     "missing-format": lambda d: d.pop("format"),
-    "newer-version": _set(["format_version"], FORMAT_VERSION + 1),
     "version-zero": _set(["format_version"], 0),
     "version-string": _set(["format_version"], "1"),
     "unknown-checksum": _set(["checksum", "algorithm"], "md5"),
@@ -474,8 +473,9 @@ def test_deep_but_valid_skeleton_within_limits_is_accepted():
 def test_newer_version_message_says_to_upgrade():
     doc = good_doc()
     doc["format_version"] = 99
-    with pytest.raises(CheckpointCorruptError, match="upgrade"):
+    with pytest.raises(CheckpointVersionError, match="upgrade") as info:
         parse_doc(doc)
+    assert not isinstance(info.value, CheckpointCorruptError)  # not damaged: no fallback
 
 
 def test_dtype_error_names_the_tensor():

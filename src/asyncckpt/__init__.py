@@ -30,6 +30,7 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    CheckpointVersionError,
     StateMismatchError,
     UnsupportedLeafError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointTimeoutError",
     "CheckpointTransportError",
+    "CheckpointVersionError",
     "CheckpointerConfig",
     "PreemptionWatch",
     "RNGState",

@@ -42,6 +42,18 @@ class CheckpointPermissionError(CheckpointError, PermissionError):
         return str(self.args[0])
 
 
+class CheckpointVersionError(CheckpointError, ValueError):
+    """A checkpoint was written in a newer format than this library reads: it is not
+    corrupt (a fallback load stops here rather than skip to an older step); upgrade.
+
+    ``path`` names the manifest.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
 class CheckpointInFlightError(CheckpointError, RuntimeError):
     """A save was asked for while another is still in flight and ``on_busy="error"``."""
 

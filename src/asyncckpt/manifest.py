@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from .boxes import tiling_problem
-from .errors import CheckpointConfigError, CheckpointCorruptError
+from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointVersionError
 from .tree import RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
@@ -341,9 +341,10 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         raise c.fail(f"format is {doc.get('format')!r:.40}, expected {FORMAT_NAME!r}")
     version = c.int_(doc.get("format_version"), "format_version", lo=1)
     if version > FORMAT_VERSION:
-        raise CheckpointCorruptError(
-            f"{path}: format version {version} is newer than this library understands "
-            f"({FORMAT_VERSION}); upgrade asyncckpt", path=path)
+        raise CheckpointVersionError(
+            f"{path}: format version {version} is newer than this library reads "
+            f"({FORMAT_VERSION}): the checkpoint is not damaged; upgrade asyncckpt to load "
+            "it", path=path)
     cs = c.obj(doc.get("checksum"), "checksum")
     if cs.get("algorithm") != CHECKSUM_ALGORITHM:
         raise c.fail(f"unknown checksum algorithm {cs.get('algorithm')!r:.40}")
