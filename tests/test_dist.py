@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import asyncckpt
 from _faults import StuckCommit
-from _ranks import in_threads
+from _ranks import all_ok, in_threads
 from asyncckpt import AsyncCheckpointer, ShardMetadata
 from asyncckpt.dist import DistContext
 from asyncckpt.errors import (
@@ -387,3 +387,75 @@ def test_an_interrupt_in_the_commit_stays_an_interrupt(tmp_path: Path) -> None:
     (tmp / "manifest.json").write_text("{}")
     with pytest.raises(KeyboardInterrupt):
         commit.commit(tmp, tmp_path, 2, StuckCommit(tmp_path, interrupt=True))
+
+
+# --- load(fallback=True) in a group: one verdict per step for every rank ------------------
+
+def _save_two_sharded_steps(tmp_path: Path, store: Any) -> None:
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=10) as ck:
+            for step in (1, 2):
+                w = torch.full((4,), float(10 * step + r))  # rows 4r..4r+3 of 8
+                ck.save({"w": w, "step": step}, step=step,
+                        shards={"w": ShardMetadata((8,), (4 * r,))})
+    all_ok(in_threads(rank))
+
+
+def _damage_rank1_part_of_step2(tmp_path: Path) -> None:
+    step_dir = tmp_path / "step_000000002"
+    m = asyncckpt.AsyncCheckpointer(tmp_path).manifest(2)
+    chunk = next(c for c in m.tensors["w"].chunks if c.offsets == (4,))
+    with open(step_dir / chunk.file, "r+b") as f:
+        f.seek(chunk.byte_range[0])
+        f.write(b"\xff\xff\xff\xff")
+
+
+def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path: Path) -> None:
+    """Only rank 1's rows of step 2 are damaged: rank 0 alone would load step 2, rank 1
+    step 1, and the model would be stitched from two steps. All fall back together."""
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+    _damage_rank1_part_of_step2(tmp_path)
+
+    def rank(r: int) -> tuple[int, list[float]]:
+        w = torch.zeros(4)
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=10) as ck:
+            got = ck.load({"w": w, "step": 0}, fallback=True,
+                          shards={"w": ShardMetadata((8,), (4 * r,))})
+        assert got["w"] is w
+        return got["step"], w.tolist()
+
+    out = all_ok(in_threads(rank))
+    assert out == {0: (1, [10.0] * 4), 1: (1, [11.0] * 4)}, out
+    # twice in a row pairs again (the second load's verdicts are its own)
+    assert all_ok(in_threads(rank)) == out
+
+
+def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    def rank(r: int) -> Any:
+        w = torch.zeros(4, dtype=torch.float32 if r == 0 else torch.float64)  # rank 1: wrong
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            return ck.load({"w": w, "step": 0}, fallback=True,
+                           shards={"w": ShardMetadata((8,), (4 * r,))})
+
+    t0 = time.monotonic()
+    out = in_threads(rank)
+    assert isinstance(out[1], asyncckpt.StateMismatchError), out
+    assert isinstance(out[0], CheckpointError) and "failed on rank 1" in str(out[0]), out
+    assert time.monotonic() - t0 < 20  # told, not timed out
+
+
+def test_a_group_fallback_load_on_one_rank_alone_times_out_naming_the_other(
+        tmp_path: Path) -> None:
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+    with AsyncCheckpointer(tmp_path, rank=0, world_size=2, store=store, timeout_s=1) as ck, \
+            pytest.raises(CheckpointTimeoutError, match=r"every rank must call it") as info:
+        ck.load(fallback=True)
+    assert info.value.ranks == (1,)

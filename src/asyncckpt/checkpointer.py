@@ -534,8 +534,10 @@ class AsyncCheckpointer:
             # ... nor that of the coordinator of the group, should this rank not be it
             shared = self._ctx.hold_step(held)
             if fallback and step is None:
+                # in a group, every rank's verdict counts: all end on the same step
+                agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                          shards=shards, threads=threads)
+                                          shards=shards, threads=threads, agree=agree)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict, verify=verify,

@@ -231,6 +231,17 @@ class DistContext:
         with contextlib.suppress(Exception):
             self.store.delete_key(self._retiring_key(step))
 
+    # --- a fallback load on every rank: one verdict per step for the whole group ----------
+
+    def fallback_agreement(self) -> FallbackAgreement:
+        """For a ``fallback=True`` load in a group: each rank reads (and verifies) only
+        its own boxes, so one rank may find a step damaged that the others loaded. The
+        ranks post their verdict on each step they try and all fall back together."""
+        # Counted in the Store, not in this process: a restart with a fresh Store starts
+        # over, and a replaced rank does not pair with a survivor's old count.
+        n = self.store.add(f"asyncckpt/fallback/{self._base()}/count/{self.rank}", 1)
+        return FallbackAgreement(self, f"asyncckpt/fallback/{self._base()}/{n}")
+
     def why_absent(self, ranks: Sequence[int], seq: int) -> str:
         """What ``ranks``, which never posted their layout for save number ``seq`` of
         this namespace, are doing instead, as far as the Store tells: for an error."""
@@ -823,3 +834,48 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
             "held by exactly one box of the ranks' declared shards")
+
+
+@dataclass
+class FallbackAgreement:
+    """The verdicts of one group fallback load, attempt by attempt (see DistContext)."""
+
+    ctx: DistContext
+    prefix: str
+
+    def __call__(self, attempt: int, step: int, problem: str | None,
+                 failed: bool = False) -> list[tuple[int, str]]:
+        """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;
+        ``failed``: it raised something no fallback answers) and wait for every rank's.
+        Returns the other ranks that found the step damaged, with what they found.
+
+        Raises:
+            CheckpointError: another rank failed otherwise, or tried another step.
+            CheckpointTimeoutError: a rank did not post within the timeout (it did not
+                call load(fallback=True), or is stuck).
+        """
+        ctx = self.ctx
+        ctx.store.set(f"{self.prefix}/{attempt}/{ctx.rank}",
+                      json.dumps({"step": step, "problem": problem, "failed": failed}))
+        if failed:
+            return []
+        keys = {r: f"{self.prefix}/{attempt}/{r}" for r in range(ctx.world_size)}
+        ctx.wait_keys(keys, f"the ranks' verdicts on step {step} of a load with fallback=True "
+                            "(in a group every rank must call it)")
+        bad = []
+        for r in range(ctx.world_size):
+            if r == ctx.rank:
+                continue
+            got = json.loads(ctx.store.get(keys[r]))
+            if got["step"] != step:
+                raise CheckpointError(
+                    f"rank {ctx.rank}: load(fallback=True) under {ctx.directory}: rank {r} "
+                    f"tried step {got['step']} where this rank tried step {step}: the ranks "
+                    "see different committed steps (a directory that is not shared?)")
+            if got["failed"]:
+                raise CheckpointError(
+                    f"rank {ctx.rank}: load(fallback=True) of step {step} failed on rank {r}: "
+                    f"{got['problem']}")
+            if got["problem"] is not None:
+                bad.append((r, str(got["problem"])))
+        return bad

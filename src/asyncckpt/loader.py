@@ -7,11 +7,12 @@ chunks intersect it: the world size or layout it was saved with does not matter.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from ._gc import gc_paused
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     StateMismatchError,
 )
@@ -155,8 +157,11 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
 
 def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
                        shards: Mapping[str, ShardMetadata] | None = None,
-                       threads: int | None = None) -> Any:
+                       threads: int | None = None, agree: Agreement | None = None) -> Any:
     """Load the newest committed step that verifies, newest first.
+
+    ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
+    on the same step even when only one rank's boxes are damaged.
 
     Raises CheckpointCorruptError listing every step that failed when none is intact.
     """
@@ -169,20 +174,43 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
     failures = []
-    for step in reversed(steps):
+    for attempt, step in enumerate(reversed(steps)):
         step_dir = root / commit.step_dir_name(step)
+        problem: CheckpointError | None = None
         try:
-            return load_from(step_dir, state, storage, strict=strict, verify=True,
-                             shards=shards, threads=threads)
+            result = load_from(step_dir, state, storage, strict=strict, verify=True,
+                               shards=shards, threads=threads)
         except CheckpointCorruptError as exc:
-            log.warning("step %d under %s is corrupt (%s); trying an older step", step, root,
-                        exc)
-            failures.append(f"step {step}: {exc}")
+            problem = exc
         except CheckpointNotFoundError as exc:  # retention deleted it while it was read
-            log.warning("step %d under %s is gone (%s); trying an older step", step, root, exc)
-            failures.append(f"step {step}: {exc}")
+            problem = exc
+        except BaseException as exc:  # no fallback answers it: the other ranks stop too
+            if agree is not None:
+                with contextlib.suppress(Exception):
+                    agree(attempt, step, f"{type(exc).__name__}: {exc}", failed=True)
+            raise
+        others = [] if agree is None else agree(
+            attempt, step, None if problem is None else str(problem))
+        if problem is None and not others:
+            return result
+        if problem is not None:
+            gone = isinstance(problem, CheckpointNotFoundError)
+            log.warning("step %d under %s is %s (%s); trying an older step", step, root,
+                        "gone" if gone else "corrupt", problem)
+            failures.append(f"step {step}: {problem}")
+        for r, what in others:
+            log.warning("step %d under %s: rank %d could not load it (%s); every rank tries "
+                        "an older step", step, root, r, what)
+            failures.append(f"step {step} on rank {r}: {what}")
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
+
+
+class Agreement(Protocol):
+    """A group's verdict on one step of a fallback load (see dist.FallbackAgreement)."""
+
+    def __call__(self, attempt: int, step: int, problem: str | None,
+                 failed: bool = False) -> list[tuple[int, str]]: ...
 
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
