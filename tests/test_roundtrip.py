@@ -786,16 +786,32 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused(tmp_path: Path)
 
 def test_load_state_dict_refusals_are_state_mismatches_naming_the_object(
         tmp_path: Path) -> None:
-    """An optimizer whose param groups changed between runs raised torch's ValueError."""
+    """A stateful's own refusal (torch's ValueError, say) becomes a StateMismatchError
+    naming the object; an optimizer whose param groups changed is refused before that,
+    before any read (test_optimizer_with_other_param_groups_is_refused_before_any_read)."""
+
+    class Picky:
+        def state_dict(self) -> dict[str, Any]:
+            return {"n": 1}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            raise ValueError("n must be 2")
+
+    asyncckpt.save({"obj": Picky()}, tmp_path)
+    for strict in (True, False):
+        with pytest.raises(asyncckpt.StateMismatchError,
+                           match=r"obj \(Picky\)\.load_state_dict refused.*n must be 2"):
+            asyncckpt.load(tmp_path, {"obj": Picky()}, strict=strict)
     m = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD([{"params": [m.weight]}, {"params": [m.bias], "weight_decay": 0.0}])
-    asyncckpt.save({"model": m, "optim": opt}, tmp_path)
+    asyncckpt.save({"model": m, "optim": opt}, tmp_path / "opt")
     m2 = torch.nn.Linear(2, 2)
     for strict in (True, False):
         with pytest.raises(asyncckpt.StateMismatchError,
-                           match=r"optim \(SGD\)\.load_state_dict refused.*parameter groups"):
-            asyncckpt.load(tmp_path, {"model": m2, "optim": torch.optim.SGD(m2.parameters())},
-                           strict=strict)
+                           match=r"optim: the checkpoint's optimizer has parameter groups of "
+                                 r"\[1, 1\] parameters, the target's \[2\]"):
+            asyncckpt.load(tmp_path / "opt", {"model": m2, "optim": torch.optim.SGD(
+                m2.parameters())}, strict=strict)
 
 
 class _WithExtra(torch.nn.Linear):
@@ -841,3 +857,26 @@ def test_non_strict_keeps_a_target_value_the_checkpoint_has_no_match_for(ckpt):
         assert out[k] is t and torch.equal(t, torch.zeros(2)), k
     assert out["ema"] is None
     assert out["keep"] is keep and torch.equal(keep, torch.ones(1))
+
+
+def test_optimizer_with_other_param_groups_is_refused_before_any_read(ckpt):
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt.save({"model": model, "optim": opt}, 1)
+    other = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    before = [p.detach().clone() for p in other.parameters()]
+    two_groups = torch.optim.AdamW([{"params": other[0].parameters()},
+                                    {"params": other[1].parameters(), "lr": 0.01}])
+    with pytest.raises(StateMismatchError, match=r"groups of \[4\] parameters, the target's "
+                                                 r"\[2, 2\]") as info:
+        ckpt.load({"model": other, "optim": two_groups})
+    assert info.value.mismatched == ["optim: the checkpoint's optimizer has parameter groups "
+                                     "of [4] parameters, the target's [2, 2]"]
+    # refused before reading: the model was not loaded either (no half-loaded state)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    same = torch.optim.AdamW(other.parameters(), lr=0.1)
+    ckpt.load({"model": other, "optim": same})
+    assert torch.equal(same.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])

@@ -239,6 +239,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # dict keys whose type differs (1 vs "1" name one path, but are not one key)
     _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
                        mismatched, unexpected)
+    _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
     readonly, overlapping = [], []
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
@@ -405,6 +406,41 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
         # the checkpoint's value would replace the target's container, and all it holds
         mismatched.append(f"{path or '<root>'}: the checkpoint holds {_a(saved['t'])}, the "
                           f"target {_a(want['t'])}")
+
+
+def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: list[str],
+                          mismatched: list[str]) -> None:
+    """An optimizer's load_state_dict refuses a checkpoint with other parameter groups,
+    but only after the tensors before it were loaded in place: say so before any read."""
+    for path in lenient:
+        obj = target.statefuls[path][0]
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        node = _node_at(skeleton, path)
+        groups = None if node is None else _node_at(node, "param_groups")
+        if groups is None or groups["t"] not in _SEQUENCES:
+            continue  # not an optimizer's state dict: its load_state_dict will say
+        saved = [len(p["items"]) if p is not None and p["t"] in _SEQUENCES else None
+                 for p in (_node_at(g, "params") for g in groups["items"])]
+        want = [len(g["params"]) for g in obj.param_groups]
+        if saved != want:
+            mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
+                              f"groups of {saved} parameters, the target's {want}")
+
+
+def _node_at(node: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None."""
+    for seg in path.split("/") if path else []:
+        if node["t"] == "stateful":
+            node = node["state"]
+        if node["t"] != "dict":
+            return None
+        found: dict[str, Any] | None = next(
+            (c for k, c in node["items"] if escape_key(k) == seg), None)
+        if found is None:
+            return None
+        node = found
+    return node["state"] if node["t"] == "stateful" else node
 
 
 _SEQUENCES = ("list", "tuple")
