@@ -880,3 +880,29 @@ def test_optimizer_with_other_param_groups_is_refused_before_any_read(ckpt):
     ckpt.load({"model": other, "optim": same})
     assert torch.equal(same.state_dict()["state"][0]["exp_avg"],
                        opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_lists_a_state_dict_shares_are_not_overwritten_through_each_other(ckpt):
+    """SequentialLR's state dict holds its current scheduler's _last_lr list twice (its
+    own and that scheduler's): filling it in place made the later value win."""
+    def make():
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[3])
+        return opt, sched
+
+    opt, sched = make()
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    ckpt.save({"optim": opt, "sched": sched}, 1)
+    opt2, sched2 = make()
+    ckpt.load({"optim": opt2, "sched": sched2})
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for _ in range(3):  # and they go on alike
+        for o, s in ((opt, sched), (opt2, sched2)):
+            o.step()
+            s.step()
+    assert sched2.get_last_lr() == sched.get_last_lr()

@@ -149,6 +149,9 @@ class FlatState:
     loaded_in_place: set[str] = field(default_factory=set)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     target: bool = False  # flattened as the target of a load
+    # restoring a stateful's state dict, whose lists may be the object's own and shared
+    # (SequentialLR's _last_lr is its current scheduler's): build new ones there
+    in_state_dict: bool = False
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -566,8 +569,8 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             values += old[len(items):]  # the checkpoint lacks them: strict=False keeps them
         if items and not values and not isinstance(target, (list, tuple)):
             return target  # as for dicts: all skipped, the target keeps its value
-        if t == "list" and isinstance(target, list):
-            target[:] = values
+        if t == "list" and isinstance(target, list) and not flat.in_state_dict:
+            target[:] = values  # the user's list keeps its identity
             return target
         return values if t == "list" else tuple(values)
     return scalar_value(node)
@@ -590,7 +593,7 @@ def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
 def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
     return dataclasses.replace(flat, statefuls={p: v for p, v in flat.statefuls.items()
-                                                if p != path})
+                                                if p != path}, in_state_dict=True)
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
