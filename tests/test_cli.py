@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -438,3 +439,59 @@ def test_commit_names_a_step_dir_without_manifest_in_the_way(tmp_path: Path) -> 
     (tmp_path / "step_000000007" / "manifest.json").write_text("{}")
     with pytest.raises(CheckpointExistsError, match="step 7 is already committed"):
         commit.commit(tmp, tmp_path, 7, storage)
+
+
+class _Unwritable:
+    """A stdout whose every write fails as ``exc`` does: a reader gone, a full disk."""
+
+    errors = "strict"
+
+    def __init__(self, exc: OSError):
+        self.exc = exc
+
+    def write(self, text: str) -> int:
+        raise self.exc
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("exc", [BrokenPipeError(errno.EPIPE, "Broken pipe"),
+                                 OSError(errno.ENOSPC, "No space left on device")],
+                         ids=["closed-pipe", "disk-full"])
+def test_a_failing_stdout_keeps_the_verdict(root: Path, capsys: pytest.CaptureFixture[str],
+                                            exc: OSError) -> None:
+    """``verify CORRUPT | head`` must still exit 1: the exit code is the verdict's, not
+    the printing's. A full disk is a failure to write, not to read the checkpoint."""
+    flip_byte(root / "step_000000030", "model/w")
+    for argv, want in ((["verify", str(root)], 1), (["verify", str(root), "--json"], 1),
+                       (["verify", str(root), "--step", "20"], 0), (["ls", str(root)], 0)):
+        with contextlib.redirect_stdout(_Unwritable(exc)):  # type: ignore[type-var]
+            code = main(argv)
+        err = capsys.readouterr().err
+        if isinstance(exc, BrokenPipeError):
+            assert code == want, (argv, err)
+            assert err == "", (argv, err)  # a reader that stopped reading: no complaint
+        else:
+            assert code == (want or 2), (argv, err)  # an ok command whose output is lost fails
+            assert "could not write the output to stdout: No space left on device" in err
+            assert "cannot read" not in err
+
+
+def test_a_closed_pipe_ends_quietly_with_the_verdict(root: Path) -> None:
+    """A real closed pipe, stdout block-buffered (the EPIPE comes at the final flush):
+    exit 1 for a corrupt step, nothing printed about the pipe, at exit either."""
+    flip_byte(root / "step_000000030", "model/w")
+    src = str(Path(asyncckpt.__file__).parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run([sys.executable, "-m", "asyncckpt", "verify", str(root)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ""

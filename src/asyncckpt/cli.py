@@ -117,8 +117,33 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequenc
     return "\n".join([fmt(headers), *(fmt(r) for r in rows)])
 
 
+class _OutputError(Exception):
+    """Writing the command's own output to stdout failed: a reader that closed the pipe
+    (``| head``), a full disk (``> /dev/full``). Raised apart from OSError, which means
+    the checkpoint could not be read."""
+
+    def __init__(self, exc: OSError):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _out(text: str = "", *, flush: bool = False) -> None:
+    """Print a line of the command's output (stdout)."""
+    try:
+        print(text, flush=flush)
+    except OSError as exc:
+        raise _OutputError(exc) from exc
+
+
+def _decided(args: argparse.Namespace, code: int) -> int:
+    """Record the command's exit code before it prints anything: a pipe closed early
+    must not change the verdict (``verify CORRUPT | head`` still exits 1)."""
+    args.verdict = code
+    return code
+
+
 def _print_json(doc: Any) -> None:
-    print(json.dumps(doc, indent=2))
+    _out(json.dumps(doc, indent=2))
 
 
 def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
@@ -187,32 +212,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "library_version": m.library_version})
     latest = entries[-1]["step"] if dirs else None  # as latest_step() says: unlistable
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])  # dirs do not count
+    _decided(args, EXIT_OK)
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
                      "incomplete": abandoned, "no_manifest": no_manifest})
         return EXIT_OK
     if not entries:
-        print(f"no committed checkpoints under {root}")
+        _out(f"no committed checkpoints under {root}")
     else:
         rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),
                  _when(e["created_unix"]), "latest" if e["step"] == latest else ""]
                 if "error" not in e else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
                  f"UNREADABLE: {e['error']}"] for e in entries]
-        print(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
+        _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
-        print(f"{len(dirs)} committed step{'s' if len(dirs) != 1 else ''}, "
-              f"{human_bytes(total)} in all"
-              + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
-                 "cannot be listed" if unlistable else ""))
+        _out(f"{len(dirs)} committed step{'s' if len(dirs) != 1 else ''}, "
+             f"{human_bytes(total)} in all"
+             + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
+                "cannot be listed" if unlistable else ""))
     if abandoned:
-        print(f"{len(abandoned)} incomplete or abandoned temp dir"
-              f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
-              f"them): {', '.join(abandoned)}")
+        _out(f"{len(abandoned)} incomplete or abandoned temp dir"
+             f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
+             f"them): {', '.join(abandoned)}")
     if no_manifest:
-        print(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
-                     f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
-                     f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
+        _out(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
+                    f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
+                    f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
     return EXIT_OK
 
 
@@ -259,33 +285,34 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     step_dir, storage = _resolve(args.ckpt, args.step)
     doc = _inspect_doc(step_dir, read_manifest(step_dir, storage))
+    _decided(args, EXIT_OK)
     if args.json:
         _print_json(doc)
         return EXIT_OK
     rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
             for t in doc["tensors"]]
     if rows:
-        print(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)))
+        _out(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)))
     else:
-        print("(no tensors)")
+        _out("(no tensors)")
     for t in doc["tensors"]:
         for path in t["tied"]:
-            print(f"{_shown(path)}: tied to {_shown(t['path'])} (stored once)")
+            _out(f"{_shown(path)}: tied to {_shown(t['path'])} (stored once)")
     skel = doc["skeleton"]
     classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
-    print(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
-          f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
-          f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
-          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
+    _out(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
+         f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
+         f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
+         f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
     owned = [s["path"] for s in skel["stateful"]]
     loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
              if not any(s["path"] == o or s["path"].startswith(o + "/") for o in owned)]
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
-    print(_shown(f"non-tensor state: {len(skel['scalars'])} scalars"
-                 + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
+    _out(_shown(f"non-tensor state: {len(skel['scalars'])} scalars"
+                + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
     if doc["user_metadata"]:
-        print(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
-    print(f"checkpoint: {step_dir}")
+        _out(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
+    _out(f"checkpoint: {step_dir}")
     return EXIT_OK
 
 
@@ -297,23 +324,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify_checkpoint(step_dir, storage)
     seconds = time.perf_counter() - t0
     gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
+    code = _decided(args, EXIT_OK if report.ok else EXIT_CORRUPT)
     if args.json:
         _print_json({"path": str(step_dir), "step": report.step, "ok": report.ok,
                      "tensors": report.tensors, "bytes": report.bytes,
                      "seconds": round(seconds, 6), "gbps": round(gbps, 3),
                      "problems": report.problems})
     elif report.ok:
-        print(f"OK {step_dir}: step {report.step}, {report.tensors} tensors, "
-              f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
-              f"({gbps:.2f} GB/s)")
+        _out(f"OK {step_dir}: step {report.step}, {report.tensors} tensors, "
+             f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
+             f"({gbps:.2f} GB/s)")
     else:
         n = len(report.problems)
-        print(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
-              f"({report.tensors} tensors intact):")
+        _out(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
+             f"({report.tensors} tensors intact):")
         for p in report.problems:
-            print(f"  - {_shown(p)}")
-        print("load an earlier step (asyncckpt ls ROOT lists them)")
-    return EXIT_OK if report.ok else EXIT_CORRUPT
+            _out(f"  - {_shown(p)}")
+        _out("load an earlier step (asyncckpt ls ROOT lists them)")
+    return code
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -338,6 +366,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise
         raise _Usage(f"cannot export {path}: {exc.strerror or exc}"
                      f"{f' ({exc.filename})' if exc.filename else ''}") from exc
+    _decided(args, EXIT_OK)  # the file is written
     for s in report.skipped:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
     for name, n in report.overflowed.items():
@@ -350,14 +379,14 @@ def cmd_export(args: argparse.Namespace) -> int:
              str(list(t.shape)), str(t.nbytes), "" if t.name == t.key else t.key]
             for t in report.tensors]
     if rows:
-        print(_table(["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], rows, right=(3,)))
+        _out(_table(["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], rows, right=(3,)))
     for alias, name in report.aliases.items():
-        print(f"{_shown(alias)}: tied to {_shown(name)} (written once)")
+        _out(f"{_shown(alias)}: tied to {_shown(name)} (written once)")
     gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
-    print(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
-          f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "
-          f"of {report.step_dir} in {report.seconds:.3f}s ({gbps:.2f} GB/s)"
-          + (f"; {len(report.skipped)} skipped" if report.skipped else ""))
+    _out(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
+         f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "
+         f"of {report.step_dir} in {report.seconds:.3f}s ({gbps:.2f} GB/s)"
+         + (f"; {len(report.skipped)} skipped" if report.skipped else ""))
     return EXIT_OK
 
 
@@ -418,11 +447,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"{exc.strerror or exc}") from exc
         step = transport.serve_directory(step_dir)
         address = transport.address()
+        _decided(args, EXIT_OK)  # (a reader gone before the address: nobody to serve)
         if args.json:
-            print(json.dumps({"address": address, "step": step, "path": str(step_dir),
-                              "token_required": token is not None}), flush=True)
+            _out(json.dumps({"address": address, "step": step, "path": str(step_dir),
+                             "token_required": token is not None}), flush=True)
         else:
-            print(address, flush=True)
+            _out(address, flush=True)
         print(f"asyncckpt: serving step {step} of {step_dir} at {address}"
               f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
               file=sys.stderr, flush=True)
@@ -575,6 +605,10 @@ def _main(argv: list[str] | None) -> int:
     library.addHandler(_LOG)
     try:
         code: int = args.func(args)
+        try:  # here, not at exit, where a failure could only be printed as ignored
+            sys.stdout.flush()
+        except OSError as exc:
+            raise _OutputError(exc) from exc
         return code
     except _Usage as exc:
         _error(str(exc))
@@ -591,16 +625,33 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # piped into head: stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OK
+    except _OutputError as exc:
+        _drop_stdout()
+        verdict: int | None = getattr(args, "verdict", None)
+        if isinstance(exc.exc, BrokenPipeError):  # piped into head: stop quietly
+            # the verdict stands; none yet (no command prints before it has one): failed
+            return EXIT_USAGE if verdict is None else verdict
+        _error(f"could not write the output to stdout: {exc.exc.strerror or exc.exc}; what "
+               "was printed is incomplete (the checkpoint was read: this is not its fault)")
+        return EXIT_USAGE if verdict in (None, EXIT_OK) else verdict
     except OSError as exc:
         _error(f"cannot read {exc.filename or 'the checkpoint'}: {exc.strerror or exc}")
         return EXIT_USAGE
     finally:
         library.removeHandler(_LOG)
         _LOG.muted.clear()
+
+
+def _drop_stdout() -> None:
+    """Point stdout at devnull, as Python's documentation advises after EPIPE: its
+    buffer is flushed again at exit, which would fail (and print) a second time."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (no descriptor: a capture)
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
 
 
 def _error(message: str) -> None:
