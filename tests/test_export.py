@@ -619,3 +619,33 @@ def test_export_cast_says_which_values_overflowed(tmp_path: Path) -> None:
     assert report.overflowed == {}  # float32 7e4 and 1e6 fit in bfloat16
     assert export_safetensors(tmp_path / "c", tmp_path / "h.safetensors",
                               dtype=torch.float16).overflowed == {"big": 2, "bf": 2}
+
+
+@pytest.mark.parametrize("holder", ["committed", "lock", "step_without_manifest"])
+def test_export_never_writes_a_manifest_into_a_checkpoint_directory(tmp_path: Path,
+                                                                     holder: str) -> None:
+    """ROOT/manifest.json would make the root read as a step directory: every load and
+    verify of ROOT would then fail."""
+    root = tmp_path / "ck"
+    asyncckpt.save({"w": torch.ones(2)}, root, step=1)
+    src = root
+    if holder == "lock":  # a root whose first save is still to come
+        src = tmp_path / "other"
+        shutil.move(root, src)
+        root.mkdir()
+        (root / DirectoryLock.NAME).touch()
+        src = src / "step_000000001"
+    elif holder == "step_without_manifest":  # rank files, manifest lost: no new one
+        shutil.copytree(root / "step_000000001", tmp_path / "best")
+        (tmp_path / "best" / "manifest.json").unlink()
+        root = tmp_path / "best"
+    code, _, err = export(str(src), str(root / "manifest.json"), "--force")
+    assert code == 2 and "would be read as the checkpoint manifest of" in err, err
+    assert not (root / "manifest.json").exists() and leftovers(root) == []
+    if holder == "committed":
+        assert asyncckpt.load(root)["w"].tolist() == [1.0, 1.0]
+        assert main(["verify", str(root)]) == 0
+    # a manifest.json anywhere else is just a file name
+    (tmp_path / "hf").mkdir()
+    report = export_safetensors(src, tmp_path / "hf" / "manifest.json")
+    assert list(load_file(report.out_path)) == ["w"]

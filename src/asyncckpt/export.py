@@ -161,8 +161,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
             left at ``out_path``.
         CheckpointExistsError: ``out_path`` exists and ``force`` is False.
         CheckpointConfigError: a bad ``dtype``, a ``prefix`` that selects nothing, an
-            output path inside the checkpoint, or one that cannot be written (the
-            error names it).
+            output path inside a checkpoint (or its ``manifest.json``), or one that
+            cannot be written (the error names it).
     """
     started = time.perf_counter()
     storage = storage or LocalStorage()
@@ -278,6 +278,15 @@ def _check_out(out: Path, force: bool) -> None:
                 f"{out} {where}: writing there would change a "
                 "committed (or in-flight) step; name a file outside it (force=True or --force "
                 "does not change that)")
+    if out.name == MANIFEST_NAME and (_is_checkpoint_root(target.parent)
+                                      or _has_rank_files(target.parent)):
+        # A root (or a step directory) with a manifest.json is read as a step directory
+        # by every load and verify of it: the root's real steps would be out of reach.
+        raise CheckpointConfigError(
+            f"{out} would be read as the checkpoint manifest of {target.parent}, which is a "
+            "checkpoint directory: every load and verify of it would break; name the export "
+            "otherwise (e.g. model.safetensors) or write it elsewhere (force=True or --force "
+            "does not change that)")
     try:
         st = os.lstat(out)
     except FileNotFoundError:
@@ -294,11 +303,30 @@ def _check_out(out: Path, force: bool) -> None:
                                     "overwrite it")
 
 
+def _is_checkpoint_root(d: Path) -> bool:
+    """A directory saves go to: it holds the lock file of a checkpointer or a committed
+    step."""
+    try:
+        if (d / DirectoryLock.NAME).exists():
+            return True
+        return any(commit.step_of_dir_name(name) is not None
+                   and (d / name / MANIFEST_NAME).is_file() for name in os.listdir(d))
+    except OSError:
+        return False
+
+
+def _has_rank_files(d: Path) -> bool:
+    try:
+        return any(d.glob("rank_*.safetensors"))
+    except OSError:
+        return False
+
+
 def _holds_a_step(d: Path) -> bool:
     """A step directory under another name (copied, or passed as is): a manifest beside
     shard files."""
     try:
-        return (d / MANIFEST_NAME).is_file() and any(d.glob("rank_*.safetensors"))
+        return (d / MANIFEST_NAME).is_file() and _has_rank_files(d)
     except OSError:
         return False
 
