@@ -649,3 +649,27 @@ def test_export_never_writes_a_manifest_into_a_checkpoint_directory(tmp_path: Pa
     (tmp_path / "hf").mkdir()
     report = export_safetensors(src, tmp_path / "hf" / "manifest.json")
     assert list(load_file(report.out_path)) == ["w"]
+
+
+def test_a_folder_merely_named_like_a_step_is_no_checkpoint(tmp_path: Path) -> None:
+    """``hf/step_000000001/model.safetensors``: no manifest, no shard files, no checkpoint
+    root around it: the name alone does not make it a checkpoint."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    for out in (tmp_path / "hf" / "step_000000001" / "model.safetensors",
+                tmp_path / "hf" / ".step_000000002.tmp-0123456789ab" / "model.safetensors",
+                tmp_path / "hf" / "step_000000003"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        code, _, err = export(str(tmp_path / "ck"), str(out))
+        assert code == 0, err
+        assert load_file(out)["w"].tolist() == [1.0, 1.0]
+    # with evidence it is refused: a manifest in it, shard files, or a checkpoint root
+    step = tmp_path / "hf" / "step_000000001"
+    for evidence in ("manifest.json", "rank_00000.safetensors"):
+        (step / evidence).write_bytes(b"{}")
+        code, _, err = export(str(tmp_path / "ck"), str(step / "m2.safetensors"))
+        assert code == 2 and "inside the checkpoint directory" in err, err
+        (step / evidence).unlink()
+    (tmp_path / "hf" / DirectoryLock.NAME).touch()
+    code, _, err = export(str(tmp_path / "ck"), str(step / "m3.safetensors"))
+    assert code == 2 and "inside the checkpoint directory" in err, err
+    assert not (step / "m2.safetensors").exists() and not (step / "m3.safetensors").exists()

@@ -271,7 +271,7 @@ def _check_out(out: Path, force: bool) -> None:
             "savers in at once; name another file (force=True or --force does not change that)")
     target = out.parent.resolve() / out.name
     for d in (target, *target.parents):  # (the file itself, named like a step: refused)
-        if commit.is_step_dir_name(d.name) or _holds_a_step(d):
+        if _holds_a_step(d) or (commit.is_step_dir_name(d.name) and _is_step_dir(d)):
             where = ("is named like a step directory" if d == target else
                      f"is inside the checkpoint directory {d}")
             raise CheckpointConfigError(
@@ -320,6 +320,18 @@ def _has_rank_files(d: Path) -> bool:
         return any(d.glob("rank_*.safetensors"))
     except OSError:
         return False
+
+
+def _is_step_dir(d: Path) -> bool:
+    """Whether ``d``, named like a step directory, is one: the name alone is no evidence
+    (``hf/step_000000001/`` may be any export's folder), a manifest or shard files in it,
+    or a checkpoint root around it, are."""
+    try:
+        if (d / MANIFEST_NAME).exists() or _has_rank_files(d):
+            return True
+    except OSError:
+        return True  # (it cannot be looked into: refusing is the safe side)
+    return _is_checkpoint_root(d.parent)
 
 
 def _holds_a_step(d: Path) -> bool:
