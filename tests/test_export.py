@@ -673,3 +673,37 @@ def test_a_folder_merely_named_like_a_step_is_no_checkpoint(tmp_path: Path) -> N
     code, _, err = export(str(tmp_path / "ck"), str(step / "m3.safetensors"))
     assert code == 2 and "inside the checkpoint directory" in err, err
     assert not (step / "m2.safetensors").exists() and not (step / "m3.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["float8_e8m0fnu", "float4_e2m1fn_x2"])
+def test_export_refuses_a_cast_target_it_cannot_write(tmp_path: Path, name: str) -> None:
+    """A target safetensors cannot hold (or torch cannot convert to) is refused by its own
+    name, not blamed on the tensors' dtypes, nor silently ignored."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        pytest.skip(f"this torch has no {name}")
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path / "c", step=1)
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=rf"dtype=torch\.{name}: .*{name}.*; cast to one of .*bfloat16"):
+        export_safetensors(tmp_path / "c", out, dtype=dtype)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_export_cast_to_float8_counts_overflow_to_nan(tmp_path: Path) -> None:
+    """float8 formats: no crash (torch has no isinf for most), and values that overflow
+    count whether they become inf (e5m2) or NaN (the fnuz formats, which have no inf)."""
+    big = torch.tensor([1.0, 1e6, -1e6, float("inf"), float("nan"), 3.0])
+    asyncckpt.save({"big": big}, tmp_path / "c", step=1)
+    for name, want in (("float8_e5m2", 2), ("float8_e4m3fnuz", 2), ("float8_e5m2fnuz", 2),
+                       ("float8_e4m3fn", None)):
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            continue
+        out = tmp_path / f"{name}.safetensors"
+        report = export_safetensors(tmp_path / "c", out, dtype=dtype)
+        assert_exact(load_file(out)["big"], big.to(dtype), name)
+        converted = big.to(dtype).float()
+        if want is None:  # whatever this torch makes of an overflow (saturation: 448)
+            want = int((~torch.isfinite(converted) & torch.isfinite(big)).sum())
+        assert report.overflowed == ({"big": want} if want else {}), name

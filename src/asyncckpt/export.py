@@ -102,8 +102,9 @@ class ExportReport:
     """Selected paths that share storage with a written tensor (tied weights): alias
     name -> written name. Written once, as safetensors and Hugging Face expect."""
     overflowed: dict[str, int] = field(default_factory=dict)
-    """Written name -> how many finite values the ``dtype`` cast turned into +-inf (values
-    beyond the smaller dtype's range, e.g. above 65504 for fp16)."""
+    """Written name -> how many finite values the ``dtype`` cast turned into +-inf (or NaN,
+    in formats without inf): values beyond the smaller dtype's range, e.g. above 65504
+    for fp16."""
     file_bytes: int = 0
     tensor_bytes: int = 0
     seconds: float = 0.0
@@ -146,10 +147,10 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     selects whole parts of that name: ``"model"`` takes ``model/...`` and ``model.…``
     but not ``model_ema/...``; a prefix ending in ``/`` or ``.`` is matched as it is.
     ``strip_prefix`` removes it (and the separator after it) from the names.
-    ``dtype`` ("bf16", "fp16", "fp32" or a torch floating dtype) casts every floating
-    tensor torch can convert; others (integers, bool, complex, packed float4) keep their
-    dtype. Tensors whose dtype safetensors cannot express (e.g. complex128) are skipped
-    with a warning and listed in ``report.skipped``.
+    ``dtype`` ("bf16", "fp16", "fp32" or a torch floating dtype safetensors holds) casts
+    every floating tensor torch can convert; others (integers, bool, complex, packed
+    float4) keep their dtype. Tensors whose dtype safetensors cannot express (e.g.
+    complex128) are skipped with a warning and listed in ``report.skipped``.
     Tied tensors (two paths, one storage) are written once; see ``report.aliases``.
 
     Memory: about one tensor at a time (plus the header). The output appears atomically:
@@ -223,7 +224,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                                      p.shape, p.nbytes, p.chunks) for p in planned]
     report.seconds = time.perf_counter() - started
     for name, n in report.overflowed.items():
-        log.warning("export: %d finite values of %s are beyond the range of %s and became inf",
+        log.warning("export: %d finite values of %s are beyond the range of %s and became "
+                    "inf or NaN",
                     n, name, dtype_name(cast) if cast is not None else "its dtype")
     log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
              len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
@@ -232,14 +234,32 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
 
 def _cast_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
-        if dtype is not None and not dtype.is_floating_point:
-            raise CheckpointConfigError(f"dtype={dtype}: only floating dtypes can be cast to")
+        if dtype is not None:
+            _check_cast_target(dtype)
         return dtype
     found = DTYPE_ALIASES.get(dtype.lower())
     if found is None:
         raise CheckpointConfigError(
             f"dtype={dtype!r}: use one of {', '.join(sorted(DTYPE_ALIASES))}")
     return found
+
+
+def _check_cast_target(dtype: torch.dtype) -> None:
+    """Refuse, up front and naming it, a target no tensor could be written as; else every
+    tensor would be skipped (the error then blaming their own dtypes) or silently kept."""
+    if not dtype.is_floating_point:
+        raise CheckpointConfigError(f"dtype={dtype}: only floating dtypes can be cast to")
+    usable = ", ".join(dtype_name(d) for d in _ST_DTYPES if d.is_floating_point)
+    if dtype not in _ST_DTYPES:
+        raise CheckpointConfigError(
+            f"dtype={dtype}: safetensors has no dtype for {dtype_name(dtype)}; cast to one "
+            f"of {usable}")
+    try:
+        torch.zeros(1).to(dtype)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise CheckpointConfigError(
+            f"dtype={dtype}: torch cannot convert to {dtype_name(dtype)} ({exc}); cast to one "
+            f"of {usable}") from None
 
 
 @contextlib.contextmanager
@@ -433,7 +453,7 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) 
 def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
                   p: _Planned, out: Path) -> int:
     """Read one whole tensor (verified; its files were checked) and append it, cast piece
-    by piece if asked; returns how many finite values the cast made infinite."""
+    by piece if asked; returns how many finite values the cast made inf or NaN."""
     t = _load_checked(step_dir, manifest, {p.key: None}, storage, verify=True, threads=None,
                       boxes={})[p.key]
     if p.out == p.src:
@@ -447,7 +467,10 @@ def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
         src = flat[i:i + _CAST_PIECE_ELEMS]
         piece = src.to(p.out).contiguous()
         if narrower:
-            over += int((torch.isinf(piece) & torch.isfinite(src)).sum())
+            # Non-finite after the cast, not inf: formats without inf (float8_e4m3fnuz...)
+            # turn an overflow into NaN. torch has no isfinite for most float8 formats.
+            after = piece if piece.dtype.itemsize > 1 else piece.float()
+            over += int((~torch.isfinite(after) & torch.isfinite(src)).sum())
         with _writing(out):
             _write_all(fd, tensor_bytes(piece))
     return over
