@@ -495,3 +495,29 @@ def test_a_closed_pipe_ends_quietly_with_the_verdict(root: Path) -> None:
         os.close(write_end)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr == ""
+
+
+def test_a_step_dir_without_its_manifest_is_not_called_an_empty_root(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its manifest lost, a step directory is still no checkpoint root: the error says
+    which file is missing and where the committed steps are listed."""
+    step = root / "step_000000030"
+    shutil.copytree(step, root.parent / "best")  # a copy under another name: rank files
+    (step / "manifest.json").unlink()
+    (root.parent / "best" / "manifest.json").unlink()
+    for path, why in ((step, "is named like a step directory and holds rank files"),
+                      (root.parent / "best", "holds rank files")):
+        for argv in (["verify", str(path)], ["inspect", str(path), "--step", "30"]):
+            code, out, err = run(capsys, *argv)
+            assert code == 2 and out == "", (argv, err)
+            assert f"{path} {why} but has no manifest.json: that step is uncommitted" in err
+            assert err.rstrip().endswith(f"'asyncckpt ls {path.parent}' lists the committed "
+                                         "steps"), err
+            assert "no committed checkpoint under" not in err
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"has no manifest\.json"):
+        asyncckpt.load(step)
+    # the root itself is untouched: its other steps load, and an empty folder is no step
+    assert run(capsys, "verify", str(root))[0] == 0
+    (root.parent / "empty").mkdir()
+    code, _, err = run(capsys, "verify", str(root.parent / "empty"))
+    assert code == 2 and "no committed checkpoint under" in err

@@ -614,7 +614,9 @@ def _main(argv: list[str] | None) -> int:
         _error(str(exc))
         return EXIT_USAGE
     except CheckpointNotFoundError as exc:
-        _error(f"{exc}: check the path, or run 'asyncckpt ls' on the checkpoint root")
+        hint = "" if "'asyncckpt ls " in str(exc) else (
+            ": check the path, or run 'asyncckpt ls' on the checkpoint root")
+        _error(f"{exc}{hint}")
         return EXIT_USAGE
     except CheckpointCorruptError as exc:
         _error(f"{exc} (run 'asyncckpt verify' for details)")

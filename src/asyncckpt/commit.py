@@ -149,7 +149,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     if step is not None and (type(step) is not int or step < 0):
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
                                     "latest)")
-    if MANIFEST_NAME in _list_root(root, storage):
+    names = _list_root(root, storage)
+    if MANIFEST_NAME in names:
         named = step_of_dir_name(root.name)
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(
@@ -159,6 +160,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     if not root.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {root}")
     steps = committed_steps(root, storage)
+    if not steps:
+        _refuse_a_step_dir_without_manifest(root, names)
     if step is None:
         if not steps:
             junk = abandoned_dirs(root, storage)
@@ -170,6 +173,24 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} under {root} (committed steps: {have})")
     return root / step_dir_name(step), step
+
+
+def _refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
+    """A step directory that lost its manifest (or never got one) would otherwise be
+    taken for an empty root: "no committed checkpoint under step_000000002" sends the
+    user looking in the wrong place."""
+    if any(is_step_dir_name(n) for n in names):  # it holds steps: a root
+        return
+    named = is_step_dir_name(root.name)
+    shards = any(n.startswith("rank_") and n.endswith(".safetensors") for n in names)
+    if not (named or shards):
+        return
+    why = " and ".join(w for w, yes in (("is named like a step directory", named),
+                                         ("holds rank files", shards)) if yes)
+    raise CheckpointNotFoundError(
+        f"{root} {why} but has no {MANIFEST_NAME}: that step is uncommitted (its save did "
+        f"not finish) or damaged, and no load reads it; 'asyncckpt ls {root.parent}' lists "
+        "the committed steps")
 
 
 class CommittedNotDurableError(CheckpointSaveError):
