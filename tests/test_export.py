@@ -707,3 +707,22 @@ def test_export_cast_to_float8_counts_overflow_to_nan(tmp_path: Path) -> None:
         if want is None:  # whatever this torch makes of an overflow (saturation: 448)
             want = int((~torch.isfinite(converted) & torch.isfinite(big)).sum())
         assert report.overflowed == ({"big": want} if want else {}), name
+
+
+def test_export_of_an_uncommitted_dir_warns_as_verify_does(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    asyncckpt.save({"w": torch.ones(2)}, root, step=1)
+    tmp = root / ".step_000000002.tmp-0123456789ab"
+    shutil.copytree(root / "step_000000001", tmp)  # a crash between manifest and rename
+    gone = root / ".step_000000001.deleting-0123456789ab"
+    shutil.copytree(root / "step_000000001", gone)
+    for src, what in ((tmp, "is the temporary directory of a save that did not commit"),
+                      (gone, "is a step being removed by retention")):
+        out = tmp_path / f"{src.name}.safetensors"
+        code, _, err = export(str(src), str(out))
+        assert code == 0 and err.startswith(f"asyncckpt: warning: {src} {what}"), err
+        assert load_file(out)["w"].tolist() == [1.0, 1.0]
+        assert main(["verify", str(src)]) == 0
+    for src in (root, root / "step_000000001"):  # committed: nothing to say
+        code, _, err = export(str(src), str(tmp_path / "c.safetensors"), "--force")
+        assert code == 0 and err == "", err

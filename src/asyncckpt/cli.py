@@ -356,6 +356,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
+    if (path / MANIFEST_NAME).is_file():  # exported as it is: before, as an export takes long
+        _warn_if_uncommitted(path)
     try:
         with _sigterm_interrupts():  # so that the half-written output is removed
             report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
