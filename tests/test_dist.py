@@ -459,3 +459,97 @@ def test_a_group_fallback_load_on_one_rank_alone_times_out_naming_the_other(
             pytest.raises(CheckpointTimeoutError, match=r"every rank must call it") as info:
         ck.load(fallback=True)
     assert info.value.ranks == (1,)
+
+
+@pytest.mark.parametrize("world,stuck,overlap", [(2, 1, True), (2, 1, False), (2, 0, True),
+                                                 (3, 2, True)])
+def test_a_rank_whose_staging_hangs_is_named_after_timeout_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int, stuck: int,
+        overlap: bool) -> None:
+    """One rank's copy into host memory never ends (a CUDA side stream behind a hung
+    collective): its writer, waiting for staging, still beats, but makes no progress.
+    The others must time out within about 2 * timeout_s (a peer that waits for a stuck
+    coordinator's verdict: within its longer wait) and name it, saying it is staging;
+    a rank that waits on a stuck rank (the coordinator, with 3 ranks) is no stuck rank
+    itself, and must not hold the others' waits open."""
+    from asyncckpt import checkpointer
+
+    monkeypatch.setattr(asyncckpt.writer, "_VERDICT_GRACE_S", 0.0)
+    timeout_s = 1.0
+    store = dist.HashStore()
+    release = threading.Event()
+    stuck_ptr: list[int] = []
+    real_stage = checkpointer.stage
+
+    def stage(plan: Any, tensors: Any, *a: Any, **kw: Any) -> None:
+        if any(t.data_ptr() in stuck_ptr for t in tensors.values()):
+            release.wait(30)
+        real_stage(plan, tensors, *a, **kw)
+
+    monkeypatch.setattr(checkpointer, "stage", stage)
+
+    def rank(r: int) -> tuple[BaseException | None, float]:
+        mine = torch.full((4096,), float(r))
+        if r == stuck:
+            stuck_ptr.append(mine.data_ptr())
+        shards = {"mine": ShardMetadata((world * 4096,), (r * 4096,))}
+        t0 = time.monotonic()
+        try:
+            with AsyncCheckpointer(tmp_path, rank=r, world_size=world, store=store,
+                                   timeout_s=timeout_s) as ck:
+                try:
+                    ck.save_async({"mine": mine}, step=1, overlap=overlap,
+                                  shards=shards).wait(10)
+                except CheckpointError as exc:
+                    return exc, time.monotonic() - t0
+                return None, time.monotonic() - t0
+        finally:
+            if r != stuck and r == max(set(range(world)) - {stuck}):
+                release.set()  # the last healthy rank is done: let the stuck one finish
+
+    out = in_threads(rank, world=world)
+    # a peer waits 2 * timeout_s for the coordinator's verdict (no grace here)
+    limit = (3 if stuck else 5) * timeout_s + 2.0
+    for r in range(world):
+        if r == stuck:
+            continue
+        err, elapsed = out[r]
+        assert isinstance(err, CheckpointError), (r, err)
+        assert f"rank(s) [{stuck}]" in str(err) or f"rank {stuck} failed" in str(err), (r, err)
+        assert "staging" in str(err), (r, err)
+        assert elapsed < limit, (r, elapsed, err)
+    assert isinstance(out[stuck][0], CheckpointError), out[stuck]
+    assert AsyncCheckpointer(tmp_path).steps() == []
+
+
+def test_a_rank_whose_staging_is_slow_but_moving_is_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's copy into host memory takes 2.5 * timeout_s, moving all along: it is
+    slower, not stuck, and the save commits (with a timeout_s of a second, too short
+    a wait used to give up on any rank it had not heard from)."""
+    from asyncckpt import checkpointer
+
+    store = dist.HashStore()
+    slow_ptr: list[int] = []
+    real_stage = checkpointer.stage
+
+    def stage(plan: Any, tensors: Any, arena: Any, progress: Any, **kw: Any) -> None:
+        if any(t.data_ptr() in slow_ptr for t in tensors.values()):
+            for i in range(25):  # (never past the data: the writer waits for all of it)
+                progress.publish(plan.body_offset + i)
+                time.sleep(0.1)
+        real_stage(plan, tensors, arena, progress, **kw)
+
+    monkeypatch.setattr(checkpointer, "stage", stage)
+
+    def rank(r: int) -> list[int]:
+        mine = torch.full((4096,), float(r))
+        if r == 1:
+            slow_ptr.append(mine.data_ptr())
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=1.0) as ck:
+            ck.save_async({"mine": mine}, step=1,
+                          shards={"mine": ShardMetadata((2 * 4096,), (r * 4096,))}).wait(20)
+            return ck.steps()
+
+    assert in_threads(rank) == {0: [1], 1: [1]}

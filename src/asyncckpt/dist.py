@@ -20,9 +20,11 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
   Whoever claims first decides, so a late commit never meets a rank that already
   reported the save failed.
 - ``verdict``: the coordinator's "ok" after the commit, or the error that aborted it.
-- ``beat/<rank>``: a count the rank moves about once a second while it writes or waits
-  (see Pulse): a wait counts a rank whose count moves as alive, so its timeout names
-  only ranks that went silent, not ones that are merely slower.
+- ``beat/<rank>``: a count the rank moves about once a second while it makes progress:
+  writes, copies into host memory, or waits on other ranks (a wait that itself times
+  out); and what it is doing (see Pulse). A wait counts a rank whose count moves as
+  alive, so its timeout names only ranks that went silent or stuck (saying what they
+  were doing), not ones that are merely slower.
 - ``abort``: why the save failed, posted by the first rank whose part failed; the others
   notice within about a second and stop their writes instead of finishing them.
 
@@ -383,12 +385,16 @@ class DistContext:
         says yes, the wait ends early and returns True.
 
         With ``pulse`` (the save's), this rank beats while it waits, the wait ends with
-        the other ranks' abort, and the timeout counts from the last sign of life of the
-        ranks waited for: a rank still writing (its beat moved within ``timeout_s``)
-        holds the wait open, and only the silent ones are named.
+        the other ranks' abort, and the timeout counts from the last progress of the
+        ranks waited for: a rank still copying or writing (its count moved within
+        ``timeout_s``) holds the wait open, and only the silent or stuck ones are named,
+        with what they were last doing.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        # The baseline of the counts is taken after the first slice: it must end well
+        # before the deadline, or a count that moves in between is never seen to.
+        first_slice = min(1.0, timeout / 2)
         pending = dict(keys)
         baseline = False
         while pending:
@@ -396,11 +402,11 @@ class DistContext:
                 raise CheckpointSaveError(
                     f"rank {self.rank}: stopped waiting for {what}: the save already failed")
             if pulse is not None:
-                pulse()
+                pulse(f"waiting for {what}")  # progress: this wait itself times out
             left = deadline - time.monotonic()
             if left > 0:
                 # At least 10 ms: a HashStore waits forever on a timeout under 1 ms.
-                wait_ms = max(10, int(min(left, 1.0) * 1000))
+                wait_ms = max(10, int(min(left, 1.0 if baseline else first_slice) * 1000))
                 try:
                     self.store.wait(list(pending.values()), timedelta(milliseconds=wait_ms))
                     return False
@@ -425,8 +431,10 @@ class DistContext:
                     if not silent:  # slower, not dead: wait on while they make progress
                         deadline = time.monotonic() + timeout
                         continue
-                    why = (f"rank(s) {silent}, which showed no sign of life for the last "
-                           f"{timeout:.0f}s; they may have died or hung")
+                    doing = pulse.doing(silent)
+                    why = (f"rank(s) {silent}, which made no progress for the last "
+                           f"{timeout:.0f}s" + (f" ({doing})" if doing else "")
+                           + "; they may have died or hung")
                 else:
                     why = (f"rank(s) {silent}; they may have died or not called save_async "
                            "for this step")
@@ -442,13 +450,18 @@ class Pulse:
     """One rank's signs of life during one save, through the Store (never the training
     process group, so background threads may call it).
 
-    Calling it (cheap: it acts at most once a second) moves this rank's count under
-    ``<tag>/beat/<rank>`` and, while ``watch`` is set, raises CheckpointSaveError once
-    another rank posted ``<tag>/abort``: the writers call it between pieces and the
-    waits in ``wait_keys`` once a second. A peer clears ``watch`` once its file is
-    durable and announced: from then on only the coordinator's verdict decides.
-    ``progressed`` tells a wait which of the ranks it waits for moved their count since
-    it last asked. Thread-safe.
+    Calling it (cheap: it acts at most once a second) posts this rank's count, with
+    what it is doing, under ``<tag>/beat/<rank>`` and, while ``watch`` is set, raises
+    CheckpointSaveError once another rank posted ``<tag>/abort``: the writers call it
+    between pieces and while they wait for staging, the waits in ``wait_keys`` once a
+    second. The count moves only with progress: a piece to write, a slice of a wait
+    that has its own timeout, or staging that got further (``mark``) — a writer waiting
+    for a copy that hangs (a CUDA stream stuck behind a hung collective) still beats,
+    but its count stays put, so the other ranks' waits time out on it. A peer clears
+    ``watch`` once its file is durable and announced: from then on only the
+    coordinator's verdict decides. ``progressed`` tells a wait which of the ranks it
+    waits for moved their count since it last asked, ``doing`` what they were doing.
+    Thread-safe.
     """
 
     def __init__(self, ctx: DistContext, tag: str) -> None:
@@ -459,21 +472,28 @@ class Pulse:
         self._lock = threading.Lock()
         self._next = 0.0
         self._count = 0
-        self._seen: dict[int, bytes] = {}
+        self._mark: object = None  # the staging progress the count last moved for
+        self._seen: dict[int, object] = {}
+        self._doing: dict[int, str] = {}
         self._abort_key = ctx.key(tag, "abort")
         self.watch = True
 
-    def __call__(self) -> None:
+    def __call__(self, doing: str = "", *, mark: object = None) -> None:
+        """Beat: ``doing`` says what this rank is doing (for the others' errors); the
+        count moves unless ``mark`` is given and is the one it last moved for."""
         now = time.monotonic()
         with self._lock:
             if now < self._next:
                 return
             self._next = now + self.every_s
-            self._count += 1
+            if mark is None or mark != self._mark:
+                self._count += 1
+                self._mark = mark
             count = self._count
         ctx = self.ctx
+        beat = json.dumps({"n": count, "doing": doing}, separators=(",", ":"))
         with ctx._store_errors(f"posting rank {ctx.rank}'s sign of life"):
-            ctx.store.set(ctx.key(self.tag, "beat", ctx.rank), str(count))
+            ctx.store.set(ctx.key(self.tag, "beat", ctx.rank), beat)
             if not self.watch or not ctx.store.check([self._abort_key]):
                 return
             why = ctx.store.get(self._abort_key).decode(errors="replace")
@@ -493,12 +513,26 @@ class Pulse:
             with ctx._store_errors(f"reading rank {r}'s sign of life"):
                 if not ctx.store.check([key]):
                     continue
-                count = ctx.store.get(key)
+                raw = ctx.store.get(key)
+            count: object = raw
+            try:
+                beat = json.loads(raw)
+                count, doing = beat["n"], str(beat.get("doing") or "")
+            except Exception:  # not a beat of this version: any change counts
+                doing = ""
             with self._lock:
+                self._doing[r] = doing
                 if self._seen.get(r) != count:
                     self._seen[r] = count
                     moved.append(r)
         return moved
+
+    def doing(self, ranks: Sequence[int]) -> str:
+        """What ``ranks`` said they were doing when ``progressed`` last read their beats
+        ("" when none said): for the error of a wait that timed out on them."""
+        with self._lock:
+            said = [(r, self._doing[r]) for r in ranks if self._doing.get(r)]
+        return "; ".join(f"rank {r} was last {what}" for r, what in said)
 
 
 def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:

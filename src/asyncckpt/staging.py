@@ -119,6 +119,11 @@ class StagingProgress:
         return self._done
 
     @property
+    def staged(self) -> int:
+        """How far staging has got (bytes below it are copied, or queued to be)."""
+        return self._upto
+
+    @property
     def failed(self) -> bool:
         """Whether staging, or the save it belongs to, has failed."""
         return self._error is not None

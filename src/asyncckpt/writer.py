@@ -522,16 +522,30 @@ def _verdict_out(job: SaveJob) -> bool:
 
 def _ready(job: SaveJob) -> Callable[[int], None]:
     """What the writer calls before each piece: wait for staging to pass it; in a group,
-    beat meanwhile and stop once another rank has aborted the save."""
-    pulse = job.pulse
+    beat meanwhile and stop once another rank has aborted the save.
+
+    Waiting for staging, the beat moves only when staging got further since the last
+    one: a copy that hangs (a CUDA side stream behind a collective that never ends)
+    leaves the count still, so the other ranks time out on this rank after
+    ``timeout_s`` and say it was staging, instead of waiting for it forever."""
+    pulse, progress = job.pulse, job.progress
     if pulse is None:
-        return job.progress.wait_for
+        return progress.wait_for
+    total = job.plan.file_bytes
 
     def ready(offset: int) -> None:
         while True:
-            pulse()
+            staged = progress.staged
+            if staged >= offset or progress.failed:
+                what = f"writing its shard file, to byte {offset:,} of {total:,}"
+                if not progress.done:  # (device copies may still be landing)
+                    what += f", while staging copies the rest (at byte {staged:,})"
+                pulse(what)
+            else:
+                pulse(f"staging: copied {staged:,} of {total:,} bytes into host memory",
+                      mark=staged)
             try:
-                job.progress.wait_for(offset, timeout=pulse.every_s)
+                progress.wait_for(offset, timeout=pulse.every_s)
                 return
             except CheckpointTimeoutError:  # staging is slow: beat, look, wait on
                 continue
