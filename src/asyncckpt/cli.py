@@ -36,7 +36,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import read_manifest, verify_checkpoint
 from .storage import LocalStorage
-from .tree import dtype_name, iter_array_nodes, join_path
+from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
@@ -256,7 +256,7 @@ def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> N
     elif t in ("list", "tuple"):
         for i, child in enumerate(node["items"]):
             _skeleton_summary(child, join_path(path, i), out)
-    elif t not in ("tensor", "ndarray", "npscalar"):
+    elif t not in ARRAY_NODES:
         out["scalars"].append({"path": path, "type": t, "value": node.get("v")})
 
 

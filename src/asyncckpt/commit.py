@@ -28,7 +28,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
 )
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, is_shard_file_name
 from .storage import ReadStorage, Storage, is_transient
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def _refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
     if any(is_step_dir_name(n) for n in names):  # it holds steps: a root
         return
     named = is_step_dir_name(root.name)
-    shards = any(n.startswith("rank_") and n.endswith(".safetensors") for n in names)
+    shards = any(is_shard_file_name(n) for n in names)
     if not (named or shards):
         return
     why = " and ".join(w for w, yes in (("is named like a step directory", named),

@@ -40,7 +40,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
 )
-from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest
+from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
@@ -337,7 +337,7 @@ def _is_checkpoint_root(d: Path) -> bool:
 
 def _has_rank_files(d: Path) -> bool:
     try:
-        return any(d.glob("rank_*.safetensors"))
+        return any(is_shard_file_name(n) for n in os.listdir(d))
     except OSError:
         return False
 

@@ -180,10 +180,8 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
         try:
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
                                shards=shards, threads=threads)
-        except CheckpointCorruptError as exc:
-            problem = exc
-        except CheckpointNotFoundError as exc:  # retention deleted it while it was read
-            problem = exc
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            problem = exc  # damaged, or deleted by retention while it was read
         except BaseException as exc:  # no fallback answers it: the other ranks stop too
             if agree is not None:
                 with contextlib.suppress(Exception):

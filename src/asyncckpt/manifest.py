@@ -29,7 +29,7 @@ import xxhash
 
 from .boxes import tiling_problem
 from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointVersionError
-from .tree import RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
+from .tree import ARRAY_NODES, RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 1
@@ -67,6 +67,11 @@ def check_block_bytes(block_bytes: object) -> None:
 
 def shard_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
+
+
+def is_shard_file_name(name: str) -> bool:
+    """Whether ``name`` looks like a rank's shard file (``rank_*.safetensors``)."""
+    return name.startswith("rank_") and name.endswith(".safetensors")
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -549,7 +554,7 @@ def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth
         raise c.fail("skeleton is nested too deeply")
     node = c.obj(node, "skeleton node")
     t = node.get("t")
-    if t in ("tensor", "ndarray", "npscalar"):
+    if t in ARRAY_NODES:
         if not isinstance(node.get("key"), str) or node["key"] not in tensors:
             raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
         dtype = tensors[node["key"]].dtype

@@ -465,10 +465,13 @@ def scalar_value(node: Node) -> Any:
     raise ValueError(f"unknown skeleton node type {t!r}")
 
 
+ARRAY_NODES = ("tensor", "ndarray", "npscalar")  # the skeleton's kinds of array leaf
+
+
 def iter_array_nodes(node: Node, path: str = "") -> Iterator[tuple[str, Node]]:
     """Yield (path, node) for every tensor/ndarray/npscalar node of a skeleton."""
     t = node["t"]
-    if t in ("tensor", "ndarray", "npscalar"):
+    if t in ARRAY_NODES:
         yield path, node
     elif t == "dict":
         for k, v in node["items"]:
@@ -524,12 +527,12 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     t = node["t"]
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
-    if t not in _ARRAY_NODES and isinstance(target, (torch.Tensor, np.ndarray)):
+    if t not in ARRAY_NODES and isinstance(target, (torch.Tensor, np.ndarray)):
         # strict loads refused this (the target's array is missing from the checkpoint);
         # strict=False keeps the target's value rather than drop it for a container or
         # scalar that held nothing the target asked for
         return target
-    if t in _ARRAY_NODES:
+    if t in ARRAY_NODES:
         if path in flat.loaded_in_place and isinstance(target, (torch.Tensor, np.ndarray)):
             # its data (a DTensor's local shard, an array's memory) was loaded; it keeps
             # its own kind even where the checkpoint's was the other (tensor vs array)
@@ -574,9 +577,6 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             return target
         return values if t == "list" else tuple(values)
     return scalar_value(node)
-
-
-_ARRAY_NODES = ("tensor", "ndarray", "npscalar")
 
 
 def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
