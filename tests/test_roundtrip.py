@@ -906,3 +906,75 @@ def test_lists_a_state_dict_shares_are_not_overwritten_through_each_other(ckpt):
             o.step()
             s.step()
     assert sched2.get_last_lr() == sched.get_last_lr()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_rolling_back_in_process_gives_the_optimizer_the_checkpoints_state(ckpt, strict):
+    """A load hands an optimizer the checkpoint's state, not a merge into its live one:
+    rolling back to a step saved before the first step() leaves no moments behind, and
+    a later step from there is the step a fresh process would take."""
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.save({"model": model, "optim": opt}, 0)  # no optimizer state yet
+    _train_step(model, opt, 0)
+    ckpt.save({"model": model, "optim": opt}, 1)
+    _train_step(model, opt, 1)  # live state ahead of both checkpoints
+
+    ckpt.load({"model": model, "optim": opt}, step=0, strict=strict)
+    assert opt.state_dict()["state"] == {}
+    fresh_model = _net(0)
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2)
+    for m, o in ((model, opt), (fresh_model, fresh_opt)):
+        _train_step(m, o, 5)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                 fresh_model.parameters(), strict=True))
+
+    # forward again, to step 1: the moments come back in the live tensors' memory
+    moment = opt.state[model[0].weight]["exp_avg"]
+    ckpt.load({"model": model, "optim": opt}, step=1, strict=strict)
+    saved = ckpt.load(step=1)["optim"]["state"]
+    assert opt.state[model[0].weight]["exp_avg"] is moment
+    assert torch.equal(moment, saved[0]["exp_avg"])
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+
+
+class _Tokens:
+    """A stateful whose tensor changes length and whose keys come and go."""
+
+    def __init__(self, n: int, extra: bool = False):
+        self.buf = torch.arange(n)
+        self.extra = extra
+        self.given: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"buf": self.buf, "n": len(self.buf)}
+        if self.extra:
+            sd["extra"] = torch.ones(2)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.given = dict(sd)
+        self.buf = sd["buf"]
+
+
+def test_a_stateful_gets_the_checkpoints_state_dict_whatever_its_own_holds(ckpt):
+    ckpt.save({"tok": _Tokens(3)}, 1)
+    target = _Tokens(5, extra=True)
+    ckpt.load({"tok": target})
+    assert target.buf.tolist() == [0, 1, 2]
+    assert sorted(target.given) == ["buf", "n"] and target.given["n"] == 3
+
+
+def test_an_optimizer_moment_of_another_shape_is_still_refused(ckpt):
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.sum().backward()
+    opt.step()
+    ckpt.save({"optim": opt}, 1)
+    q = nn.Parameter(torch.ones(5))
+    other = torch.optim.AdamW([q], lr=0.1)
+    q.sum().backward()
+    other.step()
+    with pytest.raises(StateMismatchError, match=r"optim/state/0/exp_avg: checkpoint torch."
+                                                 r"float32 \[4\], target torch.float32 \[5\]"):
+        ckpt.load({"optim": other})

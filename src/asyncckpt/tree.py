@@ -152,6 +152,10 @@ class FlatState:
     # restoring a stateful's state dict, whose lists may be the object's own and shared
     # (SequentialLR's _last_lr is its current scheduler's): build new ones there
     in_state_dict: bool = False
+    # restoring the state dict of a stateful other than a module (an optimizer): its
+    # load_state_dict gets the checkpoint's state alone, with none of the target's own
+    # entries merged in (the target's tensors are only where the checkpoint's were read)
+    checkpoint_only: bool = False
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -527,7 +531,8 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     t = node["t"]
     if t == "stateful":
         return restore_into(target, node["state"], tensors, path, flat)
-    if t not in ARRAY_NODES and isinstance(target, (torch.Tensor, np.ndarray)):
+    if t not in ARRAY_NODES and isinstance(target, (torch.Tensor, np.ndarray)) and (
+            not flat.checkpoint_only):
         # strict loads refused this (the target's array is missing from the checkpoint);
         # strict=False keeps the target's value rather than drop it for a container or
         # scalar that held nothing the target asked for
@@ -546,6 +551,10 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             return value.numpy()[()]
         return value
     if t == "dict":
+        if flat.checkpoint_only:
+            mine = target if isinstance(target, dict) else {}
+            return {k: restore_into(mine.get(k), c, tensors, join_path(path, k), flat)
+                    for k, c in node["items"]}
         if isinstance(target, dict):
             for k, child in node["items"]:
                 if k in target:
@@ -568,7 +577,8 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             if not _all_present(items[i], tensors):
                 break  # strict=False skipped it: the items after it would take its index
             values.append(restore_into(None, items[i], tensors, join_path(path, i), flat))
-        if len(old) > len(items) and _holds_arrays(flat, path, len(items)):
+        if len(old) > len(items) and not flat.checkpoint_only and _holds_arrays(
+                flat, path, len(items)):
             values += old[len(items):]  # the checkpoint lacks them: strict=False keeps them
         if items and not values and not isinstance(target, (list, tuple)):
             return target  # as for dicts: all skipped, the target keeps its value
@@ -592,8 +602,10 @@ def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
 
 def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
+    module = isinstance(flat.statefuls[path][0], torch.nn.Module)
     return dataclasses.replace(flat, statefuls={p: v for p, v in flat.statefuls.items()
-                                                if p != path}, in_state_dict=True)
+                                                if p != path}, in_state_dict=True,
+                               checkpoint_only=flat.checkpoint_only or not module)
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
