@@ -1,11 +1,15 @@
-"""The Store protocol's waits, on an in-memory HashStore (no processes needed)."""
+"""The Store protocol's waits, on an in-memory HashStore (ranks as threads; one test
+replaces a rank by a process of its own)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +130,41 @@ def test_the_same_directory_spelled_differently_pairs(tmp_path: Path,
     assert in_threads(rank) == {0: [1], 1: [1]}
 
 
+_REPLACED_RANK = """
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import asyncckpt
+port, directory, step = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+with asyncckpt.AsyncCheckpointer(directory, mode="sync", rank=1, world_size=2, store=store,
+                                 timeout_s=10) as ck:
+    ck.save({"r1": torch.full((3,), float(step))}, step=step)
+"""
+
+
+def test_a_replaced_rank_pairs_with_a_survivor_that_reopens(tmp_path: Path) -> None:
+    """Rank 1's process is replaced after step 1 (a fresh process, its first
+    checkpointer); rank 0 survives and reopens its checkpointer, its second: the two
+    pair, because checkpointers are counted per rank in the Store, not per process."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+
+    def rank_1(step: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", _REPLACED_RANK, str(store.port),
+                                 str(tmp_path), str(step)])
+
+    for step in (1, 2):  # a new process of rank 1 each time
+        proc = rank_1(step)
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=0, world_size=2, store=store,
+                               timeout_s=10) as ck:
+            ck.save({"r0": torch.full((2,), float(step))}, step=step)
+        assert proc.wait(60) == 0
+    got = AsyncCheckpointer(tmp_path).load(step=2)
+    assert got["r0"].tolist() == [2.0, 2.0] and got["r1"].tolist() == [2.0, 2.0, 2.0]
+
+
 def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
     store = dist.HashStore()
 
@@ -205,7 +244,8 @@ def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -
     assert isinstance(out[0], CheckpointSaveError) and "step=-5" in str(out[0]), out[0]
 
 
-def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> None:
+def test_closing_every_rank_leaves_only_a_where_key_and_a_count_per_rank(tmp_path: Path
+                                                                          ) -> None:
     store = dist.HashStore()
 
     def rank(r: int) -> None:
@@ -220,8 +260,9 @@ def test_closing_every_rank_leaves_only_a_where_key_per_rank(tmp_path: Path) -> 
 
     out = in_threads(rank)
     assert out == {0: None, 1: None}
-    assert store.num_keys() == 2, "left in the Store after close()"
-    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
+    assert store.num_keys() == 4, "left in the Store after close()"
+    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}",
+                            f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
 
 
 @pytest.mark.parametrize("case", ["new layout, one rank fails", "first save fails",
@@ -252,8 +293,9 @@ def test_keys_of_failed_saves_are_deleted_at_close_too(tmp_path: Path, case: str
 
     out = in_threads(rank)
     assert out == {0: None, 1: None}
-    assert store.num_keys() == 2, "left in the Store after close()"
-    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
+    assert store.num_keys() == 4, "left in the Store after close()"
+    assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}",
+                            f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
 
 
 def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path) -> None:

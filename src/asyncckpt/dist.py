@@ -158,12 +158,15 @@ class DistContext:
 
         Every rank's n-th checkpointer of a directory to save pairs with every other
         rank's n-th: saves are collective, so they start in the same order everywhere.
+        Counted per rank in the Store, not in this process: a replaced rank's new process
+        goes on from its predecessor's count (and pairs with survivors that reopen their
+        checkpointers), and a job restarted with a fresh Store starts over.
         """
         if self.namespace:
             return
         base = self._base()
-        with _sessions_lock:  # ranks simulated by threads of one process count apart
-            n = _sessions[(base, self.rank)] = _sessions.get((base, self.rank), -1) + 1
+        with self._store_errors(f"counting this checkpointer of {self.directory!r}"):
+            n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
         self.namespace = f"{base}.{n}"
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
             self.store.set(self._where_key(self.rank), json.dumps(
@@ -279,7 +282,8 @@ class DistContext:
         """At close: post what this rank may have left in the Store (the tags of saves
         not yet forgotten, the digests of the layouts it posted) and count itself out;
         the last rank of the group to close deletes all of it (by then no rank waits on
-        any of it). The ``where`` keys stay: one per rank and directory."""
+        any of it). The ``where`` keys and the checkpointer counts stay: one of each per
+        rank and directory."""
         if not self.namespace:
             return
         with contextlib.suppress(Exception):
@@ -544,8 +548,6 @@ def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
             f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
 
 
-_sessions: dict[tuple[str, int], int] = {}  # (directory hash, rank) -> checkpointers
-_sessions_lock = threading.Lock()
 
 
 def resolve_context(directory: str, *, process_group: Any = None, rank: int | None = None,
