@@ -215,6 +215,23 @@ def test_verify_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "nope" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_failed_command_with_json_prints_the_error_as_json(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "verify", str(root / "nope"), "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False
+    assert doc["error"]["type"] == "UsageError"
+    assert doc["error"]["exit_code"] == 2 and "nope" in doc["error"]["message"]
+    assert doc["error"]["message"] in err  # stderr says it too
+    (root / "step_000000020" / "manifest.json").write_text("{not json")
+    code, out, _ = run(capsys, "inspect", str(root), "--step", "20", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["error"]["type"] == "CheckpointCorruptError"
+    assert doc["error"]["exit_code"] == 1 and "digest" in doc["error"]["message"]
+    code, out, _ = run(capsys, "inspect", str(root), "--step", "20")
+    assert code == 1 and out == ""  # tables: stderr only
+
+
 def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "step_000000020" / "manifest.json").write_text("{not json")
     code, out, _ = run(capsys, "ls", str(root))

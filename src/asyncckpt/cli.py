@@ -10,8 +10,9 @@
                     [--token-file F] [--timeout S]
                                       serve one checkpoint to peers over HTTP
 
-Every command takes ``--json``. Exit codes: 0 fine, 1 the checkpoint is corrupt,
-2 usage error or nothing found, 130 interrupted.
+Every command takes ``--json`` (a command that fails prints ``{"ok": false, "error":
+{"type", "message", "exit_code"}}`` then). Exit codes: 0 fine, 1 the checkpoint is
+corrupt, 2 usage error or nothing found, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -613,22 +614,17 @@ def _main(argv: list[str] | None) -> int:
             raise _OutputError(exc) from exc
         return code
     except _Usage as exc:
-        _error(str(exc))
-        return EXIT_USAGE
+        return _failed(args, exc, str(exc), EXIT_USAGE)
     except CheckpointNotFoundError as exc:
         hint = "" if "'asyncckpt ls " in str(exc) else (
             ": check the path, or run 'asyncckpt ls' on the checkpoint root")
-        _error(f"{exc}{hint}")
-        return EXIT_USAGE
+        return _failed(args, exc, f"{exc}{hint}", EXIT_USAGE)
     except CheckpointCorruptError as exc:
-        _error(f"{exc} (run 'asyncckpt verify' for details)")
-        return EXIT_CORRUPT
+        return _failed(args, exc, f"{exc} (run 'asyncckpt verify' for details)", EXIT_CORRUPT)
     except CheckpointError as exc:
-        _error(str(exc))
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return EXIT_INTERRUPTED
+        return _failed(args, exc, str(exc), EXIT_USAGE)
+    except KeyboardInterrupt as exc:
+        return _failed(args, exc, "interrupted", EXIT_INTERRUPTED)
     except _OutputError as exc:
         _drop_stdout()
         verdict: int | None = getattr(args, "verdict", None)
@@ -639,11 +635,24 @@ def _main(argv: list[str] | None) -> int:
                "was printed is incomplete (the checkpoint was read: this is not its fault)")
         return EXIT_USAGE if verdict in (None, EXIT_OK) else verdict
     except OSError as exc:
-        _error(f"cannot read {exc.filename or 'the checkpoint'}: {exc.strerror or exc}")
-        return EXIT_USAGE
+        return _failed(args, exc, f"cannot read {exc.filename or 'the checkpoint'}: "
+                                  f"{exc.strerror or exc}", EXIT_USAGE)
     finally:
         library.removeHandler(_LOG)
         _LOG.muted.clear()
+
+
+def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: int) -> int:
+    """Report a command that failed on stderr and, with ``--json``, on stdout as a JSON
+    document too (a script parsing stdout gets one either way), unless the command had
+    printed its own already (it decides its verdict first: see _decided)."""
+    _error(message)
+    if getattr(args, "json", False) and getattr(args, "verdict", None) is None:
+        with contextlib.suppress(_OutputError):  # stderr has it
+            kind = "UsageError" if isinstance(exc, _Usage) else type(exc).__name__
+            _print_json({"ok": False, "error": {"type": kind,
+                                                "message": message, "exit_code": code}})
+    return code
 
 
 def _drop_stdout() -> None:
