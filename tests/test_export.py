@@ -486,6 +486,18 @@ def test_prefix_selects_whole_name_parts_and_names_keep_their_keys(tmp_path: Pat
     assert sorted(load_file(str(out))) == ["model_ema/a.weight"]
 
 
+def test_strip_prefix_removes_one_separator_and_no_more(tmp_path: Path) -> None:
+    one = torch.ones(2)
+    asyncckpt.save({"model": {".hidden": one, "/abs": one * 2, "w": one * 3}}, tmp_path / "ck")
+    out = tmp_path / "m.safetensors"
+    export_safetensors(tmp_path / "ck", out, prefix="model", strip_prefix=True)
+    got = load_file(str(out))
+    assert sorted(got) == [".hidden", "/abs", "w"]  # (were "abs", "hidden", "w")
+    assert got[".hidden"].tolist() == [1.0, 1.0] and got["/abs"].tolist() == [2.0, 2.0]
+    export_safetensors(tmp_path / "ck", out, prefix="model/", strip_prefix=True, force=True)
+    assert sorted(load_file(str(out))) == [".hidden", "/abs", "w"]
+
+
 def test_export_never_writes_inside_the_checkpoint(tmp_path: Path) -> None:
     asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
     shard = tmp_path / "ck" / "step_000000001" / "rank_00000.safetensors"

@@ -279,6 +279,15 @@ def _selects(name: str, prefix: str) -> bool:
     return name == prefix or (name.startswith(prefix) and name[len(prefix)] in "/.")
 
 
+def _stripped(name: str, prefix: str) -> str:
+    """``name`` without ``prefix`` and the one separator after it (a key of its own may
+    begin with another: ``model/.hidden`` is ``.hidden``)."""
+    rest = name[len(prefix):]
+    if prefix and not prefix.endswith(("/", ".")) and rest[:1] in ("/", "."):
+        rest = rest[1:]
+    return rest
+
+
 def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
         raise CheckpointConfigError(f"{out} is a directory: name the .safetensors file to write")
@@ -374,7 +383,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
         if not _selects(full, prefix):
             continue
         key = node["key"]
-        name = full[len(prefix):].lstrip("/.") if strip else full
+        name = _stripped(full, prefix) if strip else full
         if key in written:
             report.aliases[name] = written[key]
             continue
