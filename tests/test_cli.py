@@ -270,6 +270,17 @@ def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) 
     assert _iso(0) == "1970-01-01T00:00:00+00:00"
 
 
+def test_ls_of_a_step_dir_without_its_manifest_says_so(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step_dir = root / "step_000000030"
+    (step_dir / "manifest.json").unlink()
+    code, out, err = run(capsys, "ls", str(step_dir))
+    assert code == 2 and out == ""
+    assert "has no manifest.json: that step is uncommitted" in err and "no committed" not in err
+    code, out, _ = run(capsys, "ls", str(root))  # the root still lists the others
+    assert code == 0 and "2 committed steps" in out
+
+
 def test_ls_of_a_renamed_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     best = root.parent / "best"
     shutil.copytree(root / "step_000000020", best)

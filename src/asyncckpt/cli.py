@@ -186,13 +186,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage = LocalStorage()
     unlistable: list[tuple[str, str]] = []
     no_manifest: list[str] = []
-    if MANIFEST_NAME in storage.listdir(root):  # a step directory: list just that one
+    names = storage.listdir(root)
+    if MANIFEST_NAME in names:  # a step directory: list just that one
         _warn_if_uncommitted(root)
         dirs = [root]
         abandoned: list[str] = []
     else:
         _LOG.muted.add("asyncckpt.commit")  # unlistable step dirs get a row of their own
         steps = commit.committed_steps(root, storage, unlistable, no_manifest)
+        if not steps and not unlistable:  # not "no committed checkpoints under step_…"
+            commit.refuse_a_step_dir_without_manifest(root, names)
         dirs = [root / commit.step_dir_name(s) for s in steps]
         abandoned = commit.abandoned_dirs(root, storage)
     entries: list[dict[str, Any]] = [

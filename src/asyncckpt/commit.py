@@ -161,7 +161,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
         raise CheckpointNotFoundError(f"no checkpoint directory at {root}")
     steps = committed_steps(root, storage)
     if not steps:
-        _refuse_a_step_dir_without_manifest(root, names)
+        refuse_a_step_dir_without_manifest(root, names)
     if step is None:
         if not steps:
             junk = abandoned_dirs(root, storage)
@@ -175,7 +175,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
     return root / step_dir_name(step), step
 
 
-def _refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
+def refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
     """A step directory that lost its manifest (or never got one) would otherwise be
     taken for an empty root: "no committed checkpoint under step_000000002" sends the
     user looking in the wrong place."""
