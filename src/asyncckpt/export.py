@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -102,9 +103,9 @@ class ExportReport:
     """Selected paths that share storage with a written tensor (tied weights): alias
     name -> written name. Written once, as safetensors and Hugging Face expect."""
     overflowed: dict[str, int] = field(default_factory=dict)
-    """Written name -> how many finite values the ``dtype`` cast turned into +-inf (or NaN,
-    in formats without inf): values beyond the smaller dtype's range, e.g. above 65504
-    for fp16."""
+    """Written name -> how many finite values the ``dtype`` cast could not hold: values
+    beyond the smaller dtype's range (e.g. from 65520 for fp16), which became +-inf, NaN
+    (formats without inf) or its largest value (casts that saturate: float8_e4m3fn)."""
     file_bytes: int = 0
     tensor_bytes: int = 0
     seconds: float = 0.0
@@ -225,7 +226,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     report.seconds = time.perf_counter() - started
     for name, n in report.overflowed.items():
         log.warning("export: %d finite values of %s are beyond the range of %s and became "
-                    "inf or NaN",
+                    "inf or NaN (or its largest value, where the cast saturates)",
                     n, name, dtype_name(cast) if cast is not None else "its dtype")
     log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
              len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
@@ -471,6 +472,7 @@ def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
         return 0
     flat = t.reshape(-1)
     narrower = torch.finfo(p.out).max < torch.finfo(p.src).max
+    beyond = _rounds_beyond(p.out) if narrower else None
     over = 0
     for i in range(0, flat.numel(), _CAST_PIECE_ELEMS):
         src = flat[i:i + _CAST_PIECE_ELEMS]
@@ -479,10 +481,31 @@ def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
             # Non-finite after the cast, not inf: formats without inf (float8_e4m3fnuz...)
             # turn an overflow into NaN. torch has no isfinite for most float8 formats.
             after = piece if piece.dtype.itemsize > 1 else piece.float()
-            over += int((~torch.isfinite(after) & torch.isfinite(src)).sum())
+            lost = ~torch.isfinite(after) & torch.isfinite(src)
+            if beyond is not None:  # a saturating cast (float8_e4m3fn) makes them its max
+                wide = src if src.dtype.itemsize >= 4 else src.float()
+                lost |= torch.isfinite(wide) & (wide.abs() > beyond)
+            over += int(lost.sum())
         with _writing(out):
             _write_all(fd, tensor_bytes(piece))
     return over
+
+
+@functools.cache
+def _rounds_beyond(dtype: torch.dtype) -> float | None:
+    """The magnitude above which a value does not round to ``dtype``'s largest finite
+    value (halfway from it to where the next one would be, a step as far as the one
+    below it): a cast that gives the largest value to such a value saturated. Found by
+    listing the format's values (1 and 2 bytes); None for wider formats, whose casts
+    overflow to inf."""
+    if dtype.itemsize > 2:
+        return None
+    bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+    raw = bits.to(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+    values = raw.view(dtype).double()
+    top: list[float] = torch.unique(values[torch.isfinite(values)].abs())[-2:].tolist()
+    below, largest = top
+    return largest + (largest - below) / 2
 
 
 def _write_all(fd: int, data: memoryview) -> None:
