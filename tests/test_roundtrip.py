@@ -957,12 +957,72 @@ class _Tokens:
         self.buf = sd["buf"]
 
 
-def test_a_stateful_gets_the_checkpoints_state_dict_whatever_its_own_holds(ckpt):
+class _FreshTokens(_Tokens):
+    _asyncckpt_load_fresh = True  # wants the checkpoint's state dict alone
+
+
+def test_a_user_stateful_is_filled_like_the_tree_unless_it_asks_for_the_checkpoints(ckpt):
     ckpt.save({"tok": _Tokens(3)}, 1)
     target = _Tokens(5, extra=True)
-    ckpt.load({"tok": target})
-    assert target.buf.tolist() == [0, 1, 2]
-    assert sorted(target.given) == ["buf", "n"] and target.given["n"] == 3
+    with pytest.raises(StateMismatchError, match=r"tok/buf: checkpoint torch.int64 \[3\], "
+                                                 r"target torch.int64 \[5\]") as info:
+        ckpt.load({"tok": target})
+    assert info.value.missing == ["tok/extra"] and target.given == {}
+    fresh = _FreshTokens(5, extra=True)
+    ckpt.load({"tok": fresh})
+    assert fresh.buf.tolist() == [0, 1, 2]
+    assert sorted(fresh.given) == ["buf", "n"] and fresh.given["n"] == 3
+
+
+class _AppState:
+    """DCP's pattern: one stateful whose state dict holds a model's and an optimizer's."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer):
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+
+class _Versioned(nn.Linear):
+    _version = 3
+    seen: list[Any] = []
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):  # type: ignore[no-untyped-def]
+        self.seen.append(local_metadata.get("version"))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+class _Holder:
+    def __init__(self, m: nn.Module):
+        self.m = m
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"m": self.m, "step": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        assert sd["m"] is self.m
+
+
+def test_model_state_inside_a_user_stateful_is_checked_before_any_read(ckpt):
+    model = _net(0)
+    ckpt.save({"app": _AppState(model, torch.optim.AdamW(model.parameters()))}, 1)
+    other = _net(1)
+    other.register_buffer("ema_count", torch.zeros(()))
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(StateMismatchError, match="missing from the checkpoint: "
+                                                 "app/model/ema_count"):
+        ckpt.load({"app": _AppState(other, torch.optim.AdamW(other.parameters()))})
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    # and a module inside one keeps its state dict's metadata (modules read the version)
+    _Versioned.seen.clear()
+    ckpt.save({"h": _Holder(_Versioned(2, 2))}, 2)
+    ckpt.load({"h": _Holder(_Versioned(2, 2))}, step=2)
+    assert _Versioned.seen == [3]
 
 
 def test_an_optimizer_moment_of_another_shape_is_still_refused(ckpt):

@@ -37,6 +37,7 @@ from .tree import (
     iter_array_nodes,
     join_path,
     restore_into,
+    takes_whole_state,
     unflatten,
 )
 
@@ -224,26 +225,22 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     lenient = [p for p, (obj, _) in target.statefuls.items()
                if not isinstance(obj, torch.nn.Module)]
 
-    def owner(path: str) -> str | None:
-        # Optimizers and similar objects create state lazily, and their load_state_dict
-        # takes a state as a whole: what the checkpoint has goes to it as is (loaded fresh
-        # where the object lacks it), and what only the object has is not missing (a step
-        # saved before the first optimizer step has no moments; rolling back drops them).
-        found = [p for p in lenient if p == "" or path == p or path.startswith(p + "/")]
-        return max(found, key=len) if found else None
-
     def passes_through(path: str) -> bool:
-        return owner(path) is not None
+        # Optimizers and similar objects create state lazily: what the checkpoint has and
+        # the fresh object lacks goes to their load_state_dict as is.
+        return any(p == "" or path == p or path.startswith(p + "/") for p in lenient)
 
-    def loads_fresh(path: str) -> bool:
-        # of another shape or dtype: a user's stateful may hold a buffer that grows; an
-        # optimizer's moments of another shape mean other parameters: refused
-        own = owner(path)
-        return own is not None and not isinstance(target.statefuls[own][0],
-                                                  torch.optim.Optimizer)
+    def whole_state(path: str) -> bool:
+        # Under an optimizer or LR scheduler (the innermost stateful holding the path),
+        # whose load_state_dict takes the checkpoint's state as a whole: what only the
+        # target holds is not missing (a step saved before the first optimizer step has
+        # no moments; loading it in place drops them, as a fresh process has none).
+        found = [p for p in target.statefuls
+                 if p == "" or path == p or path.startswith(p + "/")]
+        return bool(found) and takes_whole_state(target.statefuls[max(found, key=len)][0])
 
     _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
-    missing = [p for p in target.refs if p not in saved and not passes_through(p)]
+    missing = [p for p in target.refs if p not in saved and not whole_state(p)]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched: list[str] = []
     # what the tensor keys do not show: values without arrays the checkpoint lacks, and
@@ -263,9 +260,6 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         t = target.tensors[tkey]
         entry = manifest.tensors[key]
         if target.global_shape(tkey) != entry.shape or t.dtype != entry.dtype:
-            if loads_fresh(path):
-                dests.setdefault(key, [])
-                continue
             mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                               f"target {t.dtype} {list(target.global_shape(tkey))}")
             continue

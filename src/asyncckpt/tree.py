@@ -152,7 +152,7 @@ class FlatState:
     # restoring a stateful's state dict, whose lists may be the object's own and shared
     # (SequentialLR's _last_lr is its current scheduler's): build new ones there
     in_state_dict: bool = False
-    # restoring the state dict of a stateful other than a module (an optimizer): its
+    # restoring the state dict of an optimizer or LR scheduler (takes_whole_state): its
     # load_state_dict gets the checkpoint's state alone, with none of the target's own
     # entries merged in (the target's tensors are only where the checkpoint's were read)
     checkpoint_only: bool = False
@@ -602,10 +602,18 @@ def _holds_arrays(flat: FlatState, path: str, start: int) -> bool:
 
 def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
-    module = isinstance(flat.statefuls[path][0], torch.nn.Module)
     return dataclasses.replace(flat, statefuls={p: v for p, v in flat.statefuls.items()
                                                 if p != path}, in_state_dict=True,
-                               checkpoint_only=flat.checkpoint_only or not module)
+                               checkpoint_only=takes_whole_state(flat.statefuls[path][0]))
+
+
+def takes_whole_state(obj: object) -> bool:
+    """Whether ``obj`` is an optimizer or LR scheduler: its state dict is a whole that a
+    load replaces (its live moments or history are not merged with the checkpoint's).
+    Other objects' state dicts are filled like the target tree (what the checkpoint
+    lacks is missing); an object that wants the checkpoint's alone sets a true
+    ``_asyncckpt_load_fresh`` (see :func:`flatten`)."""
+    return isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler))
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
