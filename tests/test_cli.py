@@ -230,6 +230,10 @@ def test_a_failed_command_with_json_prints_the_error_as_json(
     assert doc["error"]["exit_code"] == 1 and "digest" in doc["error"]["message"]
     code, out, _ = run(capsys, "inspect", str(root), "--step", "20")
     assert code == 1 and out == ""  # tables: stderr only
+    code, out, err = run(capsys, "verify", str(root), "--step", "x", "--json")  # argparse's
+    doc = json.loads(out)
+    assert code == 2 and doc["error"]["type"] == "UsageError"
+    assert "invalid int value: 'x'" in doc["error"]["message"] and err.startswith("usage:")
 
 
 def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import commit
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -45,6 +45,20 @@ EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 class _Usage(Exception):
     """A usage problem found after parsing; the message says what to do."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors raise _ParseError (after printing what
+    argparse prints) instead of exiting: ``--json`` then gets its error document too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise _ParseError(message)
+
+
+class _ParseError(Exception):
+    """The command line could not be parsed; argparse's message was printed."""
 
 
 class _LibraryLog(logging.Handler):
@@ -477,7 +491,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # --- entry point -------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="asyncckpt",
         description="List, inspect, verify, export and serve asyncckpt checkpoints.",
         epilog="exit codes: 0 ok, 1 corrupt checkpoint, 2 usage error or not found")
@@ -605,8 +619,15 @@ def _sigterm_interrupts() -> Iterator[None]:
 def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error argparse has already printed
+    except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except _ParseError as exc:  # printed already; a --json document is still owed
+        words = sys.argv[1:] if argv is None else argv
+        if "--json" in words:
+            with contextlib.suppress(_OutputError):
+                _print_json({"ok": False, "error": {"type": "UsageError", "message": str(exc),
+                                                    "exit_code": EXIT_USAGE}})
+        return EXIT_USAGE
     library = logging.getLogger("asyncckpt")
     library.addHandler(_LOG)
     try:
