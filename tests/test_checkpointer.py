@@ -1689,3 +1689,20 @@ def test_the_collector_runs_while_a_save_waits_for_the_previous_one(tmp_path: Pa
         ckpt.save_async({"w": torch.ones(4)}, 2).wait()
         sampler.join()
         assert seen == [True] and ckpt.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("name", [".step_000000001.tmp-abc123def456",
+                                  ".step_000000001.deleting-abc123def456"])
+def test_a_load_refuses_an_uncommitted_directory_passed_by_path(tmp_path: Path, name: str):
+    """Loads read committed steps only, also when handed a temporary or retiring
+    directory's path (one may hold part of a step); the CLI still inspects it."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    odd = tmp_path / "ck" / name
+    (tmp_path / "ck" / "step_000000001").rename(odd)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="loads read committed steps "
+                                                                 "only"):
+        asyncckpt.load(odd)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError):
+        asyncckpt.AsyncCheckpointer(odd).load()
+    from asyncckpt.cli import main
+    assert main(["verify", str(odd)]) == 0

@@ -168,7 +168,7 @@ def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
-    step_dir, _ = commit.resolve_step_dir(path, step, storage)
+    step_dir, _ = commit.resolve_step_dir(path, step, storage, uncommitted_ok=True)
     if step_dir == path:
         _warn_if_uncommitted(path)
     if step is not None and step_dir == path:

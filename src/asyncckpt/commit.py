@@ -140,17 +140,27 @@ def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
     return removed
 
 
-def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage
-                     ) -> tuple[Path, int | None]:
+def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
+                     uncommitted_ok: bool = False) -> tuple[Path, int | None]:
     """The directory of ``step`` (latest when None), or ``root`` itself if it is a step dir.
 
-    Raises CheckpointNotFoundError listing what was found instead.
+    Raises CheckpointNotFoundError listing what was found instead, and for a save's
+    temporary directory or a step being deleted unless ``uncommitted_ok`` (the CLI
+    inspects those, with a warning).
     """
     if step is not None and (type(step) is not int or step < 0):
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
                                     "latest)")
     names = _list_root(root, storage)
     if MANIFEST_NAME in names:
+        kind = temp_dir_kind(root.name)
+        if kind is not None and not uncommitted_ok:
+            what = ("the temporary directory of a save that did not commit (still being "
+                    "written, or abandoned by a crash)" if kind == "tmp" else
+                    "a step being removed by retention (or whose removal failed)")
+            raise CheckpointNotFoundError(
+                f"{root} is {what}: loads read committed steps only; 'asyncckpt ls "
+                f"{root.parent}' lists them ('asyncckpt verify {root}' checks this one)")
         named = step_of_dir_name(root.name)
         if step is not None and named is not None and named != step:
             raise CheckpointNotFoundError(

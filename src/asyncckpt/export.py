@@ -176,7 +176,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     cast = _cast_dtype(dtype)
     _check_out(out, force)
     root = Path(ckpt_path)
-    step_dir, _ = commit.resolve_step_dir(root, step, storage)
+    step_dir, _ = commit.resolve_step_dir(root, step, storage, uncommitted_ok=True)
     manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
         raise CheckpointNotFoundError(
