@@ -125,7 +125,8 @@ class AsyncCheckpointer:
     torch.distributed, ``save_async`` and ``save`` are collective: call them on every
     rank of the group, the same number of times, with the same step. The ranks'
     checkpointers of one directory pair up by the order of their first saves (open one
-    on a single rank to load or list steps at will). Loading is not collective.
+    on a single rank to load or list steps at will). Loading is not collective, except
+    ``load(fallback=True)`` in a group, whose ranks agree on the step.
 
     Example:
         >>> ckpt = AsyncCheckpointer("runs/exp1", keep_last=3)

@@ -29,9 +29,10 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
   notice within about a second and stop their writes instead of finishing them.
 
 The namespace pairs the checkpointers of one directory across ranks: the directory's
-absolute path and how many checkpointers of it this process has saved with before. It
-is chosen by the first save, not by the constructor, so a checkpointer one rank opens
-only to load or list steps pairs with nothing. ``asyncckpt/where/<dir hash>/<rank>`` says which
+absolute path and how many checkpointers of it this rank has saved with before
+(counted in the Store: ``asyncckpt/sessions/<dir hash>/<rank>``). It is chosen by the
+first save, not by the constructor, so a checkpointer one rank opens only to load or
+list steps pairs with nothing. ``asyncckpt/where/<dir hash>/<rank>`` says which
 namespace a rank joined last (per directory), for the error of a wait that never meets
 its peers.
 """

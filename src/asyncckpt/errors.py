@@ -55,7 +55,8 @@ class CheckpointVersionError(CheckpointError, ValueError):
 
 
 class CheckpointInFlightError(CheckpointError, RuntimeError):
-    """A save was asked for while another is still in flight and ``on_busy="error"``."""
+    """A save was asked for while another is still in flight and ``on_busy="error"``, or
+    while another call of the checkpointer (save_async, prepare, close) is still running."""
 
 
 class CheckpointSaveError(CheckpointError, RuntimeError):
@@ -74,15 +75,16 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 
 class CheckpointClosedError(CheckpointError, RuntimeError):
-    """The checkpointer was closed."""
+    """The checkpointer was closed, or the transport shut down."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """A committed checkpoint already holds this step."""
+    """A committed checkpoint already holds this step (or a newer one, or its directory
+    exists without a manifest); or an export's target file exists."""
 
 
 class CheckpointLockedError(CheckpointError, RuntimeError):
-    """Another process holds the checkpoint directory's lock."""
+    """Another checkpointer, of this process or another, holds the directory's lock."""
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):
