@@ -1660,3 +1660,78 @@ def test_every_spelling_of_the_wildcard_is_advertised_as_the_host_name(wildcard:
 
     assert _reachable(wildcard) == socket.gethostname()
     assert _reachable("10.1.2.3") == "10.1.2.3" and _reachable("node7") == "node7"
+
+
+class _ClosingPeer:
+    """A peer serving ``served`` that closes the connection after every response, as an
+    HTTP/1.0 server (or one answering ``Connection: close``) does; range bodies go out
+    through ``send(sock, offset, n)``."""
+
+    def __init__(self, served: Served, send: Callable[[socket.socket, int, int], None]):
+        self.served, self.send = served, send
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.address = f"http://127.0.0.1:{self.port}/v1"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            lines = data.partition(b"\r\n\r\n")[0].decode().split("\r\n")
+            method, path = lines[0].split(" ")[:2]
+            source = self.served.files[FILE]
+            head = "HTTP/1.0 {}\r\nConnection: close\r\nContent-Length: {}\r\n{}\r\n"
+            if path.endswith("/current"):
+                body = json.dumps({"step": self.served.step}).encode()
+                conn.sendall(head.format("200 OK", len(body), "").encode() + body)
+            elif path.endswith("manifest.json"):
+                body = self.served.manifest()
+                conn.sendall(head.format("200 OK", len(body), "").encode() + body)
+            elif method == "HEAD":
+                conn.sendall(head.format("200 OK", source.size, "").encode())
+            else:
+                rng = next(v for k, _, v in (ln.partition(": ") for ln in lines) if k == "Range")
+                lo, hi = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+                extra = f"Content-Range: bytes {lo}-{hi}/{source.size}\r\n"
+                conn.sendall(head.format("206 Partial Content", hi + 1 - lo, extra).encode())
+                self.send(conn, lo, hi + 1 - lo)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("how", ["recv_checkpoint", "load"])
+def test_a_trickling_peer_that_closes_each_connection_cannot_outlast_the_timeout(
+        how: str, transports: Any) -> None:
+    """http.client hands the socket of a response that closes its connection to the
+    response (``conn.sock`` is None then): the deadline's watchdog did not find it, and
+    a fetch with a timeout of 1.5 s ran for minutes."""
+    live = serve_state(4, {"w": torch.randn(1 << 16)}, block_bytes=1 << 22,
+                       library_version="t")
+    peer = _ClosingPeer(live, _Trickle(live.files[FILE]).send)
+    timeout = 1.5
+    try:
+        if how == "load":
+            bg = Background(asyncckpt.load, peer.address, timeout=timeout)
+        else:
+            client = transports(timeout=timeout, num_chunks=2)
+            bg = Background(client.recv_checkpoint, 0, peer.address, 4, timeout)
+        with pytest.raises(CheckpointTimeoutError, match=r"did not end within its timeout"):
+            bg.result(timeout=10)
+        assert bg.ended is not None and bg.ended - bg.started < 2 * timeout, \
+            bg.ended - bg.started
+    finally:
+        peer.close()

@@ -774,6 +774,10 @@ class HTTPStorage:
         self._names: list[str] = []
         self._sizes: dict[str, int] = {}  # by file name: a file is opened more than once
         self._conns: list[http.client.HTTPConnection] = []
+        # Every socket a connection of this fetch opened, for the deadline's watchdog to
+        # shut: a response that closes its connection (HTTP/1.0, "Connection: close")
+        # takes the socket over and leaves the connection's ``sock`` None.
+        self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._max_range = 1 << 62  # lowered when the server answers 413
         self._deadline_s = deadline_s
@@ -794,13 +798,13 @@ class HTTPStorage:
         reading on them fail and raise the timeout."""
         if self._closed.wait(deadline_s):
             return
-        self._expired = True
+        with self._lock:  # (under the lock: ``_connect`` then cuts what it opens later)
+            self._expired = True
         while True:
             with self._lock:
-                socks = [c.sock for c in self._conns if c.sock is not None]
+                socks = [s for s in self._socks if s.fileno() != -1]
             for sock in socks:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                _cut(sock)
             if self._closed.wait(0.1):
                 return
 
@@ -849,6 +853,21 @@ class HTTPStorage:
             self._check_deadline()
         return c
 
+    def _connect(self, conn: http.client.HTTPConnection) -> None:
+        """Connect ``conn`` here rather than let http.client do it inside ``request``, to
+        record its socket for the deadline's watchdog (``conn.sock`` does not keep it:
+        a response that closes the connection takes the socket over)."""
+        if self._ends_at is not None:  # (a reconnection too: bounded by what is left)
+            conn.timeout = max(0.01, min(self.timeout_s, self._ends_at - time.monotonic()))
+        conn.connect()
+        sock = conn.sock
+        with self._lock:
+            self._socks = [s for s in self._socks if s.fileno() != -1]  # closed ones go
+            self._socks.append(sock)
+            expired = self._expired
+        if expired:  # opened after the watchdog's last round: cut here
+            _cut(sock)
+
     def _url(self, what: str) -> str:
         if what == "current":
             return f"{self.prefix}/current"
@@ -888,6 +907,8 @@ class HTTPStorage:
             sent = False  # then its answer is awaited: a deadline hit here is no stall
             try:
                 conn = self._conn(fresh=attempt > 0)
+                if conn.sock is None:  # new, or closed by the peer after its last answer
+                    self._connect(conn)
                 conn.request(method, self._url(what), headers={**self._headers, **headers})
                 sent = True
                 resp = conn.getresponse()
