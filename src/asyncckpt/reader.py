@@ -296,6 +296,7 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
     it, and a group that sees it set ends before its next item (a corrupt first range
     of a peer's fetch is reported at once, not after every other range came in)."""
     fds: dict[str, int] = {}
+    failed = False
     try:
         i = 0
         while i < len(items):
@@ -319,12 +320,26 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
             i = max(j, i + 1)
     except BaseException:
+        failed = True
         if stop is not None:
             stop.set()
         raise
     finally:
         for fd in fds.values():
-            storage.close(fd)
+            if failed:
+                _abort(storage, fd)
+            else:
+                storage.close(fd)
+
+
+def _abort(storage: ReadStorage, fd: int) -> None:
+    """Close ``fd`` after a failed read, through the storage's ``abort`` where it has one
+    (a peer's drops the rest of its stream rather than read it to its end: a peer that
+    just sent bad bytes may stall). Never raises: the failure is the error to report."""
+    try:
+        getattr(storage, "abort", storage.close)(fd)
+    except Exception:
+        log.debug("closing a file after a failed read failed too", exc_info=True)
 
 
 def _direct(it: ReadItem, dst: torch.Tensor) -> bool:
@@ -446,12 +461,14 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
             raise
         except OSError as exc:  # EIO from a failing disk
             raise _damaged(path, exc) from exc
-    finally:
-        storage.close(fd)
-    if got != len(header) or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum:
-        raise CheckpointCorruptError(
-            f"{path}: its safetensors header does not match the manifest's checksum: the "
-            "file is corrupt or belongs to another checkpoint", path=str(path))
+        if got != len(header) or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum:
+            raise CheckpointCorruptError(
+                f"{path}: its safetensors header does not match the manifest's checksum: the "
+                "file is corrupt or belongs to another checkpoint", path=str(path))
+    except BaseException:
+        _abort(storage, fd)
+        raise
+    storage.close(fd)
 
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,

@@ -41,7 +41,9 @@ class ReadStorage(Protocol):
 
     Local files implement it, and so does a peer's HTTP server (transport/http.py). A
     storage that serves a peer's view sets ``peer_view = True``: only its manifests may be
-    partial (hold some boxes of their tensors).
+    partial (hold some boxes of their tensors). A storage may also have ``abort(fd)``,
+    which the reader calls instead of ``close`` after a failed read: a peer's drops what
+    is still in flight rather than reading it to its end.
     """
 
     def listdir(self, path: Path) -> list[str]: ...

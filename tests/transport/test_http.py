@@ -1735,3 +1735,65 @@ def test_a_trickling_peer_that_closes_each_connection_cannot_outlast_the_timeout
             bg.ended - bg.started
     finally:
         peer.close()
+
+
+class _StallAt(FileSource):
+    """Serves ``inner``, but a range (other than the header's, from byte 0) that runs
+    past byte ``at`` stops there until ``gate`` is set."""
+
+    def __init__(self, inner: FileSource, at: int):
+        self.inner, self.at, self.size = inner, at, inner.size
+        self.gate = threading.Event()
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return self.inner.read(offset, n)
+
+    def send(self, sock: socket.socket, offset: int, n: int) -> None:
+        if 0 < offset < self.at < offset + n:
+            sock.sendall(self.read(offset, self.at - offset))
+            self.gate.wait(30)
+            n, offset = offset + n - self.at, self.at
+        sock.sendall(self.read(offset, n))
+
+
+def test_a_checksum_failure_is_reported_at_once_although_the_peer_then_stalls(
+        transports: Any) -> None:
+    """After a tensor failed its checksums, the loader closed the file, and the client
+    read the rest of the range to keep the connection: from a peer that stalls, up to
+    the fetch's deadline, whose timeout error then replaced the corruption."""
+    srv = transports(token=TOKEN)
+    # "a" is read alone (too large to batch with "b"), on a range that runs into "b"
+    state = {"a": torch.randn(3 << 16), "b": torch.randn(3 << 18)}
+    probe = serve_state(7, state, block_bytes=1 << 16, library_version="test")
+    lo, hi = parse_manifest(probe.manifest(), "m").tensors["a"].chunks[0].byte_range
+    stalls: list[_StallAt] = []
+
+    def wrap(src: FileSource) -> FileSource:
+        stalls.append(_StallAt(FlipOneByte(src, (lo + hi) // 2), hi))
+        return stalls[-1]
+
+    srv.serve(wrapped(state, 7, wrap))
+    timeout = 6.0
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointCorruptError, match="'a'"):
+            fetch(srv, 7, timeout=timeout, num_chunks=1)
+        assert time.monotonic() - t0 < timeout / 2
+    finally:
+        stalls[0].gate.set()
+
+
+def test_closing_a_file_after_the_fetch_deadline_does_not_raise(transports: Any) -> None:
+    """The loader closes its files in a ``finally``: a close that raised the deadline's
+    timeout there replaced the error being raised (a checksum failure, say)."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, {"w": torch.randn(1 << 20)}, 10.0)
+    storage = HTTPStorage(srv.address(), 5, token=TOKEN, timeout_s=10.0, deadline_s=1.0)
+    try:
+        fd = storage.open_read(Path(FILE))
+        assert storage.pread_into(fd, [memoryview(bytearray(4096))], 4096) == 4096
+        time.sleep(1.3)  # the watchdog cuts the connection, the stream's rest unread
+        storage.close(fd)
+        storage.abort(fd)
+    finally:
+        storage.close_all()

@@ -1022,10 +1022,20 @@ class HTTPStorage:
     def close(self, fd: int) -> None:
         # A range this thread will not read further keeps the server's handler sending
         # it, holding a connection slot until the server's send times out: on a full
-        # server, other receivers would wait for that.
+        # server, other receivers would wait for that. (Never raises: the loader calls
+        # it in a ``finally``.)
         st: _Stream | None = getattr(self._local, "stream", None)
         if st is not None and st.name == self._names[fd]:
             self._drop_stream()
+
+    def abort(self, fd: int) -> None:
+        """Close ``fd`` after a failed read (bad bytes, another thread's failure): the
+        rest of this thread's range is not read, its connection is dropped. Reading it
+        to keep the connection would wait on a peer that may have stalled, up to the
+        fetch's deadline, and hide the failure behind a timeout."""
+        st: _Stream | None = getattr(self._local, "stream", None)
+        if st is not None and st.name == self._names[fd]:
+            self._drop_stream(keep=False)
 
     def file_size(self, fd: int) -> int:
         name = self._names[fd]
@@ -1059,7 +1069,7 @@ class HTTPStorage:
             try:
                 return self._fetch(fd, views, offset)
             except CheckpointError:
-                self._drop_stream()
+                self._drop_stream(keep=False)  # (a failed stream is not read on)
                 raise
             except TimeoutError:  # a stall, not a broken connection: retrying waits again
                 self._drop_stream(keep=False)
@@ -1140,7 +1150,8 @@ class HTTPStorage:
 
     def _drop_stream(self, keep: bool = True) -> None:
         """Forget this thread's stream. With ``keep``, a stream with a few bytes left is
-        read to its end so that its connection can be reused; otherwise it is closed."""
+        read to its end so that its connection can be reused; otherwise its connection
+        is closed (the next request opens a new one). Never raises."""
         st: _Stream | None = getattr(self._local, "stream", None)
         if st is None:
             return
@@ -1154,7 +1165,19 @@ class HTTPStorage:
                 return
             except (OSError, http.client.HTTPException):
                 pass
-        self._conn(fresh=True)
+        with contextlib.suppress(OSError):
+            st.resp.close()  # (a response that closes its connection holds the socket alone)
+        self._drop_conn()
+
+    def _drop_conn(self) -> None:
+        """Close this thread's connection; its next request opens a new one."""
+        c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if c is not None:
+            with self._lock:
+                c.close()
+                with contextlib.suppress(ValueError):
+                    self._conns.remove(c)
 
     def close_all(self) -> None:
         self._closed.set()
