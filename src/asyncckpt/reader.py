@@ -65,7 +65,9 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
 
     A manifest marked partial (the view of some boxes that a peer serves) is refused
     unless ``storage`` serves such views (``peer_view``): a committed checkpoint is
-    whole. A step directory's manifest must be of the step its name says.
+    whole. A step directory's manifest must be of the step its name says; a storage
+    with ``check_manifest(manifest)`` checks the manifest further (raising if it refuses
+    it).
     """
     path = step_dir / MANIFEST_NAME
     try:
@@ -86,6 +88,9 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
             f"{path}: the manifest is marked partial (as a peer's view of some boxes is, and "
             "a committed checkpoint never): it is corrupt; load an earlier step",
             path=str(path))
+    check = getattr(storage, "check_manifest", None)
+    if check is not None:  # (a peer's: the manifest must be of the step asked for)
+        check(manifest)
     named = step_of_dir_name(step_dir.name)
     if named is not None and named != manifest.step:
         raise CheckpointCorruptError(

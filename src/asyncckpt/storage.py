@@ -43,7 +43,9 @@ class ReadStorage(Protocol):
     storage that serves a peer's view sets ``peer_view = True``: only its manifests may be
     partial (hold some boxes of their tensors). A storage may also have ``abort(fd)``,
     which the reader calls instead of ``close`` after a failed read: a peer's drops what
-    is still in flight rather than reading it to its end.
+    is still in flight rather than reading it to its end; and ``check_manifest(manifest)``,
+    called once the manifest is parsed, which raises to refuse it (a peer's: one of
+    another step than the one asked for).
     """
 
     def listdir(self, path: Path) -> list[str]: ...

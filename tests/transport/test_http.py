@@ -1797,3 +1797,18 @@ def test_closing_a_file_after_the_fetch_deadline_does_not_raise(transports: Any)
         storage.abort(fd)
     finally:
         storage.close_all()
+
+
+def test_a_manifest_of_another_step_than_asked_for_is_refused(transports: Any) -> None:
+    """A peer answering /v1/5/manifest.json with step 4's manifest loaded silently (the
+    process-group transport refuses the like)."""
+    four = serve_state(4, state_of(4), block_bytes=1 << 16, library_version="test")
+    srv = transports(token=TOKEN)
+    srv.serve(Served(5, four.manifest, four.files))
+    want = r"manifest .*/v1/5/manifest\.json is of step 4, not of the requested step 5"
+    with pytest.raises(CheckpointCorruptError, match=want):
+        fetch(srv, 5)
+    with pytest.raises(CheckpointCorruptError, match=want):
+        asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10)
+    with pytest.raises(CheckpointCorruptError, match=want):  # the step the peer offers
+        asyncckpt.load(srv.address(), token=TOKEN, timeout=10)

@@ -37,12 +37,13 @@ from urllib.parse import urlsplit
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
 )
-from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, check_block_bytes
+from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest, check_block_bytes
 from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
@@ -980,6 +981,18 @@ class HTTPStorage:
                 f"{self._peer}: the manifest is {n} bytes, above the limit of {limit} "
                 "(max_manifest_bytes=); refused before reading it")
         return self._read_body(resp, n, "the manifest")
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Refuse a manifest of another step than the one asked for (the loader calls
+        this once it has parsed it): the peer must answer ``/v1/<step>/manifest.json``
+        with that step's manifest, or 404."""
+        if manifest.step != self.step:
+            url = self._url(MANIFEST_NAME)
+            raise CheckpointCorruptError(
+                f"{self._peer}: the manifest it served at {url} is of step {manifest.step}, "
+                f"not of the requested step {self.step}: the peer is broken or not an "
+                "asyncckpt server; fetch from another peer",
+                path=f"http://{self.host}:{self.port}{url}")
 
     @property
     def _peer(self) -> str:
