@@ -175,14 +175,14 @@ def test_requests_wait_while_disallowed_then_succeed(transports: Any) -> None:
 
 
 def test_disallowed_requests_time_out_within_the_timeout(transports: Any) -> None:
-    # the server gives up first: 503 "not allowed" -> CheckpointTimeoutError
-    srv = transports(token=TOKEN, timeout=1.0)
+    # the server gives up first: 503 "not allowed", asked again until the fetch's timeout
+    srv = transports(token=TOKEN, timeout=0.5)
     srv.send_checkpoint([1], 3, state_of(), 10.0)
     srv.disallow_checkpoint()
     t0 = time.monotonic()
     with pytest.raises(CheckpointTimeoutError, match="not allowed"):
-        fetch(srv, 3, timeout=10.0)
-    assert time.monotonic() - t0 < 5.0
+        fetch(srv, 3, timeout=2.0)
+    assert 1.5 < time.monotonic() - t0 < 4.0
     # the client gives up first: its socket timeout -> CheckpointTimeoutError
     srv2 = transports(token=TOKEN, timeout=30.0)
     srv2.send_checkpoint([1], 3, state_of(), 10.0)
@@ -191,6 +191,38 @@ def test_disallowed_requests_time_out_within_the_timeout(transports: Any) -> Non
     with pytest.raises(CheckpointTimeoutError):
         fetch(srv2, 3, timeout=1.0)
     assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("how", ["recv_checkpoint", "load"])
+def test_a_fetch_waits_for_the_step_up_to_its_own_timeout_not_the_servers(
+        how: str, transports: Any) -> None:
+    """A server's 503 "not allowed within 0.5s" failed a fetch with a timeout of 8 s at
+    once, although that timeout bounds the whole fetch, the wait for the step included."""
+    srv = transports(token=TOKEN, timeout=0.5)
+    state = state_of(3)
+    srv.send_checkpoint([1], 3, state, 10.0)
+    srv.disallow_checkpoint()
+    if how == "load":
+        client = Background(asyncckpt.load, srv.address(), token=TOKEN, timeout=8.0)
+    else:
+        client = Background(fetch, srv, 3, timeout=8.0)
+    time.sleep(1.5)  # three times the server's timeout
+    assert client.thread.is_alive(), client.error
+    srv.allow_checkpoint(3)
+    assert_state(client.result(), state)
+
+
+def test_a_fetch_whose_step_is_never_allowed_says_so_at_its_timeout(transports: Any) -> None:
+    srv = transports(token=TOKEN, timeout=0.3)
+    srv.send_checkpoint([1], 3, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    for load in (lambda: fetch(srv, 3, timeout=1.5),
+                 lambda: asyncckpt.load(srv.address(), token=TOKEN, timeout=1.5)):
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointTimeoutError, match=r"did not allow (step 3|any step) "
+                           r"within the fetch's timeout of 1.5s .*was not allowed within"):
+            load()
+        assert time.monotonic() - t0 < 3.0
 
 
 def test_load_of_the_current_step_times_out_clearly(transports: Any) -> None:

@@ -64,7 +64,7 @@ _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts r
 _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
 _SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
 _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than halved again
-_NOT_ALLOWED = "was not allowed"  # the 503 a client turns into CheckpointTimeoutError
+_NOT_ALLOWED = "was not allowed"  # a 503 a client answers by asking again, up to its timeout
 _CLOSED = "is shutting down"  # the 503 of a request that waited while the server shut down
 _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
@@ -869,6 +869,20 @@ class HTTPStorage:
         if expired:  # opened after the watchdog's last round: cut here
             _cut(sock)
 
+    def _not_allowed(self, what: str, answer: str, deadline: float, slack: float = 0.0
+                     ) -> None:
+        """Raise the timeout error of a request (``_url``'s ``what``) that the peer
+        answered with 503 "not allowed" (``answer``) until ``deadline`` (or ``slack``
+        seconds before it), once that has passed."""
+        if not (self._expired or time.monotonic() >= deadline - slack):
+            return
+        waited = self._deadline_s if self._deadline_s is not None else self.timeout_s
+        step = "any step" if what == "current" else f"step {self.step}"
+        raise CheckpointTimeoutError(
+            f"{self._peer} did not allow {step} within the fetch's timeout of {waited:g}s "
+            f"(its last answer to {self._url(what)}: 503 {answer!r}): it is not serving "
+            "it (not yet, or it was withdrawn); pass a larger timeout to wait longer")
+
     def _url(self, what: str) -> str:
         if what == "current":
             return f"{self.prefix}/current"
@@ -894,14 +908,20 @@ class HTTPStorage:
         A 503 from a full server is not a failure but a wait: the request is sent again
         after a pause (exponential with jitter, 50 ms doubling to 1 s) until the timeout,
         so that receivers beyond the server's max_connections get their turn as others
-        end, rather than all failing at once."""
+        end, rather than all failing at once. So is a 503 "not allowed": the server waited
+        its own timeout for the step to be allowed, the fetch waits up to its own."""
         self._drop_stream()  # the connection must be done with any earlier response
         deadline = time.monotonic() + self.timeout_s
+        if self._ends_at is not None:
+            deadline = min(deadline, self._ends_at)
         last: Exception | None = None
         attempt = 0
         pause = _BACKOFF_FIRST_S
         full = False  # the last answer was a 503 "server full"
+        refused: str | None = None  # the peer's last 503 "not allowed", if any
         while attempt <= self.retries:
+            if refused is not None:
+                self._not_allowed(what, refused, deadline)
             self._check_deadline()
             if time.monotonic() > deadline:
                 break
@@ -913,8 +933,9 @@ class HTTPStorage:
                 conn.request(method, self._url(what), headers={**self._headers, **headers})
                 sent = True
                 resp = conn.getresponse()
-                self._answered = True
             except TimeoutError:
+                if sent and refused is not None:
+                    self._not_allowed(what, refused, deadline, slack=0.1)
                 if sent:  # (the socket's timeout ends with the fetch's: whichever is first)
                     self._unanswered(what, slack=0.1)
                 self._check_deadline()
@@ -923,12 +944,15 @@ class HTTPStorage:
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
                     "is stuck") from None
             except (OSError, http.client.HTTPException) as exc:
+                if sent and refused is not None:
+                    self._not_allowed(what, refused, deadline)
                 if sent:  # (the deadline's watchdog cuts the connection: that ends it too)
                     self._unanswered(what)
                 last, full = exc, False
                 attempt += 1
                 continue
             if resp.status in (200, 206):
+                self._answered = True
                 return resp
             try:
                 body = resp.read(4096).decode(errors="replace")
@@ -936,6 +960,16 @@ class HTTPStorage:
                 last = exc
                 attempt += 1
                 continue
+            if resp.status == 503 and _NOT_ALLOWED in body:
+                # Not an answer for the step (``_unanswered`` still applies): ask again
+                # until the fetch's own deadline.
+                refused = body
+                left = deadline - time.monotonic()
+                if left > 0:
+                    time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+                    pause = min(2 * pause, _BACKOFF_MAX_S)
+                continue
+            self._answered = True
             where = f"{self.host}:{self.port}{self._url(what)}"
             if resp.status == 401:
                 raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
@@ -944,8 +978,6 @@ class HTTPStorage:
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
-            if resp.status == 503 and _NOT_ALLOWED in body:
-                raise CheckpointTimeoutError(f"{where}: {body}")
             last = CheckpointTransportError(f"{where}: HTTP {resp.status}: {body}")
             if resp.status < 500:
                 raise last
