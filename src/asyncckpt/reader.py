@@ -298,14 +298,16 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
                 stop: threading.Event | None = None) -> None:
     """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
-    it, and a group that sees it set ends before its next item (a corrupt first range
-    of a peer's fetch is reported at once, not after every other range came in)."""
+    it, and a group that sees it set ends before its next item or piece (a corrupt
+    first range of a peer's fetch is reported at once, not after every other range, or
+    the rest of a multi-GB tensor, came in)."""
     fds: dict[str, int] = {}
-    failed = False
+    unfinished = False  # failed, or stopped: its files are aborted, not closed
     try:
         i = 0
         while i < len(items):
             if stop is not None and stop.is_set():
+                unfinished = True
                 return  # another group failed: its error is the one raised
             it = items[i]
             fd = fds.get(it.chunk.file)
@@ -318,23 +320,30 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                                 manifest.block_bytes)
                 else:
                     _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
-                               manifest.block_bytes)
+                               manifest.block_bytes, stop)
+            except _Stopped:
+                unfinished = True
+                return  # another group failed: its error is the one raised
             except CheckpointError:
                 raise
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
                 raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
             i = max(j, i + 1)
     except BaseException:
-        failed = True
+        unfinished = True
         if stop is not None:
             stop.set()
         raise
     finally:
         for fd in fds.values():
-            if failed:
+            if unfinished:
                 _abort(storage, fd)
             else:
                 storage.close(fd)
+
+
+class _Stopped(Exception):
+    """Another group of the load failed: this one ends before its next piece."""
 
 
 def _abort(storage: ReadStorage, fd: int) -> None:
@@ -477,11 +486,14 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
 
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
-               verify: bool, block_bytes: int) -> None:
+               verify: bool, block_bytes: int, stop: threading.Event | None = None) -> None:
+    """Read one item into ``dst``; ``_Stopped`` once ``stop`` is set (checked between
+    pieces)."""
     chunk = it.chunk
     if _direct(it, dst):
         # The common case: the saved chunk is the whole destination. Read straight into it.
-        _read_range(fd, storage, path, it.key, tensor_bytes(dst), chunk, 0, verify, block_bytes)
+        _read_range(fd, storage, path, it.key, tensor_bytes(dst), chunk, 0, verify, block_bytes,
+                    stop)
         return
     # Resharding (or a non-contiguous or device destination): read only the checksum blocks
     # that cover the wanted box, verify them, and copy the box out of them.
@@ -493,7 +505,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     if runs is None:  # the box's span touches (nearly) every block in it: read the span
         lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
         _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, lo, hi,
-                       it.box[1], tgt, dst.is_cuda)
+                       it.box[1], tgt, dst.is_cuda, stop)
         return
     # Rows longer than a block with wide gaps between them (a column slice of wide
     # rows): read and verify only the blocks each row's part touches.
@@ -501,7 +513,8 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     for index, start in starts:
         part = tgt[index] if d else tgt
         _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, start,
-                       start + math.prod(run_shape) * itemsize, run_shape, part, dst.is_cuda)
+                       start + math.prod(run_shape) * itemsize, run_shape, part, dst.is_cuda,
+                       stop)
 
 
 def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = None
@@ -515,7 +528,8 @@ def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = No
 
 def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: Chunk,
                    verify: bool, block_bytes: int, lo: int, hi: int, shape: tuple[int, ...],
-                   tgt: torch.Tensor, pinned: bool) -> None:
+                   tgt: torch.Tensor, pinned: bool, stop: threading.Event | None = None
+                   ) -> None:
     """Read the blocks of ``chunk`` covering its bytes ``lo..hi``, verify them, and copy
     the elements there (a box of ``shape`` starting at ``lo``, in the chunk's row-major
     layout) into ``tgt``."""
@@ -525,7 +539,7 @@ def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: C
     with _allocating(path, key, b1 - b0):
         buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=pinned)
     _read_range(fd, storage, path, key, tensor_bytes(buf), chunk, first_block, verify,
-                block_bytes)
+                block_bytes, stop)
     typed = buf if tgt.dtype == torch.uint8 else buf.view(tgt.dtype)
     strides = row_major_strides(chunk.lengths)[len(chunk.lengths) - len(shape):]
     copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // tgt.element_size()))
@@ -559,13 +573,17 @@ def _sparse_runs(chunk: Chunk, box: Box, itemsize: int, block_bytes: int
 
 
 def _read_range(fd: int, storage: ReadStorage, path: Path, key: str, mv: memoryview, chunk: Chunk,
-                first_block: int, verify: bool, block_bytes: int) -> None:
-    """Read ``len(mv)`` bytes of ``chunk`` from block ``first_block`` on, hashing as it goes."""
+                first_block: int, verify: bool, block_bytes: int,
+                stop: threading.Event | None = None) -> None:
+    """Read ``len(mv)`` bytes of ``chunk`` from block ``first_block`` on, hashing as it goes;
+    ``_Stopped`` once ``stop`` is set (checked before every piece)."""
     n = len(mv)
     start = first_block * block_bytes
     hasher = BlockHasher(n, block_bytes) if verify else None
     pos = 0
     while pos < n:
+        if stop is not None and stop.is_set():
+            raise _Stopped
         k = min(_PIECE, n - pos)
         got = storage.pread_into(fd, [mv[pos:pos + k]], chunk.byte_range[0] + start + pos)
         if got <= 0:

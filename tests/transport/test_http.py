@@ -1844,3 +1844,37 @@ def test_a_manifest_of_another_step_than_asked_for_is_refused(transports: Any) -
         asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10)
     with pytest.raises(CheckpointCorruptError, match=want):  # the step the peer offers
         asyncckpt.load(srv.address(), token=TOKEN, timeout=10)
+
+
+class _SlowFrom(FileSource):
+    """Serves ``inner``, its bytes from ``at`` on slowly (64 KiB every ``pause`` s)."""
+
+    def __init__(self, inner: FileSource, at: int, pause: float):
+        self.inner, self.at, self.pause, self.size = inner, at, pause, inner.size
+
+    def read(self, offset: int, n: int) -> memoryview:
+        return self.inner.read(offset, n)
+
+    def send(self, sock: socket.socket, offset: int, n: int) -> None:
+        for pos in range(offset, offset + n, 1 << 16):
+            if pos >= self.at:
+                time.sleep(self.pause)
+            sock.sendall(self.read(pos, min(1 << 16, offset + n - pos)))
+
+
+def test_a_failure_on_one_connection_stops_the_others_within_a_piece(transports: Any) -> None:
+    """Another connection's reader went on to the end of its tensor (2 MiB pieces) before
+    the failure was raised: for a large tensor from a slow peer, minutes."""
+    srv = transports(token=TOKEN)
+    # two connections, one tensor each: "a" (corrupt, fast), then "b" (32 MiB at 2 MiB/s)
+    state = {"a": torch.randn(8 << 20), "b": torch.randn(8 << 20)}
+    probe = serve_state(7, state, block_bytes=1 << 20, library_version="test")
+    chunks = parse_manifest(probe.manifest(), "m").tensors
+    lo, hi = chunks["a"].chunks[0].byte_range
+    assert chunks["b"].chunks[0].byte_range[0] == hi
+    srv.serve(wrapped(state, 7, lambda src: _SlowFrom(FlipOneByte(src, lo + 100), hi,
+                                                      1 / 32)))
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointCorruptError, match="'a'"):
+        fetch(srv, 7, timeout=60.0, num_chunks=2)
+    assert time.monotonic() - t0 < 5.0  # "b" alone takes 16 s
