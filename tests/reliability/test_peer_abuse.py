@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 
 import asyncckpt
 from asyncckpt import CheckpointTransportError
@@ -150,13 +151,13 @@ def test_bad_and_oversized_ranges_are_refused(served: tuple[HTTPTransport, int, 
 
 
 def test_ranges_beyond_max_range_bytes_are_413(tmp_path: Path) -> None:
-    asyncckpt.save(state_for(1), tmp_path, step=1)
-    tr = HTTPTransport(timeout=2.0, token=TOKEN, max_range_bytes=4096)
+    asyncckpt.save({**state_for(1), "big": torch.zeros(1 << 15)}, tmp_path, step=1)
+    tr = HTTPTransport(timeout=2.0, token=TOKEN, max_range_bytes=65536)  # (the least)
     try:
         tr.serve_directory(tmp_path / step_dir_name(1))
         port = int(tr.address().rsplit(":", 1)[1].split("/")[0])
-        assert get(port, f"/v1/1/files/{SHARD}", {**AUTH, "Range": "bytes=0-4095"})[0] == 206
-        assert get(port, f"/v1/1/files/{SHARD}", {**AUTH, "Range": "bytes=0-4096"})[0] == 413
+        assert get(port, f"/v1/1/files/{SHARD}", {**AUTH, "Range": "bytes=0-65535"})[0] == 206
+        assert get(port, f"/v1/1/files/{SHARD}", {**AUTH, "Range": "bytes=0-65536"})[0] == 413
         assert get(port, f"/v1/1/files/{SHARD}", AUTH)[0] == 413  # the whole file, no Range
     finally:
         tr.shutdown()

@@ -1878,3 +1878,14 @@ def test_a_failure_on_one_connection_stops_the_others_within_a_piece(transports:
     with pytest.raises(CheckpointCorruptError, match="'a'"):
         fetch(srv, 7, timeout=60.0, num_chunks=2)
     assert time.monotonic() - t0 < 5.0  # "b" alone takes 16 s
+
+
+def test_max_range_bytes_below_what_a_receiver_asks_for_is_refused(transports: Any) -> None:
+    """A receiver halves its ranges on 413 down to 64 KiB: a server limited below that
+    was accepted, and every fetch from it failed."""
+    with pytest.raises(CheckpointConfigError, match=r"max_range_bytes=65535: use 65536"):
+        HTTPTransport(max_range_bytes=65535)
+    srv = transports(token=TOKEN, max_range_bytes=65536)
+    state = state_of(3, n=1 << 17)  # 512 KiB: 8 ranges or more
+    srv.send_checkpoint([1], 5, state, 10.0)
+    assert_state(fetch(srv, 5), state)

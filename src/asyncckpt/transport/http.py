@@ -64,6 +64,7 @@ _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts r
 _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
 _SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
 _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than halved again
+# (and a server's max_range_bytes below it is refused)
 _NOT_ALLOWED = "was not allowed"  # a 503 a client answers by asking again, up to its timeout
 _CLOSED = "is shutting down"  # the 503 of a request that waited while the server shut down
 _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
@@ -133,7 +134,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         max_connections: connections served at once. When all are taken, a new one
             replaces the connection that has waited longest for a request (idle, or
             still sending its headers); with none such it is refused with 503.
-        max_range_bytes: the largest byte range one request may ask for.
+        max_range_bytes: the largest byte range one request may ask for (at least 64 KiB:
+            a receiver halves its ranges down to that on a 413, not below).
         max_manifest_bytes: the largest manifest a fetch accepts from a peer (a manifest
             grows up to ~25x in memory while parsed; ~60 MB holds 100k tensors).
     """
@@ -154,8 +156,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.token = _check_token(token)
         if max_connections < 1:
             raise CheckpointConfigError(f"max_connections={max_connections}: use 1 or more")
-        if max_range_bytes < 1:
-            raise CheckpointConfigError(f"max_range_bytes={max_range_bytes}: use 1 or more")
+        if max_range_bytes < _MIN_RANGE:  # (receivers would fail on every 413)
+            raise CheckpointConfigError(
+                f"max_range_bytes={max_range_bytes}: use {_MIN_RANGE} (64 KiB) or more; "
+                f"a receiver halves the ranges a server refuses down to {_MIN_RANGE} bytes, "
+                "not below")
         if type(max_manifest_bytes) is not int or max_manifest_bytes < 1:
             raise CheckpointConfigError(f"max_manifest_bytes={max_manifest_bytes!r}: use an "
                                         "int of 1 or more")
