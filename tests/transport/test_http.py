@@ -1889,3 +1889,32 @@ def test_max_range_bytes_below_what_a_receiver_asks_for_is_refused(transports: A
     state = state_of(3, n=1 << 17)  # 512 KiB: 8 ranges or more
     srv.send_checkpoint([1], 5, state, 10.0)
     assert_state(fetch(srv, 5), state)
+
+
+def test_shutdown_cuts_off_the_transports_receives_in_progress(transports: Any) -> None:
+    """A receive in progress ran on to its own timeout after its transport was shut down;
+    a later one ran as if nothing had happened."""
+    live = serve_state(4, {"w": torch.randn(1 << 16)}, block_bytes=1 << 22,
+                       library_version="t")
+    srv = transports(token=TOKEN)
+    srv.serve(Served(4, live.manifest, {FILE: _Trickle(live.files[FILE])}))
+    waiting = transports(token=TOKEN, timeout=30.0)
+    waiting.send_checkpoint([1], 2, state_of(), 10.0)
+    waiting.disallow_checkpoint()  # a request for step 2 waits for it to be allowed
+    client = HTTPTransport(token=TOKEN, timeout=30.0, num_chunks=2)
+    try:
+        receives = [Background(client.recv_checkpoint, 0, srv.address(), 4, 30.0),
+                    Background(client.recv_checkpoint, 0, waiting.address(), 2, 30.0)]
+        time.sleep(1.0)
+        assert all(r.thread.is_alive() for r in receives), [r.error for r in receives]
+    finally:
+        t0 = time.monotonic()
+        client.shutdown()
+    for r in receives:
+        with pytest.raises(CheckpointTransportError, match="the receiving HTTPTransport was "
+                           "shut down") as info:
+            r.result(timeout=10)
+        assert not isinstance(info.value, CheckpointTimeoutError)
+        assert r.ended is not None and r.ended - t0 < 5.0
+    with pytest.raises(CheckpointClosedError, match="shut down"):
+        client.recv_checkpoint(0, srv.address(), 4, 30.0)

@@ -175,6 +175,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._allowed: int | None = None
         self._closed = False  # shutdown() has begun: requests and offers are refused
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
+        self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
         self._server = _Server((host, port), _Handler, self, max_connections)
         self._advertise = advertise_host or _reachable(host)
@@ -275,11 +276,16 @@ class HTTPTransport(CheckpointTransport[Any]):
     def shutdown(self, wait: bool = True) -> None:
         """Stop the server and end every connection: idle keep-alives, half-sent requests
         and requests waiting for a step (answered 503) included. Transfers in progress are
-        cut off; the files they send are closed only once they have stopped."""
+        cut off; the files they send are closed only once they have stopped. This
+        transport's receives in progress are cut off too (they raise
+        ``CheckpointTransportError``), and later ones refused (``CheckpointClosedError``)."""
         with self._cond:
             self._closed = True
             self._allowed = None
             self._cond.notify_all()  # requests waiting for a step get 503 at once
+            receiving = list(self._receiving)
+        for storage in receiving:
+            storage.cancel("the receiving HTTPTransport was shut down (shutdown())")
         self._server.shutdown()
         self._server.server_close()
         self._server.close_connections()
@@ -380,18 +386,30 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
         state in place (resharding to its layout) and returns it.
+
+        Raises:
+            CheckpointClosedError: after ``shutdown()``; a ``shutdown()`` during the
+                receive cuts it off (``CheckpointTransportError``).
         """
         from ..loader import load_from
 
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
                               max_manifest_bytes=self.max_manifest_bytes)
+        with self._cond:  # (under the lock: a shutdown() meanwhile cuts it off)
+            if self._closed:
+                storage.close_all()
+                raise CheckpointClosedError(f"recv_checkpoint of step {step}: this "
+                                            "HTTPTransport was shut down; make a new one")
+            self._receiving.add(storage)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
             raise partial_data(exc, into, storage) from exc.__cause__
         finally:
+            with self._cond:
+                self._receiving.discard(storage)
             storage.close_all()
 
 
@@ -790,6 +808,8 @@ class HTTPStorage:
         self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
         self.max_manifest_bytes = max_manifest_bytes
         self._expired = False
+        self._cancelled: str | None = None  # why ``cancel()`` cut the fetch off
+        self._cancel = threading.Event()  # set with it: pauses between requests end
         self._answered = False  # the peer has answered a request of this fetch
         self._closed = threading.Event()
         self.tensor_bytes_read = False
@@ -814,8 +834,25 @@ class HTTPStorage:
             if self._closed.wait(0.1):
                 return
 
+    def cancel(self, why: str) -> None:
+        """Cut the fetch off from another thread: shut its connections; its threads then
+        raise ``CheckpointTransportError`` saying ``why``. Thread-safe."""
+        with self._lock:
+            self._cancelled = why
+            socks = [s for s in self._socks if s.fileno() != -1]
+        self._cancel.set()
+        for sock in socks:
+            _cut(sock)
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled is not None:
+            raise CheckpointTransportError(
+                f"fetching step {self.step} from {self._peer} was cut off: {self._cancelled}")
+
     def _check_deadline(self) -> None:
-        """Raise the timeout error once the whole fetch's deadline has passed."""
+        """Raise the timeout error once the whole fetch's deadline has passed (or the
+        error of ``cancel()``, once it was called)."""
+        self._check_cancelled()
         if self._expired:
             raise CheckpointTimeoutError(
                 f"fetching step {self.step} from {self._peer} did not end within its "
@@ -827,6 +864,7 @@ class HTTPStorage:
         whose answer had not begun when the fetch's deadline passed (or was ``slack``
         seconds away), the peer having answered none of this fetch's requests: it did
         not serve the step, rather than sent it too slowly."""
+        self._check_cancelled()
         if self._answered or not (self._expired or (
                 self._ends_at is not None and time.monotonic() >= self._ends_at - slack)):
             return
@@ -870,8 +908,8 @@ class HTTPStorage:
         with self._lock:
             self._socks = [s for s in self._socks if s.fileno() != -1]  # closed ones go
             self._socks.append(sock)
-            expired = self._expired
-        if expired:  # opened after the watchdog's last round: cut here
+            cut = self._expired or self._cancelled is not None
+        if cut:  # opened after the watchdog's last round (or cancel()'s): cut here
             _cut(sock)
 
     def _not_allowed(self, what: str, answer: str, deadline: float, slack: float = 0.0
@@ -879,6 +917,7 @@ class HTTPStorage:
         """Raise the timeout error of a request (``_url``'s ``what``) that the peer
         answered with 503 "not allowed" (``answer``) until ``deadline`` (or ``slack``
         seconds before it), once that has passed."""
+        self._check_cancelled()
         if not (self._expired or time.monotonic() >= deadline - slack):
             return
         waited = self._deadline_s if self._deadline_s is not None else self.timeout_s
@@ -971,7 +1010,7 @@ class HTTPStorage:
                 refused = body
                 left = deadline - time.monotonic()
                 if left > 0:
-                    time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+                    self._cancel.wait(min(left, pause * random.uniform(0.5, 1.0)))
                     pause = min(2 * pause, _BACKOFF_MAX_S)
                 continue
             self._answered = True
@@ -991,7 +1030,7 @@ class HTTPStorage:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+                self._cancel.wait(min(left, pause * random.uniform(0.5, 1.0)))
                 pause = min(2 * pause, _BACKOFF_MAX_S)
                 continue
             attempt += 1
