@@ -228,15 +228,14 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     def passes_through(path: str) -> bool:
         # Optimizers and similar objects create state lazily: what the checkpoint has and
         # the fresh object lacks goes to their load_state_dict as is.
-        return any(p == "" or path == p or path.startswith(p + "/") for p in lenient)
+        return any(_within(path, p) for p in lenient)
 
     def whole_state(path: str) -> bool:
         # Under an optimizer or LR scheduler (the innermost stateful holding the path),
         # whose load_state_dict takes the checkpoint's state as a whole: what only the
         # target holds is not missing (a step saved before the first optimizer step has
         # no moments; loading it in place drops them, as a fresh process has none).
-        found = [p for p in target.statefuls
-                 if p == "" or path == p or path.startswith(p + "/")]
+        found = [p for p in target.statefuls if _within(path, p)]
         return bool(found) and takes_whole_state(target.statefuls[max(found, key=len)][0])
 
     _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
@@ -452,6 +451,11 @@ def _node_at(node: dict[str, Any], path: str) -> dict[str, Any] | None:
 
 
 _SEQUENCES = ("list", "tuple")
+
+
+def _within(path: str, subtree: str) -> bool:
+    """Whether ``path`` is ``subtree`` or under it (``""``: the root, holding all)."""
+    return subtree == "" or path == subtree or path.startswith(subtree + "/")
 
 
 def _a(kind: str) -> str:
