@@ -882,27 +882,27 @@ class HTTPStorage:
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if c is None or fresh:
-            old = c
+            self._drop_conn()
             # (not cut by the deadline's watchdog until connected: bounded by what is left)
-            left = self.timeout_s if self._ends_at is None else max(
-                0.01, min(self.timeout_s, self._ends_at - time.monotonic()))
-            c = http.client.HTTPConnection(self.host, self.port, timeout=left)
+            c = http.client.HTTPConnection(self.host, self.port, timeout=self._time_left())
             self._local.conn = c
             with self._lock:
-                if old is not None:
-                    old.close()
-                    with contextlib.suppress(ValueError):
-                        self._conns.remove(old)
                 self._conns.append(c)
             self._check_deadline()
         return c
+
+    def _time_left(self) -> float:
+        """A socket timeout for this fetch: ``timeout_s``, but no longer than what is left
+        of the whole fetch's deadline."""
+        if self._ends_at is None:
+            return self.timeout_s
+        return max(0.01, min(self.timeout_s, self._ends_at - time.monotonic()))
 
     def _connect(self, conn: http.client.HTTPConnection) -> None:
         """Connect ``conn`` here rather than let http.client do it inside ``request``, to
         record its socket for the deadline's watchdog (``conn.sock`` does not keep it:
         a response that closes the connection takes the socket over)."""
-        if self._ends_at is not None:  # (a reconnection too: bounded by what is left)
-            conn.timeout = max(0.01, min(self.timeout_s, self._ends_at - time.monotonic()))
+        conn.timeout = self._time_left()  # (a reconnection too: bounded by what is left)
         conn.connect()
         sock = conn.sock
         with self._lock:
