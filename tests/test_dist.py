@@ -165,6 +165,42 @@ def test_a_replaced_rank_pairs_with_a_survivor_that_reopens(tmp_path: Path) -> N
     assert got["r0"].tolist() == [2.0, 2.0] and got["r1"].tolist() == [2.0, 2.0, 2.0]
 
 
+_DIES_IN_A_LOAD = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+import asyncckpt, asyncckpt.checkpointer
+port, directory = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+asyncckpt.checkpointer.load_from = lambda *a, **kw: os._exit(3)  # killed while it reads
+asyncckpt.AsyncCheckpointer(directory, rank=1, world_size=2, store=store).load()
+"""
+
+
+def test_a_rank_that_died_in_a_load_holds_no_step_from_retention(tmp_path: Path) -> None:
+    """Rank 1's process dies while it loads the latest step, so it never takes its hold
+    back; the rank's next process does (at its first save), and the coordinator's
+    keep_last retention deletes that step again instead of keeping it for ever."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+
+    def save(step: int) -> list[int]:
+        def rank(r: int) -> list[int]:
+            with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                                   keep_last=1, timeout_s=10) as ck:
+                ck.save(_state(r), step=step)
+                return ck.steps()
+        return all_ok(in_threads(rank))[0]  # type: ignore[no-any-return]
+
+    assert save(1) == [1]
+    dead = subprocess.run([sys.executable, "-c", _DIES_IN_A_LOAD, str(store.port),
+                           str(tmp_path)], timeout=60)
+    assert dead.returncode == 3
+    assert store.add(f"asyncckpt/holds/{DistContext(0, 2, store, '', 1, str(tmp_path))._base()}"
+                     "/1", 0) == 1  # the dead process's hold on step 1 is still counted
+    assert save(2) == [2]  # a new process of rank 1 took it back: step 1 went
+
+
 def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
     store = dist.HashStore()
 

@@ -44,8 +44,10 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -128,6 +130,19 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
     return out
 
 
+_LEDGER_LOCK = threading.Lock()
+_PROCESS: tuple[int, str] = (0, "")
+
+
+def _process_token() -> str:
+    """Names this process in the Store (a forked child is another process)."""
+    global _PROCESS
+    pid = os.getpid()
+    if _PROCESS[0] != pid:
+        _PROCESS = (pid, f"{pid}-{uuid.uuid4().hex}")
+    return _PROCESS[1]
+
+
 @dataclass
 class DistContext:
     """This process's place in a job and the Store it coordinates through.
@@ -166,6 +181,8 @@ class DistContext:
         if self.namespace:
             return
         base = self._base()
+        with contextlib.suppress(Exception), _LEDGER_LOCK:  # (a failure keeps steps held)
+            self._claim_holds()  # a new process of this rank: what its predecessor held
         with self._store_errors(f"counting this checkpointer of {self.directory!r}"):
             n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
         self.namespace = f"{base}.{n}"
@@ -185,9 +202,49 @@ class DistContext:
     # that may fall back to any step); retention posts ``retiring/<dir hash>/<step>``
     # before it reads that count. The Store orders the two, so either retention sees the
     # load and spares the step, or the load sees the step retiring and does not read it.
+    # A process that dies in a load never takes its count back: each rank also keeps
+    # what it holds in ``holding/<dir hash>/<rank>`` (JSON: the process and its holds),
+    # and a new process of the rank, before it holds or saves anything, takes back what
+    # its predecessor still held (``_claim_holds``). A hold is counted before it is
+    # recorded, and un-recorded before it is uncounted: a process that dies between the
+    # two leaves a step held (kept), never a count taken back twice.
 
     def _hold_key(self, step: int | None) -> str:
         return f"asyncckpt/holds/{self._base()}/{'any' if step is None else step}"
+
+    def _holding_key(self) -> str:
+        return f"asyncckpt/holding/{self._base()}/{self.rank}"
+
+    def _note_hold(self, step: int | None, delta: int) -> None:
+        """Count ``delta`` more holds of ``step`` in this rank's record, which this
+        process takes over first if another process of the rank wrote it."""
+        name = "any" if step is None else str(step)
+        with _LEDGER_LOCK:
+            held = self._claim_holds()
+            held[name] = held.get(name, 0) + delta
+            self.store.set(self._holding_key(), json.dumps(
+                {"process": _process_token(), "held": {k: n for k, n in held.items() if n > 0}}))
+
+    def _claim_holds(self) -> dict[str, int]:
+        """What this process holds (from this rank's record); an earlier process's
+        holds are taken back first: it died, and retention would keep those steps for
+        ever. Call under _LEDGER_LOCK."""
+        key = self._holding_key()
+        if not self.store.check([key]):
+            return {}
+        record = json.loads(self.store.get(key))
+        held = {str(k): int(n) for k, n in record.get("held", {}).items()}
+        if record.get("process") == _process_token():
+            return held
+        for name, n in held.items():
+            if n > 0:
+                self.store.add(f"asyncckpt/holds/{self._base()}/{name}", -n)
+        self.store.delete_key(key)
+        if held:
+            log.warning("rank=%d: an earlier process of this rank ended in a load of %s; "
+                        "its hold on step(s) %s is taken back", self.rank, self.directory,
+                        ", ".join(sorted(held)))
+        return {}
 
     def _retiring_key(self, step: int) -> str:
         return f"asyncckpt/retiring/{self._base()}/{step}"
@@ -200,8 +257,10 @@ class DistContext:
             return False
         try:
             self.store.add(self._hold_key(step), 1)
+            self._note_hold(step, 1)
             if step is None or not self.store.check([self._retiring_key(step)]):
                 return True
+            self._note_hold(step, -1)
             self.store.add(self._hold_key(step), -1)
         except Exception as exc:  # no Store, no coordinator: no retention to fear either
             log.warning("rank=%d: could not hold step %s for a load through the Store "
@@ -213,6 +272,7 @@ class DistContext:
 
     def release_step(self, step: int | None) -> None:
         with contextlib.suppress(Exception):  # a dead Store keeps the count: steps stay
+            self._note_hold(step, -1)
             self.store.add(self._hold_key(step), -1)
 
     def may_retire(self, step: int) -> bool:
