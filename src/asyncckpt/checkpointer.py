@@ -383,7 +383,8 @@ class AsyncCheckpointer:
             # header must not land in it before that save is durable.
             if pending is not None:  # (not pending.wait(): its error stays uncollected)
                 cf.wait([pending._durable])
-            self._stop_serving()
+            if self._arena_changes(need, plan):  # else peers may go on reading the arena
+                self._stop_serving()
             if plan is None:
                 self._arena_of(need)
             else:
@@ -415,7 +416,11 @@ class AsyncCheckpointer:
             raise CheckpointConfigError(
                 f"{type(transport).__name__} cannot serve saves (it has no serve()): use an "
                 "HTTPTransport, or call the transport's send_checkpoint() when a peer asks")
-        self._transports.append(transport)
+        if getattr(transport, "closed", False) is True:
+            raise CheckpointClosedError(
+                f"serve(): this {type(transport).__name__} was shut down; make a new one")
+        if not any(t is transport for t in self._transports):  # (twice: served once)
+            self._transports.append(transport)
 
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None,
              shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointInfo:
@@ -801,11 +806,19 @@ class AsyncCheckpointer:
             self._arena_header_for = plan
         return arena
 
+    def _arena_changes(self, need: int, plan: WritePlan | None) -> bool:
+        """Whether making the arena ready for ``plan`` (or ``need`` bytes) changes it."""
+        return self._arena_too_small(need) or (plan is not None
+                                               and self._arena_header_for is not plan)
+
+    def _arena_too_small(self, need: int) -> bool:
+        pinned = self.config.mode == "async_pinned" and torch.cuda.is_available()
+        return self._arena is None or self._arena.nbytes < need or self._arena.pinned != pinned
+
     def _arena_of(self, need: int) -> HostArena:
         """The arena, reallocated first if it holds fewer than ``need`` bytes."""
         pinned = self.config.mode == "async_pinned"
-        if self._arena is None or self._arena.nbytes < need or self._arena.pinned != (
-                pinned and torch.cuda.is_available()):
+        if self._arena_too_small(need):
             self._arena = None  # drop the old one first: never hold two at once
             self._arena_header_for = None
             try:
@@ -818,6 +831,7 @@ class AsyncCheckpointer:
                     f"saves into {self.directory} stage into ({type(exc).__name__}: {exc}); "
                     "free host memory" + (", or try mode='async' (not pinned)" if pinned
                                           else "")) from exc
+        assert self._arena is not None
         return self._arena
 
     def _stop_serving(self) -> None:
@@ -825,12 +839,21 @@ class AsyncCheckpointer:
         restages it) or it is released (close). The offer is withdrawn, not only
         disallowed: allowing its step again would serve whatever the arena holds by then,
         and the transport would keep the arena alive."""
-        for transport in self._transports:
+        def stop(transport: Any) -> None:
             withdraw = getattr(transport, "withdraw", None)
             if callable(withdraw):
                 withdraw()
             else:
                 transport.disallow_checkpoint()
+
+        if len(self._transports) <= 1:
+            for transport in self._transports:
+                stop(transport)
+            return
+        # Each may wait up to its timeout for a slow peer: together, not one after another.
+        with cf.ThreadPoolExecutor(len(self._transports)) as pool:
+            for done in [pool.submit(stop, t) for t in self._transports]:
+                done.result()
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:

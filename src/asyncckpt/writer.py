@@ -562,6 +562,10 @@ def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
                          created_unix=time.time(), partial=job.ctx.distributed)
     buf = job.arena.memoryview()[:job.plan.file_bytes]
     for transport in job.serve_to:
+        if getattr(transport, "closed", False) is True:  # shut down since serve(): stopped
+            log.debug("rank=%d step=%d: not offered through %s: it was shut down",
+                      job.ctx.rank, job.step, type(transport).__name__)
+            continue
         try:
             transport.serve(serve_arena(job.step, view, job.plan.file, buf))
         except Exception as exc:  # serving is a bonus: it never costs the save itself

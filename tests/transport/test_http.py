@@ -1064,16 +1064,105 @@ def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transpor
     assert body == on_disk
 
 
+def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:
+    """A peer that asks for the whole file of ``step`` and reads nothing: its transfer
+    runs (the socket buffers full) until it is cut off."""
+    sock = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(f"GET /v1/{step}/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 "\r\n".encode())
+    deadline = time.monotonic() + 10
+    while not srv._serving and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv._serving, "the transfer did not start"
+    return sock
+
+
+def test_an_offer_being_withdrawn_cannot_be_allowed_again(tmp_path: Path,
+                                                          transports: Any) -> None:
+    """Another thread allows the step on offer while the next save waits for a transfer
+    of it to end: the allow is refused (the arena is about to be refilled), and no peer
+    is served the next step's bytes as the old step's."""
+    srv = transports(token=TOKEN, timeout=1.5, max_range_bytes=1 << 30)
+    state = {"w": torch.full((8 << 20,), 1.0)}  # 32 MiB: more than the socket buffers
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        ckpt.serve(srv)
+        ckpt.save(state, 1)
+        sock = _hold_a_transfer(srv, 1)
+        state["w"].fill_(2.0)
+        saving = Background(ckpt.save_async, state, 2)  # waits for the transfer first
+        time.sleep(0.5)
+        assert saving.thread.is_alive()
+        with pytest.raises(CheckpointNotFoundError, match="cannot allow step 1"):
+            srv.allow_checkpoint(1)
+        saving.result(20).wait(30)
+        sock.close()
+        assert srv._offered is not None and srv._offered.step == 2
+        with pytest.raises(CheckpointNotFoundError, match="step 2 is"):
+            fetch(srv, 1, timeout=5.0)
+        assert_state(fetch(srv, 2), state)
+
+
+def test_several_transports_are_withdrawn_together(tmp_path: Path, transports: Any) -> None:
+    """Each served transport may wait its timeout for a peer that holds a transfer open:
+    the next save waits for the slowest, not for the sum."""
+    timeout = 2.0
+    srvs = [transports(token=TOKEN, timeout=timeout, max_range_bytes=1 << 30)
+            for _ in range(3)]
+    state = {"w": torch.full((8 << 20,), 1.0)}
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        for srv in srvs:
+            ckpt.serve(srv)
+        ckpt.save(state, 1)
+        socks = [_hold_a_transfer(srv, 1) for srv in srvs]
+        t0 = time.monotonic()
+        ckpt.save_async(state, 2, overlap=True).wait(30)
+        blocked = time.monotonic() - t0
+        for sock in socks:
+            sock.close()
+    assert timeout <= blocked < 2 * timeout, blocked  # one after another: 3 * timeout
+
+
+def test_prepare_of_the_same_layout_keeps_the_offer(tmp_path: Path, transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(3)
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        ckpt.serve(srv)
+        ckpt.save(state, 1)
+        ckpt.prepare(state).result(30)  # the arena stays as it is: nothing to withdraw
+        assert_state(fetch(srv, 1), state)
+        ckpt.prepare({"other": torch.zeros(1 << 20)}).result(30)  # a new header, at least
+        with pytest.raises(CheckpointNotFoundError):
+            srv.allow_checkpoint(1)
+
+
+def test_serve_refuses_a_shut_down_transport_and_serves_one_given_twice_once(
+        tmp_path: Path, transports: Any) -> None:
+    gone = transports(token=TOKEN)
+    gone.shutdown(wait=False)
+    srv = transports(token=TOKEN)
+    calls: list[int] = []
+    real = srv.serve
+    srv.serve = lambda served, **kw: (calls.append(served.step), real(served, **kw))[1]
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        with pytest.raises(CheckpointClosedError, match="shut down"):
+            ckpt.serve(gone)
+        ckpt.serve(srv)
+        ckpt.serve(srv)
+        ckpt.save(state_of(1), 1)
+    assert calls == [1]
+
+
 class ProbingTransport(HTTPTransport):
-    """Fetches step 1 at the last moment before each disallow: a peer request that lands
-    just before the next save stops the serving."""
+    """Fetches step 1 at the last moment before each withdrawal: a peer request that
+    lands just before the next save stops the serving."""
 
     probe: Callable[[], Any] | None = None
 
-    def disallow_checkpoint(self) -> None:
+    def withdraw(self) -> None:
         if self.probe is not None:
             self.probe()
-        super().disallow_checkpoint()
+        super().withdraw()
 
 
 def test_a_new_layout_does_not_touch_the_arena_on_offer(tmp_path: Path) -> None:

@@ -264,14 +264,19 @@ class HTTPTransport(CheckpointTransport[Any]):
         is no longer held. A checkpointer calls this before it restages its arena and
         when it closes: the bytes on offer are about to change or be released."""
         with self._cond:
-            old = self._offered
-        self.disallow_checkpoint()
-        with self._cond:
-            if self._offered is not old or self._allowed is not None:
-                return  # offered or allowed anew meanwhile: that is not withdrawn
-            self._offered = None
+            # Forgotten before the wait for its transfers: an allow_checkpoint() of its
+            # step meanwhile (another thread) must fail, not serve an arena being refilled.
+            old, self._offered = self._offered, None
+            self._allowed = None
+            if old is not None:
+                self._drain(old, self.timeout_s, "withdraw")
         if old is not None:
             old.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown()`` was called: nothing can be served any more."""
+        return self._closed
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the server and end every connection: idle keep-alives, half-sent requests
