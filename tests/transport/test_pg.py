@@ -606,7 +606,8 @@ def test_a_sender_that_cannot_serve_tells_each_destination_as_it_asks() -> None:
 def test_a_receiver_that_gets_no_offer_is_told_the_sender_may_be_busy() -> None:
     _, b, _ = pair()
     with pytest.raises(CheckpointTimeoutError,
-                       match=r"the answer of peer rank 0 \(pg:0\): no answer within .*still "
+                       match=r"the answer to the request for step 5 of peer rank 0 \(pg:0\): "
+                             r"no answer within .*still "
                              "serving other ranks: a sender serves its destinations one at a "
                              "time, so this rank's timeout must also cover"):
         b.recv_checkpoint(0, "pg:0", 5, 0.3)
@@ -721,6 +722,45 @@ def test_disallow_then_send_again_and_shutdown_refuses() -> None:
         a.send_checkpoint([1], 3, small_state(), 1.0)
     with pytest.raises(CheckpointClosedError):
         b.recv_checkpoint(0, "pg:0", 3, 1.0)
+
+
+def test_shutdown_cuts_off_the_sends_in_progress_and_waiting() -> None:
+    """A send waiting for its request, and one queued behind it, are cut off by
+    shutdown(): their receivers are told at once, and neither reads a tensor after."""
+    a, b, _ = pair()
+    state = small_state()
+    first = Background(a.send_checkpoint, [1], 5, state, 10.0)
+    time.sleep(0.2)  # waiting for the request
+    queued = Background(a.send_checkpoint, [1], 6, state, 10.0)  # waits for the first
+    time.sleep(0.2)
+    a.shutdown()
+    for step, sender in ((5, first), (6, queued)):
+        with pytest.raises(CheckpointTransportError,
+                           match=f"could not send step {step}: .* cut off by shutdown"):
+            b.recv_checkpoint(0, "pg:0", step, 10.0)
+        with pytest.raises(CheckpointTransportError, match="cut off by shutdown"):
+            sender.result()
+    with pytest.raises(CheckpointClosedError):
+        a.send_checkpoint([1], 7, state, 1.0)
+
+
+@pytest.mark.parametrize("timeout", [0, -5.0, datetime.timedelta(0)])
+def test_a_timeout_that_is_not_positive_is_refused(timeout: Any) -> None:
+    wire = Wire()
+    with pytest.raises(CheckpointConfigError, match="positive"):
+        PGTransport(FakeGroup(wire, 0), timeout)
+    with pytest.raises(CheckpointConfigError, match="positive"):
+        PGTransport(FakeGroup(wire, 0), 1.0).send_checkpoint([1], 1, {}, timeout)
+    with pytest.raises(CheckpointConfigError, match="positive"):
+        PGTransport(FakeGroup(wire, 1), 1.0).recv_checkpoint(0, "pg:0", 1, timeout)
+    assert wire.sent == []
+
+
+def test_max_manifest_bytes_is_at_most_what_a_load_reads() -> None:
+    from asyncckpt.manifest import MAX_MANIFEST_BYTES
+
+    tr = PGTransport(FakeGroup(Wire(), 0), 1.0, max_manifest_bytes=(1 << 63) - 1)
+    assert tr.max_manifest_bytes == MAX_MANIFEST_BYTES  # asked of the sender: refused there
 
 
 def test_configuration_errors() -> None:
@@ -1272,6 +1312,30 @@ def gloo_a_destination_that_never_asks(rank: int, tr: PGTransport, dist: Any
     return out
 
 
+def gloo_unbounded_and_shutdown(rank: int, tr: PGTransport, dist: Any) -> dict[str, Any]:
+    """An unbounded timeout on either side waits (gloo ended it at once: the longest
+    wait overflowed its clock); then rank 0 shuts down while a send waits for rank 1."""
+    out: dict[str, Any] = {}
+    state = small_state()
+    if rank == 0:
+        tr.send_checkpoint([1], 3, state, datetime.timedelta.max)
+        sender = threading.Thread(target=lambda: out.update(
+            cut=_expect(lambda: tr.send_checkpoint([1], 4, state, 20.0),
+                        CheckpointTransportError)))
+        sender.start()
+        time.sleep(0.5)
+        tr.shutdown()
+        dist.barrier()  # rank 1 asks only once shutdown() has returned
+        sender.join()
+    else:
+        same(tr.recv_checkpoint(0, "pg:0", 3, float("inf")), state)
+        out["unbounded"] = True
+        dist.barrier()
+        out["told"] = _expect(lambda: tr.recv_checkpoint(0, "pg:0", 4, 20.0),
+                              CheckpointTransportError)
+    return out
+
+
 def rank_main(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -1353,5 +1417,15 @@ def test_gloo_a_receiver_that_cannot_allocate_tells_the_sender(tmp_path: Path) -
             and "for the shard file failed" in oom["message"]), oom
 
 
+def test_gloo_unbounded_timeouts_wait_and_shutdown_cuts_off_a_send(tmp_path: Path) -> None:
+    res = run_gloo("gloo_unbounded_and_shutdown", 2, tmp_path)
+    assert res[1]["unbounded"]
+    for got in (res[0]["cut"], res[1]["told"]):
+        assert got["raised"] == "CheckpointTransportError" and got["ok"], got
+        assert "cut off by shutdown before its offer" in got["message"], got
+    assert res[1]["told"]["seconds"] < 5.0, res[1]["told"]  # told, not its timeout
+
+
 if __name__ == "__main__":
     rank_main(sys.argv[1])
+

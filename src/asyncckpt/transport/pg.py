@@ -94,6 +94,7 @@ from ..manifest import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
     Chunk,
     Manifest,
     block_checksums,
@@ -129,11 +130,18 @@ _BUSY = ("the peer is not taking part, is stuck, or is still serving other ranks
 _Segment = tuple[int, int, int, int]  # file bytes [lo, hi), made of pieces [first, stop)
 
 
+# The longest single wait handed to the backend: gloo adds a wait's timeout to the clock
+# in int64 nanoseconds, so one near threading.TIMEOUT_MAX overflows and ends at once.
+_MAX_WAIT_S = 30 * 86400.0
+
+
 def _timeout(t: timedelta | float) -> float:
-    """A timeout in seconds (inf, or timedelta.max, waits as long as a wait can)."""
+    """A timeout in seconds, > 0 (inf, or timedelta.max, waits as long as a wait can:
+    ``_MAX_WAIT_S``, 30 days)."""
     value = seconds(t)
-    if math.isnan(value):
-        raise CheckpointConfigError("timeout=nan: pass seconds (a number) or a timedelta")
+    if math.isnan(value) or value <= 0:
+        raise CheckpointConfigError(f"timeout={t!r}: pass a positive number of seconds or "
+                                    "timedelta (inf waits as long as a wait can)")
     return value
 
 
@@ -172,7 +180,8 @@ class PGTransport(CheckpointTransport[Any]):
             the current CUDA device for an NCCL group and the CPU otherwise.
         block_bytes: checksum granularity of the manifests this side sends.
         max_manifest_bytes: the largest manifest a peer may announce (256 MiB by
-            default: a manifest grows up to ~25x in memory while parsed).
+            default: a manifest grows up to ~25x in memory while parsed; at most 1 GiB,
+            the largest manifest any load reads).
         max_file_bytes: the largest shard file a peer may announce.
     """
 
@@ -208,7 +217,8 @@ class PGTransport(CheckpointTransport[Any]):
         self.device = _resolve_device(pg, device)
         check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
-        self.max_manifest_bytes = max_manifest_bytes
+        # (a load reads no manifest above MAX_MANIFEST_BYTES: one would be sent in vain)
+        self.max_manifest_bytes = min(max_manifest_bytes, MAX_MANIFEST_BYTES)
         self.max_file_bytes = max_file_bytes
         self._lock = threading.Lock()  # one transfer at a time on the group
         self._cond = threading.Condition()
@@ -216,6 +226,7 @@ class PGTransport(CheckpointTransport[Any]):
         self._reading = 0  # sends in a stretch that reads the live tensors
         self._cuts: set[threading.Event] = set()  # one per send in progress
         self._closed = False
+        self._cut_by = "disallow_checkpoint"  # what cut the sends off: said in their errors
 
     # --- the interface --------------------------------------------------------------------
 
@@ -281,7 +292,7 @@ class PGTransport(CheckpointTransport[Any]):
                         served.cancelled.set()
                 if not self._begin_reading(cut):
                     raise CheckpointTransportError(
-                        f"step {step}: the send was cut off by disallow_checkpoint before it "
+                        f"step {step}: the send was cut off by {self._cut_by} before it "
                         "began")
                 try:
                     manifest = served.manifest()  # checksums every tensor once, here
@@ -407,8 +418,20 @@ class PGTransport(CheckpointTransport[Any]):
             self._cond.notify_all()
 
     def shutdown(self, wait: bool = True) -> None:
-        """Refuse later transfers. The group belongs to the caller and is left as it is."""
-        self._closed = True
+        """Refuse later transfers and cut off the sends in progress, or waiting for their
+        turn, as ``disallow_checkpoint`` does (their receivers are told, and fail at
+        once). With ``wait``, return once none of them reads the live tensors any more
+        (at most the timeout: past it, an error is logged). Receives in progress run to
+        their end or timeout. The group belongs to the caller and is left as it is."""
+        with self._cond:
+            self._closed = True
+            self._cut_by = "shutdown"
+            for cut in self._cuts:
+                cut.set()
+            if wait and not self._cond.wait_for(lambda: self._reading == 0,
+                                                min(self.timeout_s, threading.TIMEOUT_MAX)):
+                log.error("shutdown: a send still reads the live tensors %.0fs after it was "
+                          "cut off (its receiver takes no more bytes)", self.timeout_s)
 
     # --- sending --------------------------------------------------------------------------
 
@@ -426,7 +449,7 @@ class PGTransport(CheckpointTransport[Any]):
                         wanted, step)
             return None
         if cut.is_set():
-            reason = f"the send to rank {dst} was cut off by disallow_checkpoint before its offer"
+            reason = f"the send to rank {dst} was cut off by {self._cut_by} before its offer"
             self._send_error(dst, step, reason, deadline)
             return reason
         file_bytes = pieces[-1][1] if pieces else 0
@@ -470,7 +493,7 @@ class PGTransport(CheckpointTransport[Any]):
                 lo, hi = segments[i][:2]
                 self._send(zeros[:hi - lo], dst, deadline, what + " (zeros: cut off)")
         if sent < len(segments):
-            reason = (f"the send to rank {dst} was cut off by disallow_checkpoint after "
+            reason = (f"the send to rank {dst} was cut off by {self._cut_by} after "
                       f"{sent} of {len(segments)} segments")
             self._send_error(dst, step, reason, deadline)
             return reason
@@ -512,8 +535,8 @@ class PGTransport(CheckpointTransport[Any]):
                 posted[dst] = (t, self.pg.recv([t], dst, _TAG))
             except Exception as exc:
                 yield dst, CheckpointTransportError(
-                    f"receiving the request of rank {dst} failed: {exc}; recreate the process "
-                    "group before using it again")
+                    f"receiving the request of rank {dst} for step {step} failed: {exc}; "
+                    "recreate the process group before using it again")
         poll = all(_can_poll(work) for _, work in posted.values())
         pause = _POLL_FIRST_S
         while posted:
@@ -585,7 +608,8 @@ class PGTransport(CheckpointTransport[Any]):
                 "asyncckpt version on every rank")
         if req[:3] != [MAGIC, VERSION, REQUEST]:
             raise CheckpointTransportError(
-                f"rank {dst} sent {req} instead of an asyncckpt request: is it running "
+                f"rank {dst} sent {req} instead of an asyncckpt request (this rank sends "
+                f"step {step}): is it running "
                 "recv_checkpoint on the same group, with the same asyncckpt version?")
         return req[3], max(0, req[4]), max(0, req[5])
 
@@ -631,8 +655,9 @@ class PGTransport(CheckpointTransport[Any]):
         self._send_words(src, [MAGIC, VERSION, REQUEST, step, self.max_manifest_bytes,
                                self.max_file_bytes, 0, 0], deadline,
                          f"the request for step {step} to {where}")
-        h = self._recv_words(src, deadline, f"the answer of {where}", stuck=_BUSY)
-        _check_words(h, where, "offer")
+        h = self._recv_words(src, deadline, f"the answer to the request for step {step} of "
+                             f"{where}", stuck=_BUSY)
+        _check_words(h, f"{where} (asked for step {step})", "offer")
         kind, have, mlen, flen, nseg = h[2:7]
         if kind == NOT_FOUND:
             raise CheckpointNotFoundError(f"{where} sends step {have}, not step {step}")
@@ -675,7 +700,8 @@ class PGTransport(CheckpointTransport[Any]):
             segs = _segments(pieces)
             if len(segs) != nseg:
                 raise CheckpointCorruptError(
-                    f"{where}: announced {nseg} segments, its manifest implies {len(segs)}")
+                    f"{where}: announced {nseg} segments for step {step}, its manifest implies "
+                    f"{len(segs)}")
             buf = self._alloc(flen, "the shard file", step, where)
             # (the loader reads and verifies host memory: for CUDA, a pinned copy)
             host = self._alloc(flen, "the shard file", step, where, pin=True) if cuda else buf
@@ -703,7 +729,7 @@ class PGTransport(CheckpointTransport[Any]):
     def _expect(self, w: list[int], want: list[int], src: int, deadline: float, where: str,
                 step: int, when: str) -> None:
         """A control word must be ``want``; the sender's error is raised as such."""
-        _check_words(w, where, "control word")
+        _check_words(w, f"{where} (step {step})", "control word")
         if w[2] == ERROR:
             raise self._peer_error(src, w, deadline, where, step)
         if w != want:
@@ -739,7 +765,7 @@ class PGTransport(CheckpointTransport[Any]):
                     step: int) -> CheckpointTransportError:
         """The error a peer sent instead of an offer or a control word, with its reason
         and the step the peer was sending (``words[3]``)."""
-        reason = self._error_text(src, words, deadline, where)
+        reason = self._error_text(src, words, deadline, f"{where} (step {step})")
         theirs = words[3]
         asked = "" if theirs == step else f" (this rank asked for step {step})"
         return CheckpointTransportError(
@@ -790,7 +816,7 @@ class PGTransport(CheckpointTransport[Any]):
               stuck: str = _STUCK) -> None:
         """Start a work (``start()``: a send, a receive, or one posted before) and wait
         for it until ``deadline``; ``stuck`` says why a timeout may have happened."""
-        left = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
+        left = min(deadline - time.monotonic(), _MAX_WAIT_S)
         if left <= 0:
             raise CheckpointTimeoutError(f"ran out of time before {what}")
         t0 = time.monotonic()
