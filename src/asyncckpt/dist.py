@@ -209,8 +209,15 @@ class DistContext:
     # recorded, and un-recorded before it is uncounted: a process that dies between the
     # two leaves a step held (kept), never a count taken back twice.
 
+    @staticmethod
+    def _hold_name(step: int | None) -> str:
+        return "any" if step is None else str(step)
+
     def _hold_key(self, step: int | None) -> str:
-        return f"asyncckpt/holds/{self._base()}/{'any' if step is None else step}"
+        return self._hold_key_named(self._hold_name(step))
+
+    def _hold_key_named(self, name: str) -> str:
+        return f"asyncckpt/holds/{self._base()}/{name}"
 
     def _holding_key(self) -> str:
         return f"asyncckpt/holding/{self._base()}/{self.rank}"
@@ -218,7 +225,7 @@ class DistContext:
     def _note_hold(self, step: int | None, delta: int) -> None:
         """Count ``delta`` more holds of ``step`` in this rank's record, which this
         process takes over first if another process of the rank wrote it."""
-        name = "any" if step is None else str(step)
+        name = self._hold_name(step)
         with _LEDGER_LOCK:
             held = self._claim_holds()
             held[name] = held.get(name, 0) + delta
@@ -238,7 +245,7 @@ class DistContext:
             return held
         for name, n in held.items():
             if n > 0:
-                self.store.add(f"asyncckpt/holds/{self._base()}/{name}", -n)
+                self.store.add(self._hold_key_named(name), -n)
         self.store.delete_key(key)
         if held:
             log.warning("rank=%d: an earlier process of this rank ended in a load of %s; "
