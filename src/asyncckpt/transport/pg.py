@@ -390,19 +390,25 @@ class PGTransport(CheckpointTransport[Any]):
         that takes no more bytes cannot hold this call forever. Past it, an error is
         logged and this returns although that segment may still be read (its receiver's
         checksums reject what changes meanwhile)."""
-        grace = min(max(0.0, self.timeout_s), threading.TIMEOUT_MAX)
+        grace = min(self.timeout_s, threading.TIMEOUT_MAX)
         with self._cond:
             if self._cond.wait_for(lambda: self._sending == 0, grace):
                 return
             log.warning("disallow_checkpoint: cutting off a send still running after %.0fs",
                         grace)
-            for cut in self._cuts:
-                cut.set()
-            if not self._cond.wait_for(lambda: self._reading == 0, grace):
-                log.error("disallow_checkpoint: a send still reads the live tensors %.0fs "
-                          "after it was cut off (its receiver takes no more bytes); returning "
-                          "anyway: that segment may be read while the state changes, and its "
-                          "receiver's checksums will reject it", grace)
+            self._cut_off("disallow_checkpoint", grace)
+
+    def _cut_off(self, who: str, grace: float | None) -> None:
+        """Cut off every send (call with ``self._cond`` held); unless ``grace`` is None,
+        wait up to ``grace`` seconds until none reads the live tensors."""
+        self._cut_by = who
+        for cut in self._cuts:
+            cut.set()
+        if grace is not None and not self._cond.wait_for(lambda: self._reading == 0, grace):
+            log.error("%s: a send still reads the live tensors %.0fs after it was cut off (its "
+                      "receiver takes no more bytes); returning anyway: that segment may be "
+                      "read while the state changes, and its receiver's checksums will reject "
+                      "it", who, grace)
 
     def _begin_reading(self, cut: threading.Event) -> bool:
         """Enter a stretch that reads the live tensors, unless the send was cut off."""
@@ -425,13 +431,8 @@ class PGTransport(CheckpointTransport[Any]):
         their end or timeout. The group belongs to the caller and is left as it is."""
         with self._cond:
             self._closed = True
-            self._cut_by = "shutdown"
-            for cut in self._cuts:
-                cut.set()
-            if wait and not self._cond.wait_for(lambda: self._reading == 0,
-                                                min(self.timeout_s, threading.TIMEOUT_MAX)):
-                log.error("shutdown: a send still reads the live tensors %.0fs after it was "
-                          "cut off (its receiver takes no more bytes)", self.timeout_s)
+            self._cut_off("shutdown", min(self.timeout_s, threading.TIMEOUT_MAX) if wait
+                          else None)
 
     # --- sending --------------------------------------------------------------------------
 
