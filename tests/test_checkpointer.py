@@ -606,6 +606,50 @@ def test_a_step_older_than_a_committed_one_is_refused(tmp_path: Path,
         assert ckpt.steps() == [10, 20, 21] if keep_last is None else [20, 21]
 
 
+def test_a_step_above_without_its_manifest_does_not_count_as_committed(
+        tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(make_state(10), step=10)
+        (tmp_path / "step_000000030").mkdir()  # no manifest: no committed step
+        ckpt.save(make_state(20), step=20)
+        (tmp_path / "step_000000025").mkdir()
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"step 11 is older than step\(s\) \[20\] already "
+                                 r"committed under .*: a load would take step 20\."):
+            ckpt.save(make_state(11), step=11)
+        ckpt.save(make_state(21), step=21)
+        assert ckpt.steps() == [10, 20, 21]
+
+
+def test_a_save_looks_into_no_step_directory_however_many_are_kept(tmp_path: Path) -> None:
+    """The checks before a save list the root once, and a load looks into the step it
+    reads only: on a network filesystem each listing is a round trip, and the caller
+    would wait for one per step kept."""
+    class Counting(LocalStorage):
+        thread: int | None = None
+        listed: list[str] = []
+
+        def listdir(self, path: Path) -> list[str]:
+            if threading.get_ident() == self.thread:
+                self.listed.append(Path(path).name)
+            return super().listdir(path)
+
+    storage = Counting()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        for step in range(12):
+            ckpt.save({"w": torch.ones(4)}, step=step)
+        storage.thread = threading.get_ident()
+        fut = ckpt.save_async({"w": torch.ones(4)}, step=12)
+        storage.thread = None
+        fut.wait()
+        assert storage.listed == [tmp_path.name]
+        storage.listed.clear()
+        storage.thread = threading.get_ident()
+        ckpt.load({"w": torch.zeros(4)})  # the latest: only its directory is looked into
+        ckpt.load({"w": torch.zeros(4)}, step=3)
+    assert set(storage.listed) == {tmp_path.name, "step_000000012", "step_000000003"}
+
+
 def test_overlap_returns_before_staging_and_matches(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncckpt.checkpointer as mod

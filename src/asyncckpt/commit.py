@@ -98,27 +98,69 @@ def committed_steps(root: Path, storage: ReadStorage,
     steps = []
     for name in _list_root(root, storage):
         step = step_of_dir_name(name)
-        if step is None:
-            continue
-        try:
-            if MANIFEST_NAME in storage.listdir(root / name):
-                steps.append(step)
-            elif no_manifest is not None:
-                no_manifest.append(name)
-        except NotADirectoryError:  # a stray file named like a step is no checkpoint
-            continue
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
-                raise
-            # A symlink loop, no permission, EIO: one entry that cannot be listed must not
-            # make every load (and save) of the root fail; the others are still there.
-            log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
-                        "step", root / name, exc.strerror or exc)
-            if unlistable is not None:
-                unlistable.append((name, str(exc.strerror or exc)))
+        if step is not None and _is_committed(root, name, storage, unlistable, no_manifest):
+            steps.append(step)
     return sorted(steps)
+
+
+def _is_committed(root: Path, name: str, storage: ReadStorage,
+                  unlistable: list[tuple[str, str]] | None = None,
+                  no_manifest: list[str] | None = None) -> bool:
+    """Whether the step directory ``name`` holds its manifest (see committed_steps)."""
+    try:
+        if MANIFEST_NAME in storage.listdir(root / name):
+            return True
+        if no_manifest is not None:
+            no_manifest.append(name)
+    except NotADirectoryError:  # a stray file named like a step is no checkpoint
+        pass
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
+            raise
+        # A symlink loop, no permission, EIO: one entry that cannot be listed must not
+        # make every load (and save) of the root fail; the others are still there.
+        log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
+                    "step", root / name, exc.strerror or exc)
+        if unlistable is not None:
+            unlistable.append((name, str(exc.strerror or exc)))
+    return False
+
+
+def _newest_committed(root: Path, names: list[str], storage: ReadStorage,
+                      above: int = -1) -> int | None:
+    """The newest committed step above ``above`` among the entries ``names`` of ``root``:
+    step directories are looked into newest first, and only until one is committed."""
+    for step in sorted((s for s in map(step_of_dir_name, names) if s is not None and s > above),
+                       reverse=True):
+        if _is_committed(root, step_dir_name(step), storage):
+            return step
+    return None
+
+
+def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bool) -> Path:
+    """The directory a save of ``step`` commits to; CheckpointExistsError when ``step`` is
+    committed already or older than a committed step (``retention``: keep_last is on),
+    or when its directory is in the way.
+
+    The root is listed once; of the step directories only those above ``step`` are
+    looked into, newest first, until one is committed (usually there is none): what a
+    save costs its caller does not grow with the steps kept.
+    """
+    names = _list_root(root, storage)
+    final = root / step_dir_name(step)
+    if final.name in names:
+        _refuse_taken(final, step, storage)
+    if _newest_committed(root, names, storage, above=step) is not None:
+        later = [s for s in committed_steps(root, storage) if s > step]
+        raise CheckpointExistsError(
+            f"step {step} is older than step(s) {later[:5]} already committed under "
+            f"{root}: a load would take step {later[-1]}"
+            + (", and keep_last would remove the new steps before it" if retention else "")
+            + ". If the later steps belong to a run you rolled back, move them out of the "
+            "directory (or save into a new one)")
+    return final
 
 
 def abandoned_dirs(root: Path, storage: ReadStorage) -> list[str]:
@@ -169,16 +211,21 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
         return root, None
     if not root.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {root}")
-    steps = committed_steps(root, storage)
-    if not steps:
-        refuse_a_step_dir_without_manifest(root, names)
+    # Only the step directories needed are looked into (each listing is a round trip on
+    # a network filesystem): the one asked for, or the newest until one is committed.
     if step is None:
-        if not steps:
+        newest = _newest_committed(root, names, storage)
+        if newest is None:
+            refuse_a_step_dir_without_manifest(root, names)
             junk = abandoned_dirs(root, storage)
             extra = f" ({len(junk)} incomplete ones ignored: {', '.join(junk[:3])})" if junk else ""
             raise CheckpointNotFoundError(f"no committed checkpoint under {root}{extra}")
-        step = steps[-1]
-    elif step not in steps:
+        step = newest
+    elif step_dir_name(step) not in names or not _is_committed(root, step_dir_name(step),
+                                                                 storage):
+        steps = committed_steps(root, storage)
+        if not steps:
+            refuse_a_step_dir_without_manifest(root, names)
         have = ", ".join(map(str, steps[-10:])) or "none"
         raise CheckpointNotFoundError(
             f"no committed checkpoint for step {step} under {root} (committed steps: {have})")
@@ -217,8 +264,12 @@ def check_step_free(root: Path, step: int, storage: ReadStorage) -> Path:
     is there already: the step committed, or a directory without a manifest (which a
     rename would silently replace if it were empty)."""
     final = root / step_dir_name(step)
-    if final.name not in storage.listdir(root):
-        return final
+    if final.name in storage.listdir(root):
+        _refuse_taken(final, step, storage)
+    return final
+
+
+def _refuse_taken(final: Path, step: int, storage: ReadStorage) -> None:
     try:
         committed = MANIFEST_NAME in storage.listdir(final)
     except NotADirectoryError:
