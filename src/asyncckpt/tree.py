@@ -187,6 +187,8 @@ def flatten(state: Any, *, target: bool = False) -> FlatState:
 
 def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
              active: set[int]) -> Node:
+    if type(obj) is dict and id(obj) not in active and len(active) < MAX_DEPTH:
+        return _flatten_mapping(obj, path, flat, seen, active)  # the common inner node
     where = path or "<root>"
     if isinstance(obj, torch.Tensor):
         return {"t": "tensor", "key": _add_tensor(obj, path, flat, seen, "torch")}
@@ -225,33 +227,7 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         raise UnsupportedLeafError(
             f"state tree is nested more than {MAX_DEPTH} levels deep at {where!r}; flatten it")
     if isinstance(obj, Mapping):
-        active.add(id(obj))
-        items: list[list[Any]] = []
-        seen_segments: dict[str, Any] = {}
-        for k, v in obj.items():
-            if type(k) not in (str, int):
-                raise UnsupportedLeafError(
-                    f"dict key {k!r} of type {type(k).__name__} at {where!r}: only str and int "
-                    "keys can be checkpointed; convert the key to str")
-            if type(k) is int and k.bit_length() > _MAX_INT_BITS:
-                raise UnsupportedLeafError(_huge_int(f"dict key at {where!r}", k))
-            if type(k) is str and not k.isascii():
-                _check_key_text(k, where)
-            seg = escape_key(k)
-            if seg in seen_segments:
-                raise UnsupportedLeafError(
-                    f"dict at {where!r} has keys {seen_segments[seg]!r} and {k!r}, which name the "
-                    "same path; rename one of them")
-            seen_segments[seg] = k
-            child = f"{path}/{seg}" if path else seg
-            if type(v) in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
-                    type(v).__name__ == "DTensor" and isinstance(v, torch.Tensor)):
-                items.append([k, {"t": "tensor", "key": _add_tensor(v, child, flat, seen,
-                                                                    "torch")}])
-            else:
-                items.append([k, _flatten(v, child, flat, seen, active)])
-        active.discard(id(obj))
-        return {"t": "dict", "items": items}
+        return _flatten_mapping(obj, path, flat, seen, active)
     if t is list or t is tuple:
         active.add(id(obj))
         children = [_flatten(v, join_path(path, i), flat, seen, active) for i, v in enumerate(obj)]
@@ -273,6 +249,45 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         f"cannot checkpoint the value at {where!r}: type {t.__module__}.{t.__qualname__} is not a "
         "tensor, numpy array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
         "state_dict()/load_state_dict()")
+
+
+def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _Seen,
+                     active: set[int]) -> Node:
+    # This runs for every dict of the tree inside save_async: the common case (short
+    # ascii str or int keys, tensor leaves) is kept cheap.
+    where = path or "<root>"
+    prefix = f"{path}/" if path else ""
+    active.add(id(obj))
+    items: list[list[Any]] = []
+    seen_segments: dict[str, Any] = {}
+    for k, v in obj.items():
+        tk = type(k)
+        if tk is str:
+            if not k.isascii():
+                _check_key_text(k, where)
+            seg = k if k and "%" not in k and "/" not in k else escape_key(k)
+        elif tk is int:
+            if k.bit_length() > _MAX_INT_BITS:
+                raise UnsupportedLeafError(_huge_int(f"dict key at {where!r}", k))
+            seg = str(k)
+        else:
+            raise UnsupportedLeafError(
+                f"dict key {k!r} of type {tk.__name__} at {where!r}: only str and int keys "
+                "can be checkpointed; convert the key to str")
+        if seg in seen_segments:
+            raise UnsupportedLeafError(
+                f"dict at {where!r} has keys {seen_segments[seg]!r} and {k!r}, which name the "
+                "same path; rename one of them")
+        seen_segments[seg] = k
+        tv = type(v)
+        if tv in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
+                tv.__name__ == "DTensor" and isinstance(v, torch.Tensor)):
+            items.append([k, {"t": "tensor", "key": _add_tensor(v, prefix + seg, flat, seen,
+                                                                "torch")}])
+        else:
+            items.append([k, _flatten(v, prefix + seg, flat, seen, active)])
+    active.discard(id(obj))
+    return {"t": "dict", "items": items}
 
 
 def _check_key_text(k: str, where: str) -> None:
@@ -322,7 +337,7 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
     if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
-            or t.layout is not torch.strided or t.is_nested):
+            or t.layout is not _STRIDED or t.is_nested):
         _check_unusual_tensor(t, path)
         if _is_dtensor(t):
             t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
@@ -378,6 +393,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor, *, empty_ok: bool = False) -> b
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 
 
 @functools.cache
