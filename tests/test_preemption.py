@@ -1,5 +1,6 @@
 """PreemptionWatch: SIGTERM becomes a request answered at a step boundary, in a real
-process that saves and exits; a second SIGTERM ends the process as before."""
+process that saves and exits; a repeated SIGTERM does not cut the save short, a signal
+in ``escalate`` (SIGINT by default) does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,13 +26,14 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 # step boundary, synchronously, prints it and exits 0. ``hang`` makes the preempted save
 # "take forever" (a sleep), to send the second signal during it.
 LOOP = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     import torch
     import asyncckpt
 
     root, hang = sys.argv[1], sys.argv[2] == "hang"
+    escalate = [getattr(signal, name) for name in sys.argv[3:]]
     w = torch.zeros(1000)
-    with asyncckpt.PreemptionWatch() as preempt, \\
+    with asyncckpt.PreemptionWatch(escalate=escalate) as preempt, \\
             asyncckpt.AsyncCheckpointer(root, keep_last=2) as ckpt:
         print("ready", flush=True)
         for step in range(1, 100000):
@@ -38,7 +41,7 @@ LOOP = textwrap.dedent("""
             if preempt.should_stop():
                 print("preempted", step, preempt.received.name, flush=True)
                 if hang:
-                    time.sleep(60)
+                    time.sleep(3)
                 ckpt.save({"w": w, "step": step}, step=step)
                 print("saved", step, flush=True)
                 break
@@ -49,10 +52,11 @@ LOOP = textwrap.dedent("""
 """)
 
 
-def _start(tmp_path: Path, mode: str) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, mode: str, *escalate: str) -> subprocess.Popen[str]:
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck"), mode],
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck"), mode,
+                             *escalate],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
@@ -82,15 +86,40 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path: Path) -> Non
     assert torch.equal(got["w"], torch.full((1000,), float(step)))
 
 
-def test_a_second_sigterm_ends_the_process_as_before(tmp_path: Path) -> None:
+def test_a_repeated_sigterm_does_not_cut_the_save_short(tmp_path: Path) -> None:
+    """torchrun's agent forwards SIGTERM twice when it gets two (under ``timeout``, or
+    a scheduler that signals every process): the save must still happen."""
     proc = _start(tmp_path, "hang")
+    assert proc.stdout is not None
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # (at once: before or after the handler ran)
+    line = proc.stdout.readline()
+    assert line.startswith("preempted"), line
+    proc.send_signal(signal.SIGTERM)  # and during the (slow) save
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    step = int(line.split()[1])
+    assert f"saved {step}" in out, out
+    with asyncckpt.AsyncCheckpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.latest_step() == step
+
+
+@pytest.mark.parametrize("escalate,second", [("SIGTERM", signal.SIGTERM),
+                                             ("SIGINT", signal.SIGINT)])
+def test_a_signal_in_escalate_ends_the_process_during_the_save(
+        tmp_path: Path, escalate: str, second: signal.Signals) -> None:
+    proc = _start(tmp_path, "hang", escalate)
     assert proc.stdout is not None
     proc.send_signal(signal.SIGTERM)
     line = proc.stdout.readline()
     assert line.startswith("preempted"), line
-    proc.send_signal(signal.SIGTERM)  # during the (slow) save: the default handler's turn
-    proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGTERM
+    proc.send_signal(second)  # during the (slow) save: the previous handler's turn
+    out, err = proc.communicate(timeout=30)
+    if second == signal.SIGTERM:
+        assert proc.returncode == -signal.SIGTERM
+    else:  # Python's own SIGINT handler: KeyboardInterrupt
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+    assert "saved" not in out, out
 
 
 def test_handlers_are_put_back_and_a_signal_in_process_is_noted() -> None:
@@ -98,7 +127,7 @@ def test_handlers_are_put_back_and_a_signal_in_process_is_noted() -> None:
     seen: list[int] = []
     signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))
     try:
-        with PreemptionWatch([signal.SIGUSR2]) as preempt:
+        with PreemptionWatch([signal.SIGUSR2], escalate=[signal.SIGUSR2]) as preempt:
             assert not preempt.requested and not preempt.should_stop()
             signal.raise_signal(signal.SIGUSR2)
             assert preempt.requested and preempt.received == signal.SIGUSR2
@@ -112,10 +141,57 @@ def test_handlers_are_put_back_and_a_signal_in_process_is_noted() -> None:
         signal.signal(signal.SIGUSR2, before)
 
 
+def test_by_default_a_repeated_signal_is_only_noted() -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    seen: list[int] = []
+    signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))
+    try:
+        with PreemptionWatch([signal.SIGUSR2]) as preempt:
+            for _ in range(3):
+                signal.raise_signal(signal.SIGUSR2)
+            assert preempt.received == signal.SIGUSR2 and seen == []
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_should_stop_over_nccl_asks_over_a_gloo_group_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over NCCL the all-reduce would wait for the step's kernels, every step: the
+    default group's question goes over a gloo group made once, with a CPU tensor."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        made: list[Any] = []
+        real_new_group, real_all_reduce = dist.new_group, dist.all_reduce
+        reduced: list[tuple[Any, torch.device]] = []
+
+        def new_group(*a: Any, **kw: Any) -> Any:
+            made.append(kw.get("backend"))
+            return real_new_group(*a, **kw)
+
+        def all_reduce(t: torch.Tensor, *a: Any, group: Any = None, **kw: Any) -> Any:
+            reduced.append((group, t.device))
+            return real_all_reduce(t, *a, group=group, **kw)
+
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist, "new_group", new_group)
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        preempt = PreemptionWatch([signal.SIGUSR2])
+        assert not preempt.should_stop() and not preempt.should_stop()
+        assert made == ["gloo"]  # once
+        assert len(reduced) == 2 and all(g is not None and g is reduced[0][0]
+                                         and d.type == "cpu" for g, d in reduced), reduced
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_second_signal_that_was_ignored_stays_ignored() -> None:
     before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        with PreemptionWatch([signal.SIGUSR2]) as preempt:
+        with PreemptionWatch([signal.SIGUSR2], escalate=[signal.SIGUSR2]) as preempt:
             signal.raise_signal(signal.SIGUSR2)
             signal.raise_signal(signal.SIGUSR2)  # previous was SIG_IGN: still alive
             assert preempt.requested

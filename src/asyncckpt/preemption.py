@@ -30,11 +30,15 @@ _Handler = Any  # what signal.signal returns: a callable, an int, a Handlers mem
 class PreemptionWatch:
     """Notes SIGTERM (or the signals given) while installed; the loop polls ``should_stop``.
 
-    The first signal only sets a flag: training goes on to the next step boundary, where
-    ``should_stop()`` returns True on every rank at the same step, the loop saves with
-    ``ckpt.save`` (synchronous: durable before it returns) and leaves. A second signal
-    of the same kind, while the first is being answered, gets the handler that was
-    there before (for SIGTERM by default: the process ends at once).
+    The first signal only sets a flag (the handler that was there before is not called):
+    training goes on to the next step boundary, where ``should_stop()`` returns True on
+    every rank at the same step, the loop saves with ``ckpt.save`` (synchronous:
+    durable before it returns) and leaves. Later signals are noted and change nothing,
+    except those in ``escalate`` (SIGINT by default, when watched: someone pressing
+    Ctrl-C again), which get the handler that was there before. A repeated SIGTERM is
+    no one insisting: torchrun's agent forwards a SIGTERM twice when it gets two (as
+    under ``timeout``, or a scheduler that signals every process), and a scheduler
+    that means it sends SIGKILL after its grace period anyway.
 
     Not thread-safe: install and poll from the main thread (Python runs signal handlers
     there only). ``should_stop`` is collective when a default process group exists:
@@ -49,14 +53,17 @@ class PreemptionWatch:
         ...             break
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM,), *,
+                 escalate: Iterable[int] = (signal.SIGINT,)) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
             raise CheckpointConfigError("PreemptionWatch(signals=()): name at least one "
                                         "signal to watch, e.g. signal.SIGTERM")
+        self.escalate = frozenset(signal.Signals(s) for s in escalate)
         self._previous: dict[signal.Signals, _Handler] = {}
         self._received: signal.Signals | None = None
         self._agreed = False
+        self._cpu_group: Any = None  # gloo, for should_stop beside an NCCL default group
 
     @property
     def requested(self) -> bool:
@@ -98,8 +105,10 @@ class PreemptionWatch:
         if self._received is None:
             self._received = sig  # all a handler should do: the loop does the rest
             return
-        # Asked again: the user (or the scheduler) means it. Hand the signal to whoever
-        # had it before us, which for SIGTERM by default ends the process now.
+        if sig not in self.escalate:  # delivered again, not insisted on: the save goes on
+            return
+        # Asked again: the user means it. Hand the signal to whoever had it before us,
+        # which for SIGINT is KeyboardInterrupt, for SIGTERM by default the end.
         previous = self._previous.get(sig, signal.SIG_DFL)
         if callable(previous):
             previous(signum, frame)
@@ -114,7 +123,9 @@ class PreemptionWatch:
 
         With a default process group this is a collective (one all-reduce of one
         number, on the calling thread): every rank of ``group`` (default: all) must call
-        it at the same steps, and all get the same answer. Without one it returns
+        it at the same steps, and all get the same answer. Over NCCL, with ``group``
+        None, the number goes over a gloo group of all ranks made on the first call, so
+        that the CPU never waits for the GPU here. Without one it returns
         ``requested``. Once True it stays True without asking the ranks again.
 
         Raises:
@@ -129,8 +140,17 @@ class PreemptionWatch:
             self._agreed = self.requested
             return self._agreed
         backend = str(dist.get_backend(group))
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if "gloo" not in backend and "nccl" in backend else torch.device("cpu"))
+        device = torch.device("cpu")
+        if "gloo" not in backend and "nccl" in backend:
+            if group is None:
+                # NCCL would queue the all-reduce behind the step's kernels and make the
+                # CPU wait for the GPU at every step: ask over a gloo group of all ranks
+                # instead (made once, on the first call, which every rank makes).
+                if self._cpu_group is None:
+                    self._cpu_group = dist.new_group(backend="gloo")
+                group = self._cpu_group
+            else:  # a subgroup: not every rank would join the making of a gloo twin
+                device = torch.device("cuda", torch.cuda.current_device())
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
         try:
