@@ -810,7 +810,7 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
             import fcntl, os, sys, time
             fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.pwrite(fd, f"{{os.getpid()}}\\n".encode(), 0)
+            os.pwrite(fd, f"{{os.getpid()}}\\n".encode(), 0)  # (not truncated)
             print("locked", flush=True)
             sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

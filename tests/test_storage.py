@@ -226,3 +226,16 @@ def test_o_direct_is_asked_for_unless_turned_off(tmp_path: Path,
                                direct=False)
     assert len(direct_asks) == 1
     assert (tmp_path / "d").read_bytes() == (tmp_path / "b").read_bytes() == b"x" * 100
+
+
+def test_the_lock_holder_is_the_first_line_of_the_lock_file(tmp_path: Path) -> None:
+    """A writer that does not truncate leaves the tail of a longer pid behind its own
+    (pids wrap around at pid_max: 21408 then 1102 gives "1102\\n8\\n")."""
+    from asyncckpt.storage import DirectoryLock
+
+    lock = DirectoryLock(tmp_path)
+    assert lock.holder() == "unknown"  # no lock file
+    lock.path.write_text("1102\n8\n")
+    assert lock.holder() == "1102"
+    lock.path.write_text("")
+    assert lock.holder() == "unknown"

@@ -292,8 +292,10 @@ class DirectoryLock:
         return False
 
     def holder(self) -> str:
+        """The pid the holder wrote (its first line: a writer that did not truncate
+        leaves the end of a longer pid behind it)."""
         with contextlib.suppress(OSError):
-            return self.path.read_text().strip() or "unknown"
+            return (self.path.read_text().split() or ["unknown"])[0]
         return "unknown"
 
     def release(self) -> None:
