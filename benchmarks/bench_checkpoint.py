@@ -815,7 +815,7 @@ def evaluate_targets(res: dict[str, Any], nbytes: int) -> list[Target]:
                           fmt_s(first.first["blocked_s"]),
                           f"≤ 2x {fmt_s(first.med('blocked_s'))}", r,
                           None if math.isnan(r) else r <= 2))
-    else:
+    if not mem:
         out.append(Target("memory targets", "not run", "", math.nan, None))
     if "DCP async_save" in methods:
         for what, ours, key in (("blocked (overlap=True)", "asyncckpt async overlap", "blocked_s"),

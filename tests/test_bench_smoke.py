@@ -95,3 +95,13 @@ def test_run_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path: Pat
         (d / "step").mkdir(parents=True)
     bench._remove_dead_runs(tmp_path)
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_memory_targets_are_said_to_be_not_run_only_when_they_were_not() -> None:
+    bench = _bench()
+    mem = {"max_extra": 1, "saves": 2, "growth": 0, "flat_tolerance": 1, "flat": True,
+           "first_blocked_s": 1.0, "later_blocked_median_s": 1.0}
+    names = [t.name for t in bench.evaluate_targets({"memory": mem}, 10)]
+    assert "memory targets" not in names and any("extra RSS" in n for n in names), names
+    names = [t.name for t in bench.evaluate_targets({}, 10)]
+    assert "memory targets" in names, names
