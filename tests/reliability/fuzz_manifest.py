@@ -345,13 +345,23 @@ KNOWN_BUGS: dict[str, Callable[[BaseException, str], bool]] = {
 }
 
 
-def _reseal(raw: bytes) -> bytes:
+def reseal(raw: bytes) -> bytes:
     """A mutated manifest with a valid digest again: without it every mutation would stop
     at the digest check and the parser behind it would never be fuzzed."""
     from asyncckpt.manifest import seal
 
     m = re.search(rb',"digest":"[^"]*"\}\n?\Z', raw)
     return seal(raw[:m.start()] + b"}" if m else raw)
+
+
+def sealed(doc: dict[str, Any]) -> bytes:
+    """A (forged) manifest document as the bytes a writer would store: compact JSON
+    closed by a valid digest, any old ``digest`` field dropped. A forged manifest written
+    back without it only ever reaches the digest check, never the check it means to test."""
+    from asyncckpt.manifest import seal
+
+    body = {k: v for k, v in doc.items() if k != "digest"}
+    return seal(json.dumps(body, separators=(",", ":")).encode())
 
 
 def run_one(stats: Stats, target: str, seed: Seed, data: bytes, header_of: str | None,
@@ -372,7 +382,7 @@ def run_one(stats: Stats, target: str, seed: Seed, data: bytes, header_of: str |
     try:
         if header_of is None:
             if resealed:
-                data = _reseal(data)
+                data = reseal(data)
             files = {**seed.files, MANIFEST_NAME: data}
             try:
                 parse_manifest(data, "fuzz/manifest.json")

@@ -437,18 +437,25 @@ def test_manifest_cannot_point_outside(tmp_path: Path, name: str, where: str) ->
         doc["files"][name] = doc["files"].pop(SHARD)
     if where in ("chunk", "both"):
         doc["tensors"]["w"]["chunks"][0]["file"] = name
-    mp.write_text(json.dumps(doc))
+    # Re-sealed, as a forger would: unsealed, only the digest check would ever run.
+    mp.write_bytes(fz.sealed(doc))
+    # The file list is checked first; a chunk naming an unlisted file is refused as such.
+    refusal = ("is not a plain file name" if where != "chunk" else
+               "which the manifest does not list")
     inside = os.path.realpath(step_dir) + os.sep
     with recording_opens() as seen:
         for fn in (lambda: asyncckpt.load(root), lambda: asyncckpt.load(step_dir)):
-            with pytest.raises(CheckpointError):
+            with pytest.raises(CheckpointCorruptError, match=refusal) as info:
                 fn()
-        assert not verify_checkpoint(step_dir, LocalStorage()).ok
-        with contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            for args in (["verify", str(root)], ["inspect", str(step_dir)], ["ls", str(root)]):
-                with contextlib.suppress(SystemExit):
-                    cli.main(args)
+            assert info.value.path == str(mp)
+        report = verify_checkpoint(step_dir, LocalStorage())
+        assert not report.ok and refusal in " ".join(report.problems), report.problems
+        for args, code in ((["verify", str(root)], 1), (["inspect", str(step_dir)], 1),
+                           (["ls", str(root)], 0)):  # ls lists the step as unreadable
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                assert cli.main(args) == code, (args, out.getvalue(), err.getvalue())
+            assert refusal in out.getvalue() + err.getvalue(), (args, out.getvalue())
     outside = [p for p in seen if not p.startswith("fd:") and not _is_code(p)
                and not os.path.realpath(p).startswith(inside)]
     assert not outside, f"opened outside {step_dir}: {outside}"
