@@ -51,6 +51,7 @@ from asyncckpt import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointLockedError,
+    StateMismatchError,
     UnsupportedLeafError,
 )
 from asyncckpt.commit import step_dir_name
@@ -243,7 +244,7 @@ def _forge(root: Path, name: str, edit: Any) -> Path:
     mp = step_dir / MANIFEST_NAME
     doc = json.loads(mp.read_bytes())
     edit(doc, step_dir)
-    mp.write_text(json.dumps(doc))
+    mp.write_bytes(fz.sealed(doc))  # unsealed, only the digest check would ever run
     return d
 
 
@@ -288,7 +289,7 @@ _CAPPED = textwrap.dedent("""
     from asyncckpt.storage import LocalStorage
     with open("/proc/self/statm") as f:
         vm = int(f.read().split()[0]) * resource.getpagesize()
-    # headroom: 1.5 GiB (each manifest read still sets aside 1 GiB, see the xfail below)
+    # headroom: 1.5 GiB for threads and buffers; every forged size here is 4 GB or more
     resource.setrlimit(resource.RLIMIT_AS, (vm + (1536 << 20), resource.RLIM_INFINITY))
     out = {}
     for d in sys.argv[1:]:
@@ -300,7 +301,7 @@ _CAPPED = textwrap.dedent("""
             res["load"] = type(exc).__name__ + ": " + str(exc)[:200]
         try:
             rep = verify_checkpoint(Path(d) / "step_000000001", LocalStorage())
-            res["verify"] = "ok" if rep.ok else "problems"
+            res["verify"] = "ok" if rep.ok else "problems: " + " | ".join(rep.problems)[:600]
         except Exception as exc:
             res["verify"] = type(exc).__name__ + ": " + str(exc)[:200]
         out[Path(d).name] = res
@@ -322,25 +323,25 @@ def capped_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
     "tensor_of_2e60_bytes", "shape_of_1e9_elements",
     "file_of_2e62_bytes", "header_length_2e40", "header_length_99MiB"])
 def test_forged_size_is_refused_before_allocation(capped_results: dict, case: str) -> None:
+    """Under the address-space cap: the forged size is refused by the check meant for it
+    (not by a failed allocation, and not by the manifest's digest)."""
     res = capped_results[case]
-    if case.startswith("header"):  # the header's checksum is checked by load and verify
-        assert res["load"].startswith("CheckpointCorruptError"), res
-        assert res["verify"] == "problems", res
+    shard = f"{step_dir_name(1)}/{SHARD}"
+    if case.startswith("header"):
+        # the header's checksum (in the manifest) is checked by load and verify before
+        # the header is parsed; verify then parses it anyway and names the forged length
+        checksum = f"{shard}: its safetensors header does not match the manifest's checksum"
+        assert res["load"].startswith("CheckpointCorruptError: ") and checksum in res["load"], res
+        assert res["verify"].startswith("problems: ") and checksum in res["verify"], res
+        assert re.search(r"its header claims \d+ bytes, more than the whole file",
+                         res["verify"]), res
     else:
-        assert res["load"].startswith("CheckpointCorruptError"), res
-        assert res["verify"] == "problems" or res["verify"].startswith("Checkpoint"), res
-
-
-class ExactReadStorage(LocalStorage):
-    """LocalStorage whose manifest read allocates the file's size, not the limit
-    (isolates the forged-header check from the manifest-read bug below)."""
-
-    def read_bytes(self, path: Path, limit: int) -> bytes:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise ValueError(f"{path} is larger than {limit} bytes")
-            return f.read(size)
+        # the manifest is consistent, but the file is not as large as it says: that is
+        # checked before anything of the manifest's sizes is allocated or read
+        size = re.escape(shard) + r" is \d+ bytes but the manifest says \d{10,}: the file"
+        assert res["load"].startswith("CheckpointCorruptError: "), res
+        assert re.search(size, res["load"]), res
+        assert res["verify"].startswith("problems: ") and re.search(size, res["verify"]), res
 
 
 def peak_python_bytes(fn: Any) -> int:
@@ -359,11 +360,21 @@ def test_loading_a_small_checkpoint_allocates_little(tmp_path: Path) -> None:
 
 
 def test_verify_of_forged_header_length_allocates_little(tmp_path: Path) -> None:
+    """A shard whose length prefix claims a 99 MiB header: verify names both the changed
+    header and the impossible length, without allocating anything like 99 MiB (the
+    manifest read, LocalStorage's, allocates the file's size, not its 1 GiB limit)."""
     d = _forge(tmp_path, "h", _header_length(99 << 20))
     step_dir = d / step_dir_name(1)
-    storage = ExactReadStorage()
-    peak = peak_python_bytes(lambda: verify_checkpoint(step_dir, storage))
+    reports = []
+    peak = peak_python_bytes(lambda: reports.append(verify_checkpoint(step_dir,
+                                                                      LocalStorage())))
     assert peak < 16 << 20, f"verify peaked at {peak / 1e6:.0f} MB for a 4 KB file"
+    problems = reports[0].problems
+    shard = str(step_dir / SHARD)
+    assert f"{shard}: its safetensors header does not match the manifest's checksum" in \
+        problems[0], problems
+    assert any(p.startswith(f"{shard}: its header claims {99 << 20} bytes, more than "
+                            "the whole file") for p in problems), problems
 
 
 def test_overflowing_dimension_is_a_corrupt_error(tmp_path: Path) -> None:
@@ -372,17 +383,29 @@ def test_overflowing_dimension_is_a_corrupt_error(tmp_path: Path) -> None:
     doc = json.loads(mp.read_bytes())
     t = doc["tensors"]["e"]
     t["shape"] = t["chunks"][0]["lengths"] = [0, 2 ** 64]
-    mp.write_text(json.dumps(doc))
-    with pytest.raises(CheckpointCorruptError):
+    mp.write_bytes(fz.sealed(doc))  # unsealed, only the digest check would ever run
+    with pytest.raises(CheckpointCorruptError,
+                       match=re.escape("(tensor 'e'): shape [0, 18446744073709551616] is "
+                                       "impossibly large")) as info:
         asyncckpt.load(tmp_path)
+    assert info.value.path == str(mp) and info.value.key == "e"
 
 
 def test_forged_shapes_loaded_in_place_allocate_nothing(tmp_path: Path) -> None:
-    """With a target tree there is nothing to allocate: a forged shape is a mismatch."""
+    """With a target tree there is nothing to allocate: a forged shape (consistent
+    across the manifest, so it parses) is a mismatch with the target, found before any
+    file is read."""
     d = _forge(tmp_path, "inplace", _huge_tensor(10 ** 9))
     target = {"w": torch.zeros(16)}
-    with pytest.raises(CheckpointError):
-        asyncckpt.load(d, target)
+
+    def load() -> None:
+        with pytest.raises(StateMismatchError, match=re.escape(
+                "shape/dtype mismatch: w: checkpoint torch.float32 [1000000000], target "
+                "torch.float32 [16]")):
+            asyncckpt.load(d, target)
+
+    peak = peak_python_bytes(load)
+    assert peak < 16 << 20, f"the refused load peaked at {peak / 1e6:.0f} MB"
     assert torch.equal(target["w"], torch.zeros(16))
 
 
