@@ -347,11 +347,26 @@ KNOWN_BUGS: dict[str, Callable[[BaseException, str], bool]] = {
 
 def reseal(raw: bytes) -> bytes:
     """A mutated manifest with a valid digest again: without it every mutation would stop
-    at the digest check and the parser behind it would never be fuzzed."""
+    at the digest check and the parser behind it would never be fuzzed.
+
+    Any bytes at all come out sealed: a document whose digest tail was damaged, or that
+    never had one, and does not end with ``}`` gets one (``seal`` hashes its whole input
+    but the parser hashes what precedes the tail plus ``}``, so sealing such bytes as
+    they are would still fail the digest check)."""
     from asyncckpt.manifest import seal
 
     m = re.search(rb',"digest":"[^"]*"\}\n?\Z', raw)
-    return seal(raw[:m.start()] + b"}" if m else raw)
+    body = raw[:m.start()] + b"}" if m else raw
+    return seal(body if body.endswith(b"}") else body + b"}")
+
+
+DIGEST_REFUSALS = ("the manifest does not end with its digest",
+                   "the manifest's digest does not match its contents")
+
+
+def past_digest(exc: BaseException | None) -> bool:
+    """Whether parse_manifest got past its digest check (``exc``: what it raised, if any)."""
+    return exc is None or not any(r in str(exc) for r in DIGEST_REFUSALS)
 
 
 def sealed(doc: dict[str, Any]) -> bytes:
@@ -367,7 +382,7 @@ def sealed(doc: dict[str, Any]) -> bytes:
 def run_one(stats: Stats, target: str, seed: Seed, data: bytes, header_of: str | None,
             case_timeout: float, resealed: bool = False) -> None:
     """Feed one mutated document; record anything that is not a CheckpointError."""
-    from asyncckpt.errors import CheckpointError
+    from asyncckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
     from asyncckpt.loader import load_from
     from asyncckpt.manifest import MANIFEST_NAME, decode_header, parse_manifest
     from asyncckpt.reader import verify_checkpoint
@@ -386,8 +401,16 @@ def run_one(stats: Stats, target: str, seed: Seed, data: bytes, header_of: str |
             files = {**seed.files, MANIFEST_NAME: data}
             try:
                 parse_manifest(data, "fuzz/manifest.json")
-            except CheckpointError:
-                stats.count("manifest refused")
+            except (CheckpointCorruptError, CheckpointVersionError) as exc:
+                # (any other error, a CheckpointError too, is not what parse_manifest
+                # documents: it is recorded as a failure below)
+                if past_digest(exc):
+                    stats.count("manifest refused")
+                elif resealed:
+                    _fail(stats, "re-sealed manifest refused by the digest check", exc, seed,
+                          target, data)
+                else:
+                    stats.count("manifest refused by its digest")
                 return
             stats.count("manifest parsed")
         else:
