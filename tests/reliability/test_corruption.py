@@ -12,14 +12,17 @@ the step simply not committed (CheckpointNotFoundError).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 import shutil
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +38,7 @@ from asyncckpt.reader import verify_checkpoint
 from asyncckpt.storage import LocalStorage
 
 from ._crash_worker import global_state, same_tree, save_two_ranks, state_for
+from .fuzz_manifest import past_digest, reseal, sealed
 
 SHARD = "rank_00000.safetensors"
 
@@ -357,137 +361,180 @@ def mutate_leaf(doc: Any, path: tuple[Any, ...]) -> None:
         node[last] = 0
 
 
-def run_leaf_mutations(template: Path, work: Path
-                       ) -> tuple[int, list[str], list[str], list[str]]:
-    """Mutate every manifest leaf of step 2 in turn. Returns (cases, errors that were not
-    the library's, the known skeleton-scalar ValueErrors, silently wrong results)."""
+@dataclasses.dataclass
+class Results:
+    """What damaged manifests did: refused (by the digest check or behind it), loaded
+    unchanged, or loaded with something changed; errors that were not the library's."""
+
+    cases: int = 0
+    refused_by_digest: int = 0
+    refused: int = 0
+    unchanged: int = 0
+    scalar_changed: list[str] = dataclasses.field(default_factory=list)
+    verify_only: list[str] = dataclasses.field(default_factory=list)
+    """Loaded right, but verify found the shard header's entry for a tensor unlike the
+    manifest's: a changed chunk ``key`` (only verify reads the header's entries; load
+    reads by byte range, under the header's checksum)."""
+    wrong_tensors: list[str] = dataclasses.field(default_factory=list)
+    bare_value_error: list[str] = dataclasses.field(default_factory=list)
+    foreign: list[str] = dataclasses.field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {k: v if isinstance(v, int) else len(v) for k, v in vars(self).items()}
+
+
+def load_damaged(d: Path, step: int, what: str, res: Results) -> None:
+    """Verify and load the step in ``d`` (its manifest damaged) and file the outcome."""
+    res.cases += 1
+    try:
+        report = verify_checkpoint(d, LocalStorage())
+        got = asyncckpt.load(d)
+        manifest = asyncckpt.AsyncCheckpointer(d).manifest()
+    except CheckpointCorruptError as exc:
+        if past_digest(exc):
+            res.refused += 1
+        else:
+            res.refused_by_digest += 1
+        return
+    except CheckpointError as exc:  # (a CheckpointVersionError, from a higher version)
+        res.refused += 1
+        assert "format version" in str(exc), f"{what}: {type(exc).__name__}: {exc}"
+        return
+    except Exception as exc:
+        bucket = res.bare_value_error if skeleton_scalar_bug(exc) else res.foreign
+        bucket.append(f"{what}: {type(exc).__name__}: {exc}")
+        return
+    want = state_for(step)
+    if sorted(_arrays(got)) != sorted(_arrays(want)):
+        res.wrong_tensors.append(f"{what}: {same_tree(got, want)}; verify {report.problems}")
+        return
+    if not report.ok:
+        if all(re.search(r": header entry of tensor '[^']+' is ", p) for p in report.problems):
+            res.verify_only.append(f"{what}: {report.problems}")
+        else:  # verify found more than a header entry: what did load read?
+            res.wrong_tensors.append(f"{what}: loaded, yet verify says {report.problems}")
+        return
+    diff = same_tree(got, want)
+    if diff is None and manifest.user_metadata != METADATA:
+        diff = f"user_metadata {manifest.user_metadata}"
+    if diff is None and manifest.step != step:
+        diff = f"manifest says step {manifest.step} in {d.name}"
+    if diff is None:
+        res.unchanged += 1
+    else:
+        res.scalar_changed.append(f"{what}: {diff}")
+    shutil.rmtree(d.parent)
+
+
+def run_leaf_mutations(template: Path, work: Path, resealed: bool) -> Results:
+    """Mutate every manifest leaf of step 2 in turn, the manifest written back as damaged
+    or re-sealed (a valid digest again, so that the checks behind it run)."""
     src = template / "one" / step_dir_name(2)
     raw = (src / MANIFEST_NAME).read_bytes()
-    doc = json.loads(raw)
-    leaves = manifest_leaves(doc)
-    foreign: list[str] = []
-    known: list[str] = []
-    silent: list[str] = []
-    for i, (path, _) in enumerate(leaves):
-        d = work / f"leaf{i}" / step_dir_name(2)
+    res = Results()
+    for i, (path, _) in enumerate(manifest_leaves(json.loads(raw))):
+        d = work / f"leaf{i}{'s' if resealed else ''}" / step_dir_name(2)
         shutil.copytree(src, d)
         mutated = json.loads(raw)
         mutate_leaf(mutated, path)
-        (d / MANIFEST_NAME).write_text(json.dumps(mutated, separators=(",", ":")))
-        try:
-            verify_checkpoint(d, LocalStorage())
-            got = asyncckpt.load(d)
-            manifest = asyncckpt.AsyncCheckpointer(d).manifest()
-        except CheckpointError:
-            continue
-        except Exception as exc:
-            if skeleton_scalar_bug(exc):
-                known.append(f"{path}: {type(exc).__name__}: {exc}")
-            else:
-                foreign.append(f"{path}: {type(exc).__name__}: {exc}")
-            continue
-        diff = same_tree(got, state_for(2))
-        if diff is None and manifest.user_metadata != METADATA:
-            diff = f"user_metadata {manifest.user_metadata}"
-        if diff is None and manifest.step != 2:
-            diff = f"manifest says step {manifest.step} in {d.name}"
-        if diff is not None:
-            silent.append(f"{path}: {diff}")
-        shutil.rmtree(d.parent)
-    return len(leaves), foreign, known, silent
+        text = json.dumps(mutated, separators=(",", ":")).encode()
+        (d / MANIFEST_NAME).write_bytes(reseal(text) if resealed else text)
+        load_damaged(d, 2, str(path), res)
+    return res
 
 
 def test_manifest_leaf_mutations_fail_cleanly(template: Path, tmp_path: Path,
                                               figures: Any) -> None:
-    """Every field of the manifest changed in turn: only the library's errors, and the
-    tensors are never wrong (their checksums, ranges, shapes and dtypes are checked)."""
-    cases, foreign, known, silent = run_leaf_mutations(template, tmp_path)
-    print(f"\nmanifest leaf mutations: {cases}, accepted with other scalars/metadata: "
-          f"{len(silent)}, bare ValueError: {len(known)}")
-    assert not foreign, "\n".join(foreign[:10])
-    assert not known, "\n".join(known[:10])  # the skeleton-scalar bug stays fixed
-    wrong_tensors = [s for s in silent if "tensor" in s]
-    assert not wrong_tensors, "\n".join(wrong_tensors)
-    figures.add("manifest_leaf_mutations", cases)
-    figures.set("manifest_leaf_mutations_silently_accepted", len(silent))
+    """Every field of the manifest changed in turn. As damaged, the digest refuses every
+    one: nothing loads. Re-sealed, the checks behind the digest run: only the library's
+    errors, and the tensors are never wrong (their checksums, ranges, shapes and dtypes
+    are checked); a changed scalar of the state or of the metadata may load (nothing
+    but the digest covers them)."""
+    damaged = run_leaf_mutations(template, tmp_path, resealed=False)
+    print(f"\nmanifest leaf mutations, damaged: {damaged.counts()}")
+    assert damaged.refused_by_digest == damaged.cases > 150, damaged.counts()
+    loaded = damaged.scalar_changed + damaged.wrong_tensors + damaged.foreign
+    assert not loaded, "\n".join(loaded[:10])
+    sealed = run_leaf_mutations(template, tmp_path, resealed=True)
+    print(f"manifest leaf mutations, re-sealed: {sealed.counts()}")
+    assert not sealed.foreign, "\n".join(sealed.foreign[:10])
+    assert not sealed.bare_value_error, "\n".join(sealed.bare_value_error[:10])
+    assert not sealed.wrong_tensors, "\n".join(sealed.wrong_tensors[:10])
+    assert sealed.refused_by_digest == 0 and sealed.refused > 100, sealed.counts()
+    figures.add("manifest_leaf_mutations", damaged.cases)
+    figures.set("manifest_leaf_mutations_silently_accepted", len(damaged.scalar_changed))
+    figures.set("manifest_leaf_mutations_resealed_refused", sealed.refused)
+    figures.set("manifest_leaf_mutations_resealed_scalar_changed", len(sealed.scalar_changed))
 
 
-def test_manifest_damage_never_loads_wrong_values(template: Path, tmp_path: Path) -> None:
-    cases, foreign, _, silent = run_leaf_mutations(template, tmp_path)
-    assert not foreign
-    assert not silent, f"{len(silent)} of {cases} leaf changes loaded silently:\n" + "\n".join(
-        silent[:12])
-
-
-@pytest.mark.parametrize("node", [{"t": "float", "v": "0.00x"}, {"t": "bytes", "v": "abc"}])
-def test_malformed_skeleton_scalar_is_a_corrupt_error(tmp_path: Path, node: dict) -> None:
+@pytest.mark.parametrize(("node", "message"), [
+    ({"t": "float", "v": "0.00x"}, "float node holds '0.00x', which is no float"),
+    ({"t": "bytes", "v": "abc"}, "bytes node holds 'abc', which is no bytes")])
+def test_malformed_skeleton_scalar_is_a_corrupt_error(tmp_path: Path, node: dict,
+                                                       message: str) -> None:
     asyncckpt.save({"w": torch.ones(2), "x": 0.5}, tmp_path, step=1)
     mp = tmp_path / step_dir_name(1) / MANIFEST_NAME
     doc = json.loads(mp.read_bytes())
     doc["skeleton"]["items"][1][1] = node
-    mp.write_text(json.dumps(doc))
-    with pytest.raises(CheckpointCorruptError):
+    mp.write_bytes(sealed(doc))  # unsealed, only the digest check would ever run
+    with pytest.raises(CheckpointCorruptError, match=re.escape(message)) as info:
         asyncckpt.load(tmp_path)
+    assert info.value.path == str(mp)
+    assert not verify_checkpoint(mp.parent, LocalStorage()).ok
 
 
 def test_random_manifest_flips_fail_cleanly(template: Path, tmp_path: Path,
                                             figures: Any) -> None:
-    """Random byte flips anywhere in the manifest: only the library's errors; tensors are
-    never wrong. Counts how many flips were refused, loaded unchanged, or loaded with a
-    changed scalar (the missing manifest checksum, see the xfail above)."""
+    """Random byte flips anywhere in the manifest. As damaged, the digest refuses every
+    one. Re-sealed (the checks behind it then run): only the library's errors, and the
+    tensors are never wrong; a flip in a scalar of the state may load (counted)."""
     rng = random.Random(99)
     src = template / "one" / step_dir_name(3)
     raw = (src / MANIFEST_NAME).read_bytes()
-    counts = {"refused": 0, "unchanged": 0, "scalar_changed": 0, "bare_value_error": 0}
-    foreign = []
+    damaged, sealed_ = Results(), Results()
     for i in range(300):
-        d = tmp_path / f"m{i}" / step_dir_name(3)
-        shutil.copytree(src, d)
         off = rng.randrange(len(raw))
-        flip(d / MANIFEST_NAME, off, rng)
-        try:
-            report = verify_checkpoint(d, LocalStorage())
-            got = asyncckpt.load(d)
-        except CheckpointError:
-            counts["refused"] += 1
-            continue
-        except Exception as exc:
-            if skeleton_scalar_bug(exc):
-                counts["bare_value_error"] += 1
-            else:
-                foreign.append(f"byte {off}: {type(exc).__name__}: {exc}")
-            continue
-        want = state_for(3)
-        if same_tree(got, want) is None:
-            counts["unchanged"] += 1
-            continue
-        counts["scalar_changed"] += 1
-        got_t = sorted(_raw(x) for x in _tensors(got))
-        want_t = sorted(_raw(x) for x in _tensors(want))
-        if got_t != want_t or not report.ok:
-            foreign.append(f"byte {off}: tensors loaded wrong")
-        shutil.rmtree(d.parent)
-    print(f"\nrandom manifest flips: {counts}")
-    assert not foreign, "\n".join(foreign[:10])
-    figures.add("manifest_flips_tried", sum(counts.values()))
-    figures.add("manifest_flips_refused", counts["refused"])
-    figures.add("manifest_flips_loaded_unchanged", counts["unchanged"])
-    figures.add("manifest_flips_loaded_scalar_changed", counts["scalar_changed"])
-    figures.add("manifest_flips_bare_value_error", counts["bare_value_error"])
+        b = bytearray(raw)
+        b[off] ^= rng.randrange(1, 256)
+        for res, data in ((damaged, bytes(b)), (sealed_, reseal(bytes(b)))):
+            d = tmp_path / f"m{i}{'s' if res is sealed_ else ''}" / step_dir_name(3)
+            shutil.copytree(src, d)
+            (d / MANIFEST_NAME).write_bytes(data)
+            load_damaged(d, 3, f"byte {off}", res)
+    print(f"\nrandom manifest flips, damaged: {damaged.counts()}\n"
+          f"random manifest flips, re-sealed: {sealed_.counts()}")
+    # with the digest intact nothing loads, not even a changed scalar
+    assert damaged.refused_by_digest == damaged.cases, damaged.counts()
+    assert not damaged.scalar_changed and not damaged.bare_value_error, damaged.counts()
+    assert not sealed_.foreign, "\n".join(sealed_.foreign[:10])
+    assert not sealed_.bare_value_error, "\n".join(sealed_.bare_value_error[:10])
+    assert not sealed_.wrong_tensors, "\n".join(sealed_.wrong_tensors[:10])
+    assert sealed_.refused_by_digest == 0 and sealed_.refused > 150, sealed_.counts()
+    figures.add("manifest_flips_tried", damaged.cases)
+    figures.add("manifest_flips_refused", damaged.refused_by_digest + damaged.refused)
+    figures.add("manifest_flips_loaded_unchanged", damaged.unchanged)
+    figures.add("manifest_flips_loaded_scalar_changed", len(damaged.scalar_changed))
+    figures.add("manifest_flips_bare_value_error", len(damaged.bare_value_error))
+    figures.add("manifest_flips_resealed_refused", sealed_.refused)
+    figures.add("manifest_flips_resealed_loaded_scalar_changed", len(sealed_.scalar_changed))
+
+
+def _arrays(tree: Any) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """Every array leaf (torch tensor, numpy array or scalar) as (type, dtype, shape, bytes)."""
+    if isinstance(tree, torch.Tensor):
+        return [("torch", str(tree.dtype), tuple(tree.shape), _raw(tree))]
+    if isinstance(tree, (np.ndarray, np.generic)):
+        a = np.asarray(tree)
+        return [(type(tree).__name__, str(a.dtype), a.shape, a.tobytes())]
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _arrays(v)]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in _arrays(v)]
+    return []
 
 
 def _raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 def test_any_header_change_is_detected(template: Path, tmp_path: Path) -> None:
