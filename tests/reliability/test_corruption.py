@@ -561,13 +561,16 @@ def test_fallback_loads_the_newest_intact_step(template: Path, tmp_path: Path) -
     assert same_tree(asyncckpt.load(root, fallback=True), state_for(2)) is None
     # in place: whatever the corrupt step wrote into the targets is overwritten
     target = state_for(0)
+    tensors = dict(target["model"])
     out = asyncckpt.load(root, target, fallback=True)
     assert same_tree(out, state_for(2)) is None
+    for k, t in tensors.items():  # into the target's own tensors
+        assert out["model"][k] is t and same_tree(t, state_for(2)["model"][k]) is None, k
     (root / step_dir_name(2) / SHARD).unlink()  # a missing file counts as corrupt too
     with asyncckpt.AsyncCheckpointer(root) as ckpt:
         assert same_tree(ckpt.load(fallback=True), state_for(1)) is None
-    damage(1)
-    with pytest.raises(CheckpointCorruptError) as ei:
+    (root / step_dir_name(1) / MANIFEST_NAME).write_text("{}")  # and an unreadable manifest
+    with pytest.raises(CheckpointCorruptError, match="no intact checkpoint") as ei:
         asyncckpt.load(root, fallback=True)
     for s in STEPS:
         assert f"step {s}" in str(ei.value)
