@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asyncckpt
 from asyncckpt.manifest import (
     ALIGN,
     Chunk,
@@ -154,8 +156,27 @@ def test_intersect_cases(a, b, want):
 
 
 def test_intersect_rank_mismatch_is_an_error():
-    with pytest.raises(ValueError):
-        intersect(((0,), (1,)), ((0, 0), (1, 1)))
+    """Boxes of different ranks are a bug of the caller, refused by zip(strict=True), not
+    truncated to the shorter rank. intersect is internal: the manifest parser refuses
+    chunks of another rank than their tensor's, and load refuses a target or a shard of
+    another rank first (next test), so no user ever sees this message."""
+    for a, b in [(((0,), (1,)), ((0, 0), (1, 1))), (((0, 0), (1, 1)), ((0,), (1,)))]:
+        # (b's offsets, zip's third argument, against a's offsets and lengths)
+        with pytest.raises(ValueError, match=r"zip\(\) argument 3 is (shorter|longer) than "
+                                             r"arguments 1-2"):
+            intersect(a, b)
+
+
+@pytest.mark.parametrize("target", [(16,), (4, 4, 1)])
+def test_a_rank_mismatch_is_refused_before_planning(tmp_path, target):
+    asyncckpt.save({"w": torch.zeros(4, 4)}, tmp_path, step=1)
+    with pytest.raises(asyncckpt.StateMismatchError, match=re.escape(
+            f"shape/dtype mismatch: w: checkpoint torch.float32 [4, 4], target torch.float32 "
+            f"{list(target)}")):
+        asyncckpt.load(tmp_path, {"w": torch.zeros(target)})
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="does not fit in global shape"):
+        asyncckpt.AsyncCheckpointer(tmp_path).load(
+            {"w": torch.zeros(2, 4)}, shards={"w": asyncckpt.ShardMetadata((4, 4, 1), (0, 0, 0))})
 
 
 boxes = st.integers(0, 3).flatmap(lambda r: st.tuples(
