@@ -109,9 +109,11 @@ def test_quick_dist_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
-def test_world_must_be_at_least_two() -> None:
-    with pytest.raises(SystemExit):
+def test_world_must_be_at_least_two(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
         _bench().main(["--only", "dist", "--world", "1"])
+    assert info.value.code == 2  # argparse's usage error, before any rank starts
+    assert "error: need --world >= 2" in capsys.readouterr().err
 
 
 def test_probes_rebuild_the_saved_values() -> None:

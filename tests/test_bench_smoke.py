@@ -75,9 +75,12 @@ def test_only_selects_sections(tmp_path: Path) -> None:
     assert not res["methods"] and "memory" not in res
 
 
-def test_rejects_unknown_section() -> None:
-    with pytest.raises(SystemExit):
+def test_rejects_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
         _bench().main(["--only", "nonsense"])
+    assert info.value.code == 2  # argparse's usage error, before anything runs
+    assert "error: unknown sections ['nonsense']; use limits, asyncckpt" in \
+        capsys.readouterr().err
 
 
 def test_run_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
