@@ -7,7 +7,9 @@ a 2-rank checkpoint. ``verify_checkpoint`` must report every one, naming the fil
 ``asyncckpt.load`` must raise CheckpointCorruptError naming the file (and the tensor
 where one applies) — or, where the damage changes nothing that is read (whitespace in
 a header), return values bit-exact equal to what was saved. A deleted manifest makes
-the step simply not committed (CheckpointNotFoundError).
+the step simply not committed (CheckpointNotFoundError). Damaged manifests are tried
+as damaged (the digest must refuse them) and re-sealed (the checks behind the digest
+must refuse them, or load the tensors right).
 """
 
 from __future__ import annotations

@@ -2,14 +2,16 @@
 
 - The manifest parser and the shard-header parser are fuzzed with hypothesis (random
   mutations of real documents, random JSON, random bytes): they return or raise the
-  library's own errors, never anything else, and never hang. The same mutations then
-  run through load and verify (over an in-memory storage). The long run is
+  library's own errors, never anything else, and never hang. Each manifest mutation is
+  tried as damaged and re-sealed (a valid digest again, as a forger would write it), so
+  that the checks behind the digest run; each test counts how far its cases got. The
+  same mutations then run through load and verify (over an in-memory storage). The long run is
   ``fuzz_manifest.py`` (>= 10^5 cases); CI runs a smoke of it too.
 - Forged sizes (a 2^60-byte tensor, a 10^9-element shape, a 2^40-byte header) are
   refused before anything that large is allocated: checked under an address-space cap
   in a subprocess, and with tracemalloc.
-- A manifest naming "../x", "/etc/passwd" or "a/b" never makes load, verify or the CLI
-  open a path outside the step directory.
+- A (re-sealed) manifest naming "../x", "/etc/passwd" or "a/b" is refused as such, and
+  never makes load, verify or the CLI open a path outside the step directory.
 - A planted pickle (a .pt file, a header metadata value, a manifest field, a saved
   bytes leaf, a manifest that is itself a pickle) is never unpickled.
 - Misuse: an unsupported leaf names its path, a committed step cannot be saved again,
