@@ -94,20 +94,25 @@ def check_fallback(fallback: bool, step: int | None, verify: bool) -> None:
 
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
-              threads: int | None = None, step: int | None = None) -> Any:
+              threads: int | None = None, step: int | None = None,
+              manifest: Manifest | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
     step (one copied to a name of the user's choosing, e.g. ``best/``) is refused.
+    ``manifest``, when given, is the step's manifest as the caller already parsed it
+    from ``storage`` (it is not read again).
     """
     return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                      shards=shards, threads=threads, step=step)
+                      shards=shards, threads=threads, step=step, manifest=manifest)
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
                verify: bool, shards: Mapping[str, ShardMetadata] | None,
-               threads: int | None, step: int | None = None) -> Any:
-    manifest = read_manifest(step_dir, storage)
+               threads: int | None, step: int | None = None,
+               manifest: Manifest | None = None) -> Any:
+    if manifest is None:
+        manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "

@@ -250,6 +250,31 @@ def test_into_loads_in_place_and_odd_tensors_survive() -> None:
     assert target[7] == "seven"
 
 
+def test_the_received_manifest_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a manifest of thousands of tensors takes a while to parse: the loader is handed
+    # the one the receive already parsed and checked)
+    import asyncckpt.reader as readermod
+
+    parsed: list[str] = []
+    real = pgmod.parse_manifest
+
+    def counting(raw: bytes, where: str) -> Any:
+        parsed.append(where)
+        return real(raw, where)
+
+    monkeypatch.setattr(pgmod, "parse_manifest", counting)
+    monkeypatch.setattr(readermod, "parse_manifest", counting)
+    a, b, _ = pair()
+    state = small_state()
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+              for k, v in state.items()}
+    sender = Background(a.send_checkpoint, [1], 4, state, 10.0)
+    out = b.recv_checkpoint(0, "pg:0", 4, 10.0, into=target)
+    sender.result()
+    same(out, state)
+    assert len(parsed) == 1, parsed
+
+
 def test_empty_states() -> None:
     for state in ({}, {"e": torch.empty(0), "s": 1}, {"nothing": None}):
         a, b, _ = pair()

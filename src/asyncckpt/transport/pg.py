@@ -376,7 +376,8 @@ class PGTransport(CheckpointTransport[Any]):
             _verify_file(manifest, name, view, step_dir, where)
         # (``host`` owns the memory the storage's view points into: it lives until we return)
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
-        return load_from(step_dir, into, storage, strict=strict, verify=False)
+        return load_from(step_dir, into, storage, strict=strict, verify=False,
+                         manifest=manifest)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
