@@ -517,6 +517,50 @@ def test_a_manifest_marked_partial_on_disk_is_corrupt(tmp_path: Path) -> None:
     assert not verify_checkpoint(step_dir, LocalStorage()).ok
 
 
+def _flip_last_byte(ckpt: asyncckpt.AsyncCheckpointer, step: int, key: str) -> None:
+    """Damage the last byte of tensor ``key`` in ``step``'s shard."""
+    end = ckpt.manifest(step).tensors[key].chunks[0].byte_range[1]
+    with open(ckpt.directory / commit.step_dir_name(step) / SHARD, "r+b") as f:
+        f.seek(end - 1)
+        last = f.read(1)[0]
+        f.seek(end - 1)
+        f.write(bytes([last ^ 0xFF]))
+
+
+def test_fallback_with_strict_false_puts_back_what_a_failed_step_wrote(
+        tmp_path: Path) -> None:
+    # Step 2 has "x", step 1 has not: reading step 2 fills x (its last byte damaged)
+    # before the checksum fails; the load then falls back to step 1, whose strict=False
+    # load leaves x alone. x must come out as it went in, not as step 2's bytes.
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ck:
+        ck.save({"a": torch.ones(4)}, step=1)
+        ck.save({"a": torch.full((4,), 2.0), "x": torch.full((1000,), 5.0)}, step=2)
+        _flip_last_byte(ck, 2, "x")
+    x = torch.arange(1000.0)
+    target = {"a": torch.zeros(4), "x": x}
+    out = asyncckpt.load(tmp_path, target, fallback=True, strict=False)
+    assert out["x"] is x and torch.equal(x, torch.arange(1000.0))
+    assert torch.equal(out["a"], torch.ones(4))
+
+
+def test_fallback_with_strict_false_names_targets_it_cannot_put_back(
+        tmp_path: Path) -> None:
+    # Steps 3 and 2 both have x and both are damaged; step 1 has no x. x was copied
+    # neither before step 3 (step 2 fills it) nor before step 2 (step 3 had filled it):
+    # its own value is gone, which the load must say rather than leave step 2's bytes.
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ck:
+        ck.save({"a": torch.ones(4)}, step=1)
+        for step in (2, 3):
+            ck.save({"a": torch.full((4,), 2.0), "x": torch.full((8,), float(step))},
+                    step=step)
+            _flip_last_byte(ck, step, "x")
+    with pytest.raises(CheckpointCorruptError,
+                       match=r"step 1 loaded, but the targets x hold what the failed "
+                             r"attempts at steps \[2\] read into them"):
+        asyncckpt.load(tmp_path, {"a": torch.zeros(4), "x": torch.zeros(8)}, fallback=True,
+                       strict=False)
+
+
 def test_a_manifest_of_another_step_is_corrupt(tmp_path: Path) -> None:
     _two_steps(tmp_path)
     step1, step2 = tmp_path / "step_000000001", tmp_path / "step_000000002"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,22 +95,27 @@ def check_fallback(fallback: bool, step: int | None, verify: bool) -> None:
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None, step: int | None = None,
-              manifest: Manifest | None = None) -> Any:
+              manifest: Manifest | None = None,
+              before_read: Callable[[FlatState], None] | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
     step (one copied to a name of the user's choosing, e.g. ``best/``) is refused.
     ``manifest``, when given, is the step's manifest as the caller already parsed it
-    from ``storage`` (it is not read again).
+    from ``storage`` (it is not read again). ``before_read``, when given and ``state``
+    is, is called with the flattened target once keys are matched and before any byte
+    is read: its ``loaded_in_place`` holds the paths the load is about to fill.
     """
     return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                      shards=shards, threads=threads, step=step, manifest=manifest)
+                      shards=shards, threads=threads, step=step, manifest=manifest,
+                      before_read=before_read)
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
                verify: bool, shards: Mapping[str, ShardMetadata] | None,
                threads: int | None, step: int | None = None,
-               manifest: Manifest | None = None) -> Any:
+               manifest: Manifest | None = None,
+               before_read: Callable[[FlatState], None] | None = None) -> Any:
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
@@ -129,6 +134,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         target = flatten(state, target=True)
         apply_shards(target, shards)
         dests, boxes, regions = _match(manifest, saved, target, strict, step_dir)
+    if before_read is not None:
+        before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies)
@@ -180,12 +187,18 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
     failures = []
-    for attempt, step in enumerate(reversed(steps)):
+    newest_first = steps[::-1]
+    # With strict=False an older step may lack tensors a newer one has: what a failed
+    # attempt wrote into those must not stay behind as part of the older step's load.
+    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name)
+            if state is not None and not strict and len(steps) > 1 else None)
+    for attempt, step in enumerate(newest_first):
         step_dir = root / commit.step_dir_name(step)
         problem: CheckpointError | None = None
+        hook = None if undo is None else undo.hook(newest_first[attempt + 1:])
         try:
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
-                               shards=shards, threads=threads)
+                               shards=shards, threads=threads, before_read=hook)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         except BaseException as exc:  # no fallback answers it: the other ranks stop too
@@ -196,7 +209,11 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
         others = [] if agree is None else agree(
             attempt, step, None if problem is None else str(problem))
         if problem is None and not others:
+            if undo is not None:
+                undo.finish(step)
             return result
+        if undo is not None:
+            undo.failed(step)
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             log.warning("step %d under %s is %s (%s); trying an older step", step, root,
@@ -208,6 +225,82 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
             failures.append(f"step {step} on rank {r}: {what}")
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
+
+
+class _Rollback:
+    """Puts back, after a fallback load with ``strict=False``, what failed attempts
+    wrote into target tensors that the step finally loaded has no values for.
+
+    Before each attempt it copies the targets the attempt is about to fill that the
+    next older step (the next readable one) would not fill: only those can be left
+    holding a failed step's bytes, and they are usually few or none (a tensor added in
+    a newer step). A target written by two failed attempts in a row that the step
+    loaded lacks has no copy of its own value left: that is an error naming it.
+    """
+
+    def __init__(self, root: Path, state: Any, storage: ReadStorage,
+                 shards: Mapping[str, ShardMetadata] | None,
+                 step_dir_name: Callable[[int], str]):
+        self.root, self.state, self.storage, self.shards = root, state, storage, shards
+        self.step_dir_name = step_dir_name
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # path: (target, copy)
+        self.spoilt: dict[str, int] = {}  # path: the failed step whose bytes it holds
+        self.filling: set[str] = set()  # the paths the current attempt fills
+
+    def hook(self, older: list[int]) -> Callable[[FlatState], None]:
+        def before_read(target: FlatState) -> None:
+            self.filling = set(target.loaded_in_place)
+            covered = self._filled_by(older)
+            for path in self.filling:
+                if path in self.kept or path in self.spoilt or (
+                        covered is None or path in covered):
+                    continue
+                key = target.refs[path]
+                arr = target.arrays.get(key)
+                if arr is not None and is_copied(arr):
+                    continue  # written back into its array only when a load succeeds
+                t = target.tensors[key]
+                self.kept[path] = (t, t.detach().clone())
+        return before_read
+
+    def _filled_by(self, older: list[int]) -> set[str] | None:
+        """The paths the next older step that can be matched would fill; None: no such
+        step can be loaded (the fallback fails, nothing needs putting back)."""
+        for step in older:
+            step_dir = self.root / self.step_dir_name(step)
+            try:
+                manifest = read_manifest(step_dir, self.storage)
+            except CheckpointError:
+                continue  # its attempt fails too: the next older one decides
+            saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
+            with gc_paused():
+                target = flatten(self.state, target=True)
+                apply_shards(target, self.shards)
+                try:
+                    _match(manifest, saved, target, False, step_dir)
+                except StateMismatchError:
+                    return None  # its attempt raises this and the load stops there
+            return target.loaded_in_place
+        return None
+
+    def failed(self, step: int) -> None:
+        for path in self.filling:
+            if path not in self.kept:
+                self.spoilt[path] = step  # (the last attempt to fill it)
+
+    def finish(self, step: int) -> None:
+        with torch.no_grad():
+            for path, (t, copy) in self.kept.items():
+                if path not in self.filling:
+                    t.copy_(copy)
+        left = {p: s for p, s in self.spoilt.items() if p not in self.filling}
+        if left:
+            raise CheckpointCorruptError(
+                f"loading {self.root} with fallback=True and strict=False: step {step} "
+                f"loaded, but the targets {_few(sorted(left))} hold what the failed attempts "
+                f"at steps {sorted(set(left.values()))} read into them and step {step} has "
+                "no values for them; their own values are lost: set them again",
+                path=str(self.root))
 
 
 class Agreement(Protocol):
