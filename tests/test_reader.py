@@ -769,6 +769,36 @@ def _saved_by_two_ranks(root: Path) -> Path:
     return root / commit.step_dir_name(1)
 
 
+def test_verify_holds_one_chunk_at_a_time(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # verify allocated each tensor whole: a tensor sharded over many ranks (larger than
+    # one machine's memory) could not be verified, and was even reported damaged
+    import asyncckpt.reader as readermod
+
+    step_dir = _saved_by_two_ranks(tmp_path)
+    real = readermod.fresh_tensor
+    sizes: list[tuple[int, ...]] = []
+
+    def recording(shape: tuple[int, ...], dtype: torch.dtype, **kw: Any) -> torch.Tensor:
+        sizes.append(tuple(shape))
+        return real(shape, dtype, **kw)
+
+    monkeypatch.setattr(readermod, "fresh_tensor", recording)
+    report = verify_checkpoint(step_dir, LocalStorage())
+    assert report.ok and report.tensors == 1 and report.bytes == 8 * 3 * 4, report.problems
+    assert sizes == [(4, 3), (4, 3)]
+    # and a damaged byte in the second chunk is still found, naming the tensor
+    manifest = read_manifest(step_dir, LocalStorage())
+    ch = manifest.tensors["w"].chunks[1]
+    with open(step_dir / ch.file, "r+b") as f:
+        f.seek(ch.byte_range[0])
+        first = f.read(1)[0]
+        f.seek(ch.byte_range[0])
+        f.write(bytes([first ^ 1]))
+    problems = verify_checkpoint(step_dir, LocalStorage()).problems
+    assert len(problems) == 1 and "checksum mismatch in tensor 'w'" in problems[0], problems
+
+
 def _load_rows(step_dir: Path, first: int, storage: LocalStorage) -> torch.Tensor:
     target = {"w": torch.zeros(4, 3)}
     load_from(step_dir, target, storage,

@@ -657,8 +657,12 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
             unread[bad] = unread.get(bad, 0) + 1
             continue
         try:
-            _load_checked(step_dir, manifest, {key: None}, storage, verify=True, threads=1,
-                          boxes={})
+            # chunk by chunk: a tensor sharded over many ranks is never held whole (at
+            # most one rank's part of it is), so verifying needs no more memory than
+            # the rank that saved it had
+            for ch in entry.chunks:
+                _load_checked(step_dir, manifest, {key: None}, storage, verify=True,
+                              threads=1, boxes={key: (ch.offsets, ch.lengths)})
             report.tensors += 1
             report.bytes += entry.nbytes
         except CheckpointCorruptError as exc:
