@@ -208,6 +208,19 @@ def test_negative_stride_numpy_targets_get_the_saved_values(ckpt):
     assert np.array_equal(base_m[::-1, ::-2], src["m"]) and not base_m[:, 0::2].any()
 
 
+def test_negative_stride_numpy_target_of_a_tied_tensor_wanted_in_parts(ckpt):
+    # One saved tensor (tied at a and b) whose targets want different boxes is loaded
+    # whole and handed out in parts; a numpy target there that takes its bytes through
+    # a copy (negative strides) was never written back: it stayed zeros, silently.
+    w = torch.arange(12.0).reshape(4, 3)
+    ckpt.save({"a": w, "b": w}, 1)
+    base = np.zeros((4, 3), np.float32)
+    target = {"a": base[::-1], "b": torch.zeros(2, 3)}
+    ckpt.load(target, shards={"b": asyncckpt.ShardMetadata((4, 3), (2, 0))})
+    assert np.array_equal(target["a"], w.numpy()) and np.array_equal(base, w.numpy()[::-1])
+    assert torch.equal(target["b"], w[2:])
+
+
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_read_only_numpy_target_is_refused_before_reading(ckpt):
     ckpt.save({"w": np.arange(4.0), "t": torch.ones(2)}, 1)

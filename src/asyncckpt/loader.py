@@ -152,11 +152,10 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
             if key in regions:  # targets wanting different parts of it: each gets its own
                 for t, box in zip(tensors, regions[key], strict=True):
                     copy_into(t, loaded[key] if box is None else narrow_to_box(loaded[key], box))
-                continue
-            # extra targets: saved once (tied), loaded into untied targets
-            for t in tensors if key in staged else tensors[1:]:
-                copy_into(t, loaded[key])
-            for t in tensors:
+            else:  # extra targets: saved once (tied), loaded into untied targets
+                for t in tensors if key in staged else tensors[1:]:
+                    copy_into(t, loaded[key])
+            for t in tensors:  # (numpy arrays filled through a copy get it written back)
                 arr = copies.get(id(t))
                 if arr is not None:
                     np.copyto(arr, t.numpy())
