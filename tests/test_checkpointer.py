@@ -945,6 +945,24 @@ def test_rng_state_round_trips_compactly(tmp_path: Path) -> None:
     assert 0 < ints < 20  # not 625 scalars for Python's generator
 
 
+def test_fallback_refuses_what_a_load_without_it_refuses(tmp_path: Path) -> None:
+    # fallback=True took any directory holding a manifest as a step directory: a save's
+    # temporary directory was loaded (uncommitted bytes), and a file raised a bare
+    # NotADirectoryError.
+    with asyncckpt.AsyncCheckpointer(tmp_path / "run") as ckpt:
+        ckpt.save(make_state(1), step=1)
+    tmp = tmp_path / "run" / ".step_000000002.tmp-abc"
+    shutil.copytree(tmp_path / "run" / "step_000000001", tmp)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for path, why in ((tmp, "the temporary directory of a save that did not commit"),
+                      (a_file, "is a file, not a checkpoint directory")):
+        for fallback in (False, True):
+            with pytest.raises(asyncckpt.CheckpointNotFoundError, match=why):
+                asyncckpt.load(path, fallback=fallback)
+    assert asyncckpt.load(tmp_path / "run", fallback=True)["train"]["step"] == 1
+
+
 def test_a_newer_format_stops_a_fallback_load_instead_of_rolling_back(tmp_path: Path) -> None:
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         for step in (1, 2):

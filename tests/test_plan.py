@@ -179,6 +179,30 @@ def test_a_rank_mismatch_is_refused_before_planning(tmp_path, target):
             {"w": torch.zeros(2, 4)}, shards={"w": asyncckpt.ShardMetadata((4, 4, 1), (0, 0, 0))})
 
 
+@pytest.mark.parametrize("meta, field", [
+    (asyncckpt.ShardMetadata((8, 6), (2.0, 0)), "offsets"),
+    (asyncckpt.ShardMetadata((8, 6), ("2", 0)), "offsets"),
+    (asyncckpt.ShardMetadata((8, 6), (True, 0)), "offsets"),
+    (asyncckpt.ShardMetadata((8.0, 6), (2, 0)), "global_shape"),
+    (asyncckpt.ShardMetadata(8, (2, 0)), "global_shape"),
+    (asyncckpt.ShardMetadata("86", (2, 0)), "global_shape"),
+])
+def test_shards_of_other_than_whole_numbers_are_refused(tmp_path, meta, field):
+    asyncckpt.save({"w": torch.zeros(8, 6)}, tmp_path, step=1)
+    ck = asyncckpt.AsyncCheckpointer(tmp_path)
+    for call in (lambda: ck.load({"w": torch.zeros(2, 6)}, shards={"w": meta}),
+                 lambda: ck.save({"w": torch.zeros(2, 6)}, step=2, shards={"w": meta})):
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=re.escape(f"shards['w'].{field} is ")):
+            call()
+    assert ck.steps() == [1]
+    # numpy's ints are whole numbers too
+    target = {"w": torch.ones(2, 6)}
+    ck.load(target, shards={"w": asyncckpt.ShardMetadata(
+        (np.int64(8), 6), (np.int32(2), 0))})
+    assert not target["w"].any()
+
+
 boxes = st.integers(0, 3).flatmap(lambda r: st.tuples(
     st.lists(st.tuples(st.integers(0, 8), st.integers(0, 6)), min_size=r, max_size=r)))
 

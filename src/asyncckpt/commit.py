@@ -76,7 +76,8 @@ def tmp_dir_name(step: int, token: str) -> str:
     return f".step_{step:09d}.tmp-{token}"
 
 
-def _list_root(root: Path, storage: ReadStorage) -> list[str]:
+def list_root(root: Path, storage: ReadStorage) -> list[str]:
+    """The names in ``root``; CheckpointNotFoundError when it is a file."""
     try:
         return storage.listdir(root)
     except NotADirectoryError:
@@ -96,7 +97,7 @@ def committed_steps(root: Path, storage: ReadStorage,
     hand edit).
     """
     steps = []
-    for name in _list_root(root, storage):
+    for name in list_root(root, storage):
         step = step_of_dir_name(name)
         if step is not None and _is_committed(root, name, storage, unlistable, no_manifest):
             steps.append(step)
@@ -148,7 +149,7 @@ def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bo
     looked into, newest first, until one is committed (usually there is none): what a
     save costs its caller does not grow with the steps kept.
     """
-    names = _list_root(root, storage)
+    names = list_root(root, storage)
     final = root / step_dir_name(step)
     if final.name in names:
         _refuse_taken(final, step, storage)
@@ -193,7 +194,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     if step is not None and (type(step) is not int or step < 0):
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
                                     "latest)")
-    names = _list_root(root, storage)
+    names = list_root(root, storage)
     if MANIFEST_NAME in names:
         kind = temp_dir_kind(root.name)
         if kind is not None and not uncommitted_ok:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,8 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
         if key is None:
             raise CheckpointConfigError(f"shards names {path!r}, which is no tensor of the state")
         local = flat.tensors[key]
-        gs, offs = tuple(meta.global_shape), tuple(meta.offsets)
+        gs = _whole_numbers(meta.global_shape, f"shards[{path!r}].global_shape")
+        offs = _whole_numbers(meta.offsets, f"shards[{path!r}].offsets")
         lens = tuple(local.shape)
         if len(gs) != local.dim() or len(offs) != local.dim() or any(
                 o < 0 or o + n > g for o, n, g in zip(offs, lens, gs, strict=True)):
@@ -71,6 +73,17 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
                 f"shards[{path!r}]: a local tensor of shape {list(lens)} at offsets {list(offs)} "
                 f"does not fit in global shape {list(gs)}")
         flat.boxes[key] = (gs, (offs, lens))
+
+
+def _whole_numbers(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints (numpy ints too); CheckpointConfigError otherwise."""
+    try:
+        if isinstance(values, (str, bytes)) or any(isinstance(v, bool) for v in values):
+            raise TypeError
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise CheckpointConfigError(f"{what} is {values!r}: use a tuple of whole numbers, "
+                                    "one per dimension of the tensor") from None
 
 
 def check_threads(threads: int | None) -> None:
@@ -179,7 +192,10 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     from . import commit
 
-    if MANIFEST_NAME in storage.listdir(root):  # a step directory: nothing to fall back to
+    if MANIFEST_NAME in commit.list_root(root, storage):
+        # A step directory: nothing to fall back to. A save's temporary directory (or a
+        # step being deleted) is refused, as a load without fallback refuses it.
+        commit.resolve_step_dir(root, None, storage)
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
                          threads=threads)
     steps = commit.committed_steps(root, storage)
