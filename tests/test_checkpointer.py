@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import itertools
 import json
 import logging
 import math
@@ -1268,6 +1269,30 @@ def test_targets_whose_elements_share_memory_are_refused_before_any_read(
     with pytest.raises(asyncckpt.StateMismatchError, match=r"elements share memory.*: a;"):
         asyncckpt.load(tmp_path, {"a": torch.zeros(1).expand(10), "b": b})
     assert torch.equal(b, torch.zeros(10))  # refused before anything was read
+
+
+def test_layouts_torch_cannot_judge_are_checked_for_shared_elements(tmp_path: Path) -> None:
+    # torch says "too hard to tell" for these: (1, 1) strides over a (2, 3) view overlap
+    # (the load gave [[0, 1, 2], [1, 2, 5]] without error); the others do not.
+    from asyncckpt.loader import _overlaps_itself
+
+    asyncckpt.save({"a": torch.arange(6.0).reshape(2, 3)}, tmp_path)
+    mem = torch.zeros(64)
+    with pytest.raises(asyncckpt.StateMismatchError, match=r"elements share memory.*: a;"):
+        asyncckpt.load(tmp_path, {"a": mem.as_strided((2, 3), (1, 1))})
+    assert not mem.any()
+    for shape, stride in (((2, 3), (1, 2)), ((3, 2), (2, 3)), ((2, 3), (3, 1)),
+                          ((3, 3), (1, 3)), ((2, 2, 2), (1, 4, 2))):
+        t = mem.as_strided(shape, stride)
+        # the truth: one element per location
+        locs = {sum(i * s for i, s in zip(idx, stride, strict=True)) for idx in itertools.product(
+            *[range(n) for n in shape])}
+        assert _overlaps_itself(t) == (len(locs) < t.numel()), (shape, stride)
+    t = mem.as_strided((2, 3), (2, 1))  # interleaved: overlaps (offset 2 twice)
+    assert _overlaps_itself(t)
+    ok = {"a": mem.as_strided((2, 3), (1, 2))}  # interleaved, yet disjoint: loads
+    asyncckpt.load(tmp_path, ok)
+    assert torch.equal(ok["a"], torch.arange(6.0).reshape(2, 3))
 
 
 def test_one_saved_tensor_into_two_overlapping_targets(tmp_path: Path) -> None:

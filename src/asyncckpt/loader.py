@@ -422,12 +422,36 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` are one memory location, as torch tells (it refuses
-    to copy into such a tensor; layouts too hard for it to tell it lets through)."""
+    """Whether two elements of ``t`` are one memory location.
+
+    torch answers at once for the usual layouts (it refuses to copy into such a tensor)
+    but says "too hard to tell" for others, e.g. an ``as_strided`` view with strides
+    (1, 1): those are settled here, exactly for up to ``_OVERLAP_EXACT`` elements (a
+    layout that large and that odd is refused: it may overlap)."""
     check = getattr(torch, "_debug_has_internal_overlap", None)
-    if check is not None:
-        return bool(check(t) == 1)
-    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True))
+    verdict = int(check(t)) if check is not None else 2
+    if verdict != 2:
+        return verdict == 1
+    if t.numel() <= 1:
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    span = 0  # the furthest element the smaller strides reach: nested, nothing meets
+    for st, n in dims:
+        if st <= span:
+            break
+        span += st * (n - 1)
+    else:
+        return False
+    if t.numel() > _OVERLAP_EXACT:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st)
+    flat = offsets.flatten().sort().values
+    return bool((flat[1:] == flat[:-1]).any())
+
+
+_OVERLAP_EXACT = 1 << 22
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
