@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -1307,8 +1308,9 @@ def test_one_saved_tensor_into_two_overlapping_targets(tmp_path: Path) -> None:
 
 
 def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) -> None:
-    """pread into memory it may not write fails with EFAULT: the checkpoint is intact, so
-    neither "corrupt" nor a fallback past every intact step."""
+    """The checkpoint is intact, so neither "corrupt" nor a fallback past every intact
+    step: the target is refused up front (as a read-only numpy array is), and where the
+    process's mappings cannot be read, pread into it fails with EFAULT."""
     asyncckpt.save({"a": torch.arange(4.0)}, tmp_path / "c", step=1)
     asyncckpt.save({"a": torch.arange(4.0)}, tmp_path / "c", step=2)
     np.save(tmp_path / "z.npy", np.zeros(4, dtype=np.float32))
@@ -1316,8 +1318,12 @@ def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) ->
         warnings.simplefilter("ignore")  # torch: the array is not writable
         t = torch.from_numpy(np.load(tmp_path / "z.npy", mmap_mode="r"))
     for fallback in (False, True):
-        with pytest.raises(asyncckpt.CheckpointConfigError, match="cannot be written"):
+        with pytest.raises(asyncckpt.StateMismatchError, match="memory that cannot be written"):
             asyncckpt.load(tmp_path / "c", {"a": t}, fallback=fallback)
+    with mock.patch("asyncckpt.loader._writable_ranges", return_value=[]):  # unknown
+        for fallback in (False, True):
+            with pytest.raises(asyncckpt.CheckpointConfigError, match="cannot be written"):
+                asyncckpt.load(tmp_path / "c", {"a": t}, fallback=fallback)
 
 
 # --- interrupts and leftovers of the save path (from a review of the lifecycle) ------------

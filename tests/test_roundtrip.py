@@ -264,6 +264,38 @@ def test_read_only_memmap_view_target_is_refused(tmp_path):
     assert all("read-only numpy arrays: w; pass writeable" in line for line in lines[:2])
 
 
+def test_torch_tensors_over_read_only_memory_are_refused(tmp_path):
+    # A torch tensor over a read-only mapping is no numpy array the load can ask: a
+    # transposed one (copied into, not read into) killed the process with SIGSEGV, a
+    # contiguous one failed half-way through the load. Run in a child, as it may crash.
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import torch
+        import asyncckpt
+        d = sys.argv[1]
+        asyncckpt.save({"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)},
+                       d + "/c", step=0)
+        np.zeros(64, np.float32).tofile(d + "/arr.bin")
+        ro = torch.from_numpy(np.memmap(d + "/arr.bin", dtype=np.float32, mode="r"))
+        ro = ro.view(8, 8)
+        ck = asyncckpt.AsyncCheckpointer(d + "/c")
+        b = torch.zeros(3)
+        for target, shards in ((ro.t(), None), (ro, None), (ro[:4], {"w": asyncckpt.
+                               ShardMetadata((8, 8), (4, 0))})):
+            try:
+                ck.load({"w": target, "b": b}, shards=shards)
+            except asyncckpt.StateMismatchError as exc:
+                print("refused:", exc.mismatched, bool(b.any()))
+        print("file untouched:", not np.fromfile(d + "/arr.bin", np.float32).any())
+    """)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines() == ["refused: ['w: read-only memory'] False"] * 3 + [
+        "file untouched: True"], r.stdout
+
+
 # --- memory: fresh loads are fresh, in-place loads are in place ---------------------------------
 
 def test_fresh_load_shares_no_memory_with_source_or_arena(ckpt):

@@ -7,6 +7,7 @@ chunks intersect it: the world size or layout it was saved with does not matter.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import operator
@@ -360,7 +361,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
                        mismatched, unexpected)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
-    readonly, overlapping = [], []
+    readonly, overlapping, unwritable = [], [], []
+    writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
     for path, key in saved.items():
@@ -379,6 +381,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if arr is not None and not arr.flags.writeable:
             readonly.append(path)
             continue
+        if t.device.type == "cpu" and t.numel() and not writable.covers(t):
+            unwritable.append(path)
+            continue
         if _overlaps_itself(t):
             overlapping.append(path)
             continue
@@ -396,7 +401,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if not dests.get(k):
                 dests.pop(k, None)
         missing, unexpected = [], []
-    if missing or unexpected or mismatched or readonly or overlapping:
+    if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
@@ -408,6 +413,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")
             mismatched += [f"{p}: read-only numpy array" for p in readonly]
+        if unwritable:  # a copy into one kills the process (SIGSEGV): refuse up front
+            parts.append(f"tensors over memory that cannot be written (a read-only mapping, "
+                         f"such as np.load(mmap_mode='r')): {_few(unwritable)}; load into "
+                         "writable tensors (e.g. t.clone())")
+            mismatched += [f"{p}: read-only memory" for p in unwritable]
         if overlapping:  # a copy into one raises half-way through a load: refuse up front
             parts.append(f"tensors whose elements share memory (expanded or as_strided views): "
                          f"{_few(overlapping)}; load into tensors with memory of their own "
@@ -419,6 +429,50 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     return dests, boxes, regions
+
+
+class _WritableMemory:
+    """Which address ranges of this process can be written, from /proc/self/maps (read
+    once, on first use). Where that cannot be read, every range counts as writable (a
+    direct read into read-only memory still fails cleanly, with EFAULT)."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] | None = None
+        self._starts: list[int] = []
+
+    def covers(self, t: torch.Tensor) -> bool:
+        """Whether every byte ``t`` may touch lies in writable memory."""
+        if self._ranges is None:
+            self._ranges = _writable_ranges()
+            self._starts = [lo for lo, _ in self._ranges]
+        if not self._ranges:
+            return True  # unknown: nothing to tell by
+        lo = t.data_ptr()
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+                   ) * t.element_size()
+        i = bisect.bisect_right(self._starts, lo) - 1
+        return i >= 0 and self._ranges[i][1] >= hi
+
+
+def _writable_ranges() -> list[tuple[int, int]]:
+    """The writable mappings of this process, adjacent ones merged ([] if unknown)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out: list[tuple[int, int]] = []
+    for line in lines:
+        fields = line.split(maxsplit=2)
+        if len(fields) < 2 or fields[1][1:2] != b"w":
+            continue
+        a, _, b = fields[0].partition(b"-")
+        lo, hi = int(a, 16), int(b, 16)
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
