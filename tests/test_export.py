@@ -746,3 +746,64 @@ def test_export_of_an_uncommitted_dir_warns_as_verify_does(tmp_path: Path) -> No
     for src in (root, root / "step_000000001"):  # committed: nothing to say
         code, _, err = export(str(src), str(tmp_path / "c.safetensors"), "--force")
         assert code == 0 and err == "", err
+
+
+def test_export_casts_a_float8_checkpoint_to_a_narrower_float8(tmp_path: Path) -> None:
+    """torch has no isfinite for most float8 formats: the source side needs widening too."""
+    w = torch.tensor([1.0, 2.0, 300.0, -448.0, 0.5]).to(torch.float8_e4m3fn)
+    asyncckpt.save({"w": w}, tmp_path / "c", step=1)
+    out = tmp_path / "o.safetensors"
+    report = export_safetensors(tmp_path / "c", out, dtype=torch.float8_e4m3fnuz)
+    assert_exact(load_file(out)["w"], w.to(torch.float8_e4m3fnuz), "w")
+    assert report.overflowed == {"w": 2}  # 300 and -448 lie beyond e4m3fnuz's 240
+
+
+def test_export_refuses_a_tied_name_that_another_tensor_is_written_under(tmp_path: Path
+                                                                         ) -> None:
+    """A key holding '/' reads as the nested path: a tied copy named 'a/b' must not hide
+    that a different tensor is written as 'a/b' (the report would tie it to 'x')."""
+    w, v = torch.ones(2), torch.zeros(2)
+    for i, state in enumerate(({"x": w, "a": {"b": w}, "a/b": v},
+                               {"x": w, "a/b": v, "a": {"b": w}})):
+        asyncckpt.save(state, tmp_path / f"c{i}", step=1)
+        out = tmp_path / f"o{i}.safetensors"
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"would be named 'a/b' in the output, as is"):
+            export_safetensors(tmp_path / f"c{i}", out)
+        assert not out.exists()
+    # the same tensor under one name twice is no conflict: written once, no alias
+    asyncckpt.save({"a": {"b": w}, "a/b": w, "t": w}, tmp_path / "same", step=1)
+    report = export_safetensors(tmp_path / "same", tmp_path / "same.safetensors")
+    assert sorted(load_file(tmp_path / "same.safetensors")) == ["a/b"]
+    assert report.aliases == {"t": "a/b"}
+
+
+def test_export_writes_a_tensor_whose_key_is_empty(tmp_path: Path) -> None:
+    """safetensors allows the name ''; only stripping a prefix down to nothing is refused,
+    and that error (not another) speaks of the prefix."""
+    a, b = torch.ones(2), torch.arange(3.0)
+    asyncckpt.save({"": a, "m": {"": b}}, tmp_path / "c", step=1)
+    out = tmp_path / "o.safetensors"
+    export_safetensors(tmp_path / "c", out)
+    got = load_file(out)
+    assert sorted(got) == ["", "m/"]
+    assert_exact(got[""], a, "''")
+    assert_exact(got["m/"], b, "m/")
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"'m/%00' would be named '' in the output, which is empty once "
+                             r"the prefix is stripped; use a shorter prefix"):
+        export_safetensors(tmp_path / "c", tmp_path / "p.safetensors", prefix="m",
+                           strip_prefix=True)
+
+
+def test_export_from_a_directory_whose_name_is_not_utf8_loads(tmp_path: Path) -> None:
+    """The source's name goes into the metadata: undecodable bytes must not make the
+    whole file unreadable to safetensors."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "c", step=1)
+    odd = os.fsdecode(os.fsencode(tmp_path) + b"/copy\xff")
+    shutil.copytree(tmp_path / "c" / "step_000000001", odd)
+    out = tmp_path / "o.safetensors"
+    export_safetensors(odd, out)
+    assert load_file(out)["w"].tolist() == [1.0, 1.0]
+    with safetensors.safe_open(out, "pt") as f:
+        assert f.metadata()["asyncckpt_source"] == "copy\\xff"

@@ -386,6 +386,13 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
         key = node["key"]
         name = _stripped(full, prefix) if strip else full
         if key in written:
+            if names.get(name) == key or report.aliases.get(name) == written[key]:
+                continue  # the same tensor again under a name it already has
+            if name in names or name in report.aliases:
+                raise CheckpointConfigError(
+                    f"tensor {path!r} would be named {name!r} in the output, as is "
+                    f"{_named(name, names, report.aliases)}; rename one of the keys or "
+                    "export them with prefixes that keep them apart")
             report.aliases[name] = written[key]
             continue
         entry = manifest.tensors[key]
@@ -395,13 +402,20 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 key, dtype_name(entry.dtype), entry.shape,
                 f"safetensors has no dtype for {dtype_name(out)}"))
             continue
-        if not name or name == RESERVED_KEY:
+        if name == RESERVED_KEY or (not name and strip and prefix):
+            # A key of its own may be '' (safetensors allows it); a name that stripping
+            # emptied, or the metadata's own, cannot be written.
+            what = ("is the name safetensors keeps for its metadata" if name
+                    else "is empty once the prefix is stripped")
+            fix = ("use a shorter prefix or drop strip_prefix" if strip and prefix
+                   else "rename its key")
             raise CheckpointConfigError(
-                f"tensor {path!r} would be named {name!r} in the output, which safetensors "
-                "does not allow; use a shorter prefix or drop strip_prefix")
-        if name in names:
+                f"tensor {path!r} would be named {name!r} in the output, which {what}; {fix}")
+        if name in names or name in report.aliases:
             raise CheckpointConfigError(
-                f"tensors {names[name]!r} and {key!r} would both be named {name!r}")
+                f"tensor {path!r} would be named {name!r} in the output, as is "
+                f"{_named(name, names, report.aliases)}; rename one of the keys or export "
+                "them with prefixes that keep them apart")
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: a str and JSON allow it, UTF-8 not
@@ -434,6 +448,13 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
     return planned
 
 
+def _named(name: str, names: dict[str, str], aliases: dict[str, str]) -> str:
+    """What already goes by ``name`` in the output, for an error."""
+    if name in names:
+        return f"the tensor saved as {names[name]!r}"
+    return f"a tied copy of {aliases[name]!r}"
+
+
 def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     """Floating dtypes torch can convert (packed ones such as float4_e2m1fn_x2 cannot)."""
     if not src.is_floating_point:
@@ -448,7 +469,8 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
 def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) -> bytes:
     header: dict[str, Any] = {RESERVED_KEY: {
         "format": "pt", "asyncckpt_step": str(manifest.step),
-        "asyncckpt_source": step_dir.name}}
+        # A name that is no UTF-8 (surrogate escapes) would make the file unloadable.
+        "asyncckpt_source": os.fsencode(step_dir.name).decode("utf-8", "backslashreplace")}}
     pos = 0
     for p in planned:
         header[p.name] = {"dtype": _ST_DTYPES[p.out], "shape": list(p.shape),
@@ -480,10 +502,11 @@ def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
         if narrower:
             # Non-finite after the cast, not inf: formats without inf (float8_e4m3fnuz...)
             # turn an overflow into NaN. torch has no isfinite for most float8 formats.
+            # The source may be a float8 format too (e4m3fn cast to e4m3fnuz).
             after = piece if piece.dtype.itemsize > 1 else piece.float()
-            lost = ~torch.isfinite(after) & torch.isfinite(src)
+            wide = src if src.dtype.itemsize >= 4 else src.float()
+            lost = ~torch.isfinite(after) & torch.isfinite(wide)
             if beyond is not None:  # a saturating cast (float8_e4m3fn) makes them its max
-                wide = src if src.dtype.itemsize >= 4 else src.float()
                 lost |= torch.isfinite(wide) & (wide.abs() > beyond)
             over += int(lost.sum())
         with _writing(out):
