@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -621,6 +622,31 @@ def test_a_read_error_is_a_corrupt_error_naming_the_file(tmp_path: Path, what: s
     assert torch.equal(got["x"], torch.arange(8, dtype=torch.float32))
     if what != "manifest":
         assert any("Input/output error" in p for p in verify_checkpoint(step_dir, storage).problems)
+
+
+class HeaderCheckFails(LocalStorage):
+    """Fails only verify's read of the file headers (its own pass), with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_name == "_check_header":
+            raise OSError(self.code, os.strerror(self.code))
+        return super().pread_into(fd, views, offset)
+
+
+def test_verify_raises_an_error_of_the_moment_in_the_header_check(tmp_path: Path) -> None:
+    """Out of memory while checking a header says nothing of the file: it is raised, not
+    listed as damage (verify's verdict is 'corrupt'); EIO is still listed."""
+    _two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000002"
+    with pytest.raises(OSError) as info:
+        verify_checkpoint(step_dir, HeaderCheckFails(errno.ENOMEM))
+    assert info.value.errno == errno.ENOMEM
+    problems = verify_checkpoint(step_dir, HeaderCheckFails(errno.EIO)).problems
+    assert problems == [f"{step_dir / SHARD} cannot be read (Input/output error): the "
+                        "checkpoint is damaged or unreadable"], problems
 
 
 @pytest.mark.parametrize("how", ["directory", "symlink_loop", "fifo"])

@@ -698,8 +698,11 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
         return [str(exc)]
     except CheckpointError:
         raise
-    except OSError as exc:
-        return [f"{path} cannot be read: {exc.strerror or exc}"]
+    except OSError as exc:  # damage is a problem to list; a transient error is raised
+        err = _damaged(path, exc)
+        if not isinstance(err, CheckpointCorruptError):
+            raise err from exc
+        return [str(err)]
     finally:
         storage.close(fd)
     problems = []  # the header's checksum is _check_file's; here: entries vs the manifest
