@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -553,3 +554,76 @@ def test_a_step_dir_without_its_manifest_is_not_called_an_empty_root(
     (root.parent / "empty").mkdir()
     code, _, err = run(capsys, "verify", str(root.parent / "empty"))
     assert code == 2 and "no committed checkpoint under" in err
+
+
+def test_options_are_not_abbreviated(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'--js' was taken for --json, yet its usage errors got no JSON document."""
+    code, out, err = run(capsys, "ls", str(root), "--js")
+    assert code == 2 and out == "" and "unrecognized arguments: --js" in err
+    code, out, _ = run(capsys, "verify", str(root), "--step", "x", "--json")
+    assert code == 2 and json.loads(out)["ok"] is False
+
+
+def test_without_stderr_nothing_meant_for_it_lands_on_stdout(root: Path) -> None:
+    """print(file=None) writes on stdout: a process started with stderr closed got its
+    errors and warnings inside the --json document."""
+    (root / "step_000000020" / "manifest.json").write_text("{not json")
+    for argv, code in ((["verify", str(root / "nope"), "--json"], 2),
+                       (["ls", str(root), "--json"], 0),  # warns of the unreadable step
+                       (["verify", str(root), "--step", "x", "--json"], 2)):
+        cmd = " ".join(map(shlex.quote, [sys.executable, "-m", "asyncckpt", *argv]))
+        proc = subprocess.run(["sh", "-c", f"exec {cmd} 2>&-"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == code, (argv, proc.stdout)
+        assert "asyncckpt: " not in proc.stdout, (argv, proc.stdout)
+        json.loads(proc.stdout)  # one document, nothing else
+
+
+@pytest.mark.parametrize("gone", [20, 30])
+def test_ls_leaves_out_a_step_retired_while_it_lists(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        gone: int) -> None:
+    """A save's retention may remove a step between the listing and the manifest read:
+    that step no longer exists, it is not UNREADABLE (nor counted, nor the latest)."""
+    from asyncckpt import cli
+
+    real = cli.read_manifest
+
+    def retired_meanwhile(d: Path, storage: Any) -> Any:
+        if d.name == f"step_{gone:09d}":
+            shutil.rmtree(d)
+        return real(d, storage)
+
+    monkeypatch.setattr(cli, "read_manifest", retired_meanwhile)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)
+    left = [s for s in (10, 20, 30) if s != gone]
+    assert code == 0 and [e["step"] for e in doc["steps"]] == left, doc
+    assert doc["latest"] == left[-1] and all("error" not in e for e in doc["steps"])
+    (root / f"step_{gone:09d}").mkdir()  # (for the table: retire it again)
+    (root / f"step_{gone:09d}" / "manifest.json").write_text("{}")
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "UNREADABLE" not in out and "2 committed steps" in out, out
+
+
+class _Stateful:
+    def __init__(self) -> None:
+        self.lr, self.w = 0.5, torch.ones(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "w": self.w}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.lr, self.w = sd["lr"], sd["w"]
+
+
+def test_inspect_counts_a_stateful_roots_scalars_as_its_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Scalars of a stateful object are its own, not loose ones: the root one too."""
+    asyncckpt.save(_Stateful(), tmp_path / "root", step=1)
+    asyncckpt.save({"opt": _Stateful(), "epoch": 3}, tmp_path / "nested", step=1)
+    for where, loose in (("root", ""), ("nested", " (epoch=3)")):
+        code, out, _ = run(capsys, "inspect", str(tmp_path / where))
+        line = next(ln for ln in out.splitlines() if ln.startswith("non-tensor state"))
+        assert code == 0 and line.startswith(f"non-tensor state: {2 if loose else 1} "
+                                             f"scalars{loose}; objects "), line

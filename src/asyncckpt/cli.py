@@ -49,11 +49,18 @@ class _Usage(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose usage errors raise _ParseError (after printing what
-    argparse prints) instead of exiting: ``--json`` then gets its error document too."""
+    argparse prints) instead of exiting: ``--json`` then gets its error document too.
+    Options are never abbreviated: a script's ``--js`` would break the day another
+    option starts alike, and an error document is owed only to ``--json`` as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers are made alike
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        if sys.stderr is not None:  # print_usage(None) prints on stdout
+            self.print_usage(sys.stderr)
+        _to_stderr(f"{self.prog}: error: {message}")
         raise _ParseError(message)
 
 
@@ -78,7 +85,7 @@ class _LibraryLog(logging.Handler):
             self.handleError(record)
             return
         level = "error" if record.levelno >= logging.ERROR else "warning"
-        print(f"asyncckpt: {level}: {_shown(message)}", file=sys.stderr)
+        _to_stderr(f"asyncckpt: {level}: {_shown(message)}")
 
 
 _LOG = _LibraryLog()
@@ -216,20 +223,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
         {"step": commit.step_of_dir_name(name), "path": str(root / name),
          "error": f"cannot be listed ({why}): it counts as no committed step"}
         for name, why in unlistable]
+    listed = 0
+    latest = None  # as latest_step() says: unlistable dirs do not count
     for d in dirs:
         try:
             m = read_manifest(d, storage)
         except CheckpointError as exc:
+            if d != root and not os.path.lexists(d):
+                continue  # retired by retention since it was listed: no step now
             # a copied step dir may have any name
             entries.append({"step": commit.step_of_dir_name(d.name), "path": str(d),
                             "error": str(exc)})
-            continue
-        entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
-                        "tensors": len(m.tensors), "files": len(m.files),
-                        "created_unix": m.created_unix, "created": _iso(m.created_unix),
-                        "library_version": m.library_version})
-    latest = entries[-1]["step"] if dirs else None  # as latest_step() says: unlistable
-    entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])  # dirs do not count
+        else:
+            entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
+                            "tensors": len(m.tensors), "files": len(m.files),
+                            "created_unix": m.created_unix, "created": _iso(m.created_unix),
+                            "library_version": m.library_version})
+        listed += 1
+        latest = entries[-1]["step"]
+    entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
     _decided(args, EXIT_OK)
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
@@ -245,7 +257,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  f"UNREADABLE: {e['error']}"] for e in entries]
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
-        _out(f"{len(dirs)} committed step{'s' if len(dirs) != 1 else ''}, "
+        _out(f"{listed} committed step{'s' if listed != 1 else ''}, "
              f"{human_bytes(total)} in all"
              + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
                 "cannot be listed" if unlistable else ""))
@@ -324,7 +336,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
     owned = [s["path"] for s in skel["stateful"]]
     loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
-             if not any(s["path"] == o or s["path"].startswith(o + "/") for o in owned)]
+             if not any(o == "" or s["path"] == o or s["path"].startswith(o + "/")
+                        for o in owned)]  # ("": a stateful root owns every path)
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
     _out(_shown(f"non-tensor state: {len(skel['scalars'])} scalars"
                 + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
@@ -473,9 +486,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              "token_required": token is not None}), flush=True)
         else:
             _out(address, flush=True)
-        print(f"asyncckpt: serving step {step} of {step_dir} at {address}"
-              f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
-              file=sys.stderr, flush=True)
+        _to_stderr(f"asyncckpt: serving step {step} of {step_dir} at {address}"
+                   f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
+                   flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
@@ -692,11 +705,18 @@ def _drop_stdout() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"asyncckpt: error: {message}", file=sys.stderr)
+    _to_stderr(f"asyncckpt: error: {message}")
 
 
 def _warn(message: str) -> None:
-    print(f"asyncckpt: warning: {message}", file=sys.stderr)
+    _to_stderr(f"asyncckpt: warning: {message}")
+
+
+def _to_stderr(text: str, flush: bool = False) -> None:
+    """Print on stderr, or nowhere where there is none (a process started with it
+    closed): print(file=None) would write on stdout, into a --json document."""
+    if sys.stderr is not None:
+        print(text, file=sys.stderr, flush=flush)
 
 
 if __name__ == "__main__":
