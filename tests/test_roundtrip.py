@@ -1083,3 +1083,17 @@ def test_an_optimizer_moment_of_another_shape_is_still_refused(ckpt):
     with pytest.raises(StateMismatchError, match=r"optim/state/0/exp_avg: checkpoint torch."
                                                  r"float32 \[4\], target torch.float32 \[5\]"):
         ckpt.load({"optim": other})
+
+
+def test_a_load_in_place_is_seen_by_autograd(tmp_path: Path) -> None:
+    """A tensor saved for backward then loaded into must make backward fail, as after
+    any in-place write, not give a gradient computed from the loaded values."""
+    asyncckpt.save({"p": torch.full((4,), 3.0), "q": torch.full((2, 3), 2.0).t()},
+                   tmp_path, step=1)
+    p = torch.nn.Parameter(torch.ones(4))
+    q = torch.nn.Parameter(torch.ones(3, 2))
+    loss = (p * p).sum() + (q * q).sum()
+    asyncckpt.load(tmp_path, {"p": p, "q": q})
+    assert p.tolist() == [3.0] * 4 and q.tolist() == [[2.0, 2.0]] * 3
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

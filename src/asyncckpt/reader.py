@@ -164,20 +164,28 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         out[key] = dst
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     groups = _split(items, n)
-    if n == 1:
-        _read_group(step_dir, manifest, groups[0], out, storage, verify)
-    else:
-        # The other groups go to kept reader threads; this thread reads the first one.
-        pool = _read_pool(n - 1)
-        stop = threading.Event()  # one group failed: the others end at their next item
-        futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify, stop)
-                   for g in groups[1:]]
-        try:
-            _read_group(step_dir, manifest, groups[0], out, storage, verify, stop)
-        finally:
-            cf.wait(futures)  # never leave a thread writing into tensors we return
-        for f in futures:
-            f.result()
+    try:
+        if n == 1:
+            _read_group(step_dir, manifest, groups[0], out, storage, verify)
+        else:
+            # The other groups go to kept reader threads; this thread reads the first one.
+            pool = _read_pool(n - 1)
+            stop = threading.Event()  # one group failed: the others end at their next item
+            futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify,
+                                   stop) for g in groups[1:]]
+            try:
+                _read_group(step_dir, manifest, groups[0], out, storage, verify, stop)
+            finally:
+                cf.wait(futures)  # never leave a thread writing into tensors we return
+            for f in futures:
+                f.result()
+    finally:
+        # Reads straight into a given tensor's memory are in-place writes autograd does
+        # not see: bump their version counters as copy_ would, so a graph that saved one
+        # for backward fails loudly instead of computing a gradient from the new values.
+        for t in dests.values():  # (one at a time: torch < 2.6 takes no list)
+            if t is not None and not t.is_inference():
+                torch.autograd.graph.increment_version(t)
     return out
 
 
