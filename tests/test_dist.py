@@ -21,7 +21,7 @@ import asyncckpt
 from _faults import StuckCommit
 from _ranks import all_ok, in_threads
 from asyncckpt import AsyncCheckpointer, ShardMetadata
-from asyncckpt.dist import DistContext
+from asyncckpt.dist import DistContext, FallbackAgreement
 from asyncckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -525,7 +525,7 @@ def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Pat
     t0 = time.monotonic()
     out = in_threads(rank)
     assert isinstance(out[1], asyncckpt.StateMismatchError), out
-    assert isinstance(out[0], CheckpointError) and "failed on rank 1" in str(out[0]), out
+    assert isinstance(out[0], CheckpointError) and "rank 1 failed" in str(out[0]), out
     assert time.monotonic() - t0 < 20  # told, not timed out
 
 
@@ -537,6 +537,146 @@ def test_a_group_fallback_load_on_one_rank_alone_times_out_naming_the_other(
             pytest.raises(CheckpointTimeoutError, match=r"every rank must call it") as info:
         ck.load(fallback=True)
     assert info.value.ranks == (1,)
+
+
+def test_a_rank_late_to_a_group_fallback_load_fails_as_the_one_that_gave_up(
+        tmp_path: Path) -> None:
+    """Rank 1 comes after rank 0 gave up waiting: it finds rank 0's verdict posted, and
+    must not load on its own (rank 0 raised: the group would go on split). Both then
+    retry together, and their loads pair again."""
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    def load(r: int, timeout_s: float) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=timeout_s) as ck:
+            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
+                           shards={"w": ShardMetadata((8,), (4 * r,))})
+
+    with pytest.raises(CheckpointTimeoutError):
+        load(0, 1)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError, match=r"rank 0 failed: rank 0: timed out"):
+        load(1, 30)
+    assert time.monotonic() - t0 < 15  # told at once, not after its own timeout
+    out = all_ok(in_threads(lambda r: load(r, 30)))
+    assert [out[r]["step"] for r in (0, 1)] == [2, 2], out
+
+
+def test_a_rank_that_gave_up_stops_the_others_waiting_for_a_third(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=10) as ck:
+            ck.save({"w": torch.ones(2)}, step=1)
+    all_ok(in_threads(rank, world=3))
+
+    def load(r: int) -> Any:  # rank 2 never comes; rank 1 would wait 60 s
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=3, store=store,
+                               timeout_s=1 if r == 0 else 60) as ck:
+            return ck.load(fallback=True)
+
+    t0 = time.monotonic()
+    out = in_threads(load)
+    assert isinstance(out[0], CheckpointTimeoutError) and out[0].ranks == (2,), out
+    assert isinstance(out[1], CheckpointTimeoutError), out
+    assert "rank 0 failed" in str(out[1]) and "rank(s) [2]" in str(out[1]), out
+    assert time.monotonic() - t0 < 30, "rank 1 waited for its own timeout"
+
+
+def test_a_rank_with_no_step_to_try_tells_the_others_at_once(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    class SeesNothing(LocalStorage):  # a node whose view of the directory is stale
+        def listdir(self, path: Path) -> list[str]:
+            return []
+
+    def load(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                               storage=SeesNothing() if r == 1 else None) as ck:
+            return ck.load(fallback=True)
+
+    t0 = time.monotonic()
+    out = in_threads(load)
+    assert isinstance(out[1], asyncckpt.CheckpointNotFoundError), out
+    assert isinstance(out[0], CheckpointError), out
+    assert "rank 1 failed: CheckpointNotFoundError: no committed checkpoint" in str(out[0])
+    assert time.monotonic() - t0 < 30, "rank 0 waited for its timeout"
+
+
+def test_a_rank_that_runs_out_of_steps_tells_a_rank_that_has_more(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    class SeesOnlyStep2(LocalStorage):  # step 1 not (yet) visible on this node
+        def listdir(self, path: Path) -> list[str]:
+            return [n for n in super().listdir(path) if n != "step_000000001"]
+
+    _damage_rank1_part_of_step2(tmp_path)
+
+    def load(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                               storage=SeesOnlyStep2() if r == 1 else None) as ck:
+            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
+                           shards={"w": ShardMetadata((8,), (4 * r,))})
+
+    t0 = time.monotonic()
+    out = in_threads(load)
+    assert isinstance(out[1], asyncckpt.CheckpointCorruptError), out
+    assert isinstance(out[0], CheckpointError), out
+    assert "rank 1 failed: CheckpointCorruptError: no intact checkpoint" in str(out[0]), out
+    assert time.monotonic() - t0 < 30, "rank 0 waited for its timeout"
+
+
+class _NoWait:
+    """A Store that counts calls of ``wait``: a TCPStore client holds its lock for the
+    whole of one, so a background wait would stall the training thread's Store calls
+    (and each one that runs out logs a warning)."""
+
+    def __init__(self) -> None:
+        self._store = dist.HashStore()
+        self.waits = 0
+
+    def wait(self, *args: Any) -> None:
+        self.waits += 1
+        self._store.wait(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_waits_poll_the_store_instead_of_blocking_in_it() -> None:
+    store = _NoWait()
+    ctx = DistContext(rank=0, world_size=2, store=store, namespace="t", timeout_s=30)
+    threading.Timer(0.3, lambda: ctx.put(ctx.key("s", "done", 1), {})).start()
+    ctx.put(ctx.key("s", "done", 0), {})
+    assert len(ctx.gather(("s", "done"), "dones")) == 2
+    with pytest.raises(CheckpointTimeoutError):
+        ctx.wait_keys({1: ctx.key("s", "never", 1)}, "x", timeout_s=1.5)
+    assert store.waits == 0
+
+
+class _BrokenStore:
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any) -> Any:
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
+def test_a_broken_store_in_a_fallback_load_is_a_load_error(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ck:
+        ck.save({"w": torch.ones(2)}, step=1)
+    ck = AsyncCheckpointer(tmp_path, rank=1, world_size=2, store=_BrokenStore(), timeout_s=5)
+    with pytest.raises(CheckpointError, match=r"the Store failed while counting this fallback "
+                                              r"load.*Connection reset") as info:
+        ck.load(fallback=True)
+    assert not isinstance(info.value, CheckpointSaveError)
+    ctx = DistContext(rank=1, world_size=2, store=_BrokenStore(), namespace="t", timeout_s=5)
+    with pytest.raises(CheckpointError, match=r"posting its verdict") as info:
+        FallbackAgreement(ctx, "p")(0, 1, None)  # (the agreement itself, past the count)
+    assert not isinstance(info.value, CheckpointSaveError)
 
 
 @pytest.mark.parametrize("world,stuck,overlap", [(2, 1, True), (2, 1, False), (2, 0, True),

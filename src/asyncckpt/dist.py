@@ -50,7 +50,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -131,6 +130,10 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
 
 
 _LEDGER_LOCK = threading.Lock()
+# How often a wait asks the Store at most (the training thread; background threads, whose
+# waits nobody sits behind, five times less often): with thousands of ranks polling the
+# coordinator's Store, each poll counts.
+_POLL_MAX_S = 0.02
 _PROCESS: tuple[int, str] = (0, "")
 
 
@@ -312,7 +315,8 @@ class DistContext:
         ranks post their verdict on each step they try and all fall back together."""
         # Counted in the Store, not in this process: a restart with a fresh Store starts
         # over, and a replaced rank does not pair with a survivor's old count.
-        n = self.store.add(f"asyncckpt/fallback/{self._base()}/count/{self.rank}", 1)
+        with self._store_errors("counting this fallback load", CheckpointError):
+            n = self.store.add(f"asyncckpt/fallback/{self._base()}/count/{self.rank}", 1)
         return FallbackAgreement(self, f"asyncckpt/fallback/{self._base()}/{n}")
 
     def why_absent(self, ranks: Sequence[int], seq: int) -> str:
@@ -408,9 +412,10 @@ class DistContext:
         got.update({r: json.loads(v) for r, v in zip(rest, raw, strict=True)})
         return {r: got[r] for r in range(self.world_size)}
 
-    def claim(self, key: str, value: str, what: str) -> str:
+    def claim(self, key: str, value: str, what: str,
+              error: type[CheckpointError] = CheckpointSaveError) -> str:
         """Set ``key`` to ``value`` unless it is set already; return what it holds now."""
-        with self._store_errors(what):
+        with self._store_errors(what, error):
             got = self.store.compare_set(key, "", value)
         return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
 
@@ -434,13 +439,14 @@ class DistContext:
                 self.store.delete_key(k)
 
     @contextlib.contextmanager
-    def _store_errors(self, what: str) -> Iterator[None]:
+    def _store_errors(self, what: str,
+                      error: type[CheckpointError] = CheckpointSaveError) -> Iterator[None]:
         try:
             yield
         except CheckpointError:
             raise
         except Exception as exc:  # the Store's own errors: a dead peer, a broken socket
-            raise CheckpointSaveError(
+            raise error(
                 f"rank {self.rank}: coordination through the Store failed while {what} (is "
                 f"rank 0, which hosts the Store, alive?): {type(exc).__name__}: {exc}"
             ) from exc
@@ -448,13 +454,14 @@ class DistContext:
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None,
                   *, cancelled: Callable[[], bool] | None = None,
                   stop: Callable[[int], bool] | None = None,
-                  pulse: Pulse | None = None) -> bool:
+                  pulse: Pulse | None = None, until: Callable[[], bool] | None = None,
+                  absent: str = "not called save_async for this step",
+                  error: type[CheckpointError] = CheckpointSaveError) -> bool:
         """Block until every key exists; on timeout name the ranks whose keys are missing.
 
-        ``store.wait`` answers as soon as the last key lands (no polling delay); it is
-        asked in slices of at most a second so that a dead Store (or ``cancelled``) is
-        noticed, and ``stop`` is asked about each key that arrived meanwhile: when it
-        says yes, the wait ends early and returns True.
+        The keys are asked for in slices of at most a second: after each, ``cancelled``
+        is asked, and ``stop`` about each key that arrived meanwhile: when it says yes,
+        the wait ends early and returns True.
 
         With ``pulse`` (the save's), this rank beats while it waits, the wait ends with
         the other ranks' abort, and the timeout counts from the last progress of the
@@ -469,22 +476,30 @@ class DistContext:
         first_slice = min(1.0, timeout / 2)
         pending = dict(keys)
         baseline = False
+        poll_s = 0.001
+        main = threading.current_thread() is threading.main_thread()
+        poll_max_s = _POLL_MAX_S if main else 5 * _POLL_MAX_S
         while pending:
             if cancelled is not None and cancelled():
                 raise CheckpointSaveError(
                     f"rank {self.rank}: stopped waiting for {what}: the save already failed")
+            if until is not None:
+                with self._store_errors(f"waiting for {what}", error):
+                    if until():
+                        return True
             if pulse is not None:
                 pulse(f"waiting for {what}")  # progress: this wait itself times out
-            left = deadline - time.monotonic()
-            if left > 0:
-                # At least 10 ms: a HashStore waits forever on a timeout under 1 ms.
-                wait_ms = max(10, int(min(left, 1.0 if baseline else first_slice) * 1000))
-                try:
-                    self.store.wait(list(pending.values()), timedelta(milliseconds=wait_ms))
-                    return False
-                except Exception:  # a slice ran out (or the Store broke: checked below)
-                    pass
-            with self._store_errors(f"waiting for {what}"):
+            slice_end = min(deadline, time.monotonic() + (1.0 if baseline else first_slice))
+            while True:  # until every key is there or the slice ends
+                with self._store_errors(f"waiting for {what}", error):
+                    if self.store.check(list(pending.values())):
+                        return False
+                left = slice_end - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(poll_s, left))
+                poll_s = min(2 * poll_s, poll_max_s)
+            with self._store_errors(f"waiting for {what}", error):
                 arrived = [r for r, k in pending.items() if self.store.check([k])]
             for r in arrived:
                 del pending[r]
@@ -508,8 +523,7 @@ class DistContext:
                            f"{timeout:.0f}s" + (f" ({doing})" if doing else "")
                            + "; they may have died or hung")
                 else:
-                    why = (f"rank(s) {silent}; they may have died or not called save_async "
-                           "for this step")
+                    why = f"rank(s) {silent}; they may have died or {absent}"
                 err = CheckpointTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
                     + why)
@@ -942,16 +956,25 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
 
 @dataclass
 class FallbackAgreement:
-    """The verdicts of one group fallback load, attempt by attempt (see DistContext)."""
+    """The verdicts of one group fallback load, attempt by attempt (see DistContext).
+
+    Under ``<prefix>/<attempt>/``: each rank's verdict (``<rank>``) and the attempt's
+    ``decision``, claimed once (``compare_set``): "agreed" by a rank that saw every
+    verdict, or why not by a rank that failed otherwise or gave up waiting. Every rank
+    acts on the decision, so a rank that times out and one that comes late (and would
+    find every verdict posted, the stale one of the rank that gave up among them) end
+    the same way.
+    """
 
     ctx: DistContext
     prefix: str
 
-    def __call__(self, attempt: int, step: int, problem: str | None,
+    def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False) -> list[tuple[int, str]]:
         """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;
-        ``failed``: it raised something no fallback answers) and wait for every rank's.
-        Returns the other ranks that found the step damaged, with what they found.
+        ``failed``: it raised something no fallback answers, or has no step to try,
+        ``step`` None) and wait for the group's decision. Returns the other ranks that
+        found the step damaged, with what they found.
 
         Raises:
             CheckpointError: another rank failed otherwise, or tried another step.
@@ -959,27 +982,60 @@ class FallbackAgreement:
                 call load(fallback=True), or is stuck).
         """
         ctx = self.ctx
-        ctx.store.set(f"{self.prefix}/{attempt}/{ctx.rank}",
-                      json.dumps({"step": step, "problem": problem, "failed": failed}))
+        here = f"{self.prefix}/{attempt}"
+        decision_key = f"{here}/decision"
+        keys = {r: f"{here}/{r}" for r in range(ctx.world_size)}
+        what = "a load with fallback=True"
+        with ctx._store_errors(f"posting its verdict in {what}", CheckpointError):
+            ctx.store.set(keys[ctx.rank],
+                          json.dumps({"step": step, "problem": problem, "failed": failed}))
         if failed:
+            self._decide(decision_key, {"rank": ctx.rank, "error": str(problem)})
             return []
-        keys = {r: f"{self.prefix}/{attempt}/{r}" for r in range(ctx.world_size)}
-        ctx.wait_keys(keys, f"the ranks' verdicts on step {step} of a load with fallback=True "
-                            "(in a group every rank must call it)")
+        timed_out: CheckpointTimeoutError | None = None
+        try:
+            ctx.wait_keys(keys, f"the ranks' verdicts on step {step} of {what}",
+                          until=lambda: ctx.store.check([decision_key]),
+                          absent="not called load(fallback=True) (in a group every rank "
+                                 "must call it)", error=CheckpointError)
+        except CheckpointTimeoutError as exc:
+            timed_out = exc
+        with ctx._store_errors(f"reading the decision of {what}", CheckpointError):
+            if timed_out is not None:
+                decision = self._decide(decision_key, {"rank": ctx.rank, "error": str(timed_out),
+                                                       "timeout": True})
+            elif ctx.store.check([decision_key]):
+                decision = json.loads(ctx.store.get(decision_key))
+            else:
+                decision = self._decide(decision_key, {"agreed": True})
+        if not decision.get("agreed"):
+            if timed_out is not None and decision.get("rank") == ctx.rank:
+                raise timed_out
+            cls = CheckpointTimeoutError if decision.get("timeout") else CheckpointError
+            raise cls(f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
+                      f"step {step}: rank {decision.get('rank')} failed: {decision.get('error')}")
+        with ctx._store_errors(f"reading the verdicts of {what}", CheckpointError):
+            verdicts = [json.loads(v) for v in ctx.store.multi_get(list(keys.values()))]
         bad = []
-        for r in range(ctx.world_size):
+        for r, got in enumerate(verdicts):
             if r == ctx.rank:
                 continue
-            got = json.loads(ctx.store.get(keys[r]))
+            if got["failed"]:
+                raise CheckpointError(
+                    f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
+                    f"step {step}: rank {r} failed: {got['problem']}")
             if got["step"] != step:
                 raise CheckpointError(
                     f"rank {ctx.rank}: load(fallback=True) under {ctx.directory}: rank {r} "
                     f"tried step {got['step']} where this rank tried step {step}: the ranks "
                     "see different committed steps (a directory that is not shared?)")
-            if got["failed"]:
-                raise CheckpointError(
-                    f"rank {ctx.rank}: load(fallback=True) of step {step} failed on rank {r}: "
-                    f"{got['problem']}")
             if got["problem"] is not None:
                 bad.append((r, str(got["problem"])))
         return bad
+
+    def _decide(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Claim the attempt's decision; return the one that holds (maybe another's)."""
+        got = self.ctx.claim(key, json.dumps(value), "deciding a load with fallback=True",
+                             CheckpointError)
+        decided: dict[str, Any] = json.loads(got)
+        return decided

@@ -191,6 +191,39 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
 
     Raises CheckpointCorruptError listing every step that failed when none is intact.
     """
+    if agree is None:
+        return _newest_intact(root, state, storage, strict, shards, threads, None)
+    # Whatever ends this rank's load without a verdict of the group (no step to try, a
+    # listing that fails, every step damaged here while another rank has more) is told
+    # to the others at the attempt they wait on: they stop with it instead of timing out.
+    told = _Told(agree)
+    try:
+        return _newest_intact(root, state, storage, strict, shards, threads, told)
+    except BaseException as exc:
+        if not told.done:
+            with contextlib.suppress(Exception):
+                agree(told.attempt, None, f"{type(exc).__name__}: {exc}", failed=True)
+        raise
+
+
+class _Told:
+    """An Agreement that remembers the attempt a rank owes a verdict for, and whether
+    the exception now raised already came from (or was told to) the group."""
+
+    def __init__(self, agree: Agreement) -> None:
+        self.agree, self.attempt, self.done = agree, 0, False
+
+    def __call__(self, attempt: int, step: int | None, problem: str | None,
+                 failed: bool = False) -> list[tuple[int, str]]:
+        self.attempt, self.done = attempt, True
+        others = self.agree(attempt, step, problem, failed)
+        self.attempt, self.done = attempt + 1, False
+        return others
+
+
+def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
+                   shards: Mapping[str, ShardMetadata] | None, threads: int | None,
+                   agree: Agreement | None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -217,11 +250,7 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                                shards=shards, threads=threads, before_read=hook)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
-        except BaseException as exc:  # no fallback answers it: the other ranks stop too
-            if agree is not None:
-                with contextlib.suppress(Exception):
-                    agree(attempt, step, f"{type(exc).__name__}: {exc}", failed=True)
-            raise
+        # (anything else no fallback answers: load_newest_intact tells the other ranks)
         others = [] if agree is None else agree(
             attempt, step, None if problem is None else str(problem))
         if problem is None and not others:
@@ -322,7 +351,7 @@ class _Rollback:
 class Agreement(Protocol):
     """A group's verdict on one step of a fallback load (see dist.FallbackAgreement)."""
 
-    def __call__(self, attempt: int, step: int, problem: str | None,
+    def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False) -> list[tuple[int, str]]: ...
 
 
