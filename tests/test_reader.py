@@ -856,3 +856,19 @@ def test_a_load_opens_only_the_files_holding_its_box(tmp_path: Path) -> None:
     assert torch.equal(_load_rows(step_dir, 0, LocalStorage()), ROWS[:4])
     assert any("rank_00001.safetensors is missing" in p
                for p in verify_checkpoint(step_dir, LocalStorage()).problems)
+
+
+def test_a_truncated_shard_names_the_tensors_past_its_end(tmp_path: Path) -> None:
+    state = {"a": torch.ones(1000), "b": torch.arange(5000.0), "c": torch.zeros(3000)}
+    asyncckpt.save(state, tmp_path / "ck")
+    step_dir = next((tmp_path / "ck").glob("step_*"))
+    m = read_manifest(step_dir, LocalStorage())
+    (shard,) = m.files
+    ends = {k: t.chunks[0].byte_range for k, t in m.tensors.items()}
+    last = max(ends, key=lambda k: ends[k][1])
+    with open(step_dir / shard, "r+b") as f:  # cut into the last tensor's bytes only
+        f.truncate(ends[last][1] - 8)
+    with pytest.raises(CheckpointCorruptError, match=rf"truncated or replaced; tensor\(s\) "
+                                                     rf"'{last}' lie past its end") as info:
+        asyncckpt.load(tmp_path / "ck", {k: torch.empty_like(v) for k, v in state.items()})
+    assert info.value.key == last and info.value.path == str(step_dir / shard)

@@ -474,9 +474,16 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
         try:
             size = storage.file_size(fd)
             if size != entry.bytes:
+                cut = sorted({k for k, t in manifest.tensors.items() for c in t.chunks
+                              if c.file == name and c.byte_range[1] > size})
+                lost = ""
+                if cut:
+                    more = f" and {len(cut) - 5} more" if len(cut) > 5 else ""
+                    lost = (f"; tensor(s) {', '.join(map(repr, cut[:5]))}{more} lie past its "
+                            "end")
                 raise CheckpointCorruptError(
                     f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
-                    "truncated or replaced", path=str(path))
+                    f"truncated or replaced{lost}", path=str(path), key=cut[0] if cut else None)
             header = bytearray(entry.header_bytes)  # parse_manifest bounds it
             got = storage.pread_into(fd, [memoryview(header)], 0)
         except CheckpointError:
