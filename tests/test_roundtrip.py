@@ -432,6 +432,25 @@ def test_overlapping_targets_of_different_keys_are_filled_in_order(ckpt, caplog)
     assert "saved tensors a, b, x, y share memory" in caplog.text
 
 
+def test_interleaved_targets_whose_elements_are_apart_are_read_in_place(ckpt, caplog):
+    """The fields of one record array, and the even and odd rows of one tensor: their
+    byte ranges overlap, their elements do not. They are not staged (nor warned about);
+    a third view that does meet one of them is."""
+    ckpt.save({"a": np.arange(4, dtype=np.int16), "x": np.arange(4.0, dtype=np.float32) + 10,
+               "even": torch.arange(3.0), "odd": torch.arange(3.0) + 5,
+               "p": torch.arange(2.0) + 20, "q": torch.arange(2.0) + 30}, 1)
+    rec = np.zeros(4, dtype=[("a", np.int16), ("x", np.float32)])
+    base = torch.zeros(6)
+    other = torch.zeros(4)
+    caplog.clear()
+    ckpt.load({"a": rec["a"], "x": rec["x"], "even": base[0::2], "odd": base[1::2],
+               "p": other[0::2], "q": other[1:3]}, threads=2)
+    assert rec["a"].tolist() == [0, 1, 2, 3] and rec["x"].tolist() == [10.0, 11, 12, 13]
+    assert base.tolist() == [0.0, 5, 1, 6, 2, 7]
+    assert other.tolist() == [20.0, 30, 31, 0]  # q (later in checkpoint order) wins at [2]
+    assert "saved tensors p, q share memory" in caplog.text, caplog.text
+
+
 # --- optimizer --------------------------------------------------------------------------------
 
 def _net(seed):

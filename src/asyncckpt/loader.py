@@ -543,30 +543,69 @@ def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
 
     Reader threads must not fill one memory from two keys at once (each hashes what
     it wrote): such keys are loaded into temporaries and copied in order instead.
-    Memory is compared by byte ranges, so interleaved strided views count as sharing.
+    Byte ranges that overlap are settled element by element (up to ``_OVERLAP_EXACT``
+    elements a run), so interleaved views whose elements are apart (the fields of a
+    numpy record array, every other row) do not count as sharing.
     """
-    spans: list[tuple[str, int, int, int]] = []
+    spans: list[tuple[str, int, int, int, torch.Tensor | np.ndarray]] = []
     order = {k: i for i, k in enumerate(dests)}
     for key, tensors in dests.items():
         for t in tensors:
             arr = copies.get(id(t))
             span = _array_span(arr) if arr is not None else _tensor_span(t)
             if span is not None:
-                spans.append((*span, order[key]))
-    spans.sort()
+                spans.append((*span, order[key], t if arr is None else arr))
+    spans.sort(key=lambda x: x[:3])
     shared: set[int] = set()
-    group: list[int] = []
+    group: list[tuple[int, torch.Tensor | np.ndarray]] = []
     device, end = "", 0
-    for dev, lo, hi, k in spans:
+
+    def close_run() -> None:
+        if len(group) > 1:  # (two targets of one key count too: the copy from one into
+            shared.update(_truly_sharing(group))  # the other would read what it overwrites)
+
+    for dev, lo, hi, k, target in spans:
         if dev != device or lo >= end:  # a new run of overlapping ranges
-            if len(group) > 1:
-                shared.update(group)
+            close_run()
             group, device, end = [], dev, hi
-        group.append(k)
+        group.append((k, target))
         end = max(end, hi)
-    if len(group) > 1:  # (two targets of one key count too: the copy from one into the
-        shared.update(group)  # other would read what it overwrites)
+    close_run()
     return [k for k in dests if order[k] in shared]
+
+
+def _truly_sharing(run: list[tuple[int, torch.Tensor | np.ndarray]]) -> set[int]:
+    """Of targets whose byte ranges overlap (none overlapping itself), the keys of those
+    with an element's bytes in another's; all of them past ``_OVERLAP_EXACT`` elements."""
+    if sum(int(t.numel() if isinstance(t, torch.Tensor) else t.size)
+           for _, t in run) > _OVERLAP_EXACT:
+        return {k for k, _ in run}
+    starts, ends, owners = [], [], []
+    for i, (_, t) in enumerate(run):
+        if isinstance(t, torch.Tensor):
+            ptr, size = t.data_ptr(), t.element_size()
+            dims = [(n, st * size) for n, st in zip(t.shape, t.stride(), strict=True)]
+        else:
+            ptr, size = t.__array_interface__["data"][0], t.itemsize
+            dims = list(zip(t.shape, t.strides, strict=True))
+        at: np.ndarray = np.full((), ptr, dtype=np.int64)
+        for n, st in dims:
+            at = at[..., None] + np.arange(n, dtype=np.int64) * st
+        at = at.ravel()
+        starts.append(at)
+        ends.append(at + size)
+        owners.append(np.full(at.shape, i, dtype=np.int64))
+    lo, hi, who = np.concatenate(starts), np.concatenate(ends), np.concatenate(owners)
+    order = np.argsort(lo, kind="stable")
+    lo, hi, who = lo[order], hi[order], who[order]
+    # Sweep by start: an element overlaps an earlier one iff it starts before the
+    # furthest end so far; that end is another target's (a target's own elements are
+    # apart), the one it overlaps.
+    reach = np.maximum.accumulate(hi)
+    at_max = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
+    hit = np.nonzero(lo[1:] < reach[:-1])[0]
+    idx = {int(i) for i in who[hit + 1]} | {int(i) for i in who[at_max[hit]]}
+    return {run[i][0] for i in idx}
 
 
 def _tensor_span(t: torch.Tensor) -> tuple[str, int, int] | None:
