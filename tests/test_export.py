@@ -614,6 +614,31 @@ def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> Non
     assert list(out_dir.iterdir()) == []
 
 
+def test_the_temporary_of_a_killed_export_is_removed_by_the_next(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save({f"w{i}": torch.randn(1 << 21) for i in range(48)}, step=1)  # 384 MiB
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", "export", str(root),
+                             str(out_dir / "o.safetensors"), "--dtype", "bf16"])
+    deadline = time.monotonic() + 60
+    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()  # no finally runs: its temporary stays
+    proc.wait(60)
+    (left,) = out_dir.iterdir()
+    assert left.name.startswith(".asyncckpt-export-") and str(proc.pid) in left.name
+    # not to be touched: a live process's (this one's), another machine's, not ours
+    keep = [f".asyncckpt-export-{export_mod._HOST}-{os.getpid()}-abc.tmp",
+            f".asyncckpt-export-elsewhere-{proc.pid}-abc.tmp", "user-file.tmp"]
+    for name in keep:
+        (out_dir / name).write_bytes(b"x")
+    report = export_safetensors(root, out_dir / "small.safetensors", prefix="w1")
+    assert report.out_path.exists()
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted([*keep, "small.safetensors"])
+
+
 def test_export_cast_says_which_values_overflowed(tmp_path: Path) -> None:
     """fp16 tops out at 65504: a cast that turns finite weights into inf is worth a word."""
     big = torch.tensor([1.0, 7e4, -1e6, float("inf"), 3.0])

@@ -155,7 +155,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     Tied tensors (two paths, one storage) are written once; see ``report.aliases``.
 
     Memory: about one tensor at a time (plus the header). The output appears atomically:
-    written to a temporary file beside it, fsync'd, then renamed.
+    written to a temporary file beside it, fsync'd, then renamed. The temporary of an
+    export that was killed is removed by the next export into that directory on the
+    same machine.
 
     Raises:
         CheckpointNotFoundError: no checkpoint there (or no such step).
@@ -194,7 +196,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     # and re-hashed the headers of all the files a sharded tensor touches
     for name in sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}):
         _check_file(step_dir, manifest, name, storage)
-    tmp = out.parent / f".asyncckpt-export-{uuid.uuid4().hex[:12]}.tmp"
+    _remove_stale_temporaries(out.parent)
+    tmp = out.parent / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
     with _writing(out):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o644)
@@ -539,6 +542,42 @@ def _write_all(fd: int, data: memoryview) -> None:
         if k <= 0:
             raise OSError(errno.EIO, "short write")
         pos += k
+
+
+_TMP_PREFIX = ".asyncckpt-export-"
+# this machine's name as a temporary's name may hold it (no "-": it separates the parts)
+_HOST = "".join(c if c.isalnum() else "_" for c in os.uname().nodename)[:64] or "host"
+
+
+def _remove_stale_temporaries(where: Path) -> None:
+    """Delete the temporaries of exports into ``where`` that died unfinished (killed:
+    no ``finally`` ran) in a process of this machine that is gone. Those of other
+    machines (a shared directory) and of live processes are left alone."""
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return  # the export itself will say what is wrong with the directory
+    for name in names:
+        if not (name.startswith(_TMP_PREFIX) and name.endswith(".tmp")):
+            continue
+        host, _, rest = name[len(_TMP_PREFIX):].partition("-")
+        pid = rest.partition("-")[0]
+        if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(where / name)
+            log.warning("export: removed %s, left by an export that did not finish",
+                        where / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: another user's process)
+        return True
+    return True
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:
