@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import AsyncCheckpointer, CheckpointerConfig
+from .commit import check_step as _check_step
 from .commit import resolve_step_dir as _resolve_step_dir
 from .errors import (
     CheckpointClosedError,
@@ -118,6 +119,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
                 "drop fallback to load from an address")
         from .transport.http import HTTPStorage, fetch_connections, fetch_timeout, partial_data
 
+        _check_step(step)
         timeout = fetch_timeout(timeout)
         peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
         try:

@@ -183,6 +183,13 @@ def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
     return removed
 
 
+def check_step(step: object) -> None:
+    """Refuse a ``step`` to load that is neither None (the latest) nor a step number."""
+    if step is not None and (type(step) is not int or step < 0):
+        raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
+                                    "latest)")
+
+
 def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
                      uncommitted_ok: bool = False) -> tuple[Path, int | None]:
     """The directory of ``step`` (latest when None), or ``root`` itself if it is a step dir.
@@ -191,9 +198,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     temporary directory or a step being deleted unless ``uncommitted_ok`` (the CLI
     inspects those, with a warning).
     """
-    if step is not None and (type(step) is not int or step < 0):
-        raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
-                                    "latest)")
+    check_step(step)
     names = list_root(root, storage)
     if MANIFEST_NAME in names:
         kind = temp_dir_kind(root.name)

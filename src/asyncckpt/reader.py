@@ -337,10 +337,16 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
                 raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
             i = max(j, i + 1)
-    except BaseException:
+    except BaseException as exc:
         unfinished = True
         if stop is not None:
+            if stop.is_set() and isinstance(exc, Exception):
+                return  # an effect of another group's failure (its reads were cut off)
             stop.set()
+            interrupt = getattr(storage, "interrupt", None)
+            if interrupt is not None:  # a peer's: reads blocked on a stalled peer end now
+                with contextlib.suppress(Exception):
+                    interrupt()
         raise
     finally:
         for fd in fds.values():

@@ -588,11 +588,33 @@ def test_shutdown_ends_every_connection_and_refuses_new_offers() -> None:
 
 def test_bad_settings_are_config_errors() -> None:
     for kw in ({"token": ""}, {"max_connections": 0}, {"max_range_bytes": 0},
-               {"port": 70000}):
+               {"port": 70000}, {"max_connections": 1.5}, {"max_connections": "3"},
+               {"num_chunks": "4"}, {"port": "0"}, {"max_range_bytes": 1e6},
+               {"num_chunks": True}, {"host": None}, {"advertise_host": 7}):
         with pytest.raises(CheckpointConfigError, match=next(iter(kw))):
             HTTPTransport(**kw)  # type: ignore[arg-type]
     with pytest.raises(CheckpointConfigError, match="token"):
         asyncckpt.load("http://127.0.0.1:1/v1", token="")
+
+
+def test_a_step_that_is_no_step_number_is_a_config_error(transports: Any) -> None:
+    """Not put into a URL: a string step blamed the peer for serving the step asked for,
+    -1 or True got a 404."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 1, state_of(), 10.0)
+    client = HTTPTransport(timeout=5, token=TOKEN)
+    try:
+        for step in ("1", -1, True, 1.0, None):
+            with pytest.raises(CheckpointConfigError, match=r"step="):
+                client.recv_checkpoint(0, srv.address(), step, 5)  # type: ignore[arg-type]
+            if step is not None:
+                with pytest.raises(CheckpointConfigError, match=r"step="):
+                    asyncckpt.load(srv.address(), step=step, token=TOKEN)  # type: ignore
+                with pytest.raises(CheckpointConfigError, match=r"step="):
+                    srv.send_checkpoint([1], step, state_of(), 10.0)  # type: ignore[arg-type]
+        assert asyncckpt.load(srv.address(), step=1, token=TOKEN) is not None  # still offered
+    finally:
+        client.shutdown()
 
 
 # --- damaged transfers -----------------------------------------------------------------------
@@ -642,6 +664,41 @@ def test_a_byte_corrupted_in_flight_is_caught_and_names_the_tensor(transports: A
     with pytest.raises(CheckpointCorruptError, match="victim") as info:
         fetch(srv, 7)
     assert info.value.key == "victim"
+
+
+class StallPast(FileSource):
+    """Serves ``inner``, but a read from ``at`` on waits until ``release`` is set."""
+
+    def __init__(self, inner: FileSource, at: int, release: threading.Event):
+        self.inner, self.at, self.size, self.release = inner, at, inner.size, release
+
+    def read(self, offset: int, n: int) -> memoryview:
+        if offset >= self.at:
+            self.release.wait(60)
+        return self.inner.read(offset, n)
+
+
+def test_bad_bytes_are_reported_at_once_while_another_range_stalls(transports: Any) -> None:
+    """One reader thread gets bad bytes while the other's range stalls: the error is
+    raised at once, not when the fetch's timeout cuts the stalled read off."""
+    srv = transports(token=TOKEN)
+    n = 1 << 21
+    state = {"a": torch.randn(n), "b": torch.randn(n)}
+    probe = serve_state(7, state, block_bytes=1 << 16, library_version="test")
+    manifest = parse_manifest(probe.manifest(), "m")
+    lo, hi = manifest.tensors["a"].chunks[0].byte_range
+    release = threading.Event()
+    srv.serve(wrapped(state, 7, lambda src: StallPast(FlipOneByte(src, lo + 100), hi, release)))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CheckpointCorruptError, match="'a'") as info:
+            asyncckpt.load(srv.address(), {"a": torch.zeros(n), "b": torch.zeros(n)},
+                           token=TOKEN, timeout=60, threads=2)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert info.value.key == "a"
+    assert took < 30, f"reported after {took:.1f}s: the stalled read was waited for"
 
 
 def test_a_failed_read_is_retried(transports: Any) -> None:

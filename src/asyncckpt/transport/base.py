@@ -324,6 +324,8 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     first manifest request (off the training thread)."""
     from ..dist import make_record, merge_records
 
+    if type(step) is not int or step < 0:  # (it names the step in URLs and the manifest)
+        raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)

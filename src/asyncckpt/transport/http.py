@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..commit import check_step
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -145,6 +146,15 @@ class HTTPTransport(CheckpointTransport[Any]):
                  token: str | None = None, max_connections: int = 64,
                  max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES):
+        for name, value in (("num_chunks", num_chunks), ("max_connections", max_connections),
+                            ("max_range_bytes", max_range_bytes), ("port", port)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                # (a float max_connections would make a semaphore that never blocks)
+                raise CheckpointConfigError(f"{name}={value!r}: pass an int")
+        for name, host_value in (("host", host), ("advertise_host", advertise_host)):
+            if not isinstance(host_value, str) and (name == "host" or host_value is not None):
+                raise CheckpointConfigError(f"{name}={host_value!r}: pass a host name or "
+                                            "address as a str")
         if num_chunks < 0:
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
@@ -398,6 +408,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         """
         from ..loader import load_from
 
+        if step is None:  # (a peer serves one step: name it, as the sender offered it)
+            raise CheckpointConfigError("step=None: pass the step the peer offers")
+        check_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
                               max_manifest_bytes=self.max_manifest_bytes)
@@ -848,6 +861,13 @@ class HTTPStorage:
         self._cancel.set()
         for sock in socks:
             _cut(sock)
+
+    def interrupt(self) -> None:
+        """The load failed (bad bytes in one thread's range): shut every connection of
+        the fetch, so that threads blocked reading from a peer that also stalls fail at
+        once instead of at the deadline (their errors are not the one the load raises).
+        Thread-safe."""
+        self.cancel("another read of this fetch failed")
 
     def _check_cancelled(self) -> None:
         if self._cancelled is not None:
