@@ -595,7 +595,9 @@ def test_export_into_a_path_under_a_file_says_it_is_not_a_directory(
     assert code == 2 and "is not a directory" in err
 
 
-def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> None:
+def _exporting(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen[str]]:
+    """(checkpoint root, output directory, the CLI process) of a 384 MiB export, once
+    its temporary output file exists."""
     root = tmp_path / "ck"
     with AsyncCheckpointer(root, mode="sync") as ckpt:
         ckpt.save({f"w{i}": torch.randn(1 << 21) for i in range(48)}, step=1)  # 384 MiB
@@ -607,6 +609,11 @@ def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> Non
     deadline = time.monotonic() + 60
     while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # until the temporary output exists
+    return root, out_dir, proc
+
+
+def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> None:
+    _, out_dir, proc = _exporting(tmp_path)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err  # (signalled as soon as its output file appeared)
@@ -615,18 +622,9 @@ def test_export_ended_by_sigterm_leaves_no_temporary_file(tmp_path: Path) -> Non
 
 
 def test_the_temporary_of_a_killed_export_is_removed_by_the_next(tmp_path: Path) -> None:
-    root = tmp_path / "ck"
-    with AsyncCheckpointer(root, mode="sync") as ckpt:
-        ckpt.save({f"w{i}": torch.randn(1 << 21) for i in range(48)}, step=1)  # 384 MiB
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncckpt", "export", str(root),
-                             str(out_dir / "o.safetensors"), "--dtype", "bf16"])
-    deadline = time.monotonic() + 60
-    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    root, out_dir, proc = _exporting(tmp_path)
     proc.kill()  # no finally runs: its temporary stays
-    proc.wait(60)
+    proc.communicate(timeout=60)
     (left,) = out_dir.iterdir()
     assert left.name.startswith(".asyncckpt-export-") and str(proc.pid) in left.name
     # not to be touched: a live process's (this one's), another machine's, not ours
