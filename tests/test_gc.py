@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from asyncckpt._gc import gc_paused
+from asyncckpt._gc import gc_paused, gc_resumed
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +56,42 @@ def test_a_collector_the_caller_disabled_stays_disabled() -> None:
     gc.enable()
     with gc_paused():
         assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_resume_inside_a_pause_lets_the_collector_run_for_its_duration() -> None:
+    gc.enable()
+    with gc_paused():
+        with gc_resumed():
+            assert gc.isenabled()  # (the user's code: its cycles get collected)
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with gc_resumed():  # no pause: nothing to do
+        assert gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # the caller's choice holds inside a resume too
+    with gc_paused(), gc_resumed():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_a_resume_while_another_thread_pauses_pauses_again_after() -> None:
+    gc.enable()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            assert leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(10)
+    with gc_resumed():
+        assert gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause is still on
+    leave.set()
+    t.join(10)
     assert gc.isenabled()
 
 

@@ -741,7 +741,12 @@ def test_block_hasher_detects_a_flipped_byte():
 
 _ODD_VALUES = [None, True, False, 0, 1, -1, 2, 3, 12, 48, 2**62, 1.0, "x", "0" * 16, "float32",
                "torch", [], [0], [1], [True], [-1], [0, 0], [4, 3], [2, 3], [0, 48], [48, 0],
-               ["0" * 16], ["0" * 15], [[]], {}, {"a": 1}]
+               ["0" * 16], ["0" * 15], [[]], {}, {"a": 1},
+               # multi-block checksum lists that are wrong in one item only, and lists
+               # equal to valid ones that hold no ints (4.0 == 4, False == 0)
+               ["0" * 16, "0" * 16], ["0" * 15, "0" * 17], ["0" * 16, "g" * 16],
+               ["0" * 16, 7], ["0" * 16, "0" * 16, "0" * 16], [4.0, 3], [4, 3.0], [0.0, 0],
+               [False, 0], [0, False]]
 
 
 def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> None:

@@ -317,6 +317,53 @@ def test_a_load_reads_with_the_threads_asked_for(tmp_path: Path, threads: int) -
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize(("numel", "want"), [(1 << 10, 1), (1 << 16, 2)])
+def test_a_local_load_of_small_tensors_reads_on_one_thread(tmp_path: Path, numel: int,
+                                                           want: int) -> None:
+    """Tensors of a few KiB are Python's work more than memory's: with no ``threads``
+    asked for, a local load reads them on one thread (two would only take turns with
+    the GIL); larger ones are read by two."""
+    state = {f"t{i}": torch.full((numel,), float(i)) for i in range(64)}
+    storage = ThreadRecordingStorage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=storage) as ckpt:
+        ckpt.save(state, step=1)
+        storage.threads.clear()
+        got = ckpt.load()
+    assert len(storage.threads) == min(want, os.cpu_count() or 1)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_the_collector_is_paused_over_a_load_and_resumed_after(tmp_path: Path) -> None:
+    """A load makes small objects per tensor (manifest, plan): no collection runs over
+    them, on any thread of the load, and the collector is back on once it returns,
+    whether it succeeded or failed."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Recording(LocalStorage):
+        def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().pread_into(fd, views, offset)
+
+    state = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(8)}
+    assert gc.isenabled()
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=Recording()) as ckpt:
+        ckpt.save(state, step=1)
+        got = ckpt.load()
+        assert seen and not any(seen) and gc.isenabled()
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        shard = next(tmp_path.glob("step_*/rank_*.safetensors"))
+        with open(shard, "r+b") as f:  # a bad byte in the last tensor
+            f.seek(-3, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(CheckpointCorruptError):
+            ckpt.load(state)
+        assert gc.isenabled()
+
+
 def test_loads_of_any_size_share_one_set_of_reader_threads(tmp_path: Path) -> None:
     """A pool per thread count kept them all: loads of 2..9 tensors with threads=8 left
     1+2+...+7 idle reader threads behind."""

@@ -44,6 +44,24 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+@contextlib.contextmanager
+def gc_resumed() -> Iterator[None]:
+    """Inside a pause, let the collector run over a call into the user's code (a
+    ``load_state_dict`` may make cycles of its own): it is enabled meanwhile if it was
+    when the pauses began, and paused again afterwards if any pause is still on."""
+    with _lock:
+        enable = _depth > 0 and _resume and not gc.isenabled()
+        if enable:
+            gc.enable()
+    try:
+        yield
+    finally:
+        if enable:
+            with _lock:
+                if _depth > 0:
+                    gc.disable()
+
+
 def _after_fork_in_child() -> None:
     """Only the forking thread lives on in a child: the pauses of the others never end
     there, and would leave its collector disabled for good. Keep the forking thread's

@@ -120,9 +120,15 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     is, is called with the flattened target once keys are matched and before any byte
     is read: its ``loaded_in_place`` holds the paths the load is about to fill.
     """
-    return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                      shards=shards, threads=threads, step=step, manifest=manifest,
-                      before_read=before_read)
+    # A load makes several small objects per tensor (the parsed manifest, the flattened
+    # target, the read plan): with the collector on, the full collections they set off
+    # took a third of a 100,000-tensor load. Paused for the whole load, and resumed only
+    # once _load_from has returned and those objects are freed, so that resuming sets
+    # off no collection of them either (freeing them takes back what they counted).
+    with gc_paused():
+        return _load_from(step_dir, state, storage, strict=strict, verify=verify,
+                          shards=shards, threads=threads, step=step, manifest=manifest,
+                          before_read=before_read)
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
@@ -141,18 +147,15 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads)
         return unflatten(manifest.skeleton, loaded)
-    # Flattening and matching make thousands of small objects: the collections they
-    # would set off are pointless (see gc_paused). Not paused over the reads (long) or
-    # the load_state_dict calls (the caller's code).
-    with gc_paused():
-        target = flatten(state, target=True)
-        apply_shards(target, shards)
-        dests, boxes, regions = _match(manifest, saved, target, strict, step_dir)
+    target = flatten(state, target=True)
+    apply_shards(target, shards)
+    spans: dict[int, _Span | None] = {}
+    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir, spans)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
-    staged = _sharing_memory(dests, copies)
+    staged = _sharing_memory(dests, copies, spans)
     if staged:
         log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
                     "read into a temporary and copied in checkpoint order, so the last one wins",
@@ -162,6 +165,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                            for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads)
     for key, tensors in dests.items():  # in checkpoint order
+        if len(tensors) < 2 and not copies and key not in staged:
+            continue  # the usual target: filled by the read itself
         try:
             if key in regions:  # targets wanting different parts of it: each gets its own
                 for t, box in zip(tensors, regions[key], strict=True):
@@ -356,14 +361,17 @@ class Agreement(Protocol):
 
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
-           step_dir: Path) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
-                                    dict[str, list[Box | None]]]:
+           step_dir: Path, spans: dict[int, _Span | None] | None = None
+           ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
+                      dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
 
     Returns saved key -> target tensors to fill (empty: load fresh), the box each saved
     key is wanted in (absent: the whole tensor), and for the keys whose targets want
     different boxes (a tied weight that is a shard at one path and whole at another)
     each target's box, in the order of its target tensors: those are loaded whole.
+    ``spans``, when given, receives the memory span of every target tensor to fill, by
+    ``id`` (see :func:`_tensor_span`), for :func:`_sharing_memory`.
     """
     lenient = [p for p, (obj, _) in target.statefuls.items()
                if not isinstance(obj, torch.nn.Module)]
@@ -394,37 +402,43 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
+    spans = {} if spans is None else spans
+    # (this loop runs once per tensor of the checkpoint: the common case is kept cheap)
     for path, key in saved.items():
-        if path not in target.refs:
+        tkey = target.refs.get(path)
+        if tkey is None:
             if passes_through(path) or not strict:
                 dests.setdefault(key, [])
             continue
-        tkey = target.refs[path]
         t = target.tensors[tkey]
         entry = manifest.tensors[key]
-        if target.global_shape(tkey) != entry.shape or t.dtype != entry.dtype:
+        tbox = target.boxes.get(tkey)
+        if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
             mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                               f"target {t.dtype} {list(target.global_shape(tkey))}")
             continue
-        arr = target.arrays.get(tkey)
-        if arr is not None and not arr.flags.writeable:
-            readonly.append(path)
-            continue
-        if t.device.type == "cpu" and t.numel() and not writable.covers(t):
+        if target.arrays:
+            arr = target.arrays.get(tkey)
+            if arr is not None and not arr.flags.writeable:
+                readonly.append(path)
+                continue
+        span = spans[id(t)] = _tensor_span(t)
+        if span is not None and span[0] == "cpu" and not writable.covers(span[1], span[2]):
             unwritable.append(path)
             continue
         if _overlaps_itself(t):
             overlapping.append(path)
             continue
         lst = dests.setdefault(key, [])
-        if not any(x is t for x in lst):
+        if not lst or not any(x is t for x in lst):
             lst.append(t)
-            box = target.box(tkey)
-            whole = ((0,) * len(entry.shape), tuple(entry.shape))
-            wanted.setdefault(key, []).append(None if box == whole else box)
+            box = tbox[1] if tbox is not None else None
+            if box is not None and box == ((0,) * len(entry.shape), tuple(entry.shape)):
+                box = None
+            wanted.setdefault(key, []).append(box)
         target.loaded_in_place.add(path)
     boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
-    regions = {k: b for k, b in wanted.items() if len(set(b)) > 1}
+    regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
     if not strict:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
@@ -469,16 +483,13 @@ class _WritableMemory:
         self._ranges: list[tuple[int, int]] | None = None
         self._starts: list[int] = []
 
-    def covers(self, t: torch.Tensor) -> bool:
-        """Whether every byte ``t`` may touch lies in writable memory."""
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether every byte from ``lo`` to ``hi`` (a tensor's span) is writable memory."""
         if self._ranges is None:
             self._ranges = _writable_ranges()
             self._starts = [lo for lo, _ in self._ranges]
         if not self._ranges:
             return True  # unknown: nothing to tell by
-        lo = t.data_ptr()
-        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-                   ) * t.element_size()
         i = bisect.bisect_right(self._starts, lo) - 1
         return i >= 0 and self._ranges[i][1] >= hi
 
@@ -511,6 +522,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     but says "too hard to tell" for others, e.g. an ``as_strided`` view with strides
     (1, 1): those are settled here, exactly for up to ``_OVERLAP_EXACT`` elements (a
     layout that large and that odd is refused: it may overlap)."""
+    if t.is_contiguous():
+        return False  # the usual target: every element has bytes of its own
     check = getattr(torch, "_debug_has_internal_overlap", None)
     verdict = int(check(t)) if check is not None else 2
     if verdict != 2:
@@ -538,24 +551,29 @@ _OVERLAP_EXACT = 1 << 22
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
-                    copies: Mapping[int, np.ndarray]) -> list[str]:
+                    copies: Mapping[int, np.ndarray],
+                    known: Mapping[int, _Span | None] | None = None) -> list[str]:
     """The saved keys whose targets share memory with another target (of any key).
 
     Reader threads must not fill one memory from two keys at once (each hashes what
     it wrote): such keys are loaded into temporaries and copied in order instead.
     Byte ranges that overlap are settled element by element (up to ``_OVERLAP_EXACT``
     elements a run), so interleaved views whose elements are apart (the fields of a
-    numpy record array, every other row) do not count as sharing.
+    numpy record array, every other row) do not count as sharing. ``known``: the spans
+    of tensors already found, by ``id``.
     """
     spans: list[tuple[str, int, int, int, torch.Tensor | np.ndarray]] = []
-    order = {k: i for i, k in enumerate(dests)}
-    for key, tensors in dests.items():
+    known = known or {}
+    for i, tensors in enumerate(dests.values()):
         for t in tensors:
-            arr = copies.get(id(t))
-            span = _array_span(arr) if arr is not None else _tensor_span(t)
+            arr = copies.get(id(t)) if copies else None
+            if arr is not None:
+                span = _array_span(arr)
+            else:
+                span = known[id(t)] if id(t) in known else _tensor_span(t)
             if span is not None:
-                spans.append((*span, order[key], t if arr is None else arr))
-    spans.sort(key=lambda x: x[:3])
+                spans.append((span[0], span[1], span[2], i, t if arr is None else arr))
+    spans.sort(key=operator.itemgetter(0, 1, 2))
     shared: set[int] = set()
     group: list[tuple[int, torch.Tensor | np.ndarray]] = []
     device, end = "", 0
@@ -571,7 +589,7 @@ def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
         group.append((k, target))
         end = max(end, hi)
     close_run()
-    return [k for k in dests if order[k] in shared]
+    return [k for i, k in enumerate(dests) if i in shared]
 
 
 def _truly_sharing(run: list[tuple[int, torch.Tensor | np.ndarray]]) -> set[int]:
@@ -608,8 +626,18 @@ def _truly_sharing(run: list[tuple[int, torch.Tensor | np.ndarray]]) -> set[int]
     return {run[i][0] for i in idx}
 
 
-def _tensor_span(t: torch.Tensor) -> tuple[str, int, int] | None:
-    """(device, first byte, end byte) of the memory a tensor's elements lie in."""
+_Span = tuple[str, int, int]
+
+
+def _tensor_span(t: torch.Tensor) -> _Span | None:
+    """(device, first byte, end byte) of the memory a tensor's elements lie in; None when
+    it has none."""
+    if t.is_contiguous():  # the usual target: no strides to walk
+        n = t.nbytes
+        if not n:
+            return None
+        lo = t.data_ptr()
+        return "cpu" if t.is_cpu else str(t.device), lo, lo + n
     if t.numel() == 0:
         return None
     lo = t.data_ptr()

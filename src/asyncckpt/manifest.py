@@ -82,10 +82,10 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 def block_checksums(data: memoryview | bytes, block_bytes: int) -> list[str]:
     """xxh3-64 of each ``block_bytes`` block of ``data`` (one entry for empty data)."""
-    n = len(data)
-    if n == 0:
-        return [xxhash.xxh3_64_hexdigest(b"")]
-    return [xxhash.xxh3_64_hexdigest(data[i:i + block_bytes]) for i in range(0, n, block_bytes)]
+    if len(data) <= block_bytes:  # one block (or empty data): most tensors
+        return [xxhash.xxh3_64_hexdigest(data)]
+    return [xxhash.xxh3_64_hexdigest(data[i:i + block_bytes])
+            for i in range(0, len(data), block_bytes)]
 
 
 class BlockHasher:
@@ -413,7 +413,22 @@ _NUMPY_DTYPES = frozenset((
 
 
 def _nonneg_ints(v: Any) -> bool:
-    return type(v) is list and len(v) <= 64 and all(type(x) is int and x >= 0 for x in v)
+    """A list of at most 64 integers >= 0 (bools are no integers here)."""
+    return (type(v) is list and len(v) <= 64 and _INT_TYPE.issuperset(map(type, v))
+            and (not v or min(v) >= 0))
+
+
+_INT_TYPE = frozenset((int,))
+_STR_TYPE = frozenset((str,))
+_HEX_RUN = re.compile(r"[0-9a-f]*")
+
+
+def _hex16s(sums: list[Any]) -> bool:
+    """Every item is a string of 16 lowercase hex digits."""
+    if len(sums) == 1:  # most chunks: one checksum block
+        return type(sums[0]) is str and _HEX16.fullmatch(sums[0]) is not None
+    return (_STR_TYPE.issuperset(map(type, sums)) and set(map(len, sums)) <= {16}
+            and _HEX_RUN.fullmatch("".join(sums)) is not None)
 
 
 def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_bytes: int
@@ -421,14 +436,16 @@ def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_by
     """The common entry, one chunk that is the whole tensor, checked in one pass.
 
     Returns None for anything else (or anything wrong): the full parser then takes it
-    and names the problem. Accepts exactly what the full parser accepts.
+    and names the problem. Accepts exactly what the full parser accepts. (It runs once
+    per tensor of every load: kept cheap.)
     """
     name = t.get("dtype")
     dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
     shape = t.get("shape")
     chunks = t.get("chunks")
-    if (dtype is None or not _nonneg_ints(shape) or type(chunks) is not list
-            or len(chunks) != 1 or type(t.get("kind")) is not str or t["kind"] not in _KINDS):
+    kind = t.get("kind")
+    if (dtype is None or type(chunks) is not list or len(chunks) != 1 or type(kind) is not str
+            or kind not in _KINDS or not _nonneg_ints(shape)):
         return None
     ch = chunks[0]
     if type(ch) is not dict:
@@ -440,19 +457,23 @@ def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_by
     br: Any = ch.get("byte_range")
     sums: Any = ch.get("checksums")
     entry = files.get(file) if type(file) is str else None
-    if (entry is None or type(ckey) is not str or lengths != shape or not _nonneg_ints(lengths)
-            or not _nonneg_ints(offsets) or len(offsets) != len(shape) or any(offsets)
-            or not _nonneg_ints(br) or len(br) != 2 or type(sums) is not list):
+    # (lengths equal to shape and offsets all zero are non-negative: only their types
+    # are left to check, as 64.0 == 64 and False == 0)
+    if (entry is None or type(ckey) is not str or type(lengths) is not list or lengths != shape
+            or not _INT_TYPE.issuperset(map(type, lengths)) or type(offsets) is not list
+            or len(offsets) != len(shape) or any(offsets)
+            or not _INT_TYPE.issuperset(map(type, offsets))
+            or type(br) is not list or len(br) != 2 or type(sums) is not list):
         return None
+    lo, hi = br
     nbytes = math.prod(shape) * dtype.itemsize
-    if (any(d >= _MAX_DIM for d in shape) or nbytes >= _MAX_DIM or br[0] > br[1]
-            or br[1] > entry.bytes or br[1] - br[0] != nbytes
-            or len(sums) != max(1, -(-nbytes // block_bytes))
-            or not all(type(s) is str and _HEX16.fullmatch(s) for s in sums)):
+    if (type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= entry.bytes
+            or hi - lo != nbytes or (shape and max(shape) >= _MAX_DIM) or nbytes >= _MAX_DIM
+            or len(sums) != max(1, -(-nbytes // block_bytes)) or not _hex16s(sums)):
         return None
     dims = tuple(shape)
-    return TensorEntry(dtype, dims, t["kind"], (Chunk(file, ckey, tuple(offsets), dims,
-                                                      (br[0], br[1]), tuple(sums)),))
+    return TensorEntry(dtype, dims, kind, (Chunk(file, ckey, tuple(offsets), dims, (lo, hi),
+                                                 tuple(sums)),))
 
 
 _KINDS = frozenset(("torch", "numpy", "numpy_scalar"))

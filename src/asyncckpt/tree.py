@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ._gc import gc_resumed
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -530,7 +531,8 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             for k in [k for k in restored if k not in own]:
                 del restored[k]
         try:
-            obj.load_state_dict(restored)
+            with gc_resumed():  # (the user's code, in a load that pauses the collector)
+                obj.load_state_dict(restored)
         except CheckpointCorruptError as exc:  # e.g. RNGState's: say whose state it was
             raise CheckpointCorruptError(f"{path or '<root>'} ({type(obj).__name__}): {exc}",
                                          path=exc.path, key=exc.key) from exc

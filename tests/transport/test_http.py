@@ -1348,8 +1348,8 @@ def test_load_from_a_peer_opens_the_connections_asked_for_up_to_one_per_cpu(
     runs: list[int] = []  # the runs of tensors read in parallel, one per thread and stream
     split = reader._split
 
-    def counting_split(items: Any, n: int) -> Any:
-        groups = split(items, n)
+    def counting_split(items: Any, n: int, total: int) -> Any:
+        groups = split(items, n, total)
         runs.append(len(groups))
         return groups
 
