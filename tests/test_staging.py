@@ -28,6 +28,15 @@ def helpers() -> Iterator[cf.ThreadPoolExecutor]:
         yield ex
 
 
+@pytest.fixture(autouse=True)
+def parallel_for_small_tensors(request: pytest.FixtureRequest,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests stage a few KiB in many units to exercise the parallel copy: let
+    tensors of any size take it (staging leaves small ones to the calling thread)."""
+    if "serial_below" not in request.keywords:
+        monkeypatch.setattr(staging, "_SERIAL_BELOW", 0)
+
+
 def awkward_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(50_000, generator=gen)
@@ -425,3 +434,33 @@ def test_a_tensor_without_memory_of_its_own_is_copied_not_memcpyd_from_address_0
     for item in plan.items:
         want = values if item.key == "wrapped" else values + 1
         assert torch.equal(arena.view(item), want), item.key
+
+
+@pytest.mark.serial_below
+@pytest.mark.parametrize(("numel", "want"), [(1 << 10, 1), (1 << 15, 2)])
+def test_small_tensors_are_staged_by_the_calling_thread_alone(
+        helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch, numel: int, want: int) -> None:
+    """Tensors of a few KiB are copied faster by one thread than by two taking turns with
+    the GIL; larger ones are copied in parallel."""
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 1 << 16)
+    tensors = {f"t{i}": torch.full((numel,), float(i)) for i in range(64)}
+    plan = fresh_plan(tensors)
+    arena = arena_for(plan)
+    copiers: set[int] = set()
+    real = staging._copy_range
+
+    def recording(*args: object) -> None:
+        copiers.add(threading.get_ident())
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "_copy_range", recording)
+    serial = staging._copy_serial
+
+    def recording_serial(*args: object) -> None:
+        copiers.add(threading.get_ident())
+        serial(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "_copy_serial", recording_serial)
+    stage(plan, tensors, arena, StagingProgress(), helpers=helpers, threads=2)
+    assert_staged(plan, tensors, arena)
+    assert len(copiers) == want and (want == 2 or copiers == {threading.get_ident()})

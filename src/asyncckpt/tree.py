@@ -107,6 +107,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.cache  # (a failure raises, and is not kept)
 def dtype_from_name(name: str) -> torch.dtype:
     """Inverse of :func:`dtype_name`; raises ValueError for names that are no torch dtype."""
     dt = getattr(torch, name, None)

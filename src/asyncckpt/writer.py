@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from . import commit
 from ._gc import gc_paused
 from .dist import DistContext, Pulse, make_record, merge_records, raise_failures
@@ -597,7 +599,10 @@ def _describe(job: SaveJob) -> _Described:
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv = job.arena.memoryview()
-    checksums = {item.key: tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
+    block, digest = job.block_bytes, xxhash.xxh3_64_hexdigest
+    # (one entry per tensor: kept cheap for states of many small ones)
+    checksums = {item.key: (digest(mv[item.offset:item.end]),) if item.nbytes <= block
+                 else tuple(block_checksums(mv[item.offset:item.end], block))
                  for item in job.plan.items}
     with _gc_paused():
         record = _record(job, checksums)
@@ -639,20 +644,24 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
     with _gc_paused():
-        manifest = merge_records(records, step=job.step, library_version=job.library_version,
-                                 block_bytes=job.block_bytes, user_metadata=job.user_metadata,
-                                 created_unix=time.time())
-        raw = manifest.to_json()
-        if len(records) > 1:
-            # Merged from what other processes reported: read it as a load will, and
-            # never commit a manifest that no load could read.
-            try:
-                parse_manifest(raw, f"the merged manifest of step {job.step}")
-            except CheckpointCorruptError as exc:
-                raise CheckpointSaveError(
-                    f"step {job.step} aborted, nothing committed: the ranks' shard layouts do "
-                    f"not merge into a readable manifest ({exc})") from exc
-        return raw
+        return _merged_manifest_bytes(job, records)  # (its objects freed before resuming)
+
+
+def _merged_manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
+    manifest = merge_records(records, step=job.step, library_version=job.library_version,
+                             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+                             created_unix=time.time())
+    raw = manifest.to_json()
+    if len(records) > 1:
+        # Merged from what other processes reported: read it as a load will, and never
+        # commit a manifest that no load could read.
+        try:
+            parse_manifest(raw, f"the merged manifest of step {job.step}")
+        except CheckpointCorruptError as exc:
+            raise CheckpointSaveError(
+                f"step {job.step} aborted, nothing committed: the ranks' shard layouts do "
+                f"not merge into a readable manifest ({exc})") from exc
+    return raw
 
 
 def _check_shared(job: SaveJob) -> None:
@@ -684,11 +693,13 @@ def _check_shared(job: SaveJob) -> None:
 def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     flat = job.flat
     items = []
+    boxes = flat.boxes
     for it in job.plan.items:
         # The plan's shapes, taken when the save began: not the live tensors', which the
         # caller may resize once staging is over (this runs later, on the hash thread).
-        whole = flat.boxes[it.key][0] if it.key in flat.boxes else tuple(it.shape)
-        box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
+        shaped = boxes.get(it.key)
+        whole = shaped[0] if shaped is not None else it.shape
+        box = shaped[1] if shaped is not None else ((0,) * len(it.shape), it.shape)
         items.append((it.key, dtype_name(it.dtype), whole,
                       flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
     return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
