@@ -86,6 +86,49 @@ def test_a_wait_whose_last_slice_is_under_a_millisecond_still_ends() -> None:
     assert len(out) == 1 and isinstance(out[0], CheckpointTimeoutError), out
 
 
+def test_a_value_larger_than_a_store_message_goes_in_parts() -> None:
+    """torch's TCPStore refuses a value over 8 MiB and drops the connection (a rank's
+    record of ~40,000 tensors is that large): such values are posted in parts, read back
+    whole, and deleted with their parts."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    ctx = DistContext(rank=0, world_size=1, store=store, namespace="t", timeout_s=30.0)
+    big = {"tensors": {f"layers.{i}.weight": [i, "0123456789abcdef"] for i in range(300_000)}}
+    key = ctx.key("s1", "record", 0)
+    ctx.put(key, big)
+    assert ctx.get(key, "the record") == big
+    assert ctx.gather(("s1", "record"), "the records") == {0: big}
+    parts = [f"{key}/part/{i}" for i in range(3)]
+    assert store.check(parts)  # (~10 MB: three parts of at most 4 MiB)
+    ctx.forget(["s1"], (), ())
+    assert not any(store.check([k]) for k in [key, *parts, f"{key}/part/3"])
+    ctx.put(key, {"small": 1})  # a small value is one message, as before
+    assert store.get(key) == b'{"small":1}'
+
+
+def test_a_save_of_many_tensors_per_rank_goes_through_the_store_in_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.dist as dist_mod
+
+    monkeypatch.setattr(dist_mod, "_STORE_PART", 512)  # every record and layout in parts
+    store = dist.HashStore()
+
+    def rank(r: int) -> dict[str, Any]:
+        state = {f"rank{r}": {f"t{i}": torch.full((3,), float(10 * r + i)) for i in range(40)}}
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=10) as ck:
+            ck.save(state, step=1)
+            ck.save(state, step=2)
+            got: dict[str, Any] = ck.load(step=2)
+            return got
+
+    got = in_threads(rank)
+    for r in (0, 1):  # each rank loads both ranks' tensors, whole
+        assert sorted(got[r]) == ["rank0", "rank1"]
+        assert all(torch.equal(got[r][f"rank{w}"][f"t{i}"], torch.full((3,), 10.0 * w + i))
+                   for w in (0, 1) for i in range(40))
+
+
 # --- checkpointers of one group, simulated by threads sharing a HashStore ------------------
 
 

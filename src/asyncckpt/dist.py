@@ -137,6 +137,16 @@ _POLL_MAX_S = 0.02
 _PROCESS: tuple[int, str] = (0, "")
 
 
+# The most a Store value holds in one message: torch's TCPStore (libuv) refuses more than
+# 8 MiB and drops the connection. Longer values are posted in parts (DistContext.put).
+_STORE_PART = 4 << 20
+_PARTS = "asyncckpt_parts"
+
+
+def _part_key(key: str, i: int) -> str:
+    return f"{key}/part/{i}"
+
+
 def _process_token() -> str:
     """Names this process in the Store (a forked child is another process)."""
     global _PROCESS
@@ -365,26 +375,46 @@ class DistContext:
                 return
             left: set[str] = set()
             keys = [self.key("closed")]
+            items = []
             for r in range(self.world_size):
                 closing = self.key("closing", r)
                 if self.store.check([closing]):
                     info = json.loads(self.store.get(closing))
                     left.update(info["tags"])
-                    keys += [self.key("items", r, d) for d in info["digests"]]
+                    items += [self.key("items", r, d) for d in info["digests"]]
                 keys.append(closing)
             self.forget(sorted(left), (), ())
-            self._delete(keys)
+            self._delete(keys, items)
 
     def put(self, key: str, value: Any) -> None:
+        """Post ``value`` as JSON under ``key``. A value longer than the Store takes in one
+        message (a rank's record of tens of thousands of tensors) goes in parts, under
+        ``<key>/part/<i>``, before ``key`` itself, which then names their count: readers
+        wait for ``key`` alone, and find every part there."""
+        data = json.dumps(value, separators=(",", ":"))  # (ASCII: a character is a byte)
         with self._store_errors(f"posting {key}"):
-            self.store.set(key, json.dumps(value, separators=(",", ":")))
+            if len(data) <= _STORE_PART:
+                self.store.set(key, data)
+                return
+            parts = range(0, len(data), _STORE_PART)
+            for i, start in enumerate(parts):
+                self.store.set(_part_key(key, i), data[start:start + _STORE_PART])
+            self.store.set(key, json.dumps({_PARTS: len(parts)}))
+
+    def _decode(self, key: str, raw: bytes) -> Any:
+        """The value posted under ``key`` (see :meth:`put`), from what ``key`` holds."""
+        value = json.loads(raw)
+        if type(value) is dict and len(value) == 1 and type(value.get(_PARTS)) is int:
+            value = json.loads(b"".join(self.store.get(_part_key(key, i))
+                                        for i in range(value[_PARTS])))
+        return value
 
     def get(self, key: str, what: str, timeout_s: float | None = None, *, rank: int = 0,
             pulse: Pulse | None = None) -> Any:
         """Wait for ``key`` (posted by ``rank``) and return its decoded value."""
         self.wait_keys({rank: key}, what, timeout_s, pulse=pulse)
         with self._store_errors(f"reading {what}"):
-            return json.loads(self.store.get(key))
+            return self._decode(key, self.store.get(key))
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
                *, cancelled: Callable[[], bool] | None = None,
@@ -401,7 +431,7 @@ class DistContext:
 
         def failed(r: int) -> bool:
             with self._store_errors(f"reading {what}"):
-                got[r] = json.loads(self.store.get(keys[r]))
+                got[r] = self._decode(keys[r], self.store.get(keys[r]))
             return isinstance(got[r], dict) and "error" in got[r]
 
         if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed, pulse=pulse):
@@ -409,7 +439,7 @@ class DistContext:
         rest = [r for r in range(self.world_size) if r not in got]
         with self._store_errors(f"reading {what}"):
             raw = self.store.multi_get([keys[r] for r in rest]) if rest else []
-        got.update({r: json.loads(v) for r, v in zip(rest, raw, strict=True)})
+            got.update({r: self._decode(keys[r], v) for r, v in zip(rest, raw, strict=True)})
         return {r: got[r] for r in range(self.world_size)}
 
     def claim(self, key: str, value: str, what: str,
@@ -423,20 +453,28 @@ class DistContext:
                digests: Sequence[str]) -> None:
         """Delete the keys of finished saves, and layouts no rank uses any more."""
         keys = []
+        parted = []  # the keys whose values may have been posted in parts (see put)
         for tag in tags:
             if tag is None:
                 continue
-            keys += [self.key(tag, part, r) for part in ("layout", "record", "done")
+            keys += [self.key(tag, part, r) for part in ("layout", "done")
                      for r in range(self.world_size)]
+            parted += [self.key(tag, "record", r) for r in range(self.world_size)]
             keys += [self.key(tag, "beat", r) for r in range(self.world_size)]
             keys += [self.key(tag, "verdict"), self.key(tag, "decision"), self.key(tag, "abort")]
-        keys += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
-        self._delete(keys)
+        parted += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
+        self._delete(keys, parted)
 
-    def _delete(self, keys: Sequence[str]) -> None:
+    def _delete(self, keys: Sequence[str], parted: Sequence[str] = ()) -> None:
         for k in keys:
             with contextlib.suppress(Exception):  # housekeeping: a missing key is fine
                 self.store.delete_key(k)
+        for k in parted:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(k)
+                i = 0
+                while self.store.delete_key(_part_key(k, i)):  # until the first one missing
+                    i += 1
 
     @contextlib.contextmanager
     def _store_errors(self, what: str,
