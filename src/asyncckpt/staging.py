@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-
 def _memmove_keeping_the_gil() -> Callable[[int, int, int], Any]:
     """libc's memmove, called without releasing the GIL: for a copy of a few KiB, letting
     the GIL go (as ctypes.memmove does at every call) only hands it to a background
