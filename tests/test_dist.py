@@ -132,6 +132,36 @@ def test_a_save_of_many_tensors_per_rank_goes_through_the_store_in_parts(
 # --- checkpointers of one group, simulated by threads sharing a HashStore ------------------
 
 
+def test_the_coordinator_closes_only_once_the_others_read_the_last_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 often hosts the Store and exits right after close(): a rank still polling
+    for the verdict on the last save then saw the connection reset, and reported a
+    committed step as failed. The coordinator's close() waits until it was read."""
+    import asyncckpt.writer as writer_mod
+
+    store = dist.HashStore()
+    seen_at: list[float] = []
+    real = writer_mod._await_verdict
+
+    def slow_reader(job: Any) -> Any:
+        time.sleep(1.0)  # rank 1 polls late
+        got = real(job)
+        seen_at.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(writer_mod, "_await_verdict", slow_reader)
+
+    def rank(r: int) -> float:
+        ck = AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10)
+        ck.save_async(_state(r), step=1).wait()
+        ck.close()
+        return time.monotonic()
+
+    closed = all_ok(in_threads(rank))
+    assert len(seen_at) == 1 and closed[0] >= seen_at[0]
+    assert AsyncCheckpointer(tmp_path).steps() == [1]
+
+
 def _dir_hash(path: Path) -> str:
     return hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
 

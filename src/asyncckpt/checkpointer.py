@@ -556,8 +556,15 @@ class AsyncCheckpointer:
             return
         unseen: BaseException | None = None
         try:
-            if self._pending is not None:
-                unseen = self._settle(self._pending, f"closing {self.directory}: ")
+            last = self._pending
+            if last is not None:
+                unseen = self._settle(last, f"closing {self.directory}: ")
+                if (self._ctx.distributed and self._ctx.is_coordinator and self._prev_tag
+                        and last._durable.exception() is None):
+                    # (the other ranks may still be reading its verdict from the Store,
+                    # which this process may host and take down when it exits)
+                    self._ctx.wait_verdict_seen(self._prev_tag,
+                                                min(self._ctx.timeout_s, _VERDICT_SEEN_S))
         finally:
             self._closed = True
             try:
@@ -847,6 +854,9 @@ class AsyncCheckpointer:
         return self._writer
 
 
+# How long the coordinator's close() waits at most for the other ranks to read the verdict
+# on the last save (they poll for it every 0.1 s at most).
+_VERDICT_SEEN_S = 10.0
 _PROBE_BYTES = 64 << 10  # replicated tensors up to this size are compared across ranks
 _PROBE_COUNT = 4096  # and at most this many
 

@@ -461,9 +461,34 @@ class DistContext:
                      for r in range(self.world_size)]
             parted += [self.key(tag, "record", r) for r in range(self.world_size)]
             keys += [self.key(tag, "beat", r) for r in range(self.world_size)]
-            keys += [self.key(tag, "verdict"), self.key(tag, "decision"), self.key(tag, "abort")]
+            keys += [self.key(tag, part) for part in ("verdict", "decision", "abort", "seen")]
         parted += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
         self._delete(keys, parted)
+
+    def saw_verdict(self, tag: str) -> None:
+        """A peer has read the coordinator's verdict on save ``tag`` (best effort)."""
+        with contextlib.suppress(Exception):
+            self.store.add(self.key(tag, "seen"), 1)
+
+    def wait_verdict_seen(self, tag: str, timeout_s: float) -> bool:
+        """Coordinator, at close: wait until every peer has read the verdict on save
+        ``tag``, or ``timeout_s`` passes. Rank 0 often hosts the Store (``init_method=
+        tcp://``, ``mp.spawn``): were it to exit at once, a peer still polling for the
+        verdict would see the connection reset and report its last save failed, though
+        it was committed. True once every peer has read it."""
+        deadline = time.monotonic() + timeout_s
+        poll_s = 0.001
+        while True:
+            try:
+                if self.store.add(self.key(tag, "seen"), 0) >= self.world_size - 1:
+                    return True
+            except Exception:
+                return False  # the Store is gone already: nobody is left to tell
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(poll_s, left))
+            poll_s = min(2 * poll_s, _POLL_MAX_S)
 
     def _delete(self, keys: Sequence[str], parted: Sequence[str] = ()) -> None:
         for k in keys:

@@ -314,6 +314,7 @@ class BackgroundWriter:
             ctx.put(ctx.key(job.tag, "done", ctx.rank), {"rank": ctx.rank})
             job.announced = True
             verdict = _await_verdict(job)
+            ctx.saw_verdict(job.tag)
             if "committed" in verdict:  # visible, but its name may not survive a crash
                 job.tmp = None
                 raise CheckpointSaveError(

@@ -258,28 +258,31 @@ def make_storage(phase: str, n: int) -> Any:
 def hook_staging_copies(should_die: Callable[[], bool]) -> None:
     """Call ``should_die`` before each tensor copy into the arena; die when it says so.
 
-    Staging copies each tensor with ``ctypes.memmove`` (or ``HostArena.view(...).copy_``
-    for tensors that need a conversion); both are wrapped. Only in a throwaway child.
+    Staging copies each tensor with ``ctypes.memmove``, or the memmove that keeps the GIL
+    for a small one (or ``HostArena.view(...).copy_`` for tensors that need a
+    conversion); all are wrapped. Only in a throwaway child.
     """
     import ctypes
 
     import asyncckpt.staging as staging
 
     real_view = staging.HostArena.view
-    real_memmove = ctypes.memmove
 
     def view(self: Any, item: Any) -> torch.Tensor:
         if should_die():
             die()
         return real_view(self, item)
 
-    def memmove(dst: Any, src: Any, count: int) -> Any:
-        if should_die():
-            die()
-        return real_memmove(dst, src, count)
+    def dying(real: Callable[[Any, Any, int], Any]) -> Callable[[Any, Any, int], Any]:
+        def memmove(dst: Any, src: Any, count: int) -> Any:
+            if should_die():
+                die()
+            return real(dst, src, count)
+        return memmove
 
     staging.HostArena.view = view  # type: ignore[method-assign]
-    ctypes.memmove = memmove  # type: ignore[assignment]
+    ctypes.memmove = dying(ctypes.memmove)  # type: ignore[assignment]
+    staging._memmove_holding_gil = dying(staging._memmove_holding_gil)
 
 
 class Events:
