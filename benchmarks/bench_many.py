@@ -146,44 +146,40 @@ def run_asyncckpt(state: State, work: Path, repeats: int) -> dict[str, list[floa
     return res
 
 
-def run_torch_save(state: State, work: Path, repeats: int) -> dict[str, list[float]]:
+def run_one_file(label: str, path: Path, save: Callable[[Path], Any],
+                 load: Callable[[Path], Any], flat: Callable[[Any], dict[str, torch.Tensor]],
+                 state: State, repeats: int) -> dict[str, list[float]]:
+    """A method that writes one file: ``save(path)`` then fsync is its durable time;
+    ``load(path)``, from the page cache, its fresh load (checked against ``state``)."""
     res: dict[str, list[float]] = {"durable": [], "load_fresh": []}
-    path = work / "state.pt"
     for r in range(repeats):
         t0 = time.perf_counter()
-        torch.save(state, path)
+        save(path)
         fsync_path(path)
         durable = time.perf_counter() - t0
         warm(path)
-        fresh, got = timed(torch.load, path, weights_only=True)
-        check_equal(state, flat_of(got), "torch.load")
+        fresh, got = timed(load, path)
+        check_equal(state, flat(got), label)
         del got
         res["durable"].append(durable)
         res["load_fresh"].append(fresh)
-        log(f"torch.save {r + 1}/{repeats}: durable {durable:.3f}s | torch.load {fresh:.3f}s")
+        log(f"{label} {r + 1}/{repeats}: durable {durable:.3f}s | load {fresh:.3f}s")
         path.unlink()
     return res
+
+
+def run_torch_save(state: State, work: Path, repeats: int) -> dict[str, list[float]]:
+    return run_one_file("torch.save / torch.load", work / "state.pt",
+                        lambda p: torch.save(state, p),
+                        lambda p: torch.load(p, weights_only=True), flat_of, state, repeats)
 
 
 def run_safetensors(state: State, work: Path, repeats: int) -> dict[str, list[float]]:
     from safetensors.torch import load_file, save_file
 
-    res: dict[str, list[float]] = {"durable": [], "load_fresh": []}
-    path = work / "state.safetensors"
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        save_file(leaves(state), str(path))
-        fsync_path(path)
-        durable = time.perf_counter() - t0
-        warm(path)
-        fresh, got = timed(load_file, str(path))
-        check_equal(state, got, "safetensors load_file")
-        del got
-        res["durable"].append(durable)
-        res["load_fresh"].append(fresh)
-        log(f"safetensors {r + 1}/{repeats}: durable {durable:.3f}s | load_file {fresh:.3f}s")
-        path.unlink()
-    return res
+    return run_one_file("safetensors save_file / load_file", work / "state.safetensors",
+                        lambda p: save_file(leaves(state), str(p)),
+                        lambda p: load_file(str(p)), lambda got: got, state, repeats)
 
 
 @contextlib.contextmanager
