@@ -8,10 +8,13 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 from asyncckpt._gc import gc_paused, gc_resumed
+
+T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True)
@@ -75,26 +78,6 @@ def test_a_resume_inside_a_pause_lets_the_collector_run_for_its_duration() -> No
     assert not gc.isenabled()
 
 
-def test_a_resume_while_another_thread_pauses_pauses_again_after() -> None:
-    gc.enable()
-    inside, leave = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with gc_paused():
-            inside.set()
-            assert leave.wait(10)
-
-    t = threading.Thread(target=other)
-    t.start()
-    assert inside.wait(10)
-    with gc_resumed():
-        assert gc.isenabled()
-    assert not gc.isenabled()  # the other thread's pause is still on
-    leave.set()
-    t.join(10)
-    assert gc.isenabled()
-
-
 def _in_child(report: Callable[[], bytes]) -> bytes:
     """Fork; the child writes ``report()`` to a pipe and exits. Returns what it wrote."""
     r, w = os.pipe()
@@ -119,6 +102,12 @@ def _state() -> bytes:
 
 
 def _with_another_thread_paused(report: Callable[[], bytes]) -> bytes:
+    """What a child forked while another thread pauses the collector reports."""
+    return _while_another_thread_pauses(lambda: _in_child(report))
+
+
+def _while_another_thread_pauses(fn: Callable[[], T]) -> T:
+    """``fn()``, run while another thread holds a pause."""
     inside, leave = threading.Event(), threading.Event()
 
     def worker() -> None:
@@ -130,10 +119,22 @@ def _with_another_thread_paused(report: Callable[[], bytes]) -> bytes:
     t.start()
     try:
         assert inside.wait(10)
-        return _in_child(report)
+        return fn()
     finally:
         leave.set()
         t.join(10)
+
+
+def test_a_resume_while_another_thread_pauses_pauses_again_after() -> None:
+    gc.enable()
+
+    def resume() -> bool:
+        with gc_resumed():
+            assert gc.isenabled()
+        return gc.isenabled()
+
+    assert _while_another_thread_pauses(resume) is False  # that pause is still on
+    assert gc.isenabled()
 
 
 def test_a_child_forked_during_another_threads_pause_collects_again() -> None:
