@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -14,13 +13,11 @@ from typing import Any
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from _bench import import_bench
 
 
 def _bench() -> ModuleType:
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    return importlib.import_module("bench_checkpoint")
+    return import_bench("bench_checkpoint")
 
 
 def _measured(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:

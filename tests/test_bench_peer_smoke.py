@@ -4,23 +4,19 @@ receives, and checks what every receive got against the sender's values."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from _bench import import_bench
 
 
 def _bench() -> ModuleType:
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    return importlib.import_module("bench_checkpoint")
+    return import_bench("bench_checkpoint")
 
 
 def _positive(xs: Any) -> bool:

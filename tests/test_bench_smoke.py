@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import math
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+from _bench import import_bench
+from _bench import positive as _positive
 
 
 def _bench() -> ModuleType:
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    return importlib.import_module("bench_checkpoint")
-
-
-def _positive(x: object) -> bool:
-    return isinstance(x, (int, float)) and not math.isnan(x) and x > 0
+    return import_bench("bench_checkpoint")
 
 
 @pytest.mark.slow
