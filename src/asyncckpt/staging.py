@@ -47,6 +47,13 @@ def _memmove_keeping_the_gil() -> Callable[[int, int, int], Any]:
 
 _memmove_holding_gil = _memmove_keeping_the_gil()
 _SMALL_COPY = 64 * 1024  # copies smaller than this keep the GIL
+
+
+def _memmove(dst: int, src: int, n: int) -> None:
+    """memmove: with the GIL released (copying threads run in parallel), unless small."""
+    (ctypes.memmove if n >= _SMALL_COPY else _memmove_holding_gil)(dst, src, n)
+
+
 # Staging runs on the calling thread alone when tensors are smaller than this on average:
 # copying them is Python's work more than memory's, and threads only take turns with the
 # GIL (100,000 tensors of 16 KiB were staged 30% slower by two threads than by one).
@@ -313,9 +320,7 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
 def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
                 hi: int) -> None:
     if _memcpy_able(src):
-        # One memcpy with the GIL released (the threads copy in parallel), unless small.
-        (ctypes.memmove if hi - lo >= _SMALL_COPY else _memmove_holding_gil)(
-            base + item.offset + lo, src.data_ptr() + lo, hi - lo)
+        _memmove(base + item.offset + lo, src.data_ptr() + lo, hi - lo)
     elif lo == 0 and hi == item.nbytes:
         arena.view(item).copy_(src)
     else:  # a part of a non-contiguous tensor: copy the rows that cover it
@@ -405,11 +410,9 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
             if not item.nbytes:
                 pass
             elif _memcpy_able(src):
-                # One memcpy, GIL released (unless small), on this thread: torch's copy_
-                # would fan each tensor out to its intra-op threads, which here is slower
-                # and erratic.
-                (ctypes.memmove if item.nbytes >= _SMALL_COPY else _memmove_holding_gil)(
-                    base + item.offset, src.data_ptr(), item.nbytes)
+                # One memmove on this thread: torch's copy_ would fan each tensor out to
+                # its intra-op threads, which here is slower and erratic.
+                _memmove(base + item.offset, src.data_ptr(), item.nbytes)
             elif several and src.is_cuda:
                 with torch.cuda.stream(streams[src.device]):
                     arena.view(item).copy_(src, non_blocking=arena.pinned)
