@@ -959,10 +959,8 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
                                   tuple(t["checksums"])))
     out: dict[str, TensorEntry] = {}
     for key, (dtype, shape, kind, chunks) in tensors.items():
-        if len(chunks) > 1 or chunks[0].lengths != shape or any(chunks[0].offsets):
-            chunks.sort(key=lambda c: c.offsets)
-            _check_coverage(key, shape, chunks, partial)
-        # (else one chunk that is the whole tensor, as most are: it covers it)
+        chunks.sort(key=lambda c: c.offsets)
+        _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
     differing: list[str] = []
     skeleton = merge_skeletons([r["skeleton"] for r in records], differing)

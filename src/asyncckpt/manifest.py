@@ -532,11 +532,8 @@ def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[st
             raise c.fail(f"chunk needs {n_blocks} 16-hex-digit checksums", key)
         chunks.append(Chunk(file, c.str_(ch.get("key"), "chunk key", key), offsets, lengths,
                             (br[0], br[1]), tuple(sums)))
-    if len(chunks) == 1 and chunks[0].lengths == shape and not any(chunks[0].offsets):
-        problem = None  # one chunk that is the whole tensor: the common case
-    else:
-        problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks],
-                                 allow_gaps=partial)
+    problem = tiling_problem(shape, [(ch.offsets, ch.lengths) for ch in chunks],
+                             allow_gaps=partial)
     if problem is not None:
         raise c.fail(f"its chunks do not tile shape {list(shape)}: {problem}", key)
     return TensorEntry(dtype, shape, kind, tuple(chunks))

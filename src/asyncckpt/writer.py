@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from . import commit
 from ._gc import gc_paused
 from .dist import DistContext, Pulse, make_record, merge_records, raise_failures
@@ -600,10 +598,7 @@ def _describe(job: SaveJob) -> _Described:
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv = job.arena.memoryview()
-    block, digest = job.block_bytes, xxhash.xxh3_64_hexdigest
-    # (one entry per tensor: kept cheap for states of many small ones)
-    checksums = {item.key: (digest(mv[item.offset:item.end]),) if item.nbytes <= block
-                 else tuple(block_checksums(mv[item.offset:item.end], block))
+    checksums = {item.key: tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
                  for item in job.plan.items}
     with _gc_paused():
         record = _record(job, checksums)
