@@ -29,6 +29,8 @@ from asyncckpt.errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
+from asyncckpt.manifest import shard_file_name
+from asyncckpt.reader import read_manifest
 from asyncckpt.storage import LocalStorage
 
 
@@ -168,6 +170,82 @@ def _dir_hash(path: Path) -> str:
 
 def _state(r: int) -> dict[str, Any]:
     return {"w": torch.arange(6, dtype=torch.float32), "step": 1}  # replicated: equal
+
+
+class _ReadLog:
+    """A rank's view of a shared Store that notes every key it reads or checks."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.read: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.read.append(key)
+        return self._store.get(key)  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        self.read.extend(keys)
+        return self._store.check(keys)  # type: ignore[no-any-return]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.read.extend(keys)
+        return self._store.multi_get(keys)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:  # set, add, compare_set, delete_key
+        return getattr(self._store, name)
+
+
+def _rank_of(key: str) -> int | None:
+    """Whose per-rank key ``key`` is (layout, record, items, share), else None."""
+    parts = key.split("/")
+    for i, p in enumerate(parts[:-1]):
+        if p in ("layout", "record", "done") and i + 2 == len(parts):
+            return int(parts[i + 1])
+        if p == "items" and i + 3 == len(parts):
+            return int(parts[i + 1])
+        if p == "share" and i + 3 == len(parts):
+            return int(parts[i + 2])
+    return None
+
+
+def test_only_the_coordinator_reads_the_other_ranks_layouts(tmp_path: Path) -> None:
+    """A save's barrier and a first save's choice of writers cost the Store O(world
+    size), not O(world size²): a rank other than the coordinator reads only its own
+    keys, the coordinator's go and its own share; the shares still spread the
+    replicated tensors over the ranks, and a changed layout is shared out again."""
+    world = 4
+    store = dist.HashStore()
+    logs = {r: _ReadLog(store) for r in range(world)}
+
+    def rank(r: int) -> None:
+        state: dict[str, Any] = {f"rep{i}": torch.full((1000 * (i + 1),), float(i))
+                                 for i in range(8)}  # replicated: equal on every rank
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=world,
+                               store=logs[r], timeout_s=30) as ck:
+            ck.save(state, step=1)
+            ck.save(state, step=2)
+            state[f"extra{r}"] = torch.full((5,), float(r))  # held by this rank alone
+            ck.save(state, step=3)
+
+    all_ok(in_threads(rank, world=world))
+    for r in range(1, world):
+        others = [k for k in logs[r].read if _rank_of(k) not in (None, r)]
+        assert others == [], (r, others[:5])
+        shares = {k for k in logs[r].read if "/share/" in k}
+        assert len(shares) == 2  # its first layout's, then step 3's
+    assert any("/items/3/" in k for k in logs[0].read)
+    # every replicated tensor written once, spread over the ranks; each extra by its rank
+    manifest = read_manifest(tmp_path / "step_000000003", LocalStorage())
+    mine: dict[str, list[str]] = {}
+    for key, entry in manifest.tensors.items():
+        assert len(entry.chunks) == 1, key
+        mine.setdefault(entry.chunks[0].file, []).append(key)
+    assert sorted(mine) == [shard_file_name(r) for r in range(world)]
+    assert all(f"extra{r}" in mine[shard_file_name(r)] and len(mine[shard_file_name(r)]) >= 2
+               for r in range(world))
+    got = asyncckpt.load(tmp_path / "step_000000003")
+    assert torch.equal(got["rep7"], torch.full((8000,), 7.0))
+    assert torch.equal(got["extra2"], torch.full((5,), 2.0))
 
 
 def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: Path) -> None:

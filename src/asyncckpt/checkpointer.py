@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -25,7 +26,10 @@ from .dist import (
     LocalItem,
     Pulse,
     assign_writers,
+    decode_share,
+    encode_share,
     layout_digest,
+    layout_id,
     raise_failures,
     resolve_context,
 )
@@ -90,7 +94,7 @@ class CheckpointerConfig:
     timeout_s: float = 600.0
     """How long any cross-rank wait may take before it fails naming the silent ranks."""
     copy_threads: int | None = None
-    """Threads that copy CPU tensors into the arena; None: min(4, CPU count)."""
+    """Threads that copy CPU tensors into the arena; None: see default_copy_threads()."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
@@ -109,11 +113,29 @@ class CheckpointerConfig:
         if not isinstance(self.direct_io, bool):  # "no" would read as True
             raise CheckpointConfigError(f"direct_io={self.direct_io!r}: use True or False")
         if self.copy_threads is None:
-            object.__setattr__(self, "copy_threads", min(4, os.cpu_count() or 1))
+            object.__setattr__(self, "copy_threads", default_copy_threads())
         elif type(self.copy_threads) is not int or self.copy_threads < 1:
             raise CheckpointConfigError(
                 f"copy_threads={self.copy_threads!r}: use a positive int, or None for the default")
         check_block_bytes(self.block_bytes)
+
+
+def default_copy_threads() -> int:
+    """The CPUs this process may run on, shared among the ranks of this machine (the
+    ``LOCAL_WORLD_SIZE`` that torchrun sets), at most 4 and at least 1.
+
+    Ranks that copy with more threads than the machine has cores take turns on them:
+    two ranks on two cores staged in ~1.5x the time with two threads each than with one.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cpus // max(1, local)))
 
 
 class AsyncCheckpointer:
@@ -166,8 +188,11 @@ class AsyncCheckpointer:
         # a failed save nobody waited on: (its future, its error), raised by wait()
         self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
-        self._layout: tuple[tuple[str, ...], set[str]] | None = None  # digests -> my keys
+        # (the group's layout id, this rank's digest in it, the keys this rank writes)
+        self._layout: tuple[str, str, set[str]] | None = None
+        self._digests: tuple[str, ...] = ()  # coordinator: every rank's, in self._layout
         self._my_digest: str | None = None
+        self._my_order: list[str] = []  # the keys of self._my_digest's layout, in order
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
         self._posted_digests: set[str] = set()  # every layout this rank posted
         self._probed: tuple[Any, list[str]] | None = None  # (for _layout) replicas to hash
@@ -581,7 +606,9 @@ class AsyncCheckpointer:
                 self._lock.release()
                 if self._ctx.distributed:  # the Store keys of this checkpointer's saves
                     self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
-                                      sorted(self._posted_digests))
+                                      sorted(self._posted_digests),
+                                      [self._layout[0]] if self._layout is not None
+                                      and self._ctx.is_coordinator else [])
         earlier = self._take_missed()
         if not raise_missed:
             return
@@ -693,8 +720,10 @@ class AsyncCheckpointer:
         """The tensor keys this rank writes: all of them alone; its share in a group.
 
         In a group, every rank posts the digest of its layout (keys, dtypes, boxes) and
-        reads everyone's: the one barrier of a save. Only when a digest changed are the
-        full layouts read and the writers of replicated boxes chosen again.
+        waits for the coordinator's ``go``, which the coordinator posts once it has read
+        every rank's: the one barrier of a save. Only when a digest changed does the
+        coordinator read the full layouts, choose the writers of replicated boxes again
+        and post each rank its share; a rank reads its own share only then.
         """
         ctx = self._ctx
         if not ctx.distributed:
@@ -713,12 +742,35 @@ class AsyncCheckpointer:
                 self._posted_digests.add(digest)  # (for close: the coordinator may not
                 # have seen it, and then forgets it never)
                 self._my_digest = digest
+                self._my_order = list(flat.tensors)
             self._my_sig = sig
         digest = self._my_digest
-        mine: dict[str, Any] = {"digest": digest, "step": step}
+        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest, "step": step})
+        previous = self._layout
         if ctx.is_coordinator:
-            mine["nonce"] = self._nonce  # it cleaned up in _take_lock, before this
-        ctx.put(ctx.key(tag, "layout", ctx.rank), mine)
+            lid, keys = self._start_group_save(step, tag)
+        else:
+            go = self._await_go(step, tag)
+            self._nonce, lid = go["nonce"], go["layout"]
+            keys = None
+            if previous is None or previous[0] != lid:
+                share = ctx.get(ctx.key("share", lid, ctx.rank),
+                                f"this rank's share of the tensors of step {step}")
+                keys = decode_share(self._my_order, share, f"step {step} not started")
+        if keys is not None:
+            self._layout = (lid, digest, keys)
+        if previous is not None and previous[1] != digest:
+            self._posted_digests.discard(previous[1])  # the coordinator's to forget
+        self._failed_tags.clear()
+        self._prev_tag = tag
+        assert self._layout is not None
+        return self._layout[2]
+
+    def _start_group_save(self, step: int, tag: str) -> tuple[str, set[str] | None]:
+        """Coordinator: wait for every rank's layout, check that they agree, hand out
+        the shares when the group's layout changed, post ``go``. Returns the layout id
+        and this rank's keys when they changed (else None)."""
+        ctx = self._ctx
         try:
             got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
         except CheckpointTimeoutError as exc:
@@ -732,24 +784,57 @@ class AsyncCheckpointer:
                 "the ranks called save_async with different steps ("
                 + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
                 + "); every rank must save the same step")
-        self._nonce = got[0]["nonce"]
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
-        previous = self._layout
-        if self._layout is None or self._layout[0] != digests:
+        lid = layout_id(digests)
+        previous, old_digests = self._layout, self._digests
+        keys = None
+        if previous is None or previous[0] != lid:
             layouts = {r: [LocalItem.from_json(v) for v in
                            ctx.get(ctx.key("items", r, digests[r]), f"rank {r}'s layout")]
                        for r in range(ctx.world_size)}
-            self._layout = (digests, {key for key, _ in assign_writers(layouts)[ctx.rank]})
-        if ctx.is_coordinator:
-            # Every rank has entered this save, so all are done with the previous one
-            # (and with any that failed before their layout exchange).
-            ctx.forget([self._prev_tag, *self._failed_tags],
-                       () if previous is None else previous[0], digests)
-        if previous is not None and previous[0][ctx.rank] != digest:
-            self._posted_digests.discard(previous[0][ctx.rank])  # the coordinator's to forget
-        self._failed_tags.clear()
-        self._prev_tag = tag
-        return self._layout[1]
+            writes = assign_writers(layouts)
+            for r in range(1, ctx.world_size):
+                ctx.put(ctx.key("share", lid, r), encode_share(layouts[r], writes[r]))
+            keys = {key for key, _ in writes[0]}
+        self._digests = digests
+        # Every rank has entered this save, so all are done with the previous one (and
+        # with any that failed before the barrier), and have read their last shares.
+        ctx.forget([self._prev_tag, *self._failed_tags], old_digests or (), digests,
+                   None if previous is None or previous[0] == lid else previous[0])
+        ctx.put(ctx.key(tag, "go"), {"nonce": self._nonce, "layout": lid})
+        return lid, keys
+
+    def _await_go(self, step: int, tag: str) -> dict[str, Any]:
+        """Not the coordinator: wait for its ``go`` (or why the save cannot start)."""
+        ctx = self._ctx
+        what = f"the coordinator's start of step {step}"
+        try:
+            go = ctx.get(ctx.key(tag, "go"), what)
+        except CheckpointTimeoutError as exc:
+            absent = ctx.absent_layouts(tag)
+            if absent:
+                why = (f"the layouts of step {step} from rank(s) {absent}; they may have "
+                       "died or not called save_async for this step"
+                       + ctx.why_absent(absent, self._seq))
+            else:
+                absent = [0]
+                why = f"{what} from rank 0 (the coordinator), which has every rank's layout"
+            err = CheckpointTimeoutError(
+                f"rank {ctx.rank}: timed out after {ctx.timeout_s:.0f}s waiting for {why}")
+            err.ranks = tuple(absent)
+            raise err from exc
+        if type(go) is not dict:
+            raise CheckpointSaveError(f"step {step} not started: rank 0 posted {go!r}")
+        if "error" in go:
+            why = f"step {step} not started: {go['error']}"
+            if go.get("kind") == "CheckpointTimeoutError":
+                timeout = CheckpointTimeoutError(why)
+                timeout.ranks = tuple(go.get("ranks", ()))
+                raise timeout
+            if go.get("kind") == "CheckpointConfigError":
+                raise CheckpointConfigError(why)
+            raise CheckpointSaveError(why)
+        return go
 
     def _replica_checksums(self, flat: FlatState) -> dict[str, list[str]]:
         """Checksums of the small replicated CPU tensors this rank holds but another
@@ -784,6 +869,10 @@ class AsyncCheckpointer:
                 ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg})
             if ctx.is_coordinator:
                 ctx.put(ctx.key(tag, "verdict"), {"error": msg})
+                # (before the barrier's go, the others wait for this; after it, nobody)
+                ctx.claim(ctx.key(tag, "go"), json.dumps(
+                    {"error": msg, "kind": type(exc).__name__,
+                     "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> WritePlan:
         if self._plan is not None and self._plan.signature == layout_signature(tensors):

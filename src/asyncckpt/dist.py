@@ -7,10 +7,17 @@ names the ranks that did not answer.
 
 Per save, under ``asyncckpt/<namespace>/n<save number>/``:
 
-- ``layout/<rank>``: the step and the digest of the rank's local layout (the one barrier
-  of a save, on the training thread; the coordinator adds the nonce that names the
-  step's temporary directory). When a digest is new, the full item list was put under
+- ``layout/<rank>``: the step and the digest of the rank's local layout, on the
+  training thread. When a digest is new, the full item list was put under
   ``asyncckpt/<namespace>/items/<rank>/<digest>`` first.
+- ``go``: the coordinator's answer once every rank's ``layout`` is in (the one barrier
+  of a save): the nonce that names the step's temporary directory and the id of the
+  group's layout, or why the save cannot start. The coordinator alone reads the
+  others' layouts (when a digest changed, their item lists too, to choose the writers
+  of replicated boxes) and posts each rank's share under
+  ``asyncckpt/<namespace>/share/<layout id>/<rank>``; a rank reads only the ``go`` and,
+  when the layout id is new to it, its own share. A save thus costs the Store O(world
+  size) reads, not O(world size²), and a rank's first save reads its own layout's size.
 - ``record/<rank>``: what the rank writes (file, chunks, checksums), or its error. Put
   once its bytes are hashed, long before they are durable, so that the coordinator
   merges the manifest while the shard files are still being written.
@@ -94,6 +101,34 @@ class LocalItem:
 def layout_digest(items: Sequence[LocalItem]) -> str:
     raw = json.dumps([i.to_json() for i in items], separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:24]
+
+
+def layout_id(digests: Sequence[str]) -> str:
+    """Names the group's layout: every rank's layout digest, in rank order."""
+    return hashlib.sha256(",".join(digests).encode()).hexdigest()[:24]
+
+
+def encode_share(items: Sequence[LocalItem], writes: set[tuple[str, Box]]) -> dict[str, Any]:
+    """What the coordinator tells a rank to write of its own layout: positions in the
+    items it posted, the shorter of the two lists (``skip``: all but these; ``only``)."""
+    skip = [i for i, it in enumerate(items) if (it.key, it.box) not in writes]
+    if 2 * len(skip) <= len(items):
+        return {"skip": skip}
+    return {"only": [i for i, it in enumerate(items) if (it.key, it.box) in writes]}
+
+
+def decode_share(keys: Sequence[str], share: Any, what: str) -> set[str]:
+    """The keys of ``keys`` (this rank's layout, in the order posted) that ``share``
+    (see :func:`encode_share`) says this rank writes."""
+    if type(share) is dict and len(share) == 1:
+        (kind, idx), = share.items()
+        if (kind in ("skip", "only") and type(idx) is list and all(
+                type(i) is int and 0 <= i < len(keys) for i in idx)):
+            picked = {keys[i] for i in idx}
+            return set(keys) - picked if kind == "skip" else picked
+    raise CheckpointSaveError(
+        f"{what}: the coordinator's answer {str(share)[:200]!r} does not fit this rank's "
+        f"{len(keys)} tensors; are the ranks running the same version of asyncckpt?")
 
 
 def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
@@ -329,6 +364,16 @@ class DistContext:
             n = self.store.add(f"asyncckpt/fallback/{self._base()}/count/{self.rank}", 1)
         return FallbackAgreement(self, f"asyncckpt/fallback/{self._base()}/{n}")
 
+    def absent_layouts(self, tag: str) -> list[int]:
+        """The ranks that have not posted their layout for save ``tag`` (best effort:
+        only ever asked to explain a timeout)."""
+        absent = []
+        for r in range(self.world_size):
+            with contextlib.suppress(Exception):
+                if not self.store.check([self.key(tag, "layout", r)]):
+                    absent.append(r)
+        return absent
+
     def why_absent(self, ranks: Sequence[int], seq: int) -> str:
         """What ``ranks``, which never posted their layout for save number ``seq`` of
         this namespace, are doing instead, as far as the Store tells: for an error."""
@@ -360,17 +405,19 @@ class DistContext:
                 "saves with in the same order, for the same directory, and call save_async "
                 "the same number of times")
 
-    def release(self, tags: Sequence[str], digests: Sequence[str]) -> None:
+    def release(self, tags: Sequence[str], digests: Sequence[str],
+                layouts: Sequence[str] = ()) -> None:
         """At close: post what this rank may have left in the Store (the tags of saves
-        not yet forgotten, the digests of the layouts it posted) and count itself out;
+        not yet forgotten, the digests of the layouts it posted, the group layouts whose
+        shares it handed out) and count itself out;
         the last rank of the group to close deletes all of it (by then no rank waits on
         any of it). The ``where`` keys and the checkpointer counts stay: one of each per
         rank and directory."""
         if not self.namespace:
             return
         with contextlib.suppress(Exception):
-            self.store.set(self.key("closing", self.rank),
-                           json.dumps({"tags": list(tags), "digests": list(digests)}))
+            self.store.set(self.key("closing", self.rank), json.dumps(
+                {"tags": list(tags), "digests": list(digests), "layouts": list(layouts)}))
             if self.store.add(self.key("closed"), 1) < self.world_size:
                 return
             left: set[str] = set()
@@ -382,6 +429,8 @@ class DistContext:
                     info = json.loads(self.store.get(closing))
                     left.update(info["tags"])
                     items += [self.key("items", r, d) for d in info["digests"]]
+                    items += [self.key("share", lid, o) for lid in info.get("layouts", ())
+                              for o in range(1, self.world_size)]
                 keys.append(closing)
             self.forget(sorted(left), (), ())
             self._delete(keys, items)
@@ -450,8 +499,9 @@ class DistContext:
         return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
 
     def forget(self, tags: Sequence[str | None], old_digests: Sequence[str],
-               digests: Sequence[str]) -> None:
-        """Delete the keys of finished saves, and layouts no rank uses any more."""
+               digests: Sequence[str], old_layout: str | None = None) -> None:
+        """Delete the keys of finished saves, layouts no rank uses any more, and the
+        shares the coordinator handed out for ``old_layout`` (the group's last layout)."""
         keys = []
         parted = []  # the keys whose values may have been posted in parts (see put)
         for tag in tags:
@@ -461,8 +511,11 @@ class DistContext:
                      for r in range(self.world_size)]
             parted += [self.key(tag, "record", r) for r in range(self.world_size)]
             keys += [self.key(tag, "beat", r) for r in range(self.world_size)]
-            keys += [self.key(tag, part) for part in ("verdict", "decision", "abort", "seen")]
+            keys += [self.key(tag, part)
+                     for part in ("go", "verdict", "decision", "abort", "seen")]
         parted += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
+        if old_layout is not None:
+            parted += [self.key("share", old_layout, r) for r in range(1, self.world_size)]
         self._delete(keys, parted)
 
     def saw_verdict(self, tag: str) -> None:
