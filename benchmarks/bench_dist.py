@@ -314,7 +314,9 @@ def spawn_ranks(spec: dict[str, Any], world: int, work: Path, timeout_s: float
             with open(logs[r], "wb") as log:
                 procs[r] = subprocess.Popen(
                     [sys.executable, str(HERE / "bench_dist.py"), "--rank-worker",
-                     str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                     str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
+                    # what torchrun tells its ranks about this machine's share of them
+                    env={**env, "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world)},
                     cwd=str(work), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs.values()):
@@ -539,7 +541,8 @@ class RankBench:
         views = buf.views_like(tensors)
         lim.copy_tensors(views, tensors)  # warm-up
         # Candidates, round-robin, all ranks at once: torch's copy_ (one thread per rank)
-        # and memcpy split over as many threads as asyncckpt's copy_threads default.
+        # and memcpy split over several threads per rank (more, all ranks together, than
+        # this machine may have cores: the faster of the two is the limit).
         k = max(2, min(4, os.cpu_count() or 1))
         candidates: dict[str, Callable[[], object]] = {
             "torch copy_ per tensor": functools.partial(lim.copy_tensors, views, tensors),

@@ -170,6 +170,26 @@ def test_copy_threads_must_be_a_positive_int(tmp_path: object, bad: object) -> N
         asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("cpus", "local", "want"), [
+    (2, None, 2), (2, "2", 1), (16, "8", 2), (64, "2", 4), (3, "8", 1), (2, "junk", 2)])
+def test_the_default_copy_threads_share_the_cpus_among_the_ranks_of_a_machine(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch, cpus: int, local: str | None,
+        want: int) -> None:
+    import os
+
+    import asyncckpt
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:  # type: ignore[arg-type]
+        assert ckpt.config.copy_threads == want
+    with asyncckpt.AsyncCheckpointer(tmp_path, copy_threads=3) as ckpt:  # type: ignore[arg-type]
+        assert ckpt.config.copy_threads == 3  # an explicit count is kept
+
+
 @pytest.mark.parametrize("copy_threads", [1, 3])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failing_copy_names_its_tensor_to_the_caller(
