@@ -191,6 +191,7 @@ class AsyncCheckpointer:
         # (the group's layout id, this rank's digest in it, the keys this rank writes)
         self._layout: tuple[str, str, set[str]] | None = None
         self._digests: tuple[str, ...] = ()  # coordinator: every rank's, in self._layout
+        self._shared: set[str] = set()  # coordinator: the layouts whose shares it posted
         self._my_digest: str | None = None
         self._my_order: list[str] = []  # the keys of self._my_digest's layout, in order
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
@@ -607,8 +608,7 @@ class AsyncCheckpointer:
                 if self._ctx.distributed:  # the Store keys of this checkpointer's saves
                     self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
                                       sorted(self._posted_digests),
-                                      [self._layout[0]] if self._layout is not None
-                                      and self._ctx.is_coordinator else [])
+                                      sorted(self._shared))
         earlier = self._take_missed()
         if not raise_missed:
             return
@@ -793,6 +793,7 @@ class AsyncCheckpointer:
                            ctx.get(ctx.key("items", r, digests[r]), f"rank {r}'s layout")]
                        for r in range(ctx.world_size)}
             writes = assign_writers(layouts)
+            self._shared.add(lid)
             for r in range(1, ctx.world_size):
                 ctx.put(ctx.key("share", lid, r), encode_share(layouts[r], writes[r]))
             keys = {key for key, _ in writes[0]}
@@ -800,7 +801,8 @@ class AsyncCheckpointer:
         # Every rank has entered this save, so all are done with the previous one (and
         # with any that failed before the barrier), and have read their last shares.
         ctx.forget([self._prev_tag, *self._failed_tags], old_digests or (), digests,
-                   None if previous is None or previous[0] == lid else previous[0])
+                   sorted(self._shared - {lid}))
+        self._shared &= {lid}
         ctx.put(ctx.key(tag, "go"), {"nonce": self._nonce, "layout": lid})
         return lid, keys
 

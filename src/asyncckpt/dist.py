@@ -499,9 +499,9 @@ class DistContext:
         return got.decode(errors="replace") if isinstance(got, bytes) else str(got)
 
     def forget(self, tags: Sequence[str | None], old_digests: Sequence[str],
-               digests: Sequence[str], old_layout: str | None = None) -> None:
+               digests: Sequence[str], old_layouts: Sequence[str] = ()) -> None:
         """Delete the keys of finished saves, layouts no rank uses any more, and the
-        shares the coordinator handed out for ``old_layout`` (the group's last layout)."""
+        shares the coordinator handed out for ``old_layouts`` (group layouts gone)."""
         keys = []
         parted = []  # the keys whose values may have been posted in parts (see put)
         for tag in tags:
@@ -514,8 +514,8 @@ class DistContext:
             keys += [self.key(tag, part)
                      for part in ("go", "verdict", "decision", "abort", "seen")]
         parted += [self.key("items", r, d) for r, d in enumerate(old_digests) if d != digests[r]]
-        if old_layout is not None:
-            parted += [self.key("share", old_layout, r) for r in range(1, self.world_size)]
+        parted += [self.key("share", lid, r) for lid in old_layouts
+                   for r in range(1, self.world_size)]
         self._delete(keys, parted)
 
     def saw_verdict(self, tag: str) -> None:
