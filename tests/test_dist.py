@@ -781,6 +781,55 @@ def test_a_rank_that_runs_out_of_steps_tells_a_rank_that_has_more(tmp_path: Path
     assert time.monotonic() - t0 < 30, "rank 0 waited for its timeout"
 
 
+def test_ranks_that_see_different_steps_stop_a_group_fallback_load(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    class SeesOnlyStep1(LocalStorage):  # step 2 not (yet) visible on this node
+        def listdir(self, path: Path) -> list[str]:
+            return [n for n in super().listdir(path) if n != "step_000000002"]
+
+    def load(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                               storage=SeesOnlyStep1() if r == 1 else None) as ck:
+            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
+                           shards={"w": ShardMetadata((8,), (4 * r,))})
+
+    t0 = time.monotonic()
+    out = in_threads(load)
+    for r in (0, 1):
+        assert isinstance(out[r], CheckpointError), out
+        assert "it tried step 1 where rank 0 tried step 2" in str(out[r]), out[r]
+        assert "different committed steps" in str(out[r])
+    assert time.monotonic() - t0 < 30, "a rank waited for its timeout"
+
+
+def test_a_group_fallback_decision_is_read_by_rank_0_alone_and_stays_small(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only rank 0 reads the ranks' verdicts; the others read its decision, which names
+    a bounded number of the ranks that found the step damaged."""
+    import asyncckpt.dist as dist_mod
+
+    monkeypatch.setattr(dist_mod, "_MAX_BAD_REPORTED", 2)
+    world = 4
+    store = dist.HashStore()
+    logs = {r: _ReadLog(store) for r in range(world)}
+
+    def rank(r: int) -> list[tuple[int, str]]:
+        ctx = DistContext(rank=r, world_size=world, store=logs[r], namespace="t",
+                          timeout_s=30, directory="/d")
+        agree = dist_mod.FallbackAgreement(ctx, "asyncckpt/fallback/test/1")
+        return agree(0, 7, f"damaged on rank {r}")
+
+    out = all_ok(in_threads(rank, world=world))
+    note = "damaged on rank 1 (and 2 more ranks found this step damaged)"
+    assert out[0] == [(1, note)]  # (the first two, less itself)
+    assert out[3] == [(0, "damaged on rank 0"), (1, note)]
+    for r in range(1, world):
+        verdicts = [k for k in logs[r].read if k.rsplit("/", 1)[1].isdigit()]
+        assert verdicts == [], (r, verdicts)
+
+
 class _NoWait:
     """A Store that counts calls of ``wait``: a TCPStore client holds its lock for the
     whole of one, so a background wait would stall the training thread's Store calls

@@ -1070,16 +1070,23 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
             "held by exactly one box of the ranks' declared shards")
 
 
+# The most "other ranks found this step damaged" a group fallback load's decision carries:
+# each rank reads the decision, and a thousand ranks' problems, read by a thousand ranks,
+# would be a million through the Store.
+_MAX_BAD_REPORTED = 16
+
+
 @dataclass
 class FallbackAgreement:
     """The verdicts of one group fallback load, attempt by attempt (see DistContext).
 
     Under ``<prefix>/<attempt>/``: each rank's verdict (``<rank>``) and the attempt's
-    ``decision``, claimed once (``compare_set``): "agreed" by a rank that saw every
-    verdict, or why not by a rank that failed otherwise or gave up waiting. Every rank
-    acts on the decision, so a rank that times out and one that comes late (and would
-    find every verdict posted, the stale one of the rank that gave up among them) end
-    the same way.
+    ``decision``, claimed once (``compare_set``): "agreed" (with the ranks that found the
+    step damaged) by rank 0 once it has read every verdict, or why not by rank 0 or by a
+    rank that failed otherwise or gave up waiting. Every rank acts on the decision, so a
+    rank that times out and one that comes late (and would find every verdict posted,
+    the stale one of the rank that gave up among them) end the same way. Only rank 0
+    reads the verdicts: an attempt costs the Store O(world size) reads.
     """
 
     ctx: DistContext
@@ -1090,7 +1097,7 @@ class FallbackAgreement:
         """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;
         ``failed``: it raised something no fallback answers, or has no step to try,
         ``step`` None) and wait for the group's decision. Returns the other ranks that
-        found the step damaged, with what they found.
+        found the step damaged, with what they found (at most 16 of them).
 
         Raises:
             CheckpointError: another rank failed otherwise, or tried another step.
@@ -1102,6 +1109,7 @@ class FallbackAgreement:
         decision_key = f"{here}/decision"
         keys = {r: f"{here}/{r}" for r in range(ctx.world_size)}
         what = "a load with fallback=True"
+        absent = "not called load(fallback=True) (in a group every rank must call it)"
         with ctx._store_errors(f"posting its verdict in {what}", CheckpointError):
             ctx.store.set(keys[ctx.rank],
                           json.dumps({"step": step, "problem": problem, "failed": failed}))
@@ -1110,44 +1118,39 @@ class FallbackAgreement:
             return []
         timed_out: CheckpointTimeoutError | None = None
         try:
-            ctx.wait_keys(keys, f"the ranks' verdicts on step {step} of {what}",
-                          until=lambda: ctx.store.check([decision_key]),
-                          absent="not called load(fallback=True) (in a group every rank "
-                                 "must call it)", error=CheckpointError)
+            if ctx.rank == 0:
+                ctx.wait_keys(keys, f"the ranks' verdicts on step {step} of {what}",
+                              until=lambda: ctx.store.check([decision_key]), absent=absent,
+                              error=CheckpointError)
+            else:
+                ctx.wait_keys({0: decision_key}, f"rank 0's decision on step {step} of {what}",
+                              absent=absent, error=CheckpointError)
         except CheckpointTimeoutError as exc:
             timed_out = exc
+            if ctx.rank != 0:  # name the ranks whose verdicts are missing, if any
+                silent = [r for r in range(ctx.world_size) if not _posted(ctx, keys[r])]
+                if silent:
+                    timed_out = CheckpointTimeoutError(
+                        f"rank {ctx.rank}: timed out after {ctx.timeout_s:.0f}s waiting for "
+                        f"the ranks' verdicts on step {step} of {what} from rank(s) {silent}; "
+                        f"they may have died or {absent}")
+                    timed_out.ranks = tuple(silent)
         with ctx._store_errors(f"reading the decision of {what}", CheckpointError):
             if timed_out is not None:
                 decision = self._decide(decision_key, {"rank": ctx.rank, "error": str(timed_out),
                                                        "timeout": True})
             elif ctx.store.check([decision_key]):
                 decision = json.loads(ctx.store.get(decision_key))
-            else:
-                decision = self._decide(decision_key, {"agreed": True})
+            else:  # rank 0, with every verdict in
+                verdicts = [json.loads(v) for v in ctx.store.multi_get(list(keys.values()))]
+                decision = self._decide(decision_key, _decision(ctx, verdicts, step))
         if not decision.get("agreed"):
             if timed_out is not None and decision.get("rank") == ctx.rank:
                 raise timed_out
             cls = CheckpointTimeoutError if decision.get("timeout") else CheckpointError
             raise cls(f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
                       f"step {step}: rank {decision.get('rank')} failed: {decision.get('error')}")
-        with ctx._store_errors(f"reading the verdicts of {what}", CheckpointError):
-            verdicts = [json.loads(v) for v in ctx.store.multi_get(list(keys.values()))]
-        bad = []
-        for r, got in enumerate(verdicts):
-            if r == ctx.rank:
-                continue
-            if got["failed"]:
-                raise CheckpointError(
-                    f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
-                    f"step {step}: rank {r} failed: {got['problem']}")
-            if got["step"] != step:
-                raise CheckpointError(
-                    f"rank {ctx.rank}: load(fallback=True) under {ctx.directory}: rank {r} "
-                    f"tried step {got['step']} where this rank tried step {step}: the ranks "
-                    "see different committed steps (a directory that is not shared?)")
-            if got["problem"] is not None:
-                bad.append((r, str(got["problem"])))
-        return bad
+        return [(r, p) for r, p in decision.get("bad", ()) if r != ctx.rank]
 
     def _decide(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
         """Claim the attempt's decision; return the one that holds (maybe another's)."""
@@ -1155,3 +1158,30 @@ class FallbackAgreement:
                              CheckpointError)
         decided: dict[str, Any] = json.loads(got)
         return decided
+
+
+def _posted(ctx: DistContext, key: str) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(ctx.store.check([key]))
+    return True  # unknown: not named
+
+
+def _decision(ctx: DistContext, verdicts: Sequence[dict[str, Any]], step: int | None
+              ) -> dict[str, Any]:
+    """Rank 0's decision on an attempt from every rank's verdict."""
+    bad = []
+    for r, got in enumerate(verdicts):
+        if got["failed"]:
+            return {"rank": r, "error": str(got["problem"])}
+        if got["step"] != step:
+            return {"rank": r, "error": (
+                f"it tried step {got['step']} where rank 0 tried step {step}: the ranks see "
+                "different committed steps (a directory that is not shared?)")}
+        if got["problem"] is not None:
+            bad.append((r, str(got["problem"])))
+    if len(bad) > _MAX_BAD_REPORTED:
+        r, last = bad[_MAX_BAD_REPORTED - 1]
+        bad[_MAX_BAD_REPORTED - 1] = (r, f"{last} (and {len(bad) - _MAX_BAD_REPORTED} more "
+                                         "ranks found this step damaged)")
+        del bad[_MAX_BAD_REPORTED:]
+    return {"agreed": True, "bad": bad}
