@@ -183,3 +183,14 @@ def _plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[Re
             items.append(ReadItem(key, chunk, inter, dst))
     items.sort(key=lambda it: (it.chunk.file, it.chunk.byte_range[0]))
     return items
+
+
+def plain_memory(t: torch.Tensor, *, empty_ok: bool = False) -> bool:
+    """Whether ``t``'s bytes lie as they are, row-major, at its data pointer on the CPU,
+    so that a memcpy or a read may go straight from or into them. A wrapper subclass
+    (torchao's Float8 or NF4) has no memory there (pointer 0): a memcpy from it would
+    crash the process, so it goes through copy_, which its own dispatch handles (or
+    refuses). ``empty_ok``: an empty tensor, which may have no pointer, qualifies (a read
+    of nothing into it is fine)."""
+    return (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and (t.data_ptr() != 0 or (empty_ok and t.numel() == 0)))

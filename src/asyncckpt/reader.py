@@ -48,7 +48,14 @@ from .manifest import (
     parse_manifest,
     st_dtype_and_shape,
 )
-from .plan import Box, ReadItem, box_byte_span, plan_reads, row_major_strides
+from .plan import (
+    Box,
+    ReadItem,
+    box_byte_span,
+    plain_memory,
+    plan_reads,
+    row_major_strides,
+)
 from .storage import LocalStorage, ReadStorage, is_transient
 
 log = logging.getLogger(__name__)
@@ -402,14 +409,7 @@ def _abort(storage: ReadStorage, fd: int) -> None:
 
 def _direct(it: ReadItem, dst: torch.Tensor) -> bool:
     """The saved chunk is the whole destination, which can take the bytes as they are."""
-    return it.whole_chunk and it.whole_dst and _takes_bytes(dst)
-
-
-def _takes_bytes(dst: torch.Tensor) -> bool:
-    """Whether a read can go straight into ``dst``'s memory (a wrapper subclass has no
-    memory at its data pointer, 0: it takes the bytes by copy_)."""
-    return (dst.is_cpu and dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()
-            and (dst.data_ptr() != 0 or dst.numel() == 0))
+    return it.whole_chunk and it.whole_dst and plain_memory(dst, empty_ok=True)
 
 
 def _direct_views(items: list[ReadItem], out: Mapping[str, torch.Tensor]
@@ -423,7 +423,7 @@ def _direct_views(items: list[ReadItem], out: Mapping[str, torch.Tensor]
             mv = mem[it.key]
         else:
             dst = out[it.key]
-            mv = mem[it.key] = tensor_bytes(dst) if _takes_bytes(dst) else None
+            mv = mem[it.key] = tensor_bytes(dst) if plain_memory(dst, empty_ok=True) else None
         views.append(mv if mv is not None and it.whole_chunk and it.whole_dst else None)
     return views
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointSaveError, CheckpointTimeoutError
-from .plan import WriteItem, WritePlan
+from .plan import WriteItem, WritePlan, plain_memory
 
 log = logging.getLogger(__name__)
 
@@ -319,20 +319,12 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
 
 def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
                 hi: int) -> None:
-    if _memcpy_able(src):
+    if plain_memory(src):
         _memmove(base + item.offset + lo, src.data_ptr() + lo, hi - lo)
     elif lo == 0 and hi == item.nbytes:
         arena.view(item).copy_(src)
     else:  # a part of a non-contiguous tensor: copy the rows that cover it
         _copy_rows(item, src, arena, lo, hi)
-
-
-def _memcpy_able(src: torch.Tensor) -> bool:
-    """Whether ``src``'s bytes lie as they are at its data pointer. A wrapper subclass
-    (torchao's Float8 or NF4) has none there (0): a memcpy from it crashes the process,
-    so it goes through copy_, which its own dispatch handles (or refuses)."""
-    return (src.is_cpu and src.is_contiguous() and not src.is_conj()
-            and not src.is_neg() and src.data_ptr() != 0)
 
 
 def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi: int) -> None:
@@ -409,7 +401,7 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
         try:
             if not item.nbytes:
                 pass
-            elif _memcpy_able(src):
+            elif plain_memory(src):
                 # One memmove on this thread: torch's copy_ would fan each tensor out to
                 # its intra-op threads, which here is slower and erratic.
                 _memmove(base + item.offset, src.data_ptr(), item.nbytes)
