@@ -273,6 +273,49 @@ def test_tiling_problem_matches_counting_every_element(case, allow_gaps):
             == _tiling_by_counting(shape, boxes, allow_gaps))
 
 
+@st.composite
+def slabs(draw):
+    """Slabs along one dimension (a Shard(d) tensor's chunks), often spoiled: a slab
+    dropped, doubled, widened into its neighbour, or made partial in another dimension."""
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=rank, max_size=rank)))
+    d = draw(st.integers(0, rank - 1))
+    edges = sorted({0, shape[d], *draw(st.lists(st.integers(0, shape[d]), max_size=4))})
+
+    def box(a: int, b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (tuple(a if i == d else 0 for i in range(rank)),
+                tuple(b - a if i == d else n for i, n in enumerate(shape)))
+
+    boxes = [box(a, b) for a, b in itertools.pairwise(edges)]
+    for _ in range(draw(st.integers(0, 2))):
+        op = draw(st.sampled_from(["drop", "double", "widen", "other dim"]))
+        i = draw(st.integers(0, len(boxes) - 1))
+        (offs, lens) = boxes[i]
+        if op == "drop":
+            boxes.pop(i)
+        elif op == "double":
+            boxes.append(boxes[i])
+        elif op == "widen" and offs[d] + lens[d] < shape[d]:
+            boxes[i] = box(offs[d], offs[d] + lens[d] + 1)
+        elif op == "other dim" and rank > 1:
+            e = (d + 1) % rank
+            boxes[i] = (offs, tuple(n - 1 if j == e and n > 1 else n
+                                    for j, n in enumerate(lens)))
+        if not boxes:
+            break
+    return shape, draw(st.permutations(boxes))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slabs(), st.booleans())
+def test_tiling_problem_of_slabs_matches_counting_every_element(case, allow_gaps):
+    """The slab shortcut (one partial dimension: sorted intervals, no grid) gives the
+    grid check's verdict."""
+    shape, boxes = case
+    assert (tiling_problem(shape, boxes, allow_gaps=allow_gaps)
+            == _tiling_by_counting(shape, boxes, allow_gaps))
+
+
 def test_tiling_problem_rejects_nested_boxes_without_visiting_each_one():
     # K boxes nested on the diagonal of a K x K tensor: adding each box to a count before
     # looking for overlaps took O(K^3) (seconds for one small hostile manifest)

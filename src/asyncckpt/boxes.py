@@ -70,6 +70,10 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
         if len(boxes) > 1 or (not boxes and not allow_gaps):
             return f"{len(boxes)} chunks for one scalar"
         return None
+    slab = _slab_dim(shape, boxes)
+    if slab is not None:
+        return _slabs_problem(shape[slab], sorted((b[0][slab], b[0][slab] + b[1][slab])
+                                                  for b in boxes), allow_gaps)
     cuts = [sorted({0, s, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
@@ -86,3 +90,35 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
     if not allow_gaps and not covered.all():
         return "chunks leave part of the tensor uncovered"
     return None
+
+
+def _slab_dim(shape: tuple[int, ...], boxes: list[Box]) -> int | None:
+    """The one dimension in which the boxes may be partial, whole in every other (the
+    chunks of a ``Shard(d)`` tensor on a 1-D mesh), or None when there is no such one."""
+    dim = None
+    for offs, lens in boxes:
+        for d, (o, n, s) in enumerate(zip(offs, lens, shape, strict=True)):
+            if o or n != s:
+                if dim is None:
+                    dim = d
+                elif d != dim:
+                    return None
+    return 0 if dim is None else dim  # (whole boxes: any dimension tells)
+
+
+def _slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -> str | None:
+    """tiling_problem for slabs, given their sorted [start, end) along their dimension:
+    any overlap first (as the grid check finds one wherever it is), then any gap."""
+    end = 0
+    for lo, hi in spans:
+        if lo < end:
+            return "chunks overlap"
+        end = hi
+    if allow_gaps:
+        return None
+    end = 0
+    for lo, hi in spans:
+        if lo > end:
+            break
+        end = hi
+    return None if end == extent else "chunks leave part of the tensor uncovered"
