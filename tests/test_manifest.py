@@ -749,19 +749,30 @@ _ODD_VALUES = [None, True, False, 0, 1, -1, 2, 3, 12, 48, 2**62, 1.0, "x", "0" *
                [False, 0], [0, False]]
 
 
-def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> None:
-    """The one-pass parser agrees with the checked one: same entry, or it declines."""
-    from asyncckpt.manifest import _Check, _parse_tensor_checked, _parse_whole_tensor
+def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> int:
+    """The one-pass parsers (a whole tensor; several chunks) agree with the checked one:
+    same entry, or they decline. Returns how many took ``t``."""
+    from asyncckpt.manifest import (
+        _Check,
+        _parse_chunked_tensor,
+        _parse_tensor_checked,
+        _parse_whole_tensor,
+    )
 
-    try:
-        fast = _parse_whole_tensor(t, files, block_bytes)  # type: ignore[arg-type]
-    except Exception as exc:  # it must decline, never raise
-        raise AssertionError(f"fast path raised {exc!r} on {t!r}") from exc
-    if fast is None:
-        return
-    slow = _parse_tensor_checked(_Check(PATH), "k", t, files, block_bytes,  # type: ignore[arg-type]
-                                 False)
-    assert fast == slow, t
+    took = 0
+    for fast_parse in (_parse_whole_tensor,
+                       lambda t, f, b: _parse_chunked_tensor(t, f, b, False)):
+        try:
+            fast = fast_parse(t, files, block_bytes)  # type: ignore[operator]
+        except Exception as exc:  # it must decline, never raise
+            raise AssertionError(f"fast path raised {exc!r} on {t!r}") from exc
+        if fast is None:
+            continue
+        slow = _parse_tensor_checked(_Check(PATH), "k", t, files,  # type: ignore[arg-type]
+                                     block_bytes, False)
+        assert fast == slow, t
+        took += 1
+    return took
 
 
 def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
@@ -787,8 +798,36 @@ def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
             _fast_vs_checked(t, files, BLOCK)
             n += 1
     for name in ("step_arr", "empty", "model/w"):  # 0-d, empty and two-chunk tensors
-        _fast_vs_checked(doc["tensors"][name], files, BLOCK)
+        assert _fast_vs_checked(doc["tensors"][name], files, BLOCK) >= 1, name
     assert n > 300
+
+
+def test_fast_parse_of_a_chunked_tensor_accepts_exactly_what_the_checked_parse_accepts():
+    doc = good_doc()
+    files = parse_doc(doc).files
+    sharded = doc["tensors"]["model/w"]  # two chunks
+    assert len(sharded["chunks"]) == 2
+    fields = [("dtype",), ("shape",), ("kind",), ("chunks",)] + [
+        ("chunks", i, f) for i in (0, 1) for f in ("file", "key", "offsets", "lengths",
+                                                    "byte_range", "checksums")]
+    n = taken = 0
+    for path in fields:
+        for value in [*_ODD_VALUES, "__delete__"]:
+            t = copy.deepcopy(sharded)
+            parent = t
+            for p in path[:-1]:
+                parent = parent[p]
+            if value == "__delete__":
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+            taken += _fast_vs_checked(t, files, BLOCK)
+            n += 1
+    for swap in (True, False):  # chunk order, and one chunk twice (an overlap)
+        t = copy.deepcopy(sharded)
+        t["chunks"] = t["chunks"][::-1] if swap else [t["chunks"][0]] * 2
+        taken += _fast_vs_checked(t, files, BLOCK)
+    assert n > 600 and taken > 0
 
 
 def _parse_whole(t: dict, files: dict):

@@ -479,9 +479,55 @@ def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_by
 _KINDS = frozenset(("torch", "numpy", "numpy_scalar"))
 
 
+def _parse_chunked_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_bytes: int,
+                          partial: bool) -> TensorEntry | None:
+    """A tensor of several chunks (a sharded one), valid, checked chunk by chunk in one
+    pass each; None for anything else or anything wrong, which the full parser then
+    names. Accepts exactly what the full parser accepts."""
+    name = t.get("dtype")
+    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
+    shape: Any = t.get("shape")
+    raw = t.get("chunks")
+    kind = t.get("kind")
+    if (dtype is None or type(raw) is not list or type(kind) is not str or kind not in _KINDS
+            or not _nonneg_ints(shape) or (shape and max(shape) >= _MAX_DIM)
+            or math.prod(shape) * dtype.itemsize >= _MAX_DIM):
+        return None
+    dims = tuple(shape)
+    ndim, itemsize = len(dims), dtype.itemsize
+    chunks = []
+    for ch in raw:
+        if type(ch) is not dict:
+            return None
+        file: Any = ch.get("file")
+        ckey: Any = ch.get("key")
+        offsets: Any = ch.get("offsets")
+        lengths: Any = ch.get("lengths")
+        br: Any = ch.get("byte_range")
+        sums: Any = ch.get("checksums")
+        entry = files.get(file) if type(file) is str else None
+        if (entry is None or type(ckey) is not str or not _nonneg_ints(offsets)
+                or not _nonneg_ints(lengths) or len(offsets) != ndim or len(lengths) != ndim
+                or any(o + n > d for o, n, d in zip(offsets, lengths, dims, strict=True))
+                or type(br) is not list or len(br) != 2 or type(sums) is not list):
+            return None
+        lo, hi = br
+        nbytes = math.prod(lengths) * itemsize
+        if (type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= entry.bytes
+                or hi - lo != nbytes or len(sums) != max(1, -(-nbytes // block_bytes))
+                or not _hex16s(sums)):
+            return None
+        chunks.append(Chunk(file, ckey, tuple(offsets), tuple(lengths), (lo, hi), tuple(sums)))
+    if tiling_problem(dims, [(ch.offsets, ch.lengths) for ch in chunks],
+                      allow_gaps=partial) is not None:
+        return None
+    return TensorEntry(dtype, dims, kind, tuple(chunks))
+
+
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
                   block_bytes: int, partial: bool) -> TensorEntry:
-    fast = _parse_whole_tensor(t, files, block_bytes)
+    fast = (_parse_whole_tensor(t, files, block_bytes)
+            or _parse_chunked_tensor(t, files, block_bytes, partial))
     if fast is not None:
         return fast
     return _parse_tensor_checked(c, key, t, files, block_bytes, partial)
