@@ -431,6 +431,28 @@ def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -
     assert isinstance(out[0], CheckpointSaveError) and "step=-5" in str(out[0]), out[0]
 
 
+def test_a_third_rank_is_told_of_a_failed_rank_in_the_words_rank_0_read_them(
+        tmp_path: Path) -> None:
+    """Rank 1 fails before the barrier; rank 2 learns it through rank 0's go, as rank 0
+    said it: the failing rank named once, no second "not started" wrapped around it."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=60) as ck:
+            ck.save(_state(r), step=-5 if r == 1 else 5)
+
+    t0 = time.monotonic()
+    out = in_threads(rank, world=3)
+    assert time.monotonic() - t0 < 20  # not the 60 s timeout
+    assert isinstance(out[1], CheckpointConfigError), out[1]
+    for r in (0, 2):
+        assert isinstance(out[r], CheckpointSaveError), out[r]
+        assert str(out[r]).startswith("step 5 not started: rank 1 failed: rank 1: "
+                                      "CheckpointConfigError: step=-5"), out[r]
+        assert str(out[r]).count("not started") == 1, out[r]
+
+
 def test_closing_every_rank_leaves_only_a_where_key_and_a_count_per_rank(tmp_path: Path
                                                                           ) -> None:
     store = dist.HashStore()

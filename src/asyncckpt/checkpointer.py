@@ -772,18 +772,15 @@ class AsyncCheckpointer:
         and this rank's keys when they changed (else None)."""
         ctx = self._ctx
         try:
-            got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
-        except CheckpointTimeoutError as exc:
-            err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
-            err.ranks = exc.ranks
-            raise err from exc
-        raise_failures(got, f"step {step} not started")
-        steps = {r: got[r]["step"] for r in range(ctx.world_size)}
-        if len(set(steps.values())) > 1:
-            raise CheckpointConfigError(
-                "the ranks called save_async with different steps ("
-                + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
-                + "); every rank must save the same step")
+            got = self._gather_layouts(step, tag)
+        except CheckpointError as exc:
+            # the others raise this error as it is ("said"); _announce_failure's more
+            # general post (the claim holds the first) would prefix what it says again
+            with contextlib.suppress(Exception):
+                ctx.claim(ctx.key(tag, "go"), json.dumps(
+                    {"error": str(exc), "kind": type(exc).__name__, "said": True,
+                     "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
+            raise
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
         lid = layout_id(digests)
         previous, old_digests = self._layout, self._digests
@@ -805,6 +802,25 @@ class AsyncCheckpointer:
         self._shared &= {lid}
         ctx.put(ctx.key(tag, "go"), {"nonce": self._nonce, "layout": lid})
         return lid, keys
+
+    def _gather_layouts(self, step: int, tag: str) -> dict[int, Any]:
+        """Coordinator: every rank's layout post, once each is in; raises when a rank
+        failed, the ranks save different steps, or one did not come in time."""
+        ctx = self._ctx
+        try:
+            got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
+        except CheckpointTimeoutError as exc:
+            err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
+            err.ranks = exc.ranks
+            raise err from exc
+        raise_failures(got, f"step {step} not started")
+        steps = {r: got[r]["step"] for r in range(ctx.world_size)}
+        if len(set(steps.values())) > 1:
+            raise CheckpointConfigError(
+                "the ranks called save_async with different steps ("
+                + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
+                + "); every rank must save the same step")
+        return got
 
     def _await_go(self, step: int, tag: str) -> dict[str, Any]:
         """Not the coordinator: wait for its ``go`` (or why the save cannot start)."""
@@ -828,7 +844,7 @@ class AsyncCheckpointer:
         if type(go) is not dict:
             raise CheckpointSaveError(f"step {step} not started: rank 0 posted {go!r}")
         if "error" in go:
-            why = f"step {step} not started: {go['error']}"
+            why = go["error"] if go.get("said") else f"step {step} not started: {go['error']}"
             if go.get("kind") == "CheckpointTimeoutError":
                 timeout = CheckpointTimeoutError(why)
                 timeout.ranks = tuple(go.get("ranks", ()))
