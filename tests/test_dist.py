@@ -248,6 +248,42 @@ def test_only_the_coordinator_reads_the_other_ranks_layouts(tmp_path: Path) -> N
     assert torch.equal(got["extra2"], torch.full((5,), 2.0))
 
 
+def test_sixteen_ranks_save_share_out_replicas_and_load_back(tmp_path: Path) -> None:
+    """A larger group through one Store: declared shards, replicated tensors spread over
+    the writers, a layout that changes on some ranks between saves; every value back."""
+    world = 16
+    store = dist.HashStore()
+
+    def state(r: int, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"w": torch.full((2, 3), float(100 * step + r)),
+                               "step": step}
+        out.update({f"rep{i}": torch.full((64 * (i + 1),), float(i + step)) for i in range(6)})
+        if step == 2 and r % 3 == 0:
+            out[f"only{r}"] = torch.full((4,), float(r))  # held by this rank alone
+        return out
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world, store=store,
+                               timeout_s=60, copy_threads=1) as ck:
+            for step in (1, 2):
+                ck.save_async(state(r, step), step=step,
+                              shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))}).wait()
+
+    all_ok(in_threads(rank, world=world, timeout=120))
+    got = asyncckpt.load(tmp_path / "step_000000002")
+    assert torch.equal(got["w"], torch.arange(world, dtype=torch.float32).add(200)
+                       .repeat_interleave(2)[:, None].expand(2 * world, 3))
+    for i in range(6):
+        assert torch.equal(got[f"rep{i}"], torch.full((64 * (i + 1),), float(i + 2)))
+    assert sorted(k for k in got if k.startswith("only")) == sorted(
+        f"only{r}" for r in range(0, world, 3))
+    assert all(torch.equal(got[f"only{r}"], torch.full((4,), float(r)))
+               for r in range(0, world, 3))
+    files = {c.file for e in read_manifest(tmp_path / "step_000000002",
+                                           LocalStorage()).tensors.values() for c in e.chunks}
+    assert len(files) == world  # every rank wrote its part
+
+
 def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: Path) -> None:
     """Rank 1 opens a checkpointer of the directory to list its steps, then both ranks open
     the one they save with: the saves pair (they timed out when construction counted)."""
