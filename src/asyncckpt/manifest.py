@@ -439,41 +439,12 @@ def _parse_whole_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_by
     and names the problem. Accepts exactly what the full parser accepts. (It runs once
     per tensor of every load: kept cheap.)
     """
-    name = t.get("dtype")
-    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
-    shape = t.get("shape")
-    chunks = t.get("chunks")
-    kind = t.get("kind")
-    if (dtype is None or type(chunks) is not list or len(chunks) != 1 or type(kind) is not str
-            or kind not in _KINDS or not _nonneg_ints(shape)):
+    head = _fast_head(t)
+    if head is None or len(head[3]) != 1:
         return None
-    ch = chunks[0]
-    if type(ch) is not dict:
-        return None
-    file: Any = ch.get("file")
-    ckey: Any = ch.get("key")
-    offsets: Any = ch.get("offsets")
-    lengths: Any = ch.get("lengths")
-    br: Any = ch.get("byte_range")
-    sums: Any = ch.get("checksums")
-    entry = files.get(file) if type(file) is str else None
-    # (lengths equal to shape and offsets all zero are non-negative: only their types
-    # are left to check, as 64.0 == 64 and False == 0)
-    if (entry is None or type(ckey) is not str or type(lengths) is not list or lengths != shape
-            or not _INT_TYPE.issuperset(map(type, lengths)) or type(offsets) is not list
-            or len(offsets) != len(shape) or any(offsets)
-            or not _INT_TYPE.issuperset(map(type, offsets))
-            or type(br) is not list or len(br) != 2 or type(sums) is not list):
-        return None
-    lo, hi = br
-    nbytes = math.prod(shape) * dtype.itemsize
-    if (type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= entry.bytes
-            or hi - lo != nbytes or (shape and max(shape) >= _MAX_DIM) or nbytes >= _MAX_DIM
-            or len(sums) != max(1, -(-nbytes // block_bytes)) or not _hex16s(sums)):
-        return None
-    dims = tuple(shape)
-    return TensorEntry(dtype, dims, kind, (Chunk(file, ckey, tuple(offsets), dims, (lo, hi),
-                                                 tuple(sums)),))
+    dtype, dims, kind, raw = head
+    chunk = _fast_chunk(raw[0], files, dims, dtype.itemsize, block_bytes, whole=True)
+    return None if chunk is None else TensorEntry(dtype, dims, kind, (chunk,))
 
 
 _KINDS = frozenset(("torch", "numpy", "numpy_scalar"))
@@ -484,44 +455,70 @@ def _parse_chunked_tensor(t: dict[str, Any], files: dict[str, FileEntry], block_
     """A tensor of several chunks (a sharded one), valid, checked chunk by chunk in one
     pass each; None for anything else or anything wrong, which the full parser then
     names. Accepts exactly what the full parser accepts."""
-    name = t.get("dtype")
-    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
-    shape: Any = t.get("shape")
-    raw = t.get("chunks")
-    kind = t.get("kind")
-    if (dtype is None or type(raw) is not list or type(kind) is not str or kind not in _KINDS
-            or not _nonneg_ints(shape) or (shape and max(shape) >= _MAX_DIM)
-            or math.prod(shape) * dtype.itemsize >= _MAX_DIM):
+    head = _fast_head(t)
+    if head is None:
         return None
-    dims = tuple(shape)
-    ndim, itemsize = len(dims), dtype.itemsize
+    dtype, dims, kind, raw = head
     chunks = []
     for ch in raw:
-        if type(ch) is not dict:
+        chunk = _fast_chunk(ch, files, dims, dtype.itemsize, block_bytes, whole=False)
+        if chunk is None:
             return None
-        file: Any = ch.get("file")
-        ckey: Any = ch.get("key")
-        offsets: Any = ch.get("offsets")
-        lengths: Any = ch.get("lengths")
-        br: Any = ch.get("byte_range")
-        sums: Any = ch.get("checksums")
-        entry = files.get(file) if type(file) is str else None
-        if (entry is None or type(ckey) is not str or not _nonneg_ints(offsets)
-                or not _nonneg_ints(lengths) or len(offsets) != ndim or len(lengths) != ndim
-                or any(o + n > d for o, n, d in zip(offsets, lengths, dims, strict=True))
-                or type(br) is not list or len(br) != 2 or type(sums) is not list):
-            return None
-        lo, hi = br
-        nbytes = math.prod(lengths) * itemsize
-        if (type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= entry.bytes
-                or hi - lo != nbytes or len(sums) != max(1, -(-nbytes // block_bytes))
-                or not _hex16s(sums)):
-            return None
-        chunks.append(Chunk(file, ckey, tuple(offsets), tuple(lengths), (lo, hi), tuple(sums)))
+        chunks.append(chunk)
     if tiling_problem(dims, [(ch.offsets, ch.lengths) for ch in chunks],
                       allow_gaps=partial) is not None:
         return None
     return TensorEntry(dtype, dims, kind, tuple(chunks))
+
+
+def _fast_head(t: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...], str, list[Any]] | None:
+    """A tensor entry's dtype, shape, kind and raw chunk list, if all are valid."""
+    name = t.get("dtype")
+    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
+    shape: Any = t.get("shape")
+    chunks = t.get("chunks")
+    kind = t.get("kind")
+    if (dtype is None or type(chunks) is not list or type(kind) is not str
+            or kind not in _KINDS or not _nonneg_ints(shape)
+            or (shape and max(shape) >= _MAX_DIM)
+            or math.prod(shape) * dtype.itemsize >= _MAX_DIM):
+        return None
+    return dtype, tuple(shape), kind, chunks
+
+
+def _fast_chunk(ch: Any, files: dict[str, FileEntry], dims: tuple[int, ...], itemsize: int,
+                block_bytes: int, *, whole: bool) -> Chunk | None:
+    """One raw chunk of a tensor of shape ``dims``, if valid (``whole``: it must be the
+    whole tensor); None otherwise."""
+    if type(ch) is not dict:
+        return None
+    file: Any = ch.get("file")
+    ckey: Any = ch.get("key")
+    offsets: Any = ch.get("offsets")
+    lengths: Any = ch.get("lengths")
+    br: Any = ch.get("byte_range")
+    sums: Any = ch.get("checksums")
+    entry = files.get(file) if type(file) is str else None
+    if (entry is None or type(ckey) is not str or type(offsets) is not list
+            or type(lengths) is not list or len(offsets) != len(dims)
+            or type(br) is not list or len(br) != 2 or type(sums) is not list):
+        return None
+    if whole:
+        # (lengths equal to the shape and offsets all zero are non-negative: only their
+        # types are left to check, as 64.0 == 64 and False == 0)
+        if (tuple(lengths) != dims or any(offsets) or not _INT_TYPE.issuperset(map(type, lengths))
+                or not _INT_TYPE.issuperset(map(type, offsets))):
+            return None
+    elif (not _nonneg_ints(offsets) or not _nonneg_ints(lengths) or len(lengths) != len(dims)
+            or any(o + n > d for o, n, d in zip(offsets, lengths, dims, strict=True))):
+        return None
+    lo, hi = br
+    nbytes = math.prod(lengths) * itemsize
+    if (type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= entry.bytes
+            or hi - lo != nbytes or len(sums) != max(1, -(-nbytes // block_bytes))
+            or not _hex16s(sums)):
+        return None
+    return Chunk(file, ckey, tuple(offsets), tuple(lengths), (lo, hi), tuple(sums))
 
 
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
