@@ -815,24 +815,37 @@ def test_a_rank_with_no_step_to_try_tells_the_others_at_once(tmp_path: Path) -> 
     assert time.monotonic() - t0 < 30, "rank 0 waited for its timeout"
 
 
+class _Hides(LocalStorage):
+    """A node whose view of the directory lacks some of its entries (not yet visible)."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.names = set(names)
+
+    def listdir(self, path: Path) -> list[str]:
+        return [n for n in super().listdir(path) if n not in self.names]
+
+
+def _fallback_loads(tmp_path: Path, store: Any, rank1_storage: LocalStorage
+                    ) -> dict[int, Any]:
+    """Both ranks of _save_two_sharded_steps load with fallback, rank 1 through
+    ``rank1_storage``: each rank's result or exception."""
+    def load(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                               storage=rank1_storage if r == 1 else None) as ck:
+            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
+                           shards={"w": ShardMetadata((8,), (4 * r,))})
+
+    return in_threads(load)
+
+
 def test_a_rank_that_runs_out_of_steps_tells_a_rank_that_has_more(tmp_path: Path) -> None:
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)
 
-    class SeesOnlyStep2(LocalStorage):  # step 1 not (yet) visible on this node
-        def listdir(self, path: Path) -> list[str]:
-            return [n for n in super().listdir(path) if n != "step_000000001"]
-
     _damage_rank1_part_of_step2(tmp_path)
-
-    def load(r: int) -> Any:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
-                               storage=SeesOnlyStep2() if r == 1 else None) as ck:
-            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
-                           shards={"w": ShardMetadata((8,), (4 * r,))})
-
     t0 = time.monotonic()
-    out = in_threads(load)
+    out = _fallback_loads(tmp_path, store, _Hides("step_000000001"))
     assert isinstance(out[1], asyncckpt.CheckpointCorruptError), out
     assert isinstance(out[0], CheckpointError), out
     assert "rank 1 failed: CheckpointCorruptError: no intact checkpoint" in str(out[0]), out
@@ -843,18 +856,8 @@ def test_ranks_that_see_different_steps_stop_a_group_fallback_load(tmp_path: Pat
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)
 
-    class SeesOnlyStep1(LocalStorage):  # step 2 not (yet) visible on this node
-        def listdir(self, path: Path) -> list[str]:
-            return [n for n in super().listdir(path) if n != "step_000000002"]
-
-    def load(r: int) -> Any:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
-                               storage=SeesOnlyStep1() if r == 1 else None) as ck:
-            return ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
-                           shards={"w": ShardMetadata((8,), (4 * r,))})
-
     t0 = time.monotonic()
-    out = in_threads(load)
+    out = _fallback_loads(tmp_path, store, _Hides("step_000000002"))
     for r in (0, 1):
         assert isinstance(out[r], CheckpointError), out
         assert "it tried step 1 where rank 0 tried step 2" in str(out[r]), out[r]

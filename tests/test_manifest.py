@@ -8,6 +8,7 @@ import json
 import math
 import struct
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import safetensors
@@ -775,6 +776,22 @@ def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> int:
     return took
 
 
+def _mutations(entry: dict, fields: list[tuple]) -> Iterator[dict]:
+    """Copies of a tensor entry, each with one field (a path into it) set to one of the
+    odd values, or deleted."""
+    for path in fields:
+        for value in [*_ODD_VALUES, "__delete__"]:
+            t = copy.deepcopy(entry)
+            parent = t
+            for p in path[:-1]:
+                parent = parent[p]
+            if value == "__delete__":
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = value
+            yield t
+
+
 def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
     doc = good_doc()
     files = parse_doc(doc).files
@@ -785,18 +802,9 @@ def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
         ("chunks", 0, f) for f in ("file", "key", "offsets", "lengths", "byte_range",
                                    "checksums")]
     n = 0
-    for path in fields:
-        for value in [*_ODD_VALUES, "__delete__"]:
-            t = copy.deepcopy(whole)
-            parent = t
-            for p in path[:-1]:
-                parent = parent[p]
-            if value == "__delete__":
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = value
-            _fast_vs_checked(t, files, BLOCK)
-            n += 1
+    for t in _mutations(whole, fields):
+        _fast_vs_checked(t, files, BLOCK)
+        n += 1
     for name in ("step_arr", "empty", "model/w"):  # 0-d, empty and two-chunk tensors
         assert _fast_vs_checked(doc["tensors"][name], files, BLOCK) >= 1, name
     assert n > 300
@@ -811,18 +819,9 @@ def test_fast_parse_of_a_chunked_tensor_accepts_exactly_what_the_checked_parse_a
         ("chunks", i, f) for i in (0, 1) for f in ("file", "key", "offsets", "lengths",
                                                     "byte_range", "checksums")]
     n = taken = 0
-    for path in fields:
-        for value in [*_ODD_VALUES, "__delete__"]:
-            t = copy.deepcopy(sharded)
-            parent = t
-            for p in path[:-1]:
-                parent = parent[p]
-            if value == "__delete__":
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = value
-            taken += _fast_vs_checked(t, files, BLOCK)
-            n += 1
+    for t in _mutations(sharded, fields):
+        taken += _fast_vs_checked(t, files, BLOCK)
+        n += 1
     for swap in (True, False):  # chunk order, and one chunk twice (an overlap)
         t = copy.deepcopy(sharded)
         t["chunks"] = t["chunks"][::-1] if swap else [t["chunks"][0]] * 2
