@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -84,6 +85,46 @@ def make_manifest(**overrides) -> Manifest:
                   skeleton=skeleton, user_metadata={"run": "exp1", "note": "\u00e9"})
     fields.update(overrides)
     return Manifest(**fields)
+
+
+def _reference_json(m: Manifest) -> bytes:
+    """What Manifest.to_json writes, by json.dumps of plain dicts (how it was written
+    before the tensors got an encoder of their own)."""
+    doc: dict = {
+        "format": "asyncckpt", "format_version": m.format_version,
+        "library_version": m.library_version, "step": m.step, "created_unix": m.created_unix,
+        "world_size": m.world_size,
+        "checksum": {"algorithm": "xxh3_64", "block_bytes": m.block_bytes},
+        "files": {n: {"bytes": f.bytes, "rank": f.rank, "header_bytes": f.header_bytes,
+                      "header_checksum": f.header_checksum} for n, f in m.files.items()},
+        "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "kind": t.kind,
+                        "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
+                                    "lengths": list(c.lengths),
+                                    "byte_range": list(c.byte_range),
+                                    "checksums": list(c.checksums)} for c in t.chunks]}
+                    for k, t in m.tensors.items()},
+        "skeleton": m.skeleton, "user_metadata": m.user_metadata}
+    if m.partial:
+        doc["partial"] = True
+    return seal(json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(keys=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True),
+       partial=st.booleans())
+def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: bool) -> None:
+    """Keys of any text (quotes, backslashes, control characters, non-ASCII, surrogates
+    aside) come out quoted exactly as json.dumps quotes them, and so does the rest."""
+    keys = [k for k in keys if not any(0xD800 <= ord(ch) <= 0xDFFF for ch in k)] or ["k"]
+    base = make_manifest()
+    w = base.tensors["model/w"]
+    tensors = {k: TensorEntry(w.dtype, w.shape, w.kind,
+                              tuple(dataclasses.replace(c, key=k) for c in w.chunks))
+               for k in keys}
+    tensors.update(base.tensors)
+    m = make_manifest(tensors=tensors, partial=partial)
+    assert m.to_json() == _reference_json(m)
 
 
 def good_doc() -> dict:
