@@ -1024,7 +1024,9 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
                     "replicated: give per-rank values per-rank paths, e.g. under the rank)",
                     step, ", ".join(map(repr, differing[:5])), more, records[0]["rank"])
     _warn_differing_replicas(step, records, out)
-    reachable = {node["key"] for _, node in iter_array_nodes(skeleton)}
+    # (one record: its skeleton and tensors come from one flatten, which reaches all)
+    reachable = ({node["key"] for _, node in iter_array_nodes(skeleton)}
+                 if len(records) > 1 else out.keys())
     lost = [k for k in out if k not in reachable]
     if lost:  # written, but a load would never find them: refuse rather than lose them
         more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
