@@ -777,9 +777,7 @@ class AsyncCheckpointer:
             # the others raise this error as it is ("said"); _announce_failure's more
             # general post (the claim holds the first) would prefix what it says again
             with contextlib.suppress(Exception):
-                ctx.claim(ctx.key(tag, "go"), json.dumps(
-                    {"error": str(exc), "kind": type(exc).__name__, "said": True,
-                     "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
+                self._refuse_go(tag, str(exc), exc, said=True)
             raise
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
         lid = layout_id(digests)
@@ -829,7 +827,8 @@ class AsyncCheckpointer:
         try:
             go = ctx.get(ctx.key(tag, "go"), what)
         except CheckpointTimeoutError as exc:
-            absent = ctx.absent_layouts(tag)
+            absent = ctx.unposted({r: ctx.key(tag, "layout", r)
+                                   for r in range(ctx.world_size)})
             if absent:
                 why = (f"the layouts of step {step} from rank(s) {absent}; they may have "
                        "died or not called save_async for this step"
@@ -888,9 +887,15 @@ class AsyncCheckpointer:
             if ctx.is_coordinator:
                 ctx.put(ctx.key(tag, "verdict"), {"error": msg})
                 # (before the barrier's go, the others wait for this; after it, nobody)
-                ctx.claim(ctx.key(tag, "go"), json.dumps(
-                    {"error": msg, "kind": type(exc).__name__,
-                     "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
+                self._refuse_go(tag, msg, exc, said=False)
+
+    def _refuse_go(self, tag: str, why: str, exc: BaseException, *, said: bool) -> None:
+        """Coordinator: post, unless a go is posted already, that save ``tag`` cannot
+        start, and why (``said``: the others raise ``why`` as it is; else they prefix
+        it with the step). The error's kind and silent ranks go with it."""
+        self._ctx.claim(self._ctx.key(tag, "go"), json.dumps(
+            {"error": why, "kind": type(exc).__name__, "said": said,
+             "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> WritePlan:
         if self._plan is not None and self._plan.signature == layout_signature(tensors):

@@ -364,13 +364,13 @@ class DistContext:
             n = self.store.add(f"asyncckpt/fallback/{self._base()}/count/{self.rank}", 1)
         return FallbackAgreement(self, f"asyncckpt/fallback/{self._base()}/{n}")
 
-    def absent_layouts(self, tag: str) -> list[int]:
-        """The ranks that have not posted their layout for save ``tag`` (best effort:
-        only ever asked to explain a timeout)."""
+    def unposted(self, keys: Mapping[int, str]) -> list[int]:
+        """The ranks whose key in ``keys`` is not in the Store (best effort, to explain a
+        timeout: a rank the Store cannot answer for is not named)."""
         absent = []
-        for r in range(self.world_size):
+        for r, key in keys.items():
             with contextlib.suppress(Exception):
-                if not self.store.check([self.key(tag, "layout", r)]):
+                if not self.store.check([key]):
                     absent.append(r)
         return absent
 
@@ -421,6 +421,7 @@ class DistContext:
             if self.store.add(self.key("closed"), 1) < self.world_size:
                 return
             left: set[str] = set()
+            shared: set[str] = set()  # group layouts whose shares are in the Store
             keys = [self.key("closed")]
             items = []
             for r in range(self.world_size):
@@ -428,11 +429,10 @@ class DistContext:
                 if self.store.check([closing]):
                     info = json.loads(self.store.get(closing))
                     left.update(info["tags"])
+                    shared.update(info.get("layouts", ()))
                     items += [self.key("items", r, d) for d in info["digests"]]
-                    items += [self.key("share", lid, o) for lid in info.get("layouts", ())
-                              for o in range(1, self.world_size)]
                 keys.append(closing)
-            self.forget(sorted(left), (), ())
+            self.forget(sorted(left), (), (), sorted(shared))
             self._delete(keys, items)
 
     def put(self, key: str, value: Any) -> None:
@@ -1130,7 +1130,7 @@ class FallbackAgreement:
         except CheckpointTimeoutError as exc:
             timed_out = exc
             if ctx.rank != 0:  # name the ranks whose verdicts are missing, if any
-                silent = [r for r in range(ctx.world_size) if not _posted(ctx, keys[r])]
+                silent = ctx.unposted(keys)
                 if silent:
                     timed_out = CheckpointTimeoutError(
                         f"rank {ctx.rank}: timed out after {ctx.timeout_s:.0f}s waiting for "
@@ -1160,12 +1160,6 @@ class FallbackAgreement:
                              CheckpointError)
         decided: dict[str, Any] = json.loads(got)
         return decided
-
-
-def _posted(ctx: DistContext, key: str) -> bool:
-    with contextlib.suppress(Exception):
-        return bool(ctx.store.check([key]))
-    return True  # unknown: not named
 
 
 def _decision(ctx: DistContext, verdicts: Sequence[dict[str, Any]], step: int | None
