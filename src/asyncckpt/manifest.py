@@ -20,7 +20,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +246,12 @@ class Manifest:
         return sum(f.bytes for f in self.files.values())
 
     def to_json(self) -> bytes:
+        return self.encode()
+
+    def encode(self, tensors_text: str | None = None, skeleton_text: str | None = None) -> bytes:
+        """The manifest's bytes; ``tensors_text`` / ``skeleton_text``, when given, stand
+        for the JSON of ``tensors`` / ``skeleton`` (a coordinator that fills a template
+        of the tensors' text rather than building their objects again)."""
         head = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -260,46 +266,64 @@ class Manifest:
         }
         # Compact: an indented dump takes Python's slow encoder (0.3 s for 4,000 tensors).
         # The tensors, one small object per chunk (100,000 and more in a large job),
-        # are written by _tensors_json: building the dicts for json.dumps took as long
-        # as encoding them.
-        parts = [_dumps(head)[:-1], ',"tensors":', _tensors_json(self.tensors),
-                 ',"skeleton":', _dumps(self.skeleton),
-                 ',"user_metadata":', _dumps(self.user_metadata)]
+        # are written by tensors_json_parts: building the dicts for json.dumps took as
+        # long as encoding them.
+        if tensors_text is None:
+            tensors_text = join_parts(*tensors_json_parts(self.tensors))
+        if skeleton_text is None:
+            skeleton_text = compact_json(self.skeleton)
+        parts = [compact_json(head)[:-1], ',"tensors":', tensors_text,
+                 ',"skeleton":', skeleton_text, ',"user_metadata":',
+                 compact_json(self.user_metadata)]
         if self.partial:
             parts.append(',"partial":true')
         parts.append("}")
         return seal("".join(parts).encode("ascii"))
 
 
-def _dumps(v: Any) -> str:
+def compact_json(v: Any) -> str:
+    """JSON as a manifest holds it: compact, ASCII."""
     return json.dumps(v, separators=(",", ":"), ensure_ascii=True)
 
 
-def _tensors_json(tensors: dict[str, TensorEntry]) -> str:
-    """The "tensors" object of a manifest, as json.dumps would write it (compact, ASCII).
+def tensors_json_parts(tensors: dict[str, TensorEntry]) -> tuple[list[str], list[str]]:
+    """The "tensors" object of a manifest, as json.dumps would write it (compact, ASCII),
+    cut around each chunk's checksums: ``(fixed, sums)`` with ``len(fixed) == len(sums)
+    + 1``, the text being ``fixed[0] + sums[0] + fixed[1] + ... + fixed[-1]``
+    (join_parts). Between saves of one layout only the sums change.
 
     Every string goes through the json module's own ASCII quoting; every number is an
     int's decimal digits. (A test holds it to json.dumps of the same dicts.)
     """
     quote = _quote
     names: dict[str, str] = {}  # (few files, many chunks)
-    out = []
-    for k, t in tensors.items():
+    fixed: list[str] = []
+    sums: list[str] = []
+    pending = "{"
+    for n, (k, t) in enumerate(tensors.items()):
         qk = quote(k)
-        chunks = []
-        for c in t.chunks:
+        pending += (f'{"," if n else ""}{qk}:{{"dtype":{quote(dtype_name(t.dtype))},'
+                    f'"shape":[{_ints(t.shape)}],"kind":{quote(t.kind)},"chunks":[')
+        for i, c in enumerate(t.chunks):
             qf = names.get(c.file)
             if qf is None:
                 qf = names[c.file] = quote(c.file)
             qck = qk if c.key == k else quote(c.key)
-            sums = ",".join(map(quote, c.checksums))
-            chunks.append(
-                f'{{"file":{qf},"key":{qck},"offsets":[{_ints(c.offsets)}],'
-                f'"lengths":[{_ints(c.lengths)}],"byte_range":[{_ints(c.byte_range)}],'
-                f'"checksums":[{sums}]}}')
-        out.append(f'{qk}:{{"dtype":{quote(dtype_name(t.dtype))},"shape":[{_ints(t.shape)}],'
-                   f'"kind":{quote(t.kind)},"chunks":[{",".join(chunks)}]}}')
-    return "{" + ",".join(out) + "}"
+            fixed.append(
+                f'{pending}{"," if i else ""}{{"file":{qf},"key":{qck},'
+                f'"offsets":[{_ints(c.offsets)}],"lengths":[{_ints(c.lengths)}],'
+                f'"byte_range":[{_ints(c.byte_range)}],"checksums":[')
+            sums.append(",".join(map(quote, c.checksums)))
+            pending = "]}"
+        pending += "]}"
+    fixed.append(pending + "}")
+    return fixed, sums
+
+
+def join_parts(fixed: list[str], sums: Iterable[str]) -> str:
+    """The text that tensors_json_parts cut: ``fixed`` and ``sums`` interleaved."""
+    # (fixed has one more part than sums: the zip leaves it for the end)
+    return "".join(itertools.chain.from_iterable(zip(fixed, sums, strict=False))) + fixed[-1]
 
 
 def _ints(v: Iterable[int]) -> str:
@@ -317,8 +341,9 @@ def seal(body: bytes) -> bytes:
     The digest covers every other byte, so a changed scalar of the state, a key or the
     step is caught like a changed tensor byte. ``body`` is the JSON without it.
     """
-    head = body[:-1] if body.endswith(b"}") else body
-    return head + b',"digest":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}\n'
+    head = memoryview(body)[:-1] if body.endswith(b"}") else body
+    # (one copy of a manifest that may be tens of MB: bytes.join takes the view)
+    return b"".join((head, b',"digest":"', xxhash.xxh3_64_hexdigest(body).encode(), b'"}\n'))
 
 
 class _Check:
@@ -413,7 +438,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
                                      partial)
     _check_layout(c, files, tensors)
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
-    _check_skeleton(c, skeleton, tensors)
+    _check_skeleton(c, skeleton, {k: t.dtype for k, t in tensors.items()})
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
     created = doc.get("created_unix")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not (
@@ -641,15 +666,22 @@ def _check_layout(c: _Check, files: dict[str, FileEntry], tensors: dict[str, Ten
                              f"{prev!r} (which end at byte {end})", key)
 
 
-def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth: int = 0) -> None:
+def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype], path: str) -> None:
+    """Raise CheckpointCorruptError unless ``skeleton`` is one a load reads: known node
+    types, values of their type, array nodes naming tensors of ``dtypes``."""
+    _check_skeleton(_Check(path), skeleton, dtypes)
+
+
+def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
+                    depth: int = 0) -> None:
     if depth > 200:
         raise c.fail("skeleton is nested too deeply")
     node = c.obj(node, "skeleton node")
     t = node.get("t")
     if t in ARRAY_NODES:
-        if not isinstance(node.get("key"), str) or node["key"] not in tensors:
+        if not isinstance(node.get("key"), str) or node["key"] not in dtypes:
             raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
-        dtype = tensors[node["key"]].dtype
+        dtype = dtypes[node["key"]]
         if t != "tensor" and dtype not in _NUMPY_DTYPES:
             raise c.fail(f"{t} node has dtype {dtype_name(dtype)}, which numpy cannot hold",
                          node["key"])
@@ -660,15 +692,15 @@ def _check_skeleton(c: _Check, node: Any, tensors: dict[str, TensorEntry], depth
         for it in items:
             if not (isinstance(it, list) and len(it) == 2 and type(it[0]) in (str, int)):
                 raise c.fail("dict item must be [str or int key, node]")
-            _check_skeleton(c, it[1], tensors, depth + 1)
+            _check_skeleton(c, it[1], dtypes, depth + 1)
     elif t in ("list", "tuple"):
         items = node.get("items")
         if not isinstance(items, list):
             raise c.fail(f"{t} node needs items")
         for it in items:
-            _check_skeleton(c, it, tensors, depth + 1)
+            _check_skeleton(c, it, dtypes, depth + 1)
     elif t == "stateful":
-        _check_skeleton(c, node.get("state"), tensors, depth + 1)
+        _check_skeleton(c, node.get("state"), dtypes, depth + 1)
     elif t == "none":
         pass
     elif t in ("bool", "int", "str", "float", "bytes"):
