@@ -20,7 +20,9 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
   size) reads, not O(world size²), and a rank's first save reads its own layout's size.
 - ``record/<rank>``: what the rank writes (file, chunks, checksums), or its error. Put
   once its bytes are hashed, long before they are durable, so that the coordinator
-  merges the manifest while the shard files are still being written.
+  merges the manifest while the shard files are still being written. Whole at a rank's
+  first save and whenever its layout changed; otherwise only its checksums (and its
+  skeleton, if that changed): see ``reports``.
 - ``done/<rank>``: that the rank's shard file is durable, or its error.
 - ``decision``: claimed once, atomically (``compare_set``): "commit" by the coordinator
   just before its rename, or why not by a peer that gave up waiting for the verdict.
@@ -55,7 +57,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -1015,43 +1017,67 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
         chunks.sort(key=lambda c: c.offsets)
         _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
-    differing: list[str] = []
-    skeleton = merge_skeletons([r["skeleton"] for r in records], differing)
-    if differing:
-        more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
-        log.warning("step %d: ranks saved different non-tensor values at %s%s; the checkpoint "
-                    "keeps rank %d's (values with one path on every rank are taken as "
-                    "replicated: give per-rank values per-rank paths, e.g. under the rank)",
-                    step, ", ".join(map(repr, differing[:5])), more, records[0]["rank"])
-    _warn_differing_replicas(step, records, out)
-    # (one record: its skeleton and tensors come from one flatten, which reaches all)
-    reachable = ({node["key"] for _, node in iter_array_nodes(skeleton)}
-                 if len(records) > 1 else out.keys())
-    lost = [k for k in out if k not in reachable]
-    if lost:  # written, but a load would never find them: refuse rather than lose them
-        more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
-        raise CheckpointSaveError(
-            f"tensors {', '.join(map(repr, lost[:8]))}{more} are saved by some ranks where the "
-            "ranks' state trees disagree (a list of another length, or a non-tensor value on "
-            "another rank); give every rank a state tree of the same structure")
+    skeleton = merged_skeleton([r["skeleton"] for r in records], step, records[0]["rank"])
+    warn_differing_replicas(step, [(r["rank"], r.get("replicas", {})) for r in records],
+                            lambda key: _one_chunk_checksums(out, key))
+    if len(records) > 1:  # (one record: its skeleton and tensors come from one flatten)
+        check_reachable(skeleton, out.keys())
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
                     library_version=library_version, block_bytes=block_bytes, files=files,
                     tensors=out, skeleton=skeleton, user_metadata=user_metadata,
                     partial=partial)
 
 
-def _warn_differing_replicas(step: int, records: Sequence[dict[str, Any]],
-                             tensors: Mapping[str, TensorEntry]) -> None:
+def merged_skeleton(skeletons: list[Any], step: int, first_rank: int) -> Any:
+    """The ranks' skeletons as one (rank ``first_rank``'s values where they differ, with
+    a warning); one that is the same on every rank is taken as it is."""
+    first = skeletons[0]
+    if all(s == first for s in skeletons[1:]):  # (compared in C: the usual case)
+        return first
+    differing: list[str] = []
+    skeleton = merge_skeletons(skeletons, differing)
+    if differing:
+        more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+        log.warning("step %d: ranks saved different non-tensor values at %s%s; the checkpoint "
+                    "keeps rank %d's (values with one path on every rank are taken as "
+                    "replicated: give per-rank values per-rank paths, e.g. under the rank)",
+                    step, ", ".join(map(repr, differing[:5])), more, first_rank)
+    return skeleton
+
+
+def check_reachable(skeleton: Any, keys: Iterable[str]) -> None:
+    """Refuse tensors that the merged skeleton does not lead to: written, a load would
+    never find them (the ranks' state trees disagree)."""
+    reachable = {node["key"] for _, node in iter_array_nodes(skeleton)}
+    lost = [k for k in keys if k not in reachable]
+    if lost:
+        more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
+        raise CheckpointSaveError(
+            f"tensors {', '.join(map(repr, lost[:8]))}{more} are saved by some ranks where the "
+            "ranks' state trees disagree (a list of another length, or a non-tensor value on "
+            "another rank); give every rank a state tree of the same structure")
+
+
+def _one_chunk_checksums(tensors: Mapping[str, TensorEntry], key: str) -> Sequence[str] | None:
+    entry = tensors.get(key)
+    return entry.chunks[0].checksums if entry is not None and len(entry.chunks) == 1 else None
+
+
+def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str, list[str]]]],
+                            written: Callable[[str], Sequence[str] | None]) -> None:
     """Warn when a rank's copy of a replicated tensor differs from the copy saved: one
     path on every rank is taken as one replicated tensor, written once, so the others'
-    values are lost (per-rank values under a shared path, e.g. each rank's RNG state)."""
+    values are lost (per-rank values under a shared path, e.g. each rank's RNG state).
+
+    ``replicas``: (rank, its checksums of the replicas it holds but does not write);
+    ``written``: the checksums of a key's one saved chunk (None: not one chunk).
+    """
     differing: dict[str, list[int]] = {}
-    for rec in records:
-        for key, sums in rec.get("replicas", {}).items():
-            entry = tensors.get(key)
-            if entry is not None and len(entry.chunks) == 1 and list(
-                    entry.chunks[0].checksums) != list(sums):
-                differing.setdefault(key, []).append(rec["rank"])
+    for rank, held in replicas:
+        for key, sums in held.items():
+            saved = written(key)
+            if saved is not None and list(saved) != list(sums):
+                differing.setdefault(key, []).append(rank)
     if differing:
         keys = sorted(differing)
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
