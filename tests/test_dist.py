@@ -4,6 +4,7 @@ replaces a rank by a process of its own)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -246,6 +247,70 @@ def test_only_the_coordinator_reads_the_other_ranks_layouts(tmp_path: Path) -> N
     got = asyncckpt.load(tmp_path / "step_000000003")
     assert torch.equal(got["rep7"], torch.full((8000,), 7.0))
     assert torch.equal(got["extra2"], torch.full((5,), 2.0))
+
+
+class _PutLog:
+    """A shared Store that notes the size of every value put under a record key."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.records: dict[str, list[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: Any) -> None:
+        if "/record/" in key:
+            with self._lock:
+                self.records.setdefault(key, []).append(
+                    value.encode() if isinstance(value, str) else bytes(value))
+        self._store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_ranks_report_whole_records_once_then_only_what_changed(tmp_path: Path) -> None:
+    """After a committed save of the same layout, a rank's record is its checksums (and
+    its skeleton when that changed), not its layout again; the manifest and every value
+    stay exact through value, skeleton and layout changes."""
+    world = 3
+    log = _PutLog(dist.HashStore())
+
+    def state(r: int, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {f"t{i}": torch.full((4, 5), float(100 * step + 10 * r + i))
+                               for i in range(40)}
+        out["lr"] = 0.1 if step < 3 else 0.05  # a non-tensor value: the skeleton changes
+        if step >= 4 and r == 1:
+            out["extra1"] = torch.ones(3)  # rank 1's layout changes
+        return out
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world,
+                               store=log, timeout_s=30) as ck:
+            for step in range(1, 6):
+                ck.save_async({f"r{r}": state(r, step), "w": torch.full((2, 3), float(step + r))},
+                              step=step, shards={"w": ShardMetadata((2, 3 * world), (0, 3 * r))}
+                              ).wait()
+
+    all_ok(in_threads(rank, world=world))
+    kinds: dict[int, list[str]] = {}
+    sizes: dict[int, list[int]] = {}
+    for values in log.records.values():  # (in the order of the saves)
+        (rec,) = [json.loads(v) for v in values]  # (small: one part each)
+        r = rec["rank"]
+        kinds.setdefault(r, []).append(
+            "whole" if "tensors" in rec else "skeleton" if "skeleton" in rec else "sums")
+        sizes.setdefault(r, []).append(len(values[0]))
+    assert kinds == {0: ["whole", "sums", "skeleton", "sums", "sums"],
+                     1: ["whole", "sums", "skeleton", "whole", "sums"],
+                     2: ["whole", "sums", "skeleton", "sums", "sums"]}, kinds
+    assert all(sizes[r][1] * 3 < sizes[r][0] for r in range(1, world)), sizes
+    for step in range(1, 6):
+        got = asyncckpt.load(tmp_path / f"step_{step:09d}")
+        for r in range(world):
+            want = state(r, step)
+            assert got[f"r{r}"]["lr"] == want["lr"]
+            assert all(torch.equal(got[f"r{r}"][k], want[k]) for k in want if k != "lr")
+            assert torch.equal(got["w"][:, 3 * r:3 * r + 3], torch.full((2, 3), float(step + r)))
 
 
 def test_sixteen_ranks_save_share_out_replicas_and_load_back(tmp_path: Path) -> None:

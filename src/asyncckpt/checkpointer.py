@@ -60,6 +60,7 @@ from .manifest import (
 )
 from .plan import WritePlan, layout_signature, plan_writes
 from .reader import read_manifest, tensor_bytes
+from .reports import Reports
 from .staging import HostArena, StagingProgress, StagingStopped, caller_streams, stage
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
@@ -185,6 +186,7 @@ class AsyncCheckpointer:
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
+        self._reports = Reports()  # what the coordinator holds of each rank's records
         # a failed save nobody waited on: (its future, its error), raised by wait()
         self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
@@ -307,6 +309,7 @@ class AsyncCheckpointer:
             block_bytes=self.config.block_bytes, library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
+            reports=self._reports,
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()

@@ -23,20 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from . import commit
 from ._gc import gc_paused
-from .dist import DistContext, Pulse, make_record, merge_records, raise_failures
+from .dist import DistContext, Pulse, merge_records, raise_failures
 from .errors import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
-from .manifest import MANIFEST_NAME, block_checksums, parse_manifest
+from .manifest import MANIFEST_NAME, block_checksums
 from .plan import WritePlan
+from .reports import Reports
 from .staging import HostArena, StagingProgress, StagingStopped
 from .storage import Storage
-from .tree import FlatState, dtype_name
+from .tree import FlatState
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,9 @@ class SaveJob:
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
     serve_to: list[Any] = field(default_factory=list)  # transports offered the staged arena
-    records: list[dict[str, Any]] = field(default_factory=list)  # every rank's (coordinator)
+    # every rank's file fields: rank, file, bytes... (coordinator, once merged)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    reports: Reports = field(default_factory=Reports)  # the checkpointer's, kept across saves
     in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
     # checksums of small replicated tensors this rank holds but another writes: compared
     # with the writer's by the coordinator (dist.merge_records)
@@ -228,6 +232,7 @@ class BackgroundWriter:
     def _run(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         try:
             info = self._save(job, hashes)
+            job.reports.sender.settled(True)
             # Retention (and its reaper, which may take a while or get stuck) keeps this
             # job: it must not keep the arena and the state tree too, or a next save whose
             # state grew allocates its arena beside this one. Nothing reads them from here:
@@ -239,6 +244,7 @@ class BackgroundWriter:
             if hashes is not None:  # it may write into the temporary directory: let it end
                 with contextlib.suppress(BaseException):
                     hashes.result()
+            job.reports.sender.settled(False)  # (once its record is made, if it is)
             # With overlap=True staging may still be copying: the arena is free, and this
             # future may resolve, only once it has stopped (at its next unit).
             job.progress.wait_idle()
@@ -280,11 +286,11 @@ class BackgroundWriter:
         else:
             job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
             with _gc_paused():
-                record = _record(job, {})
+                record = _record(job, [])
             if ctx.distributed:
                 ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if job.serve_to:
-            _offer_arena(job, record)
+            _offer_arena(job)
         if not ctx.distributed:
             final = self._commit(job, [record], manifest_written=raw is not None)
         elif ctx.is_coordinator:
@@ -293,8 +299,7 @@ class BackgroundWriter:
             _raise_failed(job, ctx.gather((job.tag, "done"),
                                           f"the shard files of step {job.step}", pulse=job.pulse))
             if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
-                job.records = _gather_records(job)
-                final = self._commit(job, job.records)
+                final = self._commit(job, _gather_records(job))
             else:
                 final = self._commit(job, [], manifest_written=True)
             job.committed = True  # from here on, the save succeeded whatever the Store says
@@ -554,12 +559,13 @@ def _ready(job: SaveJob) -> Callable[[int], None]:
     return ready
 
 
-def _offer_arena(job: SaveJob, record: dict[str, Any]) -> None:
+def _offer_arena(job: SaveJob) -> None:
     """Serve the staged, checksummed arena to peers, before the save is even durable."""
     from .transport.base import serve_arena
 
-    view = merge_records([record], step=job.step, library_version=job.library_version,
-                         block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+    view = merge_records([job.reports.sender.sent_whole()], step=job.step,
+                         library_version=job.library_version, block_bytes=job.block_bytes,
+                         user_metadata=job.user_metadata,
                          created_unix=time.time(), partial=job.ctx.distributed)
     buf = job.arena.memoryview()[:job.plan.file_bytes]
     for transport in job.serve_to:
@@ -597,18 +603,19 @@ def _describe(job: SaveJob) -> _Described:
     which nothing reads before the rename that commits it (after every rank's ``done``).
     """
     job.progress.wait_for(job.plan.file_bytes)
-    mv = job.arena.memoryview()
-    checksums = {item.key: tuple(block_checksums(mv[item.offset:item.end], job.block_bytes))
-                 for item in job.plan.items}
+    mv, bb, xxh = job.arena.memoryview(), job.block_bytes, xxhash.xxh3_64_hexdigest
+    sums = [[xxh(mv[it.offset:it.offset + it.nbytes])] if it.nbytes <= bb  # (most tensors)
+            else block_checksums(mv[it.offset:it.offset + it.nbytes], bb)
+            for it in job.plan.items]
     with _gc_paused():
-        record = _record(job, checksums)
+        record = _record(job, sums)
     ctx = job.ctx
     if ctx.distributed:
         ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if not ctx.is_coordinator:
             return record, None
         try:
-            records = job.records = _gather_records(job)
+            records = _gather_records(job)
             records[0] = record  # the same, without a second decode
             raw = _manifest_bytes(job, records)
         except BaseException as exc:
@@ -639,24 +646,12 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
 
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
-    with _gc_paused():
-        return _merged_manifest_bytes(job, records)  # (its objects freed before resuming)
-
-
-def _merged_manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
-    manifest = merge_records(records, step=job.step, library_version=job.library_version,
-                             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
-                             created_unix=time.time())
-    raw = manifest.to_json()
-    if len(records) > 1:
-        # Merged from what other processes reported: read it as a load will, and never
-        # commit a manifest that no load could read.
-        try:
-            parse_manifest(raw, f"the merged manifest of step {job.step}")
-        except CheckpointCorruptError as exc:
-            raise CheckpointSaveError(
-                f"step {job.step} aborted, nothing committed: the ranks' shard layouts do "
-                f"not merge into a readable manifest ({exc})") from exc
+    """The manifest merged from every rank's record (reports.RecordBook)."""
+    with _gc_paused():  # (its objects freed before resuming)
+        raw, job.records = job.reports.book.manifest(
+            records, step=job.step, library_version=job.library_version,
+            block_bytes=job.block_bytes, user_metadata=job.user_metadata,
+            created_unix=time.time())
     return raw
 
 
@@ -686,21 +681,11 @@ def _check_shared(job: SaveJob) -> None:
                 "path")
 
 
-def _record(job: SaveJob, checksums: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-    flat = job.flat
-    items = []
-    boxes = flat.boxes
-    for it in job.plan.items:
-        # The plan's shapes, taken when the save began: not the live tensors', which the
-        # caller may resize once staging is over (this runs later, on the hash thread).
-        shaped = boxes.get(it.key)
-        whole = shaped[0] if shaped is not None else it.shape
-        box = shaped[1] if shaped is not None else ((0,) * len(it.shape), it.shape)
-        items.append((it.key, dtype_name(it.dtype), whole,
-                      flat.kinds[it.key], box, (it.offset, it.end), checksums[it.key]))
-    return make_record(job.ctx.rank, job.plan.file if job.plan.items else None,
-                       job.plan.file_bytes, job.plan.header, items, flat.skeleton,
-                       job.replicas)
+def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
+    """This rank's record of the save: whole, or what changed (reports.RecordSender)."""
+    return job.reports.sender.record(
+        rank=job.ctx.rank, coordinator=job.token if job.ctx.distributed else "",
+        plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas)
 
 
 def os_error_hint(exc: BaseException) -> str:

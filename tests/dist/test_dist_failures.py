@@ -330,7 +330,9 @@ def test_a_rank_busy_with_on_busy_error_fails_every_rank_at_once(
 def test_ranks_with_different_block_bytes_commit_nothing(
         raising: dict[int, dict[str, Any]]) -> None:
     _assert_all_failed_promptly(raising, "block_bytes", culprit=None)
-    assert "do not merge into a readable manifest" in raising[0]["block_bytes"]["msg"]
+    msg = raising[0]["block_bytes"]["msg"]
+    assert "does not merge into a readable manifest" in msg, msg
+    assert "every rank must save with the same block_bytes" in msg, msg
 
 
 def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]]) -> None:
