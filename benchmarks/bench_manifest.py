@@ -15,8 +15,10 @@ all ranks (``Shard(0)``), so the manifest has ranks x tensors chunks. Measured, 
   template);
 * *steady save* -- ``RecordBook.manifest`` of deltas of the same layouts: checksums
   checked and filled in, the skeleton unchanged;
-* *skeleton changed* -- the same, every rank's skeleton changed (e.g. a learning rate);
-* the bytes a rank puts in the Store for its record: whole, and as a delta.
+* *skeleton changed* -- the same, every rank's learning rate changed (a skeleton patch
+  from each rank: the coordinator patches, merges and checks the skeletons again);
+* the bytes a rank puts in the Store for its record: whole, as a delta, and as a delta
+  with its skeleton patch.
 
 Usage:
     python benchmarks/bench_manifest.py                     # 64 ranks x 2,000 tensors
@@ -125,7 +127,7 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
         for rk in ranks:
             rk.sender.settled(True)
         records, skel_sizes = through_store([rk.record(True) for rk in ranks])
-        assert all("skeleton" in rec for rec in records)
+        assert all("skeleton_patch" in rec for rec in records)
         t = time.perf_counter()
         book.manifest(records, step=rep, created_unix=time.time(), **KW)
         res["skeleton_changed"].append(time.perf_counter() - t)
@@ -152,12 +154,13 @@ def render(res: dict[str, Any]) -> str:
     names = {"whole_merge": "whole merge (every save before; a changed layout now)",
              "first_save": "first save (whole records, template kept)",
              "steady_save": "steady save (deltas, same skeletons)",
-             "skeleton_changed": "every rank's skeleton changed"}
+             "skeleton_changed": "deltas, every rank's lr changed (skeleton patches)"}
     for key, label in names.items():
         lines.append(f"| {label} | {med[key]:.3f} s | {med[key] / base:.2f}x |")
     lines += ["", "| record in the Store, per rank | bytes |", "|---|---|",
               f"| whole | {rb['whole']:,.0f} |", f"| delta | {rb['delta']:,.0f} |",
-              f"| delta with its skeleton | {rb['delta_with_skeleton']:,.0f} |"]
+              f"| delta with a changed lr (its skeleton patch) | "
+              f"{rb['delta_with_skeleton']:,.0f} |"]
     return "\n".join(lines)
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asyncckpt
 from asyncckpt import CheckpointSaveError, ShardMetadata
@@ -19,7 +22,7 @@ from asyncckpt.dist import merge_records
 from asyncckpt.loader import apply_shards
 from asyncckpt.manifest import block_checksums, shard_file_name
 from asyncckpt.plan import WritePlan, plan_writes
-from asyncckpt.reports import RecordBook, RecordSender
+from asyncckpt.reports import RecordBook, RecordSender, skeleton_patch
 from asyncckpt.tree import FlatState, flatten
 
 BLOCK = 4096
@@ -38,6 +41,7 @@ class _Rank:
         self.lr = 0.1
         self.row = r  # which rows of "w" it holds (times 2)
         self.numpy_ids = True
+        self.state_extra = False  # a non-tensor value more (the skeleton's shape changes)
 
     def state(self, save: int) -> tuple[dict[str, Any], dict[str, ShardMetadata]]:
         gen = torch.Generator().manual_seed(100 * save + self.r)
@@ -47,6 +51,8 @@ class _Rank:
                              "ids": np.arange(5, dtype=np.int64) + save},
             "optim": {"param_groups": [{"lr": self.lr, "betas": (0.9, 0.99)}]},
         }
+        if self.state_extra:
+            state["optim"]["param_groups"][0]["momentum"] = 0.9
         if not self.numpy_ids:
             state[f"own{self.r}"]["ids"] = torch.from_numpy(state[f"own{self.r}"]["ids"])
         if self.extra:
@@ -110,29 +116,42 @@ def test_a_group_reports_whole_once_then_what_changed_and_the_manifest_stays_exa
     assert all(len(json.dumps(d)) * 3 < len(json.dumps(w)) for d, w in zip(second, first,
                                                                             strict=True))
     settle()
-    ranks[1].lr = 0.05  # a scheduler moved rank 1's lr: its skeleton travels, nothing else
+    ranks[1].lr = 0.05  # a scheduler moved rank 1's lr: that value travels, nothing else
     third = _save(ranks, book, 3)
-    assert ["skeleton" in rec for rec in third] == [False, True, False]
+    assert ["skeleton" in rec for rec in third] == [False, False, False]
+    assert [rec.get("skeleton_patch") for rec in third] == [
+        None, [[0, {"t": "float", "v": "0.05"}]], None]
     assert len(fills) == 2
     settle()
     ranks[1].lr = 0.1
+    ranks[0].lr = 0.2
+    assert [len(rec.get("skeleton_patch", ())) for rec in _save(ranks, book, 31)] == [1, 1, 0]
+    settle()
+    ranks[0].lr = 0.1
+    _save(ranks, book, 32)
+    settle()
     ranks[2].extra = True  # rank 2's layout changes: its record is whole, the merge redone
     fourth = _save(ranks, book, 4)
-    assert list(map(_whole, fourth)) == [False, False, True] and len(fills) == 2
+    assert list(map(_whole, fourth)) == [False, False, True] and len(fills) == 4
     settle()
-    assert not any(map(_whole, _save(ranks, book, 5))) and len(fills) == 3
+    assert not any(map(_whole, _save(ranks, book, 5))) and len(fills) == 5
     settle(False)  # a failed save: every rank reports whole again, and the template serves
-    assert all(map(_whole, _save(ranks, book, 6))) and len(fills) == 4
+    assert all(map(_whole, _save(ranks, book, 6))) and len(fills) == 6
     settle()
     assert all(map(_whole, _save(ranks, book, 7, coordinator="another")))  # a new coordinator
-    assert len(fills) == 5
+    assert len(fills) == 7
     settle()
     ranks[0].row, ranks[1].row = 1, 0  # the same local shapes, other boxes
     assert list(map(_whole, _save(ranks, book, 8, coordinator="another"))) == [True, True, False]
     settle()
     ranks[2].numpy_ids = False  # the same dtype and shape, another kind of array
     assert list(map(_whole, _save(ranks, book, 9, coordinator="another"))) == [False, False, True]
-    assert len(fills) == 5
+    assert len(fills) == 7
+    settle()
+    ranks[2].lr = 0.3  # a changed value beside a changed structure: the whole skeleton goes
+    ranks[2].state_extra = True
+    tenth = _save(ranks, book, 10, coordinator="another")
+    assert "skeleton" in tenth[2] and "skeleton_patch" not in tenth[2] and len(fills) == 8
 
 
 def test_one_process_that_saves_a_changing_state_writes_what_a_whole_merge_writes(
@@ -260,3 +279,77 @@ def test_differing_replicas_are_still_reported_on_the_fast_path(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         book.manifest(records, step=2, **KW)
     assert f"hold different values of tensor(s) {key!r}" in caplog.text
+
+
+_LEAF = object()
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**62), 2**62),
+                     st.floats(allow_nan=True), st.text(max_size=4), st.binary(max_size=4))
+_shapes = st.recursive(
+    st.just(_LEAF),
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.lists(kids, max_size=3).map(tuple),
+                           st.dictionaries(st.text("abc", max_size=2) | st.integers(0, 3), kids,
+                                           max_size=3)),
+    max_leaves=12)
+
+
+def _fill_leaves(shape: Any, values: Iterator[Any]) -> Any:
+    if shape is _LEAF:
+        return next(values)
+    if isinstance(shape, dict):
+        return {k: _fill_leaves(v, values) for k, v in shape.items()}
+    return type(shape)(_fill_leaves(v, values) for v in shape)
+
+
+def _leaves(shape: Any) -> int:
+    if shape is _LEAF:
+        return 1
+    return sum(map(_leaves, shape.values() if isinstance(shape, dict) else shape))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), shape=_shapes)
+def test_a_patch_turns_the_old_skeleton_into_the_new_on_the_coordinator(
+        data: st.DataObject, shape: Any) -> None:
+    n = _leaves(shape)
+    old_values = data.draw(st.lists(_scalars, min_size=n, max_size=n))
+    new_values = [data.draw(_scalars) if data.draw(st.booleans()) else v for v in old_values]
+    old = flatten({"s": _fill_leaves(shape, iter(old_values))}).skeleton
+    new = flatten({"s": _fill_leaves(shape, iter(new_values))}).skeleton
+    patch = skeleton_patch(new, old)
+    assert patch is not None
+    assert [i for i, _ in patch] == sorted({i for i, _ in patch})  # each leaf once, in order
+    book = RecordBook()
+    book.skeletons[0] = json.loads(json.dumps(old))  # as the Store carries them
+    book._patch(0, json.loads(json.dumps(patch)), "x")
+    assert book.skeletons[0] == json.loads(json.dumps(new))
+    assert (patch == []) == (new == old)
+    book._patch(0, json.loads(json.dumps(skeleton_patch(old, new))), "x")  # and back again
+    assert book.skeletons[0] == json.loads(json.dumps(old))
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ({"a": 1}, {"a": 1, "b": 2}),  # a key more
+    ({"a": 1}, {"b": 1}),  # another key
+    ({1: 1}, {"1": 1}),  # a key of another type
+    ([1, 2], [1]),  # a shorter list
+    ([1, 2], (1, 2)),  # a tuple for a list
+    ({"a": 1}, {"a": [1]}),  # a container for a value
+    ({"a": torch.ones(1)}, {"a": 1.0}),  # a value for a tensor
+])
+def test_skeletons_of_another_shape_have_no_patch(old: Any, new: Any) -> None:
+    assert skeleton_patch(flatten(new).skeleton, flatten(old).skeleton) is None
+
+
+@pytest.mark.parametrize(("patch", "problem"), [
+    ([[5, {"t": "int", "v": 1}]], "at leaf 5 of 2"),
+    ([[-1, {"t": "int", "v": 1}]], "at leaf -1 of 2"),
+    ([["0", {"t": "int", "v": 1}]], "at leaf '0' of 2"),
+    ([[0, {"t": "dict", "items": []}]], "at leaf 0 of 2, with {'t': 'dict'"),
+    ([[0, {"t": "tensor", "key": "w"}]], "at leaf 0 of 2, with {'t': 'tensor'"),
+])
+def test_a_patch_that_does_not_fit_is_refused(patch: Any, problem: str) -> None:
+    book = RecordBook()
+    book.skeletons[1] = json.loads(json.dumps(flatten({"lr": 0.1, "n": [3]}).skeleton))
+    with pytest.raises(CheckpointSaveError, match=rf"rank 1's record changes its skeleton "
+                                                  rf"{re.escape(problem)}"):
+        book._patch(1, patch, "step 2 aborted")

@@ -13,7 +13,9 @@ process of 100,000 tensors) and the Store O(all tensors) of traffic into one ran
 - A rank (``RecordSender``) sends its whole record whenever the coordinator may not hold
   its frame: at its first save, when its frame changed, and after any save that failed.
   Otherwise it sends a *delta*: the frame's id, the checksums in the frame's order, and
-  the skeleton only if it changed. A delta is bound to the coordinator that took the
+  the skeleton only if it changed -- and then, when only values changed (a learning
+  rate, a step count), only those: a *patch*, [index, node] per scalar leaf that
+  changed, counted in walk order. A delta is bound to the coordinator that took the
   frame: the nonce of its checkpointer, which every save's ``go`` carries.
 - The coordinator (``RecordBook``) keeps each rank's frame. Once it has merged a set of
   frames into a manifest (and, for several ranks, read that back as a load would), it
@@ -54,6 +56,74 @@ __all__ = ["RecordBook", "RecordSender", "Reports", "full_record"]
 _FILE_FIELDS = ("rank", "file", "bytes", "header_bytes", "header_checksum")
 _TENSOR_FIELDS = ("dtype", "shape", "kind", "offsets", "lengths", "byte_range")
 _HEX = re.compile(r"[0-9a-f]*")
+_SCALARS = frozenset(("none", "bool", "int", "float", "str", "bytes"))  # skeleton leaves
+
+
+class _Reshaped(Exception):
+    """Two skeletons differ in more than their scalar values."""
+
+
+def skeleton_patch(new: Any, old: Any) -> list[list[Any]] | None:
+    """What turns skeleton ``old`` into ``new``: [index, node] for each scalar leaf that
+    differs (leaves counted in walk order), or None when they differ in more than that
+    (a key, a list's length, a tensor)."""
+    out: list[list[Any]] = []
+    try:
+        _diff(new, old, out, [0])
+    except _Reshaped:
+        return None
+    return out
+
+
+def _diff(a: Any, b: Any, out: list[list[Any]], seen: list[int]) -> None:
+    ta, tb = a.get("t"), b.get("t")
+    if ta in _SCALARS and tb in _SCALARS:
+        if a != b:
+            out.append([seen[0], a])
+        seen[0] += 1
+    elif ta != tb:
+        raise _Reshaped
+    elif ta == "dict":
+        if len(a["items"]) != len(b["items"]):
+            raise _Reshaped
+        for (ka, na), (kb, nb) in zip(a["items"], b["items"], strict=True):
+            if ka != kb or type(ka) is not type(kb):
+                raise _Reshaped
+            _diff(na, nb, out, seen)
+    elif ta in ("list", "tuple"):
+        if len(a["items"]) != len(b["items"]):
+            raise _Reshaped
+        for na, nb in zip(a["items"], b["items"], strict=True):
+            _diff(na, nb, out, seen)
+    elif ta == "stateful":
+        if a.get("cls") != b.get("cls"):
+            raise _Reshaped
+        _diff(a["state"], b["state"], out, seen)
+    elif a != b:  # array nodes (their keys), and anything else as a whole
+        raise _Reshaped
+
+
+def _scalar_slots(root: list[Any]) -> list[tuple[Any, Any]]:
+    """Where each scalar leaf of the skeleton ``root[0]`` sits, as (container, index), in
+    the walk order of skeleton_patch."""
+    slots: list[tuple[Any, Any]] = []
+
+    def walk(holder: Any, at: Any) -> None:
+        node = holder[at]
+        t = node.get("t") if isinstance(node, dict) else None
+        if t in _SCALARS:
+            slots.append((holder, at))
+        elif t == "dict":
+            for item in node["items"]:
+                walk(item, 1)
+        elif t in ("list", "tuple"):
+            for i in range(len(node["items"])):
+                walk(node["items"], i)
+        elif t == "stateful":
+            walk(node, "state")
+
+    walk(root, 0)
+    return slots
 
 
 def _frame_text(frame: Mapping[str, Any]) -> str:
@@ -117,9 +187,12 @@ class RecordSender:
         return frame, self._fid
 
     def record(self, *, rank: int, coordinator: str, plan: WritePlan, flat: FlatState,
-               sums: list[list[str]], replicas: dict[str, list[str]]) -> dict[str, Any]:
+               sums: list[list[str]], replicas: dict[str, list[str]],
+               local: bool = False) -> dict[str, Any]:
         """This save's record. ``coordinator`` names the checkpointer that merges it;
-        ``sums``: each planned tensor's block checksums, in the plan's order."""
+        ``sums``: each planned tensor's block checksums, in the plan's order. ``local``:
+        the record reaches the coordinator without the Store (it is the coordinator's
+        own), so a changed skeleton goes as it is, never as a patch."""
         frame, fid = self._frame_of(rank, plan, flat)
         skeleton = flat.skeleton
         acked = self._acked
@@ -127,8 +200,12 @@ class RecordSender:
         if acked is None or acked[0] != coordinator or acked[1] != fid:
             return full_record(frame, fid, sums, skeleton, replicas)
         delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
-        if skeleton != acked[2]:
-            delta["skeleton"] = skeleton
+        if skeleton != acked[2]:  # (compared in C; the walk below only when it differs)
+            patch = None if local else skeleton_patch(skeleton, acked[2])
+            if patch is None:
+                delta["skeleton"] = skeleton
+            else:
+                delta["skeleton_patch"] = patch
         if replicas:
             delta["replicas"] = dict(replicas)
         return delta
@@ -166,6 +243,7 @@ class _Report:
     skeleton: Any
     replicas: dict[str, list[str]]
     whole: dict[str, Any] | None  # the record itself, when it came whole
+    reskeletoned: bool  # its skeleton is not the one it reported last
 
 
 @dataclass
@@ -192,6 +270,9 @@ class RecordBook:
     frames: dict[int, _Frame] = field(default_factory=dict)
     skeletons: dict[int, Any] = field(default_factory=dict)
     template: _Template | None = None
+    # where the scalar leaves of a rank's skeleton sit, once a patch came for it: a
+    # holder of the skeleton, and (container, index) per leaf in walk order
+    slots: dict[int, tuple[list[Any], list[tuple[Any, Any]]]] = field(default_factory=dict)
 
     def manifest(self, records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                  block_bytes: int, user_metadata: dict[str, str], created_unix: float
@@ -233,7 +314,9 @@ class RecordBook:
                     known = self.frames[rank] = _Frame(
                         fid, {f: frame[f] for f in _FILE_FIELDS}, text, counts)
                 self.skeletons[rank] = rec["skeleton"]
-                report = _Report(known, sums, rec["skeleton"], rec.get("replicas", {}), rec)
+                self.slots.pop(rank, None)
+                report = _Report(known, sums, rec["skeleton"], rec.get("replicas", {}), rec,
+                                 True)
             else:
                 known = self.frames.get(rank)
                 if known is None or known.fid != rec["frame"]:
@@ -244,14 +327,37 @@ class RecordBook:
                         "reports whole at its next save")
                 if "skeleton" in rec:
                     self.skeletons[rank] = rec["skeleton"]
+                    self.slots.pop(rank, None)
+                elif "skeleton_patch" in rec:
+                    self._patch(rank, rec["skeleton_patch"], what)
                 report = _Report(known, rec["sums"], self.skeletons[rank],
-                                 rec.get("replicas", {}), None)
+                                 rec.get("replicas", {}), None,
+                                 "skeleton" in rec or "skeleton_patch" in rec)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise CheckpointSaveError(
                 f"{what}: a rank's record of its shard file is malformed "
                 f"({type(exc).__name__}: {exc})") from exc
         _check_sums(report, block_bytes, what)
         return report
+
+    def _patch(self, rank: int, patch: Any, what: str) -> None:
+        """Apply a rank's skeleton patch to the skeleton it reported last (in place: a
+        skeleton that came through the Store is the book's own)."""
+        entry = self.slots.get(rank)
+        if entry is None:
+            holder = [self.skeletons[rank]]  # (the root's place, should it be a leaf)
+            entry = self.slots[rank] = (holder, _scalar_slots(holder))
+        holder, slots = entry
+        for i, node in patch:
+            if not (type(i) is int and 0 <= i < len(slots) and isinstance(node, dict)
+                    and node.get("t") in _SCALARS):
+                raise CheckpointSaveError(
+                    f"{what}: rank {rank}'s record changes its skeleton at leaf {i!r:.20} "
+                    f"of {len(slots)}, with {node!r:.60}: it does not fit the skeleton it "
+                    "reported before")
+            container, at = slots[i]
+            container[at] = node
+        self.skeletons[rank] = holder[0]
 
     def _merge(self, reports: list[_Report], fids: tuple[str, ...], kw: dict[str, Any]) -> bytes:
         """Merge the whole records, as a load will read them; keep the template."""
@@ -297,7 +403,8 @@ class RecordBook:
         """The template's manifest with this save's checksums and skeleton."""
         step = kw["step"]
         skeletons = [r.skeleton for r in reports]
-        if any(a is not b for a, b in zip(skeletons, t.skeletons, strict=True)):
+        if any(r.reskeletoned for r in reports) or any(
+                a is not b for a, b in zip(skeletons, t.skeletons, strict=True)):
             skeleton = merged_skeleton(skeletons, step, reports[0].frame.head["rank"])
             if len(reports) > 1:  # (one rank's skeleton and tensors come from one flatten)
                 check_reachable(skeleton, t.dtypes)

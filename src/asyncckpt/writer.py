@@ -685,7 +685,8 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
     """This rank's record of the save: whole, or what changed (reports.RecordSender)."""
     return job.reports.sender.record(
         rank=job.ctx.rank, coordinator=job.token if job.ctx.distributed else "",
-        plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas)
+        plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas,
+        local=job.ctx.is_coordinator or not job.ctx.distributed)
 
 
 def os_error_hint(exc: BaseException) -> str:
