@@ -154,7 +154,9 @@ class RecordSender:
 
     def __init__(self) -> None:
         self._made_from: tuple[WritePlan, dict[str, str], dict[str, Any]] | None = None
-        self._frame: dict[str, Any] = {}
+        # the frame's text: kept rather than its objects (~600 bytes a tensor), and read
+        # again only for a whole record
+        self._frame_text = ""
         self._fid = ""
         # (coordinator, frame id, skeleton) of the last committed save: what the
         # coordinator holds of this rank
@@ -162,12 +164,15 @@ class RecordSender:
         # what the save in flight sent: (coordinator, frame id, skeleton, sums, replicas)
         self._sent: tuple[str, str, Any, list[list[str]], dict[str, list[str]]] | None = None
 
-    def _frame_of(self, rank: int, plan: WritePlan, flat: FlatState) -> tuple[dict[str, Any], str]:
+    def _frame_of(self, rank: int, plan: WritePlan, flat: FlatState
+                  ) -> tuple[dict[str, Any] | None, str]:
+        """This save's frame and its id; the frame is None when it is the last save's
+        (then only its text is kept)."""
         made = self._made_from
         # (the kinds and boxes compare in C; the plan is kept while the layout is)
         if made is not None and made[0] is plan and made[1] == flat.kinds and (
                 made[2] == flat.boxes):
-            return self._frame, self._fid
+            return None, self._fid
         tensors: dict[str, Any] = {}
         boxes, kinds = flat.boxes, flat.kinds
         for it in plan.items:
@@ -183,7 +188,8 @@ class RecordSender:
                  "bytes": plan.file_bytes, "header_bytes": len(plan.header),
                  "header_checksum": xxhash.xxh3_64_hexdigest(plan.header), "tensors": tensors}
         self._made_from = (plan, flat.kinds, flat.boxes)
-        self._frame, self._fid = frame, _frame_id(_frame_text(frame))
+        self._frame_text = _frame_text(frame)
+        self._fid = _frame_id(self._frame_text)
         return frame, self._fid
 
     def record(self, *, rank: int, coordinator: str, plan: WritePlan, flat: FlatState,
@@ -198,7 +204,8 @@ class RecordSender:
         acked = self._acked
         self._sent = (coordinator, fid, skeleton, sums, replicas)
         if acked is None or acked[0] != coordinator or acked[1] != fid:
-            return full_record(frame, fid, sums, skeleton, replicas)
+            return full_record(json.loads(self._frame_text) if frame is None else frame, fid,
+                               sums, skeleton, replicas)
         delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
         if skeleton != acked[2]:  # (compared in C; the walk below only when it differs)
             patch = None if local else skeleton_patch(skeleton, acked[2])
@@ -214,7 +221,7 @@ class RecordSender:
         """The save in flight's record, whole (what a peer is served)."""
         assert self._sent is not None
         _, fid, skeleton, sums, replicas = self._sent
-        return full_record(self._frame, fid, sums, skeleton, replicas)
+        return full_record(json.loads(self._frame_text), fid, sums, skeleton, replicas)
 
     def settled(self, committed: bool) -> None:
         """The save in flight is over. Committed: the coordinator holds what it sent.
