@@ -102,6 +102,17 @@ def whole_merge(records: list[dict[str, Any]], step: int) -> float:
     return time.perf_counter() - t
 
 
+def settle(ranks: list[Rank], committed: bool = True) -> None:
+    for rk in ranks:
+        rk.sender.settled(committed)
+
+
+def timed_manifest(book: RecordBook, records: list[dict[str, Any]], step: int) -> float:
+    t = time.perf_counter()
+    book.manifest(records, step=step, created_unix=time.time(), **KW)
+    return time.perf_counter() - t
+
+
 def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
     log(f"building {world} ranks x {tensors:,} tensors")
     ranks = [Rank(r, world, tensors, rows=4) for r in range(world)]
@@ -109,30 +120,20 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
                            "skeleton_changed": []}
     for rep in range(repeats):
         book = RecordBook()
-        for rk in ranks:
-            rk.sender.settled(False)  # report whole
+        settle(ranks, False)  # report whole
         gc.collect()
         records, whole_sizes = through_store([rk.record(False) for rk in ranks])
         res["whole_merge"].append(whole_merge(records, step=rep))
-        t = time.perf_counter()
-        book.manifest(records, step=rep, created_unix=time.time(), **KW)
-        res["first_save"].append(time.perf_counter() - t)
-        for rk in ranks:
-            rk.sender.settled(True)
+        res["first_save"].append(timed_manifest(book, records, rep))
+        settle(ranks)
         records, delta_sizes = through_store([rk.record(False) for rk in ranks])
         assert all("tensors" not in rec for rec in records)
-        t = time.perf_counter()
-        book.manifest(records, step=rep, created_unix=time.time(), **KW)
-        res["steady_save"].append(time.perf_counter() - t)
-        for rk in ranks:
-            rk.sender.settled(True)
+        res["steady_save"].append(timed_manifest(book, records, rep))
+        settle(ranks)
         records, skel_sizes = through_store([rk.record(True) for rk in ranks])
         assert all("skeleton_patch" in rec for rec in records)
-        t = time.perf_counter()
-        book.manifest(records, step=rep, created_unix=time.time(), **KW)
-        res["skeleton_changed"].append(time.perf_counter() - t)
-        for rk in ranks:
-            rk.sender.settled(True)
+        res["skeleton_changed"].append(timed_manifest(book, records, rep))
+        settle(ranks)
         log(f"repeat {rep + 1}: whole merge {res['whole_merge'][-1]:.3f} s, steady save "
             f"{res['steady_save'][-1]:.3f} s")
     res["record_bytes"] = {"whole": statistics.median(whole_sizes),

@@ -91,6 +91,22 @@ def _whole(rec: dict[str, Any]) -> bool:
     return "tensors" in rec
 
 
+def _settle(ranks: list[_Rank], ok: bool = True) -> None:
+    for rk in ranks:
+        rk.sender.settled(ok)
+
+
+def _second_save() -> tuple[list[_Rank], RecordBook, list[dict[str, Any]]]:
+    """Two ranks whose first save committed, and their records of the second (deltas)."""
+    ranks = [_Rank(r, 2) for r in range(2)]
+    book = RecordBook()
+    _save(ranks, book, 1)
+    _settle(ranks)
+    records = [rk.record(2)[0] for rk in ranks]
+    assert not any(map(_whole, records))
+    return ranks, book, records
+
+
 def test_a_group_reports_whole_once_then_what_changed_and_the_manifest_stays_exact() -> None:
     ranks = [_Rank(r, 3) for r in range(3)]
     book = RecordBook()
@@ -103,51 +119,47 @@ def test_a_group_reports_whole_once_then_what_changed_and_the_manifest_stays_exa
 
     book._fill = fill  # type: ignore[method-assign,assignment]
 
-    def settle(ok: bool = True) -> None:
-        for rk in ranks:
-            rk.sender.settled(ok)
-
     first = _save(ranks, book, 1)
     assert all(map(_whole, first)) and not fills
-    settle()
+    _settle(ranks)
     second = _save(ranks, book, 2)  # new values, same layouts
     assert not any(map(_whole, second)) and len(fills) == 1
     assert all("skeleton" not in rec for rec in second)  # (the non-tensor values did not change)
     assert all(len(json.dumps(d)) * 3 < len(json.dumps(w)) for d, w in zip(second, first,
                                                                             strict=True))
-    settle()
+    _settle(ranks)
     ranks[1].lr = 0.05  # a scheduler moved rank 1's lr: that value travels, nothing else
     third = _save(ranks, book, 3)
     assert ["skeleton" in rec for rec in third] == [False, False, False]
     assert [rec.get("skeleton_patch") for rec in third] == [
         None, [[0, {"t": "float", "v": "0.05"}]], None]
     assert len(fills) == 2
-    settle()
+    _settle(ranks)
     ranks[1].lr = 0.1
     ranks[0].lr = 0.2
     assert [len(rec.get("skeleton_patch", ())) for rec in _save(ranks, book, 31)] == [1, 1, 0]
-    settle()
+    _settle(ranks)
     ranks[0].lr = 0.1
     _save(ranks, book, 32)
-    settle()
+    _settle(ranks)
     ranks[2].extra = True  # rank 2's layout changes: its record is whole, the merge redone
     fourth = _save(ranks, book, 4)
     assert list(map(_whole, fourth)) == [False, False, True] and len(fills) == 4
-    settle()
+    _settle(ranks)
     assert not any(map(_whole, _save(ranks, book, 5))) and len(fills) == 5
-    settle(False)  # a failed save: every rank reports whole again, and the template serves
+    _settle(ranks, False)  # a failed save: every rank reports whole again, and the template serves
     assert all(map(_whole, _save(ranks, book, 6))) and len(fills) == 6
-    settle()
+    _settle(ranks)
     assert all(map(_whole, _save(ranks, book, 7, coordinator="another")))  # a new coordinator
     assert len(fills) == 7
-    settle()
+    _settle(ranks)
     ranks[0].row, ranks[1].row = 1, 0  # the same local shapes, other boxes
     assert list(map(_whole, _save(ranks, book, 8, coordinator="another"))) == [True, True, False]
-    settle()
+    _settle(ranks)
     ranks[2].numpy_ids = False  # the same dtype and shape, another kind of array
     assert list(map(_whole, _save(ranks, book, 9, coordinator="another"))) == [False, False, True]
     assert len(fills) == 7
-    settle()
+    _settle(ranks)
     ranks[2].lr = 0.3  # a changed value beside a changed structure: the whole skeleton goes
     ranks[2].state_extra = True
     tenth = _save(ranks, book, 10, coordinator="another")
@@ -204,20 +216,13 @@ def test_one_process_that_saves_a_changing_state_writes_what_a_whole_merge_write
 
 
 def test_a_report_against_a_frame_the_coordinator_lacks_fails_the_save_then_heals() -> None:
-    ranks = [_Rank(r, 2) for r in range(2)]
-    _save(ranks, RecordBook(), 1)
-    for rk in ranks:
-        rk.sender.settled(True)
-    records = [rk.record(2)[0] for rk in ranks]
-    assert not any(map(_whole, records))
+    ranks, _, records = _second_save()
     with pytest.raises(CheckpointSaveError,
                        match=r"step 2 aborted, nothing committed: rank 0 reported only what "
                              r"changed.*does not hold the record"):
         RecordBook().manifest(records, step=2, **KW)  # (a coordinator restarted)
-    for rk in ranks:
-        rk.sender.settled(False)
-    book = RecordBook()
-    assert all(map(_whole, _save(ranks, book, 3)))
+    _settle(ranks, False)
+    assert all(map(_whole, _save(ranks, RecordBook(), 3)))
 
 
 @pytest.mark.parametrize(("mutate", "problem"), [
@@ -229,12 +234,7 @@ def test_a_report_against_a_frame_the_coordinator_lacks_fails_the_save_then_heal
     (lambda s: s.__setitem__(1, "ab"), "lists for"),
 ])
 def test_checksums_that_do_not_fit_the_frame_are_refused(mutate: Any, problem: str) -> None:
-    ranks = [_Rank(r, 2) for r in range(2)]
-    book = RecordBook()
-    _save(ranks, book, 1)
-    for rk in ranks:
-        rk.sender.settled(True)
-    records = [rk.record(2)[0] for rk in ranks]
+    _, book, records = _second_save()
     mutate(records[1]["sums"])
     with pytest.raises(CheckpointSaveError, match=rf"step 2 aborted.*rank 1's record does not "
                                                   rf"merge.*{re.escape(problem)}"):
@@ -244,13 +244,7 @@ def test_checksums_that_do_not_fit_the_frame_are_refused(mutate: Any, problem: s
 def test_a_changed_skeleton_that_loses_tensors_is_refused_on_the_fast_path() -> None:
     """A rank whose tree changed shape but not its tensors' layout (a list shortened
     where another rank keeps tensors): the fill re-checks what a load reaches."""
-    ranks = [_Rank(r, 2) for r in range(2)]
-    book = RecordBook()
-    _save(ranks, book, 1)
-    for rk in ranks:
-        rk.sender.settled(True)
-    records = [rk.record(2)[0] for rk in ranks]
-    assert not any(map(_whole, records))
+    ranks, book, records = _second_save()
     for rec in records:  # both ranks' trees lose "own0" (rank 0 still writes it)
         rec["skeleton"] = {"t": "dict", "items": [
             it for it in ranks[rec["rank"]].sender._sent[2]["items"]
@@ -262,12 +256,7 @@ def test_a_changed_skeleton_that_loses_tensors_is_refused_on_the_fast_path() -> 
 
 def test_differing_replicas_are_still_reported_on_the_fast_path(
         caplog: pytest.LogCaptureFixture) -> None:
-    ranks = [_Rank(r, 2) for r in range(2)]
-    book = RecordBook()
-    _save(ranks, book, 1)
-    for rk in ranks:
-        rk.sender.settled(True)
-    records = [rk.record(2)[0] for rk in ranks]
+    _, book, records = _second_save()
     written = records[0]["sums"]  # rank 0 writes own0/...; rank 1 says it holds a copy
     key = next(k for k in json.loads(book.frames[0].text)["tensors"] if k.startswith("own0"))
     n = list(json.loads(book.frames[0].text)["tensors"]).index(key)
