@@ -301,9 +301,8 @@ def test_ranks_report_whole_records_once_then_only_what_changed(tmp_path: Path) 
             "whole" if "tensors" in rec else "skeleton" if "skeleton" in rec
             else "patch" if "skeleton_patch" in rec else "sums")
         sizes.setdefault(r, []).append(len(values[0]))
-    # (the coordinator's own record is read in process: a changed skeleton goes whole)
-    assert kinds == {0: ["whole", "sums", "skeleton", "sums", "sums"],
-                     1: ["whole", "sums", "patch", "whole", "sums"],
+    # (the coordinator's own record never enters the Store)
+    assert kinds == {1: ["whole", "sums", "patch", "whole", "sums"],
                      2: ["whole", "sums", "patch", "sums", "sums"]}, kinds
     assert all(sizes[r][1] * 3 < sizes[r][0] and sizes[r][2] < 2 * sizes[r][1]
                for r in range(1, world)), sizes

@@ -469,16 +469,18 @@ class DistContext:
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
                *, cancelled: Callable[[], bool] | None = None,
-               pulse: Pulse | None = None) -> dict[int, Any]:
+               pulse: Pulse | None = None, have: Mapping[int, Any] | None = None
+               ) -> dict[int, Any]:
         """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values, or
         as soon as one that has arrived is an error: then only those read so far (the
         callers raise the error; a late or dead rank must not delay a reported failure).
 
         ``cancelled`` is asked about once a second; when it says yes the wait ends with
-        CheckpointSaveError (a background wait whose save has already failed).
+        CheckpointSaveError (a background wait whose save has already failed). ``have``:
+        the values of ranks that need not be read (this rank's own).
         """
-        keys = {r: self.key(*prefix, r) for r in range(self.world_size)}
-        got: dict[int, Any] = {}
+        got: dict[int, Any] = dict(have or {})
+        keys = {r: self.key(*prefix, r) for r in range(self.world_size) if r not in got}
 
         def failed(r: int) -> bool:
             with self._store_errors(f"reading {what}"):

@@ -287,7 +287,7 @@ class BackgroundWriter:
             job.progress.wait_for(plan.file_bytes)  # nothing to write, but staging must end
             with _gc_paused():
                 record = _record(job, [])
-            if ctx.distributed:
+            if ctx.distributed and not ctx.is_coordinator:
                 ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if job.serve_to:
             _offer_arena(job)
@@ -299,7 +299,7 @@ class BackgroundWriter:
             _raise_failed(job, ctx.gather((job.tag, "done"),
                                           f"the shard files of step {job.step}", pulse=job.pulse))
             if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
-                final = self._commit(job, _gather_records(job))
+                final = self._commit(job, _gather_records(job, record))
             else:
                 final = self._commit(job, [], manifest_written=True)
             job.committed = True  # from here on, the save succeeded whatever the Store says
@@ -611,13 +611,11 @@ def _describe(job: SaveJob) -> _Described:
         record = _record(job, sums)
     ctx = job.ctx
     if ctx.distributed:
-        ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
         if not ctx.is_coordinator:
+            ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
             return record, None
-        try:
-            records = _gather_records(job)
-            records[0] = record  # the same, without a second decode
-            raw = _manifest_bytes(job, records)
+        try:  # (the coordinator's own record never goes through the Store)
+            raw = _manifest_bytes(job, _gather_records(job, record))
         except BaseException as exc:
             job.progress.fail(exc)  # the step cannot commit: stop this rank's write now
             raise
@@ -632,11 +630,12 @@ def _describe(job: SaveJob) -> _Described:
     return record, raw
 
 
-def _gather_records(job: SaveJob) -> list[dict[str, Any]]:
-    """Every rank's record, in rank order (coordinator); raises if a rank reported an
-    error, and gives up once this save has failed anyway."""
+def _gather_records(job: SaveJob, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's record, in rank order, ``mine`` first (coordinator); raises if a rank
+    reported an error, and gives up once this save has failed anyway."""
     got = job.ctx.gather((job.tag, "record"), f"the shard layouts of step {job.step}",
-                         cancelled=lambda: job.progress.failed, pulse=job.pulse)
+                         cancelled=lambda: job.progress.failed, pulse=job.pulse,
+                         have={job.ctx.rank: mine})
     _raise_failed(job, got)
     return [got[r] for r in sorted(got)]
 
