@@ -1,4 +1,5 @@
-"""What a rank of a group leaves behind when its save fails (writer._abort)."""
+"""The background writer: what a rank of a group leaves behind when its save fails
+(writer._abort), and the collector paused over the hash thread's bursts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 
+import asyncckpt
 from asyncckpt.dist import DistContext
 from asyncckpt.plan import plan_writes
 from asyncckpt.staging import StagingProgress
@@ -61,3 +64,32 @@ def test_peer_abort_keeps_an_announced_file_until_a_verdict(
         for part in ("record", "done"):
             got = json.loads(store.get(job.ctx.key("s3.1", part, 1)))
             assert "no verdict" in got["error"], (part, got)
+
+
+def test_the_checksums_and_the_manifest_of_a_save_are_made_with_the_collector_paused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash thread makes a list per tensor, then the record and the manifest: with the
+    collector on, the allocations set off full collections of a process that holds the
+    whole state tree (0.8 s of a 100,000-tensor save)."""
+    import gc
+
+    from asyncckpt import writer
+
+    seen: list[bool] = []
+    real_hash, real_manifest = xxhash.xxh3_64_hexdigest, writer._manifest_bytes
+
+    def hashing(data: Any) -> str:
+        seen.append(gc.isenabled())
+        return real_hash(data)
+
+    def manifest(job: Any, records: Any) -> bytes:
+        seen.append(gc.isenabled())
+        return real_manifest(job, records)
+
+    monkeypatch.setattr(xxhash, "xxh3_64_hexdigest", hashing)
+    monkeypatch.setattr(writer, "_manifest_bytes", manifest)
+    assert gc.isenabled()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        ck.save_async({f"t{i}": torch.full((3,), float(i)) for i in range(50)}, step=1).wait()
+    assert len(seen) >= 51 and not any(seen)  # every tensor's checksum, and the manifest
+    assert gc.isenabled()
