@@ -1099,3 +1099,25 @@ def test_a_rank_whose_staging_is_slow_but_moving_is_waited_for(
             return ck.steps()
 
     assert in_threads(rank) == {0: [1], 1: [1]}
+
+
+def test_values_are_decoded_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator decodes every rank's record in a burst (a list per tensor): with
+    the collector on, that set off full collections of a process holding its state."""
+    import gc
+
+    ctx = _ctx()
+    ctx.put(ctx.key("s1", "record", 1), {"rank": 1, "sums": [["0" * 16]] * 10})
+    ctx.put(ctx.key("s1", "record", 2), {"rank": 2, "big": "x" * (9 << 20)})  # (in parts)
+    seen: list[bool] = []
+    real = json.loads
+
+    def loads(raw: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(raw)
+
+    monkeypatch.setattr(json, "loads", loads)  # (the json module that dist uses too)
+    assert gc.isenabled()
+    assert ctx.get(ctx.key("s1", "record", 1), "a record")["sums"][0] == ["0" * 16]
+    assert len(ctx.get(ctx.key("s1", "record", 2), "a record")["big"]) == 9 << 20
+    assert len(seen) == 3 and not any(seen) and gc.isenabled()

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ._gc import gc_paused
 from .boxes import tiling_problem
 from .errors import (
     CheckpointConfigError,
@@ -453,11 +454,16 @@ class DistContext:
             self.store.set(key, json.dumps({_PARTS: len(parts)}))
 
     def _decode(self, key: str, raw: bytes) -> Any:
-        """The value posted under ``key`` (see :meth:`put`), from what ``key`` holds."""
-        value = json.loads(raw)
+        """The value posted under ``key`` (see :meth:`put`), from what ``key`` holds.
+
+        Decoded with the collector paused: a rank's record holds a list per tensor, and
+        the coordinator decodes every rank's in a burst (see _gc.gc_paused)."""
+        with gc_paused():
+            value = json.loads(raw)
         if type(value) is dict and len(value) == 1 and type(value.get(_PARTS)) is int:
-            value = json.loads(b"".join(self.store.get(_part_key(key, i))
-                                        for i in range(value[_PARTS])))
+            joined = b"".join(self.store.get(_part_key(key, i)) for i in range(value[_PARTS]))
+            with gc_paused():
+                value = json.loads(joined)
         return value
 
     def get(self, key: str, what: str, timeout_s: float | None = None, *, rank: int = 0,
