@@ -1071,6 +1071,21 @@ def test_close_withdraws_the_arena_from_its_transports(tmp_path: Path) -> None:
     assert len(transport.calls) == n  # once
 
 
+def test_one_process_serves_the_manifest_it_commits(tmp_path: Path) -> None:
+    """The staged arena is offered with the manifest the hash thread made for the commit,
+    not one merged and encoded again (seconds for 100,000 tensors); a later save offers
+    its own."""
+    transport = RecordingTransport()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        ckpt.serve(transport)
+        for step in (1, 2):
+            ckpt.save({"w": torch.arange(10.0) + step, "n": step}, step=step)
+            served = transport.served[-1]
+            assert served.manifest() == (  # type: ignore[attr-defined]
+                tmp_path / f"step_{step:09d}" / "manifest.json").read_bytes()
+            assert served.step == step  # type: ignore[attr-defined]
+
+
 class SlowRemove(LocalStorage):
     """Removing a directory blocks until ``release`` is set; ``removing`` says one began."""
 

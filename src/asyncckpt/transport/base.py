@@ -286,9 +286,10 @@ class Served:
             f.close()
 
 
-def serve_arena(step: int, manifest: Manifest, file: str, buf: memoryview) -> Served:
-    """Serve a staged arena: the file body already sits in memory, checksummed."""
-    raw = manifest.to_json()
+def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryview) -> Served:
+    """Serve a staged arena: the file body already sits in memory, checksummed.
+    ``manifest``: what describes it, or that manifest's bytes."""
+    raw = manifest if isinstance(manifest, bytes) else manifest.to_json()
     return Served(step, lambda: raw, {file: BufferSource(buf)})
 
 
