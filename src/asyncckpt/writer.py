@@ -605,16 +605,16 @@ def _describe(job: SaveJob) -> _Described:
     Runs on the hash thread once staging is over — hashing (~30 GB/s) would otherwise
     take a core from the copies the caller is waiting for — and still finishes long
     before the write does, so building and writing the manifest costs the save nothing.
-    In a group, every rank publishes its record here, and the coordinator waits for all
-    of them and merges the manifest (~50 ms for 1,000 tensors on 2 ranks) while the
-    shard files are still being written. The manifest lies in the temporary directory,
+    In a group, every other rank publishes its record here (whole, or what changed:
+    reports.py), and the coordinator waits for all of them and merges the manifest while
+    the shard files are still being written. The manifest lies in the temporary directory,
     which nothing reads before the rename that commits it (after every rank's ``done``).
     """
     job.progress.wait_for(job.plan.file_bytes)
     mv, bb, xxh = job.arena.memoryview(), job.block_bytes, xxhash.xxh3_64_hexdigest
+    ctx = job.ctx
     # (a list per tensor: with the collector on, 100,000 of them set off full collections
     # of a process that holds the state tree, 0.8 s of a 0.16 s loop)
-    ctx = job.ctx
     with _gc_paused():
         sums = [[xxh(mv[it.offset:it.offset + it.nbytes])] if it.nbytes <= bb  # (most)
                 else block_checksums(mv[it.offset:it.offset + it.nbytes], bb)
