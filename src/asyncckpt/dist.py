@@ -63,7 +63,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from ._gc import gc_paused
 from .boxes import tiling_problem
@@ -979,26 +978,6 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
 
 
 # --- what each rank wrote, and the merged manifest --------------------------------------------
-
-def make_record(rank: int, file: str | None, file_bytes: int, header: bytes,
-                items: Sequence[tuple[str, str, tuple[int, ...], str, Box, tuple[int, int],
-                                      tuple[str, ...]]],
-                skeleton: dict[str, Any], replicas: Mapping[str, list[str]] | None = None
-                ) -> dict[str, Any]:
-    """The JSON a rank reports once its shard file is durable.
-
-    ``items``: (key, dtype, global shape, kind, box, byte range, checksums) per tensor;
-    ``replicas``: the checksums of replicated tensors it holds but does not write.
-    """
-    extra = {"replicas": dict(replicas)} if replicas else {}
-    return {**extra,
-        "rank": rank, "file": file, "bytes": file_bytes, "skeleton": skeleton,
-        "header_bytes": len(header), "header_checksum": xxhash.xxh3_64_hexdigest(header),
-        "tensors": {k: {"dtype": dt, "shape": list(gs), "kind": kind, "offsets": list(box[0]),
-                        "lengths": list(box[1]), "byte_range": list(br), "checksums": list(cs)}
-                    for k, dt, gs, kind, box, br, cs in items},
-    }
-
 
 def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                   block_bytes: int, user_metadata: dict[str, str], created_unix: float,

@@ -50,7 +50,7 @@ from .manifest import (
 from .plan import WritePlan
 from .tree import FlatState, dtype_name
 
-__all__ = ["RecordBook", "RecordSender", "Reports", "full_record"]
+__all__ = ["RecordBook", "RecordSender", "Reports", "frame_of", "full_record"]
 
 # A frame's fields, in the order its text (and so its id) is made of.
 _FILE_FIELDS = ("rank", "file", "bytes", "header_bytes", "header_checksum")
@@ -134,13 +134,36 @@ def _frame_id(text: str) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
-def full_record(frame: Mapping[str, Any], fid: str, sums: Sequence[list[str]], skeleton: Any,
-                replicas: Mapping[str, list[str]]) -> dict[str, Any]:
+def frame_of(rank: int, plan: WritePlan, flat: FlatState) -> dict[str, Any]:
+    """A rank's frame: its shard file as ``plan`` lays it out, and each planned tensor's
+    dtype, global shape, kind, box and byte range.
+
+    The plan's shapes, taken when the save began: not the live tensors', which the caller
+    may resize once staging is over (frames are made later, on the hash thread)."""
+    tensors: dict[str, Any] = {}
+    boxes, kinds = flat.boxes, flat.kinds
+    for it in plan.items:
+        shaped = boxes.get(it.key)
+        whole = shaped[0] if shaped is not None else it.shape
+        box = shaped[1] if shaped is not None else ((0,) * len(it.shape), it.shape)
+        tensors[it.key] = {"dtype": dtype_name(it.dtype), "shape": list(whole),
+                           "kind": kinds[it.key], "offsets": list(box[0]),
+                           "lengths": list(box[1]), "byte_range": [it.offset, it.end]}
+    return {"rank": rank, "file": plan.file if plan.items else None,
+            "bytes": plan.file_bytes, "header_bytes": len(plan.header),
+            "header_checksum": xxhash.xxh3_64_hexdigest(plan.header), "tensors": tensors}
+
+
+def full_record(frame: Mapping[str, Any], sums: Sequence[Sequence[str]], skeleton: Any,
+                replicas: Mapping[str, list[str]], fid: str | None = None) -> dict[str, Any]:
     """A rank's whole record: its frame, ``sums`` (the checksums of the frame's tensors,
-    in order) and the rest. ``dist.merge_records`` merges these."""
+    in order) and the rest; ``fid``, the frame's id, when it goes to a coordinator.
+    ``dist.merge_records`` merges these."""
     tensors = {k: {**t, "checksums": s}
                for (k, t), s in zip(frame["tensors"].items(), sums, strict=True)}
-    out = {**frame, "frame": fid, "tensors": tensors, "skeleton": skeleton}
+    out = {**frame, "tensors": tensors, "skeleton": skeleton}
+    if fid is not None:
+        out["frame"] = fid
     if replicas:
         out["replicas"] = dict(replicas)
     return out
@@ -173,20 +196,7 @@ class RecordSender:
         if made is not None and made[0] is plan and made[1] == flat.kinds and (
                 made[2] == flat.boxes):
             return None, self._fid
-        tensors: dict[str, Any] = {}
-        boxes, kinds = flat.boxes, flat.kinds
-        for it in plan.items:
-            # The plan's shapes, taken when the save began: not the live tensors', which
-            # the caller may resize once staging is over (this runs on the hash thread).
-            shaped = boxes.get(it.key)
-            whole = shaped[0] if shaped is not None else it.shape
-            box = shaped[1] if shaped is not None else ((0,) * len(it.shape), it.shape)
-            tensors[it.key] = {"dtype": dtype_name(it.dtype), "shape": list(whole),
-                               "kind": kinds[it.key], "offsets": list(box[0]),
-                               "lengths": list(box[1]), "byte_range": [it.offset, it.end]}
-        frame = {"rank": rank, "file": plan.file if plan.items else None,
-                 "bytes": plan.file_bytes, "header_bytes": len(plan.header),
-                 "header_checksum": xxhash.xxh3_64_hexdigest(plan.header), "tensors": tensors}
+        frame = frame_of(rank, plan, flat)
         self._made_from = (plan, flat.kinds, flat.boxes)
         self._frame_text = _frame_text(frame)
         self._fid = _frame_id(self._frame_text)
@@ -204,8 +214,8 @@ class RecordSender:
         acked = self._acked
         self._sent = (coordinator, fid, skeleton, sums, replicas)
         if acked is None or acked[0] != coordinator or acked[1] != fid:
-            return full_record(json.loads(self._frame_text) if frame is None else frame, fid,
-                               sums, skeleton, replicas)
+            return full_record(json.loads(self._frame_text) if frame is None else frame,
+                               sums, skeleton, replicas, fid)
         delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
         if skeleton != acked[2]:  # (compared in C; the walk below only when it differs)
             patch = None if local else skeleton_patch(skeleton, acked[2])
@@ -221,7 +231,7 @@ class RecordSender:
         """The save in flight's record, whole (what a peer is served)."""
         assert self._sent is not None
         _, fid, skeleton, sums, replicas = self._sent
-        return full_record(json.loads(self._frame_text), fid, sums, skeleton, replicas)
+        return full_record(json.loads(self._frame_text), sums, skeleton, replicas, fid)
 
     def settled(self, committed: bool) -> None:
         """The save in flight is over. Committed: the coordinator holds what it sent.
@@ -369,8 +379,8 @@ class RecordBook:
     def _merge(self, reports: list[_Report], fids: tuple[str, ...], kw: dict[str, Any]) -> bytes:
         """Merge the whole records, as a load will read them; keep the template."""
         whole = [r.whole if r.whole is not None else
-                 full_record(json.loads(r.frame.text), r.frame.fid, r.sums, r.skeleton,
-                             r.replicas) for r in reports]
+                 full_record(json.loads(r.frame.text), r.sums, r.skeleton, r.replicas,
+                             r.frame.fid) for r in reports]
         manifest = merge_records(whole, **kw)
         fixed, sums = tensors_json_parts(manifest.tensors)
         skeleton_text = compact_json(manifest.skeleton)

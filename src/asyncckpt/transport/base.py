@@ -32,7 +32,7 @@ from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checks
 from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import read_manifest, tensor_bytes
 from ..storage import LocalStorage, open_regular
-from ..tree import dtype_name, flatten
+from ..tree import flatten
 
 T = TypeVar("T")
 
@@ -323,7 +323,8 @@ def _live_plan(tensors: Mapping[str, torch.Tensor]) -> WritePlan:
 def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
     """Serve live tensors: nothing is copied up front; checksums are computed on the
     first manifest request (off the training thread)."""
-    from ..dist import make_record, merge_records
+    from ..dist import merge_records
+    from ..reports import frame_of, full_record
 
     if type(step) is not int or step < 0:  # (it names the step in URLs and the manifest)
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
@@ -373,13 +374,7 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
             if not cache:
                 sums = checksums()
                 with gc_paused():
-                    items = []
-                    for it, s in zip(plan.items, sums, strict=True):
-                        box = flat.box(it.key) or (tuple(0 for _ in it.shape), it.shape)
-                        items.append((it.key, dtype_name(it.dtype), flat.global_shape(it.key),
-                                      flat.kinds[it.key], box, (it.offset, it.end), s))
-                    record = make_record(0, plan.file if plan.items else None,
-                                         plan.file_bytes, plan.header, items, flat.skeleton)
+                    record = full_record(frame_of(0, plan, flat), sums, flat.skeleton, {})
                     cache.append(merge_records(
                         [record], step=step, library_version=library_version,
                         block_bytes=block_bytes, user_metadata={}, created_unix=0.0,
