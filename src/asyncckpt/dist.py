@@ -1158,7 +1158,7 @@ class FallbackAgreement:
                 decision = json.loads(ctx.store.get(decision_key))
             else:  # rank 0, with every verdict in
                 verdicts = [json.loads(v) for v in ctx.store.multi_get(list(keys.values()))]
-                decision = self._decide(decision_key, _decision(ctx, verdicts, step))
+                decision = self._decide(decision_key, _decision(verdicts, step))
         if not decision.get("agreed"):
             if timed_out is not None and decision.get("rank") == ctx.rank:
                 raise timed_out
@@ -1175,8 +1175,7 @@ class FallbackAgreement:
         return decided
 
 
-def _decision(ctx: DistContext, verdicts: Sequence[dict[str, Any]], step: int | None
-              ) -> dict[str, Any]:
+def _decision(verdicts: Sequence[dict[str, Any]], step: int | None) -> dict[str, Any]:
     """Rank 0's decision on an attempt from every rank's verdict."""
     bad = []
     for r, got in enumerate(verdicts):
