@@ -48,7 +48,7 @@ from .manifest import (
     tensors_json_parts,
 )
 from .plan import WritePlan
-from .tree import FlatState, dtype_name
+from .tree import SCALAR_NODES, FlatState, dtype_name
 
 __all__ = ["RecordBook", "RecordSender", "Reports", "frame_of", "full_record"]
 
@@ -56,7 +56,6 @@ __all__ = ["RecordBook", "RecordSender", "Reports", "frame_of", "full_record"]
 _FILE_FIELDS = ("rank", "file", "bytes", "header_bytes", "header_checksum")
 _TENSOR_FIELDS = ("dtype", "shape", "kind", "offsets", "lengths", "byte_range")
 _HEX = re.compile(r"[0-9a-f]*")
-_SCALARS = frozenset(("none", "bool", "int", "float", "str", "bytes"))  # skeleton leaves
 
 
 class _Reshaped(Exception):
@@ -77,7 +76,7 @@ def skeleton_patch(new: Any, old: Any) -> list[list[Any]] | None:
 
 def _diff(a: Any, b: Any, out: list[list[Any]], seen: list[int]) -> None:
     ta, tb = a.get("t"), b.get("t")
-    if ta in _SCALARS and tb in _SCALARS:
+    if ta in SCALAR_NODES and tb in SCALAR_NODES:
         if a != b:
             out.append([seen[0], a])
         seen[0] += 1
@@ -111,7 +110,7 @@ def _scalar_slots(root: list[Any]) -> list[tuple[Any, Any]]:
     def walk(holder: Any, at: Any) -> None:
         node = holder[at]
         t = node.get("t") if isinstance(node, dict) else None
-        if t in _SCALARS:
+        if t in SCALAR_NODES:
             slots.append((holder, at))
         elif t == "dict":
             for item in node["items"]:
@@ -367,7 +366,7 @@ class RecordBook:
         holder, slots = entry
         for i, node in patch:
             if not (type(i) is int and 0 <= i < len(slots) and isinstance(node, dict)
-                    and node.get("t") in _SCALARS):
+                    and node.get("t") in SCALAR_NODES):
                 raise CheckpointSaveError(
                     f"{what}: rank {rank}'s record changes its skeleton at leaf {i!r:.20} "
                     f"of {len(slots)}, with {node!r:.60}: it does not fit the skeleton it "

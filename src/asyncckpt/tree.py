@@ -488,6 +488,7 @@ def scalar_value(node: Node) -> Any:
 
 
 ARRAY_NODES = ("tensor", "ndarray", "npscalar")  # the skeleton's kinds of array leaf
+SCALAR_NODES = frozenset(("none", "bool", "int", "float", "str", "bytes"))  # of value leaf
 
 
 def iter_array_nodes(node: Node, path: str = "") -> Iterator[tuple[str, Node]]:
