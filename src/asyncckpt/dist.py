@@ -21,8 +21,8 @@ Per save, under ``asyncckpt/<namespace>/n<save number>/``:
 - ``record/<rank>``: what the rank writes (file, chunks, checksums), or its error. Put
   once its bytes are hashed, long before they are durable, so that the coordinator
   merges the manifest while the shard files are still being written. Whole at a rank's
-  first save and whenever its layout changed; otherwise only its checksums (and its
-  skeleton, if that changed): see ``reports``.
+  first save and whenever its layout changed; otherwise only its checksums (and what
+  changed of its skeleton): see ``reports``.
 - ``done/<rank>``: that the rank's shard file is durable, or its error.
 - ``decision``: claimed once, atomically (``compare_set``): "commit" by the coordinator
   just before its rename, or why not by a peer that gave up waiting for the verdict.
