@@ -315,6 +315,112 @@ def test_ranks_report_whole_records_once_then_only_what_changed(tmp_path: Path) 
             assert torch.equal(got["w"][:, 3 * r:3 * r + 3], torch.full((2, 3), float(step + r)))
 
 
+class _Offers:
+    """A transport that keeps what a checkpointer offers it (ckpt.serve)."""
+
+    def __init__(self) -> None:
+        self.served: list[Any] = []
+
+    def serve(self, served: Any, *, allow: bool = True) -> None:
+        self.served.append(served)
+
+    def disallow_checkpoint(self) -> None:
+        pass
+
+
+def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank serves peers a view of its own shard (partial) at every save; the view
+    is made whole only when the rank's layout changed, and otherwise filled in with the
+    save's checksums and values: always the chunks and skeleton the step committed."""
+    from asyncckpt.manifest import parse_manifest
+    from asyncckpt.reports import RecordBook
+    from asyncckpt.tree import flatten
+
+    world = 2
+    merges: list[bool] = []  # per merge of any book: made for a served view?
+    real_merge = RecordBook._merge
+
+    def merge(self: RecordBook, reports: Any, fids: Any, kw: dict[str, Any]) -> bytes:
+        merges.append(kw["partial"])
+        return real_merge(self, reports, fids, kw)
+
+    monkeypatch.setattr(RecordBook, "_merge", merge)
+    offers = {r: _Offers() for r in range(world)}
+    store = dist.HashStore()
+
+    def state(r: int, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {f"r{r}": torch.arange(7.0) * step + r, "lr": 0.1 * (step // 2),
+                               "w": torch.full((2, 3), float(step + r))}
+        if step >= 4 and r == 1:
+            out["extra1"] = torch.ones(3)  # rank 1's layout changes
+        return out
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world,
+                               store=store, timeout_s=30) as ck:
+            ck.serve(offers[r])
+            for step in range(1, 6):
+                ck.save_async(state(r, step), step=step,
+                              shards={"w": ShardMetadata((2, 3 * world), (0, 3 * r))}).wait()
+
+    all_ok(in_threads(rank, world=world))
+    # Views: each rank's first save and rank 1's changed layout. (The coordinator's
+    # book merges at the same saves, and at rank 1's change.)
+    assert merges.count(True) == 3 and merges.count(False) == 2, merges
+    for r in range(world):
+        assert [s.step for s in offers[r].served] == [1, 2, 3, 4, 5]
+        for served in offers[r].served:
+            view = parse_manifest(served.manifest(), "view")
+            committed = read_manifest(tmp_path / f"step_{served.step:09d}", LocalStorage())
+            assert view.partial and list(view.files) == [shard_file_name(r)]
+            # this rank's tree (lr moved at steps 2 and 4)
+            assert view.skeleton == flatten(state(r, served.step)).skeleton
+            assert view.tensors, served.step
+            for key, entry in view.tensors.items():
+                mine = [c for c in committed.tensors[key].chunks if c.file == shard_file_name(r)]
+                assert list(entry.chunks) == mine, (r, served.step, key)
+            assert ("extra1" in view.tensors) == (r == 1 and served.step >= 4)
+
+
+def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from asyncckpt.reports import RecordSender
+
+    real = RecordSender.sent_to
+    broken = threading.Event()
+
+    def sent_to(self: RecordSender, book: Any, rank: int) -> dict[str, Any]:
+        if broken.is_set() and rank == 1:
+            raise ValueError("no view today")
+        return real(self, book, rank)
+
+    monkeypatch.setattr(RecordSender, "sent_to", sent_to)
+    offers = {r: _Offers() for r in range(2)}
+    store = dist.HashStore()
+    saved = threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=2,
+                               store=store, timeout_s=30) as ck:
+            ck.serve(offers[r])
+            for step in (1, 2, 3):
+                if r == 0:
+                    (broken.set if step == 2 else broken.clear)()
+                saved.wait()
+                ck.save_async({f"r{r}": torch.arange(5.0) + step}, step=step).wait()
+
+    with caplog.at_level("ERROR", logger="asyncckpt"):
+        all_ok(in_threads(rank))
+    assert AsyncCheckpointer(tmp_path).steps() == [1, 2, 3]  # every step committed
+    assert [s.step for s in offers[0].served] == [1, 2, 3]
+    assert [s.step for s in offers[1].served] == [1, 3]  # not step 2's; step 3's again
+    assert "rank=1 step=2: the view of this rank's part for peers could not be made" in (
+        caplog.text)
+    assert torch.equal(asyncckpt.load(tmp_path / "step_000000003")["r1"], torch.arange(5.0) + 3)
+
+
 def test_sixteen_ranks_save_share_out_replicas_and_load_back(tmp_path: Path) -> None:
     """A larger group through one Store: declared shards, replicated tensors spread over
     the writers, a layout that changes on some ranks between saves; every value back."""

@@ -215,6 +215,46 @@ def test_one_process_that_saves_a_changing_state_writes_what_a_whole_merge_write
     assert (tmp_path / "step_000000007" / "manifest.json").read_bytes() == written[-1][0]
 
 
+def test_a_rank_serves_a_view_of_its_part_that_a_whole_merge_would_make() -> None:
+    """The book of the view a rank of a group serves peers (writer._offer_arena) is
+    filled like the coordinator's, through value, lr and layout changes and failed saves:
+    byte for byte what a merge of the rank's whole record, marked partial, makes."""
+    rank = _Rank(1, 2)
+    served = RecordBook()
+    fills: list[int] = []
+    real_fill = served._fill
+
+    def fill(*a: Any) -> bytes:
+        fills.append(1)
+        return real_fill(*a)
+
+    served._fill = fill  # type: ignore[method-assign,assignment]
+    sent = []
+    for save, change, ok in [(1, None, True), (2, None, True), (3, "lr", True),
+                             (4, None, False), (5, "extra", True), (6, "lr", True),
+                             (7, "state_extra", True), (8, None, True)]:
+        if change == "lr":
+            rank.lr += 0.01
+        elif change is not None:
+            setattr(rank, change, True)
+        rank.record(save)
+        rec = rank.sender.sent_to(served, 1)
+        sent.append(rec)
+        raw, heads = served.manifest([rec], step=save, partial=True, **KW)
+        reference = merge_records([rank.sender.sent_whole()], step=save, partial=True,
+                                  **KW).to_json()
+        assert raw == reference, f"save {save}: the served view differs"
+        assert json.loads(raw)["partial"] is True and heads[0]["rank"] == 1
+        _settle([rank], ok)
+    # Whole at the first save and when the layout changed; else only the checksums, and
+    # the skeleton when a value of it changed. A failed save changes nothing here: the
+    # book is this process's own.
+    assert list(map(_whole, sent)) == [True, False, False, False, True, False, False, False]
+    assert ["skeleton" in rec for rec in sent] == [True, False, True, False, True, True,
+                                                   True, False]
+    assert len(fills) == 6
+
+
 def test_a_report_against_a_frame_the_coordinator_lacks_fails_the_save_then_heals() -> None:
     ranks, _, records = _second_save()
     with pytest.raises(CheckpointSaveError,

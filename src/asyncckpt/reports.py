@@ -227,10 +227,27 @@ class RecordSender:
         return delta
 
     def sent_whole(self) -> dict[str, Any]:
-        """The save in flight's record, whole (what a peer is served)."""
+        """The save in flight's record, whole."""
         assert self._sent is not None
         _, fid, skeleton, sums, replicas = self._sent
         return full_record(json.loads(self._frame_text), sums, skeleton, replicas, fid)
+
+    def sent_to(self, book: RecordBook, rank: int) -> dict[str, Any]:
+        """The save in flight's record for ``book``, a book of this process's own (the
+        view of its part that a rank of a group serves to peers): whole when the book
+        does not hold its frame, else what changed (the skeleton as it is, never a patch:
+        the book and this sender share one process)."""
+        assert self._sent is not None
+        _, fid, skeleton, sums, replicas = self._sent
+        known = book.frames.get(rank)
+        if known is None or known.fid != fid:
+            return self.sent_whole()
+        delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
+        if skeleton != book.skeletons.get(rank):  # (compared in C)
+            delta["skeleton"] = skeleton
+        if replicas:
+            delta["replicas"] = dict(replicas)
+        return delta
 
     def settled(self, committed: bool) -> None:
         """The save in flight is over. Committed: the coordinator holds what it sent.
@@ -291,10 +308,12 @@ class RecordBook:
     slots: dict[int, tuple[list[Any], list[tuple[Any, Any]]]] = field(default_factory=dict)
 
     def manifest(self, records: Sequence[dict[str, Any]], *, step: int, library_version: str,
-                 block_bytes: int, user_metadata: dict[str, str], created_unix: float
-                 ) -> tuple[bytes, list[dict[str, Any]]]:
+                 block_bytes: int, user_metadata: dict[str, str], created_unix: float,
+                 partial: bool = False) -> tuple[bytes, list[dict[str, Any]]]:
         """The manifest's bytes for these records (every rank's, coordinator's first),
-        and each rank's file fields (rank, file, bytes...).
+        and each rank's file fields (rank, file, bytes...). ``partial``: the records
+        cover only some boxes of their tensors (a rank's view of its own part); a book
+        makes manifests of one kind.
 
         Raises CheckpointSaveError when the records do not merge into a checkpoint that
         loads whole; nothing is then committed.
@@ -304,7 +323,7 @@ class RecordBook:
         fids = tuple(r.frame.fid for r in reports)
         kw: dict[str, Any] = {"step": step, "library_version": library_version,
                               "block_bytes": block_bytes, "user_metadata": user_metadata,
-                              "created_unix": created_unix}
+                              "created_unix": created_unix, "partial": partial}
         t = self.template
         if t is not None and t.fids == fids and t.block_bytes == block_bytes:
             raw = self._fill(t, reports, kw)
@@ -476,8 +495,10 @@ def _check_sums(report: _Report, block_bytes: int, what: str) -> None:
 
 @dataclass
 class Reports:
-    """A checkpointer's memory of its reports: its own side, and (coordinator) the
-    book of every rank's."""
+    """A checkpointer's memory of its reports: its own side, (coordinator) the book of
+    every rank's, and (a rank of a group that serves peers) the book of the view of its
+    own part that it serves."""
 
     sender: RecordSender = field(default_factory=RecordSender)
     book: RecordBook = field(default_factory=RecordBook)
+    served: RecordBook = field(default_factory=RecordBook)
