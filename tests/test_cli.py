@@ -196,6 +196,34 @@ def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["tensors"] == 3 and doc["bytes"] == 184 and doc["problems"] == []
 
 
+def test_verify_shows_its_progress_on_a_terminal_only(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = run(capsys, "verify", str(root), "--threads", "3")
+    assert code == 0 and out.startswith("OK") and err == ""  # not a terminal: no progress
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, "verify", str(root), "--json")
+    assert code == 0 and json.loads(out)["ok"] is True  # stdout stays a JSON document
+    lines = err.split("\r")
+    assert "verifying" in err and "184 B of 184 B (100%)" in err, err
+    assert err.endswith("\r") and lines[-2].strip() == ""  # the line is erased at the end
+    code, _, err = run(capsys, "verify", str(root), "--threads", "0")
+    assert code == 2 and "--threads 0: give 1 or more" in err
+
+
+def test_progress_is_redrawn_at_most_every_interval() -> None:
+    from asyncckpt.cli import _Progress
+
+    drawn: list[str] = []
+    progress = _Progress("work", enabled=True, interval_s=3600)
+    progress._draw = drawn.append  # type: ignore[method-assign]
+    for done in range(0, 10 * 2**20, 2**20):
+        progress(done, 10 * 2**20)
+    assert drawn == []  # within the interval
+    progress(10 * 2**20, 10 * 2**20)
+    assert len(drawn) == 1 and drawn[0].startswith("work: 10.0 MiB of 10.0 MiB (100%)")
+    assert "left" not in drawn[0]
+
+
 def test_verify_flipped_byte(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flip_byte(root / "step_000000030", "model/w")
     code, out, _ = run(capsys, "verify", str(root))

@@ -842,10 +842,12 @@ def _saved_by_two_ranks(root: Path) -> Path:
     return root / commit.step_dir_name(1)
 
 
-def test_verify_holds_one_chunk_at_a_time(tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_reads_through_a_buffer_of_its_own(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # verify allocated each tensor whole: a tensor sharded over many ranks (larger than
-    # one machine's memory) could not be verified, and was even reported damaged
+    # one machine's memory) could not be verified, and was even reported damaged. Then
+    # each chunk: allocating (and faulting in) memory of every tensor's size for bytes
+    # that are dropped. Now a buffer per thread, whatever the tensors' sizes.
     import asyncckpt.reader as readermod
 
     step_dir = _saved_by_two_ranks(tmp_path)
@@ -857,19 +859,53 @@ def test_verify_holds_one_chunk_at_a_time(tmp_path: Path,
         return real(shape, dtype, **kw)
 
     monkeypatch.setattr(readermod, "fresh_tensor", recording)
+    monkeypatch.setattr(readermod, "_VERIFY_PIECE", 20)  # each chunk (48 bytes) in 3 reads
     report = verify_checkpoint(step_dir, LocalStorage())
     assert report.ok and report.tensors == 1 and report.bytes == 8 * 3 * 4, report.problems
-    assert sizes == [(4, 3), (4, 3)]
-    # and a damaged byte in the second chunk is still found, naming the tensor
+    assert sizes == []
+    # and a damaged byte in the last piece of the second chunk is still found, naming
+    # the tensor
     manifest = read_manifest(step_dir, LocalStorage())
     ch = manifest.tensors["w"].chunks[1]
     with open(step_dir / ch.file, "r+b") as f:
-        f.seek(ch.byte_range[0])
-        first = f.read(1)[0]
-        f.seek(ch.byte_range[0])
-        f.write(bytes([first ^ 1]))
+        f.seek(ch.byte_range[1] - 1)
+        last = f.read(1)[0]
+        f.seek(ch.byte_range[1] - 1)
+        f.write(bytes([last ^ 1]))
     problems = verify_checkpoint(step_dir, LocalStorage()).problems
     assert len(problems) == 1 and "checksum mismatch in tensor 'w'" in problems[0], problems
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_verify_on_threads_reports_what_one_thread_does_with_its_progress(
+        tmp_path: Path, threads: int) -> None:
+    """Damage in several tensors, checked on any number of threads: the same
+    problems in the manifest's order, each tensor once, and progress that counts every
+    byte checked, ending at the total."""
+    state = {f"t{i}": torch.arange(300.0 * (i + 1)) for i in range(12)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", block_bytes=4096) as ckpt:
+        ckpt.save(state, step=0)
+    step_dir = tmp_path / commit.step_dir_name(0)
+    manifest = read_manifest(step_dir, LocalStorage())
+    for key, at in (("t9", 0), ("t2", -1), ("t9", -1), ("t5", 4096)):  # t9 twice
+        ch = manifest.tensors[key].chunks[0]
+        pos = ch.byte_range[0] + at if at >= 0 else ch.byte_range[1] + at
+        with open(step_dir / ch.file, "r+b") as f:
+            f.seek(pos)
+            b = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([b ^ 0x40]))
+    seen: list[tuple[int, int]] = []
+    report = verify_checkpoint(step_dir, LocalStorage(), threads=threads,
+                               progress=lambda done, total: seen.append((done, total)))
+    assert [p.split("checksum mismatch in tensor ")[1][:4] for p in report.problems] == [
+        "'t2'", "'t5'", "'t9'"], report.problems
+    assert "(block 1," in report.problems[1] and "(block 0," in report.problems[2]
+    assert report.tensors == 9
+    assert report.bytes == sum(t.nbytes for k, t in state.items() if k not in ("t2", "t5", "t9"))
+    total = sum(t.nbytes for t in state.values())
+    assert seen and all(t == total for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
 
 
 def _load_rows(step_dir: Path, first: int, storage: LocalStorage) -> torch.Tensor:

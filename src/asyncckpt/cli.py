@@ -349,10 +349,53 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # --- verify ------------------------------------------------------------------------------------
 
+class _Progress:
+    """The progress of long work on one line of stderr, where stderr is a terminal:
+    redrawn at most every ``interval_s`` (and at the end), erased by ``end()``."""
+
+    def __init__(self, what: str, *, enabled: bool | None = None, interval_s: float = 0.5):
+        self.what = what
+        self.enabled = (sys.stderr is not None and sys.stderr.isatty()) if enabled is None \
+            else enabled
+        self.interval_s = interval_s
+        self.t0 = self.last = time.monotonic()
+        self.width = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < self.interval_s and done < total):
+            return
+        self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        line = (f"{self.what}: {human_bytes(done)} of {human_bytes(total)} "
+                f"({100 * done // max(total, 1)}%), {rate / 1e9:.2f} GB/s")
+        if done < total and rate > 0:
+            line += f", ~{(total - done) / rate:.0f}s left"
+        self._draw(line)
+
+    def end(self) -> None:
+        if self.width:
+            self._draw("")
+
+    def _draw(self, line: str) -> None:
+        try:
+            sys.stderr.write("\r" + line.ljust(self.width) + ("\r" if not line else ""))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr went away: the work goes on
+            self.enabled = False
+        self.width = len(line)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     step_dir, storage = _resolve(args.ckpt, args.step)
+    if args.threads is not None and args.threads < 1:
+        raise _Usage(f"--threads {args.threads}: give 1 or more")
     t0 = time.perf_counter()
-    report = verify_checkpoint(step_dir, storage)
+    progress = _Progress(f"verifying {step_dir}")
+    try:
+        report = verify_checkpoint(step_dir, storage, threads=args.threads, progress=progress)
+    finally:
+        progress.end()
     seconds = time.perf_counter() - t0
     gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
     code = _decided(args, EXIT_OK if report.ok else EXIT_CORRUPT)
@@ -519,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("ckpt", metavar="CKPT",
                         help="a checkpoint root (latest step unless --step) or a step directory")
         sp.add_argument("--step", type=int, default=None, help="which committed step of the root")
+        if name == "verify":
+            sp.add_argument("--threads", type=int, default=None,
+                            help="files or parts of one read at once (default: 2, or 1 "
+                            "on one CPU); more can help on a parallel filesystem")
         sp.set_defaults(func=func)
     ex = sub.add_parser(
         "export", help="write one safetensors file of whole tensors (for Hugging Face etc.)",

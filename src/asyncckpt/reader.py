@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -699,8 +699,14 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
-    """Check every file header against the manifest and every checksum; collect all problems."""
+def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check every file header against the manifest and every checksum; collect all problems.
+
+    The tensors' bytes are read through a small buffer per thread (never allocated by the
+    manifest's sizes), each file front to back, ``threads`` (default: as a load) files or
+    parts of one at a time. ``progress(done, total)`` is called with the bytes checked so
+    far, from the reading threads, after every piece read."""
     try:
         manifest = read_manifest(step_dir, storage)
     except CheckpointCorruptError as exc:
@@ -721,29 +727,132 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage) -> VerifyReport:
             damaged.add(name)
         report.problems.extend(_check_header(step_dir / name, manifest, storage))
     unread: dict[str, int] = {}
-    for key, entry in manifest.tensors.items():  # one at a time, to name every damaged one
+    work: list[_VerifyItem] = []
+    entries = list(manifest.tensors.items())
+    for i, (key, entry) in enumerate(entries):
         bad = next((c.file for c in entry.chunks if c.file in damaged), None)
         if bad is not None:
-            # The manifest's sizes are not those of the file there: never allocate or
-            # read by them (a forged size would allocate without limit).
+            # The manifest's sizes are not those of the file there: never read by them.
             unread[bad] = unread.get(bad, 0) + 1
             continue
-        try:
-            # chunk by chunk: a tensor sharded over many ranks is never held whole (at
-            # most one rank's part of it is), so verifying needs no more memory than
-            # the rank that saved it had
-            for ch in entry.chunks:
-                _load_checked(step_dir, manifest, {key: None}, storage, verify=True,
-                              threads=1, boxes={key: (ch.offsets, ch.lengths)})
+        work += [_VerifyItem(i, n, key, ch) for n, ch in enumerate(entry.chunks)]
+    work.sort(key=lambda w: (w.chunk.file, w.chunk.byte_range[0]))  # each file front to back
+    found = _verify_chunks(step_dir, manifest.block_bytes, work, storage, threads, progress)
+    for i, (_, entry) in enumerate(entries):  # in the manifest's order, as before
+        if i in found:
+            report.problems.append(found[i])
+        elif any(c.file in damaged for c in entry.chunks):
+            continue
+        else:
             report.tensors += 1
             report.bytes += entry.nbytes
-        except CheckpointCorruptError as exc:
-            report.problems.append(str(exc))
     for name, n in unread.items():
         report.problems.append(f"{step_dir / name}: its {n} tensor"
                                f"{'s were' if n != 1 else ' was'} not read, as the file is "
                                "damaged (see above)")
     return report
+
+
+@dataclass
+class _VerifyItem:
+    """One chunk for verify to read: of the manifest's ``i``-th tensor, its ``n``-th."""
+
+    i: int
+    n: int
+    key: str
+    chunk: Chunk
+
+
+# What verify reads at once, per thread, into a buffer it keeps (the manifest's sizes never
+# decide what it allocates): the size of a load's pieces.
+_VERIFY_PIECE = _PIECE
+
+
+def _verify_chunks(step_dir: Path, block_bytes: int, work: list[_VerifyItem],
+                   storage: ReadStorage, threads: int | None,
+                   progress: Callable[[int, int], None] | None) -> dict[int, str]:
+    """Read and check ``work`` (sorted by file and offset) on up to ``threads`` threads:
+    the problem of each tensor that has one (its first chunk's that fails), by index.
+    Errors other than damage (no permission, an error of the moment) are raised."""
+    total = sum(w.chunk.nbytes for w in work)
+    n = max(1, min(threads or min(2, os.cpu_count() or 1), len(work)))
+    groups: list[list[_VerifyItem]] = [[] for _ in range(n)]
+    acc = 0
+    for w in work:  # contiguous runs of about equal bytes
+        groups[min(n - 1, acc * n // (total or 1))].append(w)
+        acc += w.chunk.nbytes
+    lock = threading.Lock()
+    done = [0]
+
+    def advance(k: int) -> None:
+        if progress is not None:
+            with lock:
+                done[0] += k
+                progress(done[0], total)
+
+    stop = threading.Event()
+    futures = [_read_pool(n).submit(_verify_group, step_dir, block_bytes, g, storage, advance,
+                                    stop) for g in groups[1:] if g]
+    try:
+        found = _verify_group(step_dir, block_bytes, groups[0], storage, advance, stop)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        cf.wait(futures)
+    for f in futures:
+        found += f.result()  # (raises a group's error)
+    out: dict[int, str] = {}
+    for i, _, msg in sorted(found, key=lambda x: (x[0], x[1])):
+        out.setdefault(i, msg)
+    return out
+
+
+def _verify_group(step_dir: Path, block_bytes: int, group: list[_VerifyItem],
+                  storage: ReadStorage, advance: Callable[[int], None], stop: threading.Event
+                  ) -> list[tuple[int, int, str]]:
+    found: list[tuple[int, int, str]] = []
+    fds: dict[str, int] = {}
+    buf = memoryview(bytearray(_VERIFY_PIECE if group else 0))
+    try:
+        for w in group:
+            if stop.is_set():
+                break  # another group raised: its error is the one to report
+            path = step_dir / w.chunk.file
+            try:
+                fd = fds.get(w.chunk.file)
+                if fd is None:
+                    fd = fds[w.chunk.file] = _open(path, storage)
+                _verify_chunk(fd, path, w, buf, block_bytes, storage, advance)
+            except CheckpointCorruptError as exc:
+                found.append((w.i, w.n, str(exc)))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        for fd in fds.values():
+            storage.close(fd)
+    return found
+
+
+def _verify_chunk(fd: int, path: Path, w: _VerifyItem, buf: memoryview, block_bytes: int,
+                  storage: ReadStorage, advance: Callable[[int], None]) -> None:
+    lo, hi = w.chunk.byte_range
+    hasher = BlockHasher(hi - lo, block_bytes)
+    pos = lo
+    while pos < hi:
+        k = min(len(buf), hi - pos)
+        try:
+            got = storage.pread_into(fd, [buf[:k]], pos)
+        except OSError as exc:  # EIO from a failing disk...
+            raise _damaged(path, exc, w.key) from exc
+        if got <= 0:
+            raise CheckpointCorruptError(f"{path}: unexpected end of file in tensor {w.key!r}",
+                                         path=str(path), key=w.key)
+        hasher.update(buf[:got])
+        pos += got
+        advance(got)
+    _check_sums(path, w.key, w.chunk, 0, hasher.finish(), block_bytes)
 
 
 def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
