@@ -241,6 +241,28 @@ def test_export_dtype_cast(sharded: tuple[Path, dict[str, Any]], tmp_path: Path,
         export_safetensors(root, tmp_path / "y.safetensors", dtype="int8")
 
 
+def test_export_reports_its_progress(sharded: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root, _ = sharded
+    seen: list[tuple[int, int]] = []
+    report = export_safetensors(root, tmp_path / "m.safetensors", prefix="model",
+                                progress=lambda done, total: seen.append((done, total)))
+    assert [d for d, _ in seen] == list(itertools.accumulate(t.nbytes for t in report.tensors))
+    assert {t for _, t in seen} == {report.tensor_bytes}
+    # the command line draws it on a terminal only, and erases it
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out, err = io.StringIO(), Tty()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["export", str(root), str(tmp_path / "t.safetensors")]) == 0
+    drawn = err.getvalue()
+    assert f"exporting {root}: " in drawn and "(100%)" in drawn and drawn.endswith("\r")
+    assert "\r" not in out.getvalue() and "wrote" in out.getvalue()
+    assert "\r" not in export(str(root), str(tmp_path / "n.safetensors"))[2]
+
+
 def test_export_older_step_and_step_dir(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     with AsyncCheckpointer(root, mode="sync") as ckpt:

@@ -432,16 +432,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
     if (path / MANIFEST_NAME).is_file():  # exported as it is: before, as an export takes long
         _warn_if_uncommitted(path)
+    progress = _Progress(f"exporting {path}")
     try:
         with _sigterm_interrupts():  # so that the half-written output is removed
             report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
                                         strip_prefix=args.strip_prefix, dtype=args.dtype,
-                                        force=args.force)
+                                        force=args.force, progress=progress)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise _Usage(f"cannot export {path}: {exc.strerror or exc}"
                      f"{f' ({exc.filename})' if exc.filename else ''}") from exc
+    finally:
+        progress.end()
     _decided(args, EXIT_OK)  # the file is written
     for s in report.skipped:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")

@@ -27,7 +27,7 @@ import stat
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,8 @@ class _Planned:
 def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
                        step: int | None = None, prefix: str = "", strip_prefix: bool = False,
                        dtype: torch.dtype | str | None = None, force: bool = False,
-                       storage: Storage | None = None) -> ExportReport:
+                       storage: Storage | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> ExportReport:
     """Write the tensors of one checkpoint under ``prefix`` to one safetensors file.
 
     ``ckpt_path`` is a checkpoint root (latest step, or ``step``) or a step directory.
@@ -153,6 +154,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     float4) keep their dtype. Tensors whose dtype safetensors cannot express (e.g.
     complex128) are skipped with a warning and listed in ``report.skipped``.
     Tied tensors (two paths, one storage) are written once; see ``report.aliases``.
+    ``progress(done, total)`` is called with the bytes written so far, after each tensor.
 
     Memory: about one tensor at a time (plus the header). The output appears atomically:
     written to a temporary file beside it, fsync'd, then renamed. The temporary of an
@@ -205,10 +207,14 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
         try:
             with _writing(out):
                 _write_all(fd, memoryview(header))
+            done, total = 0, sum(p.nbytes for p in planned)
             for p in planned:
                 over = _write_tensor(fd, step_dir, manifest, storage, p, out)
                 if over:
                     report.overflowed[p.name] = over
+                done += p.nbytes
+                if progress is not None:
+                    progress(done, total)
             with _writing(out):
                 os.fsync(fd)
                 size = os.fstat(fd).st_size
