@@ -268,30 +268,44 @@ class _PutLog:
         return getattr(self._store, name)
 
 
+def _changing(r: int, step: int) -> dict[str, Any]:
+    """Rank ``r``'s own part of the state at ``step``: new values every save, a changed
+    non-tensor value from step 3 on, and on rank 1 a tensor more from step 4 on."""
+    out: dict[str, Any] = {f"t{i}": torch.full((4, 5), float(100 * step + 10 * r + i))
+                           for i in range(40)}
+    out["lr"] = 0.1 if step < 3 else 0.05  # a non-tensor value: the skeleton changes
+    if step >= 4 and r == 1:
+        out["extra1"] = torch.ones(3)  # rank 1's layout changes
+    return out
+
+
+def _changing_tree(r: int, step: int) -> dict[str, Any]:
+    return {f"r{r}": _changing(r, step), "w": torch.full((2, 3), float(step + r))}
+
+
+def _save_five_steps(tmp_path: Path, world: int, store: Any,
+                     serve_to: dict[int, Any] | None = None) -> None:
+    """Every rank saves steps 1..5 of ``_changing_tree`` ("w" sharded by columns),
+    serving peers through ``serve_to[rank]`` where given."""
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world,
+                               store=store, timeout_s=30) as ck:
+            if serve_to is not None:
+                ck.serve(serve_to[r])
+            for step in range(1, 6):
+                ck.save_async(_changing_tree(r, step), step=step,
+                              shards={"w": ShardMetadata((2, 3 * world), (0, 3 * r))}).wait()
+
+    all_ok(in_threads(rank, world=world))
+
+
 def test_ranks_report_whole_records_once_then_only_what_changed(tmp_path: Path) -> None:
     """After a committed save of the same layout, a rank's record is its checksums (and
     the skeleton's values that changed), not its layout again; the manifest and every
     value stay exact through value, skeleton and layout changes."""
     world = 3
     log = _PutLog(dist.HashStore())
-
-    def state(r: int, step: int) -> dict[str, Any]:
-        out: dict[str, Any] = {f"t{i}": torch.full((4, 5), float(100 * step + 10 * r + i))
-                               for i in range(40)}
-        out["lr"] = 0.1 if step < 3 else 0.05  # a non-tensor value: the skeleton changes
-        if step >= 4 and r == 1:
-            out["extra1"] = torch.ones(3)  # rank 1's layout changes
-        return out
-
-    def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world,
-                               store=log, timeout_s=30) as ck:
-            for step in range(1, 6):
-                ck.save_async({f"r{r}": state(r, step), "w": torch.full((2, 3), float(step + r))},
-                              step=step, shards={"w": ShardMetadata((2, 3 * world), (0, 3 * r))}
-                              ).wait()
-
-    all_ok(in_threads(rank, world=world))
+    _save_five_steps(tmp_path, world, log)
     kinds: dict[int, list[str]] = {}
     sizes: dict[int, list[int]] = {}
     for values in log.records.values():  # (in the order of the saves)
@@ -309,7 +323,7 @@ def test_ranks_report_whole_records_once_then_only_what_changed(tmp_path: Path) 
     for step in range(1, 6):
         got = asyncckpt.load(tmp_path / f"step_{step:09d}")
         for r in range(world):
-            want = state(r, step)
+            want = _changing(r, step)
             assert got[f"r{r}"]["lr"] == want["lr"]
             assert all(torch.equal(got[f"r{r}"][k], want[k]) for k in want if k != "lr")
             assert torch.equal(got["w"][:, 3 * r:3 * r + 3], torch.full((2, 3), float(step + r)))
@@ -347,24 +361,7 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
 
     monkeypatch.setattr(RecordBook, "_merge", merge)
     offers = {r: _Offers() for r in range(world)}
-    store = dist.HashStore()
-
-    def state(r: int, step: int) -> dict[str, Any]:
-        out: dict[str, Any] = {f"r{r}": torch.arange(7.0) * step + r, "lr": 0.1 * (step // 2),
-                               "w": torch.full((2, 3), float(step + r))}
-        if step >= 4 and r == 1:
-            out["extra1"] = torch.ones(3)  # rank 1's layout changes
-        return out
-
-    def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=world,
-                               store=store, timeout_s=30) as ck:
-            ck.serve(offers[r])
-            for step in range(1, 6):
-                ck.save_async(state(r, step), step=step,
-                              shards={"w": ShardMetadata((2, 3 * world), (0, 3 * r))}).wait()
-
-    all_ok(in_threads(rank, world=world))
+    _save_five_steps(tmp_path, world, dist.HashStore(), offers)
     # Views: each rank's first save and rank 1's changed layout. (The coordinator's
     # book merges at the same saves, and at rank 1's change.)
     assert merges.count(True) == 3 and merges.count(False) == 2, merges
@@ -374,13 +371,13 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
             view = parse_manifest(served.manifest(), "view")
             committed = read_manifest(tmp_path / f"step_{served.step:09d}", LocalStorage())
             assert view.partial and list(view.files) == [shard_file_name(r)]
-            # this rank's tree (lr moved at steps 2 and 4)
-            assert view.skeleton == flatten(state(r, served.step)).skeleton
+            # this rank's tree (lr moved at step 3)
+            assert view.skeleton == flatten(_changing_tree(r, served.step)).skeleton
             assert view.tensors, served.step
             for key, entry in view.tensors.items():
                 mine = [c for c in committed.tensors[key].chunks if c.file == shard_file_name(r)]
                 assert list(entry.chunks) == mine, (r, served.step, key)
-            assert ("extra1" in view.tensors) == (r == 1 and served.step >= 4)
+            assert ("r1/extra1" in view.tensors) == (r == 1 and served.step >= 4)
 
 
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
