@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,23 @@ def test_async_save_loads_back(tmp_path: Path) -> None:
     assert tensors_equal(loaded["model"], state["model"].state_dict())
     assert loaded["train"] == {"step": 1, "epoch": 2}
     assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_a_load_logs_what_it_read_and_how_fast(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    state = {"w": torch.ones(250_000), "n": 3}  # 1 MB
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state, step=4)
+        with caplog.at_level("INFO", logger="asyncckpt"):
+            ckpt.load(state)
+            ckpt.load(step=4, verify=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    step_dir = tmp_path / "step_000000004"
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"loaded {re.escape(str(step_dir))} in place: 0\.001 GB of saved "
+                        r"chunks in [0-9.]+s \([0-9.]+ GB/s\)", lines[0]), lines[0]
+    assert lines[1].startswith(f"loaded {step_dir} as a new tree: 0.001 GB") and lines[1].endswith(
+        ", checksums not checked")
 
 
 def test_two_saves_in_a_row_both_land(tmp_path: Path) -> None:

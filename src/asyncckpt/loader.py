@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import logging
 import operator
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,17 +126,26 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     # took a third of a 100,000-tensor load. Paused for the whole load, and resumed only
     # once _load_from has returned and those objects are freed, so that resuming sets
     # off no collection of them either (freeing them takes back what they counted).
+    started = time.perf_counter()
+    read: list[int] = []
     with gc_paused():
-        return _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                          shards=shards, threads=threads, step=step, manifest=manifest,
-                          before_read=before_read)
+        out = _load_from(step_dir, state, storage, strict=strict, verify=verify,
+                         shards=shards, threads=threads, step=step, manifest=manifest,
+                         before_read=before_read, read=read)
+    seconds = time.perf_counter() - started
+    gb = sum(read) / 1e9
+    log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
+             step_dir, "in place" if state is not None else "as a new tree", gb, seconds,
+             gb / seconds if seconds > 0 else 0.0, "" if verify else ", checksums not checked")
+    return out
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
                verify: bool, shards: Mapping[str, ShardMetadata] | None,
                threads: int | None, step: int | None = None,
                manifest: Manifest | None = None,
-               before_read: Callable[[FlatState], None] | None = None) -> Any:
+               before_read: Callable[[FlatState], None] | None = None,
+               read: list[int] | None = None) -> Any:
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
@@ -145,7 +155,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
-                              verify=verify, threads=threads)
+                              verify=verify, threads=threads, read=read)
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state, target=True)
     apply_shards(target, shards)
@@ -163,7 +173,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     loaded = load_tensors(step_dir, manifest,
                           {k: v[0] if v and k not in staged and k not in regions else None
                            for k, v in dests.items()},
-                          storage, verify=verify, boxes=boxes, threads=threads)
+                          storage, verify=verify, boxes=boxes, threads=threads, read=read)
     for key, tensors in dests.items():  # in checkpoint order
         if len(tensors) < 2 and not copies and key not in staged:
             continue  # the usual target: filled by the read itself

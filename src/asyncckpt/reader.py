@@ -136,14 +136,16 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                  storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
-                 boxes: Mapping[str, Box] | None = None) -> dict[str, torch.Tensor]:
+                 boxes: Mapping[str, Box] | None = None, read: list[int] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
     ``boxes`` gives, for sharded destinations, the box of the global tensor each one
-    holds; the others get the whole tensor. Returns key -> loaded tensor. A given
-    destination must have the box's shape and the saved dtype (the caller checks); it
-    is filled in place and returned as is. Raises CheckpointCorruptError naming the
-    file and tensor on any mismatch.
+    holds; the others get the whole tensor. ``read``, when given, receives the size of
+    the saved chunks the load reads from (of which a resharding load reads only its
+    boxes). Returns key -> loaded tensor. A given destination must have the box's shape
+    and the saved dtype (the caller checks); it is filled in place and returned as is.
+    Raises CheckpointCorruptError naming the file and tensor on any mismatch.
     """
     boxes = boxes or {}
     items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
@@ -156,13 +158,13 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     for name in sorted({it.chunk.file for it in items}):
         _check_file(step_dir, manifest, name, storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
-                         boxes=boxes, items=items)
+                         boxes=boxes, items=items, read=read)
 
 
 def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                   storage: ReadStorage, *, verify: bool, threads: int | None,
-                  boxes: Mapping[str, Box], items: list[ReadItem] | None = None
-                  ) -> dict[str, torch.Tensor]:
+                  boxes: Mapping[str, Box], items: list[ReadItem] | None = None,
+                  read: list[int] | None = None) -> dict[str, torch.Tensor]:
     """load_tensors once the files it reads are known to be whole (``items``: the read
     plan, where the caller made it already)."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
@@ -180,6 +182,8 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
             advise -= dst.numel() * dst.element_size() >= _HUGE_MIN_BYTES
         out[key] = dst
     total = sum(it.chunk.nbytes for it in items)
+    if read is not None:
+        read.append(total)
     n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
     if threads is None and total < len(items) * _SMALL_ITEM and isinstance(storage, LocalStorage):
         # Many small tensors (a few KiB each): reading them is Python's work more than the
