@@ -33,6 +33,7 @@ import torch
 import asyncckpt
 import asyncckpt.storage
 from _faults import StuckCommit
+from asyncckpt import commit
 from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.storage import LocalStorage
 
@@ -103,6 +104,98 @@ def test_a_load_logs_what_it_read_and_how_fast(tmp_path: Path,
                         r"chunks in [0-9.]+s \([0-9.]+ GB/s\)", lines[0]), lines[0]
     assert lines[1].startswith(f"loaded {step_dir} as a new tree: 0.001 GB") and lines[1].endswith(
         ", checksums not checked")
+
+
+class _Stepped(LocalStorage):
+    """A storage that holds the save at cue points until the test lets it go: before the
+    second piece of the shard file (``piece``), and at the commit's rename (``commit``);
+    with ``fail`` set, the second piece fails (a disk error)."""
+
+    def __init__(self) -> None:
+        self.at = {k: threading.Event() for k in ("piece", "commit")}
+        self.go = {k: threading.Event() for k in ("piece", "commit")}
+        self.fail = False
+
+    def _hold(self, cue: str) -> None:
+        self.at[cue].set()
+        assert self.go[cue].wait(30), f"the test never let {cue} go"
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        calls = [0]
+
+        def held(offset: int) -> None:
+            ready(offset)
+            calls[0] += 1
+            if calls[0] == 2:  # (the first piece is written)
+                self._hold("piece")
+                if self.fail:
+                    raise OSError(errno.EIO, "Input/output error")
+
+        super().write_arena(path, buf, nbytes, held, direct)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        if commit.is_step_dir_name(dst.name):
+            self._hold("commit")
+        super().rename(src, dst)
+
+
+def test_a_save_tells_its_progress(tmp_path: Path) -> None:
+    """A long save can be watched: bytes copied and written, and its phase, until the
+    commit; a failed save says so."""
+    storage = _Stepped()
+    state = {"w": torch.arange(12_000_000, dtype=torch.float32)}  # 48 MB: two pieces
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+        fut = ckpt.save_async(state, step=1)
+        total = fut.progress().total_bytes
+        assert storage.at["piece"].wait(30)
+        p = fut.progress()  # the copy is over; the first 32 MiB piece is written
+        assert (p.phase, p.staged_bytes, p.written_bytes) == ("writing", total, 32 * 2**20), p
+        assert 0.5 < p.fraction < 1
+        storage.go["piece"].set()
+        assert storage.at["commit"].wait(30)
+        p = fut.progress()  # written and fsync'd: the rename is left
+        assert (p.phase, p.written_bytes) == ("committing", total), p
+        storage.go["commit"].set()
+        info = fut.wait(30)
+        p = fut.progress()
+        assert (p.phase, p.staged_bytes, p.written_bytes, p.fraction) == (
+            "committed", total, total, 1.0)
+        assert info.bytes == total == p.total_bytes and p.step == 1
+        # a save that fails says so, without raising or marking the failure as seen
+        storage.at["piece"].clear()
+        storage.fail = True
+        fut2 = ckpt.save_async(state, step=2)
+        assert storage.at["piece"].wait(30)
+        with pytest.raises(asyncckpt.CheckpointError, match="Input/output error"):
+            fut2.wait(30)
+        assert fut2.progress().phase == "failed"
+
+
+def test_a_save_in_its_copy_says_staging() -> None:
+    """The phase follows the staging progress and the two futures (``overlap=True``
+    returns while the copy still runs)."""
+    import concurrent.futures as cf
+
+    from asyncckpt.staging import StagingProgress
+    from asyncckpt.writer import CheckpointFuture
+
+    progress = StagingProgress()
+    durable: cf.Future[Any] = cf.Future()
+    staged: cf.Future[None] = cf.Future()
+    fut = CheckpointFuture(3, durable, staged, progress, 1000)
+    progress.publish(400)
+    progress.written = 100  # the writer follows behind the copy
+    p = fut.progress()
+    assert (p.phase, p.staged_bytes, p.written_bytes, p.fraction) == ("staging", 400, 100, 0.25)
+    progress.finish(1000)
+    staged.set_result(None)
+    assert fut.progress().phase == "writing"
+    progress.written = 1000
+    assert fut.progress().phase == "committing"
+    progress.fail(RuntimeError("rank 1 failed"))
+    assert fut.progress().phase == "failed"
+    assert not fut.observed
 
 
 def test_two_saves_in_a_row_both_land(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from .loader import load_from as _load_from
 from .preemption import PreemptionWatch
 from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
-from .writer import CheckpointFuture, CheckpointInfo
+from .writer import CheckpointFuture, CheckpointInfo, SaveProgress
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "CheckpointerConfig",
     "PreemptionWatch",
     "RNGState",
+    "SaveProgress",
     "ShardMetadata",
     "StateMismatchError",
     "Stateful",

@@ -334,7 +334,7 @@ class AsyncCheckpointer:
                     raise
                 staged.set_result(None)
             job.blocked_s = time.perf_counter() - started
-            fut = CheckpointFuture(step, durable, staged)
+            fut = CheckpointFuture(step, durable, staged, progress, _file_bytes(plan))
             self._pending = fut
         except BaseException as exc:
             # From writer.submit on, the writer follows this save: an interrupt (Ctrl-C)
@@ -347,7 +347,8 @@ class AsyncCheckpointer:
                 staged = cf.Future()
                 staged.set_exception(exc)
             if self._pending is None or self._pending._durable is not durable:
-                self._pending = CheckpointFuture(step, durable, staged)
+                self._pending = CheckpointFuture(step, durable, staged, progress,
+                                                 _file_bytes(plan))
                 self._pending.observed = True
             raise
         paused.close()
@@ -1051,6 +1052,11 @@ def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: 
         raise
     finally:
         progress.end()
+
+
+def _file_bytes(plan: WritePlan) -> int:
+    """What this rank writes: its shard file, or nothing when it holds no tensor to write."""
+    return plan.file_bytes if plan.items else 0
 
 
 def _version() -> str:

@@ -120,6 +120,9 @@ class StagingProgress:
         self._done = False
         self._staging = False  # a thread is copying into the arena right now
         self.finished_at: float | None = None
+        # How far the writer has written the shard file (bytes below it are written, not
+        # necessarily durable): set by the writer, read by CheckpointFuture.progress().
+        self.written = 0
 
     def publish(self, upto: int, event: Any = None) -> None:
         with self._cond:

@@ -70,6 +70,32 @@ class CheckpointInfo:
         return self.bytes / self.durable_s / 1e9 if self.durable_s > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class SaveProgress:
+    """Where one save stands (``CheckpointFuture.progress()``), for this rank's file.
+
+    ``phase``: "staging" (tensors are being copied into the host buffer; the writer
+    follows behind), "writing" (the copy is over, the file is being written),
+    "committing" (the file is written: fsync, the other ranks, the manifest, the
+    rename), then "committed" or "failed".
+    """
+
+    step: int
+    phase: str
+    total_bytes: int  # this rank's shard file
+    staged_bytes: int  # copied into the host buffer (or queued there, from a GPU)
+    written_bytes: int  # written to the shard file (durable once committed)
+
+    @property
+    def fraction(self) -> float:
+        """How much of the way to the commit: half for the copy, half for the write
+        (the commit itself counts for nothing)."""
+        if self.phase == "committed":
+            return 1.0
+        total = max(self.total_bytes, 1)
+        return (self.staged_bytes + self.written_bytes) / (2 * total)
+
+
 @dataclass
 class SaveJob:
     """Everything the background needs to finish one save. Owned by one save."""
@@ -124,11 +150,35 @@ class CheckpointFuture:
     Thread-safe.
     """
 
-    def __init__(self, step: int, durable: cf.Future[CheckpointInfo], staged: cf.Future[None]):
+    def __init__(self, step: int, durable: cf.Future[CheckpointInfo], staged: cf.Future[None],
+                 progress: StagingProgress | None = None, total_bytes: int = 0):
         self.step = step
         self._durable = durable
         self._staged = staged
+        self._progress = progress
+        self._total = total_bytes
         self.observed = False  # someone asked for the outcome (wait, result, exception)
+
+    def progress(self) -> SaveProgress:
+        """Where the save stands now: bytes copied and written, and its phase. Does not
+        block; does not mark a failure as seen (``exception()`` tells it)."""
+        staged = self._progress.staged if self._progress is not None else 0
+        written = self._progress.written if self._progress is not None else 0
+        total = self._total
+        if self._durable.done():
+            ok = not self._durable.cancelled() and self._durable.exception() is None
+            phase = "committed" if ok else "failed"
+            if ok:
+                staged = written = total
+        elif self._progress is not None and self._progress.failed:
+            phase = "failed"
+        elif written >= total and self._staged.done():
+            phase = "committing"
+        elif not self._staged.done():
+            phase = "staging"
+        else:
+            phase = "writing"
+        return SaveProgress(self.step, phase, total, min(staged, total), min(written, total))
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -268,7 +318,8 @@ class BackgroundWriter:
         if hashes is not None:
             try:
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
-                                    _ready(job), job.direct_io)
+                                    _counted(job, _ready(job)), job.direct_io)
+                job.progress.written = plan.file_bytes
             except BaseException as exc:
                 job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
                 hash_error = None
@@ -524,6 +575,19 @@ def _verdict_out(job: SaveJob) -> bool:
     with contextlib.suppress(Exception):
         return bool(job.ctx.store.check([job.ctx.key(job.tag, "verdict")]))
     return False
+
+
+def _counted(job: SaveJob, ready: Callable[[int], None]) -> Callable[[int], None]:
+    """``ready``, noting how far the file is written: the writer asks for each piece in
+    order, once the pieces before it are written."""
+    pending = [0]
+
+    def counted(offset: int) -> None:
+        job.progress.written = pending[0]
+        ready(offset)
+        pending[0] = offset
+
+    return counted
 
 
 def _ready(job: SaveJob) -> Callable[[int], None]:
