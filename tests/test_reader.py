@@ -908,6 +908,57 @@ def test_verify_on_threads_reports_what_one_thread_does_with_its_progress(
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
 
 
+def _progress_log() -> tuple[list[tuple[int, int]], Callable[[int, int], None]]:
+    seen: list[tuple[int, int]] = []
+    return seen, lambda done, total: seen.append((done, total))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_load_reports_its_progress_to_the_total(tmp_path: Path, threads: int) -> None:
+    state = {f"t{i}": torch.arange(1000.0 * (i + 1)) for i in range(9)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state, step=1)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        seen, progress = _progress_log()
+        ckpt.load(target, threads=threads, progress=progress)
+    total = sum(t.nbytes for t in state.values())
+    assert seen and {t for _, t in seen} == {total}
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    seen, progress = _progress_log()  # fresh, through the module function
+    assert torch.equal(asyncckpt.load(tmp_path, progress=progress)["t8"], state["t8"])
+    assert seen[-1] == (total, total)
+
+
+def test_a_resharding_load_reports_progress_to_its_total(tmp_path: Path) -> None:
+    step_dir = _saved_by_two_ranks(tmp_path)
+    seen, progress = _progress_log()
+    target = {"w": torch.zeros(4, 3)}
+    load_from(step_dir, target, LocalStorage(), progress=progress,
+              shards={"w": asyncckpt.ShardMetadata(global_shape=(8, 3), offsets=(2, 0))})
+    assert torch.equal(target["w"], ROWS[2:6])  # rows of both ranks' chunks
+    assert seen and seen[-1][0] == seen[-1][1] == 2 * 4 * 3 * 4  # the two chunks read from
+
+
+def test_a_fallback_load_reports_progress_for_each_step_it_tries(tmp_path: Path) -> None:
+    n = 640_000  # 2.5 MB each: read one by one, not as one batch
+    for step in (1, 2):
+        asyncckpt.save({k: torch.full((n,), float(step)) for k in "abc"}, tmp_path, step=step)
+    step_dir = tmp_path / "step_000000002"
+    c = read_manifest(step_dir, LocalStorage()).tensors["c"].chunks[0]
+    with open(step_dir / SHARD, "r+b") as f:  # damage step 2's last tensor: back to step 1
+        f.seek(c.byte_range[1] - 1)
+        b = f.read(1)[0]
+        f.seek(c.byte_range[1] - 1)
+        f.write(bytes([b ^ 1]))
+    seen, progress = _progress_log()
+    got = asyncckpt.load(tmp_path, fallback=True, threads=1, progress=progress)
+    assert torch.equal(got["c"], torch.full((n,), 1.0))
+    each = 4 * n
+    assert seen == [(each, 3 * each), (2 * each, 3 * each),  # step 2, up to its damage
+                    (each, 3 * each), (2 * each, 3 * each), (3 * each, 3 * each)], seen
+
+
 def _load_rows(step_dir: Path, first: int, storage: LocalStorage) -> torch.Tensor:
     target = {"w": torch.zeros(4, 3)}
     load_from(step_dir, target, storage,

@@ -523,7 +523,8 @@ class AsyncCheckpointer:
 
     def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
-             fallback: bool = False, threads: int | None = None) -> Any:
+             fallback: bool = False, threads: int | None = None,
+             progress: Callable[[int, int], None] | None = None) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -541,7 +542,9 @@ class AsyncCheckpointer:
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``
-        sets the reader threads (default: up to 2).
+        sets the reader threads (default: up to 2). ``progress(done, total)`` is called
+        from the reader threads as tensors are read, in bytes of the saved chunks read
+        from (for each step a fallback tries).
         """
         check_threads(threads)
         check_fallback(fallback, step, verify)
@@ -559,11 +562,12 @@ class AsyncCheckpointer:
                 # in a group, every rank's verdict counts: all end on the same step
                 agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                          shards=shards, threads=threads, agree=agree)
+                                          shards=shards, threads=threads, agree=agree,
+                                          progress=progress)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
-                             shards=shards, threads=threads, step=step)
+                             shards=shards, threads=threads, step=step, progress=progress)
         finally:
             if shared:
                 self._ctx.release_step(held)

@@ -111,7 +111,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None, step: int | None = None,
               manifest: Manifest | None = None,
-              before_read: Callable[[FlatState], None] | None = None) -> Any:
+              before_read: Callable[[FlatState], None] | None = None,
+              progress: Callable[[int, int], None] | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -131,7 +132,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     with gc_paused():
         out = _load_from(step_dir, state, storage, strict=strict, verify=verify,
                          shards=shards, threads=threads, step=step, manifest=manifest,
-                         before_read=before_read, read=read)
+                         before_read=before_read, read=read, progress=progress)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -145,7 +146,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                threads: int | None, step: int | None = None,
                manifest: Manifest | None = None,
                before_read: Callable[[FlatState], None] | None = None,
-               read: list[int] | None = None) -> Any:
+               read: list[int] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> Any:
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
@@ -155,7 +157,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
-                              verify=verify, threads=threads, read=read)
+                              verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state, target=True)
     apply_shards(target, shards)
@@ -173,7 +175,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     loaded = load_tensors(step_dir, manifest,
                           {k: v[0] if v and k not in staged and k not in regions else None
                            for k, v in dests.items()},
-                          storage, verify=verify, boxes=boxes, threads=threads, read=read)
+                          storage, verify=verify, boxes=boxes, threads=threads, read=read,
+                          progress=progress)
     for key, tensors in dests.items():  # in checkpoint order
         if len(tensors) < 2 and not copies and key not in staged:
             continue  # the usual target: filled by the read itself
@@ -198,22 +201,24 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
 
 def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
                        shards: Mapping[str, ShardMetadata] | None = None,
-                       threads: int | None = None, agree: Agreement | None = None) -> Any:
+                       threads: int | None = None, agree: Agreement | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
-    on the same step even when only one rank's boxes are damaged.
+    on the same step even when only one rank's boxes are damaged. ``progress``: as for
+    ``load_from``, for each step tried (it starts again from 0 at an older step).
 
     Raises CheckpointCorruptError listing every step that failed when none is intact.
     """
     if agree is None:
-        return _newest_intact(root, state, storage, strict, shards, threads, None)
+        return _newest_intact(root, state, storage, strict, shards, threads, None, progress)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
-        return _newest_intact(root, state, storage, strict, shards, threads, told)
+        return _newest_intact(root, state, storage, strict, shards, threads, told, progress)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -238,7 +243,8 @@ class _Told:
 
 def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    shards: Mapping[str, ShardMetadata] | None, threads: int | None,
-                   agree: Agreement | None) -> Any:
+                   agree: Agreement | None,
+                   progress: Callable[[int, int], None] | None = None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -246,7 +252,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         # step being deleted) is refused, as a load without fallback refuses it.
         commit.resolve_step_dir(root, None, storage)
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
-                         threads=threads)
+                         threads=threads, progress=progress)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -262,7 +268,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         hook = None if undo is None else undo.hook(newest_first[attempt + 1:])
         try:
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
-                               shards=shards, threads=threads, before_read=hook)
+                               shards=shards, threads=threads, before_read=hook,
+                               progress=progress)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         # (anything else no fallback answers: load_newest_intact tells the other ranks)

@@ -136,14 +136,17 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                  storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
-                 boxes: Mapping[str, Box] | None = None, read: list[int] | None = None
+                 boxes: Mapping[str, Box] | None = None, read: list[int] | None = None,
+                 progress: Callable[[int, int], None] | None = None
                  ) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
     ``boxes`` gives, for sharded destinations, the box of the global tensor each one
     holds; the others get the whole tensor. ``read``, when given, receives the size of
     the saved chunks the load reads from (of which a resharding load reads only its
-    boxes). Returns key -> loaded tensor. A given destination must have the box's shape
+    boxes). ``progress(done, total)``, when given, is called from the reading threads
+    after each tensor or run of tensors read, in bytes of those chunks. Returns key ->
+    loaded tensor. A given destination must have the box's shape
     and the saved dtype (the caller checks); it is filled in place and returned as is.
     Raises CheckpointCorruptError naming the file and tensor on any mismatch.
     """
@@ -158,13 +161,15 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     for name in sorted({it.chunk.file for it in items}):
         _check_file(step_dir, manifest, name, storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
-                         boxes=boxes, items=items, read=read)
+                         boxes=boxes, items=items, read=read, progress=progress)
 
 
 def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                   storage: ReadStorage, *, verify: bool, threads: int | None,
                   boxes: Mapping[str, Box], items: list[ReadItem] | None = None,
-                  read: list[int] | None = None) -> dict[str, torch.Tensor]:
+                  read: list[int] | None = None,
+                  progress: Callable[[int, int], None] | None = None
+                  ) -> dict[str, torch.Tensor]:
     """load_tensors once the files it reads are known to be whole (``items``: the read
     plan, where the caller made it already)."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
@@ -191,17 +196,19 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         # 100,000 tensors of 16 KiB took 15% longer with two).
         n = 1
     groups = _split(items, n, total)
+    advance = None if progress is None else _advancing(progress, total)
     try:
         if n == 1:
-            _read_group(step_dir, manifest, groups[0], out, storage, verify)
+            _read_group(step_dir, manifest, groups[0], out, storage, verify, advance=advance)
         else:
             # The other groups go to kept reader threads; this thread reads the first one.
             pool = _read_pool(n - 1)
             stop = threading.Event()  # one group failed: the others end at their next item
             futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify,
-                                   stop) for g in groups[1:]]
+                                   stop, advance) for g in groups[1:]]
             try:
-                _read_group(step_dir, manifest, groups[0], out, storage, verify, stop)
+                _read_group(step_dir, manifest, groups[0], out, storage, verify, stop,
+                            advance)
             finally:
                 cf.wait(futures)  # never leave a thread writing into tensors we return
             for f in futures:
@@ -342,9 +349,23 @@ def _split(items: list[ReadItem], n: int, total: int) -> list[list[ReadItem]]:
     return [g for g in groups if g] or [[]]
 
 
+def _advancing(progress: Callable[[int, int], None], total: int) -> Callable[[int], None]:
+    """A thread-safe counter that calls ``progress(done, total)`` as bytes are read."""
+    lock = threading.Lock()
+    done = [0]
+
+    def advance(nbytes: int) -> None:
+        with lock:
+            done[0] += nbytes
+            progress(done[0], total)
+
+    return advance
+
+
 def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
-                stop: threading.Event | None = None) -> None:
+                stop: threading.Event | None = None,
+                advance: Callable[[int], None] | None = None) -> None:
     """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
     it, and a group that sees it set ends before its next item or piece (a corrupt
     first range of a peer's fetch is reported at once, not after every other range, or
@@ -377,6 +398,8 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 raise
             except OSError as exc:  # EIO from a failing disk, a file cut short by hand...
                 raise _damaged(step_dir / it.chunk.file, exc, it.key) from exc
+            if advance is not None:
+                advance(sum(it.chunk.nbytes for it in items[i:max(j, i + 1)]))
             i = max(j, i + 1)
     except BaseException as exc:
         unfinished = True
