@@ -1357,10 +1357,13 @@ def test_load_from_a_peer_opens_the_connections_asked_for_up_to_one_per_cpu(
     srv = transports(token=TOKEN)
     state = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(16)}
     srv.send_checkpoint([1], 3, state, 10.0)
-    got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0, threads=threads)
+    seen: list[tuple[int, int]] = []
+    got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0, threads=threads,
+                         progress=lambda done, total: seen.append((done, total)))
     # (a reader thread that is done may take another run, on its own connection)
     assert runs == [want] and 1 <= len(opened) <= want
     assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert seen[-1] == (16 << 18, 16 << 18)  # progress, fetched as read from disk
     if threads == 5:  # recv_checkpoint's num_chunks is bounded the same way
         from asyncckpt.transport.http import HTTPTransport
 
