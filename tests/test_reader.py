@@ -908,6 +908,30 @@ def test_verify_on_threads_reports_what_one_thread_does_with_its_progress(
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verify_raises_what_is_no_damage_from_any_reading_thread(tmp_path: Path,
+                                                                 threads: int) -> None:
+    """No permission to read a file part way (as a changed ACL on a parallel filesystem
+    gives) says nothing of the checkpoint: verify raises it, from whichever thread read
+    that part, rather than report damage."""
+    from asyncckpt.errors import CheckpointPermissionError
+
+    state = {f"t{i}": torch.arange(300_000.0) + i for i in range(8)}  # 1.2 MB each
+    asyncckpt.save(state, tmp_path, step=1)
+    step_dir = tmp_path / "step_000000001"
+    last = read_manifest(step_dir, LocalStorage()).tensors["t7"].chunks[0].byte_range
+
+    class Forbidden(LocalStorage):
+        def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+            if offset >= last[0]:  # the last tensor: the second thread's part
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+            return super().pread_into(fd, views, offset)
+
+    with pytest.raises(CheckpointPermissionError, match="t7"):
+        verify_checkpoint(step_dir, Forbidden(), threads=threads)
+    assert verify_checkpoint(step_dir, LocalStorage(), threads=threads).ok
+
+
 def _progress_log() -> tuple[list[tuple[int, int]], Callable[[int, int], None]]:
     seen: list[tuple[int, int]] = []
     return seen, lambda done, total: seen.append((done, total))
