@@ -198,6 +198,30 @@ def test_a_save_in_its_copy_says_staging() -> None:
     assert not fut.observed
 
 
+def test_a_save_that_allocates_slowly_suggests_prepare(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncckpt.staging import HostArena
+
+    real = HostArena.__init__
+
+    def slow(self: HostArena, nbytes: int, *, pinned: bool) -> None:
+        time.sleep(0.3)  # as faulting in gigabytes of fresh memory takes
+        real(self, nbytes, pinned=pinned)
+
+    monkeypatch.setattr(HostArena, "__init__", slow)
+    hints = lambda: [r for r in caplog.records if "ckpt.prepare(state)" in r.getMessage()]  # noqa: E731
+    with caplog.at_level("INFO", logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path, mode="async") as ckpt:
+        ckpt.save({"w": torch.ones(1000)}, step=1)
+        assert len(hints()) == 1 and "rank=0 step=1: allocating the " in hints()[0].getMessage()
+        ckpt.save({"w": torch.ones(1000)}, step=2)  # the buffer is kept: no allocation
+        bigger = {"w": torch.ones(5_000_000)}
+        ckpt.prepare(bigger, background=False)  # grown, but allocated ahead
+        ckpt.save(bigger, step=3)
+        assert len(hints()) == 1
+
+
 def test_two_saves_in_a_row_both_land(tmp_path: Path) -> None:
     s1, s2 = make_state(1), make_state(2)
     with asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned") as ckpt:

@@ -292,7 +292,9 @@ class AsyncCheckpointer:
                 preparing, self._preparing = self._preparing, None
                 preparing.result()
             plan = self._plan_for(tensors)
+            allocating = time.perf_counter()
             arena = self._arena_for(plan)  # may fail: e.g. out of (pinned) memory
+            _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating)
         except BaseException as exc:
             # Up to here the other ranks wait on this one: tell them, or they time out.
             self._announce_failure(tag, exc)
@@ -1056,6 +1058,18 @@ def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: 
         raise
     finally:
         progress.end()
+
+
+# A save that spends this long allocating its arena says that prepare() would spare it.
+_PREPARE_HINT_S = 0.25
+
+
+def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float) -> None:
+    if seconds >= _PREPARE_HINT_S:
+        log.info("rank=%d step=%d: allocating the %.2f GB host buffer took %.2fs of this "
+                 "save's blocked time (a first save, or a grown state); ckpt.prepare(state) "
+                 "at start-up allocates it in the background", rank, step,
+                 plan.padded_bytes / 1e9, seconds)
 
 
 def _file_bytes(plan: WritePlan) -> int:
