@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import xxhash
@@ -189,36 +189,30 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     total = sum(it.chunk.nbytes for it in items)
     if read is not None:
         read.append(total)
-    n = max(1, min(threads or min(2, os.cpu_count() or 1), len(items)))
+    n = _reader_threads(threads, len(items))
     if threads is None and total < len(items) * _SMALL_ITEM and isinstance(storage, LocalStorage):
         # Many small tensors (a few KiB each): reading them is Python's work more than the
         # disk's or memory's, and two threads only take turns with the GIL (a load of
         # 100,000 tensors of 16 KiB took 15% longer with two).
         n = 1
-    groups = _split(items, n, total)
     advance = None if progress is None else _advancing(progress, total)
     try:
-        if n == 1:
-            _read_group(step_dir, manifest, groups[0], out, storage, verify, advance=advance)
-        else:
-            # The other groups go to kept reader threads; this thread reads the first one.
-            pool = _read_pool(n - 1)
-            stop = threading.Event()  # one group failed: the others end at their next item
-            futures = [pool.submit(_read_group, step_dir, manifest, g, out, storage, verify,
-                                   stop, advance) for g in groups[1:]]
-            try:
-                _read_group(step_dir, manifest, groups[0], out, storage, verify, stop,
-                            advance)
-            finally:
-                cf.wait(futures)  # never leave a thread writing into tensors we return
-            for f in futures:
-                f.result()
+        # (several groups: one that fails stops the others at their next item)
+        _in_groups(lambda g, stop: _read_group(step_dir, manifest, g, out, storage, verify,
+                                               stop, advance),
+                   _split(items, n, total), threading.Event() if n > 1 else None)
     finally:
         # Reads straight into a given tensor's memory are in-place writes autograd does
         # not see: bump their version counters as copy_ would, so a graph that saved one
         # for backward fails loudly instead of computing a gradient from the new values.
         _bump_versions([t for t in dests.values() if t is not None and not t.is_inference()])
     return out
+
+
+def _reader_threads(threads: int | None, items: int) -> int:
+    """How many threads read ``items`` items: ``threads``, else up to 2 (one on one CPU),
+    never more than the items, at least one."""
+    return max(1, min(threads or min(2, os.cpu_count() or 1), items))
 
 
 # Below this many bytes a tensor, on average, a local load reads with one thread.
@@ -334,19 +328,44 @@ def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]])
                 "does not have the box this process needs")
 
 
-def _split(items: list[ReadItem], n: int, total: int) -> list[list[ReadItem]]:
+class _Chunked(Protocol):
+    """Something read from one saved chunk (a load's ReadItem, a verify's item)."""
+
+    @property
+    def chunk(self) -> Chunk: ...
+
+
+_C = TypeVar("_C", bound=_Chunked)
+_R = TypeVar("_R")
+
+
+def _split(items: list[_C], n: int, total: int) -> list[list[_C]]:
     """Cut the (sorted) items, of ``total`` bytes, into ``n`` runs of about equal bytes,
     each sequential."""
     if n == 1:
         return [items]
     total = total or 1
-    groups: list[list[ReadItem]] = [[] for _ in range(n)]
+    groups: list[list[_C]] = [[] for _ in range(n)]
     acc = 0
     for it in items:
         g = min(n - 1, acc * n // total)
         groups[g].append(it)
         acc += it.chunk.nbytes
     return [g for g in groups if g] or [[]]
+
+
+def _in_groups(read: Callable[[list[_C], threading.Event | None], _R], groups: list[list[_C]],
+               stop: threading.Event | None) -> list[_R]:
+    """``read(group, stop)`` for every group: the first on this thread, the others on kept
+    reader threads. Returns their results, in order, once every thread is done (never
+    leaving one writing into memory the caller is about to use); raises the first
+    group's error, else the first other's."""
+    futures = [_read_pool(len(groups) - 1).submit(read, g, stop) for g in groups[1:]]
+    try:
+        first = read(groups[0], stop)
+    finally:
+        cf.wait(futures)
+    return [first, *(f.result() for f in futures)]
 
 
 def _advancing(progress: Callable[[int, int], None], total: int) -> Callable[[int], None]:
@@ -802,33 +821,11 @@ def _verify_chunks(step_dir: Path, block_bytes: int, work: list[_VerifyItem],
     the problem of each tensor that has one (its first chunk's that fails), by index.
     Errors other than damage (no permission, an error of the moment) are raised."""
     total = sum(w.chunk.nbytes for w in work)
-    n = max(1, min(threads or min(2, os.cpu_count() or 1), len(work)))
-    groups: list[list[_VerifyItem]] = [[] for _ in range(n)]
-    acc = 0
-    for w in work:  # contiguous runs of about equal bytes
-        groups[min(n - 1, acc * n // (total or 1))].append(w)
-        acc += w.chunk.nbytes
-    lock = threading.Lock()
-    done = [0]
-
-    def advance(k: int) -> None:
-        if progress is not None:
-            with lock:
-                done[0] += k
-                progress(done[0], total)
-
-    stop = threading.Event()
-    futures = [_read_pool(n).submit(_verify_group, step_dir, block_bytes, g, storage, advance,
-                                    stop) for g in groups[1:] if g]
-    try:
-        found = _verify_group(step_dir, block_bytes, groups[0], storage, advance, stop)
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        cf.wait(futures)
-    for f in futures:
-        found += f.result()  # (raises a group's error)
+    n = _reader_threads(threads, len(work))
+    advance = None if progress is None else _advancing(progress, total)
+    found = itertools.chain.from_iterable(_in_groups(
+        lambda g, stop: _verify_group(step_dir, block_bytes, g, storage, advance, stop),
+        _split(work, n, total), threading.Event()))
     out: dict[int, str] = {}
     for i, _, msg in sorted(found, key=lambda x: (x[0], x[1])):
         out.setdefault(i, msg)
@@ -836,14 +833,14 @@ def _verify_chunks(step_dir: Path, block_bytes: int, work: list[_VerifyItem],
 
 
 def _verify_group(step_dir: Path, block_bytes: int, group: list[_VerifyItem],
-                  storage: ReadStorage, advance: Callable[[int], None], stop: threading.Event
-                  ) -> list[tuple[int, int, str]]:
+                  storage: ReadStorage, advance: Callable[[int], None] | None,
+                  stop: threading.Event | None) -> list[tuple[int, int, str]]:
     found: list[tuple[int, int, str]] = []
     fds: dict[str, int] = {}
     buf = memoryview(bytearray(_VERIFY_PIECE if group else 0))
     try:
         for w in group:
-            if stop.is_set():
+            if stop is not None and stop.is_set():
                 break  # another group raised: its error is the one to report
             path = step_dir / w.chunk.file
             try:
@@ -854,7 +851,8 @@ def _verify_group(step_dir: Path, block_bytes: int, group: list[_VerifyItem],
             except CheckpointCorruptError as exc:
                 found.append((w.i, w.n, str(exc)))
     except BaseException:
-        stop.set()
+        if stop is not None:
+            stop.set()
         raise
     finally:
         for fd in fds.values():
@@ -863,7 +861,7 @@ def _verify_group(step_dir: Path, block_bytes: int, group: list[_VerifyItem],
 
 
 def _verify_chunk(fd: int, path: Path, w: _VerifyItem, buf: memoryview, block_bytes: int,
-                  storage: ReadStorage, advance: Callable[[int], None]) -> None:
+                  storage: ReadStorage, advance: Callable[[int], None] | None) -> None:
     lo, hi = w.chunk.byte_range
     hasher = BlockHasher(hi - lo, block_bytes)
     pos = lo
@@ -878,7 +876,8 @@ def _verify_chunk(fd: int, path: Path, w: _VerifyItem, buf: memoryview, block_by
                                          path=str(path), key=w.key)
         hasher.update(buf[:got])
         pos += got
-        advance(got)
+        if advance is not None:
+            advance(got)
     _check_sums(path, w.key, w.chunk, 0, hasher.finish(), block_bytes)
 
 
