@@ -215,16 +215,7 @@ class RecordSender:
         if acked is None or acked[0] != coordinator or acked[1] != fid:
             return full_record(json.loads(self._frame_text) if frame is None else frame,
                                sums, skeleton, replicas, fid)
-        delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
-        if skeleton != acked[2]:  # (compared in C; the walk below only when it differs)
-            patch = None if local else skeleton_patch(skeleton, acked[2])
-            if patch is None:
-                delta["skeleton"] = skeleton
-            else:
-                delta["skeleton_patch"] = patch
-        if replicas:
-            delta["replicas"] = dict(replicas)
-        return delta
+        return _delta(rank, fid, sums, skeleton, acked[2], replicas, patch=not local)
 
     def sent_whole(self) -> dict[str, Any]:
         """The save in flight's record, whole."""
@@ -242,12 +233,8 @@ class RecordSender:
         known = book.frames.get(rank)
         if known is None or known.fid != fid:
             return self.sent_whole()
-        delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
-        if skeleton != book.skeletons.get(rank):  # (compared in C)
-            delta["skeleton"] = skeleton
-        if replicas:
-            delta["replicas"] = dict(replicas)
-        return delta
+        return _delta(rank, fid, sums, skeleton, book.skeletons.get(rank), replicas,
+                      patch=False)
 
     def settled(self, committed: bool) -> None:
         """The save in flight is over. Committed: the coordinator holds what it sent.
@@ -255,6 +242,23 @@ class RecordSender:
         coordinator may be gone), so the next save sends its whole record."""
         sent, self._sent = self._sent, None
         self._acked = (sent[0], sent[1], sent[2]) if committed and sent is not None else None
+
+
+def _delta(rank: int, fid: str, sums: list[list[str]], skeleton: Any, held: Any,
+           replicas: dict[str, list[str]], *, patch: bool) -> dict[str, Any]:
+    """A record that says only what changed against a frame ``fid`` and a skeleton
+    ``held`` that its receiver holds: the checksums, and the skeleton if it differs
+    (with ``patch``, only its changed scalar leaves where that says it all)."""
+    delta: dict[str, Any] = {"rank": rank, "frame": fid, "sums": sums}
+    if skeleton != held:  # (compared in C; the walk below only when it differs)
+        changed = skeleton_patch(skeleton, held) if patch else None
+        if changed is None:
+            delta["skeleton"] = skeleton
+        else:
+            delta["skeleton_patch"] = changed
+    if replicas:
+        delta["replicas"] = dict(replicas)
+    return delta
 
 
 @dataclass
