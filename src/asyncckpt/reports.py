@@ -301,8 +301,9 @@ class _Template:
 
 @dataclass
 class RecordBook:
-    """The coordinator's side: every rank's frame, and the last merged manifest's
-    template. Used by one save at a time."""
+    """The merging side: every rank's frame, and the last merged manifest's template
+    (the coordinator's, of the manifest; a serving rank's, of the view of its own part).
+    Used by one save at a time."""
 
     frames: dict[int, _Frame] = field(default_factory=dict)
     skeletons: dict[int, Any] = field(default_factory=dict)
