@@ -338,16 +338,20 @@ def is_copied(arr: np.ndarray) -> bool:
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
-    if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
+    if type(t) in _DTENSOR_TYPES or (type(t) not in _PLAIN_TENSOR_TYPES and _is_dtensor(t)):
+        # What is saved or filled is the local shard, checked below as any tensor is (it
+        # has the DTensor's dtype and layout): a wrapper subclass there (FSDP2 over
+        # torchao's Float8 or NF4) has no memory at its data pointer, which staging and
+        # reads would use. (A state of DTensors pays this path for every tensor.)
+        _DTENSOR_TYPES.add(type(t))
+        t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
+        box = (global_shape, local_box)
+        if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
+                or t.layout is not _STRIDED or t.is_nested):
+            _check_unusual_tensor(t, path, "the local shard of the DTensor")
+    elif (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
             or t.layout is not _STRIDED or t.is_nested):
         _check_unusual_tensor(t, path)
-        if _is_dtensor(t):
-            t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
-            box = (global_shape, local_box)
-            if type(t) not in _PLAIN_TENSOR_TYPES:  # what is saved or filled is the local
-                # shard: a wrapper subclass there (FSDP2 over torchao's Float8 or NF4) has
-                # no memory at its data pointer, which staging and reads would use
-                _check_unusual_tensor(t, path, "the local shard of the DTensor")
     if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
@@ -443,7 +447,12 @@ def _dtensor_box() -> Any:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+    return type(t) in _DTENSOR_TYPES or (type(t).__name__ == "DTensor"
+                                         and hasattr(t, "device_mesh"))
+
+
+# The DTensor classes met so far (found by name: torch.distributed is not imported here).
+_DTENSOR_TYPES: set[type] = set()
 
 
 def unflatten(skeleton: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
