@@ -816,6 +816,38 @@ def test_equal_replicas_are_not_warned_about(tmp_path: Path,
     assert "different values" not in caplog.text
 
 
+def test_a_rank_hashes_only_the_replicas_another_rank_writes(tmp_path: Path) -> None:
+    """Each rank sends the coordinator checksums of the small replicated tensors it holds
+    but does not write, to compare with the copy saved: those it writes itself are the
+    copy saved (it hashed all of them, and the ranks' layout digest stood in for the
+    keys it writes)."""
+    store = dist.HashStore()
+    sent: dict[int, list[dict[str, list[str]]]] = {0: [], 1: []}
+
+    def rank(r: int) -> set[str]:
+        state = {f"t{i}": torch.arange(i + 3, dtype=torch.float64) for i in range(10)}
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            real = ck._replica_checksums
+
+            def spy(flat: Any) -> dict[str, list[str]]:
+                out = real(flat)
+                sent[r].append(out)
+                return out
+
+            ck._replica_checksums = spy  # type: ignore[method-assign]
+            for step in (1, 2):
+                ck.save(state, step=step)
+            assert ck._layout is not None
+            return set(ck._layout[2])
+
+    writes = in_threads(rank)
+    assert writes[0] and writes[1] and not writes[0] & writes[1]
+    assert writes[0] | writes[1] == {f"t{i}" for i in range(10)}
+    for r in (0, 1):
+        assert [set(out) for out in sent[r]] == [writes[1 - r]] * 2, (r, sent[r])
+
+
 def test_a_step_committed_but_not_durable_is_reported_so_on_every_rank(tmp_path: Path) -> None:
     store = dist.HashStore()
 

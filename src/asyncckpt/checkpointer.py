@@ -870,7 +870,7 @@ class AsyncCheckpointer:
         left out: hashing them would cost a device-to-host copy on the caller's thread."""
         assert self._layout is not None
         if self._probed is None or self._probed[0] is not self._layout:
-            mine = self._layout[1]
+            mine = self._layout[2]
             keys = [k for k, t in flat.tensors.items()
                     if k not in mine and _whole(flat, k) and t.device.type == "cpu"
                     and 0 < t.numel() * t.element_size() <= _PROBE_BYTES]
