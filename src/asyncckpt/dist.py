@@ -808,32 +808,13 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     anything else (Partial, a strided shard whose local rows are scattered) — reduce or
     redistribute those first.
     """
-    # The DTensor's own spec (mesh, placements, global shape, dtype, stride) is the key
-    # where there is one: it caches its hash, so a hit costs about a microsecond.
     spec: Any = getattr(t, "_spec", None)
-    mesh = getattr(spec, "mesh", None)
-    if mesh is None or not getattr(type(spec), "__hash__", None):
-        mesh = t.device_mesh  # type: ignore[attr-defined]
-        spec = (t.shape, tuple(t.placements), id(mesh),  # type: ignore[attr-defined]
-                getattr(spec, "shard_order", None))
     # The same spec object as at the last save, unchanged since (torch drops its cached
-    # hash when a hashed field is set): the box without comparing specs (~1.5 us each).
+    # hash when a hashed field is set): its box without comparing specs (~1.5 us each).
     cached = getattr(spec, "_hash", None)
     seen = _seen_specs.get(id(spec)) if cached is not None else None
-    if seen is not None and seen[0] is spec and seen[1] is cached:
-        hit = seen[2]
-    else:
-        found = _boxes.get(spec)
-        if found is None or found[0] is not mesh:
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            found = _new_box(spec, t, mesh, tuple(t.placements),  # type: ignore[attr-defined]
-                             where)
-        hit = found
-        cached = getattr(spec, "_hash", None)
-        if cached is not None:
-            if len(_seen_specs) > 100_000:
-                _seen_specs.clear()
-            _seen_specs[id(spec)] = (spec, cached, hit)  # (keeps spec alive: id not reused)
+    hit = seen[2] if seen is not None and seen[0] is spec and seen[1] is cached else (
+        _box_of(t, spec, where))
     _, shape, offsets, global_shape = hit
     # to_local() goes through autograd (~7 us a tensor, every save); the attribute does not.
     local = getattr(t, "_local_tensor", None)
@@ -850,6 +831,27 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
             f"DTensor at {where!r}: local shard shape {list(local.shape)} does not match its "
             f"placements ({list(shape)})")
     return local, global_shape, (offsets, shape)
+
+
+def _box_of(t: torch.Tensor, spec: Any, where: str) -> _Hit:
+    """The box of a DTensor whose spec was not met before (or changed since)."""
+    # The DTensor's own spec (mesh, placements, global shape, dtype, stride) is the key
+    # where there is one: it caches its hash, so a hit costs about a microsecond.
+    mesh = getattr(spec, "mesh", None)
+    if mesh is None or not getattr(type(spec), "__hash__", None):
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        spec = (t.shape, tuple(t.placements), id(mesh),  # type: ignore[attr-defined]
+                getattr(spec, "shard_order", None))
+    hit = _boxes.get(spec)
+    if hit is None or hit[0] is not mesh:
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        hit = _new_box(spec, t, mesh, tuple(t.placements), where)  # type: ignore[attr-defined]
+    cached = getattr(spec, "_hash", None)
+    if cached is not None:
+        if len(_seen_specs) > 100_000:
+            _seen_specs.clear()
+        _seen_specs[id(spec)] = (spec, cached, hit)  # (keeps spec alive: id not reused)
+    return hit
 
 
 def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], where: str

@@ -343,7 +343,8 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         # has the DTensor's dtype and layout): a wrapper subclass there (FSDP2 over
         # torchao's Float8 or NF4) has no memory at its data pointer, which staging and
         # reads would use. (A state of DTensors pays this path for every tensor.)
-        _DTENSOR_TYPES.add(type(t))
+        if type(t) not in _DTENSOR_TYPES:
+            _DTENSOR_TYPES.add(type(t))
         t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
         box = (global_shape, local_box)
         if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
