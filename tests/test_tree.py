@@ -769,3 +769,23 @@ def test_flattening_the_same_dtensors_again_compares_no_specs(mesh1, monkeypatch
     assert compared == []
     assert again.boxes == first.boxes
     assert all(again.tensors[k] is state[k]._local_tensor for k in state)
+
+
+def test_flattening_keeps_no_dtensor_spec_alive(mesh1):
+    """The specs met are remembered by identity, weakly: a state of DTensors made anew
+    for every save (and what each spec holds) is freed as it would be without a save."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    d = DTensor.from_local(torch.zeros(4, 2), mesh1, [Shard(0)], run_check=False)
+    flat = flatten({"w": d})
+    assert flat.boxes["w"] == ((4, 2), ((0, 0), (4, 2)))
+    spec = weakref.ref(d._spec)
+    del d, flat
+    gc.collect()
+    assert spec() is None
+    # and a new DTensor (whose spec may take the dead one's address) gets its own box
+    e = DTensor.from_local(torch.zeros(6, 2), mesh1, [Shard(0)], run_check=False)
+    assert flatten({"w": e}).boxes["w"] == ((6, 2), ((0, 0), (6, 2)))

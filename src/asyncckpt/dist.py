@@ -58,6 +58,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -795,7 +796,9 @@ def _group_store(group: Any) -> Any:
 # (DTensor spec) -> (mesh, local shape, global offsets, global shape)
 _Hit = tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 _boxes: dict[Any, _Hit] = {}
-# id(spec) -> (spec, its cached hash then, the box): DTensor specs met, by identity
+# id(spec) -> (a weak reference to the spec, its cached hash then, the box): the DTensor
+# specs met, by identity. Weak: a state of DTensors made anew at every save must not keep
+# every old spec (and what it holds) alive until the cache is cleared.
 _seen_specs: dict[int, tuple[Any, Any, _Hit]] = {}
 
 
@@ -813,7 +816,7 @@ def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, tuple[int, .
     # hash when a hashed field is set): its box without comparing specs (~1.5 us each).
     cached = getattr(spec, "_hash", None)
     seen = _seen_specs.get(id(spec)) if cached is not None else None
-    hit = seen[2] if seen is not None and seen[0] is spec and seen[1] is cached else (
+    hit = seen[2] if seen is not None and seen[0]() is spec and seen[1] is cached else (
         _box_of(t, spec, where))
     _, shape, offsets, global_shape = hit
     # to_local() goes through autograd (~7 us a tensor, every save); the attribute does not.
@@ -848,9 +851,15 @@ def _box_of(t: torch.Tensor, spec: Any, where: str) -> _Hit:
         hit = _new_box(spec, t, mesh, tuple(t.placements), where)  # type: ignore[attr-defined]
     cached = getattr(spec, "_hash", None)
     if cached is not None:
+        try:
+            ref = weakref.ref(spec)
+        except TypeError:  # (a spec type without weak references: looked up by value)
+            return hit
         if len(_seen_specs) > 100_000:
             _seen_specs.clear()
-        _seen_specs[id(spec)] = (spec, cached, hit)  # (keeps spec alive: id not reused)
+        # (a spec that dies leaves an entry whose reference is dead: a new spec at the
+        # same id finds it and misses)
+        _seen_specs[id(spec)] = (ref, cached, hit)
     return hit
 
 
