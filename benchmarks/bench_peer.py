@@ -29,8 +29,9 @@ Measured, in one run:
                for parity;
 * profile   -- one instrumented in-place receive (default num_chunks): the server's
                checksum time (a timed manifest request), and per connection the bytes, the
-               range requests, the reads (one per tensor, or per 8 MiB piece of a larger
-               one) and the time spent fetching and hashing them; and for every
+               range requests, the reads (one per tensor or run of small ones, or per
+               piece of the loader's read size of a larger one) and the time spent
+               fetching and hashing them; and for every
                transfer the CPU seconds both processes spent.
 
 Every receive zeroes a few target tensors first and checks them afterwards against the
@@ -170,6 +171,13 @@ def import_torchft() -> tuple[Any, str]:
                       f"{exc})")
     return mod.HTTPTransport, (f"`import torchft` fails ({first}); imported "
                                "torchft.checkpointing.http_transport without torchft/__init__.py")
+
+
+def _read_piece() -> int:
+    """The bytes a load reads at once from one chunk (what a 'read' above is)."""
+    import asyncckpt.reader as reader
+
+    return int(reader._PIECE)
 
 
 def torchft_version() -> str:
@@ -1082,8 +1090,8 @@ def render(res: dict[str, Any]) -> str:
                   f"{fmt_s(prof['manifest_again_s'])}); then the receive, manifest cached: "
                   f"{fmt_s(prof['recv_s'])} ({gbps(prof['recv_s'])} GB/s, "
                   f"{fmt_x(ratio(limit, prof['recv_s']))} the limit) in {requests} range "
-                  f"requests and {pieces} reads (one per tensor, or per 8 MiB piece of a larger "
-                  f"one); CPU s/GB send / recv "
+                  f"requests and {pieces} reads (one per tensor or run of small ones, or per "
+                  f"{_read_piece() // MiB} MiB piece of a larger one); CPU s/GB send / recv "
                   f"{prof['send_cpu_s'] / (nbytes / GB):.2f} / "
                   f"{prof['recv_cpu_s'] / (nbytes / GB):.2f}.", "",
                   bc.table(["connection", "bytes", "requests", "reads", "in _fetch",
