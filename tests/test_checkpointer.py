@@ -205,9 +205,9 @@ def test_a_save_that_allocates_slowly_suggests_prepare(
 
     real = HostArena.__init__
 
-    def slow(self: HostArena, nbytes: int, *, pinned: bool) -> None:
+    def slow(self: HostArena, nbytes: int, *, pinned: bool, threads: int = 1) -> None:
         time.sleep(0.3)  # as faulting in gigabytes of fresh memory takes
-        real(self, nbytes, pinned=pinned)
+        real(self, nbytes, pinned=pinned, threads=threads)
 
     monkeypatch.setattr(HostArena, "__init__", slow)
     hints = lambda: [r for r in caplog.records if "ckpt.prepare(state)" in r.getMessage()]  # noqa: E731

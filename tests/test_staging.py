@@ -484,3 +484,58 @@ def test_small_tensors_are_staged_by_the_calling_thread_alone(
     stage(plan, tensors, arena, StagingProgress(), helpers=helpers, threads=2)
     assert_staged(plan, tensors, arena)
     assert len(copiers) == want and (want == 2 or copiers == {threading.get_ident()})
+
+
+def test_an_arena_is_faulted_in_when_made_by_as_many_threads_as_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first save of a large state spends most of its blocked time faulting in its
+    arena: the kernel zeroes each page, which threads do side by side."""
+    import asyncckpt._memory as memory
+
+    real = memory.madvise
+    assert real is not None
+    calls: list[tuple[int, int, int, int]] = []
+    lock = threading.Lock()
+    both = threading.Barrier(2, timeout=10)  # the two parts really run at once
+
+    def advise(addr: int, n: int, advice: int) -> int:
+        if advice == memory.MADV_POPULATE_WRITE:
+            with lock:
+                calls.append((addr, n, advice, threading.get_ident()))
+            both.wait()
+        return int(real(addr, n, advice))
+
+    monkeypatch.setattr(memory, "madvise", advise)
+    nbytes = (9 << 20) + 4096  # 4.5 huge pages and a page: the parts are whole huge pages
+    arena = HostArena(nbytes, pinned=False, threads=2)
+    base = arena.tensor.data_ptr()
+    parts = sorted((addr - base, addr - base + n) for addr, n, _, _ in calls)
+    assert parts == [(0, 6 << 20), (6 << 20, nbytes)]
+    assert len({ident for *_, ident in calls}) == 2
+    # resident now, before anything touched it: mincore says so for every page
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(nbytes), vec) == 0
+    assert all(v & 1 for v in vec)
+
+
+def test_an_arena_that_cannot_be_faulted_in_ahead_still_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel before 5.14 refuses MADV_POPULATE_WRITE: the pages then fault at first
+    touch, and staging fills the arena as always."""
+    import asyncckpt._memory as memory
+
+    real = memory.madvise
+    assert real is not None
+    monkeypatch.setattr(memory, "madvise", lambda addr, n, advice: -1 if advice ==
+                        memory.MADV_POPULATE_WRITE else real(addr, n, advice))
+    assert memory.populate(0, 4 << 20, 2) is False
+    tensors = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(3, 5)}
+    plan = fresh_plan(tensors)
+    arena = HostArena(plan.padded_bytes, pinned=False, threads=2)
+    arena.write_header(plan.header)
+    stage(plan, tensors, arena, StagingProgress())
+    assert_staged(plan, tensors, arena)

@@ -937,7 +937,8 @@ class AsyncCheckpointer:
             self._arena = None  # drop the old one first: never hold two at once
             self._arena_header_for = None
             try:
-                self._arena = HostArena(need, pinned=pinned)
+                self._arena = HostArena(need, pinned=pinned,
+                                        threads=self.config.copy_threads or 1)
             except (MemoryError, OSError, RuntimeError) as exc:  # mmap: OSError; pinned: Runtime
                 pinned = pinned and torch.cuda.is_available()
                 raise CheckpointSaveError(

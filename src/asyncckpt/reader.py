@@ -18,16 +18,16 @@ import json
 import logging
 import math
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import xxhash
 
+from . import _memory
 from ._gc import gc_paused
 from .commit import step_of_dir_name
 from .errors import (
@@ -230,23 +230,11 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
 # Fresh tensors at least this large have their memory marked for transparent huge pages.
 _HUGE_MIN_BYTES = 4 << 20
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 # Advising part of a mapping splits it in up to three, and a process may hold at most
 # vm.max_map_count (65,530 by default) mappings: one load advises this many tensors at most.
 _MAX_ADVISED = 4096
 
 
-def _libc_madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # not a libc with madvise: the hint is optional
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
 @contextlib.contextmanager
@@ -284,12 +272,12 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = T
     """
     t = torch.empty(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
-    if advise and _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+    if advise and _memory.madvise is not None and nbytes >= _HUGE_MIN_BYTES:
         addr = t.data_ptr()
         start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
         end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         if end > start:
-            _madvise(start, end - start, _MADV_HUGEPAGE)  # a failure leaves plain pages
+            _memory.madvise(start, end - start, _memory.MADV_HUGEPAGE)  # (else plain pages)
     return t
 
 
