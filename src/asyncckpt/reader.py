@@ -229,12 +229,10 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
 
 # Fresh tensors at least this large have their memory marked for transparent huge pages.
 _HUGE_MIN_BYTES = 4 << 20
-_HUGE_PAGE = 2 << 20
+_HUGE_PAGE = _memory.HUGE_PAGE
 # Advising part of a mapping splits it in up to three, and a process may hold at most
 # vm.max_map_count (65,530 by default) mappings: one load advises this many tensors at most.
 _MAX_ADVISED = 4096
-
-
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from .plan import WriteItem, WritePlan, plain_memory
 
 log = logging.getLogger(__name__)
 
+
 def _memmove_keeping_the_gil() -> Callable[[int, int, int], Any]:
     """libc's memmove, called without releasing the GIL: for a copy of a few KiB, letting
     the GIL go (as ctypes.memmove does at every call) only hands it to a background
