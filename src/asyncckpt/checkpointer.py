@@ -95,7 +95,8 @@ class CheckpointerConfig:
     timeout_s: float = 600.0
     """How long any cross-rank wait may take before it fails naming the silent ranks."""
     copy_threads: int | None = None
-    """Threads that copy CPU tensors into the arena; None: see default_copy_threads()."""
+    """Threads that copy CPU tensors into the arena (and fault in a new one); None: see
+    default_copy_threads()."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
