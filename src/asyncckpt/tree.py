@@ -338,21 +338,18 @@ def is_copied(arr: np.ndarray) -> bool:
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
-    if type(t) in _DTENSOR_TYPES or (type(t) not in _PLAIN_TENSOR_TYPES and _is_dtensor(t)):
+    what = "tensor"
+    if type(t) not in _PLAIN_TENSOR_TYPES and _is_dtensor(t):
         # What is saved or filled is the local shard, checked below as any tensor is (it
         # has the DTensor's dtype and layout): a wrapper subclass there (FSDP2 over
         # torchao's Float8 or NF4) has no memory at its data pointer, which staging and
         # reads would use. (A state of DTensors pays this path for every tensor.)
-        if type(t) not in _DTENSOR_TYPES:
-            _DTENSOR_TYPES.add(type(t))
         t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
         box = (global_shape, local_box)
-        if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
-                or t.layout is not _STRIDED or t.is_nested):
-            _check_unusual_tensor(t, path, "the local shard of the DTensor")
-    elif (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
+        what = "the local shard of the DTensor"
+    if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
             or t.layout is not _STRIDED or t.is_nested):
-        _check_unusual_tensor(t, path)
+        _check_unusual_tensor(t, path, what)
     if t.is_meta:
         raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
                                    "holds no data")
@@ -448,8 +445,12 @@ def _dtensor_box() -> Any:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t) in _DTENSOR_TYPES or (type(t).__name__ == "DTensor"
-                                         and hasattr(t, "device_mesh"))
+    if type(t) in _DTENSOR_TYPES:
+        return True
+    if type(t).__name__ == "DTensor" and hasattr(t, "device_mesh"):
+        _DTENSOR_TYPES.add(type(t))
+        return True
+    return False
 
 
 # The DTensor classes met so far (found by name: torch.distributed is not imported here).
