@@ -247,10 +247,11 @@ def _vma_flags(addr: int) -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_large_fresh_tensors_are_advised_huge_pages() -> None:
-    from asyncckpt.reader import _HUGE_PAGE, fresh_tensor
+    from asyncckpt._memory import HUGE_PAGE
+    from asyncckpt.reader import fresh_tensor
 
     t = fresh_tensor((3, 5 << 20), torch.float16)  # 30 MiB
-    inner = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    inner = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     assert "hg" in _vma_flags(inner)
     assert t.shape == (3, 5 << 20) and t.dtype == torch.float16 and t.is_contiguous()
 
@@ -299,7 +300,7 @@ def test_one_load_advises_a_bounded_number_of_tensors(tmp_path: Path,
     got = asyncckpt.load(tmp_path / "ck")
     assert len(calls) == 2
     for addr, n in calls:  # whole huge pages inside one of the tensors
-        assert addr % reader._HUGE_PAGE == 0 and n % reader._HUGE_PAGE == 0 and n > 0
+        assert addr % memory.HUGE_PAGE == 0 and n % memory.HUGE_PAGE == 0 and n > 0
         assert any(t.data_ptr() <= addr and addr + n <= t.data_ptr() + t.numel() * 2
                    for k, t in got.items() if k != "small")
     assert all(torch.equal(got[k], v) for k, v in state.items())

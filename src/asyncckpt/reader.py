@@ -229,7 +229,6 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
 
 # Fresh tensors at least this large have their memory marked for transparent huge pages.
 _HUGE_MIN_BYTES = 4 << 20
-_HUGE_PAGE = _memory.HUGE_PAGE
 # Advising part of a mapping splits it in up to three, and a process may hold at most
 # vm.max_map_count (65,530 by default) mappings: one load advises this many tensors at most.
 _MAX_ADVISED = 4096
@@ -272,8 +271,9 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = T
     nbytes = t.numel() * t.element_size()
     if advise and _memory.madvise is not None and nbytes >= _HUGE_MIN_BYTES:
         addr = t.data_ptr()
-        start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-        end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        huge = _memory.HUGE_PAGE
+        start = -(-addr // huge) * huge
+        end = (addr + nbytes) // huge * huge
         if end > start:
             _memory.madvise(start, end - start, _memory.MADV_HUGEPAGE)  # (else plain pages)
     return t
