@@ -218,6 +218,35 @@ def test_a_bad_byte_inside_a_vectored_read_names_its_tensor(tmp_path: Path) -> N
         asyncckpt.load(tmp_path, {k: torch.zeros_like(v) for k, v in state.items()})
 
 
+def test_a_bad_block_of_a_tensor_of_several_blocks_inside_a_vectored_read(tmp_path: Path) -> None:
+    """Tensors of one checksum block are checked on a short path; one of several blocks
+    still has each block checked, and the error names the tensor and the block."""
+    from asyncckpt.loader import load_from
+
+    g = torch.Generator().manual_seed(5)
+    # 3 blocks of 4 KiB each (then 1, then 2): small enough to be read as one run
+    state = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((3072, 512, 2048))}
+    with asyncckpt.AsyncCheckpointer(tmp_path, block_bytes=4096) as ckpt:
+        ckpt.save(state, step=1)
+        man = ckpt.manifest(1)
+    assert [len(man.tensors[k].chunks[0].checksums) for k in state] == [3, 1, 2]
+    step_dir = tmp_path / "step_000000001"
+    storage = VectoredStorage()
+    want = {k: torch.zeros_like(v) for k, v in state.items()}
+    load_from(step_dir, want, storage)
+    assert all(torch.equal(want[k], v) for k, v in state.items())
+    assert max(storage.calls) == 3  # the three read as one run
+    start = man.tensors["t0"].chunks[0].byte_range[0]
+    with open(step_dir / "rank_00000.safetensors", "r+b") as f:
+        f.seek(start + 4096 + 5)  # in t0's second block
+        byte = f.read(1)[0]
+        f.seek(start + 4096 + 5)
+        f.write(bytes([byte ^ 0x40]))
+    with pytest.raises(CheckpointCorruptError, match=r"'t0' \(block 1,"):
+        load_from(step_dir, {k: torch.zeros_like(v) for k, v in state.items()},
+                  VectoredStorage())
+
+
 def test_a_short_vectored_read_falls_back_to_reading_each_tensor(tmp_path: Path) -> None:
     from asyncckpt.loader import load_from
 
