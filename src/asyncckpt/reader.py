@@ -178,12 +178,16 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
-    for key, dst in dests.items():
-        if dst is None:
-            entry = manifest.tensors[key]
-            where = step_dir / entry.chunks[0].file if entry.chunks else step_dir
-            with _allocating(where, key, math.prod(shapes[key]) * entry.dtype.itemsize):
+    tensors = manifest.tensors
+    for key, dst in dests.items():  # (once per tensor: a fresh load of 100,000 allocates
+        if dst is None:             # as many, so no context manager or path per tensor)
+            entry = tensors[key]
+            try:
                 dst = fresh_tensor(shapes[key], entry.dtype, advise=advise > 0)
+            except (RuntimeError, MemoryError) as exc:
+                where = step_dir / entry.chunks[0].file if entry.chunks else step_dir
+                raise _allocation_error(where, key, math.prod(shapes[key]) * entry.dtype.itemsize
+                                        ) from exc
             advise -= dst.numel() * dst.element_size() >= _HUGE_MIN_BYTES
         out[key] = dst
     total = sum(it.chunk.nbytes for it in items)
@@ -236,19 +240,25 @@ _MAX_ADVISED = 4096
 
 @contextlib.contextmanager
 def _allocating(where: Path, key: str, nbytes: int) -> Iterator[None]:
-    """A failed allocation of a size the manifest claims, as CheckpointCorruptError:
-    sizes are checked against the files, but a sparse file or a peer can claim any."""
+    """A failed allocation of a size the manifest claims, as :func:`_allocation_error`."""
     try:
         yield
     except (RuntimeError, MemoryError) as exc:
-        if nbytes <= _physical_memory():  # a size this machine could hold: out of memory
-            raise CheckpointError(
-                f"{where}: tensor {key!r} needs {nbytes} bytes, which could not be allocated "
-                "(out of memory?): free memory, or load into an existing state") from exc
-        raise CheckpointCorruptError(
-            f"{where}: tensor {key!r} claims {nbytes} bytes, more than this machine's memory "
-            "could ever hold: the checkpoint is likely damaged (load an earlier step)",
-            path=str(where), key=key) from exc
+        raise _allocation_error(where, key, nbytes) from exc
+
+
+def _allocation_error(where: Path, key: str, nbytes: int) -> CheckpointError:
+    """What a failed allocation of ``nbytes`` for tensor ``key`` is: out of memory, or (a
+    size no machine like this one could hold) CheckpointCorruptError: sizes are checked
+    against the files, but a sparse file or a peer can claim any."""
+    if nbytes <= _physical_memory():  # a size this machine could hold: out of memory
+        return CheckpointError(
+            f"{where}: tensor {key!r} needs {nbytes} bytes, which could not be allocated "
+            "(out of memory?): free memory, or load into an existing state")
+    return CheckpointCorruptError(
+        f"{where}: tensor {key!r} claims {nbytes} bytes, more than this machine's memory "
+        "could ever hold: the checkpoint is likely damaged (load an earlier step)",
+        path=str(where), key=key)
 
 
 def _physical_memory() -> int:
