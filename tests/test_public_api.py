@@ -109,3 +109,18 @@ def test_corrupt_error_carries_path_and_key():
     exc = asyncckpt.CheckpointCorruptError("bad", path="/x/manifest.json", key="w")
     assert exc.path == "/x/manifest.json" and exc.key == "w"
     assert str(exc) == "bad"
+
+
+def test_add_note_without_add_note_keeps_the_note_in_dunder_notes() -> None:
+    """Python 3.10 has no BaseException.add_note: the note goes where 3.11 keeps it."""
+
+    class NoAddNote(Exception):  # an exception as Python 3.10 makes them
+        add_note = None
+
+    exc = NoAddNote("boom")
+    errors.add_note(exc, "an earlier save failed too")
+    errors.add_note(exc, "and another")
+    assert exc.__notes__ == ["an earlier save failed too", "and another"]  # type: ignore[attr-defined]
+    native = asyncckpt.CheckpointSaveError("boom")
+    errors.add_note(native, "noted")
+    assert native.__notes__ == ["noted"]  # type: ignore[attr-defined]

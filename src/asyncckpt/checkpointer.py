@@ -41,6 +41,7 @@ from .errors import (
     CheckpointLockedError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    add_note,
 )
 from .loader import (
     ShardMetadata,
@@ -501,8 +502,8 @@ class AsyncCheckpointer:
     def _note_missed(self, exc: BaseException) -> None:
         """Add the unseen failure of an earlier save to ``exc``, which is being raised."""
         error = self._take_missed()
-        if error is not None and hasattr(exc, "add_note"):
-            exc.add_note(str(error))
+        if error is not None:
+            add_note(exc, str(error))
 
     @property
     def is_pending(self) -> bool:
@@ -624,8 +625,8 @@ class AsyncCheckpointer:
         if not raise_missed:
             return
         if unseen is not None:
-            if earlier is not None and hasattr(unseen, "add_note"):
-                unseen.add_note(str(earlier))
+            if earlier is not None:
+                add_note(unseen, str(earlier))
             raise CheckpointSaveError(
                 f"closing {self.directory}: the last save, whose future nobody waited on, "
                 f"failed: {unseen}") from unseen

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class CheckpointError(Exception):
     """Base class of every error asyncckpt raises on purpose."""
@@ -109,3 +111,20 @@ class StateMismatchError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print repr(message)
         return str(self.args[0])
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, on Python 3.10 too, which lacks it: there the note goes in
+    ``exc.__notes__`` as 3.11 keeps it (PEP 678), for code and tools that read notes
+    (3.10's own traceback does not print them)."""
+    adder = getattr(exc, "add_note", None)
+    if adder is not None:
+        adder(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+    notes.append(note)
+    # (an exception type with __slots__ takes no attribute: the note is lost, not the error)
+    with contextlib.suppress(AttributeError):
+        exc.__notes__ = notes  # type: ignore[attr-defined]  # (3.10: no such attribute)
