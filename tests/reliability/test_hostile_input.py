@@ -206,7 +206,9 @@ def test_fuzz_manifest_generated_values() -> None:
         parse_or_refuse(json.dumps(doc).encode(), reached)
 
     run()
-    assert_reached(reached, FUZZ.max_examples, fields=250, parsed=8)  # 483, 17
+    # (483 and 17 with hypothesis 6.170 on Python 3.11; 496 and 4 with 6.168, the last
+    # release for 3.10: what is generated changes between releases)
+    assert_reached(reached, FUZZ.max_examples, fields=250, parsed=2)
 
 
 def test_fuzz_manifest_random_json() -> None:
