@@ -1116,3 +1116,28 @@ def test_a_load_in_place_is_seen_by_autograd(tmp_path: Path) -> None:
     assert p.tolist() == [3.0] * 4 and q.tolist() == [[2.0, 2.0]] * 3
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_load_in_place_is_seen_by_autograd_where_torch_bumps_one_tensor_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch < 2.6 takes one tensor per increment_version call and raises RuntimeError
+    for a list (every in-place load failed there): versions are bumped one by one."""
+    bump = torch.autograd.graph.increment_version
+    calls: list[object] = []
+
+    def one_at_a_time(t: object) -> None:
+        calls.append(t)
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError("increment_version expect a Tensor as input")
+        bump(t)
+
+    monkeypatch.setattr(torch.autograd.graph, "increment_version", one_at_a_time)
+    asyncckpt.save({"p": torch.full((4,), 3.0), "q": torch.full((2,), 2.0)}, tmp_path, step=1)
+    p = torch.nn.Parameter(torch.ones(4))
+    q = torch.nn.Parameter(torch.ones(2))
+    loss = (p * p).sum() + (q * q).sum()
+    asyncckpt.load(tmp_path, {"p": p, "q": q})
+    assert p.tolist() == [3.0] * 4 and q.tolist() == [2.0] * 2
+    assert isinstance(calls[0], list) and sorted(map(id, calls[1:])) == sorted([id(p), id(q)])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

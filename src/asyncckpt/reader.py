@@ -224,9 +224,13 @@ _SMALL_ITEM = 64 * 1024
 
 
 def _bump_versions(tensors: list[torch.Tensor]) -> None:
+    if not tensors:
+        return
     try:
         torch.autograd.graph.increment_version(tensors)
-    except TypeError:  # torch < 2.6 takes one tensor at a time
+    except (TypeError, RuntimeError):
+        # torch < 2.6 takes one tensor at a time (and raises RuntimeError, "expect a
+        # Tensor as input", for a list); any other cause is raised again below
         for t in tensors:
             torch.autograd.graph.increment_version(t)
 
