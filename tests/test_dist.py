@@ -1256,3 +1256,30 @@ def test_values_are_decoded_with_the_collector_paused(monkeypatch: pytest.Monkey
     assert ctx.get(ctx.key("s1", "record", 1), "a record")["sums"][0] == ["0" * 16]
     assert len(ctx.get(ctx.key("s1", "record", 2), "a record")["big"]) == 9 << 20
     assert len(seen) == 3 and not any(seen) and gc.isenabled()
+
+
+def test_dtensor_api_comes_from_the_private_module_where_torch_2_4_keeps_it(monkeypatch):
+    """torch 2.4 has DTensor in torch.distributed._tensor (torch.distributed.tensor holds
+    only its parallel styles there): every DTensor save failed on an ImportError."""
+    import importlib
+    import types
+
+    import asyncckpt.dist as adist
+
+    real = importlib.import_module
+
+    def as_in_torch_2_4(name, package=None):
+        if name == "torch.distributed.tensor":
+            return types.ModuleType(name)  # no Shard, Replicate, DTensor...
+        return real(name, package)
+
+    adist.dtensor_module.cache_clear()
+    monkeypatch.setattr(importlib, "import_module", as_in_torch_2_4)
+    try:
+        assert adist.dtensor_module() is real("torch.distributed._tensor")
+        assert adist.dtensor_module("_utils") is real("torch.distributed._tensor._utils")
+    finally:
+        adist.dtensor_module.cache_clear()
+    monkeypatch.undo()
+    assert adist.dtensor_module().__name__ == "torch.distributed.tensor"
+    adist.dtensor_module.cache_clear()

@@ -863,10 +863,23 @@ def _box_of(t: torch.Tensor, spec: Any, where: str) -> _Hit:
     return hit
 
 
+@functools.cache
+def dtensor_module(sub: str = "") -> Any:
+    """torch's DTensor module (``sub``: one of its submodules): torch.distributed.tensor,
+    public from torch 2.5 on, else torch.distributed._tensor, where torch 2.4 keeps it."""
+    import importlib
+
+    public = importlib.import_module("torch.distributed.tensor")
+    if hasattr(public, "Shard"):
+        return importlib.import_module(f"{public.__name__}.{sub}") if sub else public
+    return importlib.import_module(f"torch.distributed._tensor{'.' + sub if sub else ''}")
+
+
 def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], where: str
              ) -> _Hit:
     """Work out (and cache) the box of a DTensor layout not seen before."""
-    from torch.distributed.tensor import Replicate, Shard
+    api = dtensor_module()
+    Replicate, Shard = api.Replicate, api.Shard
 
     from .errors import UnsupportedLeafError
 
@@ -907,19 +920,17 @@ def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...],
 @functools.cache
 def _strided_shard_type() -> type | None:
     """torch's ``_StridedShard`` placement (FSDP2 over tensor parallel), if it has one."""
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # a torch without it cannot make such DTensors either
-        return None
-    return _StridedShard
+    # (a torch without it cannot make such DTensors either)
+    return getattr(dtensor_module("placement_types"), "_StridedShard", None)
 
 
 def _local_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: tuple[Any, ...],
                              where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """torch's own (local shape, global offsets) of this rank's shard."""
     try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError as exc:  # a private helper: a future torch may move it
+        compute_local_shape_and_global_offset = (
+            dtensor_module("_utils").compute_local_shape_and_global_offset)
+    except (ImportError, AttributeError) as exc:  # a private helper: a torch may move it
         from .errors import UnsupportedLeafError
 
         raise UnsupportedLeafError(
@@ -958,8 +969,9 @@ def _ordered_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: 
     from .errors import UnsupportedLeafError
 
     try:
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    except ImportError as exc:  # a private helper: a future torch may move it
+        _compute_local_shape_and_global_offset = (
+            dtensor_module("_utils")._compute_local_shape_and_global_offset)
+    except (ImportError, AttributeError) as exc:  # a private helper: a torch may move it
         raise UnsupportedLeafError(
             f"DTensor at {where!r} has a shard order other than its mesh's ({order}), and "
             f"this torch {torch.__version__} lacks the helper asyncckpt finds its shard with; "
@@ -983,7 +995,8 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
     the other dimensions) is split by the same placements (``src_data_rank=None``:
     locally, with no communication). Runs once per new layout, never per save.
     """
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    api = dtensor_module()
+    Replicate, distribute_tensor = api.Replicate, api.distribute_tensor
 
     from .errors import UnsupportedLeafError
 
