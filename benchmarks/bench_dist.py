@@ -53,6 +53,7 @@ import torch
 import _limits as lim
 import asyncckpt
 import bench_checkpoint as bc
+from asyncckpt.dist import dtensor_module
 
 GB = 1e9
 GiB = 2**30
@@ -425,14 +426,14 @@ class RankBench:
 
     def dtensor(self, local: torch.Tensor, placements: list[Any], shape: tuple[int, ...]
                 ) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
+        DTensor = dtensor_module().DTensor
 
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         return DTensor.from_local(local, self.mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 
     def build_state(self) -> dict[str, Any]:
-        from torch.distributed.tensor import Replicate, Shard
+        Replicate, Shard = dtensor_module().Replicate, dtensor_module().Shard
 
         flat: dict[str, torch.Tensor] = {}
         for lf in self.leaves:
@@ -444,7 +445,7 @@ class RankBench:
 
     def build_target_shard1(self) -> dict[str, Any]:
         """Zeros laid out ``Shard(1)`` (2-D and up), ``Replicate()`` (0-d and 1-D)."""
-        from torch.distributed.tensor import Replicate, Shard
+        Replicate, Shard = dtensor_module().Replicate, dtensor_module().Shard
 
         flat: dict[str, torch.Tensor] = {}
         for lf in self.leaves:
@@ -458,7 +459,8 @@ class RankBench:
         return nest(flat)
 
     def _check_boxes(self, flat: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        compute_local_shape_and_global_offset = (
+            dtensor_module("_utils").compute_local_shape_and_global_offset)
 
         for path, t in flat.items():
             shape, _ = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
@@ -468,7 +470,8 @@ class RankBench:
                                    f"torch's {list(shape)}")
 
     def expected(self, path: str, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        compute_local_shape_and_global_offset = (
+            dtensor_module("_utils").compute_local_shape_and_global_offset)
 
         shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
                                                                t.placements)

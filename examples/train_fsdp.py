@@ -60,7 +60,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+
+try:
+    from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+except ImportError:  # torch 2.4, 2.5
+    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
 import asyncckpt
 

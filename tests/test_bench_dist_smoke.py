@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from _bench import import_bench
+from _bench import import_bench, needs_dcp_stager
 
 
 def _bench() -> ModuleType:
@@ -46,6 +46,7 @@ def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 @pytest.mark.slow
+@needs_dcp_stager()
 def test_quick_dist_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
     out = tmp_path / "results.json"

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from _bench import import_bench
+from _bench import import_bench, needs_dcp_stager
 from _bench import positive as _positive
 
 
@@ -18,6 +18,7 @@ def _bench() -> ModuleType:
 
 
 @pytest.mark.slow
+@needs_dcp_stager()
 def test_quick_run_measures_every_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                           ) -> None:
     bench = _bench()

@@ -593,7 +593,7 @@ def test_numpy_dtypes_are_those_torch_converts_to_numpy():
         warnings.simplefilter("ignore")  # complex32 warns that it is experimental
         for dtype in _STORABLE_DTYPES.values():
             try:
-                torch.zeros(0, dtype=dtype).numpy()
+                torch.empty(0, dtype=dtype).numpy()  # (torch 2.4 cannot fill fp8 ones)
                 converts = True
             except (TypeError, NotImplementedError):
                 converts = False

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _torch_compat import dtensor_api
 from asyncckpt import UnsupportedLeafError
 from asyncckpt.tree import (
     RNGState,
@@ -717,7 +718,8 @@ def mesh1():
 def test_a_dtensor_spec_changed_in_place_has_its_box_worked_out_again(mesh1, monkeypatch):
     """flatten keeps the box of each DTensor spec it met, by identity: a spec that changed
     since (torch sets fields of specs in place) must not give the box it had."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    dt = dtensor_api()
+    DTensor, Replicate, Shard = dt.DTensor, dt.Replicate, dt.Shard
 
     import asyncckpt.dist as adist
 
@@ -746,8 +748,9 @@ def test_a_dtensor_spec_changed_in_place_has_its_box_worked_out_again(mesh1, mon
 def test_flattening_the_same_dtensors_again_compares_no_specs(mesh1, monkeypatch):
     """A state of DTensors is flattened at every save: a spec met before (the same
     object, unchanged) gives its box without a comparison of specs (~1.5 us each)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    dt = dtensor_api()
+    DTensor, Replicate, Shard = dt.DTensor, dt.Replicate, dt.Shard
+    DTensorSpec = dtensor_api("_dtensor_spec").DTensorSpec
 
     compared = []
     real_eq = DTensorSpec.__eq__
@@ -777,7 +780,8 @@ def test_flattening_keeps_no_dtensor_spec_alive(mesh1):
     import gc
     import weakref
 
-    from torch.distributed.tensor import DTensor, Shard
+    dt = dtensor_api()
+    DTensor, Shard = dt.DTensor, dt.Shard
 
     d = DTensor.from_local(torch.zeros(4, 2), mesh1, [Shard(0)], run_check=False)
     flat = flatten({"w": d})

@@ -85,7 +85,8 @@ def run_ranks(module: str, worker: str, world: int, run_dir: Path, *,
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(
-                    [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                    [str(HERE), str(HERE.parent),  # (tests/: _torch_compat)
+                     *filter(None, [os.environ.get("PYTHONPATH")])])})
     procs: dict[int, subprocess.Popen[bytes]] = {}
     logs: dict[int, Path] = {}
     try:

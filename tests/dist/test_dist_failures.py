@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from _harness import Checks, Kill, RankCtx, full_tensor, run_ranks, same_bits
+from _torch_compat import distribute_locally, dtensor_api
 
 import asyncckpt
 
@@ -29,12 +30,12 @@ SHORT_TIMEOUT_S = 6.0  # the checkpointers' timeout_s where a rank goes silent
 
 def _state(ctx: RankCtx, step: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    dt = dtensor_api()
+    Shard = dt.Shard
 
     mesh = init_device_mesh("cpu", (ctx.world,))
     return {
-        "w": distribute_tensor(full_tensor(f"f{step}/w", (12, 6)), mesh, [Shard(0)],
-                               src_data_rank=None),
+        "w": distribute_locally(full_tensor(f"f{step}/w", (12, 6)), mesh, [Shard(0)]),
         "p": full_tensor(f"f{step}/p", (40_000,)),
         "step": step,
     }
@@ -223,12 +224,12 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     ck2 = asyncckpt.AsyncCheckpointer(root2, timeout_s=TIMEOUT_S,
                                       block_bytes=(1 if ctx.rank == 0 else 2) << 20)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    dt = dtensor_api()
+    Shard = dt.Shard
 
     state = _state(ctx, 1)  # each rank writes a 4 MiB row: 4 or 2 checksum blocks
-    state["big"] = distribute_tensor(full_tensor("big", (2, 1 << 20)),
-                                     init_device_mesh("cpu", (ctx.world,)), [Shard(0)],
-                                     src_data_rank=None)
+    state["big"] = distribute_locally(full_tensor("big", (2, 1 << 20)),
+                                     init_device_mesh("cpu", (ctx.world,)), [Shard(0)])
     out["block_bytes"] = _attempt(ck2, state, 1)
     ctx.barrier()
     out["block_bytes"]["after"] = [] if ck2.steps() == [] else [f"committed {ck2.steps()}"]

@@ -15,11 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _harness import Checks, RankCtx, bits, full_tensor, run_ranks
+from _torch_compat import dtensor_api, fully_shard_fn
 
 import asyncckpt
 
 MODULE = "test_dist_tp"
+
+# What this torch has: FSDP2 over tensor parallel makes _StridedShard placements from
+# torch 2.5 on; DTensorSpec takes a shard order in recent versions only.
+HAS_STRIDED = hasattr(dtensor_api("placement_types"), "_StridedShard")
+HAS_ORDER = hasattr(dtensor_api("_dtensor_spec"), "ShardOrderEntry")
+pytestmark = pytest.mark.skipif(not HAS_STRIDED, reason=f"torch {torch.__version__} has no "
+                                "_StridedShard placements to save")
 IN, HIDDEN, OUT = 4, 10, 5  # HIDDEN rows of the Colwise weight split unevenly on 2x2
 STEP = 1
 
@@ -57,7 +66,7 @@ def _model(seed: int) -> Any:
 def _fsdp_tp(seed: int) -> tuple[Any, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fully_shard_fn()
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -74,7 +83,7 @@ def _fsdp_tp(seed: int) -> tuple[Any, Any]:
 def _fsdp(seed: int, world: int) -> tuple[Any, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fully_shard_fn()
 
     model = _model(seed)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
@@ -139,7 +148,7 @@ def _empty_shards(ctx: RankCtx, root: Path, c: Checks) -> dict[str, Any]:
     """FSDP2 + TP where FSDP2 gives a shard with no elements the local shape (0, 0) rather
     than the (2, 0) its placements say: saved and loaded back bit-exact (both refused)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fully_shard_fn()
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -175,8 +184,10 @@ def _ordered(ctx: RankCtx, root: Path, c: Checks) -> None:
     placements alone say, its rows came back scrambled."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    dt = dtensor_api()
+    DTensor, Shard, distribute_tensor = dt.DTensor, dt.Shard, dt.distribute_tensor
+    dt = dtensor_api("_dtensor_spec")
+    DTensorSpec, ShardOrderEntry, TensorMeta = dt.DTensorSpec, dt.ShardOrderEntry, dt.TensorMeta
 
     mesh = init_device_mesh("cpu", (2, 2))
     full = full_tensor("order/o", ORDERED)
@@ -234,7 +245,8 @@ def tp_worker(ctx: RankCtx) -> dict[str, Any]:
     empty, order = Checks(), Checks()
     seen = empty.run("empty shards", _empty_shards, ctx, root.parent / "empty", empty)
     ctx.barrier()
-    order.run("shard order", _ordered, ctx, root.parent / "ordered", order)
+    if HAS_ORDER:
+        order.run("shard order", _ordered, ctx, root.parent / "ordered", order)
     return {"failures": c.failures, "placements": placements, "full": full,
             "empty": empty.failures, "empty_layout": seen, "order": order.failures}
 
@@ -296,6 +308,7 @@ def test_fsdp_zero_element_shards_save_and_reload_bit_exact(tp_run: dict[str, An
         assert (t.dtype, t.shape, bits(t)) == (got[k].dtype, got[k].shape, bits(got[k])), k
 
 
+@pytest.mark.skipif(not HAS_ORDER, reason=f"torch {torch.__version__} has no shard orders")
 def test_a_dtensor_in_another_shard_order_saves_its_own_rows(tp_run: dict[str, Any]) -> None:
     results = tp_run["results"]
     for r in range(4):
@@ -338,7 +351,7 @@ def refuse_worker(ctx: RankCtx) -> dict[str, Any]:
     """A lone _StridedShard gives each rank scattered rows: refused with a clear error."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    distribute_tensor = dtensor_api().distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from asyncckpt.errors import UnsupportedLeafError

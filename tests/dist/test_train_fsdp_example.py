@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _torch_compat import fsdp2_on_cpu
 from safetensors.torch import load_file
 
 import asyncckpt
@@ -26,6 +27,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available()
                        or not torch.distributed.is_gloo_available(),
                        reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(not fsdp2_on_cpu(), reason=f"torch {torch.__version__}: no FSDP2 on "
+                       "CPU (the public fully_shard, torch 2.6 on)"),
 ]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
