@@ -920,8 +920,11 @@ def _new_box(spec: Any, t: torch.Tensor, mesh: Any, placements: tuple[Any, ...],
 @functools.cache
 def _strided_shard_type() -> type | None:
     """torch's ``_StridedShard`` placement (FSDP2 over tensor parallel), if it has one."""
-    # (a torch without it cannot make such DTensors either)
-    return getattr(dtensor_module("placement_types"), "_StridedShard", None)
+    try:
+        types = dtensor_module("placement_types")
+    except ImportError:  # a torch without it cannot make such DTensors either
+        return None
+    return getattr(types, "_StridedShard", None)  # (nor one without the class)
 
 
 def _local_shape_and_offsets(global_shape: torch.Size, mesh: Any, placements: tuple[Any, ...],
