@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import asyncckpt
+from _manifests import long_entries
 from asyncckpt import tree
 from asyncckpt.cli import _iso, _when, human_bytes, main
 from asyncckpt.reader import read_manifest
@@ -51,7 +52,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def flip_byte(step_dir: Path, tensor: str, offset: int = 3) -> None:
-    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest = long_entries(json.loads((step_dir / "manifest.json").read_text()))
     chunk = manifest["tensors"][tensor]["chunks"][0]
     start, end = chunk["byte_range"]
     assert end - start > offset

@@ -10,6 +10,7 @@ import math
 import struct
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import safetensors
@@ -19,6 +20,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _manifests import long_entries
 from asyncckpt import CheckpointCorruptError, CheckpointVersionError
 from asyncckpt.manifest import (
     _NUMPY_DTYPES,
@@ -97,38 +99,52 @@ def _reference_json(m: Manifest) -> bytes:
         "checksum": {"algorithm": "xxh3_64", "block_bytes": m.block_bytes},
         "files": {n: {"bytes": f.bytes, "rank": f.rank, "header_bytes": f.header_bytes,
                       "header_checksum": f.header_checksum} for n, f in m.files.items()},
-        "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                        "kind": t.kind,
-                        "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
-                                    "lengths": list(c.lengths),
-                                    "byte_range": list(c.byte_range),
-                                    "checksums": list(c.checksums)} for c in t.chunks]}
-                    for k, t in m.tensors.items()},
+        "tensors": {k: _reference_entry(m, k, t) for k, t in m.tensors.items()},
         "skeleton": m.skeleton, "user_metadata": m.user_metadata}
     if m.partial:
         doc["partial"] = True
     return seal(json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii"))
 
 
+def _reference_entry(m: Manifest, key: str, t: TensorEntry) -> Any:
+    """A tensor's entry: from format version 2, a tensor that is one chunk holding all of
+    it under its own key is ``[dtype, shape, kind, file, start, checksums]``."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    (c, *more) = t.chunks
+    if (m.format_version >= 2 and not more and c.key == key and list(c.lengths) == list(t.shape)
+            and set(c.offsets) <= {0}):
+        return [dtype, list(t.shape), t.kind, c.file, c.byte_range[0], list(c.checksums)]
+    return {"dtype": dtype, "shape": list(t.shape), "kind": t.kind,
+            "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
+                        "lengths": list(c.lengths), "byte_range": list(c.byte_range),
+                        "checksums": list(c.checksums)} for c in t.chunks]}
+
+
 @settings(max_examples=150, deadline=None)
 @given(keys=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True),
-       partial=st.booleans())
-def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: bool) -> None:
+       partial=st.booleans(), version=st.sampled_from([1, FORMAT_VERSION]))
+def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: bool,
+                                                   version: int) -> None:
     """Keys of any text (quotes, backslashes, control characters, non-ASCII, surrogates
-    aside) come out quoted exactly as json.dumps quotes them, and so does the rest."""
+    aside) come out quoted exactly as json.dumps quotes them, and so does the rest, in
+    the long entries of tensors of several chunks and the short ones of whole tensors."""
     keys = [k for k in keys if not any(0xD800 <= ord(ch) <= 0xDFFF for ch in k)] or ["k"]
     base = make_manifest()
-    w = base.tensors["model/w"]
-    tensors = {k: TensorEntry(w.dtype, w.shape, w.kind,
-                              tuple(dataclasses.replace(c, key=k) for c in w.chunks))
-               for k in keys}
+    w, big = base.tensors["model/w"], base.tensors["big"]
+    tensors = {}
+    for k in keys:
+        tensors[k] = TensorEntry(w.dtype, w.shape, w.kind,
+                                 tuple(dataclasses.replace(c, key=k) for c in w.chunks))
+        tensors[k + "/whole"] = TensorEntry(big.dtype, big.shape, big.kind, tuple(
+            dataclasses.replace(c, key=k + "/whole") for c in big.chunks))
     tensors.update(base.tensors)
-    m = make_manifest(tensors=tensors, partial=partial)
+    m = make_manifest(tensors=tensors, partial=partial, format_version=version)
     assert m.to_json() == _reference_json(m)
 
 
 def good_doc() -> dict:
-    return json.loads(make_manifest().to_json())
+    """make_manifest's document, every tensor entry long (the fields the tests change)."""
+    return long_entries(json.loads(make_manifest().to_json()))
 
 
 def parse_doc(doc) -> Manifest:
@@ -298,15 +314,29 @@ def test_decode_header_fuzz_consistent_length_prefix(body, slack):
 
 # --- manifest round trip ----------------------------------------------------------------------
 
-def test_manifest_json_roundtrip_is_exact():
-    m = make_manifest()
+@pytest.mark.parametrize("version", [1, FORMAT_VERSION])
+def test_manifest_json_roundtrip_is_exact(version):
+    m = make_manifest(format_version=version)
     back = parse_manifest(m.to_json(), PATH)
     assert back == m
     assert back.total_bytes == m.files[FILE].bytes
     assert back.tensors["model/w"].nbytes == 48
-    assert back.format_version == FORMAT_VERSION
+    assert back.format_version == version
     # int dict keys of the skeleton survive
     assert back.skeleton["items"][4][0] == 3
+    # version 2 writes a whole tensor stored under its own key short; the one of two
+    # chunks, and those stored under another key ("s", "e"), long. Version 1 knows only
+    # the long entries.
+    short = {k for k, t in json.loads(m.to_json())["tensors"].items() if isinstance(t, list)}
+    assert short == ({"big"} if version >= 2 else set())
+
+
+def test_a_short_entry_in_a_version_1_manifest_is_corrupt():
+    doc = json.loads(make_manifest().to_json())
+    doc["format_version"] = 1
+    with pytest.raises(CheckpointCorruptError, match=r"'big'.*tensor must be an object"):
+        parse_doc(doc)
+    assert parse_doc(long_entries(doc)).format_version == 1  # the long entries it stands for
 
 
 @settings(max_examples=60, deadline=None)
@@ -439,6 +469,48 @@ def test_parse_manifest_rejects_corruption(name):
         parse_doc(doc)
     assert PATH in str(info.value)
     assert info.value.path == PATH
+
+
+def _short(field, value):
+    """Set item ``field`` of the short entry of tensor "big"."""
+    at = {"dtype": 0, "shape": 1, "kind": 2, "file": 3, "start": 4, "checksums": 5}[field]
+    return _set(["tensors", "big", at], value)
+
+
+# Each damage of a short entry, with what the error says (it names tensor "big").
+SHORT_CORRUPTIONS = {
+    "too-short": (lambda d: d["tensors"]["big"].pop(), "list of 5"),
+    "too-long": (lambda d: d["tensors"]["big"].append(0), "list of 7"),
+    "unknown-dtype": (_short("dtype", "float128"), "float128"),
+    "dtype-not-str": (_short("dtype", 7), "dtype must be a string"),
+    "negative-shape": (_short("shape", [-5000]), "shape must be"),
+    "bool-shape": (_short("shape", [True]), "shape must be"),
+    "huge-shape": (_short("shape", [2**40, 2**40]), "impossibly large"),
+    "shape-vs-checksums": (_short("shape", [4000]), "checksums"),
+    "unknown-kind": (_short("kind", "pickle"), "kind"),
+    "kind-not-str": (_short("kind", ["torch"]), "kind"),
+    "unknown-file": (_short("file", "other.safetensors"), "does not list"),
+    "file-not-str": (_short("file", 0), "chunk file must be a string"),
+    "negative-start": (_short("start", -1), "start must be an integer >= 0"),
+    "bool-start": (_short("start", True), "start must be an integer"),
+    "float-start": (_short("start", 4152.0), "start must be an integer"),
+    "start-past-eof": (_short("start", 10**9), "lies outside"),
+    "start-in-other-tensor": (_short("start", 4096), "overlaps"),
+    "too-few-checksums": (_short("checksums", ["0" * 16]), "needs 2"),
+    "checksum-not-hex": (_short("checksums", ["0" * 16, "g" * 16]), "needs 2"),
+    "checksums-not-list": (_short("checksums", "0" * 32), "needs 2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHORT_CORRUPTIONS))
+def test_a_damaged_short_entry_is_corrupt_naming_its_tensor(name):
+    damage, says = SHORT_CORRUPTIONS[name]
+    doc = json.loads(make_manifest().to_json())
+    damage(doc)
+    with pytest.raises(CheckpointCorruptError) as info:
+        parse_doc(doc)
+    assert info.value.key == "big" and info.value.path == PATH
+    assert says in str(info.value)
 
 
 @pytest.mark.parametrize("raw", [
@@ -634,7 +706,7 @@ def test_file_name_with_trailing_newline_is_refused():
 # format_version above ours, CheckpointVersionError), nothing else --------------------------
 
 _VALID_RAW = make_manifest().to_json()
-_COMPACT = json.dumps(good_doc(), separators=(",", ":"))
+_COMPACT = json.dumps(json.loads(_VALID_RAW), separators=(",", ":"))  # short entries
 
 
 def _parse_or_corrupt(raw: bytes) -> None:
@@ -695,7 +767,8 @@ _container_json = st.recursive(_scalar_json, lambda c: st.one_of(
 
 
 def _mutate_structure(data, values):
-    doc = copy.deepcopy(good_doc())
+    # the manifest as written (short entries for its whole tensors) or all long
+    doc = data.draw(st.sampled_from([json.loads(_VALID_RAW), good_doc()]), label="doc")
     paths = list(_all_paths(doc))
     for _ in range(data.draw(st.integers(1, 3), label="n_mutations")):
         path = data.draw(st.sampled_from(paths), label="path")
@@ -734,8 +807,10 @@ def test_fuzz_structural_container_mutations(data):
     _parse_or_corrupt(_mutate_structure(data, _container_json))
 
 
-def test_the_fuzz_base_document_is_valid():
+def test_the_fuzz_base_documents_are_valid():
     assert parse_manifest(_COMPACT.encode(), PATH) == parse_manifest(_VALID_RAW, PATH)
+    assert parse_doc(good_doc()) == parse_manifest(_VALID_RAW, PATH)
+    assert isinstance(json.loads(_COMPACT)["tensors"]["big"], list)
 
 
 # --- checksums --------------------------------------------------------------------------------
@@ -849,6 +924,33 @@ def test_fast_tensor_parse_accepts_exactly_what_the_checked_parse_accepts():
     for name in ("step_arr", "empty", "model/w"):  # 0-d, empty and two-chunk tensors
         assert _fast_vs_checked(doc["tensors"][name], files, BLOCK) >= 1, name
     assert n > 300
+
+
+def test_fast_parse_of_a_short_entry_accepts_exactly_what_the_checked_parse_accepts():
+    """A short entry the one-pass parser declines is refused by the checked one, and one
+    it takes gives the checked one's entry: every item set to each odd value, or
+    removed, or one item more."""
+    from asyncckpt.manifest import _Check, _parse_short_tensor, _parse_short_tensor_checked
+
+    doc = json.loads(make_manifest().to_json())
+    files = parse_doc(doc).files
+    short = doc["tensors"]["big"]  # the whole tensor, two checksum blocks
+    assert isinstance(short, list)
+    variants = [*_mutations(short, [(i,) for i in range(6)]), [*short, 0]]
+    taken = 0
+    for t in [short, *variants]:
+        try:
+            fast = _parse_short_tensor("big", t, files, BLOCK)
+        except Exception as exc:  # it must decline, never raise
+            raise AssertionError(f"fast path raised {exc!r} on {t!r}") from exc
+        try:
+            slow = _parse_short_tensor_checked(_Check(PATH), "big", t, files, BLOCK, False)
+        except CheckpointCorruptError:
+            assert fast is None, t
+            continue
+        assert fast == slow, t
+        taken += 1
+    assert len(variants) > 250 and 1 <= taken < 10
 
 
 def test_fast_parse_of_a_chunked_tensor_accepts_exactly_what_the_checked_parse_accepts():

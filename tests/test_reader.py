@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _manifests import long_entries
 from _ranks import all_ok, in_threads
 from _wrapped import Wrapped
 from asyncckpt import commit
@@ -155,7 +156,7 @@ def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Pat
     asyncckpt.save({"x": torch.arange(1024, dtype=torch.float32)}, tmp_path)
     path = tmp_path / "step_000000000" / "manifest.json"
     raw = path.read_bytes()
-    doc = json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}")
+    doc = long_entries(json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}"))
     doc["partial"] = True
     doc["tensors"]["x"]["shape"] = [2**40]  # 4 TB of float32 if it were allocated
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
@@ -459,7 +460,7 @@ def _reseal(step_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Rewrite ``step_dir``'s manifest with ``edit`` and seal it again, as a forger would."""
     path = step_dir / "manifest.json"
     raw = path.read_bytes()
-    doc = json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}")  # type: ignore[union-attr]
+    doc = long_entries(json.loads(raw[:re.search(rb',"digest"', raw).start()] + b"}"))  # type: ignore[union-attr]
     edit(doc)
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
 
@@ -580,6 +581,33 @@ def test_verify_reads_no_tensor_of_a_file_of_another_size(tmp_path: Path) -> Non
            "(see above)" in report.problems
     assert not any("could ever hold" in p or "could not be allocated" in p
                for p in report.problems), report.problems
+
+
+def test_a_checkpoint_of_format_version_1_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before the short entries (format version 2) hold only long
+    ones: they load, in place and fresh, and verify, as they did."""
+    import dataclasses
+
+    state = {"w": torch.randn(3, 5), "e": torch.empty(0, 2, dtype=torch.float16),
+             "n": torch.arange(6, dtype=torch.int16).numpy(), "x": 1.5}
+    asyncckpt.save(state, tmp_path, step=4)
+    step_dir = tmp_path / "step_000000004"
+    path = step_dir / "manifest.json"
+    manifest = read_manifest(step_dir, LocalStorage())
+    path.write_bytes(dataclasses.replace(manifest, format_version=1).to_json())
+    doc = json.loads(path.read_bytes())
+    assert doc["format_version"] == 1
+    assert all(isinstance(t, dict) for t in doc["tensors"].values())  # long entries only
+    assert read_manifest(step_dir, LocalStorage()).tensors == manifest.tensors
+    fresh = asyncckpt.load(tmp_path)
+    assert torch.equal(fresh["w"], state["w"]) and fresh["e"].shape == (0, 2)
+    assert (fresh["n"] == state["n"]).all() and fresh["x"] == 1.5
+    target = {"w": torch.zeros(3, 5), "e": torch.empty(0, 2, dtype=torch.float16),
+              "n": torch.zeros(6, dtype=torch.int16).numpy(), "x": 0.0}
+    w = target["w"]
+    asyncckpt.load(tmp_path, target)
+    assert target["w"] is w and torch.equal(w, state["w"]) and target["x"] == 1.5
+    assert verify_checkpoint(step_dir, LocalStorage()).ok
 
 
 def test_a_manifest_marked_partial_on_disk_is_corrupt(tmp_path: Path) -> None:

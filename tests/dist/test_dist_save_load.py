@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _harness import Checks, RankCtx, bits, full_tensor, run_ranks, same_bits, split_sizes
+from _manifests import long_entries
 from _torch_compat import distribute_locally, dtensor_api, fsdp2_on_cpu, fully_shard_fn
 
 import asyncckpt
@@ -119,7 +120,7 @@ def save_worker(ctx: RankCtx) -> dict[str, Any]:
 
 
 def _manifest_json(step_dir: Path) -> dict[str, Any]:
-    return json.loads((step_dir / "manifest.json").read_text())
+    return long_entries(json.loads((step_dir / "manifest.json").read_text()))
 
 
 # --- the load spawn ----------------------------------------------------------------------------

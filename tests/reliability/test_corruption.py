@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import asyncckpt
+from _manifests import long_entries
 from asyncckpt import (
     CheckpointCorruptError,
     CheckpointError,
@@ -72,7 +73,7 @@ def body_offset(data: bytes) -> int:
 
 def tensor_at(step_dir: Path, file: str, offset: int) -> str | None:
     """The manifest's tensor whose bytes in ``file`` hold ``offset``."""
-    doc = json.loads((step_dir / MANIFEST_NAME).read_bytes())
+    doc = long_entries(json.loads((step_dir / MANIFEST_NAME).read_bytes()))
     for key, t in doc["tensors"].items():
         for ch in t["chunks"]:
             lo, hi = ch["byte_range"]
@@ -429,10 +430,13 @@ def run_leaf_mutations(template: Path, work: Path, resealed: bool) -> Results:
     src = template / "one" / step_dir_name(2)
     raw = (src / MANIFEST_NAME).read_bytes()
     res = Results()
-    for i, (path, _) in enumerate(manifest_leaves(json.loads(raw))):
+    # the manifest as written (its whole tensors' entries short), and written all long
+    cases = [(base, path) for base in (json.loads, lambda r: long_entries(json.loads(r)))
+             for path, _ in manifest_leaves(base(raw))]
+    for i, (base, path) in enumerate(cases):
         d = work / f"leaf{i}{'s' if resealed else ''}" / step_dir_name(2)
         shutil.copytree(src, d)
-        mutated = json.loads(raw)
+        mutated = base(raw)
         mutate_leaf(mutated, path)
         text = json.dumps(mutated, separators=(",", ":")).encode()
         (d / MANIFEST_NAME).write_bytes(reseal(text) if resealed else text)

@@ -49,6 +49,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _manifests import long_entries
 from asyncckpt import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -327,7 +328,7 @@ def _forge(root: Path, name: str, edit: Any) -> Path:
     asyncckpt.save({"w": torch.arange(16, dtype=torch.float32)}, d, step=1)
     step_dir = d / step_dir_name(1)
     mp = step_dir / MANIFEST_NAME
-    doc = json.loads(mp.read_bytes())
+    doc = long_entries(json.loads(mp.read_bytes()))
     edit(doc, step_dir)
     mp.write_bytes(fz.sealed(doc))  # unsealed, only the digest check would ever run
     return d
@@ -465,7 +466,7 @@ def test_verify_of_forged_header_length_allocates_little(tmp_path: Path) -> None
 def test_overflowing_dimension_is_a_corrupt_error(tmp_path: Path) -> None:
     asyncckpt.save({"e": torch.empty(0, 4)}, tmp_path, step=1)
     mp = tmp_path / step_dir_name(1) / MANIFEST_NAME
-    doc = json.loads(mp.read_bytes())
+    doc = long_entries(json.loads(mp.read_bytes()))
     t = doc["tensors"]["e"]
     t["shape"] = t["chunks"][0]["lengths"] = [0, 2 ** 64]
     mp.write_bytes(fz.sealed(doc))  # unsealed, only the digest check would ever run
@@ -540,7 +541,7 @@ def test_manifest_cannot_point_outside(tmp_path: Path, name: str, where: str) ->
     (step_dir / "a").mkdir()
     (step_dir / "a" / "b").write_bytes((step_dir / SHARD).read_bytes())
     mp = step_dir / MANIFEST_NAME
-    doc = json.loads(mp.read_bytes())
+    doc = long_entries(json.loads(mp.read_bytes()))
     if where in ("file", "both"):
         doc["files"][name] = doc["files"].pop(SHARD)
     if where in ("chunk", "both"):
