@@ -541,6 +541,47 @@ def test_non_strict_skips_missing_and_unexpected(saved_ab):
     assert torch.equal(extra, torch.full((2,), 7.0))
 
 
+def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+    opt = torch.optim.AdamW(model.parameters())
+    _train_step(model, opt, 0)
+    model.register_buffer("counter", torch.arange(2))  # saved, absent from the target
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="sync")
+    ckpt.save({"model": model, "optim": opt, "train": {"step": 5}, "w": torch.ones(2)}, 1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+    weight = fresh[0].weight
+    with pytest.raises(StateMismatchError) as info:  # strict: the rest is unexpected
+        ckpt.load({"model": fresh})
+    assert "model/counter" in info.value.unexpected and "w" in info.value.unexpected
+    assert "ignore_unexpected=True" in str(info.value)
+    assert not torch.equal(weight, model[0].weight)  # refused before anything was read
+    state = {"model": fresh}
+    out = ckpt.load(state, ignore_unexpected=True)
+    assert out is state and out["model"] is fresh and fresh[0].weight is weight
+    saved = model.state_dict()
+    assert set(saved) - set(fresh.state_dict()) == {"counter"}
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert "counter" not in dict(fresh.named_buffers()) and "w" not in out
+    assert out["train"] == {"step": 5}  # values without tensors come back as in any load
+    assert asyncckpt.load(tmp_path, {"model": fresh}, ignore_unexpected=True)["model"] is fresh
+
+
+def test_ignore_unexpected_still_names_what_the_checkpoint_lacks(saved_ab):
+    ckpt, a, _ = saved_ab
+    za = torch.zeros(3)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"a": za, "extra": torch.zeros(1)}, ignore_unexpected=True)
+    assert info.value.missing == ["extra"] and info.value.unexpected == []
+    assert "strict=False" in str(info.value) and "ignore_unexpected=" not in str(info.value)
+    assert torch.equal(za, torch.zeros(3))  # refused before anything was read
+    with pytest.raises(StateMismatchError) as info:  # and mismatches, as ever
+        ckpt.load({"a": torch.zeros(4)}, ignore_unexpected=True)
+    assert info.value.mismatched and info.value.mismatched[0].startswith("a:")
+    assert ckpt.load({"a": za}, ignore_unexpected=True, fallback=True)["a"] is za
+    assert torch.equal(za, a)
+
+
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("bad", [torch.zeros(4), torch.zeros(3, dtype=torch.float64),
                                  torch.zeros(1, 3)], ids=["shape", "dtype", "rank"])

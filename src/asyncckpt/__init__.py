@@ -96,13 +96,15 @@ def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> Che
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
          strict: bool = True, verify: bool = True, token: str | None = None,
          timeout: float = 60.0, fallback: bool = False, threads: int | None = None,
-         progress: Callable[[int, int], None] | None = None) -> Any:
+         progress: Callable[[int, int], None] | None = None,
+         ignore_unexpected: bool = False) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
-    from a peer may take as a whole. ``progress(done, total)``: see AsyncCheckpointer.load.
+    from a peer may take as a whole. ``progress(done, total)``, ``strict`` and
+    ``ignore_unexpected``: see AsyncCheckpointer.load.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -128,8 +130,8 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         try:
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
-                              verify=verify, threads=fetch_connections(threads or 8),
-                              progress=progress)
+                              ignore_unexpected=ignore_unexpected, verify=verify,
+                              threads=fetch_connections(threads or 8), progress=progress)
         except CheckpointError as exc:
             raise partial_data(exc, state, peer) from exc.__cause__
         finally:
@@ -138,8 +140,10 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     if fallback and step is None:
         from .loader import load_newest_intact
 
-        return load_newest_intact(Path(path), state, storage, strict=strict, threads=threads,
+        return load_newest_intact(Path(path), state, storage, strict=strict,
+                                  ignore_unexpected=ignore_unexpected, threads=threads,
                                   progress=progress)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
-    return _load_from(step_dir, state, storage, strict=strict, verify=verify, threads=threads,
+    return _load_from(step_dir, state, storage, strict=strict,
+                      ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
                       step=step, progress=progress)

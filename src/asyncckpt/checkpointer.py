@@ -528,7 +528,8 @@ class AsyncCheckpointer:
     def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
              fallback: bool = False, threads: int | None = None,
-             progress: Callable[[int, int], None] | None = None) -> Any:
+             progress: Callable[[int, int], None] | None = None,
+             ignore_unexpected: bool = False) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -543,6 +544,10 @@ class AsyncCheckpointer:
                 and tensor. Targets loaded in place may then hold partial data.
             StateMismatchError: keys missing or unexpected (unless ``strict=False``), or
                 shapes/dtypes that differ.
+
+        ``ignore_unexpected=True`` loads what the target holds and skips the rest of the
+        checkpoint (the model alone, from a training checkpoint), while everything the
+        target holds must still be found (``strict=False`` skips both sides).
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``
@@ -566,12 +571,13 @@ class AsyncCheckpointer:
                 # in a group, every rank's verdict counts: all end on the same step
                 agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                          shards=shards, threads=threads, agree=agree,
-                                          progress=progress)
+                                          ignore_unexpected=ignore_unexpected, shards=shards,
+                                          threads=threads, agree=agree, progress=progress)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
-            return load_from(step_dir, state, self.storage, strict=strict, verify=verify,
-                             shards=shards, threads=threads, step=step, progress=progress)
+            return load_from(step_dir, state, self.storage, strict=strict,
+                             ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
+                             threads=threads, step=step, progress=progress)
         finally:
             if shared:
                 self._ctx.release_step(held)

@@ -108,7 +108,8 @@ def check_fallback(fallback: bool, step: int | None, verify: bool) -> None:
 
 
 def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
-              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
+              ignore_unexpected: bool = False, verify: bool = True,
+              shards: Mapping[str, ShardMetadata] | None = None,
               threads: int | None = None, step: int | None = None,
               manifest: Manifest | None = None,
               before_read: Callable[[FlatState], None] | None = None,
@@ -130,8 +131,9 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     started = time.perf_counter()
     read: list[int] = []
     with gc_paused():
-        out = _load_from(step_dir, state, storage, strict=strict, verify=verify,
-                         shards=shards, threads=threads, step=step, manifest=manifest,
+        out = _load_from(step_dir, state, storage, strict=strict,
+                         ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
+                         threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
@@ -147,7 +149,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                manifest: Manifest | None = None,
                before_read: Callable[[FlatState], None] | None = None,
                read: list[int] | None = None,
-               progress: Callable[[int, int], None] | None = None) -> Any:
+               progress: Callable[[int, int], None] | None = None,
+               ignore_unexpected: bool = False) -> Any:
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
@@ -162,7 +165,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     target = flatten(state, target=True)
     apply_shards(target, shards)
     spans: dict[int, _Span | None] = {}
-    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir, spans)
+    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir, spans,
+                                   ignore_unexpected=ignore_unexpected)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
@@ -200,6 +204,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
 
 
 def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
+                       ignore_unexpected: bool = False,
                        shards: Mapping[str, ShardMetadata] | None = None,
                        threads: int | None = None, agree: Agreement | None = None,
                        progress: Callable[[int, int], None] | None = None) -> Any:
@@ -212,13 +217,15 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     Raises CheckpointCorruptError listing every step that failed when none is intact.
     """
     if agree is None:
-        return _newest_intact(root, state, storage, strict, shards, threads, None, progress)
+        return _newest_intact(root, state, storage, strict, shards, threads, None, progress,
+                              ignore_unexpected)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
-        return _newest_intact(root, state, storage, strict, shards, threads, told, progress)
+        return _newest_intact(root, state, storage, strict, shards, threads, told, progress,
+                              ignore_unexpected)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -244,7 +251,8 @@ class _Told:
 def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    shards: Mapping[str, ShardMetadata] | None, threads: int | None,
                    agree: Agreement | None,
-                   progress: Callable[[int, int], None] | None = None) -> Any:
+                   progress: Callable[[int, int], None] | None = None,
+                   ignore_unexpected: bool = False) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -252,7 +260,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         # step being deleted) is refused, as a load without fallback refuses it.
         commit.resolve_step_dir(root, None, storage)
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
-                         threads=threads, progress=progress)
+                         threads=threads, progress=progress,
+                         ignore_unexpected=ignore_unexpected)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -269,7 +278,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         try:
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
                                shards=shards, threads=threads, before_read=hook,
-                               progress=progress)
+                               progress=progress, ignore_unexpected=ignore_unexpected)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         # (anything else no fallback answers: load_newest_intact tells the other ranks)
@@ -378,8 +387,8 @@ class Agreement(Protocol):
 
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
-           step_dir: Path, spans: dict[int, _Span | None] | None = None
-           ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
+           step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
+           ignore_unexpected: bool = False) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
 
@@ -388,8 +397,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     different boxes (a tied weight that is a shard at one path and whole at another)
     each target's box, in the order of its target tensors: those are loaded whole.
     ``spans``, when given, receives the memory span of every target tensor to fill, by
-    ``id`` (see :func:`_tensor_span`), for :func:`_sharing_memory`.
+    ``id`` (see :func:`_tensor_span`), for :func:`_sharing_memory`. ``strict=False``
+    skips what either side lacks; ``ignore_unexpected`` only what the target lacks.
     """
+    skip_unexpected = ignore_unexpected or not strict
     lenient = [p for p, (obj, _) in target.statefuls.items()
                if not isinstance(obj, torch.nn.Module)]
 
@@ -424,7 +435,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     for path, key in saved.items():
         tkey = target.refs.get(path)
         if tkey is None:
-            if passes_through(path) or not strict:
+            if passes_through(path) or skip_unexpected:
                 dests.setdefault(key, [])
             continue
         t = target.tensors[tkey]
@@ -456,11 +467,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         target.loaded_in_place.add(path)
     boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
-    if not strict:
+    if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
-        missing, unexpected = [], []
+        unexpected = []
+    if not strict:
+        missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
         if missing:
@@ -483,8 +496,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          f"{_few(overlapping)}; load into tensors with memory of their own "
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
-        hint = " (pass strict=False to skip missing and unexpected keys)" if (
-            missing or unexpected) else ""
+        hint = (" (pass ignore_unexpected=True to load only what the target holds, or "
+                "strict=False to skip missing and unexpected keys)" if unexpected and not missing
+                else " (pass strict=False to skip missing and unexpected keys)" if missing
+                else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
