@@ -275,7 +275,10 @@ def test_sync_mode_has_applied_keep_last_on_return(tmp_path: Path,
 
 
 @pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"keep_last": 0}, {"on_busy": "skip"},
-                                    {"keep_last": 1.5}, {"block_bytes": 1000}])
+                                    {"keep_last": 1.5}, {"block_bytes": 1000},
+                                    {"keep_every": 0, "keep_last": 2},
+                                    {"keep_every": True, "keep_last": 2},
+                                    {"keep_every": 1000}])
 def test_bad_config_is_a_value_error(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(asyncckpt.CheckpointConfigError, match=next(iter(kwargs))) as ei:
         asyncckpt.AsyncCheckpointer(tmp_path, **kwargs)
@@ -651,6 +654,24 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
         assert ckpt.latest_step() == 40
     assert sorted(os.listdir(tmp_path)) == [".asyncckpt.lock", "step_000000030",
                                             "step_000000040"]
+
+
+def test_retention_keeps_the_multiples_of_keep_every_as_well(tmp_path: Path) -> None:
+    """keep_last counts the newest steps, milestones among them; the older steps that
+    are multiples of keep_every stay for good."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2, keep_every=3) as ckpt:
+        for step in range(8):
+            ckpt.save_async(make_state(step), step=step)
+            ckpt.wait()
+            kept = [s for s in range(step + 1) if s >= step - 1 or s % 3 == 0]
+            assert ckpt.steps() == kept, step
+        assert ckpt.steps() == [0, 3, 6, 7]
+        assert ckpt.load(step=3)["train"]["step"] == 3
+    # the milestones are kept by the checkpointer that says so, not marked on disk
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as ckpt:
+        ckpt.save(make_state(8), step=8)
+        ckpt.wait()  # (its deletions too)
+        assert ckpt.steps() == [8]
 
 
 def _step_dirs(root: Path) -> list[str]:

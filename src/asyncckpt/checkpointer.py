@@ -87,6 +87,8 @@ class CheckpointerConfig:
     """"sync", "async" or "async_pinned" (aliases: "disabled", "async_with_pinned_mem")."""
     keep_last: int | None = None
     """Keep only the newest N committed steps; None keeps everything."""
+    keep_every: int | None = None
+    """With keep_last: older steps that are multiples of this are kept too (milestones)."""
     on_busy: str = "wait"
     """When a save is asked for while one is in flight: "wait" for it, or "error"."""
     direct_io: bool = True
@@ -107,6 +109,15 @@ class CheckpointerConfig:
             raise CheckpointConfigError(
                 f"keep_last={self.keep_last!r}: use a positive int, or None to keep every "
                 "checkpoint")
+        if self.keep_every is not None and (type(self.keep_every) is not int
+                                            or self.keep_every < 1):
+            raise CheckpointConfigError(
+                f"keep_every={self.keep_every!r}: use a positive int (steps that are its "
+                "multiples outlive keep_last), or None")
+        if self.keep_every is not None and self.keep_last is None:
+            raise CheckpointConfigError(
+                f"keep_every={self.keep_every} spares steps from the keep_last retention, "
+                "which is off (keep_last=None keeps every step): pass keep_last too")
         if not isinstance(self.on_busy, str) or self.on_busy not in ("wait", "error"):
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -164,8 +175,10 @@ class AsyncCheckpointer:
                  block_bytes: int = DEFAULT_BLOCK_BYTES, timeout_s: float = 600.0,
                  process_group: Any = None, rank: int | None = None,
                  world_size: int | None = None, store: Any = None,
-                 storage: Storage | None = None, copy_threads: int | None = None):
-        self.config = CheckpointerConfig(mode=mode, keep_last=keep_last, on_busy=on_busy,
+                 storage: Storage | None = None, copy_threads: int | None = None,
+                 keep_every: int | None = None):
+        self.config = CheckpointerConfig(mode=mode, keep_last=keep_last,
+                                         keep_every=keep_every, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
         self.directory = Path(directory)
@@ -310,7 +323,8 @@ class AsyncCheckpointer:
             # ranks share one temporary directory per step, named by the run's nonce
             token=self._nonce if ctx.distributed else commit.new_token(),
             storage=self.storage, keep_last=self.config.keep_last,
-            block_bytes=self.config.block_bytes, library_version=_version(),
+            keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
+            library_version=_version(),
             user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports,

@@ -326,13 +326,14 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
 
 
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
-                 protect: int | None = None) -> list[int]:
+                 protect: int | None = None, keep_every: int | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
-    (never ``protect``), oldest first."""
+    (never ``protect``, nor a multiple of ``keep_every``), oldest first."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage)
-    return [s for s in steps[:max(0, len(steps) - keep_last)] if s != protect]
+    return [s for s in steps[:max(0, len(steps) - keep_last)]
+            if s != protect and (keep_every is None or s % keep_every)]
 
 
 class StepsInUse:

@@ -115,6 +115,7 @@ class SaveJob:
     user_metadata: dict[str, str]
     direct_io: bool
     started: float
+    keep_every: int | None = None  # with keep_last: older multiples of it are kept
     blocked_s: float = 0.0
     tmp: Path | None = None
     tag: str = ""  # names this save's Store keys: n<save number>
@@ -451,8 +452,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     try:
         if job.committed and job.ctx.is_coordinator:
             with job.in_use.lock:  # a load of this checkpointer keeps its step meanwhile
-                doomed = job.in_use.spare(commit.doomed_steps(job.root, job.keep_last,
-                                                              job.storage, protect=job.step))
+                doomed = job.in_use.spare(commit.doomed_steps(
+                    job.root, job.keep_last, job.storage, protect=job.step,
+                    keep_every=job.keep_every))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
