@@ -492,6 +492,11 @@ _STORABLE_DTYPES: dict[str, torch.dtype] = {
     if isinstance(d, torch.dtype) and not _is_bits(dtype_name(d))}
 
 
+# The same with each dtype's item size, which a torch.dtype computes at every ask.
+_SIZED_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    n: (d, d.itemsize) for n, d in _STORABLE_DTYPES.items()}
+
+
 # The dtypes a numpy array (an "ndarray"/"npscalar" skeleton node) can be restored as.
 _NUMPY_DTYPES = frozenset((
     torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16,
@@ -620,17 +625,22 @@ def _parse_short_tensor(key: str, t: list[Any], files: dict[str, FileEntry], blo
     if len(t) != 6:
         return None
     name, shape, kind, file, lo, sums = t
-    dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
+    dt = _SIZED_DTYPES.get(name) if type(name) is str else None
     entry = files.get(file) if type(file) is str else None
-    if (dtype is None or entry is None or type(kind) is not str or kind not in _KINDS
-            or not _nonneg_ints(shape) or type(lo) is not int or type(sums) is not list
-            or (shape and max(shape) >= _MAX_DIM)):
+    if (dt is None or entry is None or type(kind) is not str or kind not in _KINDS
+            or type(shape) is not list or len(shape) > 64
+            or not _INT_TYPE.issuperset(map(type, shape)) or type(lo) is not int
+            or type(sums) is not list or (shape and (min(shape) < 0 or max(shape) >= _MAX_DIM))):
         return None
-    nbytes = math.prod(shape) * dtype.itemsize
-    if (nbytes >= _MAX_DIM or not 0 <= lo <= entry.bytes - nbytes
-            or len(sums) != max(1, -(-nbytes // block_bytes)) or not _hex16s(sums)):
+    nbytes = math.prod(shape) * dt[1]
+    if nbytes >= _MAX_DIM or not 0 <= lo <= entry.bytes - nbytes:
         return None
-    dims = tuple(shape)
+    if len(sums) == 1 and nbytes <= block_bytes:  # (inline: most tensors, one block)
+        if type(sums[0]) is not str or _HEX16.fullmatch(sums[0]) is None:
+            return None
+    elif len(sums) != max(1, -(-nbytes // block_bytes)) or not _hex16s(sums):
+        return None
+    dtype, dims = dt[0], tuple(shape)
     return TensorEntry(dtype, dims, kind, (
         Chunk(file, key, _ZEROS[len(dims)], dims, (lo, lo + nbytes), tuple(sums)),))
 
