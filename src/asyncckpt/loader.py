@@ -388,7 +388,8 @@ class Agreement(Protocol):
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
            step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
-           ignore_unexpected: bool = False) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
+           ignore_unexpected: bool = False
+           ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
 

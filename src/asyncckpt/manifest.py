@@ -311,7 +311,7 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], *, short: bool = True
     for n, (k, t) in enumerate(tensors.items()):
         qk = quote(k)
         chunks = t.chunks
-        if short and len(chunks) == 1 and is_whole_chunk(chunks[0], k, t.shape):
+        if short and len(chunks) == 1 and _is_whole_chunk(chunks[0], k, t.shape):
             c = chunks[0]
             qf = names.get(c.file)
             if qf is None:
@@ -339,7 +339,7 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], *, short: bool = True
     return fixed, sums
 
 
-def is_whole_chunk(c: Chunk, key: str, shape: tuple[int, ...]) -> bool:
+def _is_whole_chunk(c: Chunk, key: str, shape: tuple[int, ...]) -> bool:
     """Whether ``c`` is all of tensor ``key`` of ``shape``, stored under that key: what
     a short entry (format version 2) describes."""
     return c.key == key and c.lengths == shape and not any(c.offsets)
