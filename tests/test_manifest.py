@@ -10,6 +10,7 @@ import math
 import struct
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asyncckpt
 from _manifests import long_entries
 from asyncckpt import CheckpointCorruptError, CheckpointVersionError
 from asyncckpt.manifest import (
@@ -978,3 +980,35 @@ def _parse_whole(t: dict, files: dict):
     from asyncckpt.manifest import _parse_whole_tensor
 
     return _parse_whole_tensor(t, files, BLOCK)
+
+
+# --- docs/format.md: its reader, written from the format alone, reads what is saved --------
+
+def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path):
+    import re
+
+    from asyncckpt.reader import read_manifest
+    from asyncckpt.storage import LocalStorage
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    ns: dict[str, Any] = {}
+    exec(re.search(r"```python\n(.*?)```", doc, re.S).group(1), ns)
+    read_whole = ns["read_whole"]
+    w, e = torch.randn(300, 70), torch.empty(0, 3)
+    with asyncckpt.AsyncCheckpointer(tmp_path, block_bytes=ALIGN) as ckpt:
+        ckpt.save({"model": {"w": w, "e": e}}, step=1)  # w: 21 checksum blocks
+    step_dir = tmp_path / "step_000000001"
+    raw = json.loads((step_dir / "manifest.json").read_bytes())
+    assert isinstance(raw["tensors"]["model/w"], list)  # short
+    assert torch.equal(torch.from_numpy(read_whole(step_dir, "model/w")), w)
+    assert read_whole(step_dir, "model/e").shape == (0, 3)
+    m = read_manifest(step_dir, LocalStorage())
+    (step_dir / "manifest.json").write_bytes(dataclasses.replace(m, format_version=1).to_json())
+    assert torch.equal(torch.from_numpy(read_whole(step_dir, "model/w")), w)  # long
+    with open(step_dir / "rank_00000.safetensors", "r+b") as f:  # a damaged byte is seen
+        f.seek(m.tensors["model/w"].chunks[0].byte_range[0] + 5000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(AssertionError, match="checksum mismatch"):
+        read_whole(step_dir, "model/w")
