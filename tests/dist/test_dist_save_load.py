@@ -534,6 +534,39 @@ def _retention(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
     c.check(left == ["step_000000003", "step_000000004"], f"left on disk: {left}")
 
 
+def _milestones_and_model_alone(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
+    """keep_every in a group (the coordinator's retention spares the milestones), and a
+    load of the model alone, resharded, from a checkpoint that also holds optimizer
+    state (ignore_unexpected)."""
+    dt = dtensor_api()
+    Shard = dt.Shard
+
+    with asyncckpt.AsyncCheckpointer(root / "milestones", keep_last=1, keep_every=2,
+                                     timeout_s=20) as ck:
+        for step in (1, 2, 3, 4, 5):
+            state = {"model": {"w": _dt(f"m{step}/w", (12, 6), "float32", mesh, [Shard(0)])},
+                     "optim": {"m": _dt(f"m{step}/m", (12, 6), "float32", mesh, [Shard(0)])},
+                     "step": step}
+            ck.save(state, step)
+            ck.wait()  # and its retention
+            ctx.barrier()
+            want = [s for s in range(1, step + 1) if s == step or s % 2 == 0]
+            c.check(ck.steps() == want, f"after step {step}: steps {ck.steps()} != {want}")
+            ctx.barrier()
+        target = {"model": {"w": _dt("m4/w", (12, 6), "float32", mesh, [Shard(1)], zero=True)}}
+        try:
+            ck.load(target, step=4)
+            c.check(False, "a strict load of the model alone did not raise")
+        except asyncckpt.StateMismatchError as exc:
+            c.check(exc.unexpected == ["optim/m"], f"unexpected: {exc.unexpected}")
+        w = target["model"]["w"]
+        out = ck.load(target, step=4, ignore_unexpected=True)
+        c.check(out["model"]["w"] is w, "the DTensor was replaced")
+        c.check(same_bits(w.full_tensor(), full_tensor("m4/w", (12, 6))),
+                "the model's resharded values differ")
+        c.check(out.get("step") == 4 and "optim" not in out, f"the rest of the tree: {out}")
+
+
 def _layout_change(ctx: RankCtx, mesh: Any, root: Path, c: Checks) -> None:
     import torch
     Shard = dtensor_api().Shard
@@ -883,7 +916,8 @@ def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
                      ("per_rank_rng", _per_rank_rng),
                      ("fsdp_optimizer", _fsdp_optimizer_passed_directly),
                      ("wrapper_locals", _wrapper_locals),
-                     ("replicated_dtensor", _differing_replicated_dtensor)):
+                     ("replicated_dtensor", _differing_replicated_dtensor),
+                     ("milestones", _milestones_and_model_alone)):
         if name == "fsdp_optimizer" and not fsdp2_on_cpu():
             continue  # (its test is skipped)
         c = Checks()
@@ -945,6 +979,11 @@ def test_a_replicated_dtensor_whose_ranks_differ_is_warned_about(
         async_results: dict[str, list[str]]) -> None:
     assert async_results["replicated_dtensor"] == [], "\n".join(
         async_results["replicated_dtensor"])
+
+
+def test_milestones_and_the_model_alone_with_two_ranks(
+        async_results: dict[str, list[str]]) -> None:
+    assert async_results["milestones"] == [], "\n".join(async_results["milestones"])
 
 
 def test_store_keys_do_not_grow_with_every_save(async_results: dict[str, list[str]]) -> None:
