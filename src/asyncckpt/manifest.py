@@ -252,6 +252,10 @@ class Manifest:
     def to_json(self) -> bytes:
         return self.encode()
 
+    def tensor_parts(self) -> tuple[list[str], list[str]]:
+        """tensors_json_parts of this manifest's tensors, in its format version."""
+        return tensors_json_parts(self.tensors, short=self.format_version >= 2)
+
     def encode(self, tensors_text: str | None = None, skeleton_text: str | None = None) -> bytes:
         """The manifest's bytes; ``tensors_text`` / ``skeleton_text``, when given, stand
         for the JSON of ``tensors`` / ``skeleton`` (a coordinator that fills a template
@@ -273,8 +277,7 @@ class Manifest:
         # are written by tensors_json_parts: building the dicts for json.dumps took as
         # long as encoding them.
         if tensors_text is None:
-            tensors_text = join_parts(*tensors_json_parts(
-                self.tensors, short=self.format_version >= 2))
+            tensors_text = join_parts(*self.tensor_parts())
         if skeleton_text is None:
             skeleton_text = compact_json(self.skeleton)
         parts = [compact_json(head)[:-1], ',"tensors":', tensors_text,
@@ -291,7 +294,7 @@ def compact_json(v: Any) -> str:
     return json.dumps(v, separators=(",", ":"), ensure_ascii=True)
 
 
-def tensors_json_parts(tensors: dict[str, TensorEntry], *, short: bool = True
+def tensors_json_parts(tensors: dict[str, TensorEntry], *, short: bool
                        ) -> tuple[list[str], list[str]]:
     """The "tensors" object of a manifest, as json.dumps would write it (compact, ASCII),
     cut around each chunk's checksums: ``(fixed, sums)`` with ``len(fixed) == len(sums)

@@ -45,7 +45,6 @@ from .manifest import (
     compact_json,
     join_parts,
     parse_manifest,
-    tensors_json_parts,
 )
 from .plan import WritePlan
 from .tree import SCALAR_NODES, FlatState, dtype_name
@@ -405,7 +404,7 @@ class RecordBook:
                  full_record(json.loads(r.frame.text), r.sums, r.skeleton, r.replicas,
                              r.frame.fid) for r in reports]
         manifest = merge_records(whole, **kw)
-        fixed, sums = tensors_json_parts(manifest.tensors)
+        fixed, sums = manifest.tensor_parts()
         skeleton_text = compact_json(manifest.skeleton)
         raw = manifest.encode(join_parts(fixed, sums), skeleton_text)
         if len(whole) > 1:
