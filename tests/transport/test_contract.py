@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt.errors import CheckpointNotFoundError
+from asyncckpt.errors import CheckpointNotFoundError, StateMismatchError
 
 T = 15.0  # the timeout of every transfer
 HARD_TIMEOUT_S = 50.0  # the rank processes are killed after this
@@ -238,11 +238,47 @@ def new_step_recv(link: Link) -> list[str]:
     return failures
 
 
+def model_alone_send(link: Link) -> None:
+    for _ in range(2):  # (a PG send serves one receive)
+        link.tr.send_checkpoint([link.peer], 15, make_state(2), datetime.timedelta(seconds=T))
+        link.sync()
+    link.tr.disallow_checkpoint()
+
+
+def model_alone_recv(link: Link) -> list[str]:
+    """The model alone out of a whole training state: refused as it is (naming the way
+    out, the target untouched), fetched with ignore_unexpected=True."""
+    model, _ = make_model(seed=99)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    failures = []
+    try:
+        link.tr.recv_checkpoint(link.peer, link.peer_meta, 15, datetime.timedelta(seconds=T),
+                                into={"model": model})
+        failures.append("a target lacking most of the state loaded without ignore_unexpected")
+    except StateMismatchError as exc:
+        if "ignore_unexpected=True" not in str(exc) or "optim/" not in str(exc):
+            failures.append(f"the refusal names neither the way out nor the keys: {exc}")
+    failures += diff(model.state_dict(), before, "<refused, model>")
+    link.sync()
+    target = {"model": model}
+    out = link.tr.recv_checkpoint(link.peer, link.peer_meta, 15, datetime.timedelta(seconds=T),
+                                  into=target, ignore_unexpected=True)
+    link.sync()
+    want = make_state(2)
+    if out is not target or "optim" in out or "extra" in out:  # (tensors it had no place for)
+        failures.append(f"returned {type(out).__name__} with {list(out)!r:.80}, not the target")
+    # values without tensors come back, as in any load
+    failures += diff({k: out.get(k) for k in ("step", "lr", "name", "nested")},
+                     {k: want[k] for k in ("step", "lr", "name", "nested")})
+    return failures + diff(model.state_dict(), want["model"], "model")
+
+
 SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], int]] = {
     "fresh": (fresh_send, fresh_recv, 1),
     "into": (into_send, into_recv, 1),
     "wrong_step": (wrong_step_send, wrong_step_recv, 2),
     "disallow_then_new_step": (new_step_send, new_step_recv, 2),
+    "model_alone": (model_alone_send, model_alone_recv, 2),
 }
 
 

@@ -394,13 +394,15 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
-                        strict: bool = True) -> Any:
+                        strict: bool = True, ignore_unexpected: bool = False) -> Any:
         """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
         ``timeout`` (the whole fetch, waiting for the step to be allowed included;
         None: the transport's timeout; at most a week).
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
-        state in place (resharding to its layout) and returns it.
+        state in place (resharding to its layout) and returns it. ``strict`` and
+        ``ignore_unexpected`` (fetch only what ``into`` holds, e.g. the model of a
+        training state) as for ``AsyncCheckpointer.load``.
 
         Raises:
             CheckpointClosedError: after ``shutdown()``; a ``shutdown()`` during the
@@ -422,6 +424,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._receiving.add(storage)
         try:
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
+                             ignore_unexpected=ignore_unexpected,
                              threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
             raise partial_data(exc, into, storage) from exc.__cause__

@@ -337,12 +337,14 @@ class PGTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
-                        strict: bool = True) -> Any:
+                        strict: bool = True, ignore_unexpected: bool = False) -> Any:
         """Receive ``step`` from rank ``src_rank`` of the group (``metadata`` is its
         ``metadata()``, used in messages only).
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that state
         in place (tensor identity kept, resharding as ``load`` does) and returns it.
+        ``strict`` and ``ignore_unexpected`` as for ``AsyncCheckpointer.load`` (the
+        whole step is still sent: a group's sender sends what it has).
 
         Every checksum is verified against the received bytes before anything is
         loaded: a receive that fails leaves ``into`` as it was, never a mix of two steps.
@@ -377,7 +379,7 @@ class PGTransport(CheckpointTransport[Any]):
         # (``host`` owns the memory the storage's view points into: it lives until we return)
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
         return load_from(step_dir, into, storage, strict=strict, verify=False,
-                         manifest=manifest)
+                         manifest=manifest, ignore_unexpected=ignore_unexpected)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
