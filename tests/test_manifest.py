@@ -136,9 +136,9 @@ def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: boo
     tensors = {}
     for k in keys:
         tensors[k] = TensorEntry(w.dtype, w.shape, w.kind,
-                                 tuple(dataclasses.replace(c, key=k) for c in w.chunks))
+                                 tuple(c._replace(key=k) for c in w.chunks))
         tensors[k + "/whole"] = TensorEntry(big.dtype, big.shape, big.kind, tuple(
-            dataclasses.replace(c, key=k + "/whole") for c in big.chunks))
+            c._replace(key=k + "/whole") for c in big.chunks))
     tensors.update(base.tensors)
     m = make_manifest(tensors=tensors, partial=partial, format_version=version)
     assert m.to_json() == _reference_json(m)

@@ -26,7 +26,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -187,9 +187,11 @@ def decode_header(prefix: bytes, path: str) -> tuple[dict[str, Any], int]:
 
 # --- manifest --------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Chunk:
-    """A box of a tensor stored contiguously (row-major) in one file."""
+class Chunk(NamedTuple):
+    """A box of a tensor stored contiguously (row-major) in one file.
+
+    (A NamedTuple, as TensorEntry is: a load makes one of each per tensor, and a frozen
+    dataclass took ~3x as long to build, ~0.13 s of a load of 100,000 tensors.)"""
 
     file: str
     key: str
@@ -203,8 +205,7 @@ class Chunk:
         return self.byte_range[1] - self.byte_range[0]
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     """One array leaf of the checkpoint: dtype, global shape and its chunks."""
 
     dtype: torch.dtype

@@ -14,6 +14,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -130,8 +131,7 @@ def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
                      signature=layout_signature(tensors))
 
 
-@dataclass(frozen=True)
-class ReadItem:
+class ReadItem(NamedTuple):
     """Copy the intersection ``box`` of a saved chunk into a wanted box of tensor ``key``.
 
     ``box`` is in global coordinates. ``whole_chunk`` and ``whole_dst`` say when the
