@@ -164,6 +164,36 @@ def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Pat
         load_from(tmp_path / "step_000000000", None, PeerViewStorage())
 
 
+def test_coverage_counts_whole_items_and_pieces_alike() -> None:
+    # _check_covered takes an item that fills its whole destination without counting
+    # its elements: a key so filled must still be refused when another item adds to it,
+    # and pieces must still add up to the whole.
+    from asyncckpt.errors import CheckpointNotFoundError
+    from asyncckpt.manifest import Chunk
+    from asyncckpt.plan import ReadItem
+    from asyncckpt.reader import _check_covered
+
+    ch = Chunk("f", "k", (0, 0), (4, 3), (0, 48), ("0" * 16,))
+    whole = ((0, 0), (4, 3))
+    top, bottom = ((0, 0), (2, 3)), ((2, 0), (2, 3))
+    _check_covered([ReadItem("a", ch, whole, whole)], {"a": (4, 3)})
+    _check_covered([ReadItem("a", ch, top, whole), ReadItem("a", ch, bottom, whole)],
+                   {"a": (4, 3)})
+    refused = [
+        ([ReadItem("a", ch, top, whole)], "6 of the 12"),  # half of it
+        ([], "0 of the 12"),  # none of it
+        ([ReadItem("a", ch, whole, whole), ReadItem("a", ch, top, whole)], "18 of the 12"),
+        ([ReadItem("a", ch, whole, whole), ReadItem("a", ch, whole, whole)], "24 of the 12"),
+        ([ReadItem("b", ch, whole, whole)], "0 of the 12"),  # another key's
+    ]
+    for items, says in refused:
+        with pytest.raises(CheckpointNotFoundError, match=says):
+            _check_covered(items, {"a": (4, 3)})
+    # a whole item of a box other than the one wanted counts by its elements
+    with pytest.raises(CheckpointNotFoundError, match="6 of the 12"):
+        _check_covered([ReadItem("a", ch, top, top)], {"a": (4, 3)})
+
+
 class PeerViewStorage(LocalStorage):
     """Files read as a peer's view, which may be partial."""
 

@@ -432,6 +432,20 @@ def test_overlapping_targets_of_different_keys_are_filled_in_order(ckpt, caplog)
     assert "saved tensors a, b, x, y share memory" in caplog.text
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["cpu", "cuda:0"]), st.integers(0, 300),
+                          st.integers(1, 60)), max_size=14))
+def test_apart_agrees_with_comparing_every_pair_of_spans(raw):
+    # The loader's quick answer that no two targets share memory (sorted starts against
+    # the furthest end so far, per device) must be the answer of every pair compared.
+    from asyncckpt.loader import _apart
+
+    spans = [(dev, lo, lo + n) for dev, lo, n in raw]
+    meet = any(a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+               for i, a in enumerate(spans) for b in spans[i + 1:])
+    assert _apart([*spans, None]) is not meet
+
+
 def test_interleaved_targets_whose_elements_are_apart_are_read_in_place(ckpt, caplog):
     """The fields of one record array, and the even and odd rows of one tensor: their
     byte ranges overlap, their elements do not. They are not staged (nor warned about);

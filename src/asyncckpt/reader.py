@@ -316,13 +316,21 @@ def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]])
     """Every wanted element must come from some saved chunk: a partial source (a peer's
     view) that lacks part of a wanted box is an error, never uninitialised memory."""
     got: dict[str, int] = {}
+    whole: set[str] = set()  # the keys one item fills all of (the plan's usual item)
     for it in items:
-        got[it.key] = got.get(it.key, 0) + math.prod(it.box[1])
+        box = it.box
+        if box is it.dst_box and box[1] == shapes.get(it.key) and it.key not in whole:
+            whole.add(it.key)
+        else:
+            got[it.key] = got.get(it.key, 0) + math.prod(box[1])
     for key, shape in shapes.items():
+        if key in whole and key not in got:
+            continue
         want = math.prod(shape)
-        if got.get(key, 0) != want:
+        have = got.get(key, 0) + (want if key in whole else 0)
+        if have != want:
             raise CheckpointNotFoundError(
-                f"the checkpoint holds {got.get(key, 0)} of the {want} wanted elements "
+                f"the checkpoint holds {have} of the {want} wanted elements "
                 f"of tensor {key!r}: the source (e.g. a peer serving only its own shards) "
                 "does not have the box this process needs")
 
