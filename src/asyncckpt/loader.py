@@ -157,11 +157,11 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
             "drop the step, or pass the directory that holds the step directories")
-    saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
+    saved = {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
     target = flatten(state, target=True)
     apply_shards(target, shards)
     spans: dict[int, _Span | None] = {}

@@ -176,6 +176,7 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
     _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
+    fresh: dict[str, tuple[int, int]] = {}  # the tensors allocated here: (pointer, bytes)
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
     tensors = manifest.tensors
     for key, dst in dests.items():  # (once per tensor: a fresh load of 100,000 allocates
@@ -187,7 +188,9 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
                 where = step_dir / entry.chunks[0].file if entry.chunks else step_dir
                 raise _allocation_error(where, key, math.prod(shapes[key]) * entry.dtype.itemsize
                                         ) from exc
-            advise -= dst.numel() * dst.element_size() >= _HUGE_MIN_BYTES
+            nbytes = dst.nbytes
+            fresh[key] = (dst.data_ptr(), nbytes)
+            advise -= nbytes >= _HUGE_MIN_BYTES
         out[key] = dst
     total = sum(it.chunk.nbytes for it in items)
     if read is not None:
@@ -202,7 +205,7 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     try:
         # (several groups: one that fails stops the others at their next item)
         _in_groups(lambda g, stop: _read_group(step_dir, manifest, g, out, storage, verify,
-                                               stop, advance),
+                                               stop, advance, fresh),
                    _split(items, n, total), threading.Event() if n > 1 else None)
     finally:
         # Reads straight into a given tensor's memory are in-place writes autograd does
@@ -391,14 +394,16 @@ def _advancing(progress: Callable[[int, int], None], total: int) -> Callable[[in
 def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
                 stop: threading.Event | None = None,
-                advance: Callable[[int], None] | None = None) -> None:
+                advance: Callable[[int], None] | None = None,
+                fresh: Mapping[str, tuple[int, int]] | None = None) -> None:
     """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
     it, and a group that sees it set ends before its next item or piece (a corrupt
     first range of a peer's fetch is reported at once, not after every other range, or
-    the rest of a multi-GB tensor, came in)."""
+    the rest of a multi-GB tensor, came in). ``fresh``: the destinations the load
+    allocated, (pointer, bytes) by key (see :func:`_direct_views`)."""
     fds: dict[str, int] = {}
     unfinished = False  # failed, or stopped: its files are aborted, not closed
-    views = _direct_views(items, out)
+    views = _direct_views(items, out, fresh)
     try:
         i = 0
         while i < len(items):
@@ -480,10 +485,28 @@ def _direct_view(it: ReadItem, dst: torch.Tensor) -> memoryview | None:
     return _memory_view(ptr, n, _PYBUF_WRITE) if ptr else None
 
 
-def _direct_views(items: list[ReadItem], out: Mapping[str, torch.Tensor]
+def _direct_views(items: list[ReadItem], out: Mapping[str, torch.Tensor],
+                  fresh: Mapping[str, tuple[int, int]] | None = None
                   ) -> list[memoryview | None]:
-    """:func:`_direct_view` of each item: found once, before the reads."""
-    return [_direct_view(it, out[it.key]) for it in items]
+    """:func:`_direct_view` of each item: found once, before the reads. ``fresh`` holds
+    (pointer, bytes) of destinations allocated by the load (``fresh_tensor``: plain
+    memory, nothing to ask torch about them)."""
+    if not fresh:
+        return [_direct_view(it, out[it.key]) for it in items]
+    return [_fresh_view(it, fresh[it.key]) if it.key in fresh else _direct_view(it, out[it.key])
+            for it in items]
+
+
+def _fresh_view(it: ReadItem, memory: tuple[int, int]) -> memoryview | None:
+    """:func:`_direct_view` for a destination the load allocated (contiguous CPU memory
+    of its own, at ``memory``: pointer, bytes)."""
+    box = it.box
+    if box != it.dst_box or box != (it.chunk.offsets, it.chunk.lengths):
+        return None
+    ptr, n = memory
+    if not n:
+        return memoryview(bytearray(0))
+    return _memory_view(ptr, n, _PYBUF_WRITE) if ptr else None
 
 
 def _batch_end(items: list[ReadItem], views: list[memoryview | None], i: int) -> int:
