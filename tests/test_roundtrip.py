@@ -581,6 +581,34 @@ def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_pa
     assert asyncckpt.load(tmp_path, {"model": fresh}, ignore_unexpected=True)["model"] is fresh
 
 
+def test_a_target_of_the_saved_tree_names_the_saved_paths_as_the_checkpoint_does(tmp_path):
+    # A load into the very tree that was saved takes the target's own path -> key map
+    # for the checkpoint's (skeletons equal): it must be the map read off the manifest,
+    # in the same (checkpoint) order, through escaped keys, int keys, lists, tuples,
+    # numpy leaves, tied tensors and stateful objects.
+    from asyncckpt.loader import saved_paths
+    from asyncckpt.reader import read_manifest
+    from asyncckpt.storage import LocalStorage
+    from asyncckpt.tree import flatten
+
+    model = _net(0)
+    opt = torch.optim.AdamW(model.parameters())
+    _train_step(model, opt, 0)
+    w = torch.arange(4.0)
+    state = {"model": model, "optim": opt, "x": {"a/b": torch.ones(2), "%2F": torch.zeros(1),
+                                                  3: [w, (np.arange(3), np.float32(2.5))]},
+             "tied": [w, w[:2]], "": {"": torch.ones(1)}, "n": 5}
+    asyncckpt.save(state, tmp_path)
+    step_dir = tmp_path / "step_000000000"
+    manifest = read_manifest(step_dir, LocalStorage())
+    target = flatten(state, target=True)
+    assert manifest.skeleton == target.skeleton
+    assert list(target.refs.items()) == list(saved_paths(manifest).items())
+    assert target.refs["tied/0"] == "x/3/0"  # (tied: the first path's key)
+    out = asyncckpt.load(tmp_path, state)
+    assert out is state and state["tied"][0] is w
+
+
 def test_ignore_unexpected_still_names_what_the_checkpoint_lacks(saved_ab):
     ckpt, a, _ = saved_ab
     za = torch.zeros(3)
