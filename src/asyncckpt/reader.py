@@ -465,9 +465,12 @@ def _abort(storage: ReadStorage, fd: int) -> None:
         log.debug("closing a file after a failed read failed too", exc_info=True)
 
 
-def _direct_view(it: ReadItem, dst: torch.Tensor) -> memoryview | None:
+def _direct_view(it: ReadItem, dst: torch.Tensor, memory: tuple[int, int] | None = None
+                 ) -> memoryview | None:
     """``dst``'s memory when the saved chunk is the whole destination and ``dst`` can take
-    the bytes as they are (the item is read straight into it), else None.
+    the bytes as they are (the item is read straight into it), else None. ``memory``:
+    (pointer, bytes) of a destination the load allocated itself (``fresh_tensor``: plain
+    memory, nothing to ask torch about it).
 
     That is ``it.whole_chunk and it.whole_dst and plain_memory(dst, empty_ok=True)``, then
     ``tensor_bytes(dst)``, spelled out: it runs once per item of every load, and the calls
@@ -476,12 +479,15 @@ def _direct_view(it: ReadItem, dst: torch.Tensor) -> memoryview | None:
     box = it.box
     if box != it.dst_box or box != (it.chunk.offsets, it.chunk.lengths):
         return None
-    if not (dst.is_cpu and dst.is_contiguous()) or dst.is_conj() or dst.is_neg():
-        return None
-    n = dst.numel() * dst.element_size()
+    if memory is None:
+        if not (dst.is_cpu and dst.is_contiguous()) or dst.is_conj() or dst.is_neg():
+            return None
+        n = dst.numel() * dst.element_size()
+        ptr = dst.data_ptr() if n else 0
+    else:
+        ptr, n = memory
     if not n:
         return memoryview(bytearray(0))
-    ptr = dst.data_ptr()
     return _memory_view(ptr, n, _PYBUF_WRITE) if ptr else None
 
 
@@ -489,24 +495,9 @@ def _direct_views(items: list[ReadItem], out: Mapping[str, torch.Tensor],
                   fresh: Mapping[str, tuple[int, int]] | None = None
                   ) -> list[memoryview | None]:
     """:func:`_direct_view` of each item: found once, before the reads. ``fresh`` holds
-    (pointer, bytes) of destinations allocated by the load (``fresh_tensor``: plain
-    memory, nothing to ask torch about them)."""
-    if not fresh:
-        return [_direct_view(it, out[it.key]) for it in items]
-    return [_fresh_view(it, fresh[it.key]) if it.key in fresh else _direct_view(it, out[it.key])
-            for it in items]
-
-
-def _fresh_view(it: ReadItem, memory: tuple[int, int]) -> memoryview | None:
-    """:func:`_direct_view` for a destination the load allocated (contiguous CPU memory
-    of its own, at ``memory``: pointer, bytes)."""
-    box = it.box
-    if box != it.dst_box or box != (it.chunk.offsets, it.chunk.lengths):
-        return None
-    ptr, n = memory
-    if not n:
-        return memoryview(bytearray(0))
-    return _memory_view(ptr, n, _PYBUF_WRITE) if ptr else None
+    (pointer, bytes) of the destinations the load allocated, by key."""
+    known = (fresh or {}).get
+    return [_direct_view(it, out[it.key], known(it.key)) for it in items]
 
 
 def _batch_end(items: list[ReadItem], views: list[memoryview | None], i: int) -> int:
