@@ -1224,3 +1224,53 @@ def test_a_load_in_place_is_seen_by_autograd_where_torch_bumps_one_tensor_at_a_t
     assert isinstance(calls[0], list) and sorted(map(id, calls[1:])) == sorted([id(p), id(q)])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+class _Wrapper(nn.Module):
+    """Renames its module's keys as a wrapper does (DDP: "module.", torch.compile:
+    "_orig_mod."), without the wrapper itself."""
+
+    def __init__(self, attr: str, inner: nn.Module):
+        super().__init__()
+        self.add_module(attr, inner)
+
+
+@pytest.mark.parametrize("attr, who", [("_orig_mod", "torch.compile"),
+                                       ("module", "DistributedDataParallel")])
+def test_keys_renamed_by_a_wrapper_are_named_in_the_error(ckpt, attr, who):
+    ckpt.save({"model": _Wrapper(attr, _net(0))}, 1)
+    bare = _net(1)
+    before = [p.detach().clone() for p in bare.parameters()]
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": bare})
+    msg = str(info.value)
+    assert f"the checkpoint's keys have '{attr}.' where the target's have none" in msg
+    assert who in msg and "strict=False" not in msg  # which would load nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, bare.parameters(), strict=True))
+    # the other way round: a bare module's checkpoint into a wrapped one
+    ckpt.save({"model": _net(0)}, 2)
+    with pytest.raises(StateMismatchError, match=f"the target's keys have '{attr}.' where the "
+                                                 "checkpoint's have none.*unwrapped module"):
+        ckpt.load({"model": _Wrapper(attr, _net(1))}, step=2)
+    # two different wrappers: said so, without naming one as missing
+    other = "module" if attr == "_orig_mod" else "_orig_mod"
+    with pytest.raises(StateMismatchError, match="differ in what wrappers add"):
+        ckpt.load({"model": _Wrapper(other, _net(1))}, step=1)
+    # and the wrapped module itself loads
+    ckpt.load({"model": _Wrapper(attr, bare)}, step=1)
+    assert all(torch.equal(a, b) for a, b in zip(_net(0).parameters(), bare.parameters(),
+                                                 strict=True))
+
+
+def test_the_wrapper_hint_needs_most_keys_explained_and_whole_names():
+    from asyncckpt.loader import wrapper_hint
+
+    # "submodule." or "mymodule." are no wrapper's part: only a whole name counts
+    assert wrapper_hint(["m/w"], ["m/submodule.w"]) == ""
+    assert wrapper_hint(["m/w"], ["m/mymodule.w"]) == ""
+    assert "'module.'" in wrapper_hint(["m/w"], ["m/module.w"])
+    assert "'module.'" in wrapper_hint(["m/a.w"], ["m/a.module.w"])  # inside a key too
+    # one of three missing keys explained by a wrapper is not the reason for the error
+    assert wrapper_hint(["m/a", "m/b", "m/c"], ["m/module.a", "m/x"]) == ""
+    assert "'module.'" in wrapper_hint(["m/a", "m/b", "m/c"], ["m/module.a", "m/module.b"])
+    assert wrapper_hint([], ["m/module.a"]) == wrapper_hint(["m/a"], []) == ""

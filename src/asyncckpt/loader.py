@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import logging
 import operator
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -509,10 +510,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          f"{_few(overlapping)}; load into tensors with memory of their own "
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
-        hint = (" (pass ignore_unexpected=True to load only what the target holds, or "
-                "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-                else " (pass strict=False to skip missing and unexpected keys)" if missing
-                else "")
+        # (where a wrapper renamed the keys, strict=False would load none of them)
+        hint = wrapper_hint(missing, unexpected) or (
+            " (pass ignore_unexpected=True to load only what the target holds, or "
+            "strict=False to skip missing and unexpected keys)" if unexpected and not missing
+            else " (pass strict=False to skip missing and unexpected keys)" if missing
+            else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
@@ -844,6 +847,54 @@ def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatSt
                 "tensors; load its state dict instead: osd = get_state_dict(model, optim)[1] "
                 "(torch.distributed.checkpoint.state_dict), load into {'optim': osd}, then "
                 "set_state_dict(...) (see examples/train_fsdp.py)", mismatched=fresh)
+
+
+# What wrapping a module does to its state dict's keys: each wrapper puts its own name
+# before its module's keys (DDP's "module.", torch.compile's "_orig_mod."). A checkpoint
+# saved through a wrapper does not load into the bare module, nor the other way round,
+# and the two lists of keys alone leave the user to spot why.
+_WRAPPERS = {
+    "_orig_mod.": "torch.compile",
+    "module.": "DistributedDataParallel / DataParallel",
+    "_fsdp_wrapped_module.": "FSDP (FullyShardedDataParallel)",
+    "_checkpoint_wrapped_module.": "activation checkpointing",
+}
+_WRAPPER_PART = re.compile(r"(?:^|(?<=[/.]))(?:_orig_mod|module|_fsdp_wrapped_module"
+                           r"|_checkpoint_wrapped_module)\.")
+
+
+def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a mismatch error when most ``missing`` paths are ``unexpected``
+    ones but for a wrapper's part of the keys ("module.", "_orig_mod."): which wrapper
+    and what to do; "" otherwise."""
+    if not missing or not unexpected:
+        return ""
+    bare: dict[str, str] = {}
+    for u in unexpected:
+        bare.setdefault(_WRAPPER_PART.sub("", u), u)
+    pairs = [(m, bare[b]) for m in missing if (b := _WRAPPER_PART.sub("", m)) in bare]
+    if not pairs or 2 * len(pairs) < len(missing):
+        return ""
+    m, u = pairs[0]
+
+    def parts(path: str) -> list[str]:
+        return [x.group(0) for x in _WRAPPER_PART.finditer(path)]
+
+    saved_only = [x for x in parts(u) if x not in parts(m)]
+    target_only = [x for x in parts(m) if x not in parts(u)]
+    if saved_only and not target_only:
+        name = saved_only[0]
+        return (f"; the checkpoint's keys have {name!r} where the target's have none, as "
+                f"{_WRAPPERS[name]} adds it (checkpoint {u!r}, target {m!r}): load into the "
+                "module wrapped the same way, or save the unwrapped module (model._orig_mod, "
+                "model.module) from now on")
+    if target_only and not saved_only:
+        name = target_only[0]
+        return (f"; the target's keys have {name!r} where the checkpoint's have none, as "
+                f"{_WRAPPERS[name]} adds it (checkpoint {u!r}, target {m!r}): load into the "
+                "unwrapped module (model._orig_mod for torch.compile, model.module for DDP)")
+    return (f"; the keys differ in what wrappers add to them (checkpoint {u!r}, target "
+            f"{m!r}): load into the module wrapped as the saved one was")
 
 
 def _few(items: list[str], n: int = 8) -> str:
