@@ -122,9 +122,17 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
             raise CheckpointConfigError(
                 "fallback=True picks among committed steps on disk; a peer serves one step: "
                 "drop fallback to load from an address")
-        from .transport.http import HTTPStorage, fetch_connections, fetch_timeout, partial_data
+        from .transport.http import (
+            HTTPStorage,
+            check_peer_step,
+            fetch_connections,
+            fetch_timeout,
+            peer_error,
+        )
 
         _check_step(step)
+        if step is not None:
+            check_peer_step(step)
         timeout = fetch_timeout(timeout)
         peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
         try:
@@ -133,7 +141,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
                               ignore_unexpected=ignore_unexpected, verify=verify,
                               threads=fetch_connections(threads or 8), progress=progress)
         except CheckpointError as exc:
-            raise partial_data(exc, state, peer) from exc.__cause__
+            raise peer_error(exc, state, peer) from exc.__cause__
         finally:
             peer.close_all()
     storage = _LocalStorage()

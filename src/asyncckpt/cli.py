@@ -518,12 +518,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
     transport = None
     try:
-        try:
-            transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
-                                      advertise_host=args.advertise_host, token=token)
-        except OSError as exc:
-            raise _Usage(f"cannot listen on {args.host}:{args.port}: "
-                         f"{exc.strerror or exc}") from exc
+        # (a host or port it cannot listen on: CheckpointConfigError, a usage error)
+        transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
+                                  advertise_host=args.advertise_host, token=token)
         step = transport.serve_directory(step_dir)
         address = transport.address()
         _decided(args, EXIT_OK)  # (a reader gone before the address: nobody to serve)

@@ -377,6 +377,10 @@ def test_other_methods_get_405(transports: Any) -> None:
     srv = transports(token=TOKEN)
     srv.send_checkpoint([1], 5, state_of(), 10.0)
     assert status_of(port_of(srv), "POST", "/v1/5/manifest.json") == 405
+    # a method of no name (the base class would answer 501 before any token check)
+    for method in ("PROPFIND", "FOO"):
+        assert status_of(port_of(srv), method, "/v1/5/manifest.json", token=None) == 401
+        assert status_of(port_of(srv), method, "/v1/5/manifest.json") == 405
 
 
 def test_head_of_current_has_no_body(transports: Any) -> None:
@@ -664,6 +668,11 @@ def test_a_byte_corrupted_in_flight_is_caught_and_names_the_tensor(transports: A
     with pytest.raises(CheckpointCorruptError, match="victim") as info:
         fetch(srv, 7)
     assert info.value.key == "victim"
+    # told as a transfer's damage, at the file's URL: a peer has no "earlier step"
+    url = f"{srv.address()}/7/files/{FILE}"
+    assert str(info.value).startswith(f"{url}: checksum mismatch"), info.value
+    assert "receive them again" in str(info.value) and "earlier step" not in str(info.value)
+    assert info.value.path == url
 
 
 class StallPast(FileSource):
@@ -2069,3 +2078,74 @@ def test_shutdown_cuts_off_the_transports_receives_in_progress(transports: Any) 
         assert r.ended is not None and r.ended - t0 < 5.0
     with pytest.raises(CheckpointClosedError, match="shut down"):
         client.recv_checkpoint(0, srv.address(), 4, 30.0)
+
+
+# --- what a refused HEAD says; hosts it cannot listen on; the largest steps ---------------------
+
+def test_a_refused_size_request_says_why_though_a_head_has_no_body(transports: Any) -> None:
+    # A receiver asks a file's size with HEAD: it lost the reason of a refusal (the body),
+    # and took a step withdrawn for a full server, or said nothing at all.
+    srv = transports(token=TOKEN, timeout=0.5)
+    srv.send_checkpoint([1], 4, state_of(), 10.0)
+    reply = raw_request(port_of(srv), f"HEAD /v1/3/files/{FILE} HTTP/1.1\r\nAuthorization: "
+                        f"Bearer {TOKEN}\r\n\r\n".encode())
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 404") and body == b""
+    assert b"Asyncckpt-Reason: step 3 is not being served (step 4 is)" in head, head
+    peer = HTTPStorage(srv.address(), 3, token=TOKEN, timeout_s=5.0, deadline_s=5.0)
+    try:
+        with pytest.raises(CheckpointNotFoundError,
+                           match=r"step 3 is not being served \(step 4 is\): fetch step 4"):
+            peer.file_size(peer.open_read(Path(FILE)))
+    finally:
+        peer.close_all()
+    srv.disallow_checkpoint()  # a wait for the step, then the timeout that says so
+    peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=2.0, deadline_s=2.0)
+    try:
+        with pytest.raises(CheckpointTimeoutError, match="did not allow step 4") as info:
+            peer.file_size(peer.open_read(Path(FILE)))
+        assert "full" not in str(info.value)
+    finally:
+        peer.close_all()
+
+
+def test_a_host_or_port_it_cannot_listen_on_is_a_config_error(transports: Any) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"host='no\.such\.host\.invalid'"):
+        HTTPTransport(host="no.such.host.invalid")
+    taken = port_of(transports())
+    with pytest.raises(CheckpointConfigError, match=f"port={taken}.*in use"):
+        HTTPTransport(port=taken)
+    with pytest.raises(CheckpointConfigError, match=r"advertise_host='node7:8000'.*without "
+                                                    r"a port"):
+        HTTPTransport(advertise_host="node7:8000")
+    with pytest.raises(CheckpointConfigError, match="without a port"):
+        HTTPTransport(host="127.0.0.1:8000")
+    # an IPv6 address written as in a URL is the address
+    try:
+        v6 = HTTPTransport(host="[::1]")
+    except CheckpointConfigError as exc:  # a machine without IPv6 on loopback
+        assert "::1" in str(exc)
+    else:
+        try:
+            assert v6.address() == f"http://[::1]:{port_of(v6)}/v1"
+        finally:
+            v6.shutdown(wait=False)
+    adv = transports(advertise_host="[fe80::1]")
+    assert adv.metadata().startswith("http://[fe80::1]:")
+
+
+def test_steps_up_to_2_63_minus_1_are_served_and_larger_ones_refused(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    state = state_of(3)
+    top = (1 << 63) - 1  # 19 digits, as a PGTransport's largest
+    srv.send_checkpoint([1], top, state, 10.0)
+    assert_state(fetch(srv, top), state)
+    got = asyncckpt.load(srv.address(), token=TOKEN, timeout=10)  # the step on offer
+    assert torch.equal(got["w"], state["w"])
+    with pytest.raises(CheckpointConfigError, match="2\\*\\*63-1"):
+        srv.send_checkpoint([1], top + 1, state, 10.0)
+    assert fetch(srv, top)["step"] == 3  # still served
+    with pytest.raises(CheckpointConfigError, match="2\\*\\*63-1"):
+        fetch(srv, top + 1)
+    with pytest.raises(CheckpointConfigError, match="2\\*\\*63-1"):
+        asyncckpt.load(srv.address(), step=top + 1, token=TOKEN)

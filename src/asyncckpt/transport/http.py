@@ -56,8 +56,9 @@ from .base import (
 
 log = logging.getLogger(__name__)
 
-_PATH = re.compile(r"/v1/([0-9]{1,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
+_PATH = re.compile(r"/v1/([0-9]{1,19})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
+MAX_STEP = (1 << 63) - 1  # as a PGTransport's (an int64 on its wire): 19 digits in a URL
 _RANGE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{1,18})")
 _SIZE = re.compile(r"[0-9]{1,18}")
 _MiB = 1024 * 1024
@@ -68,6 +69,7 @@ _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than hal
 # (and a server's max_range_bytes below it is refused)
 _NOT_ALLOWED = "was not allowed"  # a 503 a client answers by asking again, up to its timeout
 _CLOSED = "is shutting down"  # the 503 of a request that waited while the server shut down
+_REASON = "Asyncckpt-Reason"  # a refusal's reason, as its body says it: a HEAD gets no body
 _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
 _BACKOFF_MAX_S = 1.0  # the pauses double up to this
@@ -97,12 +99,32 @@ def _reachable(host: str) -> str:
     return host
 
 
+def _bare_host(host: str, name: str) -> str:
+    """``host`` without the brackets of an IPv6 address written as in a URL ("[::1]");
+    a host with a port (as "node7:8000", which is no IPv6 address) is refused."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in bare:
+        try:
+            ipaddress.IPv6Address(bare.split("%")[0])
+        except ValueError:
+            raise CheckpointConfigError(
+                f"{name}={host!r}: pass a host name or address without a port (the port "
+                "is the transport's own: port=)") from None
+    return bare
+
+
 def _unspecified(host: str) -> bool:
     """Any spelling of the wildcard address ("0.0.0.0", "::", "::0", "0:0:0:0:0:0:0:0")."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:  # a host name
         return False
+
+
+def check_peer_step(step: int) -> None:
+    if step > MAX_STEP:
+        raise CheckpointConfigError(f"step={step}: a peer serves steps up to 2**63-1; number "
+                                    "the steps of this run below that")
 
 
 def fetch_timeout(timeout: timedelta | float) -> float:
@@ -187,7 +209,16 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
-        self._server = _Server((host, port), _Handler, self, max_connections)
+        host = _bare_host(host, "host")
+        if advertise_host is not None:
+            advertise_host = _bare_host(advertise_host, "advertise_host")
+        try:
+            self._server = _Server((host, port), _Handler, self, max_connections)
+        except OSError as exc:  # (socket.gaierror too: an unknown host name)
+            raise CheckpointConfigError(
+                f"HTTPTransport cannot listen on host={host!r} port={port}: "
+                f"{type(exc).__name__}: {exc} (pass an address of this machine, 0.0.0.0 or :: "
+                "for all of them, and port=0 for any free port)") from exc
         self._advertise = advertise_host or _reachable(host)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name="asyncckpt-http", daemon=True)
@@ -210,7 +241,9 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         Raises:
             CheckpointClosedError: after ``shutdown()``.
+            CheckpointConfigError: a step above 2**63-1 (``MAX_STEP``), as a PGTransport's.
         """
+        check_peer_step(served.step)
         with self._cond:
             self._check_open("serve")
             old = self._offered
@@ -327,7 +360,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._cond.wait_for(lambda: not running(), grace_s)
         if not running():
             return
-        log.warning("%s: cutting off %d transfers still running after %.0fs", who,
+        log.warning("%s: cutting off %d transfers still running after %gs", who,
                     len(running()), grace_s)
         for sock, srv in running():
             srv.cancelled.set()
@@ -413,6 +446,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
         check_step(step)
+        check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
                               max_manifest_bytes=self.max_manifest_bytes)
@@ -427,7 +461,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                              ignore_unexpected=ignore_unexpected,
                              threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
-            raise partial_data(exc, into, storage) from exc.__cause__
+            raise peer_error(exc, into, storage) from exc.__cause__
         finally:
             with self._cond:
                 self._receiving.discard(storage)
@@ -450,16 +484,31 @@ def _check_token(token: str | None) -> str | None:
     return token
 
 
-def partial_data(exc: CheckpointError, into: Any, storage: HTTPStorage) -> CheckpointError:
-    """``exc``, saying that in-place targets may hold part of the peer's state (a receive
-    into ``into`` writes the targets as bytes arrive) once ``storage`` has begun to read
-    tensor bytes."""
-    if into is None or not storage.tensor_bytes_read:
-        return exc  # nothing was written into the targets
-    note = ("; the targets were loaded in place and may hold part of the peer's state: "
-            "receive again before using them")
-    out = type(exc)(str(exc) + note)
+def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> CheckpointError:
+    """``exc`` of a fetch from a peer (``storage``), told as one: its files named by their
+    URLs, not the local-looking names the loader gave them; for damaged bytes, the advice
+    of a transfer (receive again), not of a checkpoint on disk (load an earlier step); and,
+    once tensor bytes were read into in-place targets (``into``), that those may hold
+    part of the peer's state."""
+    text = old = str(exc)
+    local = f"peer-step-{storage.step}/"
+    url = f"http://{storage.host}:{storage.port}{storage.prefix}/{storage.step}/"
+    text = text.replace(local + MANIFEST_NAME, url + MANIFEST_NAME).replace(local, url + "files/")
+    if isinstance(exc, CheckpointCorruptError):
+        text = text.replace("the checkpoint is corrupt; load an earlier step",
+                            "the bytes were damaged in transit or in the peer's memory; "
+                            "receive them again, or from another peer")
+        text = text.replace("load an earlier step", "receive it again, or from another peer")
+    if into is not None and storage.tensor_bytes_read:
+        text += ("; the targets were loaded in place and may hold part of the peer's state: "
+                 "receive again before using them")
+    if text == old:
+        return exc
+    out = type(exc)(text)
     out.__dict__.update(exc.__dict__)
+    path = getattr(out, "path", None)
+    if isinstance(path, str) and path.startswith(local):
+        out.path = url + ("" if path == local + MANIFEST_NAME else "files/") + path[len(local):]  # type: ignore[attr-defined]
     return out
 
 
@@ -624,6 +673,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.server.clear_deadline(self):
             self.close_connection = True
             return False
+        if not hasattr(self, "do_" + self.command):
+            # A method of no name here (PROPFIND, FOO) would get the base class's 501
+            # before the token is looked at: it gets what POST gets (401, else 405).
+            self._not_allowed()
+            return False
         return True
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -665,6 +719,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         for name, value in headers:
             self.send_header(name, value)
+        self.send_header(_REASON, " ".join(why.split()))
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
         if code != 413:
@@ -1032,6 +1087,8 @@ class HTTPStorage:
                 last = exc
                 attempt += 1
                 continue
+            # (the answer to a HEAD, asking a file's size, has the reason in a header only)
+            body = body or resp.getheader(_REASON, "")
             if resp.status == 503 and _NOT_ALLOWED in body:
                 # Not an answer for the step (``_unanswered`` still applies): ask again
                 # until the fetch's own deadline.
