@@ -2149,3 +2149,26 @@ def test_steps_up_to_2_63_minus_1_are_served_and_larger_ones_refused(transports:
         fetch(srv, top + 1)
     with pytest.raises(CheckpointConfigError, match="2\\*\\*63-1"):
         asyncckpt.load(srv.address(), step=top + 1, token=TOKEN)
+
+
+def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socketserver
+    import types
+
+    srv = transports(token=TOKEN, max_connections=1, timeout=3.0)
+    state = state_of(2)
+    srv.send_checkpoint([1], 2, state, 10.0)
+    started = threading.Event()
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            started.set()
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(socketserver, "threading", types.SimpleNamespace(Thread=NoThread))
+    with socket.create_connection(("127.0.0.1", port_of(srv)), timeout=5) as s:
+        assert started.wait(5)
+        assert s.recv(100) == b""  # closed: nobody serves it
+    monkeypatch.undo()
+    assert_state(fetch(srv, 2, timeout=3.0), state)  # not "server full" until the timeout

@@ -583,7 +583,13 @@ class _Server(ThreadingHTTPServer):
             return
         with self._deadlines_lock:
             self._connections.add(request)
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread serves it (none could start): its slot is free
+            with self._deadlines_lock:
+                self._connections.discard(request)
+            self._slots.release()
+            raise
 
     def close_connections(self) -> None:
         """Shut every connection (call once no new one is accepted): idle and half-sent
