@@ -1574,6 +1574,43 @@ def test_an_interrupt_after_staging_keeps_the_save_pending(
         assert torch.equal(ck.load(step=1)["w"].unique(), torch.tensor([1.0]))
 
 
+@pytest.mark.parametrize("at", [1, 2])
+def test_an_interrupt_while_the_writer_queues_the_save_lets_later_saves_go_on(
+        tmp_path: Path, at: int) -> None:
+    """A Ctrl-C inside the writer's submit, with the hash task queued (at=1) or the
+    write task too (at=2) but not the rest: the queued tasks waited for a staging that
+    never came, and every later save, close() and the interpreter's exit hung."""
+
+    class Interrupting:
+        def __init__(self, inner: Any):
+            self.inner, self.calls = inner, 0
+
+        def submit(self, *args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            if self.calls == at:
+                raise KeyboardInterrupt
+            return self.inner.submit(*args, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")
+    state = {"w": torch.arange(1000.0)}
+    ck.save(state, step=1)
+    writer = ck._ensure_writer()
+    real = writer._write
+    writer._write = Interrupting(real)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_async(state, step=2)
+    writer._write = real
+    infos: list[Any] = []
+    _within(lambda: infos.append(ck.save_async({"w": torch.arange(1000.0) + 3}, step=3).wait()))
+    assert [i.step for i in infos] == [3]
+    _within(ck.close)
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 3]
+    assert torch.equal(asyncckpt.load(tmp_path, step=3)["w"], torch.arange(1000.0) + 3)
+
+
 def test_an_interrupted_close_still_releases_the_lock(tmp_path: Path) -> None:
     class InterruptedRemove(LocalStorage):
         def remove_tree(self, path: Path) -> None:

@@ -331,9 +331,9 @@ class AsyncCheckpointer:
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()
-        durable, self._retention = writer.submit(job)  # follows the staging progress
         staged: cf.Future[None] | None = None
         try:
+            durable, self._retention = writer.submit(job)  # follows the staging progress
             if overlap and self.config.mode != "sync":
                 check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
                 # (the caller's streams, taken here: the stager thread has its own)
@@ -364,8 +364,12 @@ class AsyncCheckpointer:
                 progress.fail(exc)
                 staged = cf.Future()
                 staged.set_exception(exc)
-            if self._pending is None or self._pending._durable is not durable:
-                self._pending = CheckpointFuture(step, durable, staged, progress,
+            # (an interrupt in submit, or as it returned: its write task, if queued, is
+            # the job's; none queued, nothing follows this save)
+            queued = job.durable
+            if queued is not None and (self._pending is None
+                                       or self._pending._durable is not queued):
+                self._pending = CheckpointFuture(step, queued, staged, progress,
                                                  _file_bytes(plan))
                 self._pending.observed = True
             raise

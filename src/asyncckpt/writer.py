@@ -131,6 +131,9 @@ class SaveJob:
     # with the writer's by the coordinator (dist.merge_records)
     replicas: dict[str, list[str]] = field(default_factory=dict)
     pulse: Pulse | None = None  # in a group: this rank's signs of life, the others' abort
+    # the write task's future, as soon as it is queued (an interrupt in the caller may
+    # come before submit returns it)
+    durable: cf.Future[CheckpointInfo] | None = None
 
     def release(self) -> None:
         """Drop the arena and the state tree once the save is over: a failed save's error,
@@ -262,13 +265,20 @@ class BackgroundWriter:
         """Queue a save; returns its durability future and its retention future."""
         # Both tasks are queued here, on the caller's thread: once the interpreter begins
         # to exit, executors refuse new work, but still finish what they were given.
-        hashes = self._hash.submit(_describe, job) if job.plan.items else None
-        durable = self._write.submit(self._run, job, hashes)
-        # Retention runs after the future resolves, on the same thread, so the old steps
-        # are out of sight before the next save writes; removing their files (~0.5 s for
-        # a 3 GB step) goes to the reaper thread, so that it never delays that save.
-        retained: cf.Future[None] = cf.Future()
-        self._write.submit(_retain, job, self._reap, retained)
+        try:
+            hashes = self._hash.submit(_describe, job) if job.plan.items else None
+            durable = job.durable = self._write.submit(self._run, job, hashes)
+            # Retention runs after the future resolves, on the same thread, so the old
+            # steps are out of sight before the next save writes; removing their files
+            # (~0.5 s for a 3 GB step) goes to the reaper thread, so that it never delays
+            # that save.
+            retained: cf.Future[None] = cf.Future()
+            self._write.submit(_retain, job, self._reap, retained)
+        except BaseException as exc:
+            # Interrupted (Ctrl-C) with part of it queued: the tasks already queued wait
+            # for a staging that never comes, and the next save's would queue behind them.
+            job.progress.fail(exc)
+            raise
         return durable, retained
 
     def shutdown(self) -> None:
