@@ -1986,3 +1986,12 @@ def test_a_load_refuses_an_uncommitted_directory_passed_by_path(tmp_path: Path, 
         asyncckpt.AsyncCheckpointer(odd).load()
     from asyncckpt.cli import main
     assert main(["verify", str(odd)]) == 0
+
+
+def test_a_save_without_tensors_reports_the_bytes_it_wrote_none(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        info = ck.save_async({"step": 3, "name": "run"}, step=1).wait()
+        assert sorted(p.name for p in info.path.iterdir()) == ["manifest.json"]
+        assert info.bytes == 0  # was the size of a shard file that is never written
+        info = ck.save_async({"step": 3, "w": torch.ones(10)}, step=2).wait()
+        assert info.bytes == (info.path / "rank_00000.safetensors").stat().st_size
