@@ -1137,6 +1137,29 @@ def test_a_newer_format_stops_a_fallback_load_instead_of_rolling_back(tmp_path: 
     assert asyncckpt.load(tmp_path, step=1)["train"]["step"] == 1
 
 
+def test_a_fallback_that_ends_on_a_mismatch_says_why_it_fell_back(tmp_path: Path) -> None:
+    """Step 2 is corrupt, and step 1 lacks a key the target has: the mismatch alone hid
+    that step 2 was tried, and that the targets hold its bytes."""
+    asyncckpt.save({"a": torch.full((1000,), 1.0)}, tmp_path, step=1)
+    asyncckpt.save({"a": torch.full((1000,), 2.0), "new": torch.full((1000,), 2.0)},
+                   tmp_path, step=2)
+    shard = tmp_path / "step_000000002" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 1
+    shard.write_bytes(bytes(raw))
+    target = {"a": torch.zeros(1000), "new": torch.zeros(1000)}
+    with pytest.raises(asyncckpt.StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target, fallback=True)
+    msg = str(info.value)
+    assert msg.startswith(f"cannot load {tmp_path / 'step_000000001'}")
+    assert "newer ones failed: step 2: " in msg and "checksum mismatch" in msg
+    assert "targets were loaded in place and may hold parts of those steps" in msg
+    assert info.value.missing == ["new"]  # the error's fields are kept
+    with pytest.raises(asyncckpt.StateMismatchError) as info:  # nothing newer failed
+        asyncckpt.load(tmp_path, target, step=1)
+    assert "newer ones failed" not in str(info.value)
+
+
 def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:
     state = make_state()
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:

@@ -287,7 +287,13 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                                progress=progress, ignore_unexpected=ignore_unexpected)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
-        # (anything else no fallback answers: load_newest_intact tells the other ranks)
+        except CheckpointError as exc:
+            # (anything else no fallback answers: load_newest_intact tells the other
+            # ranks) Said alone, it would hide why an older step was tried at all, and
+            # that the targets hold what the failed steps put there.
+            if not failures:
+                raise
+            raise _after_failures(exc, failures, state) from exc
         others = [] if agree is None else agree(
             attempt, step, None if problem is None else str(problem))
         if problem is None and not others:
@@ -307,6 +313,19 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             failures.append(f"step {step} on rank {r}: {what}")
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
+
+
+def _after_failures(exc: CheckpointError, failures: list[str], state: Any) -> CheckpointError:
+    """``exc`` (of an older step a fallback load tried), saying which newer steps failed
+    first and, for a load in place, that the targets may hold their bytes."""
+    text = (f"{exc} (this older step was tried because newer ones failed: "
+            + "; ".join(failures))
+    if state is not None:
+        text += ("; the targets were loaded in place and may hold parts of those steps: "
+                 "load again before using them")
+    out = type(exc)(text + ")")
+    out.__dict__.update(exc.__dict__)
+    return out
 
 
 class _Rollback:
