@@ -271,7 +271,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
-    failures = []
+    failures: list[str] = []
     newest_first = steps[::-1]
     # With strict=False an older step may lack tensors a newer one has: what a failed
     # attempt wrote into those must not stay behind as part of the older step's load.
