@@ -793,3 +793,20 @@ def test_flattening_keeps_no_dtensor_spec_alive(mesh1):
     # and a new DTensor (whose spec may take the dead one's address) gets its own box
     e = DTensor.from_local(torch.zeros(6, 2), mesh1, [Shard(0)], run_check=False)
     assert flatten({"w": e}).boxes["w"] == ((6, 2), ((0, 0), (6, 2)))
+
+
+def test_an_error_of_a_state_dict_names_where_its_object_is() -> None:
+    class Broken:
+        def state_dict(self) -> dict[str, int]:
+            raise ValueError("boom")
+
+        def load_state_dict(self, sd: object) -> None:
+            pass
+
+    for target in (False, True):  # a save's state, and a load's target
+        with pytest.raises(ValueError, match="boom") as info:
+            flatten({"deep": {"obj": Broken()}}, target=target)
+        assert getattr(info.value, "__notes__", []) == [
+            "asyncckpt: raised by state_dict() of the "
+            "test_an_error_of_a_state_dict_names_where_its_object_is.<locals>.Broken at "
+            "'deep/obj' of the state tree"]

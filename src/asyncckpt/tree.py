@@ -31,6 +31,7 @@ from .errors import (
     CheckpointError,
     StateMismatchError,
     UnsupportedLeafError,
+    add_note,
 )
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,12 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
             return {"t": "stateful", "cls": type(obj).__qualname__,
                     "state": {"t": "dict", "items": []}}
         active.add(id(obj))
-        sd = obj.state_dict()
+        try:
+            sd = obj.state_dict()
+        except Exception as exc:  # the object's own error, told where it came from
+            add_note(exc, f"asyncckpt: raised by state_dict() of the {t.__qualname__} at "
+                          f"{where!r} of the state tree")
+            raise
         flat.statefuls[path] = (obj, sd)
         node = {"t": "stateful", "cls": type(obj).__qualname__,
                 "state": _flatten(sd, path, flat, seen, active)}
