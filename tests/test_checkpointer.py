@@ -2018,3 +2018,19 @@ def test_a_save_without_tensors_reports_the_bytes_it_wrote_none(tmp_path: Path) 
         assert info.bytes == 0  # was the size of a shard file that is never written
         info = ck.save_async({"step": 3, "w": torch.ones(10)}, step=2).wait()
         assert info.bytes == (info.path / "rank_00000.safetensors").stat().st_size
+
+
+def test_an_empty_or_non_path_directory_is_refused_naming_the_argument(tmp_path: Path,
+                                                                        monkeypatch: Any
+                                                                        ) -> None:
+    monkeypatch.chdir(tmp_path)  # "" meant the current directory: it must stay empty
+    for bad, name in (("", "directory"), (None, "directory"), (b"run", "directory")):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match=f"^{name}="):
+            asyncckpt.AsyncCheckpointer(bad)  # type: ignore[arg-type]
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"^directory=''"):
+        asyncckpt.save({"w": torch.ones(2)}, "")
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"^path=''"):
+        asyncckpt.load("")
+    assert list(tmp_path.iterdir()) == []
+    asyncckpt.save({"w": torch.ones(2)}, ".", step=1)  # the current directory, said so
+    assert asyncckpt.load(".")["w"].tolist() == [1.0, 1.0]

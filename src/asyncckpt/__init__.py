@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import AsyncCheckpointer, CheckpointerConfig
+from .checkpointer import checked_directory as _checked_directory
 from .commit import check_step as _check_step
 from .commit import resolve_step_dir as _resolve_step_dir
 from .errors import (
@@ -111,6 +112,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
     _check_threads(threads)
+    _checked_directory(path, "path")
     _check_fallback(fallback, step, verify)
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":

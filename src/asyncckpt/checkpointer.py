@@ -134,6 +134,16 @@ class CheckpointerConfig:
         check_block_bytes(self.block_bytes)
 
 
+def checked_directory(path: object, name: str) -> Path:
+    """``path`` as a Path; an empty one (an unset variable's "", which would mean the
+    current directory) or one of another type is refused, naming the argument."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise CheckpointConfigError(f"{name}={path!r}: pass a path (a str or os.PathLike)")
+    if os.fspath(path) == "":
+        raise CheckpointConfigError(f"{name}='': pass a path ('.' for the current directory)")
+    return Path(path)
+
+
 def default_copy_threads() -> int:
     """The CPUs this process may run on, shared among the ranks of this machine (the
     ``LOCAL_WORLD_SIZE`` that torchrun sets), at most 4 and at least 1.
@@ -181,7 +191,7 @@ class AsyncCheckpointer:
                                          keep_every=keep_every, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
-        self.directory = Path(directory)
+        self.directory = checked_directory(directory, "directory")
         self.storage: Storage = storage or LocalStorage()
         self._ctx: DistContext = resolve_context(
             # (not realpath: nodes may resolve one shared alias to different mounts)
