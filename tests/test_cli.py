@@ -168,7 +168,7 @@ def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixtur
     code, out, _ = run(capsys, "inspect", str(step_dir), "--json")
     assert code == 0 and json.loads(out)["step"] == 10
     code, out, err = run(capsys, "inspect", str(step_dir), "--step", "20")
-    assert code == 2 and "of step 10, not of step 20" in err
+    assert code == 2 and "of step 10, not 20: drop --step" in err
 
 
 def test_inspect_not_found(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -263,7 +263,8 @@ def test_a_failed_command_with_json_prints_the_error_as_json(
     code, out, err = run(capsys, "verify", str(root), "--step", "x", "--json")  # argparse's
     doc = json.loads(out)
     assert code == 2 and doc["error"]["type"] == "UsageError"
-    assert "invalid int value: 'x'" in doc["error"]["message"] and err.startswith("usage:")
+    assert "invalid step number (0 or more) value: 'x'" in doc["error"]["message"]
+    assert err.startswith("usage:")
 
 
 def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -656,3 +657,17 @@ def test_inspect_counts_a_stateful_roots_scalars_as_its_own(
         line = next(ln for ln in out.splitlines() if ln.startswith("non-tensor state"))
         assert code == 0 and line.startswith(f"non-tensor state: {2 if loose else 1} "
                                              f"scalars{loose}; objects "), line
+
+
+def test_a_step_that_cannot_be_is_told_in_the_cli_s_words(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+    code, _, err = run(capsys, "verify", str(tmp_path), "--step", "-1")
+    assert code == 2 and "--step: invalid step number (0 or more) value: '-1'" in err, err
+    assert "None" not in err  # (the Python API's words: "or None for the latest")
+    # a step directory with another --step: one message, the one that says what to do
+    code, _, err = run(capsys, "verify", str(tmp_path / "step_000000001"), "--step", "2")
+    assert code == 2
+    assert err.strip() == (f"asyncckpt: error: {tmp_path / 'step_000000001'} is the step "
+                           "directory of step 1, not 2: drop --step or pass the checkpoint root")
+    assert run(capsys, "verify", str(tmp_path / "step_000000001"), "--step", "1")[0] == 0

@@ -168,6 +168,17 @@ def _print_json(doc: Any) -> None:
     _out(json.dumps(doc, indent=2))
 
 
+def _step_number(text: str) -> int:
+    """--step's type: a step number, 0 or more (argparse reports the ValueError)."""
+    step = int(text)
+    if step < 0:
+        raise ValueError(text)
+    return step
+
+
+_step_number.__name__ = "step number (0 or more)"  # (argparse names the type so)
+
+
 def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
     """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError."""
     storage = LocalStorage()
@@ -175,14 +186,17 @@ def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
+    if step is not None and (path / MANIFEST_NAME).is_file():
+        # (before resolve_step_dir, whose error says it in the words of the Python API)
+        found: int | None = None
+        with contextlib.suppress(CheckpointError):  # a damaged manifest: verify says so
+            found = read_manifest(path, storage).step
+        if found is not None and found != step:
+            raise _Usage(f"{path} is the step directory of step {found}, not {step}: drop --step "
+                         "or pass the checkpoint root")
     step_dir, _ = commit.resolve_step_dir(path, step, storage, uncommitted_ok=True)
     if step_dir == path:
         _warn_if_uncommitted(path)
-    if step is not None and step_dir == path:
-        found = read_manifest(step_dir, storage).step
-        if found != step:
-            raise _Usage(f"{path} is the step directory of step {found}, not {step}: drop --step "
-                         "or pass the checkpoint root")
     return step_dir, storage
 
 
@@ -561,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("ckpt", metavar="CKPT",
                         help="a checkpoint root (latest step unless --step) or a step directory")
-        sp.add_argument("--step", type=int, default=None, help="which committed step of the root")
+        sp.add_argument("--step", type=_step_number, default=None,
+                        help="which committed step of the root")
         if name == "verify":
             sp.add_argument("--threads", type=int, default=None,
                             help="files or parts of one read at once (default: 2, or 1 "
@@ -578,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("ckpt", metavar="CKPT",
                     help="a checkpoint root (latest step unless --step) or a step directory")
     ex.add_argument("out", metavar="OUT", help="the .safetensors file to write")
-    ex.add_argument("--step", type=int, default=None, help="which committed step of the root")
+    ex.add_argument("--step", type=_step_number, default=None,
+                    help="which committed step of the root")
     ex.add_argument("--prefix", default="",
                     help="export only the tensors under this name (model: model/... and "
                          "model.... but not model_ema/...)")
@@ -596,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"--token-file or ${TOKEN_ENV}, never from the command line.")
     sv.add_argument("ckpt", metavar="CKPT",
                     help="a checkpoint root (latest step unless --step) or a step directory")
-    sv.add_argument("--step", type=int, default=None, help="which committed step of the root")
+    sv.add_argument("--step", type=_step_number, default=None,
+                    help="which committed step of the root")
     sv.add_argument("--host", default="127.0.0.1",
                     help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     sv.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
