@@ -2034,3 +2034,25 @@ def test_an_empty_or_non_path_directory_is_refused_naming_the_argument(tmp_path:
     assert list(tmp_path.iterdir()) == []
     asyncckpt.save({"w": torch.ones(2)}, ".", step=1)  # the current directory, said so
     assert asyncckpt.load(".")["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("n, threads", [(1000, 1), (2_000_000, 2)])  # serial, parallel
+def test_a_tensor_whose_memory_shrank_before_it_was_staged_fails_the_save(
+        tmp_path: Path, n: int, threads: int) -> None:
+    """``w.data = smaller`` before wait_staged(): staging memmoved the planned bytes from
+    the new, smaller memory, reading past its end (garbage committed, or a crash)."""
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", copy_threads=threads)
+    w = torch.nn.Parameter(torch.ones(n))
+    state = {"w": w, "b": torch.ones(n)}
+    ck.save(state, step=1)
+    gate = threading.Event()
+    ck._ensure_writer().stager.submit(gate.wait, 10)  # the copy waits behind this
+    fut = ck.save_async(state, step=2, overlap=True)
+    w.data = torch.full((10,), 2.0)  # the contract broken: no wait_staged() first
+    gate.set()
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="tensor 'w' changed while it "
+                                                            "was being saved") as info:
+        fut.wait(timeout=30)
+    assert "wait_staged()" in str(info.value)
+    assert ck.steps() == [1]
+    ck.close()

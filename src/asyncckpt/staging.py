@@ -323,11 +323,23 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
 def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
                 hi: int) -> None:
     if plain_memory(src):
+        _check_size(item, src)
         _memmove(base + item.offset + lo, src.data_ptr() + lo, hi - lo)
     elif lo == 0 and hi == item.nbytes:
         arena.view(item).copy_(src)
     else:  # a part of a non-contiguous tensor: copy the rows that cover it
         _copy_rows(item, src, arena, lo, hi)
+
+
+def _check_size(item: WriteItem, src: torch.Tensor) -> None:
+    """Refuse to memmove the planned bytes out of a tensor that no longer holds them: its
+    memory replaced since the plan (``t.data = smaller`` before ``wait_staged()``, or on
+    another thread) would be read past its end."""
+    if src.nbytes != item.nbytes:
+        raise CheckpointSaveError(
+            f"tensor {item.key!r} changed while it was being saved: it holds {src.nbytes} "
+            f"bytes, not the {item.nbytes} the save planned (with overlap=True, call "
+            "fut.wait_staged() before changing the saved tensors)")
 
 
 def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi: int) -> None:
@@ -407,6 +419,7 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
             elif plain_memory(src):
                 # One memmove on this thread: torch's copy_ would fan each tensor out to
                 # its intra-op threads, which here is slower and erratic.
+                _check_size(item, src)
                 _memmove(base + item.offset, src.data_ptr(), item.nbytes)
             elif several and src.is_cuda:
                 with torch.cuda.stream(streams[src.device]):
