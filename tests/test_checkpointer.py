@@ -2056,3 +2056,21 @@ def test_a_tensor_whose_memory_shrank_before_it_was_staged_fails_the_save(
     assert "wait_staged()" in str(info.value)
     assert ck.steps() == [1]
     ck.close()
+
+
+def test_metadata_is_str_to_str_and_anything_else_is_refused_naming_the_key(
+        tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        state = {"w": torch.ones(2)}
+        ck.save(state, step=1, metadata={"run": "a", "loss": 0.25, "n": 3, "ok": True})
+        assert ck.manifest(1).user_metadata == {"run": "a", "loss": "0.25", "n": "3",
+                                                "ok": "True"}
+        cases = [({"cfg": {"lr": 1}}, r"metadata\['cfg'\] is a dict"),  # was its repr
+                 ({"o": object()}, r"metadata\['o'\] is a object"),  # failed in background
+                 ({1: "x"}, "metadata key 1: keys must be str"),
+                 ("ab", "pass a mapping of str to str")]
+        for bad, message in cases:
+            with pytest.raises(asyncckpt.CheckpointConfigError, match=message):
+                ck.save_async(state, step=2, metadata=bad)  # type: ignore[arg-type]
+        ck.save(state, step=2)  # nothing was left pending by the refusals
+        assert ck.steps() == [1, 2] and ck.manifest(2).user_metadata == {}

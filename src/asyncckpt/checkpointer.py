@@ -295,6 +295,7 @@ class AsyncCheckpointer:
         try:
             if type(step) is not int or step < 0:
                 raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
+            user_metadata = _checked_metadata(metadata)
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
             self._wait_for_previous()
@@ -335,7 +336,7 @@ class AsyncCheckpointer:
             storage=self.storage, keep_last=self.config.keep_last,
             keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
             library_version=_version(),
-            user_metadata=dict(metadata or {}), direct_io=self.config.direct_io,
+            user_metadata=user_metadata, direct_io=self.config.direct_io,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports,
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
@@ -1112,6 +1113,29 @@ def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float) -> None
 def _file_bytes(plan: WritePlan) -> int:
     """What this rank writes: its shard file, or nothing when it holds no tensor to write."""
     return plan.file_bytes if plan.items else 0
+
+
+def _checked_metadata(metadata: object) -> dict[str, str]:
+    """``metadata`` as the manifest keeps it, str to str: numbers and bools become their
+    text (read back as str); anything else is refused here, naming the key, rather than
+    failing the save in the background or stored as a repr."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise CheckpointConfigError(f"metadata={metadata!r:.80}: pass a mapping of str to str")
+    out: dict[str, str] = {}
+    for k, v in metadata.items():
+        if type(k) is not str:
+            raise CheckpointConfigError(f"metadata key {k!r:.80}: keys must be str")
+        if isinstance(v, str):
+            out[k] = str(v)
+        elif isinstance(v, (bool, int, float)):
+            out[k] = repr(v) if isinstance(v, float) else str(v)
+        else:
+            raise CheckpointConfigError(
+                f"metadata[{k!r}] is a {type(v).__name__}: values must be str (or a number or "
+                "bool, stored as its text); json.dumps() it, or save it in the state")
+    return out
 
 
 def _version() -> str:
