@@ -2074,3 +2074,20 @@ def test_metadata_is_str_to_str_and_anything_else_is_refused_naming_the_key(
                 ck.save_async(state, step=2, metadata=bad)  # type: ignore[arg-type]
         ck.save(state, step=2)  # nothing was left pending by the refusals
         assert ck.steps() == [1, 2] and ck.manifest(2).user_metadata == {}
+
+
+def test_one_process_saving_part_of_a_hand_sharded_tensor_is_refused_at_once(
+        tmp_path: Path) -> None:
+    from asyncckpt import ShardMetadata
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        rows = torch.ones(2, 2)
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"shards\['w'\]: a box of shape \[2, 2\] at offsets \[2, 0\] "
+                                 r"of a tensor of global shape \[4, 2\], saved by one process"):
+            ck.save_async({"w": rows}, step=1,
+                          shards={"w": ShardMetadata(global_shape=(4, 2), offsets=(2, 0))})
+        # (was a CheckpointSaveError from the background: "chunks leave part ... uncovered")
+        whole = ShardMetadata(global_shape=(2, 2), offsets=(0, 0))
+        ck.save({"w": rows}, step=1, shards={"w": whole})  # the whole of it is a save
+        assert ck.steps() == [1]

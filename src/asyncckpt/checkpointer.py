@@ -310,6 +310,8 @@ class AsyncCheckpointer:
             paused.enter_context(gc_paused())
             flat = flatten(state)
             apply_shards(flat, shards)
+            if shards and not ctx.distributed:
+                _refuse_partial_shards(flat, shards)
             mine = self._my_keys(step, tag, flat)
             tensors = {k: t for k, t in flat.tensors.items() if k in mine}
             replicas = self._replica_checksums(flat) if ctx.distributed else {}
@@ -1113,6 +1115,19 @@ def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float) -> None
 def _file_bytes(plan: WritePlan) -> int:
     """What this rank writes: its shard file, or nothing when it holds no tensor to write."""
     return plan.file_bytes if plan.items else 0
+
+
+def _refuse_partial_shards(flat: FlatState, shards: Mapping[str, ShardMetadata]) -> None:
+    """One process saves a hand-sharded tensor whole or not at all: no other rank would
+    save the rest (the commit would find it uncovered, in the background)."""
+    for path in shards:
+        global_shape, (offsets, lens) = flat.boxes[flat.refs[path]]
+        if lens != global_shape:
+            raise CheckpointConfigError(
+                f"shards[{path!r}]: a box of shape {list(lens)} at offsets {list(offsets)} of "
+                f"a tensor of global shape {list(global_shape)}, saved by one process (world "
+                "size 1): no other rank saves the rest; save the whole tensor, or save from "
+                "every rank of a group")
 
 
 def _checked_metadata(metadata: object) -> dict[str, str]:
