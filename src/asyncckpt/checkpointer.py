@@ -1142,10 +1142,8 @@ def _checked_metadata(metadata: object) -> dict[str, str]:
     for k, v in metadata.items():
         if type(k) is not str:
             raise CheckpointConfigError(f"metadata key {k!r:.80}: keys must be str")
-        if isinstance(v, str):
+        if isinstance(v, (str, bool, int, float)):
             out[k] = str(v)
-        elif isinstance(v, (bool, int, float)):
-            out[k] = repr(v) if isinstance(v, float) else str(v)
         else:
             raise CheckpointConfigError(
                 f"metadata[{k!r}] is a {type(v).__name__}: values must be str (or a number or "
