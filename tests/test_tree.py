@@ -542,6 +542,23 @@ def test_merged_skeletons_report_the_non_tensor_values_ranks_disagree_on():
     assert merged == a
 
 
+def test_merged_skeletons_refuse_an_array_on_one_rank_and_a_value_on_another():
+    """Rank 0's tensor won silently over a later rank's int (the reverse was refused)."""
+    from asyncckpt.errors import CheckpointSaveError
+
+    tensor = flatten({"a": 1, "x": torch.ones(2)}).skeleton
+    for other, kind in (({"a": 1, "x": 5}, "int"), ({"a": 1, "x": {"n": 5}}, "dict"),
+                        ({"a": 1, "x": None}, "none")):
+        value = flatten(other).skeleton
+        for pair, kinds in (([tensor, value], f"tensor on one rank, {kind} on another"),
+                            ([value, tensor], f"{kind} on one rank, tensor on another")):
+            with pytest.raises(CheckpointSaveError, match=f"disagree at 'x': {kinds}"):
+                merge_skeletons(pair, [])
+    # two arrays of another kind (a tensor, a numpy array) still merge: rank 0's wins
+    arr = flatten({"a": 1, "x": np.ones(2)}).skeleton
+    assert merge_skeletons([tensor, arr], []) == tensor
+
+
 # --- property: any random state tree round-trips exactly ----------------------------------------
 
 _TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

@@ -29,6 +29,7 @@ from ._gc import gc_resumed
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointSaveError,
     StateMismatchError,
     UnsupportedLeafError,
     add_note,
@@ -687,6 +688,13 @@ def _merge(a: Node, b: Node, path: str, differing: list[str] | None) -> Node:
         return {"t": a["t"], "items": [_merge(x, y, join_path(path, i), differing)
                                        for i, (x, y) in enumerate(zip(a["items"], b["items"],
                                                                       strict=True))]}
+    if ("key" in a) != ("key" in b):
+        # An array on one rank, another value on the other: keeping either loses the
+        # other rank's (rank 0's tensor won silently over a later rank's int).
+        kinds = f"{a['t']} on one rank, {b['t']} on another"
+        raise CheckpointSaveError(
+            f"the ranks' state trees disagree at {path or '<root>'!r}: {kinds}; give every "
+            "rank a state tree of the same structure (per-rank values under per-rank paths)")
     if differing is not None and a != b and "key" not in a:
         differing.append(path or "<root>")
     return a
