@@ -622,6 +622,25 @@ def test_a_rank_that_saved_into_another_directory_since_is_not_called_unpaired(
     assert "not called save_async" in str(out[0])
 
 
+def test_a_timeout_says_a_rank_saves_into_another_directory(tmp_path: Path) -> None:
+    """Rank 1 passes another directory: both ranks timed out saying only that the other
+    may have died or not called save_async."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path / ("run" if r == 0 else "run2"), mode="sync", rank=r,
+                               world_size=2, store=store, timeout_s=2) as ck:
+            ck.save(_state(r), step=1)
+
+    out = in_threads(rank)
+    for r in (0, 1):
+        assert isinstance(out[r], CheckpointTimeoutError), out[r]
+        theirs, mine = (tmp_path / "run2", tmp_path / "run")[::1 if r == 0 else -1]
+        assert (f"rank {1 - r} last started saving into {str(theirs)!r}, this rank into "
+                f"{str(mine)!r}") in str(out[r])
+    assert AsyncCheckpointer(tmp_path / "run").steps() == []
+
+
 def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -> None:
     store = dist.HashStore()
 

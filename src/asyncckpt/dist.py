@@ -241,9 +241,16 @@ class DistContext:
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
             self.store.set(self._where_key(self.rank), json.dumps(
                 {"namespace": self.namespace, "session": n}))
+            self.store.set(self._last_directory_key(self.rank), self.directory)
 
     def _base(self) -> str:
         return hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+
+    @staticmethod
+    def _last_directory_key(rank: int) -> str:
+        """Which directory ``rank`` last started saving into (any directory's checkpointer
+        sets it): a rank saving elsewhere never shows up under this directory's keys."""
+        return f"asyncckpt/last-directory/{rank}"
 
     def _where_key(self, rank: int) -> str:
         """Which checkpointer of this directory ``rank`` last started saving with."""
@@ -388,6 +395,13 @@ class DistContext:
                 where_key = self._where_key(r)
                 where = json.loads(self.store.get(where_key)) if self.store.check(
                     [where_key]) else None
+                dir_key = self._last_directory_key(r)
+                elsewhere = (self.store.get(dir_key).decode(errors="replace")
+                             if self.store.check([dir_key]) else self.directory)
+                if where is None and elsewhere != self.directory:  # never saved here
+                    notes.append(f"rank {r} last started saving into {elsewhere!r}, this rank "
+                                 f"into {self.directory!r}")
+                    continue
                 if where is not None and where["namespace"] != self.namespace:
                     notes.append(
                         f"rank {r} last started saving into {self.directory!r} with its "
