@@ -945,8 +945,11 @@ def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Pat
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)
 
+    targets: dict[int, torch.Tensor] = {}
+
     def rank(r: int) -> Any:
         w = torch.zeros(4, dtype=torch.float32 if r == 0 else torch.float64)  # rank 1: wrong
+        targets[r] = w
         with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
                                timeout_s=30) as ck:
             return ck.load({"w": w, "step": 0}, fallback=True,
@@ -957,6 +960,10 @@ def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Pat
     assert isinstance(out[1], asyncckpt.StateMismatchError), out
     assert isinstance(out[0], CheckpointError) and "rank 1 failed" in str(out[0]), out
     assert time.monotonic() - t0 < 20  # told, not timed out
+    # rank 0 read step 2 into its target before it was told: its error says so
+    assert targets[0].tolist() == [20.0] * 4
+    assert ("this rank's targets were loaded in place from step 2 and may hold its data"
+            in str(out[0])), out[0]
 
 
 def test_a_group_fallback_load_on_one_rank_alone_times_out_naming_the_other(

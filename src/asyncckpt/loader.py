@@ -294,8 +294,15 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             if not failures:
                 raise
             raise _after_failures(exc, failures, state) from exc
-        others = [] if agree is None else agree(
-            attempt, step, None if problem is None else str(problem))
+        try:
+            others = [] if agree is None else agree(
+                attempt, step, None if problem is None else str(problem))
+        except CheckpointError as exc:  # another rank failed: this one read in place already
+            if state is None:
+                raise
+            raise _noted(exc, f"; this rank's targets were loaded in place from step {step}"
+                              f"{' and newer steps' if failures else ''} and may hold its "
+                              "data: load again before using them") from exc
         if problem is None and not others:
             if undo is not None:
                 undo.finish(step)
@@ -318,12 +325,16 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
 def _after_failures(exc: CheckpointError, failures: list[str], state: Any) -> CheckpointError:
     """``exc`` (of an older step a fallback load tried), saying which newer steps failed
     first and, for a load in place, that the targets may hold their bytes."""
-    text = (f"{exc} (this older step was tried because newer ones failed: "
-            + "; ".join(failures))
+    text = " (this older step was tried because newer ones failed: " + "; ".join(failures)
     if state is not None:
         text += ("; the targets were loaded in place and may hold parts of those steps: "
                  "load again before using them")
-    out = type(exc)(text + ")")
+    return _noted(exc, text + ")")
+
+
+def _noted(exc: CheckpointError, text: str) -> CheckpointError:
+    """``exc`` with ``text`` added to its message (its type and fields kept)."""
+    out = type(exc)(f"{exc}{text}")
     out.__dict__.update(exc.__dict__)
     return out
 
