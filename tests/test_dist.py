@@ -694,9 +694,10 @@ def test_closing_every_rank_leaves_only_a_where_key_and_a_count_per_rank(tmp_pat
 
     out = in_threads(rank)
     assert out == {0: None, 1: None}
-    assert store.num_keys() == 4, "left in the Store after close()"
+    assert store.num_keys() == 6, "left in the Store after close()"
     assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}",
-                            f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
+                            f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}",
+                            f"asyncckpt/last-directory/{r}"]) for r in (0, 1))
 
 
 @pytest.mark.parametrize("case", ["new layout, one rank fails", "first save fails",
@@ -727,7 +728,7 @@ def test_keys_of_failed_saves_are_deleted_at_close_too(tmp_path: Path, case: str
 
     out = in_threads(rank)
     assert out == {0: None, 1: None}
-    assert store.num_keys() == 4, "left in the Store after close()"
+    assert store.num_keys() == 6, "left in the Store after close()"
     assert all(store.check([f"asyncckpt/where/{_dir_hash(tmp_path)}/{r}",
                             f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
 

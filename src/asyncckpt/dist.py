@@ -430,7 +430,7 @@ class DistContext:
         shares it handed out) and count itself out;
         the last rank of the group to close deletes all of it (by then no rank waits on
         any of it). The ``where`` keys and the checkpointer counts stay: one of each per
-        rank and directory."""
+        rank and directory, and each rank's last directory (one key per rank)."""
         if not self.namespace:
             return
         with contextlib.suppress(Exception):
