@@ -122,6 +122,7 @@ def _unspecified(host: str) -> bool:
 
 
 def check_peer_step(step: int) -> None:
+    """Refuse a step no URL of a peer can name (above ``MAX_STEP``)."""
     if step > MAX_STEP:
         raise CheckpointConfigError(f"step={step}: a peer serves steps up to 2**63-1; number "
                                     "the steps of this run below that")
