@@ -113,6 +113,14 @@ class StateMismatchError(CheckpointError, KeyError):
         return str(self.args[0])
 
 
+def retold(exc: CheckpointError, message: str) -> CheckpointError:
+    """``exc`` told with ``message``: an error of its type, with its fields (``path``,
+    ``key``, ``ranks``, ``missing``...) kept."""
+    out = type(exc)(message)
+    out.__dict__.update(exc.__dict__)
+    return out
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)``, on Python 3.10 too, which lacks it: there the note goes in
     ``exc.__notes__`` as 3.11 keeps it (PEP 678), for code and tools that read notes

@@ -28,6 +28,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     StateMismatchError,
+    retold,
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import copy_into, load_tensors, narrow_to_box, read_manifest
@@ -334,9 +335,7 @@ def _after_failures(exc: CheckpointError, failures: list[str], state: Any) -> Ch
 
 def _noted(exc: CheckpointError, text: str) -> CheckpointError:
     """``exc`` with ``text`` added to its message (its type and fields kept)."""
-    out = type(exc)(f"{exc}{text}")
-    out.__dict__.update(exc.__dict__)
-    return out
+    return retold(exc, f"{exc}{text}")
 
 
 class _Rollback:

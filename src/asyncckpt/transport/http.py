@@ -43,6 +43,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    retold,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest, check_block_bytes
 from .base import (
@@ -505,8 +506,7 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
                  "receive again before using them")
     if text == old:
         return exc
-    out = type(exc)(text)
-    out.__dict__.update(exc.__dict__)
+    out = retold(exc, text)
     path = getattr(out, "path", None)
     if isinstance(path, str) and path.startswith(local):
         out.path = url + ("" if path == local + MANIFEST_NAME else "files/") + path[len(local):]  # type: ignore[attr-defined]
