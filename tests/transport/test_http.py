@@ -2172,3 +2172,12 @@ def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(
         assert s.recv(100) == b""  # closed: nobody serves it
     monkeypatch.undo()
     assert_state(fetch(srv, 2, timeout=3.0), state)  # not "server full" until the timeout
+
+
+def test_an_ipv6_zone_is_escaped_in_the_address_and_unescaped_by_a_receiver(
+        transports: Any) -> None:
+    for spelled in ("fe80::1%eth0", "[fe80::1%eth0]", "fe80::1%25eth0"):
+        tr = transports(advertise_host=spelled)
+        url = tr.address()
+        assert url == f"http://[fe80::1%25eth0]:{port_of(tr)}/v1"  # RFC 6874
+        assert HTTPStorage(url, 1, token=None, timeout_s=1.0).host == "fe80::1%eth0"

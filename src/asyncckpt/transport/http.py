@@ -232,7 +232,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Base URL of this server: ``http://host:port/v1``."""
         host = self._advertise
         if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
+            # (an IPv6 zone, "fe80::1%eth0", is written %25eth0 in a URL: RFC 6874)
+            host = "[" + host.replace("%25", "%").replace("%", "%25") + "]"
         return f"http://{host}:{self._server.server_address[1]}/v1"
 
     def metadata(self) -> str:
@@ -870,7 +871,7 @@ class HTTPStorage:
                                         f"{exc}") from None
         if u.scheme != "http" or not u.hostname:
             raise CheckpointConfigError(f"{base!r} is not an http:// address of a peer")
-        self.host, self.port = u.hostname, port or 80
+        self.host, self.port = u.hostname.replace("%25", "%"), port or 80  # (an IPv6 zone)
         self.prefix = u.path.rstrip("/")
         self.step = step
         self.timeout_s = timeout_s
