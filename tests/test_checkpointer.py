@@ -2065,8 +2065,8 @@ def test_metadata_is_str_to_str_and_anything_else_is_refused_naming_the_key(
         ck.save(state, step=1, metadata={"run": "a", "loss": 0.25, "n": 3, "ok": True})
         assert ck.manifest(1).user_metadata == {"run": "a", "loss": "0.25", "n": "3",
                                                 "ok": "True"}
-        cases = [({"cfg": {"lr": 1}}, r"metadata\['cfg'\] is a dict"),  # was its repr
-                 ({"o": object()}, r"metadata\['o'\] is a object"),  # failed in background
+        cases = [({"cfg": {"lr": 1}}, r"metadata\['cfg'\] is of type dict"),  # was its repr
+                 ({"o": object()}, r"metadata\['o'\] is of type object"),  # failed later
                  ({1: "x"}, "metadata key 1: keys must be str"),
                  ("ab", "pass a mapping of str to str")]
         for bad, message in cases:

@@ -1146,8 +1146,8 @@ def _checked_metadata(metadata: object) -> dict[str, str]:
             out[k] = str(v)
         else:
             raise CheckpointConfigError(
-                f"metadata[{k!r}] is a {type(v).__name__}: values must be str (or a number or "
-                "bool, stored as its text); json.dumps() it, or save it in the state")
+                f"metadata[{k!r}] is of type {type(v).__name__}: values must be str (or a "
+                "number or bool, stored as its text); json.dumps() it, or save it in the state")
     return out
 
 
