@@ -2091,3 +2091,37 @@ def test_one_process_saving_part_of_a_hand_sharded_tensor_is_refused_at_once(
         whole = ShardMetadata(global_shape=(2, 2), offsets=(0, 0))
         ck.save({"w": rows}, step=1, shards={"w": whole})  # the whole of it is a save
         assert ck.steps() == [1]
+
+
+def test_a_save_that_does_not_commit_is_not_left_on_offer_to_peers(tmp_path: Path) -> None:
+    """Its staged arena was offered before the commit failed, and stayed offered: a peer
+    recovered step 2, which no load from disk could find (step 1's offer was gone)."""
+    from asyncckpt.transport import HTTPTransport
+
+    class FailingRename(LocalStorage):
+        fail = False
+
+        def rename(self, src: Path, dst: Path) -> None:
+            if self.fail:
+                raise OSError(errno.EIO, "injected EIO on rename")
+            super().rename(src, dst)
+
+    storage = FailingRename()
+    transport = HTTPTransport(timeout=1.0)
+    try:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage) as ckpt:
+            ckpt.serve(transport)
+            ckpt.save({"w": torch.full((100,), 1.0)}, step=1)
+            assert asyncckpt.load(transport.address(), timeout=5)["w"][0] == 1.0
+            storage.fail = True
+            with pytest.raises(asyncckpt.CheckpointSaveError, match="injected EIO"):
+                ckpt.save({"w": torch.full((100,), 2.0)}, step=2)
+            assert ckpt.steps() == [1]
+            with pytest.raises(asyncckpt.CheckpointTimeoutError,
+                               match="not yet, or it was withdrawn"):
+                asyncckpt.load(transport.address(), timeout=1.5)
+            storage.fail = False
+            ckpt.save({"w": torch.full((100,), 3.0)}, step=3)  # offered again
+            assert asyncckpt.load(transport.address(), timeout=5)["w"][0] == 3.0
+    finally:
+        transport.shutdown()

@@ -310,6 +310,8 @@ class BackgroundWriter:
             # future may resolve, only once it has stopped (at its next unit).
             job.progress.wait_idle()
             _abort(job, exc)
+            if job.serve_to and not isinstance(exc, commit.CommittedNotDurableError):
+                _withdraw_offer(job)  # a step that did not commit is not served either
             job.release()
             # The future keeps this error for its caller, and the error's frames their
             # locals: views of the arena among them, which would keep it alive after
@@ -634,6 +636,22 @@ def _ready(job: SaveJob) -> Callable[[int], None]:
                 continue
 
     return ready
+
+
+def _withdraw_offer(job: SaveJob) -> None:
+    """Take back what ``_offer_arena`` offered of a save that failed (saves run one at a
+    time: what the transports offer is this save's, or nothing). Never raises."""
+    for transport in job.serve_to:
+        try:
+            withdraw = getattr(transport, "withdraw", None)
+            if callable(withdraw):
+                withdraw()
+            else:
+                transport.disallow_checkpoint()
+        except Exception as exc:
+            log.error("rank=%d step=%d: the failed save's offer to peers through %s could not "
+                      "be withdrawn: %s: %s", job.ctx.rank, job.step, type(transport).__name__,
+                      type(exc).__name__, exc)
 
 
 def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
