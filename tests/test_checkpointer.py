@@ -2125,3 +2125,34 @@ def test_a_save_that_does_not_commit_is_not_left_on_offer_to_peers(tmp_path: Pat
             assert asyncckpt.load(transport.address(), timeout=5)["w"][0] == 3.0
     finally:
         transport.shutdown()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_prepare_neither_fails_nor_holds_the_next_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    """prepare(background=False) that failed left its future pending: the next save
+    waited on it for ever. A failed background prepare made the next save raise the
+    prepare's error (its future had told it already), though the save's own, smaller
+    state would have fitted."""
+    real = asyncckpt.AsyncCheckpointer._arena_for
+    calls: list[int] = []
+
+    def out_of_memory(self: Any, plan: Any) -> Any:
+        calls.append(plan.padded_bytes)
+        if len(calls) == 1:  # the prepare's allocation
+            raise asyncckpt.CheckpointSaveError("could not allocate the host buffer")
+        return real(self, plan)
+
+    monkeypatch.setattr(asyncckpt.AsyncCheckpointer, "_arena_for", out_of_memory)
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")
+    if background:
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="could not allocate"):
+            ck.prepare({"w": torch.ones(1000)}).result(timeout=30)
+    else:
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="could not allocate"):
+            ck.prepare({"w": torch.ones(1000)}, background=False)
+    infos: list[Any] = []
+    _within(lambda: infos.append(ck.save({"w": torch.arange(4.0)}, step=1)))
+    assert [i.step for i in infos] == [1] and len(calls) == 2
+    _within(ck.close)
+    assert asyncckpt.load(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

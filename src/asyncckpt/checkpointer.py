@@ -318,7 +318,13 @@ class AsyncCheckpointer:
             self._stop_serving()  # before the arena's header or bytes change
             if self._preparing is not None:  # an arena being allocated ahead of time
                 preparing, self._preparing = self._preparing, None
-                preparing.result()
+                cf.wait([preparing])
+                failed = preparing.exception()
+                if failed is not None:  # (its future told whoever asked it)
+                    # Not this save's failure: it allocates for its own layout below.
+                    log.warning("rank=%d step=%d: the prepare() before this save failed "
+                                "(%s: %s); this save allocates its own host buffer",
+                                ctx.rank, step, type(failed).__name__, failed)
             plan = self._plan_for(tensors)
             allocating = time.perf_counter()
             arena = self._arena_for(plan)  # may fail: e.g. out of (pinned) memory
@@ -446,9 +452,15 @@ class AsyncCheckpointer:
         else:
             if self._preparing is not None:  # an earlier prepare() may be allocating now
                 cf.wait([self._preparing])
-            self._preparing = cf.Future()
-            allocate()
-            self._preparing.set_result(None)
+            done: cf.Future[Any] = cf.Future()
+            try:
+                allocate()
+            except BaseException as exc:
+                done.set_exception(exc)  # (a pending one would hold the next save for ever)
+                self._preparing = done
+                raise
+            done.set_result(None)
+            self._preparing = done
         return self._preparing
 
     def serve(self, transport: Any) -> None:
