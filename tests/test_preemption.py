@@ -154,6 +154,42 @@ def test_by_default_a_repeated_signal_is_only_noted() -> None:
         signal.signal(signal.SIGUSR2, before)
 
 
+def test_a_signal_named_twice_is_watched_once_and_put_back() -> None:
+    """Installed twice, the watch was its own "previous" handler: the second signal
+    recursed (RecursionError) and uninstall() left the watch in place for good."""
+    before = signal.getsignal(signal.SIGUSR2)
+    seen: list[int] = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    signal.signal(signal.SIGUSR2, mine)
+    try:
+        watch = PreemptionWatch([signal.SIGUSR2, signal.SIGUSR2], escalate=[signal.SIGUSR2])
+        assert watch.signals == (signal.SIGUSR2,)
+        with watch:
+            signal.raise_signal(signal.SIGUSR2)
+            signal.raise_signal(signal.SIGUSR2)  # handed to the previous handler
+            assert watch.received == signal.SIGUSR2 and seen == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_signal_that_cannot_be_caught_is_refused_and_nothing_stays_installed() -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    watch = PreemptionWatch([signal.SIGUSR2, signal.SIGKILL])
+    with pytest.raises(CheckpointConfigError, match="cannot catch SIGKILL"):
+        watch.install()
+    assert signal.getsignal(signal.SIGUSR2) == before  # was left taken over by the watch
+    watch = PreemptionWatch([signal.SIGUSR2])
+    with watch:  # and the same kind of object installs afresh
+        assert signal.getsignal(signal.SIGUSR2) == watch._on_signal
+    for bad, what in ((signal.SIGTERM, "signals=<Signals.SIGTERM: 15>: pass a tuple"),
+                      ((12345,), "12345 is no signal")):
+        with pytest.raises(CheckpointConfigError, match=what):
+            PreemptionWatch(bad)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointConfigError, match="escalate"):
+        PreemptionWatch(escalate=(12345,))
+
+
 def test_should_stop_over_nccl_asks_over_a_gloo_group_of_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over NCCL the all-reduce would wait for the step's kernels, every step: the

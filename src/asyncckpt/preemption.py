@@ -27,6 +27,20 @@ log = logging.getLogger(__name__)
 _Handler = Any  # what signal.signal returns: a callable, an int, a Handlers member or None
 
 
+def _signals(values: Iterable[int], name: str) -> list[signal.Signals]:
+    """``values`` as signals; CheckpointConfigError naming ``name`` for anything else."""
+    if isinstance(values, int) or not isinstance(values, Iterable):
+        raise CheckpointConfigError(f"{name}={values!r}: pass a tuple of signals, e.g. "
+                                    "(signal.SIGTERM,)")
+    out = []
+    for v in values:
+        try:
+            out.append(signal.Signals(v))
+        except ValueError:
+            raise CheckpointConfigError(f"{name}: {v!r} is no signal of this platform") from None
+    return out
+
+
 class PreemptionWatch:
     """Notes SIGTERM (or the signals given) while installed; the loop polls ``should_stop``.
 
@@ -55,11 +69,12 @@ class PreemptionWatch:
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM,), *,
                  escalate: Iterable[int] = (signal.SIGINT,)) -> None:
-        self.signals = tuple(signal.Signals(s) for s in signals)
+        # (once each: installed twice, the watch would be its own "previous" handler)
+        self.signals = tuple(dict.fromkeys(_signals(signals, "signals")))
         if not self.signals:
             raise CheckpointConfigError("PreemptionWatch(signals=()): name at least one "
                                         "signal to watch, e.g. signal.SIGTERM")
-        self.escalate = frozenset(signal.Signals(s) for s in escalate)
+        self.escalate = frozenset(_signals(escalate, "escalate"))
         self._previous: dict[signal.Signals, _Handler] = {}
         self._received: signal.Signals | None = None
         self._agreed = False
@@ -84,7 +99,13 @@ class PreemptionWatch:
         if self._previous:
             raise CheckpointConfigError("this PreemptionWatch is installed already")
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except (OSError, ValueError) as exc:  # SIGKILL, SIGSTOP: no handler is allowed
+                self.uninstall()  # (what was installed before it: none left behind)
+                raise CheckpointConfigError(
+                    f"PreemptionWatch cannot catch {sig.name}: {exc}; watch signals a "
+                    "process may handle (SIGTERM, SIGUSR1...)") from exc
         return self
 
     def uninstall(self) -> None:
