@@ -2181,26 +2181,3 @@ def test_an_ipv6_zone_is_escaped_in_the_address_and_unescaped_by_a_receiver(
         url = tr.address()
         assert url == f"http://[fe80::1%25eth0]:{port_of(tr)}/v1"  # RFC 6874
         assert HTTPStorage(url, 1, token=None, timeout_s=1.0).host == "fe80::1%eth0"
-
-
-def test_a_receiver_never_reads_another_offer_of_its_step_under_its_manifest(
-        transports: Any) -> None:
-    """A save retried under the same step after a failure is a new offer of that step:
-    a receiver holding the first offer's manifest got the second's bytes (mixed data,
-    caught only by the checksums, and not at all with verify=False)."""
-    srv = transports(token=TOKEN)
-    first, second = {"w": torch.full((1000,), 1.0)}, {"w": torch.full((1000,), 2.0)}
-    srv.send_checkpoint([1], 2, first, 10.0)
-    peer = HTTPStorage(srv.address(), 2, token=TOKEN, timeout_s=5.0)
-    try:
-        parse_manifest(peer.read_bytes(Path("manifest.json"), 1 << 20), "m")
-        fd = peer.open_read(Path(FILE))
-        assert peer.file_size(fd) > 0  # the same offer: served
-        srv.send_checkpoint([1], 2, second, 10.0)  # offered anew, same step
-        with pytest.raises(CheckpointTransportError, match=r"409.*offered anew since this "
-                                                           r"receiver read its manifest"):
-            peer.pread_into(fd, [memoryview(bytearray(64))], 0)
-    finally:
-        peer.close_all()
-    got = asyncckpt.load(srv.address(), token=TOKEN, verify=False, timeout=10)
-    assert torch.equal(got["w"], second["w"])  # a new receive reads the new offer

@@ -280,9 +280,6 @@ class Served:
     manifest: Callable[[], bytes]
     files: dict[str, FileSource]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # which offer of its transport this is (set by HTTPTransport.serve): two saves of one
-    # step (a retry after a failed save) are two offers, whose bytes must not be mixed
-    offer: int = 0
 
     def close(self) -> None:
         for f in self.files.values():

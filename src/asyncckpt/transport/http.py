@@ -71,9 +71,6 @@ _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than hal
 _NOT_ALLOWED = "was not allowed"  # a 503 a client answers by asking again, up to its timeout
 _CLOSED = "is shutting down"  # the 503 of a request that waited while the server shut down
 _REASON = "Asyncckpt-Reason"  # a refusal's reason, as its body says it: a HEAD gets no body
-# Which offer answered (a response) or is asked for (a request, once the manifest is in):
-# a receiver never reads the bytes of another offer of the same step under its manifest.
-_OFFER = "Asyncckpt-Offer"
 _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep-alive too)
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
 _BACKOFF_MAX_S = 1.0  # the pauses double up to this
@@ -214,7 +211,6 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
-        self._offers = itertools.count(1)
         host = _bare_host(host, "host")
         if advertise_host is not None:
             advertise_host = _bare_host(advertise_host, "advertise_host")
@@ -254,8 +250,6 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             self._check_open("serve")
             old = self._offered
-            if not served.offer:
-                served.offer = next(self._offers)
             self._offered = served
             self._allowed = served.step if allow else None
             self._cond.notify_all()
@@ -793,15 +787,9 @@ class _Handler(BaseHTTPRequestHandler):
                                 f"step {got}, or ask {_CURRENT} for the step on offer")
         served, ticket = got
         try:
-            asked = self.headers.get(_OFFER)
-            if asked is not None and asked != str(served.offer):
-                return self._refuse(409, f"step {step} was offered anew since this receiver "
-                                    "read its manifest (another save of the same step): "
-                                    "receive it again")
             if what == MANIFEST_NAME:
                 body = served.manifest()
                 self.send_response(200)
-                self.send_header(_OFFER, str(served.offer))
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -825,7 +813,6 @@ class _Handler(BaseHTTPRequestHandler):
             if send_body and hi - lo > tr.max_range_bytes:  # HEAD only asks for the size
                 return self._refuse(413, f"ranges are limited to {tr.max_range_bytes} bytes")
             self.send_response(206 if rng is not None else 200)
-            self.send_header(_OFFER, str(served.offer))
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(hi - lo))
             if rng is not None:
@@ -1155,9 +1142,6 @@ class HTTPStorage:
 
     def read_bytes(self, path: Path, limit: int) -> bytes:
         resp = self._request("GET", MANIFEST_NAME, {})
-        offer = resp.getheader(_OFFER)
-        if offer is not None:  # every later request asks for this offer's bytes
-            self._headers = {**self._headers, _OFFER: offer}
         n = self._length(resp, MANIFEST_NAME)
         limit = min(limit, self.max_manifest_bytes)
         if n > limit:
