@@ -71,6 +71,7 @@ from .writer import (
     CheckpointInfo,
     SaveJob,
     os_error_hint,
+    withdraw_offers,
 )
 
 log = logging.getLogger(__name__)
@@ -1006,21 +1007,7 @@ class AsyncCheckpointer:
         restages it) or it is released (close). The offer is withdrawn, not only
         disallowed: allowing its step again would serve whatever the arena holds by then,
         and the transport would keep the arena alive."""
-        def stop(transport: Any) -> None:
-            withdraw = getattr(transport, "withdraw", None)
-            if callable(withdraw):
-                withdraw()
-            else:
-                transport.disallow_checkpoint()
-
-        if len(self._transports) <= 1:
-            for transport in self._transports:
-                stop(transport)
-            return
-        # Each may wait up to its timeout for a slow peer: together, not one after another.
-        with cf.ThreadPoolExecutor(len(self._transports)) as pool:
-            for done in [pool.submit(stop, t) for t in self._transports]:
-                done.result()
+        withdraw_offers(self._transports)
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:

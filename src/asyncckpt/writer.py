@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,7 +311,12 @@ class BackgroundWriter:
             job.progress.wait_idle()
             _abort(job, exc)
             if job.serve_to and not isinstance(exc, commit.CommittedNotDurableError):
-                _withdraw_offer(job)  # a step that did not commit is not served either
+                try:  # a step that did not commit is not served either
+                    withdraw_offers(job.serve_to)
+                except Exception as err:
+                    log.error("rank=%d step=%d: the failed save's offer to peers could not "
+                              "be withdrawn: %s: %s", job.ctx.rank, job.step,
+                              type(err).__name__, err)
             job.release()
             # The future keeps this error for its caller, and the error's frames their
             # locals: views of the arena among them, which would keep it alive after
@@ -638,20 +643,25 @@ def _ready(job: SaveJob) -> Callable[[int], None]:
     return ready
 
 
-def _withdraw_offer(job: SaveJob) -> None:
-    """Take back what ``_offer_arena`` offered of a save that failed (saves run one at a
-    time: what the transports offer is this save's, or nothing). Never raises."""
-    for transport in job.serve_to:
-        try:
-            withdraw = getattr(transport, "withdraw", None)
-            if callable(withdraw):
-                withdraw()
-            else:
-                transport.disallow_checkpoint()
-        except Exception as exc:
-            log.error("rank=%d step=%d: the failed save's offer to peers through %s could not "
-                      "be withdrawn: %s: %s", job.ctx.rank, job.step, type(transport).__name__,
-                      type(exc).__name__, exc)
+def withdraw_offers(transports: Sequence[Any]) -> None:
+    """Take back what the arena is offered through (a transport's ``withdraw()``, or
+    ``disallow_checkpoint()`` where it has none): peers must stop reading it before it
+    changes or is released, and a save that did not commit is not served. Each transport
+    may wait up to its timeout for a slow peer: together, not one after another."""
+    def stop(transport: Any) -> None:
+        withdraw = getattr(transport, "withdraw", None)
+        if callable(withdraw):
+            withdraw()
+        else:
+            transport.disallow_checkpoint()
+
+    if len(transports) <= 1:
+        for transport in transports:
+            stop(transport)
+        return
+    with cf.ThreadPoolExecutor(len(transports)) as pool:
+        for done in [pool.submit(stop, t) for t in transports]:
+            done.result()
 
 
 def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
