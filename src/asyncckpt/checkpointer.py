@@ -372,7 +372,7 @@ class AsyncCheckpointer:
                     raise
                 staged.set_result(None)
             job.blocked_s = time.perf_counter() - started
-            fut = CheckpointFuture(step, durable, staged, progress, _file_bytes(plan))
+            fut = CheckpointFuture(step, durable, staged, progress, plan.written_bytes)
             self._pending = fut
         except BaseException as exc:
             # From writer.submit on, the writer follows this save: an interrupt (Ctrl-C)
@@ -390,7 +390,7 @@ class AsyncCheckpointer:
             if queued is not None and (self._pending is None
                                        or self._pending._durable is not queued):
                 self._pending = CheckpointFuture(step, queued, staged, progress,
-                                                 _file_bytes(plan))
+                                                 plan.written_bytes)
                 self._pending.observed = True
             raise
         paused.close()
@@ -1109,11 +1109,6 @@ def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float) -> None
                  "save's blocked time (a first save, or a grown state); ckpt.prepare(state) "
                  "at start-up allocates it in the background", rank, step,
                  plan.padded_bytes / 1e9, seconds)
-
-
-def _file_bytes(plan: WritePlan) -> int:
-    """What this rank writes: its shard file, or nothing when it holds no tensor to write."""
-    return plan.file_bytes if plan.items else 0
 
 
 def _refuse_partial_shards(flat: FlatState, shards: Mapping[str, ShardMetadata]) -> None:

@@ -89,6 +89,12 @@ class WritePlan:
         return tuple(units)
 
     @property
+    def written_bytes(self) -> int:
+        """What a save of this layout writes: the shard file, or nothing when it holds no
+        tensor (no file is written then)."""
+        return self.file_bytes if self.items else 0
+
+    @property
     def padded_bytes(self) -> int:
         """File size rounded up to the O_DIRECT alignment: the arena's size."""
         return align_up(self.file_bytes)

@@ -401,8 +401,7 @@ class BackgroundWriter:
         durable = time.perf_counter()
         job.committed = True
         staged_at = job.progress.finished_at or durable
-        info = CheckpointInfo(step=job.step, path=final,
-                              bytes=plan.file_bytes if plan.items else 0,  # (no file: 0)
+        info = CheckpointInfo(step=job.step, path=final, bytes=plan.written_bytes,
                               blocked_s=job.blocked_s, staged_s=staged_at - job.started,
                               durable_s=durable - job.started)
         log.info("rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable "
