@@ -2156,3 +2156,34 @@ def test_a_failed_prepare_neither_fails_nor_holds_the_next_save(
     assert [i.step for i in infos] == [1] and len(calls) == 2
     _within(ck.close)
     assert asyncckpt.load(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, None, [True]])
+def test_flag_arguments_that_are_not_bools_are_refused_before_anything_happens(
+        tmp_path: Path, value: object) -> None:
+    # read by truth, the string "false" would turn a flag on (ignore_unexpected: a partial
+    # load that says nothing; overlap: a save racing the optimizer)
+    from asyncckpt.export import export_safetensors
+
+    state = {"w": torch.arange(4.0)}
+    with asyncckpt.AsyncCheckpointer(tmp_path / "c", mode="async") as ck:
+        ck.save(state, step=1)
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("overlap", lambda: ck.save_async(state, step=2, overlap=value)),
+            ("background", lambda: ck.prepare(state, background=value)),
+        ] + [(name, lambda name=name: ck.load({"w": torch.zeros(4)}, **{name: value}))
+             for name in ("strict", "verify", "fallback", "ignore_unexpected")] + [
+            (name, lambda name=name: asyncckpt.load(tmp_path / "c", {"w": torch.zeros(4)},
+                                                    **{name: value}))
+            for name in ("strict", "verify", "fallback", "ignore_unexpected")] + [
+            (name, lambda name=name: export_safetensors(tmp_path / "c", tmp_path / "o.st",
+                                                        **{name: value}))
+            for name in ("strip_prefix", "force")]
+        for name, call in calls:
+            with pytest.raises(asyncckpt.CheckpointConfigError, match=f"^{name}=.*True or False"):
+                call()
+        assert ck.steps() == [1] and not ck.is_pending
+        assert not (tmp_path / "o.st").exists()
+    # numpy's bools are bools
+    got = asyncckpt.load(tmp_path / "c", {"w": torch.zeros(4)}, strict=np.bool_(True))
+    assert torch.equal(got["w"], state["w"])

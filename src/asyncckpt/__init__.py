@@ -37,6 +37,7 @@ from .errors import (
     StateMismatchError,
     UnsupportedLeafError,
 )
+from .errors import check_flags as _check_flags
 from .loader import ShardMetadata
 from .loader import check_fallback as _check_fallback
 from .loader import check_threads as _check_threads
@@ -111,6 +112,8 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
         >>> asyncckpt.load("ckpts/final", {"model": model})
         >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
+    _check_flags(strict=strict, verify=verify, fallback=fallback,
+                 ignore_unexpected=ignore_unexpected)
     _check_threads(threads)
     _checked_directory(path, "path")
     _check_fallback(fallback, step, verify)

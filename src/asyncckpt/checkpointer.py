@@ -42,6 +42,7 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
     add_note,
+    check_flags,
 )
 from .loader import (
     ShardMetadata,
@@ -257,6 +258,7 @@ class AsyncCheckpointer:
             CheckpointExistsError: ``step`` is already committed, or a later step is.
             UnsupportedLeafError: the state holds a value that cannot be saved.
         """
+        check_flags(overlap=overlap)
         with self._one_call("save_async"), contextlib.ExitStack() as paused:
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
                                     shards=shards, paused=paused)
@@ -415,6 +417,7 @@ class AsyncCheckpointer:
         first save that needs more allocates again (as when plain tensors are held by
         only some ranks, e.g. pipeline stages).
         """
+        check_flags(background=background)
         with self._one_call("prepare"):
             return self._prepare(state, background=background, shards=shards)
 
@@ -599,6 +602,8 @@ class AsyncCheckpointer:
         from the reader threads as tensors are read, in bytes of the saved chunks read
         from (for each step a fallback tries).
         """
+        check_flags(strict=strict, verify=verify, fallback=fallback,
+                    ignore_unexpected=ignore_unexpected)
         check_threads(threads)
         check_fallback(fallback, step, verify)
         # The retention of a save in flight (keep_last) must not delete what this reads.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 
 class CheckpointError(Exception):
     """Base class of every error asyncckpt raises on purpose."""
@@ -136,3 +138,14 @@ def add_note(exc: BaseException, note: str) -> None:
     # (an exception type with __slots__ takes no attribute: the note is lost, not the error)
     with contextlib.suppress(AttributeError):
         exc.__notes__ = notes  # type: ignore[attr-defined]  # (3.10: no such attribute)
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse a flag argument that is not a bool (numpy's included).
+
+    Python would read any value by its truth: a flag taken from a config file as the
+    string "false" would turn ``overlap`` or ``ignore_unexpected`` on, silently.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise CheckpointConfigError(f"{name}={value!r:.60}: use True or False")

@@ -40,6 +40,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    check_flags,
 )
 from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
@@ -171,6 +172,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
             cannot be written (the error names it).
     """
     started = time.perf_counter()
+    check_flags(strip_prefix=strip_prefix, force=force)
     storage = storage or LocalStorage()
     out = Path(out_path)
     if str(out_path).endswith(("/", os.sep)):

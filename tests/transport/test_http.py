@@ -617,6 +617,9 @@ def test_a_step_that_is_no_step_number_is_a_config_error(transports: Any) -> Non
                 with pytest.raises(CheckpointConfigError, match=r"step="):
                     srv.send_checkpoint([1], step, state_of(), 10.0)  # type: ignore[arg-type]
         assert asyncckpt.load(srv.address(), step=1, token=TOKEN) is not None  # still offered
+        for name in ("strict", "ignore_unexpected"):  # "false" would read as True
+            with pytest.raises(CheckpointConfigError, match=f"^{name}='false'"):
+                client.recv_checkpoint(0, srv.address(), 1, 5, **{name: "false"})
     finally:
         client.shutdown()
 

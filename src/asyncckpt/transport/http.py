@@ -43,6 +43,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    check_flags,
     retold,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest, check_block_bytes
@@ -247,6 +248,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             CheckpointConfigError: a step above 2**63-1 (``MAX_STEP``), as a PGTransport's.
         """
         check_peer_step(served.step)
+        check_flags(allow=allow)
         with self._cond:
             self._check_open("serve")
             old = self._offered
@@ -448,6 +450,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
+        check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
         check_step(step)
         check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)

@@ -89,6 +89,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    check_flags,
 )
 from ..manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -364,6 +365,7 @@ class PGTransport(CheckpointTransport[Any]):
 
         self._check_open()
         step = _check_word(step, "step", 0)
+        check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         where = f"peer rank {src} ({metadata})"
