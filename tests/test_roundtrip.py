@@ -1121,6 +1121,64 @@ def test_a_user_stateful_is_filled_like_the_tree_unless_it_asks_for_the_checkpoi
     assert sorted(fresh.given) == ["buf", "n"] and fresh.given["n"] == 3
 
 
+class _Counters:
+    def __init__(self, **values: int):
+        self.values, self.given = dict(values), None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.given = dict(sd)
+
+
+def test_a_user_statefuls_scalars_the_checkpoint_lacks_are_missing(ckpt):
+    # as a plain dict's are: the object was not given its live value back as if loaded
+    ckpt.save({"loader": _Counters(epoch=7), "plain": {"epoch": 7}}, 1)
+    target = _Counters(epoch=0, index=123)
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"loader": target, "plain": {"epoch": 0}})
+    assert info.value.missing == ["loader/index"] and target.given is None
+    # what the checkpoint holds beyond the object's is still handed over (lazy state)
+    more = _Counters()
+    ckpt.load({"loader": more, "plain": {"epoch": 0}})
+    assert more.given == {"epoch": 7}
+    ckpt.load({"loader": target, "plain": {"epoch": 0}}, strict=False)
+    assert target.given == {"epoch": 7, "index": 123}
+    # a GradScaler saved disabled holds nothing: an enabled one would keep its own scale
+    ckpt.save({"scaler": torch.amp.GradScaler("cpu", enabled=False)}, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(StateMismatchError, match="missing from the checkpoint: scaler/scale"):
+        ckpt.load({"scaler": scaler}, step=2)
+
+
+class _Bank(nn.Module):
+    """A module whose buffer changes length (a queue of embeddings)."""
+
+    _asyncckpt_load_fresh = True
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("bank", torch.zeros(n, 2))
+
+    def _load_from_state_dict(self, sd: dict[str, Any], prefix: str, *args: Any,
+                              **kwargs: Any) -> None:
+        self.bank = sd[prefix + "bank"].clone()  # any length
+        super()._load_from_state_dict(sd, prefix, *args, **kwargs)
+
+
+def test_a_module_that_asks_for_the_checkpoints_state_gets_it_whole(ckpt):
+    saved = _Bank(5)
+    saved.bank.copy_(torch.arange(10.0).view(5, 2))
+    ckpt.save({"q": saved}, 1)
+    for kwargs in ({}, {"ignore_unexpected": True}, {"strict": False}):
+        target = _Bank(2)
+        ckpt.load({"q": target}, **kwargs)
+        assert torch.equal(target.bank, saved.bank)
+        assert torch.equal(target.lin.weight, saved.lin.weight)
+
+
 class _AppState:
     """DCP's pattern: one stateful whose state dict holds a model's and an optimizer's."""
 
@@ -1237,7 +1295,7 @@ class _Wrapper(nn.Module):
 
 @pytest.mark.parametrize("attr, who", [("_orig_mod", "torch.compile"),
                                        ("module", "DistributedDataParallel")])
-def test_keys_renamed_by_a_wrapper_are_named_in_the_error(ckpt, attr, who):
+def test_keys_renamed_by_a_wrapper_are_named_in_the_error(ckpt, attr, who, caplog):
     ckpt.save({"model": _Wrapper(attr, _net(0))}, 1)
     bare = _net(1)
     before = [p.detach().clone() for p in bare.parameters()]
@@ -1256,6 +1314,17 @@ def test_keys_renamed_by_a_wrapper_are_named_in_the_error(ckpt, attr, who):
     other = "module" if attr == "_orig_mod" else "_orig_mod"
     with pytest.raises(StateMismatchError, match="differ in what wrappers add"):
         ckpt.load({"model": _Wrapper(other, _net(1))}, step=1)
+    # loading the model alone: the same hint, not the advice to pass strict=False
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": bare}, step=1, ignore_unexpected=True)
+    assert f"the checkpoint's keys have '{attr}.'" in str(info.value)
+    assert "strict=False" not in str(info.value)
+    # which, passed anyway, skips every key: not without a warning saying why
+    caplog.clear()
+    ckpt.load({"model": bare}, step=1, strict=False)
+    assert "with strict=False skips 4 target key(s)" in caplog.text  # (2 layers)
+    assert f"'{attr}.'" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, bare.parameters(), strict=True))
     # and the wrapped module itself loads
     ckpt.load({"model": _Wrapper(attr, bare)}, step=1)
     assert all(torch.equal(a, b) for a, b in zip(_net(0).parameters(), bare.parameters(),

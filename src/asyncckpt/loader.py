@@ -41,6 +41,7 @@ from .tree import (
     is_copied,
     iter_array_nodes,
     join_path,
+    loads_fresh,
     restore_into,
     takes_whole_state,
     unflatten,
@@ -443,8 +444,14 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     ``same_tree``: the caller found the two skeletons equal (nothing to walk in them).
     """
     skip_unexpected = ignore_unexpected or not strict
+    # Objects that take what the checkpoint has beyond what they hold now (optimizers
+    # create state lazily), and among them those whose state is replaced as a whole
+    # (optimizers, LR schedulers, and any object, a module too, that asks to be given
+    # the checkpoint's state alone): what only the target holds is not missing there.
     lenient = [p for p, (obj, _) in target.statefuls.items()
-               if not isinstance(obj, torch.nn.Module)]
+               if not isinstance(obj, torch.nn.Module) or loads_fresh(obj)]
+    whole = {p for p in lenient
+             if takes_whole_state(target.statefuls[p][0]) or loads_fresh(target.statefuls[p][0])}
 
     def passes_through(path: str) -> bool:
         # Optimizers and similar objects create state lazily: what the checkpoint has and
@@ -466,8 +473,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # what the tensor keys do not show: values without arrays the checkpoint lacks, and
     # dict keys whose type differs (1 vs "1" name one path, but are not one key)
     if not same_tree:
-        _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), missing,
-                           mismatched, unexpected)
+        _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), whole,
+                           missing, mismatched, unexpected)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
     readonly, overlapping, unwritable = [], [], []
     writable = _WritableMemory()
@@ -510,12 +517,18 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         target.loaded_in_place.add(path)
     boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
+    # (the wrapper hint reads the checkpoint's extra keys even where they are skipped:
+    # with ignore_unexpected, a model saved through DDP misses every key of the bare one)
+    hint = wrapper_hint(missing, unexpected)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
         unexpected = []
     if not strict:
+        if hint:  # strict=False then skips the keys on both sides: say why nothing loaded
+            log.warning("loading %s with strict=False skips %d target key(s) the checkpoint "
+                        "holds under other names%s", step_dir, len(missing), hint)
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
@@ -540,7 +553,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
         # (where a wrapper renamed the keys, strict=False would load none of them)
-        hint = wrapper_hint(missing, unexpected) or (
+        hint = hint or (
             " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
             else " (pass strict=False to skip missing and unexpected keys)" if missing
@@ -763,20 +776,22 @@ def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
 
 
 def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
-                       lenient: set[str], missing: list[str], mismatched: list[str],
-                       unexpected: list[str]) -> None:
+                       lenient: set[str], whole: set[str], missing: list[str],
+                       mismatched: list[str], unexpected: list[str]) -> None:
     """Walk the checkpoint's and the target's skeletons together: target dict keys the
     checkpoint lacks and that hold no arrays go to ``missing`` (those holding arrays are
-    there already); keys of another type go to ``mismatched``. Stateful objects other
-    than modules (optimizers...) take what the checkpoint has: not walked."""
+    there already); keys of another type go to ``mismatched``. The stateful objects at
+    ``whole`` (optimizers...) take the checkpoint's state as it is: not walked; those
+    ``lenient`` take what the checkpoint holds beyond theirs: only what they lack is
+    told."""
     if saved == want:  # the common case for whole subtrees (a model's): compared in C
         return
     module = False
     if want["t"] == "stateful":
-        if path in lenient:
+        if path in whole:
             return
         want = want["state"]
-        module = True
+        module = path not in lenient
     if saved["t"] == "stateful":
         saved = saved["state"]
     if module and saved["t"] == "dict" and want["t"] == "dict":
@@ -797,12 +812,12 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                 mismatched.append(f"{here}: the checkpoint's key is {got[0]!r}, the target's "
                                   f"{k!r}")
             else:
-                _compare_skeletons(got[1], child, here, lenient, missing, mismatched,
+                _compare_skeletons(got[1], child, here, lenient, whole, missing, mismatched,
                                    unexpected)
     elif saved["t"] in _SEQUENCES and want["t"] in _SEQUENCES:
         for i, (a, b) in enumerate(zip(saved["items"], want["items"], strict=False)):
-            _compare_skeletons(a, b, join_path(path, i), lenient, missing, mismatched,
-                               unexpected)
+            _compare_skeletons(a, b, join_path(path, i), lenient, whole, missing,
+                               mismatched, unexpected)
     elif want["t"] == "dict" or want["t"] in _SEQUENCES:
         # the checkpoint's value would replace the target's container, and all it holds
         mismatched.append(f"{path or '<root>'}: the checkpoint holds {_a(saved['t'])}, the "

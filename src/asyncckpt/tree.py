@@ -238,7 +238,7 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
         active.discard(id(obj))
         return {"t": "list" if t is list else "tuple", "items": children}
     if _is_stateful(obj):
-        if flat.target and getattr(obj, "_asyncckpt_load_fresh", False) is True:
+        if flat.target and loads_fresh(obj):
             flat.statefuls[path] = (obj, {})
             return {"t": "stateful", "cls": type(obj).__qualname__,
                     "state": {"t": "dict", "items": []}}
@@ -542,7 +542,8 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
     if path in flat.statefuls:
         obj, sd = flat.statefuls[path]
         inner = node["state"] if node["t"] == "stateful" else node
-        own = set(sd) if isinstance(obj, torch.nn.Module) and isinstance(sd, dict) else None
+        own = set(sd) if isinstance(obj, torch.nn.Module) and isinstance(sd, dict) and (
+            not loads_fresh(obj)) else None
         restored = restore_into(sd, inner, tensors, path, _without(flat, path))
         if own is not None and isinstance(restored, dict) and len(restored) > len(own):
             # a module refuses keys its state dict lacks; strict loads refused them before
@@ -642,7 +643,14 @@ def _without(flat: FlatState, path: str) -> FlatState:
     """A view of ``flat`` in which ``path`` is no longer stateful (to recurse into its dict)."""
     return dataclasses.replace(flat, statefuls={p: v for p, v in flat.statefuls.items()
                                                 if p != path}, in_state_dict=True,
-                               checkpoint_only=takes_whole_state(flat.statefuls[path][0]))
+                               checkpoint_only=takes_whole_state(flat.statefuls[path][0])
+                               or loads_fresh(flat.statefuls[path][0]))
+
+
+def loads_fresh(obj: object) -> bool:
+    """Whether ``obj`` asks a load for the checkpoint's state dict alone (a true
+    ``_asyncckpt_load_fresh``): its live state is not read (see :func:`flatten`)."""
+    return getattr(obj, "_asyncckpt_load_fresh", False) is True
 
 
 def takes_whole_state(obj: object) -> bool:
