@@ -1343,3 +1343,23 @@ def test_the_wrapper_hint_needs_most_keys_explained_and_whole_names():
     assert wrapper_hint(["m/a", "m/b", "m/c"], ["m/module.a", "m/x"]) == ""
     assert "'module.'" in wrapper_hint(["m/a", "m/b", "m/c"], ["m/module.a", "m/module.b"])
     assert wrapper_hint([], ["m/module.a"]) == wrapper_hint(["m/a"], []) == ""
+
+
+def test_a_target_of_another_dtype_or_on_meta_is_told_what_works(tmp_path: Path) -> None:
+    net = nn.Linear(3, 2)
+    asyncckpt.save({"model": net}, tmp_path, step=1)
+    with pytest.raises(StateMismatchError, match=r"model/weight: checkpoint torch.float32 "
+                                                 r"\[2, 3\], target torch.bfloat16.*state=None"):
+        asyncckpt.load(tmp_path, {"model": nn.Linear(3, 2).to(torch.bfloat16)})
+    with pytest.raises(StateMismatchError) as info:  # a shape alone: no word about dtypes
+        asyncckpt.load(tmp_path, {"model": nn.Linear(4, 2)})
+    assert "another dtype" not in str(info.value)
+    with torch.device("meta"):
+        meta = nn.Linear(3, 2)
+    with pytest.raises(asyncckpt.UnsupportedLeafError,
+                       match=r"'model/weight' is on the meta device.*to_empty.*assign=True"):
+        asyncckpt.load(tmp_path, {"model": meta})
+    meta.load_state_dict(asyncckpt.load(tmp_path)["model"], assign=True)  # what it says works
+    assert torch.equal(meta.weight, net.weight)
+    with pytest.raises(asyncckpt.UnsupportedLeafError, match=r"on the meta device.*real device"):
+        asyncckpt.save({"model": meta.to("meta")}, tmp_path / "m", step=1)

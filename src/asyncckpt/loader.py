@@ -477,6 +477,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                            missing, mismatched, unexpected)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
     readonly, overlapping, unwritable = [], [], []
+    other_dtype = False  # a target of another dtype among the mismatches
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
@@ -492,6 +493,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         entry = manifest.tensors[key]
         tbox = target.boxes.get(tkey)
         if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
+            other_dtype = other_dtype or t.dtype != entry.dtype
             mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                               f"target {t.dtype} {list(target.global_shape(tkey))}")
             continue
@@ -538,6 +540,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
         if mismatched:
             parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
+            if other_dtype:
+                parts.append("to load into tensors of another dtype, load with state=None and "
+                             "copy (module.load_state_dict casts)")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
             parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")

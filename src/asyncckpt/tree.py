@@ -358,8 +358,11 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
             or t.layout is not _STRIDED or t.is_nested):
         _check_unusual_tensor(t, path, what)
     if t.is_meta:
-        raise UnsupportedLeafError(f"tensor at {path or '<root>'!r} is on the meta device and "
-                                   "holds no data")
+        raise UnsupportedLeafError(
+            f"tensor at {path or '<root>'!r} is on the meta device and holds no data; " + (
+                "give it memory first (module.to_empty(device=...)), or load with state=None "
+                "and hand the tensors to module.load_state_dict(..., assign=True)"
+                if flat.target else "save the module once its tensors are on a real device"))
     if path == RESERVED_KEY:
         raise UnsupportedLeafError(
             f"a tensor at {RESERVED_KEY!r}: safetensors reserves that name for the file's "
