@@ -168,7 +168,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
             left at ``out_path``.
         CheckpointExistsError: ``out_path`` exists and ``force`` is False.
         CheckpointConfigError: a bad ``dtype``, a ``prefix`` that selects nothing, an
-            output path inside a checkpoint (or its ``manifest.json``), or one that
+            output path inside a step directory (or its ``manifest.json``), or one that
             cannot be written (the error names it).
     """
     started = time.perf_counter()

@@ -578,9 +578,9 @@ class _Server(ThreadingHTTPServer):
             body = (f"server full: {self.max_connections} connections are busy; retry "
                     "later").encode()
             try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\n%s: %s\r\nContent-Type: "
                                 b"text/plain\r\nContent-Length: %d\r\nConnection: close"
-                                b"\r\n\r\n%s" % (len(body), body))
+                                b"\r\n\r\n%s" % (_REASON.encode(), body, len(body), body))
             except OSError:
                 pass
             finally:
@@ -714,11 +714,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_allowed(self) -> None:
         if not self._token_ok():  # nothing is told to a client without the token
             return
-        self.send_response(405)
-        self.send_header("Allow", "GET, HEAD")
-        self.send_header("Content-Length", "0")
-        self.send_header("Connection", "close")  # its body, if any, is never read
-        self.end_headers()
+        # (the connection is closed: the request's body, if any, is never read)
+        self._refuse(405, f"method {self.command} not allowed: use GET or HEAD",
+                     [("Allow", "GET, HEAD")])
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
 
@@ -810,7 +808,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if r is None:
                     return self._refuse(400, "Range must be bytes=<first>-<last>")
                 lo, hi = int(r.group(1)), int(r.group(2)) + 1
-                if lo >= hi or hi > source.size:
+                if lo >= hi:  # (RFC 9110: a last byte before the first is no range)
+                    return self._refuse(400, "Range must be bytes=<first>-<last>, with first "
+                                             "<= last")
+                if hi > source.size:
                     return self._refuse(416, f"range outside the file ({source.size} bytes)",
                                         [("Content-Range", f"bytes */{source.size}")])
             if send_body and hi - lo > tr.max_range_bytes:  # HEAD only asks for the size
