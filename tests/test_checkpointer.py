@@ -2187,3 +2187,44 @@ def test_flag_arguments_that_are_not_bools_are_refused_before_anything_happens(
     # numpy's bools are bools
     got = asyncckpt.load(tmp_path / "c", {"w": torch.zeros(4)}, strict=np.bool_(True))
     assert torch.equal(got["w"], state["w"])
+
+
+def test_the_directory_is_pinned_when_the_checkpointer_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read again later, a relative path after os.chdir (or a symlink pointed elsewhere)
+    # split a save between two directories: the data file in one, the manifest renamed
+    # into place in the other, and "committed".
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    for where in ("runs", tmp_path / "link" / "runs"):
+        with asyncckpt.AsyncCheckpointer(where, mode="async") as ck:
+            ck.save({"w": torch.ones(4)}, step=1)
+            monkeypatch.chdir(tmp_path / "b")
+            (tmp_path / "link").unlink()
+            os.symlink(tmp_path / "b", tmp_path / "link")
+            info = ck.save_async({"w": torch.full((4,), 2.0)}, step=2).wait()
+            assert info.path == tmp_path / "a" / "runs" / "step_000000002"
+        assert asyncckpt.load(tmp_path / "a" / "runs")["w"].tolist() == [2.0] * 4
+        assert not (tmp_path / "b" / "runs").exists()
+        shutil.rmtree(tmp_path / "a" / "runs")
+        monkeypatch.chdir(tmp_path / "a")
+        (tmp_path / "link").unlink()
+        os.symlink(tmp_path / "a", tmp_path / "link")
+
+
+def test_a_save_whose_shard_file_vanished_is_not_committed(tmp_path: Path) -> None:
+    class LosesTheFile(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:  # (the commit's, just before the rename)
+            if ".tmp-" in path.name:
+                for f in path.glob("rank_*.safetensors"):
+                    f.unlink()
+            super().fsync_dir(path)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=LosesTheFile()) as ck:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"step 1 aborted, nothing committed: its shard file .*"
+                                 r"rank_00000.safetensors is not there"):
+            ck.save({"w": torch.ones(4)}, step=1)
+        assert ck.steps() == [] and not (tmp_path / "step_000000001").exists()

@@ -193,11 +193,16 @@ class AsyncCheckpointer:
                                          keep_every=keep_every, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
-        self.directory = checked_directory(directory, "directory")
+        given = os.path.abspath(checked_directory(directory, "directory"))
         self.storage: Storage = storage or LocalStorage()
+        # The directory is pinned now, as the lock is taken on it: a relative path read
+        # again after an os.chdir, or a symlink pointed elsewhere during a save, split the
+        # save between two directories (and the commit renamed the half with the manifest).
+        self.directory = Path(os.path.realpath(given) if isinstance(self.storage, LocalStorage)
+                              else given)
         self._ctx: DistContext = resolve_context(
             # (not realpath: nodes may resolve one shared alias to different mounts)
-            os.path.abspath(self.directory), process_group=process_group, rank=rank,
+            given, process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
         self._writer: BackgroundWriter | None = None

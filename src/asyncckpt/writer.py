@@ -421,7 +421,8 @@ class BackgroundWriter:
             _check_shared(job)
 
         final = commit.commit(job.tmp, job.root, job.step, job.storage,
-                              before_rename=claim if job.ctx.distributed else None)
+                              before_rename=claim if job.ctx.distributed
+                              else lambda: _check_shared(job))
         job.tmp = None
         return final
 
@@ -782,14 +783,20 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
 
 
 def _check_shared(job: SaveJob) -> None:
-    """Coordinator, before the commit: every rank's shard file must be in the temporary
-    directory as this rank sees it. Ranks that each write to a directory of their own
-    (a node-local disk under the same path) would otherwise commit a step whose other
-    files are elsewhere, and report success."""
+    """Before the commit: the manifest and every rank's shard file must be in the
+    temporary directory as this rank sees it. Ranks that each write to a directory of
+    their own (a node-local disk under the same path) would otherwise commit a step whose
+    other files are elsewhere, and report success; a single process checks that the
+    directory it renames is the one it wrote."""
+    tmp = job.tmp if job.tmp is not None else job.tmp_path
+    if MANIFEST_NAME not in job.storage.listdir(tmp):
+        raise CheckpointSaveError(
+            f"step {job.step} aborted, nothing committed: its manifest is not in {tmp}; "
+            "something moved or removed the directory while it was written")
     for rec in job.records:
         if rec.get("file") is None:
             continue
-        path = job.tmp_path / rec["file"]
+        path = tmp / rec["file"]
         try:
             fd = job.storage.open_read(path)
             try:
@@ -798,13 +805,18 @@ def _check_shared(job: SaveJob) -> None:
                 job.storage.close(fd)
         except FileNotFoundError:
             size = None
-        if size != rec["bytes"]:
-            seen = "is not there" if size is None else f"has {size} bytes, not {rec['bytes']}"
+        if size == rec["bytes"]:
+            continue
+        seen = "is not there" if size is None else f"has {size} bytes, not {rec['bytes']}"
+        if not job.ctx.distributed:
             raise CheckpointSaveError(
-                f"step {job.step} aborted, nothing committed: rank {rec['rank']}'s shard file "
-                f"{path} {seen} as rank {job.ctx.rank} sees it. The checkpoint directory must "
-                "be on a filesystem every rank shares (e.g. NFS or Lustre), under the same "
-                "path")
+                f"step {job.step} aborted, nothing committed: its shard file {path} {seen}; "
+                "something moved or removed it while it was written")
+        raise CheckpointSaveError(
+            f"step {job.step} aborted, nothing committed: rank {rec['rank']}'s shard file "
+            f"{path} {seen} as rank {job.ctx.rank} sees it. The checkpoint directory must "
+            "be on a filesystem every rank shares (e.g. NFS or Lustre), under the same "
+            "path")
 
 
 def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
