@@ -2228,3 +2228,57 @@ def test_a_save_whose_shard_file_vanished_is_not_committed(tmp_path: Path) -> No
                                  r"rank_00000.safetensors is not there"):
             ck.save({"w": torch.ones(4)}, step=1)
         assert ck.steps() == [] and not (tmp_path / "step_000000001").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_forked_child_neither_hangs_nor_saves_with_its_parents_checkpointer(
+        tmp_path: Path) -> None:
+    # No thread of the child finishes the save in flight at the fork: closing (at exit,
+    # or by the garbage collector) waited for it forever, as did a save or a wait.
+    gate = threading.Event()
+
+    class Held(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:
+            gate.wait(30)
+            super().fsync_dir(path)
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Held())
+    fut = ck.save_async({"w": torch.ones(4)}, step=1)
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads around
+        pid = os.fork()
+    if pid == 0:  # the child: report, then leave as a script ends (the collector closes)
+        code = 0
+        try:
+            os.close(r)
+            said = []
+            for call in (lambda: ck.save({"w": torch.zeros(4)}, step=2), ck.wait, fut.wait,
+                         lambda: ck.load()):
+                try:
+                    call()
+                    said.append("no error")
+                except asyncckpt.CheckpointClosedError as exc:
+                    said.append("refused" if "forked from" in str(exc) else str(exc))
+            ck.close()
+            os.write(w, ",".join(said).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os.close(w)
+            del ck  # (__del__ must return at once)
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    with os.fdopen(r, "rb") as f:  # (the child wrote before it left, or was killed)
+        said = f.read().decode()
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung"
+    assert said == "refused,refused,refused,refused"
+    gate.set()
+    assert fut.wait(30).step == 1 and ck.steps() == [1]  # the parent's save is unharmed
+    ck.close()

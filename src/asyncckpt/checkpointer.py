@@ -189,6 +189,7 @@ class AsyncCheckpointer:
                  world_size: int | None = None, store: Any = None,
                  storage: Storage | None = None, copy_threads: int | None = None,
                  keep_every: int | None = None):
+        self._pid = os.getpid()
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last,
                                          keep_every=keep_every, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
@@ -264,6 +265,7 @@ class AsyncCheckpointer:
             UnsupportedLeafError: the state holds a value that cannot be saved.
         """
         check_flags(overlap=overlap)
+        self._refuse_forked("save_async")
         with self._one_call("save_async"), contextlib.ExitStack() as paused:
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
                                     shards=shards, paused=paused)
@@ -423,6 +425,7 @@ class AsyncCheckpointer:
         only some ranks, e.g. pipeline stages).
         """
         check_flags(background=background)
+        self._refuse_forked("prepare")
         with self._one_call("prepare"):
             return self._prepare(state, background=background, shards=shards)
 
@@ -483,6 +486,7 @@ class AsyncCheckpointer:
             CheckpointConfigError: ``transport`` cannot serve a staged arena (only
                 HTTPTransport can; a PGTransport sends on request, with send_checkpoint).
         """
+        self._refuse_forked("serve")
         self._check_open()
         if not callable(getattr(transport, "serve", None)):
             raise CheckpointConfigError(
@@ -503,6 +507,7 @@ class AsyncCheckpointer:
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight (if any) and its retention; re-raise its error, or
         that of an earlier save whose future nobody waited on."""
+        self._refuse_forked("wait")
         fut = self._pending
         info = None
         try:
@@ -609,6 +614,7 @@ class AsyncCheckpointer:
         """
         check_flags(strict=strict, verify=verify, fallback=fallback,
                     ignore_unexpected=ignore_unexpected)
+        self._refuse_forked("load")
         check_threads(threads)
         check_fallback(fallback, step, verify)
         # The retention of a save in flight (keep_last) must not delete what this reads.
@@ -646,6 +652,9 @@ class AsyncCheckpointer:
         earlier one ``wait()`` has not reported yet): closing is the caller's last chance
         to learn that a step was not saved.
         """
+        if self._forked():
+            self._closed = True  # (the parent's to close: its threads, its lock)
+            return
         with self._one_call("close"):
             self._close(raise_missed=True)
 
@@ -699,14 +708,31 @@ class AsyncCheckpointer:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # With an exception already on its way out, a failed save is only logged (by
         # _settle): raising here would hide the exception that ended the block.
+        if self._forked():
+            self._closed = True
+            return
         with self._one_call("close"):
             self._close(raise_missed=exc_type is None)
 
     def __del__(self) -> None:
+        if getattr(self, "_pid", None) != os.getpid():
+            return  # a forked child's copy: the save in flight is the parent's to finish
         with contextlib.suppress(Exception):
             self._close(raise_missed=False)
 
     # --- internals -----------------------------------------------------------------------
+
+    def _forked(self) -> bool:
+        """Whether this process is a fork of the one that made the checkpointer (a
+        DataLoader worker, a raw os.fork()): its threads and lock are not here."""
+        return os.getpid() != self._pid
+
+    def _refuse_forked(self, what: str) -> None:
+        if self._forked():
+            raise CheckpointClosedError(
+                f"{what}() in process {os.getpid()}: the checkpointer of {self.directory} "
+                f"belongs to process {self._pid}, which this one was forked from, and its "
+                "saves run there; make a new AsyncCheckpointer in this process")
 
     def _check_open(self) -> None:
         if self._closed:

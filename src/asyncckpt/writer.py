@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 import traceback
@@ -29,6 +30,7 @@ from . import commit
 from ._gc import gc_paused
 from .dist import DistContext, Pulse, raise_failures
 from .errors import (
+    CheckpointClosedError,
     CheckpointError,
     CheckpointSaveError,
     CheckpointTimeoutError,
@@ -162,6 +164,14 @@ class CheckpointFuture:
         self._progress = progress
         self._total = total_bytes
         self.observed = False  # someone asked for the outcome (wait, result, exception)
+        self._pid = os.getpid()
+
+    def _refuse_forked(self) -> None:
+        """In a forked child, no thread will finish this save: waiting would hang."""
+        if os.getpid() != self._pid and not self._durable.done():
+            raise CheckpointClosedError(
+                f"step {self.step} is being saved by process {self._pid}, which this process "
+                f"({os.getpid()}) was forked from: it cannot be waited for here")
 
     def progress(self) -> SaveProgress:
         """Where the save stands now: bytes copied and written, and its phase. Does not
@@ -199,6 +209,8 @@ class CheckpointFuture:
         because the save had already failed (overlap=True: e.g. its directory could not
         be made), that failure is raised, as ``wait()`` would.
         """
+        if not self._staged.done():
+            self._refuse_forked()
         try:
             self._staged.result(timeout)
         except StagingStopped:
@@ -222,6 +234,7 @@ class CheckpointFuture:
         Re-raises a background failure (as CheckpointSaveError, or the CheckpointError it
         was); raises CheckpointTimeoutError when ``timeout`` seconds pass first.
         """
+        self._refuse_forked()
         try:
             info = self._durable.result(timeout)
             self.observed = True
