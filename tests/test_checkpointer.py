@@ -89,6 +89,23 @@ def test_async_save_loads_back(tmp_path: Path) -> None:
     assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3
 
 
+def test_in_sync_mode_the_caller_is_blocked_until_durable(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class Slow(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:
+            gate.wait(0.3)  # (times out: the commit waits 0.3 s longer than the copy)
+            super().fsync_dir(path)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=Slow()) as ckpt:
+        started = time.perf_counter()
+        fut = ckpt.save_async({"w": torch.ones(1000)}, step=1)
+        took = time.perf_counter() - started
+        info = fut.wait()
+    assert info.blocked_s == info.durable_s >= 0.3  # not the copy's time alone
+    assert info.blocked_s <= took
+
+
 def test_a_load_logs_what_it_read_and_how_fast(tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     state = {"w": torch.ones(250_000), "n": 3}  # 1 MB

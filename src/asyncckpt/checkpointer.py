@@ -356,7 +356,7 @@ class AsyncCheckpointer:
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
-            reports=self._reports,
+            reports=self._reports, sync=self.config.mode == "sync",
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
         job.serve_to = list(self._transports)
         writer = self._ensure_writer()

@@ -119,6 +119,7 @@ class SaveJob:
     started: float
     keep_every: int | None = None  # with keep_last: older multiples of it are kept
     blocked_s: float = 0.0
+    sync: bool = False  # mode="sync": the caller is blocked until the commit
     tmp: Path | None = None
     tag: str = ""  # names this save's Store keys: n<save number>
     announced: bool = False  # this rank posted "done" (its file is durable)
@@ -415,7 +416,8 @@ class BackgroundWriter:
         job.committed = True
         staged_at = job.progress.finished_at or durable
         info = CheckpointInfo(step=job.step, path=final, bytes=plan.written_bytes,
-                              blocked_s=job.blocked_s, staged_s=staged_at - job.started,
+                              blocked_s=durable - job.started if job.sync else job.blocked_s,
+                              staged_s=staged_at - job.started,
                               durable_s=durable - job.started)
         log.info("rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable "
                  "%.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9, final,
