@@ -881,6 +881,29 @@ def test_a_step_deleted_while_read_is_not_reported_as_damage(
         assert not isinstance(info.value, CheckpointCorruptError)
 
 
+def test_a_fallback_load_whose_steps_retention_deleted_loads_the_newer_one(
+        tmp_path: Path) -> None:
+    # Another process's keep_last=1: it committed step 2 and deleted step 1, the one this
+    # load listed, as it read it. Not "no intact checkpoint": step 2 is there, and intact.
+    newer = tmp_path / "newer"
+    asyncckpt.save({"w": torch.full((4,), 2.0)}, newer, step=2)
+    root = tmp_path / "root"
+    asyncckpt.save({"w": torch.full((4,), 1.0)}, root, step=1)
+
+    class Retention(LocalStorage):
+        def open_read(self, path: Path) -> int:
+            p = Path(path)
+            if p.name.startswith("rank_") and p.parent.name == commit.step_dir_name(1):
+                shutil.copytree(newer / commit.step_dir_name(2), root / commit.step_dir_name(2))
+                p.parent.rename(root / ".step_000000001.deleting-x")
+            return super().open_read(path)
+
+    with asyncckpt.AsyncCheckpointer(root, storage=Retention()) as ck:
+        target = {"w": torch.zeros(4)}
+        ck.load(target, fallback=True)
+    assert target["w"].tolist() == [2.0] * 4
+
+
 def test_verify_of_a_step_deleted_meanwhile_says_so_rather_than_corrupt(tmp_path: Path) -> None:
     ck = asyncckpt.AsyncCheckpointer(tmp_path)
     ck.save({"w": torch.arange(10.0)}, step=1)

@@ -256,11 +256,17 @@ class _Told:
         return others
 
 
+# How many times a fallback load lists the steps again when the ones it listed were
+# deleted (by a saver's keep_last) while it read them and newer ones were committed.
+_RELISTS = 3
+
+
 def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    shards: Mapping[str, ShardMetadata] | None, threads: int | None,
                    agree: Agreement | None,
                    progress: Callable[[int, int], None] | None = None,
-                   ignore_unexpected: bool = False) -> Any:
+                   ignore_unexpected: bool = False, relists: int = _RELISTS,
+                   earlier: list[str] | None = None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -273,7 +279,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
-    failures: list[str] = []
+    failures: list[str] = list(earlier or [])
+    deleted = False  # a step listed was gone by the time it was read
     newest_first = steps[::-1]
     # With strict=False an older step may lack tensors a newer one has: what a failed
     # attempt wrote into those must not stay behind as part of the older step's load.
@@ -313,6 +320,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             undo.failed(step)
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
+            deleted = deleted or gone
             log.warning("step %d under %s is %s (%s); trying an older step", step, root,
                         "gone" if gone else "corrupt", problem)
             failures.append(f"step {step}: {problem}")
@@ -320,6 +328,16 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             log.warning("step %d under %s: rank %d could not load it (%s); every rank tries "
                         "an older step", step, root, r, what)
             failures.append(f"step {step} on rank {r}: {what}")
+    if agree is None and relists > 0 and deleted:
+        # Retention of another process deleted what was listed, as it committed newer
+        # steps: those are the ones to load. (A group's ranks would each list anew: they
+        # keep to the steps they agreed on.)
+        newer = [s for s in commit.committed_steps(root, storage) if s > newest_first[0]]
+        if newer:
+            log.warning("steps under %s were deleted while read, and step(s) %s committed "
+                        "meanwhile: trying those", root, newer)
+            return _newest_intact(root, state, storage, strict, shards, threads, None,
+                                  progress, ignore_unexpected, relists - 1, failures)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 
