@@ -138,7 +138,7 @@ def test_traversal_paths_are_refused(served: tuple[HTTPTransport, int, int], pat
 
 
 @pytest.mark.parametrize(("rng", "want"), [
-    ("bytes=0-{size}", 416), ("bytes=0-99999999999999999", 416), ("bytes=50-10", 416),
+    ("bytes=0-{size}", 416), ("bytes=0-99999999999999999", 416), ("bytes=50-10", 400),
     ("bytes={size}-{size}", 416), ("bytes=abc", 400),
     ("bytes=0-", 400), ("bytes=-5", 400), ("items=0-1", 400), ("bytes=0-1,4-5", 400),
     ("bytes=0-1" + "0" * 100, 400), ("bytes= 0-1", 400),
