@@ -850,6 +850,50 @@ def test_metadata_and_backend_of_a_group_torch_does_not_know() -> None:
     assert tr.metadata() == "pg:?"
 
 
+class _TorchftWrapper:
+    """As torchft's ProcessGroupWrapper (its ProcessGroupGloo/NCCL): rank() is the 0 its
+    base class was made with, on every rank; the group it wraps, ``parent``, knows (and
+    asserts until configure() made it); messages go through the wrapped group."""
+
+    def __init__(self, inner: FakeGroup | None):
+        self._pg = inner
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self.parent.size()
+
+    @property
+    def parent(self) -> FakeGroup:
+        assert self._pg is not None, "process group not initialized"
+        return self._pg
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return self.parent.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self.parent.recv(tensors, src, tag)
+
+
+@pytest.mark.parametrize("src", [0, 1])
+def test_a_torchft_group_whose_rank_says_0_everywhere_recovers_both_ways(src: int) -> None:
+    # Its rank() made every rank "rank 0": a recovery to or from rank 0 was refused as
+    # "rank 0 is this rank" (found running torchft 0.2.0's Manager with this transport).
+    wire = Wire()
+    groups = [_TorchftWrapper(FakeGroup(wire, r)) for r in (0, 1)]
+    tr = [PGTransport(g, 10.0, device="cpu") for g in groups]
+    assert [t.metadata() for t in tr] == ["pg:0", "pg:1"]
+    dst = 1 - src
+    sender = Background(tr[src].send_checkpoint, [dst], 3, small_state(), 10.0)
+    got = tr[dst].recv_checkpoint(src, tr[src].metadata(), 3, 10.0)
+    sender.result()
+    same(got, small_state())
+    with pytest.raises(CheckpointConfigError, match=f"rank {dst} is this rank"):
+        tr[dst].recv_checkpoint(dst, "", 3, 1.0)
+    assert PGTransport(_TorchftWrapper(None), 1.0, device="cpu").metadata() == "pg:0"
+
+
 def test_exported() -> None:
     import asyncckpt.transport as t
 

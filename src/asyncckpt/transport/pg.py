@@ -235,7 +235,7 @@ class PGTransport(CheckpointTransport[Any]):
         """``pg:<rank in the group>`` (``pg:?`` while the group cannot say: torchft asks
         before it configures its group). Informational: peers are named by rank."""
         try:
-            return f"pg:{int(self.pg.rank())}"
+            return f"pg:{_group_rank(self.pg)}"
         except Exception:
             return "pg:?"
 
@@ -860,7 +860,7 @@ class PGTransport(CheckpointTransport[Any]):
             given = list(ranks)
         except TypeError:
             raise CheckpointConfigError(f"{label}: pass a list of ranks") from None
-        me = int(self.pg.rank())
+        me = _group_rank(self.pg)
         size = _group_size(self.pg)
         group = "this group" if size is None else f"this group of {size} ranks"
         seen: set[int] = set()
@@ -923,6 +923,21 @@ def _arrived(t: torch.Tensor, work: Any) -> bool:
     except Exception:
         return True
     return t.device.type == "cpu" and bool(t.any())
+
+
+def _group_rank(pg: Any) -> int:
+    """This process's rank in ``pg``. torchft's reconfigurable groups (ProcessGroupGloo,
+    ProcessGroupNCCL: wrappers) answer ``rank()`` with the 0 their base class was made
+    with, on every rank: the group each wraps, its ``parent`` once configured, knows."""
+    for _ in range(8):  # (a wrapper of a wrapper...)
+        try:
+            parent = getattr(pg, "parent", None)
+        except Exception:  # torchft's asserts before configure(): no group to ask yet
+            parent = None
+        if parent is None or parent is pg or not callable(getattr(parent, "rank", None)):
+            break
+        pg = parent
+    return int(pg.rank())
 
 
 def _group_size(pg: Any) -> int | None:
