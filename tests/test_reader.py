@@ -1150,3 +1150,28 @@ def test_a_truncated_shard_names_the_tensors_past_its_end(tmp_path: Path) -> Non
                                                      rf"'{last}' lie past its end") as info:
         asyncckpt.load(tmp_path / "ck", {k: torch.empty_like(v) for k, v in state.items()})
     assert info.value.key == last and info.value.path == str(step_dir / shard)
+
+
+def test_a_reusing_load_fills_only_targets_it_may_and_returns_the_checkpoints_tree(
+        tmp_path: Path) -> None:
+    from asyncckpt.loader import load_reusing
+
+    g = torch.Generator().manual_seed(3)
+    saved = {"a": torch.randn(4, generator=g), "b": torch.randn(4, generator=g),
+             "c": torch.randn(2, 3, generator=g), "d": torch.randn(5, generator=g), "n": 7}
+    asyncckpt.save(saved, tmp_path, step=1)
+    shared = torch.zeros(4)
+    param = torch.zeros(5, requires_grad=True)
+    loss = (param * param).sum()  # a step in flight, which saved the parameter
+    mine = {"a": shared, "b": shared,  # one memory for two saved keys: neither reused
+            "c": torch.zeros(3, 2),  # another shape
+            "d": param.detach(), "n": 0, "x": torch.zeros(1)}
+    out = load_reusing(tmp_path / "step_000000001", mine, LocalStorage())
+    loss.backward()  # (torchft receives while a step runs: its backward must not fail)
+    assert list(out) == ["a", "b", "c", "d", "n"] and out["n"] == 7
+    for k in "abcd":
+        assert torch.equal(out[k], saved[k]), k
+    assert out["d"] is mine["d"]  # filled in place
+    assert out["a"] is not shared and out["b"] is not shared and not shared.any()
+    assert out["c"] is not mine["c"] and not mine["c"].any()
+    assert mine["n"] == 0 and torch.equal(mine["x"], torch.zeros(1))  # nothing else touched

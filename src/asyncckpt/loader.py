@@ -211,6 +211,57 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     return restore_into(state, manifest.skeleton, loaded, "", target)
 
 
+def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
+                 manifest: Manifest | None = None, verify: bool = True,
+                 threads: int | None = None) -> Any:
+    """The checkpoint as a fresh tree (as ``load_from`` with no state), whose tensors are
+    those of ``reuse`` wherever ``reuse`` holds one at the same path with the same shape
+    and dtype, filled in place, and new tensors elsewhere (what torchft's transports do
+    with their ``state_dict`` callable). Nothing else of ``reuse`` is changed: no
+    load_state_dict is called, no dict updated, and mismatches are no error. Tensors
+    sharing memory, read-only ones and shards (DTensors) are not reused.
+
+    As torchft's transports, the writes leave autograd's version counters alone: its
+    Manager receives on its own thread while the training thread may be computing a step
+    (which a healing replica throws away), and a bumped counter would fail that step's
+    backward instead.
+    """
+    started = time.perf_counter()
+    read: list[int] = []
+    with gc_paused():
+        if manifest is None:
+            manifest = read_manifest(step_dir, storage)
+        target = flatten(reuse, target=True)
+        chosen: dict[str, list[torch.Tensor]] = {}
+        spans: dict[int, _Span | None] = {}
+        writable = _WritableMemory()
+        for path, key in saved_paths(manifest).items():
+            tkey = target.refs.get(path)
+            if tkey is None or key in chosen or tkey in target.boxes or tkey in target.arrays:
+                continue
+            t, entry = target.tensors[tkey], manifest.tensors[key]
+            if t.shape != entry.shape or t.dtype != entry.dtype:
+                continue
+            span = spans[id(t)] = _tensor_span(t)
+            if span is not None and span[0] == "cpu" and not writable.covers(span[1], span[2]):
+                continue
+            if _overlaps_itself(t):
+                continue
+            chosen[key] = [t]
+        for key in _sharing_memory(chosen, {}, spans):
+            del chosen[key]  # (one memory, two keys: each gets tensors of its own)
+        loaded = load_tensors(step_dir, manifest,
+                              {k: chosen[k][0] if k in chosen else None
+                               for k in manifest.tensors},
+                              storage, verify=verify, threads=threads, read=read,
+                              bump_versions=False)
+        out = unflatten(manifest.skeleton, loaded)
+    seconds = time.perf_counter() - started
+    log.info("loaded %s into %d of its %d tensors in place, the rest new: %.3f GB in %.3fs",
+             step_dir, len(chosen), len(manifest.tensors), sum(read) / 1e9, seconds)
+    return out
+
+
 def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: bool = True,
                        ignore_unexpected: bool = False,
                        shards: Mapping[str, ShardMetadata] | None = None,

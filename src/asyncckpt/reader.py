@@ -136,8 +136,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                  storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
                  boxes: Mapping[str, Box] | None = None, read: list[int] | None = None,
-                 progress: Callable[[int, int], None] | None = None
-                 ) -> dict[str, torch.Tensor]:
+                 progress: Callable[[int, int], None] | None = None,
+                 bump_versions: bool = True) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
     ``boxes`` gives, for sharded destinations, the box of the global tensor each one
@@ -160,17 +160,19 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     for name in sorted({it.chunk.file for it in items}):
         _check_file(step_dir, manifest, name, storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
-                         boxes=boxes, items=items, read=read, progress=progress)
+                         boxes=boxes, items=items, read=read, progress=progress,
+                         bump_versions=bump_versions)
 
 
 def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
                   storage: ReadStorage, *, verify: bool, threads: int | None,
                   boxes: Mapping[str, Box], items: list[ReadItem] | None = None,
                   read: list[int] | None = None,
-                  progress: Callable[[int, int], None] | None = None
-                  ) -> dict[str, torch.Tensor]:
+                  progress: Callable[[int, int], None] | None = None,
+                  bump_versions: bool = True) -> dict[str, torch.Tensor]:
     """load_tensors once the files it reads are known to be whole (``items``: the read
-    plan, where the caller made it already)."""
+    plan, where the caller made it already). ``bump_versions=False``: the given tensors'
+    autograd version counters are left as they were (see loader.load_reusing)."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
     if items is None:
         items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
@@ -211,7 +213,9 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         # Reads straight into a given tensor's memory are in-place writes autograd does
         # not see: bump their version counters as copy_ would, so a graph that saved one
         # for backward fails loudly instead of computing a gradient from the new values.
-        _bump_versions([t for t in dests.values() if t is not None and not t.is_inference()])
+        if bump_versions:
+            _bump_versions([t for t in dests.values()
+                            if t is not None and not t.is_inference()])
     return out
 
 

@@ -273,12 +273,49 @@ def model_alone_recv(link: Link) -> list[str]:
     return failures + diff(model.state_dict(), want["model"], "model")
 
 
+def reuse_send(link: Link) -> None:
+    link.tr.send_checkpoint([link.peer], 16, make_state(3), datetime.timedelta(seconds=T))
+    link.sync()
+    link.tr.disallow_checkpoint()
+
+
+def reuse_recv(link: Link) -> list[str]:
+    """A transport made with ``state_dict=`` (torchft's way to receive in place: its Manager
+    passes no target): the received tree, in the target's tensors where they match."""
+    model, opt = make_model(seed=99)  # (AdamW with no state yet: its moments come new)
+    extra = extras(seed=99)
+    extra["bf16"] = torch.zeros(2, 2, dtype=torch.bfloat16)  # another shape: not reused
+    target = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": extra,
+              "step": 0, "lr": 0.5, "name": "other", "nested": [0, (0.0, None)]}
+    link.tr._state_dict = lambda: target  # (as if passed to the constructor)
+    try:
+        out = link.tr.recv_checkpoint(link.peer, link.peer_meta, 16,
+                                      datetime.timedelta(seconds=T))
+    finally:
+        link.tr._state_dict = None
+    link.sync()
+    want = make_state(3)
+    failures = diff(out, want)  # the sender's tree, every value
+    for n, p in model.named_parameters():
+        if out["model"][n].data_ptr() != p.data_ptr():
+            failures.append(f"model/{n}: not received into the parameter")
+    failures += diff(model.state_dict(), want["model"], "<parameters>")
+    if out["extra"]["int64"] is not extra["int64"]:
+        failures.append("extra/int64: a new tensor, not the target's")
+    if out["extra"]["bf16"] is extra["bf16"] or extra["bf16"].abs().sum() != 0:
+        failures.append("extra/bf16: a target of another shape was used")
+    if target["step"] != 0 or opt.state_dict()["state"]:
+        failures.append("the target's own values or the optimizer were changed")
+    return failures
+
+
 SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], int]] = {
     "fresh": (fresh_send, fresh_recv, 1),
     "into": (into_send, into_recv, 1),
     "wrong_step": (wrong_step_send, wrong_step_recv, 2),
     "disallow_then_new_step": (new_step_send, new_step_recv, 2),
     "model_alone": (model_alone_send, model_alone_recv, 2),
+    "state_dict_fn": (reuse_send, reuse_recv, 1),
 }
 
 

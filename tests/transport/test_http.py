@@ -596,7 +596,8 @@ def test_bad_settings_are_config_errors() -> None:
     for kw in ({"token": ""}, {"max_connections": 0}, {"max_range_bytes": 0},
                {"port": 70000}, {"max_connections": 1.5}, {"max_connections": "3"},
                {"num_chunks": "4"}, {"port": "0"}, {"max_range_bytes": 1e6},
-               {"num_chunks": True}, {"host": None}, {"advertise_host": 7}):
+               {"num_chunks": True}, {"host": None}, {"advertise_host": 7},
+               {"state_dict": {"w": 1}}):
         with pytest.raises(CheckpointConfigError, match=next(iter(kw))):
             HTTPTransport(**kw)  # type: ignore[arg-type]
     with pytest.raises(CheckpointConfigError, match="token"):

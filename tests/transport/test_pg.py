@@ -796,6 +796,8 @@ def test_configuration_errors() -> None:
         PGTransport(FakeGroup(wire, 0), 1.0).send_checkpoint([1, 0], 1, {}, 1.0)
     with pytest.raises(CheckpointConfigError):
         PGTransport(FakeGroup(wire, 0), 1.0, device="meta")
+    with pytest.raises(CheckpointConfigError, match=r"state_dict=.*callable"):
+        PGTransport(FakeGroup(wire, 0), 1.0, state_dict={"w": torch.ones(1)})
     for name in ("strict", "ignore_unexpected"):  # checked before any message
         with pytest.raises(CheckpointConfigError, match=f"^{name}='no'"):
             PGTransport(FakeGroup(wire, 1), 1.0).recv_checkpoint(0, "", 1, **{name: "no"})

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 
@@ -50,6 +50,16 @@ PEER_MAX_MANIFEST_BYTES = 256 << 20
 """The largest manifest a receive accepts from a peer by default (``max_manifest_bytes``):
 JSON grows up to ~25x once parsed, and a peer chooses what it sends (~60 MB holds 100k
 tensors)."""
+
+def check_state_dict_fn(fn: object) -> Callable[[], Any] | None:
+    """A transport's ``state_dict`` argument: None, or a callable that returns the state a
+    receive without ``into=`` fills in place where it matches (torchft's convention)."""
+    if fn is not None and not callable(fn):
+        raise CheckpointConfigError(
+            f"state_dict={fn!r:.60}: pass a callable that returns the state to receive into "
+            "(e.g. lambda: {\"model\": model.state_dict()}), or None")
+    return None if fn is None else cast(Callable[[], Any], fn)
+
 
 def seconds(t: timedelta | float, label: str = "timeout") -> float:
     """A timeout in seconds, from seconds or a timedelta; CheckpointConfigError for

@@ -27,7 +27,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -51,6 +51,7 @@ from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
     Served,
+    check_state_dict_fn,
     seconds,
     serve_directory,
     serve_state,
@@ -170,7 +171,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  token: str | None = None, max_connections: int = 64,
                  max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES):
+                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
+                 state_dict: Callable[[], Any] | None = None):
         for name, value in (("num_chunks", num_chunks), ("max_connections", max_connections),
                             ("max_range_bytes", max_range_bytes), ("port", port)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -200,6 +202,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"max_manifest_bytes={max_manifest_bytes!r}: use an "
                                         "int of 1 or more")
         self.max_manifest_bytes = max_manifest_bytes
+        self._state_dict = check_state_dict_fn(state_dict)
         if not 0 <= port <= 65535:
             raise CheckpointConfigError(f"port={port}: use 0 (any free port) to 65535")
         check_block_bytes(block_bytes)
@@ -446,7 +449,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             CheckpointClosedError: after ``shutdown()``; a ``shutdown()`` during the
                 receive cuts it off (``CheckpointTransportError``).
         """
-        from ..loader import load_from
+        from ..loader import load_from, load_reusing
 
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
@@ -462,12 +465,17 @@ class HTTPTransport(CheckpointTransport[Any]):
                 raise CheckpointClosedError(f"recv_checkpoint of step {step}: this "
                                             "HTTPTransport was shut down; make a new one")
             self._receiving.add(storage)
+        reuse = None
         try:
+            if into is None and self._state_dict is not None:
+                reuse = self._state_dict()  # (torchft's Manager passes no target)
+                return load_reusing(Path(f"peer-step-{step}"), reuse, storage,
+                                    threads=fetch_connections(self.num_chunks))
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              ignore_unexpected=ignore_unexpected,
                              threads=fetch_connections(self.num_chunks))
         except CheckpointError as exc:
-            raise peer_error(exc, into, storage) from exc.__cause__
+            raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:
             with self._cond:
                 self._receiving.discard(storage)

@@ -103,7 +103,14 @@ from ..manifest import (
     parse_manifest,
 )
 from ..reader import tensor_bytes
-from .base import PEER_MAX_MANIFEST_BYTES, CheckpointTransport, LiveSource, seconds, serve_state
+from .base import (
+    PEER_MAX_MANIFEST_BYTES,
+    CheckpointTransport,
+    LiveSource,
+    check_state_dict_fn,
+    seconds,
+    serve_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +197,8 @@ class PGTransport(CheckpointTransport[Any]):
                  device: torch.device | str | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
                  max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
-                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES):
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                 state_dict: Callable[[], Any] | None = None):
         if pg is None:
             import torch.distributed as dist
 
@@ -221,6 +229,7 @@ class PGTransport(CheckpointTransport[Any]):
         # (a load reads no manifest above MAX_MANIFEST_BYTES: one would be sent in vain)
         self.max_manifest_bytes = min(max_manifest_bytes, MAX_MANIFEST_BYTES)
         self.max_file_bytes = max_file_bytes
+        self._state_dict = check_state_dict_fn(state_dict)
         self._lock = threading.Lock()  # one transfer at a time on the group
         self._cond = threading.Condition()
         self._sending = 0
@@ -361,7 +370,7 @@ class PGTransport(CheckpointTransport[Any]):
                 broke the protocol, or the group failed; or this rank cannot allocate
                 the buffers (the peer is told).
         """
-        from ..loader import load_from
+        from ..loader import load_from, load_reusing
 
         self._check_open()
         step = _check_word(step, "step", 0)
@@ -380,6 +389,9 @@ class PGTransport(CheckpointTransport[Any]):
             _verify_file(manifest, name, view, step_dir, where)
         # (``host`` owns the memory the storage's view points into: it lives until we return)
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
+        if into is None and self._state_dict is not None:  # (torchft's Manager passes none)
+            return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
+                                verify=False)
         return load_from(step_dir, into, storage, strict=strict, verify=False,
                          manifest=manifest, ignore_unexpected=ignore_unexpected)
 
