@@ -827,3 +827,36 @@ def test_an_error_of_a_state_dict_names_where_its_object_is() -> None:
             "asyncckpt: raised by state_dict() of the "
             "test_an_error_of_a_state_dict_names_where_its_object_is.<locals>.Broken at "
             "'deep/obj' of the state tree"]
+
+
+def test_many_views_of_one_buffer_are_tied_by_layout_without_comparing_all_pairs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.tree as tree_mod
+
+    calls = 0
+    real = tree_mod._same_view
+
+    def counted(a: torch.Tensor, b: torch.Tensor, *, empty_ok: bool = False) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(a, b, empty_ok=empty_ok)
+
+    monkeypatch.setattr(tree_mod, "_same_view", counted)
+    base = torch.arange(1000.0)
+    state = {}
+    for i in range(200):  # 200 views of one buffer, each twice (a tie)
+        state[f"a{i}"] = base.as_strided((4,), (i + 1,))
+        state[f"b{i}"] = base.as_strided((4,), (i + 1,))
+    flat = flatten(state)
+    assert len(flat.tensors) == 200
+    assert all(flat.refs[f"b{i}"] == f"a{i}" for i in range(200))
+    assert calls < 200  # (pair by pair: ~40,000 comparisons; quadratic in the views)
+
+
+def test_restoring_a_statefuls_dict_does_not_copy_the_statefuls() -> None:
+    from asyncckpt.tree import _without
+
+    flat = flatten({str(i): torch.nn.Linear(2, 2) for i in range(3)}, target=True)
+    inner = _without(flat, "1")
+    # (a copy of them for each of n objects made a load of n modules n**2)
+    assert inner.statefuls is flat.statefuls and inner.entered == "1"
