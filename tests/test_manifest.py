@@ -1012,3 +1012,35 @@ def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(AssertionError, match="checksum mismatch"):
         read_whole(step_dir, "model/w")
+
+
+def test_a_deep_manifest_read_from_a_deep_call_stack_is_not_called_corrupt(
+        tmp_path: Path) -> None:
+    import asyncckpt
+    from asyncckpt.errors import CheckpointCorruptError, CheckpointError
+    from asyncckpt.manifest import parse_manifest, seal
+
+    deep: object = torch.ones(2)
+    for _ in range(189):  # the deepest tree a save takes
+        deep = {"d": deep}
+    asyncckpt.save(deep, tmp_path, step=1)
+    raw = (tmp_path / "step_000000001" / "manifest.json").read_bytes()
+    assert parse_manifest(raw, "m").step == 1
+
+    def at_depth(k: int) -> BaseException | None:
+        if k:
+            return at_depth(k - 1)
+        try:
+            parse_manifest(raw, "m")
+        except CheckpointError as exc:
+            return exc
+        return None
+
+    # Python's limit hit by the caller's frames: an intact checkpoint (a fallback load
+    # skipped it as corrupt, for an older step), said so
+    exc = at_depth(600)
+    assert type(exc) is CheckpointError and "the checkpoint is intact" in str(exc)
+    # nesting no stack could parse (the library never writes it) is damage
+    forged = seal(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        parse_manifest(forged, "m")

@@ -24,6 +24,8 @@ import json
 import math
 import re
 import struct
+import sys
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,7 +34,12 @@ import torch
 import xxhash
 
 from .boxes import tiling_problem
-from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointVersionError
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointVersionError,
+)
 from .tree import ARRAY_NODES, RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
@@ -411,6 +418,24 @@ class _Check:
         return v
 
 
+def _parses_on_a_fresh_stack(raw: bytes) -> bool:
+    """Whether ``raw`` is JSON that a thread's own, empty stack parses (its nesting is
+    within the recursion limit): what is too deep for a caller deep in its stack."""
+    ok: list[bool] = []
+
+    def parse() -> None:
+        try:
+            json.loads(raw)
+            ok.append(True)
+        except (RecursionError, ValueError):
+            pass
+
+    t = threading.Thread(target=parse, name="asyncckpt-json")
+    t.start()
+    t.join()
+    return bool(ok)
+
+
 def parse_manifest(raw: bytes, path: str) -> Manifest:
     """Parse and validate manifest bytes; raise CheckpointCorruptError naming what is wrong."""
     c = _Check(path)
@@ -423,7 +448,16 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
                                      "contents: it is corrupt", path=path)
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except RecursionError as exc:
+        if _parses_on_a_fresh_stack(raw):  # intact: it is the caller's stack that is deep
+            raise CheckpointError(
+                f"{path}: the manifest nests deeper than Python's recursion limit "
+                f"({sys.getrecursionlimit()}) allows from this call stack; the checkpoint is "
+                "intact: load it from a shallower call stack, or raise the limit "
+                "(sys.setrecursionlimit)") from exc
+        raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
+                                     path=path) from exc
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
                                      path=path) from exc
     doc = c.obj(doc, "document")
