@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import mmap
 import threading
 from collections.abc import Iterator
@@ -468,8 +469,15 @@ def test_small_tensors_are_staged_by_the_calling_thread_alone(
     arena = arena_for(plan)
     copiers: set[int] = set()
     real = staging._copy_range
+    # Where two threads copy, each waits at its first piece for the other: on a loaded
+    # machine the caller could otherwise copy every piece before the helper starts.
+    both = threading.Barrier(2, timeout=10)
 
     def recording(*args: object) -> None:
+        if want == 2 and threading.get_ident() not in copiers:
+            copiers.add(threading.get_ident())
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both.wait()
         copiers.add(threading.get_ident())
         real(*args)  # type: ignore[arg-type]
 
