@@ -671,3 +671,15 @@ def test_a_step_that_cannot_be_is_told_in_the_cli_s_words(
     assert err.strip() == (f"asyncckpt: error: {tmp_path / 'step_000000001'} is the step "
                            "directory of step 1, not 2: drop --step or pass the checkpoint root")
     assert run(capsys, "verify", str(tmp_path / "step_000000001"), "--step", "1")[0] == 0
+
+
+def test_a_closed_stdout_is_told_as_such_with_the_verdict_kept(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Started with stdout closed (>&-), Python has no sys.stdout: the flush at the end
+    # raised AttributeError, a traceback and exit 1 ("corrupt") for an intact checkpoint.
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["verify", str(root)]) == 2  # intact, but the report was not written
+    flip_byte(root / "step_000000030", "model/w")
+    assert main(["verify", str(root)]) == 1  # the verdict stands
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stdout is closed" in err

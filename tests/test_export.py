@@ -836,7 +836,7 @@ def test_export_writes_a_tensor_whose_key_is_empty(tmp_path: Path) -> None:
     assert_exact(got[""], a, "''")
     assert_exact(got["m/"], b, "m/")
     with pytest.raises(asyncckpt.CheckpointConfigError,
-                       match=r"'m/%00' would be named '' in the output, which is empty once "
+                       match=r"'m/' would be named '' in the output, which is empty once "
                              r"the prefix is stripped; use a shorter prefix"):
         export_safetensors(tmp_path / "c", tmp_path / "p.safetensors", prefix="m",
                            strip_prefix=True)
@@ -853,3 +853,15 @@ def test_export_from_a_directory_whose_name_is_not_utf8_loads(tmp_path: Path) ->
     assert load_file(out)["w"].tolist() == [1.0, 1.0]
     with safetensors.safe_open(out, "pt") as f:
         assert f.metadata()["asyncckpt_source"] == "copy\\xff"
+
+
+def test_export_speaks_of_keys_as_they_were_not_as_the_manifest_escapes_them(
+        tmp_path: Path) -> None:
+    # The prefix is matched against the keys as saved ("a/b"); the hint listed them
+    # escaped ("a%2Fb"), which, passed as the prefix, selects nothing.
+    asyncckpt.save({"x%y": torch.ones(1), "a/b": torch.zeros(1)}, tmp_path / "c", step=0)
+    with pytest.raises(asyncckpt.CheckpointConfigError) as info:
+        export_safetensors(tmp_path / "c", tmp_path / "o.safetensors", prefix="nothing")
+    assert str(info.value).endswith("start with: 'a/b', 'x%y'")
+    export_safetensors(tmp_path / "c", tmp_path / "o.safetensors", prefix="a/b")
+    assert list(load_file(tmp_path / "o.safetensors")) == ["a/b"]

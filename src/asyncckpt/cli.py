@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -151,6 +152,8 @@ class _OutputError(Exception):
 
 def _out(text: str = "", *, flush: bool = False) -> None:
     """Print a line of the command's output (stdout)."""
+    if sys.stdout is None:  # started with it closed (>&-): print() would drop the line
+        raise _OutputError(OSError(errno.EBADF, "stdout is closed"))
     try:
         print(text, flush=flush)
     except OSError as exc:
@@ -710,7 +713,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         code: int = args.func(args)
         try:  # here, not at exit, where a failure could only be printed as ignored
-            sys.stdout.flush()
+            if sys.stdout is not None:
+                sys.stdout.flush()
         except OSError as exc:
             raise _OutputError(exc) from exc
         return code

@@ -401,7 +401,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 continue  # the same tensor again under a name it already has
             if name in names or name in report.aliases:
                 raise CheckpointConfigError(
-                    f"tensor {path!r} would be named {name!r} in the output, as is "
+                    f"tensor {full!r} would be named {name!r} in the output, as is "
                     f"{_named(name, names, report.aliases)}; rename one of the keys or "
                     "export them with prefixes that keep them apart")
             report.aliases[name] = written[key]
@@ -421,17 +421,17 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             fix = ("use a shorter prefix or drop strip_prefix" if strip and prefix
                    else "rename its key")
             raise CheckpointConfigError(
-                f"tensor {path!r} would be named {name!r} in the output, which {what}; {fix}")
+                f"tensor {full!r} would be named {name!r} in the output, which {what}; {fix}")
         if name in names or name in report.aliases:
             raise CheckpointConfigError(
-                f"tensor {path!r} would be named {name!r} in the output, as is "
+                f"tensor {full!r} would be named {name!r} in the output, as is "
                 f"{_named(name, names, report.aliases)}; rename one of the keys or export "
                 "them with prefixes that keep them apart")
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: a str and JSON allow it, UTF-8 not
             raise CheckpointConfigError(
-                f"tensor {path!r} would be named {name!r} in the output, which is not valid "
+                f"tensor {full!r} would be named {name!r} in the output, which is not valid "
                 "UTF-8 (it holds a lone surrogate) and so no safetensors name; export the "
                 "other tensors with a prefix that leaves it out, or rename its key") from None
         written[key] = name
@@ -447,7 +447,8 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             "cannot hold: " + "; ".join(f"{k.key} ({k.dtype})" for k in report.skipped[:5])
             + ("..." if len(report.skipped) > 5 else "") + "; nothing to export")
     if not planned:
-        tops = sorted({p.split("/", 1)[0] + ("/" if "/" in p else "")
+        # (as the prefix is matched: keys as they were, not as the manifest escapes them)
+        tops = sorted({unescape_path(p.split("/", 1)[0]) + ("/" if "/" in p else "")
                        for p, _ in iter_array_nodes(manifest.skeleton)})
         have = ", ".join(repr(t) for t in tops[:10]) or "none"
         raise CheckpointConfigError(
@@ -462,7 +463,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
 def _named(name: str, names: dict[str, str], aliases: dict[str, str]) -> str:
     """What already goes by ``name`` in the output, for an error."""
     if name in names:
-        return f"the tensor saved as {names[name]!r}"
+        return f"the tensor saved as {unescape_path(names[name])!r}"
     return f"a tied copy of {aliases[name]!r}"
 
 

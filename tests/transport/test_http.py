@@ -921,6 +921,23 @@ def test_a_file_served_from_disk_without_sendfile_sends_the_asked_for_bytes(
             assert reply.partition(b"\r\n\r\n")[2] == on_disk[lo:hi + 1], (lo, hi)
 
 
+def test_serving_a_damaged_directory_is_refused_as_a_load_would(tmp_path: Path,
+                                                                 transports: Any) -> None:
+    # (a missing file came out as a bare FileNotFoundError: "asyncckpt serve" exited 2,
+    # where verify and export say the checkpoint is damaged, 1)
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        info = ckpt.save({"w": torch.arange(64.0)}, 3)
+    srv = transports(token=TOKEN)
+    (info.path / FILE).rename(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointCorruptError, match=f"{FILE}.*missing"):
+        srv.serve_directory(info.path)
+    (tmp_path / "elsewhere").rename(info.path / FILE)
+    with open(info.path / FILE, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CheckpointCorruptError, match="bytes but the manifest says"):
+        srv.serve_directory(info.path)
+
+
 _SLOW_SERVER = r"""
 import sys, time, torch
 from asyncckpt.transport import HTTPTransport

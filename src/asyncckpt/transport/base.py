@@ -30,6 +30,7 @@ from .._gc import gc_paused
 from ..errors import CheckpointConfigError, CheckpointTransportError
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
+from ..reader import _check_file as check_file
 from ..reader import read_manifest, tensor_bytes
 from ..storage import LocalStorage, open_regular
 from ..tree import flatten
@@ -304,8 +305,12 @@ def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryvie
 
 
 def serve_directory(step_dir: Path) -> Served:
-    """Serve a committed checkpoint from disk."""
-    manifest = read_manifest(step_dir, LocalStorage())
+    """Serve a committed checkpoint from disk: its files are there, of their sizes, with
+    their headers (CheckpointCorruptError, as a load or verify would say, if not)."""
+    storage = LocalStorage()
+    manifest = read_manifest(step_dir, storage)
+    for name in manifest.files:
+        check_file(step_dir, manifest, name, storage)
     raw = (step_dir / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
     return Served(manifest.step, lambda: raw,
                   {name: DiskSource(step_dir / name) for name in manifest.files})
