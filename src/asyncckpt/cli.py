@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from . import commit
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest
-from .reader import read_manifest, verify_checkpoint
+from .reader import read_manifest, read_manifest_summary, verify_checkpoint
 from .storage import LocalStorage
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
@@ -244,7 +244,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest = None  # as latest_step() says: unlistable dirs do not count
     for d in dirs:
         try:
-            m = read_manifest(d, storage)
+            m = read_manifest_summary(d, storage)
         except CheckpointError as exc:
             if d != root and not os.path.lexists(d):
                 continue  # retired by retention since it was listed: no step now
@@ -253,7 +253,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "error": str(exc)})
         else:
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
-                            "tensors": len(m.tensors), "files": len(m.files),
+                            "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version})
         listed += 1

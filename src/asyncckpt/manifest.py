@@ -436,8 +436,19 @@ def _parses_on_a_fresh_stack(raw: bytes) -> bool:
     return bool(ok)
 
 
-def parse_manifest(raw: bytes, path: str) -> Manifest:
-    """Parse and validate manifest bytes; raise CheckpointCorruptError naming what is wrong."""
+class _Head(NamedTuple):
+    """What a manifest says before its tensors: parsed and checked by :func:`_parse_head`."""
+
+    check: _Check
+    doc: dict[str, Any]
+    version: int
+    block_bytes: int
+    files: dict[str, FileEntry]
+    partial: bool
+
+
+def _parse_head(raw: bytes, path: str) -> _Head:
+    """The digest, the JSON, and every field a manifest has before its tensors, checked."""
     c = _Check(path)
     m = _DIGEST_TAIL.search(raw, max(0, len(raw) - 64))
     if m is None:
@@ -495,6 +506,51 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     partial = doc.get("partial", False)
     if type(partial) is not bool:
         raise c.fail("partial must be true or false")
+    return _Head(c, doc, version, block_bytes, files, partial)
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What a listing shows of a step (``asyncckpt ls``), read without parsing every
+    tensor entry (the digest is checked, so damage still shows)."""
+
+    step: int
+    created_unix: float
+    library_version: str
+    files: dict[str, FileEntry]
+    tensors: int
+    partial: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+
+def _created(c: _Check, doc: dict[str, Any]) -> float:
+    created = doc.get("created_unix")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not (
+            0 <= created <= _MAX_UNIX):
+        raise c.fail(f"created_unix must be seconds from 0 to {_MAX_UNIX} (year 9999), got "
+                     f"{created!r:.40}")
+    return float(created)
+
+
+def parse_manifest_summary(raw: bytes, path: str) -> ManifestSummary:
+    """:func:`parse_manifest`'s checks but of the tensor entries, which are only counted
+    (a manifest of 100,000 tensors: ~0.25 s rather than ~0.7 s)."""
+    h = _parse_head(raw, path)
+    c, doc = h.check, h.doc
+    tensors = c.obj(doc.get("tensors"), "tensors")
+    return ManifestSummary(step=c.int_(doc.get("step"), "step"), created_unix=_created(c, doc),
+                           library_version=c.str_(doc.get("library_version"),
+                                                  "library_version"),
+                           files=h.files, tensors=len(tensors), partial=h.partial)
+
+
+def parse_manifest(raw: bytes, path: str) -> Manifest:
+    """Parse and validate manifest bytes; raise CheckpointCorruptError naming what is wrong."""
+    h = _parse_head(raw, path)
+    c, doc, version, block_bytes, files, partial = h
     tensors: dict[str, TensorEntry] = {}
     short = version >= 2
     for key, t in c.obj(doc.get("tensors"), "tensors").items():
@@ -509,15 +565,11 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
     _check_skeleton(c, skeleton, {k: t.dtype for k, t in tensors.items()})
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
-    created = doc.get("created_unix")
-    if not isinstance(created, (int, float)) or isinstance(created, bool) or not (
-            0 <= created <= _MAX_UNIX):
-        raise c.fail(f"created_unix must be seconds from 0 to {_MAX_UNIX} (year 9999), got "
-                     f"{created!r:.40}")
+    created = _created(c, doc)
     return Manifest(
         step=c.int_(doc.get("step"), "step"),
         world_size=c.int_(doc.get("world_size"), "world_size", lo=1),
-        created_unix=float(created),
+        created_unix=created,
         library_version=c.str_(doc.get("library_version"), "library_version"),
         block_bytes=block_bytes, files=files, tensors=tensors, skeleton=skeleton,
         user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version,

@@ -43,9 +43,11 @@ from .manifest import (
     BlockHasher,
     Chunk,
     Manifest,
+    ManifestSummary,
     block_checksums,
     decode_header,
     parse_manifest,
+    parse_manifest_summary,
     st_dtype_and_shape,
 )
 from .plan import (
@@ -75,9 +77,30 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
     with ``check_manifest(manifest)`` checks the manifest further (raising if it refuses
     it).
     """
+    path, raw = _manifest_bytes(step_dir, storage)
+    with gc_paused():
+        manifest = parse_manifest(raw, str(path))
+    _check_read(step_dir, path, storage, manifest.step, manifest.partial)
+    check = getattr(storage, "check_manifest", None)
+    if check is not None:  # (a peer's: the manifest must be of the step asked for)
+        check(manifest)
+    return manifest
+
+
+def read_manifest_summary(step_dir: Path, storage: ReadStorage) -> ManifestSummary:
+    """What ``asyncckpt ls`` shows of a step: :func:`read_manifest`'s checks but of the
+    tensor entries (counted, not parsed one by one; the manifest's digest still is)."""
+    path, raw = _manifest_bytes(step_dir, storage)
+    with gc_paused():  # (json.loads of 100,000 entries: 0.2 s paused, 0.45 s with it)
+        summary = parse_manifest_summary(raw, str(path))
+    _check_read(step_dir, path, storage, summary.step, summary.partial)
+    return summary
+
+
+def _manifest_bytes(step_dir: Path, storage: ReadStorage) -> tuple[Path, bytes]:
     path = step_dir / MANIFEST_NAME
     try:
-        raw = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+        return path, storage.read_bytes(path, MAX_MANIFEST_BYTES)
     except CheckpointError:
         raise  # already says what is missing (e.g. a peer that serves another step)
     except FileNotFoundError:
@@ -87,23 +110,21 @@ def read_manifest(step_dir: Path, storage: ReadStorage) -> Manifest:
         raise CheckpointCorruptError(str(exc), path=str(path)) from exc
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
         raise _damaged(path, exc) from exc
-    with gc_paused():
-        manifest = parse_manifest(raw, str(path))
-    if manifest.partial and not getattr(storage, "peer_view", False):
+
+
+def _check_read(step_dir: Path, path: Path, storage: ReadStorage, step: int,
+                partial: bool) -> None:
+    if partial and not getattr(storage, "peer_view", False):
         raise CheckpointCorruptError(
             f"{path}: the manifest is marked partial (as a peer's view of some boxes is, and "
             "a committed checkpoint never): it is corrupt; load an earlier step",
             path=str(path))
-    check = getattr(storage, "check_manifest", None)
-    if check is not None:  # (a peer's: the manifest must be of the step asked for)
-        check(manifest)
     named = step_of_dir_name(step_dir.name)
-    if named is not None and named != manifest.step:
+    if named is not None and named != step:
         raise CheckpointCorruptError(
-            f"{path} is the manifest of step {manifest.step}, but its directory is that of "
+            f"{path} is the manifest of step {step}, but its directory is that of "
             f"step {named}: it was copied from another step or rewritten; load an earlier "
             "step", path=str(path))
-    return manifest
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
