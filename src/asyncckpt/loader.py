@@ -519,8 +519,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # the checkpoint's state alone): what only the target holds is not missing there.
     lenient = [p for p, (obj, _) in target.statefuls.items()
                if not isinstance(obj, torch.nn.Module) or loads_fresh(obj)]
-    whole = {p for p in lenient
-             if takes_whole_state(target.statefuls[p][0]) or loads_fresh(target.statefuls[p][0])}
+    whole = {p for p in lenient if takes_whole_state(target.statefuls[p][0])}
 
     def passes_through(path: str) -> bool:
         # Optimizers and similar objects create state lazily: what the checkpoint has and

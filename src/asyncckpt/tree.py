@@ -689,7 +689,7 @@ def _without(flat: FlatState, path: str) -> FlatState:
     modules take n**2 time, 104 s for 16,000.)"""
     obj = flat.statefuls[path][0]
     return dataclasses.replace(flat, entered=path, in_state_dict=True,
-                               checkpoint_only=takes_whole_state(obj) or loads_fresh(obj))
+                               checkpoint_only=takes_whole_state(obj))
 
 
 def loads_fresh(obj: object) -> bool:
@@ -699,12 +699,13 @@ def loads_fresh(obj: object) -> bool:
 
 
 def takes_whole_state(obj: object) -> bool:
-    """Whether ``obj`` is an optimizer or LR scheduler: its state dict is a whole that a
-    load replaces (its live moments or history are not merged with the checkpoint's).
-    Other objects' state dicts are filled like the target tree (what the checkpoint
-    lacks is missing); an object that wants the checkpoint's alone sets a true
-    ``_asyncckpt_load_fresh`` (see :func:`flatten`)."""
-    return isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler))
+    """Whether a load replaces ``obj``'s state dict as a whole (its live moments or
+    history are not merged with the checkpoint's): an optimizer, an LR scheduler, or an
+    object that asks for the checkpoint's state alone with a true
+    ``_asyncckpt_load_fresh`` (see :func:`flatten`). Other objects' state dicts are
+    filled like the target tree (what the checkpoint lacks is missing)."""
+    return isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)) or (
+        loads_fresh(obj))
 
 
 def _all_present(node: Node, tensors: Mapping[str, torch.Tensor]) -> bool:
