@@ -436,15 +436,14 @@ class _Views:
 
 
 def _layout(t: torch.Tensor, box: Any) -> tuple[Any, ...]:
-    """What :func:`_same_view` compares, and the box: equal for the same view."""
+    """How ``t`` shows its memory (device, dtype, shape, strides, conj/neg bits), and its
+    box: equal for two views of one data pointer that are the same view."""
     return (t.device, t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg(), box)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor, *, empty_ok: bool = False) -> bool:
     """Whether two tensors at one data pointer show the same elements the same way."""
-    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and (empty_ok or a.numel() > 0)
-            and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
+    return (empty_ok or a.numel() > 0) and _layout(a, None) == _layout(b, None)
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
