@@ -242,12 +242,8 @@ def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
             t, entry = target.tensors[tkey], manifest.tensors[key]
             if t.shape != entry.shape or t.dtype != entry.dtype:
                 continue
-            span = spans[id(t)] = _tensor_span(t)
-            if span is not None and span[0] == "cpu" and not writable.covers(span[1], span[2]):
-                continue
-            if _overlaps_itself(t):
-                continue
-            chosen[key] = [t]
+            if _unfillable(t, writable, spans) is None:
+                chosen[key] = [t]
         for key in _sharing_memory(chosen, {}, spans):
             del chosen[key]  # (one memory, two keys: each gets tensors of its own)
         loaded = load_tensors(step_dir, manifest,
@@ -544,7 +540,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), whole,
                            missing, mismatched, unexpected)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
-    readonly, overlapping, unwritable = [], [], []
+    readonly: list[str] = []
+    overlapping: list[str] = []
+    unwritable: list[str] = []
     other_dtype = False  # a target of another dtype among the mismatches
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
@@ -570,12 +568,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if arr is not None and not arr.flags.writeable:
                 readonly.append(path)
                 continue
-        span = spans[id(t)] = _tensor_span(t)
-        if span is not None and span[0] == "cpu" and not writable.covers(span[1], span[2]):
-            unwritable.append(path)
-            continue
-        if _overlaps_itself(t):
-            overlapping.append(path)
+        why = _unfillable(t, writable, spans)
+        if why is not None:
+            (unwritable if why == "unwritable" else overlapping).append(path)
             continue
         lst = dests.setdefault(key, [])
         if not lst or not any(x is t for x in lst):
@@ -635,6 +630,19 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     return dests, boxes, regions
+
+
+def _unfillable(t: torch.Tensor, writable: _WritableMemory,
+                spans: dict[int, _Span | None]) -> str | None:
+    """Why a load cannot read into ``t`` in place: "unwritable" (read-only memory: a
+    copy into it kills the process) or "overlapping" (elements that share memory: a copy
+    raises half-way); None if it can. Notes its span in ``spans``, by ``id``."""
+    span = spans[id(t)] = _tensor_span(t)
+    if span is not None and span[0] == "cpu" and not writable.covers(span[1], span[2]):
+        return "unwritable"
+    if _overlaps_itself(t):
+        return "overlapping"
+    return None
 
 
 class _WritableMemory:
