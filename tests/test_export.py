@@ -220,8 +220,10 @@ def test_export_dtype_cast(sharded: tuple[Path, dict[str, Any]], tmp_path: Path,
     root, state = sharded
     want = {k: v for k, v in tensors_of(state).items() if k.startswith("model/")}
     monkeypatch.setattr(export_mod, "_CAST_PIECE_ELEMS", 100)  # cast through several pieces
+    # the CLI takes the names the Python API takes, in any case (BF16, bfloat16, Half)
     for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
-                        ("fp32", torch.float32)):
+                        ("fp32", torch.float32), ("BF16", torch.bfloat16),
+                        ("bfloat16", torch.bfloat16), ("Half", torch.float16)):
         out = tmp_path / f"{flag}.safetensors"
         code, _, err = export(str(root), str(out), "--prefix", "model/", "--dtype", flag)
         assert code == 0, err
@@ -347,7 +349,8 @@ def test_export_usage_errors(single: tuple[Path, dict[str, Any]], tmp_path: Path
     assert code == 2 and "directory" in err
     code, _, err = export(str(root), str(out), "--strip-prefix")
     assert code == 2 and "--prefix" in err
-    assert export(str(root), str(out), "--dtype", "int8")[0] == 2  # argparse choices
+    code, _, err = export(str(root), str(out), "--dtype", "int8")
+    assert code == 2 and "invalid dtype (bf16, fp16 or fp32) value: 'int8'" in err
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = export(str(empty), str(out))

@@ -182,6 +182,20 @@ def _step_number(text: str) -> int:
 _step_number.__name__ = "step number (0 or more)"  # (argparse names the type so)
 
 
+def _dtype_name(text: str) -> str:
+    """--dtype's type: a name export takes (bf16, bfloat16, fp16, half...), in any case,
+    as the Python API takes it; returned lowercased (the report prints it)."""
+    from .export import DTYPE_ALIASES
+
+    name = text.strip().lower()
+    if name not in DTYPE_ALIASES:
+        raise ValueError(text)
+    return name
+
+
+_dtype_name.__name__ = "dtype (bf16, fp16 or fp32)"
+
+
 def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
     """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError."""
     storage = LocalStorage()
@@ -603,8 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "model.... but not model_ema/...)")
     ex.add_argument("--strip-prefix", action="store_true",
                     help="remove --prefix from the names (model/w -> w)")
-    ex.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                    help="cast floating tensors to this dtype (others are kept as they are)")
+    ex.add_argument("--dtype", type=_dtype_name, default=None, metavar="{bf16,fp16,fp32}",
+                    help="cast floating tensors to this dtype (others are kept as they are); "
+                         "also bfloat16, float16, half, float32, float, in any case")
     ex.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     ex.set_defaults(func=cmd_export)
     sv = sub.add_parser(
