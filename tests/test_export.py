@@ -429,6 +429,7 @@ def test_export_every_dtype(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     assert "complex128" in skipped
     code, _, err = export(str(root), str(tmp_path / "e.safetensors"))
     assert code == 0 and "warning: skipped complex128" in err
+    assert err.count("complex128 (") == 1 and "export: skipping" not in err  # said once
 
 
 def test_export_tied_weights_written_once(tmp_path: Path) -> None:
@@ -658,9 +659,12 @@ def test_the_temporary_of_a_killed_export_is_removed_by_the_next(tmp_path: Path)
             f".asyncckpt-export-elsewhere-{proc.pid}-abc.tmp", "user-file.tmp"]
     for name in keep:
         (out_dir / name).write_bytes(b"x")
-    report = export_safetensors(root, out_dir / "small.safetensors", prefix="w1")
-    assert report.out_path.exists()
+    code, _, err = export(str(root), str(out_dir / "small.safetensors"), "--prefix", "w1")
+    assert code == 0, err
     assert sorted(p.name for p in out_dir.iterdir()) == sorted([*keep, "small.safetensors"])
+    # the CLI says what it removed (it muted the export's warnings wholesale before)
+    assert f"removed {out_dir / left.name}, left by an export that did not finish" in err
+    assert not any(name in err for name in keep)
 
 
 def test_export_cast_says_which_values_overflowed(tmp_path: Path) -> None:

@@ -454,7 +454,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_safetensors
 
-    _LOG.muted.add("asyncckpt.export")  # skipped tensors are reported below
+    # Skipped tensors and overflowing casts are reported below; the export's other
+    # warnings (a killed export's temporary removed) are printed as they come.
+    _LOG.muted.add("asyncckpt.export.report")
     if args.strip_prefix and not args.prefix:
         raise _Usage("--strip-prefix needs --prefix (e.g. --prefix model/)")
     path = Path(args.ckpt)

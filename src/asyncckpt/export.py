@@ -51,6 +51,9 @@ __all__ = ["DTYPE_ALIASES", "ExportReport", "ExportedTensor", "SkippedTensor",
            "export_safetensors"]
 
 log = logging.getLogger(__name__)
+# What the report carries too (skipped tensors, overflowing casts): the CLI prints those
+# from the report and mutes this logger alone, not the module's other warnings.
+report_log = logging.getLogger(__name__ + ".report")
 
 DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -194,7 +197,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     report = ExportReport(out_path=out, step_dir=step_dir, step=manifest.step)
     planned = _plan(manifest, prefix, strip_prefix, cast, report)
     for s in report.skipped:
-        log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape), s.reason)
+        report_log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape),
+                           s.reason)
     header = _encode_header(planned, manifest, step_dir)
     # every file once, up front (size and header): not once per tensor, which re-read
     # and re-hashed the headers of all the files a sharded tensor touches
@@ -236,9 +240,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                                      p.shape, p.nbytes, p.chunks) for p in planned]
     report.seconds = time.perf_counter() - started
     for name, n in report.overflowed.items():
-        log.warning("export: %d finite values of %s are beyond the range of %s and became "
-                    "inf or NaN (or its largest value, where the cast saturates)",
-                    n, name, dtype_name(cast) if cast is not None else "its dtype")
+        report_log.warning("export: %d finite values of %s are beyond the range of %s and became "
+                           "inf or NaN (or its largest value, where the cast saturates)",
+                           n, name, dtype_name(cast) if cast is not None else "its dtype")
     log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
              len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
     return report
