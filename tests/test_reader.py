@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from _forks import in_forked_child
 from _manifests import long_entries
 from _ranks import all_ok, in_threads
 from _wrapped import Wrapped
@@ -447,6 +448,21 @@ def test_loads_of_any_size_share_one_set_of_reader_threads(tmp_path: Path) -> No
         got = asyncckpt.load(tmp_path / str(n), threads=8)
         assert len(got) == n and all(torch.equal(t, torch.ones(1 << 12)) for t in got.values())
     assert readers() <= max(before, 7)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_child_forked_after_a_load_loads_too(tmp_path: Path) -> None:
+    """A training process that resumed (a load with reader threads) and then forks
+    workers: a worker's own load waited forever for reader threads the fork left behind."""
+    state = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(8)}
+    asyncckpt.save(state, tmp_path / "c")
+    asyncckpt.load(tmp_path / "c", threads=4)  # the reader threads, in this process
+
+    def child() -> int:
+        got = asyncckpt.load(tmp_path / "c", threads=4)
+        return 0 if all(torch.equal(got[k], v) for k, v in state.items()) else 2
+
+    assert in_forked_child(child) == 0
 
 
 def test_a_failing_group_stops_the_other_readers(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import xxhash
 
 from . import _memory
 from ._gc import gc_paused
+from ._pool import KeptThreads, kept_threads
 from .commit import step_of_dir_name
 from .errors import (
     CheckpointConfigError,
@@ -324,20 +325,14 @@ def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, advise: bool = T
 # it holds as many as the most loads have ever read at once (one pool per thread count
 # kept a pool for each count asked: 120 idle threads after loads of 1..16 tensors).
 _MAX_READ_THREADS = 64
-_pool: cf.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
-def _read_pool(n: int) -> cf.ThreadPoolExecutor:
+def _read_pool() -> KeptThreads:
     """Reader threads kept for the process's later loads (starting them costs ~5 ms).
 
-    A load of ``n`` groups submits ``n`` tasks; beyond the pool's size they queue (each
-    load also reads a group on its own thread, so it always makes progress)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = cf.ThreadPoolExecutor(_MAX_READ_THREADS, thread_name_prefix="asyncckpt-read")
-        return _pool
+    A load of ``n`` groups submits ``n - 1`` calls; beyond the pool's size they queue
+    (each load also reads a group on its own thread, so it always makes progress)."""
+    return kept_threads("asyncckpt-read", _MAX_READ_THREADS)
 
 
 def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -395,7 +390,8 @@ def _in_groups(read: Callable[[list[_C], threading.Event | None], _R], groups: l
     reader threads. Returns their results, in order, once every thread is done (never
     leaving one writing into memory the caller is about to use); raises the first
     group's error, else the first other's."""
-    futures = [_read_pool(len(groups) - 1).submit(read, g, stop) for g in groups[1:]]
+    pool = _read_pool()
+    futures = [pool.submit(read, g, stop) for g in groups[1:]]
     try:
         first = read(groups[0], stop)
     finally:

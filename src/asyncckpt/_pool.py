@@ -1,0 +1,121 @@
+"""A pool of threads kept for the process's loads: started on demand, never more than idle.
+
+``concurrent.futures.ThreadPoolExecutor`` would do, but for two things a pool shared by
+every load of a long-lived process must get right:
+
+* From Python 3.12 on, its count of idle threads falls behind when a thread that just
+  finished a task takes the next one before the thread woken for it does: the woken one
+  goes back to waiting without being counted again, so later submissions start new
+  threads beside idle ones (loads of 2..9 tensors left 14 reader threads, not 7).
+* In a child forked after the pool was made, its threads are gone but its count says
+  they are idle: a submission waits forever for a thread that does not exist (a forked
+  worker that loaded a checkpoint hung). Here a child starts over with a pool of its own.
+
+Threads are daemons: an idle one never holds up the interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+
+class KeptThreads:
+    """Runs submitted calls on kept threads, starting one only when the threads not
+    running a call are fewer than the calls waiting (up to ``max_threads``; beyond that,
+    calls queue for the next thread to be free)."""
+
+    def __init__(self, max_threads: int, name: str):
+        if max_threads < 1:
+            raise ValueError(f"max_threads={max_threads}: at least 1")
+        self.max_threads = max_threads
+        self.name = name
+        self._cv = threading.Condition(threading.Lock())
+        self._tasks: deque[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._threads = 0
+        # Threads running a call. A thread stops counting before it completes the call's
+        # future: whoever waits on it and submits again finds the thread free, though it
+        # has not gone back to waiting yet (counting it once waiting started new threads
+        # beside finishing ones: 16 for calls never more than 8 at a time).
+        self._busy = 0
+        self._pid = os.getpid()
+
+    @property
+    def threads(self) -> int:
+        """How many threads the pool has started (all alive: they never exit)."""
+        return self._threads
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> cf.Future[R]:
+        if os.getpid() != self._pid:  # (a pool carried into a forked child has no threads)
+            raise RuntimeError(f"{self.name}: this pool belongs to process {self._pid}")
+        fut: cf.Future[R] = cf.Future()
+        with self._cv:
+            self._tasks.append((fut, fn, args))
+            self._cv.notify()  # (a free thread not waiting yet finds the call when it looks)
+            if len(self._tasks) > self._threads - self._busy \
+                    and self._threads < self.max_threads:
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"{self.name}_{self._threads}")
+                try:
+                    t.start()
+                except RuntimeError:  # (can't start new thread: the process is at a limit)
+                    if not self._threads:  # no thread would ever run it
+                        self._tasks.pop()
+                        raise
+                else:  # (else the call waits for one of the threads there are)
+                    self._threads += 1
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._tasks:
+                    self._cv.wait()
+                fut, fn, args = self._tasks.popleft()
+                self._busy += 1
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # (the caller's to see, through the future)
+                    error = exc
+            finally:
+                with self._cv:
+                    self._busy -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+            del fut, fn, args, result, error  # (nothing of a call outlives it here)
+
+
+_lock = threading.Lock()
+_pools: dict[str, KeptThreads] = {}
+
+
+def kept_threads(name: str, max_threads: int) -> KeptThreads:
+    """The process's pool called ``name`` (made on first use)."""
+    with _lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = KeptThreads(max_threads, name)
+        return pool
+
+
+def _forget_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # (another thread may have held it at the fork)
+    _pools.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
