@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import itertools
 import json
 import math
@@ -26,9 +27,9 @@ import re
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import xxhash
@@ -418,22 +419,55 @@ class _Check:
         return v
 
 
-def _parses_on_a_fresh_stack(raw: bytes) -> bool:
-    """Whether ``raw`` is JSON that a thread's own, empty stack parses (its nesting is
-    within the recursion limit): what is too deep for a caller deep in its stack."""
-    ok: list[bool] = []
+_P = TypeVar("_P")
 
-    def parse() -> None:
+
+def _on_a_fresh_stack(parse: Callable[[bytes, str], _P], raw: bytes, path: str
+                      ) -> BaseException | None:
+    """What ``parse(raw, path)`` raises on a thread's own, empty stack (None: nothing)."""
+    got: list[BaseException | None] = []
+
+    def run() -> None:
         try:
-            json.loads(raw)
-            ok.append(True)
-        except (RecursionError, ValueError):
-            pass
+            parse(raw, path)
+            got.append(None)
+        except BaseException as exc:  # (reported to the caller's thread)
+            got.append(exc)
 
-    t = threading.Thread(target=parse, name="asyncckpt-json")
+    t = threading.Thread(target=run, name="asyncckpt-json")
     t.start()
     t.join()
-    return bool(ok)
+    return got[0] if got else RuntimeError("the parsing thread ended without a word")
+
+
+def _deep_stack_aware(parse: Callable[[bytes, str], _P]) -> Callable[[bytes, str], _P]:
+    """``parse``, telling apart a manifest nested too deep for any stack (damage: the
+    library never writes one) from an intact one that the caller's own deep stack cannot
+    parse. The digest has matched by then; a fallback load that took the latter for
+    damage would silently load an older step. Python's limit shows in json's parser
+    (3.11) or in the checks of the skeleton after it (3.12+, where json counts C
+    recursion apart)."""
+
+    @functools.wraps(parse)
+    def wrapper(raw: bytes, path: str) -> _P:
+        try:
+            return parse(raw, path)
+        except RecursionError as exc:
+            fresh = _on_a_fresh_stack(parse, raw, path)
+            if fresh is None:  # intact: it is the caller's stack that is deep
+                raise CheckpointError(
+                    f"{path}: the manifest nests deeper than Python's recursion limit "
+                    f"({sys.getrecursionlimit()}) allows from this call stack; the checkpoint "
+                    "is intact: load it from a shallower call stack, or raise the limit "
+                    "(sys.setrecursionlimit)") from exc
+            if isinstance(fresh, CheckpointError):
+                raise fresh from None
+            if isinstance(fresh, RecursionError):
+                raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {fresh}",
+                                             path=path) from exc
+            raise fresh from exc
+
+    return wrapper
 
 
 class _Head(NamedTuple):
@@ -458,16 +492,7 @@ def _parse_head(raw: bytes, path: str) -> _Head:
         raise CheckpointCorruptError(f"{path}: the manifest's digest does not match its "
                                      "contents: it is corrupt", path=path)
     try:
-        doc = json.loads(raw)
-    except RecursionError as exc:
-        if _parses_on_a_fresh_stack(raw):  # intact: it is the caller's stack that is deep
-            raise CheckpointError(
-                f"{path}: the manifest nests deeper than Python's recursion limit "
-                f"({sys.getrecursionlimit()}) allows from this call stack; the checkpoint is "
-                "intact: load it from a shallower call stack, or raise the limit "
-                "(sys.setrecursionlimit)") from exc
-        raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
-                                     path=path) from exc
+        doc = json.loads(raw)  # (a RecursionError is _deep_stack_aware's to judge)
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
                                      path=path) from exc
@@ -535,6 +560,7 @@ def _created(c: _Check, doc: dict[str, Any]) -> float:
     return float(created)
 
 
+@_deep_stack_aware
 def parse_manifest_summary(raw: bytes, path: str) -> ManifestSummary:
     """:func:`parse_manifest`'s checks but of the tensor entries, which are only counted
     (a manifest of 100,000 tensors: ~0.25 s rather than ~0.7 s)."""
@@ -547,6 +573,7 @@ def parse_manifest_summary(raw: bytes, path: str) -> ManifestSummary:
                            files=h.files, tensors=len(tensors), partial=h.partial)
 
 
+@_deep_stack_aware
 def parse_manifest(raw: bytes, path: str) -> Manifest:
     """Parse and validate manifest bytes; raise CheckpointCorruptError naming what is wrong."""
     h = _parse_head(raw, path)
