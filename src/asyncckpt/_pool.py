@@ -1,4 +1,4 @@
-"""A pool of threads kept for the process's loads: started on demand, never more than idle.
+"""A pool of threads kept for the process's loads: started on demand, never while one is free.
 
 ``concurrent.futures.ThreadPoolExecutor`` would do, but for two things a pool shared by
 every load of a long-lived process must get right:
