@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import asyncckpt
+from _forks import in_forked_child
 from asyncckpt import AsyncCheckpointer
 from asyncckpt.cli import main as cli_main
 from asyncckpt.errors import (
@@ -590,6 +591,36 @@ def test_shutdown_ends_every_connection_and_refuses_new_offers() -> None:
                   lambda: srv.send_checkpoint([1], 6, state_of(), 10.0)):
         with pytest.raises(CheckpointClosedError, match="shut down"):
             offer()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_neither_hangs_nor_serves_with_its_parents_transport() -> None:
+    """The server thread runs in the parent only: a child's shutdown() waited for it
+    forever (a `finally` or context manager run in a forked worker), and its offers were
+    taken without a word and never served."""
+    srv = HTTPTransport(timeout=10.0)
+    srv.send_checkpoint([1], 5, state_of(), 10.0)
+
+    def child() -> int:
+        calls = {"send_checkpoint": lambda: srv.send_checkpoint([1], 6, state_of(), 10.0),
+                 "allow_checkpoint": lambda: srv.allow_checkpoint(5),
+                 "disallow_checkpoint": srv.disallow_checkpoint,
+                 "recv_checkpoint": lambda: srv.recv_checkpoint(0, srv.metadata(), 5)}
+        for name, call in calls.items():
+            try:
+                call()
+            except CheckpointClosedError as exc:
+                if f"{name}() in process {os.getpid()}" not in str(exc):
+                    return 2
+            else:
+                return 3
+        srv.shutdown()  # at once, and only this process's copy of the socket
+        return 0 if srv.closed else 4
+
+    assert in_forked_child(child, timeout_s=20) == 0
+    got = HTTPTransport(timeout=10.0).recv_checkpoint(0, srv.metadata(), 5)  # still served
+    assert torch.equal(got["w"], state_of()["w"])
+    srv.shutdown()
 
 
 def test_bad_settings_are_config_errors() -> None:

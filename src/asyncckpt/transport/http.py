@@ -208,6 +208,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         check_block_bytes(block_bytes)
         self.block_bytes = block_bytes
         self.max_range_bytes = max_range_bytes
+        self._pid = os.getpid()  # (its server thread runs in this process only)
         self._cond = threading.Condition()
         self._offered: Served | None = None
         self._allowed: int | None = None
@@ -250,6 +251,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             CheckpointClosedError: after ``shutdown()``.
             CheckpointConfigError: a step above 2**63-1 (``MAX_STEP``), as a PGTransport's.
         """
+        self._refuse_forked("serve")
         check_peer_step(served.step)
         check_flags(allow=allow)
         with self._cond:
@@ -270,11 +272,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         """
         from .. import __version__
 
+        self._refuse_forked("send_checkpoint")
         self.serve(serve_state(step, state_dict, block_bytes=self.block_bytes,
                                library_version=__version__))
 
     def serve_directory(self, step_dir: str | Path) -> int:
         """Serve a committed checkpoint from disk; returns its step."""
+        self._refuse_forked("serve_directory")
         served = serve_directory(Path(step_dir))
         try:
             self.serve(served)
@@ -291,6 +295,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 withdrawn).
             CheckpointClosedError: after ``shutdown()``.
         """
+        self._refuse_forked("allow_checkpoint")
         with self._cond:
             self._check_open("allow_checkpoint")
             if self._offered is None or self._offered.step != step:
@@ -305,6 +310,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Stop serving. Transfers in progress may finish within the timeout; then they
         are cut off. Once this returns, nothing served is read any more (torchft changes
         the tensors right after)."""
+        self._refuse_forked("disallow_checkpoint")
         with self._cond:
             self._allowed = None
             self._drain(None, self.timeout_s, "disallow_checkpoint")
@@ -314,6 +320,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         cannot be allowed again, and the memory it serves (a checkpointer's staged arena)
         is no longer held. A checkpointer calls this before it restages its arena and
         when it closes: the bytes on offer are about to change or be released."""
+        self._refuse_forked("withdraw")
         with self._cond:
             # Forgotten before the wait for its transfers: an allow_checkpoint() of its
             # step meanwhile (another thread) must fail, not serve an arena being refilled.
@@ -334,7 +341,17 @@ class HTTPTransport(CheckpointTransport[Any]):
         and requests waiting for a step (answered 503) included. Transfers in progress are
         cut off; the files they send are closed only once they have stopped. This
         transport's receives in progress are cut off too (they raise
-        ``CheckpointTransportError``), and later ones refused (``CheckpointClosedError``)."""
+        ``CheckpointTransportError``), and later ones refused (``CheckpointClosedError``).
+
+        In a process forked from the one that made the transport, it only closes this
+        process's copy of the listening socket: the server, its thread and its
+        connections are the parent's (waiting for that thread here waited forever).
+        """
+        if self._forked():
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._server.socket.close()  # (the parent's copy stays open and served)
+            return
         with self._cond:
             self._closed = True
             self._allowed = None
@@ -352,6 +369,18 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._drain(None, 0.0, "shutdown")  # never close a file a transfer still sends
         if old is not None:
             old.close()
+
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _refuse_forked(self, what: str) -> None:
+        """Refuse a call in a forked child, before it takes a lock that a thread of the
+        parent may have held at the fork."""
+        if self._forked():
+            raise CheckpointClosedError(
+                f"{what}() in process {os.getpid()}: this HTTPTransport serves from process "
+                f"{self._pid}, which this one was forked from, and its server runs there "
+                "only; make a new HTTPTransport in this process")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -453,6 +482,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
+        self._refuse_forked("recv_checkpoint")
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
         check_step(step)
         check_peer_step(step)
