@@ -148,8 +148,15 @@ class LocalStorage:
         """Remove ``path`` and what it holds; entries that vanish meanwhile are fine.
 
         In a group, a rank that aborts takes its own shard file out of the shared
-        temporary directory while the coordinator removes the whole of it.
+        temporary directory while the coordinator removes the whole of it. A symbolic
+        link (a step directory a user linked in) loses the link only: what it points to
+        is not ours to delete, and rmtree refuses links.
         """
+        if path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+
         def gone_is_fine(func: Any, p: str, exc: BaseException) -> None:
             if not isinstance(exc, FileNotFoundError):
                 raise exc

@@ -493,6 +493,11 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                         continue
                     try:
                         hidden.append((s, commit.hide_step(job.root, s, job.storage)))
+                    except OSError as exc:
+                        # One step that cannot be moved (immutable, a mount point, another
+                        # user's) must not keep every newer one from going: the disk fills.
+                        log.warning("rank=0 step=%d: retention could not delete step %d: %s; "
+                                    "the next save tries again", job.step, s, exc)
                     finally:
                         job.ctx.retired(s)
     except OSError as exc:
@@ -844,7 +849,8 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
 
 def os_error_hint(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return " (the disk is full: free space or lower keep_last; earlier checkpoints are intact)"
+        return (" (the disk is full, or out of inodes: free space, or keep fewer steps "
+                "(keep_last=); earlier checkpoints are intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""
