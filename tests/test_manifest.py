@@ -589,6 +589,49 @@ def test_newer_version_message_says_to_upgrade():
     assert not isinstance(info.value, CheckpointCorruptError)  # not damaged: no fallback
 
 
+def _undigested(step_dir: Path) -> dict[str, Any]:
+    """The manifest of ``step_dir`` as the first development builds wrote it: version 1,
+    long entries, no digest, no shard header fields."""
+    doc = long_entries(json.loads((step_dir / "manifest.json").read_bytes()))
+    del doc["digest"]
+    doc["format_version"] = 1
+    for f in doc["files"].values():
+        del f["header_bytes"], f["header_checksum"]
+    return doc
+
+
+def test_a_manifest_of_the_first_builds_is_refused_as_old_not_corrupt(tmp_path: Path) -> None:
+    # It was "corrupt: truncated or not an asyncckpt manifest", in load, fallback and
+    # verify alike: a user might have deleted good checkpoints.
+    asyncckpt.save({"w": torch.arange(4.0)}, tmp_path, step=3)
+    step_dir = tmp_path / "step_000000003"
+    raw = json.dumps(_undigested(step_dir)).encode()
+    (step_dir / "manifest.json").write_bytes(raw)
+    for call in (lambda: asyncckpt.load(tmp_path), lambda: asyncckpt.load(tmp_path, step=3),
+                 lambda: asyncckpt.load(tmp_path, {"w": torch.empty(4)}, fallback=True)):
+        with pytest.raises(CheckpointVersionError, match="early development build") as info:
+            call()
+        assert not isinstance(info.value, CheckpointCorruptError)
+        assert "save the state again" in str(info.value)
+    # a truncated one is no complete document: damage, as before
+    (step_dir / "manifest.json").write_bytes(raw[:-40])
+    with pytest.raises(CheckpointCorruptError, match="does not end with its digest"):
+        asyncckpt.load(tmp_path)
+
+
+def test_a_manifest_without_its_digest_but_with_header_checksums_is_corrupt(
+        tmp_path: Path) -> None:
+    # (every build that wrote header checksums also sealed the manifest with a digest)
+    asyncckpt.save({"w": torch.arange(4.0)}, tmp_path, step=3)
+    step_dir = tmp_path / "step_000000003"
+    doc = long_entries(json.loads((step_dir / "manifest.json").read_bytes()))
+    del doc["digest"]
+    doc["format_version"] = 1
+    (step_dir / "manifest.json").write_bytes(json.dumps(doc).encode())
+    with pytest.raises(CheckpointCorruptError, match="does not end with its digest"):
+        asyncckpt.load(tmp_path)
+
+
 def test_dtype_error_names_the_tensor():
     doc = good_doc()
     doc["tensors"]["model/w"]["dtype"] = "float128"

@@ -481,11 +481,37 @@ class _Head(NamedTuple):
     partial: bool
 
 
+def _refuse_undigested(raw: bytes, path: str) -> None:
+    """CheckpointVersionError for a whole manifest of the first development builds
+    (before 2026-11-21), which carried no digest nor shard header checksums: without this,
+    such a checkpoint would be reported corrupt, and a user might delete good data.
+    Returns for anything else (a truncated manifest is no complete JSON object)."""
+    if len(raw) > 1 << 30:
+        return
+    try:
+        doc = json.loads(raw)  # (a RecursionError is _deep_stack_aware's to judge)
+    except (UnicodeDecodeError, ValueError):
+        return
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT_NAME
+            and doc.get("format_version") == 1 and "digest" not in doc
+            and isinstance(doc.get("files"), dict) and not any(
+                isinstance(f, dict) and "header_checksum" in f
+                for f in doc["files"].values())):
+        return
+    raise CheckpointVersionError(
+        f"{path}: this manifest was written by an early development build of asyncckpt "
+        "(before 2026-11-21: no manifest digest, no shard header checksums), which this "
+        "release does not read; the checkpoint is not known to be damaged. Load it with the "
+        "build that wrote it (the asyncckpt git history before commit 2422d0d) and save the "
+        "state again with this one", path=path)
+
+
 def _parse_head(raw: bytes, path: str) -> _Head:
     """The digest, the JSON, and every field a manifest has before its tensors, checked."""
     c = _Check(path)
     m = _DIGEST_TAIL.search(raw, max(0, len(raw) - 64))
     if m is None:
+        _refuse_undigested(raw, path)
         raise CheckpointCorruptError(f"{path}: the manifest does not end with its digest: it "
                                      "was truncated or is not an asyncckpt manifest", path=path)
     if xxhash.xxh3_64_hexdigest(raw[:m.start()] + b"}") != m.group(1).decode():
