@@ -490,11 +490,24 @@ def test_rng_state_object_is_a_stateful_leaf():
     assert _draw() == first
 
 
-def test_rng_state_of_the_old_layout_still_restores():
+def test_rng_state_of_the_old_layout_still_restores(caplog):
     old = capture_rng_state()  # what RNGState.state_dict() returned before per-rank entries
     first = _draw()
-    RNGState().load_state_dict(old)
+    with caplog.at_level("WARNING"):
+        RNGState().load_state_dict(old)
     assert _draw() == first
+    assert caplog.text == ""  # one process: it is this process's state
+
+
+def test_rng_state_of_the_old_layout_in_a_group_warns_it_is_one_ranks(caplog):
+    # A group's save of the old layout kept one set of generators for every rank; each
+    # rank restored it without a word, its draws no longer its own.
+    old = capture_rng_state()
+    first = _draw()
+    with caplog.at_level("WARNING"):
+        RNGState(rank=1).load_state_dict(old)
+    assert _draw() == first  # restored, as before: a resume still goes on
+    assert "one set of generators for every rank" in caplog.text and "rank 1" in caplog.text
 
 
 def test_each_rank_restores_its_own_generators(tmp_path, caplog):

@@ -843,6 +843,13 @@ def _set_rng_state(parts: _RNGParts) -> None:
     torch.set_rng_state(parts.cpu_state)
 
 
+def _group_size() -> int:
+    """The default process group's size; 1 without one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class RNGState:
     """A stateful leaf that captures RNG state on save and restores it on load.
 
@@ -876,8 +883,14 @@ class RNGState:
         """Restore this rank's generators; CheckpointCorruptError, with every generator
         left as it was, when any part of their saved state is malformed."""
         if not isinstance(state_dict, Mapping) or "ranks" not in state_dict:
-            # saved before generators were kept per rank
+            # Saved before generators were kept per rank (asyncckpt before 2026-11-22): a
+            # group's save kept one rank's generators, and every rank now gets those.
             _set_rng_state(_checked_rng_state(state_dict, ""))
+            if _group_size() > 1 or (self.rank or 0) > 0:
+                log.warning("RNGState: this checkpoint holds one set of generators for every "
+                            "rank (an asyncckpt from before 2026-11-22 saved it so): rank %d "
+                            "now has that one's state, not the one it saved; its random "
+                            "draws differ from an uninterrupted run", self._rank())
             return
         ranks = state_dict["ranks"]
         if not isinstance(ranks, Mapping):
