@@ -757,6 +757,137 @@ def test_retention_leaves_a_save_in_progress_alone(tmp_path: Path) -> None:
         assert (writing / "rank_00000.safetensors").exists()
 
 
+def test_a_step_that_cannot_be_moved_does_not_keep_the_newer_ones(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The oldest step is retention's first: its failure ended the whole pass, every save,
+    # and keep_last kept nothing from then on (an immutable or mounted step, another
+    # user's): the disk filled.
+    class Pinned(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            if src.name == "step_000000000":
+                raise OSError(errno.EPERM, "Operation not permitted (injected)", str(src))
+            super().rename(src, dst)
+
+    caplog.set_level(logging.WARNING, logger="asyncckpt.writer")
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=2,
+                                     storage=Pinned()) as ckpt:
+        for step in range(7):
+            ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+        ckpt.wait()
+        assert ckpt.steps() == [0, 5, 6]
+    assert "could not delete step 0" in caplog.text
+
+
+def test_a_symlinked_step_is_retired_by_removing_the_link(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # rmtree refuses a symbolic link: the renamed link stayed, and every later save
+    # warned that it would try again, for ever.
+    elsewhere = tmp_path / "elsewhere"
+    asyncckpt.save({"w": torch.ones(4)}, elsewhere, step=0)
+    root = tmp_path / "run"
+    root.mkdir()
+    os.symlink(elsewhere / "step_000000000", root / "step_000000000")
+    caplog.set_level(logging.WARNING)
+    with asyncckpt.AsyncCheckpointer(root, mode="sync", keep_last=1) as ckpt:
+        assert ckpt.steps() == [0]
+        ckpt.save({"w": torch.zeros(4)}, step=1)
+        ckpt.save({"w": torch.zeros(4)}, step=2)
+        ckpt.wait()
+    assert sorted(os.listdir(root)) == [".asyncckpt.lock", "step_000000002"]
+    assert "could not" not in caplog.text and "tries again" not in caplog.text
+    # what the link pointed to is not the checkpointer's to delete
+    assert torch.equal(asyncckpt.load(elsewhere)["w"], torch.ones(4))
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_save_error_naming_it(tmp_path: Path) -> None:
+    # (a read-only mount, a directory without write permission, no inode left: the same
+    # open) It escaped as a bare OSError, no CheckpointError and no hint.
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=0)
+    lock = tmp_path / ".asyncckpt.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()  # open(O_RDWR) of a directory fails: EISDIR
+    with pytest.raises(asyncckpt.CheckpointSaveError, match=r"lock file .*\.asyncckpt\.lock"):
+        asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=1)
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path)
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="lock file"):
+        ckpt.save({"w": torch.ones(4)}, step=1)
+    ckpt.close()
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.ones(4))  # loads need no lock
+
+
+class _Denied(LocalStorage):
+    """Listing ``denied`` fails for lack of permission (root, as the tests run, passes
+    every permission check)."""
+
+    def __init__(self, *denied: Path):
+        super().__init__()
+        self.denied = set(denied)
+
+    def listdir(self, path: Path) -> list[str]:
+        if path in self.denied:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", str(path))
+        return super().listdir(path)
+
+
+def test_a_newest_step_this_user_may_not_list_is_no_silent_resume_from_an_older_one(
+        tmp_path: Path) -> None:
+    # It counted as "no committed step": latest_step() said 0 and load() resumed from
+    # step 0 without an error (a warning in the log only).
+    asyncckpt.save({"w": torch.zeros(4)}, tmp_path, step=0)
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=10)
+    storage = _Denied(tmp_path / "step_000000010")
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    for call in (ckpt.steps, ckpt.latest_step, ckpt.load,
+                 lambda: ckpt.load({"w": torch.empty(4)}),
+                 lambda: ckpt.load({"w": torch.empty(4)}, fallback=True)):
+        with pytest.raises(asyncckpt.CheckpointPermissionError,
+                           match=r"step_000000010 cannot be listed.*read access") as ei:
+            call()
+        assert ei.value.path == str(tmp_path / "step_000000010")
+    with pytest.raises(asyncckpt.CheckpointPermissionError):
+        ckpt.load(step=10)
+    assert torch.equal(ckpt.load(step=0)["w"], torch.zeros(4))  # another step: fine
+    # A save goes on (the step is another user's problem), and keeps its order checks.
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=20)
+    ckpt.close()
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [0, 10, 20]
+
+
+def test_a_newest_step_that_cannot_be_listed_is_refused_unless_falling_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    asyncckpt.save({"w": torch.zeros(4)}, tmp_path, step=0)
+    os.symlink("step_000000010", tmp_path / "step_000000010")  # a loop: ELOOP
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.steps() == [0]  # listed, with a warning (no permission problem)
+    assert "step_000000010" in caplog.text
+    with pytest.raises(asyncckpt.CheckpointCorruptError,
+                       match=r"step_000000010 cannot be listed.*fallback=True"):
+        ckpt.load()
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match="step_000000010"):
+        ckpt.load(step=10)
+    assert torch.equal(ckpt.load({"w": torch.empty(4)}, fallback=True)["w"], torch.zeros(4))
+    ckpt.close()
+
+
+def test_a_root_that_cannot_be_listed_raises_a_checkpoint_error(tmp_path: Path) -> None:
+    root = tmp_path / "loop"
+    os.symlink("loop", root)
+    ckpt = asyncckpt.AsyncCheckpointer(root)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="cannot be listed"):
+        ckpt.steps()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="cannot be listed"):
+        ckpt.load()
+    # It was refused as "a file" before.
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="symbolic link"):
+        ckpt.save({"w": torch.ones(4)}, step=0)
+    ckpt.close()
+    denied = asyncckpt.AsyncCheckpointer(tmp_path, storage=_Denied(tmp_path))
+    with pytest.raises(asyncckpt.CheckpointPermissionError, match="cannot be listed"):
+        denied.steps()
+    denied.close()
+
+
 def test_committed_step_cannot_be_overwritten(tmp_path: Path) -> None:
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         ckpt.save(make_state(1), step=5)
@@ -1375,8 +1506,9 @@ def test_serving_through_a_transport_that_cannot_is_refused_and_never_costs_a_sa
 
 def test_an_entry_named_like_a_step_that_cannot_be_listed_is_skipped(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # One stray entry (a symlink loop here; no permission or EIO alike) must not make
-    # every load, fallback and save of the root fail.
+    # One stray entry (a symlink loop here; EIO alike) must not make every listing,
+    # fallback and save of the root fail; a load of the latest names it rather than take
+    # an older step unasked (it may be the newest step, damaged). No permission: above.
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         for step in (1, 2):
             ckpt.save(make_state(step), step=step)
@@ -1386,7 +1518,9 @@ def test_an_entry_named_like_a_step_that_cannot_be_listed_is_skipped(
         assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2]
     assert f"skipping {loop}: it cannot be listed (Too many levels of symbolic links)" \
         in caplog.text
-    assert asyncckpt.load(tmp_path)["train"]["step"] == 2
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match="step_000000003 cannot be"):
+        asyncckpt.load(tmp_path)
+    assert asyncckpt.load(tmp_path, step=2)["train"]["step"] == 2
     assert asyncckpt.load(tmp_path, fallback=True)["train"]["step"] == 2
     with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ckpt:
         ckpt.save(make_state(4), step=4)

@@ -455,16 +455,34 @@ def test_tables_escape_control_characters_in_keys(
 
 def test_library_warnings_come_out_as_the_commands_own(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A warning the library logs (here: a step directory it cannot list, skipped when
-    finding the latest step) is printed with the command's prefix, escaped, and the
-    handler is gone once the command returns."""
-    os.symlink("step_000000040", root / "step_000000040")  # a loop: listing it fails
-    code, out, err = run(capsys, "verify", str(root))
-    assert code == 0 and "step 30" in out
-    assert err.startswith("asyncckpt: warning: skipping ") and "step_000000040" in err
-    assert len(err.strip().splitlines()) == 1
+    """A warning the library logs (here: an export removing what a killed export left)
+    is printed with the command's prefix, and the handler is gone once the command
+    returns."""
+    from asyncckpt import export as export_mod
+
+    out_dir = root.parent / "out"
+    out_dir.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    left = out_dir / f".asyncckpt-export-{export_mod._HOST}-{int(dead.stdout)}-abc.tmp"
+    left.write_bytes(b"x")
+    code, _, err = run(capsys, "export", str(root), str(out_dir / "m.safetensors"))
+    assert code == 0, err
+    assert err.startswith("asyncckpt: warning: export: removed ") and left.name in err
+    assert len(err.strip().splitlines()) == 1 and not left.exists()
     library = logging.getLogger("asyncckpt")
     assert not any(type(h).__name__ == "_LibraryLog" for h in library.handlers)
+
+
+def test_a_newest_step_that_cannot_be_listed_fails_verify_and_shows_in_ls(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # verify of the root checked step 30 and said OK, the newest step skipped unseen
+    os.symlink("step_000000040", root / "step_000000040")  # a loop: listing it fails
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 1 and "step_000000040 cannot be listed" in err, (out, err)
+    assert "run 'asyncckpt verify'" not in err  # (it is the command running)
+    code, out, err = run(capsys, "verify", "--step", "30", str(root))
+    assert code == 0 and "step 30" in out
     code, out, err = run(capsys, "ls", str(root))  # ls shows it in a row of its own
     assert code == 0 and err == "" and "1 step directory cannot be listed" in out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -144,6 +145,17 @@ def checked_directory(path: object, name: str) -> Path:
     if os.fspath(path) == "":
         raise CheckpointConfigError(f"{name}='': pass a path ('.' for the current directory)")
     return Path(path)
+
+
+def _symlink_loop(path: Path) -> str | None:
+    """Why ``path`` cannot be reached, when a symbolic link loop is the reason (makedirs
+    then reports it as "exists"); None otherwise."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return str(exc.strerror or exc)
+    return None
 
 
 def default_copy_threads() -> int:
@@ -775,7 +787,15 @@ class AsyncCheckpointer:
 
     def _take_lock(self) -> None:
         self._make_root()  # created by the first save, not by reading
-        if self._lock.acquire():
+        try:
+            taken = self._lock.acquire()
+        except OSError as exc:  # a read-only mount, no write permission, no inode left
+            raise CheckpointSaveError(
+                f"cannot create or open the lock file {self._lock.path} of the checkpoint "
+                f"directory: {exc.strerror or exc}" + os_error_hint(exc)
+                + "; every save takes it, so that two processes never save into one "
+                "directory (loads do not need it)") from exc
+        if taken:
             if not self._cleaned:
                 self._cleanup()
             return
@@ -799,6 +819,12 @@ class AsyncCheckpointer:
         try:
             self.storage.makedirs(self.directory)
         except (FileExistsError, NotADirectoryError):  # a file where a directory must be
+            loop = _symlink_loop(self.directory)
+            if loop is not None:
+                raise CheckpointConfigError(
+                    f"cannot create the checkpoint directory {self.directory}: {loop} (a "
+                    "symbolic link in the path leads back to itself); fix the link or "
+                    "choose another path") from None
             raise CheckpointConfigError(
                 f"cannot create the checkpoint directory {self.directory}: it, or a parent of "
                 "it, is a file; choose another path (or move the file)") from None

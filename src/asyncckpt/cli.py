@@ -742,7 +742,8 @@ def _main(argv: list[str] | None) -> int:
             ": check the path, or run 'asyncckpt ls' on the checkpoint root")
         return _failed(args, exc, f"{exc}{hint}", EXIT_USAGE)
     except CheckpointCorruptError as exc:
-        return _failed(args, exc, f"{exc} (run 'asyncckpt verify' for details)", EXIT_CORRUPT)
+        hint = "" if args.func is cmd_verify else " (run 'asyncckpt verify' for details)"
+        return _failed(args, exc, f"{exc}{hint}", EXIT_CORRUPT)
     except CheckpointError as exc:
         return _failed(args, exc, str(exc), EXIT_USAGE)
     except KeyboardInterrupt as exc:

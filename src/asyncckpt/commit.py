@@ -23,9 +23,11 @@ from pathlib import Path
 
 from .errors import (
     CheckpointConfigError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CheckpointSaveError,
 )
 from .manifest import MANIFEST_NAME, is_shard_file_name
@@ -77,21 +79,37 @@ def tmp_dir_name(step: int, token: str) -> str:
 
 
 def list_root(root: Path, storage: ReadStorage) -> list[str]:
-    """The names in ``root``; CheckpointNotFoundError when it is a file."""
+    """The names in ``root``; CheckpointNotFoundError when it is a file or cannot be
+    reached (a symbolic link loop), CheckpointPermissionError when it may not be listed."""
     try:
         return storage.listdir(root)
     except NotADirectoryError:
         raise CheckpointNotFoundError(
             f"{root} is a file, not a checkpoint directory: pass the directory that holds "
             "the step_* directories (or one of them)") from None
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"the checkpoint directory {root} cannot be listed: {exc.strerror or exc}; give "
+            "this user read access to it (or run as one that has it)", path=str(root)
+        ) from None
+    except OSError as exc:
+        if is_transient(exc):
+            raise
+        raise CheckpointNotFoundError(
+            f"the checkpoint directory {root} cannot be listed: {exc.strerror or exc}; "
+            "check the path (a symbolic link loop? a damaged filesystem?)") from exc
 
 
 def committed_steps(root: Path, storage: ReadStorage,
                     unlistable: list[tuple[str, str]] | None = None,
-                    no_manifest: list[str] | None = None) -> list[int]:
+                    no_manifest: list[str] | None = None, *,
+                    skip_denied: bool = False) -> list[int]:
     """Committed steps under ``root``, oldest first (a step counts once its manifest is there).
 
-    Step directories that cannot be listed are left out (logged); ``unlistable``, when
+    A step directory that this user may not list raises CheckpointPermissionError (it
+    may hold the newest step: a resume must not take an older one unknowingly), unless
+    ``skip_denied`` or ``unlistable`` is given; one that cannot be listed for another
+    lasting reason (a symlink loop, EIO) is left out (logged). ``unlistable``, when
     given, receives each one's name and why. ``no_manifest``, when given, receives the
     names of step directories without a manifest (never committed here: a copy or a
     hand edit).
@@ -99,15 +117,22 @@ def committed_steps(root: Path, storage: ReadStorage,
     steps = []
     for name in list_root(root, storage):
         step = step_of_dir_name(name)
-        if step is not None and _is_committed(root, name, storage, unlistable, no_manifest):
+        if step is not None and _is_committed(
+                root, name, storage, unlistable, no_manifest,
+                denied="skip" if skip_denied or unlistable is not None else "raise"):
             steps.append(step)
     return sorted(steps)
 
 
 def _is_committed(root: Path, name: str, storage: ReadStorage,
                   unlistable: list[tuple[str, str]] | None = None,
-                  no_manifest: list[str] | None = None) -> bool:
-    """Whether the step directory ``name`` holds its manifest (see committed_steps)."""
+                  no_manifest: list[str] | None = None, *, denied: str = "skip",
+                  damaged: str = "skip") -> bool:
+    """Whether the step directory ``name`` holds its manifest (see committed_steps).
+
+    A directory that cannot be listed counts as not committed (logged), or raises:
+    ``denied="raise"`` for no permission (CheckpointPermissionError), ``damaged="raise"``
+    for any other lasting reason (CheckpointCorruptError)."""
     try:
         if MANIFEST_NAME in storage.listdir(root / name):
             return True
@@ -120,22 +145,38 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     except OSError as exc:
         if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
             raise
-        # A symlink loop, no permission, EIO: one entry that cannot be listed must not
-        # make every load (and save) of the root fail; the others are still there.
+        why = exc.strerror or str(exc)
+        if isinstance(exc, PermissionError) and denied == "raise":
+            raise CheckpointPermissionError(
+                f"{root / name} cannot be listed: {why}; it may hold a committed step, so "
+                "which steps are committed is unknown: give this user read access to it "
+                "(or move it out of the checkpoint directory)", path=str(root / name)
+            ) from None
+        if damaged == "raise" and not isinstance(exc, PermissionError):
+            raise CheckpointCorruptError(
+                f"{root / name} cannot be listed ({why}): that step is damaged or "
+                "unreadable; name another step, or load with fallback=True to take the "
+                "newest intact one", path=str(root / name)) from exc
+        # A symlink loop, EIO (or, for a save, no permission): one entry that cannot be
+        # listed must not make every save of the root fail; the others are still there.
         log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
-                    "step", root / name, exc.strerror or exc)
+                    "step", root / name, why)
         if unlistable is not None:
-            unlistable.append((name, str(exc.strerror or exc)))
+            unlistable.append((name, why))
     return False
 
 
 def _newest_committed(root: Path, names: list[str], storage: ReadStorage,
-                      above: int = -1) -> int | None:
+                      above: int = -1, *, for_load: bool = False) -> int | None:
     """The newest committed step above ``above`` among the entries ``names`` of ``root``:
-    step directories are looked into newest first, and only until one is committed."""
+    step directories are looked into newest first, and only until one is committed.
+
+    ``for_load``: a step directory that cannot be listed raises (see ``_is_committed``)
+    rather than let an older step be taken for the newest."""
+    how = "raise" if for_load else "skip"
     for step in sorted((s for s in map(step_of_dir_name, names) if s is not None and s > above),
                        reverse=True):
-        if _is_committed(root, step_dir_name(step), storage):
+        if _is_committed(root, step_dir_name(step), storage, denied=how, damaged=how):
             return step
     return None
 
@@ -154,7 +195,7 @@ def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bo
     if final.name in names:
         _refuse_taken(final, step, storage)
     if _newest_committed(root, names, storage, above=step) is not None:
-        later = [s for s in committed_steps(root, storage) if s > step]
+        later = [s for s in committed_steps(root, storage, skip_denied=True) if s > step]
         raise CheckpointExistsError(
             f"step {step} is older than step(s) {later[:5]} already committed under "
             f"{root}: a load would take step {later[-1]}"
@@ -220,16 +261,16 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     # Only the step directories needed are looked into (each listing is a round trip on
     # a network filesystem): the one asked for, or the newest until one is committed.
     if step is None:
-        newest = _newest_committed(root, names, storage)
+        newest = _newest_committed(root, names, storage, for_load=True)
         if newest is None:
             refuse_a_step_dir_without_manifest(root, names)
             junk = abandoned_dirs(root, storage)
             extra = f" ({len(junk)} incomplete ones ignored: {', '.join(junk[:3])})" if junk else ""
             raise CheckpointNotFoundError(f"no committed checkpoint under {root}{extra}")
         step = newest
-    elif step_dir_name(step) not in names or not _is_committed(root, step_dir_name(step),
-                                                                 storage):
-        steps = committed_steps(root, storage)
+    elif step_dir_name(step) not in names or not _is_committed(
+            root, step_dir_name(step), storage, denied="raise", damaged="raise"):
+        steps = committed_steps(root, storage, skip_denied=True)
         if not steps:
             refuse_a_step_dir_without_manifest(root, names)
         have = ", ".join(map(str, steps[-10:])) or "none"
@@ -331,7 +372,7 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     (never ``protect``, nor a multiple of ``keep_every``), oldest first."""
     if keep_last is None:
         return []
-    steps = committed_steps(root, storage)
+    steps = committed_steps(root, storage, skip_denied=True)
     return [s for s in steps[:max(0, len(steps) - keep_last)]
             if s != protect and (keep_every is None or s % keep_every)]
 
