@@ -733,6 +733,52 @@ def test_keys_of_failed_saves_are_deleted_at_close_too(tmp_path: Path, case: str
                             f"asyncckpt/sessions/{_dir_hash(tmp_path)}/{r}"]) for r in (0, 1))
 
 
+def test_retention_in_a_group_leaves_no_key_per_step_it_deletes(tmp_path: Path) -> None:
+    # Asking whether a load holds a step created that step's count: one key more in the
+    # job's Store with every save, for the job's life.
+    store = dist.HashStore()
+    counts: list[int] = []
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               keep_last=1, mode="sync") as ck:
+            for step in range(1, 11):
+                ck.save(_state(r), step=step)
+                if r == 0 and step in (3, 10):
+                    ck.wait()  # (its deletions too)
+                    counts.append(store.num_keys())
+            assert ck.steps() == [10]
+
+    assert in_threads(rank) == {0: None, 1: None}
+    assert counts[1] - counts[0] < 3, f"Store keys after 3 and 10 saves: {counts}"
+
+
+def test_a_rank_stuck_in_its_write_is_told_the_group_gave_up_not_a_storage_error(
+        tmp_path: Path) -> None:
+    # Once awake, its write found the temporary directory removed by the coordinator and
+    # its future said "failed: FileNotFoundError", as if its own disk were at fault.
+    class Stuck(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            time.sleep(3.0)
+            super().write_arena(path, *args, **kwargs)
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        state = {"w": torch.arange(6.0), f"only{r}": torch.ones(1000)}
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=1,
+                               storage=Stuck() if r == 1 else LocalStorage()) as ck:
+            with pytest.raises(CheckpointError) as ei:
+                ck.save(state, step=1)
+            return str(ei.value)
+
+    out = in_threads(rank)
+    assert "rank(s) [1]" in out[0], out[0]
+    assert out[1].startswith("rank 1: stopped, nothing committed: rank 0:"), out[1]
+    assert "rank(s) [1]" in out[1] and "FileNotFoundError" in out[1], out[1]
+    assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())
+
+
 def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path) -> None:
     """Replicated tensors are written once, spread over the ranks: prepare() must not
     allocate every rank an arena for all of them (with 8 ranks: 8x the memory)."""

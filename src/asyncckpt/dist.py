@@ -348,14 +348,20 @@ class DistContext:
             return True
         try:
             self.store.set(self._retiring_key(step), "1")
-            if not (self.store.add(self._hold_key(step), 0)
-                    or self.store.add(self._hold_key(None), 0)):
+            if not (self._holds(step) or self._holds(None)):
                 return True
         except Exception as exc:  # unsure whether a load holds it: keep it
             log.warning("rank=0: keeping step %d: the Store could not say whether a load "
                         "holds it (%s: %s)", step, type(exc).__name__, exc)
         self.retired(step)
         return False
+
+    def _holds(self, step: int | None) -> int:
+        """How many loads hold ``step``. A count never made is 0, and is not made here:
+        ``add(key, 0)`` would leave a key per step retired in the Store, for the job's
+        life. (A load that counts itself after this check sees the retiring mark.)"""
+        key = self._hold_key(step)
+        return self.store.add(key, 0) if self.store.check([key]) else 0
 
     def retired(self, step: int) -> None:
         """Coordinator: the step is out of sight (or spared): drop its retiring mark, so
@@ -725,6 +731,14 @@ class Pulse:
                 return
             why = ctx.store.get(self._abort_key).decode(errors="replace")
         raise CheckpointSaveError(f"rank {ctx.rank}: stopped, nothing committed: {why}")
+
+    def aborted(self) -> str | None:
+        """Why another rank (or this one) stopped the save, if one has; None when none
+        has, or the Store cannot say."""
+        with contextlib.suppress(Exception):
+            if self.ctx.store.check([self._abort_key]):
+                return str(self.ctx.store.get(self._abort_key).decode(errors="replace"))
+        return None
 
     def abort(self, why: str) -> None:
         """Post why the save failed, unless a rank did first (best effort)."""

@@ -315,6 +315,11 @@ class BackgroundWriter:
             job.release()
             return info
         except BaseException as exc:
+            # A rank that was stuck (a slow disk) finds, once it wakes, that the group gave
+            # up and the coordinator took the temporary directory away: its own error (a
+            # FileNotFoundError) would read as a storage fault of this rank.
+            stopped = (job.pulse.aborted() if job.pulse is not None and not job.committed
+                       and not isinstance(exc, CheckpointError) else None)
             job.progress.fail(RuntimeError("the save failed"))
             if hashes is not None:  # it may write into the temporary directory: let it end
                 with contextlib.suppress(BaseException):
@@ -338,6 +343,10 @@ class BackgroundWriter:
             traceback.clear_frames(exc.__traceback__)
             if isinstance(exc, CheckpointError):
                 raise
+            if stopped is not None:
+                raise CheckpointSaveError(
+                    f"rank {job.ctx.rank}: stopped, nothing committed: {stopped} (this rank's "
+                    f"own write then failed: {type(exc).__name__}: {exc})") from exc
             raise CheckpointSaveError(
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
                 f"{type(exc).__name__}: {exc}" + os_error_hint(exc)) from exc
