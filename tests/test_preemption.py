@@ -32,6 +32,9 @@ LOOP = textwrap.dedent("""
 
     root, hang = sys.argv[1], sys.argv[2] == "hang"
     escalate = [getattr(signal, name) for name in sys.argv[3:]]
+    # Python's own Ctrl-C handler, whatever this process inherited: a suite started in
+    # the background by a shell ignores SIGINT, which Python then leaves ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     w = torch.zeros(1000)
     with asyncckpt.PreemptionWatch(escalate=escalate) as preempt, \\
             asyncckpt.AsyncCheckpointer(root, keep_last=2) as ckpt:
