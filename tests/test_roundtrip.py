@@ -1345,6 +1345,52 @@ def test_the_wrapper_hint_needs_most_keys_explained_and_whole_names():
     assert wrapper_hint([], ["m/module.a"]) == wrapper_hint(["m/a"], []) == ""
 
 
+def test_keys_one_part_apart_are_named_in_the_error(tmp_path: Path, caplog) -> None:
+    # A model-only checkpoint loaded into a training state (or the other way round)
+    # listed both sides' keys and advised strict=False, which then loaded nothing, silently.
+    net = _net(0)
+    asyncckpt.save(net, tmp_path / "bare", step=1)
+    asyncckpt.save({"model": net, "step": 3}, tmp_path / "nested", step=1)
+    target = _net(1)
+    before = [p.detach().clone() for p in target.parameters()]
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "bare", {"model": target, "step": 0})
+    msg = str(info.value)
+    assert "holds at its root what the target has under 'model/'" in msg, msg
+    assert "state['model']" in msg and "pass strict=False" not in msg
+    with pytest.raises(StateMismatchError, match=r"holds the target's keys under 'model/'.*"
+                                                 r"\{'model': target\}"):
+        asyncckpt.load(tmp_path / "nested", target, ignore_unexpected=True)
+    # strict=False, passed anyway, loads none of them: said so
+    with caplog.at_level("WARNING", logger="asyncckpt.loader"):
+        asyncckpt.load(tmp_path / "bare", {"model": target, "step": 0}, strict=False)
+    assert "strict=False skips 5 target key(s)" in caplog.text and "'model/'" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters(), strict=True))
+    # and the advice works
+    asyncckpt.load(tmp_path / "bare", target)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), target.parameters(),
+                                                 strict=True))
+
+
+def test_the_prefix_hint_needs_most_keys_explained():
+    from asyncckpt.loader import prefix_hint
+
+    assert "under 'model/'" in prefix_hint(["w", "b"], ["model/w", "model/b"])
+    assert "under 'a/b/'" in prefix_hint(["a/b/w"], ["w"]) and "state['a']['b']" in \
+        prefix_hint(["a/b/w"], ["w"])
+    assert prefix_hint(["w", "b", "c"], ["model/w"]) == ""  # one of three: not the reason
+    assert prefix_hint(["w"], ["model/v"]) == prefix_hint([], ["model/w"]) == ""
+
+
+def test_strict_false_names_the_target_keys_it_leaves_as_they_are(tmp_path: Path, caplog):
+    asyncckpt.save({"a": torch.ones(2)}, tmp_path, step=1)
+    target = {"a": torch.zeros(2), "new": torch.zeros(3)}
+    with caplog.at_level("WARNING", logger="asyncckpt.loader"):
+        asyncckpt.load(tmp_path, target, strict=False)
+    assert "leaves 1 target key(s) the checkpoint does not hold as they are: new" in caplog.text
+    assert torch.equal(target["a"], torch.ones(2)) and torch.equal(target["new"], torch.zeros(3))
+
+
 def test_a_target_of_another_dtype_or_on_meta_is_told_what_works(tmp_path: Path) -> None:
     net = nn.Linear(3, 2)
     asyncckpt.save({"model": net}, tmp_path, step=1)

@@ -584,7 +584,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
     # (the wrapper hint reads the checkpoint's extra keys even where they are skipped:
     # with ignore_unexpected, a model saved through DDP misses every key of the bare one)
-    hint = wrapper_hint(missing, unexpected)
+    hint = wrapper_hint(missing, unexpected) or prefix_hint(missing, unexpected)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
@@ -594,6 +594,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if hint:  # strict=False then skips the keys on both sides: say why nothing loaded
             log.warning("loading %s with strict=False skips %d target key(s) the checkpoint "
                         "holds under other names%s", step_dir, len(missing), hint)
+        elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
+            log.warning("loading %s with strict=False leaves %d target key(s) the checkpoint "
+                        "does not hold as they are: %s", step_dir, len(missing), _few(missing))
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
@@ -1020,6 +1023,39 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
                 "unwrapped module (model._orig_mod for torch.compile, model.module for DDP)")
     return (f"; the keys differ in what wrappers add to them (checkpoint {u!r}, target "
             f"{m!r}): load into the module wrapped as the saved one was")
+
+
+def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a mismatch error when most ``missing`` paths are ``unexpected`` ones
+    under one more (or one less) leading part, such as ``model/``: a model-only checkpoint
+    loaded into a training state, or the other way round; "" otherwise."""
+    if not missing or not unexpected:
+        return ""
+    counts: dict[tuple[str, str], int] = {}  # (where the prefix is, prefix) -> pairs
+    example: dict[tuple[str, str], tuple[str, str]] = {}
+    extra = set(unexpected)
+    lacking = set(missing)
+    for side, paths, others in (("saved", unexpected, lacking), ("target", missing, extra)):
+        for path in paths:
+            for i, c in enumerate(path):
+                if c == "/" and path[i + 1:] in others:
+                    k = (side, path[:i + 1])
+                    counts[k] = counts.get(k, 0) + 1
+                    example.setdefault(k, (path, path[i + 1:]))
+    if not counts:
+        return ""
+    (side, prefix), n = max(counts.items(), key=lambda kv: kv[1])
+    if 2 * n < len(missing):
+        return ""
+    longer, shorter = example[(side, prefix)]
+    if side == "saved":
+        return (f"; the checkpoint holds the target's keys under {prefix!r} (checkpoint "
+                f"{longer!r}, target {shorter!r}): nest the target there (load "
+                f"{{{prefix[:-1]!r}: target}})")
+    part = "".join(f"[{p!r}]" for p in prefix[:-1].split("/"))
+    return (f"; the checkpoint holds at its root what the target has under {prefix!r} "
+            f"(checkpoint {shorter!r}, target {longer!r}: a model-only checkpoint?): load "
+            f"into that part alone, e.g. state{part}")
 
 
 def _few(items: list[str], n: int = 8) -> str:
