@@ -1322,6 +1322,22 @@ def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None
     assert tensors_equal(asyncckpt.load(tmp_path, step=2)["model"], state["model"].state_dict())
 
 
+def test_the_host_buffer_size_is_public_and_stays_across_saves(tmp_path: Path) -> None:
+    state = {"w": torch.ones(1 << 16), "b": torch.zeros(100, dtype=torch.int16)}
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async_pinned")
+    assert ckpt.host_buffer_bytes == 0 and not ckpt.host_buffer_pinned
+    ckpt.save(state, step=1)
+    size = ckpt.host_buffer_bytes
+    raw = (1 << 16) * 4 + 200
+    assert raw <= size <= raw + (2 << 20)  # the file's layout: header, alignment
+    assert ckpt.host_buffer_pinned == torch.cuda.is_available()
+    for step in range(2, 5):
+        ckpt.save_async(state, step=step).wait()
+        assert ckpt.host_buffer_bytes == size
+    ckpt.close()
+    assert ckpt.host_buffer_bytes == 0
+
+
 @pytest.mark.parametrize("background", [True, False])
 def test_prepare_for_a_new_layout_waits_for_the_save_in_flight(tmp_path: Path,
                                                                background: bool) -> None:

@@ -258,6 +258,21 @@ class AsyncCheckpointer:
     def world_size(self) -> int:
         return self._ctx.world_size
 
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of the host buffer saves stage into (0 before the first save or
+        ``prepare()``, and after ``close()``): kept and reused, it grows only with the
+        state. For memory budgets and logs."""
+        arena = self._arena
+        return 0 if arena is None else arena.nbytes
+
+    @property
+    def host_buffer_pinned(self) -> bool:
+        """Whether that buffer is pinned (page-locked) memory: only with mode
+        "async_pinned" and CUDA present; without CUDA it is ordinary memory."""
+        arena = self._arena
+        return arena is not None and arena.pinned
+
     # --- saving --------------------------------------------------------------------------
 
     def save_async(self, state: Any, step: int, *, overlap: bool = False,
