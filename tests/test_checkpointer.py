@@ -888,6 +888,59 @@ def test_a_root_that_cannot_be_listed_raises_a_checkpoint_error(tmp_path: Path) 
     denied.close()
 
 
+def test_a_rollback_discards_the_later_steps_and_saves_go_on(tmp_path: Path) -> None:
+    # Loading an older step and training on was refused at the next save ("older than
+    # step(s) [20] already committed"), with no way but moving directories by hand.
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step in (5, 10, 15, 20):
+            ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+        target = {"w": torch.zeros(4)}
+        ckpt.load(target, step=10)
+        with pytest.raises(asyncckpt.CheckpointExistsError, match="older than"):
+            ckpt.save(target, step=11)
+        assert ckpt.discard_steps_after(10) == [15, 20]
+        assert ckpt.steps() == [5, 10]
+        ckpt.save({"w": torch.full((4,), 15.5)}, step=15)
+        assert ckpt.discard_steps_after(15) == []
+        assert ckpt.steps() == [5, 10, 15]
+        assert torch.equal(ckpt.load()["w"], torch.full((4,), 15.5))
+        ckpt.save_async({"w": torch.ones(4)}, step=30)  # in flight: waited for, then gone
+        assert ckpt.discard_steps_after(5) == [10, 15, 30]
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="step=-1"):
+            ckpt.discard_steps_after(-1)
+    assert _step_dirs(tmp_path) == ["step_000000005"]
+    with pytest.raises(asyncckpt.CheckpointClosedError):
+        ckpt.discard_steps_after(0)
+
+
+def test_a_rollback_that_fails_part_way_says_what_it_deleted(tmp_path: Path) -> None:
+    class Stuck(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            if src.name == "step_000000015":
+                raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(src))
+            super().rename(src, dst)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=Stuck()) as ckpt:
+        for step in (5, 10, 15, 20):
+            ckpt.save({"w": torch.ones(4)}, step=step)
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"failed at step 15: .*busy.*\(deleted: \[20\]\)"):
+            ckpt.discard_steps_after(10)
+        assert ckpt.steps() == [5, 10, 15]  # newest first: what is left is still in order
+
+
+def test_a_rollback_spares_a_step_a_load_is_reading(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": torch.ones(4)}, step=step)
+        ckpt._in_use.hold(2)  # as a load in another thread does
+        with pytest.raises(asyncckpt.CheckpointInFlightError, match=r"step\(s\) \[2\]"):
+            ckpt.discard_steps_after(1)
+        ckpt._in_use.release(2)
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.discard_steps_after(1) == [2]
+
+
 def test_committed_step_cannot_be_overwritten(tmp_path: Path) -> None:
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         ckpt.save(make_state(1), step=5)
@@ -905,7 +958,7 @@ def test_a_step_older_than_a_committed_one_is_refused(tmp_path: Path,
         for step in (10, 20):
             ckpt.save(make_state(step), step=step)
         with pytest.raises(asyncckpt.CheckpointExistsError,
-                           match=r"step 11 is older than step\(s\) \[20\].*move them out"):
+                           match=r"step 11 is older than step\(s\) \[20\].*discard_steps_after\(11\)"):
             ckpt.save(make_state(11), step=11)
         assert ckpt.steps() == [10, 20]
         ckpt.save(make_state(21), step=21)  # later steps go on as before

@@ -3,6 +3,7 @@ replaces a rank by a process of its own)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -749,6 +750,47 @@ def test_retention_in_a_group_leaves_no_key_per_step_it_deletes(tmp_path: Path) 
     assert in_threads(rank) == {0: None, 1: None}
     holds = [f"asyncckpt/holds/{_dir_hash(tmp_path)}/{s}" for s in (*range(1, 11), "any")]
     assert [k for k in holds if store.check([k])] == []
+
+
+def test_a_rollback_in_a_group_is_the_coordinators_and_saves_go_on(tmp_path: Path) -> None:
+    store = dist.HashStore()
+
+    def rank(r: int) -> list[int]:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               mode="sync") as ck:
+            for step in (1, 2, 3):
+                ck.save(_state(r), step=step)
+            ck.load(step=1)
+            gone = ck.discard_steps_after(1)
+            ck.save(_state(r), step=2)  # every rank returned once they were out of sight
+            assert ck.steps() == [1, 2]
+            return gone
+
+    assert in_threads(rank) == {0: [2, 3], 1: [2, 3]}
+
+
+def test_a_rollback_the_coordinator_cannot_finish_fails_on_every_rank(tmp_path: Path) -> None:
+    class Busy(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            if src.name == "step_000000002" and ".deleting-" in dst.name:
+                raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(src))
+            super().rename(src, dst)
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               mode="sync", storage=Busy() if r == 0 else LocalStorage()) as ck:
+            for step in (1, 2, 3):
+                ck.save(_state(r), step=step)
+            with pytest.raises(CheckpointSaveError) as ei:
+                ck.discard_steps_after(1)
+            assert ck.steps() == [1, 2]
+            return str(ei.value)
+
+    out = in_threads(rank)
+    assert "failed at step 2" in out[0] and "(deleted: [3])" in out[0], out[0]
+    assert out[1].startswith("rank 1: deleting the steps after 1 ") and "[3]" in out[1], out[1]
 
 
 def test_a_rank_stuck_in_its_write_is_told_the_group_gave_up_not_a_storage_error(

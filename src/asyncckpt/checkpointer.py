@@ -235,6 +235,7 @@ class AsyncCheckpointer:
         # a failed save nobody waited on: (its future, its error), raised by wait()
         self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
+        self._discards = 0  # discard_steps_after calls: collective, as saves are
         # (the group's layout id, this rank's digest in it, the keys this rank writes)
         self._layout: tuple[str, str, set[str]] | None = None
         self._digests: tuple[str, ...] = ()  # coordinator: every rank's, in self._layout
@@ -603,6 +604,104 @@ class AsyncCheckpointer:
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def discard_steps_after(self, step: int) -> list[int]:
+        """Delete every committed step newer than ``step``, for a rollback: after
+        ``load(state, step=step)`` (a loss spike, a bad data shard), training goes on from
+        ``step``, and its saves would otherwise be refused as older than the steps kept.
+        Returns the steps deleted, oldest first.
+
+        Waits for the save in flight (its failure is left for ``wait()``), then takes the
+        newest step out of sight first: a crash part-way leaves the older ones committed,
+        and calling again finishes. In a group it is collective, as saves are: every rank
+        calls it with the same ``step``; the coordinator (rank 0) deletes, and every rank
+        returns once the steps are out of sight.
+
+        Raises:
+            CheckpointInFlightError: a save is in flight and ``on_busy="error"``, or a
+                load (of this checkpointer, or of another rank) is reading one of those
+                steps (what was deleted before it is said).
+            CheckpointSaveError: the filesystem refused (likewise).
+            CheckpointClosedError: the checkpointer is closed.
+        """
+        self._refuse_forked("discard_steps_after")
+        if type(step) is not int or step < 0:
+            raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
+        with self._one_call("discard_steps_after"):
+            self._check_open()
+            self._wait_for_previous()
+            if self._retention is not None:  # its removals end before these begin
+                cf.wait([self._retention])
+                self._retention = None
+            ctx = self._ctx
+            if not ctx.distributed:
+                hidden = self._hide_steps_after(step)
+            else:
+                ctx.join()
+                self._discards += 1  # counted on every rank alike: the call is collective
+                key = ctx.key(f"d{self._discards}", "discarded")
+                if ctx.is_coordinator:
+                    try:
+                        hidden = self._hide_steps_after(step)
+                    except CheckpointError as exc:
+                        ctx.put(key, {"error": str(exc)})
+                        raise
+                    ctx.put(key, {"ok": [s for s, _ in hidden]})
+                else:
+                    hidden = []
+                    got = ctx.get(key, f"rank 0's deletion of the steps after {step}",
+                                  2 * ctx.timeout_s)
+                    with contextlib.suppress(Exception):  # the last reader tidies up
+                        if ctx.store.add(key + "/seen", 1) >= ctx.world_size - 1:
+                            ctx.store.delete_key(key)
+                            ctx.store.delete_key(key + "/seen")
+                    if "error" in got:
+                        raise CheckpointSaveError(f"rank {ctx.rank}: {got['error']}")
+                    return sorted(got["ok"])
+            for _, gone in hidden:  # out of sight already: what fails here, clean-up retries
+                try:
+                    self.storage.remove_tree(gone)
+                except OSError as exc:
+                    log.warning("could not remove %s (the step is deleted from sight; the "
+                                "next checkpointer's clean-up tries again): %s", gone, exc)
+            removed = sorted(s for s, _ in hidden)
+            if removed:
+                log.info("deleted step(s) %s under %s: training goes on from step %d",
+                         removed, self.directory, step)
+            return removed
+
+    def _hide_steps_after(self, step: int) -> list[tuple[int, Path]]:
+        """Take the committed steps after ``step`` out of sight, newest first; return them
+        with where each now lies, for removal."""
+        self._take_lock()
+        hidden: list[tuple[int, Path]] = []
+
+        def so_far() -> str:
+            return f" (deleted: {sorted(s for s, _ in hidden)})" if hidden else ""
+
+        with self._in_use.lock:
+            later = [s for s in commit.committed_steps(self.directory, self.storage,
+                                                       skip_denied=True) if s > step]
+            held = sorted(set(later) - set(self._in_use.spare(later)))
+            if held:
+                raise CheckpointInFlightError(
+                    f"cannot delete step(s) {held} under {self.directory}: a load of this "
+                    "checkpointer is reading them; call again once it is done")
+            for s in reversed(later):
+                if not self._ctx.may_retire(s):
+                    raise CheckpointInFlightError(
+                        f"cannot delete step {s} under {self.directory}: a load on another "
+                        f"rank is reading it; call again once it is done{so_far()}")
+                try:
+                    hidden.append((s, commit.hide_step(self.directory, s, self.storage)))
+                except OSError as exc:
+                    raise CheckpointSaveError(
+                        f"deleting the steps after {step} under {self.directory} failed at "
+                        f"step {s}: {exc.strerror or exc}" + os_error_hint(exc) + so_far()
+                    ) from exc
+                finally:
+                    self._ctx.retired(s)
+        return hidden
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None)."""

@@ -200,8 +200,8 @@ def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bo
             f"step {step} is older than step(s) {later[:5]} already committed under "
             f"{root}: a load would take step {later[-1]}"
             + (", and keep_last would remove the new steps before it" if retention else "")
-            + ". If the later steps belong to a run you rolled back, move them out of the "
-            "directory (or save into a new one)")
+            + ". If the later steps belong to a run you rolled back, delete them with "
+            f"ckpt.discard_steps_after({step}) (or save into a new directory)")
     return final
 
 
