@@ -958,7 +958,8 @@ def test_a_step_older_than_a_committed_one_is_refused(tmp_path: Path,
         for step in (10, 20):
             ckpt.save(make_state(step), step=step)
         with pytest.raises(asyncckpt.CheckpointExistsError,
-                           match=r"step 11 is older than step\(s\) \[20\].*discard_steps_after\(11\)"):
+                           match=r"step 11 is older than step\(s\) \[20\]"
+                                 r".*discard_steps_after\(11\)"):
             ckpt.save(make_state(11), step=11)
         assert ckpt.steps() == [10, 20]
         ckpt.save(make_state(21), step=21)  # later steps go on as before
@@ -1887,6 +1888,57 @@ def test_a_checkpointer_dropped_by_its_own_prepare_releases_the_lock(tmp_path: P
     assert not _lock_fds()
     with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as again:
         again.save({"w": torch.ones(10)}, step=2)
+
+
+@pytest.mark.parametrize("where", ["write", "hash"])
+def test_a_checkpointer_collected_on_a_thread_of_its_own_save_does_not_deadlock(
+        tmp_path: Path, where: str) -> None:
+    """Held in a cycle and dropped while it saves, it was collected on its write (or
+    hash) thread, whose close waited for the save that very thread runs: the step was
+    never committed and the process hung at exit."""
+    dropped = threading.Event()
+
+    class CollectsThere(LocalStorage):
+        def _collect(self) -> None:
+            dropped.wait(10)
+            gc.collect()  # an automatic collection, as allocations set off on any thread
+
+        def write_arena(self, *args: Any, **kwargs: Any) -> None:
+            if where == "write":
+                self._collect()
+            super().write_arena(*args, **kwargs)
+
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            if where == "hash" and path.name == MANIFEST_NAME:
+                self._collect()
+            super().write_bytes(path, data)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async",
+                                                    storage=CollectsThere())
+            self.ckpt._owner = self  # type: ignore[attr-defined]  # a cycle
+
+    enabled = gc.isenabled()
+    gc.disable()  # (only the storage's collection finds the cycle)
+    try:
+        trainer = Trainer()
+        trainer.ckpt.save_async({"w": torch.ones(1000)}, step=1)
+        del trainer
+        dropped.set()
+        deadline = time.monotonic() + 30
+        while (_lock_fds() or not (tmp_path / "step_000000001").exists()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if enabled:
+            gc.enable()
+    assert (tmp_path / "step_000000001").exists() and not _lock_fds()
+    for t in threading.enumerate():
+        if t.name == "asyncckpt-close":  # the close it handed over ends too
+            t.join(10)
+            assert not t.is_alive()
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.ones(1000))
 
 
 def test_a_lock_whose_pid_cannot_be_written_is_still_taken_and_released(

@@ -844,6 +844,16 @@ class AsyncCheckpointer:
         if getattr(self, "_pid", None) != os.getpid():
             return  # a forked child's copy: the save in flight is the parent's to finish
         with contextlib.suppress(Exception):
+            writer, pending = self._writer, self._pending
+            if (writer is not None and pending is not None and not pending.done()
+                    and writer.owns(threading.current_thread())):
+                # Collected by the garbage collector on a thread of its own save (a
+                # cycle holding it, dropped while it saves): waiting here for that save
+                # would wait for this very thread. Close once it is done, from another
+                # (which keeps the object alive until then).
+                threading.Thread(target=self._close, kwargs={"raise_missed": False},
+                                 name="asyncckpt-close", daemon=False).start()
+                return
             self._close(raise_missed=False)
 
     # --- internals -----------------------------------------------------------------------

@@ -295,6 +295,11 @@ class BackgroundWriter:
             raise
         return durable, retained
 
+    def owns(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is one of these threads."""
+        return any(thread in getattr(ex, "_threads", ())
+                   for ex in (self.stager, self.copiers, self._write, self._hash, self._reap))
+
     def shutdown(self) -> None:
         """Stop the threads, waiting for their work; from one of them (a checkpointer
         dropped by a task of its own stager), that thread is not waited for: it ends
