@@ -1941,6 +1941,47 @@ def test_a_checkpointer_collected_on_a_thread_of_its_own_save_does_not_deadlock(
     assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.ones(1000))
 
 
+@pytest.mark.parametrize("how", ["save", "fut.wait", "ckpt.wait", "wait_staged"])
+def test_a_checkpointer_whose_failure_was_seen_is_freed_when_dropped(
+        tmp_path: Path, how: str) -> None:
+    """The error kept by the failed save's future gathered the frames it was raised
+    through, the caller's too, which held the checkpointer: dropped without close() by a
+    retry function, it kept its lock and host buffer until a full collection, and the
+    retry was refused ("another AsyncCheckpointer of this process holds ...")."""
+    class Full(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    def attempt(step: int) -> str:
+        ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Full())
+        state = {"w": torch.ones(1000)}
+        try:
+            if how == "save":
+                ck.save(state, step=step)
+            elif how == "fut.wait":
+                ck.save_async(state, step=step).wait()
+            elif how == "ckpt.wait":
+                ck.save_async(state, step=step)
+                ck.wait()
+            else:
+                fut = ck.save_async(state, step=step, overlap=True)
+                fut.wait_staged()
+                fut.wait()
+        except asyncckpt.CheckpointSaveError as exc:
+            return type(exc).__name__
+        return "saved"
+
+    enabled = gc.isenabled()
+    gc.disable()  # (a full collection would free it anyway, at some point)
+    try:
+        assert attempt(1) == "CheckpointSaveError"
+        assert not _lock_fds()
+        assert attempt(2) == "CheckpointSaveError"  # not CheckpointLockedError
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_lock_whose_pid_cannot_be_written_is_still_taken_and_released(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.pwrite

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import copy
 import errno
 import logging
 import os
@@ -151,6 +152,25 @@ class SaveJob:
         return self.root / commit.tmp_dir_name(self.step, self.token)
 
 
+def _detached(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` (a save's failure, kept by its future) to raise to a caller.
+
+    Raised as it is, the kept error would gather the frames it passes through, the
+    caller's among them, and keep them for as long as the future is kept: a checkpointer
+    held by such a frame (``ck`` of a retry function that returns without ``close()``)
+    would then stay alive, with its lock and host buffer, until a full garbage
+    collection. The copy gathers them instead, and is the caller's alone."""
+    try:
+        twin = copy.copy(exc)
+    except Exception:  # an error type that cannot be made again from its args
+        return exc
+    if type(twin) is not type(exc) or twin.args != exc.args:
+        return exc
+    twin.__cause__, twin.__context__ = exc.__cause__, exc.__context__
+    twin.__suppress_context__ = exc.__suppress_context__
+    return twin.with_traceback(exc.__traceback__)
+
+
 class CheckpointFuture:
     """The handle of one save: poll it, wait for staging, or wait for durability.
 
@@ -212,22 +232,23 @@ class CheckpointFuture:
         """
         if not self._staged.done():
             self._refuse_forked()
-        try:
-            self._staged.result(timeout)
-        except StagingStopped:
+        if not cf.wait([self._staged], timeout).done:
+            raise CheckpointTimeoutError(
+                f"step {self.step}: staging still running after {timeout}s")
+        failure = self._staged.exception()  # (not result(): see _detached)
+        if failure is None:
+            return
+        if isinstance(failure, StagingStopped):
             # Not the news: the save's own error says why (a full disk...). Report it,
             # rather than mark this save's failure as seen with no word of its cause.
             self.wait(timeout)
-            raise
-        except CheckpointError:
+        elif isinstance(failure, Exception):
+            # the staging's own error (a CheckpointTimeoutError is a TimeoutError too)
             self.observed = True  # the caller has seen how this save failed
-            raise  # the staging's own error (a CheckpointTimeoutError is a TimeoutError too)
-        except cf.TimeoutError:
-            raise CheckpointTimeoutError(
-                f"step {self.step}: staging still running after {timeout}s") from None
-        except Exception:
-            self.observed = True
-            raise
+        try:
+            raise _detached(failure)
+        finally:
+            failure = None
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the checkpoint is committed and return its info.
@@ -236,16 +257,21 @@ class CheckpointFuture:
         was); raises CheckpointTimeoutError when ``timeout`` seconds pass first.
         """
         self._refuse_forked()
-        try:
-            info = self._durable.result(timeout)
-            self.observed = True
-            return info
-        except CheckpointError:
-            self.observed = True
-            raise  # the save's own error, e.g. a CheckpointTimeoutError naming silent ranks
-        except cf.TimeoutError:
+        if not cf.wait([self._durable], timeout).done:
             raise CheckpointTimeoutError(
-                f"step {self.step}: checkpoint not durable after {timeout}s") from None
+                f"step {self.step}: checkpoint not durable after {timeout}s")
+        # Its failure is read, not raised by result(): raised there, the kept error would
+        # gather this frame, and through it the caller's (see _detached).
+        failure = self._durable.exception()
+        if failure is None:
+            self.observed = True
+            return self._durable.result()
+        if isinstance(failure, CheckpointError):
+            self.observed = True
+        try:
+            raise _detached(failure)  # e.g. a CheckpointTimeoutError naming silent ranks
+        finally:
+            failure = None
 
     def exception(self) -> BaseException | None:
         """The failure of a finished save, or None."""
