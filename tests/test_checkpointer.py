@@ -1982,6 +1982,62 @@ def test_a_checkpointer_whose_failure_was_seen_is_freed_when_dropped(
             gc.enable()
 
 
+@pytest.mark.parametrize("before", ["nothing", "a save"])
+def test_a_save_from_an_atexit_handler_is_refused_with_a_checkpoint_error(
+        tmp_path: Path, before: str) -> None:
+    # It raised a bare RuntimeError ("cannot schedule new futures after shutdown"), which
+    # `except CheckpointError` does not catch: the final checkpoint was lost unseen.
+    script = textwrap.dedent(f"""
+        import atexit, torch, asyncckpt
+        ck = asyncckpt.AsyncCheckpointer({str(tmp_path)!r}, mode="sync")
+        if {before == "a save"}:
+            ck.save({{"w": torch.ones(4)}}, step=1)
+        def final():
+            try:
+                ck.save({{"w": torch.ones(4)}}, step=2)
+                print("saved")
+            except asyncckpt.CheckpointSaveError as exc:
+                print("refused:", exc)
+            ck.close()
+        atexit.register(final)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused: step 2 cannot be saved: the interpreter is "
+                                 "exiting"), (out.stdout, out.stderr)
+    assert "save before the program ends" in out.stdout
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == ([1] if before == "a save" else [])
+
+
+def test_every_unwaited_failure_is_reported_not_only_the_first(tmp_path: Path) -> None:
+    # Of several saves that failed with nobody waiting on their futures, only the first
+    # was ever raised (the others were in the log alone).
+    class Fails(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            if "step_000000003" not in str(path):
+                raise OSError(errno.EIO, "Input/output error (injected)", str(path))
+            super().write_arena(path, *args, **kwargs)
+
+    def said(exc: BaseException) -> str:
+        return "\n".join([str(exc), *getattr(exc, "__notes__", ())])
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Fails())
+    for step in (1, 2, 3):
+        ck.save_async({"w": torch.ones(4)}, step=step)  # futures never waited on
+    with pytest.raises(asyncckpt.CheckpointSaveError) as ei:
+        ck.wait()
+    assert "step 1 " in said(ei.value) and "step 2 failed too" in said(ei.value), said(ei.value)
+    ck.close()  # said once
+    assert ck.steps() == [3]
+    ck = asyncckpt.AsyncCheckpointer(tmp_path / "all", mode="async", storage=Fails())
+    for step in (4, 5, 6):
+        ck.save_async({"w": torch.ones(4)}, step=step)
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="step 6") as ei:
+        ck.close()
+    assert "step 4 " in said(ei.value) and "step 5 failed too" in said(ei.value), said(ei.value)
+
+
 def test_a_lock_whose_pid_cannot_be_written_is_still_taken_and_released(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.pwrite

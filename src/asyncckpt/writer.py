@@ -283,6 +283,16 @@ class CheckpointFuture:
     result = wait
 
 
+def exiting(exc: BaseException) -> bool:
+    """Whether ``exc`` is an executor's refusal of new work once the interpreter has begun
+    to exit (atexit handlers run after that)."""
+    if not (isinstance(exc, RuntimeError) and "cannot schedule new futures" in str(exc)):
+        return False
+    # (an executor of a writer that had threads says "after shutdown": Python's exit
+    # hook, run before atexit handlers, shut it)
+    return "interpreter shutdown" in str(exc) or bool(getattr(cf.thread, "_shutdown", False))
+
+
 class BackgroundWriter:
     """Threads that run save jobs: a writer, a hasher, a stager (for overlap) and copiers.
 
@@ -318,6 +328,13 @@ class BackgroundWriter:
             # Interrupted (Ctrl-C) with part of it queued: the tasks already queued wait
             # for a staging that never comes, and the next save's would queue behind them.
             job.progress.fail(exc)
+            if exiting(exc):
+                raise CheckpointSaveError(
+                    f"step {job.step} cannot be saved: the interpreter is exiting (a save "
+                    "from an atexit handler, or from a thread still running at exit), and "
+                    "Python no longer runs the background work a save needs; save before "
+                    "the program ends (at the end of the training loop, or in a finally or "
+                    "with block)") from None
             raise
         return durable, retained
 
