@@ -589,6 +589,8 @@ class AsyncCheckpointer:
         error = self._take_missed()
         if error is not None:
             add_note(exc, str(error))
+            for note in getattr(error, "__notes__", ()):  # the failures after it
+                add_note(exc, note)
 
     @property
     def is_pending(self) -> bool:
@@ -820,11 +822,14 @@ class AsyncCheckpointer:
         if not raise_missed:
             return
         if unseen is not None:
-            if earlier is not None:
-                add_note(unseen, str(earlier))
-            raise CheckpointSaveError(
+            error = CheckpointSaveError(
                 f"closing {self.directory}: the last save, whose future nobody waited on, "
-                f"failed: {unseen}") from unseen
+                f"failed: {unseen}")
+            if earlier is not None:
+                add_note(error, str(earlier))
+                for note in getattr(earlier, "__notes__", ()):
+                    add_note(error, note)
+            raise error from unseen
         if earlier is not None:
             raise earlier
 
@@ -889,9 +894,15 @@ class AsyncCheckpointer:
         # save stays pending: the next save must still wait for it.
         exc = self._settle(fut, "")
         self._pending = None
-        if exc is not None and self._missed is None:  # the message: its traceback holds state
-            self._missed = (weakref.ref(fut), CheckpointSaveError(
-                f"an earlier save failed and nobody waited on its future: {exc}"))
+        if exc is not None:  # (the message only: its traceback holds state)
+            missed = self._missed
+            earlier = missed[0]() if missed is not None else None
+            if missed is None or (earlier is not None and earlier.observed):
+                self._missed = (weakref.ref(fut), CheckpointSaveError(
+                    f"an earlier save failed and nobody waited on its future: {exc}"))
+            else:  # one more: said with the first, which the next wait() or close() raises
+                add_note(missed[1], f"step {fut.step} failed too, and nobody waited on its "
+                                    f"future either: {exc}")
         del fut, exc  # frames of a raised error keep their locals: no cycle through them
 
     @staticmethod
@@ -927,7 +938,8 @@ class AsyncCheckpointer:
         if self._lock.held_in_this_process():
             raise CheckpointLockedError(
                 f"another AsyncCheckpointer of this process holds {self.directory}: close() "
-                "it (or use it in a `with` block) before saving into that directory again")
+                "it (or use it in a `with` block) before saving into that directory again "
+                "(or, from asyncckpt.save() running in another thread: save from one thread)")
         raise CheckpointLockedError(
             f"another process (pid {holder}) is saving into {self.directory}; "
             "use a different directory or stop the other process")

@@ -606,8 +606,10 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             where = path or "<root>"
             raise StateMismatchError(
                 f"{where} ({type(obj).__name__}).load_state_dict refused the checkpoint's "
-                f"state: {type(exc).__name__}: {exc} (tensors loaded in place before it hold "
-                "the checkpoint's values; restore a state that matches the checkpoint's)",
+                f"state: {type(exc).__name__}: {exc}. The load stopped there, half done: "
+                "every tensor loaded in place holds the checkpoint's values, but the objects "
+                "and plain values after this one were not restored; load again into a state "
+                "that matches the checkpoint's before using any of it",
                 mismatched=[where]) from exc
         return obj
     t = node["t"]
