@@ -645,8 +645,11 @@ class AsyncCheckpointer:
                 if ctx.is_coordinator:
                     try:
                         hidden = self._hide_steps_after(step)
-                    except CheckpointError as exc:
-                        ctx.put(key, {"error": str(exc)})
+                    except BaseException as exc:  # the others must not wait out a timeout
+                        why = str(exc) if isinstance(exc, CheckpointError) else (
+                            f"rank 0: {type(exc).__name__}: {exc}")
+                        with contextlib.suppress(Exception):
+                            ctx.put(key, {"error": why})
                         raise
                     ctx.put(key, {"ok": [s for s, _ in hidden]})
                 else:
