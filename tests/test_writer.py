@@ -93,3 +93,25 @@ def test_the_checksums_and_the_manifest_of_a_save_are_made_with_the_collector_pa
         ck.save_async({f"t{i}": torch.full((3,), float(i)) for i in range(50)}, step=1).wait()
     assert len(seen) >= 51 and not any(seen)  # every tensor's checksum, and the manifest
     assert gc.isenabled()
+
+
+def test_a_future_raises_a_copy_of_every_library_error_with_its_fields() -> None:
+    """A future raises a copy of the failure it keeps (see writer._detached): one that
+    could not be copied was raised itself, gathering its callers' frames."""
+    import inspect
+
+    from asyncckpt import commit, errors
+    from asyncckpt.writer import _detached
+
+    kinds: list[BaseException] = [
+        c("msg") for c in vars(errors).values()
+        if inspect.isclass(c) and issubclass(c, errors.CheckpointError)]
+    kinds.append(commit.CommittedNotDurableError("msg", Path("/ck/step_000000001")))
+    for exc in kinds:
+        exc.add_note("a note")
+        cause = ValueError("why")
+        exc.__cause__ = cause
+        twin = _detached(exc)
+        assert twin is not exc and type(twin) is type(exc), type(exc).__name__
+        assert str(twin) == str(exc) and twin.__cause__ is cause
+        assert twin.__notes__ == ["a note"] and vars(twin) == vars(exc)

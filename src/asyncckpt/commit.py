@@ -305,6 +305,9 @@ class CommittedNotDurableError(CheckpointSaveError):
         super().__init__(message)
         self.final = final
 
+    def __reduce__(self) -> tuple[object, ...]:  # (copied: a future raises a copy)
+        return (type(self), (self.args[0], self.final), self.__dict__)
+
 
 def check_step_free(root: Path, step: int, storage: ReadStorage) -> Path:
     """The directory ``step`` would be committed to; CheckpointExistsError when something
