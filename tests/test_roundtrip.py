@@ -1410,3 +1410,71 @@ def test_a_target_of_another_dtype_or_on_meta_is_told_what_works(tmp_path: Path)
     assert torch.equal(meta.weight, net.weight)
     with pytest.raises(asyncckpt.UnsupportedLeafError, match=r"on the meta device.*real device"):
         asyncckpt.save({"model": meta.to("meta")}, tmp_path / "m", step=1)
+
+
+class _Loader:
+    """A data loader's position: a stateful a resume may want to keep as it is."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos, self.loads = pos, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos, "order": torch.arange(4) + self.pos}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loads += 1
+        self.pos = sd["pos"]
+
+
+def test_exclude_leaves_parts_alone_and_keeps_every_check_elsewhere(tmp_path: Path, caplog):
+    # torchtitan's exclude_from_loading: before, the only way was to leave the parts out
+    # of the target and pass ignore_unexpected=True, which is global (an unexpected
+    # model tensor went unnoticed) and put the left-out parts' values into the target.
+    net = _net(0)
+    saved = {"model": net, "loader": _Loader(5), "sched": {"last": 3},
+             "train": {"step": 7, "data": {"epoch": 2, "seen": torch.tensor([11])}}}
+    asyncckpt.save(saved, tmp_path, step=1)
+    model, loader = _net(1), _Loader(0)
+    target = {"model": model, "loader": loader, "sched": {"last": 0},
+              "train": {"step": 0, "data": {"epoch": 0, "seen": torch.tensor([0])}}}
+    inner = target["train"]
+    out = asyncckpt.load(tmp_path, target, exclude=["loader", "sched", "train/data"])
+    assert out is target and target["train"] is inner and inner["step"] == 7
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), model.parameters(),
+                                                 strict=True))
+    assert loader.loads == 0 and loader.pos == 0 and target["sched"] == {"last": 0}
+    assert inner["data"]["epoch"] == 0 and inner["data"]["seen"].item() == 0
+    assert sorted(target) == ["loader", "model", "sched", "train"]
+    # a target without the excluded parts: strict all the same, nothing added to it
+    lean = {"model": _net(1), "train": {"step": 0, "data": {"epoch": 0,
+                                                            "seen": torch.tensor([0])}}}
+    asyncckpt.AsyncCheckpointer(tmp_path).load(lean, exclude=("loader", "sched"))
+    assert sorted(lean) == ["model", "train"] and lean["train"]["data"]["epoch"] == 2
+    # ... and every check elsewhere stands: a model tensor the target lacks is an error
+    with pytest.raises(StateMismatchError, match=r"model/0\.bias"):
+        asyncckpt.load(tmp_path, {"model": {"0.weight": torch.zeros(4, 4)}, "train": {}},
+                       exclude=["loader", "sched"])
+    # a fresh load leaves them out, and reads none of their tensors
+    fresh = asyncckpt.load(tmp_path, exclude="loader")
+    assert sorted(fresh) == ["model", "sched", "train"]
+    # with fallback too
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncckpt.loader"):
+        asyncckpt.load(tmp_path, target, exclude=["loader", "sched", "nothing/here"],
+                       fallback=True)
+    assert "holds nothing at nothing/here" in caplog.text
+    assert loader.loads == 0
+
+
+def test_exclude_refuses_what_it_cannot_leave_alone(tmp_path: Path) -> None:
+    asyncckpt.save({"model": _net(0), "loader": _Loader(5), "hist": [1, 2]}, tmp_path)
+    target = {"model": _net(1), "loader": _Loader(0), "hist": [0, 0]}
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="inside 'model', a Sequential"):
+        asyncckpt.load(tmp_path, target, exclude=["model/0.weight"])
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="holds as a list"):
+        asyncckpt.load(tmp_path, exclude=["hist/0"])
+    for bad in ([3], [""], 7):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="exclude"):
+            asyncckpt.load(tmp_path, target, exclude=bad)  # type: ignore[arg-type]
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="a state that is a dict"):
+        asyncckpt.load(tmp_path, _net(1), exclude=["loader"])

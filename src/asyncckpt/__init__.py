@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,10 @@ from .errors import (
 )
 from .errors import check_flags as _check_flags
 from .loader import ShardMetadata
+from .loader import check_exclude as _check_exclude
 from .loader import check_fallback as _check_fallback
 from .loader import check_threads as _check_threads
+from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
 from .preemption import PreemptionWatch
 from .storage import LocalStorage as _LocalStorage
@@ -99,14 +101,15 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
          strict: bool = True, verify: bool = True, token: str | None = None,
          timeout: float = 60.0, fallback: bool = False, threads: int | None = None,
          progress: Callable[[int, int], None] | None = None,
-         ignore_unexpected: bool = False) -> Any:
+         ignore_unexpected: bool = False,
+         exclude: str | Iterable[str] | None = None) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
-    from a peer may take as a whole. ``progress(done, total)``, ``strict`` and
-    ``ignore_unexpected``: see AsyncCheckpointer.load.
+    from a peer may take as a whole. ``progress(done, total)``, ``strict``,
+    ``ignore_unexpected`` and ``exclude``: see AsyncCheckpointer.load.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -117,6 +120,19 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _check_threads(threads)
     _checked_directory(path, "path")
     _check_fallback(fallback, step, verify)
+    parts = _check_exclude(exclude)
+    if parts and state is not None:
+        view, finish = _excluded_view(state, parts)
+        return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
+                                threads, progress, ignore_unexpected, parts))
+    return _load_any(path, state, step, strict, verify, token, timeout, fallback, threads,
+                     progress, ignore_unexpected, parts)
+
+
+def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
+              verify: bool, token: str | None, timeout: float, fallback: bool,
+              threads: int | None, progress: Callable[[int, int], None] | None,
+              ignore_unexpected: bool, exclude: tuple[str, ...]) -> Any:
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":
         raise CheckpointConfigError(
@@ -144,7 +160,8 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
             peer.step = peer.current_step() if step is None else step
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                               ignore_unexpected=ignore_unexpected, verify=verify,
-                              threads=fetch_connections(threads or 8), progress=progress)
+                              threads=fetch_connections(threads or 8), progress=progress,
+                              exclude=exclude)
         except CheckpointError as exc:
             raise peer_error(exc, state, peer) from exc.__cause__
         finally:
@@ -155,8 +172,8 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
 
         return load_newest_intact(Path(path), state, storage, strict=strict,
                                   ignore_unexpected=ignore_unexpected, threads=threads,
-                                  progress=progress)
+                                  progress=progress, exclude=exclude)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict,
                       ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
-                      step=step, progress=progress)
+                      step=step, progress=progress, exclude=exclude)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +48,10 @@ from .errors import (
 from .loader import (
     ShardMetadata,
     apply_shards,
+    check_exclude,
     check_fallback,
     check_threads,
+    excluded_view,
     load_from,
     load_newest_intact,
 )
@@ -717,7 +719,8 @@ class AsyncCheckpointer:
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
              fallback: bool = False, threads: int | None = None,
              progress: Callable[[int, int], None] | None = None,
-             ignore_unexpected: bool = False) -> Any:
+             ignore_unexpected: bool = False,
+             exclude: str | Iterable[str] | None = None) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -736,6 +739,9 @@ class AsyncCheckpointer:
         ``ignore_unexpected=True`` loads what the target holds and skips the rest of the
         checkpoint (the model alone, from a training checkpoint), while everything the
         target holds must still be found (``strict=False`` skips both sides).
+        ``exclude=["dataloader", "lr_scheduler"]`` leaves those parts alone on both sides
+        (not read, not checked, not restored; the state's own stay as they are), and keeps
+        every check elsewhere: paths as ``asyncckpt inspect`` lists them, through dicts.
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``
@@ -748,6 +754,19 @@ class AsyncCheckpointer:
         self._refuse_forked("load")
         check_threads(threads)
         check_fallback(fallback, step, verify)
+        parts = check_exclude(exclude)
+        finish = None
+        if parts and state is not None:
+            state, finish = excluded_view(state, parts)
+        out = self._load(state, step=step, strict=strict, verify=verify, shards=shards,
+                         fallback=fallback, threads=threads, progress=progress,
+                         ignore_unexpected=ignore_unexpected, exclude=parts)
+        return out if finish is None else finish(out)
+
+    def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,
+              shards: Mapping[str, ShardMetadata] | None, fallback: bool,
+              threads: int | None, progress: Callable[[int, int], None] | None,
+              ignore_unexpected: bool, exclude: tuple[str, ...]) -> Any:
         # The retention of a save in flight (keep_last) must not delete what this reads.
         held: int | None = None
         with self._in_use.lock:
@@ -763,12 +782,14 @@ class AsyncCheckpointer:
                 agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
                                           ignore_unexpected=ignore_unexpected, shards=shards,
-                                          threads=threads, agree=agree, progress=progress)
+                                          threads=threads, agree=agree, progress=progress,
+                                          exclude=exclude)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict,
                              ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
-                             threads=threads, step=step, progress=progress)
+                             threads=threads, step=step, progress=progress,
+                             exclude=exclude)
         finally:
             if shared:
                 self._ctx.release_step(held)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import logging
 import operator
 import re
@@ -116,7 +117,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               threads: int | None = None, step: int | None = None,
               manifest: Manifest | None = None,
               before_read: Callable[[FlatState], None] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> Any:
+              progress: Callable[[int, int], None] | None = None,
+              exclude: tuple[str, ...] = ()) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -137,7 +139,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
         out = _load_from(step_dir, state, storage, strict=strict,
                          ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                          threads=threads, step=step, manifest=manifest,
-                         before_read=before_read, read=read, progress=progress)
+                         before_read=before_read, read=read, progress=progress,
+                         exclude=exclude)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -153,13 +156,15 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                before_read: Callable[[FlatState], None] | None = None,
                read: list[int] | None = None,
                progress: Callable[[int, int], None] | None = None,
-               ignore_unexpected: bool = False) -> Any:
+               ignore_unexpected: bool = False, exclude: tuple[str, ...] = ()) -> Any:
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
             "drop the step, or pass the directory that holds the step directories")
+    if exclude:
+        manifest = without_excluded(manifest, exclude)
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
@@ -262,7 +267,8 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                        ignore_unexpected: bool = False,
                        shards: Mapping[str, ShardMetadata] | None = None,
                        threads: int | None = None, agree: Agreement | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> Any:
+                       progress: Callable[[int, int], None] | None = None,
+                       exclude: tuple[str, ...] = ()) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
@@ -273,14 +279,14 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     if agree is None:
         return _newest_intact(root, state, storage, strict, shards, threads, None, progress,
-                              ignore_unexpected)
+                              ignore_unexpected, exclude=exclude)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
         return _newest_intact(root, state, storage, strict, shards, threads, told, progress,
-                              ignore_unexpected)
+                              ignore_unexpected, exclude=exclude)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -313,7 +319,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    agree: Agreement | None,
                    progress: Callable[[int, int], None] | None = None,
                    ignore_unexpected: bool = False, relists: int = _RELISTS,
-                   earlier: list[str] | None = None) -> Any:
+                   earlier: list[str] | None = None, *, exclude: tuple[str, ...] = ()) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -322,7 +328,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         commit.resolve_step_dir(root, None, storage)
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
                          threads=threads, progress=progress,
-                         ignore_unexpected=ignore_unexpected)
+                         ignore_unexpected=ignore_unexpected, exclude=exclude)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -331,7 +337,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
     newest_first = steps[::-1]
     # With strict=False an older step may lack tensors a newer one has: what a failed
     # attempt wrote into those must not stay behind as part of the older step's load.
-    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name)
+    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name, exclude)
             if state is not None and not strict and len(steps) > 1 else None)
     for attempt, step in enumerate(newest_first):
         step_dir = root / commit.step_dir_name(step)
@@ -340,7 +346,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         try:
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
                                shards=shards, threads=threads, before_read=hook,
-                               progress=progress, ignore_unexpected=ignore_unexpected)
+                               progress=progress, ignore_unexpected=ignore_unexpected,
+                               exclude=exclude)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         except CheckpointError as exc:
@@ -384,7 +391,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             log.warning("steps under %s were deleted while read, and step(s) %s committed "
                         "meanwhile: trying those", root, newer)
             return _newest_intact(root, state, storage, strict, shards, threads, None,
-                                  progress, ignore_unexpected, relists - 1, failures)
+                                  progress, ignore_unexpected, relists - 1, failures,
+                                  exclude=exclude)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 
@@ -417,9 +425,9 @@ class _Rollback:
 
     def __init__(self, root: Path, state: Any, storage: ReadStorage,
                  shards: Mapping[str, ShardMetadata] | None,
-                 step_dir_name: Callable[[int], str]):
+                 step_dir_name: Callable[[int], str], exclude: tuple[str, ...] = ()):
         self.root, self.state, self.storage, self.shards = root, state, storage, shards
-        self.step_dir_name = step_dir_name
+        self.step_dir_name, self.exclude = step_dir_name, exclude
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # path: (target, copy)
         self.spoilt: dict[str, int] = {}  # path: the failed step whose bytes it holds
         self.filling: set[str] = set()  # the paths the current attempt fills
@@ -447,6 +455,8 @@ class _Rollback:
             step_dir = self.root / self.step_dir_name(step)
             try:
                 manifest = read_manifest(step_dir, self.storage)
+                if self.exclude:
+                    manifest = without_excluded(manifest, self.exclude)
             except CheckpointError:
                 continue  # its attempt fails too: the next older one decides
             saved = saved_paths(manifest)
@@ -485,6 +495,115 @@ class Agreement(Protocol):
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False) -> list[tuple[int, str]]: ...
+
+
+# --- exclude=: parts of the state a load leaves alone, on both sides ------------------------
+
+def check_exclude(exclude: object) -> tuple[str, ...]:
+    """``exclude`` (paths of the state, ``"dataloader"`` or ``"train/loader"``, as the
+    checkpoint names them) as a tuple; CheckpointConfigError for anything else."""
+    if exclude is None:
+        return ()
+    if isinstance(exclude, str):  # (iterated, a string would exclude its letters)
+        exclude = (exclude,)
+    if not isinstance(exclude, Iterable):
+        raise CheckpointConfigError(f"exclude={exclude!r:.80}: pass paths of the state, e.g. "
+                                    "exclude=['dataloader', 'lr_scheduler']")
+    paths = []
+    for p in exclude:
+        if not isinstance(p, str) or not p.strip("/"):
+            raise CheckpointConfigError(
+                f"exclude: {p!r:.80} is no path of the state; pass str paths such as "
+                "'dataloader' or 'train/loader' (the names 'asyncckpt inspect' lists)")
+        paths.append(p.strip("/"))
+    return tuple(dict.fromkeys(paths))
+
+
+def _inside(path: str, exclude: tuple[str, ...]) -> bool:
+    """Whether an excluded path lies strictly below ``path``."""
+    return any(e.startswith(f"{path}/" if path else "") and e != path for e in exclude)
+
+
+def excluded_view(state: Any, exclude: tuple[str, ...]
+                  ) -> tuple[Any, Callable[[Any], Any]]:
+    """``state`` without its ``exclude`` parts, to load into, and the function that takes
+    what the load restored into that view back into ``state`` (returning ``state``).
+
+    The view copies only the dicts on the way to an excluded part; everything else is
+    the state's own (loaded in place as usual). An excluded path must run through plain
+    dicts: a part of a module's or an optimizer's state loads with the whole of it."""
+    if not isinstance(state, dict):
+        raise CheckpointConfigError(
+            f"exclude= needs a state that is a dict (of its parts), not a "
+            f"{type(state).__name__}: pass e.g. {{'model': model, 'dataloader': loader}}")
+    views: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+
+    def view_of(d: dict[Any, Any], path: str) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for k, v in d.items():
+            p = join_path(path, k)
+            if p in exclude:
+                continue
+            if _inside(p, exclude):
+                if not isinstance(v, dict):
+                    below = next(e for e in exclude if e.startswith(f"{p}/"))
+                    raise CheckpointConfigError(
+                        f"exclude {below!r} lies inside {p!r}, a {type(v).__name__} whose "
+                        "state loads as a whole: exclude all of it, or leave the part in "
+                        "(strict=False skips what the checkpoint lacks)")
+                v = view_of(v, p)
+            out[k] = v
+        views.append((d, out))
+        return out
+
+    view = view_of(state, "")
+    copied = {id(v) for _, v in views}
+
+    def finish(restored: Any) -> Any:
+        for original, v in views:  # (inner dicts first: each writes into its own)
+            for k, value in v.items():
+                if id(value) not in copied:
+                    original[k] = value
+        return state
+
+    return view, finish
+
+
+def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
+    """``manifest`` without the ``exclude`` parts of its state: not read, not matched,
+    not restored."""
+    def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
+        t = node["t"]
+        if not _inside(path, exclude):
+            return node
+        if t == "dict":
+            return {**node, "items": [[k, prune(c, join_path(path, k))]
+                                      for k, c in node["items"]
+                                      if join_path(path, k) not in exclude]}
+        below = next(e for e in exclude if e.startswith(f"{path}/" if path else ""))
+        what = {"stateful": "an object whose state loads as a whole", "list": "a list",
+                "tuple": "a tuple"}.get(t, "a value")
+        raise CheckpointConfigError(
+            f"exclude {below!r} lies inside {path or 'the root'!r}, which the checkpoint "
+            f"holds as {what}: exclude all of it")
+
+    skeleton = prune(manifest.skeleton, "")
+    kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
+    unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
+    if unmatched:
+        log.warning("exclude: the checkpoint of step %d holds nothing at %s (names as "
+                    "'asyncckpt inspect' lists them)", manifest.step, _few(unmatched))
+    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
+        k: v for k, v in manifest.tensors.items() if k in kept})
+
+
+def _names_a_part(skeleton: dict[str, Any], path: str) -> bool:
+    node: dict[str, Any] | None = skeleton
+    for seg in path.split("/"):
+        if node is None or node["t"] != "dict":
+            return False
+        node = next((c for k, c in node["items"] if escape_key(k) == seg), None)
+    return node is not None
 
 
 def saved_paths(manifest: Manifest) -> dict[str, str]:
