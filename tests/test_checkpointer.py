@@ -927,6 +927,13 @@ def test_a_rollback_that_fails_part_way_says_what_it_deleted(tmp_path: Path) -> 
                            match=r"failed at step 15: .*busy.*\(deleted: \[20\]\)"):
             ckpt.discard_steps_after(10)
         assert ckpt.steps() == [5, 10, 15]  # newest first: what is left is still in order
+        # what it took out of sight before failing is removed all the same (nothing else
+        # would remove it until a new checkpointer's clean-up)
+        assert _step_dirs(tmp_path) == ["step_000000005", "step_000000010", "step_000000015"]
+    never = tmp_path / "never_saved"
+    with asyncckpt.AsyncCheckpointer(never) as ckpt:
+        assert ckpt.discard_steps_after(0) == []
+    assert not never.exists()  # a rollback creates no directory
 
 
 def test_a_rollback_spares_a_step_a_load_is_reading(tmp_path: Path) -> None:

@@ -1476,5 +1476,19 @@ def test_exclude_refuses_what_it_cannot_leave_alone(tmp_path: Path) -> None:
     for bad in ([3], [""], 7):
         with pytest.raises(asyncckpt.CheckpointConfigError, match="exclude"):
             asyncckpt.load(tmp_path, target, exclude=bad)  # type: ignore[arg-type]
-    with pytest.raises(asyncckpt.CheckpointConfigError, match="a state that is a dict"):
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="a state that is a plain dict"):
         asyncckpt.load(tmp_path, _net(1), exclude=["loader"])
+
+
+def test_exclude_drops_the_shards_of_excluded_parts(tmp_path: Path) -> None:
+    # The shards= a save got, passed to a load that excludes one of them, was refused as
+    # "shards names 'w', which is no tensor of the state".
+    from asyncckpt import ShardMetadata
+
+    shard = ShardMetadata(global_shape=(4, 2), offsets=(0, 0))
+    asyncckpt.save({"w": torch.ones(4, 2), "o": torch.ones(2)}, tmp_path, step=1)
+    target = {"w": torch.zeros(2, 2), "o": torch.zeros(2)}
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.load(target, exclude=["w"], shards={"w": shard})
+    assert torch.equal(target["o"], torch.ones(2)) and torch.equal(target["w"],
+                                                                   torch.zeros(2, 2))

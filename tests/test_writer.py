@@ -115,3 +115,5 @@ def test_a_future_raises_a_copy_of_every_library_error_with_its_fields() -> None
         assert twin is not exc and type(twin) is type(exc), type(exc).__name__
         assert str(twin) == str(exc) and twin.__cause__ is cause
         assert twin.__notes__ == ["a note"] and vars(twin) == vars(exc)
+        twin.add_note("the caller's")  # the copy's notes are its own
+        assert exc.__notes__ == ["a note"]

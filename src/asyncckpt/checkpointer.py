@@ -52,6 +52,7 @@ from .loader import (
     check_fallback,
     check_threads,
     excluded_view,
+    is_excluded,
     load_from,
     load_newest_intact,
 )
@@ -638,15 +639,16 @@ class AsyncCheckpointer:
                 cf.wait([self._retention])
                 self._retention = None
             ctx = self._ctx
+            hidden: list[tuple[int, Path]] = []
             if not ctx.distributed:
-                hidden = self._hide_steps_after(step)
+                self._hide_steps_after(step, hidden)
             else:
                 ctx.join()
                 self._discards += 1  # counted on every rank alike: the call is collective
                 key = ctx.key(f"d{self._discards}", "discarded")
                 if ctx.is_coordinator:
                     try:
-                        hidden = self._hide_steps_after(step)
+                        self._hide_steps_after(step, hidden)
                     except BaseException as exc:  # the others must not wait out a timeout
                         why = str(exc) if isinstance(exc, CheckpointError) else (
                             f"rank 0: {type(exc).__name__}: {exc}")
@@ -655,7 +657,6 @@ class AsyncCheckpointer:
                         raise
                     ctx.put(key, {"ok": [s for s, _ in hidden]})
                 else:
-                    hidden = []
                     got = ctx.get(key, f"rank 0's deletion of the steps after {step}",
                                   2 * ctx.timeout_s)
                     with contextlib.suppress(Exception):  # the last reader tidies up
@@ -665,23 +666,36 @@ class AsyncCheckpointer:
                     if "error" in got:
                         raise CheckpointSaveError(f"rank {ctx.rank}: {got['error']}")
                     return sorted(got["ok"])
-            for _, gone in hidden:  # out of sight already: what fails here, clean-up retries
-                try:
-                    self.storage.remove_tree(gone)
-                except OSError as exc:
-                    log.warning("could not remove %s (the step is deleted from sight; the "
-                                "next checkpointer's clean-up tries again): %s", gone, exc)
+            self._remove_hidden(hidden)
             removed = sorted(s for s, _ in hidden)
             if removed:
                 log.info("deleted step(s) %s under %s: training goes on from step %d",
                          removed, self.directory, step)
             return removed
 
-    def _hide_steps_after(self, step: int) -> list[tuple[int, Path]]:
-        """Take the committed steps after ``step`` out of sight, newest first; return them
-        with where each now lies, for removal."""
+    def _hide_steps_after(self, step: int, hidden: list[tuple[int, Path]]) -> None:
+        """Take the committed steps after ``step`` out of sight, newest first, noting
+        each in ``hidden`` with where it now lies; those are removed even if a later one
+        fails here (they are out of sight: nothing else would, until a new checkpointer).
+        """
+        if not self.directory.is_dir():
+            return  # (nothing saved there: a rollback does not create the directory)
+        try:
+            self._hide_each_after(step, hidden)
+        except BaseException:
+            self._remove_hidden(hidden)
+            raise
+
+    def _remove_hidden(self, hidden: list[tuple[int, Path]]) -> None:
+        for _, gone in hidden:  # out of sight already: what fails here, clean-up retries
+            try:
+                self.storage.remove_tree(gone)
+            except OSError as exc:
+                log.warning("could not remove %s (the step is deleted from sight; the "
+                            "next checkpointer's clean-up tries again): %s", gone, exc)
+
+    def _hide_each_after(self, step: int, hidden: list[tuple[int, Path]]) -> None:
         self._take_lock()
-        hidden: list[tuple[int, Path]] = []
 
         def so_far() -> str:
             return f" (deleted: {sorted(s for s, _ in hidden)})" if hidden else ""
@@ -708,7 +722,6 @@ class AsyncCheckpointer:
                     ) from exc
                 finally:
                     self._ctx.retired(s)
-        return hidden
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None)."""
@@ -758,6 +771,8 @@ class AsyncCheckpointer:
         finish = None
         if parts and state is not None:
             state, finish = excluded_view(state, parts)
+            if shards:  # (the same shards a save got: those of excluded parts are moot)
+                shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
         out = self._load(state, step=step, strict=strict, verify=verify, shards=shards,
                          fallback=fallback, threads=threads, progress=progress,
                          ignore_unexpected=ignore_unexpected, exclude=parts)

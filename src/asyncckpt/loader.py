@@ -519,6 +519,11 @@ def check_exclude(exclude: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(paths))
 
 
+def is_excluded(path: str, exclude: tuple[str, ...]) -> bool:
+    """Whether ``path`` is an excluded one or lies below one."""
+    return any(path == e or path.startswith(f"{e}/") for e in exclude)
+
+
 def _inside(path: str, exclude: tuple[str, ...]) -> bool:
     """Whether an excluded path lies strictly below ``path``."""
     return any(e.startswith(f"{path}/" if path else "") and e != path for e in exclude)
@@ -534,7 +539,7 @@ def excluded_view(state: Any, exclude: tuple[str, ...]
     dicts: a part of a module's or an optimizer's state loads with the whole of it."""
     if not isinstance(state, dict):
         raise CheckpointConfigError(
-            f"exclude= needs a state that is a dict (of its parts), not a "
+            f"exclude= needs a state that is a plain dict (of its parts), not a "
             f"{type(state).__name__}: pass e.g. {{'model': model, 'dataloader': loader}}")
     views: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
 
@@ -548,8 +553,9 @@ def excluded_view(state: Any, exclude: tuple[str, ...]
                 if not isinstance(v, dict):
                     below = next(e for e in exclude if e.startswith(f"{p}/"))
                     raise CheckpointConfigError(
-                        f"exclude {below!r} lies inside {p!r}, a {type(v).__name__} whose "
-                        "state loads as a whole: exclude all of it, or leave the part in "
+                        f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
+                        "exclude= looks into plain dicts only (a module's or an optimizer's "
+                        "state loads as a whole); exclude all of it, or leave the part in "
                         "(strict=False skips what the checkpoint lacks)")
                 v = view_of(v, p)
             out[k] = v

@@ -166,6 +166,9 @@ def _detached(exc: BaseException) -> BaseException:
         return exc
     if type(twin) is not type(exc) or twin.args != exc.args:
         return exc
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):  # (a shallow copy would share the list: notes the caller
+        vars(twin)["__notes__"] = list(notes)  # adds would land on the kept error too)
     twin.__cause__, twin.__context__ = exc.__cause__, exc.__context__
     twin.__suppress_context__ = exc.__suppress_context__
     return twin.with_traceback(exc.__traceback__)
