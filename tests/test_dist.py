@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -750,6 +751,34 @@ def test_retention_in_a_group_leaves_no_key_per_step_it_deletes(tmp_path: Path) 
     assert in_threads(rank) == {0: None, 1: None}
     holds = [f"asyncckpt/holds/{_dir_hash(tmp_path)}/{s}" for s in (*range(1, 11), "any")]
     assert [k for k in holds if store.check([k])] == []
+
+
+def test_only_the_coordinator_logs_each_save_at_info(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Every rank logged its own line per save at INFO: a thousand lines per save on a
+    # thousand ranks.
+    store = dist.HashStore()
+
+    runs = iter(["a", "a", "b", "b"])  # (each run saves step 1 into a directory of its own)
+    lock = threading.Lock()
+
+    def rank(r: int) -> None:
+        with lock:
+            where = tmp_path / next(runs)
+        with AsyncCheckpointer(where, rank=r, world_size=2, store=store, timeout_s=10,
+                               mode="sync") as ck:
+            ck.save(_state(r), step=1)
+
+    with caplog.at_level(logging.INFO, logger="asyncckpt.writer"):
+        assert in_threads(rank) == {0: None, 1: None}
+    lines = [rec for rec in caplog.records if "committed" in rec.getMessage()]
+    assert [(rec.levelno, rec.getMessage()[:7]) for rec in lines] == [(logging.INFO,
+                                                                       "rank=0 ")]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="asyncckpt.writer"):
+        assert in_threads(rank) == {0: None, 1: None}  # (a second checkpointer: step 1)
+    assert any(rec.getMessage().startswith("rank=1 step=1 committed")
+               and rec.levelno == logging.DEBUG for rec in caplog.records)
 
 
 def test_a_rollback_in_a_group_is_the_coordinators_and_saves_go_on(tmp_path: Path) -> None:
