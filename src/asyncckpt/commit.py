@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from .errors import (
     CheckpointConfigError,
@@ -124,10 +125,13 @@ def committed_steps(root: Path, storage: ReadStorage,
     return sorted(steps)
 
 
+_OnError = Literal["skip", "raise"]  # what _is_committed does with a step it cannot list
+
+
 def _is_committed(root: Path, name: str, storage: ReadStorage,
                   unlistable: list[tuple[str, str]] | None = None,
-                  no_manifest: list[str] | None = None, *, denied: str = "skip",
-                  damaged: str = "skip") -> bool:
+                  no_manifest: list[str] | None = None, *, denied: _OnError = "skip",
+                  damaged: _OnError = "skip") -> bool:
     """Whether the step directory ``name`` holds its manifest (see committed_steps).
 
     A directory that cannot be listed counts as not committed (logged), or raises:
@@ -173,7 +177,7 @@ def _newest_committed(root: Path, names: list[str], storage: ReadStorage,
 
     ``for_load``: a step directory that cannot be listed raises (see ``_is_committed``)
     rather than let an older step be taken for the newest."""
-    how = "raise" if for_load else "skip"
+    how: _OnError = "raise" if for_load else "skip"
     for step in sorted((s for s in map(step_of_dir_name, names) if s is not None and s > above),
                        reverse=True):
         if _is_committed(root, step_dir_name(step), storage, denied=how, damaged=how):

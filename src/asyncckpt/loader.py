@@ -524,9 +524,10 @@ def is_excluded(path: str, exclude: tuple[str, ...]) -> bool:
     return any(path == e or path.startswith(f"{e}/") for e in exclude)
 
 
-def _inside(path: str, exclude: tuple[str, ...]) -> bool:
-    """Whether an excluded path lies strictly below ``path``."""
-    return any(e.startswith(f"{path}/" if path else "") and e != path for e in exclude)
+def _below(path: str, exclude: tuple[str, ...]) -> str | None:
+    """An excluded path that lies strictly below ``path`` (None: none does)."""
+    return next((e for e in exclude if e.startswith(f"{path}/" if path else "") and e != path),
+                None)
 
 
 def excluded_view(state: Any, exclude: tuple[str, ...]
@@ -549,9 +550,9 @@ def excluded_view(state: Any, exclude: tuple[str, ...]
             p = join_path(path, k)
             if p in exclude:
                 continue
-            if _inside(p, exclude):
+            below = _below(p, exclude)
+            if below is not None:
                 if not isinstance(v, dict):
-                    below = next(e for e in exclude if e.startswith(f"{p}/"))
                     raise CheckpointConfigError(
                         f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
                         "exclude= looks into plain dicts only (a module's or an optimizer's "
@@ -580,13 +581,13 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
     not restored."""
     def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
         t = node["t"]
-        if not _inside(path, exclude):
+        below = _below(path, exclude)
+        if below is None:
             return node
         if t == "dict":
             return {**node, "items": [[k, prune(c, join_path(path, k))]
                                       for k, c in node["items"]
                                       if join_path(path, k) not in exclude]}
-        below = next(e for e in exclude if e.startswith(f"{path}/" if path else ""))
         what = {"stateful": "an object whose state loads as a whole", "list": "a list",
                 "tuple": "a tuple"}.get(t, "a value")
         raise CheckpointConfigError(
