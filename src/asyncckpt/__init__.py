@@ -45,6 +45,7 @@ from .loader import check_threads as _check_threads
 from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
 from .preemption import PreemptionWatch
+from .safetensors_files import load_safetensors
 from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
 from .writer import CheckpointFuture, CheckpointInfo, SaveProgress
@@ -79,6 +80,7 @@ __all__ = [
     "__version__",
     "capture_rng_state",
     "load",
+    "load_safetensors",
     "restore_rng_state",
     "save",
 ]
@@ -166,6 +168,10 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             raise peer_error(exc, state, peer) from exc.__cause__
         finally:
             peer.close_all()
+    if str(path).endswith(".safetensors") and os.path.isfile(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a plain safetensors file, not an asyncckpt checkpoint (a directory of "
+            "step_* directories, or one of them): load it with asyncckpt.load_safetensors")
     storage = _LocalStorage()
     if fallback and step is None:
         from .loader import load_newest_intact

@@ -118,7 +118,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               manifest: Manifest | None = None,
               before_read: Callable[[FlatState], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              exclude: tuple[str, ...] = ()) -> Any:
+              exclude: tuple[str, ...] = (), shown: Path | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -127,6 +127,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     from ``storage`` (it is not read again). ``before_read``, when given and ``state``
     is, is called with the flattened target once keys are matched and before any byte
     is read: its ``loaded_in_place`` holds the paths the load is about to fill.
+    ``shown``: what errors and the log call the source, when not ``step_dir`` (a file).
     """
     # A load makes several small objects per tensor (the parsed manifest, the flattened
     # target, the read plan): with the collector on, the full collections they set off
@@ -140,11 +141,11 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                          ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                          threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress,
-                         exclude=exclude)
+                         exclude=exclude, shown=shown)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
-             step_dir, "in place" if state is not None else "as a new tree", gb, seconds,
+             shown or step_dir, "in place" if state is not None else "as a new tree", gb, seconds,
              gb / seconds if seconds > 0 else 0.0, "" if verify else ", checksums not checked")
     return out
 
@@ -156,7 +157,9 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                before_read: Callable[[FlatState], None] | None = None,
                read: list[int] | None = None,
                progress: Callable[[int, int], None] | None = None,
-               ignore_unexpected: bool = False, exclude: tuple[str, ...] = ()) -> Any:
+               ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
+               shown: Path | None = None) -> Any:
+    label = step_dir if shown is None else shown
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:
@@ -178,7 +181,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     same_tree = manifest.skeleton == target.skeleton
     saved = target.refs if same_tree else saved_paths(manifest)
     spans: dict[int, _Span | None] = {}
-    dests, boxes, regions = _match(manifest, saved, target, strict, step_dir, spans,
+    dests, boxes, regions = _match(manifest, saved, target, strict, label, spans,
                                    ignore_unexpected=ignore_unexpected, same_tree=same_tree)
     if before_read is not None:
         before_read(target)
@@ -188,7 +191,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     if staged:
         log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
                     "read into a temporary and copied in checkpoint order, so the last one wins",
-                    step_dir, _few(staged))
+                    label, _few(staged))
     loaded = load_tensors(step_dir, manifest,
                           {k: v[0] if v and k not in staged and k not in regions else None
                            for k, v in dests.items()},
@@ -210,7 +213,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                     np.copyto(arr, t.numpy())
         except (RuntimeError, ValueError) as exc:  # a target torch or numpy cannot write
             raise StateMismatchError(
-                f"loading {step_dir}: copying saved tensor {key!r} into its target failed: "
+                f"loading {label}: copying saved tensor {key!r} into its target failed: "
                 f"{exc}; targets loaded before it hold the checkpoint's values",
                 mismatched=[key]) from exc
     return restore_into(state, manifest.skeleton, loaded, "", target)

@@ -1,0 +1,394 @@
+"""Loading plain safetensors files: a Hugging Face model's weights, an export, any tool's.
+
+A safetensors file (or a directory of them, with or without a
+``*.safetensors.index.json``) is read as a checkpoint of one step: each of its tensors
+is one whole chunk, named by its key, and the state tree is its keys split at ``/``
+(so that an ``asyncckpt export`` comes back as the tree it was exported from, while a
+Hugging Face key such as ``model.layers.0.mlp.up_proj.weight`` stays one key). The
+description is built here from the files' headers, validated as strictly as a
+manifest, and the load itself is asyncckpt's: in place into the target's tensors, a
+DTensor or hand-sharded target reading only its box, several reader threads, fresh
+tensors on huge pages, the same key checks and errors. Nothing is unpickled.
+
+These files carry no checksums, so nothing can be verified beyond their structure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    StateMismatchError,
+    check_flags,
+    retold,
+)
+from .loader import (
+    ShardMetadata,
+    check_exclude,
+    check_threads,
+    excluded_view,
+    is_excluded,
+    load_from,
+)
+from .manifest import (
+    _ST_DTYPES,
+    DEFAULT_BLOCK_BYTES,
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+)
+from .storage import LocalStorage, open_regular
+from .tree import escape_key, flatten
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_safetensors"]
+
+KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
+
+# safetensors dtype name -> torch dtype (the inverse of what asyncckpt writes, plus the
+# names newer writers use for dtypes this torch has)
+_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _ST_DTYPES.items()}
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("C128", "complex128")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+_MAX_INDEX_BYTES = 256 * 1024 * 1024
+
+
+def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
+                     key_map: KeyMap | None = None, strict: bool = True,
+                     ignore_unexpected: bool = False,
+                     shards: Mapping[str, ShardMetadata] | None = None,
+                     threads: int | None = None,
+                     progress: Callable[[int, int], None] | None = None,
+                     exclude: str | Iterable[str] | None = None) -> Any:
+    """Load plain safetensors files (not written by asyncckpt) into ``state``.
+
+    ``source`` is one ``.safetensors`` file, or a directory holding a Hugging Face
+    ``*.safetensors.index.json`` (its files are read) or, without one, ``.safetensors``
+    files (all of them are read; a key in two files is an error). Tensor names are
+    paths: ``a/b`` is key ``b`` of dict ``a``, as ``asyncckpt inspect`` lists them and
+    ``asyncckpt export`` writes them; a name without ``/`` is one key.
+
+    ``key_map`` renames the files' tensors before anything is matched: a mapping of
+    names (names it lacks keep theirs) or a function of the name returning the new
+    name, or None to leave that tensor out. E.g. a Hugging Face model into
+    ``{"model": model}``: ``key_map=lambda k: "model/" + k.removeprefix("model.")``.
+
+    With ``state`` the tensors are loaded in place, as :meth:`AsyncCheckpointer.load`
+    does (``strict``, ``ignore_unexpected``, ``shards`` and ``exclude`` as there:
+    a DTensor reads just its box of each file). Without it, a dict of fresh CPU tensors
+    is returned. ``threads``, ``progress``: as for ``asyncckpt.load``.
+
+    Safetensors files hold no checksums: a damaged byte goes unseen here, as with any
+    safetensors reader; what is checked is each header's structure, each tensor's
+    dtype, shape and byte range against its file's size.
+
+    Raises:
+        CheckpointNotFoundError: no such file, or a directory without safetensors files.
+        CheckpointCorruptError: a header, index or byte range that is not valid; names
+            the file and tensor.
+        CheckpointConfigError: a bad ``key_map`` (two tensors to one name, a name that
+            is both a tensor and a dict), or an asyncckpt checkpoint's own files (load
+            those with ``asyncckpt.load``).
+        StateMismatchError: as for :meth:`AsyncCheckpointer.load`.
+    """
+    check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+    check_threads(threads)
+    if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
+        raise CheckpointConfigError(
+            f"key_map={key_map!r}: pass a mapping of names or a function of a name")
+    parts = check_exclude(exclude)
+    where, names, index = _files_of(Path(source))
+    manifest = describe(where, names, key_map, index)
+    finish = None
+    if parts and state is not None:
+        state, finish = excluded_view(state, parts)
+        if shards:
+            shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
+    if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
+        # A name is text: where the target's dict has int keys (an optimizer's state),
+        # "0" names key 0 (asyncckpt's export writes it so)
+        _typed_like(manifest.skeleton, flatten(state, target=True).skeleton)
+    try:
+        out = load_from(where, state, LocalStorage(), strict=strict,
+                        ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
+                        threads=threads, manifest=manifest, progress=progress, exclude=parts,
+                        shown=None if Path(source).is_dir() else Path(source))
+    except StateMismatchError as exc:
+        if not (exc.missing and exc.unexpected) or key_map is not None:
+            raise
+        raise retold(exc, f"{exc}. The files' tensors can be renamed with key_map=, e.g. "
+                     "key_map=lambda name: 'model/' + name puts them under 'model'") from exc
+    return out if finish is None else finish(out)
+
+
+def _dict_keys(node: dict[str, Any]) -> Iterable[str]:
+    """Every dict key of a skeleton of nested dicts (what :func:`describe` builds)."""
+    for k, child in node["items"]:
+        yield k
+        if child["t"] == "dict":
+            yield from _dict_keys(child)
+
+
+def _typed_like(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Make the keys of ``mine`` (a skeleton of nested dicts with str keys) ints where the
+    target skeleton ``theirs`` has that int key at the same place and not the string."""
+    while theirs.get("t") == "stateful":
+        theirs = theirs["state"]
+    if theirs.get("t") != "dict":
+        return
+    children = {k: c for k, c in theirs["items"]}
+    ints = {str(k): k for k in children if type(k) is int}
+    for item in mine["items"]:
+        k = item[0]
+        if k not in children and k in ints:
+            item[0] = k = ints[k]
+        if item[1]["t"] == "dict" and k in children:
+            _typed_like(item[1], children[k])
+
+
+def _files_of(source: Path) -> tuple[Path, list[str], dict[str, str] | None]:
+    """The directory and the names of the safetensors files ``source`` stands for, and the
+    weight map of its index (tensor name -> file name) when it has one."""
+    try:
+        is_dir = source.is_dir()
+        exists = is_dir or source.exists()
+    except OSError as exc:
+        raise CheckpointNotFoundError(f"{source}: cannot be read: {exc}") from exc
+    if not exists:
+        raise CheckpointNotFoundError(f"{source} does not exist: pass a .safetensors file or "
+                                      "a directory of them")
+    if not is_dir:
+        return source.parent, [source.name], None
+    try:
+        listing = sorted(os.listdir(source))
+    except OSError as exc:
+        raise CheckpointNotFoundError(f"{source}: cannot be listed: {exc}") from exc
+    if MANIFEST_NAME in listing or any(n.startswith("step_") for n in listing):
+        raise CheckpointConfigError(
+            f"{source} is an asyncckpt checkpoint, not a set of plain safetensors files: "
+            "load it with asyncckpt.load")
+    indexes = [n for n in listing if n.endswith(_INDEX_SUFFIX)]
+    if indexes:
+        chosen = "model" + _INDEX_SUFFIX
+        if chosen not in indexes:
+            if len(indexes) > 1:
+                raise CheckpointConfigError(
+                    f"{source} holds several indexes ({', '.join(indexes)}): pass the files "
+                    "of one of them (or a directory holding one index)")
+            chosen = indexes[0]
+        wmap = _weight_map(source / chosen)
+        return source, list(dict.fromkeys(wmap.values())), wmap
+    names = [n for n in listing if n.endswith(".safetensors")]
+    if not names:
+        raise CheckpointNotFoundError(f"{source} holds no .safetensors file")
+    return source, names, None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """A Hugging Face index's ``weight_map`` (tensor name -> file name), checked."""
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(_MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointNotFoundError(f"{index}: cannot be read: {exc}") from exc
+    try:
+        doc = json.loads(raw) if len(raw) <= _MAX_INDEX_BYTES else None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{index} is not JSON: {exc}", path=str(index)) from exc
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise CheckpointCorruptError(
+            f"{index} has no weight_map of tensor names to file names", path=str(index))
+    for n in set(wmap.values()):
+        if not n or "/" in n or "\\" in n or n in (".", ".."):
+            raise CheckpointCorruptError(
+                f"{index} names file {n!r}, which is not a file beside it", path=str(index))
+    return wmap
+
+
+def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
+             index: Mapping[str, str] | None = None) -> Manifest:
+    """A manifest of one step for the safetensors files ``names`` in ``where``: each tensor
+    one whole chunk, without checksums (load it with ``verify=False``). ``index``: the
+    weight map the files must agree with (every tensor it names in the file it names)."""
+    files: dict[str, FileEntry] = {}
+    found: dict[str, tuple[str, str]] = {}  # path -> (file, name in it)
+    tensors: dict[str, TensorEntry] = {}
+    root: dict[str, Any] = {}  # nested dicts of the paths; leaves are storage keys
+    dropped: set[tuple[str, str]] = set()  # (file, name) that key_map left out
+    for fname in names:
+        entry, header = _read_header(where / fname)
+        files[fname] = FileEntry(fname, entry[0], 0, entry[1], entry[2])
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape, lo, hi = _tensor_info(where / fname, name, info, entry[0] - entry[1])
+            path = _mapped(name, key_map)
+            if path is None:
+                dropped.add((fname, name))
+                continue
+            if path in found:
+                was = found[path]
+                what = ("is in both files" if was[1] == name
+                        else f"and {was[1]!r} ({was[0]}) are both named {path!r}")
+                raise (CheckpointCorruptError if was[1] == name else CheckpointConfigError)(
+                    f"tensor {name!r} ({fname}) {what}: "
+                    + ("a directory holds one model's files only; pass one file"
+                       if was[1] == name else "map them to different names"))
+            found[path] = (fname, name)
+            key = _place(root, path, name)
+            tensors[key] = TensorEntry(dtype, shape, "torch", (Chunk(
+                fname, name, (0,) * len(shape), shape, (entry[1] + lo, entry[1] + hi), ()),))
+    if index is not None:
+        held = {(f, n) for f, n in found.values()} | dropped
+        lost = sorted(k for k, f in index.items() if (f, k) not in held)
+        if lost:
+            raise CheckpointCorruptError(
+                f"{where}: the index names tensor(s) {', '.join(map(repr, lost[:5]))}"
+                f"{f' and {len(lost) - 5} more' if len(lost) > 5 else ''} in files that do "
+                "not hold them: a download is incomplete or the index is stale",
+                path=str(where), key=lost[0])
+    return Manifest(step=0, world_size=1, created_unix=0.0, library_version="",
+                    block_bytes=DEFAULT_BLOCK_BYTES, files=files, tensors=tensors,
+                    skeleton=_skeleton(root))
+
+
+def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
+    """((file bytes, body offset, xxh3 of the header bytes), header) of a safetensors file."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} does not exist (an index names it?)") from None
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointNotFoundError(f"{path}: cannot be opened: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointCorruptError(f"{path} is {size} bytes: too short for a "
+                                         "safetensors file", path=str(path))
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointCorruptError(
+                f"{path}: its safetensors header claims {n} bytes, more than "
+                f"{'the file holds' if 8 + n > size else 'any header may'}: not a "
+                "safetensors file, or a damaged one", path=str(path))
+        head = os.pread(fd, 8 + n, 0)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: cannot be read: {exc}", path=str(path)) from exc
+    finally:
+        os.close(fd)
+    if len(head) != 8 + n:
+        raise CheckpointCorruptError(f"{path} was cut short while being read", path=str(path))
+    try:
+        header = json.loads(head[8:])
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{path}: its safetensors header is not JSON: {exc}",
+                                     path=str(path)) from exc
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: its safetensors header is not an object",
+                                     path=str(path))
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict) and "asyncckpt_format" in meta:
+        raise CheckpointConfigError(
+            f"{path} is a shard file of an asyncckpt checkpoint, whose tensors may be parts "
+            "of larger ones: load its step directory with asyncckpt.load")
+    return (size, 8 + n, xxhash.xxh3_64_hexdigest(head)), header
+
+
+def _tensor_info(path: Path, name: str, info: Any, body: int
+                 ) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """dtype, shape and byte range (in the body) of header entry ``name``, checked."""
+    def bad(what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{path}: tensor {name!r}: {what}", path=str(path),
+                                      key=name)
+
+    if not isinstance(info, dict):
+        raise bad("its header entry is not an object")
+    st = info.get("dtype")
+    dtype = _DTYPES.get(st) if isinstance(st, str) else None
+    if dtype is None:
+        raise bad(f"dtype {st!r} is not one this torch can load (known: "
+                  f"{', '.join(sorted(_DTYPES))})")
+    shape = info.get("shape")
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
+        raise bad(f"shape {shape!r} is not a list of sizes")
+    offsets = info.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end]")
+    lo, hi = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= lo <= hi <= body:
+        raise bad(f"its bytes {lo}..{hi} lie outside the file's {body} bytes of data: the "
+                  "file is truncated or damaged")
+    if hi - lo != nbytes:
+        raise bad(f"holds {hi - lo} bytes, but {nbytes} are a {st} tensor of shape {shape}")
+    return dtype, tuple(shape), lo, hi
+
+
+def _mapped(name: str, key_map: KeyMap | None) -> str | None:
+    if key_map is None:
+        return name
+    if isinstance(key_map, Mapping):
+        new: Any = key_map.get(name, name)
+    else:
+        try:
+            new = key_map(name)
+        except Exception as exc:
+            raise CheckpointConfigError(f"key_map({name!r}) raised {type(exc).__name__}: "
+                                        f"{exc}") from exc
+    if new is not None and not isinstance(new, str):
+        raise CheckpointConfigError(f"key_map gave {new!r} for tensor {name!r}: a name "
+                                    "(str) or None to leave it out")
+    return new
+
+
+def _place(root: dict[str, Any], path: str, name: str) -> str:
+    """Put ``path`` into the nested dicts ``root``; return its storage key."""
+    parts = path.split("/")
+    node = root
+    for i, part in enumerate(parts[:-1]):
+        sub = node.setdefault(part, {})
+        if not isinstance(sub, dict):
+            raise CheckpointConfigError(
+                f"tensor {name!r} is named {path!r}, below {'/'.join(parts[:i + 1])!r}, "
+                "which is a tensor itself: map one of them to another name")
+        node = sub
+    if parts[-1] in node:
+        raise CheckpointConfigError(
+            f"tensor {name!r} is named {path!r}, which holds other tensors below it: map "
+            "one of them to another name")
+    key = "/".join(escape_key(p) for p in parts)
+    node[parts[-1]] = key
+    return key
+
+
+def _skeleton(node: dict[str, Any]) -> dict[str, Any]:
+    return {"t": "dict", "items": [
+        [k, _skeleton(v) if isinstance(v, dict) else {"t": "tensor", "key": v}]
+        for k, v in node.items()]}

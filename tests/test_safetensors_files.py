@@ -1,0 +1,274 @@
+"""asyncckpt.load_safetensors: plain safetensors files (Hugging Face weights, exports)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import asyncckpt
+from asyncckpt import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ShardMetadata,
+    StateMismatchError,
+)
+from asyncckpt.export import export_safetensors
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7),
+                               torch.nn.Linear(7, 2))
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in _model(seed).state_dict().items()}
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {
+        "f32": torch.randn(3, 4, generator=g),
+        "bf16": torch.randn(5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "f64": torch.randn(3, generator=g).double(),
+        "i64": torch.randint(-9, 9, (4,), generator=g),
+        "i8": torch.randint(-9, 9, (4,), generator=g).to(torch.int8),
+        "u8": torch.randint(0, 255, (6,), generator=g).to(torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and a.reshape(-1).contiguous().view(torch.uint8).equal(
+                b.reshape(-1).contiguous().view(torch.uint8)))
+
+
+def _write_raw(path: Path, header: dict[str, Any], body: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+# --- loads that work --------------------------------------------------------------------------
+
+
+def test_a_model_loads_in_place_and_keeps_its_parameters(tmp_path: Path) -> None:
+    save_file(_weights(0), str(tmp_path / "model.safetensors"))
+    model = _model(1)
+    params = dict(model.named_parameters())
+    out = asyncckpt.load_safetensors(tmp_path / "model.safetensors", model)
+    assert out is model
+    assert all(p is params[k] for k, p in model.named_parameters())
+    for k, v in _weights(0).items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_a_fresh_load_equals_safetensors_own_for_every_dtype(tmp_path: Path) -> None:
+    tensors = _every_dtype()
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    got = asyncckpt.load_safetensors(tmp_path / "t.safetensors", threads=2)
+    ref = load_file(str(tmp_path / "t.safetensors"))
+    assert set(got) == set(ref) == set(tensors)
+    for k in tensors:
+        assert _same(got[k], ref[k]) and _same(got[k], tensors[k]), k
+
+
+def test_in_place_into_every_dtype(tmp_path: Path) -> None:
+    tensors = _every_dtype()
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    kept = {k: v for k, v in target.items()}
+    asyncckpt.load_safetensors(tmp_path / "t.safetensors", target)
+    for k, v in tensors.items():
+        assert target[k] is kept[k] and _same(target[k], v), k
+
+
+def test_hugging_face_sharded_directory_with_its_index(tmp_path: Path) -> None:
+    full = {f"model.{k}": v for k, v in _weights(0).items()}
+    names = sorted(full)
+    files = {"model-00001-of-00002.safetensors": names[:3],
+             "model-00002-of-00002.safetensors": names[3:]}
+    for fname, keys in files.items():
+        save_file({k: full[k] for k in keys}, str(tmp_path / fname), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}))
+    (tmp_path / "config.json").write_text("{}")
+    model = _model(1)
+    asyncckpt.load_safetensors(tmp_path, model, key_map=lambda k: k.removeprefix("model."))
+    for k, v in _weights(0).items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_an_export_comes_back_as_the_tree_it_was_exported_from(tmp_path: Path) -> None:
+    state = {"model": _weights(0), "ema": {"decay": torch.tensor(0.99)},
+             "optim": {"state": {0: {"exp_avg": torch.arange(4.0)}}}}
+    asyncckpt.save(state, tmp_path / "ck", step=3)
+    export_safetensors(tmp_path / "ck", tmp_path / "all.safetensors")
+    target = {"model": _weights(1), "ema": {"decay": torch.tensor(0.0)},
+              "optim": {"state": {0: {"exp_avg": torch.zeros(4)}}}}
+    asyncckpt.load_safetensors(tmp_path / "all.safetensors", target)
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"], torch.arange(4.0))
+    assert target["ema"]["decay"].item() == pytest.approx(0.99)
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    fresh = asyncckpt.load_safetensors(tmp_path / "all.safetensors")
+    assert set(fresh) == {"model", "ema", "optim"} and set(fresh["model"]) == set(state["model"])
+    assert torch.equal(fresh["optim"]["state"]["0"]["exp_avg"], torch.arange(4.0))
+
+
+def test_key_map_as_a_mapping_renames_and_a_function_may_leave_out(tmp_path: Path) -> None:
+    save_file({"old.w": torch.ones(2), "b": torch.full((3,), 2.0), "junk": torch.zeros(1)},
+              str(tmp_path / "f.safetensors"))
+    got = asyncckpt.load_safetensors(tmp_path / "f.safetensors",
+                                     key_map={"old.w": "layer/w"})
+    assert set(got) == {"layer", "b", "junk"} and torch.equal(got["layer"]["w"], torch.ones(2))
+    target = {"b": torch.zeros(3)}
+    asyncckpt.load_safetensors(tmp_path / "f.safetensors", target,
+                               key_map=lambda k: None if k != "b" else k)
+    assert torch.equal(target["b"], torch.full((3,), 2.0))
+
+
+def test_hand_sharded_target_reads_its_box(tmp_path: Path) -> None:
+    w = torch.arange(48.0).reshape(6, 8)
+    save_file({"w": w}, str(tmp_path / "f.safetensors"))
+    target = {"w": torch.zeros(3, 4)}
+    asyncckpt.load_safetensors(tmp_path / "f.safetensors", target,
+                               shards={"w": ShardMetadata((6, 8), (3, 4))})
+    assert torch.equal(target["w"], w[3:6, 4:8])
+
+
+def test_ignore_unexpected_exclude_and_progress(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(1000), "b": torch.ones(10), "skip/x": torch.ones(4)},
+              str(tmp_path / "f.safetensors"))
+    seen: list[tuple[int, int]] = []
+    target = {"a": torch.zeros(1000), "skip": {"x": torch.zeros(4)}}
+    asyncckpt.load_safetensors(tmp_path / "f.safetensors", target, ignore_unexpected=True,
+                               exclude="skip", progress=lambda d, t: seen.append((d, t)))
+    assert torch.equal(target["a"], torch.ones(1000))
+    assert torch.equal(target["skip"]["x"], torch.zeros(4))  # excluded: left alone
+    assert seen and seen[-1][0] == seen[-1][1] == 4000  # 'a' alone was read
+
+
+# --- mistakes and damage ---------------------------------------------------------------------
+
+
+def test_names_that_do_not_match_get_the_key_map_hint(tmp_path: Path) -> None:
+    save_file({f"model.{k}": v for k, v in _weights(0).items()}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load_safetensors(tmp_path / "m.safetensors", {"model": _model(1)})
+    msg = str(info.value)
+    assert "m.safetensors" in msg and "key_map=" in msg and "model/0.weight" in msg
+    assert "model/0.weight" in info.value.missing
+
+
+def test_key_map_collisions_and_clashes_are_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(1), "b": torch.ones(1)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(CheckpointConfigError, match=r"'a'.*'b'|'b'.*'a'"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", key_map=lambda k: "same")
+    with pytest.raises(CheckpointConfigError, match=r"tensor itself|holds other tensors"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", key_map={"b": "a/b"})
+    with pytest.raises(CheckpointConfigError, match="key_map"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", key_map=lambda k: 3)
+    with pytest.raises(CheckpointConfigError, match="key_map"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", key_map="a")  # type: ignore[arg-type]
+
+
+def test_a_key_in_two_files_of_a_directory_is_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*both files"):
+        asyncckpt.load_safetensors(tmp_path)
+
+
+def test_index_problems_name_the_index_or_the_tensor(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}}))
+    with pytest.raises(CheckpointCorruptError, match=r"'v'.*incomplete") as info:
+        asyncckpt.load_safetensors(tmp_path)
+    assert info.value.key == "v"
+    index.write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    with pytest.raises(CheckpointNotFoundError, match=r"gone.safetensors"):
+        asyncckpt.load_safetensors(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"w": "../a.safetensors"}}))
+    with pytest.raises(CheckpointCorruptError, match="not a file beside it"):
+        asyncckpt.load_safetensors(tmp_path)
+    index.write_text("{not json")
+    with pytest.raises(CheckpointCorruptError, match="not JSON"):
+        asyncckpt.load_safetensors(tmp_path)
+
+
+@pytest.mark.parametrize(("header", "body", "match"), [
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4,
+     "outside the file"),
+    ({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 8]}}, b"\0" * 8,
+     "holds 8 bytes"),
+    ({"w": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "dtype 'Q9'"),
+    ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "shape"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "outside"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "data_offsets"),
+    ({"w": [1, 2]}, b"", "not an object"),
+])
+def test_bad_headers_are_corrupt_and_name_file_and_tensor(tmp_path: Path, header: Any,
+                                                           body: bytes, match: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    _write_raw(path, header, body)
+    with pytest.raises(CheckpointCorruptError, match=match) as info:
+        asyncckpt.load_safetensors(path)
+    assert info.value.key == "w" and "bad.safetensors" in str(info.value)
+
+
+def test_files_that_are_no_safetensors_at_all(tmp_path: Path) -> None:
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"abc")
+    with pytest.raises(CheckpointCorruptError, match="too short"):
+        asyncckpt.load_safetensors(short)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 1 << 50) + b"{}")
+    with pytest.raises(CheckpointCorruptError, match="header claims"):
+        asyncckpt.load_safetensors(huge)
+    text = tmp_path / "text.safetensors"
+    text.write_bytes(struct.pack("<Q", 4) + b"[1,2")
+    with pytest.raises(CheckpointCorruptError, match="not JSON"):
+        asyncckpt.load_safetensors(text)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        asyncckpt.load_safetensors(tmp_path / "nope.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"no .safetensors"):
+        asyncckpt.load_safetensors(tmp_path / "empty")
+
+
+def test_a_truncated_file_is_caught(tmp_path: Path) -> None:
+    path = tmp_path / "f.safetensors"
+    save_file({"w": torch.ones(1024)}, str(path))
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-100])
+    with pytest.raises(CheckpointCorruptError) as info:
+        asyncckpt.load_safetensors(path)
+    assert info.value.key == "w"
+
+
+def test_asyncckpt_checkpoints_are_pointed_to_the_right_loader(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    with pytest.raises(CheckpointConfigError, match=r"asyncckpt.load"):
+        asyncckpt.load_safetensors(tmp_path / "ck")
+    step_dir = next((tmp_path / "ck").glob("step_*"))
+    with pytest.raises(CheckpointConfigError, match=r"asyncckpt.load"):
+        asyncckpt.load_safetensors(step_dir)
+    with pytest.raises(CheckpointConfigError, match="shard file of an asyncckpt"):
+        asyncckpt.load_safetensors(next(step_dir.glob("rank_*.safetensors")))
+    save_file({"w": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(CheckpointNotFoundError, match="load_safetensors"):
+        asyncckpt.load(tmp_path / "plain.safetensors")
