@@ -1191,3 +1191,15 @@ def test_a_reusing_load_fills_only_targets_it_may_and_returns_the_checkpoints_tr
     assert out["a"] is not shared and out["b"] is not shared and not shared.any()
     assert out["c"] is not mine["c"] and not mine["c"].any()
     assert mine["n"] == 0 and torch.equal(mine["x"], torch.zeros(1))  # nothing else touched
+
+
+def test_a_reusing_load_leaves_excluded_parts_out(tmp_path: Path) -> None:
+    from asyncckpt.loader import load_reusing
+
+    saved = {"model": {"w": torch.arange(4.0)}, "optim": {"m": torch.ones(3)}, "n": 2}
+    asyncckpt.save(saved, tmp_path, step=1)
+    mine = {"model": {"w": torch.zeros(4)}, "optim": {"m": torch.zeros(3)}}
+    out = load_reusing(tmp_path / "step_000000001", mine, LocalStorage(), exclude=("optim",))
+    assert set(out) == {"model", "n"} and out["model"]["w"] is mine["model"]["w"]
+    assert torch.equal(mine["model"]["w"], torch.arange(4.0))
+    assert not mine["optim"]["m"].any()

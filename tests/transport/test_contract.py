@@ -273,6 +273,42 @@ def model_alone_recv(link: Link) -> list[str]:
     return failures + diff(model.state_dict(), want["model"], "model")
 
 
+def exclude_send(link: Link) -> None:
+    for _ in range(2):  # (a PG send serves one receive)
+        link.tr.send_checkpoint([link.peer], 17, make_state(2), datetime.timedelta(seconds=T))
+        link.sync()
+    link.tr.disallow_checkpoint()
+
+
+def exclude_recv(link: Link) -> list[str]:
+    """exclude= leaves a part out on both sides: into a target, that part of the target is
+    left as it was (its tensors too); fresh, the part is absent from the tree."""
+    model, opt = make_model(seed=99)
+    mine = extras(seed=99)
+    before = {k: v.clone() for k, v in mine.items()}
+    target = {"model": model, "optim": opt, "extra": mine, "step": 0, "lr": 0.5,
+              "name": "other", "nested": [0, (0.0, None)]}
+    out = link.tr.recv_checkpoint(link.peer, link.peer_meta, 17, datetime.timedelta(seconds=T),
+                                  into=target, exclude=["extra", "optim"])
+    link.sync()
+    want = make_state(2)
+    failures = []
+    if out is not target or target["extra"] is not mine or target["optim"] is not opt:
+        failures.append("the target or its excluded parts were replaced")
+    if opt.state:
+        failures.append("the excluded optimizer got state")
+    failures += diff(mine, before, "<excluded extra>")
+    failures += diff(model.state_dict(), want["model"], "model")
+    failures += diff({k: target[k] for k in ("step", "lr", "name", "nested")},
+                     {k: want[k] for k in ("step", "lr", "name", "nested")})
+    fresh = link.tr.recv_checkpoint(link.peer, link.peer_meta, 17,
+                                    datetime.timedelta(seconds=T), exclude="extra")
+    link.sync()
+    if "extra" in fresh:
+        failures.append("a fresh receive returned the excluded part")
+    return failures + diff(fresh, {k: v for k, v in want.items() if k != "extra"}, "<fresh>")
+
+
 def reuse_send(link: Link) -> None:
     link.tr.send_checkpoint([link.peer], 16, make_state(3), datetime.timedelta(seconds=T))
     link.sync()
@@ -315,6 +351,7 @@ SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], 
     "wrong_step": (wrong_step_send, wrong_step_recv, 2),
     "disallow_then_new_step": (new_step_send, new_step_recv, 2),
     "model_alone": (model_alone_send, model_alone_recv, 2),
+    "exclude": (exclude_send, exclude_recv, 2),
     "state_dict_fn": (reuse_send, reuse_recv, 1),
 }
 

@@ -27,7 +27,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -464,7 +464,8 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
-                        strict: bool = True, ignore_unexpected: bool = False) -> Any:
+                        strict: bool = True, ignore_unexpected: bool = False,
+                        exclude: str | Iterable[str] | None = None) -> Any:
         """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
         ``timeout`` (the whole fetch, waiting for the step to be allowed included;
         None: the transport's timeout; at most a week).
@@ -472,18 +473,20 @@ class HTTPTransport(CheckpointTransport[Any]):
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that
         state in place (resharding to its layout) and returns it. ``strict`` and
         ``ignore_unexpected`` (fetch only what ``into`` holds, e.g. the model of a
-        training state) as for ``AsyncCheckpointer.load``.
+        training state) as for ``AsyncCheckpointer.load``; ``exclude=["optim"]`` leaves
+        those parts out (not fetched, and in ``into`` left as they are).
 
         Raises:
             CheckpointClosedError: after ``shutdown()``; a ``shutdown()`` during the
                 receive cuts it off (``CheckpointTransportError``).
         """
-        from ..loader import load_from, load_reusing
+        from ..loader import check_exclude, excluded_view, load_from, load_reusing
 
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
         self._refuse_forked("recv_checkpoint")
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+        parts = check_exclude(exclude)
         check_step(step)
         check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
@@ -500,10 +503,16 @@ class HTTPTransport(CheckpointTransport[Any]):
             if into is None and self._state_dict is not None:
                 reuse = self._state_dict()  # (torchft's Manager passes no target)
                 return load_reusing(Path(f"peer-step-{step}"), reuse, storage,
-                                    threads=fetch_connections(self.num_chunks))
+                                    threads=fetch_connections(self.num_chunks), exclude=parts)
+            if parts and into is not None:
+                view, finish = excluded_view(into, parts)
+                return finish(load_from(Path(f"peer-step-{step}"), view, storage,
+                                        strict=strict, ignore_unexpected=ignore_unexpected,
+                                        threads=fetch_connections(self.num_chunks),
+                                        exclude=parts))
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              ignore_unexpected=ignore_unexpected,
-                             threads=fetch_connections(self.num_chunks))
+                             threads=fetch_connections(self.num_chunks), exclude=parts)
         except CheckpointError as exc:
             raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:

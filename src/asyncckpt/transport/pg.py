@@ -74,7 +74,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -347,14 +347,16 @@ class PGTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
-                        strict: bool = True, ignore_unexpected: bool = False) -> Any:
+                        strict: bool = True, ignore_unexpected: bool = False,
+                        exclude: str | Iterable[str] | None = None) -> Any:
         """Receive ``step`` from rank ``src_rank`` of the group (``metadata`` is its
         ``metadata()``, used in messages only).
 
         Returns a plain tree of fresh CPU tensors, or with ``into=`` loads into that state
         in place (tensor identity kept, resharding as ``load`` does) and returns it.
         ``strict`` and ``ignore_unexpected`` as for ``AsyncCheckpointer.load`` (the
-        whole step is still sent: a group's sender sends what it has).
+        whole step is still sent: a group's sender sends what it has); so is
+        ``exclude=["optim"]`` (those parts are not loaded, and in ``into`` left as they are).
 
         Every checksum is verified against the received bytes before anything is
         loaded: a receive that fails leaves ``into`` as it was, never a mix of two steps.
@@ -370,11 +372,12 @@ class PGTransport(CheckpointTransport[Any]):
                 broke the protocol, or the group failed; or this rank cannot allocate
                 the buffers (the peer is told).
         """
-        from ..loader import load_from, load_reusing
+        from ..loader import check_exclude, excluded_view, load_from, load_reusing
 
         self._check_open()
         step = _check_word(step, "step", 0)
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+        parts = check_exclude(exclude)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         where = f"peer rank {src} ({metadata})"
@@ -391,9 +394,14 @@ class PGTransport(CheckpointTransport[Any]):
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
         if into is None and self._state_dict is not None:  # (torchft's Manager passes none)
             return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
-                                verify=False)
+                                verify=False, exclude=parts)
+        if parts and into is not None:
+            view, finish = excluded_view(into, parts)
+            return finish(load_from(step_dir, view, storage, strict=strict, verify=False,
+                                    manifest=manifest, ignore_unexpected=ignore_unexpected,
+                                    exclude=parts))
         return load_from(step_dir, into, storage, strict=strict, verify=False,
-                         manifest=manifest, ignore_unexpected=ignore_unexpected)
+                         manifest=manifest, ignore_unexpected=ignore_unexpected, exclude=parts)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
