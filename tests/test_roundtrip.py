@@ -1492,3 +1492,87 @@ def test_exclude_drops_the_shards_of_excluded_parts(tmp_path: Path) -> None:
         ck.load(target, exclude=["w"], shards={"w": shard})
     assert torch.equal(target["o"], torch.ones(2)) and torch.equal(target["w"],
                                                                    torch.zeros(2, 2))
+
+
+# --- key_map=: a checkpoint's tensors renamed on load ---------------------------------------
+
+
+def _coder(seed: int, enc: str, dec: str) -> nn.ModuleDict:
+    torch.manual_seed(seed)
+    return nn.ModuleDict({enc: nn.Linear(3, 4), dec: nn.Linear(4, 2)})
+
+
+def test_key_map_loads_renamed_layers_in_place(tmp_path: Path) -> None:
+    old = _coder(0, "enc", "dec")
+    asyncckpt.save({"model": old, "step": 5}, tmp_path, step=1)
+    new = _coder(1, "encoder", "decoder")
+    params = dict(new.named_parameters())
+    target = {"model": new, "step": 0}
+    with pytest.raises(StateMismatchError):
+        asyncckpt.load(tmp_path, target)
+    renames = {f"model/{a}.{p}": f"model/{b}.{p}" for a, b in (("enc", "encoder"),
+                                                               ("dec", "decoder"))
+               for p in ("weight", "bias")}
+    with AsyncCheckpointer(tmp_path) as ck:
+        ck.load(target, key_map=renames)
+    assert target["step"] == 5 and all(p is params[k] for k, p in new.named_parameters())
+    for (k, a), b in zip(old.state_dict().items(), new.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    # a function works the same, and fresh loads get the renamed tree
+    fresh = asyncckpt.load(tmp_path, key_map=lambda p: p.replace("/enc.", "/encoder."))
+    assert sorted(fresh["model"]) == ["dec.bias", "dec.weight", "encoder.bias",
+                                      "encoder.weight"]
+    assert torch.equal(fresh["model"]["encoder.weight"], old.enc.weight)
+
+
+def test_key_map_strips_a_wrappers_part_the_error_suggested(tmp_path: Path) -> None:
+    net = _net(0)
+    # what a DDP-wrapped model's state dict looks like
+    asyncckpt.save({"model": {f"module.{k}": v for k, v in net.state_dict().items()}},
+                   tmp_path, step=1)
+    target = {"model": _net(1)}
+    with pytest.raises(StateMismatchError, match=r"key_map=lambda path: path\.replace"):
+        asyncckpt.load(tmp_path, target)
+    asyncckpt.load(tmp_path, target, key_map=lambda p: p.replace("module.", ""))
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), target["model"].parameters(),
+                                                 strict=True))
+
+
+def test_key_map_none_leaves_tensors_out_and_their_emptied_dicts(tmp_path: Path) -> None:
+    saved = {"model": {"w": torch.ones(3)}, "ema": {"shadow": {"w": torch.full((3,), 2.0)}},
+             "train": {"step": 4, "seen": torch.tensor([9])}}
+    asyncckpt.save(saved, tmp_path, step=1)
+    target = {"model": {"w": torch.zeros(3)}, "train": {"step": 0}}
+    asyncckpt.load(tmp_path, target, key_map=lambda p: None if p.startswith(("ema/", "train/"))
+                   else p)
+    assert torch.equal(target["model"]["w"], torch.ones(3)) and target["train"]["step"] == 4
+    fresh = asyncckpt.load(tmp_path, key_map=lambda p: None if p.startswith("ema/") else p)
+    assert sorted(fresh) == ["model", "train"]  # the emptied 'ema' went with its tensors
+    # moved into a new dict, and then excluded by that new name
+    moved = asyncckpt.load(tmp_path, key_map={"ema/shadow/w": "avg/w"}, exclude="model")
+    assert sorted(moved) == ["avg", "train"] and torch.equal(moved["avg"]["w"],
+                                                             torch.full((3,), 2.0))
+
+
+def test_key_map_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    asyncckpt.save({"a": torch.ones(1), "b": torch.ones(1), "hist": [torch.ones(1)],
+                    "n": 3}, tmp_path, step=1)
+    cases = [({"a": "b"}, "holds already"), ({"a": "n"}, "holds already"),
+             ({"hist/0": "h"}, "item of a list"), ({"a": "hist/x"}, "is a list"),
+             (lambda p: 3, "a name"), ("a", "pass a mapping")]
+    for key_map, match in cases:
+        with pytest.raises(asyncckpt.CheckpointConfigError, match=match):
+            asyncckpt.load(tmp_path, key_map=key_map)  # type: ignore[arg-type]
+
+
+def test_key_map_with_fallback_renames_the_older_step_it_loads(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path) as ck:
+        ck.save({"old": torch.arange(3.0)}, 1)
+        ck.save({"old": torch.arange(3.0) + 1}, 2)
+    shard = tmp_path / "step_000000002" / SHARD
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    target = {"new": torch.zeros(3), "other": torch.zeros(1)}
+    asyncckpt.load(tmp_path, target, fallback=True, strict=False, key_map={"old": "new"})
+    assert torch.equal(target["new"], torch.arange(3.0))

@@ -38,9 +38,11 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .errors import check_flags as _check_flags
+from .loader import KeyMap as _KeyMap
 from .loader import ShardMetadata
 from .loader import check_exclude as _check_exclude
 from .loader import check_fallback as _check_fallback
+from .loader import check_key_map as _check_key_map
 from .loader import check_threads as _check_threads
 from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
@@ -104,14 +106,15 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
          timeout: float = 60.0, fallback: bool = False, threads: int | None = None,
          progress: Callable[[int, int], None] | None = None,
          ignore_unexpected: bool = False,
-         exclude: str | Iterable[str] | None = None) -> Any:
+         exclude: str | Iterable[str] | None = None,
+         key_map: _KeyMap | None = None) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
     from a peer may take as a whole. ``progress(done, total)``, ``strict``,
-    ``ignore_unexpected`` and ``exclude``: see AsyncCheckpointer.load.
+    ``ignore_unexpected``, ``exclude`` and ``key_map``: see AsyncCheckpointer.load.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -123,18 +126,20 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _checked_directory(path, "path")
     _check_fallback(fallback, step, verify)
     parts = _check_exclude(exclude)
+    _check_key_map(key_map)
     if parts and state is not None:
         view, finish = _excluded_view(state, parts)
         return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
-                                threads, progress, ignore_unexpected, parts))
+                                threads, progress, ignore_unexpected, parts, key_map))
     return _load_any(path, state, step, strict, verify, token, timeout, fallback, threads,
-                     progress, ignore_unexpected, parts)
+                     progress, ignore_unexpected, parts, key_map)
 
 
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
               verify: bool, token: str | None, timeout: float, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
-              ignore_unexpected: bool, exclude: tuple[str, ...]) -> Any:
+              ignore_unexpected: bool, exclude: tuple[str, ...],
+              key_map: _KeyMap | None) -> Any:
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":
         raise CheckpointConfigError(
@@ -163,7 +168,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                               ignore_unexpected=ignore_unexpected, verify=verify,
                               threads=fetch_connections(threads or 8), progress=progress,
-                              exclude=exclude)
+                              exclude=exclude, key_map=key_map)
         except CheckpointError as exc:
             raise peer_error(exc, state, peer) from exc.__cause__
         finally:
@@ -178,8 +183,8 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
 
         return load_newest_intact(Path(path), state, storage, strict=strict,
                                   ignore_unexpected=ignore_unexpected, threads=threads,
-                                  progress=progress, exclude=exclude)
+                                  progress=progress, exclude=exclude, key_map=key_map)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict,
                       ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
-                      step=step, progress=progress, exclude=exclude)
+                      step=step, progress=progress, exclude=exclude, key_map=key_map)

@@ -46,10 +46,12 @@ from .errors import (
     check_flags,
 )
 from .loader import (
+    KeyMap,
     ShardMetadata,
     apply_shards,
     check_exclude,
     check_fallback,
+    check_key_map,
     check_threads,
     excluded_view,
     is_excluded,
@@ -733,7 +735,8 @@ class AsyncCheckpointer:
              fallback: bool = False, threads: int | None = None,
              progress: Callable[[int, int], None] | None = None,
              ignore_unexpected: bool = False,
-             exclude: str | Iterable[str] | None = None) -> Any:
+             exclude: str | Iterable[str] | None = None,
+             key_map: KeyMap | None = None) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -755,6 +758,9 @@ class AsyncCheckpointer:
         ``exclude=["dataloader", "lr_scheduler"]`` leaves those parts alone on both sides
         (not read, not checked, not restored; the state's own stay as they are), and keeps
         every check elsewhere: paths as ``asyncckpt inspect`` lists them, through dicts.
+        ``key_map`` renames the checkpoint's tensors before anything is matched (a layer
+        renamed since, a wrapper's ``module.``): a mapping of those paths, or a function
+        of one returning its new path, or None to leave that tensor out.
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``
@@ -768,6 +774,7 @@ class AsyncCheckpointer:
         check_threads(threads)
         check_fallback(fallback, step, verify)
         parts = check_exclude(exclude)
+        check_key_map(key_map)
         finish = None
         if parts and state is not None:
             state, finish = excluded_view(state, parts)
@@ -775,13 +782,14 @@ class AsyncCheckpointer:
                 shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
         out = self._load(state, step=step, strict=strict, verify=verify, shards=shards,
                          fallback=fallback, threads=threads, progress=progress,
-                         ignore_unexpected=ignore_unexpected, exclude=parts)
+                         ignore_unexpected=ignore_unexpected, exclude=parts, key_map=key_map)
         return out if finish is None else finish(out)
 
     def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,
               shards: Mapping[str, ShardMetadata] | None, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
-              ignore_unexpected: bool, exclude: tuple[str, ...]) -> Any:
+              ignore_unexpected: bool, exclude: tuple[str, ...],
+              key_map: KeyMap | None = None) -> Any:
         # The retention of a save in flight (keep_last) must not delete what this reads.
         held: int | None = None
         with self._in_use.lock:
@@ -798,13 +806,13 @@ class AsyncCheckpointer:
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
                                           ignore_unexpected=ignore_unexpected, shards=shards,
                                           threads=threads, agree=agree, progress=progress,
-                                          exclude=exclude)
+                                          exclude=exclude, key_map=key_map)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict,
                              ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                              threads=threads, step=step, progress=progress,
-                             exclude=exclude)
+                             exclude=exclude, key_map=key_map)
         finally:
             if shared:
                 self._ctx.release_step(held)

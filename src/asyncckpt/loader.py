@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import dataclasses
 import logging
 import operator
@@ -45,6 +46,7 @@ from .tree import (
     loads_fresh,
     restore_into,
     takes_whole_state,
+    unescape_path,
     unflatten,
 )
 
@@ -118,7 +120,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               manifest: Manifest | None = None,
               before_read: Callable[[FlatState], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
-              exclude: tuple[str, ...] = (), shown: Path | None = None) -> Any:
+              exclude: tuple[str, ...] = (), shown: Path | None = None,
+              key_map: KeyMap | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -141,7 +144,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                          ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                          threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress,
-                         exclude=exclude, shown=shown)
+                         exclude=exclude, shown=shown, key_map=key_map)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -158,7 +161,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                read: list[int] | None = None,
                progress: Callable[[int, int], None] | None = None,
                ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
-               shown: Path | None = None) -> Any:
+               shown: Path | None = None, key_map: KeyMap | None = None) -> Any:
     label = step_dir if shown is None else shown
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
@@ -166,6 +169,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
             "drop the step, or pass the directory that holds the step directories")
+    manifest = renamed(manifest, key_map)  # (the names exclude= and the target see)
     if exclude:
         manifest = without_excluded(manifest, exclude)
     if state is None:
@@ -274,7 +278,7 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                        shards: Mapping[str, ShardMetadata] | None = None,
                        threads: int | None = None, agree: Agreement | None = None,
                        progress: Callable[[int, int], None] | None = None,
-                       exclude: tuple[str, ...] = ()) -> Any:
+                       exclude: tuple[str, ...] = (), key_map: KeyMap | None = None) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
@@ -285,14 +289,14 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     if agree is None:
         return _newest_intact(root, state, storage, strict, shards, threads, None, progress,
-                              ignore_unexpected, exclude=exclude)
+                              ignore_unexpected, exclude=exclude, key_map=key_map)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
         return _newest_intact(root, state, storage, strict, shards, threads, told, progress,
-                              ignore_unexpected, exclude=exclude)
+                              ignore_unexpected, exclude=exclude, key_map=key_map)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -325,7 +329,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    agree: Agreement | None,
                    progress: Callable[[int, int], None] | None = None,
                    ignore_unexpected: bool = False, relists: int = _RELISTS,
-                   earlier: list[str] | None = None, *, exclude: tuple[str, ...] = ()) -> Any:
+                   earlier: list[str] | None = None, *, exclude: tuple[str, ...] = (),
+                   key_map: KeyMap | None = None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -334,7 +339,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         commit.resolve_step_dir(root, None, storage)
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
                          threads=threads, progress=progress,
-                         ignore_unexpected=ignore_unexpected, exclude=exclude)
+                         ignore_unexpected=ignore_unexpected, exclude=exclude,
+                         key_map=key_map)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -343,7 +349,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
     newest_first = steps[::-1]
     # With strict=False an older step may lack tensors a newer one has: what a failed
     # attempt wrote into those must not stay behind as part of the older step's load.
-    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name, exclude)
+    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name, exclude, key_map)
             if state is not None and not strict and len(steps) > 1 else None)
     for attempt, step in enumerate(newest_first):
         step_dir = root / commit.step_dir_name(step)
@@ -353,7 +359,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
                                shards=shards, threads=threads, before_read=hook,
                                progress=progress, ignore_unexpected=ignore_unexpected,
-                               exclude=exclude)
+                               exclude=exclude, key_map=key_map)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         except CheckpointError as exc:
@@ -398,7 +404,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                         "meanwhile: trying those", root, newer)
             return _newest_intact(root, state, storage, strict, shards, threads, None,
                                   progress, ignore_unexpected, relists - 1, failures,
-                                  exclude=exclude)
+                                  exclude=exclude, key_map=key_map)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 
@@ -431,9 +437,10 @@ class _Rollback:
 
     def __init__(self, root: Path, state: Any, storage: ReadStorage,
                  shards: Mapping[str, ShardMetadata] | None,
-                 step_dir_name: Callable[[int], str], exclude: tuple[str, ...] = ()):
+                 step_dir_name: Callable[[int], str], exclude: tuple[str, ...] = (),
+                 key_map: KeyMap | None = None):
         self.root, self.state, self.storage, self.shards = root, state, storage, shards
-        self.step_dir_name, self.exclude = step_dir_name, exclude
+        self.step_dir_name, self.exclude, self.key_map = step_dir_name, exclude, key_map
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # path: (target, copy)
         self.spoilt: dict[str, int] = {}  # path: the failed step whose bytes it holds
         self.filling: set[str] = set()  # the paths the current attempt fills
@@ -460,7 +467,7 @@ class _Rollback:
         for step in older:
             step_dir = self.root / self.step_dir_name(step)
             try:
-                manifest = read_manifest(step_dir, self.storage)
+                manifest = renamed(read_manifest(step_dir, self.storage), self.key_map)
                 if self.exclude:
                     manifest = without_excluded(manifest, self.exclude)
             except CheckpointError:
@@ -608,6 +615,117 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
                     "'asyncckpt inspect' lists them)", manifest.step, _few(unmatched))
     return dataclasses.replace(manifest, skeleton=skeleton, tensors={
         k: v for k, v in manifest.tensors.items() if k in kept})
+
+
+# --- key_map=: saved tensors renamed before they are matched --------------------------------
+
+KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
+
+
+def check_key_map(key_map: object) -> None:
+    if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
+        raise CheckpointConfigError(
+            f"key_map={key_map!r:.80}: pass a mapping of names or a function of a name")
+
+
+def mapped_name(name: str, key_map: KeyMap) -> str | None:
+    """``name`` as ``key_map`` renames it (None: left out); CheckpointConfigError for a
+    function that raises or answers with something else than a str or None."""
+    new: Any
+    if isinstance(key_map, Mapping):
+        new = key_map.get(name, name)
+    else:
+        try:
+            new = key_map(name)
+        except Exception as exc:
+            raise CheckpointConfigError(f"key_map({name!r}) raised {type(exc).__name__}: "
+                                        f"{exc}") from exc
+    if new is not None and not isinstance(new, str):
+        raise CheckpointConfigError(f"key_map gave {new!r:.80} for tensor {name!r}: a name "
+                                    "(str) or None to leave it out")
+    return new
+
+
+def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
+    """``manifest`` with its tensors moved to the paths ``key_map`` gives their paths (as
+    ``asyncckpt inspect`` lists them: dict keys joined by ``/``), or left out where it
+    gives None. Only tensors move; dicts emptied by the moves go, dicts the new paths
+    need are made. A tensor may move out of and into dicts only (of a module's or an
+    optimizer's state too), not out of or into a list."""
+    if key_map is None:
+        return manifest
+    moves = []
+    for path, _ in iter_array_nodes(manifest.skeleton):
+        old = unescape_path(path)
+        new = mapped_name(old, key_map)
+        if new != old:
+            moves.append((path, old, new))
+    if not moves:
+        return manifest
+    skeleton = copy.deepcopy(manifest.skeleton)
+    nodes = [_detach(skeleton, path, old, new) for path, old, new in moves]
+    for (_, old, new), node in zip(moves, nodes, strict=True):
+        if new is not None:
+            _attach(skeleton, new, node, old)
+    kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
+    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
+        k: v for k, v in manifest.tensors.items() if k in kept})
+
+
+def _inner(node: dict[str, Any]) -> dict[str, Any]:
+    """A stateful node's state (what its path names), else the node itself."""
+    while node["t"] == "stateful":
+        node = node["state"]
+    return node
+
+
+def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None) -> dict[str, Any]:
+    """Take the node at ``path`` out of its dict, and dicts that this empties out of
+    theirs; return it."""
+    chain: list[tuple[dict[str, Any], int]] = []  # (container, index of the child in it)
+    node = skeleton
+    for seg in path.split("/"):
+        node = _inner(node)
+        i = (next((j for j, (k, _) in enumerate(node["items"]) if escape_key(k) == seg))
+             if node["t"] == "dict" else int(seg))
+        chain.append((node, i))
+        node = node["items"][i] if node["t"] != "dict" else node["items"][i][1]
+    parent, i = chain[-1]
+    if parent["t"] != "dict":
+        raise CheckpointConfigError(
+            f"key_map renames tensor {old!r} to {new!r}, but it is an item of a "
+            f"{parent['t']}: only tensors in dicts can be renamed or left out")
+    parent["items"].pop(i)
+    for container, j in reversed(chain[:-1]):  # (dicts it leaves empty go too)
+        child = container["items"][j][1] if container["t"] == "dict" else None
+        if child is None or _inner(child)["t"] != "dict" or _inner(child)["items"]:
+            break
+        container["items"].pop(j)
+    return node
+
+
+def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str) -> None:
+    parts = new.split("/")
+    here = skeleton
+    for n, part in enumerate(parts):
+        here = _inner(here)
+        if here["t"] != "dict":
+            raise CheckpointConfigError(
+                f"key_map renames tensor {old!r} to {new!r}, but "
+                f"{'/'.join(parts[:n]) or 'the root'!r} is a {here['t']} in the checkpoint: "
+                "tensors can be moved into dicts only")
+        child = next((c for k, c in here["items"]
+                      if k == part or (type(k) is int and str(k) == part)), None)
+        if n == len(parts) - 1:
+            if child is not None:
+                raise CheckpointConfigError(
+                    f"key_map renames tensor {old!r} to {new!r}, which the checkpoint holds "
+                    "already (another tensor or value): map them to different names")
+            here["items"].append([part, node])
+        elif child is None:
+            child = {"t": "dict", "items": []}
+            here["items"].append([part, child])
+        here = child if child is not None else here
 
 
 def _names_a_part(skeleton: dict[str, Any], path: str) -> bool:
@@ -1146,7 +1264,8 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
         name = saved_only[0]
         return (f"; the checkpoint's keys have {name!r} where the target's have none, as "
                 f"{_WRAPPERS[name]} adds it (checkpoint {u!r}, target {m!r}): load into the "
-                "module wrapped the same way, or save the unwrapped module (model._orig_mod, "
+                "module wrapped the same way, or pass key_map=lambda path: path.replace("
+                f"{name!r}, ''), and save the unwrapped module (model._orig_mod, "
                 "model.module) from now on")
     if target_only and not saved_only:
         name = target_only[0]

@@ -37,12 +37,15 @@ from .errors import (
     retold,
 )
 from .loader import (
+    KeyMap,
     ShardMetadata,
     check_exclude,
+    check_key_map,
     check_threads,
     excluded_view,
     is_excluded,
     load_from,
+    mapped_name,
 )
 from .manifest import (
     _ST_DTYPES,
@@ -60,8 +63,6 @@ from .tree import escape_key, flatten
 log = logging.getLogger(__name__)
 
 __all__ = ["load_safetensors"]
-
-KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
 
 # safetensors dtype name -> torch dtype (the inverse of what asyncckpt writes, plus the
 # names newer writers use for dtypes this torch has)
@@ -114,9 +115,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     """
     check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
     check_threads(threads)
-    if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
-        raise CheckpointConfigError(
-            f"key_map={key_map!r}: pass a mapping of names or a function of a name")
+    check_key_map(key_map)
     parts = check_exclude(exclude)
     where, names, index = _files_of(Path(source))
     manifest = describe(where, names, key_map, index)
@@ -352,20 +351,7 @@ def _tensor_info(path: Path, name: str, info: Any, body: int
 
 
 def _mapped(name: str, key_map: KeyMap | None) -> str | None:
-    if key_map is None:
-        return name
-    if isinstance(key_map, Mapping):
-        new: Any = key_map.get(name, name)
-    else:
-        try:
-            new = key_map(name)
-        except Exception as exc:
-            raise CheckpointConfigError(f"key_map({name!r}) raised {type(exc).__name__}: "
-                                        f"{exc}") from exc
-    if new is not None and not isinstance(new, str):
-        raise CheckpointConfigError(f"key_map gave {new!r} for tensor {name!r}: a name "
-                                    "(str) or None to leave it out")
-    return new
+    return name if key_map is None else mapped_name(name, key_map)
 
 
 def _place(root: dict[str, Any], path: str, name: str) -> str:
