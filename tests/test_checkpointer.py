@@ -2658,3 +2658,46 @@ def test_a_forked_child_neither_hangs_nor_saves_with_its_parents_checkpointer(
     gate.set()
     assert fut.wait(30).step == 1 and ck.steps() == [1]  # the parent's save is unharmed
     ck.close()
+
+
+def test_save_and_close_from_a_handler_that_interrupted_a_load_do_not_hang(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A SIGTERM handler that saves and closes, run while the load it interrupted picks its
+    # step (holding the lock retention takes), waited for close() -> retention -> that
+    # lock, on the very thread holding it: the process hung for good.
+    import asyncckpt.checkpointer as cpmod
+    import asyncckpt.writer as wmod
+
+    monkeypatch.setattr(wmod, "RETENTION_LOCK_S", 0.2, raising=False)
+    monkeypatch.setattr(cpmod, "RETENTION_LOCK_S", 0.2, raising=False)
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1)
+    ck.save({"w": torch.ones(4)}, 1)
+    ck.save({"w": torch.ones(4)}, 2)
+    raised: list[BaseException] = []
+
+    def handler_during_load() -> None:
+        with ck._in_use.lock:  # where a load holds it, as the handler interrupts it
+            try:
+                ck.discard_steps_after(1)
+            except asyncckpt.CheckpointInFlightError as exc:
+                raised.append(exc)
+            ck.save({"w": torch.full((4,), 3.0)}, 3)
+            ck.close()
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer"):
+        t = threading.Thread(target=handler_during_load, daemon=True)
+        t.start()
+        t.join(30)
+        hung = t.is_alive()
+        if hung:
+            ck._in_use.lock.release()  # (let it finish, then fail)
+            t.join(30)
+    assert not hung, "save + close under a load's lock hung"
+    assert raised and "did not let go of its steps" in str(raised[0])
+    assert "left to the next save's retention" in caplog.text
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [2, 3]  # step 3 committed
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as again:
+        again.save({"w": torch.ones(4)}, 4)
+        again.wait()
+    assert asyncckpt.load(tmp_path)["w"].sum() == 4 and len(list(tmp_path.glob("step_*"))) == 1
