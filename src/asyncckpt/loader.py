@@ -225,7 +225,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
 
 def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
                  manifest: Manifest | None = None, verify: bool = True,
-                 threads: int | None = None, exclude: tuple[str, ...] = ()) -> Any:
+                 threads: int | None = None, exclude: tuple[str, ...] = (),
+                 key_map: KeyMap | None = None) -> Any:
     """The checkpoint as a fresh tree (as ``load_from`` with no state), whose tensors are
     those of ``reuse`` wherever ``reuse`` holds one at the same path with the same shape
     and dtype, filled in place, and new tensors elsewhere (what torchft's transports do
@@ -237,13 +238,14 @@ def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
     Manager receives on its own thread while the training thread may be computing a step
     (which a healing replica throws away), and a bumped counter would fail that step's
     backward instead. ``exclude``: parts of the checkpoint left out (not read, not
-    returned), as for ``load_from``.
+    returned), and ``key_map``, as for ``load_from``.
     """
     started = time.perf_counter()
     read: list[int] = []
     with gc_paused():
         if manifest is None:
             manifest = read_manifest(step_dir, storage)
+        manifest = renamed(manifest, key_map)
         if exclude:
             manifest = without_excluded(manifest, exclude)
         target = flatten(reuse, target=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..commit import check_step
@@ -56,6 +56,9 @@ from .base import (
     serve_directory,
     serve_state,
 )
+
+if TYPE_CHECKING:
+    from ..loader import KeyMap
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +468,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
-                        exclude: str | Iterable[str] | None = None) -> Any:
+                        exclude: str | Iterable[str] | None = None,
+                        key_map: KeyMap | None = None) -> Any:
         """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
         ``timeout`` (the whole fetch, waiting for the step to be allowed included;
         None: the transport's timeout; at most a week).
@@ -480,13 +484,20 @@ class HTTPTransport(CheckpointTransport[Any]):
             CheckpointClosedError: after ``shutdown()``; a ``shutdown()`` during the
                 receive cuts it off (``CheckpointTransportError``).
         """
-        from ..loader import check_exclude, excluded_view, load_from, load_reusing
+        from ..loader import (
+            check_exclude,
+            check_key_map,
+            excluded_view,
+            load_from,
+            load_reusing,
+        )
 
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
         self._refuse_forked("recv_checkpoint")
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
         parts = check_exclude(exclude)
+        check_key_map(key_map)
         check_step(step)
         check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
@@ -503,16 +514,18 @@ class HTTPTransport(CheckpointTransport[Any]):
             if into is None and self._state_dict is not None:
                 reuse = self._state_dict()  # (torchft's Manager passes no target)
                 return load_reusing(Path(f"peer-step-{step}"), reuse, storage,
-                                    threads=fetch_connections(self.num_chunks), exclude=parts)
+                                    threads=fetch_connections(self.num_chunks), exclude=parts,
+                                    key_map=key_map)
             if parts and into is not None:
                 view, finish = excluded_view(into, parts)
                 return finish(load_from(Path(f"peer-step-{step}"), view, storage,
                                         strict=strict, ignore_unexpected=ignore_unexpected,
                                         threads=fetch_connections(self.num_chunks),
-                                        exclude=parts))
+                                        exclude=parts, key_map=key_map))
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              ignore_unexpected=ignore_unexpected,
-                             threads=fetch_connections(self.num_chunks), exclude=parts)
+                             threads=fetch_connections(self.num_chunks), exclude=parts,
+                             key_map=key_map)
         except CheckpointError as exc:
             raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:

@@ -77,7 +77,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -111,6 +111,9 @@ from .base import (
     seconds,
     serve_state,
 )
+
+if TYPE_CHECKING:
+    from ..loader import KeyMap
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +351,8 @@ class PGTransport(CheckpointTransport[Any]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
-                        exclude: str | Iterable[str] | None = None) -> Any:
+                        exclude: str | Iterable[str] | None = None,
+                        key_map: KeyMap | None = None) -> Any:
         """Receive ``step`` from rank ``src_rank`` of the group (``metadata`` is its
         ``metadata()``, used in messages only).
 
@@ -372,12 +376,19 @@ class PGTransport(CheckpointTransport[Any]):
                 broke the protocol, or the group failed; or this rank cannot allocate
                 the buffers (the peer is told).
         """
-        from ..loader import check_exclude, excluded_view, load_from, load_reusing
+        from ..loader import (
+            check_exclude,
+            check_key_map,
+            excluded_view,
+            load_from,
+            load_reusing,
+        )
 
         self._check_open()
         step = _check_word(step, "step", 0)
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
         parts = check_exclude(exclude)
+        check_key_map(key_map)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         where = f"peer rank {src} ({metadata})"
@@ -394,14 +405,15 @@ class PGTransport(CheckpointTransport[Any]):
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
         if into is None and self._state_dict is not None:  # (torchft's Manager passes none)
             return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
-                                verify=False, exclude=parts)
+                                verify=False, exclude=parts, key_map=key_map)
         if parts and into is not None:
             view, finish = excluded_view(into, parts)
             return finish(load_from(step_dir, view, storage, strict=strict, verify=False,
                                     manifest=manifest, ignore_unexpected=ignore_unexpected,
-                                    exclude=parts))
+                                    exclude=parts, key_map=key_map))
         return load_from(step_dir, into, storage, strict=strict, verify=False,
-                         manifest=manifest, ignore_unexpected=ignore_unexpected, exclude=parts)
+                         manifest=manifest, ignore_unexpected=ignore_unexpected, exclude=parts,
+                         key_map=key_map)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
