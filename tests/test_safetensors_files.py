@@ -272,3 +272,19 @@ def test_asyncckpt_checkpoints_are_pointed_to_the_right_loader(tmp_path: Path) -
     save_file({"w": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
     with pytest.raises(CheckpointNotFoundError, match="load_safetensors"):
         asyncckpt.load(tmp_path / "plain.safetensors")
+
+
+def test_bf16_weights_load_into_an_fp32_model_by_default(tmp_path: Path) -> None:
+    half = {k: v.to(torch.bfloat16) for k, v in _weights(0).items()}
+    save_file(half, str(tmp_path / "m.safetensors"))
+    model = _model(1)
+    weight = model[0].weight
+    asyncckpt.load_safetensors(tmp_path / "m.safetensors", model)
+    assert model[0].weight is weight and weight.dtype == torch.float32
+    for k, v in half.items():
+        assert torch.equal(model.state_dict()[k], v.float()), k
+    with pytest.raises(StateMismatchError, match=r"0\.weight: checkpoint torch\.bfloat16"):
+        asyncckpt.load_safetensors(tmp_path / "m.safetensors", _model(1), cast=False)
+    save_file({"0.weight": torch.ones(7, 5, dtype=torch.int32)}, str(tmp_path / "i.safetensors"))
+    with pytest.raises(StateMismatchError, match="another kind of dtype"):
+        asyncckpt.load_safetensors(tmp_path / "i.safetensors", _model(1), ignore_unexpected=True)

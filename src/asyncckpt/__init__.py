@@ -107,21 +107,22 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
          progress: Callable[[int, int], None] | None = None,
          ignore_unexpected: bool = False,
          exclude: str | Iterable[str] | None = None,
-         key_map: _KeyMap | None = None) -> Any:
+         key_map: _KeyMap | None = None, cast: bool = False) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
     from a peer may take as a whole. ``progress(done, total)``, ``strict``,
-    ``ignore_unexpected``, ``exclude`` and ``key_map``: see AsyncCheckpointer.load.
+    ``ignore_unexpected``, ``exclude``, ``key_map`` and ``cast``: see
+    AsyncCheckpointer.load.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
         >>> asyncckpt.load("http://10.0.0.7:8123/v1", {"model": model}, token=secret)
     """
     _check_flags(strict=strict, verify=verify, fallback=fallback,
-                 ignore_unexpected=ignore_unexpected)
+                 ignore_unexpected=ignore_unexpected, cast=cast)
     _check_threads(threads)
     _checked_directory(path, "path")
     _check_fallback(fallback, step, verify)
@@ -130,16 +131,16 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     if parts and state is not None:
         view, finish = _excluded_view(state, parts)
         return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
-                                threads, progress, ignore_unexpected, parts, key_map))
+                                threads, progress, ignore_unexpected, parts, key_map, cast))
     return _load_any(path, state, step, strict, verify, token, timeout, fallback, threads,
-                     progress, ignore_unexpected, parts, key_map)
+                     progress, ignore_unexpected, parts, key_map, cast)
 
 
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
               verify: bool, token: str | None, timeout: float, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
               ignore_unexpected: bool, exclude: tuple[str, ...],
-              key_map: _KeyMap | None) -> Any:
+              key_map: _KeyMap | None, cast: bool) -> Any:
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":
         raise CheckpointConfigError(
@@ -168,7 +169,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                               ignore_unexpected=ignore_unexpected, verify=verify,
                               threads=fetch_connections(threads or 8), progress=progress,
-                              exclude=exclude, key_map=key_map)
+                              exclude=exclude, key_map=key_map, cast=cast)
         except CheckpointError as exc:
             raise peer_error(exc, state, peer) from exc.__cause__
         finally:
@@ -183,8 +184,10 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
 
         return load_newest_intact(Path(path), state, storage, strict=strict,
                                   ignore_unexpected=ignore_unexpected, threads=threads,
-                                  progress=progress, exclude=exclude, key_map=key_map)
+                                  progress=progress, exclude=exclude, key_map=key_map,
+                                  cast=cast)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict,
                       ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
-                      step=step, progress=progress, exclude=exclude, key_map=key_map)
+                      step=step, progress=progress, exclude=exclude, key_map=key_map,
+                      cast=cast)

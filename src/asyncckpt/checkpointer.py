@@ -743,7 +743,7 @@ class AsyncCheckpointer:
              progress: Callable[[int, int], None] | None = None,
              ignore_unexpected: bool = False,
              exclude: str | Iterable[str] | None = None,
-             key_map: KeyMap | None = None) -> Any:
+             key_map: KeyMap | None = None, cast: bool = False) -> Any:
         """Load a committed checkpoint (latest when ``step`` is None).
 
         With ``state``, tensors are read into the existing tensors in place (identity
@@ -767,7 +767,8 @@ class AsyncCheckpointer:
         every check elsewhere: paths as ``asyncckpt inspect`` lists them, through dicts.
         ``key_map`` renames the checkpoint's tensors before anything is matched (a layer
         renamed since, a wrapper's ``module.``): a mapping of those paths, or a function
-        of one returning its new path, or None to leave that tensor out.
+        of one returning its new path, or None to leave that tensor out. ``cast=True``
+        loads into target tensors of another floating (or integer) dtype, casting.
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``
@@ -776,7 +777,7 @@ class AsyncCheckpointer:
         from (for each step a fallback tries).
         """
         check_flags(strict=strict, verify=verify, fallback=fallback,
-                    ignore_unexpected=ignore_unexpected)
+                    ignore_unexpected=ignore_unexpected, cast=cast)
         self._refuse_forked("load")
         check_threads(threads)
         check_fallback(fallback, step, verify)
@@ -789,14 +790,15 @@ class AsyncCheckpointer:
                 shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
         out = self._load(state, step=step, strict=strict, verify=verify, shards=shards,
                          fallback=fallback, threads=threads, progress=progress,
-                         ignore_unexpected=ignore_unexpected, exclude=parts, key_map=key_map)
+                         ignore_unexpected=ignore_unexpected, exclude=parts, key_map=key_map,
+                         cast=cast)
         return out if finish is None else finish(out)
 
     def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,
               shards: Mapping[str, ShardMetadata] | None, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
               ignore_unexpected: bool, exclude: tuple[str, ...],
-              key_map: KeyMap | None = None) -> Any:
+              key_map: KeyMap | None = None, cast: bool = False) -> Any:
         # The retention of a save in flight (keep_last) must not delete what this reads.
         held: int | None = None
         with self._in_use.lock:
@@ -813,13 +815,13 @@ class AsyncCheckpointer:
                 return load_newest_intact(self.directory, state, self.storage, strict=strict,
                                           ignore_unexpected=ignore_unexpected, shards=shards,
                                           threads=threads, agree=agree, progress=progress,
-                                          exclude=exclude, key_map=key_map)
+                                          exclude=exclude, key_map=key_map, cast=cast)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict,
                              ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                              threads=threads, step=step, progress=progress,
-                             exclude=exclude, key_map=key_map)
+                             exclude=exclude, key_map=key_map, cast=cast)
         finally:
             if shared:
                 self._ctx.release_step(held)

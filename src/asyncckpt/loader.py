@@ -121,7 +121,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               before_read: Callable[[FlatState], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
               exclude: tuple[str, ...] = (), shown: Path | None = None,
-              key_map: KeyMap | None = None) -> Any:
+              key_map: KeyMap | None = None, cast: bool = False) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -131,6 +131,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     is, is called with the flattened target once keys are matched and before any byte
     is read: its ``loaded_in_place`` holds the paths the load is about to fill.
     ``shown``: what errors and the log call the source, when not ``step_dir`` (a file).
+    ``cast``: a target tensor of another dtype (see :func:`castable`) gets the saved
+    values cast, through a temporary, rather than a mismatch error.
     """
     # A load makes several small objects per tensor (the parsed manifest, the flattened
     # target, the read plan): with the collector on, the full collections they set off
@@ -144,7 +146,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                          ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                          threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress,
-                         exclude=exclude, shown=shown, key_map=key_map)
+                         exclude=exclude, shown=shown, key_map=key_map, cast=cast)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -161,7 +163,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                read: list[int] | None = None,
                progress: Callable[[int, int], None] | None = None,
                ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
-               shown: Path | None = None, key_map: KeyMap | None = None) -> Any:
+               shown: Path | None = None, key_map: KeyMap | None = None,
+               cast: bool = False) -> Any:
     label = step_dir if shown is None else shown
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
@@ -185,8 +188,10 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     same_tree = manifest.skeleton == target.skeleton
     saved = target.refs if same_tree else saved_paths(manifest)
     spans: dict[int, _Span | None] = {}
+    casts: set[str] | None = set() if cast else None
     dests, boxes, regions = _match(manifest, saved, target, strict, label, spans,
-                                   ignore_unexpected=ignore_unexpected, same_tree=same_tree)
+                                   ignore_unexpected=ignore_unexpected, same_tree=same_tree,
+                                   casts=casts)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
@@ -196,20 +201,23 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
                     "read into a temporary and copied in checkpoint order, so the last one wins",
                     label, _few(staged))
+    # read into a temporary: targets sharing memory, and (cast=True) targets of another
+    # dtype, which the copy into them casts
+    through = set(staged) | casts if casts else set(staged)
     loaded = load_tensors(step_dir, manifest,
-                          {k: v[0] if v and k not in staged and k not in regions else None
+                          {k: v[0] if v and k not in through and k not in regions else None
                            for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads, read=read,
                           progress=progress)
     for key, tensors in dests.items():  # in checkpoint order
-        if len(tensors) < 2 and not copies and key not in staged:
+        if len(tensors) < 2 and not copies and key not in through:
             continue  # the usual target: filled by the read itself
         try:
             if key in regions:  # targets wanting different parts of it: each gets its own
                 for t, box in zip(tensors, regions[key], strict=True):
                     copy_into(t, loaded[key] if box is None else narrow_to_box(loaded[key], box))
             else:  # extra targets: saved once (tied), loaded into untied targets
-                for t in tensors if key in staged else tensors[1:]:
+                for t in tensors if key in through else tensors[1:]:
                     copy_into(t, loaded[key])
             for t in tensors:  # (numpy arrays filled through a copy get it written back)
                 arr = copies.get(id(t))
@@ -280,7 +288,8 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                        shards: Mapping[str, ShardMetadata] | None = None,
                        threads: int | None = None, agree: Agreement | None = None,
                        progress: Callable[[int, int], None] | None = None,
-                       exclude: tuple[str, ...] = (), key_map: KeyMap | None = None) -> Any:
+                       exclude: tuple[str, ...] = (), key_map: KeyMap | None = None,
+                       cast: bool = False) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
@@ -291,14 +300,14 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     if agree is None:
         return _newest_intact(root, state, storage, strict, shards, threads, None, progress,
-                              ignore_unexpected, exclude=exclude, key_map=key_map)
+                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
         return _newest_intact(root, state, storage, strict, shards, threads, told, progress,
-                              ignore_unexpected, exclude=exclude, key_map=key_map)
+                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -332,7 +341,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    progress: Callable[[int, int], None] | None = None,
                    ignore_unexpected: bool = False, relists: int = _RELISTS,
                    earlier: list[str] | None = None, *, exclude: tuple[str, ...] = (),
-                   key_map: KeyMap | None = None) -> Any:
+                   key_map: KeyMap | None = None, cast: bool = False) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -342,7 +351,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         return load_from(root, state, storage, strict=strict, verify=True, shards=shards,
                          threads=threads, progress=progress,
                          ignore_unexpected=ignore_unexpected, exclude=exclude,
-                         key_map=key_map)
+                         key_map=key_map, cast=cast)
     steps = commit.committed_steps(root, storage)
     if not steps:
         commit.resolve_step_dir(root, None, storage)  # raises, saying why
@@ -351,7 +360,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
     newest_first = steps[::-1]
     # With strict=False an older step may lack tensors a newer one has: what a failed
     # attempt wrote into those must not stay behind as part of the older step's load.
-    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name, exclude, key_map)
+    undo = (_Rollback(root, state, storage, shards, commit.step_dir_name, exclude, key_map,
+                      cast)
             if state is not None and not strict and len(steps) > 1 else None)
     for attempt, step in enumerate(newest_first):
         step_dir = root / commit.step_dir_name(step)
@@ -361,7 +371,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             result = load_from(step_dir, state, storage, strict=strict, verify=True,
                                shards=shards, threads=threads, before_read=hook,
                                progress=progress, ignore_unexpected=ignore_unexpected,
-                               exclude=exclude, key_map=key_map)
+                               exclude=exclude, key_map=key_map, cast=cast)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             problem = exc  # damaged, or deleted by retention while it was read
         except CheckpointError as exc:
@@ -406,7 +416,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                         "meanwhile: trying those", root, newer)
             return _newest_intact(root, state, storage, strict, shards, threads, None,
                                   progress, ignore_unexpected, relists - 1, failures,
-                                  exclude=exclude, key_map=key_map)
+                                  exclude=exclude, key_map=key_map, cast=cast)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 
@@ -440,9 +450,10 @@ class _Rollback:
     def __init__(self, root: Path, state: Any, storage: ReadStorage,
                  shards: Mapping[str, ShardMetadata] | None,
                  step_dir_name: Callable[[int], str], exclude: tuple[str, ...] = (),
-                 key_map: KeyMap | None = None):
+                 key_map: KeyMap | None = None, cast: bool = False):
         self.root, self.state, self.storage, self.shards = root, state, storage, shards
         self.step_dir_name, self.exclude, self.key_map = step_dir_name, exclude, key_map
+        self.cast = cast
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # path: (target, copy)
         self.spoilt: dict[str, int] = {}  # path: the failed step whose bytes it holds
         self.filling: set[str] = set()  # the paths the current attempt fills
@@ -479,7 +490,8 @@ class _Rollback:
                 target = flatten(self.state, target=True)
                 apply_shards(target, self.shards)
                 try:
-                    _match(manifest, saved, target, False, step_dir)
+                    _match(manifest, saved, target, False, step_dir,
+                           casts=set() if self.cast else None)
                 except StateMismatchError:
                     return None  # its attempt raises this and the load stops there
             return target.loaded_in_place
@@ -746,7 +758,8 @@ def saved_paths(manifest: Manifest) -> dict[str, str]:
 
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
            step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
-           ignore_unexpected: bool = False, same_tree: bool = False
+           ignore_unexpected: bool = False, same_tree: bool = False,
+           casts: set[str] | None = None
            ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
@@ -811,10 +824,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         entry = manifest.tensors[key]
         tbox = target.boxes.get(tkey)
         if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
-            other_dtype = other_dtype or t.dtype != entry.dtype
-            mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
-                              f"target {t.dtype} {list(target.global_shape(tkey))}")
-            continue
+            if (casts is None or (tbox[0] if tbox is not None else t.shape) != entry.shape
+                    or not castable(entry.dtype, t.dtype) or tkey in target.arrays):
+                other_dtype = other_dtype or t.dtype != entry.dtype
+                mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
+                                  f"target {t.dtype} {list(target.global_shape(tkey))}")
+                continue
+            casts.add(key)  # read as saved, then copied into the target (cast)
         if target.arrays:
             arr = target.arrays.get(tkey)
             if arr is not None and not arr.flags.writeable:
@@ -859,8 +875,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if mismatched:
             parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
             if other_dtype:
-                parts.append("to load into tensors of another dtype, load with state=None and "
-                             "copy (module.load_state_dict casts)")
+                parts.append("to load into tensors of another floating (or integer) dtype, "
+                             "pass cast=True" if casts is None else
+                             "to load into tensors of another kind of dtype, load with "
+                             "state=None and convert")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
             parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")
@@ -974,6 +992,15 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
 
 
 _OVERLAP_EXACT = 1 << 22
+
+
+def castable(saved: torch.dtype, target: torch.dtype) -> bool:
+    """Whether ``cast=True`` loads a tensor saved as ``saved`` into one of dtype ``target``:
+    floating into floating (bf16 weights into fp32 master weights), integer into integer;
+    never between kinds (a bool or complex tensor, an int into a float)."""
+    if saved.is_floating_point or target.is_floating_point:
+        return saved.is_floating_point and target.is_floating_point
+    return not (saved.is_complex or target.is_complex or torch.bool in (saved, target))
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],

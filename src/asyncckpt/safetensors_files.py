@@ -81,7 +81,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
                      shards: Mapping[str, ShardMetadata] | None = None,
                      threads: int | None = None,
                      progress: Callable[[int, int], None] | None = None,
-                     exclude: str | Iterable[str] | None = None) -> Any:
+                     exclude: str | Iterable[str] | None = None, cast: bool = True) -> Any:
     """Load plain safetensors files (not written by asyncckpt) into ``state``.
 
     ``source`` is one ``.safetensors`` file, or a directory holding a Hugging Face
@@ -98,7 +98,11 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     With ``state`` the tensors are loaded in place, as :meth:`AsyncCheckpointer.load`
     does (``strict``, ``ignore_unexpected``, ``shards`` and ``exclude`` as there:
     a DTensor reads just its box of each file). Without it, a dict of fresh CPU tensors
-    is returned. ``threads``, ``progress``: as for ``asyncckpt.load``.
+    is returned. ``threads``, ``progress``: as for ``asyncckpt.load``. ``cast=True``: a
+    target tensor of another floating dtype (fp32 master weights, bf16 files) or integer
+    dtype gets the values cast, as ``load_state_dict`` does (read in the file's dtype
+    first: those tensors take their size again in memory while loading); ``cast=False``
+    makes any dtype difference an error.
 
     Safetensors files hold no checksums: a damaged byte goes unseen here, as with any
     safetensors reader; what is checked is each header's structure, each tensor's
@@ -113,7 +117,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
             those with ``asyncckpt.load``).
         StateMismatchError: as for :meth:`AsyncCheckpointer.load`.
     """
-    check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+    check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
     check_threads(threads)
     check_key_map(key_map)
     parts = check_exclude(exclude)
@@ -132,7 +136,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
         out = load_from(where, state, LocalStorage(), strict=strict,
                         ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                         threads=threads, manifest=manifest, progress=progress, exclude=parts,
-                        shown=None if Path(source).is_dir() else Path(source))
+                        shown=None if Path(source).is_dir() else Path(source), cast=cast)
     except StateMismatchError as exc:
         if not (exc.missing and exc.unexpected) or key_map is not None:
             raise

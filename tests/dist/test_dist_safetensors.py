@@ -5,6 +5,7 @@ files and a ``model.safetensors.index.json``); both ranks load them with
 ``asyncckpt.load_safetensors`` into an FSDP2 model (``Shard(0)``) and into a
 tensor-parallel one (``Shard(0)`` columns, ``Shard(1)`` rows, a replicated bias), each
 rank reading its box, and every local shard must be the full weight's slice, bit-exact.
+The files hold bf16 and the models fp32: each box is read as saved, then cast.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def _model(seed: int) -> Any:
 
 def _write_hf(where: Path) -> dict[str, Any]:
     """The model of seed 0 as a Hugging Face sharded checkpoint; its full weights."""
+    import torch
     from safetensors.torch import save_file
 
-    full = {f"model.{k}": v.detach().clone() for k, v in _model(0).state_dict().items()}
+    # in bf16, as Hugging Face publishes weights; the models train in fp32 (cast on load)
+    full = {f"model.{k}": v.detach().to(torch.bfloat16)
+            for k, v in _model(0).state_dict().items()}
     names = sorted(full)
     parts = {"model-00001-of-00002.safetensors": names[:2],
              "model-00002-of-00002.safetensors": names[2:]}
@@ -61,7 +65,8 @@ def worker(ctx: RankCtx) -> dict[str, Any]:
     ctx.barrier()
     full = {k.removeprefix("model."): t
             for k, t in asyncckpt.load_safetensors(hf).items()}  # (fresh, whole: checked below)
-    c.check(all(torch.equal(full[k], v) for k, v in _model(0).state_dict().items()),
+    c.check(all(torch.equal(full[k], v.to(torch.bfloat16))
+                for k, v in _model(0).state_dict().items()),
             "the fresh whole load differs from the model's weights")
     mesh = init_device_mesh("cpu", (ctx.world,))
     placements = {}
@@ -76,7 +81,7 @@ def worker(ctx: RankCtx) -> dict[str, Any]:
         for k, t in model.state_dict().items():
             placements[f"{name}/{k}"] = str(t.placements)
             local = t.to_local()
-            want = full[k]
+            want = full[k].float()
             for d, p in enumerate(t.placements):
                 if p.is_shard():
                     want = want.chunk(ctx.world, p.dim)[mesh.get_coordinate()[d]]
