@@ -1203,3 +1203,44 @@ def test_a_reusing_load_leaves_excluded_parts_out(tmp_path: Path) -> None:
     assert set(out) == {"model", "n"} and out["model"]["w"] is mine["model"]["w"]
     assert torch.equal(mine["model"]["w"], torch.arange(4.0))
     assert not mine["optim"]["m"].any()
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_large_boxes_go_through_the_temporary_a_slab_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cast: bool) -> None:
+    # A resharding (or cast) read went through one temporary the size of its whole box:
+    # a GB-sized shard needed a GB more. Now in slabs of rows of at most _BOX_PIECE.
+    import asyncckpt.reader as rd
+    from asyncckpt import ShardMetadata
+
+    monkeypatch.setattr(rd, "_BOX_PIECE", 1000)
+    spans: list[int] = []
+    real = rd._read_box_part
+
+    def recording(*a: Any, **kw: Any) -> None:
+        spans.append(a[8] - a[7])  # hi - lo
+        real(*a, **kw)
+
+    monkeypatch.setattr(rd, "_read_box_part", recording)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 30, generator=g)
+    asyncckpt.save({"w": w.to(torch.bfloat16) if cast else w}, tmp_path, step=1)
+    target = {"w": torch.zeros(25, 12)}
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.load(target, shards={"w": ShardMetadata((40, 30), (10, 6))}, cast=cast)
+    want = (w.to(torch.bfloat16).float() if cast else w)[10:35, 6:18]
+    assert torch.equal(target["w"], want)
+    size = 2 if cast else 4
+    rows = 1000 // (12 * size)  # of the box's 25, per slab
+    assert len(spans) == -(-25 // rows) and max(spans) <= rows * 30 * size
+
+
+def test_a_cast_read_still_verifies_every_byte(tmp_path: Path) -> None:
+    asyncckpt.save({"w": torch.arange(1000.0).to(torch.bfloat16)}, tmp_path, step=1)
+    shard = tmp_path / "step_000000001" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch in tensor 'w'"):
+        asyncckpt.load(tmp_path, target, cast=True)

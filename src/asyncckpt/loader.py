@@ -201,9 +201,12 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
                     "read into a temporary and copied in checkpoint order, so the last one wins",
                     label, _few(staged))
-    # read into a temporary: targets sharing memory, and (cast=True) targets of another
-    # dtype, which the copy into them casts
-    through = set(staged) | casts if casts else set(staged)
+    # Read into a temporary, then copied into each target: targets sharing memory, and a
+    # cast key's several (tied) targets, each cast from the saved values. A cast key's
+    # one target is read into as usual: the reader casts each piece as it comes.
+    through = set(staged)
+    if casts:
+        through |= {k for k in casts if len(dests.get(k, ())) > 1}
     loaded = load_tensors(step_dir, manifest,
                           {k: v[0] if v and k not in through and k not in regions else None
                            for k, v in dests.items()},

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 # Reads go in pieces this large; each is hashed right after it lands, while it is still in
 # the cache: a hot 3 GiB load took 224 ms with 2 MiB pieces and 246 ms with 8 MiB ones.
 _PIECE = 2 * 1024 * 1024
+_BOX_PIECE = 64 * 1024 * 1024  # the most a box read goes through a temporary at once
 _MAX_IOV = 1024  # Linux's IOV_MAX
 _MAX_GAP = 1 << 20  # padding read into scratch rather than starting a new read
 
@@ -167,8 +168,9 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     the saved chunks the load reads from (of which a resharding load reads only its
     boxes). ``progress(done, total)``, when given, is called from the reading threads
     after each tensor or run of tensors read, in bytes of those chunks. Returns key ->
-    loaded tensor. A given destination must have the box's shape
-    and the saved dtype (the caller checks); it is filled in place and returned as is.
+    loaded tensor. A given destination must have the box's shape and the saved dtype,
+    or another dtype the caller chose to cast to (loader.castable): it is filled in
+    place and returned as is (a cast one through a temporary of one piece at a time).
     Raises CheckpointCorruptError naming the file and tensor on any mismatch.
     """
     boxes = boxes or {}
@@ -226,10 +228,11 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         # 100,000 tensors of 16 KiB took 15% longer with two).
         n = 1
     advance = None if progress is None else _advancing(progress, total)
+    casts = {k for k, d in dests.items() if d is not None and d.dtype != tensors[k].dtype}
     try:
         # (several groups: one that fails stops the others at their next item)
         _in_groups(lambda g, stop: _read_group(step_dir, manifest, g, out, storage, verify,
-                                               stop, advance, fresh),
+                                               stop, advance, fresh, casts),
                    _split(items, n, total), threading.Event() if n > 1 else None)
     finally:
         # Reads straight into a given tensor's memory are in-place writes autograd does
@@ -416,15 +419,19 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
                 stop: threading.Event | None = None,
                 advance: Callable[[int], None] | None = None,
-                fresh: Mapping[str, tuple[int, int]] | None = None) -> None:
+                fresh: Mapping[str, tuple[int, int]] | None = None,
+                casts: set[str] | frozenset[str] = frozenset()) -> None:
     """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
     it, and a group that sees it set ends before its next item or piece (a corrupt
     first range of a peer's fetch is reported at once, not after every other range, or
     the rest of a multi-GB tensor, came in). ``fresh``: the destinations the load
-    allocated, (pointer, bytes) by key (see :func:`_direct_views`)."""
+    allocated, (pointer, bytes) by key (see :func:`_direct_views`). ``casts``: the keys
+    whose destination has another dtype than the saved one (read, then cast)."""
     fds: dict[str, int] = {}
     unfinished = False  # failed, or stopped: its files are aborted, not closed
     views = _direct_views(items, out, fresh)
+    if casts:  # (their bytes are not the destination's: never read straight into it)
+        views = [None if it.key in casts else v for it, v in zip(items, views, strict=True)]
     try:
         i = 0
         while i < len(items):
@@ -442,7 +449,8 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                                 out, storage, verify, manifest.block_bytes)
                 else:
                     _read_item(fd, step_dir / it.chunk.file, it, out[it.key], storage, verify,
-                               manifest.block_bytes, stop, views[i])
+                               manifest.block_bytes, stop, views[i],
+                               manifest.tensors[it.key].dtype if it.key in casts else None)
             except _Stopped:
                 unfinished = True
                 return  # another group failed: its error is the one raised
@@ -654,11 +662,12 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
                verify: bool, block_bytes: int, stop: threading.Event | None = None,
-               mv: memoryview | None = None) -> None:
+               mv: memoryview | None = None, saved: torch.dtype | None = None) -> None:
     """Read one item into ``dst``; ``_Stopped`` once ``stop`` is set (checked between
-    pieces). ``mv``: :func:`_direct_view` of the item, where the caller found it already."""
+    pieces). ``mv``: :func:`_direct_view` of the item, where the caller found it already.
+    ``saved``: the saved dtype, when ``dst`` has another (its values are cast)."""
     chunk = it.chunk
-    if mv is None:
+    if mv is None and saved is None:
         mv = _direct_view(it, dst)
     if mv is not None:
         # The common case: the saved chunk is the whole destination. Read straight into it.
@@ -666,15 +675,27 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
         return
     # Resharding (or a non-contiguous or device destination): read only the checksum blocks
     # that cover the wanted box, verify them, and copy the box out of them.
-    itemsize = dst.element_size()
-    if 0 in it.box[1]:
+    dtype = dst.dtype if saved is None else saved
+    itemsize = dtype.itemsize
+    lens = it.box[1]
+    if 0 in lens:
         return  # an empty box: nothing to read
+    if len(lens) and lens[0] > 1 and math.prod(lens) * itemsize > _BOX_PIECE:
+        # A large box goes through the temporary a slab of rows at a time: a GB-sized
+        # shard of one tensor (or a cast one) must not need a GB of memory more
+        rows = max(1, _BOX_PIECE // (math.prod(lens[1:]) * itemsize))
+        (o0, *orest), (n0, *lrest) = it.box
+        for a in range(0, n0, rows):
+            slab = ((o0 + a, *orest), (min(rows, n0 - a), *lrest))
+            _read_item(fd, path, it._replace(box=slab), dst, storage, verify, block_bytes,
+                       stop, None, saved)
+        return
     tgt = narrow_to_box(dst, it.box, it.dst_box[0])
     runs = _sparse_runs(chunk, it.box, itemsize, block_bytes)
     if runs is None:  # the box's span touches (nearly) every block in it: read the span
         lo, hi = box_byte_span(chunk.offsets, chunk.lengths, it.box, itemsize)
         _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, lo, hi,
-                       it.box[1], tgt, dst.is_cuda, stop)
+                       it.box[1], tgt, dst.is_cuda, stop, dtype)
         return
     # Rows longer than a block with wide gaps between them (a column slice of wide
     # rows): read and verify only the blocks each row's part touches.
@@ -683,7 +704,7 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
         part = tgt[index] if d else tgt
         _read_box_part(fd, storage, path, it.key, chunk, verify, block_bytes, start,
                        start + math.prod(run_shape) * itemsize, run_shape, part, dst.is_cuda,
-                       stop)
+                       stop, dtype)
 
 
 def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = None
@@ -697,11 +718,12 @@ def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = No
 
 def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: Chunk,
                    verify: bool, block_bytes: int, lo: int, hi: int, shape: tuple[int, ...],
-                   tgt: torch.Tensor, pinned: bool, stop: threading.Event | None = None
-                   ) -> None:
+                   tgt: torch.Tensor, pinned: bool, stop: threading.Event | None = None,
+                   dtype: torch.dtype | None = None) -> None:
     """Read the blocks of ``chunk`` covering its bytes ``lo..hi``, verify them, and copy
     the elements there (a box of ``shape`` starting at ``lo``, in the chunk's row-major
-    layout) into ``tgt``."""
+    layout, saved as ``dtype``: ``tgt``'s when None) into ``tgt``."""
+    dtype = tgt.dtype if dtype is None else dtype
     first_block = lo // block_bytes
     b0 = first_block * block_bytes
     b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
@@ -709,9 +731,9 @@ def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: C
         buf = torch.empty(b1 - b0, dtype=torch.uint8, pin_memory=pinned)
     _read_range(fd, storage, path, key, tensor_bytes(buf), chunk, first_block, verify,
                 block_bytes, stop)
-    typed = buf if tgt.dtype == torch.uint8 else buf.view(tgt.dtype)
+    typed = buf if dtype == torch.uint8 else buf.view(dtype)
     strides = row_major_strides(chunk.lengths)[len(chunk.lengths) - len(shape):]
-    copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // tgt.element_size()))
+    copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // dtype.itemsize))
 
 
 def _sparse_runs(chunk: Chunk, box: Box, itemsize: int, block_bytes: int
