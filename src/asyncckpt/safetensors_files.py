@@ -100,9 +100,8 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     a DTensor reads just its box of each file). Without it, a dict of fresh CPU tensors
     is returned. ``threads``, ``progress``: as for ``asyncckpt.load``. ``cast=True``: a
     target tensor of another floating dtype (fp32 master weights, bf16 files) or integer
-    dtype gets the values cast, as ``load_state_dict`` does (read in the file's dtype
-    first: those tensors take their size again in memory while loading); ``cast=False``
-    makes any dtype difference an error.
+    dtype gets the values cast, as ``load_state_dict`` does (through a temporary of at
+    most 64 MiB at a time); ``cast=False`` makes any dtype difference an error.
 
     Safetensors files hold no checksums: a damaged byte goes unseen here, as with any
     safetensors reader; what is checked is each header's structure, each tensor's
