@@ -33,6 +33,13 @@ already holds every ``exp_avg``/``exp_avg_sq``/``step`` tensor to load into. Che
 torch 2.13; should a torch version not do that, ``init_optimizer_state`` below does the
 same by hand.
 
+Start from published weights: ``--init-from PATH`` (a safetensors file, or a directory
+of them as Hugging Face publishes a model, e.g. ``asyncckpt export runs/fsdp model.safetensors
+--prefix model --strip-prefix --dtype bf16`` of another run) loads the model's weights
+with ``asyncckpt.load_safetensors`` when ``--dir`` holds no checkpoint yet: each rank
+reads only its shards, and bf16 weights are cast into the fp32 parameters. A run that
+resumes ignores it.
+
 Without torchrun (``python examples/train_fsdp.py ...``) it runs as a group of one.
 
 ``--kill-at K``: rank 0 sends itself SIGKILL right after step K (a crash; a save may
@@ -43,7 +50,8 @@ rank send it to itself during step K) is noted by ``asyncckpt.PreemptionWatch``;
 end of that step every rank learns of it through ``should_stop()``, they save that step
 synchronously, print ``preempted STEP`` and exit 0. A later run resumes from it.
 
-Output (rank 0): ``resume STEP SAVED_WORLD WORLD`` when resuming, ``loss STEP VALUE``
+Output (rank 0): ``resume STEP SAVED_WORLD WORLD`` when resuming, ``init PATH`` when
+starting from ``--init-from``, ``loss STEP VALUE``
 per step (the global-batch loss, repr of the float), ``saved STEP`` as each save is
 started, and ``done STEP`` at the end.
 """
@@ -150,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--term-at", type=int, default=None,
                    help="the last rank SIGTERMs itself during this step (simulated preemption)")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--init-from", default=None,
+                   help="a new run starts from these model weights (a safetensors file or "
+                        "directory); ignored when resuming")
     args = p.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         p.error("--steps and --every must be positive")
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     preempt = asyncckpt.PreemptionWatch().install()  # SIGTERM: save at the step's end
     try:
         start = resume(ckpt, model, opt, rank, world)
+        if start == 0 and args.init_from is not None:
+            # each rank reads its own shard of each weight; bf16 files are cast to fp32
+            asyncckpt.load_safetensors(args.init_from, model)
+            emit(rank, "init", args.init_from)
         if start >= args.steps and rank == 0:
             print(f"the checkpoint is at step {start}, not before --steps {args.steps}: "
                   "nothing to train (pass a larger --steps to go on)", file=sys.stderr,

@@ -45,6 +45,7 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     resumed: tuple[int, int, int] | None = None  # (step, saved world size, world size)
     done: int | None = None
+    init: str | None = None
 
     def describe(self) -> str:
         return f"exit {self.rc}\n--- stdout\n{self.out[-3000:]}\n--- stderr\n{self.err[-3000:]}"
@@ -79,6 +80,8 @@ def torchrun(nproc: int, directory: Path, *extra: str) -> Run:
             run.resumed = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
         elif m := re.fullmatch(r"done (\d+)", line):
             run.done = int(m.group(1))
+        elif m := re.fullmatch(r"init (.+)", line):
+            run.init = m.group(1)
     return run
 
 
@@ -182,3 +185,32 @@ def test_sigterm_to_one_rank_saves_that_step_and_resumes_exactly(
     assert resumed.done == STEPS
     for s, loss in {**run.losses, **resumed.losses}.items():
         assert loss == ref.losses[s], (s, loss, ref.losses[s])
+
+
+def test_a_new_run_starts_from_exported_bf16_weights_at_another_world_size(
+        runs: dict[str, object], tmp_path: Path) -> None:
+    import importlib.util
+
+    from torch import nn
+
+    base, ref = runs["base"], runs["ref"]
+    assert isinstance(base, Path) and isinstance(ref, Run)
+    weights = tmp_path / "model.safetensors"
+    export_safetensors(base / "ref", weights, prefix="model/", strip_prefix=True, dtype="bf16")
+    run = torchrun(3, tmp_path / "fresh", "--init-from", str(weights))
+    assert run.rc == 0 and run.init == str(weights) and run.resumed is None, run.describe()
+    # its first loss is that of the exported weights (bf16, cast to fp32) on batch 1
+    spec = importlib.util.spec_from_file_location("train_fsdp_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    plain = nn.Sequential(nn.Linear(ex.IN_FEATURES, ex.HIDDEN), nn.Tanh(),
+                          nn.Linear(ex.HIDDEN, ex.HIDDEN), nn.Tanh(),
+                          nn.Linear(ex.HIDDEN, ex.OUT_FEATURES))
+    asyncckpt.load_safetensors(weights, plain)
+    assert plain[0].weight.dtype == torch.float32
+    x, y = ex.make_batch(1, 0, 1)
+    with torch.no_grad():
+        want = nn.functional.mse_loss(plain(x), y).item()
+    assert run.losses[1] == pytest.approx(want, rel=RTOL, abs=ATOL)
+    assert run.losses[1] < 0.6 * ref.losses[1]  # trained weights, not the seed's
