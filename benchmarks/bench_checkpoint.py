@@ -9,7 +9,8 @@ plus its AdamW moments), measured in this order:
               reference), cold and hot sequential reads;
 * asyncckpt -- modes sync, async, async_pinned, and async with ``overlap=True``;
 * torch_save, safetensors, dcp -- the anchors (DCP: ``async_save`` with a reused
-              ``DefaultStager``);
+              ``DefaultStager``); with safetensors, its files loaded by
+              ``asyncckpt.load_safetensors`` too;
 * dist     -- ``--world`` (2) rank processes, each holding its share of the same state as
               DTensors, asyncckpt against DCP: see ``bench_dist.py`` (run first, before this
               process builds its state, so that the ranks have the memory);
@@ -402,6 +403,21 @@ class SafetensorsMethod:
 
     def close(self) -> None:
         pass
+
+
+class SafetensorsImportMethod(SafetensorsMethod):
+    """The safetensors anchor's files, loaded in place by ``asyncckpt.load_safetensors``
+    (what a run starting from published weights does) rather than load_file + copy_."""
+
+    name = "asyncckpt.load_safetensors"
+
+    def __init__(self, root: Path, state: State):
+        super().__init__(root, state)
+        self.notes = ["save_file + fsync (as the safetensors anchor); load = "
+                      "asyncckpt.load_safetensors in place (no checksums to check)"]
+
+    def load(self, path: Path) -> None:
+        asyncckpt.load_safetensors(path, self.state)
 
 
 class DcpMethod:
@@ -1102,6 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "safetensors":
                 methods["safetensors"] = run_anchor(
                     ctx, lambda r: SafetensorsMethod(r, state), first_save=False)
+                methods["asyncckpt.load_safetensors"] = run_anchor(
+                    ctx, lambda r: SafetensorsImportMethod(r, state), first_save=False)
             elif section == "dcp":
                 methods["DCP async_save"] = run_anchor(
                     ctx, lambda r: DcpMethod(r, state, ctx.dcp_threads), first_save=True)
