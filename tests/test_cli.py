@@ -721,3 +721,33 @@ def test_ls_reads_a_summary_that_agrees_with_the_whole_manifest(
     (step_dir / "manifest.json").write_bytes(raw.replace(b'"step":30', b'"step":31'))
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 0 and "UNREADABLE" in out and "digest does not match" in out, out
+
+
+def test_inspect_plain_safetensors_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"model.w": torch.ones(2, 3), "model.b": torch.zeros(4, dtype=torch.bfloat16)},
+              str(tmp_path / "one.safetensors"))
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "one.safetensors"))
+    assert code == 0 and "model.w  float32   [2, 3]" in out and "model.b  bfloat16" in out
+    assert "plain safetensors: 2 tensors  32 tensor bytes" in out and "load_safetensors" in out
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(5)}, str(hf / "model-1.safetensors"))
+    save_file({"b": torch.ones(2, dtype=torch.int64)}, str(hf / "model-2.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    code, out, _ = run(capsys, "inspect", str(hf), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["format"] == "safetensors" and doc["step"] is None
+    assert [(t["path"], t["dtype"], t["shape"], t["files"]) for t in doc["tensors"]] == [
+        ("a", "float32", [5], ["model-1.safetensors"]),
+        ("b", "int64", [2], ["model-2.safetensors"])]
+    assert doc["tensor_bytes"] == 36 and sorted(doc["files"]) == ["model-1.safetensors",
+                                                                  "model-2.safetensors"]
+    code, _, err = run(capsys, "inspect", str(hf), "--step", "3")
+    assert code == 2 and "no steps" in err
+    (hf / "model-2.safetensors").write_bytes(b"\x05" + b"\0" * 7 + b"{bad}")
+    code, _, err = run(capsys, "inspect", str(hf))
+    assert code == 1 and "model-2.safetensors" in err and "not JSON" in err

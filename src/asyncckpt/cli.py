@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 from . import commit
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import read_manifest, read_manifest_summary, verify_checkpoint
 from .storage import LocalStorage
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
@@ -343,7 +343,59 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
             "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata}
 
 
+def _plain_files(ckpt: str) -> tuple[Path, list[str]] | None:
+    """The directory and files of plain safetensors CKPT names (a .safetensors file, or a
+    directory of them that is no asyncckpt checkpoint), else None."""
+    from .safetensors_files import files_of
+
+    path = Path(ckpt)
+    if path.is_file() and path.name.endswith(".safetensors"):
+        return path.parent, [path.name]
+    if not path.is_dir() or (path / MANIFEST_NAME).exists():
+        return None
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None  # (_resolve says what is wrong with it)
+    if any(n.startswith(("step_", ".step_")) or is_shard_file_name(n) for n in names) or not any(
+            n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return None
+    where, files, _ = files_of(path)
+    return where, files
+
+
+def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> int:
+    """inspect of plain safetensors files: what asyncckpt.load_safetensors would load."""
+    from .safetensors_files import describe
+
+    if args.step is not None:
+        raise _Usage(f"{args.ckpt} holds plain safetensors files, which have no steps: drop "
+                     "--step")
+    m = describe(where, files)
+    doc = _inspect_doc(where, m)
+    doc.update(format="safetensors", step=None, world_size=None, library_version=None,
+               format_version=None, created_unix=None, created=None, block_bytes=None)
+    doc["path"] = str(args.ckpt)
+    doc["files"] = {n: {"bytes": f["bytes"]} for n, f in doc["files"].items()}
+    _decided(args, EXIT_OK)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
+            for t in doc["tensors"]]
+    _out(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)) if rows
+         else "(no tensors)")
+    _out(f"plain safetensors: {len(rows)} tensors  {doc['tensor_bytes']} tensor bytes "
+         f"({human_bytes(doc['total_bytes'])} in {len(files)} "
+         f"file{'s' if len(files) != 1 else ''}); no checksums: load them with "
+         "asyncckpt.load_safetensors")
+    return EXIT_OK
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    plain = _plain_files(args.ckpt)
+    if plain is not None:
+        return _inspect_plain(args, *plain)
     step_dir, storage = _resolve(args.ckpt, args.step)
     doc = _inspect_doc(step_dir, read_manifest(step_dir, storage))
     _decided(args, EXIT_OK)
@@ -589,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
     ls.set_defaults(func=cmd_ls)
     for name, func, text in (
-            ("inspect", cmd_inspect, "show the tensors of one checkpoint"),
+            ("inspect", cmd_inspect, "show the tensors of one checkpoint (or of plain "
+             "safetensors files)"),
             ("verify", cmd_verify, "check every header and checksum of one checkpoint")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("ckpt", metavar="CKPT",

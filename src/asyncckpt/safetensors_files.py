@@ -120,7 +120,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     check_threads(threads)
     check_key_map(key_map)
     parts = check_exclude(exclude)
-    where, names, index = _files_of(Path(source))
+    where, names, index = files_of(Path(source))
     manifest = describe(where, names, key_map, index)
     finish = None
     if parts and state is not None:
@@ -169,7 +169,7 @@ def _typed_like(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
             _typed_like(item[1], children[k])
 
 
-def _files_of(source: Path) -> tuple[Path, list[str], dict[str, str] | None]:
+def files_of(source: Path) -> tuple[Path, list[str], dict[str, str] | None]:
     """The directory and the names of the safetensors files ``source`` stands for, and the
     weight map of its index (tensor name -> file name) when it has one."""
     try:
