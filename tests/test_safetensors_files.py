@@ -288,3 +288,16 @@ def test_bf16_weights_load_into_an_fp32_model_by_default(tmp_path: Path) -> None
     save_file({"0.weight": torch.ones(7, 5, dtype=torch.int32)}, str(tmp_path / "i.safetensors"))
     with pytest.raises(StateMismatchError, match="another kind of dtype"):
         asyncckpt.load_safetensors(tmp_path / "i.safetensors", _model(1), ignore_unexpected=True)
+
+
+def test_a_hugging_face_cache_snapshot_of_symlinks_loads(tmp_path: Path) -> None:
+    # huggingface_hub's cache: snapshots/<rev>/ holds symlinks into blobs/
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    save_file(_weights(0), str(blobs / "e3b0c442"))
+    (snap / "model.safetensors").symlink_to(Path("../../blobs/e3b0c442"))
+    model = _model(1)
+    asyncckpt.load_safetensors(snap, model)
+    for k, v in _weights(0).items():
+        assert torch.equal(model.state_dict()[k], v), k

@@ -16,7 +16,6 @@ These files carry no checksums, so nothing can be verified beyond their structur
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import struct
@@ -59,8 +58,6 @@ from .manifest import (
 )
 from .storage import LocalStorage, open_regular
 from .tree import escape_key, flatten
-
-log = logging.getLogger(__name__)
 
 __all__ = ["load_safetensors"]
 
