@@ -169,8 +169,22 @@ def test_names_that_do_not_match_get_the_key_map_hint(tmp_path: Path) -> None:
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load_safetensors(tmp_path / "m.safetensors", {"model": _model(1)})
     msg = str(info.value)
-    assert "m.safetensors" in msg and "key_map=" in msg and "model/0.weight" in msg
+    assert "m.safetensors" in msg and "model/0.weight" in msg
     assert "model/0.weight" in info.value.missing
+    # a prefix apart: the very key_map that loads them, whichever side has what
+    assert ("key_map=lambda name: 'model/' + name.removeprefix('model.')" in msg)
+    asyncckpt.load_safetensors(tmp_path / "m.safetensors", {"model": _model(1)},
+                               key_map=lambda name: "model/" + name.removeprefix("model."))
+    with pytest.raises(StateMismatchError,
+                       match=r"key_map=lambda name: name\.removeprefix\('model\.'\)"):
+        asyncckpt.load_safetensors(tmp_path / "m.safetensors", _model(1))
+    save_file(_weights(0), str(tmp_path / "bare.safetensors"))
+    with pytest.raises(StateMismatchError, match=r"key_map=lambda name: 'model/' \+ name$"):
+        asyncckpt.load_safetensors(tmp_path / "bare.safetensors", {"model": _model(1)})
+    save_file({"x": torch.ones(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(StateMismatchError, match=r"e\.g\. key_map=lambda name: 'model/' \+ "
+                       r"name puts them"):  # nothing in common: the general way
+        asyncckpt.load_safetensors(tmp_path / "other.safetensors", {"y": torch.ones(1)})
 
 
 def test_key_map_collisions_and_clashes_are_refused(tmp_path: Path) -> None:

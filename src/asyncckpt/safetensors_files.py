@@ -136,9 +136,42 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     except StateMismatchError as exc:
         if not (exc.missing and exc.unexpected) or key_map is not None:
             raise
-        raise retold(exc, f"{exc}. The files' tensors can be renamed with key_map=, e.g. "
-                     "key_map=lambda name: 'model/' + name puts them under 'model'") from exc
+        raise retold(exc, f"{exc}. {_rename_hint(exc.missing, exc.unexpected)}") from exc
     return out if finish is None else finish(out)
+
+
+def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
+    """The key_map that would match most names, when a prefix is all that differs
+    (Hugging Face's ``model.``, a wrapper's ``module.``, a state's ``model/``)."""
+    def splits(name: str) -> Iterable[tuple[str, str]]:  # (prefix, rest) at "." and "/"
+        yield "", name
+        for i, ch in enumerate(name[:-1]):
+            if ch in "./":
+                yield name[:i + 1], name[i + 1:]
+
+    wanted: dict[str, list[str]] = {}  # rest -> the target's prefixes before it
+    for m in missing:
+        for pre, rest in splits(m):
+            wanted.setdefault(rest, []).append(pre)
+    counts: dict[tuple[str, str], int] = {}  # (the files' prefix, the target's) -> names
+    example: dict[tuple[str, str], tuple[str, str]] = {}
+    for u in unexpected:
+        for pre, rest in splits(u):
+            for theirs in wanted.get(rest, ()):
+                if theirs != pre:
+                    k = (pre, theirs)
+                    counts[k] = counts.get(k, 0) + 1
+                    example.setdefault(k, (u, theirs + rest))
+    if counts:
+        (drop, add), n = max(counts.items(), key=lambda kv: kv[1])
+        if 2 * n >= len(missing):
+            file, target = example[(drop, add)]
+            new = "name" if not drop else f"name.removeprefix({drop!r})"
+            return (f"The files' names differ from the target's by a prefix (file {file!r}, "
+                    f"target {target!r}): pass key_map=lambda name: "
+                    + (f"{add!r} + {new}" if add else new))
+    return ("The files' tensors can be renamed with key_map=, e.g. key_map=lambda name: "
+            "'model/' + name puts them under 'model'")
 
 
 def _dict_keys(node: dict[str, Any]) -> Iterable[str]:
