@@ -283,14 +283,15 @@ def exclude_send(link: Link) -> None:
 def exclude_recv(link: Link) -> list[str]:
     """exclude= leaves a part out on both sides: into a target, that part of the target is
     left as it was (its tensors too); fresh, the part is absent from the tree (and
-    key_map= renames what comes)."""
+    key_map= renames what comes, cast= converts into a bf16 model)."""
     model, opt = make_model(seed=99)
+    model.to(torch.bfloat16)  # (an eval replica in bf16: cast=True converts on receipt)
     mine = extras(seed=99)
     before = {k: v.clone() for k, v in mine.items()}
     target = {"model": model, "optim": opt, "extra": mine, "step": 0, "lr": 0.5,
               "name": "other", "nested": [0, (0.0, None)]}
     out = link.tr.recv_checkpoint(link.peer, link.peer_meta, 17, datetime.timedelta(seconds=T),
-                                  into=target, exclude=["extra", "optim"])
+                                  into=target, exclude=["extra", "optim"], cast=True)
     link.sync()
     want = make_state(2)
     failures = []
@@ -299,7 +300,8 @@ def exclude_recv(link: Link) -> list[str]:
     if opt.state:
         failures.append("the excluded optimizer got state")
     failures += diff(mine, before, "<excluded extra>")
-    failures += diff(model.state_dict(), want["model"], "model")
+    failures += diff(model.state_dict(), {k: v.to(torch.bfloat16)
+                                          for k, v in want["model"].items()}, "model")
     failures += diff({k: target[k] for k in ("step", "lr", "name", "nested")},
                      {k: want[k] for k in ("step", "lr", "name", "nested")})
     fresh = link.tr.recv_checkpoint(link.peer, link.peer_meta, 17,

@@ -469,7 +469,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
                         exclude: str | Iterable[str] | None = None,
-                        key_map: KeyMap | None = None) -> Any:
+                        key_map: KeyMap | None = None, cast: bool = False) -> Any:
         """Fetch ``step`` from the peer at ``metadata`` (its ``address()``) within
         ``timeout`` (the whole fetch, waiting for the step to be allowed included;
         None: the transport's timeout; at most a week).
@@ -495,7 +495,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
         self._refuse_forked("recv_checkpoint")
-        check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+        check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
         check_step(step)
@@ -521,11 +521,11 @@ class HTTPTransport(CheckpointTransport[Any]):
                 return finish(load_from(Path(f"peer-step-{step}"), view, storage,
                                         strict=strict, ignore_unexpected=ignore_unexpected,
                                         threads=fetch_connections(self.num_chunks),
-                                        exclude=parts, key_map=key_map))
+                                        exclude=parts, key_map=key_map, cast=cast))
             return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
                              ignore_unexpected=ignore_unexpected,
                              threads=fetch_connections(self.num_chunks), exclude=parts,
-                             key_map=key_map)
+                             key_map=key_map, cast=cast)
         except CheckpointError as exc:
             raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:

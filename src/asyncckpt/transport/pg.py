@@ -352,7 +352,7 @@ class PGTransport(CheckpointTransport[Any]):
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
                         exclude: str | Iterable[str] | None = None,
-                        key_map: KeyMap | None = None) -> Any:
+                        key_map: KeyMap | None = None, cast: bool = False) -> Any:
         """Receive ``step`` from rank ``src_rank`` of the group (``metadata`` is its
         ``metadata()``, used in messages only).
 
@@ -386,7 +386,7 @@ class PGTransport(CheckpointTransport[Any]):
 
         self._check_open()
         step = _check_word(step, "step", 0)
-        check_flags(strict=strict, ignore_unexpected=ignore_unexpected)
+        check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
@@ -410,10 +410,10 @@ class PGTransport(CheckpointTransport[Any]):
             view, finish = excluded_view(into, parts)
             return finish(load_from(step_dir, view, storage, strict=strict, verify=False,
                                     manifest=manifest, ignore_unexpected=ignore_unexpected,
-                                    exclude=parts, key_map=key_map))
+                                    exclude=parts, key_map=key_map, cast=cast))
         return load_from(step_dir, into, storage, strict=strict, verify=False,
                          manifest=manifest, ignore_unexpected=ignore_unexpected, exclude=parts,
-                         key_map=key_map)
+                         key_map=key_map, cast=cast)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
