@@ -315,3 +315,29 @@ def test_a_hugging_face_cache_snapshot_of_symlinks_loads(tmp_path: Path) -> None
     asyncckpt.load_safetensors(snap, model)
     for k, v in _weights(0).items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+class _Tied(torch.nn.Module):
+    """An LM's tied input and output embeddings (GPT-2, Llama 3.2 1B, Gemma...)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_embeddings_saved_once_as_hugging_face_does_load_strictly(tmp_path: Path) -> None:
+    src = _Tied(0)
+    for kept in ("embed.weight", "head.weight"):  # either path may be the one saved
+        save_file({kept: src.embed.weight.detach().clone()}, str(tmp_path / "t.safetensors"))
+        model = _Tied(1)
+        asyncckpt.load_safetensors(tmp_path / "t.safetensors", model)
+        assert model.head.weight is model.embed.weight
+        assert torch.equal(model.embed.weight, src.embed.weight), kept
+    # untied paths are still each wanted
+    untied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(11, 4),
+                                  "head": torch.nn.Linear(4, 11, bias=False)})
+    with pytest.raises(StateMismatchError, match=r"missing from the checkpoint: embed\.weight"):
+        asyncckpt.load_safetensors(tmp_path / "t.safetensors", untied)

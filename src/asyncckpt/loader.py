@@ -121,7 +121,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               before_read: Callable[[FlatState], None] | None = None,
               progress: Callable[[int, int], None] | None = None,
               exclude: tuple[str, ...] = (), shown: Path | None = None,
-              key_map: KeyMap | None = None, cast: bool = False) -> Any:
+              key_map: KeyMap | None = None, cast: bool = False,
+              tied_ok: bool = False) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -132,7 +133,9 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     is read: its ``loaded_in_place`` holds the paths the load is about to fill.
     ``shown``: what errors and the log call the source, when not ``step_dir`` (a file).
     ``cast``: a target tensor of another dtype (see :func:`castable`) gets the saved
-    values cast, through a temporary, rather than a mismatch error.
+    values cast, through a temporary, rather than a mismatch error. ``tied_ok``: a
+    target path the checkpoint lacks is not missing when its tensor is tied to (is) one
+    the checkpoint fills.
     """
     # A load makes several small objects per tensor (the parsed manifest, the flattened
     # target, the read plan): with the collector on, the full collections they set off
@@ -146,7 +149,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                          ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
                          threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress,
-                         exclude=exclude, shown=shown, key_map=key_map, cast=cast)
+                         exclude=exclude, shown=shown, key_map=key_map, cast=cast,
+                         tied_ok=tied_ok)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -164,7 +168,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                progress: Callable[[int, int], None] | None = None,
                ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
                shown: Path | None = None, key_map: KeyMap | None = None,
-               cast: bool = False) -> Any:
+               cast: bool = False, tied_ok: bool = False) -> Any:
     label = step_dir if shown is None else shown
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
@@ -191,7 +195,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     casts: set[str] | None = set() if cast else None
     dests, boxes, regions = _match(manifest, saved, target, strict, label, spans,
                                    ignore_unexpected=ignore_unexpected, same_tree=same_tree,
-                                   casts=casts)
+                                   casts=casts, tied_ok=tied_ok)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
@@ -762,7 +766,7 @@ def saved_paths(manifest: Manifest) -> dict[str, str]:
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
            step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
            ignore_unexpected: bool = False, same_tree: bool = False,
-           casts: set[str] | None = None
+           casts: set[str] | None = None, tied_ok: bool = False
            ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
@@ -800,6 +804,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 
     _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
     missing = [p for p in target.refs if p not in saved and not whole_state(p)]
+    if tied_ok and missing:
+        # a target path tied to one the checkpoint fills (one tensor at both) gets its
+        # values through it: what Hugging Face files do with tied embeddings
+        filled = {target.refs[p] for p in target.refs if p in saved}
+        tied = [p for p in missing if target.refs[p] in filled]
+        if tied:
+            log.info("loading %s: %s get their values through the tensors they are tied to",
+                     step_dir, _few(tied))
+            missing = [p for p in missing if target.refs[p] not in filled]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched: list[str] = []
     # what the tensor keys do not show: values without arrays the checkpoint lacks, and

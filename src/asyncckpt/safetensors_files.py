@@ -100,6 +100,9 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     dtype gets the values cast, as ``load_state_dict`` does (through a temporary of at
     most 64 MiB at a time); ``cast=False`` makes any dtype difference an error.
 
+    A target tensor at several paths (tied embeddings) needs to be in the files at one of
+    them only, as Hugging Face saves it.
+
     Safetensors files hold no checksums: a damaged byte goes unseen here, as with any
     safetensors reader; what is checked is each header's structure, each tensor's
     dtype, shape and byte range against its file's size.
@@ -132,7 +135,8 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
         out = load_from(where, state, LocalStorage(), strict=strict,
                         ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                         threads=threads, manifest=manifest, progress=progress, exclude=parts,
-                        shown=None if Path(source).is_dir() else Path(source), cast=cast)
+                        shown=None if Path(source).is_dir() else Path(source), cast=cast,
+                        tied_ok=True)
     except StateMismatchError as exc:
         if not (exc.missing and exc.unexpected) or key_map is not None:
             raise
