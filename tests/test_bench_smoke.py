@@ -35,7 +35,7 @@ def test_quick_run_measures_every_section(tmp_path: Path, capsys: pytest.Capture
 
     methods = res["methods"]
     expected = [label for label, _, _ in bench.ASYNCCKPT_MODES]
-    expected += ["torch.save", "safetensors", "DCP async_save"]
+    expected += ["torch.save", "safetensors", "asyncckpt.load_safetensors", "DCP async_save"]
     assert sorted(methods) == sorted(expected)
     for name, m in methods.items():
         for key in ("blocked_s", "staged_s", "durable_s", "load_cold_s", "load_hot_s"):
