@@ -343,6 +343,13 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
             "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata}
 
 
+def _tensor_table(doc: dict[str, Any]) -> str:
+    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
+            for t in doc["tensors"]]
+    return (_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)) if rows
+            else "(no tensors)")
+
+
 def _plain_files(ckpt: str) -> tuple[Path, list[str]] | None:
     """The directory and files of plain safetensors CKPT names (a .safetensors file, or a
     directory of them that is no asyncckpt checkpoint), else None."""
@@ -381,11 +388,8 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
     if args.json:
         _print_json(doc)
         return EXIT_OK
-    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
-            for t in doc["tensors"]]
-    _out(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)) if rows
-         else "(no tensors)")
-    _out(f"plain safetensors: {len(rows)} tensors  {doc['tensor_bytes']} tensor bytes "
+    _out(_tensor_table(doc))
+    _out(f"plain safetensors: {len(doc['tensors'])} tensors  {doc['tensor_bytes']} tensor bytes "
          f"({human_bytes(doc['total_bytes'])} in {len(files)} "
          f"file{'s' if len(files) != 1 else ''}); no checksums: load them with "
          "asyncckpt.load_safetensors")
@@ -402,18 +406,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return EXIT_OK
-    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
-            for t in doc["tensors"]]
-    if rows:
-        _out(_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)))
-    else:
-        _out("(no tensors)")
+    _out(_tensor_table(doc))
     for t in doc["tensors"]:
         for path in t["tied"]:
             _out(f"{_shown(path)}: tied to {_shown(t['path'])} (stored once)")
     skel = doc["skeleton"]
     classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
-    _out(f"step {doc['step']}  world size {doc['world_size']}  {len(rows)} tensors  "
+    _out(f"step {doc['step']}  world size {doc['world_size']}  {len(doc['tensors'])} tensors  "
          f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
          f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")

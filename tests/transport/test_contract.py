@@ -238,11 +238,15 @@ def new_step_recv(link: Link) -> list[str]:
     return failures
 
 
-def model_alone_send(link: Link) -> None:
-    for _ in range(2):  # (a PG send serves one receive)
-        link.tr.send_checkpoint([link.peer], 15, make_state(2), datetime.timedelta(seconds=T))
-        link.sync()
-    link.tr.disallow_checkpoint()
+def send_twice(step: int) -> Callable[[Link], None]:
+    """A sender offering make_state(2) as ``step`` for two receives."""
+    def send(link: Link) -> None:
+        for _ in range(2):  # (a PG send serves one receive)
+            link.tr.send_checkpoint([link.peer], step, make_state(2),
+                                    datetime.timedelta(seconds=T))
+            link.sync()
+        link.tr.disallow_checkpoint()
+    return send
 
 
 def model_alone_recv(link: Link) -> list[str]:
@@ -271,13 +275,6 @@ def model_alone_recv(link: Link) -> list[str]:
     failures += diff({k: out.get(k) for k in ("step", "lr", "name", "nested")},
                      {k: want[k] for k in ("step", "lr", "name", "nested")})
     return failures + diff(model.state_dict(), want["model"], "model")
-
-
-def exclude_send(link: Link) -> None:
-    for _ in range(2):  # (a PG send serves one receive)
-        link.tr.send_checkpoint([link.peer], 17, make_state(2), datetime.timedelta(seconds=T))
-        link.sync()
-    link.tr.disallow_checkpoint()
 
 
 def exclude_recv(link: Link) -> list[str]:
@@ -356,8 +353,8 @@ SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], 
     "into": (into_send, into_recv, 1),
     "wrong_step": (wrong_step_send, wrong_step_recv, 2),
     "disallow_then_new_step": (new_step_send, new_step_recv, 2),
-    "model_alone": (model_alone_send, model_alone_recv, 2),
-    "exclude": (exclude_send, exclude_recv, 2),
+    "model_alone": (send_twice(15), model_alone_recv, 2),
+    "exclude": (send_twice(17), exclude_recv, 2),
     "state_dict_fn": (reuse_send, reuse_recv, 1),
 }
 
