@@ -1213,7 +1213,7 @@ def test_large_boxes_go_through_the_temporary_a_slab_at_a_time(
     import asyncckpt.reader as rd
     from asyncckpt import ShardMetadata
 
-    monkeypatch.setattr(rd, "_BOX_PIECE", 1000)
+    monkeypatch.setattr(rd, "_BOX_PIECE", 1000)  # (with blocks of 4 KiB: 16 KiB pieces)
     spans: list[int] = []
     real = rd._read_box_part
 
@@ -1223,16 +1223,16 @@ def test_large_boxes_go_through_the_temporary_a_slab_at_a_time(
 
     monkeypatch.setattr(rd, "_read_box_part", recording)
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(40, 30, generator=g)
-    asyncckpt.save({"w": w.to(torch.bfloat16) if cast else w}, tmp_path, step=1)
-    target = {"w": torch.zeros(25, 12)}
-    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
-        ck.load(target, shards={"w": ShardMetadata((40, 30), (10, 6))}, cast=cast)
-    want = (w.to(torch.bfloat16).float() if cast else w)[10:35, 6:18]
+    w = torch.randn(400, 300, generator=g)
+    with asyncckpt.AsyncCheckpointer(tmp_path, block_bytes=4096) as ck:
+        ck.save({"w": w.to(torch.bfloat16) if cast else w}, 1)
+        target = {"w": torch.zeros(250, 120)}
+        ck.load(target, shards={"w": ShardMetadata((400, 300), (100, 60))}, cast=cast)
+    want = (w.to(torch.bfloat16).float() if cast else w)[100:350, 60:180]
     assert torch.equal(target["w"], want)
     size = 2 if cast else 4
-    rows = 1000 // (12 * size)  # of the box's 25, per slab
-    assert len(spans) == -(-25 // rows) and max(spans) <= rows * 30 * size
+    rows = 4 * 4096 // (120 * size)  # of the box's 250, per slab
+    assert len(spans) == -(-250 // rows) and max(spans) <= rows * 300 * size
 
 
 def test_a_cast_read_still_verifies_every_byte(tmp_path: Path) -> None:
@@ -1244,3 +1244,46 @@ def test_a_cast_read_still_verifies_every_byte(tmp_path: Path) -> None:
     target = {"w": torch.zeros(1000)}
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch in tensor 'w'"):
         asyncckpt.load(tmp_path, target, cast=True)
+
+
+def test_boxes_with_a_leading_1_or_one_long_row_are_split_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.reader as rd
+    from asyncckpt import ShardMetadata
+
+    monkeypatch.setattr(rd, "_BOX_PIECE", 1000)  # (with blocks of 4 KiB: 16 KiB pieces)
+    spans: list[int] = []
+    real = rd._read_box_part
+
+    def recording(*a: Any, **kw: Any) -> None:
+        spans.append(a[8] - a[7])
+        real(*a, **kw)
+
+    monkeypatch.setattr(rd, "_read_box_part", recording)
+    g = torch.Generator().manual_seed(12)
+    cube = torch.randn(2, 60, 400, generator=g)  # a box (1, 50, 400): 80 KB, leading 1
+    row = torch.randn(3, 30000, generator=g)  # a box (1, 20000): one row of 80 KB
+    with asyncckpt.AsyncCheckpointer(tmp_path, block_bytes=4096) as ck:
+        ck.save({"cube": cube, "row": row}, 1)
+        target = {"cube": torch.zeros(1, 50, 400, dtype=torch.float64),
+                  "row": torch.zeros(1, 20000)}
+        ck.load(target, cast=True, shards={"cube": ShardMetadata((2, 60, 400), (1, 5, 0)),
+                                           "row": ShardMetadata((3, 30000), (2, 7000))})
+    assert torch.equal(target["cube"], cube[1:2, 5:55].double())
+    assert torch.equal(target["row"], row[2:3, 7000:27000])
+    assert len(spans) >= 10 and max(spans) <= 4 * 4096 + 400 * 4
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "safetensors"])
+def test_a_0_dim_tensor_is_cast(tmp_path: Path, how: str) -> None:
+    from safetensors.torch import save_file
+
+    v = torch.tensor(2.6592, dtype=torch.bfloat16)  # CLIP's logit_scale, as published
+    target = {"scale": torch.tensor(0.0)}
+    if how == "checkpoint":
+        asyncckpt.save({"scale": v}, tmp_path, step=1)
+        asyncckpt.load(tmp_path, target, cast=True)
+    else:
+        save_file({"scale": v}, str(tmp_path / "f.safetensors"))
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", target)
+    assert target["scale"].dtype == torch.float32 and target["scale"].item() == v.item()

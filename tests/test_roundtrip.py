@@ -1611,3 +1611,23 @@ def test_cast_loads_floats_into_another_float_dtype_in_place(tmp_path: Path) -> 
         assert torch.equal(a.to(torch.bfloat16), b)
     moment = hopt.state_dict()["state"][0]["exp_avg"]  # (torch casts it to the parameter's)
     assert torch.equal(moment, opt.state_dict()["state"][0]["exp_avg"].to(moment.dtype))
+
+
+def test_key_map_moving_optimizer_state_keeps_its_int_keys(tmp_path: Path) -> None:
+    # Found by the audit: a swap emptied the int-keyed dicts, and the new ones came back
+    # with str keys: a strict load passed and the optimizer got no moments at all.
+    torch.manual_seed(0)
+    w0, w1 = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(5))
+    opt = torch.optim.SGD([w0, w1], lr=0.1, momentum=0.9)
+    (w0.sum() + w1.sum()).backward()
+    opt.step()
+    asyncckpt.save({"optim": opt}, tmp_path, step=1)
+    v0, v1 = nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(3))  # the other order
+    opt2 = torch.optim.SGD([v0, v1], lr=0.1, momentum=0.9)
+    swap = {"optim/state/0/momentum_buffer": "optim/state/1/momentum_buffer",
+            "optim/state/1/momentum_buffer": "optim/state/0/momentum_buffer"}
+    asyncckpt.load(tmp_path, {"optim": opt2}, key_map=swap)
+    assert sorted(opt2.state_dict()["state"]) == [0, 1]
+    assert torch.equal(opt2.state[v0]["momentum_buffer"], opt.state[w1]["momentum_buffer"])
+    assert torch.equal(opt2.state[v1]["momentum_buffer"], opt.state[w0]["momentum_buffer"])
+    assert sorted(asyncckpt.load(tmp_path, key_map=swap)["optim"]["state"]) == [0, 1]

@@ -341,3 +341,29 @@ def test_tied_embeddings_saved_once_as_hugging_face_does_load_strictly(tmp_path:
                                   "head": torch.nn.Linear(4, 11, bias=False)})
     with pytest.raises(StateMismatchError, match=r"missing from the checkpoint: embed\.weight"):
         asyncckpt.load_safetensors(tmp_path / "t.safetensors", untied)
+
+
+def test_forged_headers_with_shared_bytes_or_repeated_names_are_refused(tmp_path: Path) -> None:
+    both = tmp_path / "both.safetensors"
+    _write_raw(both, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)
+    with pytest.raises(CheckpointCorruptError, match="'a' and 'b' claim the same bytes"):
+        asyncckpt.load_safetensors(both)
+    twice = tmp_path / "twice.safetensors"
+    text = (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}')
+    twice.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 8)
+    with pytest.raises(CheckpointCorruptError, match="names 'w' twice"):
+        asyncckpt.load_safetensors(twice)
+    (tmp_path / "sub" / "dir.safetensors").mkdir(parents=True)  # (listed as a file)
+    with pytest.raises(CheckpointCorruptError, match="not a regular file") as info:
+        asyncckpt.load_safetensors(tmp_path / "sub")
+    assert "earlier step" not in str(info.value)
+
+
+def test_numpy_targets_are_never_cast_and_are_told_so(tmp_path: Path) -> None:
+    import numpy as np
+
+    save_file({"a": torch.ones(3, dtype=torch.float16)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(StateMismatchError, match="numpy arrays are never cast"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors", {"a": np.zeros(3, np.float32)})

@@ -684,10 +684,11 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
     if not moves:
         return manifest
     skeleton = copy.deepcopy(manifest.skeleton)
-    nodes = [_detach(skeleton, path, old, new) for path, old, new in moves]
+    ints: dict[tuple[str, ...], set[str]] = {}  # a dict's path -> the int keys moves emptied
+    nodes = [_detach(skeleton, path, old, new, ints) for path, old, new in moves]
     for (_, old, new), node in zip(moves, nodes, strict=True):
         if new is not None:
-            _attach(skeleton, new, node, old)
+            _attach(skeleton, new, node, old, ints)
     kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
     return dataclasses.replace(manifest, skeleton=skeleton, tensors={
         k: v for k, v in manifest.tensors.items() if k in kept})
@@ -700,16 +701,19 @@ def _inner(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None) -> dict[str, Any]:
+def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
+            ints: dict[tuple[str, ...], set[str]]) -> dict[str, Any]:
     """Take the node at ``path`` out of its dict, and dicts that this empties out of
-    theirs; return it."""
+    theirs (noting in ``ints`` those whose key was an int); return it."""
     chain: list[tuple[dict[str, Any], int]] = []  # (container, index of the child in it)
+    keys: list[str] = []  # the keys on the way, as text
     node = skeleton
     for seg in path.split("/"):
         node = _inner(node)
         i = (next((j for j, (k, _) in enumerate(node["items"]) if escape_key(k) == seg))
              if node["t"] == "dict" else int(seg))
         chain.append((node, i))
+        keys.append(str(node["items"][i][0]) if node["t"] == "dict" else seg)
         node = node["items"][i] if node["t"] != "dict" else node["items"][i][1]
     parent, i = chain[-1]
     if parent["t"] != "dict":
@@ -717,15 +721,21 @@ def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None) -> d
             f"key_map renames tensor {old!r} to {new!r}, but it is an item of a "
             f"{parent['t']}: only tensors in dicts can be renamed or left out")
     parent["items"].pop(i)
-    for container, j in reversed(chain[:-1]):  # (dicts it leaves empty go too)
+    for depth in range(len(chain) - 2, -1, -1):  # (dicts it leaves empty go too)
+        container, j = chain[depth]
         child = container["items"][j][1] if container["t"] == "dict" else None
         if child is None or _inner(child)["t"] != "dict" or _inner(child)["items"]:
             break
-        container["items"].pop(j)
+        key = container["items"].pop(j)[0]
+        if type(key) is int:  # (an optimizer's state of parameter 3: moved back, it is 3)
+            ints.setdefault(tuple(keys[:depth]), set()).add(str(key))
     return node
 
 
-def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str) -> None:
+def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str,
+            ints: dict[tuple[str, ...], set[str]]) -> None:
+    """Put ``node`` at path ``new``, making the dicts on the way. A new key is an int
+    where the dict had that int key before the moves, or holds int keys only."""
     parts = new.split("/")
     here = skeleton
     for n, part in enumerate(parts):
@@ -735,18 +745,32 @@ def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str) 
                 f"key_map renames tensor {old!r} to {new!r}, but "
                 f"{'/'.join(parts[:n]) or 'the root'!r} is a {here['t']} in the checkpoint: "
                 "tensors can be moved into dicts only")
-        child = next((c for k, c in here["items"]
+        items = here["items"]
+        child = next((c for k, c in items
                       if k == part or (type(k) is int and str(k) == part)), None)
+        key: str | int = part
+        if child is None and _int_text(part) and (
+                part in ints.get(tuple(parts[:n]), ()) or (items and all(type(k) is int
+                                                                 for k, _ in items))):
+            key = int(part)
         if n == len(parts) - 1:
             if child is not None:
                 raise CheckpointConfigError(
                     f"key_map renames tensor {old!r} to {new!r}, which the checkpoint holds "
                     "already (another tensor or value): map them to different names")
-            here["items"].append([part, node])
+            items.append([key, node])
         elif child is None:
             child = {"t": "dict", "items": []}
-            here["items"].append([part, child])
+            items.append([key, child])
         here = child if child is not None else here
+
+
+def _int_text(text: str) -> bool:
+    """Whether ``text`` is how ``str`` writes some int."""
+    try:
+        return str(int(text)) == text
+    except ValueError:
+        return False
 
 
 def _names_a_part(skeleton: dict[str, Any], path: str) -> bool:
@@ -825,6 +849,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     overlapping: list[str] = []
     unwritable: list[str] = []
     other_dtype = False  # a target of another dtype among the mismatches
+    numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
@@ -842,7 +867,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
             if (casts is None or (tbox[0] if tbox is not None else t.shape) != entry.shape
                     or not castable(entry.dtype, t.dtype) or tkey in target.arrays):
-                other_dtype = other_dtype or t.dtype != entry.dtype
+                if t.dtype != entry.dtype:
+                    other_dtype = True
+                    numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
                 mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                                   f"target {t.dtype} {list(target.global_shape(tkey))}")
                 continue
@@ -890,7 +917,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
         if mismatched:
             parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
-            if other_dtype:
+            if numpy_dtype:
+                parts.append("numpy arrays are never cast: load into arrays of the saved "
+                             "dtypes (or into tensors)")
+            elif other_dtype:
                 parts.append("to load into tensors of another floating (or integer) dtype, "
                              "pass cast=True" if casts is None else
                              "to load into tensors of another kind of dtype, load with "

@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 # Reads go in pieces this large; each is hashed right after it lands, while it is still in
 # the cache: a hot 3 GiB load took 224 ms with 2 MiB pieces and 246 ms with 8 MiB ones.
 _PIECE = 2 * 1024 * 1024
-_BOX_PIECE = 64 * 1024 * 1024  # the most a box read goes through a temporary at once
+# The most of a box a read goes through a temporary at once (plus the checksum blocks at
+# its two ends, which each piece reads and verifies whole)
+_BOX_PIECE = 64 * 1024 * 1024
 _MAX_IOV = 1024  # Linux's IOV_MAX
 _MAX_GAP = 1 << 20  # padding read into scratch rather than starting a new read
 
@@ -680,13 +682,20 @@ def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: Re
     lens = it.box[1]
     if 0 in lens:
         return  # an empty box: nothing to read
-    if len(lens) and lens[0] > 1 and math.prod(lens) * itemsize > _BOX_PIECE:
-        # A large box goes through the temporary a slab of rows at a time: a GB-sized
-        # shard of one tensor (or a cast one) must not need a GB of memory more
-        rows = max(1, _BOX_PIECE // (math.prod(lens[1:]) * itemsize))
-        (o0, *orest), (n0, *lrest) = it.box
-        for a in range(0, n0, rows):
-            slab = ((o0 + a, *orest), (min(rows, n0 - a), *lrest))
+    # (a piece reads and verifies whole blocks: with blocks as large as the piece, pieces
+    # would read their blocks again and again)
+    piece = max(_BOX_PIECE, 4 * block_bytes)
+    if math.prod(lens) * itemsize > piece and any(n > 1 for n in lens):
+        # A large box goes through the temporary a slab at a time: a GB-sized shard of one
+        # tensor (or a cast one) must not need a GB of memory more. Slabs of the first
+        # dimension that is not 1; where one index of it is still too large (a row
+        # longer than the piece), each index is split again along the next.
+        d = next(i for i, n in enumerate(lens) if n > 1)
+        step = max(1, piece // (math.prod(lens[d + 1:]) * itemsize))
+        offsets, lengths = it.box
+        for a in range(0, lens[d], step):
+            slab = ((*offsets[:d], offsets[d] + a, *offsets[d + 1:]),
+                    (*lengths[:d], min(step, lens[d] - a), *lengths[d + 1:]))
             _read_item(fd, path, it._replace(box=slab), dst, storage, verify, block_bytes,
                        stop, None, saved)
         return
@@ -748,8 +757,8 @@ def _sparse_runs(chunk: Chunk, box: Box, itemsize: int, block_bytes: int
     d = len(lens) - 1
     while d > 0 and lens[d] == clens[d]:
         d -= 1
-    if d == 0:
-        return None  # one contiguous run
+    if d <= 0:
+        return None  # one contiguous run (or a 0-dim tensor's one element)
     strides = row_major_strides(clens)
     run = lens[d] * strides[d] * itemsize
     gap = strides[d - 1] * itemsize - run

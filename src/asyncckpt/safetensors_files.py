@@ -276,10 +276,12 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
     for fname in names:
         entry, header = _read_header(where / fname)
         files[fname] = FileEntry(fname, entry[0], 0, entry[1], entry[2])
+        ranges: list[tuple[int, int, str]] = []
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             dtype, shape, lo, hi = _tensor_info(where / fname, name, info, entry[0] - entry[1])
+            ranges.append((lo, hi, name))
             path = _mapped(name, key_map)
             if path is None:
                 dropped.add((fname, name))
@@ -296,6 +298,7 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             key = _place(root, path, name)
             tensors[key] = TensorEntry(dtype, shape, "torch", (Chunk(
                 fname, name, (0,) * len(shape), shape, (entry[1] + lo, entry[1] + hi), ()),))
+        _check_apart(where / fname, ranges)
     if index is not None:
         held = {(f, n) for f, n in found.values()} | dropped
         lost = sorted(k for k, f in index.items() if (f, k) not in held)
@@ -315,7 +318,12 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
     try:
         fd = open_regular(path)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path} does not exist (an index names it?)") from None
+        raise CheckpointNotFoundError(f"{path} does not exist (a broken link, or a file the "
+                                      "index names that is missing)") from None
+    except CheckpointCorruptError:  # (its words are a checkpoint's: "load an earlier step")
+        raise CheckpointCorruptError(f"{path} is not a regular file (a directory, FIFO or "
+                                     "device): pass safetensors files",
+                                     path=str(path)) from None
     except CheckpointError:
         raise
     except OSError as exc:
@@ -340,7 +348,10 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
     if len(head) != 8 + n:
         raise CheckpointCorruptError(f"{path} was cut short while being read", path=str(path))
     try:
-        header = json.loads(head[8:])
+        header = json.loads(head[8:], object_pairs_hook=_no_repeats)
+    except _Repeated as exc:
+        raise CheckpointCorruptError(f"{path}: its safetensors header names {exc} twice: a "
+                                     "damaged or forged file", path=str(path)) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{path}: its safetensors header is not JSON: {exc}",
                                      path=str(path)) from exc
@@ -353,6 +364,33 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
             f"{path} is a shard file of an asyncckpt checkpoint, whose tensors may be parts "
             "of larger ones: load its step directory with asyncckpt.load")
     return (size, 8 + n, xxhash.xxh3_64_hexdigest(head)), header
+
+
+class _Repeated(ValueError):
+    """A JSON object of the header names a key twice (json.loads would keep the last)."""
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Repeated(repr(k))
+            seen.add(k)
+    return out
+
+
+def _check_apart(path: Path, ranges: list[tuple[int, int, str]]) -> None:
+    """No two tensors' bytes overlap (safetensors' own reader refuses that too): a forged
+    header could otherwise give two tensors the same bytes."""
+    end, last = 0, ""
+    for lo, hi, name in sorted(r for r in ranges if r[0] < r[1]):
+        if lo < end:
+            raise CheckpointCorruptError(
+                f"{path}: tensors {last!r} and {name!r} claim the same bytes: a damaged or "
+                "forged file", path=str(path), key=name)
+        end, last = hi, name
 
 
 def _tensor_info(path: Path, name: str, info: Any, body: int
