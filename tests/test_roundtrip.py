@@ -1563,6 +1563,10 @@ def test_key_map_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     for key_map, match in cases:
         with pytest.raises(asyncckpt.CheckpointConfigError, match=match):
             asyncckpt.load(tmp_path, key_map=key_map)  # type: ignore[arg-type]
+    asyncckpt.save(torch.ones(2), tmp_path / "bare", step=1)  # the root is one tensor
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="root is one tensor"):
+        asyncckpt.load(tmp_path / "bare", key_map=lambda p: "w")
+    assert torch.equal(asyncckpt.load(tmp_path / "bare", key_map={}), torch.ones(2))
 
 
 def test_key_map_with_fallback_renames_the_older_step_it_loads(tmp_path: Path) -> None:

@@ -680,6 +680,10 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
         old = unescape_path(path)
         new = mapped_name(old, key_map)
         if new != old:
+            if not path:
+                raise CheckpointConfigError(
+                    f"key_map renames the checkpoint's root to {new!r}, but the root is one "
+                    "tensor, not a dict of them: load it without key_map")
             moves.append((path, old, new))
     if not moves:
         return manifest
