@@ -153,19 +153,23 @@ def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
             if ch in "./":
                 yield name[:i + 1], name[i + 1:]
 
-    wanted: dict[str, list[str]] = {}  # rest -> the target's prefixes before it
+    # rest -> the one target prefix before it (None: several; "weight" ends them all).
+    # Linear in the names' length: a model of 100,000 tensors gets its hint at once.
+    wanted: dict[str, str | None] = {}
     for m in missing:
         for pre, rest in splits(m):
-            wanted.setdefault(rest, []).append(pre)
+            wanted[rest] = pre if rest not in wanted else None
     counts: dict[tuple[str, str], int] = {}  # (the files' prefix, the target's) -> names
     example: dict[tuple[str, str], tuple[str, str]] = {}
     for u in unexpected:
-        for pre, rest in splits(u):
-            for theirs in wanted.get(rest, ()):
-                if theirs != pre:
+        for pre, rest in splits(u):  # (the longest rest the target has: the one match)
+            if rest in wanted:
+                theirs = wanted[rest]
+                if theirs is not None and theirs != pre:
                     k = (pre, theirs)
                     counts[k] = counts.get(k, 0) + 1
                     example.setdefault(k, (u, theirs + rest))
+                break
     if counts:
         (drop, add), n = max(counts.items(), key=lambda kv: kv[1])
         if 2 * n >= len(missing):
