@@ -872,3 +872,107 @@ def test_export_speaks_of_keys_as_they_were_not_as_the_manifest_escapes_them(
     assert str(info.value).endswith("start with: 'a/b', 'x%y'")
     export_safetensors(tmp_path / "c", tmp_path / "o.safetensors", prefix="a/b")
     assert list(load_file(tmp_path / "o.safetensors")) == ["a/b"]
+
+
+# --- max_shard_bytes: a directory of files, as Hugging Face publishes a model -------------------
+
+
+def _many(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(21)
+    model = {"emb": torch.randn(500, generator=g), "w1": torch.randn(100, generator=g),
+             "w2": torch.randn(120, generator=g).to(torch.bfloat16),
+             "ids": torch.arange(40), "b": torch.randn(7, generator=g)}
+    asyncckpt.save({"model": model, "step": 3}, tmp_path / "ck", step=3)
+    return tmp_path / "ck", model
+
+
+def test_a_sharded_export_is_a_hugging_face_directory(tmp_path: Path) -> None:
+    root, model = _many(tmp_path)
+    out = tmp_path / "hf"
+    report = export_safetensors(root, out, prefix="model", strip_prefix=True,
+                                max_shard_bytes=1000)
+    files = sorted(p.name for p in out.iterdir())
+    n = len(files) - 1
+    assert n >= 3 and files == sorted([*(f"model-{i:05d}-of-{n:05d}.safetensors"
+                                         for i in range(1, n + 1)),
+                                       "model.safetensors.index.json"])
+    assert sorted(report.files) == files and report.out_path == out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in model.values())
+    assert index["weight_map"] == report.weight_map and set(index["weight_map"]) == set(model)
+    for name, t in model.items():  # every file a plain safetensors file holding its share
+        shard = load_file(out / index["weight_map"][name])
+        assert torch.equal(shard[name], t), name
+    for f in set(index["weight_map"].values()):  # at most 1000 bytes, but for a larger one
+        sizes = [t.nbytes for k, t in model.items() if index["weight_map"][k] == f]
+        assert sum(sizes) <= 1000 or len(sizes) == 1
+    assert index["weight_map"]["emb"] != index["weight_map"]["w1"]  # 2000 bytes: alone
+    back = asyncckpt.load_safetensors(out)
+    assert all(torch.equal(back[k], t) for k, t in model.items()) and set(back) == set(model)
+
+
+def test_a_sharded_export_that_fits_one_file_is_model_safetensors(tmp_path: Path) -> None:
+    root, model = _many(tmp_path)
+    report = export_safetensors(root, tmp_path / "hf", prefix="model/", strip_prefix=True,
+                                max_shard_bytes=10**9)
+    assert report.files == ["model.safetensors"] and report.weight_map == {
+        k: "model.safetensors" for k in model}
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
+
+
+def test_a_sharded_export_replaces_only_an_earlier_export(tmp_path: Path) -> None:
+    root, _ = _many(tmp_path)
+    out = tmp_path / "hf"
+    export_safetensors(root, out, max_shard_bytes=1000)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        export_safetensors(root, out, max_shard_bytes=3000)
+    assert sorted(p.name for p in out.iterdir()) == before
+    export_safetensors(root, out, max_shard_bytes=10**9, force=True)
+    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    (out / "README.md").write_text("mine")
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"holds more than an export "
+                       r"\(README\.md\)"):
+        export_safetensors(root, out, max_shard_bytes=1000, force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]  # no temporaries
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="max_shard_bytes=0"):
+        export_safetensors(root, tmp_path / "x", max_shard_bytes=0)
+
+
+def test_a_sharded_export_of_a_damaged_checkpoint_leaves_nothing(tmp_path: Path) -> None:
+    root, _ = _many(tmp_path)
+    shard = root / "step_000000003" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(asyncckpt.CheckpointCorruptError):
+        export_safetensors(root, tmp_path / "hf", max_shard_bytes=1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_the_directory_of_a_killed_sharded_export_is_removed_by_the_next(
+        tmp_path: Path) -> None:
+    root, _ = _many(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    left = tmp_path / f".asyncckpt-export-{export_mod._HOST}-{dead.stdout.strip()}-abc.tmp"
+    left.mkdir()
+    (left / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    export_safetensors(root, tmp_path / "hf", max_shard_bytes=1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
+
+
+def test_cli_export_max_shard_size(tmp_path: Path) -> None:
+    root, model = _many(tmp_path)
+    code, out, err = export(str(root), str(tmp_path / "hf"), "--prefix", "model",
+                            "--strip-prefix", "--max-shard-size", "1KB")
+    assert code == 0, err
+    assert "files: model-00001-of-0000" in out and "model.safetensors.index.json" in out
+    back = asyncckpt.load_safetensors(tmp_path / "hf")
+    assert all(torch.equal(back[k], t) for k, t in model.items())
+    code, _, err = export(str(root), str(tmp_path / "x"), "--max-shard-size", "5XB")
+    assert code == 2 and "is no size" in err
+    code, out, err = export(str(root), str(tmp_path / "y"), "--max-shard-size", "0.5KiB",
+                            "--json")
+    assert code == 0 and len(json.loads(out)["files"]) > 2

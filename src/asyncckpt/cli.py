@@ -182,6 +182,25 @@ def _step_number(text: str) -> int:
 _step_number.__name__ = "step number (0 or more)"  # (argparse names the type so)
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(text: str) -> int:
+    """``5GB`` (10^9, as Hugging Face counts), ``2GiB``, ``500MB`` or bytes -> bytes."""
+    t = text.strip().lower().replace("_", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give e.g. 5GB, 500MB, 2GiB "
+                                         "or a number of bytes") from None
+    if not 1 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size of at least one byte")
+    return int(value)
+
+
 def _dtype_name(text: str) -> str:
     """--dtype's type: a name export takes (bf16, bfloat16, fp16, half...), in any case,
     as the Python API takes it; returned lowercased (the report prints it)."""
@@ -521,7 +540,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         with _sigterm_interrupts():  # so that the half-written output is removed
             report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
                                         strip_prefix=args.strip_prefix, dtype=args.dtype,
-                                        force=args.force, progress=progress)
+                                        force=args.force, progress=progress,
+                                        max_shard_bytes=args.max_shard_size)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -546,6 +566,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     for alias, name in report.aliases.items():
         _out(f"{_shown(alias)}: tied to {_shown(name)} (written once)")
     gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+    if args.max_shard_size is not None:
+        _out(f"files: {', '.join(report.files)}")
     _out(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
          f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "
          f"of {report.step_dir} in {report.seconds:.3f}s ({gbps:.2f} GB/s)"
@@ -674,7 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", type=_dtype_name, default=None, metavar="{bf16,fp16,fp32}",
                     help="cast floating tensors to this dtype (others are kept as they are); "
                          "also bfloat16, float16, half, float32, float, in any case")
-    ex.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    ex.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                    help="write OUT as a directory of files of at most SIZE of tensors "
+                         "(5GB, 500MB, 2GiB or bytes), with a model.safetensors.index.json, "
+                         "as Hugging Face publishes a model")
+    ex.add_argument("--force", action="store_true",
+                    help="overwrite OUT if it exists (with --max-shard-size: an earlier "
+                         "export's directory only)")
     ex.set_defaults(func=cmd_export)
     sv = sub.add_parser(
         "serve", help="serve one committed checkpoint to peers over HTTP",

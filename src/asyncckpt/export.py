@@ -1,4 +1,5 @@
-"""Export a (possibly sharded) checkpoint as one safetensors file of whole tensors.
+"""Export a (possibly sharded) checkpoint as one safetensors file of whole tensors (or,
+with ``max_shard_bytes``, a directory of them with an index, as Hugging Face publishes).
 
 The output is what Hugging Face and inference tools load: one ``.safetensors`` file,
 each selected tensor whole, named by its asyncckpt path (``model/layers.0.weight``,
@@ -23,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import stat
 import struct
 import time
@@ -113,10 +115,15 @@ class ExportReport:
     file_bytes: int = 0
     tensor_bytes: int = 0
     seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+    """The files written: the output's name, or (``max_shard_bytes``) those in its directory."""
+    weight_map: dict[str, str] = field(default_factory=dict)
+    """With ``max_shard_bytes``: each written tensor's file (the index's ``weight_map``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "out": str(self.out_path), "checkpoint": str(self.step_dir), "step": self.step,
+            "files": list(self.files),
             "file_bytes": self.file_bytes, "tensor_bytes": self.tensor_bytes,
             "seconds": round(self.seconds, 6),
             "tensors": [{"name": t.name, "key": t.key, "dtype": t.dtype,
@@ -144,7 +151,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                        step: int | None = None, prefix: str = "", strip_prefix: bool = False,
                        dtype: torch.dtype | str | None = None, force: bool = False,
                        storage: Storage | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> ExportReport:
+                       progress: Callable[[int, int], None] | None = None,
+                       max_shard_bytes: int | None = None) -> ExportReport:
     """Write the tensors of one checkpoint under ``prefix`` to one safetensors file.
 
     ``ckpt_path`` is a checkpoint root (latest step, or ``step``) or a step directory.
@@ -165,6 +173,14 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     export that was killed is removed by the next export into that directory on the
     same machine.
 
+    ``max_shard_bytes``: ``out_path`` is then a directory to create, laid out as Hugging
+    Face publishes a model: files of at most that many tensor bytes (a larger tensor gets
+    one of its own), ``model-00001-of-0000N.safetensors``... with a
+    ``model.safetensors.index.json`` naming each tensor's file, or ``model.safetensors``
+    alone when one file holds them all. The directory appears whole (built under a
+    temporary name beside it, then renamed); ``force`` replaces only a directory that
+    holds nothing but safetensors files and their index (an earlier export).
+
     Raises:
         CheckpointNotFoundError: no checkpoint there (or no such step).
         CheckpointCorruptError: a checksum, size or header does not match; nothing is
@@ -178,12 +194,21 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     check_flags(strip_prefix=strip_prefix, force=force)
     storage = storage or LocalStorage()
     out = Path(out_path)
-    if str(out_path).endswith(("/", os.sep)):
+    if max_shard_bytes is not None:
+        if (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                or max_shard_bytes < 1):
+            raise CheckpointConfigError(f"max_shard_bytes={max_shard_bytes!r}: give a "
+                                        "positive number of bytes (e.g. 5_000_000_000)")
+        out = Path(str(out_path).rstrip("/" + os.sep) or str(out_path))
+    elif str(out_path).endswith(("/", os.sep)):
         raise CheckpointConfigError(
             f"{out_path} ends in a separator, but export writes one file: name it (e.g. "
-            f"{out_path}model.safetensors)")
+            f"{out_path}model.safetensors), or pass max_shard_bytes for a directory of files")
     cast = _cast_dtype(dtype)
-    _check_out(out, force)
+    if max_shard_bytes is None:
+        _check_out(out, force)
+    else:
+        _check_out_dir(out, force)
     root = Path(ckpt_path)
     step_dir, _ = commit.resolve_step_dir(root, step, storage, uncommitted_ok=True)
     manifest = read_manifest(step_dir, storage)
@@ -199,39 +224,27 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     for s in report.skipped:
         report_log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape),
                            s.reason)
-    header = _encode_header(planned, manifest, step_dir)
     # every file once, up front (size and header): not once per tensor, which re-read
     # and re-hashed the headers of all the files a sharded tensor touches
     for name in sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}):
         _check_file(step_dir, manifest, name, storage)
     _remove_stale_temporaries(out.parent)
     tmp = out.parent / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
-    with _writing(out):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                     0o644)
-    try:
+    written = _Written(sum(p.nbytes for p in planned), progress)
+    if max_shard_bytes is None:
         try:
+            size = _write_file(tmp, planned, step_dir, manifest, storage, out, report,
+                               written)
             with _writing(out):
-                _write_all(fd, memoryview(header))
-            done, total = 0, sum(p.nbytes for p in planned)
-            for p in planned:
-                over = _write_tensor(fd, step_dir, manifest, storage, p, out)
-                if over:
-                    report.overflowed[p.name] = over
-                done += p.nbytes
-                if progress is not None:
-                    progress(done, total)
-            with _writing(out):
-                os.fsync(fd)
-                size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        with _writing(out):
-            _publish(tmp, out, force)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+                _publish(tmp, out, force)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        report.files = [out.name]
+    else:
+        size = _write_shards(tmp, out, force, _shards(planned, max_shard_bytes), step_dir,
+                             manifest, storage, report, written)
     with contextlib.suppress(OSError):
         _fsync_dir(out.parent)
     report.file_bytes = size
@@ -304,6 +317,20 @@ def _stripped(name: str, prefix: str) -> str:
     return rest
 
 
+def _refuse_inside_a_checkpoint(out: Path) -> Path:
+    """CheckpointConfigError if ``out`` is (in) a step directory; its resolved path."""
+    target = out.parent.resolve() / out.name
+    for d in (target, *target.parents):  # (the output itself, named like a step: refused)
+        if _holds_a_step(d) or (commit.is_step_dir_name(d.name) and _is_step_dir(d)):
+            where = ("is named like a step directory" if d == target else
+                     f"is inside the checkpoint directory {d}")
+            raise CheckpointConfigError(
+                f"{out} {where}: writing there would change a "
+                "committed (or in-flight) step; name a file outside it (force=True or --force "
+                "does not change that)")
+    return target
+
+
 def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
         raise CheckpointConfigError(f"{out} is a directory: name the .safetensors file to write")
@@ -314,15 +341,7 @@ def _check_out(out: Path, force: bool) -> None:
         raise CheckpointConfigError(
             f"{out} is the lock file of a checkpoint directory: writing it would let two "
             "savers in at once; name another file (force=True or --force does not change that)")
-    target = out.parent.resolve() / out.name
-    for d in (target, *target.parents):  # (the file itself, named like a step: refused)
-        if _holds_a_step(d) or (commit.is_step_dir_name(d.name) and _is_step_dir(d)):
-            where = ("is named like a step directory" if d == target else
-                     f"is inside the checkpoint directory {d}")
-            raise CheckpointConfigError(
-                f"{out} {where}: writing there would change a "
-                "committed (or in-flight) step; name a file outside it (force=True or --force "
-                "does not change that)")
+    target = _refuse_inside_a_checkpoint(out)
     if out.name == MANIFEST_NAME and (_is_checkpoint_root(target.parent)
                                       or _has_rank_files(target.parent)):
         # A root (or a step directory) with a manifest.json is read as a step directory
@@ -498,6 +517,157 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) 
     return struct.pack("<Q", len(raw)) + raw
 
 
+class _Written:
+    """Bytes of tensors written so far, told to ``progress`` after each tensor."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.done, self.total, self.progress = 0, total, progress
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _write_file(path: Path, planned: list[_Planned], step_dir: Path, manifest: Manifest,
+                storage: Storage, out: Path, report: ExportReport, written: _Written) -> int:
+    """Create ``path`` (a new file) holding ``planned``, fsync'd; return its size. The
+    caller removes it on failure."""
+    header = _encode_header(planned, manifest, step_dir)
+    with _writing(out):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+    try:
+        with _writing(out):
+            _write_all(fd, memoryview(header))
+        for p in planned:
+            over = _write_tensor(fd, step_dir, manifest, storage, p, out)
+            if over:
+                report.overflowed[p.name] = over
+            written.add(p.nbytes)
+        with _writing(out):
+            os.fsync(fd)
+            return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _shards(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
+    """``planned`` cut, in order, into runs of at most ``max_bytes`` of tensors (a larger
+    tensor alone), as Hugging Face cuts a model (each run keeps the order: largest
+    element size first, so no file needs padding)."""
+    out: list[list[_Planned]] = [[]]
+    size = 0
+    for p in planned:
+        if out[-1] and size + p.nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _write_shards(tmp: Path, out: Path, force: bool, shards: list[list[_Planned]],
+                  step_dir: Path, manifest: Manifest, storage: Storage, report: ExportReport,
+                  written: _Written) -> int:
+    """Build the directory of ``shards`` (and its index) at ``tmp``, then publish it as
+    ``out``; return the bytes of its files."""
+    n = len(shards)
+    names = (["model.safetensors"] if n == 1 else
+             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    try:
+        with _writing(out):
+            os.mkdir(tmp, 0o755)
+        size = 0
+        for name, part in zip(names, shards, strict=True):
+            size += _write_file(tmp / name, part, step_dir, manifest, storage, out, report,
+                                written)
+            report.weight_map.update((p.name, name) for p in part)
+        if n > 1:
+            index = {"metadata": {"total_size": sum(p.nbytes for part in shards
+                                                    for p in part)},
+                     "weight_map": report.weight_map}
+            raw = json.dumps(index, indent=2, ensure_ascii=True).encode("ascii") + b"\n"
+            with _writing(out):
+                fd = os.open(tmp / INDEX_NAME,
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                             0o644)
+                try:
+                    _write_all(fd, memoryview(raw))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            size += len(raw)
+            names.append(INDEX_NAME)
+        with _writing(out):
+            _fsync_dir(tmp)
+            _publish_dir(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.files = names
+    return size
+
+
+def _publish_dir(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished directory to ``out``. An existing ``out`` (an earlier export,
+    ``force``) is renamed out of the way first and removed once the new one is in place:
+    a crash in between leaves both under temporary names, never neither."""
+    if not os.path.lexists(out):
+        try:
+            os.rename(tmp, out)
+        except OSError as exc:  # (made meanwhile, by another process)
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise CheckpointExistsError(f"{out} appeared while the export was written; "
+                                            "pass force=True (--force) to replace it") from None
+            raise
+        return
+    if not force:
+        raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
+                                    "replace it")
+    _check_replaceable(out)
+    old = out.parent / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)  # (put the earlier export back)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_replaceable(out: Path) -> None:
+    """``force`` replaces a directory of safetensors files and their index only."""
+    if os.path.islink(out) or not out.is_dir():
+        raise CheckpointConfigError(f"{out} is not a directory: name a new directory for the "
+                                    "sharded export (force=True or --force does not change that)")
+    other = sorted(n for n in os.listdir(out)
+                   if not (n.endswith(".safetensors") or n.endswith(".safetensors.index.json"))
+                   or not (out / n).is_file() or (out / n).is_symlink())
+    if other:
+        raise CheckpointConfigError(
+            f"{out} holds more than an export ({', '.join(other[:5])}"
+            f"{'...' if len(other) > 5 else ''}): replacing it would delete those; name a new "
+            "directory (force=True or --force replaces an earlier export only)")
+
+
+def _check_out_dir(out: Path, force: bool) -> None:
+    """The checks of :func:`_check_out` for a directory of files."""
+    if not out.parent.is_dir():
+        what = "is not a directory" if out.parent.exists() else "does not exist"
+        raise CheckpointConfigError(f"{out.parent} {what}: name a directory to create in an "
+                                    "existing one")
+    _refuse_inside_a_checkpoint(out)
+    if os.path.lexists(out):
+        if not force:
+            raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
+                                        "replace it")
+        _check_replaceable(out)
+
+
 def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
                   p: _Planned, out: Path) -> int:
     """Read one whole tensor (verified; its files were checked) and append it, cast piece
@@ -578,7 +748,10 @@ def _remove_stale_temporaries(where: Path) -> None:
         if host != _HOST or not pid.isdigit() or _alive(int(pid)):
             continue
         with contextlib.suppress(OSError):
-            os.unlink(where / name)
+            if os.path.isdir(where / name) and not os.path.islink(where / name):
+                shutil.rmtree(where / name)  # (a sharded export's directory)
+            else:
+                os.unlink(where / name)
             log.warning("export: removed %s, left by an export that did not finish",
                         where / name)
 
