@@ -938,6 +938,16 @@ def test_a_sharded_export_replaces_only_an_earlier_export(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]  # no temporaries
     with pytest.raises(asyncckpt.CheckpointConfigError, match="max_shard_bytes=0"):
         export_safetensors(root, tmp_path / "x", max_shard_bytes=0)
+    (tmp_path / "fresh").mkdir()
+    for name in ("manifest.json", ".asyncckpt.lock"):  # a root's: its loads or its lock
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="name the export's"):
+            export_safetensors(root, tmp_path / "fresh" / name, max_shard_bytes=1000)
+    (tmp_path / "fresh").rmdir()
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="named like a step directory"):
+        export_safetensors(root, root / "step_000000009", max_shard_bytes=1000)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="inside the checkpoint"):
+        export_safetensors(root, root / "step_000000003" / "hf", max_shard_bytes=1000)
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [3]
 
 
 def test_a_sharded_export_of_a_damaged_checkpoint_leaves_nothing(tmp_path: Path) -> None:

@@ -660,6 +660,10 @@ def _check_out_dir(out: Path, force: bool) -> None:
         what = "is not a directory" if out.parent.exists() else "does not exist"
         raise CheckpointConfigError(f"{out.parent} {what}: name a directory to create in an "
                                     "existing one")
+    if out.name in (MANIFEST_NAME, DirectoryLock.NAME):
+        # (in a checkpoint root, a directory of that name breaks its loads or its lock)
+        raise CheckpointConfigError(f"{out}: name the export's directory otherwise (e.g. "
+                                    "hf-model)")
     _refuse_inside_a_checkpoint(out)
     if os.path.lexists(out):
         if not force:
