@@ -128,12 +128,9 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _check_fallback(fallback, step, verify)
     parts = _check_exclude(exclude)
     _check_key_map(key_map)
-    if parts and state is not None:
-        view, finish = _excluded_view(state, parts)
-        return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
-                                threads, progress, ignore_unexpected, parts, key_map, cast))
-    return _load_any(path, state, step, strict, verify, token, timeout, fallback, threads,
-                     progress, ignore_unexpected, parts, key_map, cast)
+    view, _, finish = _excluded_view(state, parts)
+    return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
+                            threads, progress, ignore_unexpected, parts, key_map, cast))
 
 
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,

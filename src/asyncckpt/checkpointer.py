@@ -54,7 +54,6 @@ from .loader import (
     check_key_map,
     check_threads,
     excluded_view,
-    is_excluded,
     load_from,
     load_newest_intact,
 )
@@ -783,16 +782,11 @@ class AsyncCheckpointer:
         check_fallback(fallback, step, verify)
         parts = check_exclude(exclude)
         check_key_map(key_map)
-        finish = None
-        if parts and state is not None:
-            state, finish = excluded_view(state, parts)
-            if shards:  # (the same shards a save got: those of excluded parts are moot)
-                shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
-        out = self._load(state, step=step, strict=strict, verify=verify, shards=shards,
-                         fallback=fallback, threads=threads, progress=progress,
-                         ignore_unexpected=ignore_unexpected, exclude=parts, key_map=key_map,
-                         cast=cast)
-        return out if finish is None else finish(out)
+        view, shards, finish = excluded_view(state, parts, shards)
+        return finish(self._load(view, step=step, strict=strict, verify=verify, shards=shards,
+                                 fallback=fallback, threads=threads, progress=progress,
+                                 ignore_unexpected=ignore_unexpected, exclude=parts,
+                                 key_map=key_map, cast=cast))
 
     def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,
               shards: Mapping[str, ShardMetadata] | None, fallback: bool,

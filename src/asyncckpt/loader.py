@@ -564,14 +564,22 @@ def _below(path: str, exclude: tuple[str, ...]) -> str | None:
                 None)
 
 
-def excluded_view(state: Any, exclude: tuple[str, ...]
-                  ) -> tuple[Any, Callable[[Any], Any]]:
-    """``state`` without its ``exclude`` parts, to load into, and the function that takes
-    what the load restored into that view back into ``state`` (returning ``state``).
+def excluded_view(state: Any, exclude: tuple[str, ...],
+                  shards: Mapping[str, ShardMetadata] | None = None
+                  ) -> tuple[Any, Mapping[str, ShardMetadata] | None, Callable[[Any], Any]]:
+    """``state`` without its ``exclude`` parts, to load into; ``shards`` without those of
+    the excluded parts (the shards a save got: those are moot); and the function that
+    takes what the load restored into that view back into ``state`` (returning ``state``).
+    With nothing excluded (or no state), the state and shards as they are, and a function
+    that returns what the load returned.
 
     The view copies only the dicts on the way to an excluded part; everything else is
     the state's own (loaded in place as usual). An excluded path must run through plain
     dicts: a part of a module's or an optimizer's state loads with the whole of it."""
+    if not exclude or state is None:
+        return state, shards, _as_loaded
+    if shards:
+        shards = {p: m for p, m in shards.items() if not is_excluded(p, exclude)}
     if not isinstance(state, dict):
         raise CheckpointConfigError(
             f"exclude= needs a state that is a plain dict (of its parts), not a "
@@ -607,7 +615,11 @@ def excluded_view(state: Any, exclude: tuple[str, ...]
                     original[k] = value
         return state
 
-    return view, finish
+    return view, shards, finish
+
+
+def _as_loaded(restored: Any) -> Any:
+    return restored
 
 
 def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:

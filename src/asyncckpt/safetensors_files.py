@@ -42,7 +42,6 @@ from .loader import (
     check_key_map,
     check_threads,
     excluded_view,
-    is_excluded,
     load_from,
     mapped_name,
 )
@@ -122,11 +121,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     parts = check_exclude(exclude)
     where, names, index = files_of(Path(source))
     manifest = describe(where, names, key_map, index)
-    finish = None
-    if parts and state is not None:
-        state, finish = excluded_view(state, parts)
-        if shards:
-            shards = {p: m for p, m in shards.items() if not is_excluded(p, parts)}
+    state, shards, finish = excluded_view(state, parts, shards)
     if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
         # A name is text: where the target's dict has int keys (an optimizer's state),
         # "0" names key 0 (asyncckpt's export writes it so)
@@ -141,7 +136,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
         if not (exc.missing and exc.unexpected) or key_map is not None:
             raise
         raise retold(exc, f"{exc}. {_rename_hint(exc.missing, exc.unexpected)}") from exc
-    return out if finish is None else finish(out)
+    return finish(out)
 
 
 def _rename_hint(missing: list[str], unexpected: list[str]) -> str:

@@ -516,16 +516,11 @@ class HTTPTransport(CheckpointTransport[Any]):
                 return load_reusing(Path(f"peer-step-{step}"), reuse, storage,
                                     threads=fetch_connections(self.num_chunks), exclude=parts,
                                     key_map=key_map)
-            if parts and into is not None:
-                view, finish = excluded_view(into, parts)
-                return finish(load_from(Path(f"peer-step-{step}"), view, storage,
-                                        strict=strict, ignore_unexpected=ignore_unexpected,
-                                        threads=fetch_connections(self.num_chunks),
-                                        exclude=parts, key_map=key_map, cast=cast))
-            return load_from(Path(f"peer-step-{step}"), into, storage, strict=strict,
-                             ignore_unexpected=ignore_unexpected,
-                             threads=fetch_connections(self.num_chunks), exclude=parts,
-                             key_map=key_map, cast=cast)
+            target, _, finish = excluded_view(into, parts)
+            return finish(load_from(Path(f"peer-step-{step}"), target, storage, strict=strict,
+                                    ignore_unexpected=ignore_unexpected,
+                                    threads=fetch_connections(self.num_chunks), exclude=parts,
+                                    key_map=key_map, cast=cast))
         except CheckpointError as exc:
             raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:

@@ -406,14 +406,10 @@ class PGTransport(CheckpointTransport[Any]):
         if into is None and self._state_dict is not None:  # (torchft's Manager passes none)
             return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
                                 verify=False, exclude=parts, key_map=key_map)
-        if parts and into is not None:
-            view, finish = excluded_view(into, parts)
-            return finish(load_from(step_dir, view, storage, strict=strict, verify=False,
-                                    manifest=manifest, ignore_unexpected=ignore_unexpected,
-                                    exclude=parts, key_map=key_map, cast=cast))
-        return load_from(step_dir, into, storage, strict=strict, verify=False,
-                         manifest=manifest, ignore_unexpected=ignore_unexpected, exclude=parts,
-                         key_map=key_map, cast=cast)
+        target, _, finish = excluded_view(into, parts)
+        return finish(load_from(step_dir, target, storage, strict=strict, verify=False,
+                                manifest=manifest, ignore_unexpected=ignore_unexpected,
+                                exclude=parts, key_map=key_map, cast=cast))
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
