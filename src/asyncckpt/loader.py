@@ -176,9 +176,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
             "drop the step, or pass the directory that holds the step directories")
-    manifest = renamed(manifest, key_map)  # (the names exclude= and the target see)
-    if exclude:
-        manifest = without_excluded(manifest, exclude)
+    manifest = selected(manifest, key_map, exclude)
     if state is None:
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
@@ -260,9 +258,7 @@ def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
     with gc_paused():
         if manifest is None:
             manifest = read_manifest(step_dir, storage)
-        manifest = renamed(manifest, key_map)
-        if exclude:
-            manifest = without_excluded(manifest, exclude)
+        manifest = selected(manifest, key_map, exclude)
         target = flatten(reuse, target=True)
         chosen: dict[str, list[torch.Tensor]] = {}
         spans: dict[int, _Span | None] = {}
@@ -487,9 +483,8 @@ class _Rollback:
         for step in older:
             step_dir = self.root / self.step_dir_name(step)
             try:
-                manifest = renamed(read_manifest(step_dir, self.storage), self.key_map)
-                if self.exclude:
-                    manifest = without_excluded(manifest, self.exclude)
+                manifest = selected(read_manifest(step_dir, self.storage), self.key_map,
+                                    self.exclude)
             except CheckpointError:
                 continue  # its attempt fails too: the next older one decides
             saved = saved_paths(manifest)
@@ -622,9 +617,26 @@ def _as_loaded(restored: Any) -> Any:
     return restored
 
 
+def selected(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str, ...]
+             ) -> Manifest:
+    """``manifest`` as a load sees it: its tensors renamed by ``key_map``, then (by those
+    names, as the target has them) without its ``exclude`` parts."""
+    return without_excluded(renamed(manifest, key_map), exclude)
+
+
+def _with_skeleton(manifest: Manifest, skeleton: dict[str, Any]) -> Manifest:
+    """``manifest`` with ``skeleton``, and only the tensors that skeleton still holds."""
+    kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
+    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
+        k: v for k, v in manifest.tensors.items() if k in kept})
+
+
 def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
     """``manifest`` without the ``exclude`` parts of its state: not read, not matched,
     not restored."""
+    if not exclude:
+        return manifest
+
     def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
         t = node["t"]
         below = _below(path, exclude)
@@ -641,13 +653,11 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
             f"holds as {what}: exclude all of it")
 
     skeleton = prune(manifest.skeleton, "")
-    kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
     unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
     if unmatched:
         log.warning("exclude: the checkpoint of step %d holds nothing at %s (names as "
                     "'asyncckpt inspect' lists them)", manifest.step, _few(unmatched))
-    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
-        k: v for k, v in manifest.tensors.items() if k in kept})
+    return _with_skeleton(manifest, skeleton)
 
 
 # --- key_map=: saved tensors renamed before they are matched --------------------------------
@@ -705,9 +715,7 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
     for (_, old, new), node in zip(moves, nodes, strict=True):
         if new is not None:
             _attach(skeleton, new, node, old, ints)
-    kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
-    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
-        k: v for k, v in manifest.tensors.items() if k in kept})
+    return _with_skeleton(manifest, skeleton)
 
 
 def _inner(node: dict[str, Any]) -> dict[str, Any]:
