@@ -2666,11 +2666,9 @@ def test_save_and_close_from_a_handler_that_interrupted_a_load_do_not_hang(
     # A SIGTERM handler that saves and closes, run while the load it interrupted picks its
     # step (holding the lock retention takes), waited for close() -> retention -> that
     # lock, on the very thread holding it: the process hung for good.
-    import asyncckpt.checkpointer as cpmod
-    import asyncckpt.writer as wmod
+    import asyncckpt.commit as cmod
 
-    monkeypatch.setattr(wmod, "RETENTION_LOCK_S", 0.2, raising=False)
-    monkeypatch.setattr(cpmod, "RETENTION_LOCK_S", 0.2, raising=False)
+    monkeypatch.setattr(cmod, "RETENTION_LOCK_S", 0.2, raising=False)
     ck = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1)
     ck.save({"w": torch.ones(4)}, 1)
     ck.save({"w": torch.ones(4)}, 2)

@@ -72,7 +72,6 @@ from .staging import HostArena, StagingProgress, StagingStopped, caller_streams,
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
 from .writer import (
-    RETENTION_LOCK_S,
     BackgroundWriter,
     CheckpointFuture,
     CheckpointInfo,
@@ -702,13 +701,13 @@ class AsyncCheckpointer:
         def so_far() -> str:
             return f" (deleted: {sorted(s for s, _ in hidden)})" if hidden else ""
 
-        if not self._in_use.lock.acquire(timeout=RETENTION_LOCK_S):
-            raise CheckpointInFlightError(
-                f"cannot delete the steps after {step} under {self.directory}: a load of "
-                f"this checkpointer did not let go of its steps within {RETENTION_LOCK_S:.0f}s "
-                "(called from a signal handler during a load?); call again once it is done")
-        with contextlib.ExitStack() as held_lock:
-            held_lock.callback(self._in_use.lock.release)
+        with self._in_use.locked() as got:
+            if not got:
+                raise CheckpointInFlightError(
+                    f"cannot delete the steps after {step} under {self.directory}: a load "
+                    "of this checkpointer did not let go of its steps within "
+                    f"{commit.RETENTION_LOCK_S:.0f}s (called from a signal handler during a "
+                    "load?); call again once it is done")
             later = [s for s in commit.committed_steps(self.directory, self.storage,
                                                        skip_denied=True) if s > step]
             held = sorted(set(later) - set(self._in_use.spare(later)))

@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -384,6 +384,13 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
             if s != protect and (keep_every is None or s % keep_every)]
 
 
+# How long retention (or a rollback) waits for a load of the same checkpointer to pick
+# its step: not for ever, as a signal handler that saves and closes the checkpointer while
+# the load it interrupted holds the lock would wait for that retention on the very thread
+# that holds it.
+RETENTION_LOCK_S = 5.0
+
+
 class StepsInUse:
     """The steps a checkpointer is loading, which its retention must leave alone.
 
@@ -394,6 +401,17 @@ class StepsInUse:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._held: collections.Counter[int | None] = collections.Counter()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[bool]:
+        """``lock``, for retention and rollbacks: waited for ``RETENTION_LOCK_S`` at most.
+        Yields whether it was taken (and is held until the block ends)."""
+        got = self.lock.acquire(timeout=RETENTION_LOCK_S)
+        try:
+            yield got
+        finally:
+            if got:
+                self.lock.release()
 
     def hold(self, step: int | None) -> None:
         """Call with ``lock`` held, right after resolving the step."""

@@ -539,10 +539,6 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
             f"whether {job.root} holds the step") from exc
 
 
-# How long retention waits for a load of the same checkpointer to pick its step.
-RETENTION_LOCK_S = 5.0
-
-
 def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     """Apply keep_last after a committed save (coordinator only): hide the old steps here,
     remove their files on ``reaper``; ``done`` resolves once they are gone. A failure is
@@ -550,21 +546,19 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     hidden: list[tuple[int, Path]] = []
     leftovers: list[Path] = []
     try:
-        # A load of this checkpointer keeps its step meanwhile: it holds the lock while it
-        # picks the step. Not waited for without end: a signal handler that saves and
-        # closes the checkpointer while the load it interrupted holds the lock would wait
-        # for this retention on the thread that holds it.
-        if (job.committed and job.ctx.is_coordinator
-                and not job.in_use.lock.acquire(timeout=RETENTION_LOCK_S)):
-            log.warning("rank=0 step=%d: retention waited %.0fs for a load of this "
-                        "checkpointer to pick its step (a signal handler saving during a "
-                        "load?): old steps are left to the next save's retention",
-                        job.step, RETENTION_LOCK_S)
-        elif job.committed and job.ctx.is_coordinator:
-            try:
-                doomed = job.in_use.spare(commit.doomed_steps(
-                    job.root, job.keep_last, job.storage, protect=job.step,
-                    keep_every=job.keep_every))
+        if job.committed and job.ctx.is_coordinator:
+            # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked)
+            with job.in_use.locked() as got:
+                if not got:
+                    log.warning("rank=0 step=%d: retention waited %.0fs for a load of this "
+                                "checkpointer to pick its step (a signal handler saving "
+                                "during a load?): old steps are left to the next save's "
+                                "retention", job.step, commit.RETENTION_LOCK_S)
+                    doomed = []
+                else:
+                    doomed = job.in_use.spare(commit.doomed_steps(
+                        job.root, job.keep_last, job.storage, protect=job.step,
+                        keep_every=job.keep_every))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
@@ -577,8 +571,6 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                                     "the next save tries again", job.step, s, exc)
                     finally:
                         job.ctx.retired(s)
-            finally:
-                job.in_use.lock.release()
     except OSError as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
     except BaseException as exc:
