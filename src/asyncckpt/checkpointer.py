@@ -43,6 +43,7 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
     add_note,
+    add_note_of,
     check_flags,
 )
 from .loader import (
@@ -592,9 +593,7 @@ class AsyncCheckpointer:
         """Add the unseen failure of an earlier save to ``exc``, which is being raised."""
         error = self._take_missed()
         if error is not None:
-            add_note(exc, str(error))
-            for note in getattr(error, "__notes__", ()):  # the failures after it
-                add_note(exc, note)
+            add_note_of(exc, error)  # (its notes: the failures after it)
 
     @property
     def is_pending(self) -> bool:
@@ -875,9 +874,7 @@ class AsyncCheckpointer:
                 f"closing {self.directory}: the last save, whose future nobody waited on, "
                 f"failed: {unseen}")
             if earlier is not None:
-                add_note(error, str(earlier))
-                for note in getattr(earlier, "__notes__", ()):
-                    add_note(error, note)
+                add_note_of(error, earlier)
             raise error from unseen
         if earlier is not None:
             raise earlier

@@ -149,3 +149,11 @@ def check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise CheckpointConfigError(f"{name}={value!r:.60}: use True or False")
+
+
+def add_note_of(exc: BaseException, other: BaseException) -> None:
+    """Note ``other`` on ``exc``: its message, then the notes it carries (the failures
+    noted on it in turn)."""
+    add_note(exc, str(other))
+    for note in getattr(other, "__notes__", ()):
+        add_note(exc, note)
