@@ -119,7 +119,8 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     check_threads(threads)
     check_key_map(key_map)
     parts = check_exclude(exclude)
-    where, names, index = files_of(Path(source))
+    path = Path(source)
+    where, names, index = files_of(path)
     manifest = describe(where, names, key_map, index)
     state, shards, finish = excluded_view(state, parts, shards)
     if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
@@ -130,7 +131,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
         out = load_from(where, state, LocalStorage(), strict=strict,
                         ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                         threads=threads, manifest=manifest, progress=progress, exclude=parts,
-                        shown=None if Path(source).is_dir() else Path(source), cast=cast,
+                        shown=None if where == path else path, cast=cast,
                         tied_ok=True)
     except StateMismatchError as exc:
         if not (exc.missing and exc.unexpected) or key_map is not None:
