@@ -229,7 +229,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     for name in sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}):
         _check_file(step_dir, manifest, name, storage)
     _remove_stale_temporaries(out.parent)
-    tmp = out.parent / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    tmp = _temporary(out.parent)
     written = _Written(sum(p.nbytes for p in planned), progress)
     if max_shard_bytes is None:
         try:
@@ -629,7 +629,7 @@ def _publish_dir(tmp: Path, out: Path, force: bool) -> None:
         raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                     "replace it")
     _check_replaceable(out)
-    old = out.parent / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
+    old = _temporary(out.parent)
     os.rename(out, old)
     try:
         os.rename(tmp, out)
@@ -734,6 +734,12 @@ def _write_all(fd: int, data: memoryview) -> None:
 _TMP_PREFIX = ".asyncckpt-export-"
 # this machine's name as a temporary's name may hold it (no "-": it separates the parts)
 _HOST = "".join(c if c.isalnum() else "_" for c in os.uname().nodename)[:64] or "host"
+
+
+def _temporary(where: Path) -> Path:
+    """A new temporary name in ``where``, as :func:`_remove_stale_temporaries` reads them
+    (this machine, this process)."""
+    return where / f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
 
 
 def _remove_stale_temporaries(where: Path) -> None:
