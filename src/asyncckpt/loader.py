@@ -213,7 +213,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                           {k: v[0] if v and k not in through and k not in regions else None
                            for k, v in dests.items()},
                           storage, verify=verify, boxes=boxes, threads=threads, read=read,
-                          progress=progress)
+                          progress=progress,
+                          casts=casts - through - regions.keys() if casts else frozenset())
     for key, tensors in dests.items():  # in checkpoint order
         if len(tensors) < 2 and not copies and key not in through:
             continue  # the usual target: filled by the read itself

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -162,7 +162,8 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
                  storage: ReadStorage, *, verify: bool = True, threads: int | None = None,
                  boxes: Mapping[str, Box] | None = None, read: list[int] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 bump_versions: bool = True) -> dict[str, torch.Tensor]:
+                 bump_versions: bool = True,
+                 casts: Set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Load the tensors named in ``dests`` into the given tensors (or new CPU ones for None).
 
     ``boxes`` gives, for sharded destinations, the box of the global tensor each one
@@ -171,8 +172,9 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     boxes). ``progress(done, total)``, when given, is called from the reading threads
     after each tensor or run of tensors read, in bytes of those chunks. Returns key ->
     loaded tensor. A given destination must have the box's shape and the saved dtype,
-    or another dtype the caller chose to cast to (loader.castable): it is filled in
-    place and returned as is (a cast one through a temporary of one piece at a time).
+    but for the keys in ``casts``, whose destination has another dtype the caller chose
+    to cast to (loader.castable): it is filled in place and returned as is (a cast one
+    through a temporary of one piece at a time).
     Raises CheckpointCorruptError naming the file and tensor on any mismatch.
     """
     boxes = boxes or {}
@@ -187,7 +189,7 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
         _check_file(step_dir, manifest, name, storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
                          boxes=boxes, items=items, read=read, progress=progress,
-                         bump_versions=bump_versions)
+                         bump_versions=bump_versions, casts=casts)
 
 
 def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
@@ -195,10 +197,12 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
                   boxes: Mapping[str, Box], items: list[ReadItem] | None = None,
                   read: list[int] | None = None,
                   progress: Callable[[int, int], None] | None = None,
-                  bump_versions: bool = True) -> dict[str, torch.Tensor]:
+                  bump_versions: bool = True,
+                  casts: Set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """load_tensors once the files it reads are known to be whole (``items``: the read
     plan, where the caller made it already). ``bump_versions=False``: the given tensors'
-    autograd version counters are left as they were (see loader.load_reusing)."""
+    autograd version counters are left as they were (see loader.load_reusing). ``casts``:
+    as for load_tensors."""
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
     if items is None:
         items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
@@ -230,7 +234,6 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         # 100,000 tensors of 16 KiB took 15% longer with two).
         n = 1
     advance = None if progress is None else _advancing(progress, total)
-    casts = {k for k, d in dests.items() if d is not None and d.dtype != tensors[k].dtype}
     try:
         # (several groups: one that fails stops the others at their next item)
         _in_groups(lambda g, stop: _read_group(step_dir, manifest, g, out, storage, verify,
@@ -422,7 +425,7 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
                 stop: threading.Event | None = None,
                 advance: Callable[[int], None] | None = None,
                 fresh: Mapping[str, tuple[int, int]] | None = None,
-                casts: set[str] | frozenset[str] = frozenset()) -> None:
+                casts: Set[str] = frozenset()) -> None:
     """Read ``items`` in order. With ``stop`` (groups read in parallel): a failure sets
     it, and a group that sees it set ends before its next item or piece (a corrupt
     first range of a peer's fetch is reported at once, not after every other range, or
