@@ -18,7 +18,10 @@ all ranks (``Shard(0)``), so the manifest has ranks x tensors chunks. Measured, 
 * *skeleton changed* -- the same, every rank's learning rate changed (a skeleton patch
   from each rank: the coordinator patches, merges and checks the skeletons again);
 * the bytes a rank puts in the Store for its record: whole, as a delta, and as a delta
-  with its skeleton patch.
+  with its skeleton patch;
+* what *every rank of a load* spends reading the manifest (``parse_manifest`` with the
+  collector paused, as ``read_manifest`` runs it), and its bytes, in this format version
+  (the chunks of a sharded tensor short) and in version 2 (every chunk an object).
 
 Usage:
     python benchmarks/bench_manifest.py                     # 64 ranks x 2,000 tensors
@@ -44,9 +47,16 @@ import torch
 
 import _limits as lim
 from asyncckpt import ShardMetadata
+from asyncckpt._gc import gc_paused
 from asyncckpt.dist import merge_records
 from asyncckpt.loader import apply_shards
-from asyncckpt.manifest import DEFAULT_BLOCK_BYTES, parse_manifest, shard_file_name
+from asyncckpt.manifest import (
+    DEFAULT_BLOCK_BYTES,
+    FORMAT_VERSION,
+    Manifest,
+    parse_manifest,
+    shard_file_name,
+)
 from asyncckpt.plan import plan_writes
 from asyncckpt.reports import RecordBook, RecordSender
 from asyncckpt.tree import flatten
@@ -94,12 +104,25 @@ def through_store(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return [json.loads(b) for b in raw], [len(b) for b in raw]
 
 
-def whole_merge(records: list[dict[str, Any]], step: int) -> float:
+def whole_merge(records: list[dict[str, Any]], step: int) -> tuple[float, Manifest]:
     t = time.perf_counter()
     manifest = merge_records(records, step=step, created_unix=time.time(), **KW)
     raw = manifest.to_json()
     parse_manifest(raw, "bench")
-    return time.perf_counter() - t
+    return time.perf_counter() - t, manifest
+
+
+def rank_parse(manifest: Manifest, version: int) -> tuple[int, float]:
+    """The bytes of ``manifest`` in format ``version`` and the time a rank of a load
+    takes to parse them (as read_manifest does: the cyclic collector paused)."""
+    raw = dataclasses.replace(manifest, format_version=version).to_json()
+    gc.collect()
+    with gc_paused():
+        t = time.perf_counter()
+        back = parse_manifest(raw, "bench")
+        took = time.perf_counter() - t
+    assert back.format_version == version and len(back.tensors) == len(manifest.tensors)
+    return len(raw), took
 
 
 def settle(ranks: list[Rank], committed: bool = True) -> None:
@@ -117,13 +140,19 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
     log(f"building {world} ranks x {tensors:,} tensors")
     ranks = [Rank(r, world, tensors, rows=4) for r in range(world)]
     res: dict[str, Any] = {"whole_merge": [], "first_save": [], "steady_save": [],
-                           "skeleton_changed": []}
+                           "skeleton_changed": [], "parse": [], "parse_v2": []}
     for rep in range(repeats):
         book = RecordBook()
         settle(ranks, False)  # report whole
         gc.collect()
         records, whole_sizes = through_store([rk.record(False) for rk in ranks])
-        res["whole_merge"].append(whole_merge(records, step=rep))
+        took, manifest = whole_merge(records, step=rep)
+        res["whole_merge"].append(took)
+        res["manifest_bytes"], parse = rank_parse(manifest, FORMAT_VERSION)
+        res["manifest_bytes_v2"], parse_v2 = rank_parse(manifest, 2)
+        res["parse"].append(parse)
+        res["parse_v2"].append(parse_v2)
+        del manifest
         res["first_save"].append(timed_manifest(book, records, rep))
         settle(ranks)
         records, delta_sizes = through_store([rk.record(False) for rk in ranks])
@@ -162,6 +191,13 @@ def render(res: dict[str, Any]) -> str:
               f"| whole | {rb['whole']:,.0f} |", f"| delta | {rb['delta']:,.0f} |",
               f"| delta with a changed lr (its skeleton patch) | "
               f"{rb['delta_with_skeleton']:,.0f} |"]
+    v2 = med["parse_v2"]
+    lines += ["", "| every rank of a load: the manifest | bytes | parse | vs version 2 |",
+              "|---|---|---|---|",
+              f"| format version {FORMAT_VERSION} (short chunks) | {r['manifest_bytes']:,} | "
+              f"{med['parse']:.3f} s | {med['parse'] / v2:.2f}x |",
+              f"| format version 2 (every chunk an object) | {r['manifest_bytes_v2']:,} | "
+              f"{v2:.3f} s | 1.00x |"]
     return "\n".join(lines)
 
 

@@ -12,7 +12,9 @@ import torch
 def long_entries(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` (a parsed manifest) with every short tensor entry, ``[dtype, shape, kind,
     file, start, checksums]``, replaced in place by the long entry it stands for: one
-    chunk of the whole tensor under its own key. Returns ``doc``."""
+    chunk of the whole tensor under its own key; and every short chunk (format version
+    3), ``[file, offsets, lengths, start, checksums]``, by the long chunk it stands for,
+    under the tensor's key. Returns ``doc``."""
     tensors = doc["tensors"]
     for key, t in tensors.items():
         if isinstance(t, list):
@@ -21,4 +23,10 @@ def long_entries(doc: dict[str, Any]) -> dict[str, Any]:
             tensors[key] = {"dtype": dtype, "shape": shape, "kind": kind, "chunks": [{
                 "file": file, "key": key, "offsets": [0] * len(shape), "lengths": list(shape),
                 "byte_range": [start, start + nbytes], "checksums": sums}]}
+        else:
+            itemsize = getattr(torch, t["dtype"]).itemsize
+            t["chunks"] = [{"file": c[0], "key": key, "offsets": c[1], "lengths": c[2],
+                            "byte_range": [c[3], c[3] + math.prod(c[2]) * itemsize],
+                            "checksums": c[4]} if isinstance(c, list) else c
+                           for c in t["chunks"]]
     return doc

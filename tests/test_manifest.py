@@ -112,21 +112,25 @@ def _reference_json(m: Manifest) -> bytes:
 
 def _reference_entry(m: Manifest, key: str, t: TensorEntry) -> Any:
     """A tensor's entry: from format version 2, a tensor that is one chunk holding all of
-    it under its own key is ``[dtype, shape, kind, file, start, checksums]``."""
+    it under its own key is ``[dtype, shape, kind, file, start, checksums]``; from 3, a
+    chunk of several under the tensor's key is ``[file, offsets, lengths, start,
+    checksums]``."""
     dtype = str(t.dtype).removeprefix("torch.")
     (c, *more) = t.chunks
     if (m.format_version >= 2 and not more and c.key == key and list(c.lengths) == list(t.shape)
             and set(c.offsets) <= {0}):
         return [dtype, list(t.shape), t.kind, c.file, c.byte_range[0], list(c.checksums)]
     return {"dtype": dtype, "shape": list(t.shape), "kind": t.kind,
-            "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
+            "chunks": [[c.file, list(c.offsets), list(c.lengths), c.byte_range[0],
+                        list(c.checksums)] if m.format_version >= 3 and c.key == key else
+                       {"file": c.file, "key": c.key, "offsets": list(c.offsets),
                         "lengths": list(c.lengths), "byte_range": list(c.byte_range),
                         "checksums": list(c.checksums)} for c in t.chunks]}
 
 
 @settings(max_examples=150, deadline=None)
 @given(keys=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True),
-       partial=st.booleans(), version=st.sampled_from([1, FORMAT_VERSION]))
+       partial=st.booleans(), version=st.sampled_from([1, 2, FORMAT_VERSION]))
 def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: bool,
                                                    version: int) -> None:
     """Keys of any text (quotes, backslashes, control characters, non-ASCII, surrogates
@@ -318,7 +322,7 @@ def test_decode_header_fuzz_consistent_length_prefix(body, slack):
 
 # --- manifest round trip ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", [1, FORMAT_VERSION])
+@pytest.mark.parametrize("version", [1, 2, FORMAT_VERSION])
 def test_manifest_json_roundtrip_is_exact(version):
     m = make_manifest(format_version=version)
     back = parse_manifest(m.to_json(), PATH)
@@ -913,9 +917,10 @@ _ODD_VALUES = [None, True, False, 0, 1, -1, 2, 3, 12, 48, 2**62, 1.0, "x", "0" *
                [False, 0], [0, False]]
 
 
-def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> int:
-    """The one-pass parsers (a whole tensor; several chunks) agree with the checked one:
-    same entry, or they decline. Returns how many took ``t``."""
+def _fast_vs_checked(t: object, files: dict, block_bytes: int,
+                     version: int = FORMAT_VERSION) -> int:
+    """The one-pass parsers (a whole tensor; several chunks) agree with the checked one
+    of format ``version``: same entry, or they decline. Returns how many took ``t``."""
     from asyncckpt.manifest import (
         _Check,
         _parse_chunked_tensor,
@@ -924,16 +929,16 @@ def _fast_vs_checked(t: object, files: dict, block_bytes: int) -> int:
     )
 
     took = 0
-    for fast_parse in (_parse_whole_tensor,
-                       lambda t, f, b: _parse_chunked_tensor(t, f, b, False)):
+    for fast_parse in (lambda t, f, b: _parse_whole_tensor("k", t, f, b),
+                       lambda t, f, b: _parse_chunked_tensor("k", t, f, b, False, version)):
         try:
-            fast = fast_parse(t, files, block_bytes)  # type: ignore[operator]
+            fast = fast_parse(t, files, block_bytes)
         except Exception as exc:  # it must decline, never raise
             raise AssertionError(f"fast path raised {exc!r} on {t!r}") from exc
         if fast is None:
             continue
         slow = _parse_tensor_checked(_Check(PATH), "k", t, files,  # type: ignore[arg-type]
-                                     block_bytes, False)
+                                     block_bytes, False, version)
         assert fast == slow, t
         took += 1
     return took
@@ -1021,10 +1026,79 @@ def test_fast_parse_of_a_chunked_tensor_accepts_exactly_what_the_checked_parse_a
     assert n > 600 and taken > 0
 
 
+def _sharded_doc() -> dict:
+    """make_manifest's document with "model/w"'s two chunks stored under its own key, as
+    every sharded save stores them: format version 3 writes them short."""
+    base = make_manifest()
+    w = base.tensors["model/w"]
+    tensors = dict(base.tensors, **{"model/w": w._replace(
+        chunks=tuple(c._replace(key="model/w") for c in w.chunks))})
+    return json.loads(make_manifest(tensors=tensors).to_json())
+
+
+def test_fast_parse_of_short_chunks_accepts_exactly_what_the_checked_parse_accepts():
+    """Short chunks (format version 3): the column-by-column parse of all of a tensor's
+    chunks, the chunk-by-chunk one and the checked one agree on every variant: each item
+    of either chunk set to each odd value or removed, one item more, a chunk of each
+    form, chunks swapped, one chunk twice, one missing."""
+    from asyncckpt.manifest import _Check, _parse_tensor_checked, _short_chunks_at_once
+
+    doc = _sharded_doc()
+    files = parse_doc(doc).files
+    sharded = doc["tensors"]["model/w"]
+    assert [type(c) for c in sharded["chunks"]] == [list, list]
+    long = long_entries(copy.deepcopy(doc))["tensors"]["model/w"]["chunks"]
+    variants = [*_mutations(sharded, [("chunks", i, f) for i in (0, 1) for f in range(5)])]
+    variants += [dict(sharded, chunks=[[*sharded["chunks"][0], 0], sharded["chunks"][1]]),
+                 dict(sharded, chunks=[long[0], sharded["chunks"][1]]),
+                 dict(sharded, chunks=sharded["chunks"][::-1]),
+                 dict(sharded, chunks=[sharded["chunks"][0]] * 2),
+                 dict(sharded, chunks=sharded["chunks"][:1])]
+    taken = at_once = 0
+    for t in [sharded, *variants]:
+        for v in (2, FORMAT_VERSION):
+            took = _fast_vs_checked(t, files, BLOCK, version=v)
+            if v == 2:  # a version 2 manifest has no short chunks
+                assert not took or not any(isinstance(c, list) for c in t["chunks"]), t
+            taken += took
+        try:
+            slow = _parse_tensor_checked(_Check(PATH), "k", t, files, BLOCK, False,
+                                         FORMAT_VERSION)
+        except CheckpointCorruptError:
+            slow = None
+        try:
+            fast = _short_chunks_at_once("k", t["chunks"], files, (4, 3), 4, BLOCK, False)
+        except Exception as exc:  # it must decline, never raise
+            raise AssertionError(f"column parse raised {exc!r} on {t!r}") from exc
+        if fast is not None:
+            assert slow is not None and fast == slow.chunks, t
+            at_once += 1
+    assert len(variants) > 300 and taken >= 3 and at_once >= 3
+
+
+def test_short_chunks_are_what_a_sharded_manifest_holds_and_read_back_the_same():
+    doc = _sharded_doc()
+    m = parse_doc(doc)
+    assert m == parse_doc(long_entries(copy.deepcopy(doc)))  # the long chunks they stand for
+    assert [c.key for c in m.tensors["model/w"].chunks] == ["model/w"] * 2
+    # the strings a load of many chunks holds are the manifest's own, once each
+    assert all(c.file is next(iter(m.files)) for t in m.tensors.values() for c in t.chunks)
+    assert all(c.key is k for k, t in m.tensors.items() for c in t.chunks if c.key == k)
+    assert m.tensors["model/w"].chunks[0].key is next(k for k in m.tensors if k == "model/w")
+    doc["format_version"] = 2  # before version 3, a chunk is an object
+    with pytest.raises(CheckpointCorruptError, match=r"'model/w'.*chunk must be an object"):
+        parse_doc(doc)
+    doc["format_version"] = 3
+    doc["tensors"]["model/w"]["chunks"][1] = doc["tensors"]["model/w"]["chunks"][1][:3]
+    with pytest.raises(CheckpointCorruptError, match=r"'model/w'.*a short chunk must be \[file, "
+                       r"offsets, lengths, start, checksums\], got a list of 3"):
+        parse_doc(doc)
+
+
 def _parse_whole(t: dict, files: dict):
     from asyncckpt.manifest import _parse_whole_tensor
 
-    return _parse_whole_tensor(t, files, BLOCK)
+    return _parse_whole_tensor("k", t, files, BLOCK)
 
 
 # --- docs/format.md: its reader, written from the format alone, reads what is saved --------
@@ -1057,6 +1131,27 @@ def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(AssertionError, match="checksum mismatch"):
         read_whole(step_dir, "model/w")
+
+    # a sharded checkpoint (two ranks as threads): its chunks are short
+    from _ranks import all_ok, in_threads
+
+    big = torch.randn(301, 70)
+    store = torch.distributed.HashStore()
+    root = tmp_path / "sharded"
+    ckpts = [asyncckpt.AsyncCheckpointer(root, mode="sync", rank=r, world_size=2, store=store,
+                                         block_bytes=ALIGN, timeout_s=60) for r in range(2)]
+
+    def rank_main(r: int) -> None:
+        part = big.tensor_split(2)[r].clone()
+        ckpts[r].save({"w": part}, step=1, shards={"w": asyncckpt.ShardMetadata(
+            tuple(big.shape), (151 * r, 0))})
+        ckpts[r].close()
+
+    all_ok(in_threads(rank_main, 2))
+    step_dir = root / "step_000000001"
+    chunks = json.loads((step_dir / "manifest.json").read_bytes())["tensors"]["w"]["chunks"]
+    assert [c[0] for c in chunks] == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    assert torch.equal(torch.from_numpy(read_whole(step_dir, "w")), big)
 
 
 def test_a_deep_manifest_read_from_a_deep_call_stack_is_not_called_corrupt(

@@ -72,7 +72,7 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
         return None
     slab = _slab_dim(shape, boxes)
     if slab is not None:
-        return _slabs_problem(shape[slab], sorted((b[0][slab], b[0][slab] + b[1][slab])
+        return slabs_problem(shape[slab], sorted((b[0][slab], b[0][slab] + b[1][slab])
                                                   for b in boxes), allow_gaps)
     cuts = [sorted({0, s, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
             for d, s in enumerate(shape)]
@@ -106,7 +106,7 @@ def _slab_dim(shape: tuple[int, ...], boxes: list[Box]) -> int | None:
     return 0 if dim is None else dim  # (whole boxes: any dimension tells)
 
 
-def _slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -> str | None:
+def slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -> str | None:
     """tiling_problem for slabs, given their sorted [start, end) along their dimension:
     any overlap first (as the grid check finds one wherever it is), then any gap."""
     end = 0
