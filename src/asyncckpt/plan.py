@@ -180,7 +180,13 @@ def _plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[Re
             items.append(ReadItem(key, chunks[0], whole, whole))
             continue
         dst: Box = box if box is not None else (tuple(0 for _ in entry.shape), entry.shape)
-        for chunk in entry.chunks:
+        # A sharded tensor has a chunk per rank and the wanted box meets a few of them:
+        # along the dimension where the box is narrowest (most likely the sharded one),
+        # a chunk that misses it is passed over without the intersection's work.
+        d, lo, hi = _narrowest(dst, entry.shape) if len(chunks) > 4 else (-1, 0, 0)
+        for chunk in chunks:
+            if d >= 0 and not (chunk.offsets[d] < hi and chunk.offsets[d] + chunk.lengths[d] > lo):
+                continue  # (what intersect finds in dimension d: the box is not empty there)
             inter = intersect((chunk.offsets, chunk.lengths), dst)
             if inter is None:
                 continue
@@ -189,6 +195,18 @@ def _plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[Re
             items.append(ReadItem(key, chunk, inter, dst))
     items.sort(key=lambda it: (it.chunk.file, it.chunk.byte_range[0]))
     return items
+
+
+def _narrowest(box: Box, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(d, lo, hi)``: the dimension in which ``box`` covers the least of ``shape``, and
+    the box's span there; ``(-1, 0, 0)`` when it has no dimension or is empty in one."""
+    best, frac = -1, 2.0
+    for i, (n, s) in enumerate(zip(box[1], shape, strict=True)):
+        if n == 0:
+            return -1, 0, 0
+        if n / s < frac:
+            best, frac = i, n / s
+    return (best, box[0][best], box[0][best] + box[1][best]) if best >= 0 else (-1, 0, 0)
 
 
 def plain_memory(t: torch.Tensor, *, empty_ok: bool = False) -> bool:
