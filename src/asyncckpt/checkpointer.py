@@ -22,6 +22,7 @@ import torch
 
 from . import commit
 from ._gc import gc_paused
+from .best import KeepBest, Ranking, StepMetrics, checked_metrics
 from .dist import (
     DistContext,
     LocalItem,
@@ -97,6 +98,13 @@ class CheckpointerConfig:
     """Keep only the newest N committed steps; None keeps everything."""
     keep_every: int | None = None
     """With keep_last: older steps that are multiples of this are kept too (milestones)."""
+    keep_best: int | None = None
+    """With keep_last: the N steps whose ``best_metric`` (recorded by
+    ``save_async(metrics=...)``) is best are kept too."""
+    best_metric: str | None = None
+    """The metric that ranks steps, for keep_best and ``best_step()``."""
+    best_mode: str = "min"
+    """"min" (a loss: less is better) or "max" (an accuracy)."""
     on_busy: str = "wait"
     """When a save is asked for while one is in flight: "wait" for it, or "error"."""
     direct_io: bool = True
@@ -126,6 +134,23 @@ class CheckpointerConfig:
             raise CheckpointConfigError(
                 f"keep_every={self.keep_every} spares steps from the keep_last retention, "
                 "which is off (keep_last=None keeps every step): pass keep_last too")
+        Ranking("-" if self.best_metric is None else self.best_metric,  # (checks both)
+                self.best_mode)
+        if self.keep_best is not None:
+            if type(self.keep_best) is not int or self.keep_best < 1:
+                raise CheckpointConfigError(
+                    f"keep_best={self.keep_best!r}: use a positive int (the steps with the "
+                    "best metric that outlive keep_last), or None")
+            if self.best_metric is None:
+                raise CheckpointConfigError(
+                    f"keep_best={self.keep_best} needs best_metric: the name of the metric "
+                    "that saves record (save_async(..., metrics={'val_loss': loss})), e.g. "
+                    "best_metric='val_loss'")
+            if self.keep_last is None:
+                raise CheckpointConfigError(
+                    f"keep_best={self.keep_best} spares steps from the keep_last retention, "
+                    "which is off (keep_last=None keeps every step): pass keep_last too "
+                    "(keep_last=1 keeps the newest step to resume from)")
         if not isinstance(self.on_busy, str) or self.on_busy not in ("wait", "error"):
             raise CheckpointConfigError(f"on_busy={self.on_busy!r}: use 'wait' or 'error'")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -205,10 +230,13 @@ class AsyncCheckpointer:
                  process_group: Any = None, rank: int | None = None,
                  world_size: int | None = None, store: Any = None,
                  storage: Storage | None = None, copy_threads: int | None = None,
-                 keep_every: int | None = None):
+                 keep_every: int | None = None, keep_best: int | None = None,
+                 best_metric: str | None = None, best_mode: str = "min"):
         self._pid = os.getpid()
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last,
-                                         keep_every=keep_every, on_busy=on_busy,
+                                         keep_every=keep_every, keep_best=keep_best,
+                                         best_metric=best_metric, best_mode=best_mode,
+                                         on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
         given = os.path.abspath(checked_directory(directory, "directory"))
@@ -223,6 +251,10 @@ class AsyncCheckpointer:
             given, process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
+        self._metrics = StepMetrics()  # each committed step's, read once (best_step)
+        cfg = self.config
+        self._keep_best = None if cfg.keep_best is None else KeepBest(
+            cfg.keep_best, Ranking(cfg.best_metric or "", cfg.best_mode), self._metrics)
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
         self._plan: WritePlan | None = None
@@ -283,7 +315,8 @@ class AsyncCheckpointer:
 
     def save_async(self, state: Any, step: int, *, overlap: bool = False,
                    metadata: Mapping[str, str] | None = None,
-                   shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointFuture:
+                   shards: Mapping[str, ShardMetadata] | None = None,
+                   metrics: Mapping[str, Any] | None = None) -> CheckpointFuture:
         """Stage ``state`` into the host arena and write it in the background.
 
         Returns once the tensors are copied (with ``overlap=True``, at once: then call
@@ -291,6 +324,9 @@ class AsyncCheckpointer:
         ``optimizer.step()``). The future completes when the checkpoint is committed —
         under torch.distributed, when every rank's part is. ``shards`` declares the
         global shape and offsets of tensors sharded by hand (DTensors need nothing).
+        ``metrics`` (names to numbers, e.g. ``{"val_loss": 2.31}``) are recorded in the
+        manifest, for ``keep_best`` and ``best_step()``; in a group, the coordinator's
+        (rank 0's) are recorded.
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``.
@@ -301,7 +337,7 @@ class AsyncCheckpointer:
         self._refuse_forked("save_async")
         with self._one_call("save_async"), contextlib.ExitStack() as paused:
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
-                                    shards=shards, paused=paused)
+                                    shards=shards, metrics=metrics, paused=paused)
 
     @contextlib.contextmanager
     def _one_call(self, what: str) -> Iterator[None]:
@@ -327,6 +363,7 @@ class AsyncCheckpointer:
     def _save_async(self, state: Any, step: int, *, overlap: bool,
                     metadata: Mapping[str, str] | None,
                     shards: Mapping[str, ShardMetadata] | None,
+                    metrics: Mapping[str, Any] | None,
                     paused: contextlib.ExitStack) -> CheckpointFuture:
         started = time.perf_counter()
         self._check_open()
@@ -339,6 +376,7 @@ class AsyncCheckpointer:
             if type(step) is not int or step < 0:
                 raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
             user_metadata = _checked_metadata(metadata)
+            recorded = checked_metrics(metrics)
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
             self._wait_for_previous()
@@ -388,6 +426,7 @@ class AsyncCheckpointer:
             keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
+            metrics=recorded, keep_best=self._keep_best,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
@@ -532,10 +571,12 @@ class AsyncCheckpointer:
             self._transports.append(transport)
 
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None,
-             shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointInfo:
+             shards: Mapping[str, ShardMetadata] | None = None,
+             metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Save synchronously: return once the checkpoint is committed (arguments as
         for ``save_async``)."""
-        return self.save_async(state, step, metadata=metadata, shards=shards).wait()
+        return self.save_async(state, step, metadata=metadata, shards=shards,
+                               metrics=metrics).wait()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight (if any) and its retention; re-raise its error, or
@@ -610,6 +651,26 @@ class AsyncCheckpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The committed step whose ``metric`` (recorded by ``save_async(metrics=...)``) is
+        best: the least with ``mode="min"``, the greatest with ``"max"`` (defaults: the
+        checkpointer's ``best_metric`` and ``best_mode``). NaN ranks last; of equal values
+        the newer step wins. None when no committed step recorded it.
+
+        Example:
+            >>> ckpt.load(model_state, step=ckpt.best_step("val_loss"))
+        """
+        if metric is None and self.config.best_metric is None:
+            raise CheckpointConfigError(
+                "best_step() needs a metric: best_step('val_loss'), or best_metric= on the "
+                "checkpointer")
+        ranking = Ranking(metric if metric is not None else self.config.best_metric or "",
+                          mode if mode is not None else self.config.best_mode)
+        scores = self._metrics.scores(self.directory, self.storage, self.steps(),
+                                      ranking.metric)
+        best = ranking.best(scores, 1)
+        return best[0] if best else None
+
     def discard_steps_after(self, step: int) -> list[int]:
         """Delete every committed step newer than ``step``, for a rollback: after
         ``load(state, step=step)`` (a loss spike, a bad data shard), training goes on from
@@ -635,6 +696,7 @@ class AsyncCheckpointer:
         with self._one_call("discard_steps_after"):
             self._check_open()
             self._wait_for_previous()
+            self._metrics.forget_after(step)  # (those steps may be saved again)
             if self._retention is not None:  # its removals end before these begin
                 cf.wait([self._retention])
                 self._retention = None

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -167,6 +168,17 @@ def _decided(args: argparse.Namespace, code: int) -> int:
     return code
 
 
+def _json_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
+    """A step's metrics for --json: strict JSON has no NaN nor infinity (those are
+    written as strings, "nan", "inf", "-inf")."""
+    return {k: v if math.isfinite(v) else repr(v) for k, v in metrics.items()}
+
+
+def _metrics_text(metrics: dict[str, float | str]) -> str:
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in metrics.items())
+
+
 def _print_json(doc: Any) -> None:
     _out(json.dumps(doc, indent=2))
 
@@ -288,7 +300,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
                             "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
-                            "library_version": m.library_version})
+                            "library_version": m.library_version,
+                            "metrics": _json_metrics(m.metrics)})
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
@@ -300,12 +313,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not entries:
         _out(f"no committed checkpoints under {root}")
     else:
+        metrics = any(e.get("metrics") for e in entries)  # (a column only where there are)
         rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),
-                 _when(e["created_unix"]), "latest" if e["step"] == latest else ""]
+                 _when(e["created_unix"]),
+                 *([_shown(_metrics_text(e["metrics"]))]
+                   if metrics else []),
+                 "latest" if e["step"] == latest else ""]
                 if "error" not in e else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
-                 f"UNREADABLE: {e['error']}"] for e in entries]
-        _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", ""], rows, right=(0, 1, 2)))
+                 *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"] for e in entries]
+        _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
+                     ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
         _out(f"{listed} committed step{'s' if listed != 1 else ''}, "
              f"{human_bytes(total)} in all"
@@ -359,7 +377,8 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
             "block_bytes": m.block_bytes, "total_bytes": m.total_bytes,
             "tensor_bytes": sum(t["bytes"] for t in tensors),
             "files": {n: {"bytes": f.bytes, "rank": f.rank} for n, f in m.files.items()},
-            "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata}
+            "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata,
+            "metrics": _json_metrics(m.metrics)}
 
 
 def _tensor_table(doc: dict[str, Any]) -> str:
@@ -444,6 +463,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
     if doc["user_metadata"]:
         _out(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
+    if doc["metrics"]:
+        _out(_shown("metrics: " + _metrics_text(doc["metrics"])))
     _out(f"checkpoint: {step_dir}")
     return EXIT_OK
 

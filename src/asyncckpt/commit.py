@@ -18,7 +18,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -374,14 +374,18 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
 
 
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
-                 protect: int | None = None, keep_every: int | None = None) -> list[int]:
+                 protect: int | None = None, keep_every: int | None = None,
+                 spare: Callable[[list[int]], Collection[int]] | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
-    (never ``protect``, nor a multiple of ``keep_every``), oldest first."""
+    (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
+    of all the committed steps: keep_best's), oldest first."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
-    return [s for s in steps[:max(0, len(steps) - keep_last)]
-            if s != protect and (keep_every is None or s % keep_every)]
+    old = steps[:max(0, len(steps) - keep_last)]
+    spared = spare(steps) if spare is not None and old else ()
+    return [s for s in old
+            if s != protect and (keep_every is None or s % keep_every) and s not in spared]
 
 
 # How long retention (or a rollback) waits for a load of the same checkpointer to pick

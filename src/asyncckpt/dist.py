@@ -1060,7 +1060,7 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
 
 def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                   block_bytes: int, user_metadata: dict[str, str], created_unix: float,
-                  partial: bool = False) -> Manifest:
+                  partial: bool = False, metrics: dict[str, float] | None = None) -> Manifest:
     """Build the global manifest from every rank's record (coordinator's first).
 
     Raises CheckpointSaveError when the chunks of a tensor overlap or leave part of it
@@ -1091,7 +1091,7 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
                     library_version=library_version, block_bytes=block_bytes, files=files,
                     tensors=out, skeleton=skeleton, user_metadata=user_metadata,
-                    partial=partial)
+                    partial=partial, metrics=dict(metrics or {}))
 
 
 def merged_skeleton(skeletons: list[Any], step: int, first_rank: int) -> Any:

@@ -258,6 +258,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     partial: bool = False
     """True for a view that holds only some boxes of its tensors (what a peer serves)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What ``save_async(metrics=...)`` recorded (a validation loss...), for keep_best."""
 
     @property
     def total_bytes(self) -> int:
@@ -297,6 +299,9 @@ class Manifest:
         parts = [compact_json(head)[:-1], ',"tensors":', tensors_text,
                  ',"skeleton":', skeleton_text, ',"user_metadata":',
                  compact_json(self.user_metadata)]
+        if self.metrics:  # (as the skeleton's floats: repr, so nan and inf are JSON too)
+            parts += [',"metrics":', compact_json({k: repr(float(v))
+                                                   for k, v in self.metrics.items()})]
         if self.partial:
             parts.append(',"partial":true')
         parts.append("}")
@@ -585,10 +590,23 @@ class ManifestSummary:
     files: dict[str, FileEntry]
     tensors: int
     partial: bool
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
+
+
+def _metrics(c: _Check, doc: dict[str, Any]) -> dict[str, float]:
+    """The manifest's metrics: names to floats, written as Python's repr of each."""
+    out = {}
+    for name, v in c.obj(doc.get("metrics", {}), "metrics").items():
+        text = c.str_(v, f"metrics[{name!r:.80}]")
+        try:
+            out[name] = float(text)
+        except ValueError:
+            raise c.fail(f"metrics[{name!r:.80}] holds {v!r:.40}, which is no number") from None
+    return out
 
 
 def _created(c: _Check, doc: dict[str, Any]) -> float:
@@ -610,7 +628,8 @@ def parse_manifest_summary(raw: bytes, path: str) -> ManifestSummary:
     return ManifestSummary(step=c.int_(doc.get("step"), "step"), created_unix=_created(c, doc),
                            library_version=c.str_(doc.get("library_version"),
                                                   "library_version"),
-                           files=h.files, tensors=len(tensors), partial=h.partial)
+                           files=h.files, tensors=len(tensors), partial=h.partial,
+                           metrics=_metrics(c, doc))
 
 
 @_deep_stack_aware
@@ -640,7 +659,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         library_version=c.str_(doc.get("library_version"), "library_version"),
         block_bytes=block_bytes, files=files, tensors=tensors, skeleton=skeleton,
         user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version,
-        partial=partial)
+        partial=partial, metrics=_metrics(c, doc))
 
 
 # Names of the dtypes a manifest may hold, for a fast lookup; others take the slow path.

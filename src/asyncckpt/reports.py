@@ -313,7 +313,8 @@ class RecordBook:
 
     def manifest(self, records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                  block_bytes: int, user_metadata: dict[str, str], created_unix: float,
-                 partial: bool = False) -> tuple[bytes, list[dict[str, Any]]]:
+                 partial: bool = False, metrics: dict[str, float] | None = None
+                 ) -> tuple[bytes, list[dict[str, Any]]]:
         """The manifest's bytes for these records (every rank's, coordinator's first),
         and each rank's file fields (rank, file, bytes...). ``partial``: the records
         cover only some boxes of their tensors (a rank's view of its own part); a book
@@ -327,7 +328,8 @@ class RecordBook:
         fids = tuple(r.frame.fid for r in reports)
         kw: dict[str, Any] = {"step": step, "library_version": library_version,
                               "block_bytes": block_bytes, "user_metadata": user_metadata,
-                              "created_unix": created_unix, "partial": partial}
+                              "created_unix": created_unix, "partial": partial,
+                              "metrics": dict(metrics or {})}
         t = self.template
         if t is not None and t.fids == fids and t.block_bytes == block_bytes:
             raw = self._fill(t, reports, kw)

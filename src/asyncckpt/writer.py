@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import contextlib
 import copy
 import errno
+import functools
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
+from .best import KeepBest
 from .dist import DistContext, Pulse, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -119,6 +121,8 @@ class SaveJob:
     direct_io: bool
     started: float
     keep_every: int | None = None  # with keep_last: older multiples of it are kept
+    keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
+    metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
     blocked_s: float = 0.0
     sync: bool = False  # mode="sync": the caller is blocked until the commit
     tmp: Path | None = None
@@ -556,9 +560,13 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                                 "retention", job.step, commit.RETENTION_LOCK_S)
                     doomed = []
                 else:
+                    best = job.keep_best
+                    if best is not None:  # (committed: no need to read its metrics back)
+                        best.cache.note(job.step, job.metrics)
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
-                        keep_every=job.keep_every))
+                        keep_every=job.keep_every, spare=None if best is None else
+                        functools.partial(best.spared, job.root, job.storage)))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
@@ -571,6 +579,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                                     "the next save tries again", job.step, s, exc)
                     finally:
                         job.ctx.retired(s)
+                if job.keep_best is not None:
+                    job.keep_best.cache.forget(s for s, _ in hidden)
     except OSError as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
     except BaseException as exc:
@@ -869,7 +879,7 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
-            created_unix=time.time())
+            created_unix=time.time(), metrics=job.metrics)
     return raw
 
 

@@ -1,0 +1,150 @@
+"""The best steps by a recorded metric: what ``keep_best`` spares from retention and what
+``best_step()`` answers.
+
+A save records its metrics in its manifest (``save_async(metrics={"val_loss": 2.31})``);
+a committed step's manifest never changes while its directory lives, so each step's are
+read once and kept (a retention after every save would otherwise parse every kept
+step's manifest again).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .commit import step_dir_name
+from .errors import CheckpointConfigError, CheckpointError
+from .reader import read_manifest_summary
+from .storage import ReadStorage
+
+log = logging.getLogger(__name__)
+
+MODES = ("min", "max")
+
+
+def checked_metrics(metrics: object) -> dict[str, float]:
+    """``save_async``'s ``metrics=`` as names to floats, or CheckpointConfigError naming
+    the entry that is not a name and a real number. NaN and infinities are taken (a
+    diverged run's loss): they rank last."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise CheckpointConfigError(
+            f"metrics={metrics!r:.80}: pass a mapping of names to numbers, e.g. "
+            "metrics={'val_loss': 2.31}")
+    out: dict[str, float] = {}
+    for name, v in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointConfigError(f"metrics: the name {name!r:.80} is not a non-empty str")
+        out[name] = _number(name, v)
+    return out
+
+
+def _number(name: str, v: Any) -> float:
+    item = getattr(v, "item", None)  # a 0-dim tensor or a numpy scalar
+    if not isinstance(v, numbers.Real) and callable(item) and getattr(v, "ndim", None) == 0:
+        v = item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise CheckpointConfigError(
+            f"metrics[{name!r}] = {v!r:.80}: pass a real number (a float, an int, a 0-dim "
+            "tensor or a numpy scalar)")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Which metric makes a step best, and whether less is better."""
+
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise CheckpointConfigError(
+                f"best_metric={self.metric!r:.80}: name the metric that saves record, e.g. "
+                "best_metric='val_loss' with save_async(..., metrics={'val_loss': loss})")
+        if self.mode not in MODES:
+            raise CheckpointConfigError(
+                f"best_mode={self.mode!r:.40}: use 'min' (a loss) or 'max' (an accuracy)")
+
+    def best(self, scores: Mapping[int, float], count: int | None = None) -> list[int]:
+        """The steps of ``scores`` (step -> value), best first, the first ``count`` of
+        them. NaN ranks last; of equal values the newer step ranks first."""
+        sign = 1.0 if self.mode == "min" else -1.0
+        order = sorted(scores, key=lambda s: (math.isnan(scores[s]),
+                                              sign * scores[s] if not math.isnan(scores[s])
+                                              else 0.0, -s))
+        return order if count is None else order[:count]
+
+
+class StepMetrics:
+    """Each committed step's metrics under one root, read from its manifest once.
+
+    Thread-safe: retention asks on the writer thread, ``best_step()`` on the caller's.
+    A step whose manifest cannot be read is not kept (asked again next time) and counts
+    as one without metrics.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[int, dict[str, float]] = {}
+
+    def note(self, step: int, metrics: Mapping[str, float]) -> None:
+        """What a save committed as ``step`` recorded (no need to read it back)."""
+        with self._lock:
+            self._known[step] = dict(metrics)
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Steps that were removed (and may be saved again with other metrics)."""
+        with self._lock:
+            for s in steps:
+                self._known.pop(s, None)
+
+    def forget_after(self, step: int) -> None:
+        """Every step after ``step`` (a rollback deletes them)."""
+        with self._lock:
+            self._known = {s: m for s, m in self._known.items() if s <= step}
+
+    def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
+        with self._lock:
+            got = self._known.get(step)
+        if got is not None:
+            return got
+        try:
+            metrics = read_manifest_summary(root / step_dir_name(step), storage).metrics
+        except (CheckpointError, OSError) as exc:
+            log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
+                        "without metrics", step, type(exc).__name__, exc)
+            return {}
+        with self._lock:
+            self._known[step] = metrics
+        return metrics
+
+    def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+               metric: str) -> dict[int, float]:
+        """``metric``'s value at each of ``steps`` that recorded it."""
+        out = {}
+        for s in steps:
+            v = self.of(root, s, storage).get(metric)
+            if v is not None:
+                out[s] = v
+        return out
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Retention's ``keep_best``: the ``count`` best steps by ``ranking`` are kept."""
+
+    count: int
+    ranking: Ranking
+    cache: StepMetrics
+
+    def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> set[int]:
+        scores = self.cache.scores(root, storage, steps, self.ranking.metric)
+        return set(self.ranking.best(scores, self.count))

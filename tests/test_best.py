@@ -1,0 +1,257 @@
+"""keep_best and best_step(): steps ranked by a metric that saves record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import asyncckpt
+from _ranks import all_ok, in_threads
+from asyncckpt import AsyncCheckpointer, CheckpointConfigError, CheckpointCorruptError
+from asyncckpt.best import Ranking, StepMetrics, checked_metrics
+from asyncckpt.cli import main
+from asyncckpt.manifest import parse_manifest, seal
+from asyncckpt.reader import read_manifest
+from asyncckpt.storage import LocalStorage
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((4,), float(step)), "step": step}
+
+
+# --- what a save may record --------------------------------------------------------------------
+
+def test_metrics_are_names_to_real_numbers_of_any_kind() -> None:
+    got = checked_metrics({"loss": 2, "acc": np.float32(0.5), "ppl": torch.tensor(7.25),
+                           "n": np.int64(3), "bad": NAN})
+    assert got == {"loss": 2.0, "acc": 0.5, "ppl": 7.25, "n": 3.0, "bad": got["bad"]}
+    assert all(type(v) is float for v in got.values()) and math.isnan(got["bad"])
+    assert checked_metrics(None) == {}
+
+
+@pytest.mark.parametrize(("metrics", "match"), [
+    ({"loss": True}, r"metrics\['loss'\] = True: pass a real number"),
+    ({"loss": "2.3"}, r"metrics\['loss'\] = '2.3'"),
+    ({"loss": torch.ones(2)}, r"metrics\['loss'\]"),
+    ({"loss": 1j}, r"metrics\['loss'\]"),
+    ({3: 1.0}, r"the name 3 is not a non-empty str"),
+    ({"": 1.0}, r"the name '' is not"),
+    ([("loss", 1.0)], r"pass a mapping of names to numbers"),
+])
+def test_a_metric_that_is_no_number_is_refused_naming_it(metrics: Any, match: str,
+                                                          tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match=match):
+        checked_metrics(metrics)
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:  # before anything is written
+        with pytest.raises(CheckpointConfigError, match=match):
+            ckpt.save(_state(1), 1, metrics=metrics)
+        assert ckpt.steps() == []
+
+
+def test_ranking_puts_nan_last_and_the_newer_of_equals_first() -> None:
+    scores = {1: 3.0, 2: NAN, 3: 1.0, 4: 3.0, 5: -INF, 6: INF}
+    assert Ranking("x", "min").best(scores) == [5, 3, 4, 1, 6, 2]
+    assert Ranking("x", "max").best(scores) == [6, 4, 1, 3, 5, 2]
+    assert Ranking("x", "min").best(scores, 2) == [5, 3]
+    assert Ranking("x").best({}) == []
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"keep_last": 1, "keep_best": 2}, r"keep_best=2 needs best_metric"),
+    ({"keep_best": 2, "best_metric": "val_loss"}, r"pass keep_last too"),
+    ({"keep_last": 1, "keep_best": 0, "best_metric": "l"}, r"keep_best=0: use a positive int"),
+    ({"keep_last": 1, "keep_best": True, "best_metric": "l"}, r"keep_best=True"),
+    ({"best_metric": "l", "best_mode": "avg"}, r"best_mode='avg': use 'min'"),
+    ({"best_mode": "MAX"}, r"best_mode='MAX'"),
+    ({"best_metric": ""}, r"best_metric='': name the metric"),
+    ({"best_metric": 3}, r"best_metric=3"),
+])
+def test_keep_best_is_refused_when_it_could_not_work(kw: dict[str, Any], match: str,
+                                                     tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match=match):
+        AsyncCheckpointer(tmp_path, **kw)
+
+
+# --- in the manifest ---------------------------------------------------------------------------
+
+def test_metrics_round_trip_through_the_manifest_nan_and_infinities_too(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 0.1, "ppl": INF, "gnorm": NAN, "lo": -INF})
+        ckpt.save(_state(2), 2)
+    step = tmp_path / "step_000000001"
+    raw = (step / "manifest.json").read_bytes()
+    assert json.loads(raw)["metrics"] == {"loss": "0.1", "ppl": "inf", "gnorm": "nan",
+                                          "lo": "-inf"}  # (strict JSON: no NaN literal)
+    m = read_manifest(step, LocalStorage())
+    assert m.metrics["loss"] == 0.1 and m.metrics["ppl"] == INF and m.metrics["lo"] == -INF
+    assert math.isnan(m.metrics["gnorm"])
+    # a step saved without metrics has no such field at all
+    assert "metrics" not in json.loads((tmp_path / "step_000000002" / "manifest.json")
+                                       .read_bytes())
+    assert read_manifest(tmp_path / "step_000000002", LocalStorage()).metrics == {}
+
+
+@pytest.mark.parametrize(("metrics", "match"), [
+    ({"loss": 0.5}, r"metrics\['loss'\] must be a string"),
+    ({"loss": "half"}, r"metrics\['loss'\] holds 'half', which is no number"),
+    (["loss"], r"metrics must be an object"),
+])
+def test_malformed_metrics_in_a_manifest_are_corruption(tmp_path: Path, metrics: Any,
+                                                        match: str) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 1.0})
+    doc = json.loads((tmp_path / "step_000000001" / "manifest.json").read_bytes())
+    del doc["digest"]
+    doc["metrics"] = metrics
+    with pytest.raises(CheckpointCorruptError, match=match):
+        parse_manifest(seal(json.dumps(doc, separators=(",", ":")).encode()), "m")
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+LOSSES = [(1, 3.0), (2, 2.0), (3, 2.5), (4, NAN), (5, 1.5), (6, 4.0), (7, None), (8, 1.5)]
+
+
+def test_keep_best_keeps_the_best_steps_beside_the_newest(tmp_path: Path) -> None:
+    seen = []
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=2,
+                           best_metric="val_loss") as ckpt:
+        for step, loss in LOSSES:
+            ckpt.save(_state(step), step,
+                      metrics=None if loss is None else {"val_loss": loss, "acc": -step})
+            seen.append(ckpt.steps())
+        assert ckpt.best_step() == 8  # 1.5 twice: the newer
+        assert ckpt.best_step("acc", "max") == 5 and ckpt.best_step("acc") == 8  # of [5, 8]
+        assert ckpt.best_step("nothing") is None
+    assert seen == [[1], [1, 2], [2, 3], [2, 3, 4], [2, 5], [2, 5, 6], [2, 5, 7], [5, 8]]
+    restored = asyncckpt.load(tmp_path, step=5)
+    assert restored["step"] == 5 and torch.equal(restored["w"], torch.full((4,), 5.0))
+
+
+def test_keep_best_of_a_maximum_with_keep_every(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=2, keep_best=1, keep_every=4,
+                           best_metric="acc", best_mode="max") as ckpt:
+        for step, acc in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.2), (5, 0.3), (6, 0.4),
+                          (7, 0.95), (8, 0.0), (9, 0.0)]:
+            ckpt.save_async(_state(step), step, metrics={"acc": acc}).wait()
+            ckpt.wait()  # (and its retention)
+        assert ckpt.steps() == [4, 7, 8, 9]  # milestone 4 (and 8), the best 7, the newest two
+        assert ckpt.best_step() == 7
+
+
+def test_a_new_checkpointer_reads_each_steps_metrics_once(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step in range(1, 6):
+            ckpt.save(_state(step), step, metrics={"loss": float(10 - step)})
+    import asyncckpt.best as best
+
+    reads: list[str] = []
+    real = best.read_manifest_summary
+
+    def counted(step_dir: Path, storage: Any) -> Any:
+        reads.append(step_dir.name)
+        return real(step_dir, storage)
+
+    monkeypatch.setattr(best, "read_manifest_summary", counted)
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=2, keep_best=1,
+                           best_metric="loss", best_mode="max") as ckpt:
+        assert ckpt.best_step() == 1
+        assert sorted(reads) == [f"step_00000000{s}" for s in range(1, 6)]
+        for step in range(6, 10):  # the new steps' metrics are known without reading
+            ckpt.save(_state(step), step, metrics={"loss": float(10 - step)})
+        assert ckpt.best_step() == 1
+        assert len(reads) == 5
+        assert ckpt.steps() == [1, 8, 9]
+
+
+def test_a_rolled_back_step_saved_again_ranks_by_its_new_metrics(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 2.0})
+        ckpt.save(_state(2), 2, metrics={"loss": 1.0})
+        assert ckpt.best_step("loss") == 2
+        assert ckpt.discard_steps_after(1) == [2]
+        ckpt.save(_state(2), 2, metrics={"loss": 5.0})
+        assert ckpt.best_step("loss") == 1
+
+
+def test_a_step_whose_manifest_cannot_be_read_counts_as_one_without_metrics(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 0.5})
+        ckpt.save(_state(2), 2, metrics={"loss": 1.0})
+    man = tmp_path / "step_000000001" / "manifest.json"
+    man.write_bytes(man.read_bytes()[:-20])
+    cache = StepMetrics()
+    assert cache.scores(tmp_path, LocalStorage(), [1, 2], "loss") == {2: 1.0}
+    assert "step 1's metrics cannot be read" in caplog.text
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        assert ckpt.best_step("loss") == 2
+
+
+def test_best_step_needs_a_metric(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        with pytest.raises(CheckpointConfigError, match=r"best_step\('val_loss'\)"):
+            ckpt.best_step()
+        assert ckpt.best_step("val_loss") is None  # nothing saved
+
+
+def test_in_a_group_the_coordinator_records_its_metrics_and_keeps_the_best(
+        tmp_path: Path) -> None:
+    store = torch.distributed.HashStore()
+    ckpts = [AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=60, keep_last=1, keep_best=1, best_metric="loss")
+             for r in range(2)]
+
+    def rank_main(r: int) -> list[int]:
+        for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0), (4, 4.0)]:
+            part = torch.arange(4.0) + 10 * r + step
+            ckpts[r].save({"w": part}, step, metrics={"loss": loss if r == 0 else -loss},
+                          shards={"w": asyncckpt.ShardMetadata((8,), (4 * r,))})
+        ckpts[r].close()
+        return ckpts[r].steps()
+
+    out = all_ok(in_threads(rank_main, 2))
+    assert out[0] == out[1] == [2, 4]  # rank 0's losses rank the steps: 1.0 at step 2
+    m = read_manifest(tmp_path / "step_000000002", LocalStorage())
+    assert m.metrics == {"loss": 1.0}
+
+
+# --- the command line --------------------------------------------------------------------------
+
+def test_ls_and_inspect_show_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_loss": 2.3125, "ppl": NAN})
+        ckpt.save(_state(2), 2)
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "METRICS" in out and "val_loss=2.3125 ppl=nan" in out
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # strict JSON: NaN as a string
+    assert [s["metrics"] for s in doc["steps"]] == [{"val_loss": 2.3125, "ppl": "nan"}, {}]
+    assert main(["inspect", str(tmp_path), "--step", "1"]) == 0
+    assert "metrics: val_loss=2.3125 ppl=nan" in capsys.readouterr().out
+    with AsyncCheckpointer(tmp_path / "none", mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+    assert main(["ls", str(tmp_path / "none")]) == 0
+    assert "METRICS" not in capsys.readouterr().out  # no column where no step has any
+
+
+def test_manifest_metrics_survive_replace_and_encode() -> None:
+    from test_manifest import PATH, make_manifest
+
+    m = make_manifest(metrics={"loss": 0.25})
+    back = parse_manifest(m.to_json(), PATH)
+    assert back == m and back.metrics == {"loss": 0.25}
+    assert parse_manifest(dataclasses.replace(m, metrics={}).to_json(), PATH).metrics == {}
