@@ -357,9 +357,10 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
     merges: list[bool] = []  # per merge of any book: made for a served view?
     real_merge = RecordBook._merge
 
-    def merge(self: RecordBook, reports: Any, fids: Any, kw: dict[str, Any]) -> bytes:
+    def merge(self: RecordBook, reports: Any, fids: Any, kw: dict[str, Any],
+              *rest: Any) -> bytes:
         merges.append(kw["partial"])
-        return real_merge(self, reports, fids, kw)
+        return real_merge(self, reports, fids, kw, *rest)
 
     monkeypatch.setattr(RecordBook, "_merge", merge)
     offers = {r: _Offers() for r in range(world)}
@@ -934,6 +935,43 @@ def test_a_per_rank_tensor_under_a_shared_path_is_warned_about(
     assert len(warned) == 1, caplog.text
     assert "'rng'" in warned[0] and "'same'" not in warned[0] and "'w'" not in warned[0]
     assert "RNGState()" in warned[0]
+
+
+@pytest.mark.parametrize("differ", ["big", "later", "scalar"])
+def test_strict_replicas_refuse_a_save_whose_ranks_differ_and_commit_nothing(
+        tmp_path: Path, differ: str) -> None:
+    """strict_replicas=True: a replicated value that differs between ranks (a tensor of
+    any size, the second save's only; or a non-tensor value) fails the save on every
+    rank, and no step becomes visible; equal replicas save as ever."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> list[int]:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
+                               strict_replicas=True) as ck:
+            state: dict[str, Any] = {"w": torch.ones(8), "big": torch.zeros(1 << 16),
+                                     "lr": 0.1}
+            ck.save(state, step=1)  # equal everywhere
+            if differ == "big":
+                state["big"] = torch.full((1 << 16,), float(r))  # 256 KiB: compared too
+            elif differ == "later":
+                state["big"][-1] = r  # one element of the last checksum block
+            else:
+                state["lr"] = 0.1 * (r + 1)
+            try:
+                ck.save(state, step=2)
+            except asyncckpt.CheckpointSaveError as exc:
+                assert "strict_replicas=True" in str(exc) and "nothing committed" in str(exc)
+                assert ("'lr'" if differ == "scalar" else "'big'") in str(exc), exc
+                return ck.steps()
+            raise AssertionError("the save of differing replicas was committed")
+
+    assert in_threads(rank) == {0: [1], 1: [1]}
+    assert AsyncCheckpointer(tmp_path).steps() == [1]
+
+
+def test_strict_replicas_is_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="strict_replicas='yes'"):
+        AsyncCheckpointer(tmp_path, strict_replicas="yes")  # type: ignore[arg-type]
 
 
 def test_equal_replicas_are_not_warned_about(tmp_path: Path,

@@ -67,7 +67,7 @@ from .manifest import (
     check_block_bytes,
     shard_file_name,
 )
-from .plan import WritePlan, layout_signature, plan_writes
+from .plan import WritePlan, layout_signature, plain_memory, plan_writes
 from .reader import read_manifest, tensor_bytes
 from .reports import Reports
 from .staging import HostArena, StagingProgress, StagingStopped, caller_streams, stage
@@ -113,6 +113,11 @@ class CheckpointerConfig:
     """Checksum granularity: one xxh3-64 per this many bytes of each tensor."""
     timeout_s: float = 600.0
     """How long any cross-rank wait may take before it fails naming the silent ranks."""
+    strict_replicas: bool = False
+    """In a group: refuse to commit a save whose ranks hold different values at one path
+    (a replicated tensor of any size or device, or a non-tensor value) rather than
+    warn and keep one; every rank hashes the replicas it does not write, on the
+    caller's thread."""
     copy_threads: int | None = None
     """Threads that copy CPU tensors into the arena (and fault in a new one); None: see
     default_copy_threads()."""
@@ -157,6 +162,9 @@ class CheckpointerConfig:
                 or not 0 < self.timeout_s < math.inf:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive, finite "
                                         "number of seconds (a day is 86400)")
+        if not isinstance(self.strict_replicas, bool):
+            raise CheckpointConfigError(
+                f"strict_replicas={self.strict_replicas!r}: use True or False")
         if not isinstance(self.direct_io, bool):  # "no" would read as True
             raise CheckpointConfigError(f"direct_io={self.direct_io!r}: use True or False")
         if self.copy_threads is None:
@@ -231,12 +239,13 @@ class AsyncCheckpointer:
                  world_size: int | None = None, store: Any = None,
                  storage: Storage | None = None, copy_threads: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None,
-                 best_metric: str | None = None, best_mode: str = "min"):
+                 best_metric: str | None = None, best_mode: str = "min",
+                 strict_replicas: bool = False):
         self._pid = os.getpid()
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last,
                                          keep_every=keep_every, keep_best=keep_best,
                                          best_metric=best_metric, best_mode=best_mode,
-                                         on_busy=on_busy,
+                                         strict_replicas=strict_replicas, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
         given = os.path.abspath(checked_directory(directory, "directory"))
@@ -427,6 +436,7 @@ class AsyncCheckpointer:
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
             metrics=recorded, keep_best=self._keep_best,
+            strict_replicas=self.config.strict_replicas,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
@@ -1225,20 +1235,27 @@ class AsyncCheckpointer:
         """Checksums of the small replicated CPU tensors this rank holds but another
         writes, for the coordinator to compare with the copy saved (a per-rank value
         under a shared path would otherwise be lost without a word). GPU tensors are
-        left out: hashing them would cost a device-to-host copy on the caller's thread."""
+        left out: hashing them would cost a device-to-host copy on the caller's thread.
+        With ``strict_replicas``, every one of them, of any size, on any device."""
         assert self._layout is not None
+        strict = self.config.strict_replicas
         if self._probed is None or self._probed[0] is not self._layout:
             mine = self._layout[2]
             keys = [k for k, t in flat.tensors.items()
-                    if k not in mine and _whole(flat, k) and t.device.type == "cpu"
-                    and 0 < t.numel() * t.element_size() <= _PROBE_BYTES]
-            self._probed = (self._layout, keys[:_PROBE_COUNT])
+                    if k not in mine and _whole(flat, k) and t.numel() > 0
+                    and (strict or (t.device.type == "cpu"
+                                    and t.numel() * t.element_size() <= _PROBE_BYTES))]
+            self._probed = (self._layout, keys if strict else keys[:_PROBE_COUNT])
         out = {}
         for key in self._probed[1]:
             t = flat.tensors.get(key)
-            if t is None or t.device.type != "cpu":
+            if t is None or (t.device.type != "cpu" and not strict):
                 continue
             c = t.detach().resolve_conj().resolve_neg().contiguous()
+            if c.device.type != "cpu":
+                c = c.cpu()  # (strict_replicas: the copy on the caller's thread it costs)
+            if not plain_memory(c):
+                continue  # a wrapper subclass (torchao): no bytes of its own to hash
             out[key] = block_checksums(tensor_bytes(c), self.config.block_bytes)
         return out
 

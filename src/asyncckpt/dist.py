@@ -1060,7 +1060,8 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
 
 def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                   block_bytes: int, user_metadata: dict[str, str], created_unix: float,
-                  partial: bool = False, metrics: dict[str, float] | None = None) -> Manifest:
+                  partial: bool = False, metrics: dict[str, float] | None = None,
+                  strict_replicas: bool = False) -> Manifest:
     """Build the global manifest from every rank's record (coordinator's first).
 
     Raises CheckpointSaveError when the chunks of a tensor overlap or leave part of it
@@ -1083,9 +1084,10 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
         chunks.sort(key=lambda c: c.offsets)
         _check_coverage(key, shape, chunks, partial)
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
-    skeleton = merged_skeleton([r["skeleton"] for r in records], step, records[0]["rank"])
+    skeleton = merged_skeleton([r["skeleton"] for r in records], step, records[0]["rank"],
+                               strict_replicas)
     warn_differing_replicas(step, [(r["rank"], r.get("replicas", {})) for r in records],
-                            lambda key: _one_chunk_checksums(out, key))
+                            lambda key: _one_chunk_checksums(out, key), strict_replicas)
     if len(records) > 1:  # (one record: its skeleton and tensors come from one flatten)
         check_reachable(skeleton, out.keys())
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
@@ -1094,9 +1096,11 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
                     partial=partial, metrics=dict(metrics or {}))
 
 
-def merged_skeleton(skeletons: list[Any], step: int, first_rank: int) -> Any:
+def merged_skeleton(skeletons: list[Any], step: int, first_rank: int,
+                    strict: bool = False) -> Any:
     """The ranks' skeletons as one (rank ``first_rank``'s values where they differ, with
-    a warning); one that is the same on every rank is taken as it is."""
+    a warning; ``strict``: CheckpointSaveError instead); one that is the same on every
+    rank is taken as it is."""
     first = skeletons[0]
     if all(s == first for s in skeletons[1:]):  # (compared in C: the usual case)
         return first
@@ -1104,6 +1108,12 @@ def merged_skeleton(skeletons: list[Any], step: int, first_rank: int) -> Any:
     skeleton = merge_skeletons(skeletons, differing)
     if differing:
         more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+        if strict:
+            raise CheckpointSaveError(
+                f"step {step} aborted, nothing committed (strict_replicas=True): ranks saved "
+                f"different non-tensor values at {', '.join(map(repr, differing[:5]))}{more}, "
+                "a path that every rank holds being one replicated value; give per-rank "
+                "values per-rank paths (e.g. under the rank), or find why the ranks diverged")
         log.warning("step %d: ranks saved different non-tensor values at %s%s; the checkpoint "
                     "keeps rank %d's (values with one path on every rank are taken as "
                     "replicated: give per-rank values per-rank paths, e.g. under the rank)",
@@ -1130,13 +1140,15 @@ def _one_chunk_checksums(tensors: Mapping[str, TensorEntry], key: str) -> Sequen
 
 
 def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str, list[str]]]],
-                            written: Callable[[str], Sequence[str] | None]) -> None:
+                            written: Callable[[str], Sequence[str] | None],
+                            strict: bool = False) -> None:
     """Warn when a rank's copy of a replicated tensor differs from the copy saved: one
     path on every rank is taken as one replicated tensor, written once, so the others'
     values are lost (per-rank values under a shared path, e.g. each rank's RNG state).
 
     ``replicas``: (rank, its checksums of the replicas it holds but does not write);
-    ``written``: the checksums of a key's one saved chunk (None: not one chunk).
+    ``written``: the checksums of a key's one saved chunk (None: not one chunk);
+    ``strict``: raise CheckpointSaveError instead (nothing is committed).
     """
     differing: dict[str, list[int]] = {}
     for rank, held in replicas:
@@ -1147,6 +1159,14 @@ def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str
     if differing:
         keys = sorted(differing)
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        if strict:
+            raise CheckpointSaveError(
+                f"step {step} aborted, nothing committed (strict_replicas=True): ranks hold "
+                f"different values of tensor(s) {', '.join(map(repr, keys[:5]))}{more}, each "
+                f"saved once as a replicated tensor (rank(s) "
+                f"{sorted({r for ranks in differing.values() for r in ranks})} differ from the "
+                "copy saved); give per-rank values per-rank paths (e.g. under the rank; "
+                "asyncckpt.RNGState() for generators), or find why the replicas diverged")
         log.warning("step %d: ranks hold different values of tensor(s) %s%s, each saved once as "
                     "a replicated tensor (rank(s) %s differ from the copy saved); a tensor at "
                     "one path on every rank is taken as replicated: give per-rank values "

@@ -313,12 +313,13 @@ class RecordBook:
 
     def manifest(self, records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                  block_bytes: int, user_metadata: dict[str, str], created_unix: float,
-                 partial: bool = False, metrics: dict[str, float] | None = None
-                 ) -> tuple[bytes, list[dict[str, Any]]]:
+                 partial: bool = False, metrics: dict[str, float] | None = None,
+                 strict_replicas: bool = False) -> tuple[bytes, list[dict[str, Any]]]:
         """The manifest's bytes for these records (every rank's, coordinator's first),
         and each rank's file fields (rank, file, bytes...). ``partial``: the records
         cover only some boxes of their tensors (a rank's view of its own part); a book
-        makes manifests of one kind.
+        makes manifests of one kind. ``strict_replicas``: ranks' differing values at one
+        path fail the save, rather than being warned of.
 
         Raises CheckpointSaveError when the records do not merge into a checkpoint that
         loads whole; nothing is then committed.
@@ -332,10 +333,10 @@ class RecordBook:
                               "metrics": dict(metrics or {})}
         t = self.template
         if t is not None and t.fids == fids and t.block_bytes == block_bytes:
-            raw = self._fill(t, reports, kw)
+            raw = self._fill(t, reports, kw, strict_replicas)
         else:
             self.template = None
-            raw = self._merge(reports, fids, kw)
+            raw = self._merge(reports, fids, kw, strict_replicas)
         return raw, [r.frame.head for r in reports]
 
     def _resolve(self, rec: dict[str, Any], block_bytes: int, what: str) -> _Report:
@@ -400,12 +401,13 @@ class RecordBook:
             container[at] = node
         self.skeletons[rank] = holder[0]
 
-    def _merge(self, reports: list[_Report], fids: tuple[str, ...], kw: dict[str, Any]) -> bytes:
+    def _merge(self, reports: list[_Report], fids: tuple[str, ...], kw: dict[str, Any],
+               strict: bool) -> bytes:
         """Merge the whole records, as a load will read them; keep the template."""
         whole = [r.whole if r.whole is not None else
                  full_record(json.loads(r.frame.text), r.sums, r.skeleton, r.replicas,
                              r.frame.fid) for r in reports]
-        manifest = merge_records(whole, **kw)
+        manifest = merge_records(whole, strict_replicas=strict, **kw)
         fixed, sums = manifest.tensor_parts()
         skeleton_text = compact_json(manifest.skeleton)
         raw = manifest.encode(join_parts(fixed, sums), skeleton_text)
@@ -440,13 +442,14 @@ class RecordBook:
             [r.skeleton for r in reports], manifest.skeleton, skeleton_text)
         return raw
 
-    def _fill(self, t: _Template, reports: list[_Report], kw: dict[str, Any]) -> bytes:
+    def _fill(self, t: _Template, reports: list[_Report], kw: dict[str, Any],
+              strict: bool) -> bytes:
         """The template's manifest with this save's checksums and skeleton."""
         step = kw["step"]
         skeletons = [r.skeleton for r in reports]
         if any(r.reskeletoned for r in reports) or any(
                 a is not b for a, b in zip(skeletons, t.skeletons, strict=True)):
-            skeleton = merged_skeleton(skeletons, step, reports[0].frame.head["rank"])
+            skeleton = merged_skeleton(skeletons, step, reports[0].frame.head["rank"], strict)
             if len(reports) > 1:  # (one rank's skeleton and tensors come from one flatten)
                 check_reachable(skeleton, t.dtypes)
                 try:
@@ -462,7 +465,7 @@ class RecordBook:
                 at = t.single.get(key)
                 return None if at is None else sums[at]
             warn_differing_replicas(step, [(r.frame.head["rank"], r.replicas) for r in reports],
-                                    written)
+                                    written, strict)
         # (checked: 16 lowercase hex digits each, which JSON quotes as they are)
         texts = map('","'.join, map(sums.__getitem__, t.order))
         manifest = Manifest(world_size=len(reports), files=t.files, tensors={},

@@ -123,6 +123,7 @@ class SaveJob:
     keep_every: int | None = None  # with keep_last: older multiples of it are kept
     keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
     metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
+    strict_replicas: bool = False  # ranks' differing replicas fail the save (not a warning)
     blocked_s: float = 0.0
     sync: bool = False  # mode="sync": the caller is blocked until the commit
     tmp: Path | None = None
@@ -879,7 +880,7 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
-            created_unix=time.time(), metrics=job.metrics)
+            created_unix=time.time(), metrics=job.metrics, strict_replicas=job.strict_replicas)
     return raw
 
 

@@ -904,6 +904,18 @@ def _differing_replicated_dtensor(ctx: RankCtx, mesh: Any, root: Path, c: Checks
         said = buf.getvalue()
         c.check("different values of tensor(s) 'differ'" in said and "'same'" not in said,
                 f"the coordinator logged: {said!r}")
+    # strict_replicas=True: the save fails on every rank, a replica of any size compared
+    big = torch.zeros(1 << 16)
+    big[-1] = ctx.rank
+    with asyncckpt.AsyncCheckpointer(root / "strict", timeout_s=20,
+                                     strict_replicas=True) as ck:
+        try:
+            ck.save({"big": DTensor.from_local(big, mesh, [Replicate()], run_check=False)}, 1)
+            c.check(False, "a save of differing replicas was committed")
+        except asyncckpt.CheckpointSaveError as exc:
+            c.check("strict_replicas=True" in str(exc) and "'big'" in str(exc),
+                    f"unclear error: {exc}")
+        c.check(ck.steps() == [], f"steps {ck.steps()}")
 
 
 def async_worker(ctx: RankCtx) -> dict[str, list[str]]:
