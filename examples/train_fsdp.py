@@ -204,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                 emit(rank, "preempted", step)
                 break
             if step % args.every == 0 or step == args.steps:
-                # returns once the shards are copied out; the files are written meanwhile
-                ckpt.save_async(state_of(model, opt, step), step)
+                # returns once the shards are copied out; the files are written meanwhile.
+                # The loss is recorded with it (asyncckpt ls shows it; keep_best= and
+                # best_step() rank steps by such a metric)
+                ckpt.save_async(state_of(model, opt, step), step,
+                                metrics={"loss": total.item() / world})
                 emit(rank, "saved", step)
             if args.kill_at is not None and step == args.kill_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -109,6 +109,7 @@ def test_reference_and_killed_runs(runs: dict[str, object]) -> None:
     assert ckpt.steps() == [STEPS - EVERY, STEPS]  # keep_last=2
     m = ckpt.manifest()
     assert m.world_size == 2 and len(m.files) == 2
+    assert m.metrics == {"loss": ref.losses[STEPS]}  # recorded with the save, exactly
     # the weights are really sharded: every rank file holds a piece of the first layer
     assert {c.file for c in m.tensors["model/0.weight"].chunks} == set(m.files)
     assert asyncckpt.load(base / "ref")["step"] == STEPS
