@@ -132,6 +132,7 @@ def test_keep_best_keeps_the_best_steps_beside_the_newest(tmp_path: Path) -> Non
         assert ckpt.best_step() == 8  # 1.5 twice: the newer
         assert ckpt.best_step("acc", "max") == 5 and ckpt.best_step("acc") == 8  # of [5, 8]
         assert ckpt.best_step("nothing") is None
+        assert set(ckpt._metrics._known) == {5, 8}  # the deleted steps' are forgotten
     assert seen == [[1], [1, 2], [2, 3], [2, 3, 4], [2, 5], [2, 5, 6], [2, 5, 7], [5, 8]]
     restored = asyncckpt.load(tmp_path, step=5)
     assert restored["step"] == 5 and torch.equal(restored["w"], torch.full((4,), 5.0))

@@ -128,12 +128,17 @@ class StepMetrics:
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                metric: str) -> dict[int, float]:
-        """``metric``'s value at each of ``steps`` that recorded it."""
+        """``metric``'s value at each of ``steps`` (every committed step) that recorded
+        it. The steps that are gone are forgotten (a long run deletes thousands)."""
+        steps = set(steps)
         out = {}
         for s in steps:
             v = self.of(root, s, storage).get(metric)
             if v is not None:
                 out[s] = v
+        with self._lock:
+            for s in [s for s in self._known if s not in steps]:
+                del self._known[s]
         return out
 
 

@@ -665,7 +665,8 @@ class AsyncCheckpointer:
         """The committed step whose ``metric`` (recorded by ``save_async(metrics=...)``) is
         best: the least with ``mode="min"``, the greatest with ``"max"`` (defaults: the
         checkpointer's ``best_metric`` and ``best_mode``). NaN ranks last; of equal values
-        the newer step wins. None when no committed step recorded it.
+        the newer step wins. None when no committed step recorded it (check before
+        passing it on: ``load(step=None)`` loads the latest step).
 
         Example:
             >>> ckpt.load(model_state, step=ckpt.best_step("val_loss"))
