@@ -186,6 +186,40 @@ def test_a_rolled_back_step_saved_again_ranks_by_its_new_metrics(tmp_path: Path)
         assert ckpt.best_step("loss") == 1
 
 
+def test_another_checkpointer_sees_a_step_saved_again_after_a_rollback(tmp_path: Path) -> None:
+    """What a checkpointer knows of a step's metrics is tied to its manifest file: a step
+    rolled back and saved again by another checkpointer (a trainer, beside an evaluator
+    that asks best_step()), or deleted by hand and saved again, is read again."""
+    evaluator = AsyncCheckpointer(tmp_path, mode="sync")
+    with AsyncCheckpointer(tmp_path, mode="sync") as trainer:
+        trainer.save(_state(1), 1, metrics={"loss": 3.0})
+        trainer.save(_state(2), 2, metrics={"loss": 1.0})
+        assert evaluator.best_step("loss") == 2
+        trainer.discard_steps_after(1)
+        trainer.save(_state(2), 2, metrics={"loss": 5.0})
+        trainer.save(_state(3), 3, metrics={"loss": 0.5})
+        assert evaluator.best_step("loss") == 3
+        assert trainer.best_step("loss") == 3
+        import shutil
+
+        shutil.rmtree(tmp_path / "step_000000003")  # by hand
+        assert evaluator.best_step("loss") == 1 and trainer.best_step("loss") == 1
+    with AsyncCheckpointer(tmp_path, mode="sync") as again:
+        again.save(_state(3), 3, metrics={"loss": 9.0})  # the number reused
+        assert again.best_step("loss") == 1
+    assert evaluator.best_step("loss") == 1 and evaluator.best_step("loss", "max") == 3
+    evaluator.close()
+
+
+def test_a_metric_whose_conversion_fails_is_refused_naming_it() -> None:
+    import fractions
+
+    for bad in (10 ** 400, fractions.Fraction(10 ** 400, 3), np.timedelta64(5, "s"),
+                torch.tensor(1.0, device="meta")):
+        with pytest.raises(CheckpointConfigError, match=r"metrics\['m'\] = .*: pass a real"):
+            checked_metrics({"m": bad})
+
+
 def test_a_step_whose_manifest_cannot_be_read_counts_as_one_without_metrics(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
@@ -204,6 +238,10 @@ def test_best_step_needs_a_metric(tmp_path: Path) -> None:
     with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
         with pytest.raises(CheckpointConfigError, match=r"best_step\('val_loss'\)"):
             ckpt.best_step()
+        with pytest.raises(CheckpointConfigError, match=r"best_step\(metric=3\): name"):
+            ckpt.best_step(3)  # type: ignore[arg-type]
+        with pytest.raises(CheckpointConfigError, match=r"best_step\(mode='avg'\): use"):
+            ckpt.best_step("loss", "avg")
         assert ckpt.best_step("val_loss") is None  # nothing saved
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from typing import Any
 
 from .commit import step_dir_name
 from .errors import CheckpointConfigError, CheckpointError
+from .manifest import MANIFEST_NAME
 from .reader import read_manifest_summary
-from .storage import ReadStorage
+from .storage import LocalStorage, ReadStorage
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +49,18 @@ def checked_metrics(metrics: object) -> dict[str, float]:
 
 
 def _number(name: str, v: Any) -> float:
-    item = getattr(v, "item", None)  # a 0-dim tensor or a numpy scalar
-    if not isinstance(v, numbers.Real) and callable(item) and getattr(v, "ndim", None) == 0:
-        v = item()
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise CheckpointConfigError(
-            f"metrics[{name!r}] = {v!r:.80}: pass a real number (a float, an int, a 0-dim "
-            "tensor or a numpy scalar)")
-    return float(v)
+    wrong = CheckpointConfigError(
+        f"metrics[{name!r}] = {v!r:.80}: pass a real number (a float, an int, a 0-dim "
+        "tensor or a numpy scalar)")
+    try:
+        item = getattr(v, "item", None)  # a 0-dim tensor or a numpy scalar
+        if not isinstance(v, numbers.Real) and callable(item) and getattr(v, "ndim", None) == 0:
+            v = item()  # (a meta tensor has none: RuntimeError)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise wrong
+        return float(v)  # (an int past float's range: OverflowError; a timedelta64: TypeError)
+    except (ArithmeticError, TypeError, ValueError, RuntimeError) as exc:
+        raise wrong from exc
 
 
 @dataclass(frozen=True)
@@ -88,34 +94,29 @@ class StepMetrics:
 
     Thread-safe: retention asks on the writer thread, ``best_step()`` on the caller's.
     A step whose manifest cannot be read is not kept (asked again next time) and counts
-    as one without metrics.
+    as one without metrics. A step number may be saved again after its directory went
+    (a rollback, by this checkpointer or another process; a step deleted by hand): on
+    the local filesystem, what is known of a step is tied to its manifest file (inode,
+    size, time), so a replaced step is read again; other storages are trusted by step.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._known: dict[int, dict[str, float]] = {}
+        self._known: dict[int, tuple[object, dict[str, float]]] = {}
 
-    def note(self, step: int, metrics: Mapping[str, float]) -> None:
+    def note(self, root: Path, step: int, storage: ReadStorage,
+             metrics: Mapping[str, float]) -> None:
         """What a save committed as ``step`` recorded (no need to read it back)."""
+        ident = _identity(root, step, storage)
         with self._lock:
-            self._known[step] = dict(metrics)
-
-    def forget(self, steps: Iterable[int]) -> None:
-        """Steps that were removed (and may be saved again with other metrics)."""
-        with self._lock:
-            for s in steps:
-                self._known.pop(s, None)
-
-    def forget_after(self, step: int) -> None:
-        """Every step after ``step`` (a rollback deletes them)."""
-        with self._lock:
-            self._known = {s: m for s, m in self._known.items() if s <= step}
+            self._known[step] = (ident, dict(metrics))
 
     def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
+        ident = _identity(root, step, storage)
         with self._lock:
             got = self._known.get(step)
-        if got is not None:
-            return got
+        if got is not None and got[0] == ident:
+            return got[1]
         try:
             metrics = read_manifest_summary(root / step_dir_name(step), storage).metrics
         except (CheckpointError, OSError) as exc:
@@ -123,7 +124,7 @@ class StepMetrics:
                         "without metrics", step, type(exc).__name__, exc)
             return {}
         with self._lock:
-            self._known[step] = metrics
+            self._known[step] = (ident, metrics)
         return metrics
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
@@ -140,6 +141,18 @@ class StepMetrics:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
         return out
+
+
+def _identity(root: Path, step: int, storage: ReadStorage) -> object:
+    """What tells a step's manifest from one saved again under the same number (None
+    where the storage cannot say, or the file is not there)."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    try:
+        st = os.stat(root / step_dir_name(step) / MANIFEST_NAME)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)

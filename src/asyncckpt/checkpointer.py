@@ -22,6 +22,7 @@ import torch
 
 from . import commit
 from ._gc import gc_paused
+from .best import MODES as BEST_MODES
 from .best import KeepBest, Ranking, StepMetrics, checked_metrics
 from .dist import (
     DistContext,
@@ -435,7 +436,7 @@ class AsyncCheckpointer:
             keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
-            metrics=recorded, keep_best=self._keep_best,
+            metrics=recorded, keep_best=self._keep_best, step_metrics=self._metrics,
             strict_replicas=self.config.strict_replicas,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",
@@ -675,6 +676,12 @@ class AsyncCheckpointer:
             raise CheckpointConfigError(
                 "best_step() needs a metric: best_step('val_loss'), or best_metric= on the "
                 "checkpointer")
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise CheckpointConfigError(f"best_step(metric={metric!r:.80}): name a metric that "
+                                        "saves record, e.g. best_step('val_loss')")
+        if mode is not None and mode not in BEST_MODES:
+            raise CheckpointConfigError(f"best_step(mode={mode!r:.40}): use 'min' (a loss) or "
+                                        "'max' (an accuracy)")
         ranking = Ranking(metric if metric is not None else self.config.best_metric or "",
                           mode if mode is not None else self.config.best_mode)
         scores = self._metrics.scores(self.directory, self.storage, self.steps(),
@@ -707,7 +714,6 @@ class AsyncCheckpointer:
         with self._one_call("discard_steps_after"):
             self._check_open()
             self._wait_for_previous()
-            self._metrics.forget_after(step)  # (those steps may be saved again)
             if self._retention is not None:  # its removals end before these begin
                 cf.wait([self._retention])
                 self._retention = None
