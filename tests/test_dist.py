@@ -969,6 +969,33 @@ def test_strict_replicas_refuse_a_save_whose_ranks_differ_and_commit_nothing(
     assert AsyncCheckpointer(tmp_path).steps() == [1]
 
 
+def test_strict_replicas_compare_the_replicated_boxes_of_a_sharded_tensor(
+        tmp_path: Path) -> None:
+    """HSDP: a shard held by two ranks (declared by hand here: ranks 0 and 1 hold rows
+    0:2, rank 2 rows 2:4) is one replica of a box; strict_replicas compares it too, at
+    the first save (a whole merge) and at later ones (the coordinator's template)."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> list[Any]:
+        got: list[Any] = []
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=3, store=store, timeout_s=30,
+                               strict_replicas=True) as ck:
+            for step, differ in ((1, False), (2, True), (3, False)):
+                local = torch.full((2, 3), float(step) + (r if differ and r < 2 else 0))
+                try:
+                    ck.save({"w": local}, step, shards={"w": asyncckpt.ShardMetadata(
+                        (4, 3), (0 if r < 2 else 2, 0))})
+                    got.append(step)
+                except asyncckpt.CheckpointSaveError as exc:
+                    assert "strict_replicas=True" in str(exc) and "'w'" in str(exc), exc
+                    got.append("refused")
+        return got
+
+    assert in_threads(rank, 3) == {r: [1, "refused", 3] for r in range(3)}
+    assert AsyncCheckpointer(tmp_path).steps() == [1, 3]
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.full((4, 3), 3.0))
+
+
 def test_strict_replicas_is_a_bool(tmp_path: Path) -> None:
     with pytest.raises(asyncckpt.CheckpointConfigError, match="strict_replicas='yes'"):
         AsyncCheckpointer(tmp_path, strict_replicas="yes")  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from .dist import (
     DistContext,
     LocalItem,
     Pulse,
+    Replica,
     assign_writers,
     decode_share,
     encode_share,
@@ -1238,22 +1239,23 @@ class AsyncCheckpointer:
             raise CheckpointSaveError(why)
         return go
 
-    def _replica_checksums(self, flat: FlatState) -> dict[str, list[str]]:
+    def _replica_checksums(self, flat: FlatState) -> dict[str, Replica]:
         """Checksums of the small replicated CPU tensors this rank holds but another
         writes, for the coordinator to compare with the copy saved (a per-rank value
         under a shared path would otherwise be lost without a word). GPU tensors are
         left out: hashing them would cost a device-to-host copy on the caller's thread.
-        With ``strict_replicas``, every one of them, of any size, on any device."""
+        With ``strict_replicas``, every one of them, of any size, on any device, and the
+        boxes of sharded tensors that another rank holds too (HSDP's replicated shards)."""
         assert self._layout is not None
         strict = self.config.strict_replicas
         if self._probed is None or self._probed[0] is not self._layout:
             mine = self._layout[2]
             keys = [k for k, t in flat.tensors.items()
-                    if k not in mine and _whole(flat, k) and t.numel() > 0
-                    and (strict or (t.device.type == "cpu"
-                                    and t.numel() * t.element_size() <= _PROBE_BYTES))]
+                    if k not in mine and t.numel() > 0 and (strict or (
+                        _whole(flat, k) and t.device.type == "cpu"
+                        and t.numel() * t.element_size() <= _PROBE_BYTES))]
             self._probed = (self._layout, keys if strict else keys[:_PROBE_COUNT])
-        out = {}
+        out: dict[str, Replica] = {}
         for key in self._probed[1]:
             t = flat.tensors.get(key)
             if t is None or (t.device.type != "cpu" and not strict):
@@ -1263,7 +1265,10 @@ class AsyncCheckpointer:
                 c = c.cpu()  # (strict_replicas: the copy on the caller's thread it costs)
             if not plain_memory(c):
                 continue  # a wrapper subclass (torchao): no bytes of its own to hash
-            out[key] = block_checksums(tensor_bytes(c), self.config.block_bytes)
+            sums = block_checksums(tensor_bytes(c), self.config.block_bytes)
+            box = flat.boxes.get(key)
+            out[key] = sums if _whole(flat, key) or box is None else {
+                "box": list(box[1][0]), "sums": sums}
         return out
 
     def _announce_failure(self, tag: str, exc: BaseException) -> None:

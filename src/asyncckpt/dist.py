@@ -1087,7 +1087,7 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     skeleton = merged_skeleton([r["skeleton"] for r in records], step, records[0]["rank"],
                                strict_replicas)
     warn_differing_replicas(step, [(r["rank"], r.get("replicas", {})) for r in records],
-                            lambda key: _one_chunk_checksums(out, key), strict_replicas)
+                            _saved_checksums(out), strict_replicas)
     if len(records) > 1:  # (one record: its skeleton and tensors come from one flatten)
         check_reachable(skeleton, out.keys())
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
@@ -1134,27 +1134,57 @@ def check_reachable(skeleton: Any, keys: Iterable[str]) -> None:
             "another rank); give every rank a state tree of the same structure")
 
 
-def _one_chunk_checksums(tensors: Mapping[str, TensorEntry], key: str) -> Sequence[str] | None:
-    entry = tensors.get(key)
-    return entry.chunks[0].checksums if entry is not None and len(entry.chunks) == 1 else None
+Replica = list[str] | dict[str, Any]
+"""What a rank that holds a replicated box but does not write it reports of it: a whole
+tensor's checksums, or (strict_replicas) ``{"box": offsets, "sums": checksums}`` of a
+box of a sharded one (HSDP's replicated shards, declared shards held twice)."""
 
 
-def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str, list[str]]]],
-                            written: Callable[[str], Sequence[str] | None],
+def _saved_checksums(tensors: Mapping[str, TensorEntry]
+                     ) -> Callable[[str, tuple[int, ...] | None], Sequence[str] | None]:
+    """written() of warn_differing_replicas for a merged manifest's ``tensors``."""
+    boxes: dict[tuple[str, tuple[int, ...]], Sequence[str]] = {}
+
+    def written(key: str, box: tuple[int, ...] | None) -> Sequence[str] | None:
+        entry = tensors.get(key)
+        if entry is None:
+            return None
+        if box is None:
+            return entry.chunks[0].checksums if len(entry.chunks) == 1 else None
+        if not boxes:  # (indexed once, at the first box asked for)
+            boxes.update(((k, c.offsets), c.checksums)
+                         for k, e in tensors.items() for c in e.chunks)
+        return boxes.get((key, box))
+
+    return written
+
+
+def replica_sums(held: Replica) -> tuple[tuple[int, ...] | None, list[str]]:
+    """A replica report as (the box's offsets, or None for a whole tensor; checksums)."""
+    if isinstance(held, dict):
+        return tuple(held.get("box", ())), list(held.get("sums", ()))
+    return None, list(held)
+
+
+def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str, Replica]]],
+                            written: Callable[[str, tuple[int, ...] | None],
+                                              Sequence[str] | None],
                             strict: bool = False) -> None:
     """Warn when a rank's copy of a replicated tensor differs from the copy saved: one
     path on every rank is taken as one replicated tensor, written once, so the others'
     values are lost (per-rank values under a shared path, e.g. each rank's RNG state).
 
     ``replicas``: (rank, its checksums of the replicas it holds but does not write);
-    ``written``: the checksums of a key's one saved chunk (None: not one chunk);
+    ``written(key, box)``: the checksums of the saved chunk of ``key`` at offsets ``box``
+    (None: the key's one chunk; returns None where there is no such chunk);
     ``strict``: raise CheckpointSaveError instead (nothing is committed).
     """
     differing: dict[str, list[int]] = {}
     for rank, held in replicas:
-        for key, sums in held.items():
-            saved = written(key)
-            if saved is not None and list(saved) != list(sums):
+        for key, report in held.items():
+            box, sums = replica_sums(report)
+            saved = written(key, box)
+            if saved is not None and list(saved) != sums:
                 differing.setdefault(key, []).append(rank)
     if differing:
         keys = sorted(differing)

@@ -36,7 +36,13 @@ from typing import Any
 import torch
 import xxhash
 
-from .dist import check_reachable, merge_records, merged_skeleton, warn_differing_replicas
+from .dist import (
+    Replica,
+    check_reachable,
+    merge_records,
+    merged_skeleton,
+    warn_differing_replicas,
+)
 from .errors import CheckpointCorruptError, CheckpointSaveError
 from .manifest import (
     FileEntry,
@@ -153,7 +159,7 @@ def frame_of(rank: int, plan: WritePlan, flat: FlatState) -> dict[str, Any]:
 
 
 def full_record(frame: Mapping[str, Any], sums: Sequence[Sequence[str]], skeleton: Any,
-                replicas: Mapping[str, list[str]], fid: str | None = None) -> dict[str, Any]:
+                replicas: Mapping[str, Replica], fid: str | None = None) -> dict[str, Any]:
     """A rank's whole record: its frame, ``sums`` (the checksums of the frame's tensors,
     in order) and the rest; ``fid``, the frame's id, when it goes to a coordinator.
     ``dist.merge_records`` merges these."""
@@ -183,7 +189,7 @@ class RecordSender:
         # coordinator holds of this rank
         self._acked: tuple[str, str, Any] | None = None
         # what the save in flight sent: (coordinator, frame id, skeleton, sums, replicas)
-        self._sent: tuple[str, str, Any, list[list[str]], dict[str, list[str]]] | None = None
+        self._sent: tuple[str, str, Any, list[list[str]], dict[str, Replica]] | None = None
 
     def _frame_of(self, rank: int, plan: WritePlan, flat: FlatState
                   ) -> tuple[dict[str, Any] | None, str]:
@@ -201,7 +207,7 @@ class RecordSender:
         return frame, self._fid
 
     def record(self, *, rank: int, coordinator: str, plan: WritePlan, flat: FlatState,
-               sums: list[list[str]], replicas: dict[str, list[str]],
+               sums: list[list[str]], replicas: dict[str, Replica],
                local: bool = False) -> dict[str, Any]:
         """This save's record. ``coordinator`` names the checkpointer that merges it;
         ``sums``: each planned tensor's block checksums, in the plan's order. ``local``:
@@ -244,7 +250,7 @@ class RecordSender:
 
 
 def _delta(rank: int, fid: str, sums: list[list[str]], skeleton: Any, held: Any,
-           replicas: dict[str, list[str]], *, patch: bool) -> dict[str, Any]:
+           replicas: dict[str, Replica], *, patch: bool) -> dict[str, Any]:
     """A record that says only what changed against a frame ``fid`` and a skeleton
     ``held`` that its receiver holds: the checksums, and the skeleton if it differs
     (with ``patch``, only its changed scalar leaves where that says it all)."""
@@ -277,7 +283,7 @@ class _Report:
     frame: _Frame
     sums: list[list[str]]
     skeleton: Any
-    replicas: dict[str, list[str]]
+    replicas: dict[str, Replica]
     whole: dict[str, Any] | None  # the record itself, when it came whole
     reskeletoned: bool  # its skeleton is not the one it reported last
 
@@ -293,6 +299,9 @@ class _Template:
     files: dict[str, FileEntry]
     dtypes: dict[str, torch.dtype]
     single: dict[str, int]  # the place of each tensor saved as one chunk (as in order)
+    # (strict_replicas) the place of each chunk by tensor and offsets, for the replicas
+    # of boxes of sharded tensors
+    boxes: dict[tuple[str, tuple[int, ...]], int]
     skeletons: list[Any]  # the ranks' skeletons that ``skeleton`` was merged from
     skeleton: Any
     skeleton_text: str
@@ -428,17 +437,20 @@ class RecordBook:
             start += len(rec["tensors"])
         order: list[int] = []
         single: dict[str, int] = {}
+        boxes: dict[tuple[str, tuple[int, ...]], int] = {}
         for key, entry in manifest.tensors.items():
             order += [where[c.file][c.key] for c in entry.chunks]
             if len(entry.chunks) == 1:
                 single[key] = order[-1]
+            elif strict:
+                boxes.update(((key, c.offsets), where[c.file][c.key]) for c in entry.chunks)
         # Every chunk has a checksum (one for empty data): its quotes go with the fixed
         # text, so a fill joins each list of checksums with '","' alone.
         if len(fixed) > 1:
             fixed = [fixed[0] + '"', *('"' + f + '"' for f in fixed[1:-1]), '"' + fixed[-1]]
         self.template = _Template(
             fids, manifest.block_bytes, fixed, order, manifest.files,
-            {k: e.dtype for k, e in manifest.tensors.items()}, single,
+            {k: e.dtype for k, e in manifest.tensors.items()}, single, boxes,
             [r.skeleton for r in reports], manifest.skeleton, skeleton_text)
         return raw
 
@@ -461,8 +473,8 @@ class RecordBook:
             t.skeletons, t.skeleton, t.skeleton_text = skeletons, skeleton, compact_json(skeleton)
         sums = list(itertools.chain.from_iterable(r.sums for r in reports))
         if any(r.replicas for r in reports):
-            def written(key: str) -> list[str] | None:
-                at = t.single.get(key)
+            def written(key: str, box: tuple[int, ...] | None) -> list[str] | None:
+                at = t.single.get(key) if box is None else t.boxes.get((key, box))
                 return None if at is None else sums[at]
             warn_differing_replicas(step, [(r.frame.head["rank"], r.replicas) for r in reports],
                                     written, strict)

@@ -31,7 +31,7 @@ import xxhash
 from . import commit
 from ._gc import gc_paused
 from .best import KeepBest, StepMetrics
-from .dist import DistContext, Pulse, raise_failures
+from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
     CheckpointError,
@@ -139,7 +139,7 @@ class SaveJob:
     in_use: commit.StepsInUse = field(default_factory=commit.StepsInUse)  # steps being loaded
     # checksums of small replicated tensors this rank holds but another writes: compared
     # with the writer's by the coordinator (dist.merge_records)
-    replicas: dict[str, list[str]] = field(default_factory=dict)
+    replicas: dict[str, Replica] = field(default_factory=dict)
     pulse: Pulse | None = None  # in a group: this rank's signs of life, the others' abort
     # the write task's future, as soon as it is queued (an interrupt in the caller may
     # come before submit returns it)
