@@ -1095,6 +1095,25 @@ def test_short_chunks_are_what_a_sharded_manifest_holds_and_read_back_the_same()
         parse_doc(doc)
 
 
+@pytest.mark.parametrize("where", ["short chunk", "short entry", "file size", "lengths"])
+def test_numbers_too_long_to_print_are_corruption_not_a_crash(where: str) -> None:
+    """json reads integers of up to 4,300 digits, and Python cannot print a longer one:
+    a start, size or length past any real file's is refused before a sum of it could
+    reach an error message (a ValueError there broke load(fallback=True))."""
+    doc = _sharded_doc()
+    huge = 10 ** 4300 - 1
+    if where == "short chunk":
+        doc["tensors"]["model/w"]["chunks"][1][3] = huge
+    elif where == "short entry":
+        doc["tensors"]["big"][4] = huge
+    elif where == "file size":
+        doc["files"][FILE]["bytes"] = huge
+    else:
+        doc["tensors"]["model/w"]["chunks"][1][2] = [huge, 3]
+    with pytest.raises(CheckpointCorruptError, match=r"impossibly large|outside"):
+        parse_doc(doc)
+
+
 def _parse_whole(t: dict, files: dict):
     from asyncckpt.manifest import _parse_whole_tensor
 

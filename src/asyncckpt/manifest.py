@@ -562,6 +562,8 @@ def _parse_head(raw: bytes, path: str) -> _Head:
             raise c.fail(f"file name {name!r:.80} is not a plain file name")
         f = c.obj(f, f"files[{name!r}]")
         size = c.int_(f.get("bytes"), "file bytes")
+        if size >= _MAX_DIM:  # (nor could a listing print it)
+            raise c.fail(f"file {name}: its size is impossibly large")
         header_bytes = c.int_(f.get("header_bytes"), "file header_bytes", lo=8)
         if header_bytes > size:
             raise c.fail(f"file {name}: header_bytes {header_bytes} exceed its size {size}")
@@ -930,7 +932,7 @@ def _parse_short_tensor_checked(c: _Check, key: str, t: list[Any], files: dict[s
     name, shape, kind, file, lo, sums = t
     dtype = _checked_dtype(c, key, name)
     dims = _checked_shape(c, key, shape, dtype)
-    lo = c.int_(lo, "start", key)
+    lo = _checked_start(c, key, lo)
     long = {"dtype": name, "shape": shape, "kind": kind, "chunks": [{
         "file": file, "key": key, "offsets": [0] * len(dims), "lengths": shape,
         "byte_range": [lo, lo + math.prod(dims) * dtype.itemsize], "checksums": sums}]}
@@ -953,10 +955,22 @@ def _long_chunk(c: _Check, key: str, ch: list[Any], dtype: torch.dtype) -> dict[
         raise c.fail(f"a short chunk must be [file, offsets, lengths, start, checksums], got "
                      f"a list of {len(ch)}", key)
     file, offsets, lengths, lo, sums = ch
-    nbytes = math.prod(c.ints(lengths, "chunk lengths", key)) * dtype.itemsize
-    lo = c.int_(lo, "chunk start", key)
+    lens = c.ints(lengths, "chunk lengths", key)
+    if any(n >= _MAX_DIM for n in lens):
+        raise c.fail("chunk lengths are impossibly large", key)
+    nbytes = math.prod(lens) * dtype.itemsize
+    lo = _checked_start(c, key, lo)
     return {"file": file, "key": key, "offsets": offsets, "lengths": lengths,
             "byte_range": [lo, lo + nbytes], "checksums": sums}
+
+
+def _checked_start(c: _Check, key: str, lo: Any) -> int:
+    """A short entry's or chunk's start, bounded before any sum is made of it: a number
+    past 4,300 digits could not even be written into the error that names it."""
+    lo = c.int_(lo, "start", key)
+    if lo >= _MAX_DIM:
+        raise c.fail("start is impossibly large", key)
+    return lo
 
 
 def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
@@ -972,7 +986,11 @@ def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[st
         raise c.fail("chunks must be a list", key)
     chunks = []
     for ch in raw_chunks:
-        if version >= 3 and type(ch) is list:
+        if type(ch) is list:
+            if version < 3:
+                raise c.fail(f"chunk must be an object (short chunks, [file, offsets, lengths, "
+                             f"start, checksums], are format version 3's; this manifest says "
+                             f"{version})", key)
             ch = _long_chunk(c, key, ch, dtype)
         ch = c.obj(ch, "chunk", key)
         file = c.str_(ch.get("file"), "chunk file", key)
