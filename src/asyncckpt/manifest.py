@@ -967,10 +967,10 @@ def _long_chunk(c: _Check, key: str, ch: list[Any], dtype: torch.dtype) -> dict[
 def _checked_start(c: _Check, key: str, lo: Any) -> int:
     """A short entry's or chunk's start, bounded before any sum is made of it: a number
     past 4,300 digits could not even be written into the error that names it."""
-    lo = c.int_(lo, "start", key)
-    if lo >= _MAX_DIM:
+    start = c.int_(lo, "start", key)
+    if start >= _MAX_DIM:
         raise c.fail("start is impossibly large", key)
-    return lo
+    return start
 
 
 def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
