@@ -562,7 +562,7 @@ def _parse_head(raw: bytes, path: str) -> _Head:
             raise c.fail(f"file name {name!r:.80} is not a plain file name")
         f = c.obj(f, f"files[{name!r}]")
         size = c.int_(f.get("bytes"), "file bytes")
-        if size >= _MAX_DIM:  # (nor could a listing print it)
+        if size >= 1 << 63:  # (no file can be: off_t; nor could a listing print it)
             raise c.fail(f"file {name}: its size is impossibly large")
         header_bytes = c.int_(f.get("header_bytes"), "file header_bytes", lo=8)
         if header_bytes > size:
