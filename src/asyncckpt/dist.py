@@ -1159,7 +1159,7 @@ def _saved_checksums(tensors: Mapping[str, TensorEntry]
     return written
 
 
-def replica_sums(held: Replica) -> tuple[tuple[int, ...] | None, list[str]]:
+def _replica_sums(held: Replica) -> tuple[tuple[int, ...] | None, list[str]]:
     """A replica report as (the box's offsets, or None for a whole tensor; checksums)."""
     if isinstance(held, dict):
         return tuple(held.get("box", ())), list(held.get("sums", ()))
@@ -1182,7 +1182,7 @@ def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str
     differing: dict[str, list[int]] = {}
     for rank, held in replicas:
         for key, report in held.items():
-            box, sums = replica_sums(report)
+            box, sums = _replica_sums(report)
             saved = written(key, box)
             if saved is not None and list(saved) != sums:
                 differing.setdefault(key, []).append(rank)
