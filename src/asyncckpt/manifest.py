@@ -734,12 +734,9 @@ def _parse_chunked_tensor(key: str, t: dict[str, Any], files: dict[str, FileEntr
         at_once = _short_chunks_at_once(key, raw, files, dims, itemsize, block_bytes, partial)
         if at_once is not None:
             return TensorEntry(dtype, dims, kind, at_once)
-    lengths_seen: dict[tuple[int, ...], tuple[int, ...]] = {}
     chunks = []
-    for ch in raw:
-        chunk = (_fast_short_chunk(key, ch, files, dims, itemsize, block_bytes, lengths_seen)
-                 if short and type(ch) is list
-                 else _fast_chunk(key, ch, files, dims, itemsize, block_bytes, whole=False))
+    for ch in raw:  # (short chunks among long ones, which no writer makes: the checked parse)
+        chunk = _fast_chunk(key, ch, files, dims, itemsize, block_bytes, whole=False)
         if chunk is None:
             return None
         chunks.append(chunk)
@@ -863,31 +860,6 @@ def _fast_chunk(key: str, ch: Any, files: dict[str, FileEntry], dims: tuple[int,
     # (the strings a load holds once per chunk are the file's and the tensor's own)
     return Chunk(entry.name, key if ckey == key else ckey, tuple(offsets), tuple(lengths),
                  (lo, hi), tuple(sums))
-
-
-def _fast_short_chunk(key: str, ch: list[Any], files: dict[str, FileEntry],
-                      dims: tuple[int, ...], itemsize: int, block_bytes: int,
-                      lengths_seen: dict[tuple[int, ...], tuple[int, ...]]) -> Chunk | None:
-    """One short chunk (format version 3), ``[file, offsets, lengths, start, checksums]``,
-    of tensor ``key`` of shape ``dims``, stored under that key, if valid; None otherwise.
-    ``lengths_seen`` hands out one tuple for the equal lengths of a tensor's chunks (a
-    load of ranks x tensors chunks holds them all)."""
-    if len(ch) != 5:
-        return None
-    file, offsets, lengths, lo, sums = ch
-    entry = files.get(file) if type(file) is str else None
-    if (entry is None or type(lo) is not int or type(sums) is not list
-            or not _nonneg_ints(offsets) or not _nonneg_ints(lengths)
-            or len(offsets) != len(dims) or len(lengths) != len(dims)
-            or any(o + n > d for o, n, d in zip(offsets, lengths, dims, strict=True))):
-        return None
-    nbytes = math.prod(lengths) * itemsize
-    if (not 0 <= lo <= entry.bytes - nbytes
-            or len(sums) != max(1, -(-nbytes // block_bytes)) or not _hex16s(sums)):
-        return None
-    lens = tuple(lengths)
-    return Chunk(entry.name, key, tuple(offsets), lengths_seen.setdefault(lens, lens),
-                 (lo, lo + nbytes), tuple(sums))
 
 
 # The offsets of a whole chunk, by its rank (a manifest's tensors have at most 64 dims).
