@@ -176,6 +176,18 @@ def test_a_new_checkpointer_reads_each_steps_metrics_once(tmp_path: Path,
         assert ckpt.steps() == [1, 8, 9]
 
 
+def test_without_keep_best_a_checkpointer_holds_metrics_only_of_steps_it_was_asked_about(
+        tmp_path: Path) -> None:
+    """Nothing is kept per save unless retention ranks steps: a long run without
+    keep_best would otherwise hold every step it ever saved."""
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=2) as ckpt:
+        for step in range(1, 11):
+            ckpt.save(_state(step), step, metrics={"loss": float(step)})
+        assert ckpt._metrics._known == {}
+        assert ckpt.best_step("loss") == 9
+        assert set(ckpt._metrics._known) == {9, 10}
+
+
 def test_a_rolled_back_step_saved_again_ranks_by_its_new_metrics(tmp_path: Path) -> None:
     with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
         ckpt.save(_state(1), 1, metrics={"loss": 2.0})

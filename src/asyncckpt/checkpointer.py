@@ -437,7 +437,7 @@ class AsyncCheckpointer:
             keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
-            metrics=recorded, keep_best=self._keep_best, step_metrics=self._metrics,
+            metrics=recorded, keep_best=self._keep_best,
             strict_replicas=self.config.strict_replicas,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",

@@ -30,7 +30,7 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
-from .best import KeepBest, StepMetrics
+from .best import KeepBest
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -122,7 +122,6 @@ class SaveJob:
     started: float
     keep_every: int | None = None  # with keep_last: older multiples of it are kept
     keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
-    step_metrics: StepMetrics = field(default_factory=StepMetrics)  # the checkpointer's
     metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
     strict_replicas: bool = False  # ranks' differing replicas fail the save (not a warning)
     blocked_s: float = 0.0
@@ -562,9 +561,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                                 "retention", job.step, commit.RETENTION_LOCK_S)
                     doomed = []
                 else:
-                    # (committed: its metrics need not be read back)
-                    job.step_metrics.note(job.root, job.step, job.storage, job.metrics)
                     best = job.keep_best
+                    if best is not None:  # (committed: its metrics need not be read back)
+                        best.cache.note(job.root, job.step, job.storage, job.metrics)
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
