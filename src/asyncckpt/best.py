@@ -63,6 +63,17 @@ def _number(name: str, v: Any) -> float:
         raise wrong from exc
 
 
+def check_ranking(metric: object, mode: object) -> None:
+    """``best_metric`` (None: not given) and ``best_mode``, or CheckpointConfigError."""
+    if metric is not None and (not isinstance(metric, str) or not metric):
+        raise CheckpointConfigError(
+            f"best_metric={metric!r:.80}: name the metric that saves record, e.g. "
+            "best_metric='val_loss' with save_async(..., metrics={'val_loss': loss})")
+    if mode not in MODES:
+        raise CheckpointConfigError(
+            f"best_mode={mode!r:.40}: use 'min' (a loss) or 'max' (an accuracy)")
+
+
 @dataclass(frozen=True)
 class Ranking:
     """Which metric makes a step best, and whether less is better."""
@@ -71,13 +82,7 @@ class Ranking:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.metric, str) or not self.metric:
-            raise CheckpointConfigError(
-                f"best_metric={self.metric!r:.80}: name the metric that saves record, e.g. "
-                "best_metric='val_loss' with save_async(..., metrics={'val_loss': loss})")
-        if self.mode not in MODES:
-            raise CheckpointConfigError(
-                f"best_mode={self.mode!r:.40}: use 'min' (a loss) or 'max' (an accuracy)")
+        check_ranking(self.metric, self.mode)
 
     def best(self, scores: Mapping[int, float], count: int | None = None) -> list[int]:
         """The steps of ``scores`` (step -> value), best first, the first ``count`` of

@@ -23,7 +23,7 @@ import torch
 from . import commit
 from ._gc import gc_paused
 from .best import MODES as BEST_MODES
-from .best import KeepBest, Ranking, StepMetrics, checked_metrics
+from .best import KeepBest, Ranking, StepMetrics, check_ranking, checked_metrics
 from .dist import (
     DistContext,
     LocalItem,
@@ -141,8 +141,7 @@ class CheckpointerConfig:
             raise CheckpointConfigError(
                 f"keep_every={self.keep_every} spares steps from the keep_last retention, "
                 "which is off (keep_last=None keeps every step): pass keep_last too")
-        Ranking("-" if self.best_metric is None else self.best_metric,  # (checks both)
-                self.best_mode)
+        check_ranking(self.best_metric, self.best_mode)
         if self.keep_best is not None:
             if type(self.keep_best) is not int or self.keep_best < 1:
                 raise CheckpointConfigError(
