@@ -730,12 +730,11 @@ def narrow_to_box(t: torch.Tensor, box: Box, origin: tuple[int, ...] | None = No
 
 def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: Chunk,
                    verify: bool, block_bytes: int, lo: int, hi: int, shape: tuple[int, ...],
-                   tgt: torch.Tensor, pinned: bool, stop: threading.Event | None = None,
-                   dtype: torch.dtype | None = None) -> None:
+                   tgt: torch.Tensor, pinned: bool, stop: threading.Event | None,
+                   dtype: torch.dtype) -> None:
     """Read the blocks of ``chunk`` covering its bytes ``lo..hi``, verify them, and copy
     the elements there (a box of ``shape`` starting at ``lo``, in the chunk's row-major
-    layout, saved as ``dtype``: ``tgt``'s when None) into ``tgt``."""
-    dtype = tgt.dtype if dtype is None else dtype
+    layout, saved as ``dtype``; ``tgt`` may have another: the copy casts) into ``tgt``."""
     first_block = lo // block_bytes
     b0 = first_block * block_bytes
     b1 = min(-(-hi // block_bytes) * block_bytes, chunk.nbytes)
