@@ -278,6 +278,57 @@ def test_in_a_group_the_coordinator_records_its_metrics_and_keeps_the_best(
     assert m.metrics == {"loss": 1.0}
 
 
+def test_the_one_shot_save_records_metadata_and_metrics(tmp_path: Path) -> None:
+    asyncckpt.save(_state(3), tmp_path, step=3, metadata={"run": "a"},
+                   metrics={"val_loss": torch.tensor(0.5)})
+    m = read_manifest(tmp_path / "step_000000003", LocalStorage())
+    assert m.metrics == {"val_loss": 0.5} and m.user_metadata == {"run": "a"}
+    with pytest.raises(CheckpointConfigError, match=r"metrics\['x'\]"):
+        asyncckpt.save(_state(4), tmp_path, step=4, metrics={"x": "high"})
+    with AsyncCheckpointer(tmp_path) as ckpt:
+        assert ckpt.steps() == [3]
+
+
+def test_in_a_group_any_rank_may_pass_a_metric_and_the_lowest_ranks_value_counts(
+        tmp_path: Path) -> None:
+    """A pipeline's last stage knows the loss: a metric only rank 2 passes ranks the
+    steps; a name that ranks 1 and 2 both pass is rank 1's; rank 0's own stay its."""
+    store = torch.distributed.HashStore()
+    ckpts = [AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=3, store=store,
+                               timeout_s=60, keep_last=1, keep_best=1, best_metric="val_loss")
+             for r in range(3)]
+
+    def rank_main(r: int) -> list[int]:
+        for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0), (4, 4.0)]:
+            metrics = [{"lr": 0.1}, {"tokens": 7.0 * step}, {"val_loss": loss,
+                                                            "tokens": -1.0}][r]
+            part = torch.arange(4.0) + 10 * r + step
+            ckpts[r].save_async({"w": part}, step, metrics=metrics,
+                                shards={"w": asyncckpt.ShardMetadata((12,), (4 * r,))}).wait()
+        ckpts[r].close()
+        return ckpts[r].steps()
+
+    out = all_ok(in_threads(rank_main, 3))
+    assert out[0] == out[1] == out[2] == [2, 4]  # rank 2's val_loss: 1.0 at step 2
+    m = read_manifest(tmp_path / "step_000000002", LocalStorage())
+    assert m.metrics == {"lr": 0.1, "tokens": 14.0, "val_loss": 1.0}
+    assert ckpts[1].best_step() == 2
+
+
+def test_a_malformed_metric_in_a_ranks_record_fails_the_save_naming_the_rank() -> None:
+    from asyncckpt.best import merged_metrics, record_of
+    from asyncckpt.errors import CheckpointSaveError
+
+    records = [{"rank": 0}, {"rank": 1, "metrics": record_of({"a": NAN, "b": 2.0})},
+               {"rank": 2, "metrics": {"b": "3.0", "c": "-inf"}}]
+    got = merged_metrics({"b": 1.0}, records, "step 5 aborted")
+    assert got["b"] == 1.0 and got["c"] == -INF and math.isnan(got["a"])
+    assert all("metrics" not in rec for rec in records)  # taken out for the merge
+    for bad in [{"x": "many"}, {"x": 3.0}, {"": "1.0"}, ["x"]]:
+        with pytest.raises(CheckpointSaveError, match=r"step 5 aborted: rank 1's record"):
+            merged_metrics({}, [{"rank": 1, "metrics": bad}], "step 5 aborted")
+
+
 # --- the command line --------------------------------------------------------------------------
 
 def test_ls_and_inspect_show_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +88,20 @@ __all__ = [
 ]
 
 
-def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0) -> CheckpointInfo:
+def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0,
+         metadata: Mapping[str, str] | None = None,
+         metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Save ``state`` synchronously as ``step`` under ``directory``.
 
     A committed step is never overwritten (CheckpointExistsError), nor is a step older
     than one already there saved: pass a new ``step``, or another directory.
+    ``metadata`` and ``metrics`` are recorded as by ``AsyncCheckpointer.save_async``.
 
     Example:
         >>> asyncckpt.save({"model": model}, "ckpts/final")
     """
     with AsyncCheckpointer(directory, mode="sync") as ckpt:
-        return ckpt.save(state, step)
+        return ckpt.save(state, step, metadata=metadata, metrics=metrics)
 
 
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,

@@ -14,13 +14,13 @@ import math
 import numbers
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .commit import step_dir_name
-from .errors import CheckpointConfigError, CheckpointError
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .manifest import MANIFEST_NAME
 from .reader import read_manifest_summary
 from .storage import LocalStorage, ReadStorage
@@ -45,6 +45,39 @@ def checked_metrics(metrics: object) -> dict[str, float]:
         if not isinstance(name, str) or not name:
             raise CheckpointConfigError(f"metrics: the name {name!r:.80} is not a non-empty str")
         out[name] = _number(name, v)
+    return out
+
+
+def record_of(metrics: Mapping[str, float]) -> dict[str, str]:
+    """A rank's metrics as its record of a save carries them to the coordinator: each
+    value as Python's repr (as the manifest writes them: NaN and infinities are JSON)."""
+    return {k: repr(float(v)) for k, v in metrics.items()}
+
+
+def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]],
+                   what: str) -> dict[str, float]:
+    """The metrics a group's save records: the coordinator's ``own``, and each name that
+    only other ranks passed, the lowest such rank's value (the ranks that know a metric
+    may be any: the last stage of a pipeline computes the loss). Takes the metrics out of
+    ``records`` (every rank's, in rank order); a malformed entry is CheckpointSaveError."""
+    out = dict(own)
+    for rec in records:
+        theirs = rec.pop("metrics", None)
+        if theirs is None:
+            continue
+        if not isinstance(theirs, dict):
+            raise CheckpointSaveError(f"{what}: rank {rec.get('rank')!r:.20}'s record "
+                                      f"holds metrics {theirs!r:.80}, which are no mapping")
+        for name, text in theirs.items():
+            try:
+                value = float(text) if isinstance(text, str) else None
+            except ValueError:
+                value = None
+            if not isinstance(name, str) or not name or value is None:
+                raise CheckpointSaveError(
+                    f"{what}: rank {rec.get('rank')!r:.20}'s record holds the metric "
+                    f"{name!r:.80} = {text!r:.40}, which is no name and number")
+            out.setdefault(name, value)
     return out
 
 

@@ -335,8 +335,9 @@ class AsyncCheckpointer:
         under torch.distributed, when every rank's part is. ``shards`` declares the
         global shape and offsets of tensors sharded by hand (DTensors need nothing).
         ``metrics`` (names to numbers, e.g. ``{"val_loss": 2.31}``) are recorded in the
-        manifest, for ``keep_best`` and ``best_step()``; in a group, the coordinator's
-        (rank 0's) are recorded.
+        manifest, for ``keep_best`` and ``best_step()``; in a group, any rank may pass
+        them (the last stage of a pipeline knows the loss), and where several pass a
+        name, the lowest rank's value is recorded.
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``.

@@ -30,7 +30,8 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
-from .best import KeepBest
+from .best import KeepBest, merged_metrics
+from .best import record_of as metrics_record
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -873,7 +874,11 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
 
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
-    """The manifest merged from every rank's record (reports.RecordBook)."""
+    """The manifest merged from every rank's record (reports.RecordBook), with the
+    metrics any rank passed (``job.metrics`` becomes what the manifest records)."""
+    if job.ctx.distributed:
+        job.metrics = merged_metrics(job.metrics, records,
+                                     f"step {job.step} aborted, nothing committed")
     with _gc_paused():  # (its objects freed before resuming)
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
@@ -920,11 +925,15 @@ def _check_shared(job: SaveJob) -> None:
 
 
 def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
-    """This rank's record of the save: whole, or what changed (reports.RecordSender)."""
-    return job.reports.sender.record(
+    """This rank's record of the save: whole, or what changed (reports.RecordSender),
+    and the metrics it was passed (the coordinator's own stay in ``job.metrics``)."""
+    rec = job.reports.sender.record(
         rank=job.ctx.rank, coordinator=job.token if job.ctx.distributed else "",
         plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas,
         local=job.ctx.is_coordinator or not job.ctx.distributed)
+    if job.metrics and job.ctx.distributed and not job.ctx.is_coordinator:
+        rec["metrics"] = metrics_record(job.metrics)
+    return rec
 
 
 def os_error_hint(exc: BaseException) -> str:
