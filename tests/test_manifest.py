@@ -1210,3 +1210,123 @@ def test_a_deep_manifest_read_from_a_deep_call_stack_is_not_called_corrupt(
     forged = seal(b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
         parse_manifest(forged, "m")
+
+
+# --- many chunks of a tensor: held as columns (ChunkTable) ---------------------------------------
+
+def _many_chunks_manifest(rows: int = 40, parts: int = 20, files: int = 4) -> Manifest:
+    """A 2-D tensor ``(rows, 3)`` sharded in ``parts`` slabs of uneven heights (one
+    empty), spread over ``files`` files, chunks under the tensor's own key (as every
+    sharded save writes them), beside a whole tensor in the first file."""
+    from asyncckpt.manifest import TABLE_MIN_CHUNKS
+
+    assert parts >= TABLE_MIN_CHUNKS
+    cuts = [*sorted({0, rows, *range(1, rows, max(1, rows // parts))})[:parts], rows]
+    cuts[-2] = cuts[-1]  # (the last slab empty: it may lie anywhere in its file)
+    names = [f"rank_{i:05d}.safetensors" for i in range(files)]
+    pos = dict.fromkeys(names, 4096)
+    chunks = []
+    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+        name = names[i % files]
+        chunks.append(_chunk("w", torch.float32, (rows, 3), pos[name], (a, 0), (b - a, 3),
+                             file=name))
+        pos[name] = chunks[-1].byte_range[1]
+    whole = _chunk("b", torch.int8, (7,), pos[names[0]], file=names[0])
+    pos[names[0]] = whole.byte_range[1]
+    tensors = {"w": TensorEntry(torch.float32, (rows, 3), "torch", tuple(chunks)),
+               "b": TensorEntry(torch.int8, (7,), "torch", (whole,))}
+    skeleton = {"t": "dict", "items": [["w", {"t": "tensor", "key": "w"}],
+                                       ["b", {"t": "tensor", "key": "b"}]]}
+    return make_manifest(files={n: FileEntry(n, pos[n] + 10, i, 8, "0" * 16)
+                                for i, n in enumerate(names)},
+                         tensors=tensors, skeleton=skeleton, world_size=files)
+
+
+def test_a_tensor_of_many_chunks_is_held_as_columns_and_reads_back_the_same():
+    from asyncckpt.manifest import ChunkTable
+
+    made = _many_chunks_manifest()
+    m = parse_manifest(made.to_json(), PATH)
+    table = m.tensors["w"].chunks
+    assert type(table) is ChunkTable and type(m.tensors["b"].chunks) is tuple
+    want = made.tensors["w"].chunks
+    assert m == made and m.tensors == made.tensors and table == want and want == table
+    assert list(table) == list(want) and len(table) == len(want) == 20
+    assert table[3] == want[3] and table[-1] == want[-1] and table[2:5] == want[2:5]
+    assert all(type(v) is int for c in table for v in (*c.offsets, *c.lengths, *c.byte_range))
+    assert hash(table) == hash(want) and "20 chunks" in repr(table)
+    with pytest.raises(IndexError):
+        table[20]
+    # re-encoded from the columns: the same bytes
+    assert parse_manifest(m.to_json(), PATH).to_json() == made.to_json()
+
+
+def test_the_chunks_a_box_meets_are_planned_as_from_chunk_objects():
+    """plan_reads over the columns (the chunks a box meets, picked in numpy) plans the
+    same reads as over Chunk objects, for boxes anywhere in the tensor."""
+    import random
+
+    from asyncckpt.plan import plan_reads
+
+    m = parse_manifest(_many_chunks_manifest(rows=40).to_json(), PATH)
+    objects = dataclasses.replace(m, tensors={
+        k: t._replace(chunks=tuple(t.chunks)) for k, t in m.tensors.items()})
+    rng = random.Random(7)
+    boxes = [None, ((0, 0), (40, 3)), ((39, 2), (1, 1)), ((5, 0), (0, 3)), ((40, 3), (0, 0))]
+    for _ in range(300):
+        lo = (rng.randrange(41), rng.randrange(4))
+        boxes.append((lo, (rng.randrange(41 - lo[0]), rng.randrange(4 - lo[1]))))
+    for box in boxes:
+        got = plan_reads(m, {"w": box, "b": None})
+        assert got == plan_reads(objects, {"w": box, "b": None}), box
+        if box is not None and all(box[1]):  # every element once
+            assert sum(math.prod(it.box[1]) for it in got if it.key == "w") == math.prod(box[1])
+
+
+@pytest.mark.parametrize("forge", ["overlap", "header", "other tensor"])
+def test_forged_byte_ranges_of_chunks_held_as_columns_are_corruption(forge: str):
+    doc = json.loads(_many_chunks_manifest().to_json())
+    chunks = doc["tensors"]["w"]["chunks"]
+    if forge == "overlap":  # chunk 4 (in file 0, as chunk 0) starts inside chunk 0
+        chunks[4][3] = chunks[0][3] + 4
+        match = r"'w'.*overlaps the bytes of tensor 'w'"
+    elif forge == "header":
+        chunks[1][3] = 0
+        match = r"'w'.*starts inside its header"
+    else:  # the whole tensor's bytes, which lie after every chunk of its file
+        doc["tensors"]["b"][4] = chunks[8][3]
+        match = r"overlaps the bytes of tensor"
+    with pytest.raises(CheckpointCorruptError, match=match):
+        parse_doc(doc)
+
+
+def test_the_column_parse_of_many_chunks_accepts_exactly_what_the_checked_parse_accepts():
+    from asyncckpt.manifest import ChunkTable, _Check, _parse_tensor_checked
+
+    doc = json.loads(_many_chunks_manifest().to_json())
+    files = parse_doc(doc).files
+    w = doc["tensors"]["w"]
+    variants = [*_mutations(w, [("chunks", i, f) for i in (0, 7, 19) for f in range(5)])]
+    variants += [dict(w, chunks=w["chunks"][::-1]), dict(w, chunks=w["chunks"][:-2]),
+                 dict(w, chunks=[*w["chunks"][:-1], w["chunks"][0]])]
+    tables = 0
+    for t in [w, *variants]:
+        try:
+            slow = _parse_tensor_checked(_Check(PATH), "k", t, files, BLOCK, False,
+                                         FORMAT_VERSION)
+        except CheckpointCorruptError:
+            slow = None
+        try:
+            fast = _parse_tensor(t, files)
+        except Exception as exc:  # it must decline, never raise
+            raise AssertionError(f"column parse raised {exc!r} on {t!r}") from exc
+        if fast is not None:
+            assert slow is not None and fast == slow.chunks, t
+            tables += type(fast) is ChunkTable
+    assert len(variants) > 200 and tables >= 3
+
+
+def _parse_tensor(t: dict, files: dict):
+    from asyncckpt.manifest import _short_chunks_at_once
+
+    return _short_chunks_at_once("k", t["chunks"], files, (40, 3), 4, BLOCK, False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,7 +20,7 @@ import torch
 
 from ._gc import gc_paused
 from .boxes import Box, box_byte_span, intersect, row_major_strides, tiling_problem
-from .manifest import Chunk, HeaderEntry, Manifest, align_up, encode_header
+from .manifest import Chunk, ChunkTable, HeaderEntry, Manifest, align_up, encode_header
 
 __all__ = ["Box", "ReadItem", "WriteItem", "WritePlan", "box_byte_span", "intersect",
            "plan_reads", "plan_writes", "row_major_strides", "tiling_problem"]
@@ -183,8 +183,12 @@ def _plan_reads(manifest: Manifest, wanted: Mapping[str, Box | None]) -> list[Re
         # A sharded tensor has a chunk per rank and the wanted box meets a few of them:
         # along the dimension where the box is narrowest (most likely the sharded one),
         # a chunk that misses it is passed over without the intersection's work.
-        d, lo, hi = _narrowest(dst, entry.shape) if len(chunks) > 4 else (-1, 0, 0)
-        for chunk in chunks:
+        near: Sequence[Chunk] = chunks
+        if type(chunks) is ChunkTable:  # (held as columns: the few that meet the box)
+            near, d, lo, hi = chunks.meeting(dst), -1, 0, 0
+        else:
+            d, lo, hi = _narrowest(dst, entry.shape) if len(chunks) > 4 else (-1, 0, 0)
+        for chunk in near:
             if d >= 0 and not (chunk.offsets[d] < hi and chunk.offsets[d] + chunk.lengths[d] > lo):
                 continue  # (what intersect finds in dimension d: the box is not empty there)
             inter = intersect((chunk.offsets, chunk.lengths), dst)
