@@ -32,8 +32,8 @@ from asyncckpt.errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
-from asyncckpt.manifest import shard_file_name
-from asyncckpt.reader import read_manifest
+from asyncckpt.manifest import ChunkTable, shard_file_name
+from asyncckpt.reader import load_tensors, read_manifest
 from asyncckpt.storage import LocalStorage
 
 
@@ -455,6 +455,19 @@ def test_sixteen_ranks_save_share_out_replicas_and_load_back(tmp_path: Path) -> 
     files = {c.file for e in read_manifest(tmp_path / "step_000000002",
                                            LocalStorage()).tensors.values() for c in e.chunks}
     assert len(files) == world  # every rank wrote its part
+    # 16 chunks of "w": one table (format version 4), held as columns; a box of it is read
+    # from the chunks it meets alone, checksums verified
+    step_dir = tmp_path / "step_000000002"
+    assert set(json.loads((step_dir / "manifest.json").read_bytes())["tensors"]["w"]) == {
+        "dtype", "shape", "kind", "table"}
+    m = read_manifest(step_dir, LocalStorage())
+    assert type(m.tensors["w"].chunks) is ChunkTable and len(m.tensors["w"].chunks) == world
+    read: list[int] = []
+    box = ((5, 1), (15, 2))  # rows 5-19: ranks 2-9 wrote them
+    out = load_tensors(step_dir, m, {"w": torch.empty(15, 2)}, LocalStorage(),
+                       boxes={"w": box}, read=read)
+    assert torch.equal(out["w"], got["w"][5:20, 1:3])
+    assert sum(read) == 8 * 2 * 3 * 4  # whole chunks of 8 ranks (each verified), no more
 
 
 def test_a_checkpointer_opened_on_one_rank_only_to_read_does_not_pair(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from asyncckpt.manifest import (
     ALIGN,
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
+    TABLE_MIN_CHUNKS,
     BlockHasher,
     Chunk,
     FileEntry,
@@ -117,6 +118,12 @@ def _reference_entry(m: Manifest, key: str, t: TensorEntry) -> Any:
     checksums]``."""
     dtype = str(t.dtype).removeprefix("torch.")
     (c, *more) = t.chunks
+    if (m.format_version >= 4 and t.shape and len(t.chunks) >= TABLE_MIN_CHUNKS
+            and all(ch.key == key for ch in t.chunks)):
+        rows = [v for ch in t.chunks for v in (m.files[ch.file].rank, ch.byte_range[0],
+                                               *ch.offsets, *ch.lengths)]
+        return {"dtype": dtype, "shape": list(t.shape), "kind": t.kind, "table": {
+            "rows": rows, "checksums": [s for ch in t.chunks for s in ch.checksums]}}
     if (m.format_version >= 2 and not more and c.key == key and list(c.lengths) == list(t.shape)
             and set(c.offsets) <= {0}):
         return [dtype, list(t.shape), t.kind, c.file, c.byte_range[0], list(c.checksums)]
@@ -130,7 +137,7 @@ def _reference_entry(m: Manifest, key: str, t: TensorEntry) -> Any:
 
 @settings(max_examples=150, deadline=None)
 @given(keys=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=6, unique=True),
-       partial=st.booleans(), version=st.sampled_from([1, 2, FORMAT_VERSION]))
+       partial=st.booleans(), version=st.sampled_from([1, 2, 3, FORMAT_VERSION]))
 def test_to_json_writes_the_bytes_json_dumps_would(keys: list[str], partial: bool,
                                                    version: int) -> None:
     """Keys of any text (quotes, backslashes, control characters, non-ASCII, surrogates
@@ -322,7 +329,7 @@ def test_decode_header_fuzz_consistent_length_prefix(body, slack):
 
 # --- manifest round trip ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", [1, 2, FORMAT_VERSION])
+@pytest.mark.parametrize("version", [1, 2, 3, FORMAT_VERSION])
 def test_manifest_json_roundtrip_is_exact(version):
     m = make_manifest(format_version=version)
     back = parse_manifest(m.to_json(), PATH)
@@ -1122,7 +1129,7 @@ def _parse_whole(t: dict, files: dict):
 
 # --- docs/format.md: its reader, written from the format alone, reads what is saved --------
 
-def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path):
+def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path, monkeypatch):
     import re
 
     from asyncckpt.reader import read_manifest
@@ -1172,6 +1179,18 @@ def test_the_reader_in_the_format_doc_reads_short_and_long_entries(tmp_path):
     assert [c[0] for c in chunks] == ["rank_00000.safetensors", "rank_00001.safetensors"]
     assert torch.equal(torch.from_numpy(read_whole(step_dir, "w")), big)
 
+    # ... and the same chunks as a table (what a job of 16 ranks or more writes)
+    m = read_manifest(step_dir, LocalStorage())
+    import asyncckpt.manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "TABLE_MIN_CHUNKS", 2)
+    (step_dir / "manifest.json").write_bytes(m.to_json())
+    entry = json.loads((step_dir / "manifest.json").read_bytes())["tensors"]["w"]
+    assert set(entry) == {"dtype", "shape", "kind", "table"}
+    assert len(entry["table"]["checksums"]) == 2 * 11  # (each chunk: 11 blocks)
+    assert torch.equal(torch.from_numpy(read_whole(step_dir, "w")), big)
+    assert read_manifest(step_dir, LocalStorage()) == m
+
 
 def test_a_deep_manifest_read_from_a_deep_call_stack_is_not_called_corrupt(
         tmp_path: Path) -> None:
@@ -1214,12 +1233,11 @@ def test_a_deep_manifest_read_from_a_deep_call_stack_is_not_called_corrupt(
 
 # --- many chunks of a tensor: held as columns (ChunkTable) ---------------------------------------
 
-def _many_chunks_manifest(rows: int = 40, parts: int = 20, files: int = 4) -> Manifest:
+def _many_chunks_manifest(rows: int = 40, parts: int = 20, files: int = 4,
+                          version: int = FORMAT_VERSION) -> Manifest:
     """A 2-D tensor ``(rows, 3)`` sharded in ``parts`` slabs of uneven heights (one
     empty), spread over ``files`` files, chunks under the tensor's own key (as every
     sharded save writes them), beside a whole tensor in the first file."""
-    from asyncckpt.manifest import TABLE_MIN_CHUNKS
-
     assert parts >= TABLE_MIN_CHUNKS
     cuts = [*sorted({0, rows, *range(1, rows, max(1, rows // parts))})[:parts], rows]
     cuts[-2] = cuts[-1]  # (the last slab empty: it may lie anywhere in its file)
@@ -1239,13 +1257,17 @@ def _many_chunks_manifest(rows: int = 40, parts: int = 20, files: int = 4) -> Ma
                                        ["b", {"t": "tensor", "key": "b"}]]}
     return make_manifest(files={n: FileEntry(n, pos[n] + 10, i, 8, "0" * 16)
                                 for i, n in enumerate(names)},
-                         tensors=tensors, skeleton=skeleton, world_size=files)
+                         tensors=tensors, skeleton=skeleton, world_size=files,
+                         format_version=version)
 
 
 def test_a_tensor_of_many_chunks_is_held_as_columns_and_reads_back_the_same():
     from asyncckpt.manifest import ChunkTable
 
     made = _many_chunks_manifest()
+    doc = json.loads(made.to_json())
+    assert set(doc["tensors"]["w"]) == {"dtype", "shape", "kind", "table"}  # (version 4)
+    assert isinstance(doc["tensors"]["b"], list)
     m = parse_manifest(made.to_json(), PATH)
     table = m.tensors["w"].chunks
     assert type(table) is ChunkTable and type(m.tensors["b"].chunks) is tuple
@@ -1283,19 +1305,36 @@ def test_the_chunks_a_box_meets_are_planned_as_from_chunk_objects():
             assert sum(math.prod(it.box[1]) for it in got if it.key == "w") == math.prod(box[1])
 
 
+def _rows(entry: dict) -> list[list[int]]:
+    """A table's rows: [file, start, offsets..., lengths...] each."""
+    flat = entry["table"]["rows"]
+    width = 2 + 2 * len(entry["shape"])
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+def _set_rows(entry: dict, rows: list[list[int]]) -> None:
+    entry["table"]["rows"] = [v for r in rows for v in r]
+
+
+@pytest.mark.parametrize("version", [3, 4])
 @pytest.mark.parametrize("forge", ["overlap", "header", "other tensor"])
-def test_forged_byte_ranges_of_chunks_held_as_columns_are_corruption(forge: str):
-    doc = json.loads(_many_chunks_manifest().to_json())
-    chunks = doc["tensors"]["w"]["chunks"]
+def test_forged_byte_ranges_of_chunks_held_as_columns_are_corruption(forge: str, version: int):
+    doc = json.loads(_many_chunks_manifest(version=version).to_json())
+    w = doc["tensors"]["w"]
+    starts = [c[3] for c in w["chunks"]] if version == 3 else [r[1] for r in _rows(w)]
     if forge == "overlap":  # chunk 4 (in file 0, as chunk 0) starts inside chunk 0
-        chunks[4][3] = chunks[0][3] + 4
-        match = r"'w'.*overlaps the bytes of tensor 'w'"
+        at, value, match = 4, starts[0] + 4, r"'w'.*overlaps the bytes of tensor 'w'"
     elif forge == "header":
-        chunks[1][3] = 0
-        match = r"'w'.*starts inside its header"
+        at, value, match = 1, 0, r"'w'.*starts inside its header"
     else:  # the whole tensor's bytes, which lie after every chunk of its file
-        doc["tensors"]["b"][4] = chunks[8][3]
-        match = r"overlaps the bytes of tensor"
+        at, value, match = None, starts[8], r"overlaps the bytes of tensor"
+        doc["tensors"]["b"][4] = value
+    if at is not None and version == 3:
+        w["chunks"][at][3] = value
+    elif at is not None:
+        rows = _rows(w)
+        rows[at][1] = value
+        _set_rows(w, rows)
     with pytest.raises(CheckpointCorruptError, match=match):
         parse_doc(doc)
 
@@ -1303,7 +1342,7 @@ def test_forged_byte_ranges_of_chunks_held_as_columns_are_corruption(forge: str)
 def test_the_column_parse_of_many_chunks_accepts_exactly_what_the_checked_parse_accepts():
     from asyncckpt.manifest import ChunkTable, _Check, _parse_tensor_checked
 
-    doc = json.loads(_many_chunks_manifest().to_json())
+    doc = json.loads(_many_chunks_manifest(version=3).to_json())
     files = parse_doc(doc).files
     w = doc["tensors"]["w"]
     variants = [*_mutations(w, [("chunks", i, f) for i in (0, 7, 19) for f in range(5)])]
@@ -1330,3 +1369,108 @@ def _parse_tensor(t: dict, files: dict):
     from asyncckpt.manifest import _short_chunks_at_once
 
     return _short_chunks_at_once("k", t["chunks"], files, (40, 3), 4, BLOCK, False)
+
+
+def _table_variants(w: dict) -> Iterator[dict]:
+    """A table entry with one thing changed: each field of it, each value of rows 0, 7
+    and 19 (set to odd numbers: a rank among them), the rows, and the checksums."""
+    yield from _mutations(w, [("dtype",), ("shape",), ("kind",), ("table",),
+                              ("table", "rows"), ("table", "checksums"),
+                              ("table", "checksums", 3)])
+    yield {**w, "extra": 1}
+    yield {**w, "chunks": []}
+    yield {**w, "table": {**w["table"], "extra": 1}}
+    rows = _rows(w)
+    for i in (0, 7, 19):
+        for j in range(len(rows[i])):
+            for value in (-1, 1, 2, 3, 4, 39, 40, 41, 4095, 10**6, 2**62, 2**63 - 1, 2**63,
+                          2**64, 10**4000, True, 1.0, "1", None):
+                t = copy.deepcopy(w)
+                changed = copy.deepcopy(rows)
+                changed[i][j] = value
+                _set_rows(t, changed)
+                yield t
+    for changed in (rows[::-1], rows[:-1], rows[:-2], [*rows[:-1], rows[0]], rows[:1], []):
+        t = copy.deepcopy(w)
+        _set_rows(t, changed)
+        yield t
+    flat = w["table"]["rows"]
+    for bad in (flat[:-1], [*flat, 0], {"0": flat}, "0,1"):
+        yield {**w, "table": {**w["table"], "rows": bad}}
+    sums = w["table"]["checksums"]
+    for bad in (sums[:-1], [*sums, sums[0]], [*sums[:3], "0" * 15, *sums[4:]],
+                [*sums[:3], "G" * 16, *sums[4:]], [*sums[:3], 7, *sums[4:]]):
+        yield {**w, "table": {**w["table"], "checksums": bad}}
+
+
+def test_the_table_parse_accepts_exactly_what_the_checked_parse_accepts():
+    """Format version 4's table of chunks: the parse in numpy and the one that names the
+    problem agree on every variant (the same entry, or both refuse), and the numpy one
+    never raises."""
+    from asyncckpt.manifest import ChunkTable, _Check, _parse_table, _parse_table_checked
+
+    doc = json.loads(_many_chunks_manifest().to_json())
+    files = parse_doc(doc).files
+    by_rank = {f.rank: n for n, f in files.items()}
+    w = doc["tensors"]["w"]
+    n = taken = 0
+    for t in [w, *_table_variants(w)]:
+        n += 1
+        try:
+            slow = _parse_table_checked(_Check(PATH), "w", t, files, by_rank, BLOCK, False,
+                                        FORMAT_VERSION)
+        except CheckpointCorruptError:
+            slow = None
+        try:
+            fast = _parse_table("w", t, files, by_rank, BLOCK, False)
+        except Exception as exc:  # it must decline, never raise
+            raise AssertionError(f"table parse raised {exc!r} on {t!r:.300}") from exc
+        assert (fast is None) == (slow is None), t
+        if fast is not None:
+            assert type(fast.chunks) is ChunkTable and fast == slow, t
+            taken += 1
+    assert n > 500 and 3 <= taken < n // 4
+
+
+def test_a_table_is_version_4s_and_stands_alone_in_its_entry():
+    doc = json.loads(_many_chunks_manifest().to_json())
+    doc["format_version"] = 3
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*a table of chunks is format "
+                       r"version 4's; this manifest says 3"):
+        parse_doc(doc)
+    doc["format_version"] = 4
+    doc["tensors"]["w"]["chunks"] = []
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*both chunks and a table"):
+        parse_doc(doc)
+    del doc["tensors"]["w"]["chunks"]
+    doc["tensors"]["w"]["table"]["rows"][-1] = -1
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*table rows must be a list of "
+                       r"integers >= 0"):
+        parse_doc(doc)
+    doc["tensors"]["w"]["table"]["rows"].pop()
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*table rows hold 119 integers, "
+                       r"not one or more rows of 6 \(file, start, 2 offsets, 2 lengths\)"):
+        parse_doc(doc)
+    doc["tensors"]["w"]["table"]["rows"].append(3)
+    doc["tensors"]["w"]["table"]["rows"][6] = 9  # (row 1's rank)
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*table row 1 names rank 9, which "
+                       r"wrote no file of this manifest"):
+        parse_doc(doc)
+    doc["tensors"]["w"]["table"]["rows"][6] = 1
+    doc["files"]["rank_00002.safetensors"]["rank"] = 1  # two files of rank 1
+    with pytest.raises(CheckpointCorruptError, match=r"'w'.*names rank 1, which wrote no "
+                       r"file of this manifest \(or several\)"):
+        parse_doc(doc)
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_many_chunks_are_written_as_json_dumps_would_in_every_version(version: int):
+    m = _many_chunks_manifest(version=version)
+    assert m.to_json() == _reference_json(m)
+    back = parse_manifest(m.to_json(), PATH)
+    assert back == m and back.format_version == version
+    fewer = _many_chunks_manifest(parts=TABLE_MIN_CHUNKS, version=version)
+    assert fewer.to_json() == _reference_json(fewer)  # (the least a table holds)
+    one_less = dataclasses.replace(fewer, tensors={**fewer.tensors, "w": fewer.tensors["w"]
+                                                   ._replace(chunks=fewer.tensors["w"].chunks[1:])})
+    assert "table" not in json.loads(one_less.to_json(), strict=False)["tensors"]["w"]

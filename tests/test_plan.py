@@ -483,3 +483,19 @@ def test_box_byte_span_of_an_empty_box_is_empty():
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3), (4, 1, 3), (0, 2)])
 def test_row_major_strides_match_torch(shape):
     assert row_major_strides(shape) == torch.empty(shape).stride()
+
+
+@settings(max_examples=400, deadline=None)
+@given(extent=st.integers(0, 12), allow_gaps=st.booleans(),
+       spans=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6)), max_size=6))
+def test_slabs_fit_in_numpy_is_slabs_problem_finding_nothing(
+        extent: int, allow_gaps: bool, spans: list[tuple[int, int]]) -> None:
+    """The table parse's check of a 1-D mesh's slabs, one pass in numpy, says what the
+    loop over them says."""
+    from asyncckpt.boxes import slabs_fit, slabs_problem
+
+    spans = sorted((lo, lo + n) for lo, n in spans if lo + n <= extent)
+    lo = np.array([s[0] for s in spans], dtype=np.int64)
+    hi = np.array([s[1] for s in spans], dtype=np.int64)
+    assert slabs_fit(extent, lo, hi, allow_gaps) == (
+        slabs_problem(extent, spans, allow_gaps) is None)

@@ -382,3 +382,27 @@ def test_a_patch_that_does_not_fit_is_refused(patch: Any, problem: str) -> None:
     with pytest.raises(CheckpointSaveError, match=rf"rank 1's record changes its skeleton "
                                                   rf"{re.escape(problem)}"):
         book._patch(1, patch, "step 2 aborted")
+
+
+def test_a_manifest_of_chunk_tables_is_filled_as_a_whole_merge_writes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From TABLE_MIN_CHUNKS chunks a tensor's go in a table (format version 4), whose
+    checksums the template fills in as it fills those of short chunks."""
+    from asyncckpt import manifest
+
+    monkeypatch.setattr(manifest, "TABLE_MIN_CHUNKS", 3)
+    ranks = [_Rank(r, 3) for r in range(3)]
+    book = RecordBook()
+    for save in range(1, 5):
+        _save(ranks, book, save)  # (each the bytes of a whole merge)
+        _settle(ranks)
+        if save == 3:
+            ranks[1].lr = 0.5
+    raw, _ = book.manifest([rk.record(5)[0] for rk in ranks], step=5, **KW)
+    assert raw == _reference(ranks, 5)
+    doc = json.loads(raw)
+    assert set(doc["tensors"]["w"]) == {"dtype", "shape", "kind", "table"}
+    assert len(doc["tensors"]["w"]["table"]["checksums"]) == 3
+    parsed = manifest.parse_manifest(raw, "m")
+    assert type(parsed.tensors["w"].chunks) is manifest.ChunkTable
+    assert [c.offsets for c in parsed.tensors["w"].chunks] == [(0, 0), (2, 0), (4, 0)]

@@ -122,3 +122,13 @@ def slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -
             break
         end = hi
     return None if end == extent else "chunks leave part of the tensor uncovered"
+
+
+def slabs_fit(extent: int, lo: np.ndarray, hi: np.ndarray, allow_gaps: bool) -> bool:
+    """Whether slabs_problem finds nothing, for slabs given as arrays of their sorted
+    starts and ends: one pass in numpy over a sharded tensor's chunks."""
+    if not len(lo):
+        return allow_gaps or extent == 0
+    if (lo[1:] < hi[:-1]).any():
+        return False  # (an overlap)
+    return allow_gaps or bool(lo[0] == 0 and (lo[1:] == hi[:-1]).all() and hi[-1] == extent)

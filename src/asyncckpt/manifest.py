@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import functools
 import itertools
 import json
@@ -34,13 +35,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import Any, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
 import torch
 import xxhash
 
-from .boxes import slabs_problem, tiling_problem
+from .boxes import slabs_fit, slabs_problem, tiling_problem
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -50,7 +51,7 @@ from .errors import (
 from .tree import ARRAY_NODES, RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
 
 FORMAT_NAME = "asyncckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 ALIGN = 4096
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -341,7 +342,7 @@ class Manifest:
 
     def tensor_parts(self) -> tuple[list[str], list[str]]:
         """tensors_json_parts of this manifest's tensors, in its format version."""
-        return tensors_json_parts(self.tensors, version=self.format_version)
+        return tensors_json_parts(self.tensors, self.files, version=self.format_version)
 
     def encode(self, tensors_text: str | None = None, skeleton_text: str | None = None) -> bytes:
         """The manifest's bytes; ``tensors_text`` / ``skeleton_text``, when given, stand
@@ -384,16 +385,17 @@ def compact_json(v: Any) -> str:
     return json.dumps(v, separators=(",", ":"), ensure_ascii=True)
 
 
-def tensors_json_parts(tensors: dict[str, TensorEntry], *, version: int = FORMAT_VERSION
-                       ) -> tuple[list[str], list[str]]:
+def tensors_json_parts(tensors: dict[str, TensorEntry], files: Mapping[str, FileEntry], *,
+                       version: int = FORMAT_VERSION) -> tuple[list[str], list[str]]:
     """The "tensors" object of a manifest, as json.dumps would write it (compact, ASCII),
     cut around each chunk's checksums: ``(fixed, sums)`` with ``len(fixed) == len(sums)
     + 1``, the text being ``fixed[0] + sums[0] + fixed[1] + ... + fixed[-1]``
     (join_parts). Between saves of one layout only the sums change. In the short forms
     of ``version``: from 2, a tensor that is one whole chunk under its own key is written
     as ``[dtype, shape, kind, file, start, checksums]``; from 3, a chunk of several under
-    the tensor's key as ``[file, offsets, lengths, start, checksums]`` (version 1 knows
-    only the long forms).
+    the tensor's key as ``[file, offsets, lengths, start, checksums]``; from 4, the
+    chunks of a tensor of TABLE_MIN_CHUNKS or more, all under its key, as a table
+    (``files`` gives the rank that wrote each file). Version 1 knows only the long forms.
 
     Every string goes through the json module's own ASCII quoting; every number is an
     int's decimal digits. (A test holds it to json.dumps of the same dicts.)
@@ -404,9 +406,24 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], *, version: int = FORMAT
     sums: list[str] = []
     pending = "{"
     short, short_chunks = version >= 2, version >= 3
+    ranks = _ranks_of(files) if version >= 4 else None
     for n, (k, t) in enumerate(tensors.items()):
         qk = quote(k)
         chunks = t.chunks
+        rows = None
+        if ranks is not None and t.shape and len(chunks) >= TABLE_MIN_CHUNKS and (
+                type(chunks) is ChunkTable or all(c.key == k for c in chunks)):
+            rows = _table_rows(chunks, ranks)
+        if rows is not None:
+            pending += (f'{"," if n else ""}{qk}:{{"dtype":{quote(dtype_name(t.dtype))},'
+                        f'"shape":[{_ints(t.shape)}],"kind":{quote(t.kind)},"table":{{'
+                        f'"rows":[{rows}],"checksums":[')
+            for i, c in enumerate(chunks):  # (a slot per chunk, as short chunks have)
+                fixed.append(pending if not i else pending + ",")
+                sums.append(",".join(map(quote, c.checksums)))
+                pending = ""
+            pending = "]}}"
+            continue
         if short and len(chunks) == 1 and _is_whole_chunk(chunks[0], k, t.shape):
             c = chunks[0]
             qf = names.get(c.file)
@@ -439,6 +456,30 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], *, version: int = FORMAT
         pending += "]}"
     fixed.append(pending + "}")
     return fixed, sums
+
+
+def _ranks_of(files: Mapping[str, FileEntry]) -> dict[str, int]:
+    """Each file's writing rank, for the files whose rank names no other file: how a
+    table's rows name their files (format version 4)."""
+    count = collections.Counter(f.rank for f in files.values())
+    return {n: f.rank for n, f in files.items() if count[f.rank] == 1}
+
+
+def _table_rows(chunks: Sequence[Chunk], ranks: Mapping[str, int]) -> str | None:
+    """The text of a table's rows: [rank, start, offsets..., lengths...] per chunk, end to
+    end (format version 4); None when a chunk's file has no rank of its own in
+    ``ranks``."""
+    if type(chunks) is ChunkTable:
+        rank = [ranks.get(f, -1) for f in chunks.files]
+        if min(rank) < 0:
+            return None
+        rows = np.delete(chunks.rows, 2, axis=1)  # (the end: start + the chunk's bytes)
+        rows[:, 0] = np.array(rank, dtype=np.int64)[rows[:, 0]]
+        return _ints(rows.ravel().tolist())
+    if not all(c.file in ranks for c in chunks):
+        return None
+    return _ints(v for c in chunks for v in (ranks[c.file], c.byte_range[0], *c.offsets,
+                                              *c.lengths))
 
 
 def _is_whole_chunk(c: Chunk, key: str, shape: tuple[int, ...]) -> bool:
@@ -712,6 +753,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     c, doc, version, block_bytes, files, partial = h
     tensors: dict[str, TensorEntry] = {}
     short = version >= 2  # (and from 3, short chunks: _parse_tensor's)
+    named = _Named(files)
     for key, t in c.obj(doc.get("tensors"), "tensors").items():
         if short and type(t) is list:
             tensors[key] = (_parse_short_tensor(key, t, files, block_bytes)
@@ -719,7 +761,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
                                                            partial))
         else:
             tensors[key] = _parse_tensor(c, key, c.obj(t, "tensor", key), files,
-                                         block_bytes, partial, version)
+                                         block_bytes, partial, version, named)
     _check_layout(c, files, tensors)
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
     _check_skeleton(c, skeleton, {k: t.dtype for k, t in tensors.items()})
@@ -1008,13 +1050,155 @@ def _parse_short_tensor_checked(c: _Check, key: str, t: list[Any], files: dict[s
     return _parse_tensor_checked(c, key, long, files, block_bytes, partial, version=2)
 
 
+class _Named:
+    """The file each rank wrote, as a table's rows name them (format version 4): the
+    ranks of the manifest's files that name only one."""
+
+    def __init__(self, files: dict[str, FileEntry]):
+        self.files = files
+        self._by_rank: dict[int, str] | None = None
+
+    @property
+    def by_rank(self) -> dict[int, str]:
+        if self._by_rank is None:
+            self._by_rank = {r: n for n, r in _ranks_of(self.files).items()}
+        return self._by_rank
+
+
 def _parse_tensor(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
-                  block_bytes: int, partial: bool, version: int) -> TensorEntry:
+                  block_bytes: int, partial: bool, version: int,
+                  named: _Named | None = None) -> TensorEntry:
+    if "table" in t:
+        if version < 4:
+            raise c.fail(f"a table of chunks is format version 4's; this manifest says "
+                         f"{version}", key)
+        if "chunks" in t:
+            raise c.fail("a tensor entry holds both chunks and a table", key)
+        by_rank = (named or _Named(files)).by_rank
+        return (_parse_table(key, t, files, by_rank, block_bytes, partial)
+                or _parse_table_checked(c, key, t, files, by_rank, block_bytes, partial,
+                                        version))
     fast = (_parse_whole_tensor(key, t, files, block_bytes)
             or _parse_chunked_tensor(key, t, files, block_bytes, partial, version))
     if fast is not None:
         return fast
     return _parse_tensor_checked(c, key, t, files, block_bytes, partial, version)
+
+
+_TABLE_FIELDS = frozenset(("rows", "checksums"))
+_MAX_INT64 = 1 << 63
+
+
+def _parse_table(key: str, t: dict[str, Any], files: dict[str, FileEntry],
+                 by_rank: dict[int, str], block_bytes: int, partial: bool
+                 ) -> TensorEntry | None:
+    """A table of chunks (format version 4), checked column by column in numpy: what
+    every rank of a load of a sharded checkpoint parses, ranks x tensors chunks. None for
+    anything wrong, which _parse_table_checked then names; accepts exactly what it
+    accepts."""
+    name, shape, kind, tab = t.get("dtype"), t.get("shape"), t.get("kind"), t.get("table")
+    dt = _SIZED_DTYPES.get(name) if type(name) is str else None
+    if (dt is None or type(kind) is not str or kind not in _KINDS or not _nonneg_ints(shape)
+            or not shape or max(shape) >= _MAX_DIM or math.prod(shape) * dt[1] >= _MAX_DIM
+            or type(tab) is not dict or tab.keys() != _TABLE_FIELDS or len(t) != 4):
+        return None
+    flat, sums = tab["rows"], tab["checksums"]
+    if not (type(flat) is list and type(sums) is list and _INT_TYPE.issuperset(map(type, flat))):
+        return None
+    nd, itemsize = len(shape), dt[1]
+    width = 2 + 2 * nd
+    if not flat or len(flat) % width:
+        return None
+    try:
+        rows = np.array(flat, dtype=np.int64).reshape(-1, width)
+    except OverflowError:  # (past 2**63)
+        return None
+    ranks, fidx = np.unique(rows[:, 0], return_inverse=True)
+    by = [by_rank.get(r) for r in ranks.tolist()]
+    if rows.min() < 0 or None in by:
+        return None
+    names = cast(list[str], by)
+    starts, offs, lens = rows[:, 1], rows[:, 2:2 + nd], rows[:, 2 + nd:]
+    dims = np.array(shape, dtype=np.int64)
+    if starts.max() >= _MAX_DIM or (offs > dims).any() or (lens > dims - offs).any():
+        return None
+    # (each length at most its dimension: the products stay below the tensor's bytes)
+    nbytes = lens.prod(axis=1) * itemsize
+    sizes = np.array([files[n].bytes for n in names], dtype=np.int64)
+    if (starts > sizes[fidx] - nbytes).any():
+        return None
+    counts = np.maximum(1, -(-nbytes // block_bytes))
+    if (len(sums) != int(counts.sum()) or not _STR_TYPE.issuperset(map(type, sums))
+            or set(map(len, sums)) != {16}):
+        return None
+    joined = "".join(sums)
+    if not _HEX_RUN.fullmatch(joined):
+        return None
+    if math.prod(shape):
+        cut = [d for d in range(nd) if offs[:, d].any() or (lens[:, d] != shape[d]).any()]
+        if len(cut) <= 1:  # (1-D meshes: slabs along one dim)
+            d, held = (cut[0] if cut else 0), nbytes > 0
+            lo, hi = offs[held, d], offs[held, d] + lens[held, d]
+            order = np.lexsort((hi, lo))
+            if not slabs_fit(shape[d], lo[order], hi[order], partial):
+                return None
+        elif tiling_problem(tuple(shape), [(tuple(o), tuple(n)) for o, n in zip(
+                offs.tolist(), lens.tolist(), strict=True)], allow_gaps=partial) is not None:
+            return None
+    table = np.empty((len(rows), 3 + 2 * nd), dtype=np.int64)
+    table[:, 0] = fidx.reshape(-1)
+    table[:, 1] = starts
+    table[:, 2] = starts + nbytes
+    table[:, 3:] = rows[:, 2:]
+    at = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(counts, out=at[1:])
+    return TensorEntry(dt[0], tuple(shape), kind, ChunkTable(
+        key, tuple(names), table, joined, at))
+
+
+def _parse_table_checked(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
+                         by_rank: dict[int, str], block_bytes: int, partial: bool,
+                         version: int) -> TensorEntry:
+    """A table, every check one by one so that the error names the first problem: its
+    rows decoded, then written out as the long chunks they stand for and parsed as those."""
+    dtype = _checked_dtype(c, key, t.get("dtype"))
+    dims = _checked_shape(c, key, t.get("shape"), dtype)
+    tab = c.obj(t.get("table"), "table", key)
+    if tab.keys() != _TABLE_FIELDS or len(t) != 4:
+        raise c.fail(f"a table entry holds dtype, shape, kind and a table of rows and "
+                     f"checksums; got {sorted(t)[:8]} and {sorted(tab)[:8]}", key)
+    flat = tab["rows"]
+    if not isinstance(flat, list) or not all(type(v) is int and 0 <= v < _MAX_INT64
+                                             for v in flat):
+        raise c.fail("table rows must be a list of integers >= 0 (below 2**63)", key)
+    nd = len(dims)
+    width = 2 + 2 * nd
+    if not nd:
+        raise c.fail("a 0-d tensor cannot be stored as a table of chunks", key)
+    if not flat or len(flat) % width:
+        raise c.fail(f"table rows hold {len(flat)} integers, not one or more rows of {width} "
+                     f"(file, start, {nd} offsets, {nd} lengths)", key)
+    sums = tab["checksums"]
+    if not isinstance(sums, list):
+        raise c.fail("table checksums must be a list", key)
+    chunks, at = [], 0
+    for i in range(0, len(flat), width):
+        row = flat[i:i + width]
+        f, start, offsets, lengths = row[0], row[1], row[2:2 + nd], row[2 + nd:]
+        if f not in by_rank:
+            raise c.fail(f"table row {i // width} names rank {f}, which wrote no file of this "
+                         "manifest (or several)", key)
+        start = _checked_start(c, key, start)
+        nbytes = math.prod(c.ints(lengths, "chunk lengths", key)) * dtype.itemsize
+        n = max(1, -(-nbytes // block_bytes))
+        chunks.append({"file": by_rank[f], "key": key, "offsets": offsets, "lengths": lengths,
+                       "byte_range": [start, start + nbytes], "checksums": sums[at:at + n]})
+        at += n
+    if at != len(sums):
+        raise c.fail(f"the table holds {len(sums)} checksums where its chunks need {at}", key)
+    return _parse_tensor_checked(c, key, {"dtype": t["dtype"], "shape": t["shape"],
+                                          "kind": t.get("kind"), "chunks": chunks},
+                                 files, block_bytes, partial, version)
 
 
 def _long_chunk(c: _Check, key: str, ch: list[Any], dtype: torch.dtype) -> dict[str, Any]:
