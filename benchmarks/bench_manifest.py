@@ -20,8 +20,9 @@ all ranks (``Shard(0)``), so the manifest has ranks x tensors chunks. Measured, 
 * the bytes a rank puts in the Store for its record: whole, as a delta, and as a delta
   with its skeleton patch;
 * what *every rank of a load* spends reading the manifest (``parse_manifest`` with the
-  collector paused, as ``read_manifest`` runs it), and its bytes, in this format version
-  (the chunks of a sharded tensor short) and in version 2 (every chunk an object).
+  collector paused, as ``read_manifest`` runs it), its bytes and the memory the parsed
+  manifest holds, in this format version (from 16 chunks a tensor, a table of them), in
+  version 3 (every chunk a short list) and in version 2 (every chunk an object).
 
 Usage:
     python benchmarks/bench_manifest.py                     # 64 ranks x 2,000 tensors
@@ -40,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +114,10 @@ def whole_merge(records: list[dict[str, Any]], step: int) -> tuple[float, Manife
     return time.perf_counter() - t, manifest
 
 
-def rank_parse(manifest: Manifest, version: int) -> tuple[int, float]:
-    """The bytes of ``manifest`` in format ``version`` and the time a rank of a load
-    takes to parse them (as read_manifest does: the cyclic collector paused)."""
+def rank_parse(manifest: Manifest, version: int) -> tuple[int, float, int]:
+    """The bytes of ``manifest`` in format ``version``, the time a rank of a load takes to
+    parse them (as read_manifest does: the cyclic collector paused) and the bytes of
+    Python and numpy memory the parsed manifest holds (tracemalloc, in a second parse)."""
     raw = dataclasses.replace(manifest, format_version=version).to_json()
     gc.collect()
     with gc_paused():
@@ -122,7 +125,18 @@ def rank_parse(manifest: Manifest, version: int) -> tuple[int, float]:
         back = parse_manifest(raw, "bench")
         took = time.perf_counter() - t
     assert back.format_version == version and len(back.tensors) == len(manifest.tensors)
-    return len(raw), took
+    del back
+    gc.collect()
+    tracemalloc.start()
+    try:
+        with gc_paused():
+            back = parse_manifest(raw, "bench")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        assert back.step == manifest.step  # (held until here)
+    finally:
+        tracemalloc.stop()
+    return len(raw), took, held
 
 
 def settle(ranks: list[Rank], committed: bool = True) -> None:
@@ -140,7 +154,8 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
     log(f"building {world} ranks x {tensors:,} tensors")
     ranks = [Rank(r, world, tensors, rows=4) for r in range(world)]
     res: dict[str, Any] = {"whole_merge": [], "first_save": [], "steady_save": [],
-                           "skeleton_changed": [], "parse": [], "parse_v2": []}
+                           "skeleton_changed": [], "parse": [], "parse_v3": [], "parse_v2": [],
+                           "held": [], "held_v3": []}
     for rep in range(repeats):
         book = RecordBook()
         settle(ranks, False)  # report whole
@@ -148,8 +163,12 @@ def run(world: int, tensors: int, repeats: int) -> dict[str, Any]:
         records, whole_sizes = through_store([rk.record(False) for rk in ranks])
         took, manifest = whole_merge(records, step=rep)
         res["whole_merge"].append(took)
-        res["manifest_bytes"], parse = rank_parse(manifest, FORMAT_VERSION)
-        res["manifest_bytes_v2"], parse_v2 = rank_parse(manifest, 2)
+        res["manifest_bytes"], parse, held = rank_parse(manifest, FORMAT_VERSION)
+        res["manifest_bytes_v3"], parse_v3, held_v3 = rank_parse(manifest, 3)
+        res["manifest_bytes_v2"], parse_v2, _ = rank_parse(manifest, 2)
+        res["parse_v3"].append(parse_v3)
+        res["held"].append(held)
+        res["held_v3"].append(held_v3)
         res["parse"].append(parse)
         res["parse_v2"].append(parse_v2)
         del manifest
@@ -191,13 +210,16 @@ def render(res: dict[str, Any]) -> str:
               f"| whole | {rb['whole']:,.0f} |", f"| delta | {rb['delta']:,.0f} |",
               f"| delta with a changed lr (its skeleton patch) | "
               f"{rb['delta_with_skeleton']:,.0f} |"]
-    v2 = med["parse_v2"]
-    lines += ["", "| every rank of a load: the manifest | bytes | parse | vs version 2 |",
-              "|---|---|---|---|",
-              f"| format version {FORMAT_VERSION} (short chunks) | {r['manifest_bytes']:,} | "
-              f"{med['parse']:.3f} s | {med['parse'] / v2:.2f}x |",
+    v3 = med["parse_v3"]
+    lines += ["", "| every rank of a load: the manifest | bytes | parse | vs version 3 | held |",
+              "|---|---|---|---|---|",
+              f"| format version {FORMAT_VERSION} (tables of chunks from 16 a tensor) | "
+              f"{r['manifest_bytes']:,} | {med['parse']:.3f} s | {med['parse'] / v3:.2f}x | "
+              f"{med['held'] / 1e6:.0f} MB |",
+              f"| format version 3 (short chunks) | {r['manifest_bytes_v3']:,} | {v3:.3f} s | "
+              f"1.00x | {med['held_v3'] / 1e6:.0f} MB |",
               f"| format version 2 (every chunk an object) | {r['manifest_bytes_v2']:,} | "
-              f"{v2:.3f} s | 1.00x |"]
+              f"{med['parse_v2']:.3f} s | {med['parse_v2'] / v3:.2f}x | |"]
     return "\n".join(lines)
 
 

@@ -20,11 +20,11 @@ def test_small_run_times_every_kind_of_save(tmp_path: Path,
                        "--json", str(out)]) == 0
     res = json.loads(out.read_text())["run"]
     for key in ("whole_merge", "first_save", "steady_save", "skeleton_changed", "parse",
-                "parse_v2"):
+                "parse_v3", "parse_v2", "held", "held_v3"):
         assert len(res[key]) == 2 and all(map(positive, res[key])), key
     sizes = res["record_bytes"]
     assert sizes["delta"] < sizes["delta_with_skeleton"] < sizes["whole"]
-    assert 0 < res["manifest_bytes"] < res["manifest_bytes_v2"]  # the short chunks
+    assert 0 < res["manifest_bytes"] <= res["manifest_bytes_v3"] < res["manifest_bytes_v2"]
     out = capsys.readouterr().out
     assert "| steady save (deltas, same skeletons) |" in out
     assert "| format version 2 (every chunk an object) |" in out
