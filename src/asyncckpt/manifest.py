@@ -412,7 +412,7 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], files: Mapping[str, File
         chunks = t.chunks
         rows = None
         if ranks is not None and t.shape and len(chunks) >= TABLE_MIN_CHUNKS and (
-                type(chunks) is ChunkTable or all(c.key == k for c in chunks)):
+                type(chunks) is ChunkTable or {c.key for c in chunks} == {k}):
             rows = _table_rows(chunks, ranks)
         if rows is not None:
             pending += (f'{"," if n else ""}{qk}:{{"dtype":{quote(dtype_name(t.dtype))},'
@@ -476,10 +476,10 @@ def _table_rows(chunks: Sequence[Chunk], ranks: Mapping[str, int]) -> str | None
         rows = np.delete(chunks.rows, 2, axis=1)  # (the end: start + the chunk's bytes)
         rows[:, 0] = np.array(rank, dtype=np.int64)[rows[:, 0]]
         return _ints(rows.ravel().tolist())
-    if not all(c.file in ranks for c in chunks):
+    if not {c.file for c in chunks} <= ranks.keys():
         return None
-    return _ints(v for c in chunks for v in (ranks[c.file], c.byte_range[0], *c.offsets,
-                                              *c.lengths))
+    return ",".join(map(str, itertools.chain.from_iterable(
+        (ranks[c.file], c.byte_range[0], *c.offsets, *c.lengths) for c in chunks)))
 
 
 def _is_whole_chunk(c: Chunk, key: str, shape: tuple[int, ...]) -> bool:
