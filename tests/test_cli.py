@@ -22,6 +22,7 @@ import asyncckpt
 from _manifests import long_entries
 from asyncckpt import tree
 from asyncckpt.cli import _iso, _when, human_bytes, main
+from asyncckpt.manifest import shard_file_name
 from asyncckpt.reader import read_manifest
 from asyncckpt.storage import LocalStorage
 
@@ -130,6 +131,28 @@ def test_inspect_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert summary.startswith("step 30  world size 1  3 tensors  184 tensor bytes")
     assert f"asyncckpt {asyncckpt.__version__}" in summary
     assert "train/step=30" in out and "train/lr=0.5" in out
+
+
+def test_inspect_names_the_first_and_last_of_many_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from _ranks import all_ok, in_threads
+
+    world = 5
+    store = torch.distributed.HashStore()
+
+    def rank(r: int) -> None:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=world,
+                                         store=store, timeout_s=60) as ck:
+            ck.save({"w": torch.full((2, 3), float(r))}, step=1, shards={
+                "w": asyncckpt.ShardMetadata((2 * world, 3), (2 * r, 0))})
+
+    all_ok(in_threads(rank, world=world))
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "step_000000001"))
+    line = out.splitlines()[1]
+    assert code == 0 and line.split()[0] == "w"
+    assert line.endswith("rank_00000.safetensors ... rank_00004.safetensors (5 files)")
+    code, out, _ = run(capsys, "inspect", "--json", str(tmp_path / "step_000000001"))
+    assert json.loads(out)["tensors"][0]["files"] == [shard_file_name(r) for r in range(world)]
 
 
 def test_inspect_shows_tied_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -382,10 +382,18 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
 
 
 def _tensor_table(doc: dict[str, Any]) -> str:
-    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), ", ".join(t["files"])]
+    rows = [[t["path"], t["dtype"], str(t["shape"]), str(t["bytes"]), _files_text(t["files"])]
             for t in doc["tensors"]]
     return (_table(["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"], rows, right=(3,)) if rows
             else "(no tensors)")
+
+
+def _files_text(files: list[str]) -> str:
+    """A tensor's files for the table: a tensor of a job of 512 ranks has 512 of them (all
+    are in --json)."""
+    if len(files) <= 3:
+        return ", ".join(files)
+    return f"{files[0]} ... {files[-1]} ({len(files)} files)"
 
 
 def _plain_files(ckpt: str) -> tuple[Path, list[str]] | None:
