@@ -1474,3 +1474,39 @@ def test_many_chunks_are_written_as_json_dumps_would_in_every_version(version: i
     one_less = dataclasses.replace(fewer, tensors={**fewer.tensors, "w": fewer.tensors["w"]
                                                    ._replace(chunks=fewer.tensors["w"].chunks[1:])})
     assert "table" not in json.loads(one_less.to_json(), strict=False)["tensors"]["w"]
+
+
+def test_a_table_of_blocks_past_any_chunk_is_one_checksum_a_chunk():
+    """block_bytes is bounded below only: a block larger than numpy's integers is still
+    one block a chunk (it overflowed the table parse)."""
+    big = _many_chunks_manifest(version=3)
+    huge = 1 << 63
+    tensors = {k: t._replace(chunks=tuple(c._replace(checksums=c.checksums[:1])
+                                          for c in t.chunks)) for k, t in big.tensors.items()}
+    m = dataclasses.replace(big, block_bytes=huge, tensors=tensors)
+    v4 = parse_manifest(dataclasses.replace(m, format_version=4).to_json(), PATH)
+    assert "table" in json.loads(dataclasses.replace(m, format_version=4).to_json())[
+        "tensors"]["w"]
+    assert v4.tensors == parse_manifest(m.to_json(), PATH).tensors == m.tensors
+
+
+def test_a_table_is_written_only_for_chunks_under_its_own_key_and_ranks_it_can_name():
+    """A ChunkTable moved under another key keeps its chunks' key (written as chunks that
+    name it), and files whose ranks a table cannot name (several files of one rank, or a
+    rank past 2**63) are written as short chunks: what is written reads back the same."""
+    m = parse_manifest(_many_chunks_manifest().to_json(), PATH)
+    moved = dataclasses.replace(m, tensors={"v": m.tensors["w"], "b": m.tensors["b"]},
+                                skeleton={"t": "dict", "items": [
+                                    ["v", {"t": "tensor", "key": "v"}],
+                                    ["b", {"t": "tensor", "key": "b"}]]})
+    doc = json.loads(moved.to_json())
+    assert "chunks" in doc["tensors"]["v"]
+    back = parse_manifest(moved.to_json(), PATH)
+    assert {c.key for c in back.tensors["v"].chunks} == {"w"} and back == moved
+    for ranks in ([1 << 64, 1, 2, 3], [0, 0, 1, 2]):
+        files = {n: dataclasses.replace(f, rank=r) for (n, f), r in zip(m.files.items(), ranks,
+                                                                        strict=True)}
+        odd = dataclasses.replace(m, files=files)
+        entry = json.loads(odd.to_json())["tensors"]["w"]
+        assert "chunks" in entry and "table" not in entry
+        assert parse_manifest(odd.to_json(), PATH) == odd

@@ -412,7 +412,7 @@ def tensors_json_parts(tensors: dict[str, TensorEntry], files: Mapping[str, File
         chunks = t.chunks
         rows = None
         if ranks is not None and t.shape and len(chunks) >= TABLE_MIN_CHUNKS and (
-                type(chunks) is ChunkTable or {c.key for c in chunks} == {k}):
+                chunks.key == k if type(chunks) is ChunkTable else {c.key for c in chunks} == {k}):
             rows = _table_rows(chunks, ranks)
         if rows is not None:
             pending += (f'{"," if n else ""}{qk}:{{"dtype":{quote(dtype_name(t.dtype))},'
@@ -462,7 +462,7 @@ def _ranks_of(files: Mapping[str, FileEntry]) -> dict[str, int]:
     """Each file's writing rank, for the files whose rank names no other file: how a
     table's rows name their files (format version 4)."""
     count = collections.Counter(f.rank for f in files.values())
-    return {n: f.rank for n, f in files.items() if count[f.rank] == 1}
+    return {n: f.rank for n, f in files.items() if count[f.rank] == 1 and f.rank < _MAX_INT64}
 
 
 def _table_rows(chunks: Sequence[Chunk], ranks: Mapping[str, int]) -> str | None:
@@ -1127,7 +1127,8 @@ def _parse_table(key: str, t: dict[str, Any], files: dict[str, FileEntry],
     sizes = np.array([files[n].bytes for n in names], dtype=np.int64)
     if (starts > sizes[fidx] - nbytes).any():
         return None
-    counts = np.maximum(1, -(-nbytes // block_bytes))
+    # (a chunk's bytes are below 2**62: a larger block is one block, and numpy's int64)
+    counts = np.maximum(1, -(-nbytes // min(block_bytes, _MAX_DIM)))
     if (len(sums) != int(counts.sum()) or not _STR_TYPE.issuperset(map(type, sums))
             or set(map(len, sums)) != {16}):
         return None
