@@ -1287,3 +1287,35 @@ def test_a_0_dim_tensor_is_cast(tmp_path: Path, how: str) -> None:
         save_file({"scale": v}, str(tmp_path / "f.safetensors"))
         asyncckpt.load_safetensors(tmp_path / "f.safetensors", target)
     assert target["scale"].dtype == torch.float32 and target["scale"].item() == v.item()
+
+
+def test_verify_makes_each_chunk_of_a_table_once(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify walked every chunk of the checkpoint once per file: with a table, that made
+    files x chunks Chunk objects (64 ranks x 300 tensors: 1.8 s rather than 0.4)."""
+    from asyncckpt import manifest as manifest_module
+
+    world = 6
+    monkeypatch.setattr(manifest_module, "TABLE_MIN_CHUNKS", 2)
+    store = torch.distributed.HashStore()
+
+    def rank(r: int) -> None:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=world,
+                                         store=store, timeout_s=60) as ck:
+            ck.save({f"w{i}": torch.full((2, 3), float(r + i)) for i in range(4)}, step=1,
+                    shards={f"w{i}": asyncckpt.ShardMetadata((2 * world, 3), (2 * r, 0))
+                            for i in range(4)})
+
+    all_ok(in_threads(rank, world=world))
+    made = [0]
+    real = manifest_module.ChunkTable._made
+
+    def counting(self: Any, which: Any) -> Any:
+        for ch in real(self, which):
+            made[0] += 1
+            yield ch
+
+    monkeypatch.setattr(manifest_module.ChunkTable, "_made", counting)
+    report = verify_checkpoint(tmp_path / "step_000000001", LocalStorage())
+    assert report.ok and report.tensors == 4
+    assert made[0] == 4 * world  # each chunk once (not once per file)

@@ -45,6 +45,7 @@ from .manifest import (
     Chunk,
     Manifest,
     ManifestSummary,
+    TensorEntry,
     block_checksums,
     decode_header,
     parse_manifest,
@@ -843,6 +844,13 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
         return VerifyReport(step_dir, None, problems=[str(exc)])
     report = VerifyReport(step_dir, manifest.step)
     damaged: set[str] = set()
+    # (each tensor's chunks made once: a sharded one's are a ChunkTable, which makes them
+    # at every walk; and walking them all once per file was files x chunks)
+    entries = [(key, entry, tuple(entry.chunks)) for key, entry in manifest.tensors.items()]
+    by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
+    for key, entry, chunks in entries:
+        for ch in chunks:
+            by_file.setdefault(ch.file, []).append((key, entry, ch))
     for name in manifest.files:  # each file once: size and header checksum, then entries
         try:
             storage.close(_open(step_dir / name, storage))
@@ -855,23 +863,23 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
         except CheckpointCorruptError as exc:
             report.problems.append(str(exc))
             damaged.add(name)
-        report.problems.extend(_check_header(step_dir / name, manifest, storage))
+        report.problems.extend(_check_header(step_dir / name, by_file.get(name, []),
+                                             storage))
     unread: dict[str, int] = {}
     work: list[_VerifyItem] = []
-    entries = list(manifest.tensors.items())
-    for i, (key, entry) in enumerate(entries):
-        bad = next((c.file for c in entry.chunks if c.file in damaged), None)
+    for i, (key, _, chunks) in enumerate(entries):
+        bad = next((c.file for c in chunks if c.file in damaged), None)
         if bad is not None:
             # The manifest's sizes are not those of the file there: never read by them.
             unread[bad] = unread.get(bad, 0) + 1
             continue
-        work += [_VerifyItem(i, n, key, ch) for n, ch in enumerate(entry.chunks)]
+        work += [_VerifyItem(i, n, key, ch) for n, ch in enumerate(chunks)]
     work.sort(key=lambda w: (w.chunk.file, w.chunk.byte_range[0]))  # each file front to back
     found = _verify_chunks(step_dir, manifest.block_bytes, work, storage, threads, progress)
-    for i, (_, entry) in enumerate(entries):  # in the manifest's order, as before
+    for i, (_, entry, chunks) in enumerate(entries):  # in the manifest's order, as before
         if i in found:
             report.problems.append(found[i])
-        elif any(c.file in damaged for c in entry.chunks):
+        elif any(c.file in damaged for c in chunks):
             continue
         else:
             report.tensors += 1
@@ -965,7 +973,10 @@ def _verify_chunk(fd: int, path: Path, w: _VerifyItem, buf: memoryview, block_by
     _check_sums(path, w.key, w.chunk, 0, hasher.finish(), block_bytes)
 
 
-def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
+def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
+                  storage: ReadStorage) -> list[str]:
+    """The entries of the file's safetensors header against ``chunks``, the manifest's
+    chunks in the file (with their tensor's key and entry)."""
     try:
         fd = _open(path, storage)
     except CheckpointCorruptError as exc:  # missing, or cannot be opened
@@ -997,15 +1008,12 @@ def _check_header(path: Path, manifest: Manifest, storage: ReadStorage) -> list[
     finally:
         storage.close(fd)
     problems = []  # the header's checksum is _check_file's; here: entries vs the manifest
-    for key, entry in manifest.tensors.items():
-        for ch in entry.chunks:
-            if path.name != ch.file:
-                continue
-            h = header.get(ch.key)
-            st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
-            want = {"dtype": st, "shape": shape,
-                    "data_offsets": [ch.byte_range[0] - body, ch.byte_range[1] - body]}
-            if h != want:
-                problems.append(f"{path}: header entry of tensor {key!r} is "
-                                f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")
+    for key, entry, ch in chunks:
+        h = header.get(ch.key)
+        st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
+        want = {"dtype": st, "shape": shape,
+                "data_offsets": [ch.byte_range[0] - body, ch.byte_range[1] - body]}
+        if h != want:
+            problems.append(f"{path}: header entry of tensor {key!r} is "
+                            f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")
     return problems
