@@ -272,8 +272,11 @@ class ChunkTable(Sequence[Chunk]):
         whose intersection with it is not empty), in order."""
         rows = self.rows
         nd = (rows.shape[1] - 3) // 2
-        lo = np.asarray(box[0], dtype=np.int64)
-        hi = lo + np.asarray(box[1], dtype=np.int64)
+        try:
+            lo = np.asarray(box[0], dtype=np.int64)
+            hi = lo + np.asarray(box[1], dtype=np.int64)
+        except OverflowError:  # (no tensor is this large: every chunk, for intersect to judge)
+            return list(self)
         offs, lens = rows[:, 3:3 + nd], rows[:, 3 + nd:]
         near = ((offs <= hi) & (offs + lens >= lo)).all(axis=1)
         return list(self._made(np.flatnonzero(near).tolist()))
