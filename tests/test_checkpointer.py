@@ -1751,8 +1751,16 @@ def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) ->
 # --- interrupts and leftovers of the save path (from a review of the lifecycle) ------------
 
 def _lock_fds() -> list[str]:
-    return [f for f in os.listdir("/proc/self/fd")
-            if os.path.realpath(f"/proc/self/fd/{f}").endswith(".asyncckpt.lock")]
+    """The fds of this process open on a lock file. (Other threads open and close fds
+    meanwhile: one listed may be gone by the time its link is read.)"""
+    out = []
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{f}").endswith(".asyncckpt.lock"):
+                out.append(f)
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def _within(fn: Callable[[], Any], seconds: float = 30.0) -> None:
