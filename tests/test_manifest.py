@@ -1043,13 +1043,28 @@ def _sharded_doc() -> dict:
     return json.loads(make_manifest(tensors=tensors).to_json())
 
 
+def _columns_and_checked(t: dict, files: dict, dims: tuple[int, ...]) -> tuple[Any, Any]:
+    """The checked parse of a tensor entry of short chunks (its entry, or None when it
+    refuses) and the column parse of its chunks (which must decline, never raise)."""
+    from asyncckpt.manifest import _Check, _parse_tensor_checked, _short_chunks_at_once
+
+    try:
+        slow = _parse_tensor_checked(_Check(PATH), "k", t, files, BLOCK, False,
+                                     FORMAT_VERSION)
+    except CheckpointCorruptError:
+        slow = None
+    try:
+        fast = _short_chunks_at_once("k", t["chunks"], files, dims, 4, BLOCK, False)
+    except Exception as exc:
+        raise AssertionError(f"column parse raised {exc!r} on {t!r:.300}") from exc
+    return slow, fast
+
+
 def test_fast_parse_of_short_chunks_accepts_exactly_what_the_checked_parse_accepts():
     """Short chunks (format version 3): the column-by-column parse of all of a tensor's
     chunks, the chunk-by-chunk one and the checked one agree on every variant: each item
     of either chunk set to each odd value or removed, one item more, a chunk of each
     form, chunks swapped, one chunk twice, one missing."""
-    from asyncckpt.manifest import _Check, _parse_tensor_checked, _short_chunks_at_once
-
     doc = _sharded_doc()
     files = parse_doc(doc).files
     sharded = doc["tensors"]["model/w"]
@@ -1068,15 +1083,7 @@ def test_fast_parse_of_short_chunks_accepts_exactly_what_the_checked_parse_accep
             if v == 2:  # a version 2 manifest has no short chunks
                 assert not took or not any(isinstance(c, list) for c in t["chunks"]), t
             taken += took
-        try:
-            slow = _parse_tensor_checked(_Check(PATH), "k", t, files, BLOCK, False,
-                                         FORMAT_VERSION)
-        except CheckpointCorruptError:
-            slow = None
-        try:
-            fast = _short_chunks_at_once("k", t["chunks"], files, (4, 3), 4, BLOCK, False)
-        except Exception as exc:  # it must decline, never raise
-            raise AssertionError(f"column parse raised {exc!r} on {t!r}") from exc
+        slow, fast = _columns_and_checked(t, files, (4, 3))
         if fast is not None:
             assert slow is not None and fast == slow.chunks, t
             at_once += 1
@@ -1340,7 +1347,7 @@ def test_forged_byte_ranges_of_chunks_held_as_columns_are_corruption(forge: str,
 
 
 def test_the_column_parse_of_many_chunks_accepts_exactly_what_the_checked_parse_accepts():
-    from asyncckpt.manifest import ChunkTable, _Check, _parse_tensor_checked
+    from asyncckpt.manifest import ChunkTable
 
     doc = json.loads(_many_chunks_manifest(version=3).to_json())
     files = parse_doc(doc).files
@@ -1350,25 +1357,11 @@ def test_the_column_parse_of_many_chunks_accepts_exactly_what_the_checked_parse_
                  dict(w, chunks=[*w["chunks"][:-1], w["chunks"][0]])]
     tables = 0
     for t in [w, *variants]:
-        try:
-            slow = _parse_tensor_checked(_Check(PATH), "k", t, files, BLOCK, False,
-                                         FORMAT_VERSION)
-        except CheckpointCorruptError:
-            slow = None
-        try:
-            fast = _parse_tensor(t, files)
-        except Exception as exc:  # it must decline, never raise
-            raise AssertionError(f"column parse raised {exc!r} on {t!r}") from exc
+        slow, fast = _columns_and_checked(t, files, (40, 3))
         if fast is not None:
             assert slow is not None and fast == slow.chunks, t
             tables += type(fast) is ChunkTable
     assert len(variants) > 200 and tables >= 3
-
-
-def _parse_tensor(t: dict, files: dict):
-    from asyncckpt.manifest import _short_chunks_at_once
-
-    return _short_chunks_at_once("k", t["chunks"], files, (40, 3), 4, BLOCK, False)
 
 
 def _table_variants(w: dict) -> Iterator[dict]:
