@@ -321,12 +321,36 @@ def test_a_malformed_metric_in_a_ranks_record_fails_the_save_naming_the_rank() -
 
     records = [{"rank": 0}, {"rank": 1, "metrics": record_of({"a": NAN, "b": 2.0})},
                {"rank": 2, "metrics": {"b": "3.0", "c": "-inf"}}]
-    got = merged_metrics({"b": 1.0}, records, "step 5 aborted")
+    got = merged_metrics({"b": 1.0}, records, 5)
     assert got["b"] == 1.0 and got["c"] == -INF and math.isnan(got["a"])
     assert all("metrics" not in rec for rec in records)  # taken out for the merge
     for bad in [{"x": "many"}, {"x": 3.0}, {"": "1.0"}, ["x"]]:
-        with pytest.raises(CheckpointSaveError, match=r"step 5 aborted: rank 1's record"):
-            merged_metrics({}, [{"rank": 1, "metrics": bad}], "step 5 aborted")
+        with pytest.raises(CheckpointSaveError, match=r"step 5 aborted, nothing committed: "
+                           r"rank 1's record"):
+            merged_metrics({}, [{"rank": 1, "metrics": bad}], 5)
+
+
+def test_a_metric_ranks_pass_with_different_values_is_warned_of_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """DDP ranks that each pass their own batch's loss: the lowest rank's is recorded,
+    and the coordinator says so once per name, not at every save."""
+    from asyncckpt.best import merged_metrics, record_of
+
+    warned: set[str] = set()
+
+    def records(step: int) -> list[dict[str, Any]]:
+        return [{"rank": 0}, *({"rank": r, "metrics": record_of(
+            {"loss": 1.0 + r + step, "acc": 0.5, "nan": NAN})} for r in (1, 2))]
+
+    with caplog.at_level("WARNING", logger="asyncckpt.best"):
+        for step in (1, 2):
+            got = merged_metrics({"lr": 0.1}, records(step), step, warned)
+            assert got["loss"] == 2.0 + step and got["acc"] == 0.5
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and warned == {"loss"}  # (equal values and NaNs are no news)
+    assert msgs[0] == ("step 1: ranks passed different values of metric 'loss' (rank 1: 3.0, "
+                       "rank 2: 4.0): rank 1's is recorded. Pass one value on every rank "
+                       "that passes the metric (all-reduce it first)")
 
 
 # --- the command line --------------------------------------------------------------------------

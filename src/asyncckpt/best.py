@@ -54,13 +54,18 @@ def record_of(metrics: Mapping[str, float]) -> dict[str, str]:
     return {k: repr(float(v)) for k, v in metrics.items()}
 
 
-def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]],
-                   what: str) -> dict[str, float]:
+def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]], step: int,
+                   warned: set[str] | None = None) -> dict[str, float]:
     """The metrics a group's save records: the coordinator's ``own``, and each name that
     only other ranks passed, the lowest such rank's value (the ranks that know a metric
     may be any: the last stage of a pipeline computes the loss). Takes the metrics out of
-    ``records`` (every rank's, in rank order); a malformed entry is CheckpointSaveError."""
+    ``records`` (every rank's, in rank order, the coordinator's first); a malformed entry
+    is CheckpointSaveError. A name passed with different values (each rank's own loss)
+    is warned of once per name in ``warned``."""
+    what = f"step {step} aborted, nothing committed"
     out = dict(own)
+    first = records[0].get("rank", 0) if records else 0
+    by: dict[str, Any] = dict.fromkeys(own, first)  # the rank whose value is recorded
     for rec in records:
         theirs = rec.pop("metrics", None)
         if theirs is None:
@@ -77,7 +82,15 @@ def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]],
                 raise CheckpointSaveError(
                     f"{what}: rank {rec.get('rank')!r:.20}'s record holds the metric "
                     f"{name!r:.80} = {text!r:.40}, which is no name and number")
-            out.setdefault(name, value)
+            if name not in out:
+                out[name], by[name] = value, rec.get("rank")
+            elif warned is not None and name not in warned and not (
+                    value == out[name] or (math.isnan(value) and math.isnan(out[name]))):
+                warned.add(name)
+                log.warning("step %d: ranks passed different values of metric %r (rank %s: "
+                            "%r, rank %s: %r): rank %s's is recorded. Pass one value on every "
+                            "rank that passes the metric (all-reduce it first)", step, name,
+                            by[name], out[name], rec.get("rank"), value, by[name])
     return out
 
 

@@ -337,7 +337,7 @@ class AsyncCheckpointer:
         ``metrics`` (names to numbers, e.g. ``{"val_loss": 2.31}``) are recorded in the
         manifest, for ``keep_best`` and ``best_step()``; in a group, any rank may pass
         them (the last stage of a pipeline knows the loss), and where several pass a
-        name, the lowest rank's value is recorded.
+        name, the lowest rank's value is recorded (differing values are warned of).
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``.

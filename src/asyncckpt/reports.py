@@ -523,3 +523,5 @@ class Reports:
     sender: RecordSender = field(default_factory=RecordSender)
     book: RecordBook = field(default_factory=RecordBook)
     served: RecordBook = field(default_factory=RecordBook)
+    # (coordinator) the metrics whose differing values across ranks were warned of
+    metrics_warned: set[str] = field(default_factory=set)

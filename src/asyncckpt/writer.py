@@ -877,8 +877,8 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
     """The manifest merged from every rank's record (reports.RecordBook), with the
     metrics any rank passed (``job.metrics`` becomes what the manifest records)."""
     if job.ctx.distributed:
-        job.metrics = merged_metrics(job.metrics, records,
-                                     f"step {job.step} aborted, nothing committed")
+        job.metrics = merged_metrics(job.metrics, records, job.step,
+                                     job.reports.metrics_warned)
     with _gc_paused():  # (its objects freed before resuming)
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
