@@ -636,7 +636,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .transport.http import MAX_TIMEOUT_S, HTTPTransport
 
-    step_dir, _ = _resolve(args.ckpt, args.step)
+    step_dir, storage = _resolve(args.ckpt, args.step)
     token = _serve_token(args)
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
         raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds, at most "
@@ -646,6 +646,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
               f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
+    if args.verify:  # (receivers check every byte anyway: this finds damage before any)
+        progress = _Progress(f"verifying {step_dir}")
+        try:
+            report = verify_checkpoint(step_dir, storage, progress=progress)
+        finally:
+            progress.end()
+        if not report.ok:
+            _decided(args, EXIT_CORRUPT)
+            n = len(report.problems)
+            _to_stderr(f"asyncckpt: not serving {step_dir}: {n} problem{'s' if n != 1 else ''}"
+                       f" ({report.tensors} tensors intact); serve an earlier step (--step)")
+            for p in report.problems[:20]:
+                _to_stderr(f"  - {_shown(p)}")
+            return EXIT_CORRUPT
     stop = threading.Event()
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -753,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"file holding the shared secret (else ${TOKEN_ENV}; none: no check)")
     sv.add_argument("--timeout", type=float, default=60.0,
                     help="seconds an idle connection or a request may wait (default 60)")
+    sv.add_argument("--verify", action="store_true",
+                    help="check every checksum before serving, and refuse (exit 1) a damaged "
+                    "checkpoint; receivers check every byte they fetch either way")
     sv.set_defaults(func=cmd_serve)
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="print JSON instead of tables")

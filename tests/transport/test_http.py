@@ -1338,9 +1338,9 @@ def test_cli_serve_a_committed_checkpoint(tmp_path: Path) -> None:
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if k != "ASYNCCKPT_TOKEN"}
-    # the latest step, token from a file, stopped with SIGTERM
-    proc = spawn_serve([str(root), "--token-file", str(token_file), "--timeout", "10"], env,
-                       tmp_path)
+    # the latest step, checked first, token from a file, stopped with SIGTERM
+    proc = spawn_serve([str(root), "--token-file", str(token_file), "--timeout", "10",
+                        "--verify"], env, tmp_path)
     try:
         address = read_line(proc, 30)
         assert address.startswith("http://127.0.0.1:") and address.endswith("/v1"), address
@@ -1369,6 +1369,21 @@ def test_cli_serve_a_committed_checkpoint(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serve_verify_refuses_a_damaged_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    asyncckpt.save(state_of(), root, step=1)
+    shard = root / "step_000000001" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor
+    shard.write_bytes(bytes(data))
+    assert cli_main(["serve", str(root), "--verify"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # no address: nothing served
+    assert "asyncckpt: not serving" in err and "1 problem" in err and "checksum" in err
+    assert "serve an earlier step (--step)" in err
 
 
 def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
