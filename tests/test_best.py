@@ -316,8 +316,9 @@ def test_in_a_group_any_rank_may_pass_a_metric_and_the_lowest_ranks_value_counts
 
 
 def test_a_malformed_metric_in_a_ranks_record_fails_the_save_naming_the_rank() -> None:
-    from asyncckpt.best import merged_metrics, record_of
+    from asyncckpt.best import merged_metrics
     from asyncckpt.errors import CheckpointSaveError
+    from asyncckpt.manifest import metrics_text as record_of
 
     records = [{"rank": 0}, {"rank": 1, "metrics": record_of({"a": NAN, "b": 2.0})},
                {"rank": 2, "metrics": {"b": "3.0", "c": "-inf"}}]
@@ -334,7 +335,8 @@ def test_a_metric_ranks_pass_with_different_values_is_warned_of_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """DDP ranks that each pass their own batch's loss: the lowest rank's is recorded,
     and the coordinator says so once per name, not at every save."""
-    from asyncckpt.best import merged_metrics, record_of
+    from asyncckpt.best import merged_metrics
+    from asyncckpt.manifest import metrics_text as record_of
 
     warned: set[str] = set()
 

@@ -48,18 +48,13 @@ def checked_metrics(metrics: object) -> dict[str, float]:
     return out
 
 
-def record_of(metrics: Mapping[str, float]) -> dict[str, str]:
-    """A rank's metrics as its record of a save carries them to the coordinator: each
-    value as Python's repr (as the manifest writes them: NaN and infinities are JSON)."""
-    return {k: repr(float(v)) for k, v in metrics.items()}
-
-
 def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]], step: int,
                    warned: set[str] | None = None) -> dict[str, float]:
     """The metrics a group's save records: the coordinator's ``own``, and each name that
     only other ranks passed, the lowest such rank's value (the ranks that know a metric
     may be any: the last stage of a pipeline computes the loss). Takes the metrics out of
-    ``records`` (every rank's, in rank order, the coordinator's first); a malformed entry
+    ``records`` (every rank's, in rank order, the coordinator's first; a rank's as
+    ``manifest.metrics_text`` writes them); a malformed entry
     is CheckpointSaveError. A name passed with different values (each rank's own loss)
     is warned of once per name in ``warned``."""
     what = f"step {step} aborted, nothing committed"

@@ -116,13 +116,23 @@ def _slabs_that_tile(shape: tuple[int, ...], boxes: list[Box], allow_gaps: bool)
     offs, lens = rows[:, :nd], rows[:, nd:]
     if (offs > dims).any() or (lens > dims - offs).any():
         return False
+    return slabs_tile(shape, offs, lens, allow_gaps) is True
+
+
+def slabs_tile(shape: tuple[int, ...], offs: np.ndarray, lens: np.ndarray,
+               allow_gaps: bool) -> bool | None:
+    """For boxes given as arrays of offsets and lengths (a row each, every box inside
+    ``shape``): whether they tile it (``allow_gaps``: do not overlap) when those that
+    hold elements are slabs along one dimension (a ``Shard(d)`` tensor's chunks on a 1-D
+    mesh), in a few passes in numpy; None when they are not slabs (tiling_problem's grid
+    then decides)."""
     if math.prod(shape) == 0:
         return True
     held = (lens > 0).all(axis=1)
     offs, lens = offs[held], lens[held]
-    cut = np.flatnonzero(((offs != 0) | (lens != dims)).any(axis=0))
+    cut = np.flatnonzero(((offs != 0) | (lens != np.array(shape, dtype=np.int64))).any(axis=0))
     if len(cut) > 1:
-        return False
+        return None
     d = int(cut[0]) if len(cut) else 0
     lo, hi = offs[:, d], offs[:, d] + lens[:, d]
     order = np.lexsort((hi, lo))

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .boxes import slabs_fit, slabs_problem, tiling_problem
+from .boxes import slabs_problem, slabs_tile, tiling_problem
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -374,13 +374,18 @@ class Manifest:
         parts = [compact_json(head)[:-1], ',"tensors":', tensors_text,
                  ',"skeleton":', skeleton_text, ',"user_metadata":',
                  compact_json(self.user_metadata)]
-        if self.metrics:  # (as the skeleton's floats: repr, so nan and inf are JSON too)
-            parts += [',"metrics":', compact_json({k: repr(float(v))
-                                                   for k, v in self.metrics.items()})]
+        if self.metrics:
+            parts += [',"metrics":', compact_json(metrics_text(self.metrics))]
         if self.partial:
             parts.append(',"partial":true')
         parts.append("}")
         return seal("".join(parts).encode("ascii"))
+
+
+def metrics_text(metrics: Mapping[str, float]) -> dict[str, str]:
+    """Metrics as a manifest (and a rank's record of a save) holds them: each value as
+    Python's repr, as the skeleton's floats, so that NaN and infinities are JSON too."""
+    return {k: repr(float(v)) for k, v in metrics.items()}
 
 
 def compact_json(v: Any) -> str:
@@ -1138,17 +1143,12 @@ def _parse_table(key: str, t: dict[str, Any], files: dict[str, FileEntry],
     joined = "".join(sums)
     if not _HEX_RUN.fullmatch(joined):
         return None
-    if math.prod(shape):
-        cut = [d for d in range(nd) if offs[:, d].any() or (lens[:, d] != shape[d]).any()]
-        if len(cut) <= 1:  # (1-D meshes: slabs along one dim)
-            d, held = (cut[0] if cut else 0), nbytes > 0
-            lo, hi = offs[held, d], offs[held, d] + lens[held, d]
-            order = np.lexsort((hi, lo))
-            if not slabs_fit(shape[d], lo[order], hi[order], partial):
-                return None
-        elif tiling_problem(tuple(shape), [(tuple(o), tuple(n)) for o, n in zip(
-                offs.tolist(), lens.tolist(), strict=True)], allow_gaps=partial) is not None:
-            return None
+    fit = slabs_tile(tuple(shape), offs, lens, partial)  # (1-D meshes)
+    if fit is None:  # (not slabs: the grid check)
+        fit = tiling_problem(tuple(shape), [(tuple(o), tuple(n)) for o, n in zip(
+            offs.tolist(), lens.tolist(), strict=True)], allow_gaps=partial) is None
+    if not fit:
+        return None
     table = np.empty((len(rows), 3 + 2 * nd), dtype=np.int64)
     table[:, 0] = fidx.reshape(-1)
     table[:, 1] = starts

@@ -31,7 +31,6 @@ import xxhash
 from . import commit
 from ._gc import gc_paused
 from .best import KeepBest, merged_metrics
-from .best import record_of as metrics_record
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -39,7 +38,7 @@ from .errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
-from .manifest import MANIFEST_NAME, block_checksums
+from .manifest import MANIFEST_NAME, block_checksums, metrics_text
 from .plan import WritePlan
 from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
@@ -932,7 +931,7 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
         plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas,
         local=job.ctx.is_coordinator or not job.ctx.distributed)
     if job.metrics and job.ctx.distributed and not job.ctx.is_coordinator:
-        rec["metrics"] = metrics_record(job.metrics)
+        rec["metrics"] = metrics_text(job.metrics)
     return rec
 
 
