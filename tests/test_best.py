@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,22 +258,34 @@ def test_best_step_needs_a_metric(tmp_path: Path) -> None:
         assert ckpt.best_step("val_loss") is None  # nothing saved
 
 
-def test_in_a_group_the_coordinator_records_its_metrics_and_keeps_the_best(
-        tmp_path: Path) -> None:
+def _group_saves(root: Path, world: int, mode: str, best_metric: str,
+                 metrics_of: Callable[[int, int, float], dict[str, float]]
+                 ) -> tuple[list[list[int]], list[AsyncCheckpointer]]:
+    """``world`` thread ranks save steps 1-4 of a sharded tensor, with the metrics
+    ``metrics_of(rank, step, loss)`` (the loss is least at step 2), keep_last=1 and
+    keep_best=1 by ``best_metric``: each rank's committed steps at the end, and its
+    (closed) checkpointer."""
     store = torch.distributed.HashStore()
-    ckpts = [AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
-                               timeout_s=60, keep_last=1, keep_best=1, best_metric="loss")
-             for r in range(2)]
+    ckpts = [AsyncCheckpointer(root, mode=mode, rank=r, world_size=world, store=store,
+                               timeout_s=60, keep_last=1, keep_best=1, best_metric=best_metric)
+             for r in range(world)]
 
     def rank_main(r: int) -> list[int]:
         for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0), (4, 4.0)]:
             part = torch.arange(4.0) + 10 * r + step
-            ckpts[r].save({"w": part}, step, metrics={"loss": loss if r == 0 else -loss},
-                          shards={"w": asyncckpt.ShardMetadata((8,), (4 * r,))})
+            ckpts[r].save_async({"w": part}, step, metrics=metrics_of(r, step, loss),
+                                shards={"w": asyncckpt.ShardMetadata((4 * world,), (4 * r,))}
+                                ).wait()
         ckpts[r].close()
         return ckpts[r].steps()
 
-    out = all_ok(in_threads(rank_main, 2))
+    return all_ok(in_threads(rank_main, world)), ckpts
+
+
+def test_in_a_group_the_coordinator_records_its_metrics_and_keeps_the_best(
+        tmp_path: Path) -> None:
+    out, _ = _group_saves(tmp_path, 2, "sync", "loss",
+                       lambda r, step, loss: {"loss": loss if r == 0 else -loss})
     assert out[0] == out[1] == [2, 4]  # rank 0's losses rank the steps: 1.0 at step 2
     m = read_manifest(tmp_path / "step_000000002", LocalStorage())
     assert m.metrics == {"loss": 1.0}
@@ -293,22 +306,8 @@ def test_in_a_group_any_rank_may_pass_a_metric_and_the_lowest_ranks_value_counts
         tmp_path: Path) -> None:
     """A pipeline's last stage knows the loss: a metric only rank 2 passes ranks the
     steps; a name that ranks 1 and 2 both pass is rank 1's; rank 0's own stay its."""
-    store = torch.distributed.HashStore()
-    ckpts = [AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=3, store=store,
-                               timeout_s=60, keep_last=1, keep_best=1, best_metric="val_loss")
-             for r in range(3)]
-
-    def rank_main(r: int) -> list[int]:
-        for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0), (4, 4.0)]:
-            metrics = [{"lr": 0.1}, {"tokens": 7.0 * step}, {"val_loss": loss,
-                                                            "tokens": -1.0}][r]
-            part = torch.arange(4.0) + 10 * r + step
-            ckpts[r].save_async({"w": part}, step, metrics=metrics,
-                                shards={"w": asyncckpt.ShardMetadata((12,), (4 * r,))}).wait()
-        ckpts[r].close()
-        return ckpts[r].steps()
-
-    out = all_ok(in_threads(rank_main, 3))
+    out, ckpts = _group_saves(tmp_path, 3, "async", "val_loss", lambda r, step, loss: [
+        {"lr": 0.1}, {"tokens": 7.0 * step}, {"val_loss": loss, "tokens": -1.0}][r])
     assert out[0] == out[1] == out[2] == [2, 4]  # rank 2's val_loss: 1.0 at step 2
     m = read_manifest(tmp_path / "step_000000002", LocalStorage())
     assert m.metrics == {"lr": 0.1, "tokens": 14.0, "val_loss": 1.0}
