@@ -37,8 +37,8 @@ from typing import Any, NoReturn
 from . import commit
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
-from .reader import read_manifest, read_manifest_summary, verify_checkpoint
-from .storage import LocalStorage
+from .reader import VerifyReport, read_manifest, read_manifest_summary, verify_checkpoint
+from .storage import LocalStorage, ReadStorage
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
@@ -516,16 +516,21 @@ class _Progress:
         self.width = len(line)
 
 
+def _verified(step_dir: Path, storage: ReadStorage, threads: int | None = None) -> VerifyReport:
+    """verify_checkpoint, its progress shown on stderr as it goes."""
+    progress = _Progress(f"verifying {step_dir}")
+    try:
+        return verify_checkpoint(step_dir, storage, threads=threads, progress=progress)
+    finally:
+        progress.end()
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     step_dir, storage = _resolve(args.ckpt, args.step)
     if args.threads is not None and args.threads < 1:
         raise _Usage(f"--threads {args.threads}: give 1 or more")
     t0 = time.perf_counter()
-    progress = _Progress(f"verifying {step_dir}")
-    try:
-        report = verify_checkpoint(step_dir, storage, threads=args.threads, progress=progress)
-    finally:
-        progress.end()
+    report = _verified(step_dir, storage, args.threads)
     seconds = time.perf_counter() - t0
     gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
     code = _decided(args, EXIT_OK if report.ok else EXIT_CORRUPT)
@@ -647,11 +652,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
               f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
     if args.verify:  # (receivers check every byte anyway: this finds damage before any)
-        progress = _Progress(f"verifying {step_dir}")
-        try:
-            report = verify_checkpoint(step_dir, storage, progress=progress)
-        finally:
-            progress.end()
+        report = _verified(step_dir, storage)
         if not report.ok:
             _decided(args, EXIT_CORRUPT)
             n = len(report.problems)
