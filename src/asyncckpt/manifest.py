@@ -238,6 +238,18 @@ class ChunkTable(Sequence[Chunk]):
                  at: np.ndarray):
         self.key, self.files, self.rows, self.sums, self.at = key, files, rows, sums, at
 
+    @classmethod
+    def of(cls, key: str, files: tuple[str, ...], file_index: Any, starts: Any, ends: Any,
+           boxes: np.ndarray, counts: Any, sums: str) -> ChunkTable:
+        """From columns: each chunk's index into ``files``, first and end byte, box (its
+        offsets, then its lengths) and count of checksums; ``sums``, those end to end."""
+        n = len(boxes)
+        rows = np.empty((n, 3 + boxes.shape[1]), dtype=np.int64)
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3:] = file_index, starts, ends, boxes
+        at = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=at[1:])
+        return cls(key, files, rows, sums, at)
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -945,16 +957,10 @@ def _table(key: str, names: list[str], flat_o: list[int], flat_l: list[int],
     """A ChunkTable of valid columns (as _short_chunks_at_once checked them)."""
     n = len(names)
     index = {name: i for i, name in enumerate(dict.fromkeys(names))}
-    nd = len(flat_o) // n
-    rows = np.empty((n, 3 + 2 * nd), dtype=np.int64)
-    rows[:, 0] = list(map(index.__getitem__, names))
-    rows[:, 1] = starts
-    rows[:, 2] = ends
-    rows[:, 3:3 + nd] = np.array(flat_o, dtype=np.int64).reshape(n, nd)
-    rows[:, 3 + nd:] = np.array(flat_l, dtype=np.int64).reshape(n, nd)
-    at = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(list(map(len, sums)), out=at[1:])
-    return ChunkTable(key, tuple(index), rows, "".join(flat_s), at)
+    boxes = np.hstack((np.array(flat_o, dtype=np.int64).reshape(n, -1),
+                       np.array(flat_l, dtype=np.int64).reshape(n, -1)))
+    return ChunkTable.of(key, tuple(index), list(map(index.__getitem__, names)), starts, ends,
+                         boxes, list(map(len, sums)), "".join(flat_s))
 
 
 def _fast_head(t: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...], str, list[Any]] | None:
@@ -1149,15 +1155,9 @@ def _parse_table(key: str, t: dict[str, Any], files: dict[str, FileEntry],
             offs.tolist(), lens.tolist(), strict=True)], allow_gaps=partial) is None
     if not fit:
         return None
-    table = np.empty((len(rows), 3 + 2 * nd), dtype=np.int64)
-    table[:, 0] = fidx.reshape(-1)
-    table[:, 1] = starts
-    table[:, 2] = starts + nbytes
-    table[:, 3:] = rows[:, 2:]
-    at = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(counts, out=at[1:])
-    return TensorEntry(dt[0], tuple(shape), kind, ChunkTable(
-        key, tuple(names), table, joined, at))
+    return TensorEntry(dt[0], tuple(shape), kind, ChunkTable.of(
+        key, tuple(names), fidx.reshape(-1), starts, starts + nbytes, rows[:, 2:], counts,
+        joined))
 
 
 def _parse_table_checked(c: _Check, key: str, t: dict[str, Any], files: dict[str, FileEntry],
