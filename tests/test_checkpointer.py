@@ -1076,6 +1076,52 @@ def test_overlap_refuses_tensors_changed_before_they_were_staged(
         assert torch.equal(ckpt.load(step=2)["w"], torch.ones(1 << 16))
 
 
+class _HeldWrite(asyncckpt.storage.LocalStorage):
+    """Writes a save's file only once ``release`` is set (staging runs as usual)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def write_arena(self, *args: Any, **kwargs: Any) -> None:
+        assert self.release.wait(30)
+        super().write_arena(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seen_by", ["wait_staged", "the writer"])
+def test_overlap_refuses_a_change_made_after_the_copy_but_before_wait_staged(
+        tmp_path: Path, seen_by: str) -> None:
+    # A change still running as the copy ends is not counted yet (torch bumps the version
+    # when the kernel is done): optimizer.step() racing the copy committed rows of both
+    # steps. The tensors are checked again when the caller takes them back
+    # (wait_staged), or, never taken back, before the commit: a change counted by then
+    # fails the save, whatever the timing.
+    storage = _HeldWrite()
+    w = torch.zeros(1 << 16)
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=storage) as ckpt:
+        fut = ckpt.save_async({"w": w}, step=1, overlap=True)
+        deadline = time.monotonic() + 30
+        while not fut.staged():  # (the write waits: staging alone runs)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        w.add_(1.0)  # the copy is over and passed its own check: the contract is broken
+        if seen_by == "wait_staged":
+            with pytest.raises(asyncckpt.CheckpointSaveError,
+                               match=r"'w' were changed in place after save_async\(overlap="
+                                     r"True\) and before fut.wait_staged\(\) returned"):
+                fut.wait_staged(30)
+        storage.release.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError, match=r"before fut\.wait_staged"):
+            fut.wait(30)
+        assert ckpt.steps() == []
+        # taken back first, the tensors are the caller's: the same change is no error
+        fut = ckpt.save_async({"w": w}, step=2, overlap=True)
+        fut.wait_staged(30)
+        w.add_(1.0)
+        fut.wait(30)
+        assert torch.equal(ckpt.load(step=2)["w"], torch.ones(1 << 16))
+    # seen through wait_staged (or fut.wait), the failure is not raised again by close
+
+
 def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncckpt.checkpointer as mod

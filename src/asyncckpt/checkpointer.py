@@ -79,6 +79,7 @@ from .writer import (
     BackgroundWriter,
     CheckpointFuture,
     CheckpointInfo,
+    Handover,
     SaveJob,
     os_error_hint,
     withdraw_offers,
@@ -448,7 +449,11 @@ class AsyncCheckpointer:
         try:
             durable, self._retention = writer.submit(job)  # follows the staging progress
             if overlap and self.config.mode != "sync":
-                check = functools.partial(_check_unchanged, step, tensors, _versions(tensors))
+                versions = _versions(tensors)
+                check = functools.partial(_check_unchanged, step, tensors, versions)
+                # (set before staging is queued: the writer reads it once staging is done)
+                job.handover = Handover(functools.partial(
+                    _check_unchanged, step, tensors, versions, handover=True))
                 # (the caller's streams, taken here: the stager thread has its own)
                 staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress,
                                               writer, stoppable=True, check=check,
@@ -465,7 +470,8 @@ class AsyncCheckpointer:
                     raise
                 staged.set_result(None)
             job.blocked_s = time.perf_counter() - started
-            fut = CheckpointFuture(step, durable, staged, progress, plan.written_bytes)
+            fut = CheckpointFuture(step, durable, staged, progress, plan.written_bytes,
+                                   job.handover)
             self._pending = fut
         except BaseException as exc:
             # From writer.submit on, the writer follows this save: an interrupt (Ctrl-C)
@@ -1397,20 +1403,25 @@ def _versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 
 def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
-                     versions: Mapping[str, int]) -> None:
+                     versions: Mapping[str, int], *, handover: bool = False) -> None:
     """With overlap=True, refuse a checkpoint whose tensors were changed in place while
     they were being copied: it could hold old values of some and new values of others
     (changes torch does not count cannot be seen: through ``.data``, through numpy, or
-    to inference tensors; ``wait_staged()`` is the guarantee, this a safety net)."""
+    to inference tensors; ``wait_staged()`` is the guarantee, this a safety net). Run as
+    the copy ends, and again (``handover``) when the caller takes the tensors back, or
+    before the commit if it never does (writer.Handover)."""
     changed = [key for key, v in versions.items() if tensors[key]._version != v]
     if changed:
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        when = ("while save_async(overlap=True) was still copying them" if not handover
+                else "after save_async(overlap=True) and before fut.wait_staged() returned "
+                "(with no wait_staged() call: before the save was written), and torch counts "
+                "a change only once it is complete: the copy may have read them mid-change")
         raise CheckpointSaveError(
             f"step {step} was not saved: tensor(s) {', '.join(map(repr, changed[:5]))}{more} "
-            "were changed in place while save_async(overlap=True) was still copying them, so "
-            "the checkpoint could mix old and new values. Call fut.wait_staged() before "
-            "anything changes them: optimizer.step(), or a forward pass that updates buffers "
-            "(BatchNorm in training mode)")
+            f"were changed in place {when}, so the checkpoint could mix old and new values. "
+            "Call fut.wait_staged() before anything changes them: optimizer.step(), or a "
+            "forward pass that updates buffers (BatchNorm in training mode)")
 
 
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,

@@ -143,6 +143,8 @@ class SaveJob:
     # the write task's future, as soon as it is queued (an interrupt in the caller may
     # come before submit returns it)
     durable: cf.Future[CheckpointInfo] | None = None
+    # overlap=True: the check that the tensors were left alone until wait_staged()
+    handover: Handover | None = None
 
     def release(self) -> None:
         """Drop the arena and the state tree once the save is over: a failed save's error,
@@ -155,6 +157,44 @@ class SaveJob:
     def tmp_path(self) -> Path:
         """The temporary directory this save writes into (``tmp`` once it exists)."""
         return self.root / commit.tmp_dir_name(self.step, self.token)
+
+
+class Handover:
+    """With ``overlap=True`` the saved tensors are the caller's again once
+    ``fut.wait_staged()`` returns; until then nothing may change them. The copy's own
+    check, as it ends, cannot see a change still running then (torch counts an in-place
+    change once it is complete): ``optimizer.step()`` racing the copy saved rows of both
+    steps, with valid checksums. So the versions are checked once more, at whichever
+    comes first: ``wait_staged()`` returning, or (no such call) the save's file being
+    durable, before it is committed or served. A change counted by then came before the
+    caller took the tensors back, and fails the save, whatever the timing was.
+
+    Thread-safe; checks once, and tells every later caller the same verdict."""
+
+    __slots__ = ("_check", "_error", "_lock")
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self._check: Callable[[], None] | None = check
+        self._lock = threading.Lock()
+        self._error: str | None = None
+
+    def settle(self) -> None:
+        """Check, the first time; raise CheckpointSaveError if the tensors had changed."""
+        with self._lock:
+            check, self._check = self._check, None  # (and the tensors it holds go)
+            if check is not None:
+                try:
+                    check()
+                except CheckpointSaveError as exc:
+                    self._error = str(exc)
+            error = self._error
+        if error is not None:
+            raise CheckpointSaveError(error)
+
+    def drop(self) -> None:
+        """The save is over (failed): nothing left to check, nor tensors to hold."""
+        with self._lock:
+            self._check = None
 
 
 def _detached(exc: BaseException) -> BaseException:
@@ -186,10 +226,12 @@ class CheckpointFuture:
     """
 
     def __init__(self, step: int, durable: cf.Future[CheckpointInfo], staged: cf.Future[None],
-                 progress: StagingProgress | None = None, total_bytes: int = 0):
+                 progress: StagingProgress | None = None, total_bytes: int = 0,
+                 handover: Handover | None = None):
         self.step = step
         self._durable = durable
         self._staged = staged
+        self._handover = handover
         self._progress = progress
         self._total = total_bytes
         self.observed = False  # someone asked for the outcome (wait, result, exception)
@@ -245,6 +287,12 @@ class CheckpointFuture:
                 f"step {self.step}: staging still running after {timeout}s")
         failure = self._staged.exception()  # (not result(): see _detached)
         if failure is None:
+            if self._handover is not None:
+                try:
+                    self._handover.settle()
+                except CheckpointSaveError:
+                    self.observed = True  # (the writer fails the save with the same words)
+                    raise
             return
         if isinstance(failure, StagingStopped):
             # Not the news: the save's own error says why (a full disk...). Report it,
@@ -377,6 +425,8 @@ class BackgroundWriter:
             stopped = (job.pulse.aborted() if job.pulse is not None and not job.committed
                        and not isinstance(exc, CheckpointError) else None)
             job.progress.fail(RuntimeError("the save failed"))
+            if job.handover is not None:
+                job.handover.drop()
             if hashes is not None:  # it may write into the temporary directory: let it end
                 with contextlib.suppress(BaseException):
                     hashes.result()
@@ -437,6 +487,8 @@ class BackgroundWriter:
                 record = _record(job, [])
             if ctx.distributed and not ctx.is_coordinator:
                 ctx.put(ctx.key(job.tag, "record", ctx.rank), record)
+        if job.handover is not None:  # no wait_staged() yet: the tensors must be as saved
+            job.handover.settle()
         if job.serve_to:
             _offer_arena(job, raw)
         if not ctx.distributed:
