@@ -272,23 +272,34 @@ def test_sync_mode_is_durable_on_return(tmp_path: Path) -> None:
         assert not ckpt.is_pending
 
 
-def test_sync_mode_has_applied_keep_last_on_return(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_has_applied_keep_last_on_return(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              mode: str) -> None:
+    # (in the async modes, save() returned once committed: the old step was still listed,
+    # and on the disk, in 23 of 30 saves)
     import time
 
     from asyncckpt import commit
 
     real = commit.doomed_steps
+    real_remove = asyncckpt.storage.LocalStorage.remove_tree
 
     def slow(*args: object, **kwargs: object) -> list[int]:
         time.sleep(0.05)  # retention runs on the writer thread, after the commit
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
+    def slow_remove(self: Any, path: Path) -> None:
+        time.sleep(0.05)  # the files go on the reaper thread, after that
+        real_remove(self, path)
+
     monkeypatch.setattr(commit, "doomed_steps", slow)
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=1) as ckpt:
+    monkeypatch.setattr(asyncckpt.storage.LocalStorage, "remove_tree", slow_remove)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode=mode, keep_last=1) as ckpt:
         for step in range(1, 4):
             ckpt.save({"w": torch.ones(4)}, step=step)
             assert ckpt.steps() == [step]
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".asyncckpt.lock"
+                          ) == [f"step_{step:09d}"]
 
 
 @pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"keep_last": 0}, {"on_busy": "skip"},
@@ -1074,6 +1085,29 @@ def test_overlap_refuses_tensors_changed_before_they_were_staged(
         state["w"].add_(1.0)
         fut.wait(30)
         assert torch.equal(ckpt.load(step=2)["w"], torch.ones(1 << 16))
+
+
+def test_a_step_directory_is_refused_as_the_directory_to_save_into(tmp_path: Path) -> None:
+    # CheckpointInfo.path (or what `ls` prints) passed where the root belongs: the new
+    # steps went inside the committed one, unseen, and its retention deleted them.
+    root = tmp_path / "run"
+    with asyncckpt.AsyncCheckpointer(root, keep_last=1) as ckpt:
+        info = ckpt.save({"w": torch.ones(2)}, step=5)
+    before = sorted(p.name for p in info.path.iterdir())
+    for where in (info.path, info.path / "sub", root / "step_000000007"):
+        ck = asyncckpt.AsyncCheckpointer(where)
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"step directory.*pass the checkpoint root") as exc:
+            ck.save({"w": torch.zeros(2)}, step=6)
+        assert str(root) in str(exc.value)
+        ck.close()
+        assert not where.exists() or where == info.path
+    assert sorted(p.name for p in info.path.iterdir()) == before  # step 5 untouched
+    with asyncckpt.AsyncCheckpointer(root) as ckpt:
+        assert ckpt.steps() == [5]
+        assert torch.equal(ckpt.load(step=5)["w"], torch.ones(2))
+    # a root that merely has a step-like name, in no checkpoint, is fine
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "elsewhere" / "step_000000001")
 
 
 class _HeldWrite(asyncckpt.storage.LocalStorage):

@@ -187,6 +187,21 @@ def checked_directory(path: object, name: str) -> Path:
     return Path(path)
 
 
+def _refuse_a_step_as_root(directory: Path) -> None:
+    """A step directory (``CheckpointInfo.path``, what ``ls`` prints) passed as the
+    directory to save into: the new steps would lie inside a committed one, where no
+    listing finds them and its removal by retention takes them along."""
+    step_dir = commit.step_dir_around(directory)
+    if step_dir is None:
+        return
+    where = (f"is a step directory of the checkpoint {step_dir.parent}" if step_dir == directory
+             else f"is inside the step directory {step_dir} of a checkpoint")
+    raise CheckpointConfigError(
+        f"{directory} {where}: saving there would hide the new "
+        "steps inside a committed one, and retention would delete them with it; pass the "
+        f"checkpoint root (e.g. {step_dir.parent}) or a directory of its own")
+
+
 def _symlink_loop(path: Path) -> str | None:
     """Why ``path`` cannot be reached, when a symbolic link loop is the reason (makedirs
     then reports it as "exists"); None otherwise."""
@@ -591,10 +606,15 @@ class AsyncCheckpointer:
     def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None,
              shards: Mapping[str, ShardMetadata] | None = None,
              metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
-        """Save synchronously: return once the checkpoint is committed (arguments as
-        for ``save_async``)."""
-        return self.save_async(state, step, metadata=metadata, shards=shards,
+        """Save synchronously: return once the checkpoint is committed and the old steps
+        ``keep_last`` lets go are removed, as in mode="sync" (arguments as for
+        ``save_async``)."""
+        info = self.save_async(state, step, metadata=metadata, shards=shards,
                                metrics=metrics).wait()
+        retention, self._retention = self._retention, None  # (this save's: none since)
+        if retention is not None:
+            retention.result()
+        return info
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight (if any) and its retention; re-raise its error, or
@@ -1053,6 +1073,8 @@ class AsyncCheckpointer:
         return exc
 
     def _take_lock(self) -> None:
+        if not self._cleaned and isinstance(self.storage, LocalStorage):
+            _refuse_a_step_as_root(self.directory)
         self._make_root()  # created by the first save, not by reading
         try:
             taken = self._lock.acquire()

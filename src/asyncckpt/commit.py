@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import re
 import threading
 import uuid
@@ -32,7 +33,7 @@ from .errors import (
     CheckpointSaveError,
 )
 from .manifest import MANIFEST_NAME, is_shard_file_name
-from .storage import ReadStorage, Storage, is_transient
+from .storage import DirectoryLock, ReadStorage, Storage, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -449,3 +450,52 @@ def deleting_dirs(root: Path, storage: ReadStorage) -> list[str]:
     removal is still to come, or failed. (``.tmp-`` ones are left out: a save may be
     writing one.)"""
     return [n for n in abandoned_dirs(root, storage) if ".deleting-" in n]
+
+
+def is_checkpoint_root(d: Path) -> bool:
+    """A (local) directory saves go to: it holds the lock file of a checkpointer or a
+    committed step."""
+    try:
+        if (d / DirectoryLock.NAME).exists():
+            return True
+        return any(step_of_dir_name(name) is not None
+                   and (d / name / MANIFEST_NAME).is_file() for name in os.listdir(d))
+    except OSError:
+        return False
+
+
+def has_rank_files(d: Path) -> bool:
+    try:
+        return any(is_shard_file_name(n) for n in os.listdir(d))
+    except OSError:
+        return False
+
+
+def _is_step_dir(d: Path) -> bool:
+    """Whether ``d``, named like a step directory, is one: the name alone is no evidence
+    (``hf/step_000000001/`` may be any export's folder), a manifest or shard files in it,
+    or a checkpoint root around it, are."""
+    try:
+        if (d / MANIFEST_NAME).exists() or has_rank_files(d):
+            return True
+    except OSError:
+        return True  # (it cannot be looked into: refusing is the safe side)
+    return is_checkpoint_root(d.parent)
+
+
+def _holds_a_step(d: Path) -> bool:
+    """A step directory under another name (copied, or passed as is): a manifest beside
+    shard files."""
+    try:
+        return (d / MANIFEST_NAME).is_file() and has_rank_files(d)
+    except OSError:
+        return False
+
+
+def step_dir_around(path: Path) -> Path | None:
+    """The step directory that the (local, resolved) ``path`` is or lies inside, if any:
+    what is written there changes a committed step, and goes when retention removes it."""
+    for d in (path, *path.parents):
+        if _holds_a_step(d) or (is_step_dir_name(d.name) and _is_step_dir(d)):
+            return d
+    return None

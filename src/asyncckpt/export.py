@@ -44,7 +44,7 @@ from .errors import (
     CheckpointNotFoundError,
     check_flags,
 )
-from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest, is_shard_file_name
+from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
@@ -320,14 +320,14 @@ def _stripped(name: str, prefix: str) -> str:
 def _refuse_inside_a_checkpoint(out: Path) -> Path:
     """CheckpointConfigError if ``out`` is (in) a step directory; its resolved path."""
     target = out.parent.resolve() / out.name
-    for d in (target, *target.parents):  # (the output itself, named like a step: refused)
-        if _holds_a_step(d) or (commit.is_step_dir_name(d.name) and _is_step_dir(d)):
-            where = ("is named like a step directory" if d == target else
-                     f"is inside the checkpoint directory {d}")
-            raise CheckpointConfigError(
-                f"{out} {where}: writing there would change a "
-                "committed (or in-flight) step; name a file outside it (force=True or --force "
-                "does not change that)")
+    d = commit.step_dir_around(target)  # (the output itself, named like a step: refused)
+    if d is not None:
+        where = ("is named like a step directory" if d == target else
+                 f"is inside the checkpoint directory {d}")
+        raise CheckpointConfigError(
+            f"{out} {where}: writing there would change a "
+            "committed (or in-flight) step; name a file outside it (force=True or --force "
+            "does not change that)")
     return target
 
 
@@ -342,8 +342,8 @@ def _check_out(out: Path, force: bool) -> None:
             f"{out} is the lock file of a checkpoint directory: writing it would let two "
             "savers in at once; name another file (force=True or --force does not change that)")
     target = _refuse_inside_a_checkpoint(out)
-    if out.name == MANIFEST_NAME and (_is_checkpoint_root(target.parent)
-                                      or _has_rank_files(target.parent)):
+    if out.name == MANIFEST_NAME and (commit.is_checkpoint_root(target.parent)
+                                      or commit.has_rank_files(target.parent)):
         # A root (or a step directory) with a manifest.json is read as a step directory
         # by every load and verify of it: the root's real steps would be out of reach.
         raise CheckpointConfigError(
@@ -365,46 +365,6 @@ def _check_out(out: Path, force: bool) -> None:
     if not force:
         raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                     "overwrite it")
-
-
-def _is_checkpoint_root(d: Path) -> bool:
-    """A directory saves go to: it holds the lock file of a checkpointer or a committed
-    step."""
-    try:
-        if (d / DirectoryLock.NAME).exists():
-            return True
-        return any(commit.step_of_dir_name(name) is not None
-                   and (d / name / MANIFEST_NAME).is_file() for name in os.listdir(d))
-    except OSError:
-        return False
-
-
-def _has_rank_files(d: Path) -> bool:
-    try:
-        return any(is_shard_file_name(n) for n in os.listdir(d))
-    except OSError:
-        return False
-
-
-def _is_step_dir(d: Path) -> bool:
-    """Whether ``d``, named like a step directory, is one: the name alone is no evidence
-    (``hf/step_000000001/`` may be any export's folder), a manifest or shard files in it,
-    or a checkpoint root around it, are."""
-    try:
-        if (d / MANIFEST_NAME).exists() or _has_rank_files(d):
-            return True
-    except OSError:
-        return True  # (it cannot be looked into: refusing is the safe side)
-    return _is_checkpoint_root(d.parent)
-
-
-def _holds_a_step(d: Path) -> bool:
-    """A step directory under another name (copied, or passed as is): a manifest beside
-    shard files."""
-    try:
-        return (d / MANIFEST_NAME).is_file() and _has_rank_files(d)
-    except OSError:
-        return False
 
 
 def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None,
