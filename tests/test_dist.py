@@ -3,6 +3,7 @@ replaces a rank by a process of its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -381,6 +382,58 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
                 mine = [c for c in committed.tensors[key].chunks if c.file == shard_file_name(r)]
                 assert list(entry.chunks) == mine, (r, served.step, key)
             assert ("r1/extra1" in view.tensors) == (r == 1 and served.step >= 4)
+
+
+def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names_it(
+        tmp_path: Path) -> None:
+    """A plain tensor at one path on every rank (Adam's step count under FSDP2) is written
+    by one rank, so the other's view names it in its skeleton without holding it: that
+    view was refused as a malformed manifest, and nothing could be fetched from it."""
+    from asyncckpt.transport import HTTPTransport
+
+    world = 2
+    store = dist.HashStore()
+    addresses: dict[int, str] = {}
+    saved = threading.Barrier(world)
+    done = threading.Barrier(world)
+
+    def fetch_from_each() -> None:
+        writer = read_manifest(tmp_path / "step_000000001", LocalStorage()).tensors[
+            "count"].chunks[0].file
+        other = 1 - [shard_file_name(r) for r in range(world)].index(writer)
+        for r in range(world):
+            mine = f"own{r}"  # (a path of this rank's alone: its own to write)
+            target = {mine: torch.zeros(3), "count": torch.tensor(0.0)}
+            if r == other:
+                for state in (None, target):
+                    with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                                       match=r"does not hold count.*another rank of its group"):
+                        asyncckpt.load(addresses[r], state, ignore_unexpected=True,
+                                       timeout=10)
+                target = {mine: torch.zeros(3)}
+            asyncckpt.load(addresses[r], target, ignore_unexpected=True, timeout=10)
+            assert torch.equal(target[mine], torch.full((3,), float(r)))
+            assert r == other or target["count"].item() == 7.0
+
+    def rank(r: int) -> None:
+        tr = HTTPTransport(timeout=10)
+        with contextlib.ExitStack() as stack, AsyncCheckpointer(
+                tmp_path, mode="sync", rank=r, world_size=world, store=store,
+                timeout_s=30) as ck:
+            stack.callback(tr.shutdown)  # (after the checkpointer's close)
+            ck.serve(tr)
+            ck.save({"w": torch.full((2, 3), float(r)), "count": torch.tensor(7.0),
+                     f"own{r}": torch.full((3,), float(r))}, step=1,
+                    shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))})
+            addresses[r] = tr.address()
+            saved.wait(30)
+            try:
+                if r == 0:
+                    fetch_from_each()
+            finally:
+                done.wait(30)  # (each rank serves until the fetches are over)
+
+    all_ok(in_threads(rank, world=world))
 
 
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(

@@ -178,6 +178,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
             "drop the step, or pass the directory that holds the step directories")
     manifest = selected(manifest, key_map, exclude)
     if state is None:
+        _refuse_absent(manifest, label)
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
@@ -260,6 +261,7 @@ def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
         if manifest is None:
             manifest = read_manifest(step_dir, storage)
         manifest = selected(manifest, key_map, exclude)
+        _refuse_absent(manifest, step_dir)
         target = flatten(reuse, target=True)
         chosen: dict[str, list[torch.Tensor]] = {}
         spans: dict[int, _Span | None] = {}
@@ -877,11 +879,20 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
+    not_held: list[str] = []
     wanted: dict[str, list[Box | None]] = {}  # by key: each target's box (None: whole)
     spans = {} if spans is None else spans
+    # (a view one rank of a group serves: the tensors other ranks wrote are named, not
+    # held; an error of their own, if the target wants them)
+    absent = ({k for k in saved.values() if k not in manifest.tensors} if manifest.partial
+              else set())
     # (this loop runs once per tensor of the checkpoint: the common case is kept cheap)
     for path, key in saved.items():
         tkey = target.refs.get(path)
+        if absent and key in absent:
+            if tkey is not None or passes_through(path):
+                not_held.append(path)
+            continue
         if tkey is None:
             if passes_through(path) or skip_unexpected:
                 dests.setdefault(key, [])
@@ -916,6 +927,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 box = None
             wanted.setdefault(key, []).append(box)
         target.loaded_in_place.add(path)
+    if not_held:
+        raise _not_held(step_dir, not_held)
     boxes = {k: b[0] for k, b in wanted.items() if b[0] is not None and len(set(b)) == 1}
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
     # (the wrapper hint reads the checkpoint's extra keys even where they are skipped:
@@ -974,6 +987,26 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     return dests, boxes, regions
+
+
+def _refuse_absent(manifest: Manifest, label: Path) -> None:
+    """A load of the whole checkpoint: _not_held, if it is a partial view that names
+    tensors it does not hold."""
+    if manifest.partial:
+        absent = [p for p, k in saved_paths(manifest).items() if k not in manifest.tensors]
+        if absent:
+            raise _not_held(label, absent)
+
+
+def _not_held(label: Path, paths: list[str]) -> CheckpointNotFoundError:
+    """The paths a partial view names but does not hold: a rank of a group serves what it
+    wrote, and one rank writes each replicated tensor (Adam's step counts under FSDP2, a
+    replicated bias)."""
+    return CheckpointNotFoundError(
+        f"{label} does not hold {_few(paths)}: the peer serves what its own rank wrote, and "
+        "another rank of its group wrote these (a replicated tensor is written by one "
+        "rank); fetch them from that rank's peer, or leave them out (exclude=, or a target "
+        "without them and ignore_unexpected=True)")
 
 
 def _unfillable(t: torch.Tensor, writable: _WritableMemory,

@@ -784,7 +784,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
                                          block_bytes, partial, version, named)
     _check_layout(c, files, tensors)
     skeleton = c.obj(doc.get("skeleton"), "skeleton")
-    _check_skeleton(c, skeleton, {k: t.dtype for k, t in tensors.items()})
+    _check_skeleton(c, skeleton, {k: t.dtype for k, t in tensors.items()}, partial=partial)
     meta = c.obj(doc.get("user_metadata", {}), "user_metadata")
     created = _created(c, doc)
     return Manifest(
@@ -1386,15 +1386,21 @@ def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype], path: str) 
 
 
 def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
-                    depth: int = 0) -> None:
+                    depth: int = 0, *, partial: bool = False) -> None:
+    """``partial``: a view of what one rank of a group wrote, whose skeleton names the
+    tensors other ranks wrote too (replicated ones, written by one rank each): those
+    need not be listed (a load that wants one says the view does not hold it)."""
     if depth > 200:
         raise c.fail("skeleton is nested too deeply")
     node = c.obj(node, "skeleton node")
     t = node.get("t")
     if t in ARRAY_NODES:
-        if not isinstance(node.get("key"), str) or node["key"] not in dtypes:
-            raise c.fail(f"skeleton names tensor {node.get('key')!r:.80}, which is not listed")
-        dtype = dtypes[node["key"]]
+        key = node.get("key")
+        if not isinstance(key, str) or (key not in dtypes and not partial):
+            raise c.fail(f"skeleton names tensor {key!r:.80}, which is not listed")
+        if key not in dtypes:  # (partial: another rank wrote it)
+            return
+        dtype = dtypes[key]
         if t != "tensor" and dtype not in _NUMPY_DTYPES:
             raise c.fail(f"{t} node has dtype {dtype_name(dtype)}, which numpy cannot hold",
                          node["key"])
@@ -1405,15 +1411,15 @@ def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
         for it in items:
             if not (isinstance(it, list) and len(it) == 2 and type(it[0]) in (str, int)):
                 raise c.fail("dict item must be [str or int key, node]")
-            _check_skeleton(c, it[1], dtypes, depth + 1)
+            _check_skeleton(c, it[1], dtypes, depth + 1, partial=partial)
     elif t in ("list", "tuple"):
         items = node.get("items")
         if not isinstance(items, list):
             raise c.fail(f"{t} node needs items")
         for it in items:
-            _check_skeleton(c, it, dtypes, depth + 1)
+            _check_skeleton(c, it, dtypes, depth + 1, partial=partial)
     elif t == "stateful":
-        _check_skeleton(c, node.get("state"), dtypes, depth + 1)
+        _check_skeleton(c, node.get("state"), dtypes, depth + 1, partial=partial)
     elif t == "none":
         pass
     elif t in ("bool", "int", "str", "float", "bytes"):
