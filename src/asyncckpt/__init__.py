@@ -10,8 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import logging as _logging
 import os
 import re
+import time as _time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "drop fallback to load from an address")
         from .transport.http import (
             HTTPStorage,
+            StepNotOffered,
             check_peer_step,
             fetch_connections,
             fetch_timeout,
@@ -163,17 +166,28 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         if step is not None:
             check_peer_step(step)
         timeout = fetch_timeout(timeout)
-        peer = HTTPStorage(str(path), -1, token=token, timeout_s=timeout, deadline_s=timeout)
-        try:
-            peer.step = peer.current_step() if step is None else step
-            return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
-                              ignore_unexpected=ignore_unexpected, verify=verify,
-                              threads=fetch_connections(threads or 8), progress=progress,
-                              exclude=exclude, key_map=key_map, cast=cast)
-        except CheckpointError as exc:
-            raise peer_error(exc, state, peer) from exc.__cause__
-        finally:
-            peer.close_all()
+        deadline = _time.monotonic() + timeout
+        while True:
+            left = max(deadline - _time.monotonic(), 0.001)
+            peer = HTTPStorage(str(path), -1, token=token, timeout_s=left, deadline_s=left)
+            try:
+                peer.step = peer.current_step() if step is None else step
+                return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
+                                  ignore_unexpected=ignore_unexpected, verify=verify,
+                                  threads=fetch_connections(threads or 8), progress=progress,
+                                  exclude=exclude, key_map=key_map, cast=cast)
+            except StepNotOffered as exc:
+                # "The step on offer" moved on while it was fetched (the peer saved again):
+                # fetch the new one, whole, within what is left of the timeout.
+                if step is not None or _time.monotonic() >= deadline:
+                    raise peer_error(exc, state, peer) from exc.__cause__
+                _logging.getLogger(__name__).info(
+                    "%s moved on from step %d to step %d during the fetch: fetching step %d",
+                    path, peer.step, exc.offered, exc.offered)
+            except CheckpointError as exc:
+                raise peer_error(exc, state, peer) from exc.__cause__
+            finally:
+                peer.close_all()
     if str(path).endswith(".safetensors") and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a plain safetensors file, not an asyncckpt checkpoint (a directory of "

@@ -1166,7 +1166,7 @@ def test_disallow_alone_keeps_a_live_offer_that_can_be_allowed_again(transports:
 
 
 def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transports: Any) -> None:
-    srv = transports(token=TOKEN, timeout=15.0, max_range_bytes=1 << 30)
+    srv = transports(token=TOKEN, timeout=15.0, max_range_bytes=1 << 30, withdraw_grace=15.0)
     state = {"w": torch.randn(8 << 20), "step": 1}  # 32 MiB: more than the socket buffers
     with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
         ckpt.serve(srv)
@@ -1189,6 +1189,51 @@ def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transpor
     assert body == on_disk
 
 
+def test_a_stalled_transfer_holds_off_the_next_save_for_the_withdraw_grace_only(
+        tmp_path: Path, transports: Any) -> None:
+    # A receiver that stopped reading (stuck, or SIGSTOPped) held the trainer's next
+    # save_async for the transport's whole timeout (60 s in torchft's set-up), at every
+    # save. Withdrawing gives transfers withdraw_grace, then cuts them off.
+    srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30, withdraw_grace=0.2)
+    state = {"w": torch.randn(8 << 20), "step": 1}  # 32 MiB: more than the socket buffers
+    with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
+        ckpt.serve(srv)
+        ckpt.save(state, 1)
+        sock = _hold_a_transfer(srv, 1)
+        saving = Background(ckpt.save_async, state, 2)
+        saving.result(30).wait(30)  # (it would wait out the 60 s timeout before)
+        assert not srv._serving  # cut off: the receiver's file never comes whole
+        sock.close()
+        assert_state(asyncckpt.load(srv.address(), token=TOKEN, timeout=10.0), state)
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(CheckpointConfigError, match="withdraw_grace="):
+            HTTPTransport(withdraw_grace=bad)
+
+
+def test_loading_the_step_on_offer_follows_the_peer_to_its_next_step(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # asyncckpt.load(address) with no step: the peer saved again while it was fetched
+    # (its answer: "step 6 is not being served (step 7 is)"). It raised; it now fetches
+    # the step on offer, whole, within its timeout. Asked for a step, it still raises.
+    srv = transports(token=TOKEN)
+    old, new = state_of(6), state_of(7)
+    srv.send_checkpoint([1], 7, new, timeout=10)
+    stale = [6]
+    real = HTTPStorage.current_step
+
+    def current_step(self: HTTPStorage) -> int:  # the offer moves on right after this answer
+        return stale.pop() if stale else real(self)
+
+    monkeypatch.setattr(HTTPStorage, "current_step", current_step)
+    target = state_of(0)
+    got = asyncckpt.load(srv.address(), target, token=TOKEN, timeout=10.0)
+    assert not stale
+    assert_state(got, new)
+    assert not torch.equal(old["w"], new["w"])  # (what a fetch of step 6 would give)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 6 is not being served \(step 7"):
+        asyncckpt.load(srv.address(), step=6, token=TOKEN, timeout=10.0)
+
+
 def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:
     """A peer that asks for the whole file of ``step`` and reads nothing: its transfer
     runs (the socket buffers full) until it is cut off."""
@@ -1208,7 +1253,7 @@ def test_an_offer_being_withdrawn_cannot_be_allowed_again(tmp_path: Path,
     """Another thread allows the step on offer while the next save waits for a transfer
     of it to end: the allow is refused (the arena is about to be refilled), and no peer
     is served the next step's bytes as the old step's."""
-    srv = transports(token=TOKEN, timeout=1.5, max_range_bytes=1 << 30)
+    srv = transports(token=TOKEN, timeout=1.5, max_range_bytes=1 << 30, withdraw_grace=1.5)
     state = {"w": torch.full((8 << 20,), 1.0)}  # 32 MiB: more than the socket buffers
     with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
         ckpt.serve(srv)
@@ -1229,11 +1274,11 @@ def test_an_offer_being_withdrawn_cannot_be_allowed_again(tmp_path: Path,
 
 
 def test_several_transports_are_withdrawn_together(tmp_path: Path, transports: Any) -> None:
-    """Each served transport may wait its timeout for a peer that holds a transfer open:
-    the next save waits for the slowest, not for the sum."""
+    """Each served transport may wait its withdraw_grace for a peer that holds a transfer
+    open: the next save waits for the slowest, not for the sum."""
     timeout = 2.0
-    srvs = [transports(token=TOKEN, timeout=timeout, max_range_bytes=1 << 30)
-            for _ in range(3)]
+    srvs = [transports(token=TOKEN, timeout=30.0, withdraw_grace=timeout,
+                       max_range_bytes=1 << 30) for _ in range(3)]
     state = {"w": torch.full((8 << 20,), 1.0)}
     with AsyncCheckpointer(tmp_path / "ckpt", mode="async") as ckpt:
         for srv in srvs:
@@ -1246,7 +1291,7 @@ def test_several_transports_are_withdrawn_together(tmp_path: Path, transports: A
         end = time.monotonic()
         for sock in socks:
             sock.close()
-    assert end - held >= timeout, end - held  # it did wait for the transfers to time out
+    assert end - held >= timeout, end - held  # it did give the transfers their grace
     assert end - t0 < 2 * timeout, end - t0  # one after another: 3 * timeout
 
 

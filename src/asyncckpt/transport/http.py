@@ -168,6 +168,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             a receiver halves its ranges down to that on a 413, not below).
         max_manifest_bytes: the largest manifest a fetch accepts from a peer (a manifest
             grows up to ~25x in memory while parsed; ~60 MB holds 100k tensors).
+        withdraw_grace: how long ``withdraw()`` -- what a checkpointer serving its saves
+            calls before its next save restages the arena, and at ``close()`` -- lets the
+            transfers of the old offer run before it cuts them off (their receivers then
+            fetch the new offer: ``asyncckpt.load`` of the step on offer does so itself).
+            It is time the training thread waits, so it is short (1 s by default), and
+            not the ``timeout`` ``disallow_checkpoint()`` grants, as torchft expects.
     """
 
     def __init__(self, timeout: timedelta | float = 60.0, num_chunks: int = 8, *,
@@ -175,7 +181,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                  token: str | None = None, max_connections: int = 64,
                  max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
-                 state_dict: Callable[[], Any] | None = None):
+                 state_dict: Callable[[], Any] | None = None,
+                 withdraw_grace: timedelta | float = 1.0):
         for name, value in (("num_chunks", num_chunks), ("max_connections", max_connections),
                             ("max_range_bytes", max_range_bytes), ("port", port)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -191,6 +198,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.timeout_s = seconds(timeout)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
+                                        f"seconds, at most {MAX_TIMEOUT_S:.0f}")
+        self.withdraw_grace_s = seconds(withdraw_grace, "withdraw_grace")
+        if not 0 <= self.withdraw_grace_s <= MAX_TIMEOUT_S:
+            raise CheckpointConfigError(f"withdraw_grace={withdraw_grace!r}: use 0 or more "
                                         f"seconds, at most {MAX_TIMEOUT_S:.0f}")
         self.num_chunks = num_chunks
         self.token = _check_token(token)
@@ -319,10 +330,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._drain(None, self.timeout_s, "disallow_checkpoint")
 
     def withdraw(self) -> None:
-        """Stop serving as ``disallow_checkpoint()`` does, then forget the offer: its step
-        cannot be allowed again, and the memory it serves (a checkpointer's staged arena)
-        is no longer held. A checkpointer calls this before it restages its arena and
-        when it closes: the bytes on offer are about to change or be released."""
+        """Stop serving, then forget the offer: its step cannot be allowed again, and the
+        memory it serves (a checkpointer's staged arena) is no longer held. A checkpointer
+        calls this before it restages its arena and when it closes: the bytes on offer are
+        about to change or be released. Transfers in progress may finish within
+        ``withdraw_grace`` (not ``timeout``: a stalled receiver held the next save for all
+        of it); then they are cut off, and their receivers told the step is gone."""
         self._refuse_forked("withdraw")
         with self._cond:
             # Forgotten before the wait for its transfers: an allow_checkpoint() of its
@@ -330,7 +343,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             old, self._offered = self._offered, None
             self._allowed = None
             if old is not None:
-                self._drain(old, self.timeout_s, "withdraw")
+                self._drain(old, self.withdraw_grace_s, "withdraw")
         if old is not None:
             old.close()
 
@@ -883,6 +896,20 @@ class _Handler(BaseHTTPRequestHandler):
             tr._release(ticket)
 
 
+class StepNotOffered(CheckpointNotFoundError):
+    """A peer's answer that the step asked for is not the one it serves: ``offered`` is
+    the step it serves now. A fetch of "the step on offer" (``asyncckpt.load`` with no
+    step) that meets it, the peer having moved on to its next save, fetches that one."""
+
+    def __init__(self, message: str, offered: int) -> None:
+        super().__init__(message)
+        self.offered = offered
+
+
+# The server's 404 for a step it does not serve (see _Handler._handle): which it does.
+_SERVED_INSTEAD = re.compile(r"step \d+ is not being served \(step (\d+) is\)")
+
+
 class _RangeTooLarge(Exception):
     """The server answered 413: the range is above its max_range_bytes."""
 
@@ -1171,6 +1198,9 @@ class HTTPStorage:
                 raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
                                                "need the same token")
             if resp.status == 404:
+                moved = _SERVED_INSTEAD.match(body)
+                if moved is not None:
+                    raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
