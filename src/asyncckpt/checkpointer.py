@@ -1264,6 +1264,10 @@ class AsyncCheckpointer:
                 raise timeout
             if go.get("kind") == "CheckpointConfigError":
                 raise CheckpointConfigError(why)
+            if go.get("kind") == "CheckpointInFlightError":
+                # (a rank still busy with on_busy="error": every rank skips this save,
+                # and every rank's `except CheckpointInFlightError` must catch it)
+                raise CheckpointInFlightError(why)
             raise CheckpointSaveError(why)
         return go
 
@@ -1308,7 +1312,7 @@ class AsyncCheckpointer:
         Pulse(ctx, tag).abort(msg)
         with contextlib.suppress(Exception):
             for part in ("layout", "record", "done"):
-                ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg})
+                ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg, "kind": type(exc).__name__})
             if ctx.is_coordinator:
                 ctx.put(ctx.key(tag, "verdict"), {"error": msg})
                 # (before the barrier's go, the others wait for this; after it, nobody)

@@ -71,6 +71,7 @@ from .boxes import tiling_problem
 from .errors import (
     CheckpointConfigError,
     CheckpointError,
+    CheckpointInFlightError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
@@ -778,10 +779,12 @@ class Pulse:
 
 def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
     """Raise CheckpointSaveError ``head: rank r failed: ...`` if any rank's answer is an
-    error (what a rank posts when its part of a save fails)."""
+    error (what a rank posts when its part of a save fails); CheckpointInFlightError when
+    every failed rank refused the save as busy (on_busy="error": a save to skip)."""
     failed = {r: a["error"] for r, a in answers.items() if "error" in a}
     if failed:
-        raise CheckpointSaveError(f"{head}: " + "; ".join(
+        busy = all(answers[r].get("kind") == "CheckpointInFlightError" for r in failed)
+        raise (CheckpointInFlightError if busy else CheckpointSaveError)(f"{head}: " + "; ".join(
             f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
 
 
