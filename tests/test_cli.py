@@ -107,6 +107,25 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert "step_000000050" in out
 
 
+def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (listed as a healthy "latest" step, while a load of it failed at once)
+    shard = "rank_00000.safetensors"
+    (root / "step_000000030" / shard).unlink()
+    with open(root / "step_000000020" / shard, "r+b") as f:
+        f.truncate(100)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[1:4]}
+    assert rows["30"].endswith(f"latest, DAMAGED: {shard} is missing (run 'asyncckpt verify')")
+    assert f"DAMAGED: {shard} is 100 bytes, not " in rows["20"]
+    assert "DAMAGED" not in rows["10"]
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)
+    assert [s["damaged"] for s in doc["steps"]] == [
+        [], [f"{shard} is 100 bytes, not {doc['steps'][1]['bytes']}"], [f"{shard} is missing"]]
+
+
 def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ls", str(tmp_path))
     assert code == 0 and "no committed checkpoints" in out

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
@@ -301,7 +301,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version,
-                            "metrics": _json_metrics(m.metrics)})
+                            "metrics": _json_metrics(m.metrics),
+                            "damaged": _files_amiss(d, m.files)})
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
@@ -318,7 +319,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  _when(e["created_unix"]),
                  *([_shown(_metrics_text(e["metrics"]))]
                    if metrics else []),
-                 "latest" if e["step"] == latest else ""]
+                 ", ".join((["latest"] if e["step"] == latest else [])
+                           + ([_shown(f"DAMAGED: {'; '.join(e['damaged'])} (run 'asyncckpt "
+                                      "verify')")] if e["damaged"] else []))]
                 if "error" not in e else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
                  *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"] for e in entries]
@@ -338,6 +341,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
                     f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
     return EXIT_OK
+
+
+def _files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
+    """The manifest's files that are missing or not of its size, one stat each (what a
+    load of the step would refuse first; ``verify`` checks every byte)."""
+    amiss = []
+    for name, f in files.items():
+        try:
+            size = os.stat(step_dir / name).st_size
+        except FileNotFoundError:
+            amiss.append(f"{name} is missing")
+            continue
+        except OSError as exc:
+            amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
+            continue
+        if size != f.bytes:
+            amiss.append(f"{name} is {size} bytes, not {f.bytes}")
+    return amiss
 
 
 # --- inspect -----------------------------------------------------------------------------------
