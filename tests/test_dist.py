@@ -867,6 +867,27 @@ def test_a_rollback_in_a_group_is_the_coordinators_and_saves_go_on(tmp_path: Pat
     assert in_threads(rank) == {0: [2, 3], 1: [2, 3]}
 
 
+def test_a_rollback_the_ranks_disagree_on_deletes_nothing_and_fails_on_every_rank(
+        tmp_path: Path) -> None:
+    # (rank 1 asked to keep step 3; rank 0's word deleted it)
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               mode="sync") as ck:
+            for step in (1, 2, 3, 4):
+                ck.save(_state(r), step=step)
+            with pytest.raises(CheckpointConfigError) as ei:
+                ck.discard_steps_after(2 if r == 0 else 3)
+            assert ck.steps() == [1, 2, 3, 4]
+            assert ck.discard_steps_after(3) == [4]  # agreed: done
+            return str(ei.value)
+
+    out = in_threads(rank)
+    for r in (0, 1):
+        assert "different steps (rank 0: 2, rank 1: 3); nothing was deleted" in out[r], out[r]
+
+
 def test_a_rollback_the_coordinator_cannot_finish_fails_on_every_rank(tmp_path: Path) -> None:
     class Busy(LocalStorage):
         def rename(self, src: Path, dst: Path) -> None:

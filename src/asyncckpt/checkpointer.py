@@ -725,8 +725,9 @@ class AsyncCheckpointer:
         Waits for the save in flight (its failure is left for ``wait()``), then takes the
         newest step out of sight first: a crash part-way leaves the older ones committed,
         and calling again finishes. In a group it is collective, as saves are: every rank
-        calls it with the same ``step``; the coordinator (rank 0) deletes, and every rank
-        returns once the steps are out of sight.
+        calls it with the same ``step`` (else every rank raises CheckpointConfigError and
+        nothing is deleted); the coordinator (rank 0) deletes, and every rank returns
+        once the steps are out of sight.
 
         Raises:
             CheckpointInFlightError: a save is in flight and ``on_busy="error"``, or a
@@ -751,18 +752,21 @@ class AsyncCheckpointer:
             else:
                 ctx.join()
                 self._discards += 1  # counted on every rank alike: the call is collective
-                key = ctx.key(f"d{self._discards}", "discarded")
+                tag = f"d{self._discards}"
+                key = ctx.key(tag, "discarded")
                 if ctx.is_coordinator:
                     try:
+                        self._agree_on_discard(tag, step)
                         self._hide_steps_after(step, hidden)
                     except BaseException as exc:  # the others must not wait out a timeout
                         why = str(exc) if isinstance(exc, CheckpointError) else (
                             f"rank 0: {type(exc).__name__}: {exc}")
                         with contextlib.suppress(Exception):
-                            ctx.put(key, {"error": why})
+                            ctx.put(key, {"error": why, "kind": type(exc).__name__})
                         raise
                     ctx.put(key, {"ok": [s for s, _ in hidden]})
                 else:
+                    ctx.put(ctx.key(tag, "asked", ctx.rank), {"step": step})
                     got = ctx.get(key, f"rank 0's deletion of the steps after {step}",
                                   2 * ctx.timeout_s)
                     with contextlib.suppress(Exception):  # the last reader tidies up
@@ -770,6 +774,8 @@ class AsyncCheckpointer:
                             ctx.store.delete_key(key)
                             ctx.store.delete_key(key + "/seen")
                     if "error" in got:
+                        if got.get("kind") == "CheckpointConfigError":
+                            raise CheckpointConfigError(got["error"])
                         raise CheckpointSaveError(f"rank {ctx.rank}: {got['error']}")
                     return sorted(got["ok"])
             self._remove_hidden(hidden)
@@ -1071,6 +1077,22 @@ class AsyncCheckpointer:
         log.error("%sstep %d was not saved, and its future was never waited on: %s",
                   context, fut.step, exc)
         return exc
+
+    def _agree_on_discard(self, tag: str, step: int) -> None:
+        """Coordinator: every rank's step of this discard_steps_after, before anything is
+        deleted (a rank that asked to keep a step saw it deleted on rank 0's word)."""
+        ctx = self._ctx
+        asked = ctx.gather((tag, "asked"), "the steps the ranks discard the steps after",
+                           have={0: {"step": step}})
+        with contextlib.suppress(Exception):
+            for r in range(1, ctx.world_size):
+                ctx.store.delete_key(ctx.key(tag, "asked", r))
+        steps = {r: a.get("step") if isinstance(a, dict) else a for r, a in asked.items()}
+        if len(set(steps.values())) > 1:
+            raise CheckpointConfigError(
+                "the ranks called discard_steps_after with different steps ("
+                + ", ".join(f"rank {r}: {s}" for r, s in sorted(steps.items()))
+                + "); nothing was deleted: every rank must pass the same step")
 
     def _take_lock(self) -> None:
         if not self._cleaned and isinstance(self.storage, LocalStorage):
