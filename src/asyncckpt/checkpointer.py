@@ -1181,7 +1181,8 @@ class AsyncCheckpointer:
                 self._my_order = list(flat.tensors)
             self._my_sig = sig
         digest = self._my_digest
-        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest, "step": step})
+        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest, "step": step,
+                                                     "settings": self._group_settings()})
         previous = self._layout
         if ctx.is_coordinator:
             lid, keys = self._start_group_save(step, tag)
@@ -1254,7 +1255,25 @@ class AsyncCheckpointer:
                 "the ranks called save_async with different steps ("
                 + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
                 + "); every rank must save the same step")
+        mine = self._group_settings()
+        for name in mine:
+            values = {r: got[r].get("settings", mine).get(name) for r in range(ctx.world_size)}
+            if len({json.dumps(v) for v in values.values()}) > 1:
+                raise CheckpointConfigError(
+                    f"the ranks' checkpointers were made with different {name} ("
+                    + ", ".join(f"rank {r}: {v!r}" for r, v in values.items())
+                    + f"); step {step} was not saved: rank 0 applies retention (keep_last, "
+                    "keep_every, keep_best), compares replicas and merges the checksums for "
+                    "the whole group, so every rank must pass the same")
         return got
+
+    def _group_settings(self) -> dict[str, Any]:
+        """The settings rank 0 applies for the whole group: every rank must have its."""
+        cfg = self.config
+        return {"keep_last": cfg.keep_last, "keep_every": cfg.keep_every,
+                "keep_best": cfg.keep_best, "best_metric": cfg.best_metric,
+                "best_mode": cfg.best_mode, "strict_replicas": cfg.strict_replicas,
+                "block_bytes": cfg.block_bytes}
 
     def _await_go(self, step: int, tag: str) -> dict[str, Any]:
         """Not the coordinator: wait for its ``go`` (or why the save cannot start)."""

@@ -234,6 +234,15 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     ctx.barrier()
     out["block_bytes"]["after"] = [] if ck2.steps() == [] else [f"committed {ck2.steps()}"]
     ck2.close()
+    # keep_last on one rank only: rank 0 applies retention for the group, and silently
+    # kept every step
+    root3 = Path(ctx.args["root"] + "_keep")
+    ck3 = asyncckpt.AsyncCheckpointer(root3, timeout_s=TIMEOUT_S,
+                                      keep_last=1 if ctx.rank == 1 else None)
+    out["keep_last"] = _attempt(ck3, _state(ctx, 1), 1)
+    ctx.barrier()
+    out["keep_last"]["after"] = [] if ck3.steps() == [] else [f"committed {ck3.steps()}"]
+    ck3.close()
     return out
 
 
@@ -334,9 +343,18 @@ def test_a_rank_busy_with_on_busy_error_fails_every_rank_at_once(
 def test_ranks_with_different_block_bytes_commit_nothing(
         raising: dict[int, dict[str, Any]]) -> None:
     _assert_all_failed_promptly(raising, "block_bytes", culprit=None)
-    msg = raising[0]["block_bytes"]["msg"]
-    assert "does not merge into a readable manifest" in msg, msg
-    assert "every rank must save with the same block_bytes" in msg, msg
+    for r in (0, 1):  # (found before anything is written)
+        msg = raising[r]["block_bytes"]["msg"]
+        assert "made with different block_bytes (rank 0: 1048576, rank 1: 2097152)" in msg, msg
+
+
+def test_ranks_with_different_retention_commit_nothing(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "keep_last", culprit=None)
+    for r in (0, 1):
+        msg = raising[r]["keep_last"]["msg"]
+        assert "made with different keep_last (rank 0: None, rank 1: 1)" in msg, msg
+        assert raising[r]["keep_last"]["raised"] == "CheckpointConfigError"
 
 
 def test_failed_step_number_can_be_saved_again(raising: dict[int, dict[str, Any]]) -> None:
