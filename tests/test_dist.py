@@ -850,6 +850,33 @@ def test_only_the_coordinator_logs_each_save_at_info(tmp_path: Path,
                and rec.levelno == logging.DEBUG for rec in caplog.records)
 
 
+def test_metadata_passed_on_any_rank_is_recorded_the_lowest_ranks_value_first(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # (only rank 0's was kept, without a word: a pipeline's last stage could record none)
+    from asyncckpt.best import merged_metadata
+
+    store = dist.HashStore()
+    passed = [{"run": "a"}, {"node": "n1", "run": "b"}, {"stage": "last", "node": "n2"}]
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=3, store=store, timeout_s=30,
+                               mode="sync") as ck:
+            for step in (1, 2):
+                ck.save({f"r{r}": torch.ones(2)}, step=step, metadata=passed[r])
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        all_ok(in_threads(rank, world=3))
+    for step in (1, 2):
+        m = read_manifest(tmp_path / f"step_{step:09d}", LocalStorage())
+        assert m.user_metadata == {"run": "a", "node": "n1", "stage": "last"}
+    warned = [r.getMessage() for r in caplog.records if "different values" in r.getMessage()]
+    assert len(warned) == 2, warned  # once per key, not per save
+    assert any("metadata key 'run' (rank 0: 'a', rank 1: 'b')" in w for w in warned), warned
+    assert any("metadata key 'node' (rank 1: 'n1', rank 2: 'n2')" in w for w in warned), warned
+    with pytest.raises(CheckpointSaveError, match="rank 1's record holds the metadata key 'k'"):
+        merged_metadata({}, [{"rank": 1, "metadata": {"k": 3}}], 5)
+
+
 def test_a_rollback_in_a_group_is_the_coordinators_and_saves_go_on(tmp_path: Path) -> None:
     store = dist.HashStore()
 

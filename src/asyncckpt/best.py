@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,35 +57,56 @@ def merged_metrics(own: Mapping[str, float], records: Sequence[dict[str, Any]], 
     ``manifest.metrics_text`` writes them); a malformed entry
     is CheckpointSaveError. A name passed with different values (each rank's own loss)
     is warned of once per name in ``warned``."""
-    what = f"step {step} aborted, nothing committed"
+    def parse(text: Any) -> float | None:
+        try:
+            return float(text) if isinstance(text, str) else None
+        except ValueError:
+            return None
+
+    return _merged(own, records, step, warned, "metrics", "metric", "number", parse,
+                   lambda a, b: a == b or (math.isnan(a) and math.isnan(b)),
+                   "all-reduce it first")
+
+
+def merged_metadata(own: Mapping[str, str], records: Sequence[dict[str, Any]], step: int,
+                    warned: set[str] | None = None) -> dict[str, str]:
+    """The ``metadata=`` a group's save records, merged as :func:`merged_metrics` merges
+    metrics: the coordinator's, and each key only other ranks passed, from the lowest
+    such rank (a rank's record holds its own as ``"metadata"``)."""
+    return _merged(own, records, step, warned, "metadata", "metadata key", "string",
+                   lambda text: text if isinstance(text, str) else None,
+                   lambda a, b: a == b, "pass the group's value")
+
+
+def _merged(own: Mapping[str, Any], records: Sequence[dict[str, Any]], step: int,
+            warned: set[str] | None, field: str, what: str, kind: str,
+            parse: Callable[[Any], Any], same: Callable[[Any, Any], bool],
+            advice: str) -> dict[str, Any]:
+    aborted = f"step {step} aborted, nothing committed"
     out = dict(own)
     first = records[0].get("rank", 0) if records else 0
     by: dict[str, Any] = dict.fromkeys(own, first)  # the rank whose value is recorded
     for rec in records:
-        theirs = rec.pop("metrics", None)
+        theirs = rec.pop(field, None)
         if theirs is None:
             continue
         if not isinstance(theirs, dict):
-            raise CheckpointSaveError(f"{what}: rank {rec.get('rank')!r:.20}'s record "
-                                      f"holds metrics {theirs!r:.80}, which are no mapping")
+            raise CheckpointSaveError(f"{aborted}: rank {rec.get('rank')!r:.20}'s record "
+                                      f"holds {field} {theirs!r:.80}, which are no mapping")
         for name, text in theirs.items():
-            try:
-                value = float(text) if isinstance(text, str) else None
-            except ValueError:
-                value = None
+            value = parse(text)
             if not isinstance(name, str) or not name or value is None:
                 raise CheckpointSaveError(
-                    f"{what}: rank {rec.get('rank')!r:.20}'s record holds the metric "
-                    f"{name!r:.80} = {text!r:.40}, which is no name and number")
+                    f"{aborted}: rank {rec.get('rank')!r:.20}'s record holds the {what} "
+                    f"{name!r:.80} = {text!r:.40}, which is no name and {kind}")
             if name not in out:
                 out[name], by[name] = value, rec.get("rank")
-            elif warned is not None and name not in warned and not (
-                    value == out[name] or (math.isnan(value) and math.isnan(out[name]))):
+            elif warned is not None and name not in warned and not same(value, out[name]):
                 warned.add(name)
-                log.warning("step %d: ranks passed different values of metric %r (rank %s: "
+                log.warning("step %d: ranks passed different values of %s %r (rank %s: "
                             "%r, rank %s: %r): rank %s's is recorded. Pass one value on every "
-                            "rank that passes the metric (all-reduce it first)", step, name,
-                            by[name], out[name], rec.get("rank"), value, by[name])
+                            "rank that passes the %s (%s)", step, what, name, by[name],
+                            out[name], rec.get("rank"), value, by[name], what, advice)
     return out
 
 

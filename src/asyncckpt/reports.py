@@ -523,5 +523,7 @@ class Reports:
     sender: RecordSender = field(default_factory=RecordSender)
     book: RecordBook = field(default_factory=RecordBook)
     served: RecordBook = field(default_factory=RecordBook)
-    # (coordinator) the metrics whose differing values across ranks were warned of
+    # (coordinator) the metrics and metadata keys whose differing values across ranks
+    # were warned of
     metrics_warned: set[str] = field(default_factory=set)
+    metadata_warned: set[str] = field(default_factory=set)

@@ -30,7 +30,7 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
-from .best import KeepBest, merged_metrics
+from .best import KeepBest, merged_metadata, merged_metrics
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -926,10 +926,13 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
 
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
     """The manifest merged from every rank's record (reports.RecordBook), with the
-    metrics any rank passed (``job.metrics`` becomes what the manifest records)."""
+    metrics and metadata any rank passed (``job.metrics`` and ``job.user_metadata``
+    become what the manifest records)."""
     if job.ctx.distributed:
         job.metrics = merged_metrics(job.metrics, records, job.step,
                                      job.reports.metrics_warned)
+        job.user_metadata = merged_metadata(job.user_metadata, records, job.step,
+                                            job.reports.metadata_warned)
     with _gc_paused():  # (its objects freed before resuming)
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
@@ -977,13 +980,16 @@ def _check_shared(job: SaveJob) -> None:
 
 def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
     """This rank's record of the save: whole, or what changed (reports.RecordSender),
-    and the metrics it was passed (the coordinator's own stay in ``job.metrics``)."""
+    and the metrics and metadata it was passed (the coordinator's own stay in the job)."""
     rec = job.reports.sender.record(
         rank=job.ctx.rank, coordinator=job.token if job.ctx.distributed else "",
         plan=job.plan, flat=job.flat, sums=sums, replicas=job.replicas,
         local=job.ctx.is_coordinator or not job.ctx.distributed)
-    if job.metrics and job.ctx.distributed and not job.ctx.is_coordinator:
-        rec["metrics"] = metrics_text(job.metrics)
+    if job.ctx.distributed and not job.ctx.is_coordinator:
+        if job.metrics:
+            rec["metrics"] = metrics_text(job.metrics)
+        if job.user_metadata:
+            rec["metadata"] = dict(job.user_metadata)
     return rec
 
 
