@@ -578,9 +578,12 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
     ctx = job.ctx
     key, what = ctx.key(job.tag, "verdict"), f"the commit of step {job.step}"
     try:
-        # The timeout counts from the coordinator's last sign of life: it beats while it
-        # writes and while it waits for slower ranks.
-        return dict(ctx.get(key, what, timeout_s=2 * ctx.timeout_s + _VERDICT_GRACE_S,
+        # The timeout counts from the coordinator's last progress: its count moves while
+        # it writes and at every slice of its own waits for slower ranks (each bounded
+        # by timeout_s), so a coordinator silent for timeout_s died or hung; the grace
+        # covers what it does without beating (merging the manifest, the commit). (It
+        # was 2 * timeout_s + 30 s: 20 minutes at the default, for a dead coordinator.)
+        return dict(ctx.get(key, what, timeout_s=ctx.timeout_s + _VERDICT_GRACE_S,
                             pulse=job.pulse))
     except CheckpointTimeoutError as exc:
         got = ctx.claim(ctx.key(job.tag, "decision"), f"rank {ctx.rank} gave up: {exc}", what)
@@ -862,8 +865,8 @@ def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
 # temporary directory.
 _Described = tuple[dict[str, Any], bytes | None]
 
-# How much longer than the coordinator's two waits (records, then shard files) a peer
-# waits for the verdict before it claims the step's outcome as "not committed".
+# How much longer than timeout_s without progress of the coordinator a peer waits for
+# the verdict before it claims the step's outcome as "not committed".
 _VERDICT_GRACE_S = 30.0
 
 
