@@ -237,6 +237,9 @@ def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     assert doc["ok"] is True and doc["step"] == 10
     assert doc["tensors"] == 3 and doc["bytes"] == 184 and doc["problems"] == []
+    asyncckpt.save({"w": torch.ones(2)}, root.parent / "one", step=1)
+    code, out, _ = run(capsys, "verify", str(root.parent / "one"))
+    assert code == 0 and ": step 1, 1 tensor, " in out, out  # (not "1 tensors")
 
 
 def test_verify_shows_its_progress_on_a_terminal_only(

@@ -877,6 +877,20 @@ def test_metadata_passed_on_any_rank_is_recorded_the_lowest_ranks_value_first(
         merged_metadata({}, [{"rank": 1, "metadata": {"k": 3}}], 5)
 
 
+def test_a_rank_given_by_hand_without_a_store_is_told_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"call torch\.distributed\."
+                                                    r"init_process_group first, or pass store="):
+        AsyncCheckpointer(tmp_path, rank=1, world_size=2)
+    # with the default group up, that advice was wrong: rank= is what leaves it aside
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(CheckpointConfigError, match="drop rank= and world_size= to use "
+                                                        "the default group"):
+            AsyncCheckpointer(tmp_path, rank=1, world_size=2)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_rollback_in_a_group_is_the_coordinators_and_saves_go_on(tmp_path: Path) -> None:
     store = dist.HashStore()
 

@@ -555,6 +555,38 @@ def test_non_strict_skips_missing_and_unexpected(saved_ab):
     assert torch.equal(extra, torch.full((2,), 7.0))
 
 
+def test_a_tensor_where_the_other_side_holds_a_plain_value_is_a_mismatch(tmp_path):
+    # It was "missing" (strict=False advised) or "unexpected" (ignore_unexpected=True
+    # advised, which then left the target's value as it was, without a word).
+    asyncckpt.save({"lr": 0.1, "ema_decay": torch.tensor(0.99)}, tmp_path, step=0)
+    for target, told in (({"lr": torch.tensor(0.0), "ema_decay": torch.tensor(0.0)},
+                          "lr: the checkpoint holds a float, the target a tensor"),
+                         ({"lr": 0.0, "ema_decay": 0.0},
+                          "ema_decay: the checkpoint holds a tensor, the target a float")):
+        for kw in ({}, {"ignore_unexpected": True}):
+            with pytest.raises(StateMismatchError) as info:
+                asyncckpt.load(tmp_path, target, **kw)
+            assert info.value.mismatched == [told], info.value
+            assert info.value.missing == info.value.unexpected == []
+
+
+def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
+    # (the error advised strict=False, which loads none of them)
+    asyncckpt.save({"model": {"0.weight": torch.ones(2), "0.bias": torch.ones(1)},
+                    "step": 3}, tmp_path, step=0)
+    target = {"model": {"enc.weight": torch.zeros(2), "enc.bias": torch.zeros(1)}}
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target, ignore_unexpected=True)
+    msg = str(info.value)
+    assert ("under 'model/' the checkpoint holds model/0.weight, model/0.bias where the "
+            "target wants model/enc.weight, model/enc.bias") in msg, msg
+    assert "key_map={'model/0.weight': 'model/enc.weight'}" in msg, msg
+    assert "pass strict=False" not in msg, msg
+    asyncckpt.load(tmp_path, target, ignore_unexpected=True,
+                   key_map={"model/0.weight": "model/enc.weight", "model/0.bias": "model/enc.bias"})
+    assert torch.equal(target["model"]["enc.weight"], torch.ones(2))
+
+
 def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
     opt = torch.optim.AdamW(model.parameters())
@@ -998,7 +1030,13 @@ def test_non_strict_keeps_a_target_value_the_checkpoint_has_no_match_for(ckpt):
     state = {"a": ta, "b": tb, "c": tc, "d": td, "e": te, "ema": None, "keep": keep}
     with pytest.raises(StateMismatchError) as info:
         ckpt.load(dict(state))
-    assert {"a", "b", "c", "d", "e"} <= set(info.value.missing), info.value
+    assert sorted(info.value.mismatched) == [  # (each was told as "missing")
+        "a: the checkpoint holds a dict, the target a tensor",
+        "b: the checkpoint holds a list, the target a tensor",
+        "c: the checkpoint holds a dict, the target a tensor",
+        "d: the checkpoint holds an int, the target a tensor",
+        "e: the checkpoint holds None, the target a tensor"], info.value
+    assert info.value.unexpected == ["ema/w"] and info.value.missing == []
     out = ckpt.load(state, strict=False)
     assert out is state
     for k, t in (("a", ta), ("b", tb), ("c", tc), ("d", td), ("e", te)):
@@ -1558,6 +1596,7 @@ def test_key_map_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     asyncckpt.save({"a": torch.ones(1), "b": torch.ones(1), "hist": [torch.ones(1)],
                     "n": 3}, tmp_path, step=1)
     cases = [({"a": "b"}, "holds already"), ({"a": "n"}, "holds already"),
+             ({"a": "c", "b": "c"}, "maps both tensor 'a' and tensor 'b' to 'c'"),
              ({"hist/0": "h"}, "item of a list"), ({"a": "hist/x"}, "is a list"),
              (lambda p: 3, "a name"), ("a", "pass a mapping")]
     for key_map, match in cases:

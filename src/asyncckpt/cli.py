@@ -259,6 +259,11 @@ def _warn_if_uncommitted(step_dir: Path) -> None:
               "no load reads it")
 
 
+def _n(count: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 # --- ls ----------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -561,13 +566,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                      "seconds": round(seconds, 6), "gbps": round(gbps, 3),
                      "problems": report.problems})
     elif report.ok:
-        _out(f"OK {step_dir}: step {report.step}, {report.tensors} tensors, "
+        _out(f"OK {step_dir}: step {report.step}, {_n(report.tensors, 'tensor')}, "
              f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
              f"({gbps:.2f} GB/s)")
     else:
         n = len(report.problems)
         _out(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
-             f"({report.tensors} tensors intact):")
+             f"({_n(report.tensors, 'tensor')} intact):")
         for p in report.problems:
             _out(f"  - {_shown(p)}")
         _out("load an earlier step (asyncckpt ls ROOT lists them)")
@@ -623,7 +628,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
     if args.max_shard_size is not None:
         _out(f"files: {', '.join(report.files)}")
-    _out(f"wrote {report.out_path}: {len(report.tensors)} tensors, "
+    _out(f"wrote {report.out_path}: {_n(len(report.tensors), 'tensor')}, "
          f"{human_bytes(report.file_bytes)} ({report.file_bytes} bytes) from step {report.step} "
          f"of {report.step_dir} in {report.seconds:.3f}s ({gbps:.2f} GB/s)"
          + (f"; {len(report.skipped)} skipped" if report.skipped else ""))
@@ -678,7 +683,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _decided(args, EXIT_CORRUPT)
             n = len(report.problems)
             _to_stderr(f"asyncckpt: not serving {step_dir}: {n} problem{'s' if n != 1 else ''}"
-                       f" ({report.tensors} tensors intact); serve an earlier step (--step)")
+                       f" ({_n(report.tensors, 'tensor')} intact); serve an earlier step (--step)")
             for p in report.problems[:20]:
                 _to_stderr(f"  - {_shown(p)}")
             return EXIT_CORRUPT

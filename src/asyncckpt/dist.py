@@ -810,6 +810,11 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
     if not 0 <= rank < world_size:
         raise CheckpointConfigError(f"rank={rank} is outside world_size={world_size}")
     if world_size > 1 and store is None:
+        if dist.is_available() and dist.is_initialized():
+            raise CheckpointConfigError(
+                f"rank={rank}, world_size={world_size}: a rank given by hand leaves the "
+                "default process group (and its Store) aside: drop rank= and world_size= "
+                "to use the default group, or pass process_group= or store= as well")
         raise CheckpointConfigError(
             f"world_size={world_size} needs a torch.distributed Store to coordinate through: "
             "call torch.distributed.init_process_group first, or pass store=")

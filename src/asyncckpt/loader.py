@@ -36,6 +36,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .reader import copy_into, load_tensors, narrow_to_box, read_manifest
 from .storage import ReadStorage
 from .tree import (
+    ARRAY_NODES,
     Box,
     FlatState,
     escape_key,
@@ -712,6 +713,12 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
             moves.append((path, old, new))
     if not moves:
         return manifest
+    into: dict[str, str] = {}
+    for _, old, new in moves:
+        if new is not None and into.setdefault(new, old) != old:
+            raise CheckpointConfigError(
+                f"key_map maps both tensor {into[new]!r} and tensor {old!r} to {new!r}: map "
+                "them to different names (or one of them to None, to leave it out)")
     skeleton = copy.deepcopy(manifest.skeleton)
     ints: dict[tuple[str, ...], set[str]] = {}  # a dict's path -> the int keys moves emptied
     nodes = [_detach(skeleton, path, old, new, ints) for path, old, new in moves]
@@ -872,6 +879,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), whole,
                            missing, mismatched, unexpected)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
+    if strict and (missing or unexpected) and not same_tree:  # (strict=False skips them)
+        _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched)
     readonly: list[str] = []
     overlapping: list[str] = []
     unwritable: list[str] = []
@@ -933,7 +942,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
     # (the wrapper hint reads the checkpoint's extra keys even where they are skipped:
     # with ignore_unexpected, a model saved through DDP misses every key of the bare one)
-    hint = wrapper_hint(missing, unexpected) or prefix_hint(missing, unexpected)
+    hint = (wrapper_hint(missing, unexpected) or prefix_hint(missing, unexpected)
+            or renamed_hint(missing, unexpected))
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
@@ -1311,6 +1321,37 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                               f"groups of {saved} parameters, the target's {want}")
 
 
+_KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a numpy scalar",
+               "dict": "a dict", "list": "a list", "tuple": "a tuple", "none": "None",
+               "bool": "a bool", "int": "an int", "float": "a float", "str": "a str",
+               "bytes": "bytes", "stateful": "an object with state_dict()"}
+
+
+def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str],
+                 unexpected: list[str], mismatched: list[str]) -> None:
+    """Paths holding an array on one side and a plain value (or container) on the other
+    go from ``missing`` / ``unexpected`` to ``mismatched``, told as such: "missing" sent
+    the user to strict=False, "unexpected" to ignore_unexpected=True, which then left
+    the value as it was without a word."""
+    told: set[str] = set()
+    for paths, there, here in ((missing, saved, want), (unexpected, want, saved)):
+        for p in paths:
+            other = _node_at(there, p)
+            mine = _node_at(here, p)
+            if other is None or mine is None or other["t"] in ARRAY_NODES:
+                continue
+            ours, theirs = (mine, other) if here is want else (other, mine)
+            mismatched.append(f"{p}: the checkpoint holds {_KIND_WORDS.get(theirs['t'], '?')}"
+                              f", the target {_KIND_WORDS.get(ours['t'], '?')}")
+            told.add(p)
+    if told:  # (and what the other side holds inside it: "a" told, "a/x" is no news)
+        def untold(p: str) -> bool:
+            return not any(p[:i] in told for i, c in enumerate(p) if c == "/") and p not in told
+
+        missing[:] = [p for p in missing if untold(p)]
+        unexpected[:] = [p for p in unexpected if untold(p)]
+
+
 def _node_at(node: dict[str, Any], path: str) -> dict[str, Any] | None:
     """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None."""
     for seg in path.split("/") if path else []:
@@ -1440,6 +1481,28 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return (f"; the checkpoint holds at its root what the target has under {prefix!r} "
             f"(checkpoint {shorter!r}, target {longer!r}: a model-only checkpoint?): load "
             f"into that part alone, e.g. state{part}")
+
+
+def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a mismatch error when, in one dict, the target wants tensors the
+    checkpoint lacks and the checkpoint holds others the target lacks: renamed layers,
+    which key_map maps (strict=False would load none of them); "" otherwise."""
+    def by_parent(paths: list[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for path in paths:
+            out.setdefault(path.rpartition("/")[0], []).append(path)
+        return out
+
+    wanted, held = by_parent(missing), by_parent(unexpected)
+    common = [d for d in wanted if d in held]
+    if not common:
+        return ""
+    d = max(common, key=lambda k: len(wanted[k]))
+    where = f"under {d + '/'!r}" if d else "at the root"
+    return (f"; {where} the checkpoint holds {_few(held[d], 4)} where the target wants "
+            f"{_few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
+            f"names to the new ones (e.g. key_map={{{held[d][0]!r}: {wanted[d][0]!r}}}); "
+            "strict=False would load none of them")
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -999,7 +999,9 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
 def os_error_hint(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return (" (the disk is full, or out of inodes: free space, or keep fewer steps "
-                "(keep_last=); earlier checkpoints are intact)")
+                "(keep_last=: a save needs room for one step more than it keeps, as the "
+                "oldest goes only once the new one is committed); earlier checkpoints are "
+                "intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""

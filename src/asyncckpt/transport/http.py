@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PATH = re.compile(r"/v1/([0-9]{1,19})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
+_PATH = re.compile(r"/v1/(0|[1-9][0-9]{0,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
 MAX_STEP = (1 << 63) - 1  # as a PGTransport's (an int64 on its wire): 19 digits in a URL
 _RANGE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{1,18})")
@@ -752,6 +752,14 @@ class _Handler(BaseHTTPRequestHandler):
         if not self.server.clear_deadline(self):
             self.close_connection = True
             return False
+        if self.request_version == "HTTP/0.9":  # (no status line to refuse it with)
+            self.close_connection = True
+            return False
+        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
+            # A body is never read here: left on the connection, it would be parsed as the
+            # next request. (The token is not asked: nothing is told but this.)
+            self._refuse(400, "a request here has no body")
+            return False
         if not hasattr(self, "do_" + self.command):
             # A method of no name here (PROPFIND, FOO) would get the base class's 501
             # before the token is looked at: it gets what POST gets (401, else 405).
@@ -759,8 +767,20 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def version_string(self) -> str:
+        return "asyncckpt"  # (BaseHTTPRequestHandler's Server header names Python's version)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        """The refusals of http.server's own parsing (a request line or header too long,
+        a malformed one): answered as every refusal here, with its reason header."""
+        if self.request_version == "HTTP/0.9":  # (the default, kept by a line it refused)
+            self.request_version = "HTTP/1.1"
+        self._refuse(code, message or self.responses.get(code, ("error",))[0])
+
 
     def do_GET(self) -> None:
         self._handle(send_body=True)
