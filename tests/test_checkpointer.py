@@ -1110,6 +1110,23 @@ def test_a_step_directory_is_refused_as_the_directory_to_save_into(tmp_path: Pat
     asyncckpt.save({"w": torch.ones(2)}, tmp_path / "elsewhere" / "step_000000001")
 
 
+def test_a_load_that_passes_a_newer_step_directory_without_a_manifest_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # (no commit leaves one: damage, or a copy cut short; the resume took step 100 and
+    # nothing told the user why not step 200)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        for step in (100, 200):
+            ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+    (tmp_path / "step_000000200" / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        for _ in range(2):
+            assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.full((2,), 100.0))
+    told = [r.getMessage() for r in caplog.records if "no manifest.json" in r.getMessage()]
+    assert len(told) == 1, told  # once, not at every load
+    assert "step_000000200 has no manifest.json" in told[0], told
+    assert "loading step 100, the newest committed one" in told[0], told
+
+
 class _HeldWrite(asyncckpt.storage.LocalStorage):
     """Writes a save's file only once ``release`` is set (staging runs as usual)."""
 

@@ -221,7 +221,7 @@ def test_negative_stride_numpy_target_of_a_tied_tensor_wanted_in_parts(ckpt):
     assert torch.equal(target["b"], w[2:])
 
 
-@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.filterwarnings("error:The given NumPy array is not writable")  # (torch's noise)
 def test_read_only_numpy_target_is_refused_before_reading(ckpt):
     ckpt.save({"w": np.arange(4.0), "t": torch.ones(2)}, 1)
     ro = np.zeros(4)

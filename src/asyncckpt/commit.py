@@ -179,11 +179,34 @@ def _newest_committed(root: Path, names: list[str], storage: ReadStorage,
     ``for_load``: a step directory that cannot be listed raises (see ``_is_committed``)
     rather than let an older step be taken for the newest."""
     how: _OnError = "raise" if for_load else "skip"
+    bare: list[str] = []  # newer step directories without a manifest, seen on the way
+    found = None
     for step in sorted((s for s in map(step_of_dir_name, names) if s is not None and s > above),
                        reverse=True):
-        if _is_committed(root, step_dir_name(step), storage, denied=how, damaged=how):
-            return step
-    return None
+        if _is_committed(root, step_dir_name(step), storage, no_manifest=bare if for_load else None,
+                         denied=how, damaged=how):
+            found = step
+            break
+    if bare:
+        _warn_bare(root, bare, found)
+    return found
+
+
+_warned_bare: set[Path] = set()  # (a training loop asks for the latest step often)
+
+
+def _warn_bare(root: Path, names: list[str], taken: int | None) -> None:
+    """A load skips a step directory newer than the step it takes because it has no
+    manifest: no commit leaves one (the rename is atomic), so it is damage or a copy
+    cut short, and the user resumes from an older step than they think."""
+    new = [n for n in names if root / n not in _warned_bare]
+    if not new:
+        return
+    _warned_bare.update(root / n for n in new)
+    log.warning("%s: %s %s no %s, so %s no committed step (a copy cut short, or a hand "
+                "edit?): loading %s", root, ", ".join(new), "has" if len(new) == 1 else "have",
+                MANIFEST_NAME, "it is" if len(new) == 1 else "they are",
+                "nothing" if taken is None else f"step {taken}, the newest committed one")
 
 
 def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bool) -> Path:

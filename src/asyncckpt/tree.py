@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import random
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -332,6 +333,10 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
     if is_copied(arr):
         arr = np.ascontiguousarray(arr)
     try:
+        if not arr.flags.writeable:  # (only read, or refused as a target by the loader:
+            with warnings.catch_warnings():  # torch's warning would only be noise)
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                return torch.from_numpy(arr)
         return torch.from_numpy(arr)
     except TypeError as exc:
         raise UnsupportedLeafError(
