@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -34,12 +35,13 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
+    StateMismatchError,
 )
 from asyncckpt.manifest import parse_manifest, seal
 from asyncckpt.storage import LocalStorage
 from asyncckpt.transport import HTTPTransport
 from asyncckpt.transport.base import DiskSource, FileSource, Served, send_pieces, serve_state
-from asyncckpt.transport.http import HTTPStorage
+from asyncckpt.transport.http import MAX_TIMEOUT_S, HTTPStorage
 
 TOKEN = "s3cret-token"
 FILE = "rank_00000.safetensors"
@@ -1310,6 +1312,23 @@ def test_several_transports_are_withdrawn_together(tmp_path: Path, transports: A
     assert end - t0 < 2 * timeout, end - t0  # one after another: 3 * timeout
 
 
+def test_a_transport_shared_by_a_checkpointer_and_send_checkpoint_warns_once(
+        tmp_path: Path, transports: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # (the offers replaced each other without a word: torchft's step 11 went at save 12)
+    srv = transports(token=TOKEN)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), AsyncCheckpointer(
+            tmp_path / "ckpt", mode="sync") as ckpt:
+        ckpt.serve(srv)
+        for step in (10, 12, 14):
+            ckpt.save(state_of(step), step)
+            srv.send_checkpoint([1], step + 1, state_of(step + 1), timeout=10)
+        assert_state(fetch(srv, 15), state_of(15))
+    told = [r.getMessage() for r in caplog.records if "one offer at a time" in r.getMessage()]
+    assert len(told) == 1, told
+    assert ("offered step 11 by send_checkpoint while it served step 10 of a checkpointer's "
+            "saves (ckpt.serve)") in told[0], told
+
+
 def test_prepare_of_the_same_layout_keeps_the_offer(tmp_path: Path, transports: Any) -> None:
     srv = transports(token=TOKEN)
     state = state_of(3)
@@ -1463,8 +1482,14 @@ def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert cli_main(["serve", str(root), "--timeout", "0"]) == 2
     for huge in ("1e10", "inf", "nan"):  # sockets and thread joins overflow on such values
         assert cli_main(["serve", str(root), "--timeout", huge]) == 2
-        with pytest.raises(asyncckpt.CheckpointConfigError, match="at most"):
-            HTTPTransport(timeout=float(huge))
+        if huge == "nan":
+            with pytest.raises(asyncckpt.CheckpointConfigError, match="positive"):
+                HTTPTransport(timeout=float(huge))
+            continue
+        # capped, as recv_checkpoint and asyncckpt.load cap theirs (it was refused)
+        tr = HTTPTransport(timeout=float(huge), withdraw_grace=float(huge))
+        assert tr.timeout_s == tr.withdraw_grace_s == MAX_TIMEOUT_S
+        tr.shutdown()
     assert cli_main(["serve", str(root), "--port", "70000"]) == 2
     assert cli_main(["serve", str(root), "--token", "x"]) == 2  # no such option: never argv
     err = capsys.readouterr().err
@@ -1616,6 +1641,8 @@ class _Hostile:
     ("superscript_head_length", "gave files/rank_00000.safetensors the size '²'"),
     ("413_manifest", "HTTP 413"),
     ("infinite_step", "for the current step"),
+    # a peer's words never reach a terminal as escapes (or a log as a forged line)
+    ("escapes", "HTTP 418: \\x1b[2Jdone\\nWARNING forged"),
 ])
 def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: str) -> None:
     def reply(method: str, path: str) -> bytes:
@@ -1630,6 +1657,9 @@ def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: s
                         b"5\r\nabcde\r\n0\r\n\r\n")
             if case == "413_manifest":
                 return b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig"
+            if case == "escapes":
+                return (b"HTTP/1.1 418 Teapot\r\nContent-Length: 24\r\n\r\n"
+                        b"\x1b[2Jdone\nWARNING forged")
             if case in ("bad_head_length", "superscript_head_length"):
                 return _REAL_MANIFEST[0]
         if method == "HEAD":
@@ -1644,8 +1674,26 @@ def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: s
         with pytest.raises(asyncckpt.CheckpointTransportError) as ei:
             asyncckpt.load(f"http://127.0.0.1:{srv.port}/v1", timeout=5)
         assert want in str(ei.value) and f"127.0.0.1:{srv.port}" in str(ei.value), ei.value
+        assert str(ei.value).isprintable(), ei.value
     finally:
         srv.close()
+
+
+def test_peer_errors_name_the_peer_and_what_to_do(transports: Any) -> None:
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, state_of(5), timeout=10)
+    base = srv.address()
+    # a shape that does not fit: told of the peer's step by its address (was "peer-step-5")
+    with pytest.raises(StateMismatchError) as ei:
+        asyncckpt.load(base, {**state_of(5), "w": torch.zeros(3)}, token=TOKEN, timeout=10)
+    assert f"cannot load {base}/5 into the given state" in str(ei.value), ei.value
+    # an address without its /v1 (the server knows nothing else): said so
+    with pytest.raises(CheckpointNotFoundError,
+                       match=r"a peer's address ends in /v1 \(http://127\.0\.0\.1:\d+/v1"):
+        asyncckpt.load(base[:-len("/v1")], token=TOKEN, timeout=10)
+    srv.withdraw()
+    with pytest.raises(CheckpointNotFoundError, match="cannot allow step 5: nothing is on offer"):
+        srv.allow_checkpoint(5)
 
 
 _REAL_MANIFEST: list[bytes] = [b""]

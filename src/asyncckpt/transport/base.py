@@ -291,6 +291,7 @@ class Served:
     manifest: Callable[[], bytes]
     files: dict[str, FileSource]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    origin: str = ""  # who offers it, in words: a transport holds one offer at a time
 
     def close(self) -> None:
         for f in self.files.values():
@@ -301,7 +302,8 @@ def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryvie
     """Serve a staged arena: the file body already sits in memory, checksummed.
     ``manifest``: what describes it, or that manifest's bytes."""
     raw = manifest if isinstance(manifest, bytes) else manifest.to_json()
-    return Served(step, lambda: raw, {file: BufferSource(buf)})
+    return Served(step, lambda: raw, {file: BufferSource(buf)},
+                  origin="a checkpointer's saves (ckpt.serve)")
 
 
 def serve_directory(step_dir: Path) -> Served:
@@ -396,4 +398,4 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                         partial=True).to_json())
             return cache[0]
 
-    return Served(step, manifest, {plan.file: source}, cancelled)
+    return Served(step, manifest, {plan.file: source}, cancelled, origin="send_checkpoint")

@@ -196,13 +196,15 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
         self.timeout_s = seconds(timeout)
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+        if not self.timeout_s > 0:  # (nan too)
             raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
-                                        f"seconds, at most {MAX_TIMEOUT_S:.0f}")
+                                        "seconds")
+        self.timeout_s = min(self.timeout_s, MAX_TIMEOUT_S)  # (as recv_checkpoint caps it)
         self.withdraw_grace_s = seconds(withdraw_grace, "withdraw_grace")
-        if not 0 <= self.withdraw_grace_s <= MAX_TIMEOUT_S:
+        if not self.withdraw_grace_s >= 0:  # (nan too)
             raise CheckpointConfigError(f"withdraw_grace={withdraw_grace!r}: use 0 or more "
-                                        f"seconds, at most {MAX_TIMEOUT_S:.0f}")
+                                        "seconds")
+        self.withdraw_grace_s = min(self.withdraw_grace_s, MAX_TIMEOUT_S)
         self.num_chunks = num_chunks
         self.token = _check_token(token)
         if max_connections < 1:
@@ -227,6 +229,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._offered: Served | None = None
         self._allowed: int | None = None
         self._closed = False  # shutdown() has begun: requests and offers are refused
+        self._mixed = False  # offers of two origins met (warned of once)
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
@@ -275,6 +278,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._allowed = served.step if allow else None
             self._cond.notify_all()
         if old is not None and old is not served:
+            if old.origin and served.origin and old.origin != served.origin and not self._mixed:
+                self._mixed = True  # (once: both go on replacing each other)
+                log.warning("this HTTPTransport (%s) was offered step %d by %s while it served "
+                            "step %d of %s: it serves one offer at a time, so each replaces "
+                            "the other; give each its own transport", self.address(),
+                            served.step, served.origin, old.step, old.origin)
             self._close_when_idle(old)
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
@@ -312,10 +321,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._refuse_forked("allow_checkpoint")
         with self._cond:
             self._check_open("allow_checkpoint")
-            if self._offered is None or self._offered.step != step:
-                have = None if self._offered is None else self._offered.step
+            if self._offered is None:
                 raise CheckpointNotFoundError(
-                    f"cannot allow step {step}: the checkpoint on offer is of step {have}")
+                    f"cannot allow step {step}: nothing is on offer (never offered, or "
+                    "withdrawn: send_checkpoint() or a checkpointer's next save offers one)")
+            if self._offered.step != step:
+                raise CheckpointNotFoundError(
+                    f"cannot allow step {step}: the checkpoint on offer is of step "
+                    f"{self._offered.step}")
             self._allowed = step
             self._offered.cancelled.clear()  # a disallow may have cut its checksumming off
             self._cond.notify_all()
@@ -568,6 +581,7 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
     local = f"peer-step-{storage.step}/"
     url = f"http://{storage.host}:{storage.port}{storage.prefix}/{storage.step}/"
     text = text.replace(local + MANIFEST_NAME, url + MANIFEST_NAME).replace(local, url + "files/")
+    text = text.replace(local[:-1], url[:-1])  # (the step as a whole: "cannot load ...")
     if isinstance(exc, CheckpointCorruptError):
         text = text.replace("the checkpoint is corrupt; load an earlier step",
                             "the bytes were damaged in transit or in the peer's memory; "
@@ -916,6 +930,13 @@ class _Handler(BaseHTTPRequestHandler):
             tr._release(ticket)
 
 
+def _printable(text: str) -> str:
+    """A peer's words as they may go into an error: control characters (a terminal's
+    escapes, a forged line of a log) shown escaped."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class StepNotOffered(CheckpointNotFoundError):
     """A peer's answer that the step asked for is not the one it serves: ``offered`` is
     the step it serves now. A fetch of "the step on offer" (``asyncckpt.load`` with no
@@ -1202,7 +1223,7 @@ class HTTPStorage:
                 attempt += 1
                 continue
             # (the answer to a HEAD, asking a file's size, has the reason in a header only)
-            body = body or resp.getheader(_REASON, "")
+            body = _printable(body or resp.getheader(_REASON, ""))
             if resp.status == 503 and _NOT_ALLOWED in body:
                 # Not an answer for the step (``_unanswered`` still applies): ask again
                 # until the fetch's own deadline.
@@ -1221,6 +1242,9 @@ class HTTPStorage:
                 moved = _SERVED_INSTEAD.match(body)
                 if moved is not None:
                     raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
+                if not self.prefix.endswith("/v1"):  # (the server knows /v1/... only)
+                    body += (f"; a peer's address ends in /v1 (http://{self.host}:{self.port}"
+                             "/v1, as HTTPTransport.address() gives it)")
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
