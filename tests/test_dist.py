@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -877,6 +878,24 @@ def test_metadata_passed_on_any_rank_is_recorded_the_lowest_ranks_value_first(
         merged_metadata({}, [{"rank": 1, "metadata": {"k": 3}}], 5)
 
 
+def test_a_rank_that_forgot_its_shards_is_told_so(tmp_path: Path) -> None:
+    # (it was "ranks 0 and 1 disagree on tensor 'w': float32 [8, 4] vs float32 [4, 4]")
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               mode="sync") as ck:
+            shards = {"w": ShardMetadata((8, 4), (4 * r, 0))} if r == 0 else None
+            with pytest.raises(CheckpointConfigError) as ei:
+                ck.save({"w": torch.ones(4, 4)}, step=1, shards=shards)
+            return str(ei.value)
+
+    for msg in in_threads(rank).values():
+        assert "disagree on tensor 'w': float32 [8, 4] vs float32 [4, 4]" in msg, msg
+        assert ("rank 0 saves a shard of it (a DTensor, or shards={'w': ShardMetadata(...)}), "
+                "rank 1 a plain tensor, taken as the whole") in msg, msg
+
+
 def test_a_rank_given_by_hand_without_a_store_is_told_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(CheckpointConfigError, match=r"call torch\.distributed\."
                                                     r"init_process_group first, or pass store="):
@@ -1116,6 +1135,8 @@ def test_strict_replicas_refuse_a_save_whose_ranks_differ_and_commit_nothing(
             except asyncckpt.CheckpointSaveError as exc:
                 assert "strict_replicas=True" in str(exc) and "nothing committed" in str(exc)
                 assert ("'lr'" if differ == "scalar" else "'big'") in str(exc), exc
+                if differ != "scalar":  # (each tensor with its own ranks that differ)
+                    assert re.search(r"'big' \(rank\(s\) \[[01]\]\)", str(exc)), exc
                 return ck.steps()
             raise AssertionError("the save of differing replicas was committed")
 

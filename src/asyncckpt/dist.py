@@ -146,17 +146,24 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
     on a tensor's dtype or global shape.
     """
     holders: dict[tuple[str, Box], list[int]] = {}
-    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...], int, bool]] = {}
     sizes: dict[tuple[str, Box], int] = {}
     for rank in sorted(items_by_rank):
         for it in items_by_rank[rank]:
             seen = meta.get(it.key)
+            whole = it.box[1] == it.global_shape
             if seen is None:
-                meta[it.key] = (it.dtype, it.global_shape, rank)
+                meta[it.key] = (it.dtype, it.global_shape, rank, whole)
             elif seen[:2] != (it.dtype, it.global_shape):
+                hint = ""
+                if seen[3] != whole:  # one passed a shard, the other the tensor as a whole
+                    sharded, plain = (seen[2], rank) if whole else (rank, seen[2])
+                    hint = (f"; rank {sharded} saves a shard of it (a DTensor, or "
+                            f"shards={{{it.key!r}: ShardMetadata(...)}}), rank {plain} a plain "
+                            "tensor, taken as the whole: every rank must declare its shard")
                 raise CheckpointConfigError(
                     f"ranks {seen[2]} and {rank} disagree on tensor {it.key!r}: "
-                    f"{seen[0]} {list(seen[1])} vs {it.dtype} {list(it.global_shape)}")
+                    f"{seen[0]} {list(seen[1])} vs {it.dtype} {list(it.global_shape)}{hint}")
             holders.setdefault((it.key, it.box), []).append(rank)
             sizes[(it.key, it.box)] = it.nbytes
     load = dict.fromkeys(items_by_rank, 0)
@@ -1197,20 +1204,20 @@ def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str
     if differing:
         keys = sorted(differing)
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        # each with the ranks whose copy is not the one saved (it was one list for all)
+        named = ", ".join(f"{k!r} (rank(s) {sorted(differing[k])})" for k in keys[:5]) + more
         if strict:
             raise CheckpointSaveError(
                 f"step {step} aborted, nothing committed (strict_replicas=True): ranks hold "
-                f"different values of tensor(s) {', '.join(map(repr, keys[:5]))}{more}, each "
-                f"saved once as a replicated tensor (rank(s) "
-                f"{sorted({r for ranks in differing.values() for r in ranks})} differ from the "
-                "copy saved); give per-rank values per-rank paths (e.g. under the rank; "
-                "asyncckpt.RNGState() for generators), or find why the replicas diverged")
-        log.warning("step %d: ranks hold different values of tensor(s) %s%s, each saved once as "
-                    "a replicated tensor (rank(s) %s differ from the copy saved); a tensor at "
-                    "one path on every rank is taken as replicated: give per-rank values "
-                    "per-rank paths, e.g. under the rank (asyncckpt.RNGState() for generators)",
-                    step, ", ".join(map(repr, keys[:5])), more,
-                    sorted({r for ranks in differing.values() for r in ranks}))
+                f"different values of tensor(s) {named}, each saved once as a replicated "
+                "tensor (the ranks named hold values other than the copy saved); give "
+                "per-rank values per-rank paths (e.g. under the rank; asyncckpt.RNGState() "
+                "for generators), or find why the replicas diverged")
+        log.warning("step %d: ranks hold different values of tensor(s) %s, each saved once as "
+                    "a replicated tensor (the ranks named hold values other than the copy "
+                    "saved, which are lost); a tensor at one path on every rank is taken as "
+                    "replicated: give per-rank values per-rank paths, e.g. under the rank "
+                    "(asyncckpt.RNGState() for generators)", step, named)
 
 
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
