@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 import asyncckpt
@@ -653,6 +654,12 @@ def test_options_are_not_abbreviated(root: Path, capsys: pytest.CaptureFixture[s
     """'--js' was taken for --json, yet its usage errors got no JSON document."""
     code, out, err = run(capsys, "ls", str(root), "--js")
     assert code == 2 and out == "" and "unrecognized arguments: --js" in err
+    # told with the command's usage (it was the top level's, which names no option)
+    assert err.startswith("usage: asyncckpt ls [-h] [--json] DIR"), err
+    assert "asyncckpt ls: error: unrecognized arguments: --js" in err, err
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(root.parent / "plain.safetensors"))
+    code, _, err = run(capsys, "verify", str(root.parent / "plain.safetensors"))
+    assert code == 2 and "a plain safetensors file holds no checksums to verify" in err, err
     code, out, _ = run(capsys, "verify", str(root), "--step", "x", "--json")
     assert code == 2 and json.loads(out)["ok"] is False
 

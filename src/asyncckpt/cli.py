@@ -233,7 +233,10 @@ def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
     path = Path(ckpt)
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
-        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
+        plain = (" (a plain safetensors file holds no checksums to verify: 'asyncckpt "
+                 "inspect' shows its tensors)" if path.suffix == ".safetensors"
+                 and path.is_file() else "")
+        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}")
     if step is not None and (path / MANIFEST_NAME).is_file():
         # (before resolve_step_dir, whose error says it in the words of the Python API)
         found: int | None = None
@@ -800,6 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    for command in sub.choices.values():  # (a command's own usage errors name it)
+        command.set_defaults(parser=command)
     return p
 
 
@@ -868,7 +873,10 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 def _main(argv: list[str] | None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # told by the command's parser: its usage, not the top level's
+            getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except _ParseError as exc:  # printed already; a --json document is still owed
@@ -892,7 +900,8 @@ def _main(argv: list[str] | None) -> int:
         return _failed(args, exc, str(exc), EXIT_USAGE)
     except CheckpointNotFoundError as exc:
         hint = "" if "'asyncckpt ls " in str(exc) else (
-            ": check the path, or run 'asyncckpt ls' on the checkpoint root")
+            ": check the path" if ".safetensors" in str(exc)  # (plain files: no steps to list)
+            else ": check the path, or run 'asyncckpt ls' on the checkpoint root")
         return _failed(args, exc, f"{exc}{hint}", EXIT_USAGE)
     except CheckpointCorruptError as exc:
         hint = "" if args.func is cmd_verify else " (run 'asyncckpt verify' for details)"
