@@ -437,6 +437,33 @@ def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names
     all_ok(in_threads(rank, world=world))
 
 
+def test_the_one_shot_load_takes_hand_declared_shards_from_a_root_or_a_peer(
+        tmp_path: Path) -> None:
+    # (asyncckpt.load had no shards=: a hand-sharded target could not be loaded with it)
+    from asyncckpt.transport import HTTPTransport
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
+                               mode="sync") as ck:
+            ck.save({"w": torch.full((2, 3), float(r))}, step=1,
+                    shards={"w": ShardMetadata((4, 3), (2 * r, 0))})
+
+    all_ok(in_threads(rank))
+    box = {"w": ShardMetadata((4, 3), (1, 0))}  # rows 1:3, across both ranks' files
+    want = torch.tensor([[0.0] * 3, [1.0] * 3])
+    target = {"w": torch.zeros(2, 3)}
+    asyncckpt.load(tmp_path, target, shards=box)
+    assert torch.equal(target["w"], want)
+    with HTTPTransport(timeout=10) as tr:
+        tr.serve_directory(tmp_path / "step_000000001")
+        target = {"w": torch.zeros(2, 3)}
+        asyncckpt.load(tr.address(), target, shards=box, timeout=10)
+        assert torch.equal(target["w"], want)
+    assert tr.closed  # (the block shut it down)
+
+
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -112,15 +112,16 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
          progress: Callable[[int, int], None] | None = None,
          ignore_unexpected: bool = False,
          exclude: str | Iterable[str] | None = None,
-         key_map: _KeyMap | None = None, cast: bool = False) -> Any:
+         key_map: _KeyMap | None = None, cast: bool = False,
+         shards: Mapping[str, ShardMetadata] | None = None) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
     from a peer may take as a whole. ``progress(done, total)``, ``strict``,
-    ``ignore_unexpected``, ``exclude``, ``key_map`` and ``cast``: see
-    AsyncCheckpointer.load.
+    ``ignore_unexpected``, ``exclude``, ``key_map``, ``cast`` and ``shards`` (the boxes of
+    tensors sharded by hand that this process holds): see AsyncCheckpointer.load.
 
     Example:
         >>> asyncckpt.load("ckpts/final", {"model": model})
@@ -135,14 +136,15 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _check_key_map(key_map)
     view, _, finish = _excluded_view(state, parts)
     return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
-                            threads, progress, ignore_unexpected, parts, key_map, cast))
+                            threads, progress, ignore_unexpected, parts, key_map, cast, shards))
 
 
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
               verify: bool, token: str | None, timeout: float, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
               ignore_unexpected: bool, exclude: tuple[str, ...],
-              key_map: _KeyMap | None, cast: bool) -> Any:
+              key_map: _KeyMap | None, cast: bool,
+              shards: Mapping[str, ShardMetadata] | None = None) -> Any:
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":
         raise CheckpointConfigError(
@@ -175,7 +177,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,
                                   ignore_unexpected=ignore_unexpected, verify=verify,
                                   threads=fetch_connections(threads or 8), progress=progress,
-                                  exclude=exclude, key_map=key_map, cast=cast)
+                                  exclude=exclude, key_map=key_map, cast=cast, shards=shards)
             except StepNotOffered as exc:
                 # "The step on offer" moved on while it was fetched (the peer saved again):
                 # fetch the new one, whole, within what is left of the timeout.
@@ -199,9 +201,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         return load_newest_intact(Path(path), state, storage, strict=strict,
                                   ignore_unexpected=ignore_unexpected, threads=threads,
                                   progress=progress, exclude=exclude, key_map=key_map,
-                                  cast=cast)
+                                  cast=cast, shards=shards)
     step_dir, _ = _resolve_step_dir(Path(path), step, storage)
     return _load_from(step_dir, state, storage, strict=strict,
                       ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
                       step=step, progress=progress, exclude=exclude, key_map=key_map,
-                      cast=cast)
+                      cast=cast, shards=shards)

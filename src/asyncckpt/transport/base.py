@@ -103,6 +103,16 @@ class CheckpointTransport(abc.ABC, Generic[T]):
     def shutdown(self, wait: bool = True) -> None:
         """Release sockets and threads."""
 
+    def __enter__(self: _Transport) -> _Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """``with HTTPTransport(...) as tr:`` shuts it down at the end of the block."""
+        self.shutdown()
+
+
+_Transport = TypeVar("_Transport", bound=CheckpointTransport[Any])
+
 
 class FileSource(abc.ABC):
     """Random access to the bytes of one served file."""
