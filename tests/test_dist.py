@@ -437,6 +437,14 @@ def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names
     all_ok(in_threads(rank, world=world))
 
 
+def _synced(root: Path, store: Any, r: int, *, world: int = 2, timeout_s: float = 10.0
+            ) -> AsyncCheckpointer:
+    """Rank ``r``'s checkpointer of ``root`` in a group of ``world`` thread ranks sharing
+    ``store``, mode="sync" (each save returns committed)."""
+    return AsyncCheckpointer(root, rank=r, world_size=world, store=store, timeout_s=timeout_s,
+                             mode="sync")
+
+
 def test_the_one_shot_load_takes_hand_declared_shards_from_a_root_or_a_peer(
         tmp_path: Path) -> None:
     # (asyncckpt.load had no shards=: a hand-sharded target could not be loaded with it)
@@ -445,8 +453,7 @@ def test_the_one_shot_load_takes_hand_declared_shards_from_a_root_or_a_peer(
     store = dist.HashStore()
 
     def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
-                               mode="sync") as ck:
+        with _synced(tmp_path, store, r, timeout_s=30) as ck:
             ck.save({"w": torch.full((2, 3), float(r))}, step=1,
                     shards={"w": ShardMetadata((4, 3), (2 * r, 0))})
 
@@ -887,8 +894,7 @@ def test_metadata_passed_on_any_rank_is_recorded_the_lowest_ranks_value_first(
     passed = [{"run": "a"}, {"node": "n1", "run": "b"}, {"stage": "last", "node": "n2"}]
 
     def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=3, store=store, timeout_s=30,
-                               mode="sync") as ck:
+        with _synced(tmp_path, store, r, world=3, timeout_s=30) as ck:
             for step in (1, 2):
                 ck.save({f"r{r}": torch.ones(2)}, step=step, metadata=passed[r])
 
@@ -910,8 +916,7 @@ def test_a_rank_that_forgot_its_shards_is_told_so(tmp_path: Path) -> None:
     store = dist.HashStore()
 
     def rank(r: int) -> str:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
-                               mode="sync") as ck:
+        with _synced(tmp_path, store, r) as ck:
             shards = {"w": ShardMetadata((8, 4), (4 * r, 0))} if r == 0 else None
             with pytest.raises(CheckpointConfigError) as ei:
                 ck.save({"w": torch.ones(4, 4)}, step=1, shards=shards)
@@ -960,8 +965,7 @@ def test_a_rollback_the_ranks_disagree_on_deletes_nothing_and_fails_on_every_ran
     store = dist.HashStore()
 
     def rank(r: int) -> str:
-        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
-                               mode="sync") as ck:
+        with _synced(tmp_path, store, r) as ck:
             for step in (1, 2, 3, 4):
                 ck.save(_state(r), step=step)
             with pytest.raises(CheckpointConfigError) as ei:
