@@ -510,9 +510,7 @@ class AsyncCheckpointer:
         paused.close()
         if self.config.mode == "sync":
             fut.wait()
-            if self._retention is not None:  # keep_last's removals too: sync means done
-                self._retention.result()
-                self._retention = None
+            self._retention_done()  # keep_last's removals too: sync means done
         log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
                   job.blocked_s)
         return fut
@@ -611,10 +609,15 @@ class AsyncCheckpointer:
         ``save_async``)."""
         info = self.save_async(state, step, metadata=metadata, shards=shards,
                                metrics=metrics).wait()
-        retention, self._retention = self._retention, None  # (this save's: none since)
+        self._retention_done()  # (this save's: none since)
+        return info
+
+    def _retention_done(self) -> None:
+        """Wait for the last save's keep_last removals (a save that returns only once
+        they are done: save(), and every save in mode="sync")."""
+        retention, self._retention = self._retention, None
         if retention is not None:
             retention.result()
-        return info
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight (if any) and its retention; re-raise its error, or

@@ -573,8 +573,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
              f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
              f"({gbps:.2f} GB/s)")
     else:
-        n = len(report.problems)
-        _out(f"CORRUPT {step_dir}: {n} problem{'s' if n != 1 else ''} "
+        _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
              f"({_n(report.tensors, 'tensor')} intact):")
         for p in report.problems:
             _out(f"  - {_shown(p)}")
@@ -684,8 +683,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         report = _verified(step_dir, storage)
         if not report.ok:
             _decided(args, EXIT_CORRUPT)
-            n = len(report.problems)
-            _to_stderr(f"asyncckpt: not serving {step_dir}: {n} problem{'s' if n != 1 else ''}"
+            _to_stderr(f"asyncckpt: not serving {step_dir}: {_n(len(report.problems), 'problem')}"
                        f" ({_n(report.tensors, 'tensor')} intact); serve an earlier step (--step)")
             for p in report.problems[:20]:
                 _to_stderr(f"  - {_shown(p)}")
@@ -803,8 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
     for sp in sub.choices.values():
         sp.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    for command in sub.choices.values():  # (a command's own usage errors name it)
-        command.set_defaults(parser=command)
+        sp.set_defaults(parser=sp)  # (a command's own usage errors name it)
     return p
 
 

@@ -195,11 +195,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if num_chunks < 0:
             raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
-        self.timeout_s = seconds(timeout)
-        if not self.timeout_s > 0:  # (nan too)
-            raise CheckpointConfigError(f"timeout={timeout!r}: use a positive number of "
-                                        "seconds")
-        self.timeout_s = min(self.timeout_s, MAX_TIMEOUT_S)  # (as recv_checkpoint caps it)
+        self.timeout_s = fetch_timeout(timeout)  # (capped at a week, as a fetch's is)
         self.withdraw_grace_s = seconds(withdraw_grace, "withdraw_grace")
         if not self.withdraw_grace_s >= 0:  # (nan too)
             raise CheckpointConfigError(f"withdraw_grace={withdraw_grace!r}: use 0 or more "
@@ -794,7 +790,6 @@ class _Handler(BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":  # (the default, kept by a line it refused)
             self.request_version = "HTTP/1.1"
         self._refuse(code, message or self.responses.get(code, ("error",))[0])
-
 
     def do_GET(self) -> None:
         self._handle(send_body=True)
