@@ -264,22 +264,23 @@ def _group_saves(root: Path, world: int, mode: str, best_metric: str,
     """``world`` thread ranks save steps 1-4 of a sharded tensor, with the metrics
     ``metrics_of(rank, step, loss)`` (the loss is least at step 2), keep_last=1 and
     keep_best=1 by ``best_metric``: each rank's committed steps at the end, and its
-    (closed) checkpointer."""
+    (closed) checkpointer. The steps are listed once every rank has closed: rank 0
+    removes the old ones, and another rank may list one it has not removed yet."""
     store = torch.distributed.HashStore()
     ckpts = [AsyncCheckpointer(root, mode=mode, rank=r, world_size=world, store=store,
                                timeout_s=60, keep_last=1, keep_best=1, best_metric=best_metric)
              for r in range(world)]
 
-    def rank_main(r: int) -> list[int]:
+    def rank_main(r: int) -> None:
         for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0), (4, 4.0)]:
             part = torch.arange(4.0) + 10 * r + step
             ckpts[r].save_async({"w": part}, step, metrics=metrics_of(r, step, loss),
                                 shards={"w": asyncckpt.ShardMetadata((4 * world,), (4 * r,))}
                                 ).wait()
         ckpts[r].close()
-        return ckpts[r].steps()
 
-    return all_ok(in_threads(rank_main, world)), ckpts
+    all_ok(in_threads(rank_main, world))
+    return [c.steps() for c in ckpts], ckpts
 
 
 def test_in_a_group_the_coordinator_records_its_metrics_and_keeps_the_best(
