@@ -117,9 +117,13 @@ class StateMismatchError(CheckpointError, KeyError):
 
 def retold(exc: CheckpointError, message: str) -> CheckpointError:
     """``exc`` told with ``message``: an error of its type, with its fields (``path``,
-    ``key``, ``ranks``, ``missing``...) kept."""
-    out = type(exc)(message)
+    ``key``, ``ranks``, ``missing``, ``offered``...) kept. Made without calling the
+    type's ``__init__``, whose arguments differ from type to type (``StepNotOffered``
+    takes the step offered): the fields are copied instead."""
+    kind = type(exc)
+    out = kind.__new__(kind, message)  # (sets args, as Exception(message) does)
     out.__dict__.update(exc.__dict__)
+    out.args = (message,)
     return out
 
 

@@ -41,7 +41,7 @@ from asyncckpt.manifest import parse_manifest, seal
 from asyncckpt.storage import LocalStorage
 from asyncckpt.transport import HTTPTransport
 from asyncckpt.transport.base import DiskSource, FileSource, Served, send_pieces, serve_state
-from asyncckpt.transport.http import MAX_TIMEOUT_S, HTTPStorage
+from asyncckpt.transport.http import MAX_TIMEOUT_S, HTTPStorage, StepNotOffered
 
 TOKEN = "s3cret-token"
 FILE = "rank_00000.safetensors"
@@ -1249,6 +1249,34 @@ def test_loading_the_step_on_offer_follows_the_peer_to_its_next_step(
     assert not torch.equal(old["w"], new["w"])  # (what a fetch of step 6 would give)
     with pytest.raises(CheckpointNotFoundError, match=r"step 6 is not being served \(step 7"):
         asyncckpt.load(srv.address(), step=6, token=TOKEN, timeout=10.0)
+
+
+def test_an_in_place_fetch_of_a_step_the_peer_moved_on_from_says_so(
+        transports: Any) -> None:
+    # The offer moved to step 2 while step 1 was loaded in place: the error, retold with
+    # "the targets were loaded in place", was made by calling StepNotOffered(message),
+    # whose __init__ also takes the step offered: a TypeError escaped instead.
+    srv = transports(token=TOKEN, withdraw_grace=0.2)
+    big = {f"w{i}": torch.full((256, 1024), 1.0) for i in range(8)}
+    srv.send_checkpoint([1], 1, big, timeout=10)
+    moved: list[threading.Thread] = []
+
+    def progress(done: int, total: int) -> None:
+        if not moved:  # at the first piece: offer step 2, and wait until it is
+            moved.append(threading.Thread(target=srv.send_checkpoint, args=(
+                [1], 2, {k: v + 1 for k, v in big.items()}, 10)))
+            moved[0].start()
+            moved[0].join()
+
+    target = {k: torch.zeros_like(v) for k, v in big.items()}
+    with pytest.raises(StepNotOffered) as info:
+        asyncckpt.load(srv.address(), target, step=1, token=TOKEN, timeout=10.0,
+                       progress=progress, threads=1)
+    assert info.value.offered == 2
+    assert str(info.value).endswith(
+        "step 1 is not being served (step 2 is): fetch step 2, or ask /v1/current for the "
+        "step on offer; the targets were loaded in place and may hold part of the peer's "
+        "state: receive again before using them"), str(info.value)
 
 
 def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:
