@@ -48,6 +48,7 @@ from .errors import (
     add_note,
     add_note_of,
     check_flags,
+    seconds_text,
 )
 from .loader import (
     KeyMap,
@@ -1295,7 +1296,7 @@ class AsyncCheckpointer:
                 absent = [0]
                 why = f"{what} from rank 0 (the coordinator), which has every rank's layout"
             err = CheckpointTimeoutError(
-                f"rank {ctx.rank}: timed out after {ctx.timeout_s:.0f}s waiting for {why}")
+                f"rank {ctx.rank}: timed out after {seconds_text(ctx.timeout_s)} waiting for {why}")
             err.ranks = tuple(absent)
             raise err from exc
         if type(go) is not dict:

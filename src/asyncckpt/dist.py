@@ -75,6 +75,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    seconds_text,
 )
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry
 from .tree import dtype_from_name, iter_array_nodes, merge_skeletons
@@ -675,13 +676,13 @@ class DistContext:
                         continue
                     doing = pulse.doing(silent)
                     why = (f"rank(s) {silent}, which made no progress for the last "
-                           f"{timeout:.0f}s" + (f" ({doing})" if doing else "")
+                           f"{seconds_text(timeout)}" + (f" ({doing})" if doing else "")
                            + "; they may have died or hung")
                 else:
                     why = f"rank(s) {silent}; they may have died or {absent}"
                 err = CheckpointTimeoutError(
-                    f"rank {self.rank}: timed out after {timeout:.0f}s waiting for {what} from "
-                    + why)
+                    f"rank {self.rank}: timed out after {seconds_text(timeout)} waiting for "
+                    f"{what} from " + why)
                 err.ranks = tuple(silent)
                 raise err
         return False
@@ -1290,9 +1291,9 @@ class FallbackAgreement:
                 silent = ctx.unposted(keys)
                 if silent:
                     timed_out = CheckpointTimeoutError(
-                        f"rank {ctx.rank}: timed out after {ctx.timeout_s:.0f}s waiting for "
-                        f"the ranks' verdicts on step {step} of {what} from rank(s) {silent}; "
-                        f"they may have died or {absent}")
+                        f"rank {ctx.rank}: timed out after {seconds_text(ctx.timeout_s)} "
+                        f"waiting for the ranks' verdicts on step {step} of {what} from rank(s) "
+                        f"{silent}; they may have died or {absent}")
                     timed_out.ranks = tuple(silent)
         with ctx._store_errors(f"reading the decision of {what}", CheckpointError):
             if timed_out is not None:

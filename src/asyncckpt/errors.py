@@ -115,6 +115,16 @@ class StateMismatchError(CheckpointError, KeyError):
         return str(self.args[0])
 
 
+def seconds_text(s: float | None) -> str:
+    """A duration for a message: ``0.005s``, ``1.5s``, ``600s`` (``:g`` printed a 5 ms
+    budget left as ``0.00499959s``, ``:.1f`` a 50 ms timeout as ``0.0s``)."""
+    if s is None:
+        return "no time limit"
+    if s != s or s in (float("inf"), float("-inf")):
+        return f"{s}s"
+    return f"{round(s, 3) if abs(s) >= 0.001 else float(f'{s:.2g}'):g}s"
+
+
 def retold(exc: CheckpointError, message: str) -> CheckpointError:
     """``exc`` told with ``message``: an error of its type, with its fields (``path``,
     ``key``, ``ranks``, ``missing``, ``offered``...) kept. Made without calling the

@@ -37,6 +37,7 @@ from .errors import (
     CheckpointError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    seconds_text,
 )
 from .manifest import MANIFEST_NAME, block_checksums, metrics_text
 from .plan import WritePlan
@@ -595,7 +596,7 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
     except CheckpointTimeoutError as exc:
         raise CheckpointTimeoutError(
             f"rank {ctx.rank}: the coordinator decided to commit step {job.step} but did not "
-            f"confirm it within {ctx.timeout_s:.0f}s; it may have died mid-commit: check "
+            f"confirm it within {seconds_text(ctx.timeout_s)}; it may have died mid-commit: check "
             f"whether {job.root} holds the step") from exc
 
 

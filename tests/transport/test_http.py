@@ -2319,6 +2319,55 @@ def test_a_refused_size_request_says_why_though_a_head_has_no_body(transports: A
         peer.close_all()
 
 
+def test_a_fetch_out_of_time_before_its_watchdog_says_so_is_a_timeout(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With 5-20 ms timeouts, a request found the fetch's deadline passed before the
+    # watchdog thread had marked it expired: it gave up without an attempt and raised
+    # CheckpointTransportError "... failed after 4 attempts: None".
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 4, state_of(), 10.0)
+    monkeypatch.setattr(HTTPStorage, "_watch", lambda self, deadline_s: None)  # (late)
+    peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=5.0, deadline_s=0.005)
+    try:
+        time.sleep(0.02)
+        with pytest.raises(CheckpointTimeoutError, match=r"within the fetch's timeout of "
+                           r"0\.005s: it is not serving that step"):
+            peer.file_size(peer.open_read(Path(FILE)))
+    finally:
+        peer.close_all()
+    answered = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=5.0, deadline_s=0.2)
+    try:
+        fd = answered.open_read(Path(FILE))
+        assert answered.file_size(fd) > 0
+        time.sleep(0.25)  # then its time is up: not a peer that never answered
+        with pytest.raises(CheckpointTimeoutError, match=r"^fetching step 4 from the peer "
+                           r".* did not end within its timeout of 0\.2s: the peer stalls"):
+            answered.current_step()
+    finally:
+        answered.close_all()
+
+
+def test_a_fetch_held_back_by_a_withdrawn_step_says_so_at_its_timeout(
+        transports: Any) -> None:
+    # The peer answered the fetch's first requests, then disallowed the step: it holds
+    # the next range request until the step is allowed again. At the fetch's timeout
+    # that was told as "the peer stalls or sends too slowly".
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 4, state_of(), 10.0)
+    peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=5.0, deadline_s=1.0)
+    try:
+        fd = peer.open_read(Path(FILE))
+        assert peer.file_size(fd) > 4096
+        srv.disallow_checkpoint()
+        with pytest.raises(CheckpointTimeoutError, match=(
+                r"answered this fetch's first requests of step 4, then not "
+                rf"/v1/4/files/{FILE} within the fetch's timeout of 1s: it withdrew the step "
+                r"\(disallow_checkpoint\) and did not allow it again, or is stuck")):
+            peer.pread_into(fd, [memoryview(bytearray(4096))], 0)
+    finally:
+        peer.close_all()
+
+
 def test_a_host_or_port_it_cannot_listen_on_is_a_config_error(transports: Any) -> None:
     with pytest.raises(CheckpointConfigError, match=r"host='no\.such\.host\.invalid'"):
         HTTPTransport(host="no.such.host.invalid")

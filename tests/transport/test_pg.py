@@ -545,7 +545,7 @@ def test_a_destination_that_never_asks_holds_up_none_of_the_others() -> None:
     same(trs[2].recv_checkpoint(0, "pg:0", 5, 6.0), state)
     assert time.monotonic() - t0 < 1.5  # served as it asked, not after rank 1's timeout
     with pytest.raises(CheckpointTimeoutError,
-                       match=r"rank 1 did not ask for step 5 within 3\.0s: is it calling "
+                       match=r"rank 1 did not ask for step 5 within 3s: is it calling "
                              "recv_checkpoint on this group"):
         sender.result()  # raised once the others were served
 
@@ -1441,7 +1441,7 @@ def test_gloo_a_destination_that_never_asks_holds_up_none_of_the_others(
     assert res[2]["seconds"] < 2.0, res  # not after rank 1's timeout of 3 s
     send = res[0]["send"]
     assert send["ok"], send
-    assert "rank 1 did not ask for step 4 within 3.0s" in send["message"], send
+    assert "rank 1 did not ask for step 4 within 3s" in send["message"], send
 
 
 def test_gloo_a_sender_that_dies_mid_transfer(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 
 from .._gc import gc_paused
-from ..errors import CheckpointConfigError, CheckpointTransportError
+from ..errors import CheckpointConfigError, CheckpointTransportError, seconds_text
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import _check_file as check_file
@@ -239,7 +239,7 @@ def _wait_writable(sock: socket.socket, timeout: float | None) -> None:
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLOUT)
     if not poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
-        raise TimeoutError(f"the peer took no bytes for {timeout:g}s")
+        raise TimeoutError(f"the peer took no bytes for {seconds_text(timeout)}")
 
 
 class LiveSource(FileSource):

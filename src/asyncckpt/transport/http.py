@@ -45,6 +45,7 @@ from ..errors import (
     CheckpointTransportError,
     check_flags,
     retold,
+    seconds_text,
 )
 from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest, check_block_bytes
 from .base import (
@@ -848,7 +849,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _ClientGone:
             return self._client_gone()
         except TimeoutError:
-            return self._refuse(503, f"a step {_NOT_ALLOWED} within {tr.timeout_s:g}s")
+            return self._refuse(503, f"a step {_NOT_ALLOWED} within {seconds_text(tr.timeout_s)}")
         except CheckpointClosedError:
             return self._refuse(503, f"the server {_CLOSED}")
         body = f'{{"step": {step}}}'.encode()
@@ -875,7 +876,8 @@ class _Handler(BaseHTTPRequestHandler):
         except _ClientGone:
             return self._client_gone()
         except TimeoutError:
-            return self._refuse(503, f"step {step} {_NOT_ALLOWED} within {tr.timeout_s:g}s")
+            return self._refuse(
+                503, f"step {step} {_NOT_ALLOWED} within {seconds_text(tr.timeout_s)}")
         except CheckpointClosedError:
             return self._refuse(503, f"the server {_CLOSED}")
         if got is None:
@@ -1067,30 +1069,41 @@ class HTTPStorage:
         error of ``cancel()``, once it was called)."""
         self._check_cancelled()
         if self._expired:
-            raise CheckpointTimeoutError(
-                f"fetching step {self.step} from {self._peer} did not end within its "
-                f"timeout of {self._deadline_s:g}s: the peer stalls or sends too slowly "
-                "(pass a larger timeout if the state is this large)")
+            raise self._timed_out()
+
+    def _timed_out(self) -> CheckpointTimeoutError:
+        return CheckpointTimeoutError(
+            f"fetching step {self.step} from {self._peer} did not end within its timeout of "
+            f"{seconds_text(self._deadline_s)}: the peer stalls or sends too slowly (pass a "
+            "larger timeout if the state is this large)")
 
     def _unanswered(self, what: str, slack: float = 0.0) -> None:
         """Raise the timeout error of a request (``_url``'s ``what``) that was sent and
         whose answer had not begun when the fetch's deadline passed (or was ``slack``
-        seconds away), the peer having answered none of this fetch's requests: it did
-        not serve the step, rather than sent it too slowly."""
+        seconds away): the peer did not serve the step, rather than sent it too slowly.
+        Having answered earlier requests of this fetch, it holds this one back because the
+        step was withdrawn meanwhile (a server waits for the step to be allowed again)."""
         self._check_cancelled()
-        if self._answered or not (self._expired or (
+        if not (self._expired or (
                 self._ends_at is not None and time.monotonic() >= self._ends_at - slack)):
             return
+        if self._answered:
+            raise CheckpointTimeoutError(
+                f"{self._peer} answered this fetch's first requests of step {self.step}, then "
+                f"not {self._url(what)} within the fetch's timeout of "
+                f"{seconds_text(self._deadline_s)}: it withdrew the step "
+                "(disallow_checkpoint) and did not allow it again, or is stuck; fetch again "
+                "(the step it serves now: /v1/current)")
         if what == "current":
             raise CheckpointTimeoutError(
                 f"{self._peer} did not say which step it serves within the fetch's timeout "
-                f"of {self._deadline_s:g}s: it allows none (not yet, or it was withdrawn), "
-                "or is stuck; pass a larger timeout to wait longer")
+                f"of {seconds_text(self._deadline_s)}: it allows none (not yet, or it was "
+                "withdrawn), or is stuck; pass a larger timeout to wait longer")
         raise CheckpointTimeoutError(
             f"{self._peer} did not answer the request for step {self.step} "
-            f"({self._url(what)}) within the fetch's timeout of {self._deadline_s:g}s: it is "
-            "not serving that step (not allowed yet, or withdrawn), or is stuck; pass a "
-            "larger timeout to wait longer")
+            f"({self._url(what)}) within the fetch's timeout of "
+            f"{seconds_text(self._deadline_s)}: it is not serving that step (not allowed yet, "
+            "or withdrawn), or is stuck; pass a larger timeout to wait longer")
 
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
@@ -1136,9 +1149,10 @@ class HTTPStorage:
         waited = self._deadline_s if self._deadline_s is not None else self.timeout_s
         step = "any step" if what == "current" else f"step {self.step}"
         raise CheckpointTimeoutError(
-            f"{self._peer} did not allow {step} within the fetch's timeout of {waited:g}s "
-            f"(its last answer to {self._url(what)}: 503 {answer!r}): it is not serving "
-            "it (not yet, or it was withdrawn); pass a larger timeout to wait longer")
+            f"{self._peer} did not allow {step} within the fetch's timeout of "
+            f"{seconds_text(waited)} (its last answer to {self._url(what)}: 503 {answer!r}): "
+            "it is not serving it (not yet, or it was withdrawn); pass a larger timeout to wait "
+            "longer")
 
     def _url(self, what: str) -> str:
         if what == "current":
@@ -1181,6 +1195,12 @@ class HTTPStorage:
                 self._not_allowed(what, refused, deadline)
             self._check_deadline()
             if time.monotonic() > deadline:
+                if self._ends_at is not None and time.monotonic() >= self._ends_at:
+                    # (the fetch's time is up; its watchdog may not have said so yet: it
+                    # ended with "failed after 4 attempts: None")
+                    if not self._answered:
+                        self._unanswered(what)
+                    raise self._timed_out()
                 break
             sent = False  # then its answer is awaited: a deadline hit here is no stall
             try:
@@ -1197,7 +1217,7 @@ class HTTPStorage:
                     self._unanswered(what, slack=0.1)
                 self._check_deadline()
                 raise CheckpointTimeoutError(
-                    f"{self.host}:{self.port} sent nothing for {self.timeout_s:.0f}s on "
+                    f"{self.host}:{self.port} sent nothing for {seconds_text(self.timeout_s)} on "
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
                     "is stuck") from None
             except (OSError, http.client.HTTPException) as exc:
@@ -1258,7 +1278,7 @@ class HTTPStorage:
         if full:  # out of time, as a receive whose server never answers
             raise CheckpointTimeoutError(
                 f"fetching {self._url(what)} from {self.host}:{self.port}: the server stayed "
-                f"full for {self.timeout_s:g}s: {last}") from last
+                f"full for {seconds_text(self.timeout_s)}: {last}") from last
         raise CheckpointTransportError(
             f"fetching {self._url(what)} from {self.host}:{self.port} failed after "
             f"{self.retries + 1} attempts: {last}") from last
@@ -1313,7 +1333,7 @@ class HTTPStorage:
         except TimeoutError:
             self._check_deadline()
             raise CheckpointTimeoutError(
-                f"{self._peer} stalled for {self.timeout_s:.0f}s sending {what}") from None
+                f"{self._peer} stalled for {seconds_text(self.timeout_s)} sending {what}") from None
         except (OSError, http.client.HTTPException) as exc:
             self._check_deadline()
             raise CheckpointTransportError(
@@ -1385,7 +1405,7 @@ class HTTPStorage:
                 self._drop_stream(keep=False)
                 self._check_deadline()
                 raise CheckpointTimeoutError(
-                    f"{self._peer} stalled for {self.timeout_s:.0f}s sending "
+                    f"{self._peer} stalled for {seconds_text(self.timeout_s)} sending "
                     f"files/{self._names[fd]} at byte {offset}") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_stream(keep=False)

@@ -90,6 +90,7 @@ from ..errors import (
     CheckpointTimeoutError,
     CheckpointTransportError,
     check_flags,
+    seconds_text,
 )
 from ..manifest import (
     DEFAULT_BLOCK_BYTES,
@@ -621,7 +622,7 @@ class PGTransport(CheckpointTransport[Any]):
     def _asked_nothing(dst: int, step: int, budget: float,
                        cause: Exception | None) -> CheckpointTimeoutError:
         err = CheckpointTimeoutError(
-            f"rank {dst} did not ask for step {step} within {budget:.1f}s: is it calling "
+            f"rank {dst} did not ask for step {step} within {seconds_text(budget)}: is it calling "
             "recv_checkpoint on this group? (recreate the process group before using it "
             "again)")
         err.__cause__ = cause
@@ -861,13 +862,13 @@ class PGTransport(CheckpointTransport[Any]):
             text = str(exc)
             if "timed out" in text.lower() or time.monotonic() - t0 >= left * 0.95:
                 raise CheckpointTimeoutError(
-                    f"{what}: no answer within {left:.1f}s ({stuck}); recreate the process "
-                    "group before using it again") from exc
+                    f"{what}: no answer within {seconds_text(left)} ({stuck}); recreate the "
+                    "process group before using it again") from exc
             raise CheckpointTransportError(
                 f"{what} failed: {text}; recreate the process group before using it again"
                 ) from exc
         if ok is False:
-            raise CheckpointTimeoutError(f"{what}: no answer within {left:.1f}s ({stuck})")
+            raise CheckpointTimeoutError(f"{what}: no answer within {seconds_text(left)} ({stuck})")
 
     def _acquire(self, deadline: float, what: str) -> None:
         if not self._lock.acquire(timeout=_left(deadline)):
