@@ -1900,6 +1900,34 @@ def test_an_interrupt_before_staging_begins_lets_the_next_save_and_close_go_on(
     assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [2]
 
 
+@pytest.mark.parametrize("pool", ["asyncckpt-hash", "asyncckpt-copy"])
+def test_an_interrupt_as_a_thread_starts_leaves_no_thread_that_exit_waits_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool: str) -> None:
+    """Ctrl-C in the first save, as a pool started its thread (started, not yet recorded
+    by the pool): that thread waited for work for ever, and so did the interpreter's
+    exit (uncaught, the script hung instead of ending with 130)."""
+    real = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start(self: threading.Thread) -> None:
+        real(self)
+        if self.name.startswith(pool) and not started:
+            started.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", copy_threads=2)
+    state = {"w": torch.arange(1000.0)}
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_async(state, step=1)
+    assert started
+    started[0].join(5.0)
+    assert not started[0].is_alive()  # woken, and ended
+    ck.save(state, step=2)  # the next save goes on
+    ck.close()
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [2]
+
+
 def test_an_interrupt_after_staging_keeps_the_save_pending(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Interrupted after staging but before the save was recorded as pending: its write

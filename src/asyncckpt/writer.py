@@ -350,6 +350,30 @@ def exiting(exc: BaseException) -> bool:
     return "interpreter shutdown" in str(exc) or bool(getattr(cf.thread, "_shutdown", False))
 
 
+def started_pool(threads: int, prefix: str) -> cf.ThreadPoolExecutor:
+    """A thread pool whose ``threads`` threads run already.
+
+    A pool starts a thread in ``submit`` when it has no idle one. A Ctrl-C landing there,
+    once the thread ran but before the pool recorded it, left a thread that nothing
+    wakes at exit: the interpreter then waited for it for ever (the first save of a
+    script interrupted in it hung). Here, an interrupted start shuts the pool down,
+    which wakes such a thread too (it ends), and a save never starts a thread.
+    """
+    pool = cf.ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    # Each task holds its thread until all have started: every submit finds no idle
+    # thread and starts one.
+    gate = threading.Barrier(threads + 1)
+    try:
+        for _ in range(threads):
+            pool.submit(gate.wait, 60.0)
+        gate.wait(60.0)
+    except BaseException:
+        gate.abort()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    return pool
+
+
 class BackgroundWriter:
     """Threads that run save jobs: a writer, a hasher, a stager (for overlap) and copiers.
 
@@ -360,13 +384,12 @@ class BackgroundWriter:
     """
 
     def __init__(self, copy_threads: int = 1) -> None:
-        self._write = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-write")
-        self._hash = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-hash")
-        self.stager = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-stage")
+        self._write = started_pool(1, "asyncckpt-write")
+        self._hash = started_pool(1, "asyncckpt-hash")
+        self.stager = started_pool(1, "asyncckpt-stage")
         self.copy_threads = max(1, copy_threads)
-        self.copiers = cf.ThreadPoolExecutor(max(1, copy_threads - 1),
-                                             thread_name_prefix="asyncckpt-copy")
-        self._reap = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-reap")
+        self.copiers = started_pool(max(1, copy_threads - 1), "asyncckpt-copy")
+        self._reap = started_pool(1, "asyncckpt-reap")
 
     def submit(self, job: SaveJob) -> tuple[cf.Future[CheckpointInfo], cf.Future[None]]:
         """Queue a save; returns its durability future and its retention future."""
