@@ -116,7 +116,7 @@ def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
     with open(root / "step_000000020" / shard, "r+b") as f:
         f.truncate(100)
     code, out, _ = run(capsys, "ls", str(root))
-    assert code == 0
+    assert code == 1  # a corrupt checkpoint, as verify says (it exited 0)
     rows = {ln.split()[0]: ln for ln in out.splitlines()[1:4]}
     assert rows["30"].endswith(f"latest, DAMAGED: {shard} is missing (run 'asyncckpt verify')")
     assert f"DAMAGED: {shard} is 100 bytes, not " in rows["20"]
@@ -316,7 +316,7 @@ def test_a_failed_command_with_json_prints_the_error_as_json(
 def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "step_000000020" / "manifest.json").write_text("{not json")
     code, out, _ = run(capsys, "ls", str(root))
-    assert code == 0 and "UNREADABLE" in out and "latest" in out
+    assert code == 1 and "UNREADABLE" in out and "latest" in out  # (exit 1: corrupt)
     code, _, err = run(capsys, "inspect", str(root), "--step", "20")
     assert code == 1 and "does not end with its digest" in err and "Traceback" not in err
     code, out, _ = run(capsys, "verify", str(root), "--step", "20")
@@ -332,6 +332,8 @@ def test_verify_of_a_newer_format_is_no_verdict_of_corruption(
     code, out, err = run(capsys, "verify", str(root))
     assert code == 2, (out, err)  # could not tell: not 1 (corrupt), which says "roll back"
     assert "CORRUPT" not in out and "upgrade asyncckpt" in err and "not damaged" in err
+    code, out, err = run(capsys, "ls", str(root))  # nor does ls say it is
+    assert code == 0 and "UNREADABLE" in out and "upgrade asyncckpt" in out, out
 
 
 def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -340,7 +342,7 @@ def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) 
     m = read_manifest(step_dir, LocalStorage())
     (step_dir / "manifest.json").write_bytes(dataclasses.replace(m, created_unix=5e11).to_json())
     code, out, err = run(capsys, "ls", str(root))
-    assert code == 0 and err == ""
+    assert code == 1 and err == ""
     row = out.splitlines()[3].split()
     assert row[:5] == ["30", "?", "?", "?", "UNREADABLE:"] and "created_unix" in out
     code, out, err = run(capsys, "inspect", str(root))
@@ -370,12 +372,12 @@ def test_ls_of_a_renamed_step_dir(root: Path, capsys: pytest.CaptureFixture[str]
     assert out.splitlines()[1].split()[0] == "20"  # the step comes from the manifest
     (best / "manifest.json").write_bytes(b"{}")
     code, out, err = run(capsys, "ls", str(best))
-    assert code == 0 and err == ""
+    assert code == 1 and err == ""
     row = out.splitlines()[1].split()
     assert row[:5] == ["?", "?", "?", "?", "UNREADABLE:"]
     assert "does not end with its digest" in out
     code, out, _ = run(capsys, "ls", str(best), "--json")
-    assert code == 0
+    assert code == 1
     doc = json.loads(out)
     assert doc["steps"][0]["step"] is None and "error" in doc["steps"][0]
     assert doc["latest"] is None
@@ -669,7 +671,7 @@ def test_without_stderr_nothing_meant_for_it_lands_on_stdout(root: Path) -> None
     errors and warnings inside the --json document."""
     (root / "step_000000020" / "manifest.json").write_text("{not json")
     for argv, code in ((["verify", str(root / "nope"), "--json"], 2),
-                       (["ls", str(root), "--json"], 0),  # warns of the unreadable step
+                       (["ls", str(root), "--json"], 1),  # warns of the unreadable step
                        (["verify", str(root), "--step", "x", "--json"], 2)):
         cmd = " ".join(map(shlex.quote, [sys.executable, "-m", "asyncckpt", *argv]))
         proc = subprocess.run(["sh", "-c", f"exec {cmd} 2>&-"], capture_output=True,
@@ -772,7 +774,7 @@ def test_ls_reads_a_summary_that_agrees_with_the_whole_manifest(
     raw = (step_dir / "manifest.json").read_bytes()
     (step_dir / "manifest.json").write_bytes(raw.replace(b'"step":30', b'"step":31'))
     code, out, _ = run(capsys, "ls", str(root))
-    assert code == 0 and "UNREADABLE" in out and "digest does not match" in out, out
+    assert code == 1 and "UNREADABLE" in out and "digest does not match" in out, out
 
 
 def test_inspect_plain_safetensors_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -35,7 +35,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import commit
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import VerifyReport, read_manifest, read_manifest_summary, verify_checkpoint
 from .storage import LocalStorage, ReadStorage
@@ -295,12 +300,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for name, why in unlistable]
     listed = 0
     latest = None  # as latest_step() says: unlistable dirs do not count
+    corrupt = False
     for d in dirs:
         try:
             m = read_manifest_summary(d, storage)
         except CheckpointError as exc:
             if d != root and not os.path.lexists(d):
                 continue  # retired by retention since it was listed: no step now
+            corrupt = corrupt or not isinstance(exc, CheckpointVersionError)
             # a copied step dir may have any name
             entries.append({"step": commit.step_of_dir_name(d.name), "path": str(d),
                             "error": str(exc)})
@@ -314,11 +321,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
-    _decided(args, EXIT_OK)
+    # A step whose files are amiss, or whose manifest is corrupt, is a corrupt checkpoint:
+    # exit 1, as verify would (a script checking ls's status missed it). A directory that
+    # cannot be listed (permissions), or a manifest of a newer format, is no damage.
+    code = EXIT_CORRUPT if corrupt or any(e.get("damaged") for e in entries) else EXIT_OK
+    _decided(args, code)
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
                      "incomplete": abandoned, "no_manifest": no_manifest})
-        return EXIT_OK
+        return code
     if not entries:
         _out(f"no committed checkpoints under {root}")
     else:
@@ -348,7 +359,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
                     f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
                     f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
-    return EXIT_OK
+    return code
 
 
 def _files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
@@ -683,10 +694,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         report = _verified(step_dir, storage)
         if not report.ok:
             _decided(args, EXIT_CORRUPT)
-            _to_stderr(f"asyncckpt: not serving {step_dir}: {_n(len(report.problems), 'problem')}"
-                       f" ({_n(report.tensors, 'tensor')} intact); serve an earlier step (--step)")
+            why = (f"not serving {step_dir}: {_n(len(report.problems), 'problem')} "
+                   f"({_n(report.tensors, 'tensor')} intact); serve an earlier step (--step)")
+            _to_stderr(f"asyncckpt: {why}")
             for p in report.problems[:20]:
                 _to_stderr(f"  - {_shown(p)}")
+            if args.json:  # (as any failure of a --json command: a document on stdout)
+                _print_json({"ok": False, "error": {
+                    "type": "CheckpointCorruptError", "message": why,
+                    "exit_code": EXIT_CORRUPT, "problems": report.problems}})
             return EXIT_CORRUPT
     stop = threading.Event()
     previous: dict[signal.Signals, Any] = {}

@@ -559,8 +559,10 @@ def test_manifest_cannot_point_outside(tmp_path: Path, name: str, where: str) ->
             assert info.value.path == str(mp)
         report = verify_checkpoint(step_dir, LocalStorage())
         assert not report.ok and refusal in " ".join(report.problems), report.problems
+        # ls lists the step as unreadable (exit 1), unless the forged entry is one its
+        # summary does not read (a chunk's, behind a re-sealed digest: verify's to find)
         for args, code in ((["verify", str(root)], 1), (["inspect", str(step_dir)], 1),
-                           (["ls", str(root)], 0)):  # ls lists the step as unreadable
+                           (["ls", str(root)], 0 if where == "chunk" else 1)):
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 assert cli.main(args) == code, (args, out.getvalue(), err.getvalue())

@@ -1491,6 +1491,13 @@ def test_cli_serve_verify_refuses_a_damaged_checkpoint(
     assert out == ""  # no address: nothing served
     assert "asyncckpt: not serving" in err and "1 problem" in err and "checksum" in err
     assert "serve an earlier step (--step)" in err
+    # --json: the failure as a document on stdout too, as every --json command's (it
+    # printed nothing there)
+    assert cli_main(["serve", str(root), "--verify", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["error"]["type"] == "CheckpointCorruptError"
+    assert doc["error"]["exit_code"] == 1 and "not serving" in doc["error"]["message"]
+    assert len(doc["error"]["problems"]) == 1 and "checksum" in doc["error"]["problems"][0]
 
 
 def test_cli_serve_usage_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
