@@ -581,8 +581,10 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
     text = text.replace(local[:-1], url[:-1])  # (the step as a whole: "cannot load ...")
     if isinstance(exc, CheckpointCorruptError):
         text = text.replace("the checkpoint is corrupt; load an earlier step",
-                            "the bytes were damaged in transit or in the peer's memory; "
-                            "receive them again, or from another peer")
+                            "the bytes were damaged in transit, in the peer's memory, or "
+                            "on its disk (a peer serving a checkpoint from disk: run "
+                            "'asyncckpt verify' there); receive them again, or from "
+                            "another peer")
         text = text.replace("load an earlier step", "receive it again, or from another peer")
     if into is not None and storage.tensor_bytes_read:
         text += ("; the targets were loaded in place and may hold part of the peer's state: "
