@@ -270,8 +270,14 @@ def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transpor
     for path in ("/v1/current", "/v1/5/manifest.json", f"/v1/5/files/{FILE}", "/nope"):
         assert status_of(port, "GET", path, token=None) == 401
         assert status_of(port, "GET", path, token="wrong") == 401
-    assert status_of(port, "GET", "/v1/5/manifest.json",
-                     headers={"Authorization": f"bearer {TOKEN}"}, token=None) == 401
+    # the scheme's name is case-insensitive (RFC 9110), the token is not
+    for scheme in ("bearer", "BEARER", "Bearer "):
+        assert status_of(port, "GET", "/v1/5/manifest.json",
+                         headers={"Authorization": f"{scheme} {TOKEN}"}, token=None) == 200
+    for header in (f"Basic {TOKEN}", f"Bearer{TOKEN}", f"bearer {TOKEN.upper()}", "Bearer",
+                   ""):
+        assert status_of(port, "GET", "/v1/5/manifest.json",
+                         headers={"Authorization": header}, token=None) == 401, header
     assert status_of(port, "GET", "/v1/5/manifest.json", token=TOKEN) == 200
     assert_state(fetch(srv, 5), state)
 
@@ -1069,6 +1075,10 @@ def test_binds_to_loopback_by_default_and_advertise_host_changes_only_the_addres
     assert adv.metadata() == f"http://node-7.cluster.example:{port}/v1"
     assert listening_ips(port) == {"127.0.0.1"}
     assert transports(advertise_host="fe80::1").metadata().startswith("http://[fe80::1]:")
+    # an address no peer could fetch from is refused (it was advertised as given)
+    for bad in ("bad host", "http://node7", "node7/v1", "", "user@node7", "node7\n"):
+        with pytest.raises(CheckpointConfigError, match=r"pass a bare host name or address"):
+            HTTPTransport(advertise_host=bad)
     state = state_of(9)
     adv.send_checkpoint([1], 2, state, 10.0)
     client = HTTPTransport(timeout=5.0, token=TOKEN)
@@ -2450,3 +2460,7 @@ def test_an_ipv6_zone_is_escaped_in_the_address_and_unescaped_by_a_receiver(
         url = tr.address()
         assert url == f"http://[fe80::1%25eth0]:{port_of(tr)}/v1"  # RFC 6874
         assert HTTPStorage(url, 1, token=None, timeout_s=1.0).host == "fe80::1%eth0"
+    # and a peer's errors name it as a URL would ("::1:1" read as one address)
+    assert HTTPStorage("http://[::1]:1/v1", 1, token=None, timeout_s=1.0).where == "[::1]:1"
+    assert HTTPStorage(url, 1, token=None, timeout_s=1.0).where == (
+        f"[fe80::1%25eth0]:{port_of(tr)}")

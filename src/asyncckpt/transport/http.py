@@ -110,6 +110,13 @@ def _bare_host(host: str, name: str) -> str:
     """``host`` without the brackets of an IPv6 address written as in a URL ("[::1]");
     a host with a port (as "node7:8000", which is no IPv6 address) is refused."""
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if (not bare and name != "host") or any(c.isspace() or not c.isprintable() or c in "/@?#"
+                                            for c in bare):
+        # (a URL, "http://node7", or a name with a space: the advertised address would
+        # be one no peer can fetch from; "" binds every interface, but names none)
+        raise CheckpointConfigError(
+            f"{name}={host!r}: pass a bare host name or address ('node7', '10.0.0.7', "
+            "'::1'): no scheme, path, port or spaces")
     if ":" in bare:
         try:
             ipaddress.IPv6Address(bare.split("%")[0])
@@ -483,8 +490,12 @@ class HTTPTransport(CheckpointTransport[Any]):
     def _authorized(self, header: str | None) -> bool:
         if self.token is None:
             return True
-        want = f"Bearer {self.token}".encode()
-        return header is not None and hmac.compare_digest(header.encode(), want)
+        if header is None:
+            return False
+        # (the scheme's name is case-insensitive: RFC 9110 11.1)
+        scheme, _, given = header.strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.token.encode())
 
     # --- receiving side --------------------------------------------------------------------
 
@@ -576,7 +587,7 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
     part of the peer's state."""
     text = old = str(exc)
     local = f"peer-step-{storage.step}/"
-    url = f"http://{storage.host}:{storage.port}{storage.prefix}/{storage.step}/"
+    url = f"http://{storage.where}{storage.prefix}/{storage.step}/"
     text = text.replace(local + MANIFEST_NAME, url + MANIFEST_NAME).replace(local, url + "files/")
     text = text.replace(local[:-1], url[:-1])  # (the step as a whole: "cannot load ...")
     if isinstance(exc, CheckpointCorruptError):
@@ -1171,7 +1182,7 @@ class HTTPStorage:
                 raise TypeError(f"step {step!r:.40} is not a step number")
             return step
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointTransportError(f"{self.host}:{self.port} answered {body!r} for "
+            raise CheckpointTransportError(f"{self.where} answered {body!r} for "
                                            "the current step") from exc
 
     def _request(self, method: str, what: str, headers: dict[str, str]
@@ -1219,7 +1230,7 @@ class HTTPStorage:
                     self._unanswered(what, slack=0.1)
                 self._check_deadline()
                 raise CheckpointTimeoutError(
-                    f"{self.host}:{self.port} sent nothing for {seconds_text(self.timeout_s)} on "
+                    f"{self.where} sent nothing for {seconds_text(self.timeout_s)} on "
                     f"{self._url(what)}: the peer is not serving step {self.step} yet, or "
                     "is stuck") from None
             except (OSError, http.client.HTTPException) as exc:
@@ -1251,7 +1262,7 @@ class HTTPStorage:
                     pause = min(2 * pause, _BACKOFF_MAX_S)
                 continue
             self._answered = True
-            where = f"{self.host}:{self.port}{self._url(what)}"
+            where = f"{self.where}{self._url(what)}"
             if resp.status == 401:
                 raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
                                                "need the same token")
@@ -1260,7 +1271,7 @@ class HTTPStorage:
                 if moved is not None:
                     raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
                 if not self.prefix.endswith("/v1"):  # (the server knows /v1/... only)
-                    body += (f"; a peer's address ends in /v1 (http://{self.host}:{self.port}"
+                    body += (f"; a peer's address ends in /v1 (http://{self.where}"
                              "/v1, as HTTPTransport.address() gives it)")
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
@@ -1279,10 +1290,10 @@ class HTTPStorage:
             attempt += 1
         if full:  # out of time, as a receive whose server never answers
             raise CheckpointTimeoutError(
-                f"fetching {self._url(what)} from {self.host}:{self.port}: the server stayed "
+                f"fetching {self._url(what)} from {self.where}: the server stayed "
                 f"full for {seconds_text(self.timeout_s)}: {last}") from last
         raise CheckpointTransportError(
-            f"fetching {self._url(what)} from {self.host}:{self.port} failed after "
+            f"fetching {self._url(what)} from {self.where} failed after "
             f"{self.retries + 1} attempts: {last}") from last
 
     # ReadStorage -------------------------------------------------------------------------
@@ -1311,11 +1322,19 @@ class HTTPStorage:
                 f"{self._peer}: the manifest it served at {url} is of step {manifest.step}, "
                 f"not of the requested step {self.step}: the peer is broken or not an "
                 "asyncckpt server; fetch from another peer",
-                path=f"http://{self.host}:{self.port}{url}")
+                path=f"http://{self.where}{url}")
+
+    @property
+    def where(self) -> str:
+        """``host:port``, an IPv6 address in brackets (``[::1]:8000``, not ``::1:8000``)."""
+        host = self.host
+        if ":" in host:
+            host = "[" + host.replace("%", "%25") + "]"
+        return f"{host}:{self.port}"
 
     @property
     def _peer(self) -> str:
-        return f"the peer {self.host}:{self.port}"
+        return f"the peer {self.where}"
 
     def _length(self, resp: http.client.HTTPResponse, what: str) -> int:
         """The body length a response announces; a response without one is refused."""
@@ -1414,7 +1433,7 @@ class HTTPStorage:
                 self._check_deadline()
                 if attempt == self.retries:
                     raise CheckpointTransportError(
-                        f"the peer {self.host}:{self.port} broke off files/{self._names[fd]} "
+                        f"the peer {self.where} broke off files/{self._names[fd]} "
                         f"at byte {offset}: {exc}") from exc
         raise AssertionError("unreachable")
 
@@ -1466,7 +1485,7 @@ class HTTPStorage:
                 # The server bounds its ranges below what we asked for: ask for halves.
                 if n <= _MIN_RANGE:
                     raise CheckpointTransportError(
-                        f"{self.host}:{self.port} refuses even {n}-byte ranges") from None
+                        f"{self.where} refuses even {n}-byte ranges") from None
                 with self._lock:
                     self._max_range = min(self._max_range, max(_MIN_RANGE, n // 2))
                 continue
@@ -1475,7 +1494,7 @@ class HTTPStorage:
                 resp.close()
                 self._conn(fresh=True)
                 raise CheckpointTransportError(
-                    f"{self.host}:{self.port} answered {resp.length} bytes ({got!r}) for the "
+                    f"{self.where} answered {resp.length} bytes ({got!r}) for the "
                     f"range {pos}-{pos + n - 1} of {what}")
             st = self._local.stream = _Stream(name, pos, pos + n, resp, ahead)
             return st
