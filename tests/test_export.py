@@ -288,7 +288,8 @@ def test_export_refuses_to_overwrite(single: tuple[Path, dict[str, Any]], tmp_pa
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"precious")
     code, _, err = export(str(root), str(out))
-    assert code == 2 and "--force" in err
+    assert code == 2 and "already exists; pass --force to overwrite it" in err, err
+    assert "force=True" not in err  # (the Python argument's name, in the CLI's words)
     assert out.read_bytes() == b"precious"
     with pytest.raises(CheckpointExistsError):
         export_safetensors(root, out)

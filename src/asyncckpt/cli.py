@@ -40,6 +40,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    retold,
 )
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import VerifyReport, read_manifest, read_manifest_summary, verify_checkpoint
@@ -475,7 +476,8 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
         _print_json(doc)
         return EXIT_OK
     _out(_tensor_table(doc))
-    _out(f"plain safetensors: {len(doc['tensors'])} tensors  {doc['tensor_bytes']} tensor bytes "
+    _out(f"plain safetensors: {_n(len(doc['tensors']), 'tensor')}  {doc['tensor_bytes']} tensor "
+         "bytes "
          f"({human_bytes(doc['total_bytes'])} in {len(files)} "
          f"file{'s' if len(files) != 1 else ''}); no checksums: load them with "
          "asyncckpt.load_safetensors")
@@ -498,7 +500,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             _out(f"{_shown(path)}: tied to {_shown(t['path'])} (stored once)")
     skel = doc["skeleton"]
     classes = ", ".join(f"{s['path'] or '<root>'}: {s['class']}" for s in skel["stateful"])
-    _out(f"step {doc['step']}  world size {doc['world_size']}  {len(doc['tensors'])} tensors  "
+    _out(f"step {doc['step']}  world size {doc['world_size']}  "
+         f"{_n(len(doc['tensors']), 'tensor')}  "
          f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
          f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
@@ -617,6 +620,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                                         max_shard_bytes=args.max_shard_size)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
+            if "force=True (--force)" in str(exc):  # (the library's words for both)
+                raise retold(exc, str(exc).replace("force=True (--force)", "--force")
+                             .replace("(force=True or --force", "(--force")) from None
             raise
         raise _Usage(f"cannot export {path}: {exc.strerror or exc}"
                      f"{f' ({exc.filename})' if exc.filename else ''}") from exc
@@ -765,14 +771,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser(
         "export", help="write one safetensors file of whole tensors (for Hugging Face etc.)",
         description="Consolidate one checkpoint, however many ranks saved it, into ONE "
-        "safetensors file of whole tensors, named by their asyncckpt paths (e.g. "
+        "safetensors file of whole tensors (or, with --max-shard-size, a directory of "
+        "them, as the Hub lays out a model), named by their asyncckpt paths (e.g. "
         "model/layers.0.weight). Streams tensor by tensor, verifies every checksum, and "
         "writes to a temporary file renamed into place: a failure leaves no OUT file. "
         "Tensors whose dtype safetensors lacks (e.g. complex128) are skipped with a "
         "warning. Tied tensors are written once.")
     ex.add_argument("ckpt", metavar="CKPT",
                     help="a checkpoint root (latest step unless --step) or a step directory")
-    ex.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    ex.add_argument("out", metavar="OUT", help="the .safetensors file to write (with "
+                    "--max-shard-size: the directory)")
     ex.add_argument("--step", type=_step_number, default=None,
                     help="which committed step of the root")
     ex.add_argument("--prefix", default="",
