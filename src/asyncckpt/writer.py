@@ -549,8 +549,15 @@ class BackgroundWriter:
                     f"with this rank's file, but the coordinator reports: {verdict['error']}")
             if "ok" not in verdict:
                 job.rejected = True
-                raise CheckpointSaveError(
-                    f"rank {ctx.rank}: step {job.step} was not committed: {verdict.get('error')}")
+                why = f"rank {ctx.rank}: step {job.step} was not committed: {verdict.get('error')}"
+                if verdict.get("kind") == "CheckpointTimeoutError":
+                    # The coordinator timed out waiting for a rank: every rank raises the
+                    # timeout, naming the silent ranks (only rank 0's did; `except
+                    # CheckpointTimeoutError` and `.ranks` worked there alone).
+                    timed_out = CheckpointTimeoutError(why)
+                    timed_out.ranks = tuple(int(r) for r in verdict.get("ranks", ()))
+                    raise timed_out
+                raise CheckpointSaveError(why)
             job.tmp = None
             final = Path(verdict["ok"])
         durable = time.perf_counter()
@@ -740,9 +747,12 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
                 for part in ("record", "done"):
                     ctx.put(ctx.key(job.tag, part, ctx.rank), {"rank": ctx.rank, "error": msg})
             if ctx.is_coordinator:
-                verdict = {"error": msg}
+                verdict: dict[str, Any] = {"error": msg}
                 if isinstance(exc, commit.CommittedNotDurableError):  # the step is visible
                     verdict["committed"] = str(exc.final)
+                if isinstance(exc, CheckpointTimeoutError):  # (raised as such everywhere)
+                    verdict.update(kind="CheckpointTimeoutError",
+                                   ranks=list(getattr(exc, "ranks", ()) or ()))
                 ctx.put(ctx.key(job.tag, "verdict"), verdict)
     if isinstance(exc, commit.CommittedNotDurableError):
         job.tmp = None  # renamed into the step: nothing of it is this save's to remove
