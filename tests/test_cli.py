@@ -277,6 +277,7 @@ def test_verify_flipped_byte(root: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 1
     assert out.startswith("CORRUPT") and "1 problem" in out
     assert "checksum mismatch in tensor 'model/w'" in out
+    assert out.count("load an earlier step") == 1, out  # (each problem said it too)
     code, out, _ = run(capsys, "verify", str(root), "--json")
     assert code == 1
     doc = json.loads(out)

@@ -471,6 +471,18 @@ def test_the_one_shot_load_takes_hand_declared_shards_from_a_root_or_a_peer(
     assert tr.closed  # (the block shut it down)
 
 
+def test_the_one_shot_save_takes_shards_too(tmp_path: Path) -> None:
+    # (asyncckpt.save had no shards=, though it is collective in a group: the box a
+    # process declares reaches the save, which refuses one no other rank completes)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"shards\['w'\]: a box of "
+                       r"shape \[2, 3\] at offsets \[0, 0\] of a tensor of global shape"):
+        asyncckpt.save({"w": torch.zeros(2, 3)}, tmp_path, step=1,
+                       shards={"w": ShardMetadata((4, 3), (0, 0))})
+    asyncckpt.save({"w": torch.ones(2, 3)}, tmp_path, step=1,
+                   shards={"w": ShardMetadata((2, 3), (0, 0))})
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.ones(2, 3))
+
+
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -177,9 +177,22 @@ def test_a_rank_mismatch_is_refused_before_planning(tmp_path, target):
             f"shape/dtype mismatch: w: checkpoint torch.float32 [4, 4], target torch.float32 "
             f"{list(target)}")):
         asyncckpt.load(tmp_path, {"w": torch.zeros(target)})
-    with pytest.raises(asyncckpt.CheckpointConfigError, match="does not fit in global shape"):
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=re.escape(
+            "shards['w'].global_shape is [4, 4, 1]: 3 numbers for a 2-dimensional local "
+            "tensor of shape [2, 4]; give one per dimension")):
         asyncckpt.AsyncCheckpointer(tmp_path).load(
             {"w": torch.zeros(2, 4)}, shards={"w": asyncckpt.ShardMetadata((4, 4, 1), (0, 0, 0))})
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=re.escape(
+            "shards['w'].offsets is [0]: 1 number for a 2-dimensional")):
+        asyncckpt.AsyncCheckpointer(tmp_path).load(
+            {"w": torch.zeros(2, 4)}, shards={"w": asyncckpt.ShardMetadata((4, 4), (0,))})
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=re.escape(
+            "shards['w'] is (4, 4): pass asyncckpt.ShardMetadata(global_shape=..., offsets=...)")):
+        asyncckpt.AsyncCheckpointer(tmp_path).load(
+            {"w": torch.zeros(2, 4)}, shards={"w": (4, 4)})  # (an AttributeError escaped)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="does not fit in global shape"):
+        asyncckpt.AsyncCheckpointer(tmp_path).load(
+            {"w": torch.zeros(2, 4)}, shards={"w": asyncckpt.ShardMetadata((4, 4), (3, 0))})
 
 
 @pytest.mark.parametrize("meta, field", [

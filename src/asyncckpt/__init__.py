@@ -92,18 +92,20 @@ __all__ = [
 
 def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0,
          metadata: Mapping[str, str] | None = None,
-         metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
+         metrics: Mapping[str, Any] | None = None,
+         shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointInfo:
     """Save ``state`` synchronously as ``step`` under ``directory``.
 
     A committed step is never overwritten (CheckpointExistsError), nor is a step older
     than one already there saved: pass a new ``step``, or another directory.
-    ``metadata`` and ``metrics`` are recorded as by ``AsyncCheckpointer.save_async``.
+    ``metadata``, ``metrics`` and ``shards`` (in a group: the boxes of tensors sharded by
+    hand) are as for ``AsyncCheckpointer.save_async``.
 
     Example:
         >>> asyncckpt.save({"model": model}, "ckpts/final")
     """
     with AsyncCheckpointer(directory, mode="sync") as ckpt:
-        return ckpt.save(state, step, metadata=metadata, metrics=metrics)
+        return ckpt.save(state, step, metadata=metadata, metrics=metrics, shards=shards)
 
 
 def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,

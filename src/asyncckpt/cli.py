@@ -589,8 +589,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
              f"({_n(report.tensors, 'tensor')} intact):")
+        tail = "; load an earlier step"  # (said once, below, with where to find one)
         for p in report.problems:
-            _out(f"  - {_shown(p)}")
+            _out(f"  - {_shown(p[:-len(tail)] if p.endswith(tail) else p)}")
         _out("load an earlier step (asyncckpt ls ROOT lists them)")
     return code
 

@@ -73,10 +73,20 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
         if key is None:
             raise CheckpointConfigError(f"shards names {path!r}, which is no tensor of the state")
         local = flat.tensors[key]
+        if not isinstance(meta, ShardMetadata):
+            raise CheckpointConfigError(
+                f"shards[{path!r}] is {meta!r:.80}: pass asyncckpt.ShardMetadata("
+                "global_shape=..., offsets=...)")
         gs = _whole_numbers(meta.global_shape, f"shards[{path!r}].global_shape")
         offs = _whole_numbers(meta.offsets, f"shards[{path!r}].offsets")
         lens = tuple(local.shape)
-        if len(gs) != local.dim() or len(offs) != local.dim() or any(
+        for name, values in (("global_shape", gs), ("offsets", offs)):
+            if len(values) != local.dim():
+                raise CheckpointConfigError(
+                    f"shards[{path!r}].{name} is {list(values)}: {len(values)} "
+                    f"number{'s' if len(values) != 1 else ''} for a {local.dim()}-dimensional "
+                    f"local tensor of shape {list(lens)}; give one per dimension")
+        if any(
                 o < 0 or o + n > g for o, n, g in zip(offs, lens, gs, strict=True)):
             raise CheckpointConfigError(
                 f"shards[{path!r}]: a local tensor of shape {list(lens)} at offsets {list(offs)} "
