@@ -483,6 +483,30 @@ def test_the_one_shot_save_takes_shards_too(tmp_path: Path) -> None:
     assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.ones(2, 3))
 
 
+def test_a_rank_that_declares_no_shard_beside_ranks_that_do_is_named(tmp_path: Path) -> None:
+    # Rank 1 forgot shards= for w (it saves its 2 rows as the whole [2, 3] tensor... of a
+    # [4, 3] tensor the others declare): "chunks overlap" named neither rank nor cause.
+    store = dist.HashStore()
+
+    def rank(r: int) -> BaseException | None:
+        with _synced(tmp_path, store, r, world=3, timeout_s=30) as ck:
+            shards = {} if r == 1 else {"w": ShardMetadata((4, 3), (2 * (r // 2), 0))}
+            try:
+                ck.save({"w": torch.full((2 if r != 1 else 4, 3), float(r))}, step=1,
+                        shards=shards)
+            except asyncckpt.CheckpointError as exc:
+                return exc
+            return None
+
+    out = in_threads(rank, 3)
+    assert all(isinstance(e, asyncckpt.CheckpointSaveError) for e in out.values()), out
+    assert "tensor 'w' of shape [4, 3]: chunks overlap: the box in rank_00000.safetensors at " \
+        "offsets [0, 0] (lengths [2, 3]) and the box in rank_00001.safetensors at offsets " \
+        "[0, 0] (lengths [4, 3]) (rank_00001.safetensors holds the whole tensor: did its " \
+        "rank pass no shards= entry for it?)" in str(out[0]), out[0]
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == []  # nothing committed
+
+
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

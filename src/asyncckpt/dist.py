@@ -1225,9 +1225,29 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
                     partial: bool = False) -> None:
     problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in chunks], allow_gaps=partial)
     if problem is not None:
+        if problem == "chunks overlap":
+            problem += _which_overlap(shape, chunks)
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
             "held by exactly one box of the ranks' declared shards")
+
+
+def _which_overlap(shape: tuple[int, ...], chunks: Sequence[Chunk], most: int = 4096) -> str:
+    """Two overlapping chunks, and whose files they are in (the first ``most`` chunks are
+    compared pairwise: this is an error's path). A rank that declared no shard for the
+    tensor holds all of it: the usual cause, said so."""
+    held = [c for c in chunks[:most] if all(c.lengths)]
+    for i, a in enumerate(held):
+        for b in held[i + 1:]:
+            if all(max(x, y) < min(x + n, y + m) for x, n, y, m in
+                   zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)):
+                told = [f"{c.file} at offsets {list(c.offsets)} (lengths {list(c.lengths)})"
+                        for c in (a, b)]
+                whole = [c.file for c in (a, b) if tuple(c.lengths) == tuple(shape)]
+                hint = (f" ({whole[0]} holds the whole tensor: did its rank pass no shards= "
+                        "entry for it?)" if len(whole) == 1 else "")
+                return f": the box in {told[0]} and the box in {told[1]}{hint}"
+    return ""
 
 
 # The most "other ranks found this step damaged" a group fallback load's decision carries:
