@@ -507,6 +507,27 @@ def test_a_rank_that_declares_no_shard_beside_ranks_that_do_is_named(tmp_path: P
     assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == []  # nothing committed
 
 
+def test_a_box_two_ranks_declare_with_different_values_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Ranks 0 and 1 both declare rows 0:2 of w, with their own values: one copy is saved,
+    # the other lost without a word (a replicated plain tensor was compared, a box not).
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with _synced(tmp_path, store, r, world=3, timeout_s=30) as ck:
+            for step in (1, 2):
+                values = float(r if step == 2 else r // 2)  # step 1: the copies agree
+                ck.save({"w": torch.full((2, 3), values)}, step=step,
+                        shards={"w": ShardMetadata((4, 3), (2 * (r // 2), 0))})
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        all_ok(in_threads(rank, 3))
+    said = [r.getMessage() for r in caplog.records if "different values" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        "step 2: ranks hold different values of tensor(s) 'w' (rank(s) ["), said
+    assert "a box of a sharded one that several ranks declare" in said[0]
+
+
 def test_a_view_for_peers_that_cannot_be_made_costs_the_save_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1318,18 +1318,19 @@ class AsyncCheckpointer:
 
     def _replica_checksums(self, flat: FlatState) -> dict[str, Replica]:
         """Checksums of the small replicated CPU tensors this rank holds but another
-        writes, for the coordinator to compare with the copy saved (a per-rank value
-        under a shared path would otherwise be lost without a word). GPU tensors are
-        left out: hashing them would cost a device-to-host copy on the caller's thread.
-        With ``strict_replicas``, every one of them, of any size, on any device, and the
-        boxes of sharded tensors that another rank holds too (HSDP's replicated shards)."""
+        writes, and of the small boxes of sharded tensors that another rank holds too and
+        writes (a box two ranks declare), for the coordinator to compare with the copy
+        saved (a per-rank value under a shared path would otherwise be lost without a
+        word). GPU tensors are left out: hashing them would cost a device-to-host copy on
+        the caller's thread. With ``strict_replicas``, every one of them, of any size, on
+        any device (HSDP's replicated shards too)."""
         assert self._layout is not None
         strict = self.config.strict_replicas
         if self._probed is None or self._probed[0] is not self._layout:
             mine = self._layout[2]
             keys = [k for k, t in flat.tensors.items()
                     if k not in mine and t.numel() > 0 and (strict or (
-                        _whole(flat, k) and t.device.type == "cpu"
+                        t.device.type == "cpu"
                         and t.numel() * t.element_size() <= _PROBE_BYTES))]
             self._probed = (self._layout, keys if strict else keys[:_PROBE_COUNT])
         out: dict[str, Replica] = {}

@@ -1152,8 +1152,9 @@ def check_reachable(skeleton: Any, keys: Iterable[str]) -> None:
 
 Replica = list[str] | dict[str, Any]
 """What a rank that holds a replicated box but does not write it reports of it: a whole
-tensor's checksums, or (strict_replicas) ``{"box": offsets, "sums": checksums}`` of a
-box of a sharded one (HSDP's replicated shards, declared shards held twice)."""
+tensor's checksums, or ``{"box": offsets, "sums": checksums}`` of a box of a sharded one
+(HSDP's replicated shards, declared shards held twice; small CPU ones always, every one
+with strict_replicas)."""
 
 
 def _saved_checksums(tensors: Mapping[str, TensorEntry]
@@ -1210,14 +1211,16 @@ def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str
         if strict:
             raise CheckpointSaveError(
                 f"step {step} aborted, nothing committed (strict_replicas=True): ranks hold "
-                f"different values of tensor(s) {named}, each saved once as a replicated "
-                "tensor (the ranks named hold values other than the copy saved); give "
+                f"different values of tensor(s) {named}, each saved once as a value several "
+                "ranks hold (a replicated tensor, or a box of a sharded one that several "
+                "ranks declare; the ranks named hold values other than the copy saved); give "
                 "per-rank values per-rank paths (e.g. under the rank; asyncckpt.RNGState() "
                 "for generators), or find why the replicas diverged")
         log.warning("step %d: ranks hold different values of tensor(s) %s, each saved once as "
-                    "a replicated tensor (the ranks named hold values other than the copy "
-                    "saved, which are lost); a tensor at one path on every rank is taken as "
-                    "replicated: give per-rank values per-rank paths, e.g. under the rank "
+                    "a value several ranks hold (a replicated tensor, or a box of a sharded "
+                    "one that several ranks declare; the ranks named hold values other than "
+                    "the copy saved, which are lost); a tensor at one path on every rank is "
+                    "taken as replicated: give per-rank values per-rank paths, e.g. under the rank "
                     "(asyncckpt.RNGState() for generators)", step, named)
 
 

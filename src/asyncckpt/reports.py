@@ -438,11 +438,15 @@ class RecordBook:
         order: list[int] = []
         single: dict[str, int] = {}
         boxes: dict[tuple[str, tuple[int, ...]], int] = {}
+        # Boxes are indexed where replicas of boxes are compared: with strict_replicas, or
+        # when a rank reports one (a small box two ranks declare: which boxes are probed
+        # follows from the layout, which the template's saves share).
+        by_box = strict or any(isinstance(v, dict) for r in reports for v in r.replicas.values())
         for key, entry in manifest.tensors.items():
             order += [where[c.file][c.key] for c in entry.chunks]
             if len(entry.chunks) == 1:
                 single[key] = order[-1]
-            elif strict:
+            elif by_box:
                 boxes.update(((key, c.offsets), where[c.file][c.key]) for c in entry.chunks)
         # Every chunk has a checksum (one for empty data): its quotes go with the fixed
         # text, so a fill joins each list of checksums with '","' alone.
