@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -322,6 +323,33 @@ def test_bad_manifest(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1 and "does not end with its digest" in err and "Traceback" not in err
     code, out, _ = run(capsys, "verify", str(root), "--step", "20")
     assert code == 1 and "does not end with its digest" in out
+
+
+def test_a_dcp_checkpoint_or_a_torch_save_file_is_told_apart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (a user migrating said only "no committed checkpoint under dcp_dir", or "is not a
+    # directory")
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    (dcp / "__0_0.distcp").write_bytes(b"x")
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    said = "it holds a PyTorch DCP checkpoint (.metadata, *.distcp), which asyncckpt does not read"
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(said)):
+        asyncckpt.load(dcp)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(
+            "a torch.save file (.pt)? load it with torch.load(path, weights_only=True)")):
+        asyncckpt.load(pt)
+    code, out, _ = run(capsys, "ls", str(dcp))
+    assert code == 0 and said in out
+    for cmd in ("ls", "inspect", "verify"):
+        code, _, err = run(capsys, cmd, str(pt))
+        assert code == 2 and "a torch.save file (.pt)?" in err, (cmd, err)
+    (tmp_path / "empty").mkdir()  # and nothing is said of a directory of neither
+    with pytest.raises(asyncckpt.CheckpointNotFoundError) as info:
+        asyncckpt.load(tmp_path / "empty")
+    assert str(info.value) == f"no committed checkpoint under {tmp_path / 'empty'}"
 
 
 def test_verify_of_a_newer_format_is_no_verdict_of_corruption(

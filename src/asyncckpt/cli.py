@@ -242,7 +242,8 @@ def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
         plain = (" (a plain safetensors file holds no checksums to verify: 'asyncckpt "
                  "inspect' shows its tensors)" if path.suffix == ".safetensors"
                  and path.is_file() else "")
-        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}")
+        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}"
+                     f"{commit.foreign_hint(path) if path.is_file() else ''}")
     if step is not None and (path / MANIFEST_NAME).is_file():
         # (before resolve_step_dir, whose error says it in the words of the Python API)
         found: int | None = None
@@ -279,7 +280,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
-        raise _Usage(f"{root} {what}: pass a checkpoint root directory")
+        raise _Usage(f"{root} {what}: pass a checkpoint root directory"
+                     f"{commit.foreign_hint(root) if root.is_file() else ''}")
     storage = LocalStorage()
     unlistable: list[tuple[str, str]] = []
     no_manifest: list[str] = []
@@ -332,7 +334,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "incomplete": abandoned, "no_manifest": no_manifest})
         return code
     if not entries:
-        _out(f"no committed checkpoints under {root}")
+        _out(f"no committed checkpoints under {root}{commit.foreign_hint(root, names)}")
     else:
         metrics = any(e.get("metrics") for e in entries)  # (a column only where there are)
         rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),

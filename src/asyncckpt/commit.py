@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -88,7 +88,7 @@ def list_root(root: Path, storage: ReadStorage) -> list[str]:
     except NotADirectoryError:
         raise CheckpointNotFoundError(
             f"{root} is a file, not a checkpoint directory: pass the directory that holds "
-            "the step_* directories (or one of them)") from None
+            f"the step_* directories (or one of them){foreign_hint(root)}") from None
     except PermissionError as exc:
         raise CheckpointPermissionError(
             f"the checkpoint directory {root} cannot be listed: {exc.strerror or exc}; give "
@@ -252,6 +252,22 @@ def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
     return removed
 
 
+_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
+    """What to do with a checkpoint of another format at ``path`` ("" for none known): a
+    PyTorch DCP directory (``.metadata`` beside ``*.distcp`` files), or a torch.save file."""
+    if names is not None and ".metadata" in names:
+        return ("; it holds a PyTorch DCP checkpoint (.metadata, *.distcp), which asyncckpt "
+                "does not read: load it with torch.distributed.checkpoint, then save the "
+                "state with asyncckpt")
+    if names is None and path.suffix in _TORCH_SAVE_SUFFIXES:
+        return (f"; a torch.save file ({path.suffix})? load it with torch.load(path, "
+                "weights_only=True), then save the state with asyncckpt.save")
+    return ""
+
+
 def check_step(step: object) -> None:
     """Refuse a ``step`` to load that is neither None (the latest) nor a step number."""
     if step is not None and (type(step) is not int or step < 0):
@@ -294,7 +310,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
             refuse_a_step_dir_without_manifest(root, names)
             junk = abandoned_dirs(root, storage)
             extra = f" ({len(junk)} incomplete ones ignored: {', '.join(junk[:3])})" if junk else ""
-            raise CheckpointNotFoundError(f"no committed checkpoint under {root}{extra}")
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {root}{extra}{foreign_hint(root, names)}")
         step = newest
     elif step_dir_name(step) not in names or not _is_committed(
             root, step_dir_name(step), storage, denied="raise", damaged="raise"):

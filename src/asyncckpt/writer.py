@@ -367,9 +367,11 @@ def started_pool(threads: int, prefix: str) -> cf.ThreadPoolExecutor:
         for _ in range(threads):
             pool.submit(gate.wait, 60.0)
         gate.wait(60.0)
-    except BaseException:
+    except BaseException as exc:
         gate.abort()
         pool.shutdown(wait=False, cancel_futures=True)
+        if exiting(exc):  # (a save from an atexit handler: submit refuses it, saying so)
+            return cf.ThreadPoolExecutor(threads, thread_name_prefix=prefix)
         raise
     return pool
 
