@@ -736,6 +736,43 @@ def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
     assert AsyncCheckpointer(tmp_path).steps() == []
 
 
+@pytest.mark.parametrize("skips", [True, False])
+def test_a_rank_the_others_gave_up_on_is_told_whether_it_skipped_or_came_late(
+        tmp_path: Path, skips: bool) -> None:
+    # Rank 1 missed the group's save of step 1 (beyond timeout_s). Its next call pairs
+    # with that save and fails with its timeout, which did not say that rank 1 was the
+    # one that skipped a save (then its later saves pair with the others' next ones).
+    store = dist.HashStore()
+    gave_up = threading.Event()
+
+    def rank(r: int) -> BaseException | None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            if r == 0:
+                with pytest.raises(asyncckpt.CheckpointTimeoutError):
+                    ck.save(_state(r), step=1)
+                gave_up.set()
+                return None
+            assert gave_up.wait(30)
+            try:
+                ck.save(_state(r), step=2 if skips else 1)
+            except asyncckpt.CheckpointTimeoutError as exc:
+                return exc
+            return None
+
+    out = in_threads(rank)
+    assert out[0] is None and isinstance(out[1], asyncckpt.CheckpointTimeoutError), out
+    if skips:
+        assert str(out[1]).endswith(
+            "; rank 1 was paired with the group's save of step 1, for which the others gave "
+            "up waiting for it: this rank skipped that save. Every rank must call save_async "
+            "the same number of times, in the same order: this rank's later saves pair with "
+            "the others' next ones"), out[1]
+    else:
+        assert str(out[1]).endswith("; rank 1 came to this save after the others had given "
+                                    "up waiting for it (timeout_s)"), out[1]
+
+
 def test_a_timeout_says_a_rank_is_saving_with_another_checkpointer(tmp_path: Path) -> None:
     """After step 1, rank 1 reopens its checkpointer and rank 0 does not: the saves of
     step 2 never meet, and the timeouts say why."""

@@ -1218,7 +1218,7 @@ class AsyncCheckpointer:
             # the others raise this error as it is ("said"); _announce_failure's more
             # general post (the claim holds the first) would prefix what it says again
             with contextlib.suppress(Exception):
-                self._refuse_go(tag, str(exc), exc, said=True)
+                self._refuse_go(tag, str(exc), exc, said=True, step=step)
             raise
         digests = tuple(got[r]["digest"] for r in range(ctx.world_size))
         lid = layout_id(digests)
@@ -1304,7 +1304,7 @@ class AsyncCheckpointer:
         if "error" in go:
             why = go["error"] if go.get("said") else f"step {step} not started: {go['error']}"
             if go.get("kind") == "CheckpointTimeoutError":
-                timeout = CheckpointTimeoutError(why)
+                timeout = CheckpointTimeoutError(why + self._came_late(step, go))
                 timeout.ranks = tuple(go.get("ranks", ()))
                 raise timeout
             if go.get("kind") == "CheckpointConfigError":
@@ -1315,6 +1315,23 @@ class AsyncCheckpointer:
                 raise CheckpointInFlightError(why)
             raise CheckpointSaveError(why)
         return go
+
+    def _came_late(self, step: int, go: Mapping[str, Any]) -> str:
+        """What to add when this rank is one the others gave up waiting for: this call
+        pairs with the group's save that timed out, which was of another step when this
+        rank skipped that save (the next ones then pair with the group's saves of other
+        steps, and fail too)."""
+        ctx = self._ctx
+        if ctx.rank not in go.get("ranks", ()):
+            return ""
+        theirs = go.get("step")
+        if type(theirs) is not int or theirs == step:
+            return (f"; rank {ctx.rank} came to this save after the others had given up "
+                    "waiting for it (timeout_s)")
+        return (f"; rank {ctx.rank} was paired with the group's save of step {theirs}, for "
+                f"which the others gave up waiting for it: this rank skipped that save. "
+                "Every rank must call save_async the same number of times, in the same "
+                "order: this rank's later saves pair with the others' next ones")
 
     def _replica_checksums(self, flat: FlatState) -> dict[str, Replica]:
         """Checksums of the small replicated CPU tensors this rank holds but another
@@ -1364,13 +1381,16 @@ class AsyncCheckpointer:
                 # (before the barrier's go, the others wait for this; after it, nobody)
                 self._refuse_go(tag, msg, exc, said=False)
 
-    def _refuse_go(self, tag: str, why: str, exc: BaseException, *, said: bool) -> None:
+    def _refuse_go(self, tag: str, why: str, exc: BaseException, *, said: bool,
+                   step: int | None = None) -> None:
         """Coordinator: post, unless a go is posted already, that save ``tag`` cannot
         start, and why (``said``: the others raise ``why`` as it is; else they prefix
-        it with the step). The error's kind and silent ranks go with it."""
+        it with the step). The error's kind and silent ranks go with it, and the step of
+        the coordinator's save, when known (a rank that skipped it is told so)."""
         self._ctx.claim(self._ctx.key(tag, "go"), json.dumps(
             {"error": why, "kind": type(exc).__name__, "said": said,
-             "ranks": list(getattr(exc, "ranks", ()) or ())}), "posting why")
+             "ranks": list(getattr(exc, "ranks", ()) or ()),
+             **({} if step is None else {"step": step})}), "posting why")
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> WritePlan:
         if self._plan is not None and self._plan.signature == layout_signature(tensors):
