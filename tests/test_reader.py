@@ -177,9 +177,10 @@ def test_coverage_counts_whole_items_and_pieces_alike() -> None:
     ch = Chunk("f", "k", (0, 0), (4, 3), (0, 48), ("0" * 16,))
     whole = ((0, 0), (4, 3))
     top, bottom = ((0, 0), (2, 3)), ((2, 0), (2, 3))
-    _check_covered([ReadItem("a", ch, whole, whole)], {"a": (4, 3)})
+    here = Path("peer-step-1")
+    _check_covered([ReadItem("a", ch, whole, whole)], {"a": (4, 3)}, here)
     _check_covered([ReadItem("a", ch, top, whole), ReadItem("a", ch, bottom, whole)],
-                   {"a": (4, 3)})
+                   {"a": (4, 3)}, here)
     refused = [
         ([ReadItem("a", ch, top, whole)], "6 of the 12"),  # half of it
         ([], "0 of the 12"),  # none of it
@@ -189,10 +190,11 @@ def test_coverage_counts_whole_items_and_pieces_alike() -> None:
     ]
     for items, says in refused:
         with pytest.raises(CheckpointNotFoundError, match=says):
-            _check_covered(items, {"a": (4, 3)})
+            _check_covered(items, {"a": (4, 3)}, here)
     # a whole item of a box other than the one wanted counts by its elements
-    with pytest.raises(CheckpointNotFoundError, match="6 of the 12"):
-        _check_covered([ReadItem("a", ch, top, top)], {"a": (4, 3)})
+    with pytest.raises(CheckpointNotFoundError, match="^peer-step-1: the checkpoint holds 6 of "
+                       "the 12"):  # (named: a peer's URL once the fetch retells it)
+        _check_covered([ReadItem("a", ch, top, top)], {"a": (4, 3)}, here)
 
 
 class PeerViewStorage(LocalStorage):

@@ -207,7 +207,7 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
     shapes = {k: boxes[k][1] if k in boxes else manifest.tensors[k].shape for k in dests}
     if items is None:
         items = plan_reads(manifest, {k: boxes.get(k) for k in dests})
-    _check_covered(items, shapes)  # before allocating: a partial view bounds nothing
+    _check_covered(items, shapes, step_dir)  # before allocating: a partial view bounds nothing
     out: dict[str, torch.Tensor] = {}
     fresh: dict[str, tuple[int, int]] = {}  # the tensors allocated here: (pointer, bytes)
     advise = _MAX_ADVISED  # each advice may split a mapping: keep the count of them bounded
@@ -344,7 +344,8 @@ def _read_pool() -> KeptThreads:
     return kept_threads("asyncckpt-read", _MAX_READ_THREADS)
 
 
-def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]],
+                   step_dir: Path) -> None:
     """Every wanted element must come from some saved chunk: a partial source (a peer's
     view) that lacks part of a wanted box is an error, never uninitialised memory."""
     got: dict[str, int] = {}
@@ -362,7 +363,7 @@ def _check_covered(items: list[ReadItem], shapes: Mapping[str, tuple[int, ...]])
         have = got.get(key, 0) + (want if key in whole else 0)
         if have != want:
             raise CheckpointNotFoundError(
-                f"the checkpoint holds {have} of the {want} wanted elements "
+                f"{step_dir}: the checkpoint holds {have} of the {want} wanted elements "
                 f"of tensor {key!r}: the source (e.g. a peer serving only its own shards) "
                 "does not have the box this process needs")
 
