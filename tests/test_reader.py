@@ -192,8 +192,8 @@ def test_coverage_counts_whole_items_and_pieces_alike() -> None:
         with pytest.raises(CheckpointNotFoundError, match=says):
             _check_covered(items, {"a": (4, 3)}, here)
     # a whole item of a box other than the one wanted counts by its elements
-    with pytest.raises(CheckpointNotFoundError, match="^peer-step-1: the checkpoint holds 6 of "
-                       "the 12"):  # (named: a peer's URL once the fetch retells it)
+    with pytest.raises(CheckpointNotFoundError, match=r"^peer-step-1: the checkpoint holds 6 "
+                       r"of the 12"):  # (named: a peer's URL once the fetch retells it)
         _check_covered([ReadItem("a", ch, top, top)], {"a": (4, 3)}, here)
 
 

@@ -87,9 +87,11 @@ def test_good_requests_work(served: tuple[HTTPTransport, int, int]) -> None:
     assert same_tree(asyncckpt.load(tr.address(), token=TOKEN), state_for(1)) is None
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"bearer {TOKEN}", f"Bearer {TOKEN} ",
+# (the scheme's name is case-insensitive, RFC 9110: "bearer TOKEN" is the token, as is
+# "Bearer TOKEN " with the whitespace a header's value may end in)
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"bearer {TOKEN.upper()}",
                                   f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer " + "A" * 8000,
-                                  TOKEN, "Bearer"])
+                                  TOKEN, "Bearer", f"Bearer{TOKEN}", f"Bearer {TOKEN[:-1]}"])
 def test_bad_tokens_are_refused(served: tuple[HTTPTransport, int, int], auth: str | None
                                 ) -> None:
     _, port, _ = served
