@@ -385,18 +385,33 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
             assert ("r1/extra1" in view.tensors) == (r == 1 and served.step >= 4)
 
 
-def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names_it(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("copies_fail", [False, True])
+def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        copies_fail: bool) -> None:
     """A plain tensor at one path on every rank (Adam's step count under FSDP2) is written
-    by one rank, so the other's view names it in its skeleton without holding it: that
-    view was refused as a malformed manifest, and nothing could be fetched from it."""
+    by one rank: the other's view held only its own file, so a peer healing that rank
+    from it could not get the tensor. Each serving rank now copies the tensors it holds
+    but does not write as the save begins, and offers them as a file of their own. Should
+    that copy fail, the view goes without them, and a load that wants them says so."""
+    from asyncckpt import checkpointer as C
     from asyncckpt.transport import HTTPTransport
 
+    if copies_fail:
+        real = C.plan_writes
+
+        def plan_writes(tensors: Any, file: str, meta: Any) -> Any:
+            if ".replicas." in file:
+                raise RuntimeError("no room")
+            return real(tensors, file, meta)
+
+        monkeypatch.setattr(C, "plan_writes", plan_writes)
     world = 2
     store = dist.HashStore()
     addresses: dict[int, str] = {}
     saved = threading.Barrier(world)
     done = threading.Barrier(world)
+    live: dict[int, dict[str, torch.Tensor]] = {}
 
     def fetch_from_each() -> None:
         writer = read_manifest(tmp_path / "step_000000001", LocalStorage()).tensors[
@@ -404,28 +419,36 @@ def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names
         other = 1 - [shard_file_name(r) for r in range(world)].index(writer)
         for r in range(world):
             mine = f"own{r}"  # (a path of this rank's alone: its own to write)
-            target = {mine: torch.zeros(3), "count": torch.tensor(0.0)}
-            if r == other:
-                for state in (None, target):
-                    with pytest.raises(asyncckpt.CheckpointNotFoundError,
-                                       match=r"does not hold count.*another rank of its group"):
-                        asyncckpt.load(addresses[r], state, ignore_unexpected=True,
-                                       timeout=10)
-                target = {mine: torch.zeros(3)}
-            asyncckpt.load(addresses[r], target, ignore_unexpected=True, timeout=10)
-            assert torch.equal(target[mine], torch.full((3,), float(r)))
-            assert r == other or target["count"].item() == 7.0
+            target = {mine: torch.zeros(3), "count": torch.tensor(0.0),
+                      "w": torch.zeros(2, 3)}
+            box = {"w": ShardMetadata((2 * world, 3), (2 * r, 0))}
+            if r == other and copies_fail:
+                with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                                   match=r"does not hold count.*another rank of its group"):
+                    asyncckpt.load(addresses[r], target, ignore_unexpected=True,
+                                   timeout=10, shards=box)
+                continue
+            got = asyncckpt.load(addresses[r], target, ignore_unexpected=True, timeout=10,
+                                 shards=box)
+            assert got is target and torch.equal(target[mine], torch.full((3,), float(r)))
+            assert target["count"].item() == 7.0  # as saved: the live one moved on
+            assert torch.equal(target["w"], torch.full((2, 3), float(r)))
+            assert live[r]["count"].item() == 8.0
+            fresh = asyncckpt.load(addresses[r], timeout=10, exclude="w")  # (w: a part)
+            assert fresh["count"].item() == 7.0 and set(fresh) == {"count", mine}, fresh
 
     def rank(r: int) -> None:
         tr = HTTPTransport(timeout=10)
         with contextlib.ExitStack() as stack, AsyncCheckpointer(
-                tmp_path, mode="sync", rank=r, world_size=world, store=store,
+                tmp_path, mode="async", rank=r, world_size=world, store=store,
                 timeout_s=30) as ck:
             stack.callback(tr.shutdown)  # (after the checkpointer's close)
             ck.serve(tr)
-            ck.save({"w": torch.full((2, 3), float(r)), "count": torch.tensor(7.0),
-                     f"own{r}": torch.full((3,), float(r))}, step=1,
-                    shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))})
+            live[r] = {"w": torch.full((2, 3), float(r)), "count": torch.tensor(7.0),
+                       f"own{r}": torch.full((3,), float(r))}
+            ck.save_async(live[r], step=1,
+                          shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))}).wait()
+            live[r]["count"].add_(1)  # training goes on: the view keeps step 1's
             addresses[r] = tr.address()
             saved.wait(30)
             try:
@@ -434,7 +457,10 @@ def test_a_rank_that_did_not_write_a_replicated_tensor_serves_the_rest_and_names
             finally:
                 done.wait(30)  # (each rank serves until the fetches are over)
 
-    all_ok(in_threads(rank, world=world))
+    with caplog.at_level(logging.ERROR, logger="asyncckpt"):
+        all_ok(in_threads(rank, world=world))
+    failed = [m for m in caplog.messages if "could not be copied for its view" in m]
+    assert len(failed) == (1 if copies_fail else 0), caplog.messages
 
 
 def _synced(root: Path, store: Any, r: int, *, world: int = 2, timeout_s: float = 10.0

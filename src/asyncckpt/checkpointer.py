@@ -80,6 +80,7 @@ from .writer import (
     BackgroundWriter,
     CheckpointFuture,
     CheckpointInfo,
+    Extras,
     Handover,
     SaveJob,
     os_error_hint,
@@ -309,6 +310,7 @@ class AsyncCheckpointer:
         self._my_sig: tuple[Any, ...] | None = None  # what self._my_digest was made from
         self._posted_digests: set[str] = set()  # every layout this rank posted
         self._probed: tuple[Any, list[str]] | None = None  # (for _layout) replicas to hash
+        self._extras: Extras | None = None  # (serving in a group) copies of others' tensors
         # Names the temporary directory the ranks share: the coordinator's, which the
         # others learn in each save's layout exchange.
         self._nonce = commit.new_token()
@@ -425,6 +427,8 @@ class AsyncCheckpointer:
             tensors = {k: t for k, t in flat.tensors.items() if k in mine}
             replicas = self._replica_checksums(flat) if ctx.distributed else {}
             self._stop_serving()  # before the arena's header or bytes change
+            extras = self._copy_extras(flat, mine) if ctx.distributed and (
+                self._transports) else None
             if self._preparing is not None:  # an arena being allocated ahead of time
                 preparing, self._preparing = self._preparing, None
                 cf.wait([preparing])
@@ -460,6 +464,7 @@ class AsyncCheckpointer:
             reports=self._reports, sync=self.config.mode == "sync",
             pulse=Pulse(ctx, tag) if ctx.distributed else None)
         job.serve_to = list(self._transports)
+        job.extras = extras
         writer = self._ensure_writer()
         staged: cf.Future[None] | None = None
         try:
@@ -584,7 +589,8 @@ class AsyncCheckpointer:
 
         Each save's staged arena — the shard file's bytes — is offered once the file is
         written and its bytes checksummed (before the commit), with no copy, until the
-        next save starts staging.
+        next save starts staging. In a group, the tensors this rank holds but another
+        writes (replicated ones) are copied as the save begins and offered beside it.
 
         Raises:
             CheckpointConfigError: ``transport`` cannot serve a staged arena (only
@@ -975,7 +981,7 @@ class AsyncCheckpointer:
                     writer.shutdown()
             finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
                 # and no later close() of this closed checkpointer could release it
-                self._arena = None
+                self._arena = self._extras = None
                 self._pending = self._preparing = None
                 self._lock.release()
                 if self._ctx.distributed:  # the Store keys of this checkpointer's saves
@@ -1434,6 +1440,38 @@ class AsyncCheckpointer:
                                           else "")) from exc
         assert self._arena is not None
         return self._arena
+
+    def _copy_extras(self, flat: FlatState, mine: set[str]) -> Extras | None:
+        """A rank of a group serving its saves: copy the tensors it holds but another rank
+        writes (replicated ones, such as Adam's step counts under FSDP2), so that its view
+        for peers holds its whole state as of this save, not only what its file holds
+        (a peer healing this rank's replica wants them all). On the caller's thread, into
+        buffers kept while the layout is: their bytes add to the time blocked. Serving
+        is a bonus: a copy that fails is logged, and the view goes without them."""
+        keys = [k for k in flat.tensors if k not in mine]
+        if not keys:
+            return None
+        rank = self._ctx.rank
+        try:
+            live = {k: flat.tensors[k] for k in keys}
+            kept = self._extras
+            if kept is None or list(kept.tensors) != keys or any(
+                    kept.tensors[k].shape != t.shape or kept.tensors[k].dtype != t.dtype
+                    for k, t in live.items()):
+                copies = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
+                kept = Extras(plan_writes(copies, f"rank_{rank:05d}.replicas.safetensors",
+                                          {"asyncckpt_format": "1"}), copies)
+            with torch.no_grad():
+                for k, t in live.items():
+                    kept.tensors[k].copy_(t.detach())
+        except Exception as exc:
+            self._extras = None
+            log.error("rank=%d: the tensors this rank holds but does not write could not be "
+                      "copied for its view for peers (offered without them): %s: %s", rank,
+                      type(exc).__name__, exc)
+            return None
+        self._extras = kept
+        return kept
 
     def _stop_serving(self) -> None:
         """Peers must stop reading the arena before anything in it changes (the next save

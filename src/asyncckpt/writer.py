@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import copy
+import dataclasses
 import errno
 import functools
 import logging
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import xxhash
 
 from . import commit
@@ -39,9 +41,9 @@ from .errors import (
     CheckpointTimeoutError,
     seconds_text,
 )
-from .manifest import MANIFEST_NAME, block_checksums, metrics_text
+from .manifest import MANIFEST_NAME, block_checksums, metrics_text, parse_manifest
 from .plan import WritePlan
-from .reports import RecordBook, Reports
+from .reports import RecordBook, Reports, frame_of, full_record
 from .staging import HostArena, StagingProgress, StagingStopped
 from .storage import Storage
 from .tree import FlatState
@@ -103,6 +105,16 @@ class SaveProgress:
 
 
 @dataclass
+class Extras:
+    """What a rank of a group offers peers beside its shard file: the tensors it holds
+    but does not write, as they were when the save began, laid out as one more file
+    (``plan``) over ``tensors`` (copies: the live ones change as training goes on)."""
+
+    plan: WritePlan
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
 class SaveJob:
     """Everything the background needs to finish one save. Owned by one save."""
 
@@ -146,6 +158,10 @@ class SaveJob:
     durable: cf.Future[CheckpointInfo] | None = None
     # overlap=True: the check that the tensors were left alone until wait_staged()
     handover: Handover | None = None
+    # a rank of a group serving its saves: the tensors it holds but another rank writes
+    # (replicated ones; Adam's step counts under FSDP2), copied as the save began, and
+    # their layout as a file of their own, offered beside its shard (None: none)
+    extras: Extras | None = None
 
     def release(self) -> None:
         """Drop the arena and the state tree once the save is over: a failed save's error,
@@ -883,17 +899,46 @@ def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
                       type(exc).__name__, exc)
             return
     buf = job.arena.memoryview()[:job.plan.file_bytes]
+    more: dict[str, Any] = {}
+    if job.extras is not None:
+        try:
+            with _gc_paused():
+                view, more = _with_extras(job, view)
+        except Exception as exc:  # (served without them: loads that want them say so)
+            log.error("rank=%d step=%d: the replicated tensors this rank does not write "
+                      "could not be added to its view for peers (offered without them): "
+                      "%s: %s", job.ctx.rank, job.step, type(exc).__name__, exc)
     for transport in job.serve_to:
         if getattr(transport, "closed", False) is True:  # shut down since serve(): stopped
             log.debug("rank=%d step=%d: not offered through %s: it was shut down",
                       job.ctx.rank, job.step, type(transport).__name__)
             continue
         try:
-            transport.serve(serve_arena(job.step, view, job.plan.file, buf))
+            transport.serve(serve_arena(job.step, view, job.plan.file, buf, more))
         except Exception as exc:  # serving is a bonus: it never costs the save itself
             log.error("rank=%d step=%d: offering the staged state to peers through %s failed "
                       "(the save goes on): %s: %s", job.ctx.rank, job.step,
                       type(transport).__name__, type(exc).__name__, exc)
+
+
+def _with_extras(job: SaveJob, view: bytes) -> tuple[bytes, dict[str, Any]]:
+    """``view`` with the job's extras added: their file (its header and the copies), and
+    each of their tensors with its box and checksums, as a load of the view reads them."""
+    from .dist import merge_records
+    from .transport.base import LiveSource
+
+    assert job.extras is not None
+    plan, tensors = job.extras.plan, job.extras.tensors
+    source = LiveSource(plan, tensors)
+    sums = [block_checksums(source.tensor_view(it.key), job.block_bytes) for it in plan.items]
+    record = full_record(frame_of(job.ctx.rank, plan, job.flat), sums, job.flat.skeleton, {})
+    extra = merge_records([record], step=job.step, library_version=job.library_version,
+                          block_bytes=job.block_bytes, user_metadata={}, created_unix=0.0,
+                          partial=True)
+    base = parse_manifest(view, f"the view of rank {job.ctx.rank}'s part of step {job.step}")
+    both = dataclasses.replace(base, files={**base.files, **extra.files},
+                               tensors={**base.tensors, **extra.tensors})
+    return both.to_json(), {plan.file: source}
 
 
 # What the hash thread hands the writer: this rank's record and, for a single process

@@ -308,11 +308,13 @@ class Served:
             f.close()
 
 
-def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryview) -> Served:
+def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryview,
+                more: Mapping[str, FileSource] | None = None) -> Served:
     """Serve a staged arena: the file body already sits in memory, checksummed.
-    ``manifest``: what describes it, or that manifest's bytes."""
+    ``manifest``: what describes it, or that manifest's bytes; ``more``: other files it
+    names (a rank's copies of the tensors it holds but does not write)."""
     raw = manifest if isinstance(manifest, bytes) else manifest.to_json()
-    return Served(step, lambda: raw, {file: BufferSource(buf)},
+    return Served(step, lambda: raw, {file: BufferSource(buf), **(more or {})},
                   origin="a checkpointer's saves (ckpt.serve)")
 
 
