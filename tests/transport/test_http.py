@@ -491,6 +491,14 @@ def test_no_100_continue_without_the_token(transports: Any) -> None:
     reply = raw_request(port_of(srv), b"POST /v1/current HTTP/1.1\r\nContent-Length: 9\r\n"
                         b"Expect: 100-continue\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    # nor with it: no request here may have a body (it got 100, then 400)
+    auth = f"Authorization: Bearer {TOKEN}\r\nConnection: close\r\n".encode()
+    reply = raw_request(port_of(srv), b"GET /v1/current HTTP/1.1\r\nContent-Length: 9\r\n"
+                        + auth + b"Expect: 100-continue\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400") and b"100 Continue" not in reply, reply[:300]
+    reply = raw_request(port_of(srv), b"GET /v1/current HTTP/1.1\r\n" + auth
+                        + b"Expect: 100-continue\r\n\r\n")  # no body: answered as asked
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"step": 5}'), reply[:300]
 
 
 def test_waiting_for_request_headers_has_its_own_short_bound(
@@ -587,7 +595,7 @@ def test_shutdown_ends_every_connection_and_refuses_new_offers() -> None:
     srv = HTTPTransport(token=TOKEN, timeout=30.0)
     srv.send_checkpoint([1], 5, state_of(), 10.0)
     port = port_of(srv)
-    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    auth = f"Authorization: Bearer {TOKEN}\r\nConnection: close\r\n".encode()
     idle = socket.create_connection(("127.0.0.1", port), timeout=8)  # a keep-alive
     idle.sendall(b"GET /v1/current HTTP/1.1\r\n" + auth + b"\r\n")
     answer = b""

@@ -812,8 +812,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle(send_body=False)
 
     def handle_expect_100(self) -> bool:
-        # No "100 Continue" (an invitation to send a body) without the token.
-        return self._token_ok() and super().handle_expect_100()
+        # Never a "100 Continue": it invites a body, which no request here may have (a
+        # token-holder's request with one got 100, then 400). The request is answered as
+        # it stands: its final status, or 401 without the token.
+        return self._token_ok()
 
     def _token_ok(self) -> bool:
         """Whether the request carries the token; if not, it is answered 401 here."""
