@@ -424,7 +424,7 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
             box = {"w": ShardMetadata((2 * world, 3), (2 * r, 0))}
             if r == other and copies_fail:
                 with pytest.raises(asyncckpt.CheckpointNotFoundError,
-                                   match=r"does not hold count.*another rank of its group"):
+                                   match=r"does not hold count: another rank of the peer"):
                     asyncckpt.load(addresses[r], target, ignore_unexpected=True,
                                    timeout=10, shards=box)
                 continue
@@ -436,6 +436,10 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
             assert live[r]["count"].item() == 8.0
             fresh = asyncckpt.load(addresses[r], timeout=10, exclude="w")  # (w: a part)
             assert fresh["count"].item() == 7.0 and set(fresh) == {"count", mine}, fresh
+            with pytest.raises(asyncckpt.CheckpointNotFoundError, match=(
+                    r"/v1/1 holds only part of w \(the boxes of the rank that serves it\): a "
+                    r"load with no target asks for whole tensors")):
+                asyncckpt.load(addresses[r], timeout=10)  # (it told of "wanted elements")
 
     def rank(r: int) -> None:
         tr = HTTPTransport(timeout=10)

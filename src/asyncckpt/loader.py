@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import operator
 import re
 import time
@@ -1016,6 +1017,14 @@ def _refuse_absent(manifest: Manifest, label: Path) -> None:
         absent = [p for p, k in saved_paths(manifest).items() if k not in manifest.tensors]
         if absent:
             raise _not_held(label, absent)
+        part = [k for k, e in manifest.tensors.items()
+                if sum(math.prod(c.lengths) for c in e.chunks) != math.prod(e.shape)]
+        if part:  # ("holds 4 of the 8 wanted elements" said nothing of the cause)
+            raise CheckpointNotFoundError(
+                f"{label} holds only part of {_few(part)} (the boxes of the rank that serves "
+                "it): a load with no target asks for whole tensors; pass a target whose "
+                "tensors ask for the boxes it holds (DTensors, or shards=), or leave those "
+                "out (exclude=)")
 
 
 def _not_held(label: Path, paths: list[str]) -> CheckpointNotFoundError:
@@ -1023,10 +1032,10 @@ def _not_held(label: Path, paths: list[str]) -> CheckpointNotFoundError:
     wrote, and one rank writes each replicated tensor (Adam's step counts under FSDP2, a
     replicated bias)."""
     return CheckpointNotFoundError(
-        f"{label} does not hold {_few(paths)}: the peer serves what its own rank wrote, and "
-        "another rank of its group wrote these (a replicated tensor is written by one "
-        "rank); fetch them from that rank's peer, or leave them out (exclude=, or a target "
-        "without them and ignore_unexpected=True)")
+        f"{label} does not hold {_few(paths)}: another rank of the peer's group wrote these "
+        "(a replicated tensor is written by one rank), and the peer could not offer its "
+        "copies of them (its log says why); fetch them from that rank's peer, or leave them "
+        "out (exclude=, or a target without them and ignore_unexpected=True)")
 
 
 def _unfillable(t: torch.Tensor, writable: _WritableMemory,

@@ -1294,6 +1294,7 @@ def test_an_in_place_fetch_of_a_step_the_peer_moved_on_from_says_so(
         asyncckpt.load(srv.address(), target, step=1, token=TOKEN, timeout=10.0,
                        progress=progress, threads=1)
     assert info.value.offered == 2
+    assert str(info.value).startswith(f"{srv.address()}/1/files/"), str(info.value)  # (a URL)
     assert str(info.value).endswith(
         "step 1 is not being served (step 2 is): fetch step 2, or ask /v1/current for the "
         "step on offer; the targets were loaded in place and may hold part of the peer's "

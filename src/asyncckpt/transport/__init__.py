@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import CheckpointTransport
-from .http import HTTPTransport
+from .http import HTTPTransport, StepNotOffered
 from .pg import PGTransport
 
-__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport"]
+__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "StepNotOffered"]

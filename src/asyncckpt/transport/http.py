@@ -1264,7 +1264,7 @@ class HTTPStorage:
                     pause = min(2 * pause, _BACKOFF_MAX_S)
                 continue
             self._answered = True
-            where = f"{self.where}{self._url(what)}"
+            where = f"http://{self.where}{self._url(what)}"
             if resp.status == 401:
                 raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
                                                "need the same token")
