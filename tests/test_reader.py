@@ -161,8 +161,11 @@ def test_a_partial_view_cannot_make_a_load_allocate_a_forged_shape(tmp_path: Pat
     doc["partial"] = True
     doc["tensors"]["x"]["shape"] = [2**40]  # 4 TB of float32 if it were allocated
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
-    with pytest.raises(CheckpointNotFoundError, match="wanted elements"):
-        load_from(tmp_path / "step_000000000", None, PeerViewStorage())
+    with pytest.raises(CheckpointNotFoundError, match="holds only part of x"):
+        load_from(tmp_path / "step_000000000", None, PeerViewStorage())  # (no target)
+    with pytest.raises(CheckpointNotFoundError, match="wanted elements"):  # (a target's box)
+        load_from(tmp_path / "step_000000000", {"x": torch.zeros(2048)}, PeerViewStorage(),
+                  shards={"x": asyncckpt.ShardMetadata((2**40,), (0,))})
 
 
 def test_coverage_counts_whole_items_and_pieces_alike() -> None:
