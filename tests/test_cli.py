@@ -352,6 +352,28 @@ def test_a_dcp_checkpoint_or_a_torch_save_file_is_told_apart(
     assert str(info.value) == f"no committed checkpoint under {tmp_path / 'empty'}"
 
 
+def test_verify_all_checks_every_committed_step(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (a trial looped over --step to check what a root retains)
+    code, out, _ = run(capsys, "verify", str(root), "--all")
+    assert code == 0 and out.count("\nOK ") + out.startswith("OK ") == 3, out
+    assert out.rstrip().endswith("3 committed steps verified: all intact")
+    flip_byte(root / "step_000000020", "model/w")
+    code, out, _ = run(capsys, "verify", str(root), "--all")
+    assert code == 1 and "CORRUPT " in out and "checksum mismatch in tensor 'model/w'" in out
+    assert out.rstrip().endswith("3 committed steps verified: 1 corrupt (step_000000020); "
+                                 "load another step"), out
+    code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False
+    assert [(s["step"], s["ok"]) for s in doc["steps"]] == [(10, True), (20, False), (30, True)]
+    for argv, says in ((["--all", "--step", "20"], "--all verifies every committed step: "
+                        "drop --step"), (["--all"], "is one step's directory")):
+        where = str(root / "step_000000010") if says.startswith("is one") else str(root)
+        code, _, err = run(capsys, "verify", where, *argv)
+        assert code == 2 and says in err, err
+
+
 def test_verify_of_a_newer_format_is_no_verdict_of_corruption(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     step_dir = root / "step_000000030"

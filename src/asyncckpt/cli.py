@@ -571,31 +571,84 @@ def _verified(step_dir: Path, storage: ReadStorage, threads: int | None = None) 
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    step_dir, storage = _resolve(args.ckpt, args.step)
     if args.threads is not None and args.threads < 1:
         raise _Usage(f"--threads {args.threads}: give 1 or more")
+    if args.all:
+        return _verify_all(args)
+    step_dir, storage = _resolve(args.ckpt, args.step)
     t0 = time.perf_counter()
     report = _verified(step_dir, storage, args.threads)
     seconds = time.perf_counter() - t0
-    gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
     code = _decided(args, EXIT_OK if report.ok else EXIT_CORRUPT)
     if args.json:
-        _print_json({"path": str(step_dir), "step": report.step, "ok": report.ok,
-                     "tensors": report.tensors, "bytes": report.bytes,
-                     "seconds": round(seconds, 6), "gbps": round(gbps, 3),
-                     "problems": report.problems})
-    elif report.ok:
+        _print_json(_verify_doc(step_dir, report, seconds))
+    else:
+        _print_verdict(step_dir, report, seconds)
+        if not report.ok:
+            _out("load an earlier step (asyncckpt ls ROOT lists them)")
+    return code
+
+
+def _verify_all(args: argparse.Namespace) -> int:
+    """``verify ROOT --all``: every committed step, oldest first; exit 1 if any is corrupt
+    (the verdicts are printed once all are known: a pipe closed early keeps the code)."""
+    if args.step is not None:
+        raise _Usage("--all verifies every committed step: drop --step")
+    root = Path(args.ckpt)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise _Usage(f"{root} {what}: --all takes a checkpoint root directory")
+    storage = LocalStorage()
+    if MANIFEST_NAME in storage.listdir(root):
+        raise _Usage(f"{root} is one step's directory: --all takes the checkpoint root that "
+                     "holds the step_* directories (or drop --all)")
+    steps = commit.committed_steps(root, storage)
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {root}"
+                                      f"{commit.foreign_hint(root, storage.listdir(root))}")
+    done: list[tuple[Path, VerifyReport, float]] = []
+    for step in steps:
+        step_dir = root / commit.step_dir_name(step)
+        t0 = time.perf_counter()
+        try:
+            report = _verified(step_dir, storage, args.threads)
+        except CheckpointNotFoundError:
+            if os.path.lexists(step_dir):
+                raise
+            continue  # retired by retention since it was listed: no step now
+        done.append((step_dir, report, time.perf_counter() - t0))
+    bad = [d.name for d, r, _ in done if not r.ok]
+    code = _decided(args, EXIT_CORRUPT if bad else EXIT_OK)
+    if args.json:
+        _print_json({"root": str(root), "ok": not bad,
+                     "steps": [_verify_doc(d, r, t) for d, r, t in done]})
+        return code
+    for d, r, t in done:
+        _print_verdict(d, r, t)
+    _out(f"{_n(len(done), 'committed step')} verified: " + (
+        f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
+    return code
+
+
+def _verify_doc(step_dir: Path, report: VerifyReport, seconds: float) -> dict[str, Any]:
+    gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return {"path": str(step_dir), "step": report.step, "ok": report.ok,
+            "tensors": report.tensors, "bytes": report.bytes, "seconds": round(seconds, 6),
+            "gbps": round(gbps, 3), "problems": report.problems}
+
+
+def _print_verdict(step_dir: Path, report: VerifyReport, seconds: float) -> None:
+    if report.ok:
+        gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
         _out(f"OK {step_dir}: step {report.step}, {_n(report.tensors, 'tensor')}, "
              f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked in {seconds:.3f}s "
              f"({gbps:.2f} GB/s)")
-    else:
-        _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
-             f"({_n(report.tensors, 'tensor')} intact):")
-        tail = "; load an earlier step"  # (said once, below, with where to find one)
-        for p in report.problems:
-            _out(f"  - {_shown(p[:-len(tail)] if p.endswith(tail) else p)}")
-        _out("load an earlier step (asyncckpt ls ROOT lists them)")
-    return code
+        return
+    _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
+         f"({_n(report.tensors, 'tensor')} intact):")
+    tail = "; load an earlier step"  # (said once, after, with where to find one)
+    for p in report.problems:
+        _out(f"  - {_shown(p[:-len(tail)] if p.endswith(tail) else p)}")
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -770,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--threads", type=int, default=None,
                             help="files or parts of one read at once (default: 2, or 1 "
                             "on one CPU); more can help on a parallel filesystem")
+            sp.add_argument("--all", action="store_true",
+                            help="verify every committed step of the root, oldest first "
+                            "(exit 1 if any is corrupt)")
         sp.set_defaults(func=func)
     ex = sub.add_parser(
         "export", help="write one safetensors file of whole tensors (for Hugging Face etc.)",
