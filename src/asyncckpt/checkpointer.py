@@ -1455,9 +1455,7 @@ class AsyncCheckpointer:
         try:
             live = {k: flat.tensors[k] for k in keys}
             kept = self._extras
-            if kept is None or list(kept.tensors) != keys or any(
-                    kept.tensors[k].shape != t.shape or kept.tensors[k].dtype != t.dtype
-                    for k, t in live.items()):
+            if kept is None or kept.plan.signature != layout_signature(live):
                 copies = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
                 kept = Extras(plan_writes(copies, f"rank_{rank:05d}.replicas.safetensors",
                                           {"asyncckpt_format": "1"}), copies)

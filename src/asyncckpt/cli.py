@@ -350,13 +350,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
                      ""], rows, right=(0, 1, 2)))
         total = sum(e.get("bytes", 0) for e in entries)
-        _out(f"{listed} committed step{'s' if listed != 1 else ''}, "
+        _out(f"{_n(listed, 'committed step')}, "
              f"{human_bytes(total)} in all"
              + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
                 "cannot be listed" if unlistable else ""))
     if abandoned:
-        _out(f"{len(abandoned)} incomplete or abandoned temp dir"
-             f"{'s' if len(abandoned) != 1 else ''} (never read; the next save here removes "
+        _out(f"{_n(len(abandoned), 'incomplete or abandoned temp dir')} (never read; the "
+             "next save here removes "
              f"them): {', '.join(abandoned)}")
     if no_manifest:
         _out(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
@@ -479,9 +479,8 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
         return EXIT_OK
     _out(_tensor_table(doc))
     _out(f"plain safetensors: {_n(len(doc['tensors']), 'tensor')}  {doc['tensor_bytes']} tensor "
-         "bytes "
-         f"({human_bytes(doc['total_bytes'])} in {len(files)} "
-         f"file{'s' if len(files) != 1 else ''}); no checksums: load them with "
+         f"bytes ({human_bytes(doc['total_bytes'])} in {_n(len(files), 'file')}); no "
+         "checksums: load them with "
          "asyncckpt.load_safetensors")
     return EXIT_OK
 
@@ -505,7 +504,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _out(f"step {doc['step']}  world size {doc['world_size']}  "
          f"{_n(len(doc['tensors']), 'tensor')}  "
          f"{doc['tensor_bytes']} tensor bytes ({human_bytes(doc['total_bytes'])} in "
-         f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''})  "
+         f"{_n(len(doc['files']), 'file')})  "
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
     owned = [s["path"] for s in skel["stateful"]]
     loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
@@ -688,7 +687,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     for s in report.skipped:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
     for name, n in report.overflowed.items():
-        _warn(f"{n} finite value{'s' if n != 1 else ''} of {_shown(name)} "
+        _warn(f"{_n(n, 'finite value')} of {_shown(name)} "
               f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became inf")
     if args.json:
         _print_json(report.to_json())

@@ -1028,9 +1028,9 @@ def _refuse_absent(manifest: Manifest, label: Path) -> None:
 
 
 def _not_held(label: Path, paths: list[str]) -> CheckpointNotFoundError:
-    """The paths a partial view names but does not hold: a rank of a group serves what it
-    wrote, and one rank writes each replicated tensor (Adam's step counts under FSDP2, a
-    replicated bias)."""
+    """The paths a partial view names but does not hold: a replicated tensor (Adam's
+    step counts under FSDP2, a replicated bias) is written by one rank of a group, and the
+    other ranks' views hold their copies of it, unless making them failed."""
     return CheckpointNotFoundError(
         f"{label} does not hold {_few(paths)}: another rank of the peer's group wrote these "
         "(a replicated tensor is written by one rank), and the peer could not offer its "

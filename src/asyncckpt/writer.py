@@ -43,7 +43,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, block_checksums, metrics_text, parse_manifest
 from .plan import WritePlan
-from .reports import RecordBook, Reports, frame_of, full_record
+from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
 from .storage import Storage
 from .tree import FlatState
@@ -924,17 +924,14 @@ def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
 def _with_extras(job: SaveJob, view: bytes) -> tuple[bytes, dict[str, Any]]:
     """``view`` with the job's extras added: their file (its header and the copies), and
     each of their tensors with its box and checksums, as a load of the view reads them."""
-    from .dist import merge_records
-    from .transport.base import LiveSource
+    from .transport.base import LiveSource, partial_manifest
 
     assert job.extras is not None
     plan, tensors = job.extras.plan, job.extras.tensors
     source = LiveSource(plan, tensors)
     sums = [block_checksums(source.tensor_view(it.key), job.block_bytes) for it in plan.items]
-    record = full_record(frame_of(job.ctx.rank, plan, job.flat), sums, job.flat.skeleton, {})
-    extra = merge_records([record], step=job.step, library_version=job.library_version,
-                          block_bytes=job.block_bytes, user_metadata={}, created_unix=0.0,
-                          partial=True)
+    extra = partial_manifest(job.ctx.rank, plan, job.flat, sums, step=job.step,
+                             block_bytes=job.block_bytes, library_version=job.library_version)
     base = parse_manifest(view, f"the view of rank {job.ctx.rank}'s part of step {job.step}")
     both = dataclasses.replace(base, files={**base.files, **extra.files},
                                tensors={**base.tensors, **extra.tensors})

@@ -18,7 +18,7 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +33,7 @@ from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import _check_file as check_file
 from ..reader import read_manifest, tensor_bytes
 from ..storage import LocalStorage, open_regular
-from ..tree import flatten
+from ..tree import FlatState, flatten
 
 T = TypeVar("T")
 
@@ -349,12 +349,24 @@ def _live_plan(tensors: Mapping[str, torch.Tensor]) -> WritePlan:
     return plan
 
 
-def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
-    """Serve live tensors: nothing is copied up front; checksums are computed on the
-    first manifest request (off the training thread)."""
+def partial_manifest(rank: int, plan: WritePlan, flat: FlatState,
+                     sums: Sequence[Sequence[str]], *, step: int, block_bytes: int,
+                     library_version: str) -> Manifest:
+    """The manifest of one file that ``plan`` lays out, as rank ``rank`` would report it
+    (``sums``: each item's block checksums), marked partial: what a peer is served of a
+    live state (``serve_state``), or of a rank's copies of others' tensors."""
     from ..dist import merge_records
     from ..reports import frame_of, full_record
 
+    record = full_record(frame_of(rank, plan, flat), sums, flat.skeleton, {})
+    return merge_records([record], step=step, library_version=library_version,
+                         block_bytes=block_bytes, user_metadata={}, created_unix=0.0,
+                         partial=True)
+
+
+def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
+    """Serve live tensors: nothing is copied up front; checksums are computed on the
+    first manifest request (off the training thread)."""
     if type(step) is not int or step < 0:  # (it names the step in URLs and the manifest)
         raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
@@ -403,11 +415,9 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
             if not cache:
                 sums = checksums()
                 with gc_paused():
-                    record = full_record(frame_of(0, plan, flat), sums, flat.skeleton, {})
-                    cache.append(merge_records(
-                        [record], step=step, library_version=library_version,
-                        block_bytes=block_bytes, user_metadata={}, created_unix=0.0,
-                        partial=True).to_json())
+                    cache.append(partial_manifest(0, plan, flat, sums, step=step,
+                                                  block_bytes=block_bytes,
+                                                  library_version=library_version).to_json())
             return cache[0]
 
     return Served(step, manifest, {plan.file: source}, cancelled, origin="send_checkpoint")
