@@ -93,6 +93,43 @@ def test_a_wait_whose_last_slice_is_under_a_millisecond_still_ends() -> None:
     assert len(out) == 1 and isinstance(out[0], CheckpointTimeoutError), out
 
 
+def test_a_rank_waiting_on_another_beats_often_and_says_on_whom_it_waits() -> None:
+    """The coordinator waiting for a stuck rank's layout is itself waited on by a third
+    rank, which times out on it if its count stays put for timeout_s: it must move at
+    every beat (not once a one-second slice, which with timeout_s=1 let the third rank
+    name the healthy coordinator, CI of stop 39), and its beat must name the rank it waits
+    for, so that the third rank's error does too."""
+    from asyncckpt.dist import Pulse
+
+    ctx = _ctx(timeout_s=1.0)
+    pulse = Pulse(ctx, "s1")
+    beats: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        key = ctx.key("s1", "beat", 0)
+        while not done.is_set():
+            if ctx.store.check([key]):
+                beat = json.loads(ctx.store.get(key))
+                if not beats or beats[-1] != beat:
+                    beats.append(beat)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ctx.store.set(ctx.key("s1", "layout", 1), "{}")  # rank 1 posted; rank 2 never does
+    try:
+        with pytest.raises(CheckpointTimeoutError, match=r"from rank\(s\) \[2\]"):
+            ctx.wait_keys({1: ctx.key("s1", "layout", 1), 2: ctx.key("s1", "layout", 2)},
+                          "the shard layouts of step 1", pulse=pulse)
+    finally:
+        done.set()
+        watcher.join(5)
+    counts = [b["n"] for b in beats]
+    assert len(set(counts)) >= 4, beats  # every_s is timeout_s / 4: a beat each 0.25 s
+    assert beats[-1]["doing"] == "waiting for the shard layouts of step 1 from rank(s) [2]", beats
+
+
 def test_a_value_larger_than_a_store_message_goes_in_parts() -> None:
     """torch's TCPStore refuses a value over 8 MiB and drops the connection (a rank's
     record of ~40,000 tensors is that large): such values are posted in parts, read back

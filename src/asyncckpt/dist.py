@@ -630,6 +630,10 @@ class DistContext:
         # The baseline of the counts is taken after the first slice: it must end well
         # before the deadline, or a count that moves in between is never seen to.
         first_slice = min(1.0, timeout / 2)
+        # A waiting rank beats once a slice: with a pulse, slices as short as its beats,
+        # or a rank waiting on this one could see it silent for a whole timeout_s
+        slice_s = 1.0 if pulse is None else min(1.0, pulse.every_s)
+        first_slice = min(first_slice, slice_s)
         pending = dict(keys)
         baseline = False
         poll_s = 0.001
@@ -644,8 +648,10 @@ class DistContext:
                     if until():
                         return True
             if pulse is not None:
-                pulse(f"waiting for {what}")  # progress: this wait itself times out
-            slice_end = min(deadline, time.monotonic() + (1.0 if baseline else first_slice))
+                # progress: this wait itself times out; the ranks it waits on go with it,
+                # so that a rank timing out on this one learns whom it was held up by
+                pulse(f"waiting for {what} from {_ranks_text(sorted(pending))}")
+            slice_end = min(deadline, time.monotonic() + (slice_s if baseline else first_slice))
             while True:  # until every key is there or the slice ends
                 with self._store_errors(f"waiting for {what}", error):
                     if self.store.check(list(pending.values())):
@@ -783,6 +789,13 @@ class Pulse:
         with self._lock:
             said = [(r, self._doing[r]) for r in ranks if self._doing.get(r)]
         return "; ".join(f"rank {r} was last {what}" for r, what in said)
+
+
+def _ranks_text(ranks: Sequence[int], most: int = 8) -> str:
+    """``rank(s) [1, 2]``, with at most ``most`` ranks named (``... and 3 more``)."""
+    if len(ranks) <= most:
+        return f"rank(s) {list(ranks)}"
+    return f"rank(s) {list(ranks[:most])} and {len(ranks) - most} more"
 
 
 def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
