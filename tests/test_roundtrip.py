@@ -871,13 +871,38 @@ def test_unsupported_leaves_are_refused_naming_the_path(tmp_path, case):
     assert not any(tmp_path.iterdir()) or asyncckpt.AsyncCheckpointer(tmp_path).steps() == []
 
 
-@pytest.mark.parametrize("step", ["1", 1.0, True, -1])
+def test_a_numpy_integer_or_a_0_dim_integer_tensor_is_a_step(tmp_path: Path) -> None:
+    """A training loop's counter is often a NumPy integer or a tensor: saves, loads,
+    discards and manifests take it as the int it holds (the directory, the info and the
+    manifest say a plain int)."""
+    with AsyncCheckpointer(tmp_path) as ck:
+        info = ck.save({"w": torch.ones(2)}, step=np.int64(3))
+        assert type(info.step) is int and info.step == 3
+        ck.save_async({"w": torch.full((2,), 5.0)}, step=torch.tensor(5)).wait()
+        ck.save({"w": torch.full((2,), 7.0)}, step=np.uint16(7))
+        assert ck.steps() == [3, 5, 7]
+        assert (tmp_path / "step_000000005").is_dir()
+        assert ck.manifest(np.int32(5)).step == 5
+        assert ck.load(step=torch.tensor(5, dtype=torch.int32))["w"].tolist() == [5.0, 5.0]
+        assert ck.discard_steps_after(np.int64(5)) == [7]
+    asyncckpt.save({"w": torch.ones(1)}, tmp_path / "one", step=np.int8(2))
+    assert asyncckpt.load(tmp_path / "one", step=np.int64(2))["w"].tolist() == [1.0]
+    assert asyncckpt.load(tmp_path, step=np.array(3))["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("step", ["1", 1.0, True, -1, np.float64(1.0), np.bool_(True),
+                                  np.int64(-1), np.array([1]), torch.tensor(1.0),
+                                  torch.tensor(True), torch.tensor([1])])
 def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step):
     asyncckpt.save({"w": torch.ones(1)}, tmp_path, step=1)
     with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
         asyncckpt.load(tmp_path, step=step)
     with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
         AsyncCheckpointer(tmp_path).load(step=step)
+    with AsyncCheckpointer(tmp_path / "other") as ck:
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
+            ck.save({"w": torch.ones(1)}, step=step)
+        assert ck.steps() == []
 
 
 def test_a_stray_file_named_like_a_step_is_ignored(tmp_path):

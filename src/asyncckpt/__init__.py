@@ -147,6 +147,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
               ignore_unexpected: bool, exclude: tuple[str, ...],
               key_map: _KeyMap | None, cast: bool,
               shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+    step = _check_step(step)  # (a NumPy integer or a 0-dim tensor as an int)
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     if scheme is not None and str(path)[:7] != "http://":
         raise CheckpointConfigError(
@@ -166,7 +167,6 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             peer_error,
         )
 
-        _check_step(step)
         if step is not None:
             check_peer_step(step)
         timeout = fetch_timeout(timeout)

@@ -403,8 +403,7 @@ class AsyncCheckpointer:
         self._seq += 1  # counted on every rank alike: saves are collective
         tag = f"n{self._seq}"
         try:
-            if type(step) is not int or step < 0:
-                raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
+            step = commit.as_step(step)
             user_metadata = _checked_metadata(metadata)
             recorded = checked_metrics(metrics)
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
@@ -747,8 +746,7 @@ class AsyncCheckpointer:
             CheckpointClosedError: the checkpointer is closed.
         """
         self._refuse_forked("discard_steps_after")
-        if type(step) is not int or step < 0:
-            raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
+        step = commit.as_step(step)
         with self._one_call("discard_steps_after"):
             self._check_open()
             self._wait_for_previous()
@@ -899,6 +897,7 @@ class AsyncCheckpointer:
                     ignore_unexpected=ignore_unexpected, cast=cast)
         self._refuse_forked("load")
         check_threads(threads)
+        step = commit.check_step(step)
         check_fallback(fallback, step, verify)
         parts = check_exclude(exclude)
         check_key_map(key_map)

@@ -268,11 +268,33 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
     return ""
 
 
-def check_step(step: object) -> None:
-    """Refuse a ``step`` to load that is neither None (the latest) nor a step number."""
-    if step is not None and (type(step) is not int or step < 0):
-        raise CheckpointConfigError(f"step={step!r}: use a non-negative int (or None for the "
-                                    "latest)")
+def as_step(step: object, *, latest: bool = False) -> int:
+    """``step`` as a Python int: an ``int``, a NumPy integer or a 0-dim integer tensor (a
+    training loop's counter), non-negative; anything else (``bool``, a float, a string)
+    raises CheckpointConfigError saying what to pass. ``latest`` says None is taken by
+    the caller (the latest step), for the message."""
+    n: object = None
+    if type(step) is int:
+        n = step
+    elif type(step).__module__ == "numpy" and getattr(step, "ndim", None) == 0 \
+            and getattr(getattr(step, "dtype", None), "kind", "") in ("i", "u"):
+        n = int(step)  # type: ignore[call-overload]
+    elif type(step).__module__.startswith("torch") and hasattr(step, "is_floating_point"):
+        import torch
+
+        if isinstance(step, torch.Tensor) and step.dim() == 0 and not step.is_complex() \
+                and not step.is_floating_point() and step.dtype is not torch.bool:
+            n = int(step.item())
+    if type(n) is not int or n < 0:
+        raise CheckpointConfigError(
+            f"step={step!r}: use a non-negative int (a NumPy integer or a 0-dim integer "
+            "tensor is taken too)" + (", or None for the latest" if latest else ""))
+    return n
+
+
+def check_step(step: object) -> int | None:
+    """``step`` to load as an int, or None (the latest); refuses what is no step number."""
+    return None if step is None else as_step(step, latest=True)
 
 
 def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
@@ -283,7 +305,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     temporary directory or a step being deleted unless ``uncommitted_ok`` (the CLI
     inspects those, with a warning).
     """
-    check_step(step)
+    step = check_step(step)
     names = list_root(root, storage)
     if MANIFEST_NAME in names:
         kind = temp_dir_kind(root.name)

@@ -666,6 +666,24 @@ def test_bad_settings_are_config_errors() -> None:
         asyncckpt.load("http://127.0.0.1:1/v1", token="")
 
 
+
+def test_a_numpy_or_tensor_step_is_offered_and_fetched_as_its_int(
+        transports: Callable[..., HTTPTransport]) -> None:
+    import numpy as np
+
+    srv = transports(token=TOKEN)
+    want = state_of(3)
+    srv.send_checkpoint([1], np.int64(4), want, 10.0)
+    srv.disallow_checkpoint()
+    srv.allow_checkpoint(torch.tensor(4))
+    client = HTTPTransport(timeout=5, token=TOKEN)
+    try:
+        assert_state(client.recv_checkpoint(0, srv.address(), np.uint32(4), 5), want)
+        assert_state(asyncckpt.load(srv.address(), step=torch.tensor(4), token=TOKEN), want)
+    finally:
+        client.shutdown()
+
+
 def test_a_step_that_is_no_step_number_is_a_config_error(transports: Any) -> None:
     """Not put into a URL: a string step blamed the peer for serving the step asked for,
     -1 or True got a 404."""

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 
 from .._gc import gc_paused
+from ..commit import as_step
 from ..errors import CheckpointConfigError, CheckpointTransportError, seconds_text
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
@@ -367,8 +368,7 @@ def partial_manifest(rank: int, plan: WritePlan, flat: FlatState,
 def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
     """Serve live tensors: nothing is copied up front; checksums are computed on the
     first manifest request (off the training thread)."""
-    if type(step) is not int or step < 0:  # (it names the step in URLs and the manifest)
-        raise CheckpointConfigError(f"step={step!r}: use a non-negative int")
+    step = as_step(step)  # (it names the step in URLs and the manifest)
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..commit import check_step
+from ..commit import as_step
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -323,6 +323,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             CheckpointClosedError: after ``shutdown()``.
         """
         self._refuse_forked("allow_checkpoint")
+        step = as_step(step)
         with self._cond:
             self._check_open("allow_checkpoint")
             if self._offered is None:
@@ -532,7 +533,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
-        check_step(step)
+        step = as_step(step)
         check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
