@@ -422,19 +422,21 @@ def test_a_rank_of_a_group_serves_its_part_and_merges_that_view_once_per_layout(
             assert ("r1/extra1" in view.tensors) == (r == 1 and served.step >= 4)
 
 
-@pytest.mark.parametrize("copies_fail", [False, True])
+@pytest.mark.parametrize("copies_fail,overlap", [(None, False), (None, True),
+                                                 ("plan", False), ("copy", True)])
 def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_too(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        copies_fail: bool) -> None:
+        copies_fail: str | None, overlap: bool) -> None:
     """A plain tensor at one path on every rank (Adam's step count under FSDP2) is written
     by one rank: the other's view held only its own file, so a peer healing that rank
     from it could not get the tensor. Each serving rank now copies the tensors it holds
-    but does not write as the save begins, and offers them as a file of their own. Should
-    that copy fail, the view goes without them, and a load that wants them says so."""
+    but does not write with the save's staging (off the caller's thread with overlap=True,
+    as the rest), and offers them as a file of their own. Should their buffers or their
+    copy fail, the view goes without them, and a load that wants them says so."""
     from asyncckpt import checkpointer as C
     from asyncckpt.transport import HTTPTransport
 
-    if copies_fail:
+    if copies_fail == "plan":
         real = C.plan_writes
 
         def plan_writes(tensors: Any, file: str, meta: Any) -> Any:
@@ -443,6 +445,17 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
             return real(tensors, file, meta)
 
         monkeypatch.setattr(C, "plan_writes", plan_writes)
+    copied_on: list[threading.Thread] = []
+    real_fill = C.fill_extras
+
+    def fill_extras(extras: Any, after: Any = None) -> None:
+        copied_on.append(threading.current_thread())
+        if copies_fail == "copy":
+            monkeypatch.setattr(C, "side_streams", lambda *a: 1 / 0)
+        real_fill(extras, after)
+
+    monkeypatch.setattr(C, "fill_extras", fill_extras)
+    callers: list[threading.Thread] = []
     world = 2
     store = dist.HashStore()
     addresses: dict[int, str] = {}
@@ -487,9 +500,12 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
             ck.serve(tr)
             live[r] = {"w": torch.full((2, 3), float(r)), "count": torch.tensor(7.0),
                        f"own{r}": torch.full((3,), float(r))}
-            ck.save_async(live[r], step=1,
-                          shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))}).wait()
+            fut = ck.save_async(live[r], step=1, overlap=overlap,
+                                shards={"w": ShardMetadata((2 * world, 3), (2 * r, 0))})
+            fut.wait_staged()
             live[r]["count"].add_(1)  # training goes on: the view keeps step 1's
+            fut.wait()
+            callers.append(threading.current_thread())
             addresses[r] = tr.address()
             saved.wait(30)
             try:
@@ -502,6 +518,42 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
         all_ok(in_threads(rank, world=world))
     failed = [m for m in caplog.messages if "could not be copied for its view" in m]
     assert len(failed) == (1 if copies_fail else 0), caplog.messages
+    assert len(copied_on) == (0 if copies_fail == "plan" else 1)  # (one rank has extras)
+    # the copy is the staging's: with overlap=True, never on the caller's thread
+    assert all((t in callers) == (not overlap) for t in copied_on), (copied_on, callers)
+
+
+def test_with_overlap_a_copied_replicated_tensor_changed_before_wait_staged_fails_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serving rank that does not write a replicated tensor copies it with the
+    staging: changed in place before wait_staged() (here: right after its copy), the copy
+    could be torn, as any staged tensor's, and the save is refused naming it."""
+    from asyncckpt import checkpointer as C
+    from asyncckpt.transport import HTTPTransport
+
+    real_fill = C.fill_extras
+
+    def fill_extras(extras: Any, after: Any = None) -> None:
+        real_fill(extras, after)
+        extras.live["count"].add_(1)  # optimizer.step() too early, on this rank alone
+
+    monkeypatch.setattr(C, "fill_extras", fill_extras)
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        tr = HTTPTransport(timeout=10)
+        with contextlib.ExitStack() as stack, AsyncCheckpointer(
+                tmp_path, mode="async", rank=r, world_size=2, store=store, timeout_s=30) as ck:
+            stack.callback(tr.shutdown)
+            ck.serve(tr)
+            fut = ck.save_async({"count": torch.tensor(7.0), f"own{r}": torch.ones(3)},
+                                step=1, overlap=True)
+            with pytest.raises(CheckpointSaveError, match=r"'count'.*changed in place"):
+                fut.wait_staged()
+                fut.wait()
+            assert ck.steps() == []
+
+    all_ok(in_threads(rank, world=2))
 
 
 def _synced(root: Path, store: Any, r: int, *, world: int = 2, timeout_s: float = 10.0

@@ -73,7 +73,14 @@ from .manifest import (
 from .plan import WritePlan, layout_signature, plain_memory, plan_writes
 from .reader import read_manifest, tensor_bytes
 from .reports import Reports
-from .staging import HostArena, StagingProgress, StagingStopped, caller_streams, stage
+from .staging import (
+    HostArena,
+    StagingProgress,
+    StagingStopped,
+    caller_streams,
+    side_streams,
+    stage,
+)
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, dtype_name, flatten
 from .writer import (
@@ -426,7 +433,7 @@ class AsyncCheckpointer:
             tensors = {k: t for k, t in flat.tensors.items() if k in mine}
             replicas = self._replica_checksums(flat) if ctx.distributed else {}
             self._stop_serving()  # before the arena's header or bytes change
-            extras = self._copy_extras(flat, mine) if ctx.distributed and (
+            extras = self._extras_for(flat, mine) if ctx.distributed and (
                 self._transports) else None
             if self._preparing is not None:  # an arena being allocated ahead of time
                 preparing, self._preparing = self._preparing, None
@@ -469,19 +476,21 @@ class AsyncCheckpointer:
         try:
             durable, self._retention = writer.submit(job)  # follows the staging progress
             if overlap and self.config.mode != "sync":
-                versions = _versions(tensors)
-                check = functools.partial(_check_unchanged, step, tensors, versions)
+                # (what is copied, the extras too, must not change until wait_staged())
+                watched = tensors if extras is None else {**tensors, **extras.live}
+                versions = _versions(watched)
+                check = functools.partial(_check_unchanged, step, watched, versions)
                 # (set before staging is queued: the writer reads it once staging is done)
                 job.handover = Handover(functools.partial(
-                    _check_unchanged, step, tensors, versions, handover=True))
+                    _check_unchanged, step, watched, versions, handover=True))
                 # (the caller's streams, taken here: the stager thread has its own)
                 staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress,
                                               writer, stoppable=True, check=check,
-                                              after=caller_streams(tensors))
+                                              after=caller_streams(watched), extras=extras)
             else:
                 staged = cf.Future()
                 try:
-                    _stage_or_fail(plan, tensors, arena, progress, writer)
+                    _stage_or_fail(plan, tensors, arena, progress, writer, extras=extras)
                 except BaseException as exc:
                     progress.fail(exc)  # (interrupted before staging began: tell the writer)
                     staged.set_exception(exc)
@@ -1440,13 +1449,14 @@ class AsyncCheckpointer:
         assert self._arena is not None
         return self._arena
 
-    def _copy_extras(self, flat: FlatState, mine: set[str]) -> Extras | None:
-        """A rank of a group serving its saves: copy the tensors it holds but another rank
-        writes (replicated ones, such as Adam's step counts under FSDP2), so that its view
-        for peers holds its whole state as of this save, not only what its file holds
-        (a peer healing this rank's replica wants them all). On the caller's thread, into
-        buffers kept while the layout is: their bytes add to the time blocked. Serving
-        is a bonus: a copy that fails is logged, and the view goes without them."""
+    def _extras_for(self, flat: FlatState, mine: set[str]) -> Extras | None:
+        """A rank of a group serving its saves offers, beside its shard, copies of the
+        tensors it holds but another rank writes (replicated ones, such as Adam's step
+        counts under FSDP2), so that its view for peers holds its whole state as of this
+        save, not only what its file holds (a peer healing this rank's replica wants them
+        all). Their buffers, kept while the layout is; the copy is made with the staging
+        (``fill_extras``: off the caller's thread with ``overlap=True``). Serving is a
+        bonus: buffers that cannot be had are logged, and the view goes without them."""
         keys = [k for k in flat.tensors if k not in mine]
         if not keys:
             return None
@@ -1458,15 +1468,13 @@ class AsyncCheckpointer:
                 copies = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in live.items()}
                 kept = Extras(plan_writes(copies, f"rank_{rank:05d}.replicas.safetensors",
                                           {"asyncckpt_format": "1"}), copies)
-            with torch.no_grad():
-                for k, t in live.items():
-                    kept.tensors[k].copy_(t.detach())
         except Exception as exc:
             self._extras = None
             log.error("rank=%d: the tensors this rank holds but does not write could not be "
                       "copied for its view for peers (offered without them): %s: %s", rank,
                       type(exc).__name__, exc)
             return None
+        kept.live, kept.filled = live, False
         self._extras = kept
         return kept
 
@@ -1554,15 +1562,20 @@ def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
 def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: HostArena,
                    progress: StagingProgress, writer: BackgroundWriter, *,
                    stoppable: bool = False, check: Callable[[], None] | None = None,
-                   after: Mapping[torch.device, Any] | None = None) -> None:
+                   after: Mapping[torch.device, Any] | None = None,
+                   extras: Extras | None = None) -> None:
     """Stage, and fail the save's progress if staging fails. ``stoppable`` (overlap=True,
     on the stager thread): give up as soon as the save has failed, since the next save
     may want the arena; on the caller's thread the copy just finishes. ``check`` runs
-    once the copy is complete, before the writer may finish (see ``stage``)."""
+    once the copy is complete, before the writer may finish (see ``stage``). ``extras``
+    (a rank serving its saves) are copied first: the view that offers them is made once
+    the arena is staged, so never before they are."""
     if not progress.begin(stoppable):  # overlap=True, and the save failed before this ran
         raise StagingStopped("the save failed before its tensors were staged (see its "
                              "future)")
     try:
+        if extras is not None:
+            fill_extras(extras, after)
         stage(plan, tensors, arena, progress, helpers=writer.copiers,
               threads=writer.copy_threads, stoppable=stoppable, check=check, after=after)
     except BaseException as exc:
@@ -1570,6 +1583,31 @@ def _stage_or_fail(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: 
         raise
     finally:
         progress.end()
+
+
+def fill_extras(extras: Extras, after: Mapping[torch.device, Any] | None = None) -> None:
+    """Copy the live tensors of ``extras`` into its buffers (CUDA ones on side streams
+    ordered after ``after``, as ``stage`` does), and mark it filled. A copy that fails is
+    logged, not raised: the view is then offered without them (serving is a bonus)."""
+    extras.filled = False
+    try:
+        streams = side_streams(extras.live, after)
+        try:
+            with torch.no_grad():
+                for k, t in extras.live.items():
+                    src = t.detach()
+                    with (torch.cuda.stream(streams[t.device]) if t.is_cuda
+                          else contextlib.nullcontext()):
+                        extras.tensors[k].copy_(src)
+        finally:
+            for stream in streams.values():
+                stream.synchronize()
+    except Exception as exc:
+        log.error("the tensors this rank holds but does not write could not be copied for "
+                  "its view for peers (%s; offered without them): %s: %s", extras.plan.file,
+                  type(exc).__name__, exc)
+        return
+    extras.filled = True
 
 
 # A save that spends this long allocating its arena says that prepare() would spare it.

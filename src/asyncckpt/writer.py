@@ -112,6 +112,10 @@ class Extras:
 
     plan: WritePlan
     tensors: dict[str, torch.Tensor]
+    # this save's: the live tensors to copy, and whether the copy was made (it is made
+    # with the staging, before the save's own bytes: see checkpointer.fill_extras)
+    live: dict[str, torch.Tensor] = field(default_factory=dict)
+    filled: bool = False
 
 
 @dataclass
@@ -900,7 +904,7 @@ def _offer_arena(job: SaveJob, manifest: bytes | None) -> None:
             return
     buf = job.arena.memoryview()[:job.plan.file_bytes]
     more: dict[str, Any] = {}
-    if job.extras is not None:
+    if job.extras is not None and job.extras.filled:
         try:
             with _gc_paused():
                 view, more = _with_extras(job, view)
