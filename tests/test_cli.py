@@ -346,6 +346,24 @@ def test_a_dcp_checkpoint_or_a_torch_save_file_is_told_apart(
     for cmd in ("ls", "inspect", "verify"):
         code, _, err = run(capsys, cmd, str(pt))
         assert code == 2 and "a torch.save file (.pt)?" in err, (cmd, err)
+    # a Hugging Face directory, and one of torch.save files (a trial got no hint for them)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text("{}")
+    said = "it holds plain safetensors files (model.safetensors; Hugging Face weights?), which "
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(said)):
+        asyncckpt.load(hf)
+    assert asyncckpt.load_safetensors(hf)["w"].tolist() == [1.0, 1.0]  # (as it says)
+    code, out, _ = run(capsys, "ls", str(hf))
+    assert code == 0 and said in out
+    pts = tmp_path / "pts"
+    pts.mkdir()
+    for name in ("b.pt", "a.pt", "c.pth", "d.bin"):
+        torch.save({"w": torch.ones(2)}, pts / name)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(
+            "it holds torch.save files (a.pt, b.pt, c.pth and 1 more)? load one with")):
+        asyncckpt.load(pts)
     (tmp_path / "empty").mkdir()  # and nothing is said of a directory of neither
     with pytest.raises(asyncckpt.CheckpointNotFoundError) as info:
         asyncckpt.load(tmp_path / "empty")

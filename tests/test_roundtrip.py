@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -585,6 +586,14 @@ def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
     asyncckpt.load(tmp_path, target, ignore_unexpected=True,
                    key_map={"model/0.weight": "model/enc.weight", "model/0.bias": "model/enc.bias"})
     assert torch.equal(target["model"]["enc.weight"], torch.ones(2))
+    # the example pairs names alike, not the first of each (a trial got a file's first
+    # name, sorted, paired with a module's first, in its order: unrelated)
+    asyncckpt.save({"model.head.weight": torch.ones(2), "model.embed.bias": torch.ones(1)},
+                   tmp_path / "hf", step=0)
+    with pytest.raises(StateMismatchError,
+                       match=re.escape("key_map={'model.head.weight': 'head.weight'}")):
+        asyncckpt.load(tmp_path / "hf", {"embed.bias": torch.zeros(1),
+                                         "head.weight": torch.zeros(2)})
 
 
 def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_path):
@@ -609,8 +618,14 @@ def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_pa
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, saved[name]), name
     assert "counter" not in dict(fresh.named_buffers()) and "w" not in out
-    assert out["train"] == {"step": 5}  # values without tensors come back as in any load
+    # nothing the target lacks is added, values neither (a trial's model-only target got
+    # the trainer's scheduler, loader and step, and saved them on with its own state)
+    assert set(out) == {"model"}, out
     assert asyncckpt.load(tmp_path, {"model": fresh}, ignore_unexpected=True)["model"] is fresh
+    state = {"model": fresh, "train": {"step": 0}}  # where it has a place: loaded
+    assert ckpt.load(state, ignore_unexpected=True)["train"] == {"step": 5}
+    state = {"model": fresh}  # strict=False skips them as well
+    assert set(ckpt.load(state, strict=False)) == {"model"}
 
 
 def test_a_target_of_the_saved_tree_names_the_saved_paths_as_the_checkpoint_does(tmp_path):
@@ -903,6 +918,25 @@ def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step):
         with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
             ck.save({"w": torch.ones(1)}, step=step)
         assert ck.steps() == []
+
+
+def test_a_number_or_a_path_where_the_state_goes_is_refused_saying_what_to_pass(
+        tmp_path: Path) -> None:
+    """ckpt.load(9), meaning step 9, compared 9 with the checkpoint's whole tree and
+    listed every saved tensor as unexpected (with strict=False it returned the values)."""
+    with AsyncCheckpointer(tmp_path) as ck:
+        ck.save({"w": torch.ones(1), "n": 3}, step=9)
+        for bad in (9, np.int64(9)):
+            with pytest.raises(asyncckpt.CheckpointConfigError,
+                               match=r"is no state tree to load into: to load step 9, pass "
+                                     r"step=9"):
+                ck.load(bad, strict=False)
+        with pytest.raises(asyncckpt.CheckpointConfigError, match=r"state=1.5 is no state"):
+            ck.load(1.5)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"a source \(a path, a peer's "
+                       r"address\) goes first"):
+        asyncckpt.load(tmp_path, tmp_path)
+    assert asyncckpt.load(tmp_path, {"w": torch.zeros(1), "n": 0})["n"] == 3  # (still loads)
 
 
 def test_a_stray_file_named_like_a_step_is_ignored(tmp_path):

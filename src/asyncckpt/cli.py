@@ -978,7 +978,9 @@ def _main(argv: list[str] | None) -> int:
     except _Usage as exc:
         return _failed(args, exc, str(exc), EXIT_USAGE)
     except CheckpointNotFoundError as exc:
-        hint = "" if "'asyncckpt ls " in str(exc) else (
+        told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
+            "a torch.save file" in str(exc))  # (what to do with another format is said)
+        hint = "" if told else (
             ": check the path" if ".safetensors" in str(exc)  # (plain files: no steps to list)
             else ": check the path, or run 'asyncckpt ls' on the checkpoint root")
         return _failed(args, exc, f"{exc}{hint}", EXIT_USAGE)

@@ -265,7 +265,22 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
     if names is None and path.suffix in _TORCH_SAVE_SUFFIXES:
         return (f"; a torch.save file ({path.suffix})? load it with torch.load(path, "
                 "weights_only=True), then save the state with asyncckpt.save")
+    if names is not None and MANIFEST_NAME not in names:
+        plain = sorted(n for n in names if n.endswith(".safetensors"))
+        if plain:
+            return (f"; it holds plain safetensors files ({_few_names(plain)}; Hugging Face "
+                    "weights?), which asyncckpt.load_safetensors(path, state) loads")
+        saved = sorted(n for n in names if Path(n).suffix in _TORCH_SAVE_SUFFIXES)
+        if saved:
+            return (f"; it holds torch.save files ({_few_names(saved)})? load one with "
+                    "torch.load(file, weights_only=True), then save the state with "
+                    "asyncckpt.save")
     return ""
+
+
+def _few_names(names: Sequence[str], most: int = 3) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def as_step(step: object, *, latest: bool = False) -> int:

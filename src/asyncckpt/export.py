@@ -203,7 +203,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     elif str(out_path).endswith(("/", os.sep)):
         raise CheckpointConfigError(
             f"{out_path} ends in a separator, but export writes one file: name it (e.g. "
-            f"{out_path}model.safetensors), or pass max_shard_bytes for a directory of files")
+            f"{out_path}model.safetensors), or pass max_shard_bytes (--max-shard-size) for a "
+            "directory of files")
     cast = _cast_dtype(dtype)
     if max_shard_bytes is None:
         _check_out(out, force)
@@ -401,8 +402,8 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             # emptied, or the metadata's own, cannot be written.
             what = ("is the name safetensors keeps for its metadata" if name
                     else "is empty once the prefix is stripped")
-            fix = ("use a shorter prefix or drop strip_prefix" if strip and prefix
-                   else "rename its key")
+            fix = ("use a shorter prefix or drop strip_prefix (--strip-prefix)"
+                   if strip and prefix else "rename its key")
             raise CheckpointConfigError(
                 f"tensor {full!r} would be named {name!r} in the output, which {what}; {fix}")
         if name in names or name in report.aliases:

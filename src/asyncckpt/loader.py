@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import operator
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -247,6 +248,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                 f"loading {label}: copying saved tensor {key!r} into its target failed: "
                 f"{exc}; targets loaded before it hold the checkpoint's values",
                 mismatched=[key]) from exc
+    target.skip_extra = ignore_unexpected or not strict
     return restore_into(state, manifest.skeleton, loaded, "", target)
 
 
@@ -574,6 +576,23 @@ def _below(path: str, exclude: tuple[str, ...]) -> str | None:
                 None)
 
 
+def check_target(state: Any) -> None:
+    """Refuse a target that can be no state tree: a number is a step passed where the
+    state goes (``ckpt.load(9)``, which compared 9 with the checkpoint's whole tree), a
+    string or path a source passed twice."""
+    if isinstance(state, (bool, str, bytes, os.PathLike)) or (
+            isinstance(state, (int, float, np.generic))):
+        if not isinstance(state, bool) and isinstance(state, (int, np.integer)):
+            hint = f"to load step {int(state)}, pass step={int(state)}"
+        elif isinstance(state, (str, os.PathLike)):
+            hint = ("a source (a path, a peer's address) goes first, as in asyncckpt.load("
+                    "source, state), or to AsyncCheckpointer(directory)")
+        else:
+            hint = "pass the state tree to load into (a dict of modules, tensors...) or None"
+        raise CheckpointConfigError(
+            f"state={state!r:.80} is no state tree to load into: {hint}")
+
+
 def excluded_view(state: Any, exclude: tuple[str, ...],
                   shards: Mapping[str, ShardMetadata] | None = None
                   ) -> tuple[Any, Mapping[str, ShardMetadata] | None, Callable[[Any], Any]]:
@@ -586,6 +605,7 @@ def excluded_view(state: Any, exclude: tuple[str, ...],
     The view copies only the dicts on the way to an excluded part; everything else is
     the state's own (loaded in place as usual). An excluded path must run through plain
     dicts: a part of a module's or an optimizer's state loads with the whole of it."""
+    check_target(state)
     if not exclude or state is None:
         return state, shards, _as_loaded
     if shards:
@@ -764,7 +784,9 @@ def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
     if parent["t"] != "dict":
         raise CheckpointConfigError(
             f"key_map renames tensor {old!r} to {new!r}, but it is an item of a "
-            f"{parent['t']}: only tensors in dicts can be renamed or left out")
+            f"{parent['t']}: only tensors in dicts can be renamed or left out (a key_map "
+            "function may return a path it does not move as it is, and "
+            "ignore_unexpected=True skip what the target lacks)")
     parent["items"].pop(i)
     for depth in range(len(chain) - 2, -1, -1):  # (dicts it leaves empty go too)
         container, j = chain[depth]
@@ -1518,10 +1540,27 @@ def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
         return ""
     d = max(common, key=lambda k: len(wanted[k]))
     where = f"under {d + '/'!r}" if d else "at the root"
+    old, new = _likely_pair(held[d], wanted[d])
     return (f"; {where} the checkpoint holds {_few(held[d], 4)} where the target wants "
             f"{_few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
-            f"names to the new ones (e.g. key_map={{{held[d][0]!r}: {wanted[d][0]!r}}}); "
+            f"names to the new ones (e.g. key_map={{{old!r}: {new!r}}}); "
             "strict=False would load none of them")
+
+
+def _likely_pair(held: list[str], wanted: list[str], most: int = 100) -> tuple[str, str]:
+    """The saved and wanted names most alike at their ends (``model.layer.0.bias`` and
+    ``layer.0.bias``), for an example: the first of each paired any two names, however
+    unrelated (a file's names come sorted, a module's in its order)."""
+    def tail(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(reversed(a), reversed(b), strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    return max(((h, w) for h in held[:most] for w in wanted[:most]),
+               key=lambda hw: tail(*hw))
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -164,6 +164,10 @@ class FlatState:
     # the path of the stateful whose state dict is being restored: there, the state
     # dict's own node is not the object again
     entered: str | None = None
+    # a load that skips what the target lacks (ignore_unexpected=True, strict=False): the
+    # checkpoint's entries at keys of the target's own dicts that it lacks are not added
+    # (values without tensors too: "the model alone" got the trainer's other parts)
+    skip_extra: bool = False
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -648,7 +652,7 @@ def restore_into(target: Any, node: Node, tensors: Mapping[str, torch.Tensor], p
             for k, child in node["items"]:
                 if k in target:
                     target[k] = restore_into(target[k], child, tensors, join_path(path, k), flat)
-                elif _all_present(child, tensors):
+                elif (not flat.skip_extra or flat.in_state_dict) and _all_present(child, tensors):
                     target[k] = restore_into(None, child, tensors, join_path(path, k), flat)
             return target
         fresh = {k: restore_into(None, c, tensors, join_path(path, k), flat)

@@ -274,7 +274,13 @@ def test_flood_beyond_max_connections(served: tuple[HTTPTransport, int, int],
         for s in busy:
             s.sendall(f"GET /v1/1/manifest.json HTTP/1.1\r\nAuthorization: Bearer {TOKEN}"
                       "\r\n\r\n".encode())
-        time.sleep(0.3)
+        # every busy request is in (none idle, which a new connection may evict): under
+        # load a fixed 0.3 s was not enough (a CI run under a CPU hog refused none)
+        server = tr._server
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+                server._deadlines or len(server._connections) < MAX_CONN):
+            time.sleep(0.02)
         for _ in range(24):
             with socket.create_connection(("127.0.0.1", port), timeout=30) as s, \
                     contextlib.suppress(OSError):
