@@ -1466,6 +1466,31 @@ def test_a_fallback_that_ends_on_a_mismatch_says_why_it_fell_back(tmp_path: Path
     assert "newer ones failed" not in str(info.value)
 
 
+def test_retention_does_not_count_a_step_a_fallback_load_found_damaged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """keep_last=2 over steps 10 and 20, 20 corrupt: a fallback load resumed from 10, and
+    the next save's retention deleted 10, keeping [20 (corrupt), 30]. A damaged step is
+    not counted now, and goes once older than every step kept."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
+        for s in (10, 20):
+            ck.save({"w": torch.full((1000,), float(s))}, step=s)
+    shard = tmp_path / "step_000000020" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 1
+    shard.write_bytes(bytes(raw))
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert ck.load(fallback=True)["w"][0].item() == 10.0
+        assert "step(s) [20] under" in caplog.text and "discard_steps_after" in caplog.text
+        ck.save({"w": torch.full((1000,), 30.0)}, step=30)
+        assert ck.steps() == [10, 20, 30]  # the intact 10 stays beside 30; 20 for a look
+        ck.save({"w": torch.full((1000,), 40.0)}, step=40)
+        assert ck.steps() == [30, 40]
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as ck:  # (no fallback: as ever)
+        ck.save({"w": torch.ones(2)}, step=50)
+        assert ck.steps() == [50]
+
+
 def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:
     state = make_state()
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
@@ -2010,6 +2035,50 @@ def test_an_interrupted_close_still_releases_the_lock(tmp_path: Path) -> None:
     assert ck._lock._fd is None and not _lock_fds()
     with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as again:
         again.save(state, step=3)  # was: "another AsyncCheckpointer of this process holds"
+
+
+def test_a_close_interrupted_twice_keeps_the_lock_until_the_save_in_flight_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """Ctrl-C twice in close() (a slow disk): the lock was released while the save went
+    on writing, and a checkpointer opened on the directory meanwhile (a notebook's next
+    cell) deleted its temporary directory as abandoned: the save failed. The lock now
+    goes when the save ends; the first interrupt says what close() waits for."""
+    from asyncckpt import writer as W
+
+    release = threading.Event()
+
+    class Slow(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:
+            release.wait(30)
+            super().fsync_dir(path)
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Slow())
+    state = {"w": torch.arange(10.0)}
+    fut = ck.save_async(state, step=1)
+
+    def interrupted(*a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncckpt.AsyncCheckpointer, "_settle", staticmethod(interrupted))
+    monkeypatch.setattr(W.BackgroundWriter, "shutdown", interrupted)  # the second Ctrl-C
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            pytest.raises(KeyboardInterrupt):
+        ck.close()
+    monkeypatch.undo()
+    assert "closing" in caplog.text and "interrupt again" in caplog.text, caplog.text
+    assert not fut.done()
+    with pytest.raises(asyncckpt.CheckpointLockedError):
+        asyncckpt.AsyncCheckpointer(tmp_path).save(state, step=2)
+    release.set()
+    assert fut.wait(30).step == 1
+    deadline = time.monotonic() + 10
+    while ck._lock._fd is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # (released by the writer's thread, as the save ends)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as again:
+        again.save(state, step=2)
+        assert again.steps() == [1, 2]
+    assert torch.equal(asyncckpt.load(tmp_path, step=1)["w"], state["w"])
 
 
 def test_a_checkpointer_dropped_by_its_own_prepare_releases_the_lock(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -307,6 +307,7 @@ class AsyncCheckpointer:
         # a failed save nobody waited on: (its future, its error), raised by wait()
         self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
+        self._damaged: set[int] = set()  # steps a fallback load found damaged
         self._discards = 0  # discard_steps_after calls: collective, as saves are
         # (the group's layout id, this rank's digest in it, the keys this rank writes)
         self._layout: tuple[str, str, set[str]] | None = None
@@ -462,6 +463,7 @@ class AsyncCheckpointer:
             token=self._nonce if ctx.distributed else commit.new_token(),
             storage=self.storage, keep_last=self.config.keep_last,
             keep_every=self.config.keep_every, block_bytes=self.config.block_bytes,
+            damaged=frozenset(self._damaged),
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
             metrics=recorded, keep_best=self._keep_best,
@@ -934,10 +936,15 @@ class AsyncCheckpointer:
             if fallback and step is None:
                 # in a group, every rank's verdict counts: all end on the same step
                 agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
-                return load_newest_intact(self.directory, state, self.storage, strict=strict,
-                                          ignore_unexpected=ignore_unexpected, shards=shards,
-                                          threads=threads, agree=agree, progress=progress,
-                                          exclude=exclude, key_map=key_map, cast=cast)
+                damaged: list[int] = []
+                try:
+                    return load_newest_intact(
+                        self.directory, state, self.storage, strict=strict,
+                        ignore_unexpected=ignore_unexpected, shards=shards, threads=threads,
+                        agree=agree, progress=progress, exclude=exclude, key_map=key_map,
+                        cast=cast, damaged=damaged)
+                finally:
+                    self._note_damaged(damaged)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
             return load_from(step_dir, state, self.storage, strict=strict,
@@ -948,6 +955,21 @@ class AsyncCheckpointer:
             if shared:
                 self._ctx.release_step(held)
             self._in_use.release(held)
+
+    def _note_damaged(self, steps: list[int]) -> None:
+        """Steps a fallback load found damaged: this checkpointer's retention counts them
+        no more among the steps it keeps (a damaged step kept while the intact one
+        before it went: a trial's keep_last=2 left [20 (corrupt), 30])."""
+        new = sorted(set(steps) - self._damaged)
+        if not new:
+            return
+        self._damaged.update(new)
+        log.warning(
+            "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look); "
+            "this checkpointer's keep_last does not count them, and removes them once older "
+            "than the steps it keeps. To save a step older than them, or to remove them "
+            "now: ckpt.discard_steps_after(<the step loaded>)", self._ctx.rank, new,
+            self.directory)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -968,8 +990,9 @@ class AsyncCheckpointer:
         if self._closed:
             return
         unseen: BaseException | None = None
+        last = self._pending
+        interrupted = False
         try:
-            last = self._pending
             if last is not None:
                 unseen = self._settle(last, f"closing {self.directory}: ")
                 if (self._ctx.distributed and self._ctx.is_coordinator and self._prev_tag
@@ -978,6 +1001,9 @@ class AsyncCheckpointer:
                     # which this process may host and take down when it exits)
                     self._ctx.wait_verdict_seen(self._prev_tag,
                                                 min(self._ctx.timeout_s, _VERDICT_SEEN_S))
+        except BaseException:
+            interrupted = True
+            raise
         finally:
             self._closed = True
             try:
@@ -986,12 +1012,26 @@ class AsyncCheckpointer:
                 self._transports = []
                 writer, self._writer = self._writer, None
                 if writer is not None:
+                    if interrupted and last is not None and not last._durable.done():
+                        log.warning(
+                            "rank=%d: closing %s was interrupted while step %d is being "
+                            "written: waiting for it to end (interrupt again to leave it "
+                            "writing in the background; the directory stays locked until "
+                            "it ends)", self._ctx.rank, self.directory, last.step)
                     writer.shutdown()
             finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
                 # and no later close() of this closed checkpointer could release it
                 self._arena = self._extras = None
                 self._pending = self._preparing = None
-                self._lock.release()
+                # ... but not while the save in flight (or its retention) still writes in
+                # the directory (interrupted twice): a checkpointer opened on it meanwhile
+                # would take its temporary directory for an abandoned one and delete it
+                busy = [f for f in (last._durable if last is not None else None,
+                                    self._retention) if f is not None and not f.done()]
+                if busy:
+                    _release_when_done(self._lock, busy)
+                else:
+                    self._lock.release()
                 if self._ctx.distributed:  # the Store keys of this checkpointer's saves
                     self._ctx.release([t for t in (self._prev_tag, *self._failed_tags) if t],
                                       sorted(self._posted_digests),
@@ -1489,6 +1529,24 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+def _release_when_done(lock: DirectoryLock, busy: Sequence[cf.Future[Any]]) -> None:
+    """Release ``lock`` once every future of ``busy`` is done (from the thread that ends
+    the last; at once if all are)."""
+    left = [len(busy)]
+    guard = threading.Lock()
+
+    def done(_: object) -> None:
+        with guard:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            with contextlib.suppress(Exception):
+                lock.release()
+
+    for f in busy:
+        f.add_done_callback(done)
 
 
 # How long the coordinator's close() waits at most for the other ranks to read the verdict

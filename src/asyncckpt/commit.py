@@ -453,14 +453,22 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
 
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None, keep_every: int | None = None,
-                 spare: Callable[[list[int]], Collection[int]] | None = None) -> list[int]:
+                 spare: Callable[[list[int]], Collection[int]] | None = None,
+                 damaged: Collection[int] = ()) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
     (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
-    of all the committed steps: keep_best's), oldest first."""
+    of all the committed steps: keep_best's), oldest first. ``damaged`` steps (a fallback
+    load found them corrupt) are not counted among the newest: they go once older than
+    every step kept, so that a damaged step never takes the place of an intact one."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
-    old = steps[:max(0, len(steps) - keep_last)]
+    if damaged:
+        kept = [s for s in steps if s not in damaged][-keep_last:] if keep_last > 0 else []
+        floor = kept[0] if kept else None
+        old = [s for s in steps if floor is not None and s < floor]
+    else:
+        old = steps[:max(0, len(steps) - keep_last)]
     spared = spare(steps) if spare is not None and old else ()
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]

@@ -309,8 +309,11 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                        threads: int | None = None, agree: Agreement | None = None,
                        progress: Callable[[int, int], None] | None = None,
                        exclude: tuple[str, ...] = (), key_map: KeyMap | None = None,
-                       cast: bool = False) -> Any:
+                       cast: bool = False, damaged: list[int] | None = None) -> Any:
     """Load the newest committed step that verifies, newest first.
+
+    ``damaged``, when given, gets the steps tried and found corrupt (on any rank of a
+    group), newest first.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
     on the same step even when only one rank's boxes are damaged. ``progress``: as for
@@ -320,14 +323,16 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
     """
     if agree is None:
         return _newest_intact(root, state, storage, strict, shards, threads, None, progress,
-                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast)
+                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast,
+                              damaged=damaged)
     # Whatever ends this rank's load without a verdict of the group (no step to try, a
     # listing that fails, every step damaged here while another rank has more) is told
     # to the others at the attempt they wait on: they stop with it instead of timing out.
     told = _Told(agree)
     try:
         return _newest_intact(root, state, storage, strict, shards, threads, told, progress,
-                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast)
+                              ignore_unexpected, exclude=exclude, key_map=key_map, cast=cast,
+                              damaged=damaged)
     except BaseException as exc:
         if not told.done:
             with contextlib.suppress(Exception):
@@ -361,7 +366,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    progress: Callable[[int, int], None] | None = None,
                    ignore_unexpected: bool = False, relists: int = _RELISTS,
                    earlier: list[str] | None = None, *, exclude: tuple[str, ...] = (),
-                   key_map: KeyMap | None = None, cast: bool = False) -> Any:
+                   key_map: KeyMap | None = None, cast: bool = False,
+                   damaged: list[int] | None = None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -416,6 +422,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             return result
         if undo is not None:
             undo.failed(step)
+        if damaged is not None and ((problem is not None and not isinstance(
+                problem, CheckpointNotFoundError)) or others):
+            damaged.append(step)
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             deleted = deleted or gone
@@ -436,7 +445,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                         "meanwhile: trying those", root, newer)
             return _newest_intact(root, state, storage, strict, shards, threads, None,
                                   progress, ignore_unexpected, relists - 1, failures,
-                                  exclude=exclude, key_map=key_map, cast=cast)
+                                  exclude=exclude, key_map=key_map, cast=cast,
+                                  damaged=damaged)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
 
@@ -580,8 +590,7 @@ def check_target(state: Any) -> None:
     """Refuse a target that can be no state tree: a number is a step passed where the
     state goes (``ckpt.load(9)``, which compared 9 with the checkpoint's whole tree), a
     string or path a source passed twice."""
-    if isinstance(state, (bool, str, bytes, os.PathLike)) or (
-            isinstance(state, (int, float, np.generic))):
+    if isinstance(state, (bool, str, bytes, os.PathLike, int, float, np.generic)):
         if not isinstance(state, bool) and isinstance(state, (int, np.integer)):
             hint = f"to load step {int(state)}, pass step={int(state)}"
         elif isinstance(state, (str, os.PathLike)):

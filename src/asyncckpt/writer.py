@@ -138,6 +138,8 @@ class SaveJob:
     direct_io: bool
     started: float
     keep_every: int | None = None  # with keep_last: older multiples of it are kept
+    # steps a fallback load of this checkpointer found damaged: not counted by keep_last
+    damaged: frozenset[int] = frozenset()
     keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
     metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
     strict_replicas: bool = False  # ranks' differing replicas fail the save (not a warning)
@@ -675,7 +677,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
-                        functools.partial(best.spared, job.root, job.storage)))
+                        functools.partial(best.spared, job.root, job.storage),
+                        damaged=job.damaged))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
