@@ -1491,6 +1491,30 @@ def test_retention_does_not_count_a_step_a_fallback_load_found_damaged(
         assert ck.steps() == [50]
 
 
+def test_retention_that_removes_several_steps_at_once_warns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A restart with narrower retention (keep_every dropped from a config) removed the
+    run's milestones with an INFO line alone; one step a save stays INFO."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1, keep_every=10) as ck:
+        for s in (10, 20, 25, 30):
+            ck.save({"w": torch.ones(2)}, step=s)
+        assert ck.steps() == [10, 20, 30]
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as ck:
+        ck.save({"w": torch.ones(2)}, step=35)
+        ck.wait()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING
+              and "removed 3 steps at once, [10, 20, 30] (keep_last=1, keep_every=None" in
+              r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as ck:
+        ck.save({"w": torch.ones(2)}, step=40)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "retention removed steps [35]" in caplog.text
+
+
 def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:
     state = make_state()
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:

@@ -530,6 +530,17 @@ def test_verify_names_a_missing_file_once(root: Path, capsys: pytest.CaptureFixt
     assert "its 3 tensors were not read" in problems[1]
 
 
+def test_verify_of_an_emptied_shard_says_it_is_too_short(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (it said "its header claims 0 bytes, more than the whole file")
+    (root / "step_000000030" / "rank_00000.safetensors").write_bytes(b"")
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    assert code == 1
+    problems = json.loads(out)["problems"]
+    assert any("rank_00000.safetensors: the file is 0 bytes long, too short for a "
+               "safetensors header" in p for p in problems), problems
+
+
 def test_verify_json_of_an_unreadable_manifest_has_no_step(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "step_000000020" / "manifest.json").write_text("{not json")

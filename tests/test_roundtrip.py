@@ -596,6 +596,22 @@ def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
                                          "head.weight": torch.zeros(2)})
 
 
+def test_the_strict_false_hint_is_not_given_where_it_would_not_help(tmp_path: Path) -> None:
+    # (a model grown by a layer, with its optimizer: strict=False, as advised, failed too)
+    old = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    asyncckpt.save({"model": old, "optim": torch.optim.SGD(old.parameters(), lr=0.1)},
+                   tmp_path, step=1)
+    new = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    target = {"model": new, "optim": torch.optim.SGD(new.parameters(), lr=0.1)}
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target)
+    assert str(info.value).endswith(
+        "(strict=False would skip the missing and unexpected keys, but not the mismatches)")
+    assert info.value.missing and info.value.mismatched
+    with pytest.raises(StateMismatchError):
+        asyncckpt.load(tmp_path, target, strict=False)  # (as it says)
+
+
 def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
     opt = torch.optim.AdamW(model.parameters())
@@ -918,6 +934,16 @@ def test_load_refuses_a_step_that_is_no_step_number(tmp_path, step):
         with pytest.raises(asyncckpt.CheckpointConfigError, match="non-negative int"):
             ck.save({"w": torch.ones(1)}, step=step)
         assert ck.steps() == []
+
+
+def test_a_step_beyond_an_int64_is_refused(tmp_path: Path) -> None:
+    # (10**30, a counter gone wrong, was saved: every later step was then "older")
+    with AsyncCheckpointer(tmp_path) as ck:
+        for step in (1 << 63, np.uint64(1 << 63), 10**30):
+            with pytest.raises(asyncckpt.CheckpointConfigError, match=r"up to 2\*\*63-1"):
+                ck.save({"w": torch.ones(1)}, step=step)
+        ck.save({"w": torch.ones(1)}, step=(1 << 63) - 1)
+        assert ck.steps() == [(1 << 63) - 1]
 
 
 def test_a_number_or_a_path_where_the_state_goes_is_refused_saying_what_to_pass(

@@ -304,7 +304,16 @@ def as_step(step: object, *, latest: bool = False) -> int:
         raise CheckpointConfigError(
             f"step={step!r}: use a non-negative int (a NumPy integer or a 0-dim integer "
             "tensor is taken too)" + (", or None for the latest" if latest else ""))
+    if n > MAX_STEP:
+        # (a counter gone wrong, or a timestamp: once saved, every later step below it
+        # would be refused as older until discard_steps_after)
+        raise CheckpointConfigError(
+            f"step={n}: steps go up to 2**63-1 (an int64, as peers and other readers take "
+            "them); number the steps of a run from 0")
     return n
+
+
+MAX_STEP = (1 << 63) - 1  # the largest step: an int64
 
 
 def check_step(step: object) -> int | None:

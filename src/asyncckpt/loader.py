@@ -1030,8 +1030,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
         # (where a wrapper renamed the keys, strict=False would load none of them)
+        # (and where something does not match besides, neither flag would load it)
         hint = hint or (
-            " (pass ignore_unexpected=True to load only what the target holds, or "
+            " (strict=False would skip the missing and unexpected keys, but not the "
+            "mismatches)" if mismatched and (missing or unexpected)
+            else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
             else " (pass strict=False to skip missing and unexpected keys)" if missing
             else "")

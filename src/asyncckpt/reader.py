@@ -988,7 +988,10 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
         try:
             header, body = decode_header(bytes(prefix), str(path))
         except CheckpointCorruptError:
-            n = int.from_bytes(prefix[:8], "little") if len(prefix) >= 8 else 0
+            if len(prefix) < 8:  # (its length alone takes 8 bytes)
+                return [f"{path}: the file is {len(prefix)} bytes long, too short for a "
+                        "safetensors header (emptied or cut short)"]
+            n = int.from_bytes(prefix[:8], "little")
             if 8 + n > storage.file_size(fd):
                 return [f"{path}: its header claims {n} bytes, more than the whole file"]
             if 8 + n > len(prefix) and n < (100 << 20):

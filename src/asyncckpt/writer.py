@@ -727,7 +727,15 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
           leftovers: list[Path] | None = None) -> None:
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
-        if removed:
+        if len(removed) > 1:
+            # A save removes one step as a rule: several at once are those of a run saved
+            # with other settings (a restart that dropped keep_every lost its milestones)
+            log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
+                        ", keep_every=%s, keep_best=%s): if a restart changed those settings, "
+                        "the steps the old ones kept are gone too", job.step, len(removed),
+                        removed, job.keep_last, job.keep_every,
+                        None if job.keep_best is None else job.keep_best.count)
+        elif removed:
             log.info("rank=0 step=%d: retention removed steps %s", job.step, removed)
         if leftovers:
             try:
