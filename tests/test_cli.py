@@ -88,9 +88,9 @@ def test_ls_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / ".step_000000040.tmp-0123abcd").mkdir()
-    (root / "step_000000050").mkdir()  # no manifest: not committed
+    (root / "step_000000050").mkdir()  # no manifest: not committed (its manifest lost?)
     code, out, _ = run(capsys, "ls", str(root), "--json")
-    assert code == 0
+    assert code == 1  # a checkpoint lost, or a copy cut short: not "all is well"
     doc = json.loads(out)
     assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
     assert doc["latest"] == 30
@@ -105,8 +105,26 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     code, out, _ = run(capsys, "ls", str(root))
     assert "1 incomplete or abandoned temp dir" in out
     assert ".step_000000040.tmp-0123abcd" in out
-    assert "1 step directory without manifest.json (not committed steps" in out
+    assert "1 step directory without manifest.json (checkpoints whose manifest was lost" in out
     assert "step_000000050" in out
+    # verify ROOT (the latest committed step, 30): intact, but a newer step lost its
+    # manifest (a cron job on it saw OK, exit 0); --all says so as well
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and out.startswith("OK ") and (
+        "newer step directory without manifest.json: step_000000050: the newest checkpoint "
+        "lost its manifest") in out, out
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False and doc["newer_without_manifest"] == [
+        "step_000000050"]
+    code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
+    assert code == 1 and json.loads(out)["without_manifest"] == ["step_000000050"]
+    code, _, _ = run(capsys, "verify", str(root), "--step", "20")  # (a step named: its verdict)
+    assert code == 0
+    (root / "step_000000050").rmdir()
+    (root / "step_000000005").mkdir()  # older: verify ROOT's latest is not concerned
+    assert run(capsys, "verify", str(root))[0] == 0
+    assert run(capsys, "verify", str(root), "--all")[0] == 1
 
 
 def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
@@ -430,7 +448,7 @@ def test_ls_of_a_step_dir_without_its_manifest_says_so(
     assert code == 2 and out == ""
     assert "has no manifest.json: that step is uncommitted" in err and "no committed" not in err
     code, out, _ = run(capsys, "ls", str(root))  # the root still lists the others
-    assert code == 0 and "2 committed steps" in out
+    assert code == 1 and "2 committed steps" in out  # (and exits 1: the newest is lost)
 
 
 def test_ls_of_a_renamed_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -725,8 +743,10 @@ def test_a_step_dir_without_its_manifest_is_not_called_an_empty_root(
             assert "no committed checkpoint under" not in err
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match=r"has no manifest\.json"):
         asyncckpt.load(step)
-    # the root itself is untouched: its other steps load, and an empty folder is no step
-    assert run(capsys, "verify", str(root))[0] == 0
+    # the root itself is untouched: its other steps load (verify exits 1: the newest
+    # step lost its manifest), and an empty folder is no step
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and out.startswith("OK ") and "step_000000030: the newest" in out
     (root.parent / "empty").mkdir()
     code, _, err = run(capsys, "verify", str(root.parent / "empty"))
     assert code == 2 and "no committed checkpoint under" in err

@@ -326,8 +326,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
     # A step whose files are amiss, or whose manifest is corrupt, is a corrupt checkpoint:
     # exit 1, as verify would (a script checking ls's status missed it). A directory that
-    # cannot be listed (permissions), or a manifest of a newer format, is no damage.
-    code = EXIT_CORRUPT if corrupt or any(e.get("damaged") for e in entries) else EXIT_OK
+    # cannot be listed (permissions), or a manifest of a newer format, is no damage; a
+    # step directory without its manifest is a checkpoint lost (or a copy cut short).
+    code = EXIT_CORRUPT if corrupt or no_manifest or any(
+        e.get("damaged") for e in entries) else EXIT_OK
     _decided(args, code)
     if args.json:
         _print_json({"root": str(root), "steps": entries, "latest": latest,
@@ -360,8 +362,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
              f"them): {', '.join(abandoned)}")
     if no_manifest:
         _out(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
-                    f" without {MANIFEST_NAME} (not committed steps: no load reads them; a "
-                    f"copy cut short or a hand edit?): {', '.join(no_manifest)}"))
+                    f" without {MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy "
+                    f"cut short: no load reads them): {', '.join(no_manifest)}"))
     return code
 
 
@@ -578,14 +580,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report = _verified(step_dir, storage, args.threads)
     seconds = time.perf_counter() - t0
-    code = _decided(args, EXIT_OK if report.ok else EXIT_CORRUPT)
+    # The latest step of a root: a newer step directory without its manifest is the
+    # newest checkpoint lost (a cron job on 'verify ROOT' saw OK and exit 0)
+    lost = (_without_manifest(step_dir.parent, storage, above=report.step)
+            if args.step is None and step_dir != Path(args.ckpt) else [])
+    code = _decided(args, EXIT_OK if report.ok and not lost else EXIT_CORRUPT)
+    said = (f"newer step director{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: "
+            f"{', '.join(lost)}: the newest checkpoint lost its manifest (or a copy is cut "
+            "short); no load reads it") if lost else ""
     if args.json:
-        _print_json(_verify_doc(step_dir, report, seconds))
+        doc = _verify_doc(step_dir, report, seconds)
+        if lost:
+            doc.update(ok=False, newer_without_manifest=lost)
+        _print_json(doc)
     else:
         _print_verdict(step_dir, report, seconds)
+        if said:
+            _out(said)
         if not report.ok:
             _out("load an earlier step (asyncckpt ls ROOT lists them)")
     return code
+
+
+def _without_manifest(root: Path, storage: LocalStorage, above: int | None = None
+                      ) -> list[str]:
+    """The step directories under ``root`` that lack a manifest (newer than ``above``)."""
+    names: list[str] = []
+    commit.committed_steps(root, storage, [], names)
+    return [n for n in names if above is None
+            or (commit.step_of_dir_name(n) or -1) > above]
 
 
 def _verify_all(args: argparse.Namespace) -> int:
@@ -617,15 +640,21 @@ def _verify_all(args: argparse.Namespace) -> int:
             continue  # retired by retention since it was listed: no step now
         done.append((step_dir, report, time.perf_counter() - t0))
     bad = [d.name for d, r, _ in done if not r.ok]
-    code = _decided(args, EXIT_CORRUPT if bad else EXIT_OK)
+    lost = _without_manifest(root, storage)
+    code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_OK)
     if args.json:
-        _print_json({"root": str(root), "ok": not bad,
-                     "steps": [_verify_doc(d, r, t) for d, r, t in done]})
+        _print_json({"root": str(root), "ok": not bad and not lost,
+                     "steps": [_verify_doc(d, r, t) for d, r, t in done],
+                     "without_manifest": lost})
         return code
     for d, r, t in done:
         _print_verdict(d, r, t)
     _out(f"{_n(len(done), 'committed step')} verified: " + (
         f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
+    if lost:
+        _out(f"{len(lost)} step director{'ies' if len(lost) != 1 else 'y'} without "
+             f"{MANIFEST_NAME} "
+             f"(checkpoints whose manifest was lost, or a copy cut short): {', '.join(lost)}")
     return code
 
 
