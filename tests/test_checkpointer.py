@@ -1486,6 +1486,18 @@ def test_retention_does_not_count_a_step_a_fallback_load_found_damaged(
         assert ck.steps() == [10, 20, 30]  # the intact 10 stays beside 30; 20 for a look
         ck.save({"w": torch.full((1000,), 40.0)}, step=40)
         assert ck.steps() == [30, 40]
+    # discarded and saved anew, a damaged step is intact again (a trial's keep_last=2 kept
+    # [3, 4, 5], then warned of removing two steps at once)
+    shard = tmp_path / "step_000000040" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 1
+    shard.write_bytes(bytes(raw))
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
+        assert ck.load(fallback=True)["w"][0].item() == 30.0
+        assert ck.discard_steps_after(30) == [40]
+        for s in (40, 41):
+            ck.save({"w": torch.full((1000,), float(s))}, step=s)
+        assert ck.steps() == [40, 41]
     with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1) as ck:  # (no fallback: as ever)
         ck.save({"w": torch.ones(2)}, step=50)
         assert ck.steps() == [50]
@@ -2092,7 +2104,9 @@ def test_a_close_interrupted_twice_keeps_the_lock_until_the_save_in_flight_ends(
     monkeypatch.undo()
     assert "closing" in caplog.text and "interrupt again" in caplog.text, caplog.text
     assert not fut.done()
-    with pytest.raises(asyncckpt.CheckpointLockedError):
+    with pytest.raises(asyncckpt.CheckpointLockedError, match=(
+            r"a closed AsyncCheckpointer of this process is still writing step 1 into .* "
+            r"\(its close\(\) was interrupted\)")):
         asyncckpt.AsyncCheckpointer(tmp_path).save(state, step=2)
     release.set()
     assert fut.wait(30).step == 1

@@ -1709,6 +1709,33 @@ def test_key_map_with_fallback_renames_the_older_step_it_loads(tmp_path: Path) -
 # --- cast=: loads into tensors of another dtype -------------------------------------------------
 
 
+def test_a_cast_beyond_the_target_dtype_s_range_is_warned_of_naming_the_tensor(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """torch's cast makes 1e10 inf in fp16 and wraps 2**40 to 0 in int32 without a word
+    (an export already warned of it; a load did not)."""
+    import logging
+
+    big = torch.tensor([1e10, 1.0, float("inf"), -7e4])
+    asyncckpt.save({"f": big, "i": torch.tensor([2**40, 5, -1]),
+                    "u": torch.tensor([-1, 3], dtype=torch.int16), "fine": torch.ones(3),
+                    "tied": big}, tmp_path, step=1)
+    target = {"f": torch.zeros(4, dtype=torch.float16), "i": torch.zeros(3, dtype=torch.int32),
+              "u": torch.zeros(2, dtype=torch.uint8), "fine": torch.zeros(3, dtype=torch.bfloat16)}
+    target["tied"] = torch.zeros(4, dtype=torch.float8_e4m3fn)  # (through a temporary)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, target, cast=True)
+    said = "\n".join(m for m in caplog.messages if m.startswith("loading "))
+    for line in ("f with cast=True: 2 of its float32 values are beyond the range of float16 "
+                 "and became inf", "f with cast=True: 2 of its float32 values are beyond the "
+                 "range of float8_e4m3fn",  # (tied: saved once as f, cast for each target)
+                 "i with cast=True: 1 of its int64 values are beyond the range of int32 and "
+                 "wrapped around", "u with cast=True: 1 of its int16 values are beyond the "
+                 "range of uint8"):
+        assert f"loading {line}" in said, said
+    assert "fine" not in said, said  # (in range: nothing to say)
+    assert target["i"].tolist() == [0, 5, -1] and target["u"].tolist() == [255, 3]  # as torch
+
+
 def test_cast_loads_floats_into_another_float_dtype_in_place(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(5)
     saved = {"w": torch.randn(6, 4, generator=g), "steps": torch.arange(3, dtype=torch.int32),

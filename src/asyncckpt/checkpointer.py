@@ -456,6 +456,7 @@ class AsyncCheckpointer:
                 self._failed_tags.append(tag)
             raise
         progress = StagingProgress()
+        self._damaged.discard(step)  # (not committed now: saved anew, it is intact)
         job = SaveJob(
             root=self.directory, step=step, plan=plan, arena=arena, progress=progress,
             flat=flat, ctx=ctx,
@@ -796,8 +797,10 @@ class AsyncCheckpointer:
                         if got.get("kind") == "CheckpointConfigError":
                             raise CheckpointConfigError(got["error"])
                         raise CheckpointSaveError(f"rank {ctx.rank}: {got['error']}")
+                    self._damaged = {s for s in self._damaged if s <= step}
                     return sorted(got["ok"])
             self._remove_hidden(hidden)
+            self._damaged = {s for s in self._damaged if s <= step}  # (gone: saved anew)
             removed = sorted(s for s, _ in hidden)
             if removed:
                 log.info("deleted step(s) %s under %s: training goes on from step %d",
@@ -1029,6 +1032,8 @@ class AsyncCheckpointer:
                 busy = [f for f in (last._durable if last is not None else None,
                                     self._retention) if f is not None and not f.done()]
                 if busy:
+                    self._lock.draining = (f"step {last.step}" if last is not None and not
+                                           last._durable.done() else "the removal of old steps")
                     _release_when_done(self._lock, busy)
                 else:
                     self._lock.release()
@@ -1169,7 +1174,14 @@ class AsyncCheckpointer:
                 self._cleanup()
             return
         holder = self._lock.holder()
-        if self._lock.held_in_this_process():
+        other = self._lock.held_in_this_process()
+        if other is not None and other.draining is not None:
+            raise CheckpointLockedError(
+                f"a closed AsyncCheckpointer of this process is still writing {other.draining} "
+                f"into {self.directory} (its close() was interrupted): the directory is free "
+                "once that ends (for a save, once its future's wait() returns); save again "
+                "then")
+        if other is not None:
             raise CheckpointLockedError(
                 f"another AsyncCheckpointer of this process holds {self.directory}: close() "
                 "it (or use it in a `with` block) before saving into that directory again "
@@ -1312,7 +1324,10 @@ class AsyncCheckpointer:
             raise CheckpointConfigError(
                 "the ranks called save_async with different steps ("
                 + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
-                + "); every rank must save the same step")
+                + "); every rank must save the same step. Saves pair by their count on "
+                "each rank: a rank that skipped one stays out of step for every later save "
+                "of these checkpointers; close them on every rank and open new ones (saves "
+                "then pair again)")
         mine = self._group_settings()
         for name in mine:
             values = {r: got[r].get("settings", mine).get(name) for r in range(ctx.world_size)}

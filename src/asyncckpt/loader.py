@@ -235,10 +235,11 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         try:
             if key in regions:  # targets wanting different parts of it: each gets its own
                 for t, box in zip(tensors, regions[key], strict=True):
-                    copy_into(t, loaded[key] if box is None else narrow_to_box(loaded[key], box))
+                    copy_into(t, loaded[key] if box is None else narrow_to_box(loaded[key], box),
+                              key)
             else:  # extra targets: saved once (tied), loaded into untied targets
                 for t in tensors if key in through else tensors[1:]:
-                    copy_into(t, loaded[key])
+                    copy_into(t, loaded[key], key)
             for t in tensors:  # (numpy arrays filled through a copy get it written back)
                 arr = copies.get(id(t))
                 if arr is not None:

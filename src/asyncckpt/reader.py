@@ -60,6 +60,7 @@ from .plan import (
     row_major_strides,
 )
 from .storage import LocalStorage, ReadStorage, is_transient
+from .tree import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +151,42 @@ _memory_view.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _PYBUF_WRITE = 0x200
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, key: str | None = None) -> None:
     """``dst.copy_(src)`` for any target a user may pass: autograd off (a view of a
     parameter takes its new values in place), and inference mode on for an inference
     tensor (which refuses in-place writes outside it). Reader threads do not inherit the
-    caller's modes, so each copy sets them."""
+    caller's modes, so each copy sets them. A copy that casts (``cast=True``) to a dtype
+    of a narrower range warns, naming ``key``, of the values beyond it: torch makes them
+    inf (floats) or wraps them around (integers) without a word."""
     with torch.inference_mode(dst.is_inference()), torch.no_grad():
         dst.copy_(src)
+        if dst.dtype != src.dtype:
+            beyond = out_of_range(src, dst.dtype)
+            if beyond:
+                log.warning("loading %s with cast=True: %d of its %s values are beyond the "
+                            "range of %s and %s", key or "a tensor", beyond,
+                            dtype_name(src.dtype), dtype_name(dst.dtype),
+                            "became inf or NaN (or its largest value, where the cast "
+                            "saturates)" if dst.dtype.is_floating_point else "wrapped around")
+
+
+def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
+    """How many finite values of ``src`` lie beyond the range of ``dtype`` (0 when its
+    range holds all of ``src.dtype``'s, or either is no real float or integer dtype)."""
+    floats = src.is_floating_point(), dtype.is_floating_point
+    if src.is_complex() or dtype.is_complex or src.dtype == torch.bool or dtype == torch.bool:
+        return 0
+    if all(floats):
+        top = torch.finfo(dtype).max
+        if torch.finfo(src.dtype).max <= top:
+            return 0
+        return int((src.abs() > top).logical_and_(src.isfinite()).sum())
+    if not any(floats):
+        lo, hi = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+        if torch.iinfo(src.dtype).min >= lo and torch.iinfo(src.dtype).max <= hi:
+            return 0
+        return int(((src < lo) | (src > hi)).sum())
+    return 0
 
 
 def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.Tensor | None],
@@ -746,7 +776,7 @@ def _read_box_part(fd: int, storage: ReadStorage, path: Path, key: str, chunk: C
                 block_bytes, stop)
     typed = buf if dtype == torch.uint8 else buf.view(dtype)
     strides = row_major_strides(chunk.lengths)[len(chunk.lengths) - len(shape):]
-    copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // dtype.itemsize))
+    copy_into(tgt, typed.as_strided(shape, strides, (lo - b0) // dtype.itemsize), key)
 
 
 def _sparse_runs(chunk: Chunk, box: Box, itemsize: int, block_bytes: int

@@ -261,6 +261,9 @@ class DirectoryLock:
         self.path = directory / self.NAME
         self._fd: int | None = None
         self._pid = 0  # the process that took the lock
+        # set by a closed checkpointer whose save in flight still holds it (a close() that
+        # was interrupted): released as that save ends
+        self.draining: str | None = None  # what it still writes ("step 7")
 
     def acquire(self) -> bool:
         if self._fd is not None and self._pid == os.getpid():
@@ -282,12 +285,12 @@ class DirectoryLock:
         _held_locks.add(self)
         return True
 
-    def held_in_this_process(self) -> bool:
-        """Another lock object of this process holds the same directory."""
+    def held_in_this_process(self) -> DirectoryLock | None:
+        """The other lock object of this process that holds the same directory, if any."""
         try:
             mine = os.stat(self.path)
         except OSError:
-            return False
+            return None
         for lk in list(_held_locks):
             fd = lk._fd
             if lk is self or fd is None or lk._pid != os.getpid():
@@ -295,8 +298,8 @@ class DirectoryLock:
             with contextlib.suppress(OSError):
                 theirs = os.fstat(fd)  # the same file, however its path is spelled
                 if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
-                    return True
-        return False
+                    return lk
+        return None
 
     def holder(self) -> str:
         """The pid the holder wrote (its first line: a writer that did not truncate
@@ -307,6 +310,7 @@ class DirectoryLock:
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
+        self.draining = None
         if fd is not None:
             _held_locks.discard(self)  # first: a fork from now on must not close fd
             with contextlib.suppress(OSError):

@@ -727,7 +727,7 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
           leftovers: list[Path] | None = None) -> None:
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
-        if len(removed) > 1:
+        if len([s for s in removed if s not in job.damaged]) > 1:
             # A save removes one step as a rule: several at once are those of a run saved
             # with other settings (a restart that dropped keep_every lost its milestones)
             log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
