@@ -490,6 +490,13 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
                     r"/v1/1 holds only part of w \(the boxes of the rank that serves it\): a "
                     r"load with no target asks for whole tensors")):
                 asyncckpt.load(addresses[r], timeout=10)  # (it told of "wanted elements")
+        # rank 1's state from rank 0's view: what only rank 1 holds is named as missing
+        # from the view (it said "missing from the checkpoint ... pass strict=False")
+        with pytest.raises(asyncckpt.StateMismatchError, match=(
+                r"missing from the peer's view \(the state of the rank that serves it\): own1 "
+                r".*\(fetch each rank's state from the same rank of a healthy replica")):
+            asyncckpt.load(addresses[0], {"own1": torch.zeros(3), "count": torch.tensor(0.0)},
+                           ignore_unexpected=True, timeout=10)
 
     def rank(r: int) -> None:
         tr = HTTPTransport(timeout=10)

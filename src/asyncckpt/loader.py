@@ -796,7 +796,7 @@ def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
             f"key_map renames tensor {old!r} to {new!r}, but it is an item of a "
             f"{parent['t']}: only tensors in dicts can be renamed or left out (a key_map "
             "function may return a path it does not move as it is, and "
-            "ignore_unexpected=True skip what the target lacks)")
+            "ignore_unexpected=True skips what the target lacks)")
     parent["items"].pop(i)
     for depth in range(len(chain) - 2, -1, -1):  # (dicts it leaves empty go too)
         container, j = chain[depth]
@@ -1002,7 +1002,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
-        if missing:
+        if missing and manifest.partial:  # (a view a rank of a group serves of its part)
+            parts.append(f"missing from the peer's view (the state of the rank that serves "
+                         f"it): {_few(missing)}")
+            # (not a rename hint: the names the view holds instead are its own rank's)
+            hint = (" (fetch each rank's state from the same rank of a healthy replica, or "
+                    "leave out what only this rank holds with exclude=)")
+        elif missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
         if unexpected:
             parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
@@ -1562,8 +1568,8 @@ def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
 
 def _likely_pair(held: list[str], wanted: list[str], most: int = 100) -> tuple[str, str]:
     """The saved and wanted names most alike at their ends (``model.layer.0.bias`` and
-    ``layer.0.bias``), for an example: the first of each paired any two names, however
-    unrelated (a file's names come sorted, a module's in its order)."""
+    ``layer.0.bias``), for an example (the first name of each list made pairs of unrelated
+    names: a file's names come sorted, a module's in its order)."""
     def tail(a: str, b: str) -> int:
         n = 0
         for x, y in zip(reversed(a), reversed(b), strict=False):
