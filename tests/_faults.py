@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 
 from asyncckpt.storage import LocalStorage
@@ -26,3 +27,15 @@ class StuckCommit(LocalStorage):
         if ".deleting-" in Path(dst).name:
             raise OSError(errno.EROFS, "read-only now")
         super().rename(src, dst)
+
+
+class GatedCommit(LocalStorage):
+    """Every directory fsync (a save's commit among them) waits until ``gate`` is set, for
+    ``wait_s`` at most: a save that stays in flight for as long as a test needs."""
+
+    def __init__(self, wait_s: float = 30.0):
+        self.gate, self.wait_s = threading.Event(), wait_s
+
+    def fsync_dir(self, path: Path) -> None:
+        self.gate.wait(self.wait_s)
+        super().fsync_dir(path)

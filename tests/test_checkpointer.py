@@ -32,7 +32,7 @@ import torch
 
 import asyncckpt
 import asyncckpt.storage
-from _faults import StuckCommit
+from _faults import GatedCommit, StuckCommit
 from asyncckpt import commit
 from asyncckpt.manifest import MANIFEST_NAME
 from asyncckpt.storage import LocalStorage
@@ -90,14 +90,8 @@ def test_async_save_loads_back(tmp_path: Path) -> None:
 
 
 def test_in_sync_mode_the_caller_is_blocked_until_durable(tmp_path: Path) -> None:
-    gate = threading.Event()
-
-    class Slow(LocalStorage):
-        def fsync_dir(self, path: Path) -> None:
-            gate.wait(0.3)  # (times out: the commit waits 0.3 s longer than the copy)
-            super().fsync_dir(path)
-
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=Slow()) as ckpt:
+    slow = GatedCommit(wait_s=0.3)  # (never opened: the commit waits 0.3 s longer)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=slow) as ckpt:
         started = time.perf_counter()
         fut = ckpt.save_async({"w": torch.ones(1000)}, step=1)
         took = time.perf_counter() - started
@@ -2082,14 +2076,9 @@ def test_a_close_interrupted_twice_keeps_the_lock_until_the_save_in_flight_ends(
     goes when the save ends; the first interrupt says what close() waits for."""
     from asyncckpt import writer as W
 
-    release = threading.Event()
-
-    class Slow(LocalStorage):
-        def fsync_dir(self, path: Path) -> None:
-            release.wait(30)
-            super().fsync_dir(path)
-
-    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Slow())
+    slow = GatedCommit()
+    release = slow.gate
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=slow)
     state = {"w": torch.arange(10.0)}
     fut = ck.save_async(state, step=1)
 
@@ -2851,14 +2840,9 @@ def test_a_forked_child_neither_hangs_nor_saves_with_its_parents_checkpointer(
         tmp_path: Path) -> None:
     # No thread of the child finishes the save in flight at the fork: closing (at exit,
     # or by the garbage collector) waited for it forever, as did a save or a wait.
-    gate = threading.Event()
-
-    class Held(LocalStorage):
-        def fsync_dir(self, path: Path) -> None:
-            gate.wait(30)
-            super().fsync_dir(path)
-
-    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Held())
+    held = GatedCommit()
+    gate = held.gate
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=held)
     fut = ck.save_async({"w": torch.ones(4)}, step=1)
     r, w = os.pipe()
     with warnings.catch_warnings():
