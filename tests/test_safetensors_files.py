@@ -343,6 +343,17 @@ def test_tied_embeddings_saved_once_as_hugging_face_does_load_strictly(tmp_path:
         asyncckpt.load_safetensors(tmp_path / "t.safetensors", untied)
 
 
+def test_a_torch_save_file_or_json_passed_as_safetensors_is_named(tmp_path: Path) -> None:
+    # (both said only that the header claims some 10**17 bytes)
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"a zip archive: a torch.save "
+                       r"file\? load it with torch.load\(path, weights_only=True\)"):
+        asyncckpt.load_safetensors(tmp_path / "model.safetensors")
+    (tmp_path / "index.safetensors").write_text('{"weight_map": {"w": "model.safetensors"}}')
+    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"it begins as JSON"):
+        asyncckpt.load_safetensors(tmp_path / "index.safetensors")
+
+
 def test_forged_headers_with_shared_bytes_or_repeated_names_are_refused(tmp_path: Path) -> None:
     both = tmp_path / "both.safetensors"
     _write_raw(both, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},

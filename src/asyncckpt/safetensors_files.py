@@ -339,7 +339,7 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header claims {n} bytes, more than "
                 f"{'the file holds' if 8 + n > size else 'any header may'}: not a "
-                "safetensors file, or a damaged one", path=str(path))
+                "safetensors file, or a damaged one" + _other_format(prefix), path=str(path))
         head = os.pread(fd, 8 + n, 0)
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: cannot be read: {exc}", path=str(path)) from exc
@@ -453,3 +453,13 @@ def _skeleton(node: dict[str, Any]) -> dict[str, Any]:
     return {"t": "dict", "items": [
         [k, _skeleton(v) if isinstance(v, dict) else {"t": "tensor", "key": v}]
         for k, v in node.items()]}
+
+
+def _other_format(prefix: bytes) -> str:
+    """What a file whose first bytes are ``prefix`` is instead, if it says ("" if not)."""
+    if prefix.startswith(b"PK\x03\x04"):
+        return (" (a zip archive: a torch.save file? load it with torch.load(path, "
+                "weights_only=True))")
+    if prefix.lstrip()[:1] in (b"{", b"["):
+        return " (it begins as JSON: an index or a manifest? pass the directory that holds it)"
+    return ""
