@@ -130,6 +130,21 @@ def test_a_rank_waiting_on_another_beats_often_and_says_on_whom_it_waits() -> No
     assert beats[-1]["doing"] == "waiting for the shard layouts of step 1 from rank(s) [2]", beats
 
 
+def test_a_timeout_on_several_ranks_says_what_each_was_doing_or_that_it_never_beat() -> None:
+    # (killing ranks 1 and 2 of 3 named both, but described rank 1 alone)
+    from asyncckpt.dist import Pulse
+
+    ctx = _ctx(timeout_s=1.0)
+    ctx.store.set(ctx.key("s1", "beat", 1), json.dumps({"n": 1, "doing": "writing its shard"}))
+    with pytest.raises(CheckpointTimeoutError) as info:
+        ctx.wait_keys({1: ctx.key("s1", "done", 1), 2: ctx.key("s1", "done", 2)},
+                      "the shard files of step 1", pulse=Pulse(ctx, "s1"))
+    assert info.value.ranks == (1, 2)
+    assert str(info.value).endswith(
+        "from rank(s) [1, 2], which made no progress for the last 1s (rank 1 was last writing "
+        "its shard; rank 2 gave no sign of life in this save); they may have died or hung")
+
+
 def test_a_value_larger_than_a_store_message_goes_in_parts() -> None:
     """torch's TCPStore refuses a value over 8 MiB and drops the connection (a rank's
     record of ~40,000 tensors is that large): such values are posted in parts, read back

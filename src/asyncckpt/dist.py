@@ -786,9 +786,16 @@ class Pulse:
     def doing(self, ranks: Sequence[int]) -> str:
         """What ``ranks`` said they were doing when ``progressed`` last read their beats
         ("" when none said): for the error of a wait that timed out on them."""
+        parts = []
         with self._lock:
-            said = [(r, self._doing[r]) for r in ranks if self._doing.get(r)]
-        return "; ".join(f"rank {r} was last {what}" for r, what in said)
+            for r in ranks:
+                what = self._doing.get(r)
+                if what:
+                    parts.append(f"rank {r} was last {what}")
+                elif r not in self._seen:  # (killed before its first beat, say)
+                    parts.append(f"rank {r} gave no sign of life in this save")
+        more = f"; and {len(parts) - 8} more" if len(parts) > 8 else ""
+        return "; ".join(parts[:8]) + more
 
 
 def _ranks_text(ranks: Sequence[int], most: int = 8) -> str:
