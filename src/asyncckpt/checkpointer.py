@@ -1011,7 +1011,10 @@ class AsyncCheckpointer:
             self._closed = True
             try:
                 with contextlib.suppress(Exception):  # peers must not read a released arena
-                    self._stop_serving()
+                    self._stop_serving(retired=(
+                        f"the AsyncCheckpointer that served its saves of {self.directory} "
+                        "here closed (send_checkpoint() or another checkpointer's serve() "
+                        "offers again)") if self._transports else None)
                 self._transports = []
                 writer, self._writer = self._writer, None
                 if writer is not None:
@@ -1032,8 +1035,8 @@ class AsyncCheckpointer:
                 busy = [f for f in (last._durable if last is not None else None,
                                     self._retention) if f is not None and not f.done()]
                 if busy:
-                    self._lock.draining = (f"step {last.step}" if last is not None and not
-                                           last._durable.done() else "the removal of old steps")
+                    self._lock.draining = (f"its save of step {last.step}" if last is not None
+                                           else "its last save")
                     _release_when_done(self._lock, busy)
                 else:
                     self._lock.release()
@@ -1161,26 +1164,44 @@ class AsyncCheckpointer:
         if not self._cleaned and isinstance(self.storage, LocalStorage):
             _refuse_a_step_as_root(self.directory)
         self._make_root()  # created by the first save, not by reading
-        try:
-            taken = self._lock.acquire()
-        except OSError as exc:  # a read-only mount, no write permission, no inode left
-            raise CheckpointSaveError(
-                f"cannot create or open the lock file {self._lock.path} of the checkpoint "
-                f"directory: {exc.strerror or exc}" + os_error_hint(exc)
-                + "; every save takes it, so that two processes never save into one "
-                "directory (loads do not need it)") from exc
-        if taken:
-            if not self._cleaned:
-                self._cleanup()
-            return
-        holder = self._lock.holder()
-        other = self._lock.held_in_this_process()
+        deadline: float | None = None
+        while True:
+            try:
+                taken = self._lock.acquire()
+            except OSError as exc:  # a read-only mount, no write permission, no inode left
+                raise CheckpointSaveError(
+                    f"cannot create or open the lock file {self._lock.path} of the checkpoint "
+                    f"directory: {exc.strerror or exc}" + os_error_hint(exc)
+                    + "; every save takes it, so that two processes never save into one "
+                    "directory (loads do not need it)") from exc
+            if taken:
+                if not self._cleaned:
+                    self._cleanup()
+                return
+            holder = self._lock.holder()
+            other = self._lock.held_in_this_process()
+            # A closed checkpointer's save in flight releases the lock from the writer's
+            # thread, just after its future completes (a save right after wait() found it
+            # held, or, caught mid-release, held by "another process" of this pid): wait
+            # for that release a moment, then take it
+            releasing = (other is None and holder == str(os.getpid())) or (
+                other is not None and other.draining is not None)
+            if releasing:
+                deadline = deadline or time.monotonic() + _DRAIN_GRACE_S
+                left = deadline - time.monotonic()
+                if left > 0:
+                    if other is not None:
+                        other.freed.wait(left)
+                    else:
+                        time.sleep(min(0.002, left))
+                    continue
+            break
         if other is not None and other.draining is not None:
             raise CheckpointLockedError(
-                f"a closed AsyncCheckpointer of this process is still writing {other.draining} "
-                f"into {self.directory} (its close() was interrupted): the directory is free "
-                "once that ends (for a save, once its future's wait() returns); save again "
-                "then")
+                f"a closed AsyncCheckpointer of this process is still finishing "
+                f"{other.draining} in {self.directory} (its close() was interrupted): the "
+                "directory is free once that save ends (its future's wait() returns); save "
+                "again then")
         if other is not None:
             raise CheckpointLockedError(
                 f"another AsyncCheckpointer of this process holds {self.directory}: close() "
@@ -1533,12 +1554,12 @@ class AsyncCheckpointer:
         self._extras = kept
         return kept
 
-    def _stop_serving(self) -> None:
+    def _stop_serving(self, retired: str | None = None) -> None:
         """Peers must stop reading the arena before anything in it changes (the next save
         restages it) or it is released (close). The offer is withdrawn, not only
         disallowed: allowing its step again would serve whatever the arena holds by then,
         and the transport would keep the arena alive."""
-        withdraw_offers(self._transports)
+        withdraw_offers(self._transports, retired)
 
     def _ensure_writer(self) -> BackgroundWriter:
         if self._writer is None:
@@ -1563,6 +1584,10 @@ def _release_when_done(lock: DirectoryLock, busy: Sequence[cf.Future[Any]]) -> N
     for f in busy:
         f.add_done_callback(done)
 
+
+# How long a save waits for the lock a closed checkpointer's save in flight is about to
+# release (its future done, the release a callback away) before it says the directory is busy
+_DRAIN_GRACE_S = 1.0
 
 # How long the coordinator's close() waits at most for the other ranks to read the verdict
 # on the last save (they poll for it every 0.1 s at most).

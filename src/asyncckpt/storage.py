@@ -19,6 +19,7 @@ import os
 import shutil
 import stat
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -263,7 +264,8 @@ class DirectoryLock:
         self._pid = 0  # the process that took the lock
         # set by a closed checkpointer whose save in flight still holds it (a close() that
         # was interrupted): released as that save ends
-        self.draining: str | None = None  # what it still writes ("step 7")
+        self.draining: str | None = None  # what it still writes ("its save of step 7")
+        self.freed = threading.Event()  # set by release()
 
     def acquire(self) -> bool:
         if self._fd is not None and self._pid == os.getpid():
@@ -282,6 +284,7 @@ class DirectoryLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd, self._pid = fd, os.getpid()
+        self.freed.clear()
         _held_locks.add(self)
         return True
 
@@ -310,13 +313,13 @@ class DirectoryLock:
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
-        self.draining = None
         if fd is not None:
             _held_locks.discard(self)  # first: a fork from now on must not close fd
             with contextlib.suppress(OSError):
                 if self._pid == os.getpid():  # a forked child must not unlock its parent
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
+        self.freed.set()
 
 
 _held_locks: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()

@@ -865,15 +865,19 @@ def _ready(job: SaveJob) -> Callable[[int], None]:
     return ready
 
 
-def withdraw_offers(transports: Sequence[Any]) -> None:
+def withdraw_offers(transports: Sequence[Any], retired: str | None = None) -> None:
     """Take back what the arena is offered through (a transport's ``withdraw()``, or
     ``disallow_checkpoint()`` where it has none): peers must stop reading it before it
     changes or is released, and a save that did not commit is not served. Each transport
-    may wait up to its timeout for a slow peer: together, not one after another."""
+    may wait up to its timeout for a slow peer: together, not one after another.
+    ``retired``: why nothing follows (a checkpointer that closes), for the peers' answer."""
     def stop(transport: Any) -> None:
         withdraw = getattr(transport, "withdraw", None)
         if callable(withdraw):
-            withdraw()
+            if retired is None:
+                withdraw()
+            else:
+                withdraw(retired)
         else:
             transport.disallow_checkpoint()
 

@@ -232,6 +232,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._cond = threading.Condition()
         self._offered: Served | None = None
         self._allowed: int | None = None
+        self._retired: str | None = None  # why nothing will be offered (see withdraw)
         self._closed = False  # shutdown() has begun: requests and offers are refused
         self._mixed = False  # offers of two origins met (warned of once)
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
@@ -280,6 +281,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             old = self._offered
             self._offered = served
             self._allowed = served.step if allow else None
+            self._retired = None  # (offered again: requests wait for an allowed step)
             self._cond.notify_all()
         if old is not None and old is not served:
             if old.origin and served.origin and old.origin != served.origin and not self._mixed:
@@ -347,19 +349,25 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._allowed = None
             self._drain(None, self.timeout_s, "disallow_checkpoint")
 
-    def withdraw(self) -> None:
+    def withdraw(self, retired: str | None = None) -> None:
         """Stop serving, then forget the offer: its step cannot be allowed again, and the
         memory it serves (a checkpointer's staged arena) is no longer held. A checkpointer
         calls this before it restages its arena and when it closes: the bytes on offer are
         about to change or be released. Transfers in progress may finish within
         ``withdraw_grace`` (not ``timeout``: a stalled receiver held the next save for all
-        of it); then they are cut off, and their receivers told the step is gone."""
+        of it); then they are cut off, and their receivers told the step is gone.
+
+        ``retired`` (a checkpointer that closes: why nothing will follow): until something
+        is offered again, requests are answered at once (404, with that reason) instead of
+        waiting their timeout for a step."""
         self._refuse_forked("withdraw")
         with self._cond:
             # Forgotten before the wait for its transfers: an allow_checkpoint() of its
             # step meanwhile (another thread) must fail, not serve an arena being refilled.
             old, self._offered = self._offered, None
             self._allowed = None
+            self._retired = retired
+            self._cond.notify_all()  # (waiting requests learn it now)
             if old is not None:
                 self._drain(old, self.withdraw_grace_s, "withdraw")
         if old is not None:
@@ -471,6 +479,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline = time.monotonic() + self.timeout_s
         while self._allowed is None:
             self._check_open("serving a request")
+            if self._retired is not None:
+                raise _Retired(self._retired)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -714,6 +724,11 @@ class _ClientGone(Exception):
     """The client hung up while its request waited for a step to be allowed."""
 
 
+class _Retired(Exception):
+    """Nothing is on offer, and nothing will be until something is offered again (the
+    checkpointer that served through the transport closed): the reason, for the 404."""
+
+
 def _hung_up(sock: socket.socket) -> bool:
     """Whether the client on ``sock`` has closed its end (or the connection failed), at
     once. ``poll``, not ``select``: select fails on descriptors above 1024. A client that
@@ -862,6 +877,8 @@ class _Handler(BaseHTTPRequestHandler):
         """The step on offer, once one is allowed: ``{"step": N}``."""
         try:
             step = tr._allowed_step(self.connection)
+        except _Retired as exc:
+            return self._refuse(404, f"no step is on offer: {exc}")
         except _ClientGone:
             return self._client_gone()
         except TimeoutError:
@@ -889,6 +906,8 @@ class _Handler(BaseHTTPRequestHandler):
         step, what = int(m.group(1)), m.group(2)
         try:
             got = tr._acquire(step, self.connection)
+        except _Retired as exc:
+            return self._refuse(404, f"step {step} is not being served: {exc}")
         except _ClientGone:
             return self._client_gone()
         except TimeoutError:
