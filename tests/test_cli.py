@@ -121,6 +121,9 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert code == 1 and json.loads(out)["without_manifest"] == ["step_000000050"]
     code, _, _ = run(capsys, "verify", str(root), "--step", "20")  # (a step named: its verdict)
     assert code == 0
+    code, _, err = run(capsys, "verify", str(root), "--step", "50")
+    assert code == 2 and ("step_000000050 is there without its manifest.json (the manifest "
+                          "lost, or a copy cut short)") in err, err
     (root / "step_000000050").rmdir()
     (root / "step_000000005").mkdir()  # older: verify ROOT's latest is not concerned
     assert run(capsys, "verify", str(root))[0] == 0

@@ -365,8 +365,12 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
         if not steps:
             refuse_a_step_dir_without_manifest(root, names)
         have = ", ".join(map(str, steps[-10:])) or "none"
+        lost = (f"; {step_dir_name(step)} is there without its {MANIFEST_NAME} (the manifest "
+                "lost, or a copy cut short): no load reads it"
+                if step_dir_name(step) in names else "")
         raise CheckpointNotFoundError(
-            f"no committed checkpoint for step {step} under {root} (committed steps: {have})")
+            f"no committed checkpoint for step {step} under {root} (committed steps: {have})"
+            f"{lost}")
     return root / step_dir_name(step), step
 
 

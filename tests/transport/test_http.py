@@ -758,6 +758,8 @@ def test_a_byte_corrupted_in_flight_is_caught_and_names_the_tensor(transports: A
     url = f"{srv.address()}/7/files/{FILE}"
     assert str(info.value).startswith(f"{url}: checksum mismatch"), info.value
     assert "receive them again" in str(info.value) and "earlier step" not in str(info.value)
+    # (the commonest cause is named too: a trial's sender changed its tensors while offered)
+    assert "or the peer changed its tensors while it offered them" in str(info.value)
     # (or on the disk of a peer serving a checkpoint: receiving again would not help)
     assert "or on its disk (a peer serving a checkpoint from disk: run 'asyncckpt verify' " \
         "there)" in str(info.value)

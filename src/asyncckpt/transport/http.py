@@ -201,7 +201,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                 raise CheckpointConfigError(f"{name}={host_value!r}: pass a host name or "
                                             "address as a str")
         if num_chunks < 0:
-            raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more")
+            raise CheckpointConfigError(f"num_chunks={num_chunks}: use 1 or more (0, "
+                                        "torchft's 'no chunking', counts as 1)")
         num_chunks = max(1, num_chunks)  # torchft's default 0 means "no chunking"
         self.timeout_s = fetch_timeout(timeout)  # (capped at a week, as a fetch's is)
         self.withdraw_grace_s = seconds(withdraw_grace, "withdraw_grace")
@@ -605,8 +606,10 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
         text = text.replace("the checkpoint is corrupt; load an earlier step",
                             "the bytes were damaged in transit, in the peer's memory, or "
                             "on its disk (a peer serving a checkpoint from disk: run "
-                            "'asyncckpt verify' there); receive them again, or from "
-                            "another peer")
+                            "'asyncckpt verify' there), or the peer changed its tensors "
+                            "while it offered them (send_checkpoint's must stay as they are "
+                            "until disallow_checkpoint() returns); receive them again, or "
+                            "from another peer")
         text = text.replace("load an earlier step", "receive it again, or from another peer")
     if into is not None and storage.tensor_bytes_read:
         text += ("; the targets were loaded in place and may hold part of the peer's state: "
