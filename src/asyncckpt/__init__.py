@@ -161,14 +161,11 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         from .transport.http import (
             HTTPStorage,
             StepNotOffered,
-            check_peer_step,
             fetch_connections,
             fetch_timeout,
             peer_error,
         )
 
-        if step is not None:
-            check_peer_step(step)
         timeout = fetch_timeout(timeout)
         deadline = _time.monotonic() + timeout
         while True:

@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 _PATH = re.compile(r"/v1/(0|[1-9][0-9]{0,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
-MAX_STEP = (1 << 63) - 1  # as a PGTransport's (an int64 on its wire): 19 digits in a URL
 _RANGE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{1,18})")
 _SIZE = re.compile(r"[0-9]{1,18}")
 _MiB = 1024 * 1024
@@ -133,13 +132,6 @@ def _unspecified(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:  # a host name
         return False
-
-
-def check_peer_step(step: int) -> None:
-    """Refuse a step no URL of a peer can name (above ``MAX_STEP``)."""
-    if step > MAX_STEP:
-        raise CheckpointConfigError(f"step={step}: a peer serves steps up to 2**63-1; number "
-                                    "the steps of this run below that")
 
 
 def fetch_timeout(timeout: timedelta | float) -> float:
@@ -272,10 +264,11 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         Raises:
             CheckpointClosedError: after ``shutdown()``.
-            CheckpointConfigError: a step above 2**63-1 (``MAX_STEP``), as a PGTransport's.
+            CheckpointConfigError: a step above 2**63-1 (``commit.MAX_STEP``), as a
+                PGTransport's.
         """
         self._refuse_forked("serve")
-        check_peer_step(served.step)
+        as_step(served.step)  # (at most 2**63-1: 19 digits in a URL, an int64 on a PG's wire)
         check_flags(allow=allow)
         with self._cond:
             self._check_open("serve")
@@ -545,7 +538,6 @@ class HTTPTransport(CheckpointTransport[Any]):
         parts = check_exclude(exclude)
         check_key_map(key_map)
         step = as_step(step)
-        check_peer_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
                               max_manifest_bytes=self.max_manifest_bytes)

@@ -285,7 +285,7 @@ class PGTransport(CheckpointTransport[Any]):
         from .. import __version__
 
         self._check_open()
-        step = _check_word(as_step(step), "step", 0)
+        step = as_step(step)  # (at most 2**63-1: a word on the wire)
         budget = self.timeout_s if timeout is None else _timeout(timeout)
         deadline = time.monotonic() + budget  # for the requests: from the call's start
         dsts = self._check_peers(dst_ranks, f"dst_ranks={dst_ranks!r}")
@@ -387,7 +387,7 @@ class PGTransport(CheckpointTransport[Any]):
         )
 
         self._check_open()
-        step = _check_word(as_step(step), "step", 0)
+        step = as_step(step)  # (at most 2**63-1: a word on the wire)
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
