@@ -269,9 +269,9 @@ def _warn_if_uncommitted(step_dir: Path) -> None:
               "no load reads it")
 
 
-def _n(count: int, noun: str) -> str:
-    """``1 tensor``, ``2 tensors``."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors`` (``plural`` where it is not ``noun + "s"``)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 # --- ls ----------------------------------------------------------------------------------------
@@ -354,16 +354,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         total = sum(e.get("bytes", 0) for e in entries)
         _out(f"{_n(listed, 'committed step')}, "
              f"{human_bytes(total)} in all"
-             + (f"; {len(unlistable)} step director{'ies' if len(unlistable) != 1 else 'y'} "
-                "cannot be listed" if unlistable else ""))
+             + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
+                "listed" if unlistable else ""))
     if abandoned:
         _out(f"{_n(len(abandoned), 'incomplete or abandoned temp dir')} (never read; the "
              "next save here removes "
              f"them): {', '.join(abandoned)}")
     if no_manifest:
-        _out(_shown(f"{len(no_manifest)} step director{'ies' if len(no_manifest) != 1 else 'y'}"
-                    f" without {MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy "
-                    f"cut short: no load reads them): {', '.join(no_manifest)}"))
+        _out(_shown(f"{_n(len(no_manifest), 'step directory', 'step directories')} without "
+                    f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
+                    f"short: no load reads them): {', '.join(no_manifest)}"))
     return code
 
 
@@ -582,8 +582,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     # The latest step of a root: a newer step directory without its manifest is the
     # newest checkpoint lost (a cron job on 'verify ROOT' saw OK and exit 0)
-    lost = (_without_manifest(step_dir.parent, storage, above=report.step)
-            if args.step is None and step_dir != Path(args.ckpt) else [])
+    latest = commit.step_of_dir_name(step_dir.name)  # (the step resolved, readable or not)
+    lost = (_without_manifest(step_dir.parent, storage, above=latest)
+            if args.step is None and step_dir != Path(args.ckpt) and latest is not None
+            else [])
     code = _decided(args, EXIT_OK if report.ok and not lost else EXIT_CORRUPT)
     said = (f"newer step director{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: "
             f"{', '.join(lost)}: the newest checkpoint lost its manifest (or a copy is cut "
@@ -602,13 +604,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return code
 
 
-def _without_manifest(root: Path, storage: LocalStorage, above: int | None = None
-                      ) -> list[str]:
-    """The step directories under ``root`` that lack a manifest (newer than ``above``)."""
+def _without_manifest(root: Path, storage: LocalStorage, above: int) -> list[str]:
+    """The step directories under ``root`` newer than step ``above`` that lack a manifest
+    (only those are looked into: usually none)."""
     names: list[str] = []
-    commit.committed_steps(root, storage, [], names)
-    return [n for n in names if above is None
-            or (commit.step_of_dir_name(n) or -1) > above]
+    commit.committed_steps(root, storage, [], names, above=above)
+    return names
 
 
 def _verify_all(args: argparse.Namespace) -> int:
@@ -624,7 +625,8 @@ def _verify_all(args: argparse.Namespace) -> int:
     if MANIFEST_NAME in storage.listdir(root):
         raise _Usage(f"{root} is one step's directory: --all takes the checkpoint root that "
                      "holds the step_* directories (or drop --all)")
-    steps = commit.committed_steps(root, storage)
+    lost: list[str] = []  # step directories without a manifest
+    steps = commit.committed_steps(root, storage, None, lost)
     if not steps:
         raise CheckpointNotFoundError(f"no committed checkpoint under {root}"
                                       f"{commit.foreign_hint(root, storage.listdir(root))}")
@@ -640,7 +642,6 @@ def _verify_all(args: argparse.Namespace) -> int:
             continue  # retired by retention since it was listed: no step now
         done.append((step_dir, report, time.perf_counter() - t0))
     bad = [d.name for d, r, _ in done if not r.ok]
-    lost = _without_manifest(root, storage)
     code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_OK)
     if args.json:
         _print_json({"root": str(root), "ok": not bad and not lost,
@@ -652,8 +653,7 @@ def _verify_all(args: argparse.Namespace) -> int:
     _out(f"{_n(len(done), 'committed step')} verified: " + (
         f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
     if lost:
-        _out(f"{len(lost)} step director{'ies' if len(lost) != 1 else 'y'} without "
-             f"{MANIFEST_NAME} "
+        _out(f"{_n(len(lost), 'step directory', 'step directories')} without {MANIFEST_NAME} "
              f"(checkpoints whose manifest was lost, or a copy cut short): {', '.join(lost)}")
     return code
 

@@ -31,6 +31,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointSaveError,
+    few,
 )
 from .manifest import MANIFEST_NAME, is_shard_file_name
 from .storage import DirectoryLock, ReadStorage, Storage, is_transient
@@ -105,8 +106,9 @@ def list_root(root: Path, storage: ReadStorage) -> list[str]:
 def committed_steps(root: Path, storage: ReadStorage,
                     unlistable: list[tuple[str, str]] | None = None,
                     no_manifest: list[str] | None = None, *,
-                    skip_denied: bool = False) -> list[int]:
-    """Committed steps under ``root``, oldest first (a step counts once its manifest is there).
+                    skip_denied: bool = False, above: int | None = None) -> list[int]:
+    """Committed steps under ``root``, oldest first (a step counts once its manifest is there);
+    with ``above``, only the directories of later steps are looked into.
 
     A step directory that this user may not list raises CheckpointPermissionError (it
     may hold the newest step: a resume must not take an older one unknowingly), unless
@@ -119,7 +121,7 @@ def committed_steps(root: Path, storage: ReadStorage,
     steps = []
     for name in list_root(root, storage):
         step = step_of_dir_name(name)
-        if step is not None and _is_committed(
+        if step is not None and (above is None or step > above) and _is_committed(
                 root, name, storage, unlistable, no_manifest,
                 denied="skip" if skip_denied or unlistable is not None else "raise"):
             steps.append(step)
@@ -268,19 +270,16 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
     if names is not None and MANIFEST_NAME not in names:
         plain = sorted(n for n in names if n.endswith(".safetensors"))
         if plain:
-            return (f"; it holds plain safetensors files ({_few_names(plain)}; Hugging Face "
+            return (f"; it holds plain safetensors files ({few(plain, 3)}; Hugging Face "
                     "weights?), which asyncckpt.load_safetensors(path, state) loads")
         saved = sorted(n for n in names if Path(n).suffix in _TORCH_SAVE_SUFFIXES)
         if saved:
-            return (f"; it holds torch.save files ({_few_names(saved)})? load one with "
+            return (f"; it holds torch.save files ({few(saved, 3)})? load one with "
                     "torch.load(file, weights_only=True), then save the state with "
                     "asyncckpt.save")
     return ""
 
 
-def _few_names(names: Sequence[str], most: int = 3) -> str:
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
 
 
 def as_step(step: object, *, latest: bool = False) -> int:

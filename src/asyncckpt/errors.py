@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -113,6 +114,12 @@ class StateMismatchError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print repr(message)
         return str(self.args[0])
+
+
+def few(items: Sequence[str], n: int = 8) -> str:
+    """``a, b, c and 5 more``: at most ``n`` of ``items``, for a message."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
 
 
 def seconds_text(s: float | None) -> str:

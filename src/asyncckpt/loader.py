@@ -32,6 +32,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     StateMismatchError,
+    few,
     retold,
 )
 from .manifest import MANIFEST_NAME, Manifest
@@ -216,7 +217,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     if staged:
         log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
                     "read into a temporary and copied in checkpoint order, so the last one wins",
-                    label, _few(staged))
+                    label, few(staged))
     # Read into a temporary, then copied into each target: targets sharing memory, and a
     # cast key's several (tied) targets, each cast from the saved values. A cast key's
     # one target is read into as usual: the reader casts each piece as it comes.
@@ -541,7 +542,7 @@ class _Rollback:
         if left:
             raise CheckpointCorruptError(
                 f"loading {self.root} with fallback=True and strict=False: step {step} "
-                f"loaded, but the targets {_few(sorted(left))} hold what the failed attempts "
+                f"loaded, but the targets {few(sorted(left))} hold what the failed attempts "
                 f"at steps {sorted(set(left.values()))} read into them and step {step} has "
                 "no values for them; their own values are lost: set them again",
                 path=str(self.root))
@@ -701,7 +702,7 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
     unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
     if unmatched:
         log.warning("exclude: the checkpoint of step %d holds nothing at %s (names as "
-                    "'asyncckpt inspect' lists them)", manifest.step, _few(unmatched))
+                    "'asyncckpt inspect' lists them)", manifest.step, few(unmatched))
     return _with_skeleton(manifest, skeleton)
 
 
@@ -912,7 +913,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         tied = [p for p in missing if target.refs[p] in filled]
         if tied:
             log.info("loading %s: %s get their values through the tensors they are tied to",
-                     step_dir, _few(tied))
+                     step_dir, few(tied))
             missing = [p for p in missing if target.refs[p] not in filled]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched: list[str] = []
@@ -998,22 +999,22 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                         "holds under other names%s", step_dir, len(missing), hint)
         elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
             log.warning("loading %s with strict=False leaves %d target key(s) the checkpoint "
-                        "does not hold as they are: %s", step_dir, len(missing), _few(missing))
+                        "does not hold as they are: %s", step_dir, len(missing), few(missing))
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
         if missing and manifest.partial:  # (a view a rank of a group serves of its part)
             parts.append(f"missing from the peer's view (the state of the rank that serves "
-                         f"it): {_few(missing)}")
+                         f"it): {few(missing)}")
             # (not a rename hint: the names the view holds instead are its own rank's)
             hint = (" (fetch each rank's state from the same rank of a healthy replica, or "
                     "leave out what only this rank holds with exclude=)")
         elif missing:
-            parts.append(f"missing from the checkpoint: {_few(missing)}")
+            parts.append(f"missing from the checkpoint: {few(missing)}")
         if unexpected:
-            parts.append(f"in the checkpoint but not in the target: {_few(unexpected)}")
+            parts.append(f"in the checkpoint but not in the target: {few(unexpected)}")
         if mismatched:
-            parts.append(f"shape/dtype mismatch: {_few(mismatched)}")
+            parts.append(f"shape/dtype mismatch: {few(mismatched)}")
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
@@ -1023,17 +1024,17 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                              "to load into tensors of another kind of dtype, load with "
                              "state=None and convert")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
-            parts.append(f"read-only numpy arrays: {_few(readonly)}; pass writeable ones (e.g. "
+            parts.append(f"read-only numpy arrays: {few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")
             mismatched += [f"{p}: read-only numpy array" for p in readonly]
         if unwritable:  # a copy into one kills the process (SIGSEGV): refuse up front
             parts.append(f"tensors over memory that cannot be written (a read-only mapping, "
-                         f"such as np.load(mmap_mode='r')): {_few(unwritable)}; load into "
+                         f"such as np.load(mmap_mode='r')): {few(unwritable)}; load into "
                          "writable tensors (e.g. t.clone())")
             mismatched += [f"{p}: read-only memory" for p in unwritable]
         if overlapping:  # a copy into one raises half-way through a load: refuse up front
             parts.append(f"tensors whose elements share memory (expanded or as_strided views): "
-                         f"{_few(overlapping)}; load into tensors with memory of their own "
+                         f"{few(overlapping)}; load into tensors with memory of their own "
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
         # (where a wrapper renamed the keys, strict=False would load none of them)
@@ -1062,7 +1063,7 @@ def _refuse_absent(manifest: Manifest, label: Path) -> None:
                 if sum(math.prod(c.lengths) for c in e.chunks) != math.prod(e.shape)]
         if part:  # ("holds 4 of the 8 wanted elements" said nothing of the cause)
             raise CheckpointNotFoundError(
-                f"{label} holds only part of {_few(part)} (the boxes of the rank that serves "
+                f"{label} holds only part of {few(part)} (the boxes of the rank that serves "
                 "it): a load with no target asks for whole tensors; pass a target whose "
                 "tensors ask for the boxes it holds (DTensors, or shards=), or leave those "
                 "out (exclude=)")
@@ -1073,7 +1074,7 @@ def _not_held(label: Path, paths: list[str]) -> CheckpointNotFoundError:
     step counts under FSDP2, a replicated bias) is written by one rank of a group, and the
     other ranks' views hold their copies of it, unless making them failed."""
     return CheckpointNotFoundError(
-        f"{label} does not hold {_few(paths)}: another rank of the peer's group wrote these "
+        f"{label} does not hold {few(paths)}: another rank of the peer's group wrote these "
         "(a replicated tensor is written by one rank), and the peer could not offer its "
         "copies of them (its log says why); fetch them from that rank's peer, or leave them "
         "out (exclude=, or a target without them and ignore_unexpected=True)")
@@ -1455,7 +1456,7 @@ def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatSt
             where = path or "<root>"
             raise StateMismatchError(
                 f"cannot load {step_dir}: the optimizer at {where!r} has DTensor parameters "
-                f"(FSDP2) but no state yet, so {_few(fresh, 3)} would come back as whole plain "
+                f"(FSDP2) but no state yet, so {few(fresh, 3)} would come back as whole plain "
                 "tensors; load its state dict instead: osd = get_state_dict(model, optim)[1] "
                 "(torch.distributed.checkpoint.state_dict), load into {'optim': osd}, then "
                 "set_state_dict(...) (see examples/train_fsdp.py)", mismatched=fresh)
@@ -1560,8 +1561,8 @@ def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
     d = max(common, key=lambda k: len(wanted[k]))
     where = f"under {d + '/'!r}" if d else "at the root"
     old, new = _likely_pair(held[d], wanted[d])
-    return (f"; {where} the checkpoint holds {_few(held[d], 4)} where the target wants "
-            f"{_few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
+    return (f"; {where} the checkpoint holds {few(held[d], 4)} where the target wants "
+            f"{few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
             f"names to the new ones (e.g. key_map={{{old!r}: {new!r}}}); "
             "strict=False would load none of them")
 
@@ -1582,6 +1583,3 @@ def _likely_pair(held: list[str], wanted: list[str], most: int = 100) -> tuple[s
                key=lambda hw: tail(*hw))
 
 
-def _few(items: list[str], n: int = 8) -> str:
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
