@@ -1497,6 +1497,62 @@ def test_retention_does_not_count_a_step_a_fallback_load_found_damaged(
         assert ck.steps() == [50]
 
 
+def _flip_a_byte(step_dir: Path) -> None:
+    shard = step_dir / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 1
+    shard.write_bytes(bytes(raw))
+
+
+def test_a_damaged_step_is_marked_on_disk_for_later_processes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's later process loaded the intact step 6 (never reading the damaged 4), and
+    its keep_last=3 counted 4: [4 (corrupt), 5, 6]. The checkpointer that found 4 damaged
+    writes step_4/damaged.json; every later checkpointer's retention reads it."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
+        for s in (3, 4):
+            ck.save({"w": torch.full((1000,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000004")
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert ck.load(fallback=True)["w"][0].item() == 3.0
+        assert "step(s) [4] under" in caplog.text and "marked by damaged.json" in caplog.text
+    mark = json.loads((tmp_path / "step_000000004" / "damaged.json").read_text())
+    assert mark["step"] == 4 and "checksum mismatch in tensor 'w'" in mark["problem"], mark
+    assert abs(mark["found_unix"] - time.time()) < 60
+    # a later process: its loads read the newest step only, which is intact
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
+        for s in (5, 6):
+            ck.save({"w": torch.full((1000,), float(s))}, step=s)
+            assert ck.load()["w"][0].item() == float(s)
+        assert ck.steps() == [3, 4, 5, 6]  # three intact steps, and 4 for a look
+        ck.save({"w": torch.full((1000,), 7.0)}, step=7)
+        assert ck.steps() == [5, 6, 7]  # 4 went once older than every step kept
+    assert asyncckpt.load(tmp_path, step=5)["w"][0].item() == 5.0
+
+
+def test_a_damaged_step_that_cannot_be_marked_is_still_not_counted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class NoMarks(asyncckpt.storage.LocalStorage):
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            if path.name == "damaged.json":
+                raise PermissionError(errno.EROFS, "Read-only file system")
+            super().write_bytes(path, data)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
+        for s in (10, 20):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000020")
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2, storage=NoMarks()) as ck:
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert ck.load(fallback=True)["w"][0].item() == 10.0
+        assert ("damaged.json could not be written (step 20: Read-only file system): only "
+                "this checkpointer knows") in caplog.text, caplog.text
+        ck.save({"w": torch.full((10,), 30.0)}, step=30)
+        assert ck.steps() == [10, 20, 30]  # known in memory all the same
+    assert not (tmp_path / "step_000000020" / "damaged.json").exists()
+
+
 def test_retention_that_removes_several_steps_at_once_warns(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A restart with narrower retention (keep_every dropped from a config) removed the

@@ -149,6 +149,36 @@ def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
         [], [f"{shard} is 100 bytes, not {doc['steps'][1]['bytes']}"], [f"{shard} is missing"]]
 
 
+def test_ls_marks_a_step_a_fallback_load_found_damaged(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (its files all there, of their sizes: without damaged.json ls said nothing amiss)
+    shard = root / "step_000000030" / "rank_00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert run(capsys, "ls", str(root))[0] == 0
+    with asyncckpt.AsyncCheckpointer(root) as ck:
+        ck.load(fallback=True)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 1, out
+    row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["30"])
+    assert "latest, DAMAGED: a load found it damaged at 20" in row, row
+    assert "(damaged.json: " in row and "checksum mismatch" in row, row
+    doc = json.loads(run(capsys, "ls", str(root), "--json")[1])
+    assert [bool(s["damaged"]) for s in doc["steps"]] == [False, False, True]
+    code, out, _ = run(capsys, "verify", str(root / "step_000000030"))
+    assert code == 1 and "delete" not in out, out
+    shard.write_bytes(bytes(raw[:-1] + bytes([raw[-1] ^ 1])))  # mended
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0 and "a load found it damaged at 20" in out, out
+    assert f"it verifies now: if that was a passing fault, delete {root / 'step_000000030'}" \
+        f"/damaged.json" in out, out
+    doc = json.loads(run(capsys, "verify", str(root), "--json")[1])
+    assert doc["ok"] and "checksum mismatch" in doc["damaged_mark"]["problem"], doc
+    (root / "step_000000030" / "damaged.json").write_text("{not json")
+    assert "(damaged.json: damaged.json is not a JSON object)" in run(capsys, "ls", str(root))[1]
+
+
 def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "ls", str(tmp_path))
     assert code == 0 and "no committed checkpoints" in out

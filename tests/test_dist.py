@@ -1561,6 +1561,10 @@ def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path
 
     out = all_ok(in_threads(rank))
     assert out == {0: (1, [10.0] * 4), 1: (1, [11.0] * 4)}, out
+    # rank 0 marked the step, with rank 1's finding (its own rows were intact)
+    mark = json.loads((tmp_path / "step_000000002" / "damaged.json").read_text())
+    assert mark["step"] == 2 and mark["problem"].startswith("rank 1: "), mark
+    assert "checksum mismatch" in mark["problem"], mark
     # twice in a row pairs again (the second load's verdicts are its own)
     assert all_ok(in_threads(rank)) == out
 

@@ -939,7 +939,7 @@ class AsyncCheckpointer:
             if fallback and step is None:
                 # in a group, every rank's verdict counts: all end on the same step
                 agree = self._ctx.fallback_agreement() if self._ctx.distributed else None
-                damaged: list[int] = []
+                damaged: list[tuple[int, str]] = []
                 try:
                     return load_newest_intact(
                         self.directory, state, self.storage, strict=strict,
@@ -959,20 +959,33 @@ class AsyncCheckpointer:
                 self._ctx.release_step(held)
             self._in_use.release(held)
 
-    def _note_damaged(self, steps: list[int]) -> None:
-        """Steps a fallback load found damaged: this checkpointer's retention counts them
-        no more among the steps it keeps (a damaged step kept while the intact one
-        before it went: a trial's keep_last=2 left [20 (corrupt), 30])."""
-        new = sorted(set(steps) - self._damaged)
+    def _note_damaged(self, found: list[tuple[int, str]]) -> None:
+        """Steps a fallback load found damaged (with what was found): retention counts
+        them no more among the steps it keeps (a damaged step kept while the intact one
+        before it went: a trial's keep_last=2 left [20 (corrupt), 30]). The coordinator
+        marks each on disk (damaged.json), so a later process's retention and ``ls`` know
+        it too (a fallback that loads a newer intact step never reads the damaged one)."""
+        new = sorted({s: why for s, why in found if s not in self._damaged}.items())
         if not new:
             return
-        self._damaged.update(new)
+        self._damaged.update(s for s, _ in new)
+        unmarked = []
+        if self._ctx.is_coordinator:
+            for s, why in new:
+                failed = commit.mark_damaged(self.directory, s, why, self.storage)
+                if failed is not None:
+                    unmarked.append(f"step {s}: {failed}")
+        steps = [s for s, _ in new]
         log.warning(
-            "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look); "
-            "this checkpointer's keep_last does not count them, and removes them once older "
-            "than the steps it keeps. To save a step older than them, or to remove them "
-            "now: ckpt.discard_steps_after(<the step loaded>)", self._ctx.rank, new,
-            self.directory)
+            "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
+            "keep_last does not count them, and removes them once older than the steps it "
+            "keeps. To save a step older than them, or to remove them now: "
+            "ckpt.discard_steps_after(<the step loaded>)", self._ctx.rank, steps,
+            self.directory,
+            "" if not self._ctx.is_coordinator else
+            f", marked by {commit.DAMAGED_NAME}" if not unmarked else
+            f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): only "
+            "this checkpointer knows")
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -320,7 +320,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version,
                             "metrics": _json_metrics(m.metrics),
-                            "damaged": _files_amiss(d, m.files)})
+                            "damaged": _files_amiss(d, m.files) + _marked(d, storage)})
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
@@ -365,6 +365,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
                     f"short: no load reads them): {', '.join(no_manifest)}"))
     return code
+
+
+def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
+    """What the step's damaged.json says: a fallback load found it damaged."""
+    mark = commit.read_damaged_mark(step_dir, storage)
+    if mark is None:
+        return []
+    when = mark.get("found_unix")
+    at = f" at {_iso(when)}" if isinstance(when, (int, float)) else ""
+    return [f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"]
 
 
 def _files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
@@ -590,10 +600,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     said = (f"newer step director{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: "
             f"{', '.join(lost)}: the newest checkpoint lost its manifest (or a copy is cut "
             "short); no load reads it") if lost else ""
+    mark = commit.read_damaged_mark(step_dir, storage)
     if args.json:
         doc = _verify_doc(step_dir, report, seconds)
         if lost:
             doc.update(ok=False, newer_without_manifest=lost)
+        if mark is not None:
+            doc["damaged_mark"] = mark
         _print_json(doc)
     else:
         _print_verdict(step_dir, report, seconds)
@@ -601,6 +614,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _out(said)
         if not report.ok:
             _out("load an earlier step (asyncckpt ls ROOT lists them)")
+        elif mark is not None:  # (ls shows the step DAMAGED: say why, and what to do)
+            _out(f"{_marked(step_dir, storage)[0]}; it verifies now: if that was a passing "
+                 f"fault, delete {step_dir / commit.DAMAGED_NAME}")
     return code
 
 

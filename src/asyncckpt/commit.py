@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
@@ -463,18 +465,75 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
     return final
 
 
+DAMAGED_NAME = "damaged.json"
+"""Beside a step's manifest: a fallback load of the checkpointer that owns the directory
+found the step damaged (its problem, and when). Retention and ``ls`` read it, so the
+verdict outlives the process; a step saved anew, or removed, takes it with it."""
+
+_MAX_PROBLEM_CHARS = 2000  # of the problem a damaged.json keeps (a group's can be long)
+
+
+def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str | None:
+    """Write step ``step``'s damaged.json (kept if there already); None once it is on
+    disk, else why it could not be written (the verdict is then this process's alone)."""
+    body = json.dumps({"step": step, "found_unix": time.time(),
+                       "problem": problem[:_MAX_PROBLEM_CHARS]}, indent=1).encode()
+    try:
+        storage.write_bytes(root / step_dir_name(step) / DAMAGED_NAME, body)
+    except FileExistsError:
+        pass  # (found damaged before: the first finding stays)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object] | None:
+    """What a step's damaged.json says (None: there is none); one that cannot be read or
+    parsed still marks the step, with its problem in words."""
+    try:
+        raw = storage.read_bytes(step_dir / DAMAGED_NAME, 64 * 1024)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return {"problem": f"{DAMAGED_NAME} cannot be read ({exc.strerror or exc})"}
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        return {"problem": f"{DAMAGED_NAME} is not a JSON object"}
+    return doc
+
+
+def damaged_marks(root: Path, steps: Sequence[int], storage: ReadStorage) -> set[int]:
+    """The steps of ``steps`` whose directory holds a damaged.json (one listing each)."""
+    out = set()
+    for s in steps:
+        try:
+            if DAMAGED_NAME in storage.listdir(root / step_dir_name(s)):
+                out.add(s)
+        except OSError:
+            continue  # (gone meanwhile, or unlistable: no verdict read)
+    return out
+
+
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None, keep_every: int | None = None,
                  spare: Callable[[list[int]], Collection[int]] | None = None,
-                 damaged: Collection[int] = ()) -> list[int]:
+                 damaged: Collection[int] = (), found: set[int] | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
     (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
-    of all the committed steps: keep_best's), oldest first. ``damaged`` steps (a fallback
-    load found them corrupt) are not counted among the newest: they go once older than
-    every step kept, so that a damaged step never takes the place of an intact one."""
+    of all the committed steps: keep_best's), oldest first. Damaged steps (a fallback
+    load found them corrupt: ``damaged``, and those marked so on disk, which ``found``
+    gets) are not counted among the newest: they go once older than every step kept,
+    so that a damaged step never takes the place of an intact one."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
+    marked = damaged_marks(root, steps, storage)
+    if found is not None:
+        found |= marked
+    damaged = {*damaged, *marked}
     if damaged:
         kept = [s for s in steps if s not in damaged][-keep_last:] if keep_last > 0 else []
         floor = kept[0] if kept else None

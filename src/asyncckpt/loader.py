@@ -311,11 +311,12 @@ def load_newest_intact(root: Path, state: Any, storage: ReadStorage, *, strict: 
                        threads: int | None = None, agree: Agreement | None = None,
                        progress: Callable[[int, int], None] | None = None,
                        exclude: tuple[str, ...] = (), key_map: KeyMap | None = None,
-                       cast: bool = False, damaged: list[int] | None = None) -> Any:
+                       cast: bool = False, damaged: list[tuple[int, str]] | None = None
+                       ) -> Any:
     """Load the newest committed step that verifies, newest first.
 
     ``damaged``, when given, gets the steps tried and found corrupt (on any rank of a
-    group), newest first.
+    group), newest first, each with what was found.
 
     ``agree`` (a group's): each step's verdict is the group's, so that every rank ends
     on the same step even when only one rank's boxes are damaged. ``progress``: as for
@@ -369,7 +370,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                    ignore_unexpected: bool = False, relists: int = _RELISTS,
                    earlier: list[str] | None = None, *, exclude: tuple[str, ...] = (),
                    key_map: KeyMap | None = None, cast: bool = False,
-                   damaged: list[int] | None = None) -> Any:
+                   damaged: list[tuple[int, str]] | None = None) -> Any:
     from . import commit
 
     if MANIFEST_NAME in commit.list_root(root, storage):
@@ -424,9 +425,10 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             return result
         if undo is not None:
             undo.failed(step)
-        if damaged is not None and ((problem is not None and not isinstance(
-                problem, CheckpointNotFoundError)) or others):
-            damaged.append(step)
+        corrupt = problem is not None and not isinstance(problem, CheckpointNotFoundError)
+        if damaged is not None and (corrupt or others):
+            found = [str(problem)] if corrupt else []
+            damaged.append((step, "; ".join(found + [f"rank {r}: {w}" for r, w in others])))
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             deleted = deleted or gone

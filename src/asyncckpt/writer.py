@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -660,6 +660,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
     logged, never raised: the new checkpoint is durable, and the next save tries again."""
     hidden: list[tuple[int, Path]] = []
     leftovers: list[Path] = []
+    marked: set[int] = set()  # steps damaged.json marks (another process's verdict, maybe)
     try:
         if job.committed and job.ctx.is_coordinator:
             # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked)
@@ -678,7 +679,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
                         functools.partial(best.spared, job.root, job.storage),
-                        damaged=job.damaged))
+                        damaged=job.damaged, found=marked))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
@@ -704,9 +705,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                 done.set_result(None)
         else:
             try:
-                reaper.submit(_reap, job, hidden, done, leftovers)
+                reaper.submit(_reap, job, hidden, done, leftovers, marked)
             except RuntimeError:  # the interpreter is exiting: remove them here
-                _reap(job, hidden, done, leftovers)
+                _reap(job, hidden, done, leftovers, marked)
 
 
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
@@ -724,10 +725,10 @@ def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
 
 
 def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
-          leftovers: list[Path] | None = None) -> None:
+          leftovers: list[Path] | None = None, marked: Collection[int] = ()) -> None:
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
-        if len([s for s in removed if s not in job.damaged]) > 1:
+        if len([s for s in removed if s not in job.damaged and s not in marked]) > 1:
             # A save removes one step as a rule: several at once are those of a run saved
             # with other settings (a restart that dropped keep_every lost its milestones)
             log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
