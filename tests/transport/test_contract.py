@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt.errors import CheckpointNotFoundError, StateMismatchError
+from asyncckpt.errors import CheckpointConfigError, CheckpointNotFoundError, StateMismatchError
 
 T = 15.0  # the timeout of every transfer
 HARD_TIMEOUT_S = 50.0  # the rank processes are killed after this
@@ -349,6 +349,29 @@ def reuse_recv(link: Link) -> list[str]:
     return failures
 
 
+def not_ranks_send(link: Link) -> None:
+    """What is not a rank is refused before anything is offered, by both transports (HTTP,
+    which fetches from the address in metadata, took any src_rank)."""
+    for bad in (["one"], [-1], 3):
+        with contextlib.suppress(CheckpointConfigError):
+            link.tr.send_checkpoint(bad, 18, {"w": torch.ones(2)}, datetime.timedelta(seconds=T))
+            raise AssertionError(f"send_checkpoint({bad!r}, ...) was not refused")
+    link.sync()
+
+
+def not_ranks_recv(link: Link) -> list[str]:
+    failures = []
+    for bad in ("peer", -1, True, None):
+        try:
+            link.tr.recv_checkpoint(bad, link.peer_meta, 18, datetime.timedelta(seconds=T))
+            failures.append(f"recv_checkpoint(src_rank={bad!r}) was not refused")
+        except CheckpointConfigError as exc:
+            if f"src_rank={bad!r}" not in str(exc):
+                failures.append(f"src_rank={bad!r}: the refusal does not name it: {exc}")
+    link.sync()
+    return failures
+
+
 SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], int]] = {
     "fresh": (fresh_send, fresh_recv, 1),
     "into": (into_send, into_recv, 1),
@@ -357,6 +380,7 @@ SCENARIOS: dict[str, tuple[Callable[[Link], None], Callable[[Link], list[str]], 
     "model_alone": (send_twice(15), model_alone_recv, 2),
     "exclude": (send_twice(17), exclude_recv, 2),
     "state_dict_fn": (reuse_send, reuse_recv, 1),
+    "not_ranks": (not_ranks_send, not_ranks_recv, 1),
 }
 
 

@@ -296,6 +296,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         from .. import __version__
 
         self._refuse_forked("send_checkpoint")
+        _check_ranks(dst_ranks, "dst_ranks")
         self.serve(serve_state(step, state_dict, block_bytes=self.block_bytes,
                                library_version=__version__))
 
@@ -534,6 +535,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if step is None:  # (a peer serves one step: name it, as the sender offered it)
             raise CheckpointConfigError("step=None: pass the step the peer offers")
         self._refuse_forked("recv_checkpoint")
+        _check_ranks(src_rank, "src_rank")
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
@@ -565,6 +567,22 @@ class HTTPTransport(CheckpointTransport[Any]):
             with self._cond:
                 self._receiving.discard(storage)
             storage.close_all()
+
+
+def _check_ranks(ranks: Any, label: str) -> None:
+    """Ranks HTTP does not use (the address in ``metadata`` names the peer; any peer with
+    the token may fetch) are still ranks: what PGTransport takes, so that swapped
+    arguments fail here as there rather than on the other transport only."""
+    try:
+        given = [ranks] if label == "src_rank" else list(ranks)
+    except TypeError:
+        raise CheckpointConfigError(f"{label}={ranks!r}: pass a list of ranks (ints)") from None
+    for r in given:
+        if isinstance(r, bool) or not hasattr(r, "__index__") or r.__index__() < 0:
+            what = f"{label}={r!r}" if label == "src_rank" else f"{label}: {r!r}"
+            raise CheckpointConfigError(
+                f"{what} is not a rank (an int, 0 or more); HTTPTransport fetches from the "
+                "address in metadata (the peer's address()), whatever the rank")
 
 
 def _check_token(token: str | None) -> str | None:
