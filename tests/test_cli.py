@@ -615,6 +615,9 @@ def test_ls_shows_a_step_dir_it_cannot_list(root: Path, capsys: pytest.CaptureFi
     doc = json.loads(out)
     assert doc["latest"] == 30 and [e["step"] for e in doc["steps"]] == [10, 20, 30]
     assert "Permission denied" in doc["steps"][1]["error"]
+    # every row has every key: a script reading row["bytes"] failed on the unreadable ones
+    assert [sorted(e) for e in doc["steps"]] == [sorted(doc["steps"][0])] * 3
+    assert doc["steps"][1]["bytes"] is None and doc["steps"][0]["error"] is None
 
 
 def test_tables_escape_control_characters_in_keys(
@@ -834,7 +837,7 @@ def test_ls_leaves_out_a_step_retired_while_it_lists(
     doc = json.loads(out)
     left = [s for s in (10, 20, 30) if s != gone]
     assert code == 0 and [e["step"] for e in doc["steps"]] == left, doc
-    assert doc["latest"] == left[-1] and all("error" not in e for e in doc["steps"])
+    assert doc["latest"] == left[-1] and all(e["error"] is None for e in doc["steps"])
     (root / f"step_{gone:09d}").mkdir()  # (for the table: retire it again)
     (root / f"step_{gone:09d}" / "manifest.json").write_text("{}")
     code, out, _ = run(capsys, "ls", str(root))

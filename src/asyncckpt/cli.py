@@ -298,8 +298,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         dirs = [root / commit.step_dir_name(s) for s in steps]
         abandoned = commit.abandoned_dirs(root, storage)
     entries: list[dict[str, Any]] = [
-        {"step": commit.step_of_dir_name(name), "path": str(root / name),
-         "error": f"cannot be listed ({why}): it counts as no committed step"}
+        _unreadable_row(commit.step_of_dir_name(name), root / name,
+                        f"cannot be listed ({why}): it counts as no committed step")
         for name, why in unlistable]
     listed = 0
     latest = None  # as latest_step() says: unlistable dirs do not count
@@ -312,15 +312,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 continue  # retired by retention since it was listed: no step now
             corrupt = corrupt or not isinstance(exc, CheckpointVersionError)
             # a copied step dir may have any name
-            entries.append({"step": commit.step_of_dir_name(d.name), "path": str(d),
-                            "error": str(exc)})
+            entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc)))
         else:
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
                             "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version,
                             "metrics": _json_metrics(m.metrics),
-                            "damaged": _files_amiss(d, m.files) + _marked(d, storage)})
+                            "damaged": _files_amiss(d, m.files) + _marked(d, storage),
+                            "error": None})
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
@@ -346,12 +346,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  ", ".join((["latest"] if e["step"] == latest else [])
                            + ([_shown(f"DAMAGED: {'; '.join(e['damaged'])} (run 'asyncckpt "
                                       "verify')")] if e["damaged"] else []))]
-                if "error" not in e else
+                if e["error"] is None else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
                  *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"] for e in entries]
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
                      ""], rows, right=(0, 1, 2)))
-        total = sum(e.get("bytes", 0) for e in entries)
+        total = sum(e["bytes"] or 0 for e in entries)
         _out(f"{_n(listed, 'committed step')}, "
              f"{human_bytes(total)} in all"
              + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
@@ -365,6 +365,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
                     f"short: no load reads them): {', '.join(no_manifest)}"))
     return code
+
+
+def _unreadable_row(step: int | None, path: Path, error: str) -> dict[str, Any]:
+    """ls --json's row of a step whose manifest cannot be read: every key a row has (a
+    script reading ``row["bytes"]`` failed on these), its values null but ``error``."""
+    return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
+            "created_unix": None, "created": None, "library_version": None, "metrics": None,
+            "damaged": [], "error": error}
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
