@@ -2495,11 +2495,21 @@ def test_fallback_beside_what_it_would_override_is_refused(
         asyncckpt.AsyncCheckpointer(tmp_path).load(**kwargs)
 
 
-@pytest.mark.parametrize("address", ["https://127.0.0.1:1/v1", "HTTP://127.0.0.1:1/v1",
-                                     "s3://bucket/ckpt"])
+@pytest.mark.parametrize("address", ["https://127.0.0.1:1/v1", "s3://bucket/ckpt"])
 def test_an_address_of_another_scheme_is_refused_by_name(address: str) -> None:
     with pytest.raises(asyncckpt.CheckpointConfigError, match="must start with http://"):
         asyncckpt.load(address)
+
+
+def test_an_address_s_scheme_may_be_in_any_case() -> None:
+    """(RFC 3986: a trial's HTTP://host/v1 was refused as another scheme)"""
+    from asyncckpt.transport import HTTPTransport
+
+    with HTTPTransport(timeout=5.0) as srv:
+        state = {"w": torch.arange(5.0)}
+        srv.send_checkpoint([1], 3, state, 5.0)
+        got = asyncckpt.load(srv.address().replace("http://", "HTTP://", 1), step=3)
+    assert torch.equal(got["w"], state["w"])
 
 
 def test_fallback_from_a_peer_address_is_refused() -> None:

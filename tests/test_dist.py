@@ -509,7 +509,8 @@ def test_each_rank_of_a_group_serves_the_replicated_tensors_it_does_not_write_to
         # from the view (it said "missing from the checkpoint ... pass strict=False")
         with pytest.raises(asyncckpt.StateMismatchError, match=(
                 r"missing from the peer's view \(the state of the rank that serves it\): own1 "
-                r".*\(fetch each rank's state from the same rank of a healthy replica")):
+                r".*in a group, fetch each rank's state from the same rank of a healthy "
+                r"replica")):
             asyncckpt.load(addresses[0], {"own1": torch.zeros(3), "count": torch.tensor(0.0)},
                            ignore_unexpected=True, timeout=10)
 

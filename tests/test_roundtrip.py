@@ -594,6 +594,14 @@ def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
                        match=re.escape("key_map={'model.head.weight': 'head.weight'}")):
         asyncckpt.load(tmp_path / "hf", {"embed.bias": torch.zeros(1),
                                          "head.weight": torch.zeros(2)})
+    # ... and only names whose shapes and dtypes fit: a trial's strict=False load was told
+    # key_map={'b': 'zz'} for an int64 [4] and a float [1], which cannot load into it
+    asyncckpt.save({"a": torch.ones(2), "b": torch.arange(4)}, tmp_path / "odd", step=0)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "odd", {"a": torch.zeros(2), "zz": torch.zeros(1)})
+    assert "key_map=" not in str(info.value), info.value
+    with pytest.raises(StateMismatchError, match=re.escape("key_map={'b': 'zz'}")):
+        asyncckpt.load(tmp_path / "odd", {"a": torch.zeros(2), "zz": torch.zeros(4, dtype=int)})
 
 
 def test_the_strict_false_hint_is_not_given_where_it_would_not_help(tmp_path: Path) -> None:

@@ -149,18 +149,19 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
               shards: Mapping[str, ShardMetadata] | None = None) -> Any:
     step = _check_step(step)  # (a NumPy integer or a 0-dim tensor as an int)
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
-    if scheme is not None and str(path)[:7] != "http://":
+    is_peer = scheme is not None and scheme.group(1).lower() == "http"  # (RFC 3986: any case)
+    if scheme is not None and not is_peer:
         raise CheckpointConfigError(
             f"{path}: a peer's address must start with http:// (as HTTPTransport.address() "
             f"gives), not {scheme.group(1)}://; a local path has no scheme")
-    if str(path).startswith("http://"):
+    if is_peer:
         if fallback:
             raise CheckpointConfigError(
                 "fallback=True picks among committed steps on disk; a peer serves one step: "
                 "drop fallback to load from an address")
+        from .transport.base import StepNotOffered
         from .transport.http import (
             HTTPStorage,
-            StepNotOffered,
             fetch_connections,
             fetch_timeout,
             peer_error,

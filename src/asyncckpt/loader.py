@@ -988,8 +988,19 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     regions = {k: b for k, b in wanted.items() if len(b) > 1 and len(set(b)) > 1}
     # (the wrapper hint reads the checkpoint's extra keys even where they are skipped:
     # with ignore_unexpected, a model saved through DDP misses every key of the bare one)
+    def fits(old: str, new: str) -> bool:
+        """Whether saved ``old`` could load into target ``new`` (a rename's example must
+        not pair an int64 [4] with a float [1]); True where either is no tensor."""
+        key, tkey = saved.get(old), target.refs.get(new)
+        entry = None if key is None else manifest.tensors.get(key)
+        if entry is None or tkey is None:
+            return True
+        dtype = target.tensors[tkey].dtype
+        return tuple(entry.shape) == tuple(target.global_shape(tkey)) and (
+            dtype == entry.dtype or (casts is not None and castable(entry.dtype, dtype)))
+
     hint = (wrapper_hint(missing, unexpected) or prefix_hint(missing, unexpected)
-            or renamed_hint(missing, unexpected))
+            or renamed_hint(missing, unexpected, fits))
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
@@ -1009,8 +1020,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"missing from the peer's view (the state of the rank that serves "
                          f"it): {few(missing)}")
             # (not a rename hint: the names the view holds instead are its own rank's)
-            hint = (" (fetch each rank's state from the same rank of a healthy replica, or "
-                    "leave out what only this rank holds with exclude=)")
+            hint = (" (a peer serves what its own state holds; in a group, fetch each rank's "
+                    "state from the same rank of a healthy replica; leave out what only this "
+                    "side holds with exclude=)")
         elif missing:
             parts.append(f"missing from the checkpoint: {few(missing)}")
         if unexpected:
@@ -1546,10 +1558,12 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             f"into that part alone, e.g. state{part}")
 
 
-def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
+def renamed_hint(missing: list[str], unexpected: list[str],
+                 fits: Callable[[str, str], bool] | None = None) -> str:
     """A sentence for a mismatch error when, in one dict, the target wants tensors the
     checkpoint lacks and the checkpoint holds others the target lacks: renamed layers,
-    which key_map maps (strict=False would load none of them); "" otherwise."""
+    which key_map maps (strict=False would load none of them); "" otherwise, or where no
+    saved tensor ``fits`` (shape and dtype) a wanted one."""
     def by_parent(paths: list[str]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for path in paths:
@@ -1562,17 +1576,22 @@ def renamed_hint(missing: list[str], unexpected: list[str]) -> str:
         return ""
     d = max(common, key=lambda k: len(wanted[k]))
     where = f"under {d + '/'!r}" if d else "at the root"
-    old, new = _likely_pair(held[d], wanted[d])
+    pair = _likely_pair(held[d], wanted[d], fits=fits)
+    if pair is None:
+        return ""
+    old, new = pair
     return (f"; {where} the checkpoint holds {few(held[d], 4)} where the target wants "
             f"{few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
             f"names to the new ones (e.g. key_map={{{old!r}: {new!r}}}); "
             "strict=False would load none of them")
 
 
-def _likely_pair(held: list[str], wanted: list[str], most: int = 100) -> tuple[str, str]:
+def _likely_pair(held: list[str], wanted: list[str], most: int = 100,
+                 fits: Callable[[str, str], bool] | None = None) -> tuple[str, str] | None:
     """The saved and wanted names most alike at their ends (``model.layer.0.bias`` and
     ``layer.0.bias``), for an example (the first name of each list made pairs of unrelated
-    names: a file's names come sorted, a module's in its order)."""
+    names: a file's names come sorted, a module's in its order); of those that ``fits``,
+    None if none does."""
     def tail(a: str, b: str) -> int:
         n = 0
         for x, y in zip(reversed(a), reversed(b), strict=False):
@@ -1581,7 +1600,7 @@ def _likely_pair(held: list[str], wanted: list[str], most: int = 100) -> tuple[s
             n += 1
         return n
 
-    return max(((h, w) for h in held[:most] for w in wanted[:most]),
-               key=lambda hw: tail(*hw))
+    pairs = [(h, w) for h in held[:most] for w in wanted[:most] if fits is None or fits(h, w)]
+    return max(pairs, key=lambda hw: tail(*hw)) if pairs else None
 
 

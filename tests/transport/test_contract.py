@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from asyncckpt.errors import CheckpointConfigError, CheckpointNotFoundError, StateMismatchError
+from asyncckpt.transport import StepNotOffered
 
 T = 15.0  # the timeout of every transfer
 HARD_TIMEOUT_S = 50.0  # the rank processes are killed after this
@@ -205,6 +206,9 @@ def wrong_step_recv(link: Link) -> list[str]:
             failures.append(f"the refusal took {time.monotonic() - t0:.1f}s")
         if "14" not in str(exc):
             failures.append(f"the refusal does not name the step asked for: {exc}")
+        if not isinstance(exc, StepNotOffered) or exc.offered != 13:
+            # (a retry loop written against one transport broke on the other)
+            failures.append(f"not a StepNotOffered naming step 13: {exc!r}")
     link.sync()
     got = link.tr.recv_checkpoint(link.peer, link.peer_meta, 13, datetime.timedelta(seconds=T))
     link.sync()

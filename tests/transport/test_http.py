@@ -36,12 +36,13 @@ from asyncckpt.errors import (
     CheckpointTimeoutError,
     CheckpointTransportError,
     StateMismatchError,
+    UnsupportedLeafError,
 )
 from asyncckpt.manifest import parse_manifest, seal
 from asyncckpt.storage import LocalStorage
-from asyncckpt.transport import HTTPTransport
+from asyncckpt.transport import HTTPTransport, StepNotOffered
 from asyncckpt.transport.base import DiskSource, FileSource, Served, send_pieces, serve_state
-from asyncckpt.transport.http import MAX_TIMEOUT_S, HTTPStorage, StepNotOffered
+from asyncckpt.transport.http import MAX_TIMEOUT_S, HTTPStorage
 
 TOKEN = "s3cret-token"
 FILE = "rank_00000.safetensors"
@@ -1221,6 +1222,60 @@ def test_disallow_alone_keeps_a_live_offer_that_can_be_allowed_again(transports:
     srv.withdraw()
     with pytest.raises(CheckpointNotFoundError):
         srv.allow_checkpoint(5)
+
+
+@pytest.mark.parametrize("cut", ["disallow", "withdraw"])
+def test_a_cut_while_send_checkpoint_lays_out_the_state_wins(
+        transports: Any, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
+    """A trial: disallow_checkpoint() on the training thread returned at once while the
+    quorum thread's send_checkpoint (20,000 tensors: 0.4 s) was still laying out the
+    state; the send then offered it, and a peer fetched tensors changed after the
+    disallow, checksums and all (they are computed on the first request)."""
+    from asyncckpt.transport import http as http_mod
+
+    srv = transports(token=TOKEN)
+    laying_out, go_on = threading.Event(), threading.Event()
+    real = http_mod.serve_state
+
+    def slow(*a: Any, **kw: Any) -> Served:
+        laying_out.set()
+        assert go_on.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(http_mod, "serve_state", slow)
+    state = state_of(3)
+    sending = Background(srv.send_checkpoint, [1], 5, state, 10.0)
+    assert laying_out.wait(10)
+    getattr(srv, f"{cut}_checkpoint" if cut == "disallow" else cut)()
+    with torch.no_grad():
+        state["w"].add_(1000.0)  # as the contract allows once the call returns
+    go_on.set()
+    sending.result(10)
+    if cut == "withdraw":  # as if withdrawn after the offer: nothing on offer
+        with pytest.raises(CheckpointNotFoundError, match="nothing is on offer"):
+            srv.allow_checkpoint(5)
+        return
+    with pytest.raises(CheckpointTimeoutError):  # as if disallowed after it: not allowed
+        fetch(srv, 5, timeout=1.0)
+    srv.allow_checkpoint(5)  # (and offered: it can be allowed again, as ever)
+    assert_state(fetch(srv, 5), state)
+
+
+def test_a_send_checkpoint_that_failed_is_refused_at_once(transports: Any) -> None:
+    """A trial: the sender's state held a leaf it cannot serve; send_checkpoint raised,
+    and the receiver waited out its whole timeout for a step that would never come."""
+    srv = transports(token=TOKEN)
+    with pytest.raises(UnsupportedLeafError):
+        srv.send_checkpoint([1], 6, {"w": torch.ones(3), "bad": object()}, 10.0)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointNotFoundError) as info:
+        fetch(srv, 6, timeout=30.0)
+    assert time.monotonic() - t0 < 10
+    assert "step 6 is not being served: its send_checkpoint failed at the sender " \
+        "(UnsupportedLeafError: " in str(info.value), info.value
+    state = state_of(6)
+    srv.send_checkpoint([1], 6, state, 10.0)  # offered again: served
+    assert_state(fetch(srv, 6), state)
 
 
 def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transports: Any) -> None:

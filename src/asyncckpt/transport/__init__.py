@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import CheckpointTransport
-from .http import HTTPTransport, StepNotOffered
+from .base import CheckpointTransport, StepNotOffered
+from .http import HTTPTransport
 from .pg import PGTransport
 
 __all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "StepNotOffered"]

@@ -28,7 +28,12 @@ import torch
 
 from .._gc import gc_paused
 from ..commit import as_step
-from ..errors import CheckpointConfigError, CheckpointTransportError, seconds_text
+from ..errors import (
+    CheckpointConfigError,
+    CheckpointNotFoundError,
+    CheckpointTransportError,
+    seconds_text,
+)
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import _check_file as check_file
@@ -113,6 +118,16 @@ class CheckpointTransport(abc.ABC, Generic[T]):
 
 
 _Transport = TypeVar("_Transport", bound=CheckpointTransport[Any])
+
+
+class StepNotOffered(CheckpointNotFoundError):
+    """A peer's answer that the step asked for is not the one it serves: ``offered`` is
+    the step it serves now. A fetch of "the step on offer" (``asyncckpt.load`` with no
+    step) that meets it, the peer having moved on to its next save, fetches that one."""
+
+    def __init__(self, message: str, offered: int) -> None:
+        super().__init__(message)
+        self.offered = offered
 
 
 class FileSource(abc.ABC):

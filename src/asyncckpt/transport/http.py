@@ -52,6 +52,7 @@ from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
     Served,
+    StepNotOffered,
     check_state_dict_fn,
     seconds,
     serve_directory,
@@ -226,6 +227,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._offered: Served | None = None
         self._allowed: int | None = None
         self._retired: str | None = None  # why nothing will be offered (see withdraw)
+        # disallow_checkpoint() and withdraw() calls so far: a send_checkpoint that one of
+        # them overtook offers as if it had come first (see send_checkpoint)
+        self._disallows = 0
+        self._withdrawals = 0
+        # (step, why): the last send_checkpoint failed at the sender; requests for that
+        # step are refused at once instead of waiting for an offer that will not come
+        self._failed: tuple[int, str] | None = None
         self._closed = False  # shutdown() has begun: requests and offers are refused
         self._mixed = False  # offers of two origins met (warned of once)
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
@@ -259,7 +267,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     def metadata(self) -> str:
         return self.address()
 
-    def serve(self, served: Served, *, allow: bool = True) -> None:
+    def serve(self, served: Served, *, allow: bool = True,
+              _since: tuple[int, int] | None = None) -> None:
         """Offer ``served`` (replacing what was offered before) and allow its step.
 
         Raises:
@@ -272,6 +281,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         check_flags(allow=allow)
         with self._cond:
             self._check_open("serve")
+            if _since is not None and _since[1] != self._withdrawals:
+                # withdrawn while send_checkpoint prepared this offer: as if it had come
+                # first, then the withdrawal, nothing of it is on offer
+                served.close()
+                return
+            if _since is not None and _since[0] != self._disallows:
+                allow = False  # (disallowed meanwhile: offered, as if before the disallow)
+            self._failed = None
             old = self._offered
             self._offered = served
             self._allowed = served.step if allow else None
@@ -291,14 +308,34 @@ class HTTPTransport(CheckpointTransport[Any]):
         """Offer the live ``state_dict`` at ``step``; returns at once.
 
         Nothing is copied: the tensors are served as they are, so they must not change
-        until ``disallow_checkpoint()`` returns (torchft's contract).
+        until ``disallow_checkpoint()`` returns (torchft's contract). A disallow (or
+        withdraw) on another thread while this lays out the state wins: the offer is
+        made as if before it. If this raises, requests for ``step`` are refused at once.
         """
         from .. import __version__
 
         self._refuse_forked("send_checkpoint")
         _check_ranks(dst_ranks, "dst_ranks")
-        self.serve(serve_state(step, state_dict, block_bytes=self.block_bytes,
-                               library_version=__version__))
+        with self._cond:
+            self._check_open("send_checkpoint")
+            since = (self._disallows, self._withdrawals)
+        try:
+            served = serve_state(step, state_dict, block_bytes=self.block_bytes,
+                                 library_version=__version__)
+        except Exception as exc:
+            # (a leaf that cannot be served, a state_dict() that raised) The receivers
+            # of this step would wait out their timeout for it: tell them now.
+            with contextlib.suppress(CheckpointError, TypeError, ValueError):
+                failed = (as_step(step), f"its send_checkpoint failed at the sender "
+                                         f"({type(exc).__name__}: {exc})")
+                with self._cond:
+                    self._failed = failed
+                    self._cond.notify_all()
+            raise
+        # A disallow_checkpoint() (or withdraw()) from another thread while the state was
+        # laid out returned at once: its caller may be changing the tensors now. The offer
+        # is made as if it had come first: not allowed (or, withdrawn, not made at all).
+        self.serve(served, _since=since)
 
     def serve_directory(self, step_dir: str | Path) -> int:
         """Serve a committed checkpoint from disk; returns its step."""
@@ -342,6 +379,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._refuse_forked("disallow_checkpoint")
         with self._cond:
             self._allowed = None
+            self._disallows += 1
             self._drain(None, self.timeout_s, "disallow_checkpoint")
 
     def withdraw(self, retired: str | None = None) -> None:
@@ -362,6 +400,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             old, self._offered = self._offered, None
             self._allowed = None
             self._retired = retired
+            self._withdrawals += 1
             self._cond.notify_all()  # (waiting requests learn it now)
             if old is not None:
                 self._drain(old, self.withdraw_grace_s, "withdraw")
@@ -455,7 +494,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         ``_release``; or the step that is served instead, None when nothing is on offer.
         ``_ClientGone`` when the client on ``sock`` hangs up meanwhile."""
         with self._cond:
-            allowed = self._wait_allowed(sock)
+            allowed = self._wait_allowed(sock, step)
             if self._offered is None:
                 return None
             if allowed != step:
@@ -464,7 +503,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._serving[ticket] = (sock, self._offered)
             return self._offered, ticket
 
-    def _wait_allowed(self, sock: socket.socket) -> int:
+    def _wait_allowed(self, sock: socket.socket, step: int | None = None) -> int:
         """The allowed step, once there is one; TimeoutError after the timeout,
         CheckpointClosedError once shutdown() has begun, ``_ClientGone`` once the client
         on ``sock`` has hung up (checked every ``_HANGUP_CHECK_S``: a client that gave
@@ -476,6 +515,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._check_open("serving a request")
             if self._retired is not None:
                 raise _Retired(self._retired)
+            if self._failed is not None and self._failed[0] == step:
+                raise _Retired(self._failed[1])
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -980,16 +1021,6 @@ def _printable(text: str) -> str:
     escapes, a forged line of a log) shown escaped."""
     return text if text.isprintable() else "".join(
         c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-class StepNotOffered(CheckpointNotFoundError):
-    """A peer's answer that the step asked for is not the one it serves: ``offered`` is
-    the step it serves now. A fetch of "the step on offer" (``asyncckpt.load`` with no
-    step) that meets it, the peer having moved on to its next save, fetches that one."""
-
-    def __init__(self, message: str, offered: int) -> None:
-        super().__init__(message)
-        self.offered = offered
 
 
 # The server's 404 for a step it does not serve (see _Handler._handle): which it does.

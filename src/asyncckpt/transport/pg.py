@@ -87,7 +87,6 @@ from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTransportError,
     check_flags,
@@ -109,6 +108,7 @@ from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
     LiveSource,
+    StepNotOffered,
     check_state_dict_fn,
     seconds,
     serve_state,
@@ -370,7 +370,8 @@ class PGTransport(CheckpointTransport[Any]):
         Raises:
             CheckpointConfigError: ``src_rank`` is not another rank of the group, or
                 ``step`` is not an int in 0..2**63-1 (checked before any message).
-            CheckpointNotFoundError: the peer sends another step.
+            StepNotOffered: the peer sends another step (a CheckpointNotFoundError whose
+                ``offered`` is that step, as HTTPTransport's).
             CheckpointCorruptError: the manifest or a checksum does not match (damaged
                 in transit: receive again).
             CheckpointTimeoutError: the peer did not answer in time.
@@ -429,8 +430,8 @@ class PGTransport(CheckpointTransport[Any]):
         with self._cond:
             if self._cond.wait_for(lambda: self._sending == 0, grace):
                 return
-            log.warning("disallow_checkpoint: cutting off a send still running after %.0fs",
-                        grace)
+            log.warning("disallow_checkpoint: cutting off a send still running after %s",
+                        seconds_text(grace))
             self._cut_off("disallow_checkpoint", grace)
 
     def _cut_off(self, who: str, grace: float | None) -> None:
@@ -440,10 +441,11 @@ class PGTransport(CheckpointTransport[Any]):
         for cut in self._cuts:
             cut.set()
         if grace is not None and not self._cond.wait_for(lambda: self._reading == 0, grace):
-            log.error("%s: a send still reads the live tensors %.0fs after it was cut off (its "
-                      "receiver takes no more bytes); returning anyway: that segment may be "
-                      "read while the state changes, and its receiver's checksums will reject "
-                      "it", who, grace)
+            log.error("%s: a send still reads the live tensors %s after it was cut off "
+                      "(checksumming them before its offer, or sending a segment its receiver "
+                      "takes no more of); returning anyway: they may be read while the state "
+                      "changes, and the receiver's checksums will reject what changed", who,
+                      seconds_text(grace))
 
     def _begin_reading(self, cut: threading.Event) -> bool:
         """Enter a stretch that reads the live tensors, unless the send was cut off."""
@@ -626,6 +628,7 @@ class PGTransport(CheckpointTransport[Any]):
             f"rank {dst} did not ask for step {step} within {seconds_text(budget)}: is it calling "
             "recv_checkpoint on this group? (recreate the process group before using it "
             "again)")
+        err.ranks = (dst,)  # (as a group's timeouts name theirs)
         err.__cause__ = cause
         return err
 
@@ -696,7 +699,7 @@ class PGTransport(CheckpointTransport[Any]):
         _check_words(h, f"{where} (asked for step {step})", "offer")
         kind, have, mlen, flen, nseg = h[2:7]
         if kind == NOT_FOUND:
-            raise CheckpointNotFoundError(f"{where} sends step {have}, not step {step}")
+            raise StepNotOffered(f"{where} sends step {have}, not step {step}", have)
         if kind == ERROR:
             raise self._peer_error(src, h, deadline, where, step)
         if kind != OFFER or have != step:
@@ -892,7 +895,8 @@ class PGTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"{label}: pass a list of ranks") from None
         me = _group_rank(self.pg)
         size = _group_size(self.pg)
-        group = "this group" if size is None else f"this group of {size} ranks"
+        group = ("this group" if size is None else
+                 f"this group of {size} rank{'' if size == 1 else 's'}")
         seen: set[int] = set()
         for r in given:
             if isinstance(r, bool) or not hasattr(r, "__index__"):
