@@ -202,8 +202,23 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                                   ignore_unexpected=ignore_unexpected, threads=threads,
                                   progress=progress, exclude=exclude, key_map=key_map,
                                   cast=cast, shards=shards)
-    step_dir, _ = _resolve_step_dir(Path(path), step, storage)
-    return _load_from(step_dir, state, storage, strict=strict,
-                      ignore_unexpected=ignore_unexpected, verify=verify, threads=threads,
-                      step=step, progress=progress, exclude=exclude, key_map=key_map,
-                      cast=cast, shards=shards)
+    for attempt in range(_LATEST_TRIES):
+        step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
+        try:
+            return _load_from(step_dir, state, storage, strict=strict,
+                              ignore_unexpected=ignore_unexpected, verify=verify,
+                              threads=threads, step=step, progress=progress, exclude=exclude,
+                              key_map=key_map, cast=cast, shards=shards)
+        except CheckpointNotFoundError:
+            # The latest step, retired by the retention of a newer save (another process
+            # trains here) while it was read: the newer one is the latest now.
+            if (step is not None or resolved is None or attempt + 1 == _LATEST_TRIES
+                    or os.path.exists(step_dir)):
+                raise
+            _logging.getLogger(__name__).info(
+                "step %d under %s was deleted while read (a newer save's retention): "
+                "loading the latest step again", resolved, path)
+    raise AssertionError("unreachable")
+
+
+_LATEST_TRIES = 3  # loads of "the latest step" that a newer save's retention may retire

@@ -322,6 +322,11 @@ def check_step(step: object) -> int | None:
     return None if step is None else as_step(step, latest=True)
 
 
+# Pauses between listings of a root that showed no committed step but a save's or a
+# retention's temporary directory (see resolve_step_dir)
+_RELIST_PAUSES_S = (0.005, 0.02, 0.05)
+
+
 def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
                      uncommitted_ok: bool = False) -> tuple[Path, int | None]:
     """The directory of ``step`` (latest when None), or ``root`` itself if it is a step dir.
@@ -353,6 +358,15 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     # a network filesystem): the one asked for, or the newest until one is committed.
     if step is None:
         newest = _newest_committed(root, names, storage, for_load=True)
+        for pause in _RELIST_PAUSES_S:
+            # A listing taken while a save committed and its retention hid the step before
+            # (two renames) may hold neither step: readdir is no snapshot. A trial's
+            # reader of a keep_last=1 run was told "no committed checkpoint" 1 time in ~600.
+            if newest is not None or not any(_TMP_DIR.match(n) for n in names):
+                break
+            time.sleep(pause)
+            names = list_root(root, storage)
+            newest = _newest_committed(root, names, storage, for_load=True)
         if newest is None:
             refuse_a_step_dir_without_manifest(root, names)
             junk = abandoned_dirs(root, storage)

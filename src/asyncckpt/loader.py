@@ -383,7 +383,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                          key_map=key_map, cast=cast)
     steps = commit.committed_steps(root, storage)
     if not steps:
-        commit.resolve_step_dir(root, None, storage)  # raises, saying why
+        # raises, saying why; or finds the step a listing raced with a commit missed
+        _, latest = commit.resolve_step_dir(root, None, storage)
+        steps = commit.committed_steps(root, storage) or ([] if latest is None else [latest])
     failures: list[str] = list(earlier or [])
     deleted = False  # a step listed was gone by the time it was read
     newest_first = steps[::-1]
