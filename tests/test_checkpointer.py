@@ -1521,6 +1521,15 @@ class _RacedListing(asyncckpt.storage.LocalStorage):
         return names
 
 
+def test_a_step_not_committed_names_the_steps_that_are(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in range(12):
+            ck.save({"w": torch.ones(1)}, step=2 * s)
+    with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                       match=r"\(committed steps: 4, 6, .*, 22; and 2 older\)"):
+        asyncckpt.load(tmp_path, step=7)
+
+
 def test_a_listing_that_raced_with_a_commit_is_taken_again(tmp_path: Path) -> None:
     """A trial's reader of a keep_last=1 run: 'no committed checkpoint' without fallback,
     and with it 'no intact checkpoint under ...: ' listing no failure (about 1 load in
@@ -1574,6 +1583,12 @@ def test_a_damaged_step_is_marked_on_disk_for_later_processes(
         with caplog.at_level(logging.WARNING, logger="asyncckpt"):
             assert ck.load(fallback=True)["w"][0].item() == 3.0
         assert "step(s) [4] under" in caplog.text and "marked by damaged.json" in caplog.text
+        # training on from step 3 saves step 4 again: the refusal says why, and the cure
+        # (a trial's resume met 'already committed ... delete that directory')
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"a fallback load found it damaged \(damaged.json\): .*"
+                                 r"ckpt\.discard_steps_after\(<that step>\)"):
+            ck.save({"w": torch.full((1000,), 4.0)}, step=4)
     mark = json.loads((tmp_path / "step_000000004" / "damaged.json").read_text())
     assert mark["step"] == 4 and "checksum mismatch in tensor 'w'" in mark["problem"], mark
     assert abs(mark["found_unix"] - time.time()) < 60
@@ -1632,6 +1647,15 @@ def test_retention_that_removes_several_steps_at_once_warns(
         ck.save({"w": torch.ones(2)}, step=40)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "retention removed steps [35]" in caplog.text
+    # keep_best removes the step before and a best one the new step displaced: two at
+    # once, as a rule (a trial's keep_last=1, keep_best=2 run warned at every such save)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path / "best", keep_last=1, keep_best=2, best_metric="loss") as ck:
+        for step, loss in enumerate([5, 3, 4, 1, float("nan"), 2]):
+            ck.save({"w": torch.ones(2)}, step=step, metrics={"loss": loss})
+    assert "retention removed steps [1, 4]" in caplog.text, caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_prepare_allocates_the_arena_the_first_save_uses(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ in-place loading, tied weights, optimizer resume and strict key checking."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
@@ -599,9 +600,32 @@ def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
     asyncckpt.save({"a": torch.ones(2), "b": torch.arange(4)}, tmp_path / "odd", step=0)
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load(tmp_path / "odd", {"a": torch.zeros(2), "zz": torch.zeros(1)})
-    assert "key_map=" not in str(info.value), info.value
+    assert "key_map={" not in str(info.value), info.value  # (no example pairs them)
     with pytest.raises(StateMismatchError, match=re.escape("key_map={'b': 'zz'}")):
         asyncckpt.load(tmp_path / "odd", {"a": torch.zeros(2), "zz": torch.zeros(4, dtype=int)})
+
+
+def test_a_rename_hint_says_when_other_keys_need_the_rename_too(tmp_path: Path) -> None:
+    """A trial's model moved under .net: told to map the model's names, it then met the
+    optimizer's moments (keyed by those names, as get_state_dict gives them) and was told
+    to pass strict=False, which resumes with no moments."""
+    t = torch.ones(2)
+    asyncckpt.save({"model": {"0.weight": t}, "optim": {"state": {"0.weight": {"m": t}}}},
+                   tmp_path, step=0)
+    target = {"model": {"net.0.weight": torch.zeros(2)},
+              "optim": {"state": {"net.0.weight": {"m": torch.zeros(2)}}}}
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target)
+    msg = str(info.value)
+    assert "e.g. key_map={'model/0.weight': 'model/net.0.weight'}); 1 more wanted key(s) lie " \
+        "elsewhere (e.g. 'optim/state/net.0.weight/m'): the key_map must rename those " \
+        "too" in msg, msg
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target, key_map={"model/0.weight": "model/net.0.weight"})
+    msg = str(info.value)
+    assert "pass strict=False" not in msg and "strict=False would skip both" in msg, msg
+    asyncckpt.load(tmp_path, target, key_map=lambda n: n.replace("0.weight", "net.0.weight"))
+    assert torch.equal(target["optim"]["state"]["net.0.weight"]["m"], t)
 
 
 def test_the_strict_false_hint_is_not_given_where_it_would_not_help(tmp_path: Path) -> None:
@@ -1057,7 +1081,7 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused(tmp_path: Path)
 
 
 def test_load_state_dict_refusals_are_state_mismatches_naming_the_object(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A stateful's own refusal (torch's ValueError, say) becomes a StateMismatchError
     naming the object; an optimizer whose param groups changed is refused before that,
     before any read (test_optimizer_with_other_param_groups_is_refused_before_any_read)."""
@@ -1082,9 +1106,12 @@ def test_load_state_dict_refusals_are_state_mismatches_naming_the_object(
     for strict in (True, False):
         with pytest.raises(asyncckpt.StateMismatchError,
                            match=r"optim: the checkpoint's optimizer has parameter groups of "
-                                 r"\[1, 1\] parameters, the target's \[2\]"):
+                                 r"\[1, 1\] parameters, the target's \[2\]"), \
+                caplog.at_level(logging.WARNING, logger="asyncckpt"):
             asyncckpt.load(tmp_path / "opt", {"model": m2, "optim": torch.optim.SGD(
-                m2.parameters())}, strict=strict)
+                m2.parameters()), "new": torch.zeros(1)}, strict=strict)
+    # (strict=False's warning that it leaves "new" as it is came before the refusal)
+    assert "strict=False" not in caplog.text, caplog.text
 
 
 class _WithExtra(torch.nn.Linear):
@@ -1152,7 +1179,8 @@ def test_optimizer_with_other_param_groups_is_refused_before_any_read(ckpt):
                                                  r"\[2, 2\]") as info:
         ckpt.load({"model": other, "optim": two_groups})
     assert info.value.mismatched == ["optim: the checkpoint's optimizer has parameter groups "
-                                     "of [4] parameters, the target's [2, 2]"]
+                                     "of [4] parameters, the target's [2, 2]; to load the rest "
+                                     "and start this optimizer afresh, pass exclude=['optim']"]
     # refused before reading: the model was not loaded either (no half-loaded state)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
     same = torch.optim.AdamW(other.parameters(), lr=0.1)

@@ -173,11 +173,13 @@ def test_names_that_do_not_match_get_the_key_map_hint(tmp_path: Path) -> None:
     assert "model/0.weight" in info.value.missing
     # a prefix apart: the very key_map that loads them, whichever side has what
     assert ("key_map=lambda name: 'model/' + name.removeprefix('model.')" in msg)
+    assert "strict=False" not in msg, msg  # (it loads none of them: a trial was told to)
     asyncckpt.load_safetensors(tmp_path / "m.safetensors", {"model": _model(1)},
                                key_map=lambda name: "model/" + name.removeprefix("model."))
     with pytest.raises(StateMismatchError,
-                       match=r"key_map=lambda name: name\.removeprefix\('model\.'\)"):
+                       match=r"key_map=lambda name: name\.removeprefix\('model\.'\)") as info:
         asyncckpt.load_safetensors(tmp_path / "m.safetensors", _model(1))
+    assert str(info.value).count("key_map=") == 1, info.value  # (one example, not two)
     save_file(_weights(0), str(tmp_path / "bare.safetensors"))
     with pytest.raises(StateMismatchError, match=r"key_map=lambda name: 'model/' \+ name$"):
         asyncckpt.load_safetensors(tmp_path / "bare.safetensors", {"model": _model(1)})
@@ -376,5 +378,7 @@ def test_numpy_targets_are_never_cast_and_are_told_so(tmp_path: Path) -> None:
     import numpy as np
 
     save_file({"a": torch.ones(3, dtype=torch.float16)}, str(tmp_path / "f.safetensors"))
-    with pytest.raises(StateMismatchError, match="numpy arrays are never cast"):
+    with pytest.raises(StateMismatchError, match="numpy arrays are never cast") as info:
         asyncckpt.load_safetensors(tmp_path / "f.safetensors", {"a": np.zeros(3, np.float32)})
+    # (a trial was shown its array's dtype as torch.float32)
+    assert "a: checkpoint torch.float16 [3], target numpy float32 [3]" in str(info.value)

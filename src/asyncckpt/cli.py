@@ -678,7 +678,8 @@ def _verify_all(args: argparse.Namespace) -> int:
         f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
     if lost:
         _out(f"{_n(len(lost), 'step directory', 'step directories')} without {MANIFEST_NAME} "
-             f"(checkpoints whose manifest was lost, or a copy cut short): {', '.join(lost)}")
+             f"(checkpoints whose manifest was lost, or a copy cut short): {', '.join(lost)}; "
+             "exit 1 for them, as ls")
     return code
 
 

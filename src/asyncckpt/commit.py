@@ -379,7 +379,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
         steps = committed_steps(root, storage, skip_denied=True)
         if not steps:
             refuse_a_step_dir_without_manifest(root, names)
-        have = ", ".join(map(str, steps[-10:])) or "none"
+        have = (", ".join(map(str, steps[-10:])) or "none") + (
+            f"; and {len(steps) - 10} older" if len(steps) > 10 else "")
         lost = (f"; {step_dir_name(step)} is there without its {MANIFEST_NAME} (the manifest "
                 "lost, or a copy cut short): no load reads it"
                 if step_dir_name(step) in names else "")
@@ -431,10 +432,16 @@ def check_step_free(root: Path, step: int, storage: ReadStorage) -> Path:
 
 def _refuse_taken(final: Path, step: int, storage: ReadStorage) -> None:
     try:
-        committed = MANIFEST_NAME in storage.listdir(final)
+        names = storage.listdir(final)
     except NotADirectoryError:
-        committed = False
-    if committed:
+        names = []
+    if MANIFEST_NAME in names and DAMAGED_NAME in names:
+        # (a resume whose fallback loaded an older step saves the damaged one's step again)
+        raise CheckpointExistsError(
+            f"step {step} is already committed at {final}, and a fallback load found it "
+            f"damaged ({DAMAGED_NAME}): to save it anew, first remove it and the steps after "
+            "the one that load took: ckpt.discard_steps_after(<that step>)")
+    if MANIFEST_NAME in names:
         raise CheckpointExistsError(
             f"step {step} is already committed at {final}; save under a new step number or "
             "delete that directory first")

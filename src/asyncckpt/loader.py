@@ -136,7 +136,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               progress: Callable[[int, int], None] | None = None,
               exclude: tuple[str, ...] = (), shown: Path | None = None,
               key_map: KeyMap | None = None, cast: bool = False,
-              tied_ok: bool = False) -> Any:
+              tied_ok: bool = False, rename_hint: RenameHint | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -164,7 +164,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                          threads=threads, step=step, manifest=manifest,
                          before_read=before_read, read=read, progress=progress,
                          exclude=exclude, shown=shown, key_map=key_map, cast=cast,
-                         tied_ok=tied_ok)
+                         tied_ok=tied_ok, rename_hint=rename_hint)
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
@@ -182,7 +182,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                progress: Callable[[int, int], None] | None = None,
                ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
                shown: Path | None = None, key_map: KeyMap | None = None,
-               cast: bool = False, tied_ok: bool = False) -> Any:
+               cast: bool = False, tied_ok: bool = False,
+               rename_hint: RenameHint | None = None) -> Any:
     label = step_dir if shown is None else shown
     if manifest is None:
         manifest = read_manifest(step_dir, storage)
@@ -208,7 +209,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     casts: set[str] | None = set() if cast else None
     dests, boxes, regions = _match(manifest, saved, target, strict, label, spans,
                                    ignore_unexpected=ignore_unexpected, same_tree=same_tree,
-                                   casts=casts, tied_ok=tied_ok)
+                                   casts=casts, tied_ok=tied_ok, rename_hint=rename_hint)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
@@ -869,10 +870,15 @@ def saved_paths(manifest: Manifest) -> dict[str, str]:
     return {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
 
 
+RenameHint = Callable[[list[str], list[str]], str]
+"""(missing, unexpected) -> a sentence saying how to rename, or "": a caller's hint."""
+
+
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
            step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
            ignore_unexpected: bool = False, same_tree: bool = False,
-           casts: set[str] | None = None, tied_ok: bool = False
+           casts: set[str] | None = None, tied_ok: bool = False,
+           rename_hint: RenameHint | None = None
            ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
     """Pair saved keys with target tensors; raise StateMismatchError on disagreement.
@@ -963,8 +969,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 if t.dtype != entry.dtype:
                     other_dtype = True
                     numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
+                arr = target.arrays.get(tkey) if target.arrays else None
+                kind = t.dtype if arr is None else f"numpy {arr.dtype}"  # (as the user has it)
                 mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
-                                  f"target {t.dtype} {list(target.global_shape(tkey))}")
+                                  f"target {kind} {list(target.global_shape(tkey))}")
                 continue
             casts.add(key)  # read as saved, then copied into the target (cast)
         if target.arrays:
@@ -1001,20 +1009,24 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         return tuple(entry.shape) == tuple(target.global_shape(tkey)) and (
             dtype == entry.dtype or (casts is not None and castable(entry.dtype, dtype)))
 
-    hint = (wrapper_hint(missing, unexpected) or prefix_hint(missing, unexpected)
-            or renamed_hint(missing, unexpected, fits))
+    # (the caller's own, where it knows better: a safetensors file's names, prefixed with
+    # "model." as Hugging Face's are, got three hints that disagreed)
+    theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
+    hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
+            or prefix_hint(missing, unexpected) or renamed_hint(missing, unexpected, fits))
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
         unexpected = []
+    skipped = None  # strict=False's warning, given once the load is sure to go ahead
     if not strict:
         if hint:  # strict=False then skips the keys on both sides: say why nothing loaded
-            log.warning("loading %s with strict=False skips %d target key(s) the checkpoint "
-                        "holds under other names%s", step_dir, len(missing), hint)
+            skipped = (f"loading {step_dir} with strict=False skips {len(missing)} target "
+                       f"key(s) the checkpoint holds under other names{hint}")
         elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
-            log.warning("loading %s with strict=False leaves %d target key(s) the checkpoint "
-                        "does not hold as they are: %s", step_dir, len(missing), few(missing))
+            skipped = (f"loading {step_dir} with strict=False leaves {len(missing)} target "
+                       f"key(s) the checkpoint does not hold as they are: {few(missing)}")
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
@@ -1060,11 +1072,16 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             "mismatches)" if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
+            else " (strict=False would skip both: the target's keys would keep their values "
+            "and the checkpoint's go unread; if names changed, map the saved ones to the new "
+            "with key_map=)" if missing and unexpected
             else " (pass strict=False to skip missing and unexpected keys)" if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
+    if skipped is not None:
+        log.warning("%s", skipped)
     return dests, boxes, regions
 
 
@@ -1394,8 +1411,11 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                  for p in (_node_at(g, "params") for g in groups["items"])]
         want = [len(g["params"]) for g in obj.param_groups]
         if saved != want:
+            # (a model grown by a layer: strict=False cannot help, leaving it out does)
+            fresh = (f"; to load the rest and start this optimizer afresh, pass "
+                     f"exclude=[{path!r}]" if path else "")
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
-                              f"groups of {saved} parameters, the target's {want}")
+                              f"groups of {saved} parameters, the target's {want}{fresh}")
 
 
 _KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a numpy scalar",
@@ -1582,9 +1602,14 @@ def renamed_hint(missing: list[str], unexpected: list[str],
     if pair is None:
         return ""
     old, new = pair
+    # (a trial mapped the model's names as told, then met its optimizer's moments, keyed
+    # by the same names under optim/state/, and was told to pass strict=False)
+    elsewhere = [m for m in missing if m.rpartition("/")[0] != d]
+    also = (f"; {len(elsewhere)} more wanted key(s) lie elsewhere (e.g. {elsewhere[0]!r}): "
+            "the key_map must rename those too" if elsewhere else "")
     return (f"; {where} the checkpoint holds {few(held[d], 4)} where the target wants "
             f"{few(wanted[d], 4)}: if those were renamed, pass key_map= to map the saved "
-            f"names to the new ones (e.g. key_map={{{old!r}: {new!r}}}); "
+            f"names to the new ones (e.g. key_map={{{old!r}: {new!r}}}){also}; "
             "strict=False would load none of them")
 
 

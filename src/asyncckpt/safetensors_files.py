@@ -31,9 +31,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    StateMismatchError,
     check_flags,
-    retold,
 )
 from .loader import (
     KeyMap,
@@ -127,16 +125,11 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
         # A name is text: where the target's dict has int keys (an optimizer's state),
         # "0" names key 0 (asyncckpt's export writes it so)
         _typed_like(manifest.skeleton, flatten(state, target=True).skeleton)
-    try:
-        out = load_from(where, state, LocalStorage(), strict=strict,
-                        ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
-                        threads=threads, manifest=manifest, progress=progress, exclude=parts,
-                        shown=None if where == path else path, cast=cast,
-                        tied_ok=True)
-    except StateMismatchError as exc:
-        if not (exc.missing and exc.unexpected) or key_map is not None:
-            raise
-        raise retold(exc, f"{exc}. {_rename_hint(exc.missing, exc.unexpected)}") from exc
+    out = load_from(where, state, LocalStorage(), strict=strict,
+                    ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
+                    threads=threads, manifest=manifest, progress=progress, exclude=parts,
+                    shown=None if where == path else path, cast=cast, tied_ok=True,
+                    rename_hint=_rename_hint if key_map is None else None)
     return finish(out)
 
 
