@@ -1772,6 +1772,47 @@ def test_a_cast_beyond_the_target_dtype_s_range_is_warned_of_naming_the_tensor(
     assert target["i"].tolist() == [0, 5, -1] and target["u"].tolist() == [255, 3]  # as torch
 
 
+def test_optimizer_state_of_another_class_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial resumed AdamW's state into SGD(momentum=0.9): loaded without a word (as
+    torch's load_state_dict does), then the first step() raised KeyError 'momentum'."""
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters())
+    _train_step(net, opt, 0)
+    asyncckpt.save({"model": net, "optim": opt}, tmp_path, step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": net, "optim": torch.optim.AdamW(net.parameters())})
+    assert "saved by" not in caplog.text, caplog.text
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": net, "optim": sgd})
+    assert ("the optimizer state at 'optim' saved by AdamW into a SGD: its parameter groups "
+            "keep AdamW's settings") in caplog.text, caplog.text
+    assert "pass exclude=['optim']" in caplog.text
+    fresh = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    asyncckpt.load(tmp_path, {"model": net, "optim": fresh}, exclude=["optim"])
+    assert fresh.param_groups[0]["momentum"] == 0.9
+
+
+def test_cast_loads_complex_into_another_complex_dtype(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As module.load_state_dict does (a trial's complex128 into complex64 was refused as
+    another kind of dtype); a part beyond complex64's range is warned of."""
+    z = torch.tensor([1 + 2j, -3.5 + 0.25j, 1e300 + 1j], dtype=torch.complex128)
+    asyncckpt.save({"z": z, "y": z[:2].to(torch.complex64)}, tmp_path, step=1)
+    target = {"z": torch.zeros(3, dtype=torch.complex64),
+              "y": torch.zeros(2, dtype=torch.complex128)}
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, target, cast=True)
+    assert torch.equal(target["z"], z.to(torch.complex64))
+    assert torch.equal(target["y"], z[:2].to(torch.complex64).to(torch.complex128))
+    assert "z with cast=True: 1 of its complex128 values are beyond the range of complex64 " \
+        "and have a part that became inf" \
+        in caplog.text, caplog.text
+    with pytest.raises(StateMismatchError, match="another kind of dtype"):
+        asyncckpt.load(tmp_path, {"z": torch.zeros(3), "y": target["y"]}, cast=True)
+
+
 def test_cast_loads_floats_into_another_float_dtype_in_place(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(5)
     saved = {"w": torch.randn(6, 4, generator=g), "steps": torch.arange(3, dtype=torch.int32),

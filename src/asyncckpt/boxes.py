@@ -75,7 +75,7 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
     slab = _slab_dim(shape, boxes)
     if slab is not None:
         return slabs_problem(shape[slab], sorted((b[0][slab], b[0][slab] + b[1][slab])
-                                                  for b in boxes), allow_gaps)
+                                                  for b in boxes), allow_gaps, dim=slab)
     cuts = [sorted({0, s, *(b[0][d] for b in boxes), *(b[0][d] + b[1][d] for b in boxes)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
@@ -90,7 +90,11 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box], max_cells: int = 10
             return "chunks overlap"
         cell[...] = True
     if not allow_gaps and not covered.all():
-        return "chunks leave part of the tensor uncovered"
+        first = [int(i) for i in np.argwhere(~covered)[0]]  # (where to look: a trial asked)
+        at = [c[i] for c, i in zip(cuts, first, strict=True)]
+        size = [c[i + 1] - c[i] for c, i in zip(cuts, first, strict=True)]
+        return (f"chunks leave part of the tensor uncovered (no chunk holds the box at "
+                f"offsets {at} of lengths {size})")
     return None
 
 
@@ -153,9 +157,11 @@ def _slab_dim(shape: tuple[int, ...], boxes: list[Box]) -> int | None:
     return 0 if dim is None else dim  # (whole boxes: any dimension tells)
 
 
-def slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -> str | None:
-    """tiling_problem for slabs, given their sorted [start, end) along their dimension:
-    any overlap first (as the grid check finds one wherever it is), then any gap."""
+def slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool,
+                  dim: int | None = None) -> str | None:
+    """tiling_problem for slabs, given their sorted [start, end) along their dimension
+    (``dim``, to name it): any overlap first (as the grid check finds one wherever it is),
+    then any gap."""
     end = 0
     for lo, hi in spans:
         if lo < end:
@@ -164,11 +170,17 @@ def slabs_problem(extent: int, spans: list[tuple[int, int]], allow_gaps: bool) -
     if allow_gaps:
         return None
     end = 0
+    gap_end = extent
     for lo, hi in spans:
         if lo > end:
+            gap_end = lo
             break
         end = hi
-    return None if end == extent else "chunks leave part of the tensor uncovered"
+    if end == extent:
+        return None
+    along = "" if dim is None else f" along dimension {dim}"
+    return (f"chunks leave part of the tensor uncovered (no chunk holds indices "
+            f"{end}..{gap_end - 1}{along})")
 
 
 def slabs_fit(extent: int, lo: np.ndarray, hi: np.ndarray, allow_gaps: bool) -> bool:

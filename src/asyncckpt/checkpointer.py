@@ -899,7 +899,7 @@ class AsyncCheckpointer:
         ``key_map`` renames the checkpoint's tensors before anything is matched (a layer
         renamed since, a wrapper's ``module.``): a mapping of those paths, or a function
         of one returning its new path, or None to leave that tensor out. ``cast=True``
-        loads into target tensors of another floating (or integer) dtype, casting.
+        loads into target tensors of another floating (integer, complex) dtype, casting.
 
         With ``fallback=True`` (and no ``step``), a corrupt latest step is reported in the
         log and the next older committed step is tried, down to the oldest. ``threads``

@@ -604,8 +604,8 @@ class DistContext:
         except Exception as exc:  # the Store's own errors: a dead peer, a broken socket
             raise error(
                 f"rank {self.rank}: coordination through the Store failed while {what} (is "
-                f"rank 0, which hosts the Store, alive?): {type(exc).__name__}: {exc}"
-            ) from exc
+                "the process that hosts the Store alive? under torchrun its agent, else "
+                f"usually rank 0): {type(exc).__name__}: {exc}") from exc
 
     def wait_keys(self, keys: Mapping[int, str], what: str, timeout_s: float | None = None,
                   *, cancelled: Callable[[], bool] | None = None,

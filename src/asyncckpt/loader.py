@@ -1047,8 +1047,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
             elif other_dtype:
-                parts.append("to load into tensors of another floating (or integer) dtype, "
-                             "pass cast=True" if casts is None else
+                parts.append("to load into tensors of another floating (integer, complex) "
+                             "dtype, pass cast=True" if casts is None else
                              "to load into tensors of another kind of dtype, load with "
                              "state=None and convert")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
@@ -1204,11 +1204,13 @@ _OVERLAP_EXACT = 1 << 22
 
 def castable(saved: torch.dtype, target: torch.dtype) -> bool:
     """Whether ``cast=True`` loads a tensor saved as ``saved`` into one of dtype ``target``:
-    floating into floating (bf16 weights into fp32 master weights), integer into integer;
-    never between kinds (a bool or complex tensor, an int into a float)."""
+    floating into floating (bf16 weights into fp32 master weights), integer into integer,
+    complex into complex; never between kinds (a bool tensor, an int into a float)."""
     if saved.is_floating_point or target.is_floating_point:
         return saved.is_floating_point and target.is_floating_point
-    return not (saved.is_complex or target.is_complex or torch.bool in (saved, target))
+    if saved.is_complex or target.is_complex:
+        return saved.is_complex and target.is_complex
+    return torch.bool not in (saved, target)
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],
@@ -1410,6 +1412,15 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         saved = [len(p["items"]) if p is not None and p["t"] in _SEQUENCES else None
                  for p in (_node_at(g, "params") for g in groups["items"])]
         want = [len(g["params"]) for g in obj.param_groups]
+        holder = _node_at(skeleton, path, stateful=True)
+        cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
+        if isinstance(cls, str) and cls != type(obj).__qualname__ and saved == want:
+            # (torch's load_state_dict takes another class's groups as they are: a trial's
+            # AdamW state loaded into SGD silently, then its step() raised KeyError)
+            log.warning("loading the optimizer state at %r saved by %s into a %s: its "
+                        "parameter groups keep %s's settings (torch loads them as they are); "
+                        "to start this optimizer afresh instead, pass exclude=[%r]",
+                        path, cls, type(obj).__qualname__, cls, path)
         if saved != want:
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
             fresh = (f"; to load the rest and start this optimizer afresh, pass "
@@ -1449,8 +1460,10 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
         unexpected[:] = [p for p in unexpected if untold(p)]
 
 
-def _node_at(node: dict[str, Any], path: str) -> dict[str, Any] | None:
-    """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None."""
+def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False
+             ) -> dict[str, Any] | None:
+    """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None;
+    with ``stateful``, a stateful node there itself rather than its state."""
     for seg in path.split("/") if path else []:
         if node["t"] == "stateful":
             node = node["state"]
@@ -1461,7 +1474,7 @@ def _node_at(node: dict[str, Any], path: str) -> dict[str, Any] | None:
         if found is None:
             return None
         node = found
-    return node["state"] if node["t"] == "stateful" else node
+    return node["state"] if node["t"] == "stateful" and not stateful else node
 
 
 _SEQUENCES = ("list", "tuple")

@@ -167,12 +167,27 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, key: str | None = None) -> N
                             "range of %s and %s", key or "a tensor", beyond,
                             dtype_name(src.dtype), dtype_name(dst.dtype),
                             "became inf or NaN (or its largest value, where the cast "
-                            "saturates)" if dst.dtype.is_floating_point else "wrapped around")
+                            "saturates)" if dst.dtype.is_floating_point else
+                            "have a part that became inf" if dst.dtype.is_complex else
+                            "wrapped around")
 
 
 def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
     """How many finite values of ``src`` lie beyond the range of ``dtype`` (0 when its
     range holds all of ``src.dtype``'s, or either is no real float or integer dtype)."""
+    if src.is_complex() and dtype.is_complex:  # (each part as a float of half the width)
+        part = {torch.complex128: torch.float64, torch.complex64: torch.float32,
+                torch.complex32: torch.float16}.get(dtype)
+        if part is None:
+            return 0
+        try:
+            parts = torch.view_as_real(src)
+        except RuntimeError:  # (no real view of this dtype on this build)
+            return 0
+        top = torch.finfo(part).max
+        if torch.finfo(parts.dtype).max <= top:
+            return 0
+        return int(((parts.abs() > top) & parts.isfinite()).any(-1).sum())
     floats = src.is_floating_point(), dtype.is_floating_point
     if src.is_complex() or dtype.is_complex or src.dtype == torch.bool or dtype == torch.bool:
         return 0
