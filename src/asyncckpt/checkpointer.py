@@ -196,6 +196,21 @@ def checked_directory(path: object, name: str) -> Path:
     return Path(path)
 
 
+def _warn_fsdp_optimizers(flat: FlatState, rank: int) -> None:
+    """An FSDP2 model's optimizer saved as the object: its state dict keys the moments by
+    parameter index, which a resume into a fresh optimizer cannot load (the load refuses:
+    they would come back whole and plain). A trial saved it so and found out at resume."""
+    found = [p or "<root>" for p, (obj, _) in flat.statefuls.items()
+             if isinstance(obj, torch.optim.Optimizer) and any(
+                 type(x).__name__ == "DTensor" for g in obj.param_groups for x in g["params"])]
+    if found and rank == 0:
+        log.warning("saving the optimizer object at %s of a model with DTensor parameters "
+                    "(FSDP2): its state is keyed by parameter index, and a resume into a fresh "
+                    "optimizer cannot load it; save get_state_dict(model, optim)[1] "
+                    "(torch.distributed.checkpoint.state_dict) instead, and load it back with "
+                    "set_state_dict (see examples/train_fsdp.py)", ", ".join(map(repr, found)))
+
+
 def _refuse_a_step_as_root(directory: Path) -> None:
     """A step directory (``CheckpointInfo.path``, what ``ls`` prints) passed as the
     directory to save into: the new steps would lie inside a committed one, where no
@@ -308,6 +323,7 @@ class AsyncCheckpointer:
         self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
         self._damaged: set[int] = set()  # steps a fallback load found damaged
+        self._looked_at_optimizers = False  # (at the first save: see _warn_fsdp_optimizers)
         self._discards = 0  # discard_steps_after calls: collective, as saves are
         # (the group's layout id, this rank's digest in it, the keys this rank writes)
         self._layout: tuple[str, str, set[str]] | None = None
@@ -430,6 +446,9 @@ class AsyncCheckpointer:
             apply_shards(flat, shards)
             if shards and not ctx.distributed:
                 _refuse_partial_shards(flat, shards)
+            if not self._looked_at_optimizers:
+                self._looked_at_optimizers = True
+                _warn_fsdp_optimizers(flat, ctx.rank)
             mine = self._my_keys(step, tag, flat)
             tensors = {k: t for k, t in flat.tensors.items() if k in mine}
             replicas = self._replica_checksums(flat) if ctx.distributed else {}

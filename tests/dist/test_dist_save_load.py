@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -796,8 +797,21 @@ def _fsdp_optimizer_passed_directly(ctx: RankCtx, mesh: Any, root: Path, c: Chec
     model, opt = build()
     model(torch.ones(2, 6)).sum().backward()
     opt.step()
+    said: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("asyncckpt").addHandler(catch)
+    try:
+        with asyncckpt.AsyncCheckpointer(root / "fsdp_direct", timeout_s=20) as ck:
+            ck.save({"model": model, "optim": opt}, 1)
+            ck.save({"model": model, "optim": opt}, 2)
+    finally:
+        logging.getLogger("asyncckpt").removeHandler(catch)
+    # told at the first save (rank 0 alone), not when the resume fails
+    told = [m for m in said if "saving the optimizer object at 'optim' of a model with "
+            "DTensor parameters" in m and "get_state_dict(model, optim)[1]" in m]
+    c.check(len(told) == (1 if ctx.rank == 0 else 0), f"warned {len(told)} times: {said}")
     with asyncckpt.AsyncCheckpointer(root / "fsdp_direct", timeout_s=20) as ck:
-        ck.save({"model": model, "optim": opt}, 1)
         model2, opt2 = build()
         before = [p.to_local().clone() for p in model2.parameters()]
         try:
