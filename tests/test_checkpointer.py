@@ -1603,6 +1603,76 @@ def test_a_damaged_step_is_marked_on_disk_for_later_processes(
     assert asyncckpt.load(tmp_path, step=5)["w"][0].item() == 5.0
 
 
+def test_a_step_saved_anew_while_read_is_not_called_corrupt(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's evaluator read step 2 while its trainer rolled back
+    (discard_steps_after(1)) and saved step 2 again: 'checksum mismatch ... the checkpoint
+    is corrupt', and with fallback a damaged.json in the healthy new step."""
+    def state(value: float) -> dict[str, torch.Tensor]:
+        return {f"t{i}": torch.full((1 << 18,), value) for i in range(24)}
+
+    def save_two(root: Path) -> None:
+        with asyncckpt.AsyncCheckpointer(root) as ck:
+            for s in (1, 2):
+                ck.save(state(float(s)), step=s)
+
+    class RolledBack(asyncckpt.storage.LocalStorage):
+        def __init__(self, root: Path) -> None:
+            self.root, self.done = root, False
+
+        def pread_into(self, fd: int, views: Any, offset: int) -> int:
+            got = super().pread_into(fd, views, offset)
+            if not self.done:  # (the first read, of the header: then the rollback)
+                self.done = True
+                with asyncckpt.AsyncCheckpointer(self.root) as trainer:
+                    trainer.discard_steps_after(1)
+                    trainer.save(state(22.0), step=2)
+            return got
+
+    save_two(tmp_path)
+    reader = asyncckpt.AsyncCheckpointer(tmp_path, storage=RolledBack(tmp_path))
+    with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                       match="step_000000002 was replaced while it was being read"):
+        reader.load(step=2)
+    shutil.rmtree(tmp_path)
+    save_two(tmp_path)
+    reader = asyncckpt.AsyncCheckpointer(tmp_path, storage=RolledBack(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        got = reader.load(fallback=True)
+    assert len({t[0].item() for t in got.values()}) == 1  # one step's values, not mixed
+    assert not list(tmp_path.glob("step_*/damaged.json")), caplog.text
+    assert "failed their checks" not in caplog.text, caplog.text
+
+
+def test_a_reader_beside_another_process_that_saves_there_does_not_mark(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """damaged.json is the owner's (a review: an evaluator's fallback load marked its
+    trainer's steps)."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
+        for s in (3, 4):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000004")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(tmp_path / '.asyncckpt.lock')!r}, os.O_RDWR)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.pwrite(fd, b'%d\\n' % os.getpid(), 0)\n"
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+                asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
+            assert ck.load(fallback=True)["w"][0].item() == 3.0
+        assert f"step 4: another process (pid {holder.pid}) saves there" in caplog.text
+        assert not (tmp_path / "step_000000004" / "damaged.json").exists()
+    finally:
+        holder.communicate("", timeout=30)
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:  # none saves there now
+        ck.load(fallback=True)
+    assert (tmp_path / "step_000000004" / "damaged.json").exists()
+    assert not asyncckpt.storage.DirectoryLock(tmp_path).held_in_this_process()  # (let go)
+
+
 def test_a_damaged_step_that_cannot_be_marked_is_still_not_counted(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     class NoMarks(asyncckpt.storage.LocalStorage):

@@ -140,7 +140,8 @@ def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 1  # a corrupt checkpoint, as verify says (it exited 0)
     rows = {ln.split()[0]: ln for ln in out.splitlines()[1:4]}
-    assert rows["30"].endswith(f"latest, DAMAGED: {shard} is missing (run 'asyncckpt verify')")
+    assert rows["30"].endswith(f"latest, DAMAGED: {shard} is missing (run 'asyncckpt verify "
+                               f"{root} --step 30')")
     assert f"DAMAGED: {shard} is 100 bytes, not " in rows["20"]
     assert "DAMAGED" not in rows["10"]
     code, out, _ = run(capsys, "ls", str(root), "--json")
@@ -175,6 +176,12 @@ def test_ls_marks_a_step_a_fallback_load_found_damaged(
         f"/damaged.json" in out, out
     doc = json.loads(run(capsys, "verify", str(root), "--json")[1])
     assert doc["ok"] and "checksum mismatch" in doc["damaged_mark"]["problem"], doc
+    code, out, _ = run(capsys, "verify", str(root), "--all")  # (every step: said there too)
+    assert code == 0 and "delete " + str(root / "step_000000030" / "damaged.json") in out, out
+    doc = json.loads(run(capsys, "verify", str(root), "--all", "--json")[1])
+    assert [("damaged_mark" in s) for s in doc["steps"]] == [False, False, True], doc
+    (root / "step_000000030" / "damaged.json").write_bytes(b" " * 70000)  # (over the limit)
+    assert "damaged.json cannot be read" in run(capsys, "ls", str(root))[1]
     (root / "step_000000030" / "damaged.json").write_text("{not json")
     assert "(damaged.json: damaged.json is not a JSON object)" in run(capsys, "ls", str(root))[1]
 

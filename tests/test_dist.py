@@ -962,25 +962,6 @@ def test_a_rank_that_saved_into_another_directory_since_is_not_called_unpaired(
     assert "not called save_async" in str(out[0])
 
 
-def test_a_timeout_says_a_rank_saves_into_another_directory(tmp_path: Path) -> None:
-    """Rank 1 passes another directory: both ranks timed out saying only that the other
-    may have died or not called save_async."""
-    store = dist.HashStore()
-
-    def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path / ("run" if r == 0 else "run2"), mode="sync", rank=r,
-                               world_size=2, store=store, timeout_s=2) as ck:
-            ck.save(_state(r), step=1)
-
-    out = in_threads(rank)
-    for r in (0, 1):
-        assert isinstance(out[r], CheckpointTimeoutError), out[r]
-        theirs, mine = (tmp_path / "run2", tmp_path / "run")[::1 if r == 0 else -1]
-        assert (f"rank {1 - r} last started saving into {str(theirs)!r}, this rank into "
-                f"{str(mine)!r}") in str(out[r])
-    assert AsyncCheckpointer(tmp_path / "run").steps() == []
-
-
 def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -> None:
     store = dist.HashStore()
 
@@ -1542,6 +1523,39 @@ def _damage_rank1_part_of_step2(tmp_path: Path) -> None:
     with open(step_dir / chunk.file, "r+b") as f:
         f.seek(chunk.byte_range[0])
         f.write(b"\xff\xff\xff\xff")
+
+
+def test_ranks_saving_into_different_directories_are_told_at_once(tmp_path: Path) -> None:
+    """A trial gave each rank a directory of its own (nodes without a shared filesystem):
+    both waited out the whole timeout_s before an error named the two directories."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> tuple[str, float]:
+        with AsyncCheckpointer(tmp_path / f"rank{r}", rank=r, world_size=2, store=store,
+                               timeout_s=60) as ck:
+            t0 = time.monotonic()
+            with pytest.raises(CheckpointConfigError) as info:
+                ck.save({"w": torch.full((4,), float(r))}, step=1)
+            return str(info.value), time.monotonic() - t0
+
+    out = all_ok(in_threads(rank, timeout=50))
+    for r in (0, 1):
+        msg, took = out[r]
+        assert took < 20, out
+        assert f"rank {1 - r} is saving step 1 into '{tmp_path / f'rank{1 - r}'}', this rank " \
+            f"into '{tmp_path / f'rank{r}'}'" in msg, msg
+        assert not list((tmp_path / f"rank{r}").glob("step_*")), r
+    # then saving the same step into one directory, on the same Store: the notes of the
+    # failed saves do not refuse it
+
+    def shared(r: int) -> list[int]:
+        with AsyncCheckpointer(tmp_path / "shared", rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            ck.save({"w": torch.full((4,), 1.0)}, step=1,
+                    shards={"w": ShardMetadata((8,), (4 * r,))})
+            return ck.steps()
+
+    assert all_ok(in_threads(shared)) == {0: [1], 1: [1]}
 
 
 def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path: Path) -> None:

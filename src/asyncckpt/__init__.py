@@ -209,15 +209,15 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                               ignore_unexpected=ignore_unexpected, verify=verify,
                               threads=threads, step=step, progress=progress, exclude=exclude,
                               key_map=key_map, cast=cast, shards=shards)
-        except CheckpointNotFoundError:
+        except CheckpointNotFoundError as exc:
             # The latest step, retired by the retention of a newer save (another process
-            # trains here) while it was read: the newer one is the latest now.
-            if (step is not None or resolved is None or attempt + 1 == _LATEST_TRIES
-                    or os.path.exists(step_dir)):
+            # trains here), or removed and saved again by a rollback, while it was read:
+            # whichever is the latest now is loaded.
+            if step is not None or resolved is None or attempt + 1 == _LATEST_TRIES:
                 raise
             _logging.getLogger(__name__).info(
-                "step %d under %s was deleted while read (a newer save's retention): "
-                "loading the latest step again", resolved, path)
+                "step %d under %s could not be read (%s): loading the latest step again",
+                resolved, path, exc)
     raise AssertionError("unreachable")
 
 

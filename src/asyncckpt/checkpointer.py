@@ -990,10 +990,26 @@ class AsyncCheckpointer:
         self._damaged.update(s for s, _ in new)
         unmarked = []
         if self._ctx.is_coordinator:
-            for s, why in new:
-                failed = commit.mark_damaged(self.directory, s, why, self.storage)
-                if failed is not None:
-                    unmarked.append(f"step {s}: {failed}")
+            # The directory's owner marks: this checkpointer, once it saves here (or
+            # another of this process that does), or, while none does (a resume before
+            # its first save), this one for the moment it takes; not a reader beside a
+            # process that saves here (an evaluator beside its trainer).
+            lk = self._lock
+            owned = lk.held or lk.held_in_this_process() is not None
+            taken = False
+            if not owned:
+                with contextlib.suppress(OSError):
+                    taken = lk.acquire()
+            try:
+                for s, why in new:
+                    failed = (commit.mark_damaged(self.directory, s, why, self.storage)
+                              if owned or taken else
+                              f"another process (pid {lk.holder()}) saves there")
+                    if failed is not None:
+                        unmarked.append(f"step {s}: {failed}")
+            finally:
+                if taken:
+                    lk.release()
         steps = [s for s, _ in new]
         log.warning(
             "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
@@ -1304,19 +1320,23 @@ class AsyncCheckpointer:
                 self._my_order = list(flat.tensors)
             self._my_sig = sig
         digest = self._my_digest
-        ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest, "step": step,
-                                                     "settings": self._group_settings()})
-        previous = self._layout
-        if ctx.is_coordinator:
-            lid, keys = self._start_group_save(step, tag)
-        else:
-            go = self._await_go(step, tag)
-            self._nonce, lid = go["nonce"], go["layout"]
-            keys = None
-            if previous is None or previous[0] != lid:
-                share = ctx.get(ctx.key("share", lid, ctx.rank),
-                                f"this rank's share of the tensors of step {step}")
-                keys = decode_share(self._my_order, share, f"step {step} not started")
+        ctx.note_saving(step, True)
+        try:
+            ctx.put(ctx.key(tag, "layout", ctx.rank), {"digest": digest, "step": step,
+                                                         "settings": self._group_settings()})
+            previous = self._layout
+            if ctx.is_coordinator:
+                lid, keys = self._start_group_save(step, tag)
+            else:
+                go = self._await_go(step, tag)
+                self._nonce, lid = go["nonce"], go["layout"]
+                keys = None
+                if previous is None or previous[0] != lid:
+                    share = ctx.get(ctx.key("share", lid, ctx.rank),
+                                    f"this rank's share of the tensors of step {step}")
+                    keys = decode_share(self._my_order, share, f"step {step} not started")
+        finally:  # (in the save with every rank, or out of it: waiting for none elsewhere)
+            ctx.note_saving(step, False)
         if keys is not None:
             self._layout = (lid, digest, keys)
         if previous is not None and previous[1] != digest:
@@ -1366,7 +1386,8 @@ class AsyncCheckpointer:
         failed, the ranks save different steps, or one did not come in time."""
         ctx = self._ctx
         try:
-            got = ctx.gather((tag, "layout"), f"the layouts of step {step}")
+            got = ctx.gather((tag, "layout"), f"the layouts of step {step}",
+                             look=lambda ranks: ctx.refuse_saving_elsewhere(ranks, step))
         except CheckpointTimeoutError as exc:
             err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
             err.ranks = exc.ranks
@@ -1406,7 +1427,8 @@ class AsyncCheckpointer:
         ctx = self._ctx
         what = f"the coordinator's start of step {step}"
         try:
-            go = ctx.get(ctx.key(tag, "go"), what)
+            go = ctx.get(ctx.key(tag, "go"), what,
+                         look=lambda ranks: ctx.refuse_saving_elsewhere(ranks, step))
         except CheckpointTimeoutError as exc:
             absent = ctx.unposted({r: ctx.key(tag, "layout", r)
                                    for r in range(ctx.world_size)})

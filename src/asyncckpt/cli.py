@@ -345,7 +345,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                    if metrics else []),
                  ", ".join((["latest"] if e["step"] == latest else [])
                            + ([_shown(f"DAMAGED: {'; '.join(e['damaged'])} (run 'asyncckpt "
-                                      "verify')")] if e["damaged"] else []))]
+                                      f"verify {root} --step {e['step']}')")]
+                              if e["damaged"] else []))]
                 if e["error"] is None else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
                  *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"] for e in entries]
@@ -667,13 +668,18 @@ def _verify_all(args: argparse.Namespace) -> int:
         done.append((step_dir, report, time.perf_counter() - t0))
     bad = [d.name for d, r, _ in done if not r.ok]
     code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_OK)
+    marks = {d: commit.read_damaged_mark(d, storage) for d, _, _ in done}
     if args.json:
         _print_json({"root": str(root), "ok": not bad and not lost,
-                     "steps": [_verify_doc(d, r, t) for d, r, t in done],
+                     "steps": [_verify_doc(d, r, t) | ({"damaged_mark": marks[d]} if marks[d]
+                                                       else {}) for d, r, t in done],
                      "without_manifest": lost})
         return code
     for d, r, t in done:
         _print_verdict(d, r, t)
+        if r.ok and marks[d] is not None:  # (ls shows it DAMAGED: say why, and what to do)
+            _out(f"  {_marked(d, storage)[0]}; it verifies now: if that was a passing fault, "
+                 f"delete {d / commit.DAMAGED_NAME}")
     _out(f"{_n(len(done), 'committed step')} verified: " + (
         f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
     if lost:

@@ -517,6 +517,8 @@ def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object]
         return None
     except OSError as exc:
         return {"problem": f"{DAMAGED_NAME} cannot be read ({exc.strerror or exc})"}
+    except (ValueError, CheckpointError) as exc:  # over the limit; a directory, a FIFO
+        return {"problem": f"{DAMAGED_NAME} cannot be read ({exc})"}
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -551,16 +553,21 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
-    marked = damaged_marks(root, steps, storage)
-    if found is not None:
-        found |= marked
-    damaged = {*damaged, *marked}
-    if damaged:
-        kept = [s for s in steps if s not in damaged][-keep_last:] if keep_last > 0 else []
-        floor = kept[0] if kept else None
-        old = [s for s in steps if floor is not None and s < floor]
-    else:
-        old = steps[:max(0, len(steps) - keep_last)]
+    kept: list[int] = []
+    marked: set[int] = set()
+    for s in reversed(steps):  # newest first: the marks looked for only as far as needed
+        if s in damaged:
+            continue
+        if damaged_marks(root, [s], storage):
+            marked.add(s)
+            continue
+        kept.append(s)
+        if len(kept) == keep_last:
+            break
+    floor = kept[-1] if kept else None  # the oldest step kept
+    old = [s for s in steps if floor is not None and s < floor]
+    if found is not None:  # (of the steps that go: those a save's warning leaves out)
+        found |= marked | damaged_marks(root, old, storage)
     spared = spare(steps) if spare is not None and old else ()
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]

@@ -256,6 +256,60 @@ class DistContext:
         return hashlib.sha256(self.directory.encode()).hexdigest()[:12]
 
     @staticmethod
+    def _saving_key(rank: int) -> str:
+        """Which directory and step ``rank`` is saving, while it waits for the others to
+        enter the save (any directory's checkpointer sets it)."""
+        return f"asyncckpt/saving/{rank}"
+
+    def note_saving(self, step: int, waiting: bool) -> None:
+        """Post that this rank waits for the group in its save of ``step`` (or no longer
+        does): what refuse_saving_elsewhere reads."""
+        with contextlib.suppress(Exception):  # (a best effort: it only cuts a wait short)
+            self.store.set(self._saving_key(self.rank), json.dumps(
+                {"directory": self.directory, "step": step, "waiting": waiting}))
+
+    def refuse_saving_elsewhere(self, ranks: Sequence[int], step: int) -> None:
+        """CheckpointConfigError when a rank waited for is itself waiting for the group
+        in a save of the same step into another directory: saves are collective, so
+        neither can go on (a trial's ranks, each given a directory of its own as on
+        nodes without a shared filesystem, waited out the whole timeout_s). The rank
+        that finds it tells the other too (its own note is cleared as it raises)."""
+        told = f"asyncckpt/saving-elsewhere/{self.rank}"
+        try:
+            if self.store.check([told]):
+                got = json.loads(self.store.get(told))
+                if got.get("step") == step and got.get("directory") == self.directory:
+                    with contextlib.suppress(Exception):
+                        self.store.delete_key(told)
+                    raise CheckpointConfigError(self._elsewhere_text(
+                        got.get("rank"), got.get("other"), step))
+            posted = [r for r in ranks if self.store.check([self._saving_key(r)])]
+            raw = self.store.multi_get([self._saving_key(r) for r in posted]) if posted else []
+        except CheckpointError:
+            raise
+        except Exception:  # (a best effort: the wait goes on, and times out as before)
+            return
+        for r, v in zip(posted, raw, strict=True):
+            try:
+                got = json.loads(v)
+            except ValueError:
+                continue
+            if (isinstance(got, dict) and got.get("waiting") and got.get("step") == step
+                    and got.get("directory") != self.directory):
+                with contextlib.suppress(Exception):
+                    self.store.set(f"asyncckpt/saving-elsewhere/{r}", json.dumps(
+                        {"step": step, "directory": got.get("directory"), "rank": self.rank,
+                         "other": self.directory}))
+                raise CheckpointConfigError(self._elsewhere_text(r, got.get("directory"),
+                                                                 step))
+
+    def _elsewhere_text(self, other: object, where: object, step: int) -> str:
+        return (f"rank {self.rank}: rank {other} is saving step {step} into {where!r}, this "
+                f"rank into {self.directory!r}: a save is one checkpoint of the whole group, "
+                "so every rank must save into the same directory, one that all of them share "
+                "(NFS, Lustre...), with its checkpointers made in the same order")
+
+    @staticmethod
     def _last_directory_key(rank: int) -> str:
         """Which directory ``rank`` last started saving into (any directory's checkpointer
         sets it): a rank saving elsewhere never shows up under this directory's keys."""
@@ -445,9 +499,12 @@ class DistContext:
         shares it handed out) and count itself out;
         the last rank of the group to close deletes all of it (by then no rank waits on
         any of it). The ``where`` keys and the checkpointer counts stay: one of each per
-        rank and directory, and each rank's last directory (one key per rank)."""
+        rank and directory, and each rank's last directory (one key per rank); the note of
+        the save this rank waits in goes (see note_saving)."""
         if not self.namespace:
             return
+        with contextlib.suppress(Exception):
+            self.store.delete_key(self._saving_key(self.rank))
         with contextlib.suppress(Exception):
             self.store.set(self.key("closing", self.rank), json.dumps(
                 {"tags": list(tags), "digests": list(digests), "layouts": list(layouts)}))
@@ -497,16 +554,17 @@ class DistContext:
         return value
 
     def get(self, key: str, what: str, timeout_s: float | None = None, *, rank: int = 0,
-            pulse: Pulse | None = None) -> Any:
+            pulse: Pulse | None = None, look: Callable[[list[int]], None] | None = None
+            ) -> Any:
         """Wait for ``key`` (posted by ``rank``) and return its decoded value."""
-        self.wait_keys({rank: key}, what, timeout_s, pulse=pulse)
+        self.wait_keys({rank: key}, what, timeout_s, pulse=pulse, look=look)
         with self._store_errors(f"reading {what}"):
             return self._decode(key, self.store.get(key))
 
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
                *, cancelled: Callable[[], bool] | None = None,
-               pulse: Pulse | None = None, have: Mapping[int, Any] | None = None
-               ) -> dict[int, Any]:
+               pulse: Pulse | None = None, have: Mapping[int, Any] | None = None,
+               look: Callable[[list[int]], None] | None = None) -> dict[int, Any]:
         """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values, or
         as soon as one that has arrived is an error: then only those read so far (the
         callers raise the error; a late or dead rank must not delay a reported failure).
@@ -523,7 +581,8 @@ class DistContext:
                 got[r] = self._decode(keys[r], self.store.get(keys[r]))
             return isinstance(got[r], dict) and "error" in got[r]
 
-        if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed, pulse=pulse):
+        if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed, pulse=pulse,
+                          look=look):
             return got
         rest = [r for r in range(self.world_size) if r not in got]
         with self._store_errors(f"reading {what}"):
@@ -612,12 +671,14 @@ class DistContext:
                   stop: Callable[[int], bool] | None = None,
                   pulse: Pulse | None = None, until: Callable[[], bool] | None = None,
                   absent: str = "not called save_async for this step",
-                  error: type[CheckpointError] = CheckpointSaveError) -> bool:
+                  error: type[CheckpointError] = CheckpointSaveError,
+                  look: Callable[[list[int]], None] | None = None) -> bool:
         """Block until every key exists; on timeout name the ranks whose keys are missing.
 
         The keys are asked for in slices of at most a second: after each, ``cancelled``
         is asked, and ``stop`` about each key that arrived meanwhile: when it says yes,
-        the wait ends early and returns True.
+        the wait ends early and returns True. ``look`` is shown the ranks still waited
+        for after slices 1, 2, 4, 8... (a few Store reads in a long wait), and may raise.
 
         With ``pulse`` (the save's), this rank beats while it waits, the wait ends with
         the other ranks' abort, and the timeout counts from the last progress of the
@@ -636,6 +697,7 @@ class DistContext:
         first_slice = min(first_slice, slice_s)
         pending = dict(keys)
         baseline = False
+        slices, next_look = 0, 1
         poll_s = 0.001
         main = threading.current_thread() is threading.main_thread()
         poll_max_s = _POLL_MAX_S if main else 5 * _POLL_MAX_S
@@ -667,6 +729,11 @@ class DistContext:
                 del pending[r]
                 if stop is not None and stop(r):
                     return True
+            slices += 1
+            if look is not None and pending and slices == next_look:
+                next_look *= 2
+                with self._store_errors(f"waiting for {what}", error):
+                    look(sorted(pending))
             if pulse is not None and not baseline and pending:
                 # what the counts of the ranks still missing are a slice into the wait:
                 # one that has not moved from here by the deadline went silent

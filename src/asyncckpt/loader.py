@@ -158,19 +158,47 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     # off no collection of them either (freeing them takes back what they counted).
     started = time.perf_counter()
     read: list[int] = []
-    with gc_paused():
-        out = _load_from(step_dir, state, storage, strict=strict,
-                         ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
-                         threads=threads, step=step, manifest=manifest,
-                         before_read=before_read, read=read, progress=progress,
-                         exclude=exclude, shown=shown, key_map=key_map, cast=cast,
-                         tied_ok=tied_ok, rename_hint=rename_hint)
+    before = _identity(step_dir, storage)
+    try:
+        with gc_paused():
+            out = _load_from(step_dir, state, storage, strict=strict,
+                             ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
+                             threads=threads, step=step, manifest=manifest,
+                             before_read=before_read, read=read, progress=progress,
+                             exclude=exclude, shown=shown, key_map=key_map, cast=cast,
+                             tied_ok=tied_ok, rename_hint=rename_hint)
+    except CheckpointCorruptError as exc:
+        # A step removed and saved anew while it was read (a rollback's
+        # discard_steps_after and the save after it, in another process) reads as a
+        # checksum mismatch: no damage, and nothing to fall back past or mark.
+        now = _identity(step_dir, storage)
+        if before is not None and now != before:
+            held = ("; the targets loaded in place may hold part of it until then"
+                    if state is not None else "")
+            raise CheckpointNotFoundError(
+                f"{step_dir} was replaced while it was being read (removed and saved again, "
+                f"by a rollback in another process): load it again{held} ({exc})") from exc
+        raise
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
     log.info("loaded %s %s: %.3f GB of saved chunks in %.3fs (%.2f GB/s)%s",
              shown or step_dir, "in place" if state is not None else "as a new tree", gb, seconds,
              gb / seconds if seconds > 0 else 0.0, "" if verify else ", checksums not checked")
     return out
+
+
+def _identity(step_dir: Path, storage: ReadStorage) -> tuple[int, int] | None:
+    """(device, inode) of a local step directory, to tell it was replaced; None where
+    there is none to compare (another storage, or it is gone)."""
+    from .storage import LocalStorage
+
+    if not isinstance(storage, LocalStorage):
+        return None
+    try:
+        st = os.stat(step_dir)
+    except OSError:
+        return (0, 0)  # (gone: differs from any directory there was)
+    return st.st_dev, st.st_ino
 
 
 def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool,
@@ -1419,8 +1447,9 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             # AdamW state loaded into SGD silently, then its step() raised KeyError)
             log.warning("loading the optimizer state at %r saved by %s into a %s: its "
                         "parameter groups keep %s's settings (torch loads them as they are); "
-                        "to start this optimizer afresh instead, pass exclude=[%r]",
-                        path, cls, type(obj).__qualname__, cls, path)
+                        "%s", path or "<root>", cls, type(obj).__qualname__, cls,
+                        f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
+                        if path else "load it into a " + cls)
         if saved != want:
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
             fresh = (f"; to load the rest and start this optimizer afresh, pass "

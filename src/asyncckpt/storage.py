@@ -288,6 +288,11 @@ class DirectoryLock:
         _held_locks.add(self)
         return True
 
+    @property
+    def held(self) -> bool:
+        """Whether this lock object holds the directory (in this process)."""
+        return self._fd is not None and self._pid == os.getpid()
+
     def held_in_this_process(self) -> DirectoryLock | None:
         """The other lock object of this process that holds the same directory, if any."""
         try:

@@ -728,13 +728,12 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
           leftovers: list[Path] | None = None, marked: Collection[int] = ()) -> None:
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
-        usual = 2 + (job.keep_best is not None)
+        usual = 1 + (job.keep_best is not None)
         if len([s for s in removed if s not in job.damaged and s not in marked]) > usual:
-            # A save removes one step as a rule; one more where the retention of the save
-            # before it did not run (a crash between its commit and its retention), and one
-            # more with keep_best (a best step it displaced). More at once are those of a
-            # run saved with other settings (a restart that dropped keep_every lost its
-            # milestones).
+            # A save removes one step as a rule, and one more with keep_best (a best step
+            # it displaced). More at once are those of a run saved with other settings (a
+            # restart that dropped keep_every lost its milestones), or, without a word of
+            # settings, one whose retention a crash skipped: the warning says "if".
             log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
                         ", keep_every=%s, keep_best=%s): if a restart changed those settings, "
                         "the steps the old ones kept are gone too", job.step, len(removed),

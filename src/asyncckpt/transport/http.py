@@ -285,6 +285,10 @@ class HTTPTransport(CheckpointTransport[Any]):
                 # withdrawn while send_checkpoint prepared this offer: as if it had come
                 # first, then the withdrawal, nothing of it is on offer
                 served.close()
+                log.warning("send_checkpoint of step %d on %s: withdraw() was called while it "
+                            "laid out the state (a checkpointer's next save, if it shares "
+                            "this transport), so nothing of it is offered", served.step,
+                            self.address())
                 return
             if _since is not None and _since[0] != self._disallows:
                 allow = False  # (disallowed meanwhile: offered, as if before the disallow)
@@ -319,6 +323,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             self._check_open("send_checkpoint")
             since = (self._disallows, self._withdrawals)
+            if self._failed is not None and self._failed[0] == step:
+                self._failed = None  # (sent again: its requests wait for this offer)
         try:
             served = serve_state(step, state_dict, block_bytes=self.block_bytes,
                                  library_version=__version__)
