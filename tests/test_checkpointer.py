@@ -1635,6 +1635,10 @@ def test_a_step_saved_anew_while_read_is_not_called_corrupt(
                        match="step_000000002 was replaced while it was being read"):
         reader.load(step=2)
     shutil.rmtree(tmp_path)
+    save_two(tmp_path)  # the latest, asked for as such: the new one is loaded
+    got = asyncckpt.AsyncCheckpointer(tmp_path, storage=RolledBack(tmp_path)).load()
+    assert {t[0].item() for t in got.values()} == {22.0}
+    shutil.rmtree(tmp_path)
     save_two(tmp_path)
     reader = asyncckpt.AsyncCheckpointer(tmp_path, storage=RolledBack(tmp_path))
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):

@@ -43,6 +43,7 @@ from .errors import (
     CheckpointError,
     CheckpointInFlightError,
     CheckpointLockedError,
+    CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
     add_note,
@@ -935,10 +936,22 @@ class AsyncCheckpointer:
         parts = check_exclude(exclude)
         check_key_map(key_map)
         view, shards, finish = excluded_view(state, parts, shards)
-        return finish(self._load(view, step=step, strict=strict, verify=verify, shards=shards,
-                                 fallback=fallback, threads=threads, progress=progress,
-                                 ignore_unexpected=ignore_unexpected, exclude=parts,
-                                 key_map=key_map, cast=cast))
+        # The latest step may go while it is read when another process saves here (this
+        # checkpointer a reader beside it: an evaluator), by its retention or a rollback:
+        # then the latest is the newer one. (A group's ranks must agree: not retried.)
+        tries = 3 if step is None and not fallback and not self._ctx.distributed else 1
+        for attempt in range(tries):
+            try:
+                return finish(self._load(view, step=step, strict=strict, verify=verify,
+                                         shards=shards, fallback=fallback, threads=threads,
+                                         progress=progress,
+                                         ignore_unexpected=ignore_unexpected, exclude=parts,
+                                         key_map=key_map, cast=cast))
+            except CheckpointNotFoundError as exc:
+                if attempt + 1 == tries:
+                    raise
+                log.info("loading the latest step under %s again: %s", self.directory, exc)
+        raise AssertionError("unreachable")
 
     def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,
               shards: Mapping[str, ShardMetadata] | None, fallback: bool,
