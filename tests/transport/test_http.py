@@ -1224,6 +1224,23 @@ def test_disallow_alone_keeps_a_live_offer_that_can_be_allowed_again(transports:
         srv.allow_checkpoint(5)
 
 
+def _held_layout(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """send_checkpoint's laying out of the state, held: the first event is set once it
+    has begun, and it goes on once the second is set."""
+    from asyncckpt.transport import http as http_mod
+
+    laying_out, go_on = threading.Event(), threading.Event()
+    real = http_mod.serve_state
+
+    def held(*a: Any, **kw: Any) -> Served:
+        laying_out.set()
+        assert go_on.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(http_mod, "serve_state", held)
+    return laying_out, go_on
+
+
 @pytest.mark.parametrize("cut", ["disallow", "withdraw"])
 def test_a_cut_while_send_checkpoint_lays_out_the_state_wins(
         transports: Any, monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
@@ -1231,18 +1248,8 @@ def test_a_cut_while_send_checkpoint_lays_out_the_state_wins(
     quorum thread's send_checkpoint (20,000 tensors: 0.4 s) was still laying out the
     state; the send then offered it, and a peer fetched tensors changed after the
     disallow, checksums and all (they are computed on the first request)."""
-    from asyncckpt.transport import http as http_mod
-
     srv = transports(token=TOKEN)
-    laying_out, go_on = threading.Event(), threading.Event()
-    real = http_mod.serve_state
-
-    def slow(*a: Any, **kw: Any) -> Served:
-        laying_out.set()
-        assert go_on.wait(10)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(http_mod, "serve_state", slow)
+    laying_out, go_on = _held_layout(monkeypatch)
     state = state_of(3)
     sending = Background(srv.send_checkpoint, [1], 5, state, 10.0)
     assert laying_out.wait(10)
@@ -1276,17 +1283,7 @@ def test_a_send_checkpoint_that_failed_is_refused_at_once(
         "(UnsupportedLeafError: " in str(info.value), info.value
     # sent again (torchft keeps the step after a failed quorum): while it lays out the
     # state, requests for the step wait for it, not refused as failed (a review's find)
-    from asyncckpt.transport import http as http_mod
-
-    laying_out, go_on = threading.Event(), threading.Event()
-    real = http_mod.serve_state
-
-    def slow(*a: Any, **kw: Any) -> Served:
-        laying_out.set()
-        assert go_on.wait(10)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(http_mod, "serve_state", slow)
+    laying_out, go_on = _held_layout(monkeypatch)
     state = state_of(6)
     sending = Background(srv.send_checkpoint, [1], 6, state, 10.0)
     assert laying_out.wait(10)
