@@ -659,8 +659,8 @@ def _open(path: Path, storage: ReadStorage) -> int:
         if _gone(path.parent, storage):
             raise CheckpointNotFoundError(
                 f"{path.parent} was deleted while it was being read (the keep_last retention "
-                "of a newer save, or another process): load a step that is still committed"
-            ) from None
+                "of a newer save, or another process): use a step that is still committed "
+                "('asyncckpt ls' lists them)") from None
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
     except CheckpointError:
