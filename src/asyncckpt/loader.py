@@ -175,9 +175,11 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
         if before is not None and now != before:
             held = ("; the targets loaded in place may hold part of it until then"
                     if state is not None else "")
+            what = ("deleted while it was being read (by retention or another process)"
+                    if now == (0, 0) else "replaced while it was being read (removed and "
+                    "saved again, by a rollback in another process)")
             raise CheckpointNotFoundError(
-                f"{step_dir} was replaced while it was being read (removed and saved again, "
-                f"by a rollback in another process): load it again{held} ({exc})") from exc
+                f"{step_dir} was {what}: load it again{held} ({exc})") from exc
         raise
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9
