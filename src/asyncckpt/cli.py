@@ -379,11 +379,14 @@ def _unreadable_row(step: int | None, path: Path, error: str) -> dict[str, Any]:
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
     """What the step's damaged.json says: a fallback load found it damaged."""
     mark = commit.read_damaged_mark(step_dir, storage)
-    if mark is None:
-        return []
+    return [] if mark is None else [_mark_text(mark)]
+
+
+def _mark_text(mark: Mapping[str, object]) -> str:
+    """A damaged.json's verdict (see commit.read_damaged_mark), in words."""
     when = mark.get("found_unix")
     at = f" at {_iso(when)}" if isinstance(when, (int, float)) else ""
-    return [f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"]
+    return f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"
 
 
 def _files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
@@ -624,8 +627,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not report.ok:
             _out("load an earlier step (asyncckpt ls ROOT lists them)")
         elif mark is not None:  # (ls shows the step DAMAGED: say why, and what to do)
-            _out(f"{_marked(step_dir, storage)[0]}; it verifies now: if that was a passing "
-                 f"fault, delete {step_dir / commit.DAMAGED_NAME}")
+            _out(f"{_mark_text(mark)}; it verifies now: if that was a passing fault, delete "
+                 f"{step_dir / commit.DAMAGED_NAME}")
     return code
 
 
@@ -677,8 +680,9 @@ def _verify_all(args: argparse.Namespace) -> int:
         return code
     for d, r, t in done:
         _print_verdict(d, r, t)
-        if r.ok and marks[d] is not None:  # (ls shows it DAMAGED: say why, and what to do)
-            _out(f"  {_marked(d, storage)[0]}; it verifies now: if that was a passing fault, "
+        mark = marks[d]
+        if r.ok and mark is not None:  # (ls shows it DAMAGED: say why, and what to do)
+            _out(f"  {_mark_text(mark)}; it verifies now: if that was a passing fault, "
                  f"delete {d / commit.DAMAGED_NAME}")
     _out(f"{_n(len(done), 'committed step')} verified: " + (
         f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
