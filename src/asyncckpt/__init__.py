@@ -40,6 +40,7 @@ from .errors import (
     UnsupportedLeafError,
 )
 from .errors import check_flags as _check_flags
+from .loader import LATEST_TRIES as _LATEST_TRIES
 from .loader import KeyMap as _KeyMap
 from .loader import ShardMetadata
 from .loader import check_exclude as _check_exclude
@@ -219,6 +220,3 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
     raise AssertionError("unreachable")
-
-
-_LATEST_TRIES = 3  # loads of "the latest step" that a newer save's retention may retire

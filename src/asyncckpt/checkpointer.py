@@ -52,6 +52,7 @@ from .errors import (
     seconds_text,
 )
 from .loader import (
+    LATEST_TRIES,
     KeyMap,
     ShardMetadata,
     apply_shards,
@@ -939,7 +940,7 @@ class AsyncCheckpointer:
         # The latest step may go while it is read when another process saves here (this
         # checkpointer a reader beside it: an evaluator), by its retention or a rollback:
         # then the latest is the newer one. (A group's ranks must agree: not retried.)
-        tries = 3 if step is None and not fallback and not self._ctx.distributed else 1
+        tries = LATEST_TRIES if step is None and not fallback and not self._ctx.distributed else 1
         for attempt in range(tries):
             try:
                 return finish(self._load(view, step=step, strict=strict, verify=verify,

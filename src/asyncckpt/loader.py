@@ -35,9 +35,9 @@ from .errors import (
     few,
     retold,
 )
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, TensorEntry
 from .reader import copy_into, load_tensors, narrow_to_box, read_manifest
-from .storage import ReadStorage
+from .storage import LocalStorage, ReadStorage
 from .tree import (
     ARRAY_NODES,
     Box,
@@ -189,11 +189,14 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     return out
 
 
+LATEST_TRIES = 3
+"""Loads of "the latest step" (outside a group, without fallback): another process's
+retention or rollback may take the step read meanwhile; the newer latest is loaded."""
+
+
 def _identity(step_dir: Path, storage: ReadStorage) -> tuple[int, int] | None:
     """(device, inode) of a local step directory, to tell it was replaced; None where
     there is none to compare (another storage, or it is gone)."""
-    from .storage import LocalStorage
-
     if not isinstance(storage, LocalStorage):
         return None
     try:
@@ -900,6 +903,15 @@ def saved_paths(manifest: Manifest) -> dict[str, str]:
     return {p: n["key"] for p, n in iter_array_nodes(manifest.skeleton)}
 
 
+def _fits(entry: TensorEntry, target: FlatState, tkey: str, casts: set[str] | None) -> bool:
+    """Whether the saved ``entry`` loads into the target's tensor ``tkey``: the same
+    (global) shape, and its dtype or one ``cast=True`` casts into (never a numpy array's)."""
+    dtype = target.tensors[tkey].dtype
+    return entry.shape == target.global_shape(tkey) and (
+        dtype == entry.dtype or (casts is not None and castable(entry.dtype, dtype)
+                                 and tkey not in target.arrays))
+
+
 RenameHint = Callable[[list[str], list[str]], str]
 """(missing, unexpected) -> a sentence saying how to rename, or "": a caller's hint."""
 
@@ -994,8 +1006,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         entry = manifest.tensors[key]
         tbox = target.boxes.get(tkey)
         if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
-            if (casts is None or (tbox[0] if tbox is not None else t.shape) != entry.shape
-                    or not castable(entry.dtype, t.dtype) or tkey in target.arrays):
+            if casts is None or not _fits(entry, target, tkey, casts):
                 if t.dtype != entry.dtype:
                     other_dtype = True
                     numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
@@ -1033,11 +1044,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         not pair an int64 [4] with a float [1]); True where either is no tensor."""
         key, tkey = saved.get(old), target.refs.get(new)
         entry = None if key is None else manifest.tensors.get(key)
-        if entry is None or tkey is None:
-            return True
-        dtype = target.tensors[tkey].dtype
-        return tuple(entry.shape) == tuple(target.global_shape(tkey)) and (
-            dtype == entry.dtype or (casts is not None and castable(entry.dtype, dtype)))
+        return entry is None or tkey is None or _fits(entry, target, tkey, casts)
 
     # (the caller's own, where it knows better: a safetensors file's names, prefixed with
     # "model." as Hugging Face's are, got three hints that disagreed)
