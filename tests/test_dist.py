@@ -34,6 +34,7 @@ from asyncckpt.errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
 )
+from asyncckpt.loader import Finding
 from asyncckpt.manifest import ChunkTable, shard_file_name
 from asyncckpt.reader import load_tensors, read_manifest
 from asyncckpt.storage import LocalStorage
@@ -1584,6 +1585,36 @@ def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path
     assert all_ok(in_threads(rank)) == out
 
 
+class _LaggingView(LocalStorage):
+    """A rank's view of a network filesystem that does not show step 2's files yet: its
+    directory is listed, its manifest is not found."""
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        if path.parent.name == "step_000000002":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        return super().read_bytes(path, limit)
+
+
+def test_a_step_another_rank_does_not_see_yet_is_not_marked_damaged(tmp_path: Path) -> None:
+    """Rank 1 does not find step 2 (its NFS view lags): every rank falls back to step 1,
+    but nothing is damaged: no damaged.json (which kept the step against keep_last and
+    made ls exit 1)."""
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+
+    def rank(r: int) -> int:
+        w = torch.zeros(4)
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=10,
+                               storage=_LaggingView() if r == 1 else None) as ck:
+            got = ck.load({"w": w, "step": 0}, fallback=True,
+                          shards={"w": ShardMetadata((8,), (4 * r,))})
+            assert ck._damaged == set(), (r, ck._damaged)
+        return int(got["step"])
+
+    assert all_ok(in_threads(rank)) == {0: 1, 1: 1}
+    assert not (tmp_path / "step_000000002" / "damaged.json").exists()
+
+
 def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Path) -> None:
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)
@@ -1754,9 +1785,9 @@ def test_a_group_fallback_decision_is_read_by_rank_0_alone_and_stays_small(
         return agree(0, 7, f"damaged on rank {r}")
 
     out = all_ok(in_threads(rank, world=world))
-    note = "damaged on rank 1 (and 2 more ranks found this step damaged)"
-    assert out[0] == [(1, note)]  # (the first two, less itself)
-    assert out[3] == [(0, "damaged on rank 0"), (1, note)]
+    note = "damaged on rank 1 (and 2 more ranks could not load this step)"
+    assert out[0] == [Finding(1, note)]  # (the first two, less itself)
+    assert out[3] == [Finding(0, "damaged on rank 0"), Finding(1, note)]
     for r in range(1, world):
         verdicts = [k for k in logs[r].read if k.rsplit("/", 1)[1].isdigit()]
         assert verdicts == [], (r, verdicts)

@@ -77,6 +77,7 @@ from .errors import (
     CheckpointTimeoutError,
     seconds_text,
 )
+from .loader import Finding
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry
 from .tree import dtype_from_name, iter_array_nodes, merge_skeletons
 
@@ -1340,7 +1341,7 @@ def _which_overlap(shape: tuple[int, ...], chunks: Sequence[Chunk], most: int = 
     return ""
 
 
-# The most "other ranks found this step damaged" a group fallback load's decision carries:
+# The most "other ranks could not load this step" a group fallback load's decision carries:
 # each rank reads the decision, and a thousand ranks' problems, read by a thousand ranks,
 # would be a million through the Store.
 _MAX_BAD_REPORTED = 16
@@ -1363,11 +1364,12 @@ class FallbackAgreement:
     prefix: str
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False) -> list[tuple[int, str]]:
+                 failed: bool = False, gone: bool = False) -> list[Finding]:
         """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;
-        ``failed``: it raised something no fallback answers, or has no step to try,
-        ``step`` None) and wait for the group's decision. Returns the other ranks that
-        found the step damaged, with what they found (at most 16 of them).
+        ``gone``: the problem is that the step was not found; ``failed``: it raised
+        something no fallback answers, or has no step to try, ``step`` None) and wait for
+        the group's decision. Returns the other ranks that could not load the step, with
+        what they found (at most 16 of them).
 
         Raises:
             CheckpointError: another rank failed otherwise, or tried another step.
@@ -1382,7 +1384,8 @@ class FallbackAgreement:
         absent = "not called load(fallback=True) (in a group every rank must call it)"
         with ctx._store_errors(f"posting its verdict in {what}", CheckpointError):
             ctx.store.set(keys[ctx.rank],
-                          json.dumps({"step": step, "problem": problem, "failed": failed}))
+                          json.dumps({"step": step, "problem": problem, "failed": failed,
+                                      "gone": gone}))
         if failed:
             self._decide(decision_key, {"rank": ctx.rank, "error": str(problem)})
             return []
@@ -1420,7 +1423,7 @@ class FallbackAgreement:
             cls = CheckpointTimeoutError if decision.get("timeout") else CheckpointError
             raise cls(f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
                       f"step {step}: rank {decision.get('rank')} failed: {decision.get('error')}")
-        return [(r, p) for r, p in decision.get("bad", ()) if r != ctx.rank]
+        return [Finding(r, p, bool(g)) for r, p, g in decision.get("bad", ()) if r != ctx.rank]
 
     def _decide(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
         """Claim the attempt's decision; return the one that holds (maybe another's)."""
@@ -1441,10 +1444,10 @@ def _decision(verdicts: Sequence[dict[str, Any]], step: int | None) -> dict[str,
                 f"it tried step {got['step']} where rank 0 tried step {step}: the ranks see "
                 "different committed steps (a directory that is not shared?)")}
         if got["problem"] is not None:
-            bad.append((r, str(got["problem"])))
+            bad.append((r, str(got["problem"]), bool(got.get("gone"))))
     if len(bad) > _MAX_BAD_REPORTED:
-        r, last = bad[_MAX_BAD_REPORTED - 1]
+        r, last, gone = bad[_MAX_BAD_REPORTED - 1]
         bad[_MAX_BAD_REPORTED - 1] = (r, f"{last} (and {len(bad) - _MAX_BAD_REPORTED} more "
-                                         "ranks found this step damaged)")
+                                         "ranks could not load this step)", gone)
         del bad[_MAX_BAD_REPORTED:]
     return {"agreed": True, "bad": bad}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -385,9 +385,9 @@ class _Told:
         self.agree, self.attempt, self.done = agree, 0, False
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False) -> list[tuple[int, str]]:
+                 failed: bool = False, gone: bool = False) -> list[Finding]:
         self.attempt, self.done = attempt, True
-        others = self.agree(attempt, step, problem, failed)
+        others = self.agree(attempt, step, problem, failed, gone)
         self.attempt, self.done = attempt + 1, False
         return others
 
@@ -448,7 +448,8 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             raise _after_failures(exc, failures, state) from exc
         try:
             others = [] if agree is None else agree(
-                attempt, step, None if problem is None else str(problem))
+                attempt, step, None if problem is None else str(problem),
+                gone=isinstance(problem, CheckpointNotFoundError))
         except CheckpointError as exc:  # another rank failed: this one read in place already
             if state is None:
                 raise
@@ -461,17 +462,19 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             return result
         if undo is not None:
             undo.failed(step)
+        # A step gone, here or on another rank (deleted while read; on a network
+        # filesystem, not yet visible there), is no damage: nothing to mark or keep.
         corrupt = problem is not None and not isinstance(problem, CheckpointNotFoundError)
-        if damaged is not None and (corrupt or others):
-            found = [str(problem)] if corrupt else []
-            damaged.append((step, "; ".join(found + [f"rank {r}: {w}" for r, w in others])))
+        bad = [f"rank {o.rank}: {o.problem}" for o in others if not o.gone]
+        if damaged is not None and (corrupt or bad):
+            damaged.append((step, "; ".join(([str(problem)] if corrupt else []) + bad)))
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             deleted = deleted or gone
             log.warning("step %d under %s is %s (%s); trying an older step", step, root,
                         "gone" if gone else "corrupt", problem)
             failures.append(f"step {step}: {problem}")
-        for r, what in others:
+        for r, what, _ in others:
             log.warning("step %d under %s: rank %d could not load it (%s); every rank tries "
                         "an older step", step, root, r, what)
             failures.append(f"step {step} on rank {r}: {what}")
@@ -586,11 +589,21 @@ class _Rollback:
                 path=str(self.root))
 
 
+class Finding(NamedTuple):
+    """Another rank's verdict on a step it could not load (see Agreement): what it found,
+    and whether the step was gone there (not found: deleted, or not yet visible on that
+    rank's view of a network filesystem) rather than damaged."""
+
+    rank: int
+    problem: str
+    gone: bool = False
+
+
 class Agreement(Protocol):
     """A group's verdict on one step of a fallback load (see dist.FallbackAgreement)."""
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False) -> list[tuple[int, str]]: ...
+                 failed: bool = False, gone: bool = False) -> list[Finding]: ...
 
 
 # --- exclude=: parts of the state a load leaves alone, on both sides ------------------------
