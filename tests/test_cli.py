@@ -273,6 +273,25 @@ def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixtur
     assert code == 2 and "of step 10, not 20: drop --step" in err
 
 
+def test_inspect_of_a_step_with_a_truncated_shard_exits_1_as_ls(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trial's cron job ran inspect on a step whose shard was cut short: it listed the
+    tensors from the manifest and exited 0, where ls said DAMAGED and exited 1."""
+    shard = root / "step_000000030" / shard_file_name(0)
+    os.truncate(shard, shard.stat().st_size - 10)
+    code, out, err = run(capsys, "inspect", str(root))
+    assert code == 1 and "model/w" in out  # (still listed)
+    assert f"step 30 is DAMAGED: {shard_file_name(0)} is " in err
+    assert f"run 'asyncckpt verify {root / 'step_000000030'}'" in err
+    code, out, _ = run(capsys, "inspect", str(root), "--json")
+    assert code == 1 and json.loads(out)["damaged"] == [
+        f"{shard_file_name(0)} is {shard.stat().st_size} bytes, not "
+        f"{shard.stat().st_size + 10}"]
+    assert run(capsys, "ls", str(root))[0] == 1  # the same verdict
+    code, out, err = run(capsys, "inspect", str(root), "--step", "20", "--json")
+    assert code == 0 and json.loads(out)["damaged"] == [] and err == ""
+
+
 def test_inspect_not_found(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
                            ) -> None:
     code, out, err = run(capsys, "inspect", str(root), "--step", "25")

@@ -514,11 +514,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if plain is not None:
         return _inspect_plain(args, *plain)
     step_dir, storage = _resolve(args.ckpt, args.step)
-    doc = _inspect_doc(step_dir, read_manifest(step_dir, storage))
-    _decided(args, EXIT_OK)
+    m = read_manifest(step_dir, storage)
+    doc = _inspect_doc(step_dir, m)
+    # what ls checks too (a stat per file): inspect showed a truncated shard's tensors and
+    # exited 0, where ls says DAMAGED and exits 1
+    doc["damaged"] = _files_amiss(step_dir, m.files) + _marked(step_dir, storage)
+    code = _decided(args, EXIT_CORRUPT if doc["damaged"] else EXIT_OK)
+    if doc["damaged"]:
+        _warn(_shown(f"step {m.step} is DAMAGED: {'; '.join(doc['damaged'])}: its tensors "
+                     f"are listed from its manifest (run 'asyncckpt verify {step_dir}')"))
     if args.json:
         _print_json(doc)
-        return EXIT_OK
+        return code
     _out(_tensor_table(doc))
     for t in doc["tensors"]:
         for path in t["tied"]:
@@ -542,7 +549,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if doc["metrics"]:
         _out(_shown("metrics: " + _metrics_text(doc["metrics"])))
     _out(f"checkpoint: {step_dir}")
-    return EXIT_OK
+    return code
 
 
 # --- verify ------------------------------------------------------------------------------------
