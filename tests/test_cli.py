@@ -504,10 +504,32 @@ def test_ls_of_a_step_dir_without_its_manifest_says_so(
     step_dir = root / "step_000000030"
     (step_dir / "manifest.json").unlink()
     code, out, err = run(capsys, "ls", str(step_dir))
-    assert code == 2 and out == ""
+    # exit 1, as the same directory under its root (a trial's cron job read 2 as "could
+    # not tell" from ls STEPDIR and verify STEPDIR, 1 from ls ROOT)
+    assert code == 1 and out == ""
     assert "has no manifest.json: that step is uncommitted" in err and "no committed" not in err
+    for cmd in ("verify", "inspect"):
+        code, out, err = run(capsys, cmd, str(step_dir), "--json")
+        assert code == 1 and "has no manifest.json" in err, cmd
+        assert json.loads(out)["error"]["exit_code"] == 1
     code, out, _ = run(capsys, "ls", str(root))  # the root still lists the others
     assert code == 1 and "2 committed steps" in out  # (and exits 1: the newest is lost)
+
+
+def test_verify_of_a_root_whose_only_steps_lost_their_manifests_exits_1(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for step in (10, 20, 30):
+        (root / f"step_{step:09d}" / "manifest.json").unlink()
+    assert run(capsys, "ls", str(root))[0] == 1
+    for extra in ((), ("--all",)):
+        code, _, err = run(capsys, "verify", str(root), *extra)
+        assert code == 1, extra
+        assert ("3 step directories without manifest.json (step_000000010, step_000000020, "
+                "step_000000030: ") in err
+    shutil.rmtree(root)
+    root.mkdir()  # an empty root: nothing to tell
+    assert run(capsys, "verify", str(root))[0] == 2
+    assert run(capsys, "verify", str(root), "--all")[0] == 2
 
 
 def test_ls_of_a_renamed_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -798,7 +820,7 @@ def test_a_step_dir_without_its_manifest_is_not_called_an_empty_root(
                       (root.parent / "best", "holds rank files")):
         for argv in (["verify", str(path)], ["inspect", str(path), "--step", "30"]):
             code, out, err = run(capsys, *argv)
-            assert code == 2 and out == "", (argv, err)
+            assert code == 1 and out == "", (argv, err)  # damage, as ls says under the root
             assert f"{path} {why} but has no manifest.json: that step is uncommitted" in err
             assert err.rstrip().endswith(f"'asyncckpt ls {path.parent}' lists the committed "
                                          "steps"), err

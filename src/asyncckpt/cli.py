@@ -605,7 +605,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise _Usage(f"--threads {args.threads}: give 1 or more")
     if args.all:
         return _verify_all(args)
-    step_dir, storage = _resolve(args.ckpt, args.step)
+    try:
+        step_dir, storage = _resolve(args.ckpt, args.step)
+    except commit.StepWithoutManifestError:
+        raise
+    except CheckpointNotFoundError as exc:
+        if args.step is None:
+            _refuse_lost_only(Path(args.ckpt), LocalStorage(), exc)
+        raise
     t0 = time.perf_counter()
     report = _verified(step_dir, storage, args.threads)
     seconds = time.perf_counter() - t0
@@ -639,6 +646,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return code
 
 
+def _refuse_lost_only(root: Path, storage: LocalStorage, exc: CheckpointNotFoundError) -> None:
+    """``verify ROOT`` of a root whose only steps lost their manifests: damage, as ls
+    says (exit 1), not "no committed checkpoint" (exit 2, could not tell)."""
+    lost: list[str] = []
+    with contextlib.suppress(OSError, CheckpointError):
+        commit.committed_steps(root, storage, [], lost)
+    if lost:
+        dirs = _n(len(lost), "step directory", "step directories")
+        raise commit.StepWithoutManifestError(
+            f"{exc}: {dirs} without {MANIFEST_NAME} ({', '.join(sorted(lost))}: checkpoints whose "
+            "manifest was lost, or a copy cut short); no load reads them") from exc
+
+
 def _without_manifest(root: Path, storage: LocalStorage, above: int) -> list[str]:
     """The step directories under ``root`` newer than step ``above`` that lack a manifest
     (only those are looked into: usually none)."""
@@ -663,8 +683,10 @@ def _verify_all(args: argparse.Namespace) -> int:
     lost: list[str] = []  # step directories without a manifest
     steps = commit.committed_steps(root, storage, None, lost)
     if not steps:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {root}"
+        exc = CheckpointNotFoundError(f"no committed checkpoint under {root}"
                                       f"{commit.foreign_hint(root, storage.listdir(root))}")
+        _refuse_lost_only(root, storage, exc)
+        raise exc
     done: list[tuple[Path, VerifyReport, float]] = []
     for step in steps:
         step_dir = root / commit.step_dir_name(step)
@@ -1048,6 +1070,8 @@ def _main(argv: list[str] | None) -> int:
         return code
     except _Usage as exc:
         return _failed(args, exc, str(exc), EXIT_USAGE)
+    except commit.StepWithoutManifestError as exc:  # damage, as ls says of it under its root
+        return _failed(args, exc, str(exc), EXIT_CORRUPT)
     except CheckpointNotFoundError as exc:
         told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
             "a torch.save file" in str(exc))  # (what to do with another format is said)

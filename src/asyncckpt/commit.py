@@ -390,6 +390,12 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     return root / step_dir_name(step), step
 
 
+class StepWithoutManifestError(CheckpointNotFoundError):
+    """A step directory without its manifest: no load reads it (a checkpoint that lost its
+    manifest, or a copy cut short). The command line counts it as damage (exit 1), as
+    ``ls`` does the same directory under its root."""
+
+
 def refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
     """A step directory that lost its manifest (or never got one) would otherwise be
     taken for an empty root: "no committed checkpoint under step_000000002" sends the
@@ -402,7 +408,7 @@ def refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
         return
     why = " and ".join(w for w, yes in (("is named like a step directory", named),
                                          ("holds rank files", shards)) if yes)
-    raise CheckpointNotFoundError(
+    raise StepWithoutManifestError(
         f"{root} {why} but has no {MANIFEST_NAME}: that step is uncommitted (its save did "
         f"not finish) or damaged, and no load reads it; 'asyncckpt ls {root.parent}' lists "
         "the committed steps")
