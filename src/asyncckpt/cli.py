@@ -230,7 +230,7 @@ def _dtype_name(text: str) -> str:
     return name
 
 
-_dtype_name.__name__ = "dtype (bf16, fp16 or fp32)"
+_dtype_name.__name__ = "dtype (bf16, fp16, fp32, fp64, fp8_e4m3 or fp8_e5m2)"
 
 
 def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
@@ -939,9 +939,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "model.... but not model_ema/...)")
     ex.add_argument("--strip-prefix", action="store_true",
                     help="remove --prefix from the names (model/w -> w)")
-    ex.add_argument("--dtype", type=_dtype_name, default=None, metavar="{bf16,fp16,fp32}",
+    ex.add_argument("--dtype", type=_dtype_name, default=None,
+                    metavar="{bf16,fp16,fp32,fp64,fp8_e4m3,fp8_e5m2}",
                     help="cast floating tensors to this dtype (others are kept as they are); "
-                         "also bfloat16, float16, half, float32, float, in any case")
+                         "also bfloat16, float16, half, float32, float, float64, double, "
+                         "float8_e4m3fn, float8_e5m2, in any case")
     ex.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                     help="write OUT as a directory of files of at most SIZE of tensors "
                          "(5GB, 500MB, 2GiB or bytes), with a model.safetensors.index.json, "

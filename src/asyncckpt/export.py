@@ -61,8 +61,13 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    # the two float8 formats of the Hub's files (safetensors' F8_E4M3 and F8_E5M2)
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
 }
-"""Names accepted for ``dtype`` (the CLI offers bf16, fp16 and fp32)."""
+"""Names accepted for ``dtype``, by the CLI's ``--dtype`` too."""
 
 _CAST_PIECE_ELEMS = 4 * 1024 * 1024  # a cast goes through pieces of this many elements
 _WRITE_PIECE = 8 * 1024 * 1024
