@@ -375,6 +375,12 @@ def test_export_cli_casts_to_fp8_and_fp64(tmp_path: Path, name: str, dtype: torc
     assert got["w"].dtype == dtype
     assert_exact(got["w"], w.to(dtype), "w")
     assert got["n"].dtype == torch.int64  # (only floating tensors are cast)
+    if dtype == torch.float8_e4m3fn:  # 1e10 lies beyond it: the cast saturates, not inf
+        asyncckpt.save({"w": torch.tensor([1e10])}, tmp_path / "big", step=1)
+        code, _, err = export(str(tmp_path / "big"), str(tmp_path / "b.safetensors"),
+                              "--dtype", name)
+        assert code == 0 and ("1 finite value of w is beyond the range of fp8_e4m3 and became "
+                              "its largest value (448)") in err, err
 
 
 def test_export_refuses_a_name_that_is_not_utf8_before_writing(

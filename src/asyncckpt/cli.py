@@ -745,6 +745,18 @@ def _print_verdict(step_dir: Path, report: VerifyReport, seconds: float) -> None
 
 # --- export ------------------------------------------------------------------------------------
 
+def _overflow_word(dtype: str) -> str:
+    """What a value beyond the range of ``dtype`` (a --dtype name) becomes in the cast:
+    inf, NaN (formats without inf), or its largest value (float8_e4m3fn saturates)."""
+    import torch
+
+    from .export import DTYPE_ALIASES
+
+    got = float(torch.tensor([1e38]).to(DTYPE_ALIASES[dtype]).float())
+    return "inf" if math.isinf(got) else "NaN" if math.isnan(got) else \
+        f"its largest value ({got:g})"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_safetensors
 
@@ -781,7 +793,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
     for name, n in report.overflowed.items():
         _warn(f"{_n(n, 'finite value')} of {_shown(name)} "
-              f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became inf")
+              f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became "
+              f"{_overflow_word(args.dtype)}")
     if args.json:
         _print_json(report.to_json())
         return EXIT_OK
