@@ -1505,6 +1505,33 @@ def test_the_wrapper_hint_needs_most_keys_explained_and_whole_names():
     assert wrapper_hint([], ["m/module.a"]) == wrapper_hint(["m/a"], []) == ""
 
 
+@pytest.mark.parametrize("saved, target", [
+    # torch.compile(DDP(m)): both parts at once (a trial needed two round trips)
+    (["model/_orig_mod.module.0.weight", "model/_orig_mod.module.0.bias"],
+     ["model/0.weight", "model/0.bias"]),
+    # a child named "submodule": replace("module.", "") made it "subweight"
+    (["model/module.submodule.weight", "model/module.head.w"],
+     ["model/submodule.weight", "model/head.w"]),
+    # saved through DDP, loaded into a compiled model: one wrapper for the other
+    (["model/module.0.weight"], ["model/_orig_mod.0.weight"]),
+    (["model/0.weight"], ["model/_orig_mod.0.weight"]),  # a wrapper's part added
+    (["module.0.weight"], ["0.weight"]),  # a bare state dict
+    (["0.weight"], ["_orig_mod.0.weight"]),
+    (["model/module.0.w", "ema/module.0.w"], ["model/0.w", "ema/0.w"]),  # two models
+])
+def test_the_wrapper_hints_key_map_renames_exactly_the_wrappers_part(
+        saved: list[str], target: list[str]) -> None:
+    from asyncckpt.loader import wrapper_hint
+
+    hint = wrapper_hint(target, saved)
+    assert "pass key_map=lambda path: " in hint, hint
+    key_map = eval(hint.split("pass key_map=", 1)[1])  # the code the user would paste
+    assert sorted(key_map(p) for p in saved) == sorted(target), hint
+    # other paths keep theirs, even ones that hold the same letters
+    for other in ("optim/state/0/exp_avg", "ema_model/module.0.weight", "model2/x"):
+        assert key_map(other) == other, (hint, other)
+
+
 def test_keys_one_part_apart_are_named_in_the_error(tmp_path: Path, caplog) -> None:
     # A model-only checkpoint loaded into a training state (or the other way round)
     # listed both sides' keys and advised strict=False, which then loaded nothing, silently.

@@ -1568,18 +1568,51 @@ def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatSt
 # and the two lists of keys alone leave the user to spot why.
 _WRAPPERS = {
     "_orig_mod.": "torch.compile",
-    "module.": "DistributedDataParallel / DataParallel",
+    "module.": "DistributedDataParallel / DataParallel (or AveragedModel, an EMA copy)",
     "_fsdp_wrapped_module.": "FSDP (FullyShardedDataParallel)",
     "_checkpoint_wrapped_module.": "activation checkpointing",
 }
 _WRAPPER_PART = re.compile(r"(?:^|(?<=[/.]))(?:_orig_mod|module|_fsdp_wrapped_module"
                            r"|_checkpoint_wrapped_module)\.")
+_WRAPPER_RUN = re.compile(r"(?:(?:_orig_mod|module|_fsdp_wrapped_module"
+                          r"|_checkpoint_wrapped_module)\.)*")
+_MAX_RENAMES_SHOWN = 3  # a hint's key_map chains at most this many replacements
+
+
+def _wrapper_rename(saved: str, target: str) -> tuple[str, str] | None:
+    """``(old, new)``: what turns the saved path into the target's, where they differ by
+    a run of wrapper parts after a common beginning that ends at a boundary (``model/``
+    + ``_orig_mod.module.`` → ``model/``), both ending with that beginning; else None.
+    Anchored so, a rename cannot touch a child named ``submodule``."""
+    i = len(os.path.commonprefix([saved, target]))
+    while i > 0 and saved[i - 1] not in "/.":  # back to a boundary
+        i -= 1
+    run_s = _WRAPPER_RUN.match(saved, i)
+    run_t = _WRAPPER_RUN.match(target, i)
+    assert run_s is not None and run_t is not None  # (a run of none matches too)
+    if saved[run_s.end():] != target[run_t.end():] or run_s.group(0) == run_t.group(0):
+        return None
+    return saved[:run_s.end()], target[:run_t.end()]
+
+
+def _key_map_text(renames: list[tuple[str, str]]) -> str:
+    """``key_map=lambda path: ...`` doing ``renames``, each only at the start of a path
+    (a bare ``replace`` would also rename ``ema_model/module.`` for ``model/module.``)."""
+    if len(renames) == 1:
+        old, new = renames[0]
+        if not old:  # a bare state dict's keys: its module's names, no "/" of a tree
+            return f"key_map=lambda path: {new!r} + path if '/' not in path else path"
+        return (f"key_map=lambda path: path.replace({old!r}, {new!r}, 1) if "
+                f"path.startswith({old!r}) else path")
+    pairs = ", ".join(f"({old!r}, {new!r})" for old, new in renames[:_MAX_RENAMES_SHOWN])
+    return ("key_map=lambda path: next((new + path[len(old):] for old, new in "
+            f"[{pairs}] if path.startswith(old)), path)")
 
 
 def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     """A sentence for a mismatch error when most ``missing`` paths are ``unexpected``
-    ones but for a wrapper's part of the keys ("module.", "_orig_mod."): which wrapper
-    and what to do; "" otherwise."""
+    ones but for a wrapper's part of the keys ("module.", "_orig_mod."): which wrapper,
+    and a key_map that renames exactly that part; "" otherwise."""
     if not missing or not unexpected:
         return ""
     bare: dict[str, str] = {}
@@ -1593,22 +1626,33 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     def parts(path: str) -> list[str]:
         return [x.group(0) for x in _WRAPPER_PART.finditer(path)]
 
+    renames: list[tuple[str, str]] = []
+    for target, saved in pairs:
+        r = _wrapper_rename(saved, target)
+        if r is not None and r not in renames:
+            renames.append(r)
+    more = len(renames) - _MAX_RENAMES_SHOWN
+    key_map = (f"pass {_key_map_text(renames)}"
+               + (f" (and likewise for {more} more)" if more > 0 else "")) if renames else ""
     saved_only = [x for x in parts(u) if x not in parts(m)]
     target_only = [x for x in parts(m) if x not in parts(u)]
     if saved_only and not target_only:
-        name = saved_only[0]
-        return (f"; the checkpoint's keys have {name!r} where the target's have none, as "
-                f"{_WRAPPERS[name]} adds it (checkpoint {u!r}, target {m!r}): load into the "
-                "module wrapped the same way, or pass key_map=lambda path: path.replace("
-                f"{name!r}, ''), and save the unwrapped module (model._orig_mod, "
-                "model.module) from now on")
+        names = " and ".join(repr(x) for x in saved_only)
+        who = " and ".join(_WRAPPERS[x] for x in saved_only)
+        return (f"; the checkpoint's keys have {names} where the target's have none, as "
+                f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, target "
+                f"{m!r}): load into the module wrapped the same way"
+                + (f", or {key_map}" if key_map else ""))
     if target_only and not saved_only:
-        name = target_only[0]
-        return (f"; the target's keys have {name!r} where the checkpoint's have none, as "
-                f"{_WRAPPERS[name]} adds it (checkpoint {u!r}, target {m!r}): load into the "
-                "unwrapped module (model._orig_mod for torch.compile, model.module for DDP)")
+        names = " and ".join(repr(x) for x in target_only)
+        who = " and ".join(_WRAPPERS[x] for x in target_only)
+        return (f"; the target's keys have {names} where the checkpoint's have none, as "
+                f"{who} add{'s it' if len(target_only) == 1 else ' them'} (checkpoint {u!r}, target "
+                f"{m!r}): load into the unwrapped module (model._orig_mod for torch.compile, "
+                "model.module for DDP)" + (f", or {key_map}" if key_map else ""))
     return (f"; the keys differ in what wrappers add to them (checkpoint {u!r}, target "
-            f"{m!r}): load into the module wrapped as the saved one was")
+            f"{m!r}): load into the module wrapped as the saved one was"
+            + (f", or {key_map}" if key_map else ""))
 
 
 def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
