@@ -1890,3 +1890,57 @@ def test_key_map_moving_optimizer_state_keeps_its_int_keys(tmp_path: Path) -> No
     assert torch.equal(opt2.state[v0]["momentum_buffer"], opt.state[w1]["momentum_buffer"])
     assert torch.equal(opt2.state[v1]["momentum_buffer"], opt.state[w0]["momentum_buffer"])
     assert sorted(asyncckpt.load(tmp_path, key_map=swap)["optim"]["state"]) == [0, 1]
+
+
+class _Buffer:
+    """An object of the user's whose state grows as it runs (a replay buffer)."""
+
+    def __init__(self, n: int) -> None:
+        self.items = torch.zeros(n, 2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"items": self.items}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.items = sd["items"]
+
+
+def test_mismatch_errors_say_what_each_kind_of_target_needs(tmp_path: Path) -> None:
+    """A trial's mismatches: a growing buffer, a None where gradients were saved, an
+    optimizer without the group the saved run added; each error is called a shape/dtype
+    mismatch only where it is one, and says what to do."""
+    buf = _Buffer(5)
+    buf.items += 1
+    asyncckpt.save({"buf": buf, "grads": {"w": torch.ones(3)}}, tmp_path / "a", step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "a", {"buf": _Buffer(0), "grads": {"w": torch.ones(3)}})
+    msg = str(info.value)
+    assert "shape/dtype mismatch: buf/items: checkpoint torch.float32 [5, 2]" in msg
+    assert "the state of the _Buffer at 'buf' grows or shrinks" in msg
+    assert "_asyncckpt_load_fresh = True" in msg
+    # which works as said
+    _Buffer._asyncckpt_load_fresh = True  # type: ignore[attr-defined]
+    try:
+        got = asyncckpt.load(tmp_path / "a", {"buf": _Buffer(0), "grads": {"w": torch.ones(3)}})
+        assert torch.equal(got["buf"].items, torch.ones(5, 2))
+    finally:
+        del _Buffer._asyncckpt_load_fresh  # type: ignore[attr-defined]
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "a", {"buf": _Buffer(5), "grads": {"w": None}})
+    msg = str(info.value)
+    assert "shape/dtype" not in msg
+    assert "mismatched: grads/w: the checkpoint holds a tensor, the target None" in msg
+    assert "torch.zeros_like" in msg
+    # a module's tensors do not grow: no such advice for them
+    asyncckpt.save({"m": nn.Linear(2, 3)}, tmp_path / "b", step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "b", {"m": nn.Linear(2, 4)})
+    assert "_asyncckpt_load_fresh" not in str(info.value)
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    asyncckpt.save({"optim": opt}, tmp_path / "c", step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "c", {"optim": torch.optim.SGD(m.parameters(), lr=0.1)})
+    msg = str(info.value)
+    assert "shape/dtype" not in msg and "add_param_group" in msg and "exclude=['optim']" in msg

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -873,3 +874,39 @@ def test_restoring_a_statefuls_dict_does_not_copy_the_statefuls() -> None:
     inner = _without(flat, "1")
     # (a copy of them for each of n objects made a load of n modules n**2)
     assert inner.statefuls is flat.statefuls and inner.entered == "1"
+
+
+@pytest.mark.parametrize("make, how", [
+    (lambda: torch.Generator(), "g.get_state()"),
+    (lambda: np.random.default_rng(1), "g.bit_generator.state"),
+    (lambda: random.Random(1), "g.getstate()"),
+    (lambda: np.random.RandomState(1), "g.get_state(legacy=False)"),
+])
+def test_a_generator_in_the_state_is_refused_saying_how_to_save_its_state(
+        tmp_path, make, how) -> None:
+    """A trial put a torch.Generator in its state: refused, naming the path, but not how
+    to save one. The state the hint names saves, and restores the generator."""
+    g = make()
+    with pytest.raises(UnsupportedLeafError, match=re.escape(how)) as info:
+        asyncckpt.save({"sampler": {"g": g}}, tmp_path / "a", step=1)
+    assert "'sampler/g'" in str(info.value) and "asyncckpt.RNGState()" in str(info.value)
+    state = {torch.Generator: lambda: g.get_state(),
+             np.random.Generator: lambda: g.bit_generator.state,
+             random.Random: lambda: g.getstate(),
+             np.random.RandomState: lambda: g.get_state(legacy=False)}
+    saved = next(f for cls, f in state.items() if isinstance(g, cls))()
+    asyncckpt.save({"g": saved}, tmp_path / "b", step=1)
+    got = asyncckpt.load(tmp_path / "b")["g"]
+    fresh = make()
+    if isinstance(fresh, torch.Generator):
+        fresh.set_state(got)
+        assert torch.equal(torch.rand(3, generator=fresh), torch.rand(3, generator=g))
+    elif isinstance(fresh, np.random.Generator):
+        fresh.bit_generator.state = got
+        assert (fresh.random(3) == g.random(3)).all()
+    elif isinstance(fresh, random.Random):
+        fresh.setstate(got)
+        assert fresh.random() == g.random()
+    else:
+        fresh.set_state(got)
+        assert (fresh.random_sample(3) == g.random_sample(3)).all()

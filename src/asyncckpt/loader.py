@@ -993,6 +993,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     readonly: list[str] = []
     overlapping: list[str] = []
     unwritable: list[str] = []
+    shape_dtype = 0  # how many of the mismatches are of shape or dtype (the rest: of kind)
+    grown: list[str] = []  # ... of shape alone, in the state of an object of the user's
     other_dtype = False  # a target of another dtype among the mismatches
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
@@ -1027,6 +1029,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 kind = t.dtype if arr is None else f"numpy {arr.dtype}"  # (as the user has it)
                 mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
                                   f"target {kind} {list(target.global_shape(tkey))}")
+                shape_dtype += 1
+                if t.dtype == entry.dtype and len(grown) < 1:
+                    grown += _grown_object(target, path)
                 continue
             casts.add(key)  # read as saved, then copied into the target (cast)
         if target.arrays:
@@ -1092,7 +1097,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if unexpected:
             parts.append(f"in the checkpoint but not in the target: {few(unexpected)}")
         if mismatched:
-            parts.append(f"shape/dtype mismatch: {few(mismatched)}")
+            label = "shape/dtype mismatch" if shape_dtype == len(mismatched) else "mismatched"
+            parts.append(f"{label}: {few(mismatched)}")
+            for owner in grown:  # (a replay buffer, a list of metrics: it grows)
+                parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
+                             "class _asyncckpt_load_fresh = True: it then gets the "
+                             "checkpoint's state dict whole, in new tensors (see load)")
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
@@ -1447,6 +1457,20 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                           f"target {_a(want['t'])}")
 
 
+def _grown_object(target: FlatState, path: str) -> list[str]:
+    """The object of the user's (no module, optimizer or LR scheduler: their tensors keep
+    their shapes) whose state holds ``path``, in words; [] if none does."""
+    owners = [p for p in target.statefuls if p == "" or path.startswith(p + "/")]
+    if not owners:
+        return []
+    owner = max(owners, key=len)
+    obj = target.statefuls[owner][0]
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer,
+                        torch.optim.lr_scheduler.LRScheduler)):
+        return []
+    return [f"the {type(obj).__qualname__} at {owner or '<root>'!r}"]
+
+
 def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: list[str],
                           mismatched: list[str]) -> None:
     """An optimizer's load_state_dict refuses a checkpoint with other parameter groups,
@@ -1474,8 +1498,10 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                         if path else "load it into a " + cls)
         if saved != want:
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
-            fresh = (f"; to load the rest and start this optimizer afresh, pass "
-                     f"exclude=[{path!r}]" if path else "")
+            added = ("; if the saved run added groups (add_param_group), add them before "
+                     "loading" if len(saved) > len(want) else "")
+            fresh = added + (f"; to load the rest and start this optimizer afresh, pass "
+                             f"exclude=[{path!r}]" if path else "")
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
                               f"groups of {saved} parameters, the target's {want}{fresh}")
 
@@ -1500,8 +1526,11 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
             if other is None or mine is None or other["t"] in ARRAY_NODES:
                 continue
             ours, theirs = (mine, other) if here is want else (other, mine)
+            none = (" (a load fills tensors in place: put one of the saved shape there "
+                    "first, e.g. torch.zeros_like, or load with state=None)"
+                    if ours["t"] == "none" and theirs["t"] in ARRAY_NODES else "")
             mismatched.append(f"{p}: the checkpoint holds {_KIND_WORDS.get(theirs['t'], '?')}"
-                              f", the target {_KIND_WORDS.get(ours['t'], '?')}")
+                              f", the target {_KIND_WORDS.get(ours['t'], '?')}{none}")
             told.add(p)
     if told:  # (and what the other side holds inside it: "a" told, "a/x" is no news)
         def untold(p: str) -> bool:
@@ -1584,7 +1613,9 @@ def _wrapper_rename(saved: str, target: str) -> tuple[str, str] | None:
     a run of wrapper parts after a common beginning that ends at a boundary (``model/``
     + ``_orig_mod.module.`` → ``model/``), both ending with that beginning; else None.
     Anchored so, a rename cannot touch a child named ``submodule``."""
-    i = len(os.path.commonprefix([saved, target]))
+    i = 0  # (characters in common)
+    while i < min(len(saved), len(target)) and saved[i] == target[i]:
+        i += 1
     while i > 0 and saved[i - 1] not in "/.":  # back to a boundary
         i -= 1
     run_s = _WRAPPER_RUN.match(saved, i)
@@ -1640,16 +1671,16 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
         names = " and ".join(repr(x) for x in saved_only)
         who = " and ".join(_WRAPPERS[x] for x in saved_only)
         return (f"; the checkpoint's keys have {names} where the target's have none, as "
-                f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, target "
-                f"{m!r}): load into the module wrapped the same way"
+                f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, "
+                f"target {m!r}): load into the module wrapped the same way"
                 + (f", or {key_map}" if key_map else ""))
     if target_only and not saved_only:
         names = " and ".join(repr(x) for x in target_only)
         who = " and ".join(_WRAPPERS[x] for x in target_only)
         return (f"; the target's keys have {names} where the checkpoint's have none, as "
-                f"{who} add{'s it' if len(target_only) == 1 else ' them'} (checkpoint {u!r}, target "
-                f"{m!r}): load into the unwrapped module (model._orig_mod for torch.compile, "
-                "model.module for DDP)" + (f", or {key_map}" if key_map else ""))
+                f"{who} add{'s it' if len(target_only) == 1 else ' them'} (checkpoint {u!r}, "
+                f"target {m!r}): load into the unwrapped module (model._orig_mod for "
+                "torch.compile, model.module for DDP)" + (f", or {key_map}" if key_map else ""))
     return (f"; the keys differ in what wrappers add to them (checkpoint {u!r}, target "
             f"{m!r}): load into the module wrapped as the saved one was"
             + (f", or {key_map}" if key_map else ""))

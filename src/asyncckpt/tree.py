@@ -265,7 +265,25 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     raise UnsupportedLeafError(
         f"cannot checkpoint the value at {where!r}: type {t.__module__}.{t.__qualname__} is not a "
         "tensor, numpy array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
-        "state_dict()/load_state_dict()")
+        "state_dict()/load_state_dict()" + _generator_hint(obj))
+
+
+def _generator_hint(obj: Any) -> str:
+    """How to save a random generator, which has no state_dict()."""
+    import random
+
+    if isinstance(obj, torch.Generator):
+        return ("; save a generator's state instead (g.get_state(), a uint8 tensor; restore "
+                "it with g.set_state(...)), or the process's generators with "
+                "asyncckpt.RNGState()")
+    if isinstance(obj, (random.Random, np.random.Generator, np.random.RandomState)):
+        how = ("g.bit_generator.state, a dict; restore it by assigning it back"
+               if isinstance(obj, np.random.Generator) else
+               "g.getstate() / g.setstate(...)" if isinstance(obj, random.Random) else
+               "g.get_state(legacy=False), a dict / g.set_state(...)")
+        return (f"; save its state instead ({how}), or the process's global generators with "
+                "asyncckpt.RNGState()")
+    return ""
 
 
 def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _Seen,
