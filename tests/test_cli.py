@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -989,3 +990,93 @@ def test_inspect_plain_safetensors_files(tmp_path: Path, capsys: pytest.CaptureF
     (hf / "model-2.safetensors").write_bytes(b"\x05" + b"\0" * 7 + b"{bad}")
     code, _, err = run(capsys, "inspect", str(hf))
     assert code == 1 and "model-2.safetensors" in err and "not JSON" in err
+
+
+class _RetiredWhileListed(LocalStorage):
+    """A root whose step 10 a saver's keep_last retires as it is looked into, while the
+    saver commits step 40: the look reads the directory as its files go (nothing), and
+    the root's listing taken before lacks step 40."""
+
+    def __init__(self, root: Path, step_40: Path) -> None:
+        self.root, self.step_40, self.done = root, step_40, False
+
+    def listdir(self, path: Path) -> list[str]:
+        if path == self.root / "step_000000010" and not self.done:
+            self.done = True
+            os.rename(path, self.root / ".step_000000010.deleting-abc")
+            os.rename(self.step_40, self.root / "step_000000040")
+            return []
+        return super().listdir(path)
+
+
+def _step_40(tmp_path: Path) -> Path:
+    """A committed step 40 elsewhere, to be renamed into a root as a saver commits it."""
+    asyncckpt.save(_state(40), tmp_path / "side", step=40)
+    return tmp_path / "side" / "step_000000040"
+
+
+def test_a_step_retired_while_listed_is_neither_lost_nor_a_reason_to_miss_new_ones(
+        root: Path, tmp_path: Path) -> None:
+    """A trial's cron job beside a trainer with keep_last: ls said a step had no
+    manifest.json (1 run in 150) and steps() returned [] while 2 steps were committed."""
+    from asyncckpt import commit
+
+    lost: list[str] = []
+    unlistable: list[tuple[str, str]] = []
+    storage = _RetiredWhileListed(root, _step_40(tmp_path))
+    steps = commit.committed_steps(root, storage, unlistable, lost)
+    assert storage.done and steps == [20, 30, 40]  # listed again: step 40 is seen
+    assert lost == [] and unlistable == []
+
+
+def test_ls_skips_a_step_whose_files_went_with_it_while_looked_at(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.cli as cli
+
+    real = cli._files_amiss
+
+    def retire_first(step_dir: Path, files: Any) -> list[str]:
+        if step_dir.name == "step_000000010" and step_dir.exists():
+            shutil.rmtree(step_dir)  # (as retention, after the manifest was read)
+        return real(step_dir, files)
+
+    monkeypatch.setattr(cli, "_files_amiss", retire_first)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)
+    assert code == 0 and [e["step"] for e in doc["steps"]] == [20, 30]
+    assert all(e["damaged"] == [] for e in doc["steps"])
+
+
+@pytest.mark.parametrize("cmd", ["verify", "inspect", "export", "serve"])
+def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, cmd: str) -> None:
+    """A trial's 'verify ROOT' beside a trainer exited 2 ("deleted while it was being
+    read") in 12 runs of 20, and 'serve ROOT' gave up in 13 of 25: the new latest is read,
+    as asyncckpt.load does."""
+    from asyncckpt import commit
+
+    real = LocalStorage.read_bytes
+    gone: list[Path] = []
+    step_40 = _step_40(tmp_path)
+
+    def retire_latest(self: LocalStorage, path: Path, limit: int) -> bytes:
+        data = real(self, path, limit)
+        step_dir = path.parent
+        if not gone and step_dir.name == "step_000000030" and path.name == "manifest.json":
+            gone.append(step_dir)
+            # the trainer commits step 40 and its keep_last retires step 30
+            os.rename(step_40, root / "step_000000040")
+            os.rename(step_dir, root / ".step_000000030.deleting-x")
+            shutil.rmtree(root / ".step_000000030.deleting-x")
+        return data
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", retire_latest)
+    argv = {"verify": [], "inspect": [], "export": [str(tmp_path / "o.safetensors")],
+            "serve": ["--json"]}[cmd]
+    if cmd == "serve":  # (stopped as soon as it serves)
+        monkeypatch.setattr(threading.Event, "wait", lambda self, t=None: True)
+    code, out, err = run(capsys, cmd, str(root), *argv)
+    assert gone and code == 0, (out, err)
+    assert "step_000000040" in out + err, (out, err)
+    assert commit.committed_steps(root, LocalStorage()) == [10, 20, 40]

@@ -29,10 +29,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from . import commit
 from .errors import (
@@ -97,6 +97,8 @@ class _LibraryLog(logging.Handler):
 
 
 _LOG = _LibraryLog()
+_LOG_RETRY = logging.getLogger("asyncckpt.cli")  # (info: a latest step read again)
+_T = TypeVar("_T")
 
 
 def human_bytes(n: float) -> str:
@@ -269,6 +271,32 @@ def _warn_if_uncommitted(step_dir: Path) -> None:
               "no load reads it")
 
 
+def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage], _T],
+               failed: Callable[[_T], bool] = lambda _: False) -> tuple[Path, _T]:
+    """``attempt(step_dir, storage)`` on the step CKPT (and --step) names, and that step's
+    directory. Where that is the latest step of a root and a saver's keep_last deleted it
+    while it was read (its directory gone, and ``attempt`` raised or its result
+    ``failed``), the new latest is read instead, up to LATEST_TRIES times in all, as
+    asyncckpt.load does (a trial's 'verify ROOT' beside a trainer exited 2, "deleted
+    while it was being read", in 12 runs of 20)."""
+    from .loader import LATEST_TRIES
+
+    for left in range(LATEST_TRIES - 1, -1, -1):
+        step_dir, storage = _resolve(args.ckpt, args.step)
+        latest = args.step is None and step_dir != Path(args.ckpt)
+        try:
+            result = attempt(step_dir, storage)
+        except (CheckpointError, OSError):
+            if not latest or left == 0 or os.path.lexists(step_dir):
+                raise
+        else:
+            if not latest or left == 0 or not failed(result) or os.path.lexists(step_dir):
+                return step_dir, result
+        _LOG_RETRY.info("%s was deleted (a save's keep_last) while it was read: reading the "
+                        "newest step again", step_dir)
+    raise AssertionError("unreachable")  # (the last try returns or raises)
+
+
 def _n(count: int, noun: str, plural: str | None = None) -> str:
     """``1 tensor``, ``2 tensors`` (``plural`` where it is not ``noun + "s"``)."""
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
@@ -314,13 +342,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
             # a copied step dir may have any name
             entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc)))
         else:
+            damaged = _files_amiss(d, m.files) + _marked(d, storage)
+            if damaged and d != root and not os.path.lexists(d):
+                continue  # retired while its files were looked at: no step now, no damage
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
                             "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version,
                             "metrics": _json_metrics(m.metrics),
-                            "damaged": _files_amiss(d, m.files) + _marked(d, storage),
-                            "error": None})
+                            "damaged": damaged, "error": None})
         listed += 1
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
@@ -513,16 +543,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     plain = _plain_files(args.ckpt)
     if plain is not None:
         return _inspect_plain(args, *plain)
-    step_dir, storage = _resolve(args.ckpt, args.step)
-    m = read_manifest(step_dir, storage)
-    doc = _inspect_doc(step_dir, m)
-    # what ls checks too (a stat per file): inspect showed a truncated shard's tensors and
-    # exited 0, where ls says DAMAGED and exits 1
-    doc["damaged"] = _files_amiss(step_dir, m.files) + _marked(step_dir, storage)
+    def attempt(step_dir: Path, storage: LocalStorage) -> dict[str, Any]:
+        m = read_manifest(step_dir, storage)
+        doc = _inspect_doc(step_dir, m)
+        # what ls checks too (a stat per file): inspect showed a truncated shard's tensors
+        # and exited 0, where ls says DAMAGED and exits 1
+        doc["damaged"] = _files_amiss(step_dir, m.files) + _marked(step_dir, storage)
+        return doc
+
+    step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))
     code = _decided(args, EXIT_CORRUPT if doc["damaged"] else EXIT_OK)
     if doc["damaged"]:
-        _warn(_shown(f"step {m.step} is DAMAGED: {'; '.join(doc['damaged'])}: its tensors "
-                     f"are listed from its manifest (run 'asyncckpt verify {step_dir}')"))
+        _warn(_shown(f"step {doc['step']} is DAMAGED: {'; '.join(doc['damaged'])}: its "
+                     f"tensors are listed from its manifest (run 'asyncckpt verify "
+                     f"{step_dir}')"))
     if args.json:
         _print_json(doc)
         return code
@@ -605,17 +639,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise _Usage(f"--threads {args.threads}: give 1 or more")
     if args.all:
         return _verify_all(args)
+    def attempt(step_dir: Path, storage: LocalStorage) -> tuple[VerifyReport, float]:
+        t0 = time.perf_counter()
+        report = _verified(step_dir, storage, args.threads)
+        return report, time.perf_counter() - t0
+
+    storage = LocalStorage()
     try:
-        step_dir, storage = _resolve(args.ckpt, args.step)
+        step_dir, (report, seconds) = _on_latest(args, attempt, lambda r: not r[0].ok)
     except commit.StepWithoutManifestError:
         raise
     except CheckpointNotFoundError as exc:
         if args.step is None:
-            _refuse_lost_only(Path(args.ckpt), LocalStorage(), exc)
+            _refuse_lost_only(Path(args.ckpt), storage, exc)
         raise
-    t0 = time.perf_counter()
-    report = _verified(step_dir, storage, args.threads)
-    seconds = time.perf_counter() - t0
     # The latest step of a root: a newer step directory without its manifest is the
     # newest checkpoint lost (a cron job on 'verify ROOT' saw OK and exit 0)
     latest = commit.step_of_dir_name(step_dir.name)  # (the step resolved, readable or not)
@@ -650,9 +687,10 @@ def _refuse_lost_only(root: Path, storage: LocalStorage, exc: CheckpointNotFound
     """``verify ROOT`` of a root whose only steps lost their manifests: damage, as ls
     says (exit 1), not "no committed checkpoint" (exit 2, could not tell)."""
     lost: list[str] = []
+    committed: list[int] = [0]  # (unknown: as if there were one)
     with contextlib.suppress(OSError, CheckpointError):
-        commit.committed_steps(root, storage, [], lost)
-    if lost:
+        committed = commit.committed_steps(root, storage, [], lost)
+    if lost and not committed:
         dirs = _n(len(lost), "step directory", "step directories")
         raise commit.StepWithoutManifestError(
             f"{exc}: {dirs} without {MANIFEST_NAME} ({', '.join(sorted(lost))}: checkpoints whose "
@@ -758,7 +796,7 @@ def _overflow_word(dtype: str) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_safetensors
+    from .export import ExportReport, export_safetensors
 
     # Skipped tensors and overflowing casts are reported below; the export's other
     # warnings (a killed export's temporary removed) are printed as they come.
@@ -766,18 +804,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.strip_prefix and not args.prefix:
         raise _Usage("--strip-prefix needs --prefix (e.g. --prefix model/)")
     path = Path(args.ckpt)
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory")
-    if (path / MANIFEST_NAME).is_file():  # exported as it is: before, as an export takes long
-        _warn_if_uncommitted(path)
     progress = _Progress(f"exporting {path}")
+
+    def attempt(step_dir: Path, _: LocalStorage) -> ExportReport:
+        return export_safetensors(step_dir, args.out, prefix=args.prefix,
+                                  strip_prefix=args.strip_prefix, dtype=args.dtype,
+                                  force=args.force, progress=progress,
+                                  max_shard_bytes=args.max_shard_size)
+
     try:
         with _sigterm_interrupts():  # so that the half-written output is removed
-            report = export_safetensors(path, args.out, step=args.step, prefix=args.prefix,
-                                        strip_prefix=args.strip_prefix, dtype=args.dtype,
-                                        force=args.force, progress=progress,
-                                        max_shard_bytes=args.max_shard_size)
+            _, report = _on_latest(args, attempt)  # (the step: resolved here, said first)
     except OSError as exc:
         if isinstance(exc, CheckpointError):
             if "force=True (--force)" in str(exc):  # (the library's words for both)
@@ -847,7 +884,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .transport.http import MAX_TIMEOUT_S, HTTPTransport
 
-    step_dir, storage = _resolve(args.ckpt, args.step)
     token = _serve_token(args)
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
         raise _Usage(f"--timeout {args.timeout}: use a positive number of seconds, at most "
@@ -857,20 +893,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
               f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
-    if args.verify:  # (receivers check every byte anyway: this finds damage before any)
-        report = _verified(step_dir, storage)
-        if not report.ok:
-            _decided(args, EXIT_CORRUPT)
-            why = (f"not serving {step_dir}: {_n(len(report.problems), 'problem')} "
-                   f"({_n(report.tensors, 'tensor')} intact); serve an earlier step (--step)")
-            _to_stderr(f"asyncckpt: {why}")
-            for p in report.problems[:20]:
-                _to_stderr(f"  - {_shown(p)}")
-            if args.json:  # (as any failure of a --json command: a document on stdout)
-                _print_json({"ok": False, "error": {
-                    "type": "CheckpointCorruptError", "message": why,
-                    "exit_code": EXIT_CORRUPT, "problems": report.problems}})
-            return EXIT_CORRUPT
     stop = threading.Event()
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -881,15 +903,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # (a host or port it cannot listen on: CheckpointConfigError, a usage error)
         transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
                                   advertise_host=args.advertise_host, token=token)
-        step = transport.serve_directory(step_dir)
+        server = transport
+
+        def attempt(step_dir: Path, storage: LocalStorage) -> VerifyReport | int:
+            if args.verify:  # (receivers check every byte anyway: this finds damage first)
+                report = _verified(step_dir, storage)
+                if not report.ok:
+                    return report
+            # the files are open once served: a save's keep_last may delete them then
+            return server.serve_directory(step_dir)
+
+        step_dir, got = _on_latest(args, attempt, lambda r: isinstance(r, VerifyReport))
+        if isinstance(got, VerifyReport):
+            _decided(args, EXIT_CORRUPT)
+            why = (f"not serving {step_dir}: {_n(len(got.problems), 'problem')} "
+                   f"({_n(got.tensors, 'tensor')} intact); serve an earlier step (--step)")
+            _to_stderr(f"asyncckpt: {why}")
+            for p in got.problems[:20]:
+                _to_stderr(f"  - {_shown(p)}")
+            if args.json:  # (as any failure of a --json command: a document on stdout)
+                _print_json({"ok": False, "error": {
+                    "type": "CheckpointCorruptError", "message": why,
+                    "exit_code": EXIT_CORRUPT, "problems": got.problems}})
+            return EXIT_CORRUPT
         address = transport.address()
         _decided(args, EXIT_OK)  # (a reader gone before the address: nobody to serve)
         if args.json:
-            _out(json.dumps({"address": address, "step": step, "path": str(step_dir),
+            _out(json.dumps({"address": address, "step": got, "path": str(step_dir),
                              "token_required": token is not None}), flush=True)
         else:
             _out(address, flush=True)
-        _to_stderr(f"asyncckpt: serving step {step} of {step_dir} at {address}"
+        _to_stderr(f"asyncckpt: serving step {got} of {step_dir} at {address}"
                    f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
                    flush=True)
         while not stop.wait(0.5):

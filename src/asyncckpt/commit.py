@@ -36,7 +36,7 @@ from .errors import (
     few,
 )
 from .manifest import MANIFEST_NAME, is_shard_file_name
-from .storage import DirectoryLock, ReadStorage, Storage, is_transient
+from .storage import DirectoryLock, LocalStorage, ReadStorage, Storage, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,28 @@ def committed_steps(root: Path, storage: ReadStorage,
     names of step directories without a manifest (never committed here: a copy or a
     hand edit).
     """
-    steps = []
-    for name in list_root(root, storage):
-        step = step_of_dir_name(name)
-        if step is not None and (above is None or step > above) and _is_committed(
-                root, name, storage, unlistable, no_manifest,
-                denied="skip" if skip_denied or unlistable is not None else "raise"):
-            steps.append(step)
+    for tries_left in range(_RELISTS_AFTER_RETIRED, -1, -1):
+        steps = []
+        retired: list[str] = []
+        bare: list[str] = []
+        for name in list_root(root, storage):
+            step = step_of_dir_name(name)
+            if step is not None and (above is None or step > above) and _is_committed(
+                    root, name, storage, unlistable, bare,
+                    denied="skip" if skip_denied or unlistable is not None else "raise",
+                    retired=retired):
+                steps.append(step)
+        # Step directories retired (by a save's keep_last) between the listing and the
+        # look into them: the listing is old, and may lack the steps committed since (a
+        # trial's steps() said [] beside a trainer that always kept 2): list again.
+        if not retired or tries_left == 0:
+            break
+    if no_manifest is not None:
+        no_manifest += bare
     return sorted(steps)
+
+
+_RELISTS_AFTER_RETIRED = 3  # committed_steps lists again at most this many times
 
 
 _OnError = Literal["skip", "raise"]  # what _is_committed does with a step it cannot list
@@ -136,15 +150,25 @@ _OnError = Literal["skip", "raise"]  # what _is_committed does with a step it ca
 def _is_committed(root: Path, name: str, storage: ReadStorage,
                   unlistable: list[tuple[str, str]] | None = None,
                   no_manifest: list[str] | None = None, *, denied: _OnError = "skip",
-                  damaged: _OnError = "skip") -> bool:
+                  damaged: _OnError = "skip", retired: list[str] | None = None) -> bool:
     """Whether the step directory ``name`` holds its manifest (see committed_steps).
 
     A directory that cannot be listed counts as not committed (logged), or raises:
     ``denied="raise"`` for no permission (CheckpointPermissionError), ``damaged="raise"``
-    for any other lasting reason (CheckpointCorruptError)."""
+    for any other lasting reason (CheckpointCorruptError). One that is gone by now
+    (retention renamed it away since the root was listed) is not committed either,
+    without a word (``retired``, when given, gets its name)."""
     try:
         if MANIFEST_NAME in storage.listdir(root / name):
             return True
+        # Gone since the root was listed (LocalStorage lists a missing directory as
+        # empty), or read as retention removed its files after renaming it away: a
+        # step retired, not one without manifest (a trial's ls beside a trainer said
+        # "without manifest.json", 1 run in 150).
+        if not _still_there(root, name, storage):
+            if retired is not None:
+                retired.append(name)
+            return False
         if no_manifest is not None:
             no_manifest.append(name)
     except NotADirectoryError:  # a stray file named like a step is no checkpoint
@@ -154,6 +178,11 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     except OSError as exc:
         if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
             raise
+        if isinstance(exc, FileNotFoundError) and not (
+                isinstance(storage, LocalStorage) and os.path.lexists(root / name)):
+            if retired is not None:  # retired since the root was listed (no dangling link)
+                retired.append(name)
+            return False
         why = exc.strerror or str(exc)
         if isinstance(exc, PermissionError) and denied == "raise":
             raise CheckpointPermissionError(
@@ -173,6 +202,17 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
         if unlistable is not None:
             unlistable.append((name, why))
     return False
+
+
+def _still_there(root: Path, name: str, storage: ReadStorage) -> bool:
+    """Whether the entry ``name`` of ``root`` is there now (one stat; a listing of the
+    root where the storage is not local)."""
+    if isinstance(storage, LocalStorage):
+        return os.path.lexists(root / name)
+    try:
+        return name in storage.listdir(root)
+    except OSError:
+        return True  # (unknown: as it was listed)
 
 
 def _newest_committed(root: Path, names: list[str], storage: ReadStorage,
