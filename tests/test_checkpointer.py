@@ -1118,7 +1118,7 @@ def test_a_load_that_passes_a_newer_step_directory_without_a_manifest_says_so(
     told = [r.getMessage() for r in caplog.records if "no manifest.json" in r.getMessage()]
     assert len(told) == 1, told  # once, not at every load
     assert "step_000000200 has no manifest.json" in told[0], told
-    assert "loading step 100, the newest committed one" in told[0], told
+    assert "taking step 100, the newest committed one" in told[0], told
 
 
 class _HeldWrite(asyncckpt.storage.LocalStorage):

@@ -96,7 +96,8 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
     assert doc["latest"] == 30
     assert doc["incomplete"] == [".step_000000040.tmp-0123abcd"]
-    assert doc["no_manifest"] == ["step_000000050"]
+    assert doc["without_manifest"] == doc["no_manifest"] == ["step_000000050"]  # (both names)
+    assert doc["ok"] is False  # as verify's documents say it
     manifest = asyncckpt.AsyncCheckpointer(root).manifest(20)
     s20 = doc["steps"][1]
     assert s20["bytes"] == manifest.total_bytes
@@ -116,14 +117,14 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
         "lost its manifest") in out, out
     code, out, _ = run(capsys, "verify", str(root), "--json")
     doc = json.loads(out)
-    assert code == 1 and doc["ok"] is False and doc["newer_without_manifest"] == [
-        "step_000000050"]
+    assert code == 1 and doc["ok"] is False and doc["without_manifest"] == doc[
+        "newer_without_manifest"] == ["step_000000050"]
     code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
     assert code == 1 and json.loads(out)["without_manifest"] == ["step_000000050"]
     code, _, _ = run(capsys, "verify", str(root), "--step", "20")  # (a step named: its verdict)
     assert code == 0
     code, _, err = run(capsys, "verify", str(root), "--step", "50")
-    assert code == 2 and ("step_000000050 is there without its manifest.json (the manifest "
+    assert code == 1 and ("step_000000050 is there without its manifest.json (the manifest "
                           "lost, or a copy cut short)") in err, err
     (root / "step_000000050").rmdir()
     (root / "step_000000005").mkdir()  # older: verify ROOT's latest is not concerned
@@ -641,13 +642,20 @@ def test_verify_of_an_emptied_shard_says_it_is_too_short(
                "safetensors header" in p for p in problems), problems
 
 
-def test_verify_json_of_an_unreadable_manifest_has_no_step(
+def test_verify_json_of_an_unreadable_manifest_takes_the_step_from_the_name(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As ls does (a trial's health check matched verify's rows to ls's by step)."""
     (root / "step_000000020" / "manifest.json").write_text("{not json")
     code, out, _ = run(capsys, "verify", str(root), "--step", "20", "--json")
     doc = json.loads(out)
     assert code == 1 and doc["ok"] is False
-    assert doc["step"] is None  # not -1, which is no step either
+    assert doc["step"] == 20
+    code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
+    assert [s["step"] for s in json.loads(out)["steps"]] == [10, 20, 30]
+    other = root.parent / "copy"  # a directory of another name: no step to tell
+    shutil.copytree(root / "step_000000020", other)
+    code, out, _ = run(capsys, "verify", str(other), "--json")
+    assert code == 1 and json.loads(out)["step"] is None  # (not -1, which is no step either)
 
 
 def test_ls_shows_a_step_dir_it_cannot_list(root: Path, capsys: pytest.CaptureFixture[str],

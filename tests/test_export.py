@@ -1010,4 +1010,8 @@ def test_cli_export_max_shard_size(tmp_path: Path) -> None:
     assert code == 2 and "is no size" in err
     code, out, err = export(str(root), str(tmp_path / "y"), "--max-shard-size", "0.5KiB",
                             "--json")
-    assert code == 0 and len(json.loads(out)["files"]) > 2
+    doc = json.loads(out)
+    assert code == 0 and len(doc["files"]) > 2
+    # each tensor's file, as the index has it (a trial read the index instead)
+    index = json.loads((tmp_path / "y" / "model.safetensors.index.json").read_text())
+    assert doc["weight_map"] == index["weight_map"] and len(doc["weight_map"]) == len(model)

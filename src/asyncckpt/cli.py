@@ -187,8 +187,10 @@ def _metrics_text(metrics: dict[str, float | str]) -> str:
                     for k, v in metrics.items())
 
 
-def _print_json(doc: Any) -> None:
-    _out(json.dumps(doc, indent=2))
+def _print_json(doc: Any, *, one_line: bool = False) -> None:
+    """``doc`` on stdout, indented; ``one_line``: on one line (serve prints its address as
+    one line, which a script reads first: so is its failure)."""
+    _out(json.dumps(doc) if one_line else json.dumps(doc, indent=2), flush=one_line)
 
 
 def _step_number(text: str) -> int:
@@ -362,8 +364,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         e.get("damaged") for e in entries) else EXIT_OK
     _decided(args, code)
     if args.json:
-        _print_json({"root": str(root), "steps": entries, "latest": latest,
-                     "incomplete": abandoned, "no_manifest": no_manifest})
+        # ("without_manifest" as verify --all says it; "no_manifest", its older name)
+        _print_json({"root": str(root), "ok": code == EXIT_OK, "steps": entries,
+                     "latest": latest, "incomplete": abandoned,
+                     "without_manifest": no_manifest, "no_manifest": no_manifest})
         return code
     if not entries:
         _out(f"no committed checkpoints under {root}{commit.foreign_hint(root, names)}")
@@ -666,8 +670,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     mark = commit.read_damaged_mark(step_dir, storage)
     if args.json:
         doc = _verify_doc(step_dir, report, seconds)
-        if lost:
-            doc.update(ok=False, newer_without_manifest=lost)
+        if lost:  # ("newer_without_manifest": its older name)
+            doc.update(ok=False, without_manifest=lost, newer_without_manifest=lost)
         if mark is not None:
             doc["damaged_mark"] = mark
         _print_json(doc)
@@ -762,7 +766,8 @@ def _verify_all(args: argparse.Namespace) -> int:
 
 def _verify_doc(step_dir: Path, report: VerifyReport, seconds: float) -> dict[str, Any]:
     gbps = report.bytes / seconds / 1e9 if seconds > 0 else 0.0
-    return {"path": str(step_dir), "step": report.step, "ok": report.ok,
+    step = report.step if report.step is not None else commit.step_of_dir_name(step_dir.name)
+    return {"path": str(step_dir), "step": step, "ok": report.ok,
             "tensors": report.tensors, "bytes": report.bytes, "seconds": round(seconds, 6),
             "gbps": round(gbps, 3), "problems": report.problems}
 
@@ -924,7 +929,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if args.json:  # (as any failure of a --json command: a document on stdout)
                 _print_json({"ok": False, "error": {
                     "type": "CheckpointCorruptError", "message": why,
-                    "exit_code": EXIT_CORRUPT, "problems": got.problems}})
+                    "exit_code": EXIT_CORRUPT, "problems": got.problems}}, one_line=True)
             return EXIT_CORRUPT
         address = transport.address()
         _decided(args, EXIT_OK)  # (a reader gone before the address: nobody to serve)
@@ -954,7 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="asyncckpt",
         description="List, inspect, verify, export and serve asyncckpt checkpoints.",
-        epilog="exit codes: 0 ok, 1 corrupt checkpoint, 2 usage error or not found")
+        epilog="exit codes: 0 ok, 1 corrupt checkpoint (damaged, or a step directory "
+               "without its manifest), 2 could not tell (a usage error, nothing found)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
     ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
@@ -1171,7 +1177,8 @@ def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: in
         with contextlib.suppress(_OutputError):  # stderr has it
             kind = "UsageError" if isinstance(exc, _Usage) else type(exc).__name__
             _print_json({"ok": False, "error": {"type": kind,
-                                                "message": message, "exit_code": code}})
+                                                "message": message, "exit_code": code}},
+                        one_line=getattr(args, "func", None) is cmd_serve)
     return code
 
 

@@ -248,7 +248,7 @@ def _warn_bare(root: Path, names: list[str], taken: int | None) -> None:
         return
     _warned_bare.update(root / n for n in new)
     log.warning("%s: %s %s no %s, so %s no committed step (a copy cut short, or a hand "
-                "edit?): loading %s", root, ", ".join(new), "has" if len(new) == 1 else "have",
+                "edit?): taking %s", root, ", ".join(new), "has" if len(new) == 1 else "have",
                 MANIFEST_NAME, "it is" if len(new) == 1 else "they are",
                 "nothing" if taken is None else f"step {taken}, the newest committed one")
 
@@ -424,7 +424,7 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
         lost = (f"; {step_dir_name(step)} is there without its {MANIFEST_NAME} (the manifest "
                 "lost, or a copy cut short): no load reads it"
                 if step_dir_name(step) in names else "")
-        raise CheckpointNotFoundError(
+        raise (StepWithoutManifestError if lost else CheckpointNotFoundError)(
             f"no committed checkpoint for step {step} under {root} (committed steps: {have})"
             f"{lost}")
     return root / step_dir_name(step), step

@@ -138,6 +138,7 @@ class ExportReport:
                          "reason": s.reason} for s in self.skipped],
             "aliases": dict(self.aliases),
             "overflowed": dict(self.overflowed),
+            "weight_map": dict(self.weight_map),  # ({} for one file)
         }
 
 

@@ -1608,7 +1608,9 @@ def test_cli_serve_verify_refuses_a_damaged_checkpoint(
     # --json: the failure as a document on stdout too, as every --json command's (it
     # printed nothing there)
     assert cli_main(["serve", str(root), "--verify", "--json"]) == 1
-    doc = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one line, as its address would be: read first
+    doc = json.loads(out)
     assert doc["ok"] is False and doc["error"]["type"] == "CheckpointCorruptError"
     assert doc["error"]["exit_code"] == 1 and "not serving" in doc["error"]["message"]
     assert len(doc["error"]["problems"]) == 1 and "checksum" in doc["error"]["problems"][0]
