@@ -383,3 +383,22 @@ def test_manifest_metrics_survive_replace_and_encode() -> None:
     back = parse_manifest(m.to_json(), PATH)
     assert back == m and back.metrics == {"loss": 0.25}
     assert parse_manifest(dataclasses.replace(m, metrics={}).to_json(), PATH).metrics == {}
+
+
+def test_a_damaged_step_is_no_best_step_nor_takes_an_intact_ones_place(tmp_path: Path) -> None:
+    """A trial's deploy script took best_step() = a step whose damaged.json said a load
+    found it corrupt; and keep_best, ranking it, kept it in place of an intact step."""
+    from asyncckpt import commit
+
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="val_loss") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss})
+        assert ckpt.steps() == [2, 3] and ckpt.best_step() == 2
+        assert commit.mark_damaged(tmp_path, 2, "checksum mismatch", ckpt.storage) is None
+        assert ckpt.best_step() == 3  # (2 is the best, but damaged)
+        ckpt.save(_state(4), 4, metrics={"val_loss": 2.5})
+        # the best intact step (3) stays; damaged 2, older than every step kept, goes
+        assert ckpt.steps() == [3, 4] and ckpt.best_step() == 3
+        ckpt._damaged.add(3)  # (found damaged by this checkpointer's own load)
+        assert ckpt.best_step() == 4

@@ -755,8 +755,14 @@ class AsyncCheckpointer:
                           mode if mode is not None else self.config.best_mode)
         scores = self._metrics.scores(self.directory, self.storage, self.steps(),
                                       ranking.metric)
-        best = ranking.best(scores, 1)
-        return best[0] if best else None
+        # best first, passing over the steps known damaged (a trial's deploy script took
+        # a step whose damaged.json said so): a load found them corrupt
+        while best := ranking.best(scores, 1):
+            if best[0] not in self._damaged and not commit.damaged_marks(
+                    self.directory, best, self.storage):
+                return best[0]
+            del scores[best[0]]
+        return None
 
     def discard_steps_after(self, step: int) -> list[int]:
         """Delete every committed step newer than ``step``, for a rollback: after

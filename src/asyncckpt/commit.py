@@ -612,9 +612,13 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
             break
     floor = kept[-1] if kept else None  # the oldest step kept
     old = [s for s in steps if floor is not None and s < floor]
+    bad = marked | damaged_marks(root, old, storage) if old else marked
     if found is not None:  # (of the steps that go: those a save's warning leaves out)
-        found |= marked | damaged_marks(root, old, storage)
-    spared = spare(steps) if spare is not None and old else ()
+        found |= bad
+    # keep_best ranks the intact steps: a damaged best one held a place that an intact
+    # step then lost (it goes, as damaged steps go, once older than the steps kept)
+    spared = (spare([s for s in steps if s not in bad and s not in damaged])
+              if spare is not None and old else ())
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]
 
