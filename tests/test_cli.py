@@ -286,12 +286,17 @@ def test_inspect_of_a_step_with_a_truncated_shard_exits_1_as_ls(
     assert f"step 30 is DAMAGED: {shard_file_name(0)} is " in err
     assert f"run 'asyncckpt verify {root / 'step_000000030'}'" in err
     code, out, _ = run(capsys, "inspect", str(root), "--json")
-    assert code == 1 and json.loads(out)["damaged"] == [
+    assert code == 1 and json.loads(out)["ok"] is False
+    assert json.loads(out)["damaged"] == [
         f"{shard_file_name(0)} is {shard.stat().st_size} bytes, not "
         f"{shard.stat().st_size + 10}"]
     assert run(capsys, "ls", str(root))[0] == 1  # the same verdict
     code, out, err = run(capsys, "inspect", str(root), "--step", "20", "--json")
     assert code == 0 and json.loads(out)["damaged"] == [] and err == ""
+    assert json.loads(out)["ok"] is True  # (every --json document has ok)
+    out_file = root.parent / "o.safetensors"
+    code, out, _ = run(capsys, "export", str(root), str(out_file), "--step", "20", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
 
 
 def test_inspect_not_found(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

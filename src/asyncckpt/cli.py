@@ -533,7 +533,7 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
     doc["files"] = {n: {"bytes": f["bytes"]} for n, f in doc["files"].items()}
     _decided(args, EXIT_OK)
     if args.json:
-        _print_json(doc)
+        _print_json({"ok": True, **doc})
         return EXIT_OK
     _out(_tensor_table(doc))
     _out(f"plain safetensors: {_n(len(doc['tensors']), 'tensor')}  {doc['tensor_bytes']} tensor "
@@ -557,6 +557,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))
     code = _decided(args, EXIT_CORRUPT if doc["damaged"] else EXIT_OK)
+    doc = {"ok": code == EXIT_OK, **doc}
     if doc["damaged"]:
         _warn(_shown(f"step {doc['step']} is DAMAGED: {'; '.join(doc['damaged'])}: its "
                      f"tensors are listed from its manifest (run 'asyncckpt verify "
@@ -838,7 +839,7 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became "
               f"{_overflow_word(args.dtype)}")
     if args.json:
-        _print_json(report.to_json())
+        _print_json({"ok": True, **report.to_json()})
         return EXIT_OK
     rows = [[t.name, t.dtype if t.dtype == t.source_dtype else f"{t.dtype} (from {t.source_dtype})",
              str(list(t.shape)), str(t.nbytes), "" if t.name == t.key else t.key]
@@ -934,7 +935,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         address = transport.address()
         _decided(args, EXIT_OK)  # (a reader gone before the address: nobody to serve)
         if args.json:
-            _out(json.dumps({"address": address, "step": got, "path": str(step_dir),
+            _out(json.dumps({"ok": True, "address": address, "step": got, "path": str(step_dir),
                              "token_required": token is not None}), flush=True)
         else:
             _out(address, flush=True)

@@ -1579,7 +1579,7 @@ def test_cli_serve_a_committed_checkpoint(tmp_path: Path) -> None:
                        {**env, "ASYNCCKPT_TOKEN": TOKEN}, tmp_path)
     try:
         doc = json.loads(read_line(proc, 30))
-        assert doc["step"] == 3 and doc["token_required"] is True
+        assert doc["ok"] is True and doc["step"] == 3 and doc["token_required"] is True
         assert doc["address"].startswith("http://node-9:")
         port = doc["address"].rsplit(":", 1)[1].split("/")[0]
         got = asyncckpt.load(f"http://127.0.0.1:{port}/v1", state_of(0), token=TOKEN,
