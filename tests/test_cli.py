@@ -1093,3 +1093,24 @@ def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
     assert gone and code == 0, (out, err)
     assert "step_000000040" in out + err, (out, err)
     assert commit.committed_steps(root, LocalStorage()) == [10, 20, 40]
+
+
+def test_docs_cli_names_every_key_of_every_json_document(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/cli.md is what scripts rely on (a trial guessed the keys from one run): every
+    key the commands print, at the top and in rows, is named there."""
+    doc_text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    named = set(re.findall(r"`([a-z_]+)`", doc_text))
+    out_file = root.parent / "o.safetensors"
+    keys: set[str] = set()
+    for argv in (["ls", str(root)], ["inspect", str(root)], ["verify", str(root)],
+                 ["verify", str(root), "--all"], ["export", str(root), str(out_file)]):
+        code, out, _ = run(capsys, *argv, "--json")
+        assert code == 0, argv
+        doc = json.loads(out)
+        assert doc["ok"] is True, argv
+        keys |= set(doc)
+        for rows in ("steps", "tensors"):
+            if isinstance(doc.get(rows), list):  # (verify's "tensors" is a count)
+                keys |= set(doc[rows][0])
+    assert keys - named == set(), sorted(keys - named)
