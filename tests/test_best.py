@@ -398,7 +398,10 @@ def test_a_damaged_step_is_no_best_step_nor_takes_an_intact_ones_place(tmp_path:
         assert commit.mark_damaged(tmp_path, 2, "checksum mismatch", ckpt.storage) is None
         assert ckpt.best_step() == 3  # (2 is the best, but damaged)
         ckpt.save(_state(4), 4, metrics={"val_loss": 2.5})
-        # the best intact step (3) stays; damaged 2, older than every step kept, goes
-        assert ckpt.steps() == [3, 4] and ckpt.best_step() == 3
+        # the best intact step (3) stays; damaged 2 too (a mark may be wrong), while it
+        # ranks above every other
+        assert ckpt.steps() == [2, 3, 4] and ckpt.best_step() == 3
         ckpt._damaged.add(3)  # (found damaged by this checkpointer's own load)
         assert ckpt.best_step() == 4
+        ckpt.save(_state(5), 5, metrics={"val_loss": 0.5})  # better than all: they go
+        assert ckpt.steps() == [5] and ckpt.best_step() == 5

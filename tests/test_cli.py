@@ -13,7 +13,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -1042,6 +1041,34 @@ def test_a_step_retired_while_listed_is_neither_lost_nor_a_reason_to_miss_new_on
     assert lost == [] and unlistable == []
 
 
+def test_a_root_listed_again_names_each_unlistable_step_once(
+        root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(The review: each listing taken again added the symlink loop to ls's rows again.)"""
+    from asyncckpt import commit
+
+    os.symlink("step_000000007", root / "step_000000007")  # a loop: cannot be listed
+    unlistable: list[tuple[str, str]] = []
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    steps = commit.committed_steps(root, _RetiredWhileListed(root, _step_40(tmp_path)),
+                                   unlistable)
+    assert steps == [20, 30, 40]
+    assert [n for n, _ in unlistable] == ["step_000000007"]
+    assert caplog.text.count("step_000000007: it cannot be listed") == 1
+
+
+def test_a_saves_temporary_directory_is_no_damage_to_the_commands(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ls of the root lists it as incomplete (exit 0); given the directory itself the
+    commands could not tell (2), not corrupt (1), as for a step without manifest."""
+    tmp = root / ".step_000000040.tmp-0123abcd"
+    shutil.copytree(root / "step_000000030", tmp)
+    (tmp / "manifest.json").unlink()  # (still being written)
+    assert run(capsys, "ls", str(root))[0] == 0
+    for cmd in ("ls", "verify", "inspect"):
+        code, _, err = run(capsys, cmd, str(tmp))
+        assert code == 2 and "has no manifest.json" in err, (cmd, err)
+
+
 def test_ls_skips_a_step_whose_files_went_with_it_while_looked_at(
         root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncckpt.cli as cli
@@ -1067,6 +1094,7 @@ def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
     """A trial's 'verify ROOT' beside a trainer exited 2 ("deleted while it was being
     read") in 12 runs of 20, and 'serve ROOT' gave up in 13 of 25: the new latest is read,
     as asyncckpt.load does."""
+    import asyncckpt.cli as cli
     from asyncckpt import commit
 
     real = LocalStorage.read_bytes
@@ -1088,7 +1116,7 @@ def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
     argv = {"verify": [], "inspect": [], "export": [str(tmp_path / "o.safetensors")],
             "serve": ["--json"]}[cmd]
     if cmd == "serve":  # (stopped as soon as it serves)
-        monkeypatch.setattr(threading.Event, "wait", lambda self, t=None: True)
+        monkeypatch.setattr(cli, "_serve_until", lambda stop: None)
     code, out, err = run(capsys, cmd, str(root), *argv)
     assert gone and code == 0, (out, err)
     assert "step_000000040" in out + err, (out, err)

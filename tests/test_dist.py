@@ -1793,6 +1793,26 @@ def test_a_group_fallback_decision_is_read_by_rank_0_alone_and_stays_small(
         assert verdicts == [], (r, verdicts)
 
 
+def test_a_capped_group_decision_keeps_the_damage_before_the_steps_not_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more findings than the decision carries, ranks that only did not find the
+    step (every rank of a node whose NFS view lags) crowded out the one that found it
+    corrupt: nobody marked the step damaged."""
+    import asyncckpt.dist as dist_mod
+
+    monkeypatch.setattr(dist_mod, "_MAX_BAD_REPORTED", 2)
+    verdicts = [{"step": 7, "problem": None, "failed": False, "gone": False}] + [
+        {"step": 7, "problem": f"not found on rank {r}", "failed": False, "gone": True}
+        for r in (1, 2, 3)] + [
+        {"step": 7, "problem": "checksum mismatch", "failed": False, "gone": False}]
+    decision = dist_mod._decision(verdicts, 7)
+    assert [(r, g) for r, _, g in decision["bad"]] == [(4, False), (1, True)]
+    assert decision["bad"][1][1].endswith("(and 2 more ranks could not load this step)")
+    # all gone: the summary entry too
+    gone = dist_mod._decision(verdicts[:4], 7)["bad"]
+    assert [g for _, _, g in gone] == [True, True]
+
+
 class _NoWait:
     """A Store that counts calls of ``wait``: a TCPStore client holds its lock for the
     whole of one, so a background wait would stall the training thread's Store calls

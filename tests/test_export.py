@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import safetensors
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
@@ -340,6 +341,10 @@ def test_export_missing_rank_file_fails(sharded: tuple[Path, dict[str, Any]], tm
 def test_export_usage_errors(single: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     root, _ = single
     out = tmp_path / "u.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
+    code, _, err = export(str(tmp_path / "plain.safetensors"), str(out))
+    assert code == 2 and "pass a checkpoint root" in err
+    assert "verify" not in err  # (verify's hint for such a file: the review found it here)
     code, _, err = export(str(root), str(out), "--prefix", "modle/")
     assert code == 2 and "'model/'" in err  # names the prefixes that exist
     code, _, err = export(str(tmp_path / "nothing"), str(out))

@@ -237,14 +237,14 @@ def _dtype_name(text: str) -> str:
 _dtype_name.__name__ = "dtype (bf16, fp16, fp32, fp64, fp8_e4m3 or fp8_e5m2)"
 
 
-def _resolve(ckpt: str, step: int | None) -> tuple[Path, LocalStorage]:
-    """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError."""
+def _resolve(ckpt: str, step: int | None, plain_hint: str = "") -> tuple[Path, LocalStorage]:
+    """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError
+    (``plain_hint``: what to say when CKPT is a plain safetensors file)."""
     storage = LocalStorage()
     path = Path(ckpt)
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
-        plain = (" (a plain safetensors file holds no checksums to verify: 'asyncckpt "
-                 "inspect' shows its tensors)" if path.suffix == ".safetensors"
+        plain = (f" ({plain_hint})" if plain_hint and path.suffix == ".safetensors"
                  and path.is_file() else "")
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}"
                      f"{commit.foreign_hint(path) if path.is_file() else ''}")
@@ -273,6 +273,12 @@ def _warn_if_uncommitted(step_dir: Path) -> None:
               "no load reads it")
 
 
+_PLAIN_HINTS = {  # what a command given a plain safetensors file is told
+    "verify": "a plain safetensors file holds no checksums to verify: 'asyncckpt inspect' "
+              "shows its tensors",
+}
+
+
 def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage], _T],
                failed: Callable[[_T], bool] = lambda _: False) -> tuple[Path, _T]:
     """``attempt(step_dir, storage)`` on the step CKPT (and --step) names, and that step's
@@ -284,7 +290,7 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
     from .loader import LATEST_TRIES
 
     for left in range(LATEST_TRIES - 1, -1, -1):
-        step_dir, storage = _resolve(args.ckpt, args.step)
+        step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""))
         latest = args.step is None and step_dir != Path(args.ckpt)
         try:
             result = attempt(step_dir, storage)
@@ -796,7 +802,9 @@ def _overflow_word(dtype: str) -> str:
 
     from .export import DTYPE_ALIASES
 
-    got = float(torch.tensor([1e38]).to(DTYPE_ALIASES[dtype]).float())
+    dt = DTYPE_ALIASES[dtype]
+    beyond = torch.tensor([torch.finfo(dt).max], dtype=torch.float64) * 4  # (inf for fp64)
+    got = float(beyond.to(dt).double())
     return "inf" if math.isinf(got) else "NaN" if math.isnan(got) else \
         f"its largest value ({got:g})"
 
@@ -886,6 +894,12 @@ def _serve_token(args: argparse.Namespace) -> str | None:
     return env.strip()
 
 
+def _serve_until(stop: threading.Event) -> None:
+    """Serve until Ctrl-C or SIGTERM set ``stop`` (tests replace this)."""
+    while not stop.wait(0.5):
+        pass
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
 
     from .transport.http import MAX_TIMEOUT_S, HTTPTransport
@@ -942,8 +956,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _to_stderr(f"asyncckpt: serving step {got} of {step_dir} at {address}"
                    f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
                    flush=True)
-        while not stop.wait(0.5):
-            pass
+        _serve_until(stop)
     except KeyboardInterrupt:
         pass
     finally:

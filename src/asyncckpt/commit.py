@@ -123,13 +123,14 @@ def committed_steps(root: Path, storage: ReadStorage,
     for tries_left in range(_RELISTS_AFTER_RETIRED, -1, -1):
         steps = []
         retired: list[str] = []
-        bare: list[str] = []
+        bare: list[str] = []  # (this pass's: a listing taken again finds them again)
+        cannot: list[tuple[str, str]] = []
         for name in list_root(root, storage):
             step = step_of_dir_name(name)
             if step is not None and (above is None or step > above) and _is_committed(
-                    root, name, storage, unlistable, bare,
+                    root, name, storage, cannot, bare,
                     denied="skip" if skip_denied or unlistable is not None else "raise",
-                    retired=retired):
+                    retired=retired, quiet=True):
                 steps.append(step)
         # Step directories retired (by a save's keep_last) between the listing and the
         # look into them: the listing is old, and may lack the steps committed since (a
@@ -138,6 +139,13 @@ def committed_steps(root: Path, storage: ReadStorage,
             break
     if no_manifest is not None:
         no_manifest += bare
+    for name, why in cannot:  # (once, of the last listing)
+        # A symlink loop, EIO (or, for a save, no permission): one entry that cannot be
+        # listed must not make every save of the root fail; the others are still there.
+        log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
+                    "step", root / name, why)
+    if unlistable is not None:
+        unlistable += cannot
     return sorted(steps)
 
 
@@ -150,14 +158,16 @@ _OnError = Literal["skip", "raise"]  # what _is_committed does with a step it ca
 def _is_committed(root: Path, name: str, storage: ReadStorage,
                   unlistable: list[tuple[str, str]] | None = None,
                   no_manifest: list[str] | None = None, *, denied: _OnError = "skip",
-                  damaged: _OnError = "skip", retired: list[str] | None = None) -> bool:
+                  damaged: _OnError = "skip", retired: list[str] | None = None,
+                  quiet: bool = False) -> bool:
     """Whether the step directory ``name`` holds its manifest (see committed_steps).
 
     A directory that cannot be listed counts as not committed (logged), or raises:
     ``denied="raise"`` for no permission (CheckpointPermissionError), ``damaged="raise"``
     for any other lasting reason (CheckpointCorruptError). One that is gone by now
     (retention renamed it away since the root was listed) is not committed either,
-    without a word (``retired``, when given, gets its name)."""
+    without a word (``retired``, when given, gets its name). ``quiet``: log nothing (a
+    listing that may be taken again)."""
     try:
         if MANIFEST_NAME in storage.listdir(root / name):
             return True
@@ -178,8 +188,7 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     except OSError as exc:
         if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
             raise
-        if isinstance(exc, FileNotFoundError) and not (
-                isinstance(storage, LocalStorage) and os.path.lexists(root / name)):
+        if isinstance(exc, FileNotFoundError) and not _still_there(root, name, storage):
             if retired is not None:  # retired since the root was listed (no dangling link)
                 retired.append(name)
             return False
@@ -197,8 +206,9 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
                 "newest intact one", path=str(root / name)) from exc
         # A symlink loop, EIO (or, for a save, no permission): one entry that cannot be
         # listed must not make every save of the root fail; the others are still there.
-        log.warning("skipping %s: it cannot be listed (%s), so it counts as no committed "
-                    "step", root / name, why)
+        if not quiet:
+            log.warning("skipping %s: it cannot be listed (%s), so it counts as no "
+                        "committed step", root / name, why)
         if unlistable is not None:
             unlistable.append((name, why))
     return False
@@ -448,7 +458,9 @@ def refuse_a_step_dir_without_manifest(root: Path, names: list[str]) -> None:
         return
     why = " and ".join(w for w, yes in (("is named like a step directory", named),
                                          ("holds rank files", shards)) if yes)
-    raise StepWithoutManifestError(
+    # (a save's temporary directory, or a step being deleted, is no damage: ls of the
+    # root lists it as incomplete, exit 0)
+    raise (CheckpointNotFoundError if temp_dir_kind(root.name) else StepWithoutManifestError)(
         f"{root} {why} but has no {MANIFEST_NAME}: that step is uncommitted (its save did "
         f"not finish) or damaged, and no load reads it; 'asyncckpt ls {root.parent}' lists "
         "the committed steps")
@@ -616,8 +628,10 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     if found is not None:  # (of the steps that go: those a save's warning leaves out)
         found |= bad
     # keep_best ranks the intact steps: a damaged best one held a place that an intact
-    # step then lost (it goes, as damaged steps go, once older than the steps kept)
-    spared = (spare([s for s in steps if s not in bad and s not in damaged])
+    # step then lost. It is kept as well (a mark may be wrong: a passing read error), and
+    # goes once other steps rank above it.
+    spared = (set(spare(steps)) | set(spare([s for s in steps if s not in bad
+                                             and s not in damaged]))
               if spare is not None and old else ())
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]

@@ -1446,8 +1446,13 @@ def _decision(verdicts: Sequence[dict[str, Any]], step: int | None) -> dict[str,
         if got["problem"] is not None:
             bad.append((r, str(got["problem"]), bool(got.get("gone"))))
     if len(bad) > _MAX_BAD_REPORTED:
-        r, last, gone = bad[_MAX_BAD_REPORTED - 1]
+        # the damage first: ranks that did not find the step (a lagging network
+        # filesystem's view, on every rank of other nodes) must not crowd out the one that
+        # found it corrupt, whose finding marks the step damaged
+        bad.sort(key=lambda b: b[2])
+        r, last, _ = bad[_MAX_BAD_REPORTED - 1]
         bad[_MAX_BAD_REPORTED - 1] = (r, f"{last} (and {len(bad) - _MAX_BAD_REPORTED} more "
-                                         "ranks could not load this step)", gone)
+                                         "ranks could not load this step)",
+                                      all(b[2] for b in bad[_MAX_BAD_REPORTED - 1:]))
         del bad[_MAX_BAD_REPORTED:]
     return {"agreed": True, "bad": bad}
