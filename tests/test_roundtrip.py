@@ -1518,6 +1518,12 @@ def test_the_wrapper_hint_needs_most_keys_explained_and_whole_names():
     (["module.0.weight"], ["0.weight"]),  # a bare state dict
     (["0.weight"], ["_orig_mod.0.weight"]),
     (["model/module.0.w", "ema/module.0.w"], ["model/0.w", "ema/0.w"]),  # two models
+    # a wrapper per layer (activation checkpointing, FSDP1 auto-wrap): the first version
+    # renamed 3 layers "and likewise for 5 more" (the review)
+    ([f"model/layers.{i}._checkpoint_wrapped_module.w" for i in range(8)],
+     [f"model/layers.{i}.w" for i in range(8)]),
+    (["model/_orig_mod.enc._orig_mod.w", "model/_orig_mod.x"], ["model/enc.w", "model/x"]),
+    (["model/module.a", "model/x.module.b"], ["model/a", "model/x.b"]),  # nested beginnings
 ])
 def test_the_wrapper_hints_key_map_renames_exactly_the_wrappers_part(
         saved: list[str], target: list[str]) -> None:
@@ -1525,7 +1531,8 @@ def test_the_wrapper_hints_key_map_renames_exactly_the_wrappers_part(
 
     hint = wrapper_hint(target, saved)
     assert "pass key_map=lambda path: " in hint, hint
-    key_map = eval(hint.split("pass key_map=", 1)[1])  # the code the user would paste
+    code = hint.split("pass key_map=", 1)[1].removesuffix(" (with import re)")
+    key_map = eval(code, {"re": re})  # the code the user would paste
     assert sorted(key_map(p) for p in saved) == sorted(target), hint
     # other paths keep theirs, even ones that hold the same letters
     for other in ("optim/state/0/exp_avg", "ema_model/module.0.weight", "model2/x"):

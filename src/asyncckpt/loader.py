@@ -1626,24 +1626,73 @@ def _wrapper_rename(saved: str, target: str) -> tuple[str, str] | None:
     return saved[:run_s.end()], target[:run_t.end()]
 
 
-def _key_map_text(renames: list[tuple[str, str]]) -> str:
-    """``key_map=lambda path: ...`` doing ``renames``, each only at the start of a path
-    (a bare ``replace`` would also rename ``ema_model/module.`` for ``model/module.``)."""
-    if len(renames) == 1:
-        old, new = renames[0]
-        if not old:  # a bare state dict's keys: its module's names, no "/" of a tree
-            return f"key_map=lambda path: {new!r} + path if '/' not in path else path"
-        return (f"key_map=lambda path: path.replace({old!r}, {new!r}, 1) if "
-                f"path.startswith({old!r}) else path")
-    pairs = ", ".join(f"({old!r}, {new!r})" for old, new in renames[:_MAX_RENAMES_SHOWN])
-    return ("key_map=lambda path: next((new + path[len(old):] for old, new in "
-            f"[{pairs}] if path.startswith(old)), path)")
+def _prefix_key_map(renames: list[tuple[str, str]]
+                    ) -> tuple[Callable[[str], str], str] | None:
+    """A key_map doing ``renames`` (``(old, new)`` beginnings of paths), each only at the
+    start of a path (a bare ``replace`` would also rename ``ema_model/module.`` for
+    ``model/module.``), the longest first; and its code. None for more than a few."""
+    if not renames or len(renames) > _MAX_RENAMES_SHOWN or (
+            len(renames) > 1 and any(not old for old, _ in renames)):
+        return None
+    ordered = sorted(renames, key=lambda r: -len(r[0]))
+
+    def fn(path: str) -> str:
+        for old, new in ordered:
+            if path.startswith(old) and (old or "/" not in path):
+                return new + path[len(old):]
+        return path
+
+    if len(ordered) == 1:
+        old, new = ordered[0]
+        # (old "": a bare state dict's keys, its module's names, have no "/" of a tree)
+        return fn, (f"key_map=lambda path: {new!r} + path if '/' not in path else path"
+                    if not old else f"key_map=lambda path: path.replace({old!r}, {new!r}, 1) "
+                    f"if path.startswith({old!r}) else path")
+    listed = ", ".join(f"({old!r}, {new!r})" for old, new in ordered)
+    return fn, ("key_map=lambda path: next((new + path[len(old):] for old, new in "
+                f"[{listed}] if path.startswith(old)), path)")
+
+
+def _part_key_map(drop: list[str], put: str) -> tuple[Callable[[str], str], str]:
+    """A key_map that replaces the wrapper parts ``drop`` with ``put`` wherever they stand
+    as a whole name (not ``submodule.``): per-layer wrappers (activation checkpointing,
+    FSDP1's auto-wrap) and nested ones put them all along the paths; and its code."""
+    names = "|".join(re.escape(x[:-1]) for x in drop)
+    pattern = rf"(?:^|(?<=[/.]))(?:{names})\."
+    compiled = re.compile(pattern)
+    return ((lambda path: compiled.sub(put, path)),
+            f"key_map=lambda path: re.sub(r'{pattern}', {put!r}, path) (with import re)")
+
+
+def _wrapper_key_map(pairs: list[tuple[str, str]], saved_only: list[str],
+                     target_only: list[str]) -> str:
+    """``key_map=...`` code that maps every pair's saved path (second) to its target path
+    (first): the plainest that does, checked on them; "" where none does."""
+    candidates: list[tuple[Callable[[str], str], str]] = []
+    renames: list[tuple[str, str]] = []
+    whole = True
+    for target, saved in pairs:
+        r = _wrapper_rename(saved, target)
+        whole = whole and r is not None
+        if r is not None and r not in renames:
+            renames.append(r)
+    prefixed = _prefix_key_map(renames) if whole else None
+    if prefixed is not None:
+        candidates.append(prefixed)
+    if saved_only and not target_only:
+        candidates.append(_part_key_map(saved_only, ""))
+    elif len(saved_only) == 1 and len(target_only) == 1:
+        candidates.append(_part_key_map(saved_only, target_only[0]))
+    for fn, text in candidates:
+        if all(fn(saved) == target for target, saved in pairs):
+            return text
+    return ""
 
 
 def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     """A sentence for a mismatch error when most ``missing`` paths are ``unexpected``
     ones but for a wrapper's part of the keys ("module.", "_orig_mod."): which wrapper,
-    and a key_map that renames exactly that part; "" otherwise."""
+    and a key_map that renames exactly that part (checked on those paths); "" otherwise."""
     if not missing or not unexpected:
         return ""
     bare: dict[str, str] = {}
@@ -1657,33 +1706,28 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     def parts(path: str) -> list[str]:
         return [x.group(0) for x in _WRAPPER_PART.finditer(path)]
 
-    renames: list[tuple[str, str]] = []
-    for target, saved in pairs:
-        r = _wrapper_rename(saved, target)
-        if r is not None and r not in renames:
-            renames.append(r)
-    more = len(renames) - _MAX_RENAMES_SHOWN
-    key_map = (f"pass {_key_map_text(renames)}"
-               + (f" (and likewise for {more} more)" if more > 0 else "")) if renames else ""
-    saved_only = [x for x in parts(u) if x not in parts(m)]
-    target_only = [x for x in parts(m) if x not in parts(u)]
+    # the parts one side has and the other has not, in any pair (each named once)
+    saved_only = list(dict.fromkeys(x for t, sv in pairs for x in parts(sv)
+                                    if x not in parts(t)))
+    target_only = list(dict.fromkeys(x for t, sv in pairs for x in parts(t)
+                                     if x not in parts(sv)))
+    code = _wrapper_key_map(pairs, saved_only, target_only)
+    key_map = f", or pass {code}" if code else ""
     if saved_only and not target_only:
         names = " and ".join(repr(x) for x in saved_only)
         who = " and ".join(_WRAPPERS[x] for x in saved_only)
         return (f"; the checkpoint's keys have {names} where the target's have none, as "
                 f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, "
-                f"target {m!r}): load into the module wrapped the same way"
-                + (f", or {key_map}" if key_map else ""))
+                f"target {m!r}): load into the module wrapped the same way{key_map}")
     if target_only and not saved_only:
         names = " and ".join(repr(x) for x in target_only)
         who = " and ".join(_WRAPPERS[x] for x in target_only)
         return (f"; the target's keys have {names} where the checkpoint's have none, as "
                 f"{who} add{'s it' if len(target_only) == 1 else ' them'} (checkpoint {u!r}, "
                 f"target {m!r}): load into the unwrapped module (model._orig_mod for "
-                "torch.compile, model.module for DDP)" + (f", or {key_map}" if key_map else ""))
+                f"torch.compile, model.module for DDP){key_map}")
     return (f"; the keys differ in what wrappers add to them (checkpoint {u!r}, target "
-            f"{m!r}): load into the module wrapped as the saved one was"
-            + (f", or {key_map}" if key_map else ""))
+            f"{m!r}): load into the module wrapped as the saved one was{key_map}")
 
 
 def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
