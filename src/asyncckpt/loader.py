@@ -1661,7 +1661,7 @@ def _part_key_map(drop: list[str], put: str) -> tuple[Callable[[str], str], str]
     pattern = rf"(?:^|(?<=[/.]))(?:{names})\."
     compiled = re.compile(pattern)
     return ((lambda path: compiled.sub(put, path)),
-            f"key_map=lambda path: re.sub(r'{pattern}', {put!r}, path) (with import re)")
+            f"key_map=lambda path: re.sub(r'{pattern}', {put!r}, path)")
 
 
 def _wrapper_key_map(pairs: list[tuple[str, str]], saved_only: list[str],
@@ -1712,7 +1712,8 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     target_only = list(dict.fromkeys(x for t, sv in pairs for x in parts(t)
                                      if x not in parts(sv)))
     code = _wrapper_key_map(pairs, saved_only, target_only)
-    key_map = f", or pass {code}" if code else ""
+    key_map = (f", or{' (with import re)' if 're.sub(' in code else ''} pass {code}"
+               if code else "")  # (the code last: it is pasted as it stands)
     if saved_only and not target_only:
         names = " and ".join(repr(x) for x in saved_only)
         who = " and ".join(_WRAPPERS[x] for x in saved_only)
