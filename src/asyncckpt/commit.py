@@ -630,9 +630,9 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     # keep_best ranks the intact steps: a damaged best one held a place that an intact
     # step then lost. It is kept as well (a mark may be wrong: a passing read error), and
     # goes once other steps rank above it.
-    spared = (set(spare(steps)) | set(spare([s for s in steps if s not in bad
-                                             and s not in damaged]))
-              if spare is not None and old else ())
+    # (all the steps last: keep_best's cache forgets the metrics of steps not passed)
+    spared = (set(spare([s for s in steps if s not in bad and s not in damaged]))
+              | set(spare(steps)) if spare is not None and old else ())
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]
 
