@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -405,3 +408,36 @@ def test_a_damaged_step_is_no_best_step_nor_takes_an_intact_ones_place(tmp_path:
         assert ckpt.best_step() == 4
         ckpt.save(_state(5), 5, metrics={"val_loss": 0.5})  # better than all: they go
         assert ckpt.steps() == [5] and ckpt.best_step() == 5
+
+
+def test_best_step_passes_over_a_step_whose_files_are_cut_short(tmp_path: Path) -> None:
+    """A trial's deploy script: best_step() gave a step that ls already said was DAMAGED
+    (a shard cut short), found by a stat, as ls finds it."""
+    from asyncckpt.manifest import shard_file_name
+
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="val_loss") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss})
+        shard = tmp_path / "step_000000002" / shard_file_name(0)
+        os.truncate(shard, shard.stat().st_size - 1)
+        assert ckpt.best_step() == 3
+        shard.unlink()
+        assert ckpt.best_step() == 3
+        assert main(["ls", str(tmp_path)]) == 1  # (the same verdict)
+
+
+def test_a_step_retired_while_its_metrics_are_read_is_no_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A monitor's best_step() beside a trainer's keep_last logged "metrics cannot be read
+    ... not a committed checkpoint" for steps merely deleted (229 in a trial's run)."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss})
+    metrics = StepMetrics()
+    shutil.rmtree(tmp_path / "step_000000001")  # (deleted after it was listed)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    assert metrics.scores(tmp_path, LocalStorage(), [1, 2], "val_loss") == {2: 1.0}
+    assert "cannot be read" not in caplog.text
+    (tmp_path / "step_000000002" / "manifest.json").write_text("{}")  # there, unreadable
+    assert StepMetrics().scores(tmp_path, LocalStorage(), [2], "val_loss") == {}
+    assert "step 2's metrics cannot be read" in caplog.text

@@ -1071,16 +1071,16 @@ def test_a_saves_temporary_directory_is_no_damage_to_the_commands(
 
 def test_ls_skips_a_step_whose_files_went_with_it_while_looked_at(
         root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncckpt.cli as cli
+    from asyncckpt import commit
 
-    real = cli._files_amiss
+    real = commit.files_amiss
 
     def retire_first(step_dir: Path, files: Any) -> list[str]:
         if step_dir.name == "step_000000010" and step_dir.exists():
             shutil.rmtree(step_dir)  # (as retention, after the manifest was read)
         return real(step_dir, files)
 
-    monkeypatch.setattr(cli, "_files_amiss", retire_first)
+    monkeypatch.setattr(commit, "files_amiss", retire_first)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     doc = json.loads(out)
     assert code == 0 and [e["step"] for e in doc["steps"]] == [20, 30]
@@ -1142,3 +1142,20 @@ def test_docs_cli_names_every_key_of_every_json_document(
             if isinstance(doc.get(rows), list):  # (verify's "tensors" is a count)
                 keys |= set(doc[rows][0])
     assert keys - named == set(), sorted(keys - named)
+
+
+def test_ls_row_of_an_unreadable_manifest_shows_its_damaged_mark(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(A trial: after a fallback load marked a step whose manifest was corrupt, ls showed
+    UNREADABLE alone, and docs/cli.md's rows say damaged holds the mark.)"""
+    from asyncckpt import commit
+
+    step_dir = root / "step_000000030"
+    (step_dir / "manifest.json").write_text("{}")
+    assert commit.mark_damaged(root, 30, "its manifest is corrupt", LocalStorage()) is None
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = json.loads(out)["steps"][-1]
+    assert code == 1 and row["step"] == 30 and row["error"] and row["bytes"] is None
+    assert len(row["damaged"]) == 1 and "its manifest is corrupt" in row["damaged"][0]
+    code, out, _ = run(capsys, "ls", str(root))
+    assert "UNREADABLE: " in out and "a load found it damaged" in out

@@ -187,8 +187,11 @@ class StepMetrics:
         try:
             metrics = read_manifest_summary(root / step_dir_name(step), storage).metrics
         except (CheckpointError, OSError) as exc:
-            log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
-                        "without metrics", step, type(exc).__name__, exc)
+            # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
+            # trial's monitor beside a trainer logged 229 of them)
+            if not isinstance(exc, FileNotFoundError) or _still_listed(root, step, storage):
+                log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
+                            "without metrics", step, type(exc).__name__, exc)
             return {}
         with self._lock:
             self._known[step] = (ident, metrics)
@@ -208,6 +211,14 @@ class StepMetrics:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
         return out
+
+
+def _still_listed(root: Path, step: int, storage: ReadStorage) -> bool:
+    """Whether step ``step``'s directory is there now."""
+    try:
+        return step_dir_name(step) in storage.listdir(root)
+    except OSError:
+        return True  # (unknown: as it was listed)
 
 
 def _identity(root: Path, step: int, storage: ReadStorage) -> object:

@@ -73,7 +73,7 @@ from .manifest import (
     shard_file_name,
 )
 from .plan import WritePlan, layout_signature, plain_memory, plan_writes
-from .reader import read_manifest, tensor_bytes
+from .reader import read_manifest, read_manifest_summary, tensor_bytes
 from .reports import Reports
 from .staging import (
     HostArena,
@@ -756,13 +756,27 @@ class AsyncCheckpointer:
         scores = self._metrics.scores(self.directory, self.storage, self.steps(),
                                       ranking.metric)
         # best first, passing over the steps known damaged (a trial's deploy script took
-        # a step whose damaged.json said so): a load found them corrupt
+        # a step whose damaged.json said so: a load found it corrupt) or whose files are
+        # missing or cut short (ls says DAMAGED: a stat each)
         while best := ranking.best(scores, 1):
-            if best[0] not in self._damaged and not commit.damaged_marks(
-                    self.directory, best, self.storage):
+            if best[0] not in self._damaged and not self._amiss(best[0]):
                 return best[0]
             del scores[best[0]]
         return None
+
+    def _amiss(self, step: int) -> list[str]:
+        """What is known amiss with committed ``step`` without reading its tensors: its
+        damaged.json, or (on the local filesystem) files missing or not of their sizes."""
+        if commit.damaged_marks(self.directory, [step], self.storage):
+            return ["marked damaged"]
+        if not isinstance(self.storage, LocalStorage):
+            return []
+        step_dir = self.directory / commit.step_dir_name(step)
+        try:
+            files = read_manifest_summary(step_dir, self.storage).files
+        except CheckpointError as exc:
+            return [str(exc)]
+        return commit.files_amiss(step_dir, files)
 
     def discard_steps_after(self, step: int) -> list[int]:
         """Delete every committed step newer than ``step``, for a rollback: after

@@ -348,9 +348,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 continue  # retired by retention since it was listed: no step now
             corrupt = corrupt or not isinstance(exc, CheckpointVersionError)
             # a copied step dir may have any name
-            entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc)))
+            entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
+                                           _marked(d, storage)))
         else:
-            damaged = _files_amiss(d, m.files) + _marked(d, storage)
+            damaged = commit.files_amiss(d, m.files) + _marked(d, storage)
             if damaged and d != root and not os.path.lexists(d):
                 continue  # retired while its files were looked at: no step now, no damage
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
@@ -389,7 +390,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                               if e["damaged"] else []))]
                 if e["error"] is None else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
-                 *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"] for e in entries]
+                 *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"
+                 + "".join(f"; {d}" for d in e["damaged"])] for e in entries]
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
                      ""], rows, right=(0, 1, 2)))
         total = sum(e["bytes"] or 0 for e in entries)
@@ -408,12 +410,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return code
 
 
-def _unreadable_row(step: int | None, path: Path, error: str) -> dict[str, Any]:
+def _unreadable_row(step: int | None, path: Path, error: str,
+                    marked: list[str] | None = None) -> dict[str, Any]:
     """ls --json's row of a step whose manifest cannot be read: every key a row has (a
     script reading ``row["bytes"]`` failed on these), its values null but ``error``."""
     return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
             "created_unix": None, "created": None, "library_version": None, "metrics": None,
-            "damaged": [], "error": error}
+            "damaged": marked or [], "error": error}
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
@@ -427,24 +430,6 @@ def _mark_text(mark: Mapping[str, object]) -> str:
     when = mark.get("found_unix")
     at = f" at {_iso(when)}" if isinstance(when, (int, float)) else ""
     return f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"
-
-
-def _files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
-    """The manifest's files that are missing or not of its size, one stat each (what a
-    load of the step would refuse first; ``verify`` checks every byte)."""
-    amiss = []
-    for name, f in files.items():
-        try:
-            size = os.stat(step_dir / name).st_size
-        except FileNotFoundError:
-            amiss.append(f"{name} is missing")
-            continue
-        except OSError as exc:
-            amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
-            continue
-        if size != f.bytes:
-            amiss.append(f"{name} is {size} bytes, not {f.bytes}")
-    return amiss
 
 
 # --- inspect -----------------------------------------------------------------------------------
@@ -558,7 +543,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         doc = _inspect_doc(step_dir, m)
         # what ls checks too (a stat per file): inspect showed a truncated shard's tensors
         # and exited 0, where ls says DAMAGED and exits 1
-        doc["damaged"] = _files_amiss(step_dir, m.files) + _marked(step_dir, storage)
+        doc["damaged"] = commit.files_amiss(step_dir, m.files) + _marked(step_dir, storage)
         return doc
 
     step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))
@@ -795,9 +780,10 @@ def _print_verdict(step_dir: Path, report: VerifyReport, seconds: float) -> None
 
 # --- export ------------------------------------------------------------------------------------
 
-def _overflow_word(dtype: str) -> str:
+def _overflow_word(dtype: str) -> tuple[str, bool]:
     """What a value beyond the range of ``dtype`` (a --dtype name) becomes in the cast:
-    inf, NaN (formats without inf), or its largest value (float8_e4m3fn saturates)."""
+    inf, NaN (formats without inf), or its largest value (float8_e4m3fn saturates); and
+    whether the format holds infinities."""
     import torch
 
     from .export import DTYPE_ALIASES
@@ -805,8 +791,9 @@ def _overflow_word(dtype: str) -> str:
     dt = DTYPE_ALIASES[dtype]
     beyond = torch.tensor([torch.finfo(dt).max], dtype=torch.float64) * 4  # (inf for fp64)
     got = float(beyond.to(dt).double())
-    return "inf" if math.isinf(got) else "NaN" if math.isnan(got) else \
-        f"its largest value ({got:g})"
+    has_inf = math.isinf(float(torch.tensor([math.inf]).to(dt).double()))
+    return ("inf" if math.isinf(got) else "NaN" if math.isnan(got) else
+            f"its largest value ({got:g})"), has_inf
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -843,9 +830,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     for s in report.skipped:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
     for name, n in report.overflowed.items():
-        _warn(f"{_n(n, 'finite value')} of {_shown(name)} "
-              f"{'are' if n != 1 else 'is'} beyond the range of {args.dtype} and became "
-              f"{_overflow_word(args.dtype)}")
+        word, inf = _overflow_word(args.dtype)
+        _warn(f"{_n(n, 'value')} of {_shown(name)} {'are' if n != 1 else 'is'} beyond the "
+              f"range of {args.dtype}{'' if inf else ' (or infinite: it has no inf)'} and "
+              f"became {word}")
     if args.json:
         _print_json({"ok": True, **report.to_json()})
         return EXIT_OK

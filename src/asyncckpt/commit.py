@@ -21,9 +21,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import (
     CheckpointConfigError,
@@ -212,6 +212,26 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
         if unlistable is not None:
             unlistable.append((name, why))
     return False
+
+
+def files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
+    """The manifest's ``files`` (name -> entry with ``bytes``) that are missing or not of
+    its size, in words, one stat each (what a load of the step would refuse first;
+    ``verify`` checks every byte): what ``ls`` shows DAMAGED and ``best_step()`` passes
+    over."""
+    amiss = []
+    for name, f in files.items():
+        try:
+            size = os.stat(step_dir / name).st_size
+        except FileNotFoundError:
+            amiss.append(f"{name} is missing")
+            continue
+        except OSError as exc:
+            amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
+            continue
+        if size != f.bytes:
+            amiss.append(f"{name} is {size} bytes, not {f.bytes}")
+    return amiss
 
 
 def _still_there(root: Path, name: str, storage: ReadStorage) -> bool:

@@ -114,9 +114,10 @@ class ExportReport:
     """Selected paths that share storage with a written tensor (tied weights): alias
     name -> written name. Written once, as safetensors and Hugging Face expect."""
     overflowed: dict[str, int] = field(default_factory=dict)
-    """Written name -> how many finite values the ``dtype`` cast could not hold: values
+    """Written name -> how many values the ``dtype`` cast could not hold: finite values
     beyond the smaller dtype's range (e.g. from 65520 for fp16), which became +-inf, NaN
-    (formats without inf) or its largest value (casts that saturate: float8_e4m3fn)."""
+    (formats without inf) or its largest value (casts that saturate: float8_e4m3fn), and
+    infinities of a format without them (which became NaN or its largest value)."""
     file_bytes: int = 0
     tensor_bytes: int = 0
     seconds: float = 0.0
@@ -665,6 +666,9 @@ def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
             lost = ~torch.isfinite(after) & torch.isfinite(wide)
             if beyond is not None:  # a saturating cast (float8_e4m3fn) makes them its max
                 lost |= torch.isfinite(wide) & (wide.abs() > beyond)
+            # and infinities of a format without them (made its max, or NaN): a weight
+            # that diverged must not come out as a plausible number without a word
+            lost |= torch.isinf(wide) & ~torch.isinf(after)
             over += int(lost.sum())
         with _writing(out):
             _write_all(fd, tensor_bytes(piece))
