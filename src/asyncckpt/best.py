@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .commit import step_dir_name
+from .commit import step_dir_name, still_there
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .manifest import MANIFEST_NAME
 from .reader import read_manifest_summary
@@ -189,7 +189,9 @@ class StepMetrics:
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
-            if not isinstance(exc, FileNotFoundError) or _still_listed(root, step, storage):
+            gone = isinstance(exc, FileNotFoundError) and not still_there(
+                root, step_dir_name(step), storage)
+            if not gone:
                 log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
                             "without metrics", step, type(exc).__name__, exc)
             return {}
@@ -211,14 +213,6 @@ class StepMetrics:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
         return out
-
-
-def _still_listed(root: Path, step: int, storage: ReadStorage) -> bool:
-    """Whether step ``step``'s directory is there now."""
-    try:
-        return step_dir_name(step) in storage.listdir(root)
-    except OSError:
-        return True  # (unknown: as it was listed)
 
 
 def _identity(root: Path, step: int, storage: ReadStorage) -> object:

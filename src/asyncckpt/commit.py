@@ -175,7 +175,7 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
         # empty), or read as retention removed its files after renaming it away: a
         # step retired, not one without manifest (a trial's ls beside a trainer said
         # "without manifest.json", 1 run in 150).
-        if not _still_there(root, name, storage):
+        if not still_there(root, name, storage):
             if retired is not None:
                 retired.append(name)
             return False
@@ -188,7 +188,7 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     except OSError as exc:
         if is_transient(exc):  # (a stale handle, no descriptors left...: not this entry's)
             raise
-        if isinstance(exc, FileNotFoundError) and not _still_there(root, name, storage):
+        if isinstance(exc, FileNotFoundError) and not still_there(root, name, storage):
             if retired is not None:  # retired since the root was listed (no dangling link)
                 retired.append(name)
             return False
@@ -234,7 +234,7 @@ def files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
     return amiss
 
 
-def _still_there(root: Path, name: str, storage: ReadStorage) -> bool:
+def still_there(root: Path, name: str, storage: ReadStorage) -> bool:
     """Whether the entry ``name`` of ``root`` is there now (one stat; a listing of the
     root where the storage is not local)."""
     if isinstance(storage, LocalStorage):
