@@ -1615,6 +1615,31 @@ def test_a_step_another_rank_does_not_see_yet_is_not_marked_damaged(tmp_path: Pa
     assert not (tmp_path / "step_000000002" / "damaged.json").exists()
 
 
+def test_a_group_fallback_marks_each_ranks_finding_under_its_rank(tmp_path: Path) -> None:
+    """(A trial: damaged.json named rank 1's finding "rank 1: ..." and rank 0's own with
+    no rank.) Both ranks' rows of step 2 damaged: both named, in rank order."""
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+    _damage_rank1_part_of_step2(tmp_path)
+    m = asyncckpt.AsyncCheckpointer(tmp_path).manifest(2)
+    chunk = next(c for c in m.tensors["w"].chunks if c.offsets == (0,))
+    with open(tmp_path / "step_000000002" / chunk.file, "r+b") as f:
+        f.seek(chunk.byte_range[0])
+        f.write(b"\xff\xff\xff\xff")
+
+    def rank(r: int) -> int:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=10) as ck:
+            got = ck.load({"w": torch.zeros(4), "step": 0}, fallback=True,
+                          shards={"w": ShardMetadata((8,), (4 * r,))})
+        return int(got["step"])
+
+    assert all_ok(in_threads(rank)) == {0: 1, 1: 1}
+    problem = json.loads((tmp_path / "step_000000002" / "damaged.json").read_text())["problem"]
+    assert problem.startswith("rank 0: ") and "; rank 1: " in problem, problem
+    assert problem.count("checksum mismatch") == 2, problem
+
+
 def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Path) -> None:
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)

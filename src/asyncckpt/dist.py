@@ -1363,6 +1363,10 @@ class FallbackAgreement:
     ctx: DistContext
     prefix: str
 
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
     def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False, gone: bool = False) -> list[Finding]:
         """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;

@@ -384,6 +384,10 @@ class _Told:
     def __init__(self, agree: Agreement) -> None:
         self.agree, self.attempt, self.done = agree, 0, False
 
+    @property
+    def rank(self) -> int:
+        return self.agree.rank
+
     def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False, gone: bool = False) -> list[Finding]:
         self.attempt, self.done = attempt, True
@@ -467,7 +471,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         corrupt = problem is not None and not isinstance(problem, CheckpointNotFoundError)
         bad = [f"rank {o.rank}: {o.problem}" for o in others if not o.gone]
         if damaged is not None and (corrupt or bad):
-            damaged.append((step, "; ".join(([str(problem)] if corrupt else []) + bad)))
+            own = [] if not corrupt else [str(problem)] if agree is None else [
+                f"rank {agree.rank}: {problem}"]  # (as the others' are named)
+            damaged.append((step, "; ".join(sorted(own + bad, key=_by_rank))))
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             deleted = deleted or gone
@@ -492,6 +498,12 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                                   damaged=damaged)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
+
+
+def _by_rank(finding: str) -> int:
+    """The rank a group's finding names ("rank 3: ..."), to list them in rank order."""
+    m = re.match(r"rank (\d+): ", finding)
+    return int(m.group(1)) if m else -1
 
 
 def _after_failures(exc: CheckpointError, failures: list[str], state: Any) -> CheckpointError:
@@ -601,6 +613,9 @@ class Finding(NamedTuple):
 
 class Agreement(Protocol):
     """A group's verdict on one step of a fallback load (see dist.FallbackAgreement)."""
+
+    @property
+    def rank(self) -> int: ...  # this rank
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
                  failed: bool = False, gone: bool = False) -> list[Finding]: ...
