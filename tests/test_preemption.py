@@ -191,6 +191,10 @@ def test_a_signal_that_cannot_be_caught_is_refused_and_nothing_stays_installed()
             PreemptionWatch(bad)  # type: ignore[arg-type]
     with pytest.raises(CheckpointConfigError, match="escalate"):
         PreemptionWatch(escalate=(12345,))
+    # (a trial's escalate=(SIGKILL,) was taken silently: no handler ever sees it)
+    with pytest.raises(CheckpointConfigError, match="SIGKILL cannot be caught, so it cannot "
+                                                    "escalate"):
+        PreemptionWatch(escalate=(signal.SIGKILL,))
 
 
 def test_should_stop_over_nccl_asks_over_a_gloo_group_of_its_own(

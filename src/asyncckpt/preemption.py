@@ -41,6 +41,12 @@ def _signals(values: Iterable[int], name: str) -> list[signal.Signals]:
     return out
 
 
+# (torch cannot cancel a collective: a late rank's next all-reduce pairs with this one)
+_ABANDONED = (". The all-reduce stays pending: a rank that joins late pairs its later "
+              "calls with it, so do not call should_stop again in this process group; end "
+              "the job (it resumes from the last committed step)")
+
+
 class PreemptionWatch:
     """Notes SIGTERM (or the signals given) while installed; the loop polls ``should_stop``.
 
@@ -75,6 +81,13 @@ class PreemptionWatch:
             raise CheckpointConfigError("PreemptionWatch(signals=()): name at least one "
                                         "signal to watch, e.g. signal.SIGTERM")
         self.escalate = frozenset(_signals(escalate, "escalate"))
+        uncatchable = sorted(s.name for s in self.escalate
+                             if s in (signal.SIGKILL, getattr(signal, "SIGSTOP", None)))
+        if uncatchable:  # (no handler ever sees them: it would do nothing, silently)
+            raise CheckpointConfigError(
+                f"PreemptionWatch(escalate=...): {', '.join(uncatchable)} cannot be caught, "
+                "so it cannot escalate; name watched signals whose second delivery should "
+                "go to the handler installed before, e.g. escalate=(signal.SIGINT,)")
         self._previous: dict[signal.Signals, _Handler] = {}
         self._received: signal.Signals | None = None
         self._agreed = False
@@ -179,11 +192,11 @@ class PreemptionWatch:
         except RuntimeError as exc:
             raise CheckpointTimeoutError(
                 f"should_stop: the ranks did not all join its all-reduce within {timeout:g} "
-                f"s ({exc}); call it on every rank at the same steps") from exc
+                f"s ({exc}); call it on every rank at the same steps{_ABANDONED}") from exc
         if finished is False:
             raise CheckpointTimeoutError(
                 f"should_stop: the ranks did not all join its all-reduce within {timeout:g} "
-                "s; call it on every rank at the same steps")
+                f"s; call it on every rank at the same steps{_ABANDONED}")
         self._agreed = bool(flag.item())
         if self._agreed:
             log.warning("rank=%d: preemption requested (%s on %s): stopping at this step",
