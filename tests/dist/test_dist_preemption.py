@@ -50,6 +50,8 @@ def test_a_rank_that_does_not_join_is_timed_out(tmp_path: Path) -> None:
     runs = run_ranks(MODULE, "absent_worker", 2, tmp_path / "run", timeout_s=60)
     assert "CheckpointTimeoutError" in runs[0].result["error"], runs[0].result
     assert "every rank at the same steps" in runs[0].result["error"], runs[0].result
+    # (a trial's late rank then paired its later calls with the abandoned all-reduce)
+    assert "do not call should_stop again in this process group" in runs[0].result["error"]
 
 
 def absent_worker(ctx: RankCtx) -> dict[str, Any]:
