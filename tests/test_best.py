@@ -441,3 +441,43 @@ def test_a_step_retired_while_its_metrics_are_read_is_no_warning(
     (tmp_path / "step_000000002" / "manifest.json").write_text("{}")  # there, unreadable
     assert StepMetrics().scores(tmp_path, LocalStorage(), [2], "val_loss") == {}
     assert "step 2's metrics cannot be read" in caplog.text
+
+
+def test_the_cli_takes_the_best_step_by_a_metric(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A deploy script picked the best step through the Python API: `--best METRIC` on
+    ls (marked), inspect, verify, export and serve, as best_step() picks it."""
+    root = tmp_path / "ck"
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss, "acc": float(step)})
+    capsys.readouterr()
+    assert main(["ls", str(root), "--best", "val_loss"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].split()[0] == "2" and rows[2].endswith("best val_loss")
+    assert main(["ls", str(root), "--best", "acc", "--max", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"] == 3
+    assert main(["inspect", str(root), "--best", "val_loss", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert main(["verify", str(root), "--best", "acc", "--max", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 3
+    out = tmp_path / "best.safetensors"
+    assert main(["export", str(root), str(out), "--best", "val_loss", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    # a step known damaged is passed over, as best_step() does
+    from asyncckpt import commit
+
+    assert commit.mark_damaged(root, 2, "checksum mismatch", LocalStorage()) is None
+    assert main(["verify", str(root), "--best", "val_loss", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 3
+    # what cannot be
+    for argv, said in ((["inspect", str(root), "--best", "nothing"],
+                        "no committed step under"),
+                       (["verify", str(root), "--best", "val_loss", "--step", "1"],
+                        "--step and --best each name a step"),
+                       (["verify", str(root), "--all", "--best", "val_loss"], "drop --best"),
+                       (["ls", str(root), "--max"], "--max goes with --best"),
+                       (["inspect", str(root / "step_000000001"), "--best", "val_loss"],
+                        "--best picks among the steps of a checkpoint root")):
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err, argv

@@ -289,6 +289,12 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
     while it was being read", in 12 runs of 20)."""
     from .loader import LATEST_TRIES
 
+    if getattr(args, "best", None) is not None:
+        if args.step is not None:
+            raise _Usage("--step and --best each name a step: pass one of them")
+        args.step = _best_step(args, Path(args.ckpt))  # (a step named: never replaced)
+    elif getattr(args, "max", False):
+        raise _Usage("--max goes with --best METRIC")
     for left in range(LATEST_TRIES - 1, -1, -1):
         step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""))
         latest = args.step is None and step_dir != Path(args.ckpt)
@@ -369,11 +375,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # step directory without its manifest is a checkpoint lost (or a copy cut short).
     code = EXIT_CORRUPT if corrupt or no_manifest or any(
         e.get("damaged") for e in entries) else EXIT_OK
+    best: int | None = None  # (--best: marked; none recorded the metric: none marked)
+    if args.best is not None and MANIFEST_NAME not in names:
+        with contextlib.suppress(CheckpointNotFoundError):
+            best = _best_step(args, root)
+    elif args.max:
+        raise _Usage("--max goes with --best METRIC")
     _decided(args, code)
     if args.json:
         # ("without_manifest" as verify --all says it; "no_manifest", its older name)
         _print_json({"root": str(root), "ok": code == EXIT_OK, "steps": entries,
-                     "latest": latest, "incomplete": abandoned,
+                     "latest": latest, **({"best": best} if args.best is not None else {}),
+                     "incomplete": abandoned,
                      "without_manifest": no_manifest, "no_manifest": no_manifest})
         return code
     if not entries:
@@ -385,6 +398,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  *([_shown(_metrics_text(e["metrics"]))]
                    if metrics else []),
                  ", ".join((["latest"] if e["step"] == latest else [])
+                           + ([f"best {_shown(args.best)}"] if e["step"] == best else [])
                            + ([_shown(f"DAMAGED: {'; '.join(e['damaged'])} (run 'asyncckpt "
                                       f"verify {root} --step {e['step']}')")]
                               if e["damaged"] else []))]
@@ -704,8 +718,9 @@ def _without_manifest(root: Path, storage: LocalStorage, above: int) -> list[str
 def _verify_all(args: argparse.Namespace) -> int:
     """``verify ROOT --all``: every committed step, oldest first; exit 1 if any is corrupt
     (the verdicts are printed once all are known: a pipe closed early keeps the code)."""
-    if args.step is not None:
-        raise _Usage("--all verifies every committed step: drop --step")
+    if args.step is not None or args.best is not None:
+        raise _Usage(f"--all verifies every committed step: drop "
+                     f"{'--step' if args.step is not None else '--best'}")
     root = Path(args.ckpt)
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
@@ -957,6 +972,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # --- entry point -------------------------------------------------------------------------------
 
+def _add_best(sp: argparse.ArgumentParser, text: str = "the committed step of the root "
+              "whose METRIC (recorded by save_async(metrics=...)) is best, as "
+              "best_step() picks it: the least, or with --max the greatest") -> None:
+    sp.add_argument("--best", metavar="METRIC", default=None, help=text)
+    sp.add_argument("--max", action="store_true",
+                    help="with --best: the greatest value is best (an accuracy); default: "
+                    "the least (a loss)")
+
+
+def _best_step(args: argparse.Namespace, root: Path) -> int:
+    """The step --best names under ``root`` (AsyncCheckpointer.best_step's choice: steps
+    known damaged are passed over); CheckpointNotFoundError when no step recorded it."""
+    from .checkpointer import AsyncCheckpointer
+
+    if not root.is_dir() or (root / MANIFEST_NAME).exists():
+        raise _Usage(f"--best picks among the steps of a checkpoint root: {root} is "
+                     f"{'a step directory' if root.is_dir() else 'no directory'}")
+    with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
+        best = ckpt.best_step(args.best, "max" if args.max else "min")
+    if best is None:
+        raise CheckpointNotFoundError(
+            f"no committed step under {root} recorded the metric {args.best!r} (or each that "
+            f"did is known damaged): 'asyncckpt ls {root} --json' shows every step's metrics")
+    return best
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="asyncckpt",
@@ -966,6 +1007,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
     ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
+    _add_best(ls, "mark the committed step whose METRIC (save_async(metrics=...)) is best")
     ls.set_defaults(func=cmd_ls)
     for name, func, text in (
             ("inspect", cmd_inspect, "show the tensors of one checkpoint (or of plain "
@@ -976,6 +1018,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a checkpoint root (latest step unless --step) or a step directory")
         sp.add_argument("--step", type=_step_number, default=None,
                         help="which committed step of the root")
+        _add_best(sp)
         if name == "verify":
             sp.add_argument("--threads", type=int, default=None,
                             help="files or parts of one read at once (default: 2, or 1 "
@@ -999,6 +1042,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--max-shard-size: the directory)")
     ex.add_argument("--step", type=_step_number, default=None,
                     help="which committed step of the root")
+    _add_best(ex)
     ex.add_argument("--prefix", default="",
                     help="export only the tensors under this name (model: model/... and "
                          "model.... but not model_ema/...)")
@@ -1027,6 +1071,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a checkpoint root (latest step unless --step) or a step directory")
     sv.add_argument("--step", type=_step_number, default=None,
                     help="which committed step of the root")
+    _add_best(sv)
     sv.add_argument("--host", default="127.0.0.1",
                     help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     sv.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
