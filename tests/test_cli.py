@@ -854,7 +854,7 @@ def test_options_are_not_abbreviated(root: Path, capsys: pytest.CaptureFixture[s
     code, out, err = run(capsys, "ls", str(root), "--js")
     assert code == 2 and out == "" and "unrecognized arguments: --js" in err
     # told with the command's usage (it was the top level's, which names no option)
-    assert err.startswith("usage: asyncckpt ls [-h] [--json] DIR"), err
+    assert err.startswith("usage: asyncckpt ls [-h] [--best METRIC] [--max] [--json] DIR"), err
     assert "asyncckpt ls: error: unrecognized arguments: --js" in err, err
     safetensors.torch.save_file({"w": torch.ones(2)}, str(root.parent / "plain.safetensors"))
     code, _, err = run(capsys, "verify", str(root.parent / "plain.safetensors"))
