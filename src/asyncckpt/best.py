@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,13 @@ class KeepBest:
     ranking: Ranking
     cache: StepMetrics
 
-    def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> set[int]:
+    def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+               damaged: Collection[int] = ()) -> set[int]:
+        """The ``count`` best of ``steps`` (every committed step) ranked among the steps
+        not ``damaged``: a damaged best one takes no intact step's place. It is spared as
+        well while it ranks among the best of all (a mark may be wrong: a passing read
+        error), and goes once others rank above it."""
         scores = self.cache.scores(root, storage, steps, self.ranking.metric)
-        return set(self.ranking.best(scores, self.count))
+        intact = {s: v for s, v in scores.items() if s not in damaged}
+        return set(self.ranking.best(intact, self.count)) | set(
+            self.ranking.best(scores, self.count))

@@ -620,14 +620,14 @@ def damaged_marks(root: Path, steps: Sequence[int], storage: ReadStorage) -> set
 
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None, keep_every: int | None = None,
-                 spare: Callable[[list[int]], Collection[int]] | None = None,
+                 spare: Callable[[list[int], Collection[int]], Collection[int]] | None = None,
                  damaged: Collection[int] = (), found: set[int] | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
     (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
-    of all the committed steps: keep_best's), oldest first. Damaged steps (a fallback
-    load found them corrupt: ``damaged``, and those marked so on disk, which ``found``
-    gets) are not counted among the newest: they go once older than every step kept,
-    so that a damaged step never takes the place of an intact one."""
+    of all the committed steps, told which are damaged: keep_best's), oldest first.
+    Damaged steps (a fallback load found them corrupt: ``damaged``, and those marked so
+    on disk, which ``found`` gets) are not counted among the newest: they go once older
+    than every step kept, so that a damaged step never takes the place of an intact one."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
@@ -647,12 +647,9 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     bad = marked | damaged_marks(root, old, storage) if old else marked
     if found is not None:  # (of the steps that go: those a save's warning leaves out)
         found |= bad
-    # keep_best ranks the intact steps: a damaged best one held a place that an intact
-    # step then lost. It is kept as well (a mark may be wrong: a passing read error), and
-    # goes once other steps rank above it.
-    # (all the steps last: keep_best's cache forgets the metrics of steps not passed)
-    spared = (set(spare([s for s in steps if s not in bad and s not in damaged]))
-              | set(spare(steps)) if spare is not None and old else ())
+    # (keep_best ranks the intact steps: a damaged best one held a place that an intact
+    # step then lost)
+    spared = spare(steps, bad | set(damaged)) if spare is not None and old else ()
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]
 
