@@ -289,12 +289,8 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
     while it was being read", in 12 runs of 20)."""
     from .loader import LATEST_TRIES
 
-    if getattr(args, "best", None) is not None:
-        if args.step is not None:
-            raise _Usage("--step and --best each name a step: pass one of them")
+    if getattr(args, "best", None) is not None:  # (with no --step: _check_choice)
         args.step = _best_step(args, Path(args.ckpt))  # (a step named: never replaced)
-    elif getattr(args, "max", False):
-        raise _Usage("--max goes with --best METRIC")
     for left in range(LATEST_TRIES - 1, -1, -1):
         step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""))
         latest = args.step is None and step_dir != Path(args.ckpt)
@@ -379,8 +375,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.best is not None and MANIFEST_NAME not in names:
         with contextlib.suppress(CheckpointNotFoundError):
             best = _best_step(args, root)
-    elif args.max:
-        raise _Usage("--max goes with --best METRIC")
     _decided(args, code)
     if args.json:
         # ("without_manifest" as verify --all says it; "no_manifest", its older name)
@@ -844,8 +838,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     _decided(args, EXIT_OK)  # the file is written
     for s in report.skipped:
         _warn(f"skipped {_shown(s.key)} ({s.dtype} {list(s.shape)}): {s.reason}")
+    word, inf = _overflow_word(args.dtype) if report.overflowed else ("", True)
     for name, n in report.overflowed.items():
-        word, inf = _overflow_word(args.dtype)
         _warn(f"{_n(n, 'value')} of {_shown(name)} {'are' if n != 1 else 'is'} beyond the "
               f"range of {args.dtype}{'' if inf else ' (or infinite: it has no inf)'} and "
               f"became {word}")
@@ -979,6 +973,16 @@ def _add_best(sp: argparse.ArgumentParser, text: str = "the committed step of th
     sp.add_argument("--max", action="store_true",
                     help="with --best: the greatest value is best (an accuracy); default: "
                     "the least (a loss)")
+
+
+def _check_choice(args: argparse.Namespace) -> None:
+    """The options that choose a step, together: --max only with --best, and --best or
+    --step, not both (every command that has them)."""
+    best = getattr(args, "best", None)
+    if getattr(args, "max", False) and best is None:
+        raise _Usage("--max goes with --best METRIC")
+    if best is not None and getattr(args, "step", None) is not None:
+        raise _Usage("--step and --best each name a step: pass one of them")
 
 
 def _best_step(args: argparse.Namespace, root: Path) -> int:
@@ -1173,6 +1177,7 @@ def _main(argv: list[str] | None) -> int:
     library = logging.getLogger("asyncckpt")
     library.addHandler(_LOG)
     try:
+        _check_choice(args)
         code: int = args.func(args)
         try:  # here, not at exit, where a failure could only be printed as ignored
             if sys.stdout is not None:
