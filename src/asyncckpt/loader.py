@@ -469,11 +469,14 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         # A step gone, here or on another rank (deleted while read; on a network
         # filesystem, not yet visible there), is no damage: nothing to mark or keep.
         corrupt = problem is not None and not isinstance(problem, CheckpointNotFoundError)
-        bad = [f"rank {o.rank}: {o.problem}" for o in others if not o.gone]
+        bad = [(o.rank, o.problem) for o in others if not o.gone]
         if damaged is not None and (corrupt or bad):
-            own = [] if not corrupt else [str(problem)] if agree is None else [
-                f"rank {agree.rank}: {problem}"]  # (as the others' are named)
-            damaged.append((step, "; ".join(sorted(own + bad, key=_by_rank))))
+            if agree is None:  # (alone: the finding is this process's, no rank to name)
+                damaged.append((step, str(problem)))
+            else:  # a group's: each rank's finding under its rank, this one's too
+                if corrupt:
+                    bad.append((agree.rank, str(problem)))
+                damaged.append((step, "; ".join(f"rank {r}: {p}" for r, p in sorted(bad))))
         if problem is not None:
             gone = isinstance(problem, CheckpointNotFoundError)
             deleted = deleted or gone
@@ -498,12 +501,6 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
                                   damaged=damaged)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(failures),
                                  path=str(root))
-
-
-def _by_rank(finding: str) -> int:
-    """The rank a group's finding names ("rank 3: ..."), to list them in rank order."""
-    m = re.match(r"rank (\d+): ", finding)
-    return int(m.group(1)) if m else -1
 
 
 def _after_failures(exc: CheckpointError, failures: list[str], state: Any) -> CheckpointError:
@@ -1616,10 +1613,21 @@ _WRAPPERS = {
     "_fsdp_wrapped_module.": "FSDP (FullyShardedDataParallel)",
     "_checkpoint_wrapped_module.": "activation checkpointing",
 }
-_WRAPPER_PART = re.compile(r"(?:^|(?<=[/.]))(?:_orig_mod|module|_fsdp_wrapped_module"
-                           r"|_checkpoint_wrapped_module)\.")
-_WRAPPER_RUN = re.compile(r"(?:(?:_orig_mod|module|_fsdp_wrapped_module"
-                          r"|_checkpoint_wrapped_module)\.)*")
+
+
+def _wrapper_names(parts: Iterable[str]) -> str:
+    """Wrapper parts (``"module."``) as a regex alternation of their names."""
+    return "|".join(re.escape(p[:-1]) for p in parts)
+
+
+def _whole_parts(parts: Iterable[str]) -> str:
+    """A regex of any of the wrapper ``parts`` standing as a whole name of a path (after
+    its start, a ``/`` or a ``.``): ``module.`` but not ``submodule.``."""
+    return rf"(?:^|(?<=[/.]))(?:{_wrapper_names(parts)})\."
+
+
+_WRAPPER_PART = re.compile(_whole_parts(_WRAPPERS))
+_WRAPPER_RUN = re.compile(rf"(?:(?:{_wrapper_names(_WRAPPERS)})\.)*")  # (several in a row)
 _MAX_RENAMES_SHOWN = 3  # a hint's key_map chains at most this many replacements
 
 
@@ -1672,8 +1680,7 @@ def _part_key_map(drop: list[str], put: str) -> tuple[Callable[[str], str], str]
     """A key_map that replaces the wrapper parts ``drop`` with ``put`` wherever they stand
     as a whole name (not ``submodule.``): per-layer wrappers (activation checkpointing,
     FSDP1's auto-wrap) and nested ones put them all along the paths; and its code."""
-    names = "|".join(re.escape(x[:-1]) for x in drop)
-    pattern = rf"(?:^|(?<=[/.]))(?:{names})\."
+    pattern = _whole_parts(drop)
     compiled = re.compile(pattern)
     return ((lambda path: compiled.sub(put, path)),
             f"key_map=lambda path: re.sub(r'{pattern}', {put!r}, path)")
