@@ -353,7 +353,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
                                            _marked(d, storage)))
         else:
-            damaged = commit.files_amiss(d, m.files) + _marked(d, storage)
+            damaged = _damaged(d, m.files, storage)
             if damaged and d != root and not os.path.lexists(d):
                 continue  # retired while its files were looked at: no step now, no damage
             entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
@@ -425,6 +425,12 @@ def _unreadable_row(step: int | None, path: Path, error: str,
     return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
             "created_unix": None, "created": None, "library_version": None, "metrics": None,
             "damaged": marked or [], "error": error}
+
+
+def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
+    """What ls and inspect say is amiss with a step, a stat per file and no byte read: its
+    manifest's ``files`` missing or not of their sizes, and its damaged.json."""
+    return commit.files_amiss(step_dir, files) + _marked(step_dir, storage)
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
@@ -551,7 +557,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         doc = _inspect_doc(step_dir, m)
         # what ls checks too (a stat per file): inspect showed a truncated shard's tensors
         # and exited 0, where ls says DAMAGED and exits 1
-        doc["damaged"] = commit.files_amiss(step_dir, m.files) + _marked(step_dir, storage)
+        doc["damaged"] = _damaged(step_dir, m.files, storage)
         return doc
 
     step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))
