@@ -1079,7 +1079,9 @@ class AsyncCheckpointer:
         interrupted = False
         try:
             if last is not None:
-                unseen = self._settle(last, f"closing {self.directory}: ")
+                # (raised below when raise_missed: logged only where nothing raises it)
+                unseen = self._settle(last, f"closing {self.directory}: ",
+                                      quiet=raise_missed)
                 if (self._ctx.distributed and self._ctx.is_coordinator and self._prev_tag
                         and last._durable.exception() is None):
                     # (the other ranks may still be reading its verdict from the Store,
@@ -1212,9 +1214,11 @@ class AsyncCheckpointer:
         del fut, exc  # frames of a raised error keep their locals: no cycle through them
 
     @staticmethod
-    def _settle(fut: CheckpointFuture, context: str) -> BaseException | None:
+    def _settle(fut: CheckpointFuture, context: str, *,
+                quiet: bool = False) -> BaseException | None:
         """Wait for ``fut`` without counting as its caller; log a failure nobody has
-        waited on, and return it (None if it succeeded or its caller saw it)."""
+        waited on (unless ``quiet``: the caller raises it), and return it (None if it
+        succeeded or its caller saw it)."""
         # Not fut.wait(): raising the failure here would add this frame, and through it
         # its callers' (the checkpointer), to the traceback the future keeps. Anything
         # raised while waiting (a signal handler's exception) propagates as it is.
@@ -1222,8 +1226,9 @@ class AsyncCheckpointer:
         exc = fut._durable.exception()
         if exc is None or fut.observed:
             return None
-        log.error("%sstep %d was not saved, and its future was never waited on: %s",
-                  context, fut.step, exc)
+        if not quiet:
+            log.error("%sstep %d was not saved, and its future was never waited on: %s",
+                      context, fut.step, exc)
         return exc
 
     def _agree_on_discard(self, tag: str, step: int) -> None:
