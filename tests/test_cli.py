@@ -111,9 +111,11 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     # verify ROOT (the latest committed step, 30): intact, but a newer step lost its
     # manifest (a cron job on it saw OK, exit 0); --all says so as well
     code, out, _ = run(capsys, "verify", str(root))
-    assert code == 1 and out.startswith("OK ") and (
+    first, second = out.splitlines()[:2]
+    assert code == 1 and first.startswith(f"DAMAGED {root}: ") and (
         "newer step directory without manifest.json: step_000000050: the newest checkpoint "
-        "lost its manifest") in out, out
+        "lost its manifest") in first and first.endswith("loads take step 30:"), out
+    assert second.startswith("OK ") and "step 30" in second
     code, out, _ = run(capsys, "verify", str(root), "--json")
     doc = json.loads(out)
     assert code == 1 and doc["ok"] is False and doc["without_manifest"] == doc[
@@ -843,7 +845,8 @@ def test_a_step_dir_without_its_manifest_is_not_called_an_empty_root(
     # the root itself is untouched: its other steps load (verify exits 1: the newest
     # step lost its manifest), and an empty folder is no step
     code, out, _ = run(capsys, "verify", str(root))
-    assert code == 1 and out.startswith("OK ") and "step_000000030: the newest" in out
+    assert code == 1 and out.startswith("DAMAGED ") and "\nOK " in out
+    assert "step_000000030: the newest" in out
     (root.parent / "empty").mkdir()
     code, _, err = run(capsys, "verify", str(root.parent / "empty"))
     assert code == 2 and "no committed checkpoint under" in err

@@ -670,9 +670,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if args.step is None and step_dir != Path(args.ckpt) and latest is not None
             else [])
     code = _decided(args, EXIT_OK if report.ok and not lost else EXIT_CORRUPT)
-    said = (f"newer step director{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: "
-            f"{', '.join(lost)}: the newest checkpoint lost its manifest (or a copy is cut "
-            "short); no load reads it") if lost else ""
+    said = (f"DAMAGED {step_dir.parent}: newer step director"
+            f"{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: {', '.join(lost)}: "
+            "the newest checkpoint lost its manifest (or a copy is cut short); no load reads "
+            f"it, and loads take step {latest}:") if lost else ""
     mark = commit.read_damaged_mark(step_dir, storage)
     if args.json:
         doc = _verify_doc(step_dir, report, seconds)
@@ -681,10 +682,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if mark is not None:
             doc["damaged_mark"] = mark
         _print_json(doc)
-    else:
-        _print_verdict(step_dir, report, seconds)
+    else:  # (the damage first: a reader of the first line must not see only OK)
         if said:
             _out(said)
+        _print_verdict(step_dir, report, seconds)
         if not report.ok:
             _out("load an earlier step (asyncckpt ls ROOT lists them)")
         elif mark is not None:  # (ls shows the step DAMAGED: say why, and what to do)
