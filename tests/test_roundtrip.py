@@ -644,6 +644,34 @@ def test_the_strict_false_hint_is_not_given_where_it_would_not_help(tmp_path: Pa
         asyncckpt.load(tmp_path, target, strict=False)  # (as it says)
 
 
+def test_many_unexpected_keys_are_told_apart_in_one_pass_over_each_dict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trial: ignore_unexpected=True into the model of a checkpoint with 16,000 more
+    # tensors took 9 s (a ParameterList of 20,000 and Adam: 45 s), and the strict error as
+    # long: each unexpected path scanned its dict's items again to tell kinds apart.
+    from asyncckpt import loader
+
+    n = 3000
+    asyncckpt.save({"model": {"w": torch.ones(2)},
+                    "extra": {f"k{i}": torch.zeros(1) for i in range(n)}}, tmp_path, step=0)
+    calls = 0
+    escape = loader.escape_key
+
+    def counted(key: object) -> str:
+        nonlocal calls
+        calls += 1
+        return escape(key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "escape_key", counted)
+    target = {"model": {"w": torch.zeros(2)}}
+    asyncckpt.load(tmp_path, target, ignore_unexpected=True)
+    assert torch.equal(target["model"]["w"], torch.ones(2))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, target)
+    assert len(info.value.unexpected) == n
+    assert calls < 20 * n, calls  # (it was ~n * n / 2 per load: 4.5 million)
+
+
 def test_ignore_unexpected_loads_the_model_alone_of_a_training_checkpoint(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
     opt = torch.optim.AdamW(model.parameters())

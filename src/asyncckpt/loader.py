@@ -1531,10 +1531,11 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
     the user to strict=False, "unexpected" to ignore_unexpected=True, which then left
     the value as it was without a word."""
     told: set[str] = set()
+    children: dict[int, dict[str, Any]] = {}  # (a dict's children by name, once each)
     for paths, there, here in ((missing, saved, want), (unexpected, want, saved)):
         for p in paths:
-            other = _node_at(there, p)
-            mine = _node_at(here, p)
+            other = _node_at(there, p, children=children)
+            mine = _node_at(here, p, children=children)
             if other is None or mine is None or other["t"] in ARRAY_NODES:
                 continue
             ours, theirs = (mine, other) if here is want else (other, mine)
@@ -1552,17 +1553,27 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
         unexpected[:] = [p for p in unexpected if untold(p)]
 
 
-def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False
-             ) -> dict[str, Any] | None:
+def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
+             children: dict[int, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None;
-    with ``stateful``, a stateful node there itself rather than its state."""
+    with ``stateful``, a stateful node there itself rather than its state. ``children``
+    keeps each dict's children by name between calls (for many paths: one pass over a
+    dict's items each, not one per path)."""
     for seg in path.split("/") if path else []:
         if node["t"] == "stateful":
             node = node["state"]
         if node["t"] != "dict":
             return None
-        found: dict[str, Any] | None = next(
-            (c for k, c in node["items"] if escape_key(k) == seg), None)
+        if children is None:
+            found: dict[str, Any] | None = next(
+                (c for k, c in node["items"] if escape_key(k) == seg), None)
+        else:
+            named = children.get(id(node))
+            if named is None:
+                named = children[id(node)] = {}
+                for k, c in node["items"]:
+                    named.setdefault(escape_key(k), c)  # (the first, as the scan finds)
+            found = named.get(seg)
         if found is None:
             return None
         node = found
