@@ -650,6 +650,56 @@ def test_an_uncollected_error_survives_prepare_and_is_not_reported_twice(
     assert "closing" in caplog.text and "step 1 was not saved" in caplog.text
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_state_too_big_for_its_header_or_manifest_is_refused_not_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # A trial: 30,000 tensors with 4,000-character keys committed a step no load (and no
+    # safetensors reader) opens, whose place retention then took from a good one.
+    from asyncckpt import plan, writer
+
+    many = {f"{'k' * 100}{i}": torch.ones(1) for i in range(300)}  # ~49 KB of header
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode=mode, keep_last=1) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=1)
+        monkeypatch.setattr(plan, "WRITE_MAX_HEADER_BYTES", 20_000)
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"rank_00000\.safetensors: the safetensors header listing its "
+                                 r"300 tensors would take 49,\d+ bytes, over the 20,000 .*"
+                                 "shorten the keys"):
+            ckpt.save_async(many, step=2)
+        monkeypatch.undo()
+        monkeypatch.setattr(writer, "MAX_MANIFEST_BYTES", 5_000)
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"step 3: its manifest\.json would take [\d,]+ bytes, over "
+                                 "the 5,000 a load reads.*not committed"):
+            ckpt.save_async(many, step=3).wait()  # (mode="sync" raises at the call)
+        monkeypatch.undo()
+        assert ckpt.steps() == [1]  # kept: retention ran for neither
+        assert {p.name for p in tmp_path.iterdir()} == {".asyncckpt.lock", "step_000000001"}
+        assert torch.equal(ckpt.load(step=1)["w"], torch.ones(3))
+        ckpt.save(many, step=4)  # within the limits: saved as ever
+        assert ckpt.steps() == [4] and len(ckpt.load(step=4)) == 300
+
+
+def test_a_save_writes_no_header_larger_than_safetensors_reads(tmp_path: Path) -> None:
+    import safetensors
+
+    from asyncckpt.plan import WRITE_MAX_HEADER_BYTES
+
+    for n, opens in ((WRITE_MAX_HEADER_BYTES, True), (WRITE_MAX_HEADER_BYTES + 1, False)):
+        path = tmp_path / f"h{n}.safetensors"
+        with open(path, "wb") as f:
+            f.write(n.to_bytes(8, "little") + b"{}" + b" " * (n - 2))
+        try:
+            with safetensors.safe_open(str(path), "pt") as st:
+                assert list(st.keys()) == []
+            opened = True
+        except Exception as exc:  # (safetensors' own error type)
+            assert "header too large" in str(exc), exc
+            opened = False
+        assert opened is opens, n
+        path.unlink()
+
+
 def test_staging_error_raises_at_once_and_leaves_no_trace(tmp_path: Path) -> None:
     class Exploding:
         def state_dict(self) -> dict:

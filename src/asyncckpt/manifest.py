@@ -57,7 +57,9 @@ ALIGN = 4096
 CHECKSUM_ALGORITHM = "xxh3_64"
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024  # small enough that a resharding read verifies
 # only the blocks it needs, large enough that hashing costs nothing per block
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the largest a read accepts (a save writes no more
+# than safetensors' own readers accept, WRITE_MAX_HEADER_BYTES: any tool opens the shards)
+WRITE_MAX_HEADER_BYTES = 100_000_000
 MAX_MANIFEST_BYTES = 1024 * 1024 * 1024
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _DIGEST_TAIL = re.compile(rb',"digest":"([0-9a-f]{16})"\}\n?\Z')

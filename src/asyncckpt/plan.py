@@ -20,7 +20,16 @@ import torch
 
 from ._gc import gc_paused
 from .boxes import Box, box_byte_span, intersect, row_major_strides, tiling_problem
-from .manifest import Chunk, ChunkTable, HeaderEntry, Manifest, align_up, encode_header
+from .errors import CheckpointConfigError
+from .manifest import (
+    WRITE_MAX_HEADER_BYTES,
+    Chunk,
+    ChunkTable,
+    HeaderEntry,
+    Manifest,
+    align_up,
+    encode_header,
+)
 
 __all__ = ["Box", "ReadItem", "WriteItem", "WritePlan", "box_byte_span", "intersect",
            "plan_reads", "plan_writes", "row_major_strides", "tiling_problem"]
@@ -130,6 +139,14 @@ def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
     header = encode_header(
         (HeaderEntry(k, tensors[k].dtype, tuple(tensors[k].shape), s, e) for k, s, e in rel),
         metadata)
+    if len(header) - 8 > WRITE_MAX_HEADER_BYTES:  # (safetensors readers would refuse it)
+        names = sum(len(k.encode()) for k in tensors)
+        raise CheckpointConfigError(
+            f"{file}: the safetensors header listing its {len(tensors):,} tensors would take "
+            f"{len(header) - 8:,} bytes, over the {WRITE_MAX_HEADER_BYTES:,} that safetensors "
+            f"readers accept; their names alone take {names:,} bytes: shorten the keys, or "
+            "save fewer, larger tensors (stack rows into one), or spread them over more "
+            "ranks; nothing was written")
     base = len(header)
     items = tuple(WriteItem(k, tensors[k].dtype, tuple(tensors[k].shape), base + s, e - s)
                   for k, s, e in rel)

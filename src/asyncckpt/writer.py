@@ -41,7 +41,13 @@ from .errors import (
     CheckpointTimeoutError,
     seconds_text,
 )
-from .manifest import MANIFEST_NAME, block_checksums, metrics_text, parse_manifest
+from .manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    block_checksums,
+    metrics_text,
+    parse_manifest,
+)
 from .plan import WritePlan
 from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
@@ -1042,6 +1048,11 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
             records, step=job.step, library_version=job.library_version,
             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
             created_unix=time.time(), metrics=job.metrics, strict_replicas=job.strict_replicas)
+    if len(raw) > MAX_MANIFEST_BYTES:  # (no load would read it: the step is not committed)
+        raise CheckpointSaveError(
+            f"step {job.step}: its {MANIFEST_NAME} would take {len(raw):,} bytes, over the "
+            f"{MAX_MANIFEST_BYTES:,} a load reads; the state has too many tensors (or chunks "
+            "of them) for one manifest: save fewer, larger tensors; the step was not committed")
     return raw
 
 
