@@ -1025,3 +1025,25 @@ def test_cli_export_max_shard_size(tmp_path: Path) -> None:
     # each tensor's file, as the index has it (a trial read the index instead)
     index = json.loads((tmp_path / "y" / "model.safetensors.index.json").read_text())
     assert doc["weight_map"] == index["weight_map"] and len(doc["weight_map"]) == len(model)
+
+
+def test_an_export_whose_header_safetensors_would_refuse_is_refused_and_can_be_split(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {f"{'k' * 100}{i}": torch.full((4,), float(i)) for i in range(300)}
+    asyncckpt.save(state, tmp_path / "ck", step=0)
+    monkeypatch.setattr(export_mod, "WRITE_MAX_HEADER_BYTES", 20_000)  # (~49 KB needed)
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"header of 300 tensors would take [\d,]+ bytes, over the 20,000 "
+                             r"that safetensors readers accept: pass max_shard_bytes"):
+        export_safetensors(tmp_path / "ck", out)
+    assert list(out.parent.iterdir()) == []  # nothing left behind
+    report = export_safetensors(tmp_path / "ck", tmp_path / "split", max_shard_bytes=16 * 100)
+    files = sorted((tmp_path / "split").glob("*.safetensors"))
+    assert len(files) == 3 and len(report.tensors) == 300
+    back: dict[str, torch.Tensor] = {}
+    for f in files:
+        assert f.stat().st_size < 20_000 + 100 * 16
+        back.update(safetensors.torch.load_file(str(f)))
+    assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())

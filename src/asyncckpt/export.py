@@ -44,7 +44,7 @@ from .errors import (
     CheckpointNotFoundError,
     check_flags,
 )
-from .manifest import _ST_DTYPES, MANIFEST_NAME, Manifest
+from .manifest import _ST_DTYPES, MANIFEST_NAME, WRITE_MAX_HEADER_BYTES, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
@@ -482,6 +482,12 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) 
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     pad = -(8 + len(raw)) % _HEADER_ALIGN
     raw += b" " * pad
+    if len(raw) > WRITE_MAX_HEADER_BYTES:  # (no safetensors reader would open the file)
+        raise CheckpointConfigError(
+            f"the safetensors header of {len(planned):,} tensors would take {len(raw):,} "
+            f"bytes, over the {WRITE_MAX_HEADER_BYTES:,} that safetensors readers accept: "
+            "pass max_shard_bytes (--max-shard-size) to spread them over several files, or "
+            "a prefix to export fewer; nothing was written")
     return struct.pack("<Q", len(raw)) + raw
 
 
