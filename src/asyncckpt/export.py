@@ -392,7 +392,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 continue  # the same tensor again under a name it already has
             if name in names or name in report.aliases:
                 raise CheckpointConfigError(
-                    f"tensor {full!r} would be named {name!r} in the output, as is "
+                    f"tensor {path!r} would be named {name!r} in the output, as is "
                     f"{_named(name, names, report.aliases)}; rename one of the keys or "
                     "export them with prefixes that keep them apart")
             report.aliases[name] = written[key]
@@ -415,7 +415,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 f"tensor {full!r} would be named {name!r} in the output, which {what}; {fix}")
         if name in names or name in report.aliases:
             raise CheckpointConfigError(
-                f"tensor {full!r} would be named {name!r} in the output, as is "
+                f"tensor {path!r} would be named {name!r} in the output, as is "
                 f"{_named(name, names, report.aliases)}; rename one of the keys or export "
                 "them with prefixes that keep them apart")
         try:
@@ -452,9 +452,10 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
 
 
 def _named(name: str, names: dict[str, str], aliases: dict[str, str]) -> str:
-    """What already goes by ``name`` in the output, for an error."""
+    """What already goes by ``name`` in the output, for an error: its saved path as
+    ``inspect`` lists it (escaped: a key 'a/b' is 'a%2Fb' there, not the nested 'a/b')."""
     if name in names:
-        return f"the tensor saved as {unescape_path(names[name])!r}"
+        return f"the tensor saved as {names[name]!r}"
     return f"a tied copy of {aliases[name]!r}"
 
 
