@@ -1162,3 +1162,18 @@ def test_ls_row_of_an_unreadable_manifest_shows_its_damaged_mark(
     assert len(row["damaged"]) == 1 and "its manifest is corrupt" in row["damaged"][0]
     code, out, _ = run(capsys, "ls", str(root))
     assert "UNREADABLE: " in out and "a load found it damaged" in out
+
+
+def test_a_very_long_key_is_printed_whole_without_widening_the_other_rows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    long = "k" * 300
+    asyncckpt.save({"a": torch.ones(2), long: torch.zeros(3), "b": {"c": torch.ones(1, 2)}},
+                   tmp_path, step=0)
+    code, out, _ = run(capsys, "inspect", str(tmp_path))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["PATH", "DTYPE", "SHAPE", "BYTES", "FILE"]
+    row = next(line for line in lines if line.startswith(long))
+    assert row.split() == [long, "float32", "[3]", "12", "rank_00000.safetensors"]
+    others = [line for line in lines[:4] if line is not row]
+    assert all(len(line) < 60 for line in others), others  # (they were 300+ wide)
+    assert len({line.index("float32") for line in others[1:]}) == 1  # still aligned

@@ -135,11 +135,17 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_WIDE = 100
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
            ) -> str:
-    """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart."""
+    """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart.
+    A cell wider than ``_WIDE`` is printed whole but sets no column's width: one key of
+    5,000 characters pushed every row's next column 5,000 columns right."""
     rows = [[_shown(str(c)) for c in r] for r in rows]
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in rows if len(r[i]) <= _WIDE])
+              for i, h in enumerate(headers)]
 
     def fmt(row: Sequence[str]) -> str:
         cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
