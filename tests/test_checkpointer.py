@@ -2114,6 +2114,8 @@ def test_load_step_of_a_step_dir_with_a_name_of_ones_own(tmp_path: Path) -> None
      "the checkpoint holds a dict, the target a list"),
     ({"cfg": [torch.ones(2), 5]}, {"cfg": {0: torch.zeros(2), 1: 0}},
      "the checkpoint holds a list, the target a dict"),
+    ({"w": torch.ones(2), "cfg": {"lr": 0.1}}, {"w": {"a": torch.zeros(1)}, "cfg": {"lr": 0}},
+     "w: the checkpoint holds a tensor, the target a dict"),
 ])
 def test_a_container_the_checkpoint_replaces_with_another_kind_is_a_mismatch(
         tmp_path: Path, saved: dict[str, Any], target: dict[str, Any], says: str) -> None:
@@ -2121,8 +2123,9 @@ def test_a_container_the_checkpoint_replaces_with_another_kind_is_a_mismatch(
     holds the old one sees stale values. strict=False does not make it fit either."""
     asyncckpt.save(saved, tmp_path)
     for strict in (True, False):
-        with pytest.raises(asyncckpt.StateMismatchError, match=says):
+        with pytest.raises(asyncckpt.StateMismatchError, match=says) as info:
             asyncckpt.load(tmp_path, target, strict=strict)
+        assert len(info.value.mismatched) == 1, info.value.mismatched  # (said once)
 
 
 def test_targets_whose_elements_share_memory_are_refused_before_any_read(

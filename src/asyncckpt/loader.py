@@ -1531,9 +1531,13 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
     the user to strict=False, "unexpected" to ignore_unexpected=True, which then left
     the value as it was without a word."""
     told: set[str] = set()
+    said = {m.split(": ", 1)[0] for m in mismatched}  # (by _compare_skeletons: said once)
     children: dict[int, dict[str, Any]] = {}  # (a dict's children by name, once each)
     for paths, there, here in ((missing, saved, want), (unexpected, want, saved)):
         for p in paths:
+            if p in told or p in said:
+                told.add(p)
+                continue
             other = _node_at(there, p, children=children)
             mine = _node_at(here, p, children=children)
             if other is None or mine is None or other["t"] in ARRAY_NODES:
