@@ -910,3 +910,11 @@ def test_a_generator_in_the_state_is_refused_saying_how_to_save_its_state(
     else:
         fresh.set_state(got)
         assert (fresh.random_sample(3) == g.random_sample(3)).all()
+
+
+def test_a_numpy_scalar_of_no_tensor_dtype_is_called_a_scalar() -> None:
+    with pytest.raises(UnsupportedLeafError,
+                       match=r"numpy scalar at 'x' has dtype float128, .*complex scalars"):
+        flatten({"x": np.longdouble(1.0)})
+    with pytest.raises(UnsupportedLeafError, match=r"numpy array at 'y' has dtype float128"):
+        flatten({"y": np.ones(2, dtype=np.longdouble)})

@@ -216,8 +216,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     if isinstance(obj, np.generic) and not isinstance(obj, (np.object_, np.str_, np.bytes_,
                                                              np.void)):
         arr = np.asarray(obj)
-        return {"t": "npscalar", "key": _add_tensor(_numpy_as_tensor(arr, where), path, flat,
-                                                    seen, "numpy_scalar")}
+        return {"t": "npscalar", "key": _add_tensor(_numpy_as_tensor(arr, where, "scalar"),
+                                                    path, flat, seen, "numpy_scalar")}
     t = type(obj)
     if obj is None:
         return {"t": "none"}
@@ -347,10 +347,10 @@ def _huge_int(what: str, value: int) -> str:
             "of hex digits")
 
 
-def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
+def _numpy_as_tensor(arr: np.ndarray, where: str, kind: str = "array") -> torch.Tensor:
     if not arr.dtype.isnative:
         raise UnsupportedLeafError(
-            f"numpy array at {where!r} has non-native byte order ({arr.dtype.str}); convert it "
+            f"numpy {kind} at {where!r} has non-native byte order ({arr.dtype.str}); convert it "
             "with arr.astype(arr.dtype.newbyteorder('='))")
     if is_copied(arr):
         arr = np.ascontiguousarray(arr)
@@ -362,8 +362,8 @@ def _numpy_as_tensor(arr: np.ndarray, where: str) -> torch.Tensor:
         return torch.from_numpy(arr)
     except TypeError as exc:
         raise UnsupportedLeafError(
-            f"numpy array at {where!r} has dtype {arr.dtype}, which has no tensor equivalent: "
-            "only bool, int, uint, float and complex arrays can be checkpointed") from exc
+            f"numpy {kind} at {where!r} has dtype {arr.dtype}, which has no tensor equivalent: "
+            f"only bool, int, uint, float and complex {kind}s can be checkpointed") from exc
 
 
 def is_copied(arr: np.ndarray) -> bool:
