@@ -904,10 +904,22 @@ def _serve_token(args: argparse.Namespace) -> str | None:
     return env.strip()
 
 
-def _serve_until(stop: threading.Event) -> None:
+class _StopFlag:
+    """Set by the signal handler: a plain attribute. threading.Event.set() takes a lock,
+    and a second signal arriving while the first handler held it (GNU timeout sends
+    SIGTERM to the child and to its group: two at once) ran the handler again on the
+    same thread, which then waited on that lock for ever, deaf to every later signal."""
+
+    requested = False
+
+    def set(self, *_: object) -> None:
+        self.requested = True
+
+
+def _serve_until(stop: _StopFlag) -> None:
     """Serve until Ctrl-C or SIGTERM set ``stop`` (tests replace this)."""
-    while not stop.wait(0.5):
-        pass
+    while not stop.requested:
+        time.sleep(0.2)  # (a signal ends the sleep early only to run its handler)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -923,11 +935,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
         _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
               f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
-    stop = threading.Event()
+    stop = _StopFlag()
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+            previous[sig] = signal.signal(sig, stop.set)
     transport = None
     try:
         # (a host or port it cannot listen on: CheckpointConfigError, a usage error)

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1586,6 +1587,42 @@ def test_cli_serve_a_committed_checkpoint(tmp_path: Path) -> None:
                              timeout=10.0)
         assert_state(got, s3)
         assert stop(proc, signal.SIGINT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_stops_on_two_signals_back_to_back(tmp_path: Path) -> None:
+    """A trial: 'timeout 100 asyncckpt serve ...' then kill hung for ever (GNU timeout
+    sends SIGTERM to the child and to its group: two at once). The handler set an Event,
+    whose lock the second, nested handler waited on. Here the Event's set() is slowed
+    to hold its lock for 0.3 s, as a preemption there would: the window every time."""
+    root = tmp_path / "ckpt"
+    asyncckpt.save(state_of(1), root, step=1)
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        import asyncckpt.cli as cli
+
+        class SlowEvent(threading.Event):
+            def set(self):
+                with self._cond:
+                    time.sleep(0.3)
+                    self._flag = True
+                    self._cond.notify_all()
+
+        threading.Event = SlowEvent
+        sys.exit(cli.main(["serve", {str(root)!r}]))
+    """)
+    with open(tmp_path / "serve.err", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=err)
+    try:
+        assert read_line(proc, 30).startswith("http://127.0.0.1:")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
