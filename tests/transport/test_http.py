@@ -1831,6 +1831,12 @@ class _Hostile:
     ("infinite_step", "for the current step"),
     # a peer's words never reach a terminal as escapes (or a log as a forged line)
     ("escapes", "HTTP 418: \\x1b[2Jdone\\nWARNING forged"),
+    # a server that is no asyncckpt peer (no reason header): said so (a trial pointed a
+    # client at 'python -m http.server' and got its whole 404 page as the message)
+    ("foreign", "answered HTTP 418 Teapot without asyncckpt's Asyncckpt-Reason header: no "
+                "asyncckpt peer listens there; check the address (HTTPTransport.address() or "
+                "'asyncckpt serve' prints it, ending in /v1); its answer began: "
+                "\\x1b[2Jdone WARNING forged"),
 ])
 def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: str) -> None:
     def reply(method: str, path: str) -> bytes:
@@ -1845,9 +1851,10 @@ def test_a_misbehaving_peer_gives_a_transport_error_naming_it(case: str, want: s
                         b"5\r\nabcde\r\n0\r\n\r\n")
             if case == "413_manifest":
                 return b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig"
-            if case == "escapes":
-                return (b"HTTP/1.1 418 Teapot\r\nContent-Length: 24\r\n\r\n"
-                        b"\x1b[2Jdone\nWARNING forged")
+            if case in ("escapes", "foreign"):
+                said = b"" if case == "foreign" else b"Asyncckpt-Reason: teapot\r\n"
+                return (b"HTTP/1.1 418 Teapot\r\n%sContent-Length: 24\r\n\r\n"
+                        b"\x1b[2Jdone\nWARNING forged" % said)
             if case in ("bad_head_length", "superscript_head_length"):
                 return _REAL_MANIFEST[0]
         if method == "HEAD":
@@ -2604,3 +2611,31 @@ def test_an_ipv6_zone_is_escaped_in_the_address_and_unescaped_by_a_receiver(
     assert HTTPStorage("http://[::1]:1/v1", 1, token=None, timeout_s=1.0).where == "[::1]:1"
     assert HTTPStorage(url, 1, token=None, timeout_s=1.0).where == (
         f"[fe80::1%25eth0]:{port_of(tr)}")
+
+
+@pytest.mark.parametrize("layout", ["empty", "directory"])
+def test_a_plain_http_server_is_told_to_be_no_asyncckpt_peer(tmp_path: Path,
+                                                               layout: str) -> None:
+    """A trial pointed a client at 'python -m http.server': a 404 gave its whole HTML page
+    as a CheckpointNotFoundError (which a heal loop retries as "step not offered yet"),
+    a directory at /v1/current an empty 'HTTP 301: '."""
+    import functools
+    import http.server
+
+    if layout == "directory":
+        (tmp_path / "v1" / "current").mkdir(parents=True)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        with pytest.raises(CheckpointTransportError) as ei:
+            asyncckpt.load(address, timeout=5.0)
+        said = str(ei.value)
+        assert not isinstance(ei.value, asyncckpt.CheckpointNotFoundError)
+        assert f"{address}/current answered HTTP {404 if layout == 'empty' else 301}" in said
+        assert "no asyncckpt peer listens there; check the address" in said
+        assert "\n" not in said and len(said) < 600, said
+    finally:
+        server.shutdown()
+        server.server_close()

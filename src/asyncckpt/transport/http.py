@@ -1322,8 +1322,18 @@ class HTTPStorage:
                 last = exc
                 attempt += 1
                 continue
+            reason = resp.getheader(_REASON)
+            if reason is None and resp.status < 500:  # (a proxy's 502/503/504 may pass)
+                self._answered = True
+                text = " ".join(body.split())
+                raise CheckpointTransportError(
+                    f"http://{self.where}{self._url(what)} answered HTTP {resp.status} "
+                    f"{resp.reason} without asyncckpt's {_REASON} header: no asyncckpt peer "
+                    "listens there; check the address (HTTPTransport.address() or "
+                    "'asyncckpt serve' prints it, ending in /v1)"
+                    + (f"; its answer began: {_printable(text[:160])}" if text else ""))
             # (the answer to a HEAD, asking a file's size, has the reason in a header only)
-            body = _printable(body or resp.getheader(_REASON, ""))
+            body = _printable(body or reason or "")
             if resp.status == 503 and _NOT_ALLOWED in body:
                 # Not an answer for the step (``_unanswered`` still applies): ask again
                 # until the fetch's own deadline.
