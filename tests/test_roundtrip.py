@@ -732,13 +732,36 @@ def test_a_target_of_the_saved_tree_names_the_saved_paths_as_the_checkpoint_does
     assert out is state and state["tied"][0] is w
 
 
+@pytest.mark.parametrize("kw", [{}, {"ignore_unexpected": True}])
+def test_a_target_naming_the_model_otherwise_is_told_the_key_map_that_fits(
+        tmp_path: Path, kw: dict[str, Any]) -> None:
+    """A trial loaded {"net": model} from a trainer's {"model": ...} with
+    ignore_unexpected=True and was told to pass strict=False, which loads nothing."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    asyncckpt.save({"model": model, "train": {"step": 3}}, tmp_path, step=0)
+    fresh = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"net": fresh}, **kw)
+    said = str(info.value)
+    assert "the checkpoint holds under 'model/' what the target has under 'net/' (4 of the " \
+           "4 missing keys): load into {'model': <the target's 'net'>}" in said, said
+    key_map = eval(said.split("pass key_map=", 1)[1])  # the hint's code, as the user runs it
+    out = asyncckpt.load(tmp_path, {"net": fresh}, key_map=key_map, ignore_unexpected=True)
+    assert out["net"] is fresh
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
 def test_ignore_unexpected_still_names_what_the_checkpoint_lacks(saved_ab):
     ckpt, a, _ = saved_ab
     za = torch.zeros(3)
     with pytest.raises(StateMismatchError) as info:
         ckpt.load({"a": za, "extra": torch.zeros(1)}, ignore_unexpected=True)
     assert info.value.missing == ["extra"] and info.value.unexpected == []
-    assert "strict=False" in str(info.value) and "ignore_unexpected=" not in str(info.value)
+    said = str(info.value)  # (not told to pass the flag it passed; told what it skipped)
+    assert "strict=False" in said and "pass ignore_unexpected" not in said
+    assert "ignore_unexpected=True skips the checkpoint's 1 key(s) the target lacks: " \
+           "sub/b;" in said and "key_map=" in said
     assert torch.equal(za, torch.zeros(3))  # refused before anything was read
     with pytest.raises(StateMismatchError) as info:  # and mismatches, as ever
         ckpt.load({"a": torch.zeros(4)}, ignore_unexpected=True)

@@ -1080,12 +1080,14 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # "model." as Hugging Face's are, got three hints that disagreed)
     theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
     hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
-            or prefix_hint(missing, unexpected) or renamed_hint(missing, unexpected, fits))
+            or prefix_hint(missing, unexpected) or head_hint(missing, unexpected)
+            or renamed_hint(missing, unexpected, fits))
+    skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
-        unexpected = []
+        skipped_unexpected, unexpected = unexpected, []
     skipped = None  # strict=False's warning, given once the load is sure to go ahead
     if not strict:
         if hint:  # strict=False then skips the keys on both sides: say why nothing loaded
@@ -1147,6 +1149,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             else " (strict=False would skip both: the target's keys would keep their values "
             "and the checkpoint's go unread; if names changed, map the saved ones to the new "
             "with key_map=)" if missing and unexpected
+            else f" (ignore_unexpected=True skips the checkpoint's {len(skipped_unexpected)} "
+            f"key(s) the target lacks: {few(skipped_unexpected, 3)}; strict=False would also "
+            "skip the missing ones, which keep their values; if names changed, map the saved "
+            "ones to the new with key_map=)" if missing and skipped_unexpected
             else " (pass strict=False to skip missing and unexpected keys)" if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
@@ -1799,6 +1805,34 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return (f"; the checkpoint holds at its root what the target has under {prefix!r} "
             f"(checkpoint {shorter!r}, target {longer!r}: a model-only checkpoint?): load "
             f"into that part alone, e.g. state{part}")
+
+
+def head_hint(missing: list[str], unexpected: list[str]) -> str:
+    """A sentence for a mismatch error when most ``missing`` paths are ``unexpected`` ones
+    with another first part (``net/0.weight`` wanted, ``model/0.weight`` saved: the
+    target's dict key differs from the trainer's); "" otherwise."""
+    if not missing or not unexpected:
+        return ""
+    saved_heads: dict[str, set[str]] = {}  # the rest of a path -> the first parts it has
+    for path in unexpected:
+        head, sep, rest = path.partition("/")
+        if sep:
+            saved_heads.setdefault(rest, set()).add(head)
+    counts: dict[tuple[str, str], int] = {}  # (saved head, target head) -> pairs
+    for path in missing:
+        head, sep, rest = path.partition("/")
+        for old in saved_heads.get(rest, ()) if sep else ():
+            counts[(old, head)] = counts.get((old, head), 0) + 1
+    if not counts:
+        return ""
+    (old, new), n = max(counts.items(), key=lambda kv: kv[1])
+    if 2 * n < len(missing):
+        return ""
+    length = len(old) + 1
+    return (f"; the checkpoint holds under {old + '/'!r} what the target has under "
+            f"{new + '/'!r} ({n} of the {len(missing)} missing keys): load into "
+            f"{{{old!r}: <the target's {new!r}>}}, or pass key_map=lambda path: {new + '/'!r} "
+            f"+ path[{length}:] if path.startswith({old + '/'!r}) else path")
 
 
 def renamed_hint(missing: list[str], unexpected: list[str],
