@@ -1159,8 +1159,9 @@ class HTTPStorage:
     def _timed_out(self) -> CheckpointTimeoutError:
         return CheckpointTimeoutError(
             f"fetching step {self.step} from {self._peer} did not end within its timeout of "
-            f"{seconds_text(self._deadline_s)}: the peer stalls or sends too slowly (pass a "
-            "larger timeout if the state is this large)")
+            f"{seconds_text(self._deadline_s)}: the timeout is too short for this state's "
+            "size over this network (pass a larger one), or the peer stalls or sends too "
+            "slowly")
 
     def _unanswered(self, what: str, slack: float = 0.0) -> None:
         """Raise the timeout error of a request (``_url``'s ``what``) that was sent and
