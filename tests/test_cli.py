@@ -1177,3 +1177,18 @@ def test_a_very_long_key_is_printed_whole_without_widening_the_other_rows(
     others = [line for line in lines[:4] if line is not row]
     assert all(len(line) < 60 for line in others), others  # (they were 300+ wide)
     assert len({line.index("float32") for line in others[1:]}) == 1  # still aligned
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--host", "node7:8000"], "--host 'node7:8000': pass a host name or address without a "
+                               "port (the port is the transport's own: --port)"),
+    (["--advertise-host", "a b"], "--advertise-host 'a b': pass a bare host name"),
+    (["--host", "nosuchhost.invalid"], "cannot listen on --host 'nosuchhost.invalid' --port 0: "),
+])
+def test_serve_names_its_options_in_a_refusal_of_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+    code, out, err = run(capsys, "serve", str(tmp_path), *argv)
+    assert code == 2 and out == "" and says in err, err
+    assert "port=" not in err and "host=" not in err
+    assert "without a token" not in err  # (no warning about a server that never ran)

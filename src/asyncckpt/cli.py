@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from typing import Any, NoReturn, TypeVar
 
 from . import commit
 from .errors import (
+    CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -922,6 +924,11 @@ def _serve_until(stop: _StopFlag) -> None:
         time.sleep(0.2)  # (a signal ends the sleep early only to run its handler)
 
 
+# HTTPTransport's words for its arguments ("port=0", "host='x'", "own: port=)"): the
+# options that give them on the command line
+_OPTION_NAMES = re.compile(r"\b(advertise_host|host|port)=(?=(\))?)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
 
     from .transport.http import MAX_TIMEOUT_S, HTTPTransport
@@ -932,9 +939,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      f"{MAX_TIMEOUT_S:.0f}")
     if not 0 <= args.port <= 65535:
         raise _Usage(f"--port {args.port}: use 0 (any free port) to 65535")
-    if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
-        _warn(f"serving on {args.host} without a token: anyone who can reach it can read the "
-              f"checkpoint; set ${TOKEN_ENV} or pass --token-file")
     stop = _StopFlag()
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -943,8 +947,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     transport = None
     try:
         # (a host or port it cannot listen on: CheckpointConfigError, a usage error)
-        transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
-                                  advertise_host=args.advertise_host, token=token)
+        try:
+            transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
+                                      advertise_host=args.advertise_host, token=token)
+        except CheckpointConfigError as exc:  # (its words name keyword arguments)
+            raise _Usage(_OPTION_NAMES.sub(lambda m: "--" + m[1].replace("_", "-")
+                                           + ("" if m[2] else " "), str(exc))) from None
+        if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+            _warn(f"serving on {args.host} without a token: anyone who can reach it can read "
+                  f"the checkpoint; set ${TOKEN_ENV} or pass --token-file")
         server = transport
 
         def attempt(step_dir: Path, storage: LocalStorage) -> VerifyReport | int:
