@@ -336,6 +336,55 @@ def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path: Path) -> None:
     assert torch.equal(asyncckpt.load(tmp_path, step=9)["w"], torch.ones(1 << 22))
 
 
+def test_a_ctrl_c_at_exit_with_a_save_in_flight_leaves_the_process_free_to_end(
+        tmp_path: Path) -> None:
+    """A trial: the script ended with a save in flight and the user pressed Ctrl-C once
+    while Python waited for it at exit. The checkpointer, collected as Python finalized,
+    then waited for a save whose threads Python had stopped: the process never ended."""
+    (tmp_path / "slow.py").write_text(textwrap.dedent("""
+        import logging, os, time
+        from asyncckpt.storage import LocalStorage
+        logging.basicConfig(level=logging.WARNING)
+
+        class SlowStorage(LocalStorage):
+            delay = 0.0
+
+            def fsync_dir(self, path):
+                if os.path.basename(str(path)).startswith(".step_"):
+                    time.sleep(self.delay)
+                return super().fsync_dir(path)
+    """))
+    (tmp_path / "main.py").write_text(textwrap.dedent("""
+        import sys, torch, asyncckpt
+        sys.path.insert(0, sys.argv[2])
+        from slow import SlowStorage
+        state = {"w": torch.arange(1000.0)}
+        ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1], mode="async")
+        ckpt.save(state, 1)
+        ckpt.storage.__class__ = SlowStorage
+        ckpt.storage.delay = 30.0
+        ckpt.save_async({"w": torch.arange(1000.0) + 1}, 2)
+        print("in flight", flush=True)
+    """))
+    root = tmp_path / "ckpt"
+    with open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "main.py"), str(root),
+                                 str(tmp_path)], stdout=subprocess.PIPE, stderr=err)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"in flight\n"
+        time.sleep(1.5)  # (Python waits at exit for the save's threads)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(20)  # (it waited for ever)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = (tmp_path / "err").read_text()
+    assert "step 2 is being written" in said and "stays uncommitted" in said, said
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [1]
+    assert torch.equal(asyncckpt.load(root)["w"], torch.arange(1000.0))
+
+
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.gate.clear()

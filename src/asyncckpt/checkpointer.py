@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -1153,9 +1154,18 @@ class AsyncCheckpointer:
         with self._one_call("close"):
             self._close(raise_missed=exc_type is None)
 
-    def __del__(self) -> None:
-        if getattr(self, "_pid", None) != os.getpid():
+    # (bound here: a collection while Python finalizes may find the module's globals gone)
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing,
+                _getpid: Callable[[], int] = os.getpid) -> None:
+        if getattr(self, "_pid", None) != _getpid():
             return  # a forked child's copy: the save in flight is the parent's to finish
+        if _finalizing():
+            # Collected as Python finalizes: that waited for the save in flight unless a
+            # Ctrl-C cut its wait short, and then its threads end when they next run: a
+            # wait here would never end (a trial's process hung). The save is left
+            # uncommitted: the next save here removes its temporary directory.
+            self._left_at_exit()
+            return
         with contextlib.suppress(Exception):
             writer, pending = self._writer, self._pending
             if (writer is not None and pending is not None and not pending.done()
@@ -1168,6 +1178,15 @@ class AsyncCheckpointer:
                                  name="asyncckpt-close", daemon=False).start()
                 return
             self._close(raise_missed=False)
+
+    def _left_at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            pending = self._pending
+            if pending is not None and not pending.done():
+                log.warning("rank=%d: Python is exiting while step %d is being written to %s "
+                            "(its wait at exit was interrupted): that step stays uncommitted; "
+                            "the steps committed before it are intact", self._ctx.rank,
+                            pending.step, self.directory)
 
     # --- internals -----------------------------------------------------------------------
 
