@@ -239,3 +239,33 @@ def test_the_lock_holder_is_the_first_line_of_the_lock_file(tmp_path: Path) -> N
     assert lock.holder() == "1102"
     lock.path.write_text("")
     assert lock.holder() == "unknown"
+
+
+def test_a_lock_whose_directory_was_deleted_and_made_again_is_taken_anew(
+        tmp_path: Path) -> None:
+    """A trial: the root deleted between saves and made again by the next one kept no
+    lock file, and a second process saved into it beside the first."""
+    import shutil
+
+    import asyncckpt
+    from asyncckpt.storage import DirectoryLock
+
+    root = tmp_path / "root"
+    root.mkdir()
+    lock = DirectoryLock(root)
+    assert lock.acquire()
+    shutil.rmtree(root)
+    root.mkdir()
+    assert lock.acquire() and (root / DirectoryLock.NAME).exists()
+    assert not DirectoryLock(root).acquire()  # (held: another open file cannot take it)
+    lock.release()
+    # through a checkpointer's saves
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path / "ck", mode="sync")
+    ckpt.save({"w": torch.ones(2)}, step=1)
+    shutil.rmtree(tmp_path / "ck")
+    ckpt.save({"w": torch.ones(2)}, step=2)
+    assert not DirectoryLock(tmp_path / "ck").acquire()
+    ckpt.close()
+    again = DirectoryLock(tmp_path / "ck")
+    assert again.acquire()  # (released by close(): the new file's lock)
+    again.release()

@@ -269,7 +269,11 @@ class DirectoryLock:
 
     def acquire(self) -> bool:
         if self._fd is not None and self._pid == os.getpid():
-            return True
+            if self._names_ours():
+                return True
+            # The directory was deleted (and made again by this save), or replaced: the
+            # lock held is on a file no other process can find; take the one there now.
+            self.release()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -287,6 +291,15 @@ class DirectoryLock:
         self.freed.clear()
         _held_locks.add(self)
         return True
+
+    def _names_ours(self) -> bool:
+        """Whether the lock file's path still names the file this lock holds."""
+        assert self._fd is not None
+        try:
+            there, ours = os.stat(self.path), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (there.st_dev, there.st_ino) == (ours.st_dev, ours.st_ino)
 
     @property
     def held(self) -> bool:
