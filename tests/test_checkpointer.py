@@ -385,6 +385,26 @@ def test_a_ctrl_c_at_exit_with_a_save_in_flight_leaves_the_process_free_to_end(
     assert torch.equal(asyncckpt.load(root)["w"], torch.arange(1000.0))
 
 
+def test_a_root_deleted_while_a_step_is_written_is_said_so(tmp_path: Path) -> None:
+    storage = GatedStorage()
+    root = tmp_path / "ck"
+    with asyncckpt.AsyncCheckpointer(root, mode="async", storage=storage) as ckpt:
+        ckpt.save(make_state(), step=1)
+        storage.gate.clear()
+        storage.entered.clear()
+        fut = ckpt.save_async(make_state(), step=2)
+        assert storage.entered.wait(10)
+        shutil.rmtree(root)  # (an operator's rm -rf)
+        storage.gate.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"saving step 2 under .* failed: FileNotFoundError: .* \(the "
+                                 r"checkpoint directory was deleted while the step was "
+                                 r"written: the next save makes it again"):
+            fut.wait(30)
+        ckpt.save(make_state(), step=3)
+        assert ckpt.steps() == [3]
+
+
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.gate.clear()

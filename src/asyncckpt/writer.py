@@ -51,7 +51,7 @@ from .manifest import (
 from .plan import WritePlan
 from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
-from .storage import Storage
+from .storage import LocalStorage, Storage
 from .tree import FlatState
 
 log = logging.getLogger(__name__)
@@ -507,9 +507,14 @@ class BackgroundWriter:
                 raise CheckpointSaveError(
                     f"rank {job.ctx.rank}: stopped, nothing committed: {stopped} (this rank's "
                     f"own write then failed: {type(exc).__name__}: {exc})") from exc
+            gone = (isinstance(exc, FileNotFoundError) and isinstance(job.storage, LocalStorage)
+                    and not os.path.isdir(job.root))
             raise CheckpointSaveError(
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
-                f"{type(exc).__name__}: {exc}" + os_error_hint(exc)) from exc
+                f"{type(exc).__name__}: {exc}" + (
+                    " (the checkpoint directory was deleted while the step was written: "
+                    "the next save makes it again, with only its own step)" if gone
+                    else os_error_hint(exc))) from exc
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
