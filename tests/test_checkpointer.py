@@ -543,8 +543,10 @@ def test_an_error_nobody_waited_for_is_logged_and_raised_by_wait(
         storage.fail_with = None
         ckpt.save_async({"w": torch.ones(4)}, step=2)
         assert "step 1 was not saved" in caplog.text
-        with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1"):
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1") as info:
             ckpt.wait()  # (after waiting for step 2)
+        # (its CheckpointInfo is not returned now, nor by the next wait(): said instead)
+        assert info.value.__notes__ == ["the last save, step 2, was committed"]
         assert ckpt.wait() is None and ckpt.steps() == [2]  # reported once
         # a failure its caller saw is not reported again
         storage.fail_with = OSError(errno.EIO, "injected")

@@ -690,6 +690,8 @@ class AsyncCheckpointer:
                 self._retention = None
             error = self._take_missed()
             if error is not None:
+                if info is not None:  # (not returned now, nor by a next wait(): said here)
+                    add_note(error, f"the last save, step {info.step}, was committed")
                 raise error
             return info
         finally:
