@@ -1108,9 +1108,11 @@ class AsyncCheckpointer:
                     if interrupted and last is not None and not last._durable.done():
                         log.warning(
                             "rank=%d: closing %s was interrupted while step %d is being "
-                            "written: waiting for it to end (interrupt again to leave it "
-                            "writing in the background; the directory stays locked until "
-                            "it ends)", self._ctx.rank, self.directory, last.step)
+                            "written: waiting for it to end (interrupt again to stop "
+                            "waiting: it goes on in the background while this process "
+                            "runs, the directory locked until it ends; a process that "
+                            "exits then leaves it uncommitted)", self._ctx.rank,
+                            self.directory, last.step)
                     writer.shutdown()
             finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
                 # and no later close() of this closed checkpointer could release it
