@@ -3231,6 +3231,8 @@ def test_a_forked_child_neither_hangs_nor_saves_with_its_parents_checkpointer(
                     said.append("no error")
                 except asyncckpt.CheckpointClosedError as exc:
                     said.append("refused" if "forked from" in str(exc) else str(exc))
+                    if "load()" in str(exc) and "(or read with asyncckpt.load(" not in str(exc):
+                        said[-1] = "no hint: " + str(exc)
             ck.close()
             os.write(w, ",".join(said).encode())
         except BaseException:

@@ -1204,7 +1204,9 @@ class AsyncCheckpointer:
             raise CheckpointClosedError(
                 f"{what}() in process {os.getpid()}: the checkpointer of {self.directory} "
                 f"belongs to process {self._pid}, which this one was forked from, and its "
-                "saves run there; make a new AsyncCheckpointer in this process")
+                "saves run there; make a new AsyncCheckpointer in this process"
+                + (f" (or read with asyncckpt.load({str(self.directory)!r}, state))"
+                   if what == "load" else ""))
 
     def _check_open(self) -> None:
         if self._closed:
