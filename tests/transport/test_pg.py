@@ -196,6 +196,17 @@ def test_round_trip_sends_large_tensors_from_their_own_memory() -> None:
     assert a.metadata() == "pg:0" and b.metadata() == "pg:1"
 
 
+def test_another_ranks_metadata_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    a, b, _ = pair()
+    state = {"w": torch.arange(4.0)}
+    sender = Background(a.send_checkpoint, [1], 2, state, 10.0)
+    with caplog.at_level("WARNING", logger="asyncckpt.transport.pg"):
+        got = b.recv_checkpoint(0, "pg:3", 2, 10.0)  # (rank 3's, or a group configured since)
+    sender.result()
+    same(got, state)  # received all the same
+    assert "receiving from rank 0 with metadata 'pg:3', which rank 3 gave" in caplog.text
+
+
 def test_many_small_tensors_go_in_few_messages() -> None:
     a, b, wire = pair()
     state = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
@@ -802,6 +813,10 @@ def test_configuration_errors() -> None:
     for name in ("strict", "ignore_unexpected"):  # checked before any message
         with pytest.raises(CheckpointConfigError, match=f"^{name}='no'"):
             PGTransport(FakeGroup(wire, 1), 1.0).recv_checkpoint(0, "", 1, **{name: "no"})
+    # an HTTP peer's metadata handed to a PGTransport (a trial's): refused, before any message
+    with pytest.raises(CheckpointConfigError, match=r"metadata='http://h:1/v1' is an HTTP "
+                                                    r"peer's address, and this is a PGTransport"):
+        PGTransport(FakeGroup(wire, 1), 1.0).recv_checkpoint(0, "http://h:1/v1", 1)
     assert not wire.sent
     if not torch.cuda.is_available():
         with pytest.raises(CheckpointConfigError, match="CUDA is not available"):

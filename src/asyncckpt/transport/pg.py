@@ -72,6 +72,7 @@ import logging
 import math
 import operator
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -394,6 +395,7 @@ class PGTransport(CheckpointTransport[Any]):
         check_key_map(key_map)
         deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
+        _check_metadata(metadata, src)
         where = f"peer rank {src} ({metadata})"
         self._acquire(deadline, f"receive step {step} from {where}")
         try:
@@ -957,6 +959,22 @@ def _arrived(t: torch.Tensor, work: Any) -> bool:
     except Exception:
         return True
     return t.device.type == "cpu" and bool(t.any())
+
+
+def _check_metadata(metadata: object, src: int) -> None:
+    """``metadata`` is no HTTP peer's address (refused), nor another rank's (warned of):
+    a receive handed either would otherwise go on and quote it."""
+    said = str(metadata)
+    if said.startswith(("http://", "https://")):
+        raise CheckpointConfigError(
+            f"metadata={said!r} is an HTTP peer's address, and this is a PGTransport "
+            f"(receiving from rank {src} of its group): receive it with an HTTPTransport, "
+            "or pass the metadata() of the peer's PGTransport")
+    match = re.fullmatch(r"pg:(\d+)", said)
+    if match is not None and int(match[1]) != src:  # (a group configured anew since?)
+        log.warning("receiving from rank %d with metadata %r, which rank %s gave: if that "
+                    "is no group configured anew since, pass the metadata() of the rank "
+                    "you receive from", src, said, match[1])
 
 
 def _group_rank(pg: Any) -> int:
