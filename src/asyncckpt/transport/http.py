@@ -1354,8 +1354,9 @@ class HTTPStorage:
                 if moved is not None:
                     raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
                 if not self.prefix.endswith("/v1"):  # (the server knows /v1/... only)
-                    body += (f"; a peer's address ends in /v1 (http://{self.where}"
-                             "/v1, as HTTPTransport.address() gives it)")
+                    raise CheckpointConfigError(  # (no step to wait for: no retrying)
+                        f"{where}: {body}; a peer's address ends in /v1 (http://"
+                        f"{self.where}/v1, as HTTPTransport.address() gives it)")
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
