@@ -1736,8 +1736,9 @@ def _share_estimate(flat: FlatState, world_size: int) -> int:
         body += -(-nbytes // replicas)
         if replicas > 1:
             extra = max(extra, nbytes)
-    header = len(plan_writes(flat.tensors, shard_file_name(0), {"asyncckpt_format": "1"}
-                             ).header)  # of every local tensor: more than the share's
+    # (of every local tensor: more than the share's, which alone must fit safetensors')
+    header = len(plan_writes(flat.tensors, shard_file_name(0), {"asyncckpt_format": "1"},
+                             sized=False).header)
     return align_up(header + min(total, body + extra))
 
 

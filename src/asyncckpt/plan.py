@@ -116,12 +116,13 @@ def layout_signature(tensors: Mapping[str, torch.Tensor]
 
 
 def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
-                metadata: dict[str, str] | None = None) -> WritePlan:
+                metadata: dict[str, str] | None = None, *, sized: bool = True) -> WritePlan:
     """Lay out ``tensors`` in one safetensors file.
 
     Tensors are ordered by element size, largest first, then by insertion order, so
     every tensor starts at an offset aligned to its own element size without padding
-    (safetensors forbids holes in the body).
+    (safetensors forbids holes in the body). A header larger than safetensors' readers
+    take raises CheckpointConfigError, unless ``sized`` is False (for an estimate).
 
     Example:
         >>> plan = plan_writes({"w": torch.ones(4)}, "rank_00000.safetensors")
@@ -139,7 +140,7 @@ def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
     header = encode_header(
         (HeaderEntry(k, tensors[k].dtype, tuple(tensors[k].shape), s, e) for k, s, e in rel),
         metadata)
-    if len(header) - 8 > WRITE_MAX_HEADER_BYTES:  # (safetensors readers would refuse it)
+    if sized and len(header) - 8 > WRITE_MAX_HEADER_BYTES:  # (safetensors would refuse it)
         names = sum(len(k.encode()) for k in tensors)
         raise CheckpointConfigError(
             f"{file}: the safetensors header listing its {len(tensors):,} tensors would take "
