@@ -1615,7 +1615,8 @@ def test_a_step_another_rank_does_not_see_yet_is_not_marked_damaged(tmp_path: Pa
     assert not (tmp_path / "step_000000002" / "damaged.json").exists()
 
 
-def test_a_group_fallback_marks_each_ranks_finding_under_its_rank(tmp_path: Path) -> None:
+def test_a_group_fallback_marks_each_ranks_finding_under_its_rank(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """(A trial: damaged.json named rank 1's finding "rank 1: ..." and rank 0's own with
     no rank.) Both ranks' rows of step 2 damaged: both named, in rank order."""
     store = dist.HashStore()
@@ -1634,10 +1635,18 @@ def test_a_group_fallback_marks_each_ranks_finding_under_its_rank(tmp_path: Path
                           shards={"w": ShardMetadata((8,), (4 * r,))})
         return int(got["step"])
 
-    assert all_ok(in_threads(rank)) == {0: 1, 1: 1}
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        assert all_ok(in_threads(rank)) == {0: 1, 1: 1}
     problem = json.loads((tmp_path / "step_000000002" / "damaged.json").read_text())["problem"]
     assert problem.startswith("rank 0: ") and "; rank 1: " in problem, problem
     assert problem.count("checksum mismatch") == 2, problem
+    # each finding logged by its rank, and the others' by rank 0 alone (every rank logged
+    # every other rank's: ranks x ranks lines in a large job)
+    said = caplog.text
+    assert said.count("rank 1 could not load it (") == 1, said  # (by rank 0)
+    assert said.count("rank 0 could not load it (") == 0, said
+    assert said.count("1 other rank(s) could not load it (rank 0 logs why)") == 1, said
+    assert said.count(" is corrupt (") == 2, said  # (each rank its own)
 
 
 def test_a_group_fallback_load_that_fails_on_one_rank_fails_on_all(tmp_path: Path) -> None:

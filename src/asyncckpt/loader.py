@@ -483,9 +483,15 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             log.warning("step %d under %s is %s (%s); trying an older step", step, root,
                         "gone" if gone else "corrupt", problem)
             failures.append(f"step {step}: {problem}")
+        # (each rank's finding logged once in the job, by rank 0: every rank logging every
+        # other's made ranks x ranks lines)
+        if others and agree is not None and agree.rank != 0:
+            log.warning("step %d under %s: %d other rank(s) could not load it (rank 0 logs "
+                        "why); every rank tries an older step", step, root, len(others))
         for r, what, _ in others:
-            log.warning("step %d under %s: rank %d could not load it (%s); every rank tries "
-                        "an older step", step, root, r, what)
+            if agree is not None and agree.rank == 0:
+                log.warning("step %d under %s: rank %d could not load it (%s); every rank "
+                            "tries an older step", step, root, r, what)
             failures.append(f"step {step} on rank {r}: {what}")
     if agree is None and relists > 0 and deleted:
         # Retention of another process deleted what was listed, as it committed newer
