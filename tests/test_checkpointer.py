@@ -1372,6 +1372,10 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(asyncckpt.CheckpointLockedError,
                        match=r"another AsyncCheckpointer of this process holds .*close"):
         b.save(make_state(), step=2)
+    # ... and at start-up, by prepare() (a trial's second trainer learned it at its first
+    # save, an hour of training later)
+    with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process holds"):
+        b.prepare(make_state())
     assert b.load(step=1)["train"]["step"] == 0  # reading needs no lock
     a.close()
     b.save(make_state(), step=2)

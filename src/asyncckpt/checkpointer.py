@@ -560,11 +560,12 @@ class AsyncCheckpointer:
 
         Allocating and faulting in gigabytes of host memory is the one cost the first
         save has over later ones; call this at start-up (it runs on a background thread
-        by default) so that the first save only copies. Not collective: in a group, the
-        arena is sized for this rank's estimated share of replicated data (its
-        replicas split the writing; a plain tensor counts as held by every rank), and a
-        first save that needs more allocates again (as when plain tensors are held by
-        only some ranks, e.g. pipeline stages).
+        by default) so that the first save only copies. Like a save, it takes the
+        directory's lock (rank 0): another process saving there is told at start-up.
+        Not collective: in a group, the arena is sized for this rank's estimated share
+        of replicated data (its replicas split the writing; a plain tensor counts as
+        held by every rank), and a first save that needs more allocates again (as when
+        plain tensors are held by only some ranks, e.g. pipeline stages).
         """
         check_flags(background=background)
         self._refuse_forked("prepare")
@@ -574,6 +575,10 @@ class AsyncCheckpointer:
     def _prepare(self, state: Any, *, background: bool,
                  shards: Mapping[str, ShardMetadata] | None) -> cf.Future[Any]:
         self._check_open()
+        if self._ctx.is_coordinator:
+            # (a second trainer on this directory learns it here, at start-up, rather than
+            # at its first save, an hour of training later)
+            self._take_lock()
         flat = flatten(state)  # on this thread: state_dict() calls stay here
         apply_shards(flat, shards)
         pending = self._pending
