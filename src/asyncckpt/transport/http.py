@@ -962,7 +962,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._current(tr)
         m = _PATH.fullmatch(self.path)
         if m is None:
-            return self._refuse(404, "no such resource")
+            return self._refuse(404, _NO_SUCH_RESOURCE)
         step, what = int(m.group(1)), m.group(2)
         try:
             got = tr._acquire(step, self.connection)
@@ -1029,6 +1029,8 @@ def _printable(text: str) -> str:
         c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+# The server's 404 for a path it does not know (not /v1/...)
+_NO_SUCH_RESOURCE = "no such resource"
 # The server's 404 for a step it does not serve (see _Handler._handle): which it does.
 _SERVED_INSTEAD = re.compile(r"step \d+ is not being served \(step (\d+) is\)")
 
@@ -1329,9 +1331,10 @@ class HTTPStorage:
                 text = " ".join(body.split())
                 raise CheckpointTransportError(
                     f"http://{self.where}{self._url(what)} answered HTTP {resp.status} "
-                    f"{resp.reason} without asyncckpt's {_REASON} header: no asyncckpt peer "
-                    "listens there; check the address (HTTPTransport.address() or "
-                    "'asyncckpt serve' prints it, ending in /v1)"
+                    f"{resp.reason} without asyncckpt's {_REASON} header: something other "
+                    "than an asyncckpt peer answered (another server, or a proxy in between); "
+                    "check the address (HTTPTransport.address() or 'asyncckpt serve' prints "
+                    "it, ending in /v1)"
                     + (f"; its answer began: {_printable(text[:160])}" if text else ""))
             # (the answer to a HEAD, asking a file's size, has the reason in a header only)
             body = _printable(body or reason or "")
@@ -1354,9 +1357,11 @@ class HTTPStorage:
                 if moved is not None:
                     raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
                 if not self.prefix.endswith("/v1"):  # (the server knows /v1/... only)
-                    raise CheckpointConfigError(  # (no step to wait for: no retrying)
-                        f"{where}: {body}; a peer's address ends in /v1 (http://"
-                        f"{self.where}/v1, as HTTPTransport.address() gives it)")
+                    hint = (f"; a peer's address ends in /v1 (http://{self.where}/v1, as "
+                            "HTTPTransport.address() gives it)")
+                    if body == _NO_SUCH_RESOURCE:  # (no step to wait for: no retrying)
+                        raise CheckpointConfigError(f"{where}: {body}{hint}")
+                    body += hint  # (a proxy in front may map its own path to /v1)
                 raise CheckpointNotFoundError(f"{where}: {body}")
             if resp.status == 413 and "Range" in headers:
                 raise _RangeTooLarge(body)
