@@ -405,6 +405,30 @@ def test_a_root_deleted_while_a_step_is_written_is_said_so(tmp_path: Path) -> No
         assert ckpt.steps() == [3]
 
 
+def test_a_failed_save_nobody_waited_on_is_logged_when_the_script_ends(tmp_path: Path) -> None:
+    # (The review of the fix above: a checkpointer collected as Python finalizes skipped
+    # its close, and with it the log of a failed save nobody waited on: silence, exit 0.)
+    code = textwrap.dedent("""
+        import errno, logging, sys, time, torch, asyncckpt
+        from asyncckpt.storage import LocalStorage
+        logging.basicConfig(level=logging.WARNING)
+
+        class Failing(LocalStorage):
+            def write_arena(self, path, buf, nbytes, ready, direct=True):
+                raise OSError(errno.EIO, "injected")
+
+        ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1], storage=Failing())
+        fut = ckpt.save_async({"w": torch.ones(4)}, step=1)
+        while not fut.done():
+            time.sleep(0.01)
+        # no wait(), no close(): the global is collected as Python finalizes
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert "step 1 was not saved, and its future was never waited on" in out.stderr, out
+    assert "injected" in out.stderr
+
+
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.gate.clear()

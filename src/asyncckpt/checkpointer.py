@@ -1079,7 +1079,7 @@ class AsyncCheckpointer:
         with self._one_call("close"):
             self._close(raise_missed=True)
 
-    def _close(self, *, raise_missed: bool) -> None:
+    def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
             return
         unseen: BaseException | None = None
@@ -1118,7 +1118,8 @@ class AsyncCheckpointer:
                             "runs, the directory locked until it ends; a process that "
                             "exits then leaves it uncommitted)", self._ctx.rank,
                             self.directory, last.step)
-                    writer.shutdown()
+                    if join:  # (else threads Python may have stopped: see __del__)
+                        writer.shutdown()
             finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
                 # and no later close() of this closed checkpointer could release it
                 self._arena = self._extras = None
@@ -1171,9 +1172,16 @@ class AsyncCheckpointer:
         if _finalizing():
             # Collected as Python finalizes: that waited for the save in flight unless a
             # Ctrl-C cut its wait short, and then its threads end when they next run: a
-            # wait here would never end (a trial's process hung). The save is left
-            # uncommitted: the next save here removes its temporary directory.
-            self._left_at_exit()
+            # wait for it, or a join of them, would never end (a trial's process hung).
+            # Such a save is left uncommitted (the next save here removes its temporary
+            # directory); a finished one is closed as ever (a failure nobody saw logged,
+            # rank 0 waiting for the ranks to read its verdict), threads left alone.
+            with contextlib.suppress(Exception):
+                pending = self._pending
+                if pending is not None and not pending.done():
+                    self._left_at_exit(pending)
+                else:
+                    self._close(raise_missed=False, join=False)
             return
         with contextlib.suppress(Exception):
             writer, pending = self._writer, self._pending
@@ -1188,14 +1196,11 @@ class AsyncCheckpointer:
                 return
             self._close(raise_missed=False)
 
-    def _left_at_exit(self) -> None:
-        with contextlib.suppress(Exception):
-            pending = self._pending
-            if pending is not None and not pending.done():
-                log.warning("rank=%d: Python is exiting while step %d is being written to %s "
-                            "(its wait at exit was interrupted): that step stays uncommitted; "
-                            "the steps committed before it are intact", self._ctx.rank,
-                            pending.step, self.directory)
+    def _left_at_exit(self, pending: CheckpointFuture) -> None:
+        log.warning("rank=%d: Python is exiting while step %d is being written to %s (its "
+                    "wait at exit was interrupted): that step stays uncommitted; the steps "
+                    "committed before it are intact", self._ctx.rank, pending.step,
+                    self.directory)
 
     # --- internals -----------------------------------------------------------------------
 
