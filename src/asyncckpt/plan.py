@@ -11,6 +11,7 @@ where the intersection lies on both sides (resharding is box intersection).
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -141,13 +142,13 @@ def plan_writes(tensors: Mapping[str, torch.Tensor], file: str,
         (HeaderEntry(k, tensors[k].dtype, tuple(tensors[k].shape), s, e) for k, s, e in rel),
         metadata)
     if sized and len(header) - 8 > WRITE_MAX_HEADER_BYTES:  # (safetensors would refuse it)
-        names = sum(len(k.encode()) for k in tensors)
+        names = sum(len(json.dumps(k)) - 2 for k in tensors)  # (as the header spells them)
         raise CheckpointConfigError(
             f"{file}: the safetensors header listing its {len(tensors):,} tensors would take "
             f"{len(header) - 8:,} bytes, over the {WRITE_MAX_HEADER_BYTES:,} that safetensors "
             f"readers accept; their names alone take {names:,} bytes: shorten the keys, or "
             "save fewer, larger tensors (stack rows into one), or spread them over more "
-            "ranks; nothing was written")
+            "ranks; refused before anything was written or sent")
     base = len(header)
     items = tuple(WriteItem(k, tensors[k].dtype, tuple(tensors[k].shape), base + s, e - s)
                   for k, s, e in rel)
