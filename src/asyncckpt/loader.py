@@ -1086,7 +1086,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # "model." as Hugging Face's are, got three hints that disagreed)
     theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
     hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
-            or prefix_hint(missing, unexpected) or head_hint(missing, unexpected)
+            or prefix_hint(missing, unexpected) or head_hint(missing, unexpected, fits)
             or renamed_hint(missing, unexpected, fits))
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
@@ -1813,10 +1813,12 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             f"into that part alone, e.g. state{part}")
 
 
-def head_hint(missing: list[str], unexpected: list[str]) -> str:
+def head_hint(missing: list[str], unexpected: list[str],
+              fits: Callable[[str, str], bool] | None = None) -> str:
     """A sentence for a mismatch error when most ``missing`` paths are ``unexpected`` ones
     with another first part (``net/0.weight`` wanted, ``model/0.weight`` saved: the
-    target's dict key differs from the trainer's); "" otherwise."""
+    target's dict key differs from the trainer's), pairs that ``fits`` (shape and dtype);
+    "" otherwise."""
     if not missing or not unexpected:
         return ""
     saved_heads: dict[str, set[str]] = {}  # the rest of a path -> the first parts it has
@@ -1828,17 +1830,25 @@ def head_hint(missing: list[str], unexpected: list[str]) -> str:
     for path in missing:
         head, sep, rest = path.partition("/")
         for old in saved_heads.get(rest, ()) if sep else ():
-            counts[(old, head)] = counts.get((old, head), 0) + 1
+            if fits is None or fits(f"{old}/{rest}", path):
+                counts[(old, head)] = counts.get((old, head), 0) + 1
     if not counts:
         return ""
     (old, new), n = max(counts.items(), key=lambda kv: kv[1])
     if 2 * n < len(missing):
         return ""
-    length = len(old) + 1
-    return (f"; the checkpoint holds under {old + '/'!r} what the target has under "
-            f"{new + '/'!r} ({n} of the {len(missing)} missing keys): load into "
-            f"{{{old!r}: <the target's {new!r}>}}, or pass key_map=lambda path: {new + '/'!r} "
-            f"+ path[{length}:] if path.startswith({old + '/'!r}) else path")
+    # (the keys as the user writes them: paths escape '/' and '%' inside a key)
+    was, now = unescape_path(old), unescape_path(new)
+    said = (f"; the checkpoint holds under {was!r} what the target has under {now!r} ({n} of "
+            f"the {len(missing)} missing keys): name that part {was!r} in the target, as in "
+            f"the checkpoint (state[{was!r}] = state.pop({now!r}))")
+    # A key_map gets and gives whole names: one whose new first key holds a '/' would
+    # nest; and it renames tensors in dicts only (an item of a list is refused).
+    if "/" in now or any(p.startswith(old + "/") and p.rpartition("/")[2].isdigit()
+                         for p in unexpected):
+        return said
+    return (f"{said}, or pass key_map=lambda path: {now + '/'!r} + path[{len(was) + 1}:] if "
+            f"path.startswith({was + '/'!r}) else path")
 
 
 def renamed_hint(missing: list[str], unexpected: list[str],
