@@ -398,8 +398,8 @@ def test_a_root_deleted_while_a_step_is_written_is_said_so(tmp_path: Path) -> No
         storage.gate.set()
         with pytest.raises(asyncckpt.CheckpointSaveError,
                            match=r"saving step 2 under .* failed: FileNotFoundError: .* \(the "
-                                 r"checkpoint directory was deleted while the step was "
-                                 r"written: the next save makes it again"):
+                                 r"checkpoint directory was deleted or moved while the step "
+                                 r"was written: the next save makes it again"):
             fut.wait(30)
         ckpt.save(make_state(), step=3)
         assert ckpt.steps() == [3]

@@ -951,8 +951,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             transport = HTTPTransport(timeout=args.timeout, host=args.host, port=args.port,
                                       advertise_host=args.advertise_host, token=token)
         except CheckpointConfigError as exc:  # (its words name keyword arguments)
+            said = str(exc).replace("HTTPTransport cannot listen", "cannot listen")
             raise _Usage(_OPTION_NAMES.sub(lambda m: "--" + m[1].replace("_", "-")
-                                           + ("" if m[2] else " "), str(exc))) from None
+                                           + ("" if m[2] else " "), said)) from None
         if token is None and args.host not in ("127.0.0.1", "::1", "localhost"):
             _warn(f"serving on {args.host} without a token: anyone who can reach it can read "
                   f"the checkpoint; set ${TOKEN_ENV} or pass --token-file")

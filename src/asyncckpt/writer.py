@@ -512,7 +512,8 @@ class BackgroundWriter:
             raise CheckpointSaveError(
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
                 f"{type(exc).__name__}: {exc}" + (
-                    " (the checkpoint directory was deleted while the step was written: "
+                    " (the checkpoint directory was deleted or moved while the step was "
+                    "written: "
                     "the next save makes it again, with only its own step)" if gone
                     else os_error_hint(exc))) from exc
 

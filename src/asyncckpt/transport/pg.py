@@ -962,7 +962,7 @@ def _arrived(t: torch.Tensor, work: Any) -> bool:
 
 
 def _check_metadata(metadata: object, src: int) -> None:
-    """``metadata`` is no HTTP peer's address (refused), nor another rank's (warned of):
+    """``metadata`` is no HTTP peer's address (refused), nor another rank's (logged):
     a receive handed either would otherwise go on and quote it."""
     said = str(metadata)
     if said.startswith(("http://", "https://")):
@@ -971,8 +971,10 @@ def _check_metadata(metadata: object, src: int) -> None:
             f"(receiving from rank {src} of its group): receive it with an HTTPTransport, "
             "or pass the metadata() of the peer's PGTransport")
     match = re.fullmatch(r"pg:(\d+)", said)
-    if match is not None and int(match[1]) != src:  # (a group configured anew since?)
-        log.warning("receiving from rank %d with metadata %r, which rank %s gave: if that "
+    if match is not None and int(match[1]) != src:
+        # (info, not a warning: torchft asks for metadata() before it configures the
+        # group anew, so a rank that moved as a replica joined gives its former rank)
+        log.info("receiving from rank %d with metadata %r, which rank %s gave: if that "
                     "is no group configured anew since, pass the metadata() of the rank "
                     "you receive from", src, said, match[1])
 
