@@ -603,6 +603,18 @@ def _batch_end(items: list[ReadItem], views: list[memoryview | None], i: int) ->
     return j
 
 
+def read_full(storage: ReadStorage, fd: int, view: memoryview, offset: int) -> int:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``, through short reads (a network
+    storage's, or a signal's), up to the end of the file; return how many were read."""
+    pos = 0
+    while pos < len(view):
+        got = storage.pread_into(fd, [view[pos:]], offset + pos)
+        if got <= 0:
+            break
+        pos += got
+    return pos
+
+
 def _read_batch(fd: int, path: Path, items: list[ReadItem], dsts: list[memoryview | None],
                 out: Mapping[str, torch.Tensor], storage: ReadStorage, verify: bool,
                 block_bytes: int) -> None:
@@ -697,7 +709,7 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
                     f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
                     f"truncated or replaced{lost}", path=str(path), key=cut[0] if cut else None)
             header = bytearray(entry.header_bytes)  # parse_manifest bounds it
-            got = storage.pread_into(fd, [memoryview(header)], 0)
+            got = read_full(storage, fd, memoryview(header), 0)
         except CheckpointError:
             raise
         except OSError as exc:  # EIO from a failing disk
@@ -1029,7 +1041,7 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
         return [str(exc)]
     try:
         prefix = bytearray(min(storage.file_size(fd), 1 << 20))
-        storage.pread_into(fd, [memoryview(prefix)], 0)
+        del prefix[read_full(storage, fd, memoryview(prefix), 0):]
         try:
             header, body = decode_header(bytes(prefix), str(path))
         except CheckpointCorruptError:
@@ -1041,7 +1053,7 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
                 return [f"{path}: its header claims {n} bytes, more than the whole file"]
             if 8 + n > len(prefix) and n < (100 << 20):
                 big = bytearray(8 + n)
-                storage.pread_into(fd, [memoryview(big)], 0)
+                del big[read_full(storage, fd, memoryview(big), 0):]
                 header, body = decode_header(bytes(big), str(path))
             else:
                 raise
