@@ -1350,3 +1350,22 @@ def test_short_reads_of_a_storage_are_read_through_and_are_no_damage(tmp_path: P
     assert not list(tmp_path.glob("step_*/damaged.json"))
     report = verify_checkpoint(tmp_path / "step_000000002", _ShortReads())
     assert report.ok, report.problems
+
+
+class _CloseFails(LocalStorage):
+    def close(self, fd: int) -> None:
+        super().close(fd)
+        raise OSError(errno.EIO, "close: Input/output error (injected)")
+
+
+def test_a_close_that_fails_after_a_good_read_is_logged_not_raised(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(A trial: a load whose bytes were all read and checked failed with a bare OSError
+    from the storage's close, no CheckpointError.)"""
+    state = {"w": torch.arange(100.0), "v": torch.ones(3)}
+    asyncckpt.save(state, tmp_path, step=1)
+    for verify in (True, False):
+        got = asyncckpt.AsyncCheckpointer(tmp_path, storage=_CloseFails()).load(verify=verify)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert "closing a checkpoint file after reading it failed (OSError: [Errno 5]" in caplog.text
+    assert verify_checkpoint(tmp_path / "step_000000001", _CloseFails()).ok

@@ -529,11 +529,22 @@ def _read_group(step_dir: Path, manifest: Manifest, items: list[ReadItem],
             if unfinished:
                 _abort(storage, fd)
             else:
-                storage.close(fd)
+                _close(storage, fd)
 
 
 class _Stopped(Exception):
     """Another group of the load failed: this one ends before its next piece."""
+
+
+def _close(storage: ReadStorage, fd: int) -> None:
+    """Close ``fd`` after a read that went well. An OSError of the close itself (a storage
+    of a network filesystem's EIO) says nothing of bytes already read and checked: it is
+    logged, not raised (a trial's load of an intact step failed with a bare OSError)."""
+    try:
+        storage.close(fd)
+    except OSError as exc:
+        log.warning("closing a checkpoint file after reading it failed (%s: %s); what was "
+                    "read is checked by its checksums", type(exc).__name__, exc)
 
 
 def _abort(storage: ReadStorage, fd: int) -> None:
@@ -721,7 +732,7 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
     except BaseException:
         _abort(storage, fd)
         raise
-    storage.close(fd)
+    _close(storage, fd)
 
 
 def _read_item(fd: int, path: Path, it: ReadItem, dst: torch.Tensor, storage: ReadStorage,
@@ -911,7 +922,7 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
             by_file.setdefault(ch.file, []).append((key, entry, ch))
     for name in manifest.files:  # each file once: size and header checksum, then entries
         try:
-            storage.close(_open(step_dir / name, storage))
+            _close(storage, _open(step_dir / name, storage))
         except CheckpointCorruptError as exc:  # missing or unreadable: say so once
             report.problems.append(str(exc))
             damaged.add(name)
@@ -1006,7 +1017,7 @@ def _verify_group(step_dir: Path, block_bytes: int, group: list[_VerifyItem],
         raise
     finally:
         for fd in fds.values():
-            storage.close(fd)
+            _close(storage, fd)
     return found
 
 
@@ -1067,7 +1078,7 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
             raise err from exc
         return [str(err)]
     finally:
-        storage.close(fd)
+        _close(storage, fd)
     problems = []  # the header's checksum is _check_file's; here: entries vs the manifest
     for key, entry, ch in chunks:
         h = header.get(ch.key)
