@@ -429,6 +429,23 @@ def test_a_failed_save_nobody_waited_on_is_logged_when_the_script_ends(tmp_path:
     assert "injected" in out.stderr
 
 
+def test_a_storage_that_writes_without_asking_ready_commits_nothing(tmp_path: Path) -> None:
+    """A trial's storage wrote buf[:nbytes] at once, never calling ready(): every save
+    "succeeded", and a committed step held a former save's bytes."""
+    class Eager(LocalStorage):
+        def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                        ready: Callable[[int], None], direct: bool = True) -> None:
+            with open(path, "wb") as f:
+                f.write(buf[:nbytes])
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Eager()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"step 1: Eager\.write_arena returned without calling "
+                                 r"ready\(\d+\) \(it got to 0\).*nothing was committed"):
+            ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == []
+
+
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.gate.clear()

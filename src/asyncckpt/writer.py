@@ -524,8 +524,16 @@ class BackgroundWriter:
         raw: bytes | None = None
         if hashes is not None:
             try:
+                ready = _Counted(job, _ready(job))
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
-                                    _counted(job, _ready(job)), job.direct_io)
+                                    ready, job.direct_io)
+                if ready.reached < plan.file_bytes:  # (the bytes past it may be a last save's)
+                    raise CheckpointSaveError(
+                        f"step {job.step}: {type(storage).__name__}.write_arena returned "
+                        f"without calling ready({plan.file_bytes}) (it got to "
+                        f"{ready.reached}): its file may hold bytes not staged yet; a "
+                        "storage must call ready(end) before writing below end; nothing "
+                        "was committed")
                 job.progress.written = plan.file_bytes
             except BaseException as exc:
                 job.progress.fail(RuntimeError("write failed"))  # unblock the hasher
@@ -835,17 +843,17 @@ def _verdict_out(job: SaveJob) -> bool:
     return False
 
 
-def _counted(job: SaveJob, ready: Callable[[int], None]) -> Callable[[int], None]:
-    """``ready``, noting how far the file is written: the writer asks for each piece in
-    order, once the pieces before it are written."""
-    pending = [0]
+class _Counted:
+    """``ready``, noting how far the file is written (the writer asks for each piece in
+    order, once the pieces before it are written), and how far it was asked: ``reached``."""
 
-    def counted(offset: int) -> None:
-        job.progress.written = pending[0]
-        ready(offset)
-        pending[0] = offset
+    def __init__(self, job: SaveJob, ready: Callable[[int], None]) -> None:
+        self.job, self.ready, self.reached = job, ready, 0
 
-    return counted
+    def __call__(self, offset: int) -> None:
+        self.job.progress.written = self.reached
+        self.ready(offset)
+        self.reached = max(self.reached, offset)
 
 
 def _ready(job: SaveJob) -> Callable[[int], None]:
