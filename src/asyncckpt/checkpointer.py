@@ -1166,10 +1166,12 @@ class AsyncCheckpointer:
 
     # (bound here: a collection while Python finalizes may find the module's globals gone)
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing,
-                _getpid: Callable[[], int] = os.getpid) -> None:
+                _getpid: Callable[[], int] = os.getpid, _pools: Any = cf.thread) -> None:
         if getattr(self, "_pid", None) != _getpid():
             return  # a forked child's copy: the save in flight is the parent's to finish
-        if _finalizing():
+        # (Python's exit has begun once its hook shut the thread pools: it then waits for
+        # their work, a save in flight among it; a later collection finds that done)
+        if _finalizing() or getattr(_pools, "_shutdown", False):
             # Collected as Python finalizes: that waited for the save in flight unless a
             # Ctrl-C cut its wait short, and then its threads end when they next run: a
             # wait for it, or a join of them, would never end (a trial's process hung).
