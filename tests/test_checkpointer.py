@@ -452,6 +452,20 @@ def test_a_storage_that_writes_without_asking_ready_commits_nothing(tmp_path: Pa
             ckpt.save(make_state(), step=1)
         assert ckpt.steps() == []
 
+    class Padded(LocalStorage):  # (the buffer whole: its padding too)
+        def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                        ready: Callable[[int], None], direct: bool = True) -> None:
+            ready(nbytes)
+            with open(path, "wb") as f:
+                f.write(buf)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Padded()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"Padded\.write_arena wrote more than it was given \(it "
+                                 r"must write exactly nbytes"):
+            ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == []
+
 
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()

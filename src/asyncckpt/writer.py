@@ -1097,9 +1097,13 @@ def _check_shared(job: SaveJob) -> None:
             continue
         seen = "is not there" if size is None else f"has {size} bytes, not {rec['bytes']}"
         if not job.ctx.distributed:
+            why = ("something moved or removed it while it was written" if size is None
+                   or size < rec["bytes"] else f"{type(job.storage).__name__}.write_arena "
+                   "wrote more than it was given (it must write exactly nbytes, not the "
+                   "buffer's padding), or something replaced the file meanwhile")
             raise CheckpointSaveError(
                 f"step {job.step} aborted, nothing committed: its shard file {path} {seen}; "
-                "something moved or removed it while it was written")
+                + why)
         raise CheckpointSaveError(
             f"step {job.step} aborted, nothing committed: rank {rec['rank']}'s shard file "
             f"{path} {seen} as rank {job.ctx.rank} sees it. The checkpoint directory must "
