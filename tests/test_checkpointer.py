@@ -357,6 +357,8 @@ def test_a_ctrl_c_at_exit_with_a_save_in_flight_leaves_the_process_free_to_end(
     (tmp_path / "main.py").write_text(textwrap.dedent("""
         import os, signal, sys, threading, time, torch, asyncckpt
         import concurrent.futures.thread as pools
+        # (Ctrl-C as at a terminal: a shell's background job inherits SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, sys.argv[2])
         from slow import SlowStorage
         state = {"w": torch.arange(1000.0)}
