@@ -269,3 +269,33 @@ def test_a_lock_whose_directory_was_deleted_and_made_again_is_taken_anew(
     again = DirectoryLock(tmp_path / "ck")
     assert again.acquire()  # (released by close(): the new file's lock)
     again.release()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_refused_and_nothing_outside_is_written(
+        tmp_path: Path, planted: str) -> None:
+    """A trial planted .asyncckpt.lock as a link to a file of the user's: the save truncated
+    it to the pid (a dangling link: created the file it named)."""
+    import asyncckpt
+
+    root = tmp_path / "root"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    lock = root / ".asyncckpt.lock"
+    if planted == "symlink":
+        victim.write_text("precious user data")
+        lock.symlink_to(victim)
+    elif planted == "dangling":
+        lock.symlink_to(victim)
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(asyncckpt.CheckpointSaveError,
+                       match=r"lock file .* of the checkpoint directory: it is (a symbolic "
+                             r"link: asyncckpt writes no lock through one|no regular file); "
+                             r"remove it"):
+        asyncckpt.save({"w": torch.ones(2)}, root, step=1)
+    if planted == "symlink":
+        assert victim.read_text() == "precious user data"
+    else:
+        assert not victim.exists()
+    assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock"]

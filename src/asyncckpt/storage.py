@@ -274,7 +274,19 @@ class DirectoryLock:
             # The directory was deleted (and made again by this save), or replaced: the
             # lock held is on a file no other process can find; take the one there now.
             self.release()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # (never through a symbolic link, nor into anything but a regular file: a link
+        # planted in a shared run directory had a save truncate the file it named)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or self.path.is_symlink():
+                raise OSError(errno.ELOOP, "it is a symbolic link: asyncckpt writes no lock "
+                              "through one; remove it", str(self.path)) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "it is no regular file; remove it", str(self.path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException as exc:  # held elsewhere (or ENOLCK, or Ctrl-C): not ours
