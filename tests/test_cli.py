@@ -1192,3 +1192,35 @@ def test_serve_names_its_options_in_a_refusal_of_them(
     assert code == 2 and out == "" and says in err, err
     assert "port=" not in err and "host=" not in err
     assert "without a token" not in err  # (no warning about a server that never ran)
+
+
+def test_out_of_memory_reading_a_checkpoint_is_no_verdict_and_keeps_the_json_promise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial's 47 MB manifest (valid, padded) took ~1 GB to parse: under a memory limit
+    verify --json printed a traceback, no document, and exit 1 ("corrupt")."""
+    from asyncckpt import reader
+
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(reader, "parse_manifest", no_memory)
+    code, out, err = run(capsys, "verify", str(tmp_path), "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False and doc["error"]["type"] == "MemoryError"
+    assert "out of memory while reading the checkpoint" in err and "Traceback" not in err
+
+
+def test_a_damaged_plain_safetensors_file_is_not_sent_to_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import safetensors.torch
+
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(4)}, str(path))
+    data = bytearray(path.read_bytes())
+    data[8:10] = b"[]"  # (no JSON object: damaged)
+    path.write_bytes(bytes(data))
+    code, _, err = run(capsys, "inspect", str(path))
+    assert code == 1 and "asyncckpt verify" not in err, err  # (verify takes no such file)

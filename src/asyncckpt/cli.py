@@ -1234,7 +1234,12 @@ def _main(argv: list[str] | None) -> int:
             else ": check the path, or run 'asyncckpt ls' on the checkpoint root")
         return _failed(args, exc, f"{exc}{hint}", EXIT_USAGE)
     except CheckpointCorruptError as exc:
-        hint = "" if args.func is cmd_verify else " (run 'asyncckpt verify' for details)"
+        # (verify reads checkpoints: a plain safetensors file it does not take)
+        name = Path(str(getattr(exc, "path", None) or "")).name
+        plain = name.endswith((".safetensors", ".safetensors.index.json")) and not (
+            is_shard_file_name(name))
+        hint = "" if args.func is cmd_verify or plain else (
+            " (run 'asyncckpt verify' for details)")
         return _failed(args, exc, f"{exc}{hint}", EXIT_CORRUPT)
     except CheckpointError as exc:
         return _failed(args, exc, str(exc), EXIT_USAGE)
@@ -1252,6 +1257,11 @@ def _main(argv: list[str] | None) -> int:
     except OSError as exc:
         return _failed(args, exc, f"cannot read {exc.filename or 'the checkpoint'}: "
                                   f"{exc.strerror or exc}", EXIT_USAGE)
+    except MemoryError as exc:  # (a very large manifest: nothing is said of the data)
+        return _failed(args, exc, "out of memory while reading the checkpoint (its manifest "
+                                  "or a header is very large): run where more memory is "
+                                  "free; this says nothing of whether it is intact",
+                       EXIT_USAGE)
     finally:
         library.removeHandler(_LOG)
         _LOG.muted.clear()
