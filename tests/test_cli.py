@@ -486,8 +486,8 @@ def test_verify_of_a_newer_format_is_no_verdict_of_corruption(
     code, out, err = run(capsys, "verify", str(root))
     assert code == 2, (out, err)  # could not tell: not 1 (corrupt), which says "roll back"
     assert "CORRUPT" not in out and "upgrade asyncckpt" in err and "not damaged" in err
-    code, out, err = run(capsys, "ls", str(root))  # nor does ls say it is
-    assert code == 0 and "UNREADABLE" in out and "upgrade asyncckpt" in out, out
+    code, out, err = run(capsys, "ls", str(root))  # nor does ls say it is: nor all is well
+    assert code == 2 and "UNREADABLE" in out and "upgrade asyncckpt" in out, out
 
 
 def test_created_past_year_9999(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -668,7 +668,8 @@ def test_ls_shows_a_step_dir_it_cannot_list(root: Path, capsys: pytest.CaptureFi
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     _deny(monkeypatch, "listdir", "step_000000020")
     code, out, err = run(capsys, "ls", str(root))
-    assert code == 0 and err == ""
+    # could not tell (as verify of it says): not all is well, which a health check read
+    assert code == 2 and err == ""
     lines = out.splitlines()
     assert [ln.split()[0] for ln in lines[1:4]] == ["10", "20", "30"]
     assert "UNREADABLE: cannot be listed (Permission denied)" in lines[2]
@@ -729,7 +730,7 @@ def test_a_newest_step_that_cannot_be_listed_fails_verify_and_shows_in_ls(
     code, out, err = run(capsys, "verify", "--step", "30", str(root))
     assert code == 0 and "step 30" in out
     code, out, err = run(capsys, "ls", str(root))  # ls shows it in a row of its own
-    assert code == 0 and err == "" and "1 step directory cannot be listed" in out
+    assert code == 1 and err == "" and "1 step directory cannot be listed" in out  # (as verify)
 
 
 def test_a_temp_or_deleting_dir_is_named_uncommitted(

@@ -349,7 +349,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for name, why in unlistable]
     listed = 0
     latest = None  # as latest_step() says: unlistable dirs do not count
-    corrupt = False
+    # a step it cannot read (permissions, a newer format); a directory it cannot list for
+    # another reason (a symbolic link loop, EIO) is damage, as verify says of it
+    denied = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
+    untold = any(why in denied for _, why in unlistable)
+    corrupt = any(why not in denied for _, why in unlistable)
     for d in dirs:
         try:
             m = read_manifest_summary(d, storage)
@@ -357,6 +361,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if d != root and not os.path.lexists(d):
                 continue  # retired by retention since it was listed: no step now
             corrupt = corrupt or not isinstance(exc, CheckpointVersionError)
+            untold = untold or isinstance(exc, CheckpointVersionError)
             # a copied step dir may have any name
             entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
                                            _marked(d, storage)))
@@ -374,11 +379,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         latest = entries[-1]["step"]
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
     # A step whose files are amiss, or whose manifest is corrupt, is a corrupt checkpoint:
-    # exit 1, as verify would (a script checking ls's status missed it). A directory that
-    # cannot be listed (permissions), or a manifest of a newer format, is no damage; a
-    # step directory without its manifest is a checkpoint lost (or a copy cut short).
+    # exit 1, as verify would (a script checking ls's status missed it); a step directory
+    # without its manifest is a checkpoint lost (or a copy cut short). A directory that
+    # cannot be listed (permissions), or a manifest of a newer format, is no damage but
+    # a step it cannot tell of: exit 2, as verify would (a health check read 0).
     code = EXIT_CORRUPT if corrupt or no_manifest or any(
-        e.get("damaged") for e in entries) else EXIT_OK
+        e.get("damaged") for e in entries) else EXIT_USAGE if untold else EXIT_OK
     best: int | None = None  # (--best: marked; none recorded the metric: none marked)
     if args.best is not None and MANIFEST_NAME not in names:
         with contextlib.suppress(CheckpointNotFoundError):
