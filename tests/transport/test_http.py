@@ -2669,3 +2669,43 @@ def test_a_step_not_served_behind_a_path_rewriting_proxy_stays_a_not_found() -> 
             asyncckpt.load(f"http://127.0.0.1:{srv.port}/elsewhere", timeout=5)
     finally:
         srv.close()
+
+
+def test_a_peer_trickling_its_current_step_times_out_and_a_step_past_2_63_is_refused() -> None:
+    """(A hostile-peer trial: a trickled /v1/current gave a CheckpointTransportError about
+    the spaces it got, at the timeout; a step of 2**70 was asked for by URL.)"""
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nAsyncckpt-Reason: x\r\nContent-Length: 100"
+                             b"\r\n\r\n")
+                for _ in range(100):
+                    conn.sendall(b" ")
+                    time.sleep(0.2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(asyncckpt.CheckpointTimeoutError,
+                           match=r"fetching the current step from the peer 127\.0\.0\.1:\d+ "
+                                 r"did not end within its timeout of 1\.5s"):
+            asyncckpt.load(f"http://127.0.0.1:{port}/v1", timeout=1.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        sock.close()
+    body = b'{"step": 1180591620717411303424}'
+    srv = _Hostile(lambda m, p: b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                   % (len(body), body))
+    try:
+        with pytest.raises(CheckpointTransportError, match=r"answered .* for the current step"):
+            asyncckpt.load(f"http://127.0.0.1:{srv.port}/v1", timeout=5)
+    finally:
+        srv.close()

@@ -1160,7 +1160,8 @@ class HTTPStorage:
 
     def _timed_out(self) -> CheckpointTimeoutError:
         return CheckpointTimeoutError(
-            f"fetching step {self.step} from {self._peer} did not end within its timeout of "
+            f"fetching {f'step {self.step}' if self.step >= 0 else 'the current step'} "
+            f"from {self._peer} did not end within its timeout of "
             f"{seconds_text(self._deadline_s)}: the timeout is too short for this state's "
             "size over this network (pass a larger one), or the peer stalls or sends too "
             "slowly")
@@ -1253,11 +1254,12 @@ class HTTPStorage:
         body = self._read_body(resp, 256, "the current step", exact=False)
         try:
             step = json.loads(body)["step"]
-            if type(step) is not int or step < 0:
+            if type(step) is not int or not 0 <= step < 1 << 63:
                 raise TypeError(f"step {step!r:.40} is not a step number")
             return step
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointTransportError(f"{self.where} answered {body!r} for "
+            self._check_deadline()  # (cut off at the deadline, trickling: a timeout)
+            raise CheckpointTransportError(f"{self.where} answered {body[:80]!r} for "
                                            "the current step") from exc
 
     def _request(self, method: str, what: str, headers: dict[str, str]
