@@ -438,33 +438,37 @@ def test_a_failed_save_nobody_waited_on_is_logged_when_the_script_ends(tmp_path:
     assert "injected" in out.stderr
 
 
-def test_a_storage_that_writes_without_asking_ready_commits_nothing(tmp_path: Path) -> None:
+class _Eager(LocalStorage):
+    """Writes buf[:nbytes] at once, never calling ready()."""
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        with open(path, "wb") as f:
+            f.write(buf[:nbytes])
+
+
+class _Padded(LocalStorage):
+    """Writes the buffer whole: its padding too."""
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        ready(nbytes)
+        with open(path, "wb") as f:
+            f.write(buf)
+
+
+@pytest.mark.parametrize(("storage", "says"), [
+    (_Eager, r"step 1: _Eager\.write_arena returned without calling ready\(\d+\) \(it got "
+             r"to 0\).*nothing was committed"),
+    (_Padded, r"_Padded\.write_arena wrote more than it was given \(it must write exactly "
+              r"nbytes"),
+])
+def test_a_storage_that_breaks_the_write_arena_contract_commits_nothing(
+        tmp_path: Path, storage: type[LocalStorage], says: str) -> None:
     """A trial's storage wrote buf[:nbytes] at once, never calling ready(): every save
     "succeeded", and a committed step held a former save's bytes."""
-    class Eager(LocalStorage):
-        def write_arena(self, path: Path, buf: memoryview, nbytes: int,
-                        ready: Callable[[int], None], direct: bool = True) -> None:
-            with open(path, "wb") as f:
-                f.write(buf[:nbytes])
-
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Eager()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=r"step 1: Eager\.write_arena returned without calling "
-                                 r"ready\(\d+\) \(it got to 0\).*nothing was committed"):
-            ckpt.save(make_state(), step=1)
-        assert ckpt.steps() == []
-
-    class Padded(LocalStorage):  # (the buffer whole: its padding too)
-        def write_arena(self, path: Path, buf: memoryview, nbytes: int,
-                        ready: Callable[[int], None], direct: bool = True) -> None:
-            ready(nbytes)
-            with open(path, "wb") as f:
-                f.write(buf)
-
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Padded()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=r"Padded\.write_arena wrote more than it was given \(it "
-                                 r"must write exactly nbytes"):
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError, match=says):
             ckpt.save(make_state(), step=1)
         assert ckpt.steps() == []
 
