@@ -414,6 +414,42 @@ def test_a_root_deleted_while_a_step_is_written_is_said_so(tmp_path: Path) -> No
         assert ckpt.steps() == [3]
 
 
+def test_a_checkpointer_dropped_by_a_thread_still_running_at_exit_closes_as_ever(
+        tmp_path: Path) -> None:
+    """(The review: once Python's exit hook shut the pools, a checkpointer a non-daemon
+    thread still running dropped was taken for one collected at exit: "stays
+    uncommitted" was logged of a step that committed, and it was never closed.)"""
+    code = textwrap.dedent("""
+        import logging, os, sys, threading, time, torch, asyncckpt
+        import concurrent.futures.thread as pools
+        from asyncckpt.storage import LocalStorage
+        logging.basicConfig(level=logging.WARNING)
+
+        class Slow(LocalStorage):
+            def fsync_dir(self, path):
+                if os.path.basename(str(path)).startswith(".step_"):
+                    time.sleep(1.5)
+                return super().fsync_dir(path)
+
+        started = threading.Event()
+
+        def train():
+            ckpt = asyncckpt.AsyncCheckpointer(sys.argv[1], mode="async", storage=Slow())
+            ckpt.save_async({"w": torch.ones(16)}, 1)
+            started.set()
+            while not pools._shutdown:  # (main has returned: the exit hook waits)
+                time.sleep(0.01)
+            print("dropped", flush=True)  # (ckpt collected as this returns, this thread)
+
+        threading.Thread(target=train).start()
+        started.wait()
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert "dropped" in out.stdout and "Python is exiting" not in out.stderr, out
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1]
+
+
 def test_a_failed_save_nobody_waited_on_is_logged_when_the_script_ends(tmp_path: Path) -> None:
     # (The review of the fix above: a checkpointer collected as Python finalizes skipped
     # its close, and with it the log of a failed save nobody waited on: silence, exit 0.)

@@ -299,3 +299,38 @@ def test_a_lock_file_that_is_no_regular_file_is_refused_and_nothing_outside_is_w
     else:
         assert not victim.exists()
     assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock"]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
+        tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture) -> None:
+    """(The review of the lock's O_NOFOLLOW: a fallback load that marks a damaged step
+    read the lock file's "pid" through it: a FIFO hung the load for ever; a link put the
+    first word of the file it named in the log.)"""
+    import asyncckpt
+    from asyncckpt.storage import DirectoryLock
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((1024,), 1.0)}, step=1)
+        ckpt.save({"w": torch.full((1024,), 2.0)}, step=2)
+    shard = tmp_path / "step_000000002" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    lock = tmp_path / DirectoryLock.NAME
+    lock.unlink()
+    secret = tmp_path.parent / f"{tmp_path.name}-secret.txt"
+    secret.write_text("hunter2 is the password")
+    if planted == "symlink":
+        lock.symlink_to(secret)
+    else:
+        os.mkfifo(lock)
+    assert DirectoryLock(tmp_path).holder() == "unknown"
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(
+        asyncckpt.AsyncCheckpointer(tmp_path).load(fallback=True)), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive() and torch.equal(got[0]["w"], torch.full((1024,), 1.0))
+    assert "its lock file cannot be taken" in caplog.text and "hunter2" not in caplog.text
+    assert secret.read_text() == "hunter2 is the password"

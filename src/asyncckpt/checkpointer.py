@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import concurrent.futures.thread as cf_thread
 import contextlib
 import errno
 import functools
@@ -1039,13 +1040,16 @@ class AsyncCheckpointer:
             lk = self._lock
             owned = lk.held or lk.held_in_this_process() is not None
             taken = False
+            refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
             if not owned:
-                with contextlib.suppress(OSError):
+                try:
                     taken = lk.acquire()
+                except OSError as exc:
+                    refused = f"its lock file cannot be taken: {exc.strerror or exc}"
             try:
                 for s, why in new:
                     failed = (commit.mark_damaged(self.directory, s, why, self.storage)
-                              if owned or taken else
+                              if owned or taken else refused or
                               f"another process (pid {lk.holder()}) saves there")
                     if failed is not None:
                         unmarked.append(f"step {s}: {failed}")
@@ -1166,12 +1170,16 @@ class AsyncCheckpointer:
 
     # (bound here: a collection while Python finalizes may find the module's globals gone)
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing,
-                _getpid: Callable[[], int] = os.getpid, _pools: Any = cf.thread) -> None:
+                _getpid: Callable[[], int] = os.getpid, _pools: Any = cf_thread,
+                _current: Callable[[], threading.Thread] = threading.current_thread,
+                _main: Callable[[], threading.Thread] = threading.main_thread) -> None:
         if getattr(self, "_pid", None) != _getpid():
             return  # a forked child's copy: the save in flight is the parent's to finish
-        # (Python's exit has begun once its hook shut the thread pools: it then waits for
-        # their work, a save in flight among it; a later collection finds that done)
-        if _finalizing() or getattr(_pools, "_shutdown", False):
+        # (Python's exit has begun on the main thread once its hook shut the thread pools:
+        # it then waits for their work, a save in flight among it; a later collection
+        # finds that done. Another thread still running then is no exit yet: its saves
+        # finish while Python joins the pools.)
+        if _finalizing() or (getattr(_pools, "_shutdown", False) and _current() is _main()):
             # Collected as Python finalizes: that waited for the save in flight unless a
             # Ctrl-C cut its wait short, and then its threads end when they next run: a
             # wait for it, or a join of them, would never end (a trial's process hung).

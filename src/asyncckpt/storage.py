@@ -337,8 +337,17 @@ class DirectoryLock:
     def holder(self) -> str:
         """The pid the holder wrote (its first line: a writer that did not truncate
         leaves the end of a longer pid behind it)."""
+        # (not through a link, nor from a FIFO, on which a read would wait for ever: a
+        # lock file planted as one of those holds no pid of ours)
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
         with contextlib.suppress(OSError):
-            return (self.path.read_text().split() or ["unknown"])[0]
+            fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    return (os.pread(fd, 64, 0).decode(errors="replace").split()
+                            or ["unknown"])[0]
+            finally:
+                os.close(fd)
         return "unknown"
 
     def release(self) -> None:
