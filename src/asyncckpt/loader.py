@@ -1086,7 +1086,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # "model." as Hugging Face's are, got three hints that disagreed)
     theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
     hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
-            or prefix_hint(missing, unexpected) or head_hint(missing, unexpected, fits)
+            or prefix_hint(missing, unexpected)
+            or head_hint(missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
+                _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
+                _node_at(target.skeleton, new)))
             or renamed_hint(missing, unexpected, fits))
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
@@ -1813,8 +1816,21 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str:
             f"into that part alone, e.g. state{part}")
 
 
+def _tensors_in_str_dicts(node: dict[str, Any] | None) -> bool:
+    """Whether ``node`` (a skeleton node) holds nothing but dicts with str keys down to
+    its arrays: all a key_map can move (items of lists, int keys as an optimizer's state
+    has, plain values and stateful objects stay where they are)."""
+    if node is None:
+        return False
+    if node["t"] in ARRAY_NODES:
+        return True
+    return node["t"] == "dict" and all(
+        isinstance(k, str) and _tensors_in_str_dicts(c) for k, c in node["items"])
+
+
 def head_hint(missing: list[str], unexpected: list[str],
-              fits: Callable[[str, str], bool] | None = None) -> str:
+              fits: Callable[[str, str], bool] | None = None,
+              movable: Callable[[str, str], bool] | None = None) -> str:
     """A sentence for a mismatch error when most ``missing`` paths are ``unexpected`` ones
     with another first part (``net/0.weight`` wanted, ``model/0.weight`` saved: the
     target's dict key differs from the trainer's), pairs that ``fits`` (shape and dtype);
@@ -1839,13 +1855,15 @@ def head_hint(missing: list[str], unexpected: list[str],
         return ""
     # (the keys as the user writes them: paths escape '/' and '%' inside a key)
     was, now = unescape_path(old), unescape_path(new)
+    others = any(not p.startswith(old + "/") for p in unexpected)
     said = (f"; the checkpoint holds under {was!r} what the target has under {now!r} ({n} of "
             f"the {len(missing)} missing keys): name that part {was!r} in the target, as in "
-            f"the checkpoint (state[{was!r}] = state.pop({now!r}))")
+            f"the checkpoint (state[{was!r}] = state.pop({now!r}))"
+            + (", with ignore_unexpected=True for its other parts" if others else ""))
     # A key_map gets and gives whole names: one whose new first key holds a '/' would
-    # nest; and it renames tensors in dicts only (an item of a list is refused).
-    if "/" in now or any(p.startswith(old + "/") and p.rpartition("/")[2].isdigit()
-                         for p in unexpected):
+    # nest; and it moves tensors of str-keyed dicts only (``movable``: the two parts,
+    # saved and wanted, hold nothing else).
+    if "/" in now or movable is None or not movable(old, new):
         return said
     return (f"{said}, or pass key_map=lambda path: {now + '/'!r} + path[{len(was) + 1}:] if "
             f"path.startswith({was + '/'!r}) else path")
