@@ -627,6 +627,17 @@ def test_a_file_it_may_not_read_is_not_called_corrupt(
         ckpt.load(fallback=True)  # step 20 is there, but 30 may well be intact
 
 
+def test_ls_of_a_manifest_it_may_not_read_cannot_tell_as_verify(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The review: ls exited 1, "damaged", for a manifest it had no permission to read,
+    where verify exits 2.)"""
+    _deny(monkeypatch, "read_bytes", "manifest.json")
+    code, out, _ = run(capsys, "verify", str(root), "--step", "20")
+    assert code == 2
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 2 and "UNREADABLE" in out, out
+
+
 def test_verify_names_a_missing_file_once(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "step_000000030" / "rank_00000.safetensors").unlink()
     code, out, _ = run(capsys, "verify", str(root), "--json")

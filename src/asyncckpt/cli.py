@@ -41,6 +41,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CheckpointVersionError,
     retold,
 )
@@ -360,8 +361,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except CheckpointError as exc:
             if d != root and not os.path.lexists(d):
                 continue  # retired by retention since it was listed: no step now
-            corrupt = corrupt or not isinstance(exc, CheckpointVersionError)
-            untold = untold or isinstance(exc, CheckpointVersionError)
+            unknown = isinstance(exc, (CheckpointVersionError, CheckpointPermissionError))
+            corrupt = corrupt or not unknown
+            untold = untold or unknown
             # a copied step dir may have any name
             entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
                                            _marked(d, storage)))
