@@ -542,6 +542,8 @@ def _close(storage: ReadStorage, fd: int) -> None:
     logged, not raised (a trial's load of an intact step failed with a bare OSError)."""
     try:
         storage.close(fd)
+    except CheckpointError:  # (a peer storage's own word: not the close's OSError)
+        raise
     except OSError as exc:
         log.warning("closing a checkpoint file after reading it failed (%s: %s); what was "
                     "read is checked by its checksums", type(exc).__name__, exc)

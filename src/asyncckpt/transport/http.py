@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..commit import as_step
+from ..commit import MAX_STEP, as_step
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -1254,7 +1254,7 @@ class HTTPStorage:
         body = self._read_body(resp, 256, "the current step", exact=False)
         try:
             step = json.loads(body)["step"]
-            if type(step) is not int or not 0 <= step < 1 << 63:
+            if type(step) is not int or not 0 <= step <= MAX_STEP:
                 raise TypeError(f"step {step!r:.40} is not a step number")
             return step
         except (ValueError, KeyError, TypeError) as exc:
