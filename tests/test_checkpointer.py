@@ -406,9 +406,10 @@ def test_a_root_deleted_while_a_step_is_written_is_said_so(tmp_path: Path) -> No
         shutil.rmtree(root)  # (an operator's rm -rf)
         storage.gate.set()
         with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=r"saving step 2 under .* failed: FileNotFoundError: .* \(the "
-                                 r"checkpoint directory was deleted or moved while the step "
-                                 r"was written: the next save makes it again"):
+                           match=r"saving step 2 under .* failed( in \S+)?: "
+                                 r"FileNotFoundError: .* \(the checkpoint directory was "
+                                 r"deleted or moved while the step was written: the next "
+                                 r"save makes it again"):
             fut.wait(30)
         ckpt.save(make_state(), step=3)
         assert ckpt.steps() == [3]
@@ -505,6 +506,39 @@ def test_a_storage_that_breaks_the_write_arena_contract_commits_nothing(
     "succeeded", and a committed step held a former save's bytes."""
     with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage()) as ckpt:
         with pytest.raises(asyncckpt.CheckpointSaveError, match=says):
+            ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == []
+
+
+@pytest.mark.parametrize("call", ["fsync_dir", "write_bytes", "rename"])
+def test_a_failed_save_names_the_storage_call_that_failed(tmp_path: Path, call: str) -> None:
+    """A storage trial's failures all read "saving step 40 under ... failed: OSError: [Errno
+    5] Input/output error": an fsync's EIO names no file, so which call failed was anyone's
+    guess."""
+    def eio(path: Path) -> None:
+        if ".step_" in str(path):
+            raise OSError(errno.EIO, "Input/output error")
+
+    class Failing(LocalStorage):  # (each call as a storage author writes it)
+        def fsync_dir(self, path: Path) -> None:
+            if call == "fsync_dir":
+                eio(path)
+            super().fsync_dir(path)
+
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            if call == "write_bytes":
+                eio(path)
+            super().write_bytes(path, data)
+
+        def rename(self, src: Path, dst: Path) -> None:
+            if call == "rename":
+                eio(src)
+            super().rename(src, dst)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Failing()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=rf"saving step 1 under .* failed in Failing\.{call}\(\S*"
+                                 rf"\.step_000000001\.tmp-\w+\S*\): OSError: \[Errno 5\]"):
             ckpt.save(make_state(), step=1)
         assert ckpt.steps() == []
 

@@ -497,6 +497,7 @@ class BackgroundWriter:
                               "be withdrawn: %s: %s", job.ctx.rank, job.step,
                               type(err).__name__, err)
             job.release()
+            call = _storage_call(exc) if isinstance(exc, OSError) else ""  # (frames first)
             # The future keeps this error for its caller, and the error's frames their
             # locals: views of the arena among them, which would keep it alive after
             # close() (or beside the next save's larger one). Only the frames' text stays.
@@ -510,8 +511,8 @@ class BackgroundWriter:
             gone = (isinstance(exc, FileNotFoundError) and isinstance(job.storage, LocalStorage)
                     and not os.path.isdir(job.root))
             raise CheckpointSaveError(
-                f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
-                f"{type(exc).__name__}: {exc}" + (
+                f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed"
+                f"{f' in {call}' if call else ''}: {type(exc).__name__}: {exc}" + (
                     " (the checkpoint directory was deleted or moved while the step was "
                     "written: "
                     "the next save makes it again, with only its own step)" if gone
@@ -1124,6 +1125,27 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
         if job.user_metadata:
             rec["metadata"] = dict(job.user_metadata)
     return rec
+
+
+_STORAGE_CALLS = frozenset(("makedirs", "write_arena", "write_bytes", "fsync_dir", "rename",
+                            "remove_tree", "listdir", "read_bytes", "open_read", "close",
+                            "file_size", "pread_into"))
+
+
+def _storage_call(exc: BaseException) -> str:
+    """The storage call ``exc`` came from, as ``LocalStorage.fsync_dir(/path)`` (the
+    outermost, a subclass's own), or "": an EIO of an fsync names no file, and a storage's
+    author could not tell which call failed."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name in _STORAGE_CALLS and owner is not None and hasattr(
+                owner, "write_arena"):
+            path = frame.f_locals.get("path", frame.f_locals.get("src"))
+            return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
+        tb = tb.tb_next
+    return ""
 
 
 def os_error_hint(exc: BaseException) -> str:
