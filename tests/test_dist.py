@@ -2039,3 +2039,34 @@ def test_dtensor_api_comes_from_the_private_module_where_torch_2_4_keeps_it(monk
     assert adist.dtensor_module() is (public if hasattr(public, "Shard")
                                       else real("torch.distributed._tensor"))
     adist.dtensor_module.cache_clear()
+
+
+class _PaddedWrites(LocalStorage):
+    """Writes the buffer whole, its padding too (a storage author's mistake)."""
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int, ready: Any,
+                    direct: bool = True) -> None:
+        ready(nbytes)
+        with open(path, "wb") as f:
+            f.write(buf)
+
+
+def test_a_rank_whose_storage_wrote_its_padding_is_named_not_an_unshared_directory(
+        tmp_path: Path) -> None:
+    """(A rank's shard file longer than written was told as a directory the ranks do not
+    share; the storage wrote more than it was given.)"""
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=20, storage=_PaddedWrites() if r == 1 else None) as ck:
+            with pytest.raises(asyncckpt.CheckpointError) as info:
+                ck.save({"w": torch.full((4,), float(r))}, step=1,
+                        shards={"w": ShardMetadata((8,), (4 * r,))})
+            return str(info.value)
+
+    said = all_ok(in_threads(rank))
+    assert "rank 1's shard file" in said[0] and "the write_arena of rank 1's storage wrote " \
+        "more than it was given" in said[0], said
+    assert "must be on a filesystem every rank shares" not in said[0], said
+    assert not list(tmp_path.glob("step_*"))

@@ -1097,14 +1097,18 @@ def _check_shared(job: SaveJob) -> None:
         if size == rec["bytes"]:
             continue
         seen = "is not there" if size is None else f"has {size} bytes, not {rec['bytes']}"
-        if not job.ctx.distributed:
-            why = ("something moved or removed it while it was written" if size is None
-                   or size < rec["bytes"] else f"{type(job.storage).__name__}.write_arena "
-                   "wrote more than it was given (it must write exactly nbytes, not the "
-                   "buffer's padding), or something replaced the file meanwhile")
+        longer = size is not None and size > rec["bytes"]
+        writer = (f"{type(job.storage).__name__}.write_arena" if not job.ctx.distributed
+                  else f"the write_arena of rank {rec['rank']}'s storage")
+        wrote_more = (f"{writer} wrote more than it was given (it must write exactly "
+                      "nbytes, not the buffer's padding), or something replaced the file "
+                      "meanwhile")
+        if not job.ctx.distributed or longer:  # (a longer file: no filesystem unshared)
+            mine = "its" if not job.ctx.distributed else f"rank {rec['rank']}'s"
+            why = wrote_more if longer else "something moved or removed it while it was written"
             raise CheckpointSaveError(
-                f"step {job.step} aborted, nothing committed: its shard file {path} {seen}; "
-                + why)
+                f"step {job.step} aborted, nothing committed: {mine} shard file {path} "
+                f"{seen}; " + why)
         raise CheckpointSaveError(
             f"step {job.step} aborted, nothing committed: rank {rec['rank']}'s shard file "
             f"{path} {seen} as rank {job.ctx.rank} sees it. The checkpoint directory must "
