@@ -2329,6 +2329,9 @@ def test_load_step_of_a_step_dir_with_a_name_of_ones_own(tmp_path: Path) -> None
      "the checkpoint holds a list, the target a dict"),
     ({"w": torch.ones(2), "cfg": {"lr": 0.1}}, {"w": {"a": torch.zeros(1)}, "cfg": {"lr": 0}},
      "w: the checkpoint holds a tensor, the target a dict"),
+    # (a key holding ': ': the paths told are kept as paths, not parsed back out of words)
+    ({"w: x": torch.ones(2)}, {"w: x": {"a": torch.zeros(1)}},
+     "w: x: the checkpoint holds a tensor, the target a dict"),
 ])
 def test_a_container_the_checkpoint_replaces_with_another_kind_is_a_mismatch(
         tmp_path: Path, saved: dict[str, Any], target: dict[str, Any], says: str) -> None:

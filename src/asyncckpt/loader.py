@@ -1000,14 +1000,16 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             missing = [p for p in missing if target.refs[p] not in filled]
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched: list[str] = []
+    told: set[str] = set()  # the paths of the mismatches told (each is told once)
     # what the tensor keys do not show: values without arrays the checkpoint lacks, and
     # dict keys whose type differs (1 vs "1" name one path, but are not one key)
     if not same_tree:
         _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), whole,
-                           missing, mismatched, unexpected)
-    _compare_param_groups(manifest.skeleton, target, lenient, mismatched)
+                           missing, mismatched, unexpected, told)
+    _compare_param_groups(manifest.skeleton, target, lenient, mismatched, told)
     if strict and (missing or unexpected) and not same_tree:  # (strict=False skips them)
-        _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched)
+        _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched,
+                     told)
     readonly: list[str] = []
     overlapping: list[str] = []
     unwritable: list[str] = []
@@ -1437,13 +1439,13 @@ def _array_span(a: np.ndarray) -> tuple[str, int, int] | None:
 
 def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                        lenient: set[str], whole: set[str], missing: list[str],
-                       mismatched: list[str], unexpected: list[str]) -> None:
+                       mismatched: list[str], unexpected: list[str], told: set[str]) -> None:
     """Walk the checkpoint's and the target's skeletons together: target dict keys the
     checkpoint lacks and that hold no arrays go to ``missing`` (those holding arrays are
-    there already); keys of another type go to ``mismatched``. The stateful objects at
-    ``whole`` (optimizers...) take the checkpoint's state as it is: not walked; those
-    ``lenient`` take what the checkpoint holds beyond theirs: only what they lack is
-    told."""
+    there already); keys of another type go to ``mismatched``, their paths to ``told``.
+    The stateful objects at ``whole`` (optimizers...) take the checkpoint's state as it
+    is: not walked; those ``lenient`` take what the checkpoint holds beyond theirs: only
+    what they lack is told."""
     if saved == want:  # the common case for whole subtrees (a model's): compared in C
         return
     module = False
@@ -1471,17 +1473,19 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
             elif type(got[0]) is not type(k):
                 mismatched.append(f"{here}: the checkpoint's key is {got[0]!r}, the target's "
                                   f"{k!r}")
+                told.add(here)
             else:
                 _compare_skeletons(got[1], child, here, lenient, whole, missing, mismatched,
-                                   unexpected)
+                                   unexpected, told)
     elif saved["t"] in _SEQUENCES and want["t"] in _SEQUENCES:
         for i, (a, b) in enumerate(zip(saved["items"], want["items"], strict=False)):
             _compare_skeletons(a, b, join_path(path, i), lenient, whole, missing,
-                               mismatched, unexpected)
+                               mismatched, unexpected, told)
     elif want["t"] == "dict" or want["t"] in _SEQUENCES:
         # the checkpoint's value would replace the target's container, and all it holds
         mismatched.append(f"{path or '<root>'}: the checkpoint holds {_a(saved['t'])}, the "
                           f"target {_a(want['t'])}")
+        told.add(path)
 
 
 def _grown_object(target: FlatState, path: str) -> list[str]:
@@ -1499,7 +1503,7 @@ def _grown_object(target: FlatState, path: str) -> list[str]:
 
 
 def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: list[str],
-                          mismatched: list[str]) -> None:
+                          mismatched: list[str], told: set[str]) -> None:
     """An optimizer's load_state_dict refuses a checkpoint with other parameter groups,
     but only after the tensors before it were loaded in place: say so before any read."""
     for path in lenient:
@@ -1531,6 +1535,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                              f"exclude=[{path!r}]" if path else "")
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
                               f"groups of {saved} parameters, the target's {want}{fresh}")
+            told.add(path)
 
 
 _KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a numpy scalar",
@@ -1540,13 +1545,12 @@ _KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a 
 
 
 def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str],
-                 unexpected: list[str], mismatched: list[str]) -> None:
+                 unexpected: list[str], mismatched: list[str], said: set[str]) -> None:
     """Paths holding an array on one side and a plain value (or container) on the other
     go from ``missing`` / ``unexpected`` to ``mismatched``, told as such: "missing" sent
     the user to strict=False, "unexpected" to ignore_unexpected=True, which then left
     the value as it was without a word."""
-    told: set[str] = set()
-    said = {m.split(": ", 1)[0] for m in mismatched}  # (by _compare_skeletons: said once)
+    told: set[str] = set()  # (``said``: the paths the mismatches told already)
     children: dict[int, dict[str, Any]] = {}  # (a dict's children by name, once each)
     for paths, there, here in ((missing, saved, want), (unexpected, want, saved)):
         for p in paths:
