@@ -51,7 +51,7 @@ from .manifest import (
 from .plan import WritePlan
 from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, ReadStorage, Storage
 from .tree import FlatState
 
 log = logging.getLogger(__name__)
@@ -1131,9 +1131,9 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
     return rec
 
 
-_STORAGE_CALLS = frozenset(("makedirs", "write_arena", "write_bytes", "fsync_dir", "rename",
-                            "remove_tree", "listdir", "read_bytes", "open_read", "close",
-                            "file_size", "pread_into"))
+# (the protocol's own methods: named once, in storage.py)
+_STORAGE_CALLS = frozenset(n for c in (Storage, ReadStorage) for n in vars(c)
+                           if not n.startswith("_"))
 
 
 def _storage_call(exc: BaseException) -> str:

@@ -975,8 +975,8 @@ def _check_metadata(metadata: object, src: int) -> None:
         # (info, not a warning: torchft asks for metadata() before it configures the
         # group anew, so a rank that moved as a replica joined gives its former rank)
         log.info("receiving from rank %d with metadata %r, which rank %s gave: if that "
-                    "is no group configured anew since, pass the metadata() of the rank "
-                    "you receive from", src, said, match[1])
+                 "is no group configured anew since, pass the metadata() of the rank you "
+                 "receive from", src, said, match[1])
 
 
 def _group_rank(pg: Any) -> int:
