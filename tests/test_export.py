@@ -1049,3 +1049,21 @@ def test_an_export_whose_header_safetensors_would_refuse_is_refused_and_can_be_s
         assert f.stat().st_size < 20_000 + 100 * 16
         back.update(safetensors.torch.load_file(str(f)))
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_a_sharded_export_checks_every_header_before_it_writes_any(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The review: a shard whose header safetensors would refuse was found only once
+    the shards before it were written, then removed.)"""
+    state = {f"s{i:03d}": torch.ones(4) for i in range(150)}  # a first shard that fits
+    state.update({f"{'k' * 100}{i}": torch.ones(4) for i in range(150)})  # a second: not
+    asyncckpt.save(state, tmp_path / "ck", step=0)
+    monkeypatch.setattr(export_mod, "WRITE_MAX_HEADER_BYTES", 20_000)
+    writes: list[int] = []
+    real = export_mod._write_all
+    monkeypatch.setattr(export_mod, "_write_all", lambda fd, data: (writes.append(len(data)),
+                                                                    real(fd, data))[1])
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="header of 150 tensors would "
+                                                              "take"):
+        export_safetensors(tmp_path / "ck", tmp_path / "out", max_shard_bytes=150 * 16)
+    assert writes == [] and not (tmp_path / "out").exists()

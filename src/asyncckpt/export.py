@@ -240,9 +240,10 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     tmp = _temporary(out.parent)
     written = _Written(sum(p.nbytes for p in planned), progress)
     if max_shard_bytes is None:
+        header = _encode_header(planned, manifest, step_dir)  # (refused: nothing written)
         try:
-            size = _write_file(tmp, planned, step_dir, manifest, storage, out, report,
-                               written)
+            size = _write_file(tmp, planned, header, step_dir, manifest, storage, out,
+                               report, written)
             with _writing(out):
                 _publish(tmp, out, force)
         except BaseException:
@@ -504,11 +505,11 @@ class _Written:
             self.progress(self.done, self.total)
 
 
-def _write_file(path: Path, planned: list[_Planned], step_dir: Path, manifest: Manifest,
-                storage: Storage, out: Path, report: ExportReport, written: _Written) -> int:
-    """Create ``path`` (a new file) holding ``planned``, fsync'd; return its size. The
-    caller removes it on failure."""
-    header = _encode_header(planned, manifest, step_dir)
+def _write_file(path: Path, planned: list[_Planned], header: bytes, step_dir: Path,
+                manifest: Manifest, storage: Storage, out: Path, report: ExportReport,
+                written: _Written) -> int:
+    """Create ``path`` (a new file) holding ``header`` and ``planned``, fsync'd; return its
+    size. The caller removes it on failure."""
     with _writing(out):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o644)
@@ -553,13 +554,15 @@ def _write_shards(tmp: Path, out: Path, force: bool, shards: list[list[_Planned]
     n = len(shards)
     names = (["model.safetensors"] if n == 1 else
              [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    # (every header first: one that safetensors would refuse is told before any is written)
+    headers = [_encode_header(part, manifest, step_dir) for part in shards]
     try:
         with _writing(out):
             os.mkdir(tmp, 0o755)
         size = 0
-        for name, part in zip(names, shards, strict=True):
-            size += _write_file(tmp / name, part, step_dir, manifest, storage, out, report,
-                                written)
+        for name, part, header in zip(names, shards, headers, strict=True):
+            size += _write_file(tmp / name, part, header, step_dir, manifest, storage, out,
+                                report, written)
             report.weight_map.update((p.name, name) for p in part)
         if n > 1:
             index = {"metadata": {"total_size": sum(p.nbytes for part in shards
