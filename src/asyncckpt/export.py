@@ -262,8 +262,10 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                                      p.shape, p.nbytes, p.chunks) for p in planned]
     report.seconds = time.perf_counter() - started
     for name, n in report.overflowed.items():
-        report_log.warning("export: %d finite values of %s are beyond the range of %s and became "
-                           "inf or NaN (or its largest value, where the cast saturates)",
+        # (as ``overflowed`` counts them: infinities a format without them cannot hold too)
+        report_log.warning("export: %d values of %s are beyond the range of %s (or infinite "
+                           "where it holds no inf) and became inf or NaN (or its largest "
+                           "value, where the cast saturates)",
                            n, name, dtype_name(cast) if cast is not None else "its dtype")
     log.info("exported %d tensors (%d bytes) of step %d from %s to %s in %.3fs",
              len(planned), report.tensor_bytes, manifest.step, step_dir, out, report.seconds)
