@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import json
 import math
 import random
@@ -182,6 +184,44 @@ def test_int_and_str_key_naming_one_path_raise(state, where):
     with pytest.raises(UnsupportedLeafError) as info:
         flatten(state)
     assert where in str(info.value)
+
+
+class _IntKeyed(collections.abc.Mapping):  # a mapping whose lookups take ints only
+    def __init__(self, d):
+        self._d = d
+
+    def __getitem__(self, k):
+        if type(k) is not int:
+            raise TypeError("int keys only")
+        return self._d[k]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+@pytest.mark.parametrize("state, told", [
+    ({0: 1, "0": 2}, "keys 0 and '0'"),
+    ({"0": 1, 0: 2}, "keys '0' and 0"),
+    ({"x": collections.OrderedDict([("-5", torch.ones(1)), (-5, torch.ones(1))])},
+     "keys '-5' and -5"),
+])
+def test_key_collision_names_both_keys_in_their_order(state, told):
+    with pytest.raises(UnsupportedLeafError, match="name the same path; rename one") as info:
+        flatten(state)
+    assert told in str(info.value)
+
+
+def test_keys_that_only_escape_alike_do_not_collide(same):
+    """An escaped key holds a "%", which no plain key nor int does: ``"a/b"``, ``"a%2Fb"``
+    (escaped too), ``"1"`` and ``2`` are four paths; a mapping that takes only ints is
+    not asked for a str key."""
+    state = {"a/b": torch.ones(1), "a%2Fb": torch.zeros(1), "1": torch.ones(2), 2: 3,
+             "m": _IntKeyed({4: torch.ones(3), 5: 6})}
+    flat, _ = roundtrip(state)
+    assert sorted(flat.tensors) == ["1", "a%252Fb", "a%2Fb", "m/4"]
 
 
 def test_empty_string_key_at_root_does_not_collide(same, tmp_path):

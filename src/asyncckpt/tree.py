@@ -49,7 +49,9 @@ __all__ = [
 ]
 
 # Tensors met so far, by data pointer: (tensor, its storage key) for alias detection.
-_Seen = dict[Any, "_Views"]  # data pointer (or storage) -> the leaves seen there
+# data pointer (or storage) -> the leaf seen there, as (tensor, path), or the leaves once
+# there are several (most pointers are seen once: no object made for them)
+_Seen = dict[Any, "tuple[torch.Tensor, str] | _Views"]
 
 # The skeleton is plain JSON data; its nodes are dicts with a "t" (type) tag.
 MAX_DEPTH = 190  # containers nested in one another; loads refuse skeletons deeper than 200
@@ -294,26 +296,31 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
     prefix = f"{path}/" if path else ""
     active.add(id(obj))
     items: list[list[Any]] = []
-    seen_segments: dict[str, Any] = {}
+    str_keys: Any = obj if isinstance(obj, dict) else None  # (made for other mappings)
     for k, v in obj.items():
         tk = type(k)
         if tk is str:
             if not k.isascii():
                 _check_key_text(k, where)
+            # (an escaped segment holds a "%", which neither an unescaped key nor an int's
+            # digits do: escaped keys name no other key's path, and one another's only if
+            # they are equal)
             seg = k if k and "%" not in k and "/" not in k else escape_key(k)
         elif tk is int:
             if k.bit_length() > _MAX_INT_BITS:
                 raise UnsupportedLeafError(_huge_int(f"dict key at {where!r}", k))
             seg = str(k)
+            if str_keys is None:
+                str_keys = {x for x in obj if type(x) is str}
+            if seg in str_keys:  # the one pair of keys that name one path: 1 and "1"
+                first, second = (k, seg) if _before(obj, k, seg) else (seg, k)
+                raise UnsupportedLeafError(
+                    f"dict at {where!r} has keys {first!r} and {second!r}, which name the "
+                    "same path; rename one of them")
         else:
             raise UnsupportedLeafError(
                 f"dict key {k!r} of type {tk.__name__} at {where!r}: only str and int keys "
                 "can be checkpointed; convert the key to str")
-        if seg in seen_segments:
-            raise UnsupportedLeafError(
-                f"dict at {where!r} has keys {seen_segments[seg]!r} and {k!r}, which name the "
-                "same path; rename one of them")
-        seen_segments[seg] = k
         tv = type(v)
         if tv in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
                 tv.__name__ == "DTensor" and isinstance(v, torch.Tensor)):
@@ -323,6 +330,16 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
             items.append([k, _flatten(v, prefix + seg, flat, seen, active)])
     active.discard(id(obj))
     return {"t": "dict", "items": items}
+
+
+def _before(obj: Mapping[Any, Any], a: Any, b: Any) -> bool:
+    """Whether key ``a`` comes before key ``b`` in ``obj``."""
+    for k in obj:
+        if k == a and type(k) is type(a):
+            return True
+        if k == b and type(k) is type(b):
+            return False
+    return True
 
 
 def _check_key_text(k: str, where: str) -> None:
@@ -384,7 +401,7 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
         box = (global_shape, local_box)
         what = "the local shard of the DTensor"
-    if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _refused_dtypes()
+    if (type(t) not in _PLAIN_TENSOR_TYPES or t.dtype in _REFUSED_DTYPES
             or t.layout is not _STRIDED or t.is_nested):
         _check_unusual_tensor(t, path, what)
     if t.is_meta:
@@ -406,10 +423,12 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
             # ranks disagree on the keys: tie it by its storage.
             tie = ("empty shard", t.untyped_storage()._cdata, t.storage_offset())
         if tie:
-            views = seen.get(tie)
-            if views is None:
-                seen[tie] = _Views(t, path)
+            met = seen.get(tie)
+            if met is None:
+                seen[tie] = (t, path)
             else:
+                views = met if isinstance(met, _Views) else _Views(*met)
+                seen[tie] = views
                 # the same memory as another leaf's, seen the same way and standing for
                 # the same part of the same global tensor (a DTensor's local shard may
                 # also be a plain leaf, or the shard of another placement)
@@ -934,3 +953,6 @@ class RNGState:
                         "rank %d: its generators keep their current state", sorted(ranks), rank)
             return
         _set_rng_state(_checked_rng_state(ranks[rank], f"ranks/{rank}/"))
+
+
+_REFUSED_DTYPES = _refused_dtypes()  # (a global: looked up for every tensor saved)
