@@ -2388,6 +2388,40 @@ def test_one_saved_tensor_into_two_overlapping_targets(tmp_path: Path) -> None:
     assert torch.equal(buf[0:2], w[0:2])
 
 
+class _TiedLM(torch.nn.Module):
+    def __init__(self, seed: int, tie: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.lm_head = torch.nn.Linear(4, 10, bias=False)
+        if tie:
+            self.lm_head.weight = self.emb.weight
+
+
+def test_a_tied_target_path_is_filled_through_its_tie(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint that holds one of a tied pair (saved from a plain dict, or a model
+    that had them apart and dropped one) fills the other through the tie: not missing
+    in a strict load, and not "left as it is" by strict=False (a trial: it warned so of
+    a weight it had just changed)."""
+    src = _TiedLM(0)
+    for kept in ("emb.weight", "lm_head.weight"):
+        asyncckpt.save({"model": {kept: src.emb.weight.detach().clone()}}, tmp_path / kept)
+        for strict in (True, False):
+            model = _TiedLM(1)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="asyncckpt"):
+                asyncckpt.load(tmp_path / kept, {"model": model}, strict=strict)
+            assert model.lm_head.weight is model.emb.weight
+            assert torch.equal(model.emb.weight, src.emb.weight), (kept, strict)
+            assert "as they are" not in caplog.text
+            assert "get their values through the tensors they are tied to" in caplog.text
+    # paths that are not tied are each wanted, as ever
+    with pytest.raises(asyncckpt.StateMismatchError,
+                       match=r"missing from the checkpoint: model/lm_head\.weight"):
+        asyncckpt.load(tmp_path / "emb.weight", {"model": _TiedLM(1, tie=False)})
+
+
 def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) -> None:
     """The checkpoint is intact, so neither "corrupt" nor a fallback past every intact
     step: the target is refused up front (as a read-only numpy array is), and where the

@@ -136,7 +136,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
               progress: Callable[[int, int], None] | None = None,
               exclude: tuple[str, ...] = (), shown: Path | None = None,
               key_map: KeyMap | None = None, cast: bool = False,
-              tied_ok: bool = False, rename_hint: RenameHint | None = None) -> Any:
+              rename_hint: RenameHint | None = None) -> Any:
     """Load the checkpoint in ``step_dir``; see :meth:`AsyncCheckpointer.load`.
 
     ``step``, when given, is the step the caller asked for: a step directory of another
@@ -147,9 +147,9 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
     is read: its ``loaded_in_place`` holds the paths the load is about to fill.
     ``shown``: what errors and the log call the source, when not ``step_dir`` (a file).
     ``cast``: a target tensor of another dtype (see :func:`castable`) gets the saved
-    values cast, through a temporary, rather than a mismatch error. ``tied_ok``: a
-    target path the checkpoint lacks is not missing when its tensor is tied to (is) one
-    the checkpoint fills.
+    values cast, through a temporary, rather than a mismatch error. A target path the
+    checkpoint lacks is not missing when its tensor is tied to (is) one the checkpoint
+    fills (an LM's output embedding, tied to its input one).
     """
     # A load makes several small objects per tensor (the parsed manifest, the flattened
     # target, the read plan): with the collector on, the full collections they set off
@@ -166,7 +166,7 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
                              threads=threads, step=step, manifest=manifest,
                              before_read=before_read, read=read, progress=progress,
                              exclude=exclude, shown=shown, key_map=key_map, cast=cast,
-                             tied_ok=tied_ok, rename_hint=rename_hint)
+                             rename_hint=rename_hint)
     except CheckpointCorruptError as exc:
         # A step removed and saved anew while it was read (a rollback's
         # discard_steps_after and the save after it, in another process) reads as a
@@ -215,7 +215,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                progress: Callable[[int, int], None] | None = None,
                ignore_unexpected: bool = False, exclude: tuple[str, ...] = (),
                shown: Path | None = None, key_map: KeyMap | None = None,
-               cast: bool = False, tied_ok: bool = False,
+               cast: bool = False,
                rename_hint: RenameHint | None = None) -> Any:
     label = step_dir if shown is None else shown
     if manifest is None:
@@ -242,7 +242,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     casts: set[str] | None = set() if cast else None
     dests, boxes, regions = _match(manifest, saved, target, strict, label, spans,
                                    ignore_unexpected=ignore_unexpected, same_tree=same_tree,
-                                   casts=casts, tied_ok=tied_ok, rename_hint=rename_hint)
+                                   casts=casts, rename_hint=rename_hint)
     if before_read is not None:
         before_read(target)
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
@@ -950,7 +950,7 @@ RenameHint = Callable[[list[str], list[str]], str]
 def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict: bool,
            step_dir: Path, spans: dict[int, _Span | None] | None = None, *,
            ignore_unexpected: bool = False, same_tree: bool = False,
-           casts: set[str] | None = None, tied_ok: bool = False,
+           casts: set[str] | None = None,
            rename_hint: RenameHint | None = None
            ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Box],
                       dict[str, list[Box | None]]]:
@@ -989,9 +989,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 
     _refuse_plain_state_for_dtensor_params(saved, target, lenient, step_dir)
     missing = [p for p in target.refs if p not in saved and not whole_state(p)]
-    if tied_ok and missing:
+    if missing:
         # a target path tied to one the checkpoint fills (one tensor at both) gets its
-        # values through it: what Hugging Face files do with tied embeddings
+        # values through it: Hugging Face files hold tied embeddings so, and so does a
+        # checkpoint of a model (or plain dict) that had them apart
         filled = {target.refs[p] for p in target.refs if p in saved}
         tied = [p for p in missing if target.refs[p] in filled]
         if tied:

@@ -128,7 +128,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     out = load_from(where, state, LocalStorage(), strict=strict,
                     ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                     threads=threads, manifest=manifest, progress=progress, exclude=parts,
-                    shown=None if where == path else path, cast=cast, tied_ok=True,
+                    shown=None if where == path else path, cast=cast,
                     rename_hint=_rename_hint if key_map is None else None)
     return finish(out)
 
