@@ -1943,6 +1943,36 @@ def test_optimizer_state_of_another_class_is_warned_of(
     assert fresh.param_groups[0]["momentum"] == 0.9
 
 
+def test_a_fresh_optimizers_state_dict_as_target_is_told_to_be_the_optimizer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial loaded into ``{"optim": fresh_opt.state_dict()}``: refused with advice
+    (ignore_unexpected=True) that, followed, loaded no moment and said nothing. The
+    error now says to pass the optimizer; skipping them is warned of."""
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters())
+    _train_step(net, opt, 0)
+    asyncckpt.save({"model": net.state_dict(), "run": {"optim": opt.state_dict()}}, tmp_path,
+                   step=1)
+    fresh = torch.optim.AdamW(net.parameters())
+    target = {"model": net.state_dict(), "run": {"optim": fresh.state_dict()}}
+    with pytest.raises(StateMismatchError, match=r"'run/optim' holds an optimizer's "
+                       r"state_dict\(\) with no state yet .*pass the optimizer itself"):
+        asyncckpt.load(tmp_path, target)
+    for how in ({"ignore_unexpected": True}, {"strict": False}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            asyncckpt.load(tmp_path, target, **how)
+        assert "the saved optimizer state under 'run/optim' is not loaded" in caplog.text
+    # the optimizer itself takes it; a stepped optimizer's state dict is filled in place
+    asyncckpt.load(tmp_path, {"model": net, "run": {"optim": fresh}})
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": net.state_dict(), "run": {"optim": fresh.state_dict()}})
+    assert "not loaded" not in caplog.text
+
+
 def test_cast_loads_complex_into_another_complex_dtype(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """As module.load_state_dict does (a trial's complex128 into complex64 was refused as

@@ -1094,6 +1094,18 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
                 _node_at(target.skeleton, new)))
             or renamed_hint(missing, unexpected, fits))
+    stateless = _stateless_optimizer_dicts(target.skeleton, unexpected) if unexpected else []
+    if stateless and not skip_unexpected:  # (the hints above know nothing of it)
+        hint = (f" ({few([repr(p or '<root>') for p in stateless], 3)} holds an optimizer's "
+                "state_dict() with no state yet (an optimizer makes its state at its first "
+                "step(), and a state dict is a copy of it): pass the optimizer itself, whose "
+                "load_state_dict takes the saved state whole; ignore_unexpected=True or "
+                "strict=False would leave the saved state unread)")
+    elif stateless:
+        log.warning("loading %s: the saved optimizer state under %s is not loaded: the "
+                    "target there is an optimizer's state_dict() with no state yet (a copy "
+                    "of a fresh optimizer's); pass the optimizer itself to restore it",
+                    step_dir, few([repr(p or "<root>") for p in stateless], 3))
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
@@ -1173,6 +1185,29 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if skipped is not None:
         log.warning("%s", skipped)
     return dests, boxes, regions
+
+
+def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) -> list[str]:
+    """The paths of target plain dicts shaped as an optimizer's state dict with empty
+    ``state`` (a fresh optimizer's ``state_dict()``) under which the checkpoint holds
+    tensors the target lacks: its moments, which loading into such a copy cannot keep."""
+    found: list[str] = []
+    looked: set[str] = set()
+    for path in unexpected:
+        segs = path.split("/")
+        for i in range(len(segs) - 2, -1, -1):  # (the innermost first)
+            head = "/".join(segs[:i])
+            if segs[i] != "state" or head in looked:
+                continue
+            looked.add(head)
+            node = _node_at(skeleton, head)
+            kids = {k: c for k, c in node["items"] if k in ("state", "param_groups")} if (
+                node is not None and node["t"] == "dict") else {}
+            if (len(kids) == 2 and kids["state"]["t"] == "dict" and not kids["state"]["items"]
+                    and kids["param_groups"]["t"] in _SEQUENCES):
+                found.append(head)
+                break
+    return found
 
 
 def _refuse_absent(manifest: Manifest, label: Path) -> None:
