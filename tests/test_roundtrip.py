@@ -1943,6 +1943,38 @@ def test_optimizer_state_of_another_class_is_warned_of(
     assert fresh.param_groups[0]["momentum"] == 0.9
 
 
+def test_lr_scheduler_state_of_another_class_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's OneCycleLR state loaded into a CosineAnnealingLR without a word (torch's
+    load_state_dict sets every saved attribute), as an optimizer's of another class was."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10)
+    opt.step()
+    sched.step()
+    asyncckpt.save({"optim": opt, "sched": sched}, tmp_path, step=1)
+
+    def target(cls: Any) -> dict[str, Any]:
+        o = torch.optim.SGD([p], lr=0.1)
+        s = (cls(o, max_lr=1.0, total_steps=10) if cls is torch.optim.lr_scheduler.OneCycleLR
+             else cls(o, 5))
+        return {"optim": o, "sched": s}
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, target(torch.optim.lr_scheduler.OneCycleLR))
+    assert "saved by" not in caplog.text, caplog.text
+    cosine = target(torch.optim.lr_scheduler.CosineAnnealingLR)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, cosine)
+    assert ("the LR scheduler state at 'sched' saved by OneCycleLR into a CosineAnnealingLR"
+            in caplog.text), caplog.text
+    assert "pass exclude=['sched']" in caplog.text
+    fresh = target(torch.optim.lr_scheduler.CosineAnnealingLR)
+    asyncckpt.load(tmp_path, fresh, exclude=["sched"])  # (the advice works)
+    assert "total_steps" not in vars(fresh["sched"])
+    assert "total_steps" in vars(cosine["sched"])
+
+
 def test_a_fresh_optimizers_state_dict_as_target_is_told_to_be_the_optimizer(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A trial loaded into ``{"optim": fresh_opt.state_dict()}``: refused with advice

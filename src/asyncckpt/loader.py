@@ -1544,6 +1544,8 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
     but only after the tensors before it were loaded in place: say so before any read."""
     for path in lenient:
         obj = target.statefuls[path][0]
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            _warn_other_scheduler(skeleton, path, obj)
         if not isinstance(obj, torch.optim.Optimizer):
             continue
         node = _node_at(skeleton, path)
@@ -1572,6 +1574,20 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
                               f"groups of {saved} parameters, the target's {want}{fresh}")
             told.add(path)
+
+
+def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None:
+    """An LR scheduler's load_state_dict sets every saved attribute on it, whatever class
+    saved them (a trial's OneCycleLR state went into a CosineAnnealingLR silently, which
+    then carried OneCycleLR's total_steps and phases): warn, as of an optimizer's."""
+    holder = _node_at(skeleton, path, stateful=True)
+    cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
+    if isinstance(cls, str) and cls != type(obj).__qualname__:
+        log.warning("loading the LR scheduler state at %r saved by %s into a %s: torch's "
+                    "load_state_dict sets %s's attributes on it as they are; %s",
+                    path or "<root>", cls, type(obj).__qualname__, cls,
+                    f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
+                    if path else "load it into a " + cls)
 
 
 _KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a numpy scalar",
