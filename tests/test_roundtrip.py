@@ -1777,8 +1777,12 @@ def test_exclude_leaves_parts_alone_and_keeps_every_check_elsewhere(tmp_path: Pa
 def test_exclude_refuses_what_it_cannot_leave_alone(tmp_path: Path) -> None:
     asyncckpt.save({"model": _net(0), "loader": _Loader(5), "hist": [1, 2]}, tmp_path)
     target = {"model": _net(1), "loader": _Loader(0), "hist": [0, 0]}
-    with pytest.raises(asyncckpt.CheckpointConfigError, match="inside 'model', a Sequential"):
-        asyncckpt.load(tmp_path, target, exclude=["model/0.weight"])
+    opt = torch.optim.SGD(target["model"].parameters())
+    for at, what in (("loader/order", "_Loader"), ("opt/state", "SGD")):
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=f"inside '{at.split('/')[0]}', a {what}: exclude= looks into "
+                                 "plain dicts and modules only"):
+            asyncckpt.load(tmp_path, {**target, "opt": opt}, exclude=[at])
     with pytest.raises(asyncckpt.CheckpointConfigError, match="holds as a list"):
         asyncckpt.load(tmp_path, exclude=["hist/0"])
     for bad in ([3], [""], 7):
@@ -1786,6 +1790,60 @@ def test_exclude_refuses_what_it_cannot_leave_alone(tmp_path: Path) -> None:
             asyncckpt.load(tmp_path, target, exclude=bad)  # type: ignore[arg-type]
     with pytest.raises(asyncckpt.CheckpointConfigError, match="a state that is a plain dict"):
         asyncckpt.load(tmp_path, _net(1), exclude=["loader"])
+
+
+def _head(seed: int, out: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, out))
+
+
+def test_exclude_leaves_part_of_a_module_alone_and_the_rest_strict(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Fine-tuning with a new head (a trial): the backbone loads strictly, the head keeps
+    its own values. Before, exclude= refused paths inside a module, and the shape
+    mismatch's error gave no way out but strict=False (blind to a missing backbone key)."""
+    src = _head(0, 2)
+    asyncckpt.save({"model": src, "step": 3}, tmp_path, step=1)
+    model = _head(1, 5)
+    own = model[2].weight.detach().clone()
+    with pytest.raises(StateMismatchError, match=re.escape(
+            "to load the rest and keep the target's own values there, pass "
+            "exclude=['model/2.weight', 'model/2.bias']")):
+        asyncckpt.load(tmp_path, {"model": model, "step": 0})
+    for exclude in (["model/2.weight", "model/2.bias"], ["model/2"]):  # (a submodule's prefix)
+        with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+            out = ck.load({"model": model, "step": 0}, exclude=exclude)
+        assert out["model"] is model and out["step"] == 3
+        assert torch.equal(model[0].weight, src[0].weight)
+        assert torch.equal(model[2].weight, own) and model[2].weight.shape == (5, 8)
+    # the rest stays strict: a backbone key the checkpoint lacks is an error
+    deeper = nn.Sequential(*_head(1, 5), nn.Linear(5, 5))
+    with pytest.raises(StateMismatchError, match=r"missing from the checkpoint: model/3\.weight"):
+        asyncckpt.load(tmp_path, {"model": deeper, "step": 0}, exclude=["model/2"])
+    # with fallback, a fresh load, and a prefix that names nothing (logged)
+    asyncckpt.load(tmp_path, {"model": _head(1, 5), "step": 0}, exclude=["model/2"],
+                   fallback=True)
+    assert sorted(asyncckpt.load(tmp_path, exclude="model/2")["model"]) == ["0.bias",
+                                                                            "0.weight"]
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), pytest.raises(
+            StateMismatchError):
+        asyncckpt.load(tmp_path, {"model": _head(1, 5), "step": 0}, exclude=["model/2.w"])
+    assert "holds nothing at model/2.w" in caplog.text
+    # a plain dict of a module's keys: "model/2" names its dotted keys too
+    plain = {"model": {k: v.clone() for k, v in _head(1, 5).state_dict().items()}}
+    asyncckpt.load(tmp_path, plain, exclude=["model/2"], ignore_unexpected=False)
+    assert torch.equal(plain["model"]["0.weight"], src[0].weight)
+
+
+def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
+    """A trial's cast=True load into a float16 target of another shape was told to "load
+    with state=None and convert" (of dtypes): the shape is what no cast fixes."""
+    asyncckpt.save({"f": torch.ones(3), "g": torch.ones(2)}, tmp_path, step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"f": torch.zeros(4, dtype=torch.float16),
+                                  "g": torch.zeros(2, dtype=torch.float16)}, cast=True)
+    assert "dtype" not in str(info.value).split("target torch.float16 [4]")[1]
+    assert "pass exclude=['f']" in str(info.value)
 
 
 def test_exclude_drops_the_shards_of_excluded_parts(tmp_path: Path) -> None:

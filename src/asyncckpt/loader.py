@@ -231,6 +231,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                               verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state, target=True)
+    _drop_excluded(target, exclude)
     apply_shards(target, shards)
     # The usual load in place: the target is the very tree that was saved (the same
     # skeleton, so the same paths naming the same keys), and what the checkpoint holds
@@ -575,6 +576,7 @@ class _Rollback:
             saved = saved_paths(manifest)
             with gc_paused():
                 target = flatten(self.state, target=True)
+                _drop_excluded(target, self.exclude)
                 apply_shards(target, self.shards)
                 try:
                     _match(manifest, saved, target, False, step_dir,
@@ -647,8 +649,10 @@ def check_exclude(exclude: object) -> tuple[str, ...]:
 
 
 def is_excluded(path: str, exclude: tuple[str, ...]) -> bool:
-    """Whether ``path`` is an excluded one or lies below one."""
-    return any(path == e or path.startswith(f"{e}/") for e in exclude)
+    """Whether ``path`` is an excluded one or lies below one: ``model/head`` also names
+    the keys of a module's state dict that it prefixes with a dot (``model/head.weight``),
+    as torch names a submodule's."""
+    return any(path == e or path.startswith((f"{e}/", f"{e}.")) for e in exclude)
 
 
 def _below(path: str, exclude: tuple[str, ...]) -> str | None:
@@ -700,17 +704,20 @@ def excluded_view(state: Any, exclude: tuple[str, ...],
         out: dict[Any, Any] = {}
         for k, v in d.items():
             p = join_path(path, k)
-            if p in exclude:
+            if is_excluded(p, exclude):
                 continue
             below = _below(p, exclude)
             if below is not None:
-                if not isinstance(v, dict):
+                if isinstance(v, torch.nn.Module) and not loads_fresh(v):
+                    pass  # (its parts are left out of the flattened target: _drop_excluded)
+                elif not isinstance(v, dict):
                     raise CheckpointConfigError(
                         f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
-                        "exclude= looks into plain dicts only (a module's or an optimizer's "
-                        "state loads as a whole); exclude all of it, or leave the part in "
-                        "(strict=False skips what the checkpoint lacks)")
-                v = view_of(v, p)
+                        "exclude= looks into plain dicts and modules only (an optimizer's "
+                        "or another object's state loads as a whole); exclude all of it, or "
+                        "leave the part in (strict=False skips what the checkpoint lacks)")
+                else:
+                    v = view_of(v, p)
             out[k] = v
         views.append((d, out))
         return out
@@ -752,27 +759,43 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
     if not exclude:
         return manifest
 
-    def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
-        t = node["t"]
-        below = _below(path, exclude)
-        if below is None:
-            return node
-        if t == "dict":
-            return {**node, "items": [[k, prune(c, join_path(path, k))]
-                                      for k, c in node["items"]
-                                      if join_path(path, k) not in exclude]}
-        what = {"stateful": "an object whose state loads as a whole", "list": "a list",
-                "tuple": "a tuple"}.get(t, "a value")
-        raise CheckpointConfigError(
-            f"exclude {below!r} lies inside {path or 'the root'!r}, which the checkpoint "
-            f"holds as {what}: exclude all of it")
-
-    skeleton = prune(manifest.skeleton, "")
+    skeleton = pruned(manifest.skeleton, exclude, "the checkpoint")
     unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
     if unmatched:
         log.warning("exclude: the checkpoint of step %d holds nothing at %s (names as "
                     "'asyncckpt inspect' lists them)", manifest.step, few(unmatched))
     return _with_skeleton(manifest, skeleton)
+
+
+def pruned(node: dict[str, Any], exclude: tuple[str, ...], holder: str,
+           path: str = "") -> dict[str, Any]:
+    """The skeleton ``node`` (at ``path``) without its ``exclude`` parts; through the
+    state dicts of stateful objects (a module's: the target's side refuses other objects
+    before this), not through lists."""
+    t = node["t"]
+    below = _below(path, exclude)
+    if below is None:
+        return node
+    if t == "stateful":
+        return {**node, "state": pruned(node["state"], exclude, holder, path)}
+    if t == "dict":
+        return {**node, "items": [[k, pruned(c, exclude, holder, join_path(path, k))]
+                                  for k, c in node["items"]
+                                  if not is_excluded(join_path(path, k), exclude)]}
+    what = {"list": "a list", "tuple": "a tuple"}.get(t, "a value")
+    raise CheckpointConfigError(
+        f"exclude {below!r} lies inside {path or 'the root'!r}, which {holder} holds as "
+        f"{what}: exclude all of it")
+
+
+def _drop_excluded(target: FlatState, exclude: tuple[str, ...]) -> None:
+    """Leave the ``exclude`` parts inside modules out of the flattened target: not
+    matched, not filled; the module's load_state_dict gets its own tensors there."""
+    if not exclude:
+        return
+    for path in [p for p in target.refs if is_excluded(p, exclude)]:
+        del target.refs[path]
+    target.skeleton = pruned(target.skeleton, exclude, "the target")
 
 
 # --- key_map=: saved tensors renamed before they are matched --------------------------------
@@ -922,10 +945,16 @@ def _int_text(text: str) -> bool:
 
 def _names_a_part(skeleton: dict[str, Any], path: str) -> bool:
     node: dict[str, Any] | None = skeleton
-    for seg in path.split("/"):
+    segs = path.split("/")
+    for i, seg in enumerate(segs):
+        if node is not None and node["t"] == "stateful":
+            node = node["state"]
         if node is None or node["t"] != "dict":
             return False
-        node = next((c for k, c in node["items"] if escape_key(k) == seg), None)
+        names = [(escape_key(k), c) for k, c in node["items"]]
+        node = next((c for name, c in names if name == seg), None)
+        if node is None and i == len(segs) - 1:  # (a submodule: "head" of "head.weight")
+            return any(name.startswith(f"{seg}.") for name, _ in names)
     return node is not None
 
 
@@ -1016,7 +1045,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     unwritable: list[str] = []
     shape_dtype = 0  # how many of the mismatches are of shape or dtype (the rest: of kind)
     grown: list[str] = []  # ... of shape alone, in the state of an object of the user's
-    other_dtype = False  # a target of another dtype among the mismatches
+    other_dtype = False  # a target of another dtype (and the same shape) among the mismatches
+    reshaped: list[str] = []  # the paths of the mismatches of shape
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
@@ -1041,9 +1071,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         t = target.tensors[tkey]
         entry = manifest.tensors[key]
         tbox = target.boxes.get(tkey)
-        if (tbox[0] if tbox is not None else t.shape) != entry.shape or t.dtype != entry.dtype:
+        same_shape = (tbox[0] if tbox is not None else t.shape) == entry.shape
+        if not same_shape or t.dtype != entry.dtype:
             if casts is None or not _fits(entry, target, tkey, casts):
-                if t.dtype != entry.dtype:
+                if not same_shape:
+                    reshaped.append(path)
+                elif t.dtype != entry.dtype:  # (of another shape, no cast would help)
                     other_dtype = True
                     numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
                 arr = target.arrays.get(tkey) if target.arrays else None
@@ -1141,6 +1174,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "
                              "checkpoint's state dict whole, in new tensors (see load)")
+            if reshaped and not grown and all(_excludable(target, p) for p in reshaped[:50]):
+                # (a new head, a resized vocabulary)
+                parts.append("to load the rest and keep the target's own values there, pass "
+                             + (f"exclude={reshaped!r}" if len(reshaped) <= 8 else
+                                f"exclude= with those paths ({len(reshaped)})"))
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
@@ -1185,6 +1223,24 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if skipped is not None:
         log.warning("%s", skipped)
     return dests, boxes, regions
+
+
+def _excludable(target: FlatState, path: str) -> bool:
+    """Whether ``exclude=[path]`` can leave the target's ``path`` out: it runs through
+    dicts and modules only (see excluded_view)."""
+    segs = path.split("/")
+    for i in range(len(segs)):
+        head = "/".join(segs[:i])
+        node = _node_at(target.skeleton, head, stateful=True)
+        if node is None:
+            return False
+        if node["t"] == "stateful":
+            obj = target.statefuls[head][0] if head in target.statefuls else None
+            if not isinstance(obj, torch.nn.Module) or loads_fresh(obj):
+                return False
+        elif node["t"] != "dict":
+            return False
+    return True
 
 
 def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) -> list[str]:
