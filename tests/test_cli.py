@@ -1007,6 +1007,13 @@ def test_inspect_plain_safetensors_files(tmp_path: Path, capsys: pytest.CaptureF
     code, out, _ = run(capsys, "inspect", str(hf), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["format"] == "safetensors" and doc["step"] is None
+    # the keys of a checkpoint's document, those without meaning null (a trial's script
+    # read doc["damaged"] of both: KeyError on plain files)
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "ck", step=1)
+    code, ck_out, _ = run(capsys, "inspect", str(tmp_path / "ck"), "--json")
+    ck_doc = json.loads(ck_out)
+    assert ck_doc["format"] == "asyncckpt" and ck_doc["damaged"] == []
+    assert sorted(ck_doc) == sorted(doc) and doc["damaged"] is None
     assert [(t["path"], t["dtype"], t["shape"], t["files"]) for t in doc["tensors"]] == [
         ("a", "float32", [5], ["model-1.safetensors"]),
         ("b", "int64", [2], ["model-2.safetensors"])]

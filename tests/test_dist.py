@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -1420,9 +1421,18 @@ def test_strict_replicas_compare_the_replicated_boxes_of_a_sharded_tensor(
     assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.full((4, 3), 3.0))
 
 
-def test_strict_replicas_is_a_bool(tmp_path: Path) -> None:
+def test_strict_replicas_and_direct_io_are_bools_numpys_too(tmp_path: Path) -> None:
     with pytest.raises(asyncckpt.CheckpointConfigError, match="strict_replicas='yes'"):
         AsyncCheckpointer(tmp_path, strict_replicas="yes")  # type: ignore[arg-type]
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="direct_io='no'"):
+        AsyncCheckpointer(tmp_path, direct_io="no")  # type: ignore[arg-type]
+    # as every flag takes numpy's bools (the docs' word; a trial's direct_io=np.True_ was
+    # refused with "use True or False"), kept as Python's (sent to other ranks as JSON)
+    ck = AsyncCheckpointer(tmp_path, strict_replicas=np.True_,  # type: ignore[arg-type]
+                           direct_io=np.False_)  # type: ignore[arg-type]
+    assert ck.config.strict_replicas is True and ck.config.direct_io is False
+    ck.save({"w": torch.ones(2)}, 1)
+    ck.close()
 
 
 def test_equal_replicas_are_not_warned_about(tmp_path: Path,

@@ -177,11 +177,11 @@ class CheckpointerConfig:
                 or not 0 < self.timeout_s < math.inf:
             raise CheckpointConfigError(f"timeout_s={self.timeout_s!r}: use a positive, finite "
                                         "number of seconds (a day is 86400)")
-        if not isinstance(self.strict_replicas, bool):
-            raise CheckpointConfigError(
-                f"strict_replicas={self.strict_replicas!r}: use True or False")
-        if not isinstance(self.direct_io, bool):  # "no" would read as True
-            raise CheckpointConfigError(f"direct_io={self.direct_io!r}: use True or False")
+        # ("no" would read as True; numpy's bools are kept as Python's: the settings go
+        # to the other ranks as JSON)
+        check_flags(strict_replicas=self.strict_replicas, direct_io=self.direct_io)
+        object.__setattr__(self, "strict_replicas", bool(self.strict_replicas))
+        object.__setattr__(self, "direct_io", bool(self.direct_io))
         if self.copy_threads is None:
             object.__setattr__(self, "copy_threads", default_copy_threads())
         elif type(self.copy_threads) is not int or self.copy_threads < 1:

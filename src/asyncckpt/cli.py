@@ -493,7 +493,8 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
                 "files": sorted({c.file for c in t.chunks}), "chunks": len(t.chunks),
                 "tied": tied.get(key, [])}
                for key, t in m.tensors.items()]
-    return {"path": str(step_dir), "step": m.step, "world_size": m.world_size,
+    return {"path": str(step_dir), "format": "asyncckpt", "step": m.step,
+            "world_size": m.world_size,
             "library_version": m.library_version, "format_version": m.format_version,
             "created_unix": m.created_unix, "created": _iso(m.created_unix),
             "block_bytes": m.block_bytes, "total_bytes": m.total_bytes,
@@ -549,7 +550,8 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
     m = describe(where, files)
     doc = _inspect_doc(where, m)
     doc.update(format="safetensors", step=None, world_size=None, library_version=None,
-               format_version=None, created_unix=None, created=None, block_bytes=None)
+               format_version=None, created_unix=None, created=None, block_bytes=None,
+               damaged=None)  # (the same keys as a checkpoint's; null where meaningless)
     doc["path"] = str(args.ckpt)
     doc["files"] = {n: {"bytes": f["bytes"]} for n, f in doc["files"].items()}
     _decided(args, EXIT_OK)
