@@ -20,6 +20,7 @@ import textwrap
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1492,6 +1493,41 @@ def test_truncated_shard_is_detected(tmp_path: Path) -> None:
         asyncckpt.load(tmp_path)
 
 
+def test_a_first_save_refused_before_writing_leaves_the_directory_free(tmp_path: Path) -> None:
+    """A notebook re-run from the top (a trial): the first checkpointer's save of step 0
+    into a run at step 100 was refused, yet kept the lock; the traceback kept it alive,
+    and the corrected cell's new checkpointer was refused as a second writer."""
+    asyncckpt.save(make_state(), tmp_path, step=100)
+    first = asyncckpt.AsyncCheckpointer(tmp_path)
+    with pytest.raises(asyncckpt.CheckpointExistsError):
+        first.save(make_state(), step=0)
+    second = asyncckpt.AsyncCheckpointer(tmp_path)  # (first is still alive)
+    second.save(make_state(), step=101)
+    # a checkpointer that has saved keeps its lock through a refused save
+    with pytest.raises(asyncckpt.CheckpointExistsError):
+        second.save(make_state(), step=50)
+    with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process"):
+        first.save(make_state(), step=102)
+    second.close()
+    first.save(make_state(), step=102)
+    first.close()
+
+
+def test_a_lock_of_this_process_it_cannot_see_is_said_to_be_its_own(tmp_path: Path) -> None:
+    """After importlib.reload of every asyncckpt module (IPython's autoreload), a new
+    checkpointer cannot see the old one's lock: it blamed "another process" of its own
+    pid, whose advice was to stop the kernel."""
+    old = asyncckpt.AsyncCheckpointer(tmp_path)
+    old.save(make_state(), step=1)
+    with mock.patch("asyncckpt.storage._held_locks", weakref.WeakSet()), \
+            mock.patch("asyncckpt.checkpointer._DRAIN_GRACE_S", 0.05), \
+            pytest.raises(asyncckpt.CheckpointLockedError,
+                          match=rf"this process \(pid {os.getpid()}\) holds .* made before its "
+                                r"asyncckpt modules were loaded again"):
+        asyncckpt.AsyncCheckpointer(tmp_path).save(make_state(), step=2)
+    old.close()
+
+
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     (tmp_path / ".step_000000003.tmp-abc123").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):
@@ -1508,11 +1544,13 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     b = asyncckpt.AsyncCheckpointer(tmp_path)
     a.save(make_state(), step=1)
     with pytest.raises(asyncckpt.CheckpointLockedError,
-                       match=r"another AsyncCheckpointer of this process holds .*close"):
+                       match=r"another AsyncCheckpointer of this process, made at "
+                             r"test_checkpointer\.py:\d+, holds .*close") as info:
         b.save(make_state(), step=2)
+    assert info.value.holder is a  # (a notebook's way to one no name reaches)
     # ... and at start-up, by prepare() (a trial's second trainer learned it at its first
     # save, an hour of training later)
-    with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process holds"):
+    with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process, made at"):
         b.prepare(make_state())
     assert b.load(step=1)["train"]["step"] == 0  # reading needs no lock
     a.close()

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -305,6 +306,8 @@ class AsyncCheckpointer:
             given, process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
         self._lock = DirectoryLock(self.directory)
+        self._lock.made_at = _caller_site()
+        self._lock.owner = weakref.ref(self)
         self._metrics = StepMetrics()  # each committed step's, read once (best_step)
         cfg = self.config
         self._keep_best = None if cfg.keep_best is None else KeepBest(
@@ -430,6 +433,7 @@ class AsyncCheckpointer:
             ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
         tag = f"n{self._seq}"
+        had_lock = True
         try:
             step = commit.as_step(step)
             user_metadata = _checked_metadata(metadata)
@@ -438,6 +442,7 @@ class AsyncCheckpointer:
             # others, who would otherwise wait out their timeout for it)
             self._wait_for_previous()
             if ctx.is_coordinator:
+                had_lock = self._lock.held
                 self._take_lock()
             commit.check_new_step(self.directory, step, self.storage,  # (before any write)
                                   retention=self.config.keep_last is not None)
@@ -473,6 +478,12 @@ class AsyncCheckpointer:
             arena = self._arena_for(plan)  # may fail: e.g. out of (pinned) memory
             _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating)
         except BaseException as exc:
+            if ctx.is_coordinator and not had_lock and self._lock.held and (
+                    self._pending is None or self._pending.done()):
+                # The first save, refused before anything was written (a step older than
+                # the directory's): the lock goes, or a checkpointer a notebook's last
+                # traceback keeps alive would refuse the corrected cell's new one.
+                self._lock.release()
             # Up to here the other ranks wait on this one: tell them, or they time out.
             self._announce_failure(tag, exc)
             if tag != self._prev_tag:  # not reached the layout exchange: not forgotten there
@@ -1335,10 +1346,21 @@ class AsyncCheckpointer:
                 "directory is free once that save ends (its future's wait() returns); save "
                 "again then")
         if other is not None:
+            made = f", made at {other.made_at}," if other.made_at else ""
             raise CheckpointLockedError(
-                f"another AsyncCheckpointer of this process holds {self.directory}: close() "
-                "it (or use it in a `with` block) before saving into that directory again "
-                "(or, from asyncckpt.save() running in another thread: save from one thread)")
+                f"another AsyncCheckpointer of this process{made} holds {self.directory}: "
+                "close() it (or use it in a `with` block) before saving into that directory "
+                "again (or, from asyncckpt.save() running in another thread: save from one "
+                "thread). One no name reaches any more (kept by a notebook's Out[] or the "
+                "last error's traceback) is this error's holder: "
+                "sys.last_value.holder.close() in a notebook",
+                holder=other.owner() if other.owner is not None else None)
+        if holder == str(os.getpid()):  # (one mid-release was waited for above)
+            raise CheckpointLockedError(
+                f"this process (pid {holder}) holds {self.directory} through an "
+                "AsyncCheckpointer made before its asyncckpt modules were loaded again "
+                "(importlib.reload, IPython's autoreload), which this one cannot see: close() "
+                "that one, or start a new process")
         raise CheckpointLockedError(
             f"another process (pid {holder}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
@@ -1703,6 +1725,18 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+def _caller_site() -> str:
+    """``file:line`` of the first frame outside this package: where the user made the
+    checkpointer (a notebook cell's name, a script's line)."""
+    here = os.path.dirname(__file__)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _release_when_done(lock: DirectoryLock, busy: Sequence[cf.Future[Any]]) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -89,7 +91,19 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 
 class CheckpointLockedError(CheckpointError, RuntimeError):
-    """Another checkpointer, of this process or another, holds the directory's lock."""
+    """Another checkpointer, of this process or another, holds the directory's lock.
+
+    ``holder``: that checkpointer when it is one of this process (None otherwise, or once
+    it is gone), for a notebook where no name reaches it any more: ``err.holder.close()``.
+    """
+
+    def __init__(self, message: str, holder: Any = None) -> None:
+        super().__init__(message)
+        self._holder = None if holder is None else weakref.ref(holder)
+
+    @property
+    def holder(self) -> Any:
+        return None if self._holder is None else self._holder()
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):

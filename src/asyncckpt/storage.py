@@ -266,6 +266,10 @@ class DirectoryLock:
         # was interrupted): released as that save ends
         self.draining: str | None = None  # what it still writes ("its save of step 7")
         self.freed = threading.Event()  # set by release()
+        # who holds it, for another checkpointer's error: where it was made, and the
+        # object itself (weakly: the lock must not keep it alive)
+        self.made_at = ""
+        self.owner: weakref.ref[Any] | None = None
 
     def acquire(self) -> bool:
         if self._fd is not None and self._pid == os.getpid():
