@@ -1528,6 +1528,32 @@ def test_a_lock_of_this_process_it_cannot_see_is_said_to_be_its_own(tmp_path: Pa
     old.close()
 
 
+def test_the_checkpointer_and_its_futures_show_where_they_stand(tmp_path: Path) -> None:
+    """What a notebook displays of ``ckpt`` and ``fut`` (a trial: "<... object at 0x...>",
+    alike before and after close())."""
+    storage = GatedCommit()
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage)
+    assert repr(ck) == f"<AsyncCheckpointer {str(tmp_path.resolve())!r} mode='async': no save yet>"
+    fut = ck.save_async(make_state(), step=7)
+    assert repr(ck).endswith(": saving step 7>")
+    assert re.fullmatch(r"<CheckpointFuture step=7 (staging|writing|committing) \d+% of "
+                        r"0\.\d{3} GB>", repr(fut)), repr(fut)
+    storage.gate.set()
+    fut.wait()
+    assert repr(fut) == "<CheckpointFuture step=7 committed>"
+    assert repr(ck).endswith(": last save step 7 committed>")
+    ck.close()
+    assert repr(ck).endswith(": closed>")
+    failing = asyncckpt.AsyncCheckpointer(tmp_path / "f", storage=StuckCommit(tmp_path / "f"))
+    failing.save(make_state(), step=1)
+    fut = failing.save_async(make_state(), step=2)
+    with pytest.raises(asyncckpt.CheckpointSaveError):
+        fut.wait()
+    assert repr(fut) == f"<CheckpointFuture step=2 failed: {type(fut.exception()).__name__}>"
+    assert repr(failing).endswith(": last save step 2 failed>")
+    failing.close()
+
+
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     (tmp_path / ".step_000000003.tmp-abc123").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):

@@ -743,6 +743,20 @@ class AsyncCheckpointer:
 
     # --- discovering and loading ---------------------------------------------------------
 
+    def __repr__(self) -> str:
+        # (what a notebook shows of ``ckpt``: no disk is read for it)
+        ctx = self._ctx
+        group = f" rank {ctx.rank}/{ctx.world_size}" if ctx.distributed else ""
+        if self._closed:
+            state = "closed"
+        elif self._pending is not None and not self._pending.done():
+            state = f"saving step {self._pending.step}"
+        else:
+            state = "no save yet" if self._pending is None else (
+                f"last save step {self._pending.step} {self._pending.progress().phase}")
+        return (f"<AsyncCheckpointer {str(self.directory)!r} mode={self.config.mode!r}"
+                f"{group}: {state}>")
+
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
         return commit.committed_steps(self.directory, self.storage)

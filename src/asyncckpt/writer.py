@@ -294,6 +294,18 @@ class CheckpointFuture:
             phase = "writing"
         return SaveProgress(self.step, phase, total, min(staged, total), min(written, total))
 
+    def __repr__(self) -> str:
+        # (what a notebook shows of ``fut``: the step and where its save stands, no wait)
+        p = self.progress()
+        where = (f"{p.fraction:.0%} of {p.total_bytes / 1e9:.3f} GB"
+                 if p.phase not in ("committed", "failed") else "")
+        failed = ""
+        if p.phase == "failed" and self._durable.done() and not self._durable.cancelled():
+            exc = self._durable.exception()
+            failed = f"{type(exc).__name__}" if exc is not None else ""
+        return (f"<CheckpointFuture step={self.step} {p.phase}"
+                + (f" {where}" if where else "") + (f": {failed}" if failed else "") + ">")
+
     def done(self) -> bool:
         """True once the save has committed or failed."""
         return self._durable.done()
