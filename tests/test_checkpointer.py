@@ -2698,11 +2698,18 @@ def test_a_close_interrupted_twice_keeps_the_lock_until_the_save_in_flight_ends(
     monkeypatch.undo()
     assert "closing" in caplog.text and "interrupt again" in caplog.text, caplog.text
     assert not fut.done()
+    # the save goes on, and the checkpointer says so (a trial: is_pending False and wait()
+    # None while it was still being written)
+    assert ck.is_pending and repr(ck).endswith(": closed>")
+    with pytest.raises(asyncckpt.CheckpointTimeoutError):
+        ck.wait(timeout=0.05)
     with pytest.raises(asyncckpt.CheckpointLockedError, match=(
             r"a closed AsyncCheckpointer of this process is still finishing its save of step "
             r"1 in .* \(its close\(\) was interrupted\)")):
         asyncckpt.AsyncCheckpointer(tmp_path).save(state, step=2)
     release.set()
+    info = ck.wait(30)
+    assert info is not None and info.step == 1 and not ck.is_pending
     assert fut.wait(30).step == 1
     # at once: the writer's thread releases the lock just after the future completes (a
     # trial's save right after wait() was refused for a few ms)

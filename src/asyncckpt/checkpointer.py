@@ -1152,7 +1152,10 @@ class AsyncCheckpointer:
             finally:  # even when interrupted above (Ctrl-C): else the lock stays held,
                 # and no later close() of this closed checkpointer could release it
                 self._arena = self._extras = None
-                self._pending = self._preparing = None
+                self._preparing = None
+                # (a save still in flight, close() interrupted twice, stays this one's:
+                # is_pending and wait() see it, and wait() returns its CheckpointInfo)
+                self._pending = last if last is not None and not last._durable.done() else None
                 # ... but not while the save in flight (or its retention) still writes in
                 # the directory (interrupted twice): a checkpointer opened on it meanwhile
                 # would take its temporary directory for an abandoned one and delete it
