@@ -1835,6 +1835,29 @@ def test_exclude_leaves_part_of_a_module_alone_and_the_rest_strict(
     assert torch.equal(plain["model"]["0.weight"], src[0].weight)
 
 
+def test_a_model_only_target_is_told_the_exclude_of_the_parts_it_lacks(tmp_path: Path) -> None:
+    """A notebook trial loaded {"model": model} (a layer added since) from a training
+    checkpoint: told of strict=False and key_map=, not of leaving the optimizer out."""
+    net = _net(0)
+    opt = torch.optim.AdamW(net.parameters())
+    _train_step(net, opt, 0)
+    asyncckpt.save({"model": net, "optim": opt}, tmp_path, step=1)
+    grown = nn.Sequential(*_net(1), nn.Linear(2, 2))
+    with pytest.raises(StateMismatchError, match=re.escape(
+            "(the target holds no 'optim': exclude=['optim'] leaves it out")) as info:
+        asyncckpt.load(tmp_path, {"model": grown})
+    assert "missing from the checkpoint: model/3.weight" in str(info.value)
+    # the advice, followed, leaves only the missing keys
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"model": grown}, exclude=["optim"])
+    assert info.value.unexpected == [] and info.value.missing == ["model/3.weight",
+                                                                  "model/3.bias"]
+    # a part the target has, of other keys: no such hint
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"model": grown, "optim": {"state": {}, "x": torch.ones(1)}})
+    assert "holds no" not in str(info.value)
+
+
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
     """A trial's cast=True load into a float16 target of another shape was told to "load
     with state=None and convert" (of dtypes): the shape is what no cast fixes."""

@@ -1208,9 +1208,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             "mismatches)" if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-            else " (strict=False would skip both: the target's keys would keep their values "
-            "and the checkpoint's go unread; if names changed, map the saved ones to the new "
-            "with key_map=)" if missing and unexpected
+            else _parts_absent_hint(target, unexpected) or (
+                " (strict=False would skip both: the target's keys would keep their values "
+                "and the checkpoint's go unread; if names changed, map the saved ones to the "
+                "new with key_map=)") if missing and unexpected
             else f" (ignore_unexpected=True skips the checkpoint's {len(skipped_unexpected)} "
             f"key(s) the target lacks: {few(skipped_unexpected, 3)}; strict=False would also "
             "skip the missing ones, which keep their values; if names changed, map the saved "
@@ -1223,6 +1224,20 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if skipped is not None:
         log.warning("%s", skipped)
     return dests, boxes, regions
+
+
+def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
+    """Where every unexpected key lies in a part of the state the target has not at all
+    (``{"model": model}`` of a checkpoint of model and optimizer): the exclude= that leaves
+    those parts out, keeping the rest strict; "" otherwise."""
+    tops = list(dict.fromkeys(p.split("/", 1)[0] for p in unexpected))
+    if "" in tops or any(_node_at(target.skeleton, t) is not None for t in tops):
+        return ""
+    names = few([repr(t) for t in tops], 4)
+    return (f" (the target holds no {names}: exclude={tops!r} leaves "
+            f"{'it' if len(tops) == 1 else 'them'} out, or ignore_unexpected=True every key "
+            "the target lacks; the missing keys above remain: strict=False would skip them, "
+            "keeping the target's values)")
 
 
 def _excludable(target: FlatState, path: str) -> bool:
