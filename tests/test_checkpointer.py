@@ -1554,6 +1554,29 @@ def test_the_checkpointer_and_its_futures_show_where_they_stand(tmp_path: Path) 
     failing.close()
 
 
+def test_loading_the_latest_beside_its_own_save_in_flight_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A notebook trial's ckpt.load() right after save_async(step=5) gave step 4 without
+    a word (documented; the checkpointer knows better)."""
+    storage = GatedCommit()
+    storage.gate.set()
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage)
+    ck.save({"w": torch.full((2,), 4.0)}, step=4)
+    storage.gate.clear()
+    fut = ck.save_async({"w": torch.full((2,), 5.0)}, step=5)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert ck.load()["w"][0] == 4.0
+        ck.load(step=4)  # (a step asked for by number: no word)
+    assert caplog.text.count("while this checkpointer's save of step 5 is in flight") == 1
+    storage.gate.set()
+    fut.wait()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert ck.load()["w"][0] == 5.0
+    assert "in flight" not in caplog.text
+    ck.close()
+
+
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     (tmp_path / ".step_000000003.tmp-abc123").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):

@@ -970,7 +970,8 @@ class AsyncCheckpointer:
         target holds must still be found (``strict=False`` skips both sides).
         ``exclude=["dataloader", "lr_scheduler"]`` leaves those parts alone on both sides
         (not read, not checked, not restored; the state's own stay as they are), and keeps
-        every check elsewhere: paths as ``asyncckpt inspect`` lists them, through dicts.
+        every check elsewhere: paths as ``asyncckpt inspect`` lists them, through dicts and
+        modules (``"model/head"`` leaves out a module's ``head.weight`` and ``head.bias``).
         ``key_map`` renames the checkpoint's tensors before anything is matched (a layer
         renamed since, a wrapper's ``module.``): a mapping of those paths, or a function
         of one returning its new path, or None to leave that tensor out. ``cast=True``
@@ -991,6 +992,13 @@ class AsyncCheckpointer:
         parts = check_exclude(exclude)
         check_key_map(key_map)
         view, shards, finish = excluded_view(state, parts, shards)
+        pending = self._pending
+        if step is None and pending is not None and not pending.done() and not self._closed:
+            # (documented, but a notebook trial took the step before for the one it saved)
+            log.warning("rank=%d: loading the latest committed step of %s while this "
+                        "checkpointer's save of step %d is in flight: that save is not "
+                        "committed yet, so an older step loads (ckpt.wait() first to load "
+                        "it)", self._ctx.rank, self.directory, pending.step)
         # The latest step may go while it is read when another process saves here (this
         # checkpointer a reader beside it: an evaluator), by its retention or a rollback:
         # then the latest is the newer one. (A group's ranks must agree: not retried.)
