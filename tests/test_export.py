@@ -23,6 +23,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import asyncckpt
@@ -481,6 +482,40 @@ def test_export_tied_weights_written_once(tmp_path: Path) -> None:
     doc = json.loads(stdout)
     assert doc["aliases"] == {"model/lm_head.weight": "model/embed.weight"}
     assert doc["step"] == 0 and len(doc["tensors"]) == 2
+    with safe_open(str(out), "pt") as f:  # (the file says what its one copy stands for)
+        assert json.loads(f.metadata()["asyncckpt_tied"]) == {"lm_head.weight": "embed.weight"}
+
+
+def test_export_tied_weights_copied_for_a_strict_load_state_dict(tmp_path: Path) -> None:
+    """A trial's tied LM, exported, could not be loaded strictly into its own class by
+    plain torch (lm_head.weight missing): tied="copy" writes it under each name."""
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.emb.weight
+
+    src = LM()
+    asyncckpt.save({"model": src}, tmp_path / "ck", step=1)
+    out = tmp_path / "copy.safetensors"
+    report = export_safetensors(tmp_path / "ck", out, prefix="model", strip_prefix=True,
+                                tied="copy")
+    assert report.aliases == {} and [t.name for t in report.tensors] == ["emb.weight",
+                                                                         "lm_head.weight"]
+    got = load_file(out)
+    model = LM()
+    model.load_state_dict(got)  # strict
+    assert torch.equal(model.emb.weight, src.emb.weight) and model.lm_head.weight is \
+        model.emb.weight
+    with safe_open(str(out), "pt") as f:
+        assert "asyncckpt_tied" not in f.metadata()
+    code, _, _ = export(str(tmp_path / "ck"), str(tmp_path / "hf"), "--prefix", "model",
+                        "--strip-prefix", "--tied", "copy", "--max-shard-size", "100")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert code == 0 and sorted(index["weight_map"]) == ["emb.weight", "lm_head.weight"]
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="tied='twice'"):
+        export_safetensors(tmp_path / "ck", tmp_path / "x.safetensors", tied="twice")
 
 
 def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]],

@@ -845,7 +845,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return export_safetensors(step_dir, args.out, prefix=args.prefix,
                                   strip_prefix=args.strip_prefix, dtype=args.dtype,
                                   force=args.force, progress=progress,
-                                  max_shard_bytes=args.max_shard_size)
+                                  max_shard_bytes=args.max_shard_size, tied=args.tied)
 
     try:
         with _sigterm_interrupts():  # so that the half-written output is removed
@@ -1108,6 +1108,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write OUT as a directory of files of at most SIZE of tensors "
                          "(5GB, 500MB, 2GiB or bytes), with a model.safetensors.index.json, "
                          "as Hugging Face publishes a model")
+    ex.add_argument("--tied", choices=("once", "copy"), default="once",
+                    help="tied tensors (one storage at several names, such as tied "
+                         "embeddings) written once (as Hugging Face does) or under each "
+                         "name (for a strict load_state_dict of the tied model)")
     ex.add_argument("--force", action="store_true",
                     help="overwrite OUT if it exists (with --max-shard-size: an earlier "
                          "export's directory only)")

@@ -159,7 +159,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
                        dtype: torch.dtype | str | None = None, force: bool = False,
                        storage: Storage | None = None,
                        progress: Callable[[int, int], None] | None = None,
-                       max_shard_bytes: int | None = None) -> ExportReport:
+                       max_shard_bytes: int | None = None, tied: str = "once") -> ExportReport:
     """Write the tensors of one checkpoint under ``prefix`` to one safetensors file.
 
     ``ckpt_path`` is a checkpoint root (latest step, or ``step``) or a step directory.
@@ -172,7 +172,11 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     every floating tensor torch can convert; others (integers, bool, complex, packed
     float4) keep their dtype. Tensors whose dtype safetensors cannot express (e.g.
     complex128) are skipped with a warning and listed in ``report.skipped``.
-    Tied tensors (two paths, one storage) are written once; see ``report.aliases``.
+    Tied tensors (two paths, one storage) are written once (``tied="once"``, as Hugging
+    Face publishes tied embeddings; see ``report.aliases``, also in each file's metadata
+    as ``asyncckpt_tied``, JSON of alias -> name), or under each of their names
+    (``tied="copy"``: for a strict ``load_state_dict`` of the tied model, which wants
+    both names, at the cost of the bytes twice).
     ``progress(done, total)`` is called with the bytes written so far, after each tensor.
 
     Memory: about one tensor at a time (plus the header). The output appears atomically:
@@ -213,6 +217,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
             f"{out_path}model.safetensors), or pass max_shard_bytes (--max-shard-size) for a "
             "directory of files")
     cast = _cast_dtype(dtype)
+    if tied not in ("once", "copy"):
+        raise CheckpointConfigError(f"tied={tied!r:.40}: use 'once' (tied tensors written "
+                                    "under one name) or 'copy' (under each of theirs)")
     if max_shard_bytes is None:
         _check_out(out, force)
     else:
@@ -228,7 +235,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
         raise CheckpointConfigError(f"{out} is inside the checkpoint it exports ({step_dir}): "
                                     "write the export elsewhere")
     report = ExportReport(out_path=out, step_dir=step_dir, step=manifest.step)
-    planned = _plan(manifest, prefix, strip_prefix, cast, report)
+    planned = _plan(manifest, prefix, strip_prefix, cast, report, copy_tied=tied == "copy")
     for s in report.skipped:
         report_log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape),
                            s.reason)
@@ -240,7 +247,8 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     tmp = _temporary(out.parent)
     written = _Written(sum(p.nbytes for p in planned), progress)
     if max_shard_bytes is None:
-        header = _encode_header(planned, manifest, step_dir)  # (refused: nothing written)
+        # (refused: nothing written)
+        header = _encode_header(planned, manifest, step_dir, report.aliases)
         try:
             size = _write_file(tmp, planned, header, step_dir, manifest, storage, out,
                                report, written)
@@ -379,8 +387,9 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None,
-          report: ExportReport) -> list[_Planned]:
-    """Choose the tensors and their output names, dtypes and order."""
+          report: ExportReport, copy_tied: bool = False) -> list[_Planned]:
+    """Choose the tensors and their output names, dtypes and order (``copy_tied``: a
+    tied tensor under each of its names, not once)."""
     written: dict[str, str] = {}  # storage key -> output name
     names: dict[str, str] = {}  # output name -> storage key
     planned: list[_Planned] = []
@@ -390,7 +399,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             continue
         key = node["key"]
         name = _stripped(full, prefix) if strip else full
-        if key in written:
+        if key in written and not copy_tied:
             if names.get(name) == key or report.aliases.get(name) == written[key]:
                 continue  # the same tensor again under a name it already has
             if name in names or name in report.aliases:
@@ -416,6 +425,8 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                    if strip and prefix else "rename its key")
             raise CheckpointConfigError(
                 f"tensor {full!r} would be named {name!r} in the output, which {what}; {fix}")
+        if names.get(name) == key:
+            continue  # (copy_tied: the same tensor again under a name it already has)
         if name in names or name in report.aliases:
             raise CheckpointConfigError(
                 f"tensor {path!r} would be named {name!r} in the output, as is "
@@ -428,7 +439,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                 f"tensor {full!r} would be named {name!r} in the output, which is not valid "
                 "UTF-8 (it holds a lone surrogate) and so no safetensors name; export the "
                 "other tensors with a prefix that leaves it out, or rename its key") from None
-        written[key] = name
+        written.setdefault(key, name)
         names[name] = key
         n = 1
         for s in entry.shape:
@@ -473,11 +484,14 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     return True
 
 
-def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path) -> bytes:
-    header: dict[str, Any] = {RESERVED_KEY: {
-        "format": "pt", "asyncckpt_step": str(manifest.step),
-        # A name that is no UTF-8 (surrogate escapes) would make the file unloadable.
-        "asyncckpt_source": os.fsencode(step_dir.name).decode("utf-8", "backslashreplace")}}
+def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path,
+                   aliases: dict[str, str]) -> bytes:
+    meta = {"format": "pt", "asyncckpt_step": str(manifest.step),
+            # A name that is no UTF-8 (surrogate escapes) would make the file unloadable.
+            "asyncckpt_source": os.fsencode(step_dir.name).decode("utf-8", "backslashreplace")}
+    if aliases:  # (which names a tied tensor's one copy stands for: the file's readers)
+        meta["asyncckpt_tied"] = json.dumps(aliases, separators=(",", ":"), ensure_ascii=True)
+    header: dict[str, Any] = {RESERVED_KEY: meta}
     pos = 0
     for p in planned:
         header[p.name] = {"dtype": _ST_DTYPES[p.out], "shape": list(p.shape),
@@ -557,7 +571,7 @@ def _write_shards(tmp: Path, out: Path, force: bool, shards: list[list[_Planned]
     names = (["model.safetensors"] if n == 1 else
              [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     # (every header first: one that safetensors would refuse is told before any is written)
-    headers = [_encode_header(part, manifest, step_dir) for part in shards]
+    headers = [_encode_header(part, manifest, step_dir, report.aliases) for part in shards]
     try:
         with _writing(out):
             os.mkdir(tmp, 0o755)
