@@ -1858,6 +1858,20 @@ def test_a_model_only_target_is_told_the_exclude_of_the_parts_it_lacks(tmp_path:
     assert "holds no" not in str(info.value)
 
 
+def test_a_key_map_entry_that_names_no_saved_tensor_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's misspelt key_map entry ("model/head.weight " with a space) renamed nothing,
+    silently."""
+    asyncckpt.save({"model": {"head.weight": torch.ones(2), "a/b": torch.zeros(1)}}, tmp_path,
+                   step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        out = asyncckpt.load(tmp_path, key_map={"model/head.weight ": "model/w",
+                                                "model/a/b": "model/c"})
+    assert sorted(out["model"]) == ["c", "head.weight"]
+    assert "no tensor at 'model/head.weight '" in caplog.text
+    assert "'model/a/b'" not in caplog.text  # (a key with "/" is matched as it was)
+
+
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
     """A trial's cast=True load into a float16 target of another shape was told to "load
     with state=None and convert" (of dtypes): the shape is what no cast fixes."""

@@ -289,6 +289,22 @@ def test_unsupported_leaf_names_its_path(bad):
     assert " at 'outer/inner/1'" in str(info.value)  # the whole path, quoted: to the leaf
 
 
+def test_a_dataclass_leaf_is_told_how_to_save_it():
+    """A trial's run config (a dataclass) was refused without a word of asdict."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float = 0.1
+        betas: tuple[float, float] = (0.9, 0.99)
+
+    with pytest.raises(UnsupportedLeafError, match=r"at 'cfg'.*save dataclasses\.asdict\(x\) "
+                       r".*rebuild it with .*Cfg\(\*\*d\)"):
+        flatten({"cfg": Cfg()})
+    _, back = roundtrip({"cfg": dataclasses.asdict(Cfg())})  # (the advice round-trips)
+    assert Cfg(**back["cfg"]) == Cfg()
+
+
 def test_unsupported_root_says_root():
     with pytest.raises(UnsupportedLeafError, match="<root>"):
         flatten(object())
@@ -738,6 +754,11 @@ def test_a_malformed_rng_state_is_corrupt_and_changes_no_generator(case):
     np.random.seed(7)
     torch.manual_seed(7)
     assert _draw() == drawn
+    # given straight to restore_rng_state (perhaps made by hand): also told what it takes
+    with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
+        asyncckpt.restore_rng_state(bad)
+    assert "restore_rng_state takes what capture_rng_state() returns" in "".join(
+        getattr(info.value, "__notes__", []))
 
 
 def test_a_rewritten_rng_state_in_a_checkpoint_is_corrupt_naming_its_path(tmp_path):

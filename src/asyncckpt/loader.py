@@ -836,8 +836,10 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
     if key_map is None:
         return manifest
     moves = []
+    seen: set[str] = set()
     for path, _ in iter_array_nodes(manifest.skeleton):
         old = unescape_path(path)
+        seen.add(old)
         new = mapped_name(old, key_map)
         if new != old:
             if not path:
@@ -845,6 +847,14 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
                     f"key_map renames the checkpoint's root to {new!r}, but the root is one "
                     "tensor, not a dict of them: load it without key_map")
             moves.append((path, old, new))
+    if isinstance(key_map, Mapping):
+        # (a typo, "model/head.weight " or a path without its "model/", renames nothing)
+        unmatched = [k for k in key_map if k not in seen]
+        if unmatched:
+            log.warning("key_map: the checkpoint of step %d has no tensor at %s (tensor "
+                        "paths: dict keys joined by '/'): %s renamed nothing",
+                        manifest.step, few([repr(k) for k in unmatched], 5),
+                        "that entry" if len(unmatched) == 1 else "those entries")
     if not moves:
         return manifest
     into: dict[str, str] = {}

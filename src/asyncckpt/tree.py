@@ -271,8 +271,14 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
 
 
 def _generator_hint(obj: Any) -> str:
-    """How to save a random generator, which has no state_dict()."""
+    """How to save a random generator, which has no state_dict(), or a dataclass (a
+    run's config)."""
+    import dataclasses
     import random
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return ("; for a dataclass, save dataclasses.asdict(x) (plain values, tuples kept) "
+                f"and rebuild it with {type(obj).__qualname__}(**d)")
 
     if isinstance(obj, torch.Generator):
         return ("; save a generator's state instead (g.get_state(), a uint8 tensor; restore "
@@ -828,10 +834,17 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     Every part is checked before any generator is set: a malformed one raises
     CheckpointCorruptError naming it, and the generators keep their state.
     """
-    if isinstance(state, Mapping) and "ranks" in state:
-        RNGState().load_state_dict(state)
-        return
-    _set_rng_state(_checked_rng_state(state, ""))
+    try:
+        if isinstance(state, Mapping) and "ranks" in state:
+            RNGState().load_state_dict(state)
+            return
+        _set_rng_state(_checked_rng_state(state, ""))
+    except CheckpointCorruptError as exc:
+        # (what it was given may come from a checkpoint, or be made by hand: a trial's was
+        # told its "checkpoint" was corrupt)
+        add_note(exc, "restore_rng_state takes what capture_rng_state() returns (or an "
+                      "RNGState's state dict), as loaded back from a checkpoint")
+        raise
 
 
 # What a malformed generator state makes the conversions and setters below raise.
