@@ -1520,6 +1520,31 @@ def test_an_optimizer_moment_of_another_shape_is_still_refused(ckpt):
         ckpt.load({"optim": other})
 
 
+def test_a_fresh_optimizers_moments_are_checked_against_its_parameters(ckpt):
+    """A fresh AdamW (its state made at the first step) took a resized embedding's saved
+    moments whole: the load succeeded and the first step() raised a size mismatch (a
+    trial). Refused before any read, as a stepped optimizer's moments are."""
+    emb = nn.Embedding(50, 8)
+    opt = torch.optim.AdamW(emb.parameters())
+    emb(torch.tensor([1])).sum().backward()
+    opt.step()
+    ckpt.save({"model": emb, "optim": opt}, 1)
+    grown = nn.Embedding(60, 8)
+    fresh = torch.optim.AdamW(grown.parameters())
+    with pytest.raises(StateMismatchError, match=re.escape(
+            "optim/state/0/exp_avg: checkpoint [50, 8], parameter 0 of the target AdamW "
+            "[60, 8] (a parameter resized since: leave the optimizer out with "
+            "exclude=['optim'])")):
+        ckpt.load({"model": grown, "optim": fresh}, exclude=["model"])
+    assert fresh.state_dict()["state"] == {}
+    # the same shapes load; an optimizer whose state is not shaped like its parameters
+    # (LBFGS's flat vectors) is not checked
+    same = torch.optim.AdamW(nn.Embedding(50, 8).parameters())
+    ckpt.load({"model": nn.Embedding(50, 8), "optim": same})
+    assert same.state_dict()["state"][0]["exp_avg"].shape == (50, 8)
+    assert "LBFGS" not in asyncckpt.loader._PARAM_SHAPED_STATE
+
+
 def test_a_load_in_place_is_seen_by_autograd(tmp_path: Path) -> None:
     """A tensor saved for backward then loaded into must make backward fail, as after
     any in-place write, not give a gradient computed from the loaded values."""

@@ -1046,7 +1046,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if not same_tree:
         _compare_skeletons(manifest.skeleton, target.skeleton, "", set(lenient), whole,
                            missing, mismatched, unexpected, told)
-    _compare_param_groups(manifest.skeleton, target, lenient, mismatched, told)
+    _compare_param_groups(manifest.skeleton, target, lenient, mismatched, told, saved,
+                          manifest.tensors)
     if strict and (missing or unexpected) and not same_tree:  # (strict=False skips them)
         _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched,
                      told)
@@ -1620,9 +1621,13 @@ def _grown_object(target: FlatState, path: str) -> list[str]:
 
 
 def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: list[str],
-                          mismatched: list[str], told: set[str]) -> None:
+                          mismatched: list[str], told: set[str],
+                          manifest_paths: dict[str, str] | None = None,
+                          manifest_tensors: Mapping[str, Any] | None = None) -> None:
     """An optimizer's load_state_dict refuses a checkpoint with other parameter groups,
-    but only after the tensors before it were loaded in place: say so before any read."""
+    but only after the tensors before it were loaded in place: say so before any read.
+    With the saved paths and shapes, the moments of torch's optimizers are checked
+    against the shapes of the parameters they go to (see _check_moment_shapes)."""
     for path in lenient:
         obj = target.statefuls[path][0]
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
@@ -1633,8 +1638,12 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         groups = None if node is None else _node_at(node, "param_groups")
         if groups is None or groups["t"] not in _SEQUENCES:
             continue  # not an optimizer's state dict: its load_state_dict will say
+        params = [_node_at(g, "params") for g in groups["items"]]
         saved = [len(p["items"]) if p is not None and p["t"] in _SEQUENCES else None
-                 for p in (_node_at(g, "params") for g in groups["items"])]
+                 for p in params]
+        # the ids its state is keyed by, in order (torch numbers them across the groups)
+        ids: list[Any] | None = [c.get("v") for p in params if p is not None and p["t"] in
+                                 _SEQUENCES for c in p["items"]]
         want = [len(g["params"]) for g in obj.param_groups]
         holder = _node_at(skeleton, path, stateful=True)
         cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
@@ -1646,6 +1655,9 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                         "%s", path or "<root>", cls, type(obj).__qualname__, cls,
                         f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
                         if path else "load it into a " + cls)
+        if saved == want and isinstance(ids, list):
+            _check_moment_shapes(manifest_paths, manifest_tensors, target.refs, path, obj, ids,
+                                 mismatched, told)
         if saved != want:
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
             added = ("; if the saved run added groups (add_param_group), add them before "
@@ -1669,6 +1681,45 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None
                     path or "<root>", cls, type(obj).__qualname__, cls,
                     f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
                     if path else "load it into a " + cls)
+
+
+# torch's optimizers whose every state tensor with a dimension has its parameter's shape
+# (not LBFGS's flat vectors, nor Adafactor's factored rows and columns)
+_PARAM_SHAPED_STATE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adadelta", "Adamax",
+                       "NAdam", "RAdam", "Rprop", "ASGD", "SparseAdam")
+
+
+def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any] | None,
+                         refs: Mapping[str, str], path: str, obj: Any, ids: list[Any],
+                         mismatched: list[str], told: set[str]) -> None:
+    """A torch optimizer whose state is made lazily takes the saved moments whole, of any
+    shape: a resized parameter's (a trial's embedding grown from 50 to 60 rows) loaded, and
+    the first step() raised a size mismatch. Refuse it before any read, as a stepped
+    optimizer's own moments of another shape are."""
+    if paths is None or tensors is None or type(obj).__name__ not in _PARAM_SHAPED_STATE \
+            or type(obj).__module__.split(".")[0] != "torch":
+        return
+    params = [p for g in obj.param_groups for p in g["params"]]
+    if len(ids) != len(params):
+        return
+    by_id = {str(i): p for i, p in zip(ids, params, strict=True)}
+    head = f"{path}/state/" if path else "state/"
+    first = True
+    for saved_path, key in paths.items():
+        if not saved_path.startswith(head) or saved_path in refs:
+            continue  # (a moment the target holds: matched as any tensor, below)
+        pid, _, _name = saved_path[len(head):].partition("/")
+        p = by_id.get(pid)
+        entry = tensors.get(key)
+        shape = None if entry is None else tuple(entry.shape)
+        if p is None or not shape or tuple(p.shape) == shape:
+            continue
+        advice = (f" (a parameter resized since: leave the optimizer out with "
+                  f"exclude=[{path!r}])" if path and first else "")
+        first = False
+        mismatched.append(f"{saved_path}: checkpoint {list(shape)}, parameter {pid} of the "
+                          f"target {type(obj).__name__} {list(p.shape)}{advice}")
+        told.add(saved_path)
 
 
 _KIND_WORDS = {"tensor": "a tensor", "ndarray": "a numpy array", "npscalar": "a numpy scalar",
