@@ -1897,6 +1897,42 @@ def test_a_key_map_entry_that_names_no_saved_tensor_is_warned_of(
     assert "'model/a/b'" not in caplog.text  # (a key with "/" is matched as it was)
 
 
+def test_exclude_of_a_key_leaves_its_dotted_siblings_alone(tmp_path: Path) -> None:
+    """(review) The "." rule (a module's submodule keys) applies where the dict has no key
+    of that name: exclude=["model"] beside a "model.ema" left both out, silently."""
+    asyncckpt.save({"model": torch.ones(2), "model.ema": torch.full((2,), 5.0),
+                    "cfg": {"lr": 1}}, tmp_path, step=1)
+    target = {"model": torch.zeros(2), "model.ema": torch.zeros(2), "cfg": {"lr": 0}}
+    assert asyncckpt.load(tmp_path, target, exclude=["model"]) is target
+    assert torch.equal(target["model"], torch.zeros(2))
+    assert torch.equal(target["model.ema"], torch.full((2,), 5.0)) and target["cfg"]["lr"] == 1
+    assert sorted(asyncckpt.load(tmp_path, exclude=["model"])) == ["cfg", "model.ema"]
+
+
+def test_an_excluded_part_of_a_module_is_not_looked_at(tmp_path: Path) -> None:
+    """(review) A new head left out of the load may be lazy or on meta: it was refused
+    (uninitialized parameter) although excluded."""
+    src = _head(0, 2)
+    asyncckpt.save({"model": src}, tmp_path, step=1)
+    lazy = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.LazyLinear(5))
+    asyncckpt.load(tmp_path, {"model": lazy}, exclude=["model/2"])
+    assert torch.equal(lazy[0].weight, src[0].weight)
+    with torch.device("meta"):
+        head = nn.Linear(8, 5)
+    meta = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), head)
+    asyncckpt.load(tmp_path, {"model": meta}, exclude=["model/2"])
+    assert torch.equal(meta[0].bias, src[0].bias) and meta[2].weight.is_meta
+
+
+def test_a_root_module_is_not_told_an_exclude_it_cannot_take(tmp_path: Path) -> None:
+    """(review) exclude= needs a dict of the state's parts: a module passed as the whole
+    state was told exclude=['2.weight', ...], which is then refused."""
+    asyncckpt.save(_head(0, 2), tmp_path, step=1)
+    with pytest.raises(StateMismatchError, match=r"2\.weight: checkpoint") as info:
+        asyncckpt.load(tmp_path, _head(1, 5))
+    assert "exclude" not in str(info.value)
+
+
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
     """A trial's cast=True load into a float16 target of another shape was told to "load
     with state=None and convert" (of dtypes): the shape is what no cast fixes."""

@@ -43,6 +43,7 @@ from .tree import (
     Box,
     FlatState,
     escape_key,
+    excluded_here,
     flatten,
     is_copied,
     iter_array_nodes,
@@ -230,9 +231,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
-    target = flatten(state, target=True)
-    _drop_excluded(target, exclude)
-    apply_shards(target, shards)
+    target = flatten(state, target=True, exclude=exclude)
+    apply_shards(target, _without_excluded_shards(shards, target))
     # The usual load in place: the target is the very tree that was saved (the same
     # skeleton, so the same paths naming the same keys), and what the checkpoint holds
     # by path is what the target's flattening found; otherwise it is read off the
@@ -575,9 +575,8 @@ class _Rollback:
                 continue  # its attempt fails too: the next older one decides
             saved = saved_paths(manifest)
             with gc_paused():
-                target = flatten(self.state, target=True)
-                _drop_excluded(target, self.exclude)
-                apply_shards(target, self.shards)
+                target = flatten(self.state, target=True, exclude=self.exclude)
+                apply_shards(target, _without_excluded_shards(self.shards, target))
                 try:
                     _match(manifest, saved, target, False, step_dir,
                            casts=set() if self.cast else None)
@@ -649,10 +648,9 @@ def check_exclude(exclude: object) -> tuple[str, ...]:
 
 
 def is_excluded(path: str, exclude: tuple[str, ...]) -> bool:
-    """Whether ``path`` is an excluded one or lies below one: ``model/head`` also names
-    the keys of a module's state dict that it prefixes with a dot (``model/head.weight``),
-    as torch names a submodule's."""
-    return any(path == e or path.startswith((f"{e}/", f"{e}.")) for e in exclude)
+    """Whether ``path`` is an excluded one or lies below one (see also excluded_here:
+    a name that goes on with a ``.``, as a module's submodule's keys do)."""
+    return any(path == e or path.startswith(f"{e}/") for e in exclude)
 
 
 def _below(path: str, exclude: tuple[str, ...]) -> str | None:
@@ -680,15 +678,15 @@ def check_target(state: Any) -> None:
 def excluded_view(state: Any, exclude: tuple[str, ...],
                   shards: Mapping[str, ShardMetadata] | None = None
                   ) -> tuple[Any, Mapping[str, ShardMetadata] | None, Callable[[Any], Any]]:
-    """``state`` without its ``exclude`` parts, to load into; ``shards`` without those of
-    the excluded parts (the shards a save got: those are moot); and the function that
-    takes what the load restored into that view back into ``state`` (returning ``state``).
-    With nothing excluded (or no state), the state and shards as they are, and a function
-    that returns what the load returned.
+    """``state`` checked for its ``exclude`` parts, to load into; ``shards`` without those
+    of the excluded parts (the shards a save got: those are moot); and the function that
+    gives what a load of it returns.
 
-    The view copies only the dicts on the way to an excluded part; everything else is
-    the state's own (loaded in place as usual). An excluded path must run through plain
-    dicts: a part of a module's or an optimizer's state loads with the whole of it."""
+    The parts are left out where the target is flattened (``flatten(..., exclude=)``):
+    not matched, not filled, not restored, their objects' load_state_dict not called.
+    An excluded path must run through plain dicts and modules (a module's
+    load_state_dict gets its own tensors there): a part of an optimizer's or another
+    object's state loads with the whole of it, and a list's items go together."""
     check_target(state)
     if not exclude or state is None:
         return state, shards, _as_loaded
@@ -698,41 +696,23 @@ def excluded_view(state: Any, exclude: tuple[str, ...],
         raise CheckpointConfigError(
             f"exclude= needs a state that is a plain dict (of its parts), not a "
             f"{type(state).__name__}: pass e.g. {{'model': model, 'dataloader': loader}}")
-    views: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
 
-    def view_of(d: dict[Any, Any], path: str) -> dict[Any, Any]:
-        out: dict[Any, Any] = {}
+    def check(d: dict[Any, Any], path: str) -> None:
         for k, v in d.items():
             p = join_path(path, k)
-            if is_excluded(p, exclude):
+            below = None if is_excluded(p, exclude) else _below(p, exclude)
+            if below is None or (isinstance(v, torch.nn.Module) and not loads_fresh(v)):
                 continue
-            below = _below(p, exclude)
-            if below is not None:
-                if isinstance(v, torch.nn.Module) and not loads_fresh(v):
-                    pass  # (its parts are left out of the flattened target: _drop_excluded)
-                elif not isinstance(v, dict):
-                    raise CheckpointConfigError(
-                        f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
-                        "exclude= looks into plain dicts and modules only (an optimizer's "
-                        "or another object's state loads as a whole); exclude all of it, or "
-                        "leave the part in (strict=False skips what the checkpoint lacks)")
-                else:
-                    v = view_of(v, p)
-            out[k] = v
-        views.append((d, out))
-        return out
+            if not isinstance(v, dict):
+                raise CheckpointConfigError(
+                    f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
+                    "exclude= looks into plain dicts and modules only (an optimizer's "
+                    "or another object's state loads as a whole); exclude all of it, or "
+                    "leave the part in (strict=False skips what the checkpoint lacks)")
+            check(v, p)
 
-    view = view_of(state, "")
-    copied = {id(v) for _, v in views}
-
-    def finish(restored: Any) -> Any:
-        for original, v in views:  # (inner dicts first: each writes into its own)
-            for k, value in v.items():
-                if id(value) not in copied:
-                    original[k] = value
-        return state
-
-    return view, shards, finish
+    check(state, "")
+    return state, shards, _as_loaded
 
 
 def _as_loaded(restored: Any) -> Any:
@@ -779,23 +759,22 @@ def pruned(node: dict[str, Any], exclude: tuple[str, ...], holder: str,
     if t == "stateful":
         return {**node, "state": pruned(node["state"], exclude, holder, path)}
     if t == "dict":
+        gone = excluded_here(path, (escape_key(k) for k, _ in node["items"]), exclude)
         return {**node, "items": [[k, pruned(c, exclude, holder, join_path(path, k))]
-                                  for k, c in node["items"]
-                                  if not is_excluded(join_path(path, k), exclude)]}
+                                  for k, c in node["items"] if escape_key(k) not in gone]}
     what = {"list": "a list", "tuple": "a tuple"}.get(t, "a value")
     raise CheckpointConfigError(
         f"exclude {below!r} lies inside {path or 'the root'!r}, which {holder} holds as "
         f"{what}: exclude all of it")
 
 
-def _drop_excluded(target: FlatState, exclude: tuple[str, ...]) -> None:
-    """Leave the ``exclude`` parts inside modules out of the flattened target: not
-    matched, not filled; the module's load_state_dict gets its own tensors there."""
-    if not exclude:
-        return
-    for path in [p for p in target.refs if is_excluded(p, exclude)]:
-        del target.refs[path]
-    target.skeleton = pruned(target.skeleton, exclude, "the target")
+def _without_excluded_shards(shards: Mapping[str, ShardMetadata] | None,
+                             target: FlatState) -> Mapping[str, ShardMetadata] | None:
+    """``shards`` without those of the parts the target's flattening left out (inside
+    a module: ``exclude=["model/head"]`` and a shard of ``model/head.weight``)."""
+    if not shards or not target.excluded:
+        return shards
+    return {p: m for p, m in shards.items() if not is_excluded(p, tuple(target.excluded))}
 
 
 # --- key_map=: saved tensors renamed before they are matched --------------------------------
@@ -1255,6 +1234,8 @@ def _excludable(target: FlatState, path: str) -> bool:
     """Whether ``exclude=[path]`` can leave the target's ``path`` out: it runs through
     dicts and modules only (see excluded_view)."""
     segs = path.split("/")
+    if target.skeleton.get("t") != "dict":  # (exclude= needs a dict of the state's parts)
+        return False
     for i in range(len(segs)):
         head = "/".join(segs[:i])
         node = _node_at(target.skeleton, head, stateful=True)

@@ -124,7 +124,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
         # A name is text: where the target's dict has int keys (an optimizer's state),
         # "0" names key 0 (asyncckpt's export writes it so)
-        _typed_like(manifest.skeleton, flatten(state, target=True).skeleton)
+        _typed_like(manifest.skeleton, flatten(state, target=True, exclude=parts).skeleton)
     out = load_from(where, state, LocalStorage(), strict=strict,
                     ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                     threads=threads, manifest=manifest, progress=progress, exclude=parts,

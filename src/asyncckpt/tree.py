@@ -19,7 +19,7 @@ import functools
 import logging
 import random
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -170,6 +170,10 @@ class FlatState:
     # checkpoint's entries at keys of the target's own dicts that it lacks are not added
     # (values without tensors too: "the model alone" got the trainer's other parts)
     skip_extra: bool = False
+    # a load's exclude= (see excluded_here): those parts of the target are not flattened
+    # (a lazy or meta head left out of a load is not refused), and where they were
+    exclude: tuple[str, ...] = ()
+    excluded: list[str] = field(default_factory=list)
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -181,7 +185,23 @@ class FlatState:
         return b[1] if b is not None else None
 
 
-def flatten(state: Any, *, target: bool = False) -> FlatState:
+def excluded_here(path: str, segments: Iterable[str], exclude: tuple[str, ...]) -> set[str]:
+    """The segments (escaped keys) of the dict at ``path`` that ``exclude`` leaves out:
+    those it names, and, where it names a key this dict lacks, the keys that name goes on
+    with a ``.`` (a module's state dict names a submodule's tensors ``head.weight``: the
+    dict has no ``head``). A dict with both ``model`` and ``model.ema`` keeps the latter."""
+    prefix = f"{path}/" if path else ""
+    named = {e[len(prefix):] for e in exclude
+             if e.startswith(prefix) and "/" not in e[len(prefix):]}
+    if not named:
+        return set()
+    segs = list(segments)
+    have = set(segs)
+    dotted = tuple(f"{x}." for x in named if x not in have)
+    return {sg for sg in segs if sg in named or (dotted and sg.startswith(dotted))}
+
+
+def flatten(state: Any, *, target: bool = False, exclude: tuple[str, ...] = ()) -> FlatState:
     """Flatten a state tree; raise UnsupportedLeafError naming the path of a bad leaf.
 
     ``target``: the tree is what a load fills. Stateful objects that ask for it (a true
@@ -193,7 +213,7 @@ def flatten(state: Any, *, target: bool = False) -> FlatState:
         >>> list(flat.tensors), flat.skeleton["t"]
         (['w'], 'dict')
     """
-    flat = FlatState(target=target)
+    flat = FlatState(target=target, exclude=exclude)
     seen: _Seen = {}
     flat.skeleton = _flatten(state, "", flat, seen, set())
     return flat
@@ -303,6 +323,8 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
     active.add(id(obj))
     items: list[list[Any]] = []
     str_keys: Any = obj if isinstance(obj, dict) else None  # (made for other mappings)
+    gone = excluded_here(path, (escape_key(k) for k in obj if type(k) in (str, int)),
+                         flat.exclude) if flat.exclude else None
     for k, v in obj.items():
         tk = type(k)
         if tk is str:
@@ -327,6 +349,9 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
             raise UnsupportedLeafError(
                 f"dict key {k!r} of type {tk.__name__} at {where!r}: only str and int keys "
                 "can be checkpointed; convert the key to str")
+        if gone and seg in gone:  # (a load's exclude=: left out of the target)
+            flat.excluded.append(prefix + seg)
+            continue
         tv = type(v)
         if tv in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
                 tv.__name__ == "DTensor" and isinstance(v, torch.Tensor)):
