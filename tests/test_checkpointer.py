@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -1542,6 +1543,10 @@ def test_the_checkpointer_and_its_futures_show_where_they_stand(tmp_path: Path) 
     fut.wait()
     assert repr(fut) == "<CheckpointFuture step=7 committed>"
     assert repr(ck).endswith(": last save step 7 committed>")
+    assert ck.wait() is not None and ck.wait() is None  # (handed over once)
+    assert repr(ck).endswith(": last save step 7 committed>")  # (review: "no save yet")
+    half = asyncckpt.AsyncCheckpointer.__new__(asyncckpt.AsyncCheckpointer)  # (__init__ raised)
+    assert repr(half) == "<AsyncCheckpointer '?': not made>"
     ck.close()
     assert repr(ck).endswith(": closed>")
     failing = asyncckpt.AsyncCheckpointer(tmp_path / "f", storage=StuckCommit(tmp_path / "f"))
@@ -1577,6 +1582,29 @@ def test_loading_the_latest_beside_its_own_save_in_flight_is_warned_of(
     ck.close()
 
 
+def test_a_holder_of_our_pid_in_another_process_is_not_called_ours(tmp_path: Path) -> None:
+    """(review) The lock file holds a pid alone: a container's process of the same pid on
+    a shared volume was told it was this process, after a module reload."""
+    lock = tmp_path / ".asyncckpt.lock"
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys
+            fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.pwrite(fd, b"{os.getpid()}\\n", 0)  # (our pid: another namespace's)
+            print("locked", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "locked"
+        with mock.patch("asyncckpt.checkpointer._DRAIN_GRACE_S", 0.05), \
+                pytest.raises(asyncckpt.CheckpointLockedError,
+                              match=rf"another process \(pid {os.getpid()} \(not this one"):
+            asyncckpt.AsyncCheckpointer(tmp_path).save(make_state(), step=1)
+    finally:
+        child.communicate("", timeout=30)
+
+
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     (tmp_path / ".step_000000003.tmp-abc123").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):
@@ -1597,6 +1625,8 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
                              r"test_checkpointer\.py:\d+, holds .*close") as info:
         b.save(make_state(), step=2)
     assert info.value.holder is a  # (a notebook's way to one no name reaches)
+    back = pickle.loads(pickle.dumps(info.value))  # (from a worker process: no holder)
+    assert str(back) == str(info.value) and back.holder is None
     # ... and at start-up, by prepare() (a trial's second trainer learned it at its first
     # save, an hour of training later)
     with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process, made at"):

@@ -318,6 +318,7 @@ class AsyncCheckpointer:
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
         self._cleaned = False
         self._pending: CheckpointFuture | None = None
+        self._last_said: tuple[int, str] | None = None  # (step, outcome) wait() handed over
         self._closed = False
         self._transports: list[Any] = []
         self._seq = 0
@@ -692,11 +693,13 @@ class AsyncCheckpointer:
                         raise
                     if self._pending is fut:
                         self._pending = None
+                        self._last_said = (fut.step, "failed")
                     if not seen:
                         self._note_missed(exc)  # two failures: report both at once
                         raise
                 if self._pending is fut:
                     self._pending = None
+                    self._last_said = (fut.step, "committed")
             if self._retention is not None:
                 try:
                     self._retention.result(timeout)
@@ -744,18 +747,25 @@ class AsyncCheckpointer:
     # --- discovering and loading ---------------------------------------------------------
 
     def __repr__(self) -> str:
-        # (what a notebook shows of ``ckpt``: no disk is read for it)
-        ctx = self._ctx
-        group = f" rank {ctx.rank}/{ctx.world_size}" if ctx.distributed else ""
-        if self._closed:
-            state = "closed"
-        elif self._pending is not None and not self._pending.done():
-            state = f"saving step {self._pending.step}"
+        # (what a notebook shows of ``ckpt``: no disk is read for it; a half-made one,
+        # whose __init__ raised, is shown too: a debugger's view of locals asks for it)
+        ctx = getattr(self, "_ctx", None)
+        group = (f" rank {ctx.rank}/{ctx.world_size}"
+                 if ctx is not None and ctx.distributed else "")
+        pending = getattr(self, "_pending", None)
+        last = getattr(self, "_last_said", None)
+        if getattr(self, "_closed", True):
+            state = "closed" if hasattr(self, "_closed") else "not made"
+        elif pending is not None and not pending.done():
+            state = f"saving step {pending.step}"
+        elif pending is not None:
+            state = f"last save step {pending.step} {pending.progress().phase}"
         else:
-            state = "no save yet" if self._pending is None else (
-                f"last save step {self._pending.step} {self._pending.progress().phase}")
-        return (f"<AsyncCheckpointer {str(self.directory)!r} mode={self.config.mode!r}"
-                f"{group}: {state}>")
+            state = "no save yet" if last is None else f"last save step {last[0]} {last[1]}"
+        config = getattr(self, "config", None)
+        mode = f" mode={config.mode!r}" if config is not None else ""
+        return (f"<AsyncCheckpointer {str(getattr(self, 'directory', '?'))!r}{mode}{group}: "
+                f"{state}>")
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -1380,14 +1390,16 @@ class AsyncCheckpointer:
                 "last error's traceback) is this error's holder: "
                 "sys.last_value.holder.close() in a notebook",
                 holder=other.owner() if other.owner is not None else None)
-        if holder == str(os.getpid()):  # (one mid-release was waited for above)
+        if holder == str(os.getpid()) and self._lock.open_here():  # (not a namesake pid)
             raise CheckpointLockedError(
                 f"this process (pid {holder}) holds {self.directory} through an "
                 "AsyncCheckpointer made before its asyncckpt modules were loaded again "
                 "(importlib.reload, IPython's autoreload), which this one cannot see: close() "
                 "that one, or start a new process")
+        namesake = (" (not this one, whose pid it shares: another machine's or container's)"
+                    if holder == str(os.getpid()) else "")
         raise CheckpointLockedError(
-            f"another process (pid {holder}) is saving into {self.directory}; "
+            f"another process (pid {holder}{namesake}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
 
     def _make_root(self) -> None:

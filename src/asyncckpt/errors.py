@@ -105,6 +105,11 @@ class CheckpointLockedError(CheckpointError, RuntimeError):
     def holder(self) -> Any:
         return None if self._holder is None else self._holder()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (sent from a worker process, it goes without the holder: an object of that one)
+        return (type(self), self.args[:1], {k: v for k, v in self.__dict__.items()
+                                            if k != "_holder"})
+
 
 class UnsupportedLeafError(CheckpointError, TypeError):
     """A state tree holds a value that cannot be checkpointed; the message names its path."""

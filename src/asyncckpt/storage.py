@@ -338,6 +338,21 @@ class DirectoryLock:
                     return lk
         return None
 
+    def open_here(self) -> bool:
+        """Whether this process has the lock file open (on Linux; False where it cannot
+        tell): a holder's pid equal to ours may be another container's, or machine's."""
+        try:
+            mine = os.stat(self.path)
+            fds = os.listdir("/proc/self/fd")
+        except OSError:
+            return False
+        for fd in fds:
+            with contextlib.suppress(OSError, ValueError):
+                st = os.stat(f"/proc/self/fd/{fd}")
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    return True
+        return False
+
     def holder(self) -> str:
         """The pid the holder wrote (its first line: a writer that did not truncate
         leaves the end of a longer pid behind it)."""
