@@ -426,6 +426,39 @@ def test_best_step_passes_over_a_step_whose_files_are_cut_short(tmp_path: Path) 
         assert main(["ls", str(tmp_path)]) == 1  # (the same verdict)
 
 
+@pytest.mark.parametrize("how", ["cut short", "missing"])
+def test_retention_keeps_the_intact_best_step_beside_one_cut_short(tmp_path: Path,
+                                                                   how: str) -> None:
+    """A trial: the best step's shard cut short (or gone), no load had marked it yet;
+    best_step() named the intact runner-up, and the next save's retention deleted it,
+    keeping the unloadable one. A stat now tells retention too."""
+    from asyncckpt.manifest import shard_file_name
+
+    ckpt = AsyncCheckpointer(tmp_path, keep_last=1, keep_best=1, best_metric="loss")
+    ckpt.save(_state(0), 0, metrics={"loss": 0.1})
+    ckpt.save(_state(1), 1, metrics={"loss": 5.0})
+    shard = tmp_path / "step_000000000" / shard_file_name(0)
+    if how == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size - 100)
+    assert ckpt.best_step() == 1
+    ckpt.save(_state(2), 2, metrics={"loss": 6.0})
+    assert 1 in ckpt.steps() and ckpt.best_step() == 1  # (was: [0, 2], and 2)
+    ckpt.load(step=1)
+    ckpt.close()
+    # keep_last alone: a newest step cut short takes no intact step's place
+    root = tmp_path / "last"
+    with AsyncCheckpointer(root, keep_last=2) as ck:
+        for step in range(3):
+            ck.save(_state(step), step)
+        (root / "step_000000002" / shard_file_name(0)).unlink()
+        ck.save(_state(3), 3)
+        assert ck.steps() == [1, 2, 3]  # (two intact, the damaged one newer than both kept)
+        ck.save(_state(4), 4)
+        assert ck.steps() == [3, 4]
+
+
 def test_a_step_retired_while_its_metrics_are_read_is_no_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A monitor's best_step() beside a trainer's keep_last logged "metrics cannot be read

@@ -1895,6 +1895,16 @@ def test_a_key_map_entry_that_names_no_saved_tensor_is_warned_of(
     assert sorted(out["model"]) == ["c", "head.weight"]
     assert "no tensor at 'model/head.weight '" in caplog.text
     assert "'model/a/b'" not in caplog.text  # (a key with "/" is matched as it was)
+    # a fallback load says it of the step it loads only (review: the match of an older
+    # step, made to learn what it would fill, said it again, of that step)
+    asyncckpt.save({"model": {"head.weight": torch.ones(2), "a/b": torch.zeros(1)}}, tmp_path,
+                   step=2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": {"head.weight": torch.zeros(2), "c": torch.ones(1)}},
+                       key_map={"typo": "model/w", "model/a/b": "model/c"}, fallback=True)
+    assert caplog.text.count("no tensor at 'typo'") == 1, caplog.text
+    assert "step 2 has no tensor" in caplog.text
 
 
 def test_exclude_of_a_key_leaves_its_dotted_siblings_alone(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ step's manifest again).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import numbers
@@ -170,6 +171,9 @@ class StepMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._known: dict[int, tuple[object, dict[str, float]]] = {}
+        # step -> (identity, its files' sizes): the steps retention looked at lately
+        self._files: collections.OrderedDict[int, tuple[object, dict[str, int]]] = (
+            collections.OrderedDict())
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float]) -> None:
@@ -178,6 +182,54 @@ class StepMetrics:
         with self._lock:
             self._known[step] = (ident, dict(metrics))
 
+    def note_files(self, root: Path, step: int, storage: ReadStorage) -> None:
+        """The sizes of the files a save just committed as ``step`` (checked as it
+        committed them): no need to read its manifest for them later (see amiss)."""
+        if not isinstance(storage, LocalStorage):
+            return
+        step_dir = root / step_dir_name(step)
+        try:
+            sizes = {e.name: e.stat().st_size for e in os.scandir(step_dir)
+                     if e.name != MANIFEST_NAME and e.is_file(follow_symlinks=False)}
+        except OSError:
+            return
+        self._remember(step, _identity(root, step, storage), sizes)
+
+    def _remember(self, step: int, ident: object, sizes: dict[str, int]) -> None:
+        with self._lock:
+            self._files[step] = (ident, sizes)
+            self._files.move_to_end(step)
+            while len(self._files) > _FILES_KEPT:
+                self._files.popitem(last=False)
+
+    def amiss(self, root: Path, storage: ReadStorage, step: int) -> bool:
+        """Whether committed ``step`` has a file missing or not of its size (a stat each;
+        its manifest read once), or a manifest that cannot be read: what best_step() and
+        ``ls`` pass over, and what retention must not keep in an intact step's place
+        before a load marks it (a trial's cut-short best step was kept, and the intact
+        one best_step() named deleted). False where the storage is not local."""
+        if not isinstance(storage, LocalStorage):
+            return False
+        ident = _identity(root, step, storage)
+        with self._lock:
+            got = self._files.get(step)
+        sizes = got[1] if got is not None and got[0] == ident else None
+        if sizes is None:
+            try:
+                summary = read_manifest_summary(root / step_dir_name(step), storage)
+            except (CheckpointError, OSError):
+                return still_there(root, step_dir_name(step), storage)  # (gone: no verdict)
+            sizes = {n: f.bytes for n, f in summary.files.items()}
+            self._remember(step, ident, sizes)
+        step_dir = root / step_dir_name(step)
+        for name, size in sizes.items():
+            try:
+                if os.stat(step_dir / name).st_size != size:
+                    return True
+            except OSError:
+                return True
+        return False
+
     def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
         ident = _identity(root, step, storage)
         with self._lock:
@@ -185,7 +237,8 @@ class StepMetrics:
         if got is not None and got[0] == ident:
             return got[1]
         try:
-            metrics = read_manifest_summary(root / step_dir_name(step), storage).metrics
+            summary = read_manifest_summary(root / step_dir_name(step), storage)
+            metrics = summary.metrics
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
@@ -197,6 +250,8 @@ class StepMetrics:
             return {}
         with self._lock:
             self._known[step] = (ident, metrics)
+        if ident is not None:  # (read once: the sizes too, for retention's amiss)
+            self._remember(step, ident, {n: f.bytes for n, f in summary.files.items()})
         return metrics
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
@@ -213,6 +268,11 @@ class StepMetrics:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
         return out
+
+
+# How many steps' file sizes retention keeps (the newest it looks at on every save, and
+# the old ones keep_best ranks): a long run's thousands of deleted steps are forgotten.
+_FILES_KEPT = 256
 
 
 def _identity(root: Path, step: int, storage: ReadStorage) -> object:

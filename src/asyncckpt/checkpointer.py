@@ -502,7 +502,7 @@ class AsyncCheckpointer:
             damaged=frozenset(self._damaged),
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
-            metrics=recorded, keep_best=self._keep_best,
+            metrics=recorded, keep_best=self._keep_best, known=self._metrics,
             strict_replicas=self.config.strict_replicas,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",

@@ -621,13 +621,16 @@ def damaged_marks(root: Path, steps: Sequence[int], storage: ReadStorage) -> set
 def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None, keep_every: int | None = None,
                  spare: Callable[[list[int], Collection[int]], Collection[int]] | None = None,
-                 damaged: Collection[int] = (), found: set[int] | None = None) -> list[int]:
+                 damaged: Collection[int] = (), found: set[int] | None = None,
+                 amiss: Callable[[int], bool] | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
     (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
     of all the committed steps, told which are damaged: keep_best's), oldest first.
     Damaged steps (a fallback load found them corrupt: ``damaged``, and those marked so
     on disk, which ``found`` gets) are not counted among the newest: they go once older
-    than every step kept, so that a damaged step never takes the place of an intact one."""
+    than every step kept, so that a damaged step never takes the place of an intact one.
+    So do the steps ``amiss`` says have a file missing or cut short (no load has marked
+    them yet: a stat tells), among the newest and, where ``spare`` ranks them, the old."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
@@ -636,7 +639,8 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     for s in reversed(steps):  # newest first: the marks looked for only as far as needed
         if s in damaged:
             continue
-        if damaged_marks(root, [s], storage):
+        if damaged_marks(root, [s], storage) or (amiss is not None and s != protect
+                                                 and amiss(s)):
             marked.add(s)
             continue
         kept.append(s)
@@ -645,6 +649,8 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     floor = kept[-1] if kept else None  # the oldest step kept
     old = [s for s in steps if floor is not None and s < floor]
     bad = marked | damaged_marks(root, old, storage) if old else marked
+    if amiss is not None and spare is not None and old:
+        bad |= {s for s in old if s not in bad and s not in damaged and amiss(s)}
     if found is not None:  # (of the steps that go: those a save's warning leaves out)
         found |= bad
     # (keep_best ranks the intact steps: a damaged best one held a place that an intact

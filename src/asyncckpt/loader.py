@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -68,6 +69,17 @@ class ShardMetadata:
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+
+
+# Set while a fallback load matches an older step only to learn what it would fill
+# (_Rollback._filled_by): what that match finds is said by the load of that step, if any.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncckpt_quiet", default=False)
+
+
+def _say(msg: str, *args: Any) -> None:
+    """A warning about the load being matched (not said in a trial match: see _QUIET)."""
+    if not _QUIET.get():
+        log.warning(msg, *args)
 
 
 def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) -> None:
@@ -568,20 +580,26 @@ class _Rollback:
         step can be loaded (the fallback fails, nothing needs putting back)."""
         for step in older:
             step_dir = self.root / self.step_dir_name(step)
+            token = _QUIET.set(True)
             try:
                 manifest = selected(read_manifest(step_dir, self.storage), self.key_map,
                                     self.exclude)
             except CheckpointError:
                 continue  # its attempt fails too: the next older one decides
+            finally:
+                _QUIET.reset(token)
             saved = saved_paths(manifest)
             with gc_paused():
                 target = flatten(self.state, target=True, exclude=self.exclude)
                 apply_shards(target, _without_excluded_shards(self.shards, target))
+                token = _QUIET.set(True)
                 try:
                     _match(manifest, saved, target, False, step_dir,
                            casts=set() if self.cast else None)
                 except StateMismatchError:
                     return None  # its attempt raises this and the load stops there
+                finally:
+                    _QUIET.reset(token)
             return target.loaded_in_place
         return None
 
@@ -742,7 +760,7 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
     skeleton = pruned(manifest.skeleton, exclude, "the checkpoint")
     unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
     if unmatched:
-        log.warning("exclude: the checkpoint of step %d holds nothing at %s (names as "
+        _say("exclude: the checkpoint of step %d holds nothing at %s (names as "
                     "'asyncckpt inspect' lists them)", manifest.step, few(unmatched))
     return _with_skeleton(manifest, skeleton)
 
@@ -830,7 +848,7 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
         # (a typo, "model/head.weight " or a path without its "model/", renames nothing)
         unmatched = [k for k in key_map if k not in seen]
         if unmatched:
-            log.warning("key_map: the checkpoint of step %d has no tensor at %s (tensor "
+            _say("key_map: the checkpoint of step %d has no tensor at %s (tensor "
                         "paths: dict keys joined by '/'): %s renamed nothing",
                         manifest.step, few([repr(k) for k in unmatched], 5),
                         "that entry" if len(unmatched) == 1 else "those entries")
@@ -1125,7 +1143,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 "load_state_dict takes the saved state whole; ignore_unexpected=True or "
                 "strict=False would leave the saved state unread)")
     elif stateless:
-        log.warning("loading %s: the saved optimizer state under %s is not loaded: the "
+        _say("loading %s: the saved optimizer state under %s is not loaded: the "
                     "target there is an optimizer's state_dict() with no state yet (a copy "
                     "of a fresh optimizer's); pass the optimizer itself to restore it",
                     step_dir, few([repr(p or "<root>") for p in stateless], 3))
@@ -1212,7 +1230,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                  + "; ".join(parts) + hint,
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     if skipped is not None:
-        log.warning("%s", skipped)
+        _say("%s", skipped)
     return dests, boxes, regions
 
 
@@ -1631,7 +1649,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         if isinstance(cls, str) and cls != type(obj).__qualname__ and saved == want:
             # (torch's load_state_dict takes another class's groups as they are: a trial's
             # AdamW state loaded into SGD silently, then its step() raised KeyError)
-            log.warning("loading the optimizer state at %r saved by %s into a %s: its "
+            _say("loading the optimizer state at %r saved by %s into a %s: its "
                         "parameter groups keep %s's settings (torch loads them as they are); "
                         "%s", path or "<root>", cls, type(obj).__qualname__, cls,
                         f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
@@ -1657,7 +1675,7 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None
     holder = _node_at(skeleton, path, stateful=True)
     cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
     if isinstance(cls, str) and cls != type(obj).__qualname__:
-        log.warning("loading the LR scheduler state at %r saved by %s into a %s: torch's "
+        _say("loading the LR scheduler state at %r saved by %s into a %s: torch's "
                     "load_state_dict sets %s's attributes on it as they are; %s",
                     path or "<root>", cls, type(obj).__qualname__, cls,
                     f"to start this scheduler afresh instead, pass exclude=[{path!r}]"

@@ -32,7 +32,7 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
-from .best import KeepBest, merged_metadata, merged_metrics
+from .best import KeepBest, StepMetrics, merged_metadata, merged_metrics
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -147,6 +147,7 @@ class SaveJob:
     # steps a fallback load of this checkpointer found damaged: not counted by keep_last
     damaged: frozenset[int] = frozenset()
     keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
+    known: StepMetrics | None = None  # what is known of the committed steps (files, metrics)
     metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
     strict_replicas: bool = False  # ranks' differing replicas fail the save (not a warning)
     blocked_s: float = 0.0
@@ -708,11 +709,15 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                     best = job.keep_best
                     if best is not None:  # (committed: its metrics need not be read back)
                         best.cache.note(job.root, job.step, job.storage, job.metrics)
+                    if job.known is not None:  # (nor its files' sizes: see amiss)
+                        job.known.note_files(job.root, job.step, job.storage)
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
                         functools.partial(best.spared, job.root, job.storage),
-                        damaged=job.damaged, found=marked))
+                        damaged=job.damaged, found=marked,
+                        amiss=None if job.known is None else functools.partial(
+                            job.known.amiss, job.root, job.storage)))
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
