@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,17 @@ def test_tied_embeddings_saved_once_as_hugging_face_does_load_strictly(tmp_path:
                                   "head": torch.nn.Linear(4, 11, bias=False)})
     with pytest.raises(StateMismatchError, match=r"missing from the checkpoint: embed\.weight"):
         asyncckpt.load_safetensors(tmp_path / "t.safetensors", untied)
+
+
+def test_a_key_map_entry_naming_no_tensor_of_the_file_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(review) load_safetensors, where key_map is used most, said nothing of a typo."""
+    save_file({"head.weight": torch.ones(2)}, str(tmp_path / "k.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        got = asyncckpt.load_safetensors(tmp_path / "k.safetensors",
+                                         key_map={"head.weight ": "w", "head.weight": "h"})
+    assert sorted(got) == ["h"]
+    assert f"{tmp_path / 'k.safetensors'} holds no tensor named 'head.weight '" in caplog.text
 
 
 def test_a_torch_save_file_or_json_passed_as_safetensors_is_named(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ These files carry no checksums, so nothing can be verified beyond their structur
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -55,6 +56,8 @@ from .manifest import (
 )
 from .storage import LocalStorage, open_regular
 from .tree import escape_key, flatten
+
+log = logging.getLogger(__name__)
 
 __all__ = ["load_safetensors"]
 
@@ -292,6 +295,16 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             tensors[key] = TensorEntry(dtype, shape, "torch", (Chunk(
                 fname, name, (0,) * len(shape), shape, (entry[1] + lo, entry[1] + hi), ()),))
         _check_apart(where / fname, ranges)
+    if isinstance(key_map, Mapping):  # (a typo renames nothing: say so, as load does)
+        had = {n for _, n in found.values()} | {n for _, n in dropped}
+        unmatched = [k for k in key_map if k not in had]
+        if unmatched:
+            log.warning("key_map: %s no tensor named %s: %s renamed nothing",
+                        f"{where / names[0]} holds" if len(names) == 1
+                        else f"the files of {where} hold",
+                        ", ".join(repr(k) for k in unmatched[:5])
+                        + (f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""),
+                        "that entry" if len(unmatched) == 1 else "those entries")
     if index is not None:
         held = {(f, n) for f, n in found.values()} | dropped
         lost = sorted(k for k, f in index.items() if (f, k) not in held)
