@@ -61,6 +61,19 @@ def test_a_metric_that_is_no_number_is_refused_naming_it(metrics: Any, match: st
         assert ckpt.steps() == []
 
 
+def test_retention_settings_take_numpy_ints_and_a_huge_int_metric_is_told_its_range(
+        tmp_path: Path) -> None:
+    """(retention trial) keep_* refused np.int64 where a step takes it; 10**400 as a metric
+    was told to be "a real number (a float, an int...)", which it is."""
+    ckpt = AsyncCheckpointer(tmp_path, keep_last=np.int64(2), keep_every=np.int32(5),
+                             keep_best=np.int64(1), best_metric="loss")
+    assert (ckpt.config.keep_last, ckpt.config.keep_every, ckpt.config.keep_best) == (2, 5, 1)
+    assert type(ckpt.config.keep_last) is int
+    with pytest.raises(CheckpointConfigError, match=r"out of a float's range"):
+        ckpt.save(_state(1), 1, metrics={"loss": 10**400})
+    ckpt.close()
+
+
 def test_ranking_puts_nan_last_and_the_newer_of_equals_first() -> None:
     scores = {1: 3.0, 2: NAN, 3: 1.0, 4: 3.0, 5: -INF, 6: INF}
     assert Ranking("x", "min").best(scores) == [5, 3, 4, 1, 6, 2]

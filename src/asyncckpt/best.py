@@ -122,6 +122,10 @@ def _number(name: str, v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise wrong
         return float(v)  # (an int past float's range: OverflowError; a timedelta64: TypeError)
+    except OverflowError as exc:  # (a number, but past a float's range: say so)
+        raise CheckpointConfigError(
+            f"metrics[{name!r}] = {v!r:.80}: out of a float's range (metrics are recorded "
+            "as floats); pass float('inf') for a value beyond it") from exc
     except (ArithmeticError, TypeError, ValueError, RuntimeError) as exc:
         raise wrong from exc
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import commit
@@ -143,6 +144,10 @@ class CheckpointerConfig:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
             raise CheckpointConfigError(f"mode={self.mode!r}: use one of {sorted(_MODES)}")
         object.__setattr__(self, "mode", _MODES[self.mode])
+        for name in ("keep_last", "keep_every", "keep_best"):  # (numpy's ints too, as steps)
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
         if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
             raise CheckpointConfigError(
                 f"keep_last={self.keep_last!r}: use a positive int, or None to keep every "
