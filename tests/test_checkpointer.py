@@ -1542,6 +1542,10 @@ def test_the_checkpointer_and_its_futures_show_where_they_stand(tmp_path: Path) 
     storage.gate.set()
     fut.wait()
     assert repr(fut) == "<CheckpointFuture step=7 committed>"
+    info = fut.wait()  # (its repr: times to the ms, the path as text)
+    assert re.fullmatch(rf"CheckpointInfo\(step=7, path='{re.escape(str(info.path))}', "
+                        r"bytes=\d+, blocked_s=\d+\.\d{3}, staged_s=\d+\.\d{3}, "
+                        r"durable_s=\d+\.\d{3}\)", repr(info)), repr(info)
     assert repr(ck).endswith(": last save step 7 committed>")
     assert ck.wait() is not None and ck.wait() is None  # (handed over once)
     assert repr(ck).endswith(": last save step 7 committed>")  # (review: "no save yet")

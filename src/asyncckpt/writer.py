@@ -75,6 +75,12 @@ class CheckpointInfo:
     staged_s: float
     durable_s: float
 
+    def __repr__(self) -> str:
+        # (a notebook shows it: times to the millisecond, the path as text)
+        return (f"CheckpointInfo(step={self.step}, path={str(self.path)!r}, "
+                f"bytes={self.bytes}, blocked_s={self.blocked_s:.3f}, "
+                f"staged_s={self.staged_s:.3f}, durable_s={self.durable_s:.3f})")
+
     @property
     def staged_gbps(self) -> float:
         return self.bytes / self.staged_s / 1e9 if self.staged_s > 0 else float("inf")
