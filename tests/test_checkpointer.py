@@ -2543,6 +2543,24 @@ def test_a_tied_target_path_is_filled_through_its_tie(tmp_path: Path,
         asyncckpt.load(tmp_path / "emb.weight", {"model": _TiedLM(1, tie=False)})
 
 
+def test_equal_saved_tensors_into_one_tied_target_are_not_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(trial) An untied model whose head equals its embedding, loaded into the tied
+    model, was warned that "the last one wins": its checksums say they are alike."""
+    src = _TiedLM(0, tie=False)
+    with torch.no_grad():
+        src.lm_head.weight.copy_(src.emb.weight)
+    asyncckpt.save({"model": src}, tmp_path / "eq", step=1)
+    asyncckpt.save({"model": _TiedLM(2, tie=False)}, tmp_path / "ne", step=1)
+    for which, warned in (("eq", False), ("ne", True)):
+        caplog.clear()
+        model = _TiedLM(1)
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            asyncckpt.load(tmp_path / which, {"model": model})
+        assert ("the last one wins" in caplog.text) == warned, (which, caplog.text)
+    assert torch.equal(model.emb.weight, _TiedLM(2, tie=False).lm_head.weight)
+
+
 def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) -> None:
     """The checkpoint is intact, so neither "corrupt" nor a fallback past every intact
     step: the target is refused up front (as a read-only numpy array is), and where the

@@ -262,9 +262,14 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies, spans)
     if staged:
-        log.warning("loading %s: the target tensors of saved tensors %s share memory; each is "
-                    "read into a temporary and copied in checkpoint order, so the last one wins",
-                    label, few(staged))
+        # (saved tensors of one content, their checksums say, into one target: no matter
+        # which wins; a trial's untied model saved and loaded into a tied one was warned)
+        alike = len({_content(manifest.tensors[k]) for k in staged}) == 1 and all(
+            c.checksums for k in staged for c in manifest.tensors[k].chunks)
+        (log.info if alike else log.warning)(
+            "loading %s: the target tensors of saved tensors %s share memory; each is "
+            "read into a temporary and copied in checkpoint order, so the last one wins%s",
+            label, few(staged), " (they hold the same values)" if alike else "")
     # Read into a temporary, then copied into each target: targets sharing memory, and a
     # cast key's several (tied) targets, each cast from the saved values. A cast key's
     # one target is read into as usual: the reader casts each piece as it comes.
@@ -1289,6 +1294,13 @@ def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) 
                 found.append(head)
                 break
     return found
+
+
+def _content(entry: Any) -> tuple[Any, ...]:
+    """What tells two saved tensors' values apart: dtype, shape and their chunks' boxes
+    and checksums (equal checksums: the same bytes, as a load would check them)."""
+    return (entry.dtype, tuple(entry.shape),
+            tuple((c.offsets, c.lengths, c.checksums) for c in entry.chunks))
 
 
 def _refuse_absent(manifest: Manifest, label: Path) -> None:
