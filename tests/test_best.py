@@ -243,10 +243,13 @@ def test_another_checkpointer_sees_a_step_saved_again_after_a_rollback(tmp_path:
 def test_a_metric_whose_conversion_fails_is_refused_naming_it() -> None:
     import fractions
 
-    for bad in (10 ** 400, fractions.Fraction(10 ** 400, 3), np.timedelta64(5, "s"),
-                torch.tensor(1.0, device="meta")):
+    for bad in (np.timedelta64(5, "s"), torch.tensor(1.0, device="meta")):
         with pytest.raises(CheckpointConfigError, match=r"metrics\['m'\] = .*: pass a real"):
             checked_metrics({"m": bad})
+    for huge in (10 ** 400, fractions.Fraction(10 ** 400, 3)):  # numbers, past float's range
+        with pytest.raises(CheckpointConfigError, match=r"metrics\['m'\] = .*: out of a "
+                                                        r"float's range"):
+            checked_metrics({"m": huge})
 
 
 def test_a_step_whose_manifest_cannot_be_read_counts_as_one_without_metrics(
