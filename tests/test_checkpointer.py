@@ -1549,6 +1549,10 @@ def test_the_checkpointer_and_its_futures_show_where_they_stand(tmp_path: Path) 
     assert repr(ck).endswith(": last save step 7 committed>")
     assert ck.wait() is not None and ck.wait() is None  # (handed over once)
     assert repr(ck).endswith(": last save step 7 committed>")  # (review: "no save yet")
+    ck.save_async(make_state(), step=8).wait()
+    with pytest.raises(asyncckpt.CheckpointExistsError):  # (its previous save settled here)
+        ck.save_async(make_state(), step=8)
+    assert repr(ck).endswith(": last save step 8 committed>")
     half = asyncckpt.AsyncCheckpointer.__new__(asyncckpt.AsyncCheckpointer)  # (__init__ raised)
     assert repr(half) == "<AsyncCheckpointer '?': not made>"
     ck.close()
@@ -2559,6 +2563,13 @@ def test_equal_saved_tensors_into_one_tied_target_are_not_warned_of(
             asyncckpt.load(tmp_path / which, {"model": model})
         assert ("the last one wins" in caplog.text) == warned, (which, caplog.text)
     assert torch.equal(model.emb.weight, _TiedLM(2, tie=False).lm_head.weight)
+    # (second review) equal values into overlapping views are no tie: still warned of
+    asyncckpt.save({"a": torch.arange(4.0), "b": torch.arange(4.0)}, tmp_path / "ov", step=1)
+    base = torch.zeros(6)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path / "ov", {"a": base[0:4], "b": base[2:6]})
+    assert "the last one wins" in caplog.text
 
 
 def test_a_target_over_read_only_memory_is_not_called_corrupt(tmp_path: Path) -> None:

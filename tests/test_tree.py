@@ -807,6 +807,34 @@ def mesh1():
             dist.destroy_process_group()
 
 
+def test_overlap_refuses_dtensors_changed_in_place_before_they_were_staged(
+        mesh1, tmp_path, monkeypatch):
+    """A trial's FSDP2 saves with overlap=True committed values changed after the call
+    (opt.step() before wait_staged()): an in-place op on a DTensor bumps its own version
+    counter, not its local tensor's, which was the one watched."""
+    import threading
+
+    import asyncckpt.checkpointer as mod
+
+    dt = dtensor_api()
+    w = dt.distribute_tensor(torch.zeros(64, 4), mesh1, [dt.Shard(0)])
+    release = threading.Event()
+    real_stage = mod.stage
+
+    def gated_stage(*args, **kwargs):
+        assert release.wait(30)
+        real_stage(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "stage", gated_stage)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        fut = ckpt.save_async({"w": w}, step=1, overlap=True)
+        w.add_(1.0)  # in place on the DTensor, before the copy began
+        release.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError, match=r"'w' were changed in place"):
+            fut.wait(30)
+        assert ckpt.steps() == []
+
+
 def test_a_dtensor_spec_changed_in_place_has_its_box_worked_out_again(mesh1, monkeypatch):
     """flatten keeps the box of each DTensor spec it met, by identity: a spec that changed
     since (torch sets fields of specs in place) must not give the box it had."""

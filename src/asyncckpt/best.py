@@ -9,7 +9,6 @@ step's manifest again).
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import numbers
@@ -175,9 +174,8 @@ class StepMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._known: dict[int, tuple[object, dict[str, float]]] = {}
-        # step -> (identity, its files' sizes): the steps retention looked at lately
-        self._files: collections.OrderedDict[int, tuple[object, dict[str, int]]] = (
-            collections.OrderedDict())
+        # step -> (identity, its files' sizes): of the committed steps (see keep_files)
+        self._files: dict[int, tuple[object, dict[str, int]]] = {}
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float]) -> None:
@@ -202,9 +200,14 @@ class StepMetrics:
     def _remember(self, step: int, ident: object, sizes: dict[str, int]) -> None:
         with self._lock:
             self._files[step] = (ident, sizes)
-            self._files.move_to_end(step)
-            while len(self._files) > _FILES_KEPT:
-                self._files.popitem(last=False)
+
+    def keep_files(self, steps: Iterable[int]) -> None:
+        """Forget the file sizes of the steps not in ``steps`` (the committed ones): a
+        long run deletes thousands."""
+        keep = set(steps)
+        with self._lock:
+            for s in [s for s in self._files if s not in keep]:
+                del self._files[s]
 
     def amiss(self, root: Path, storage: ReadStorage, step: int) -> bool:
         """Whether committed ``step`` has a file missing or not of its size (a stat each;
@@ -272,11 +275,6 @@ class StepMetrics:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
         return out
-
-
-# How many steps' file sizes retention keeps (the newest it looks at on every save, and
-# the old ones keep_best ranks): a long run's thousands of deleted steps are forgotten.
-_FILES_KEPT = 256
 
 
 def _identity(root: Path, step: int, storage: ReadStorage) -> object:

@@ -521,11 +521,15 @@ class AsyncCheckpointer:
             if overlap and self.config.mode != "sync":
                 # (what is copied, the extras too, must not change until wait_staged())
                 watched = tensors if extras is None else {**tensors, **extras.live}
-                versions = _versions(watched)
-                check = functools.partial(_check_unchanged, step, watched, versions)
+                # (a DTensor's own counter: an in-place op on it leaves its local
+                # tensor's as it was, and a trial's FSDP2 saves committed changed values)
+                counted = {k: flat.wrappers.get(k, t) for k, t in watched.items()} if (
+                    flat.wrappers) else watched
+                versions = _versions(counted)
+                check = functools.partial(_check_unchanged, step, counted, versions)
                 # (set before staging is queued: the writer reads it once staging is done)
                 job.handover = Handover(functools.partial(
-                    _check_unchanged, step, watched, versions, handover=True))
+                    _check_unchanged, step, counted, versions, handover=True))
                 # (the caller's streams, taken here: the stager thread has its own)
                 staged = writer.stager.submit(_stage_or_fail, plan, tensors, arena, progress,
                                               writer, stoppable=True, check=check,
@@ -1298,6 +1302,7 @@ class AsyncCheckpointer:
         # save stays pending: the next save must still wait for it.
         exc = self._settle(fut, "")
         self._pending = None
+        self._last_said = (fut.step, "failed" if exc is not None else "committed")
         if exc is not None:  # (the message only: its traceback holds state)
             missed = self._missed
             earlier = missed[0]() if missed is not None else None
@@ -1395,14 +1400,15 @@ class AsyncCheckpointer:
                 "last error's traceback) is this error's holder: "
                 "sys.last_value.holder.close() in a notebook",
                 holder=other.owner() if other.owner is not None else None)
-        if holder == str(os.getpid()) and self._lock.open_here():  # (not a namesake pid)
+        here = self._lock.open_here() if holder == str(os.getpid()) else None
+        if here:  # (ours: not a namesake pid of another machine's or container's)
             raise CheckpointLockedError(
                 f"this process (pid {holder}) holds {self.directory} through an "
                 "AsyncCheckpointer made before its asyncckpt modules were loaded again "
                 "(importlib.reload, IPython's autoreload), which this one cannot see: close() "
                 "that one, or start a new process")
         namesake = (" (not this one, whose pid it shares: another machine's or container's)"
-                    if holder == str(os.getpid()) else "")
+                    if here is False else "")
         raise CheckpointLockedError(
             f"another process (pid {holder}{namesake}) is saving into {self.directory}; "
             "use a different directory or stop the other process")

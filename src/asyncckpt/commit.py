@@ -622,7 +622,8 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
                  protect: int | None = None, keep_every: int | None = None,
                  spare: Callable[[list[int], Collection[int]], Collection[int]] | None = None,
                  damaged: Collection[int] = (), found: set[int] | None = None,
-                 amiss: Callable[[int], bool] | None = None) -> list[int]:
+                 amiss: Callable[[int], bool] | None = None,
+                 listed: list[int] | None = None) -> list[int]:
     """The committed steps that retention deletes: all but the newest ``keep_last``
     (never ``protect``, nor a multiple of ``keep_every``, nor one that ``spare`` picks
     of all the committed steps, told which are damaged: keep_best's), oldest first.
@@ -630,10 +631,14 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     on disk, which ``found`` gets) are not counted among the newest: they go once older
     than every step kept, so that a damaged step never takes the place of an intact one.
     So do the steps ``amiss`` says have a file missing or cut short (no load has marked
-    them yet: a stat tells), among the newest and, where ``spare`` ranks them, the old."""
+    them yet: a stat tells), among the newest and, of the old, those ``spare`` picks (the
+    others go or stay whatever their files: not looked at). ``listed`` receives the
+    committed steps."""
     if keep_last is None:
         return []
     steps = committed_steps(root, storage, skip_denied=True)
+    if listed is not None:
+        listed[:] = steps
     kept: list[int] = []
     marked: set[int] = set()
     for s in reversed(steps):  # newest first: the marks looked for only as far as needed
@@ -649,13 +654,23 @@ def doomed_steps(root: Path, keep_last: int | None, storage: ReadStorage,
     floor = kept[-1] if kept else None  # the oldest step kept
     old = [s for s in steps if floor is not None and s < floor]
     bad = marked | damaged_marks(root, old, storage) if old else marked
-    if amiss is not None and spare is not None and old:
-        bad |= {s for s in old if s not in bad and s not in damaged and amiss(s)}
-    if found is not None:  # (of the steps that go: those a save's warning leaves out)
-        found |= bad
     # (keep_best ranks the intact steps: a damaged best one held a place that an intact
     # step then lost)
     spared = spare(steps, bad | set(damaged)) if spare is not None and old else ()
+    looked: set[int] = set()
+    while amiss is not None and spare is not None and old:  # (a few rounds at most)
+        new = {s for s in spared if s not in looked and s < (floor or 0)
+               and s not in bad and s not in damaged}
+        if not new:
+            break
+        looked |= new
+        cut = {s for s in new if amiss(s)}
+        if not cut:
+            break
+        bad |= cut
+        spared = spare(steps, bad | set(damaged))
+    if found is not None:  # (of the steps that go: those a save's warning leaves out)
+        found |= bad
     return [s for s in old
             if s != protect and (keep_every is None or s % keep_every) and s not in spared]
 

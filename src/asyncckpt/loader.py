@@ -18,7 +18,7 @@ import operator
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -237,13 +237,14 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         raise CheckpointNotFoundError(
             f"{step_dir} holds the checkpoint of step {manifest.step}, not of step {step}; "
             "drop the step, or pass the directory that holds the step directories")
-    manifest = selected(manifest, key_map, exclude)
     if state is None:
+        manifest = selected(manifest, key_map, exclude)
         _refuse_absent(manifest, label)
         loaded = load_tensors(step_dir, manifest, dict.fromkeys(manifest.tensors), storage,
                               verify=verify, threads=threads, read=read, progress=progress)
         return unflatten(manifest.skeleton, loaded)
     target = flatten(state, target=True, exclude=exclude)
+    manifest = selected_for(manifest, key_map, exclude, target)
     apply_shards(target, _without_excluded_shards(shards, target))
     # The usual load in place: the target is the very tree that was saved (the same
     # skeleton, so the same paths naming the same keys), and what the checkpoint holds
@@ -265,7 +266,8 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         # (saved tensors of one content, their checksums say, into one target: no matter
         # which wins; a trial's untied model saved and loaded into a tied one was warned)
         alike = len({_content(manifest.tensors[k]) for k in staged}) == 1 and all(
-            c.checksums for k in staged for c in manifest.tensors[k].chunks)
+            c.checksums for k in staged for c in manifest.tensors[k].chunks) and len(
+            {_view_of(t) for k in staged for t in dests[k]}) == 1  # (one view: tied)
         (log.info if alike else log.warning)(
             "loading %s: the target tensors of saved tensors %s share memory; each is "
             "read into a temporary and copied in checkpoint order, so the last one wins%s",
@@ -585,17 +587,18 @@ class _Rollback:
         step can be loaded (the fallback fails, nothing needs putting back)."""
         for step in older:
             step_dir = self.root / self.step_dir_name(step)
+            with gc_paused():
+                target = flatten(self.state, target=True, exclude=self.exclude)
             token = _QUIET.set(True)
             try:
-                manifest = selected(read_manifest(step_dir, self.storage), self.key_map,
-                                    self.exclude)
+                manifest = selected_for(read_manifest(step_dir, self.storage),
+                                        self.key_map, self.exclude, target)
             except CheckpointError:
                 continue  # its attempt fails too: the next older one decides
             finally:
                 _QUIET.reset(token)
             saved = saved_paths(manifest)
             with gc_paused():
-                target = flatten(self.state, target=True, exclude=self.exclude)
                 apply_shards(target, _without_excluded_shards(self.shards, target))
                 token = _QUIET.set(True)
                 try:
@@ -742,11 +745,31 @@ def _as_loaded(restored: Any) -> Any:
     return restored
 
 
-def selected(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str, ...]
-             ) -> Manifest:
+def selected_for(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str, ...],
+                 target: FlatState) -> Manifest:
+    """``selected`` for a load into ``target`` (flattened with ``exclude``): both sides
+    leave out the same paths, what either found (a submodule's dotted keys are found on
+    the side that holds a module: a target module and a checkpoint's plain dict of its
+    keys, or the other way round, leave out the same tensors)."""
+    dropped: list[str] = []
+    manifest = selected(manifest, key_map, exclude, target.excluded, dropped)
+    more = [p for p in dropped if p not in target.excluded]
+    if more:  # (the checkpoint's module named them: the target's plain dict leaves them out)
+        gone = tuple(more)
+        for path in [p for p in target.refs if is_excluded(p, gone)]:
+            del target.refs[path]
+        target.skeleton = pruned(target.skeleton, gone, "the target", dotted=False)
+        target.excluded += more
+    return manifest
+
+
+def selected(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str, ...],
+             also: Sequence[str] = (), dropped: list[str] | None = None) -> Manifest:
     """``manifest`` as a load sees it: its tensors renamed by ``key_map``, then (by those
-    names, as the target has them) without its ``exclude`` parts."""
-    return without_excluded(renamed(manifest, key_map), exclude)
+    names, as the target has them) without its ``exclude`` parts, nor the paths ``also``
+    (what the target's flattening left out of its modules for them: ``model/head``'s
+    ``model/head.weight``, left out here whatever the checkpoint's ``model`` is)."""
+    return without_excluded(renamed(manifest, key_map), exclude, also, dropped)
 
 
 def _with_skeleton(manifest: Manifest, skeleton: dict[str, Any]) -> Manifest:
@@ -756,34 +779,51 @@ def _with_skeleton(manifest: Manifest, skeleton: dict[str, Any]) -> Manifest:
         k: v for k, v in manifest.tensors.items() if k in kept})
 
 
-def without_excluded(manifest: Manifest, exclude: tuple[str, ...]) -> Manifest:
-    """``manifest`` without the ``exclude`` parts of its state: not read, not matched,
-    not restored."""
+def without_excluded(manifest: Manifest, exclude: tuple[str, ...],
+                     also: Sequence[str] = (), dropped: list[str] | None = None) -> Manifest:
+    """``manifest`` without the ``exclude`` parts of its state, nor the paths ``also``
+    (not told of when the checkpoint lacks them): not read, not matched, not restored.
+    ``dropped`` receives the paths left out."""
     if not exclude:
         return manifest
 
-    skeleton = pruned(manifest.skeleton, exclude, "the checkpoint")
+    skeleton = pruned(manifest.skeleton, tuple(dict.fromkeys((*exclude, *also))),
+                      "the checkpoint", dropped=dropped)
     unmatched = [e for e in exclude if not _names_a_part(manifest.skeleton, e)]
-    if unmatched:
+    # (a part the target holds and the checkpoint lacks is what exclude= is for, a new
+    # head: not warned of, once per load and rank, on every run; a typo is)
+    mine = [e for e in unmatched
+            if any(a == e or a.startswith((f"{e}/", f"{e}.")) for a in also)]
+    if len(mine) < len(unmatched):
         _say("exclude: the checkpoint of step %d holds nothing at %s (names as "
-                    "'asyncckpt inspect' lists them)", manifest.step, few(unmatched))
+             "'asyncckpt inspect' lists them)", manifest.step,
+             few([e for e in unmatched if e not in mine]))
+    if mine:
+        log.info("exclude: %s, which the target holds, is not in the checkpoint of step %d",
+                 few(mine), manifest.step)
     return _with_skeleton(manifest, skeleton)
 
 
 def pruned(node: dict[str, Any], exclude: tuple[str, ...], holder: str,
-           path: str = "") -> dict[str, Any]:
+           path: str = "", module: bool = False, dropped: list[str] | None = None,
+           dotted: bool = True) -> dict[str, Any]:
     """The skeleton ``node`` (at ``path``) without its ``exclude`` parts; through the
     state dicts of stateful objects (a module's: the target's side refuses other objects
-    before this), not through lists."""
+    before this), where a submodule's name also names its keys (``head``: ``head.weight``,
+    see excluded_here), not through lists."""
     t = node["t"]
     below = _below(path, exclude)
     if below is None:
         return node
     if t == "stateful":
-        return {**node, "state": pruned(node["state"], exclude, holder, path)}
+        return {**node, "state": pruned(node["state"], exclude, holder, path,
+                                        module=dotted, dropped=dropped, dotted=dotted)}
     if t == "dict":
-        gone = excluded_here(path, (escape_key(k) for k, _ in node["items"]), exclude)
-        return {**node, "items": [[k, pruned(c, exclude, holder, join_path(path, k))]
+        gone = excluded_here(path, (escape_key(k) for k, _ in node["items"]), exclude, module)
+        if dropped is not None:
+            dropped += [join_path(path, k) for k, _ in node["items"] if escape_key(k) in gone]
+        return {**node, "items": [[k, pruned(c, exclude, holder, join_path(path, k),
+                                             dropped=dropped, dotted=dotted)]
                                   for k, c in node["items"] if escape_key(k) not in gone]}
     what = {"list": "a list", "tuple": "a tuple"}.get(t, "a value")
     raise CheckpointConfigError(
@@ -1188,10 +1228,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                              "class _asyncckpt_load_fresh = True: it then gets the "
                              "checkpoint's state dict whole, in new tensors (see load)")
             if reshaped and not grown and all(_excludable(target, p) for p in reshaped[:50]):
-                # (a new head, a resized vocabulary)
+                # (a new head, a resized vocabulary: by the submodule, head.bias too)
+                names = _condensed(target, reshaped)
                 parts.append("to load the rest and keep the target's own values there, pass "
-                             + (f"exclude={reshaped!r}" if len(reshaped) <= 8 else
-                                f"exclude= with those paths ({len(reshaped)})"))
+                             + (f"exclude={names!r}" if len(names) <= 8 else
+                                f"exclude= with those paths ({len(names)})"))
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
@@ -1221,15 +1262,16 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             "mismatches)" if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-            else _parts_absent_hint(target, unexpected) or (
-                " (strict=False would skip both: the target's keys would keep their values "
-                "and the checkpoint's go unread; if names changed, map the saved ones to the "
-                "new with key_map=)") if missing and unexpected
+            else _parts_absent_hint(target, unexpected) or _exclude_hint(
+                target, missing, unexpected, " (strict=False would skip both: the target's "
+                "keys would keep their values and the checkpoint's go unread; if names "
+                "changed, map the saved ones to the new with key_map=)") if missing and unexpected
             else f" (ignore_unexpected=True skips the checkpoint's {len(skipped_unexpected)} "
             f"key(s) the target lacks: {few(skipped_unexpected, 3)}; strict=False would also "
             "skip the missing ones, which keep their values; if names changed, map the saved "
             "ones to the new with key_map=)" if missing and skipped_unexpected
-            else " (pass strict=False to skip missing and unexpected keys)" if missing
+            else _exclude_hint(target, missing, [], " (pass strict=False to skip missing and "
+                               "unexpected keys)") if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
@@ -1251,6 +1293,34 @@ def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
             f"{'it' if len(tops) == 1 else 'them'} out, or ignore_unexpected=True every key "
             "the target lacks; the missing keys above remain: strict=False would skip them, "
             "keeping the target's values)")
+
+
+def _condensed(target: FlatState, paths: list[str]) -> list[str]:
+    """``paths`` as exclude= would name them: a key of a module's state dict by its
+    submodule (``model/head.weight`` and ``model/head.bias``: ``model/head``)."""
+    out: dict[str, None] = {}
+    for p in paths:
+        parent, _, last = p.rpartition("/")
+        obj = target.statefuls.get(parent, (None, None))[0]
+        if isinstance(obj, torch.nn.Module) and "." in last:
+            p = join_path(parent, last.rsplit(".", 1)[0]) if parent else last.rsplit(".", 1)[0]
+        out.setdefault(p, None)
+    return list(out)
+
+
+def _exclude_hint(target: FlatState, missing: list[str], unexpected: list[str],
+                  otherwise: str) -> str:
+    """The exclude= that leaves ``missing`` and ``unexpected`` out on both sides (a new
+    head, a dropped one) and keeps the rest strict, before ``otherwise`` (strict=False's
+    advice, which would also skip a key that goes missing by mistake)."""
+    paths = missing + unexpected
+    names = _condensed(target, paths) if len(paths) <= 200 and all(
+        _excludable(target, p) for p in paths) else []
+    if not names or len(names) > 8:
+        return otherwise
+    return (f" (a new or a dropped part, such as a head: exclude={names!r} leaves "
+            f"{'it' if len(names) == 1 else 'them'} out on both sides, the rest loading "
+            f"strictly){otherwise}")
 
 
 def _excludable(target: FlatState, path: str) -> bool:
@@ -1294,6 +1364,12 @@ def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) 
                 found.append(head)
                 break
     return found
+
+
+def _view_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where and how a target shows its elements: two targets alike here are one view
+    (tied), not overlapping views such as ``t`` and ``t.t()``."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _content(entry: Any) -> tuple[Any, ...]:
@@ -1713,6 +1789,7 @@ def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any
     params = [p for g in obj.param_groups for p in g["params"]]
     if len(ids) != len(params):
         return
+    lazy = torch.nn.parameter.is_lazy  # (no shape yet: its module's first forward makes it)
     by_id = {str(i): p for i, p in zip(ids, params, strict=True)}
     head = f"{path}/state/" if path else "state/"
     first = True
@@ -1723,7 +1800,7 @@ def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any
         p = by_id.get(pid)
         entry = tensors.get(key)
         shape = None if entry is None else tuple(entry.shape)
-        if p is None or not shape or tuple(p.shape) == shape:
+        if p is None or not shape or lazy(p) or tuple(p.shape) == shape:
             continue
         advice = (f" (a parameter resized since: leave the optimizer out with "
                   f"exclude=[{path!r}])" if path and first else "")

@@ -338,14 +338,17 @@ class DirectoryLock:
                     return lk
         return None
 
-    def open_here(self) -> bool:
-        """Whether this process has the lock file open (on Linux; False where it cannot
-        tell): a holder's pid equal to ours may be another container's, or machine's."""
+    def open_here(self) -> bool | None:
+        """Whether this process has the lock file open (None where it cannot tell: no
+        /proc): a holder's pid equal to ours may be another container's, or machine's."""
         try:
             mine = os.stat(self.path)
-            fds = os.listdir("/proc/self/fd")
         except OSError:
             return False
+        try:
+            fds = os.listdir("/proc/self/fd")
+        except OSError:
+            return None
         for fd in fds:
             with contextlib.suppress(OSError, ValueError):
                 st = os.stat(f"/proc/self/fd/{fd}")

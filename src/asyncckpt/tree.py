@@ -174,6 +174,10 @@ class FlatState:
     # (a lazy or meta head left out of a load is not refused), and where they were
     exclude: tuple[str, ...] = ()
     excluded: list[str] = field(default_factory=list)
+    module_paths: set[str] = field(default_factory=set)  # (with exclude: modules' paths)
+    # key -> the DTensor leaf whose local shard ``tensors`` holds: its version counter is
+    # the one in-place ops on it bump (its local tensor's stays as it was)
+    wrappers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -185,11 +189,13 @@ class FlatState:
         return b[1] if b is not None else None
 
 
-def excluded_here(path: str, segments: Iterable[str], exclude: tuple[str, ...]) -> set[str]:
+def excluded_here(path: str, segments: Iterable[str], exclude: tuple[str, ...],
+                  module: bool = False) -> set[str]:
     """The segments (escaped keys) of the dict at ``path`` that ``exclude`` leaves out:
-    those it names, and, where it names a key this dict lacks, the keys that name goes on
-    with a ``.`` (a module's state dict names a submodule's tensors ``head.weight``: the
-    dict has no ``head``). A dict with both ``model`` and ``model.ema`` keeps the latter."""
+    those it names, and in a module's state dict (``module``), where it names a key the
+    dict lacks, the keys that name goes on with a ``.``: a module's state dict names a
+    submodule's tensors ``head.weight`` (no ``head``). In a plain dict, ``model`` is the
+    key ``model`` alone, never ``model.ema``."""
     prefix = f"{path}/" if path else ""
     named = {e[len(prefix):] for e in exclude
              if e.startswith(prefix) and "/" not in e[len(prefix):]}
@@ -197,7 +203,7 @@ def excluded_here(path: str, segments: Iterable[str], exclude: tuple[str, ...]) 
         return set()
     segs = list(segments)
     have = set(segs)
-    dotted = tuple(f"{x}." for x in named if x not in have)
+    dotted = tuple(f"{x}." for x in named if x not in have) if module else ()
     return {sg for sg in segs if sg in named or (dotted and sg.startswith(dotted))}
 
 
@@ -280,6 +286,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
                           f"{where!r} of the state tree")
             raise
         flat.statefuls[path] = (obj, sd)
+        if flat.exclude and isinstance(obj, torch.nn.Module):
+            flat.module_paths.add(path)
         node = {"t": "stateful", "cls": type(obj).__qualname__,
                 "state": _flatten(sd, path, flat, seen, active)}
         active.discard(id(obj))
@@ -324,7 +332,7 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
     items: list[list[Any]] = []
     str_keys: Any = obj if isinstance(obj, dict) else None  # (made for other mappings)
     gone = excluded_here(path, (escape_key(k) for k in obj if type(k) in (str, int)),
-                         flat.exclude) if flat.exclude else None
+                         flat.exclude, path in flat.module_paths) if flat.exclude else None
     for k, v in obj.items():
         tk = type(k)
         if tk is str:
@@ -429,6 +437,7 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         # has the DTensor's dtype and layout): a wrapper subclass there (FSDP2 over
         # torchao's Float8 or NF4) has no memory at its data pointer, which staging and
         # reads would use. (A state of DTensors pays this path for every tensor.)
+        wrapper = t
         t, global_shape, local_box = _dtensor_box()(t, path or "<root>")
         box = (global_shape, local_box)
         what = "the local shard of the DTensor"
@@ -475,6 +484,7 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
     flat.refs[path] = path
     if box is not None:
         flat.boxes[path] = box
+        flat.wrappers[path] = wrapper
     return path
 
 

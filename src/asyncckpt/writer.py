@@ -717,13 +717,16 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                         best.cache.note(job.root, job.step, job.storage, job.metrics)
                     if job.known is not None:  # (nor its files' sizes: see amiss)
                         job.known.note_files(job.root, job.step, job.storage)
+                    listed: list[int] = []
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
                         functools.partial(best.spared, job.root, job.storage),
                         damaged=job.damaged, found=marked,
                         amiss=None if job.known is None else functools.partial(
-                            job.known.amiss, job.root, job.storage)))
+                            job.known.amiss, job.root, job.storage), listed=listed))
+                    if job.known is not None:
+                        job.known.keep_files(listed)
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         continue
