@@ -880,6 +880,38 @@ def test_ranks_saving_different_steps_are_told_at_once(tmp_path: Path) -> None:
     assert AsyncCheckpointer(tmp_path).steps() == []
 
 
+def test_rank_0_closes_after_the_others_read_its_refusal_to_start(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """(distributed trial) Rank 0 hosting the Store (mp.spawn, env://) refused a save
+    (ranks' keep_last differed) and exited at once: rank 1, still reading the refusal,
+    got "is the process that hosts the Store alive?". Its close() now waits until the
+    others have read it, as after a committed save."""
+    from asyncckpt.dist import DistContext
+
+    store = dist.HashStore()
+    waited: list[bool] = []
+    real = DistContext.wait_verdict_seen
+
+    def recorded(self: DistContext, tag: str, timeout_s: float) -> bool:
+        got = real(self, tag, timeout_s)
+        waited.append(got)
+        return got
+
+    monkeypatch.setattr(DistContext, "wait_verdict_seen", recorded)
+
+    def rank(r: int) -> None:
+        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               keep_last=2 + r, timeout_s=30)
+        try:
+            with pytest.raises((CheckpointConfigError, CheckpointSaveError), match="keep_last"):
+                ck.save(_state(r), step=1)
+        finally:
+            ck.close()
+
+    all_ok(in_threads(rank))
+    assert waited == [True]  # rank 0's close waited, and rank 1 had read it
+
+
 @pytest.mark.parametrize("skips", [True, False])
 def test_a_rank_the_others_gave_up_on_is_told_whether_it_skipped_or_came_late(
         tmp_path: Path, skips: bool) -> None:

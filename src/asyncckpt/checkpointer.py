@@ -324,6 +324,7 @@ class AsyncCheckpointer:
         self._cleaned = False
         self._pending: CheckpointFuture | None = None
         self._last_said: tuple[int, str] | None = None  # (step, outcome) wait() handed over
+        self._refused_tag: str | None = None  # the last save the coordinator refused to start
         self._closed = False
         self._transports: list[Any] = []
         self._seq = 0
@@ -1152,6 +1153,12 @@ class AsyncCheckpointer:
                     # which this process may host and take down when it exits)
                     self._ctx.wait_verdict_seen(self._prev_tag,
                                                 min(self._ctx.timeout_s, _VERDICT_SEEN_S))
+            refused = self._refused_tag
+            if refused is not None and self._ctx.distributed and refused == f"n{self._seq}":
+                # (the last save was refused before it started: a trial's rank 1 got "is
+                # the process that hosts the Store alive?" rather than the refusal)
+                self._ctx.wait_verdict_seen(refused, min(self._ctx.timeout_s,
+                                                         _VERDICT_SEEN_S))
         except BaseException:
             interrupted = True
             raise
@@ -1600,6 +1607,7 @@ class AsyncCheckpointer:
         if type(go) is not dict:
             raise CheckpointSaveError(f"step {step} not started: rank 0 posted {go!r}")
         if "error" in go:
+            ctx.saw_verdict(tag)  # (rank 0's close() waits for that: it may host the Store)
             why = go["error"] if go.get("said") else f"step {step} not started: {go['error']}"
             if go.get("kind") == "CheckpointTimeoutError":
                 timeout = CheckpointTimeoutError(why + self._came_late(step, go))
@@ -1685,6 +1693,7 @@ class AsyncCheckpointer:
         start, and why (``said``: the others raise ``why`` as it is; else they prefix
         it with the step). The error's kind and silent ranks go with it, and the step of
         the coordinator's save, when known (a rank that skipped it is told so)."""
+        self._refused_tag = tag  # (close() waits until the others have read it)
         self._ctx.claim(self._ctx.key(tag, "go"), json.dumps(
             {"error": why, "kind": type(exc).__name__, "said": said,
              "ranks": list(getattr(exc, "ranks", ()) or ()),
