@@ -2146,15 +2146,30 @@ def test_optimizer_state_of_another_class_is_warned_of(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         asyncckpt.load(tmp_path, {"model": net, "optim": torch.optim.AdamW(net.parameters())})
     assert "saved by" not in caplog.text, caplog.text
-    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(net.parameters())  # (groups with every setting Adam needs)
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
-        asyncckpt.load(tmp_path, {"model": net, "optim": sgd})
-    assert ("the optimizer state at 'optim' saved by AdamW into a SGD: its parameter groups "
+        asyncckpt.load(tmp_path, {"model": net, "optim": adam})
+    assert ("the optimizer state at 'optim' saved by AdamW into a Adam: its parameter groups "
             "keep AdamW's settings") in caplog.text, caplog.text
     assert "pass exclude=['optim']" in caplog.text
+    # groups without a setting the target needs are refused before any read (a second
+    # trial: only warned, the SGD's first step() raised KeyError 'momentum')
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StateMismatchError, match=r"optim: the checkpoint's optimizer \(AdamW\) "
+                       r"has parameter groups without 'dampening', 'momentum'.*exclude="
+                       r"\['optim'\]"):
+        asyncckpt.load(tmp_path, {"model": net, "optim": sgd})
+    assert sgd.param_groups[0]["momentum"] == 0.9
     fresh = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     asyncckpt.load(tmp_path, {"model": net, "optim": fresh}, exclude=["optim"])
     assert fresh.param_groups[0]["momentum"] == 0.9
+    # the same class, saved by a torch that had fewer settings: its own defaults fill them
+    asyncckpt.save({"model": net, "optim": {"state": {}, "param_groups": [
+        {k: v for k, v in g.items() if k not in ("maximize", "foreach", "fused")}
+        for g in opt.state_dict()["param_groups"]]}}, tmp_path / "old", step=1)
+    older = torch.optim.AdamW(net.parameters())
+    asyncckpt.load(tmp_path / "old", {"model": net, "optim": older})
+    assert older.param_groups[0]["maximize"] is False
 
 
 def test_lr_scheduler_state_of_another_class_is_warned_of(

@@ -1228,8 +1228,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                              "class _asyncckpt_load_fresh = True: it then gets the "
                              "checkpoint's state dict whole, in new tensors (see load)")
             if reshaped and not grown and all(_excludable(target, p) for p in reshaped[:50]):
-                # (a new head, a resized vocabulary: by the submodule, head.bias too)
-                names = _condensed(target, reshaped)
+                # (a new head, a resized vocabulary: by the submodule where all of it is
+                # new, head.bias too; the keys the target lacks with them)
+                near = [m for m in missing if _excludable(target, m)] if len(missing) <= 50 else []
+                names = _condensed(target, reshaped + near, saved)
                 parts.append("to load the rest and keep the target's own values there, pass "
                              + (f"exclude={names!r}" if len(names) <= 8 else
                                 f"exclude= with those paths ({len(names)})"))
@@ -1263,15 +1265,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
             else _parts_absent_hint(target, unexpected) or _exclude_hint(
-                target, missing, unexpected, " (strict=False would skip both: the target's "
+                target, saved, missing, unexpected, " (strict=False would skip both: the target's "
                 "keys would keep their values and the checkpoint's go unread; if names "
                 "changed, map the saved ones to the new with key_map=)") if missing and unexpected
             else f" (ignore_unexpected=True skips the checkpoint's {len(skipped_unexpected)} "
             f"key(s) the target lacks: {few(skipped_unexpected, 3)}; strict=False would also "
             "skip the missing ones, which keep their values; if names changed, map the saved "
             "ones to the new with key_map=)" if missing and skipped_unexpected
-            else _exclude_hint(target, missing, [], " (pass strict=False to skip missing and "
-                               "unexpected keys)") if missing
+            else _exclude_hint(target, saved, missing, [], " (pass strict=False to skip "
+                               "missing and unexpected keys)") if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
                                  + "; ".join(parts) + hint,
@@ -1295,26 +1297,41 @@ def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
             "keeping the target's values)")
 
 
-def _condensed(target: FlatState, paths: list[str]) -> list[str]:
-    """``paths`` as exclude= would name them: a key of a module's state dict by its
-    submodule (``model/head.weight`` and ``model/head.bias``: ``model/head``)."""
+def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -> list[str]:
+    """``paths`` as exclude= would name them: the keys of a module's state dict by their
+    submodule (``model/head.weight`` and ``model/head.bias``: ``model/head``), where
+    ``paths`` hold every key of it on both sides (the target's, and the checkpoint's in
+    ``saved``): excluding it then leaves out nothing that would load. (A trial's LoRA
+    factors added beside pretrained weights were told to exclude the whole layers, and
+    the pretrained weights went unloaded, silently.)"""
+    wanted = set(paths)
+    ordered: list[str] | None = None  # (the keys of both sides, sorted: one range a prefix)
     out: dict[str, None] = {}
     for p in paths:
         parent, _, last = p.rpartition("/")
         obj = target.statefuls.get(parent, (None, None))[0]
         if isinstance(obj, torch.nn.Module) and "." in last:
-            p = join_path(parent, last.rsplit(".", 1)[0]) if parent else last.rsplit(".", 1)[0]
+            sub = join_path(parent, last.rsplit(".", 1)[0]) if parent else last.rsplit(".", 1)[0]
+            if ordered is None:
+                ordered = sorted({*target.refs, *saved})
+            i = bisect.bisect_left(ordered, f"{sub}.")
+            while i < len(ordered) and ordered[i].startswith(f"{sub}."):
+                if ordered[i] not in wanted:
+                    break
+                i += 1
+            else:
+                p = sub
         out.setdefault(p, None)
     return list(out)
 
 
-def _exclude_hint(target: FlatState, missing: list[str], unexpected: list[str],
-                  otherwise: str) -> str:
+def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
+                  unexpected: list[str], otherwise: str) -> str:
     """The exclude= that leaves ``missing`` and ``unexpected`` out on both sides (a new
     head, a dropped one) and keeps the rest strict, before ``otherwise`` (strict=False's
     advice, which would also skip a key that goes missing by mistake)."""
     paths = missing + unexpected
-    names = _condensed(target, paths) if len(paths) <= 200 and all(
+    names = _condensed(target, paths, saved) if len(paths) <= 200 and all(
         _excludable(target, p) for p in paths) else []
     if not names or len(names) > 8:
         return otherwise
@@ -1734,14 +1751,27 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         want = [len(g["params"]) for g in obj.param_groups]
         holder = _node_at(skeleton, path, stateful=True)
         cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
-        if isinstance(cls, str) and cls != type(obj).__qualname__ and saved == want:
+        lacks = _settings_lacking(groups, obj) if (
+            saved == want and isinstance(cls, str) and cls != type(obj).__qualname__) else []
+        if lacks:
+            # (torch's load_state_dict takes the saved groups as they are: an SGD given
+            # AdamW's loaded, and its first step() raised KeyError 'momentum' (trials))
+            mismatched.append(
+                f"{path or '<root>'}: the checkpoint's optimizer ({cls or 'of another kind'}) "
+                f"has parameter groups without {', '.join(map(repr, lacks[:6]))}, which the "
+                f"target {type(obj).__qualname__} needs (its load_state_dict would take the "
+                "saved groups, and its first step() fail)" + (
+                    f"; to load the rest and start this optimizer afresh, pass "
+                    f"exclude=[{path!r}]" if path else ""))
+            told.add(path)
+        elif isinstance(cls, str) and cls != type(obj).__qualname__ and saved == want:
             # (torch's load_state_dict takes another class's groups as they are: a trial's
             # AdamW state loaded into SGD silently, then its step() raised KeyError)
             _say("loading the optimizer state at %r saved by %s into a %s: its "
-                        "parameter groups keep %s's settings (torch loads them as they are); "
-                        "%s", path or "<root>", cls, type(obj).__qualname__, cls,
-                        f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
-                        if path else "load it into a " + cls)
+                 "parameter groups keep %s's settings (torch loads them as they are); "
+                 "%s", path or "<root>", cls, type(obj).__qualname__, cls,
+                 f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
+                 if path else "load it into a " + cls)
         if saved == want and isinstance(ids, list):
             _check_moment_shapes(manifest_paths, manifest_tensors, target.refs, path, obj, ids,
                                  mismatched, told)
@@ -1768,6 +1798,33 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None
                     path or "<root>", cls, type(obj).__qualname__, cls,
                     f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
                     if path else "load it into a " + cls)
+
+
+def _settings_lacking(groups: dict[str, Any], obj: Any) -> list[str]:
+    """The settings the optimizer ``obj`` has in its groups that some saved group (of the
+    skeleton node ``groups``) lacks: torch's load_state_dict replaces the groups with the
+    saved ones (keeping only ``params``), so the optimizer would step without them."""
+    have = {k for g in obj.param_groups for k in g if k != "params"}
+    lacks: list[str] = []
+    saved: list[set[str]] = []
+    for g in groups["items"]:
+        if g is None or g.get("t") != "dict":
+            return []  # (not groups as torch saves them: its load_state_dict will say)
+        saved.append({k for k, _ in g["items"] if isinstance(k, str)})
+        lacks += [k for k in sorted(have - saved[-1]) if k not in lacks]
+    if not lacks:
+        return []
+    # What the optimizer's own __setstate__ fills in (torch's optimizers set the settings
+    # newer versions added): given the saved groups' keys alone, as load_state_dict does.
+    try:
+        probe = object.__new__(type(obj))
+        probe.__setstate__({"defaults": dict(obj.defaults), "state": {},
+                            "param_groups": [{**dict.fromkeys(keys), "params": []}
+                                             for keys in saved]})
+        filled = set.intersection(*(set(g) for g in probe.param_groups))
+    except Exception:  # (an optimizer of the user's: not to be second-guessed)
+        return []
+    return [k for k in lacks if k not in filled]
 
 
 # torch's optimizers whose every state tensor with a dimension has its parameter's shape
