@@ -3,6 +3,7 @@ in-place loading, tied weights, optimizer resume and strict key checking."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import math
 import random
@@ -1989,6 +1990,33 @@ def test_a_root_module_is_not_told_an_exclude_it_cannot_take(tmp_path: Path) -> 
     with pytest.raises(StateMismatchError, match=r"2\.weight: checkpoint") as info:
         asyncckpt.load(tmp_path, _head(1, 5))
     assert "exclude" not in str(info.value)
+
+
+class _LoRALinear(nn.Linear):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__(i, o)
+        self.lora_A = nn.Parameter(torch.zeros(2, i))
+        self.lora_B = nn.Parameter(torch.zeros(o, 2))
+
+
+def test_an_exclude_hint_never_drags_in_keys_that_would_load(tmp_path: Path) -> None:
+    """(trial v2) LoRA factors added beside pretrained weights were told
+    exclude=['model/0', 'model/2']: followed, the pretrained weights went unloaded,
+    silently. A submodule is named only where all its keys, on both sides, are to go."""
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    asyncckpt.save({"model": base}, tmp_path, step=1)
+    lora = nn.Sequential(_LoRALinear(4, 8), nn.ReLU(), _LoRALinear(8, 2))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"model": lora})
+    told = re.search(r"exclude=(\[[^]]*\])", str(info.value))
+    assert told is not None and "'model/0'" not in told.group(1), str(info.value)
+    asyncckpt.load(tmp_path, {"model": lora}, exclude=ast.literal_eval(told.group(1)))
+    assert torch.equal(lora[0].weight, base[0].weight) and torch.equal(lora[2].bias, base[2].bias)
+    # a weight resized, its bias not: the weight alone
+    wider = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    wider[0].weight = nn.Parameter(torch.zeros(8, 5))
+    with pytest.raises(StateMismatchError, match=re.escape("pass exclude=['model/0.weight']")):
+        asyncckpt.load(tmp_path, {"model": wider})
 
 
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
