@@ -486,6 +486,31 @@ def test_export_tied_weights_written_once(tmp_path: Path) -> None:
         assert json.loads(f.metadata()["asyncckpt_tied"]) == {"lm_head.weight": "embed.weight"}
 
 
+def test_a_tied_export_loads_into_an_untied_model_through_its_metadata(tmp_path: Path) -> None:
+    """(trial v2) A tied LM exported with its head written once, loaded by
+    load_safetensors into an untied LM: lm_head was missing, and strict=False left it
+    random although the file's metadata says whose copy it is."""
+    class LM(torch.nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+            if tie:
+                self.lm_head.weight = self.emb.weight
+
+    src = LM(tie=True)
+    asyncckpt.save({"model": src}, tmp_path / "ck", step=1)
+    out = tmp_path / "once.safetensors"
+    export_safetensors(tmp_path / "ck", out, prefix="model", strip_prefix=True)
+    untied = LM(tie=False)
+    asyncckpt.load_safetensors(out, untied)  # strict
+    assert torch.equal(untied.lm_head.weight, src.emb.weight)
+    assert torch.equal(untied.emb.weight, src.emb.weight)
+    fresh = asyncckpt.load_safetensors(out)
+    assert sorted(fresh) == ["emb.weight", "lm_head.weight"]
+    assert fresh["lm_head.weight"] is fresh["emb.weight"]  # (tied, as saved)
+
+
 def test_export_tied_weights_copied_for_a_strict_load_state_dict(tmp_path: Path) -> None:
     """A trial's tied LM, exported, could not be loaded strictly into its own class by
     plain torch (lm_head.weight missing): tied="copy" writes it under each name."""

@@ -15,6 +15,7 @@ These files carry no checksums, so nothing can be verified beyond their structur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -269,9 +270,11 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
     tensors: dict[str, TensorEntry] = {}
     root: dict[str, Any] = {}  # nested dicts of the paths; leaves are storage keys
     dropped: set[tuple[str, str]] = set()  # (file, name) that key_map left out
+    tied: dict[str, str] = {}  # alias -> the name written (asyncckpt export's metadata)
     for fname in names:
         entry, header = _read_header(where / fname)
         files[fname] = FileEntry(fname, entry[0], 0, entry[1], entry[2])
+        tied.update(_tied_names(header.get("__metadata__")))
         ranges: list[tuple[int, int, str]] = []
         for name, info in header.items():
             if name == "__metadata__":
@@ -295,6 +298,15 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             tensors[key] = TensorEntry(dtype, shape, "torch", (Chunk(
                 fname, name, (0,) * len(shape), shape, (entry[1] + lo, entry[1] + hi), ()),))
         _check_apart(where / fname, ranges)
+    for alias, name in tied.items():
+        # A tensor `asyncckpt export` wrote once for several names (tied embeddings): its
+        # other names stand for it too, as the checkpoint it came from had them (a trial's
+        # untied LM got a random lm_head from a file that said whose copy it was).
+        apath, npath = _mapped(alias, key_map), _mapped(name, key_map)
+        if apath is None or npath is None or apath in found or npath not in found:
+            continue
+        with contextlib.suppress(CheckpointConfigError):  # (a name in the way: not tied)
+            _place(root, apath, alias, key="/".join(escape_key(p) for p in npath.split("/")))
     if isinstance(key_map, Mapping):  # (a typo renames nothing: say so, as load does)
         had = {n for _, n in found.values()} | {n for _, n in dropped}
         unmatched = [k for k in key_map if k not in had]
@@ -435,8 +447,24 @@ def _mapped(name: str, key_map: KeyMap | None) -> str | None:
     return name if key_map is None else mapped_name(name, key_map)
 
 
-def _place(root: dict[str, Any], path: str, name: str) -> str:
-    """Put ``path`` into the nested dicts ``root``; return its storage key."""
+def _tied_names(meta: Any) -> dict[str, str]:
+    """The aliases a file's metadata names (``asyncckpt_tied``: JSON of alias -> name
+    written); {} where it names none, or not as asyncckpt writes it."""
+    raw = meta.get("asyncckpt_tied") if isinstance(meta, dict) else None
+    if not isinstance(raw, str) or len(raw) > 10_000_000:
+        return {}
+    try:
+        got = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    return {a: n for a, n in got.items() if isinstance(a, str) and isinstance(n, str)}
+
+
+def _place(root: dict[str, Any], path: str, name: str, key: str | None = None) -> str:
+    """Put ``path`` into the nested dicts ``root``; return its storage key (``key``: an
+    existing one, for a second name of one tensor)."""
     parts = path.split("/")
     node = root
     for i, part in enumerate(parts[:-1]):
@@ -450,7 +478,7 @@ def _place(root: dict[str, Any], path: str, name: str) -> str:
         raise CheckpointConfigError(
             f"tensor {name!r} is named {path!r}, which holds other tensors below it: map "
             "one of them to another name")
-    key = "/".join(escape_key(p) for p in parts)
+    key = key if key is not None else "/".join(escape_key(p) for p in parts)
     node[parts[-1]] = key
     return key
 
