@@ -718,9 +718,12 @@ def excluded_view(state: Any, exclude: tuple[str, ...],
         return state, shards, _as_loaded
     if shards:
         shards = {p: m for p, m in shards.items() if not is_excluded(p, exclude)}
+    if isinstance(state, torch.nn.Module) and not loads_fresh(state):
+        return state, shards, _as_loaded  # (its keys: exclude=["head"], as load_safetensors
+        # into a model is called; its flattening leaves them out)
     if not isinstance(state, dict):
         raise CheckpointConfigError(
-            f"exclude= needs a state that is a plain dict (of its parts), not a "
+            f"exclude= needs a state that is a plain dict (of its parts) or a module, not a "
             f"{type(state).__name__}: pass e.g. {{'model': model, 'dataloader': loader}}")
 
     def check(d: dict[Any, Any], path: str) -> None:
@@ -1344,7 +1347,9 @@ def _excludable(target: FlatState, path: str) -> bool:
     """Whether ``exclude=[path]`` can leave the target's ``path`` out: it runs through
     dicts and modules only (see excluded_view)."""
     segs = path.split("/")
-    if target.skeleton.get("t") != "dict":  # (exclude= needs a dict of the state's parts)
+    if target.skeleton.get("t") != "dict" and not (  # (a dict of the state's parts, or a
+            "" in target.statefuls and isinstance(target.statefuls[""][0], torch.nn.Module)
+            and not loads_fresh(target.statefuls[""][0])):  # module)
         return False
     for i in range(len(segs)):
         head = "/".join(segs[:i])
