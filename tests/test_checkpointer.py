@@ -1613,6 +1613,21 @@ def test_a_holder_of_our_pid_in_another_process_is_not_called_ours(tmp_path: Pat
         child.communicate("", timeout=30)
 
 
+def test_saving_a_committed_step_again_is_told_the_rollback_that_works(tmp_path: Path) -> None:
+    """(trial v2) "save under a new step number or delete that directory first": the
+    directory deleted, the save was refused again as older than step 2, and step 1 was
+    lost for nothing. The advice now is discard_steps_after, which works."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=2)
+    with pytest.raises(asyncckpt.CheckpointExistsError,
+                       match=re.escape("ckpt.discard_steps_after(0)")):
+        asyncckpt.save({"w": torch.zeros(2)}, tmp_path, step=1)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        assert ck.discard_steps_after(0) == [1, 2]
+        ck.save({"w": torch.zeros(2)}, step=1)
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.zeros(2))
+
+
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     (tmp_path / ".step_000000003.tmp-abc123").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="1 incomplete"):

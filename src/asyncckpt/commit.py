@@ -520,9 +520,15 @@ def _refuse_taken(final: Path, step: int, storage: ReadStorage) -> None:
             f"damaged ({DAMAGED_NAME}): to save it anew, first remove it and the steps after "
             "the one that load took: ckpt.discard_steps_after(<that step>)")
     if MANIFEST_NAME in names:
+        # (not "delete that directory": with later steps kept, a save of it is refused
+        # again as older than them, and the step was lost for nothing: a trial)
         raise CheckpointExistsError(
-            f"step {step} is already committed at {final}; save under a new step number or "
-            "delete that directory first")
+            f"step {step} is already committed at {final}; save under a new step number, or, "
+            "to save it anew (a rollback to before it), first remove it and any later step "
+            f"with ckpt.discard_steps_after({step - 1}) (AsyncCheckpointer(root) for the "
+            "one-shot asyncckpt.save)" if step > 0 else
+            f"step {step} is already committed at {final}; save under a new step number, or "
+            "into a new directory")
     raise CheckpointExistsError(
         f"{final} is in the way of step {step}'s commit: it holds no {MANIFEST_NAME}, so it "
         "is no committed step (a copy cut short or a hand edit?); move or delete it, or save "
