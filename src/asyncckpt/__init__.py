@@ -39,6 +39,7 @@ from .errors import (
     StateMismatchError,
     UnsupportedLeafError,
 )
+from .errors import add_note as _add_note
 from .errors import check_flags as _check_flags
 from .loader import LATEST_TRIES as _LATEST_TRIES
 from .loader import KeyMap as _KeyMap
@@ -219,4 +220,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             _logging.getLogger(__name__).info(
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
+        except CheckpointCorruptError as exc:
+            if step is None:  # (fallback is not on: see above)
+                _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
+                             "step instead")
+            raise
     raise AssertionError("unreachable")

@@ -44,6 +44,7 @@ from .dist import (
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointInFlightError,
     CheckpointLockedError,
@@ -1034,6 +1035,11 @@ class AsyncCheckpointer:
                 if attempt + 1 == tries:
                     raise
                 log.info("loading the latest step under %s again: %s", self.directory, exc)
+            except CheckpointCorruptError as exc:
+                if step is None and not fallback:  # (a trial: "load an earlier step", how?)
+                    add_note(exc, "load(..., fallback=True) loads the newest intact step "
+                                  "instead, and marks this one damaged")
+                raise
         raise AssertionError("unreachable")
 
     def _load(self, state: Any, *, step: int | None, strict: bool, verify: bool,

@@ -304,8 +304,10 @@ class CheckpointFuture:
     def __repr__(self) -> str:
         # (what a notebook shows of ``fut``: the step and where its save stands, no wait)
         p = self.progress()
-        where = (f"{p.fraction:.0%} of {p.total_bytes / 1e9:.3f} GB"
-                 if p.phase not in ("committed", "failed") else "")
+        n = p.total_bytes
+        size = (f"{n / 1e9:.3f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6
+                else f"{n / 1e3:.1f} kB" if n >= 1e3 else f"{n} B")
+        where = f"{p.fraction:.0%} of {size}" if p.phase not in ("committed", "failed") else ""
         failed = ""
         if p.phase == "failed" and self._durable.done() and not self._durable.cancelled():
             exc = self._durable.exception()
