@@ -2030,6 +2030,35 @@ def test_an_exclude_hint_never_drags_in_keys_that_would_load(tmp_path: Path) -> 
         asyncckpt.load(tmp_path, {"model": wider})
 
 
+def test_a_layer_inserted_into_a_sequential_is_told_the_key_map_that_moves_the_rest(
+        tmp_path: Path) -> None:
+    """(trial v2) A Linear inserted before the last one: told to exclude model/4 and then
+    model/6 or pass strict=False, which loaded the old layers where the new one sits
+    and left the last layer random. The error now also names the key_map that moves
+    the saved tensors where they fit, which (as told) loads them there."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    asyncckpt.save({"model": base}, tmp_path, step=1)
+
+    def grown() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                             nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"model": grown()})
+    told = re.search(r"key_map=(\{[^}]*\}) with exclude=(\[[^]]*\])", str(info.value))
+    assert told is not None, str(info.value)
+    key_map = ast.literal_eval(told.group(1))
+    assert key_map == {"model/4.weight": "model/6.weight", "model/4.bias": "model/6.bias"}
+    model = grown()
+    new_layer = model[4].weight.detach().clone()
+    asyncckpt.load(tmp_path, {"model": model}, key_map=key_map,
+                   exclude=ast.literal_eval(told.group(2)))
+    assert torch.equal(model[6].weight, base[4].weight)
+    assert torch.equal(model[2].weight, base[2].weight)
+    assert torch.equal(model[4].weight, new_layer)
+
+
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
     """A trial's cast=True load into a float16 target of another shape was told to "load
     with state=None and convert" (of dtypes): the shape is what no cast fixes."""

@@ -1238,6 +1238,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 parts.append("to load the rest and keep the target's own values there, pass "
                              + (f"exclude={names!r}" if len(names) <= 8 else
                                 f"exclude= with those paths ({len(names)})"))
+                moved = _moved(reshaped, missing, fits) if len(reshaped) <= 50 else {}
+                if moved:  # (a layer inserted: the saved ones fit further on)
+                    left = _condensed(target, [p for p in reshaped if p not in moved.values()]
+                                      + [m for m in missing if m not in moved.values()], saved)
+                    parts.append(
+                        "but if layers moved (one inserted before them), the saved tensors "
+                        f"fit further on: key_map={moved!r}"
+                        + (f" with exclude={left!r}" if left and len(left) <= 8 else "")
+                        + " loads each where it fits, the new ones keeping their values")
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
@@ -1298,6 +1307,23 @@ def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
             f"{'it' if len(tops) == 1 else 'them'} out, or ignore_unexpected=True every key "
             "the target lacks; the missing keys above remain: strict=False would skip them, "
             "keeping the target's values)")
+
+
+def _moved(reshaped: list[str], missing: list[str],
+           fits: Callable[[str, str], bool]) -> dict[str, str]:
+    """Saved tensors of another shape than the target's at their path that fit a path the
+    target has and the checkpoint lacks, with the same last name (``4.weight`` and
+    ``6.weight``): what a layer inserted before them does to a Sequential's indices.
+    Each pairs with the first that fits; {} unless every one pairs."""
+    out: dict[str, str] = {}
+    for p in reshaped:
+        name = p.rpartition(".")[2]
+        q = next((m for m in missing if m not in out.values() and m.rpartition(".")[2] == name
+                  and fits(p, m)), None)
+        if q is None:
+            return {}
+        out[p] = q
+    return out
 
 
 def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -> list[str]:
