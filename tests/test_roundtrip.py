@@ -581,21 +581,27 @@ def test_renamed_layers_are_told_with_the_saved_names_and_key_map(tmp_path):
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load(tmp_path, target, ignore_unexpected=True)
     msg = str(info.value)
-    assert ("under 'model/' the checkpoint holds model/0.weight, model/0.bias where the "
-            "target wants model/enc.weight, model/enc.bias") in msg, msg
-    assert "key_map={'model/0.weight': 'model/enc.weight'}" in msg, msg
+    # (trial v2: the whole key_map that fits, not one pair a round)
+    told = "key_map=lambda p: 'model/enc.' + p[8:] if p.startswith('model/0.') else p"
+    assert ("the checkpoint holds under 'model/0.' what the target wants under "
+            f"'model/enc.': pass {told}") in msg, msg
     assert "pass strict=False" not in msg, msg
     asyncckpt.load(tmp_path, target, ignore_unexpected=True,
-                   key_map={"model/0.weight": "model/enc.weight", "model/0.bias": "model/enc.bias"})
+                   key_map=lambda p: "model/enc." + p[8:] if p.startswith("model/0.") else p)
     assert torch.equal(target["model"]["enc.weight"], torch.ones(2))
-    # the example pairs names alike, not the first of each (a trial got a file's first
+    # the pairs are of names alike, not the first of each (a trial got a file's first
     # name, sorted, paired with a module's first, in its order: unrelated)
     asyncckpt.save({"model.head.weight": torch.ones(2), "model.embed.bias": torch.ones(1)},
                    tmp_path / "hf", step=0)
-    with pytest.raises(StateMismatchError,
-                       match=re.escape("key_map={'model.head.weight': 'head.weight'}")):
+    with pytest.raises(StateMismatchError, match=re.escape(
+            "key_map=lambda p: '' + p[6:] if p.startswith('model.') else p")):
         asyncckpt.load(tmp_path / "hf", {"embed.bias": torch.zeros(1),
                                          "head.weight": torch.zeros(2)})
+    # two renames of their own: every pair
+    asyncckpt.save({"a.w": torch.ones(2), "b.w": torch.ones(3)}, tmp_path / "two", step=0)
+    with pytest.raises(StateMismatchError, match=re.escape(
+            "pass key_map={'a.w': 'x.w', 'b.w': 'y.w'}")):
+        asyncckpt.load(tmp_path / "two", {"x.w": torch.zeros(2), "y.w": torch.zeros(3)})
     # ... and only names whose shapes and dtypes fit: a trial's strict=False load was told
     # key_map={'b': 'zz'} for an int64 [4] and a float [1], which cannot load into it
     asyncckpt.save({"a": torch.ones(2), "b": torch.arange(4)}, tmp_path / "odd", step=0)
@@ -618,13 +624,17 @@ def test_a_rename_hint_says_when_other_keys_need_the_rename_too(tmp_path: Path) 
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load(tmp_path, target)
     msg = str(info.value)
-    assert "e.g. key_map={'model/0.weight': 'model/net.0.weight'}); 1 more wanted key(s) lie " \
-        "elsewhere (e.g. 'optim/state/net.0.weight/m'): the key_map must rename those " \
-        "too" in msg, msg
+    # (trial v2: the whole key_map, the optimizer's moment too)
+    told = {"model/0.weight": "model/net.0.weight",
+            "optim/state/0.weight/m": "optim/state/net.0.weight/m"}
+    assert f"pass key_map={told!r}" in msg, msg
+    asyncckpt.load(tmp_path, target, key_map=told)
+    assert torch.equal(target["optim"]["state"]["net.0.weight"]["m"], t)
+    target["optim"]["state"]["net.0.weight"]["m"].zero_()
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load(tmp_path, target, key_map={"model/0.weight": "model/net.0.weight"})
-    msg = str(info.value)
-    assert "pass strict=False" not in msg and "strict=False would skip both" in msg, msg
+    msg = str(info.value)  # (the moment left: its own rename told)
+    assert "pass strict=False" not in msg and "'optim/state/net.0.'" in msg, msg
     asyncckpt.load(tmp_path, target, key_map=lambda n: n.replace("0.weight", "net.0.weight"))
     assert torch.equal(target["optim"]["state"]["net.0.weight"]["m"], t)
 

@@ -1182,6 +1182,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             or head_hint(missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
                 _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
                 _node_at(target.skeleton, new)))
+            or _mapping_hint(missing, unexpected, fits, saved)
             or renamed_hint(missing, unexpected, fits))
     stateless = _stateless_optimizer_dicts(target.skeleton, unexpected) if unexpected else []
     if stateless and not skip_unexpected:  # (the hints above know nothing of it)
@@ -2231,6 +2232,55 @@ def head_hint(missing: list[str], unexpected: list[str],
         return said
     return (f"{said}, or pass key_map=lambda path: {now + '/'!r} + path[{len(was) + 1}:] if "
             f"path.startswith({was + '/'!r}) else path")
+
+
+def _mapping_hint(missing: list[str], unexpected: list[str],
+                  fits: Callable[[str, str], bool], saved: Iterable[str]) -> str:
+    """Where every saved key the target lacks pairs with a wanted one that it fits (same
+    last name, shape and dtype; the pair sharing the longest ends), the whole key_map:
+    one prefix rule where a single one explains every pair (a submodule wrapped a level
+    deeper: ``enc.`` to ``enc.inner.``), else every pair (a trial was given one pair at a
+    time, round after round); "" otherwise."""
+    if not missing or len(missing) != len(unexpected) or len(missing) > 64:
+        return ""
+
+    def common(a: str, b: str) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def ends(a: str, b: str) -> tuple[int, int]:
+        return common(a[::-1], b[::-1]), common(a, b)
+
+    pairs: dict[str, str] = {}
+    for u in unexpected:
+        name = u.rpartition(".")[2]
+        best = max((m for m in missing if m not in pairs.values()
+                    and m.rpartition(".")[2] == name and fits(u, m)),
+                   key=lambda m: ends(u, m), default=None)
+        if best is None:
+            return ""
+        pairs[u] = best
+    rules = set()
+    for u, m in pairs.items():
+        suf = ends(u, m)[0]
+        if suf < min(len(u), len(m)):  # (else one is the other with a prefix: that is the rule)
+            while suf and u[-suf] not in "./":  # (whole names: the rule ends at a separator)
+                suf -= 1
+            suf = max(suf - 1, 0)  # (the separator in the rule: 'enc.' to 'enc.inner.')
+        rules.add((u[:len(u) - suf], m[:len(m) - suf]))
+    if len(rules) == 1:
+        (a, b), = rules
+        moving = set(unexpected)  # (the rule must rename no other saved key)
+        if a and all(not p.startswith(a) or p in moving for p in saved):
+            return (f"; the checkpoint holds under {a!r} what the target wants under {b!r}: "
+                    f"pass key_map=lambda p: {b!r} + p[{len(a)}:] if p.startswith({a!r}) "
+                    "else p; strict=False would load none of them")
+    if len(pairs) > 16:
+        return ""
+    return (f"; each saved tensor the target lacks fits one it wants: if they were renamed, "
+            f"pass key_map={pairs!r}; strict=False would load none of them")
 
 
 def renamed_hint(missing: list[str], unexpected: list[str],
