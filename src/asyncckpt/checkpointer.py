@@ -1688,6 +1688,8 @@ class AsyncCheckpointer:
         with contextlib.suppress(Exception):
             for part in ("layout", "record", "done"):
                 ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg, "kind": type(exc).__name__})
+            if not ctx.is_coordinator:
+                ctx.saw_verdict(tag)  # (it knows the outcome: rank 0's close() need not wait)
             if ctx.is_coordinator:
                 ctx.put(ctx.key(tag, "verdict"), {"error": msg})
                 # (before the barrier's go, the others wait for this; after it, nobody)
