@@ -1,7 +1,7 @@
 """Kill a training run with SIGKILL, resume it from its last checkpoint, and show that
 the resumed run is bitwise identical to one that was never interrupted.
 
-    python examples/resume_demo.py [--steps 60] [--every 5] [--kill-at 42] [--dir DIR]
+    python examples/resume_demo.py [--steps 60] [--every 5] [--kill-at 41] [--dir DIR]
 
 1. a reference run trains an MLP (with dropout) for --steps steps, never interrupted;
 2. a second run saves async checkpoints every --every steps and is killed with SIGKILL

@@ -223,7 +223,13 @@ def main() -> int:
     # on SIGTERM, exit through the `finally` below that stops the replicas
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
-    from torchft.coordination import LighthouseServer
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError as exc:  # (a docs trial met a bare traceback)
+        print(f"FAIL: torchft is not installed ({exc}); install it as this script's "
+              "docstring says (torch first, then pip install --no-deps torchft==0.2.0)",
+              file=sys.stderr)
+        return 1
 
     print(f"transport={args.transport} in_place={args.in_place} steps={args.steps}", flush=True)
     procs: list[subprocess.Popen[bytes]] = []

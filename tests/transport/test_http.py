@@ -1282,6 +1282,12 @@ def test_a_send_checkpoint_that_failed_is_refused_at_once(
     assert time.monotonic() - t0 < 10
     assert "step 6 is not being served: its send_checkpoint failed at the sender " \
         "(UnsupportedLeafError: " in str(info.value), info.value
+    # "the step on offer" too (a docs trial: asyncckpt.load(address) waited out its timeout)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointNotFoundError, match=r"no step is on offer: its "
+                       r"send_checkpoint failed at the sender \(UnsupportedLeafError"):
+        asyncckpt.load(srv.address(), token=TOKEN, timeout=30.0)
+    assert time.monotonic() - t0 < 10
     # sent again (torchft keeps the step after a failed quorum): while it lays out the
     # state, requests for the step wait for it, not refused as failed (a review's find)
     laying_out, go_on = _held_layout(monkeypatch)

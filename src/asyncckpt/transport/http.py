@@ -521,7 +521,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._check_open("serving a request")
             if self._retired is not None:
                 raise _Retired(self._retired)
-            if self._failed is not None and self._failed[0] == step:
+            if self._failed is not None and (step is None or self._failed[0] == step):
+                # (a request for "the step on offer" too: it waited out its whole timeout
+                # for an offer that had failed, told nothing of why; a docs trial)
                 raise _Retired(self._failed[1])
             left = deadline - time.monotonic()
             if left <= 0:
