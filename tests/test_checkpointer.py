@@ -1646,6 +1646,9 @@ def test_a_corrupt_latest_step_is_told_of_fallback(tmp_path: Path) -> None:
         with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
             load(step=2)  # (a step asked for: no other step would do)
         assert not getattr(info.value, "__notes__", [])
+    with pytest.raises(asyncckpt.CheckpointCorruptError) as info:  # (a step directory)
+        asyncckpt.load(tmp_path / "step_000000002")
+    assert not getattr(info.value, "__notes__", [])
 
 
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:

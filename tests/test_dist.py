@@ -910,6 +910,12 @@ def test_rank_0_closes_after_the_others_read_its_refusal_to_start(tmp_path: Path
 
     all_ok(in_threads(rank))
     assert waited == [True]  # rank 0's close waited, and rank 1 had read it
+    # (third review) a rank counts once a save, though it reads the refusal and then
+    # announces its own failure: twice, and rank 0 stopped waiting before a third read it
+    ctx = DistContext(rank=1, world_size=3, store=store, namespace="once", timeout_s=5.0)
+    ctx.saw_verdict("n9")
+    ctx.saw_verdict("n9")
+    assert store.add(ctx.key("n9", "seen"), 0) == 1
 
 
 @pytest.mark.parametrize("skips", [True, False])

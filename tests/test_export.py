@@ -24,7 +24,7 @@ import safetensors
 import safetensors.torch
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import asyncckpt
 from _manifests import long_entries
@@ -509,6 +509,18 @@ def test_a_tied_export_loads_into_an_untied_model_through_its_metadata(tmp_path:
     fresh = asyncckpt.load_safetensors(out)
     assert sorted(fresh) == ["emb.weight", "lm_head.weight"]
     assert fresh["lm_head.weight"] is fresh["emb.weight"]  # (tied, as saved)
+    # (third review) a base model without the head loads strictly: an alias is the
+    # target's to want; metadata too deep to parse, or with empty names, is ignored
+    base = torch.nn.Module()
+    base.emb = torch.nn.Embedding(10, 4)
+    asyncckpt.load_safetensors(out, base)
+    assert torch.equal(base.emb.weight, src.emb.weight)
+    odd = tmp_path / "odd.safetensors"
+    for tied in ("[" * 100_000 + "]" * 100_000, '{"": "w", "a//b": "w"}'):
+        save_file({"w": torch.ones(3)}, str(odd), metadata={"asyncckpt_tied": tied})
+        got = {"w": torch.zeros(3)}
+        asyncckpt.load_safetensors(odd, got)
+        assert torch.equal(got["w"], torch.ones(3))
 
 
 def test_export_tied_weights_copied_for_a_strict_load_state_dict(tmp_path: Path) -> None:

@@ -2069,6 +2069,45 @@ def test_a_layer_inserted_into_a_sequential_is_told_the_key_map_that_moves_the_r
     assert torch.equal(model[4].weight, new_layer)
 
 
+def test_hints_that_would_guess_give_no_full_map(tmp_path: Path) -> None:
+    """(third review) Renamed tensors that fit two targets alike got a full key_map that,
+    pasted, put the encoder in the decoder; a layer's weight and bias were moved to two
+    layers; a rename's keys were pulled into a resized head's exclude=."""
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    asyncckpt.save({"model": seq}, tmp_path / "ae", step=1)
+
+    class AE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.Linear(4, 4)
+            self.encoder = nn.Linear(4, 4)
+
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "ae", {"model": AE()})
+    assert "pass key_map={" not in str(info.value), info.value  # (an e.g. at most)
+
+    def lin(i: int, o: int) -> nn.Module:
+        return nn.Linear(i, o)
+
+    asyncckpt.save({"model": nn.Sequential(lin(4, 8), nn.ReLU(), lin(8, 2))}, tmp_path / "mv",
+                   step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "mv", {"model": nn.Sequential(
+            lin(4, 8), nn.ReLU(), lin(8, 3), nn.ReLU(), lin(3, 2), nn.ReLU(), lin(2, 8),
+            nn.ReLU(), lin(8, 2))})
+    # a layer's tensors go together (the review's: weight to layer 8, bias to layer 4)
+    assert "key_map={'model/2.weight': 'model/8.weight', 'model/2.bias': 'model/8.bias'}" \
+        in str(info.value), info.value
+
+    asyncckpt.save({"model": nn.ModuleDict({"enc": lin(4, 4), "head": lin(4, 2)})},
+                   tmp_path / "rn", step=1)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path / "rn", {"model": nn.ModuleDict({"encoder": lin(4, 4),
+                                                                 "head": lin(4, 3)})})
+    assert "pass exclude=['model/head']" in str(info.value), info.value
+    assert "'model/encoder.' + p[10:]" in str(info.value), info.value
+
+
 def test_cast_with_a_shape_mismatch_is_not_told_of_dtypes(tmp_path: Path) -> None:
     """A trial's cast=True load into a float16 target of another shape was told to "load
     with state=None and convert" (of dtypes): the shape is what no cast fixes."""
@@ -2248,6 +2287,16 @@ def test_optimizer_state_of_another_class_is_warned_of(
     older = torch.optim.AdamW(net.parameters())
     asyncckpt.load(tmp_path / "old", {"model": net, "optim": older})
     assert older.param_groups[0]["maximize"] is False
+    # (third review) settings torch keeps or a scheduler sets are no refusal: Adam's
+    # state into an AdamW made of named parameters with a scheduler
+    plain = torch.optim.Adam(net.parameters())
+    _train_step(net, plain, 1)
+    asyncckpt.save({"optim": plain}, tmp_path / "adam", step=1)
+    named = torch.optim.AdamW(net.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(named, 5)
+    asyncckpt.load(tmp_path / "adam", {"optim": named})
+    _train_step(net, named, 2)
+    sched.step()
 
 
 def test_lr_scheduler_state_of_another_class_is_warned_of(

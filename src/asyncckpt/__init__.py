@@ -221,7 +221,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
         except CheckpointCorruptError as exc:
-            if step is None:  # (fallback is not on: see above)
+            if step is None and resolved is not None:  # (a root, fallback not on: see above)
                 _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
                              "step instead")
             raise

@@ -60,7 +60,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -218,6 +218,8 @@ class DistContext:
     namespace: str  # "" until join()
     timeout_s: float
     directory: str = ""  # absolute: what pairs checkpointers across ranks (with a count)
+    # the saves whose verdict this rank said it read (once each: see saw_verdict)
+    _saw: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def is_coordinator(self) -> bool:
@@ -619,7 +621,14 @@ class DistContext:
         self._delete(keys, parted)
 
     def saw_verdict(self, tag: str) -> None:
-        """A peer has read the coordinator's verdict on save ``tag`` (best effort)."""
+        """A peer has read the coordinator's verdict on save ``tag`` (best effort; counted
+        once per rank and save: a rank that read a refusal and then failed with it would
+        count twice, and rank 0's close() stop waiting before another rank read it)."""
+        if tag in self._saw:
+            return
+        self._saw.add(tag)
+        if len(self._saw) > 64:  # (the newest tags matter: saves go one at a time)
+            self._saw = {tag}
         with contextlib.suppress(Exception):
             self.store.add(self.key(tag, "seen"), 1)
 

@@ -1234,7 +1234,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if reshaped and not grown and all(_excludable(target, p) for p in reshaped[:50]):
                 # (a new head, a resized vocabulary: by the submodule where all of it is
                 # new, head.bias too; the keys the target lacks with them)
-                near = [m for m in missing if _excludable(target, m)] if len(missing) <= 50 else []
+                subs = {p.rpartition(".")[0] for p in reshaped}  # (a head's bias, not a rename)
+                near = [m for m in missing if m.rpartition(".")[0] in subs
+                        and _excludable(target, m)] if len(missing) <= 50 else []
                 names = _condensed(target, reshaped + near, saved)
                 parts.append("to load the rest and keep the target's own values there, pass "
                              + (f"exclude={names!r}" if len(names) <= 8 else
@@ -1300,6 +1302,8 @@ def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
     """Where every unexpected key lies in a part of the state the target has not at all
     (``{"model": model}`` of a checkpoint of model and optimizer): the exclude= that leaves
     those parts out, keeping the rest strict; "" otherwise."""
+    if target.skeleton.get("t") != "dict":  # (a module as the whole state: its own keys)
+        return ""
     tops = list(dict.fromkeys(p.split("/", 1)[0] for p in unexpected))
     if "" in tops or any(_node_at(target.skeleton, t) is not None for t in tops):
         return ""
@@ -1316,14 +1320,26 @@ def _moved(reshaped: list[str], missing: list[str],
     target has and the checkpoint lacks, with the same last name (``4.weight`` and
     ``6.weight``): what a layer inserted before them does to a Sequential's indices.
     Each pairs with the first that fits; {} unless every one pairs."""
+    def by_sub(paths: list[str]) -> dict[str, dict[str, str]]:
+        groups: dict[str, dict[str, str]] = {}
+        for p in paths:
+            sub, _, name = p.rpartition(".")
+            groups.setdefault(sub, {})[name] = p
+        return groups
+
+    # (a submodule's tensors go together, to one submodule that wants all of them: a
+    # review's weight and bias went to two layers)
     out: dict[str, str] = {}
-    for p in reshaped:
-        name = p.rpartition(".")[2]
-        q = next((m for m in missing if m not in out.values() and m.rpartition(".")[2] == name
-                  and fits(p, m)), None)
-        if q is None:
+    wanted = by_sub(missing)
+    taken: set[str] = set()
+    for sub, names in by_sub(reshaped).items():
+        to = next((t for t, have in wanted.items() if t not in taken and t != sub
+                   and set(names) <= set(have) and all(fits(p, have[n]) for n, p in names.items())),
+                  None)
+        if to is None:
             return {}
-        out[p] = q
+        taken.add(to)
+        out.update({p: wanted[to][n] for n, p in names.items()})
     return out
 
 
@@ -1336,20 +1352,25 @@ def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -
     the pretrained weights went unloaded, silently.)"""
     wanted = set(paths)
     ordered: list[str] | None = None  # (the keys of both sides, sorted: one range a prefix)
+    whole: dict[str, bool] = {}  # sub -> all its keys are in paths (worked out once each)
     out: dict[str, None] = {}
     for p in paths:
         parent, _, last = p.rpartition("/")
         obj = target.statefuls.get(parent, (None, None))[0]
         if isinstance(obj, torch.nn.Module) and "." in last:
             sub = join_path(parent, last.rsplit(".", 1)[0]) if parent else last.rsplit(".", 1)[0]
-            if ordered is None:
-                ordered = sorted({*target.refs, *saved})
-            i = bisect.bisect_left(ordered, f"{sub}.")
-            while i < len(ordered) and ordered[i].startswith(f"{sub}."):
-                if ordered[i] not in wanted:
-                    break
-                i += 1
-            else:
+            if sub not in whole:
+                if ordered is None:
+                    ordered = sorted({*target.refs, *saved})
+                i = bisect.bisect_left(ordered, f"{sub}.")
+                all_in = True
+                while i < len(ordered) and ordered[i].startswith(f"{sub}."):
+                    if ordered[i] not in wanted:
+                        all_in = False
+                        break
+                    i += 1
+                whole[sub] = all_in
+            if whole[sub]:
                 p = sub
         out.setdefault(p, None)
     return list(out)
@@ -1836,7 +1857,10 @@ def _settings_lacking(groups: dict[str, Any], obj: Any) -> list[str]:
     """The settings the optimizer ``obj`` has in its groups that some saved group (of the
     skeleton node ``groups``) lacks: torch's load_state_dict replaces the groups with the
     saved ones (keeping only ``params``), so the optimizer would step without them."""
-    have = {k for g in obj.param_groups for k in g if k != "params"}
+    # (torch keeps the target's own param_names where the saved groups lack them, and an
+    # LR scheduler's initial_lr is the scheduler's, set again as it is made: no refusal)
+    have = {k for g in obj.param_groups for k in g
+            if k not in ("params", "param_names", "initial_lr")}
     lacks: list[str] = []
     saved: list[set[str]] = []
     for g in groups["items"]:
@@ -2256,12 +2280,18 @@ def _mapping_hint(missing: list[str], unexpected: list[str],
     pairs: dict[str, str] = {}
     for u in unexpected:
         name = u.rpartition(".")[2]
-        best = max((m for m in missing if m not in pairs.values()
-                    and m.rpartition(".")[2] == name and fits(u, m)),
-                   key=lambda m: ends(u, m), default=None)
-        if best is None:
+        ranked = sorted(((ends(u, m), m) for m in missing if m.rpartition(".")[2] == name
+                         and fits(u, m)), reverse=True)
+        if not ranked or (len(ranked) > 1 and ranked[0][0] == ranked[1][0]):
+            return ""  # (none, or two alike: a guess, which a full map would hide)
+        pairs[u] = ranked[0][1]
+    if len(set(pairs.values())) != len(pairs):
+        return ""
+    for u, m in pairs.items():  # (and the other way: no saved key fits m as well as u)
+        rival = [v for v in unexpected if v != u and v.rpartition(".")[2] == m.rpartition(
+            ".")[2] and fits(v, m) and ends(v, m) >= ends(u, m)]
+        if rival:
             return ""
-        pairs[u] = best
     rules = set()
     for u, m in pairs.items():
         suf = ends(u, m)[0]

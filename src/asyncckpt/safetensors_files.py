@@ -16,6 +16,7 @@ These files carry no checksums, so nothing can be verified beyond their structur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -123,8 +124,16 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     parts = check_exclude(exclude)
     path = Path(source)
     where, names, index = files_of(path)
-    manifest = describe(where, names, key_map, index)
+    aliases: list[str] = []
+    manifest = describe(where, names, key_map, index, aliases)
     state, shards, finish = excluded_view(state, parts, shards)
+    if aliases and state is not None:
+        # A name the file stands for but does not hold is the target's to want, not the
+        # file's to push on it: a base model without the tied head loads it strictly.
+        wanted = flatten(state, target=True, exclude=parts).refs
+        gone = tuple(a for a in aliases if a not in wanted)
+        if gone:
+            manifest = _without_paths(manifest, gone)
     if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
         # A name is text: where the target's dict has int keys (an optimizer's state),
         # "0" names key 0 (asyncckpt's export writes it so)
@@ -261,7 +270,8 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
-             index: Mapping[str, str] | None = None) -> Manifest:
+             index: Mapping[str, str] | None = None,
+             aliases: list[str] | None = None) -> Manifest:
     """A manifest of one step for the safetensors files ``names`` in ``where``: each tensor
     one whole chunk, without checksums (load it with ``verify=False``). ``index``: the
     weight map the files must agree with (every tensor it names in the file it names)."""
@@ -307,8 +317,10 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             continue
         with contextlib.suppress(CheckpointConfigError):  # (a name in the way: not tied)
             _place(root, apath, alias, key="/".join(escape_key(p) for p in npath.split("/")))
+            if aliases is not None:
+                aliases.append(apath)
     if isinstance(key_map, Mapping):  # (a typo renames nothing: say so, as load does)
-        had = {n for _, n in found.values()} | {n for _, n in dropped}
+        had = {n for _, n in found.values()} | {n for _, n in dropped} | set(tied)
         unmatched = [k for k in key_map if k not in had]
         if unmatched:
             log.warning("key_map: %s no tensor named %s: %s renamed nothing",
@@ -447,6 +459,18 @@ def _mapped(name: str, key_map: KeyMap | None) -> str | None:
     return name if key_map is None else mapped_name(name, key_map)
 
 
+def _without_paths(manifest: Manifest, paths: tuple[str, ...]) -> Manifest:
+    """``manifest`` without the tensor nodes at ``paths`` (of names only the metadata
+    gave: their tensors stay under the names the files hold)."""
+    def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
+        if node["t"] != "dict":
+            return node
+        return {**node, "items": [[k, prune(c, f"{path}/{k}" if path else k)]
+                                  for k, c in node["items"]
+                                  if (f"{path}/{k}" if path else k) not in paths]}
+    return dataclasses.replace(manifest, skeleton=prune(manifest.skeleton, ""))
+
+
 def _tied_names(meta: Any) -> dict[str, str]:
     """The aliases a file's metadata names (``asyncckpt_tied``: JSON of alias -> name
     written); {} where it names none, or not as asyncckpt writes it."""
@@ -455,11 +479,12 @@ def _tied_names(meta: Any) -> dict[str, str]:
         return {}
     try:
         got = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # (deeply nested: no metadata asyncckpt writes)
         return {}
     if not isinstance(got, dict):
         return {}
-    return {a: n for a, n in got.items() if isinstance(a, str) and isinstance(n, str)}
+    return {a: n for a, n in got.items() if isinstance(a, str) and isinstance(n, str)
+            and all(a.split("/")) and all(n.split("/"))}  # (no empty name, nor part)
 
 
 def _place(root: dict[str, Any], path: str, name: str, key: str | None = None) -> str:

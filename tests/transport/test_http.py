@@ -1300,6 +1300,21 @@ def test_a_send_checkpoint_that_failed_is_refused_at_once(
     go_on.set()
     sending.result(10)
     assert_state(fetching.result(20), state)  # offered again: served
+    # a request for the step on offer, after a failed send, waits for another send that
+    # is laying out its state, not refused with the failure (third review)
+    srv.disallow_checkpoint()
+    with pytest.raises(UnsupportedLeafError):
+        srv.send_checkpoint([1], 8, {"bad": object()}, 10.0)
+    laying_out, go_on = _held_layout(monkeypatch)
+    state = state_of(9)
+    sending = Background(srv.send_checkpoint, [1], 9, state, 10.0)
+    assert laying_out.wait(10)
+    current = Background(asyncckpt.load, srv.address(), token=TOKEN, timeout=20.0)
+    time.sleep(0.5)
+    assert current.ended is None, current.error  # waiting, not refused with step 8's error
+    go_on.set()
+    sending.result(10)
+    assert_state(current.result(20), state)
 
 
 def test_a_transfer_in_progress_holds_off_the_next_save(tmp_path: Path, transports: Any) -> None:

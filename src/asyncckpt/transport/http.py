@@ -234,6 +234,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         # (step, why): the last send_checkpoint failed at the sender; requests for that
         # step are refused at once instead of waiting for an offer that will not come
         self._failed: tuple[int, str] | None = None
+        self._sending = 0  # send_checkpoint calls laying out a state now
         self._closed = False  # shutdown() has begun: requests and offers are refused
         self._mixed = False  # offers of two origins met (warned of once)
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
@@ -325,10 +326,13 @@ class HTTPTransport(CheckpointTransport[Any]):
             since = (self._disallows, self._withdrawals)
             if self._failed is not None and self._failed[0] == step:
                 self._failed = None  # (sent again: its requests wait for this offer)
+            self._sending += 1  # (requests for the step on offer wait for this one)
         try:
             served = serve_state(step, state_dict, block_bytes=self.block_bytes,
                                  library_version=__version__)
         except Exception as exc:
+            with self._cond:
+                self._sending -= 1
             # (a leaf that cannot be served, a state_dict() that raised) The receivers
             # of this step would wait out their timeout for it: tell them now.
             with contextlib.suppress(CheckpointError, TypeError, ValueError):
@@ -341,7 +345,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         # A disallow_checkpoint() (or withdraw()) from another thread while the state was
         # laid out returned at once: its caller may be changing the tensors now. The offer
         # is made as if it had come first: not allowed (or, withdrawn, not made at all).
-        self.serve(served, _since=since)
+        try:
+            self.serve(served, _since=since)
+        finally:
+            with self._cond:
+                self._sending -= 1
 
     def serve_directory(self, step_dir: str | Path) -> int:
         """Serve a committed checkpoint from disk; returns its step."""
@@ -521,9 +529,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._check_open("serving a request")
             if self._retired is not None:
                 raise _Retired(self._retired)
-            if self._failed is not None and (step is None or self._failed[0] == step):
-                # (a request for "the step on offer" too: it waited out its whole timeout
-                # for an offer that had failed, told nothing of why; a docs trial)
+            if self._failed is not None and (self._failed[0] == step or (
+                    step is None and not self._sending)):
+                # (a request for "the step on offer" too, unless another send is laying
+                # out its state: it waited out its whole timeout for an offer that had
+                # failed, told nothing of why; a docs trial)
                 raise _Retired(self._failed[1])
             left = deadline - time.monotonic()
             if left <= 0:
