@@ -759,7 +759,13 @@ def selected_for(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str,
     more = [p for p in dropped if p not in target.excluded]
     if more:  # (the checkpoint's module named them: the target's plain dict leaves them out)
         gone = tuple(more)
-        for path in [p for p in target.refs if is_excluded(p, gone)]:
+        named = set(more)  # (a path goes when it, or a dict above it, is named: set lookups)
+
+        def goes(p: str) -> bool:
+            parts = p.split("/")
+            return any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1))
+
+        for path in [p for p in target.refs if goes(p)]:
             del target.refs[path]
         target.skeleton = pruned(target.skeleton, gone, "the target", dotted=False)
         target.excluded += more
@@ -896,10 +902,10 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
         # (a typo, "model/head.weight " or a path without its "model/", renames nothing)
         unmatched = [k for k in key_map if k not in seen]
         if unmatched:
-            _say("key_map: the checkpoint of step %d has no tensor at %s (tensor "
-                        "paths: dict keys joined by '/'): %s renamed nothing",
-                        manifest.step, few([repr(k) for k in unmatched], 5),
-                        "that entry" if len(unmatched) == 1 else "those entries")
+            _say("key_map: the checkpoint of step %d has no tensor at %s (tensor paths: "
+                 "dict keys joined by '/'): %s renamed nothing",
+                 manifest.step, few([repr(k) for k in unmatched], 5),
+                 "that entry" if len(unmatched) == 1 else "those entries")
     if not moves:
         return manifest
     into: dict[str, str] = {}
@@ -1192,10 +1198,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 "load_state_dict takes the saved state whole; ignore_unexpected=True or "
                 "strict=False would leave the saved state unread)")
     elif stateless:
-        _say("loading %s: the saved optimizer state under %s is not loaded: the "
-                    "target there is an optimizer's state_dict() with no state yet (a copy "
-                    "of a fresh optimizer's); pass the optimizer itself to restore it",
-                    step_dir, few([repr(p or "<root>") for p in stateless], 3))
+        _say("loading %s: the saved optimizer state under %s is not loaded: the target "
+             "there is an optimizer's state_dict() with no state yet (a copy of a fresh "
+             "optimizer's); pass the optimizer itself to restore it",
+             step_dir, few([repr(p or "<root>") for p in stateless], 3))
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
@@ -1319,7 +1325,8 @@ def _moved(reshaped: list[str], missing: list[str],
     """Saved tensors of another shape than the target's at their path that fit a path the
     target has and the checkpoint lacks, with the same last name (``4.weight`` and
     ``6.weight``): what a layer inserted before them does to a Sequential's indices.
-    Each pairs with the first that fits; {} unless every one pairs."""
+    A saved submodule's tensors go together, to the first target submodule that wants
+    them all and they fit; {} unless every one goes somewhere."""
     def by_sub(paths: list[str]) -> dict[str, dict[str, str]]:
         groups: dict[str, dict[str, str]] = {}
         for p in paths:
