@@ -1854,10 +1854,10 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None
     cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
     if isinstance(cls, str) and cls != type(obj).__qualname__:
         _say("loading the LR scheduler state at %r saved by %s into a %s: torch's "
-                    "load_state_dict sets %s's attributes on it as they are; %s",
-                    path or "<root>", cls, type(obj).__qualname__, cls,
-                    f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
-                    if path else "load it into a " + cls)
+             "load_state_dict sets %s's attributes on it as they are; %s",
+             path or "<root>", cls, type(obj).__qualname__, cls,
+             f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
+             if path else "load it into a " + cls)
 
 
 def _settings_lacking(groups: dict[str, Any], obj: Any) -> list[str]:
