@@ -191,8 +191,8 @@ class StepMetrics:
             return
         step_dir = root / step_dir_name(step)
         try:
-            sizes = {e.name: e.stat().st_size for e in os.scandir(step_dir)
-                     if e.name != MANIFEST_NAME and e.is_file(follow_symlinks=False)}
+            sizes = {e.name: e.stat().st_size for e in os.scandir(step_dir)  # (the shards)
+                     if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False)}
         except OSError:
             return
         self._remember(step, _identity(root, step, storage), sizes)
