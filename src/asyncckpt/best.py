@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .commit import step_dir_name, still_there
+from .commit import files_amiss, step_dir_name, still_there
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .manifest import MANIFEST_NAME
 from .reader import read_manifest_summary
@@ -228,14 +228,7 @@ class StepMetrics:
                 return still_there(root, step_dir_name(step), storage)  # (gone: no verdict)
             sizes = {n: f.bytes for n, f in summary.files.items()}
             self._remember(step, ident, sizes)
-        step_dir = root / step_dir_name(step)
-        for name, size in sizes.items():
-            try:
-                if os.stat(step_dir / name).st_size != size:
-                    return True
-            except OSError:
-                return True
-        return False
+        return bool(files_amiss(root / step_dir_name(step), sizes))
 
     def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
         ident = _identity(root, step, storage)
@@ -274,6 +267,7 @@ class StepMetrics:
         with self._lock:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
+        self.keep_files(steps)
         return out
 
 

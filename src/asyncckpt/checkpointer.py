@@ -78,7 +78,7 @@ from .manifest import (
     shard_file_name,
 )
 from .plan import WritePlan, layout_signature, plain_memory, plan_writes
-from .reader import read_manifest, read_manifest_summary, tensor_bytes
+from .reader import read_manifest, tensor_bytes
 from .reports import Reports
 from .staging import (
     HostArena,
@@ -819,19 +819,12 @@ class AsyncCheckpointer:
             del scores[best[0]]
         return None
 
-    def _amiss(self, step: int) -> list[str]:
-        """What is known amiss with committed ``step`` without reading its tensors: its
-        damaged.json, or (on the local filesystem) files missing or not of their sizes."""
-        if commit.damaged_marks(self.directory, [step], self.storage):
-            return ["marked damaged"]
-        if not isinstance(self.storage, LocalStorage):
-            return []
-        step_dir = self.directory / commit.step_dir_name(step)
-        try:
-            files = read_manifest_summary(step_dir, self.storage).files
-        except CheckpointError as exc:
-            return [str(exc)]
-        return commit.files_amiss(step_dir, files)
+    def _amiss(self, step: int) -> bool:
+        """Whether something is known amiss with committed ``step`` without reading its
+        tensors: its damaged.json, or (on the local filesystem) files missing or not of
+        their sizes, or a manifest that cannot be read (as retention sees it)."""
+        return bool(commit.damaged_marks(self.directory, [step], self.storage)) or (
+            self._metrics.amiss(self.directory, self.storage, step))
 
     def discard_steps_after(self, step: int) -> list[int]:
         """Delete every committed step newer than ``step``, for a rollback: after

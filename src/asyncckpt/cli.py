@@ -446,7 +446,8 @@ def _unreadable_row(step: int | None, path: Path, error: str,
 def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
     """What ls and inspect say is amiss with a step, a stat per file and no byte read: its
     manifest's ``files`` missing or not of their sizes, and its damaged.json."""
-    return commit.files_amiss(step_dir, files) + _marked(step_dir, storage)
+    return (commit.files_amiss(step_dir, {n: f.bytes for n, f in files.items()})
+            + _marked(step_dir, storage))
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from .errors import (
     CheckpointConfigError,
@@ -214,13 +214,13 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     return False
 
 
-def files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
-    """The manifest's ``files`` (name -> entry with ``bytes``) that are missing or not of
-    its size, in words, one stat each (what a load of the step would refuse first;
-    ``verify`` checks every byte): what ``ls`` shows DAMAGED and ``best_step()`` passes
-    over."""
+def files_amiss(step_dir: Path, sizes: Mapping[str, int]) -> list[str]:
+    """The files (name -> size, as the manifest has them) that are missing or not of
+    their sizes, in words, one stat each (what a load of the step would refuse first;
+    ``verify`` checks every byte): what ``ls`` shows DAMAGED, and ``best_step()`` and
+    retention pass over."""
     amiss = []
-    for name, f in files.items():
+    for name, want in sizes.items():
         try:
             size = os.stat(step_dir / name).st_size
         except FileNotFoundError:
@@ -229,8 +229,8 @@ def files_amiss(step_dir: Path, files: Mapping[str, Any]) -> list[str]:
         except OSError as exc:
             amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
             continue
-        if size != f.bytes:
-            amiss.append(f"{name} is {size} bytes, not {f.bytes}")
+        if size != want:
+            amiss.append(f"{name} is {size} bytes, not {want}")
     return amiss
 
 
