@@ -16,7 +16,6 @@ These files carry no checksums, so nothing can be verified beyond their structur
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from .loader import (
     excluded_view,
     load_from,
     mapped_name,
+    without_excluded,
 )
 from .manifest import (
     _ST_DTYPES,
@@ -127,17 +127,18 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     aliases: list[str] = []
     manifest = describe(where, names, key_map, index, aliases)
     state, shards, finish = excluded_view(state, parts, shards)
-    if aliases and state is not None:
+    digits = any(k.isdigit() for k in _dict_keys(manifest.skeleton))
+    if state is not None and (aliases or digits):
+        target = flatten(state, target=True, exclude=parts)
         # A name the file stands for but does not hold is the target's to want, not the
         # file's to push on it: a base model without the tied head loads it strictly.
-        wanted = flatten(state, target=True, exclude=parts).refs
-        gone = tuple(a for a in aliases if a not in wanted)
+        gone = tuple(a for a in aliases if a not in target.refs)
         if gone:
-            manifest = _without_paths(manifest, gone)
-    if state is not None and any(k.isdigit() for k in _dict_keys(manifest.skeleton)):
-        # A name is text: where the target's dict has int keys (an optimizer's state),
-        # "0" names key 0 (asyncckpt's export writes it so)
-        _typed_like(manifest.skeleton, flatten(state, target=True, exclude=parts).skeleton)
+            manifest = without_excluded(manifest, gone)
+        if digits:
+            # A name is text: where the target's dict has int keys (an optimizer's
+            # state), "0" names key 0 (asyncckpt's export writes it so)
+            _typed_like(manifest.skeleton, target.skeleton)
     out = load_from(where, state, LocalStorage(), strict=strict,
                     ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
                     threads=threads, manifest=manifest, progress=progress, exclude=parts,
@@ -317,8 +318,8 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             continue
         with contextlib.suppress(CheckpointConfigError):  # (a name in the way: not tied)
             _place(root, apath, alias, key="/".join(escape_key(p) for p in npath.split("/")))
-            if aliases is not None:
-                aliases.append(apath)
+            if aliases is not None:  # (its path as a load names paths: keys escaped)
+                aliases.append("/".join(escape_key(p) for p in apath.split("/")))
     if isinstance(key_map, Mapping):  # (a typo renames nothing: say so, as load does)
         had = {n for _, n in found.values()} | {n for _, n in dropped} | set(tied)
         unmatched = [k for k in key_map if k not in had]
@@ -457,18 +458,6 @@ def _tensor_info(path: Path, name: str, info: Any, body: int
 
 def _mapped(name: str, key_map: KeyMap | None) -> str | None:
     return name if key_map is None else mapped_name(name, key_map)
-
-
-def _without_paths(manifest: Manifest, paths: tuple[str, ...]) -> Manifest:
-    """``manifest`` without the tensor nodes at ``paths`` (of names only the metadata
-    gave: their tensors stay under the names the files hold)."""
-    def prune(node: dict[str, Any], path: str) -> dict[str, Any]:
-        if node["t"] != "dict":
-            return node
-        return {**node, "items": [[k, prune(c, f"{path}/{k}" if path else k)]
-                                  for k, c in node["items"]
-                                  if (f"{path}/{k}" if path else k) not in paths]}
-    return dataclasses.replace(manifest, skeleton=prune(manifest.skeleton, ""))
 
 
 def _tied_names(meta: Any) -> dict[str, str]:
