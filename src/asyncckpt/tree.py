@@ -295,10 +295,10 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
     raise UnsupportedLeafError(
         f"cannot checkpoint the value at {where!r}: type {t.__module__}.{t.__qualname__} is not a "
         "tensor, numpy array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
-        "state_dict()/load_state_dict()" + _generator_hint(obj))
+        "state_dict()/load_state_dict()" + _leaf_hint(obj))
 
 
-def _generator_hint(obj: Any) -> str:
+def _leaf_hint(obj: Any) -> str:
     """How to save a random generator, which has no state_dict(), or a dataclass (a
     run's config)."""
     import dataclasses
@@ -537,15 +537,15 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 
 
-@functools.cache
 def _refused_dtypes() -> frozenset[torch.dtype]:
-    """Every torch dtype without a stable byte layout (see _is_bits)."""
+    """Every torch dtype without a stable byte layout (see _is_bits); made once, as
+    _REFUSED_DTYPES (below _is_bits: looked up for every tensor saved)."""
     return frozenset(d for d in vars(torch).values()
                      if isinstance(d, torch.dtype) and _is_bits(dtype_name(d)))
 
 
 def _refused_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _refused_dtypes()
+    return dtype in _REFUSED_DTYPES
 
 
 def _check_unusual_tensor(t: torch.Tensor, path: str, what: str = "tensor") -> None:
@@ -1003,4 +1003,4 @@ class RNGState:
         _set_rng_state(_checked_rng_state(ranks[rank], f"ranks/{rank}/"))
 
 
-_REFUSED_DTYPES = _refused_dtypes()  # (a global: looked up for every tensor saved)
+_REFUSED_DTYPES = _refused_dtypes()
