@@ -1921,7 +1921,8 @@ def test_a_key_map_entry_that_names_no_saved_tensor_is_warned_of(
     assert "step 2 has no tensor" in caplog.text
 
 
-def test_exclude_of_a_key_leaves_its_dotted_siblings_alone(tmp_path: Path) -> None:
+def test_exclude_of_a_key_leaves_its_dotted_siblings_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """(review) The "." rule (a module's submodule keys) applies where the dict has no key
     of that name: exclude=["model"] beside a "model.ema" left both out, silently."""
     asyncckpt.save({"model": torch.ones(2), "model.ema": torch.full((2,), 5.0),
@@ -1931,6 +1932,12 @@ def test_exclude_of_a_key_leaves_its_dotted_siblings_alone(tmp_path: Path) -> No
     assert torch.equal(target["model"], torch.zeros(2))
     assert torch.equal(target["model.ema"], torch.full((2,), 5.0)) and target["cfg"]["lr"] == 1
     assert sorted(asyncckpt.load(tmp_path, exclude=["model"])) == ["cfg", "model.ema"]
+    # a checkpoint whose plain dict holds "model.ema" alone holds nothing at "model": the
+    # warning says so, by the rule that leaves parts out (it took "model." for a prefix)
+    asyncckpt.save({"model.ema": torch.ones(2)}, tmp_path / "ema", step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path / "ema", {"model.ema": torch.zeros(2)}, exclude=["model"])
+    assert "holds nothing at model" in caplog.text
     # (second review) a target without "model": the same part is left out of both sides
     for how in ({}, {"ignore_unexpected": True}):
         ema = {"model.ema": torch.zeros(2), "cfg": {"lr": 0}}

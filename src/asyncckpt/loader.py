@@ -1005,17 +1005,21 @@ def _int_text(text: str) -> bool:
 
 
 def _names_a_part(skeleton: dict[str, Any], path: str) -> bool:
+    """Whether exclude=[path] leaves anything of ``skeleton`` out, by pruned's rule
+    (excluded_here: a submodule's dotted keys in a module's state only)."""
     node: dict[str, Any] | None = skeleton
     segs = path.split("/")
     for i, seg in enumerate(segs):
-        if node is not None and node["t"] == "stateful":
-            node = node["state"]
+        module = node is not None and node["t"] == "stateful"
+        if module:
+            node = node["state"]  # type: ignore[index]
         if node is None or node["t"] != "dict":
             return False
         names = [(escape_key(k), c) for k, c in node["items"]]
+        if i == len(segs) - 1:
+            return bool(excluded_here("/".join(segs[:i]), (n for n, _ in names), (path,),
+                                      module))
         node = next((c for name, c in names if name == seg), None)
-        if node is None and i == len(segs) - 1:  # (a submodule: "head" of "head.weight")
-            return any(name.startswith(f"{seg}.") for name, _ in names)
     return node is not None
 
 
