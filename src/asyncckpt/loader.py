@@ -759,13 +759,8 @@ def selected_for(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str,
     more = [p for p in dropped if p not in target.excluded]
     if more:  # (the checkpoint's module named them: the target's plain dict leaves them out)
         gone = tuple(more)
-        named = set(more)  # (a path goes when it, or a dict above it, is named: set lookups)
-
-        def goes(p: str) -> bool:
-            parts = p.split("/")
-            return any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1))
-
-        for path in [p for p in target.refs if goes(p)]:
+        named = set(more)
+        for path in [p for p in target.refs if _under(p, named)]:
             del target.refs[path]
         target.skeleton = pruned(target.skeleton, gone, "the target", dotted=False)
         target.excluded += more
@@ -846,7 +841,15 @@ def _without_excluded_shards(shards: Mapping[str, ShardMetadata] | None,
     a module: ``exclude=["model/head"]`` and a shard of ``model/head.weight``)."""
     if not shards or not target.excluded:
         return shards
-    return {p: m for p, m in shards.items() if not is_excluded(p, tuple(target.excluded))}
+    named = set(target.excluded)
+    return {p: m for p, m in shards.items() if not _under(p, named)}
+
+
+def _under(path: str, named: set[str]) -> bool:
+    """``is_excluded`` for many concrete paths: ``path`` or a dict above it is one of
+    ``named`` (set lookups, not a scan of them per path)."""
+    parts = path.split("/")
+    return any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1))
 
 
 # --- key_map=: saved tensors renamed before they are matched --------------------------------
