@@ -328,28 +328,27 @@ class HTTPTransport(CheckpointTransport[Any]):
                 self._failed = None  # (sent again: its requests wait for this offer)
             self._sending += 1  # (requests for the step on offer wait for this one)
         try:
-            served = serve_state(step, state_dict, block_bytes=self.block_bytes,
-                                 library_version=__version__)
-        except Exception as exc:
-            with self._cond:
-                self._sending -= 1
-            # (a leaf that cannot be served, a state_dict() that raised) The receivers
-            # of this step would wait out their timeout for it: tell them now.
-            with contextlib.suppress(CheckpointError, TypeError, ValueError):
-                failed = (as_step(step), f"its send_checkpoint failed at the sender "
-                                         f"({type(exc).__name__}: {exc})")
-                with self._cond:
-                    self._failed = failed
-                    self._cond.notify_all()
-            raise
-        # A disallow_checkpoint() (or withdraw()) from another thread while the state was
-        # laid out returned at once: its caller may be changing the tensors now. The offer
-        # is made as if it had come first: not allowed (or, withdrawn, not made at all).
-        try:
+            try:
+                served = serve_state(step, state_dict, block_bytes=self.block_bytes,
+                                     library_version=__version__)
+            except Exception as exc:
+                # (a leaf that cannot be served, a state_dict() that raised) The receivers
+                # of this step would wait out their timeout for it: tell them now.
+                with contextlib.suppress(CheckpointError, TypeError, ValueError):
+                    failed = (as_step(step), f"its send_checkpoint failed at the sender "
+                                             f"({type(exc).__name__}: {exc})")
+                    with self._cond:
+                        self._failed = failed
+                raise
+            # A disallow_checkpoint() (or withdraw()) from another thread while the state
+            # was laid out returned at once: its caller may be changing the tensors now.
+            # The offer is made as if it had come first: not allowed (or, withdrawn, not
+            # made at all).
             self.serve(served, _since=since)
         finally:
             with self._cond:
                 self._sending -= 1
+                self._cond.notify_all()  # (a failure, or the send's end: waiters look again)
 
     def serve_directory(self, step_dir: str | Path) -> int:
         """Serve a committed checkpoint from disk; returns its step."""
