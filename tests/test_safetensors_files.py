@@ -394,3 +394,59 @@ def test_numpy_targets_are_never_cast_and_are_told_so(tmp_path: Path) -> None:
         asyncckpt.load_safetensors(tmp_path / "f.safetensors", {"a": np.zeros(3, np.float32)})
     # (a trial was shown its array's dtype as torch.float32)
     assert "a: checkpoint torch.float16 [3], target numpy float32 [3]" in str(info.value)
+
+
+def _bn_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                               torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+
+
+def test_weights_without_batch_norm_counters_load_as_load_state_dict_takes_them(
+        tmp_path: Path) -> None:
+    # published weights (and those saved before torch had the counter) often lack
+    # num_batches_tracked; torch's load_state_dict keeps the module's counter for it
+    src = _bn_net()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.5)
+    weights = {k: v for k, v in src.state_dict().items()
+               if not k.endswith("num_batches_tracked")}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    expected = _bn_net()
+    expected.load_state_dict(load_file(str(tmp_path / "w.safetensors")))
+    target = _bn_net()
+    target[1].num_batches_tracked.fill_(7)
+    asyncckpt.load_safetensors(tmp_path / "w.safetensors", target)
+    for k, v in expected.state_dict().items():
+        if k == "1.num_batches_tracked":
+            assert int(target.state_dict()[k]) == 7  # kept, as torch keeps it
+        else:
+            assert torch.equal(target.state_dict()[k], v), k
+    # the same in a checkpoint of the weights alone, into a model in a tree
+    asyncckpt.save({"model": weights}, tmp_path / "ck")
+    fresh = _bn_net()
+    asyncckpt.load(tmp_path / "ck", {"model": fresh})
+    assert torch.equal(fresh[0].weight, src[0].weight)
+    assert torch.equal(fresh[2][0].bias, src[2][0].bias)
+
+
+def test_only_batch_norm_counters_are_let_go_missing(tmp_path: Path) -> None:
+    # a missing weight, or a missing tensor that is named like a counter but held by
+    # another kind of module, is still refused
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("num_batches_tracked", torch.tensor(0))
+
+    net = torch.nn.Sequential(_bn_net(), Counting())
+    weights = {k: v for k, v in net.state_dict().items()
+               if not k.endswith("num_batches_tracked")}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    with pytest.raises(StateMismatchError) as err:
+        asyncckpt.load_safetensors(tmp_path / "w.safetensors", net)
+    assert err.value.missing == ["1.num_batches_tracked"]
+    del weights["0.1.weight"]
+    save_file(weights, str(tmp_path / "w2.safetensors"))
+    with pytest.raises(StateMismatchError) as err:
+        asyncckpt.load_safetensors(tmp_path / "w2.safetensors", net)
+    assert sorted(err.value.missing) == ["0.1.weight", "1.num_batches_tracked"]

@@ -1096,6 +1096,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             log.info("loading %s: %s get their values through the tensors they are tied to",
                      step_dir, few(tied))
             missing = [p for p in missing if target.refs[p] not in filled]
+    if missing:
+        missing = _without_untracked_counts(target, missing, step_dir)
     unexpected = [p for p in saved if p not in target.refs and not passes_through(p)]
     mismatched: list[str] = []
     told: set[str] = set()  # the paths of the mismatches told (each is told once)
@@ -2003,6 +2005,36 @@ def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
 
 
 _SEQUENCES = ("list", "tuple")
+
+
+def _without_untracked_counts(target: FlatState, missing: list[str],
+                              step_dir: Path) -> list[str]:
+    """``missing`` less the ``num_batches_tracked`` counters of batch-norm layers, which
+    keep their value, as ``load_state_dict`` keeps it: weights saved before the counter
+    existed, or by tools that drop it (many published files), lack it."""
+    kept: list[str] = []
+    for p in missing:
+        if p.endswith("num_batches_tracked"):
+            holders = [s for s, (obj, _) in target.statefuls.items()
+                       if isinstance(obj, torch.nn.Module) and _within(p, s)]
+            if holders:
+                s = max(holders, key=len)
+                name = p[len(s) + 1:] if s else p
+                sub, _, leaf = name.rpartition(".")
+                try:
+                    mod = target.statefuls[s][0].get_submodule(sub)
+                except AttributeError:
+                    mod = None
+                if leaf == "num_batches_tracked" and isinstance(
+                        mod, torch.nn.modules.batchnorm._NormBase):
+                    kept.append(p)
+                    continue
+    if not kept:
+        return missing
+    log.info("loading %s: %s keep their values (batch-norm counters the checkpoint does "
+             "not hold, as load_state_dict keeps them)", step_dir, few(kept))
+    held = set(kept)
+    return [p for p in missing if p not in held]
 
 
 def _within(path: str, subtree: str) -> bool:
