@@ -12,12 +12,14 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import operator
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ from .errors import (
     retold,
 )
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry
-from .reader import copy_into, load_tensors, narrow_to_box, read_manifest
+from .reader import copy_into, load_tensors, narrow_to_box, out_of_range, read_manifest
 from .storage import LocalStorage, ReadStorage
 from .tree import (
     ARRAY_NODES,
@@ -1271,8 +1273,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             elif other_dtype:
                 parts.append("to load into tensors of another floating (integer, complex) "
                              "dtype, pass cast=True" if casts is None else
-                             "to load into tensors of another kind of dtype, load with "
-                             "state=None and convert")
+                             "to load into tensors of another kind of dtype (or of one "
+                             "torch cannot cast into, such as float4), load with state=None "
+                             "and convert")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
             parts.append(f"read-only numpy arrays: {few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")
@@ -1585,12 +1588,31 @@ _OVERLAP_EXACT = 1 << 22
 def castable(saved: torch.dtype, target: torch.dtype) -> bool:
     """Whether ``cast=True`` loads a tensor saved as ``saved`` into one of dtype ``target``:
     floating into floating (bf16 weights into fp32 master weights), integer into integer,
-    complex into complex; never between kinds (a bool tensor, an int into a float)."""
+    complex into complex; never between kinds (a bool tensor, an int into a float), nor
+    where this torch cannot copy one into the other (float4, which it only holds)."""
     if saved.is_floating_point or target.is_floating_point:
-        return saved.is_floating_point and target.is_floating_point
-    if saved.is_complex or target.is_complex:
-        return saved.is_complex and target.is_complex
-    return torch.bool not in (saved, target)
+        kin = saved.is_floating_point and target.is_floating_point
+    elif saved.is_complex or target.is_complex:
+        kin = saved.is_complex and target.is_complex
+    else:
+        kin = torch.bool not in (saved, target)
+    return kin and _torch_casts(saved, target)
+
+
+@functools.cache
+def _torch_casts(saved: torch.dtype, target: torch.dtype) -> bool:
+    """Whether this torch copies one element of ``saved`` into ``target`` and tells what
+    it put out of range (a cast it cannot do raises mid-load, the load half done)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (complex32: "experimental")
+            src = torch.zeros(1, dtype=torch.uint8).view(saved) if saved.itemsize == 1 \
+                else torch.zeros(1, dtype=saved)
+            torch.empty(1, dtype=target).copy_(src)
+            out_of_range(src, target)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _sharing_memory(dests: Mapping[str, list[torch.Tensor]],

@@ -197,10 +197,25 @@ def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
             return 0
         return int((src.abs() > top).logical_and_(src.isfinite()).sum())
     if not any(floats):
-        lo, hi = torch.iinfo(dtype).min, torch.iinfo(dtype).max
-        if torch.iinfo(src.dtype).min >= lo and torch.iinfo(src.dtype).max <= hi:
-            return 0
-        return int(((src < lo) | (src > hi)).sum())
+        have, want = torch.iinfo(src.dtype), torch.iinfo(dtype)
+        # Only the bounds inside src's own range are compared: a bound beyond it would be
+        # converted to src's dtype, and wrap (int8's -128 as uint8 is 128).
+        below = have.min < want.min
+        above = have.max > want.max
+        if have.min == 0 and src.dtype != torch.uint8 and above:
+            # torch compares no wider unsigned dtype: as the signed dtype of its width, the
+            # values past that one's top read negative (want.max is below it: a dtype
+            # that fits none of them, or src would be no wider)
+            signed = {2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
+            as_signed = src.view(signed)
+            return int(((as_signed < 0) | (as_signed > want.max)).sum())
+        if below and above:
+            return int(((src < want.min) | (src > want.max)).sum())
+        if below:
+            return int((src < want.min).sum())
+        if above:
+            return int((src > want.max).sum())
+        return 0
     return 0
 
 
