@@ -117,3 +117,53 @@ def test_a_future_raises_a_copy_of_every_library_error_with_its_fields() -> None
         assert twin.__notes__ == ["a note"] and vars(twin) == vars(exc)
         twin.add_note("the caller's")  # the copy's notes are its own
         assert exc.__notes__ == ["a note"]
+
+
+class _Quota(LocalStorage):
+    """A disk of ``quota`` bytes (what the root's files take counts) whose removals are
+    slow, as a large step's are: the shard write fails with ENOSPC past the quota."""
+
+    def __init__(self, root: Path, quota: int) -> None:
+        self.root, self.quota = root, quota
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int, ready: Any,
+                    direct_io: bool) -> None:
+        if self.used() + nbytes > self.quota:
+            import errno
+            import os
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        super().write_arena(path, buf, nbytes, ready, direct_io)
+
+    def remove_tree(self, path: Path) -> None:
+        time.sleep(0.3)
+        super().remove_tree(path)
+
+
+def test_back_to_back_saves_wait_for_the_old_steps_removal_when_the_disk_lacks_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk with room for keep_last + 1 steps filled up when async saves came back to
+    back: the next save wrote while the last one's retention still removed the oldest."""
+    import os
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    step_bytes = 512 * 1024 * 4
+    storage = _Quota(tmp_path, quota=3 * step_bytes + (1 << 20))
+
+    def statvfs(path: Any) -> Any:
+        return SimpleNamespace(f_bavail=max(0, storage.quota - storage.used()), f_frsize=1)
+
+    monkeypatch.setattr(writer_module.os, "statvfs", statvfs)
+    assert os.statvfs is statvfs  # (the module's os is os: undone by monkeypatch)
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=2, storage=storage)
+    try:
+        for s in range(1, 7):
+            ckpt.save_async({"w": torch.full((512 * 1024,), float(s))}, step=s).wait()
+    finally:
+        ckpt.close()
+    assert ckpt.steps() == [5, 6]
+    assert ckpt.load(step=6)["w"][0].item() == 6.0

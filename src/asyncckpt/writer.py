@@ -160,6 +160,9 @@ class SaveJob:
     sync: bool = False  # mode="sync": the caller is blocked until the commit
     tmp: Path | None = None
     tag: str = ""  # names this save's Store keys: n<save number>
+    # the retention of the save before this one, whose removals may still be freeing the
+    # space this one needs (see _room_for)
+    removals: cf.Future[None] | None = None
     announced: bool = False  # this rank posted "done" (its file is durable)
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
@@ -441,12 +444,14 @@ class BackgroundWriter:
         self.copy_threads = max(1, copy_threads)
         self.copiers = started_pool(max(1, copy_threads - 1), "asyncckpt-copy")
         self._reap = started_pool(1, "asyncckpt-reap")
+        self._retained: cf.Future[None] | None = None  # the last save's retention
 
     def submit(self, job: SaveJob) -> tuple[cf.Future[CheckpointInfo], cf.Future[None]]:
         """Queue a save; returns its durability future and its retention future."""
         # Both tasks are queued here, on the caller's thread: once the interpreter begins
         # to exit, executors refuse new work, but still finish what they were given.
         try:
+            job.removals = self._retained
             hashes = self._hash.submit(_describe, job) if job.plan.items else None
             durable = job.durable = self._write.submit(self._run, job, hashes)
             # Retention runs after the future resolves, on the same thread, so the old
@@ -455,6 +460,7 @@ class BackgroundWriter:
             # that save.
             retained: cf.Future[None] = cf.Future()
             self._write.submit(_retain, job, self._reap, retained)
+            self._retained = retained
         except BaseException as exc:
             # Interrupted (Ctrl-C) with part of it queued: the tasks already queued wait
             # for a staging that never comes, and the next save's would queue behind them.
@@ -546,6 +552,7 @@ class BackgroundWriter:
         raw: bytes | None = None
         if hashes is not None:
             try:
+                _room_for(job)
                 ready = _Counted(job, _ready(job))
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
                                     ready, job.direct_io)
@@ -757,6 +764,31 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                 reaper.submit(_reap, job, hidden, done, leftovers, marked)
             except RuntimeError:  # the interpreter is exiting: remove them here
                 _reap(job, hidden, done, leftovers, marked)
+
+
+ROOM_WAIT_S = 120.0  # the longest a save waits for the last one's removals to free room
+
+
+def _room_for(job: SaveJob) -> None:
+    """Wait for the removals of the last save's retention while the disk lacks room for
+    this step: those run on their own thread, so as not to delay a save, but a disk with
+    room for keep_last + 1 steps and no more filled up (ENOSPC) when saves came back to
+    back, the old step's files still there as the new ones were written."""
+    removals = job.removals
+    if removals is None or removals.done():
+        return
+    try:
+        fs = os.statvfs(job.root)
+    except (OSError, AttributeError):  # (not a local path: a storage of its own; Windows)
+        return
+    free = fs.f_bavail * fs.f_frsize
+    need = job.plan.file_bytes + (1 << 20)  # (the manifest, the directories)
+    if free >= need:
+        return
+    log.info("rank=%d step=%d: the disk has %d bytes free, this step needs ~%d: waiting for "
+             "the last save's retention to remove the old steps", job.ctx.rank, job.step,
+             free, need)
+    cf.wait([removals], timeout=ROOM_WAIT_S)
 
 
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
@@ -1183,9 +1215,9 @@ def _storage_call(exc: BaseException) -> str:
 def os_error_hint(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return (" (the disk is full, or out of inodes: free space, or keep fewer steps "
-                "(keep_last=: a save needs room for one step more than it keeps, as the "
-                "oldest goes only once the new one is committed); earlier checkpoints are "
-                "intact)")
+                "with keep_last=, which deletes once a save commits: a save needs room for "
+                "one step more than it keeps, as the oldest goes only after the new one is "
+                "committed; earlier checkpoints are intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""
