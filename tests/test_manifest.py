@@ -1503,3 +1503,32 @@ def test_a_table_is_written_only_for_chunks_under_its_own_key_and_ranks_it_can_n
         entry = json.loads(odd.to_json())["tensors"]["w"]
         assert "chunks" in entry and "table" not in entry
         assert parse_manifest(odd.to_json(), PATH) == odd
+
+
+def _with_float(node: dict[str, Any]) -> dict[str, Any]:
+    doc = good_doc()
+    doc["skeleton"]["items"][4][1]["items"][3] = node
+    return doc
+
+
+@pytest.mark.parametrize("bits", ["fff8000000000000", "7FF8DEAD0000BEEF", "7ff0000000000001"])
+def test_a_nan_float_node_with_bits_parses(bits: str) -> None:
+    node = {"t": "float", "v": "nan", "bits": bits}
+    assert parse_doc(_with_float(node)).skeleton["items"][4][1]["items"][3] == node
+
+
+@pytest.mark.parametrize("node, told", [
+    ({"t": "float", "v": "nan", "bits": "3ff0000000000000"}, "pattern of 1.0, not of a NaN"),
+    ({"t": "float", "v": "nan", "bits": "7ff0000000000000"}, "pattern of inf, not of a NaN"),
+    ({"t": "float", "v": "nan", "bits": "fff800000000000"}, "is not 16 hex digits"),
+    ({"t": "float", "v": "nan", "bits": "fff80000000000000"}, "is not 16 hex digits"),
+    ({"t": "float", "v": "nan", "bits": "fff800000000000g"}, "is not 16 hex digits"),
+    ({"t": "float", "v": "nan", "bits": "fff8 00000000000"}, "is not 16 hex digits"),
+    ({"t": "float", "v": "nan", "bits": 1234567890123456}, "not a string"),
+    ({"t": "float", "v": "nan", "bits": None}, "not a string"),
+    ({"t": "float", "v": "1.5", "bits": "fff8000000000000"}, "only a NaN's node has"),
+])
+def test_a_float_node_with_bad_bits_is_corrupt(node: dict[str, Any], told: str) -> None:
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest") as info:
+        parse_doc(_with_float(node))
+    assert told in str(info.value)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import enum
 import json
 import math
 import random
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -1007,3 +1009,163 @@ def test_a_numpy_scalar_of_no_tensor_dtype_is_called_a_scalar() -> None:
         flatten({"x": np.longdouble(1.0)})
     with pytest.raises(UnsupportedLeafError, match=r"numpy array at 'y' has dtype float128"):
         flatten({"y": np.ones(2, dtype=np.longdouble)})
+
+
+class _Point(collections.namedtuple("_Point", "x y")):
+    pass
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+class _Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
+class _Color(enum.Enum):
+    RED = 1
+
+
+class _Steps(list):
+    pass
+
+
+@pytest.mark.parametrize("make, told", [
+    pytest.param(lambda: collections.namedtuple("NT", "a b")(1, 2),
+                 ["is a subclass of tuple that would come back as a plain tuple", "tuple(x)",
+                  "x._asdict()", "NT(*v)"], id="namedtuple"),
+    pytest.param(lambda: _Point(1, 2), ["subclass of tuple", "x._asdict()"],
+                 id="namedtuple-subclass"),
+    pytest.param(lambda: torch.Size([2, 3]),
+                 ["is a subclass of tuple that would come back as a plain tuple", "tuple(x)",
+                  "list(x)", "torch.Size(v)"], id="torch.Size"),
+    pytest.param(lambda: _Level.LOW,
+                 ["is a subclass of int that would come back as a plain int", "x.value",
+                  "x.name", "_Level(v)"], id="IntEnum"),
+    pytest.param(lambda: _Mode.TRAIN,
+                 ["is a subclass of str that would come back as a plain str", "x.value",
+                  "x.name"], id="str-Enum"),
+    pytest.param(lambda: _Color.RED, ["is not a tensor", "x.value", "x.name", "_Color[name]"],
+                 id="Enum"),
+    pytest.param(lambda: np.str_("a"),
+                 ["is a subclass of str that would come back as a plain str", "save str(x)"],
+                 id="np.str_"),
+    pytest.param(lambda: np.bytes_(b"a"),
+                 ["is a subclass of bytes that would come back as plain bytes",
+                  "save bytes(x)"], id="np.bytes_"),
+    pytest.param(lambda: _Steps([1]),
+                 ["is a subclass of list that would come back as a plain list", "list(x)"],
+                 id="list-subclass"),
+    pytest.param(lambda: bytearray(b"x"), ["save bytes(x)"], id="bytearray"),
+    pytest.param(lambda: {2, 1}, ["save sorted(x)", "set(v)"], id="set"),
+    pytest.param(lambda: frozenset({1}), ["save sorted(x)", "frozenset(v)"], id="frozenset"),
+    pytest.param(lambda: 1 + 2j, ["two floats", "torch.tensor(z, dtype=torch.complex128)"],
+                 id="complex"),
+    pytest.param(lambda: torch.bfloat16, ["save str(x)", "getattr(torch"], id="torch.dtype"),
+    pytest.param(lambda: torch.device("cpu"), ["save str(x)", "torch.device(s)"],
+                 id="torch.device"),
+    pytest.param(lambda: torch.utils.data.DataLoader([1, 2, 3]),
+                 ["DataLoader has no state_dict()", "StatefulDataLoader"], id="DataLoader"),
+])
+def test_a_value_of_no_saved_type_is_refused_saying_what_to_save(make, told) -> None:
+    """A trial's namedtuple was told it "is not a ... tuple", and neither it nor an enum,
+    a torch.Size or a set was told what to save instead. They are refused, not converted:
+    what comes back must be of the type that was saved."""
+    with pytest.raises(UnsupportedLeafError) as info:
+        flatten({"cfg": [make()]})
+    msg = str(info.value)
+    assert "at 'cfg/0'" in msg
+    for phrase in told:
+        assert phrase in msg, (phrase, msg)
+    if "subclass of" in told[0]:
+        assert "is not a tensor" not in msg
+
+
+def test_what_a_refusal_says_to_save_round_trips() -> None:
+    nt = collections.namedtuple("NT", "a b")(1, (2, 3))
+    saved = {"nt": nt._asdict(), "size": tuple(torch.Size([2, 3])), "level": _Level.LOW.value,
+             "mode": _Mode.TRAIN.name, "dtype": str(torch.bfloat16),
+             "device": str(torch.device("cpu")), "set": sorted({3, 1}),
+             "z": torch.tensor(1 / 3 + 2j, dtype=torch.complex128)}
+    _, back = roundtrip(saved)
+    assert type(nt)(**back["nt"]) == nt
+    assert torch.Size(back["size"]) == torch.Size([2, 3])
+    assert _Level(back["level"]) is _Level.LOW and _Mode[back["mode"]] is _Mode.TRAIN
+    assert getattr(torch, back["dtype"].removeprefix("torch.")) is torch.bfloat16
+    assert torch.device(back["device"]) == torch.device("cpu")
+    assert set(back["set"]) == {1, 3} and back["z"].item() == 1 / 3 + 2j
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized creation is deprecated
+def test_a_quantized_tensor_is_told_to_save_its_integers_and_scale() -> None:
+    """It was told it "has no stable byte layout": its bytes are plain integers, but its
+    scale and zero point are no part of them."""
+    per_tensor = torch.quantize_per_tensor(torch.randn(3), 0.1, 2, torch.qint8)
+    with pytest.raises(UnsupportedLeafError) as info:
+        flatten({"q": per_tensor})
+    msg = str(info.value)
+    assert "tensor at 'q' is quantized (torch.qint8)" in msg
+    for phrase in ("x.int_repr()", "x.q_scale()", "x.q_zero_point()", "x.dequantize()"):
+        assert phrase in msg
+    assert "stable byte layout" not in msg and "per_channel" not in msg
+    per_channel = torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]),
+                                             torch.tensor([0, 1]), 0, torch.quint8)
+    with pytest.raises(UnsupportedLeafError, match=r"x\.q_per_channel_scales\(\), "
+                       r"x\.q_per_channel_zero_points\(\) and x\.q_per_channel_axis\(\)"):
+        flatten({"q": per_channel})
+    _, back = roundtrip({"r": per_tensor.int_repr(), "s": per_tensor.q_scale(),
+                         "z": per_tensor.q_zero_point()})
+    rebuilt = torch._make_per_tensor_quantized_tensor(back["r"], back["s"], back["z"])
+    assert torch.equal(rebuilt.int_repr(), per_tensor.int_repr())
+    assert rebuilt.q_scale() == per_tensor.q_scale()
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: torch._to_functional_tensor(torch.randn(3)), id="values"),
+    pytest.param(lambda: torch._to_functional_tensor(torch.empty(0)), id="empty"),
+])
+def test_a_functional_tensor_is_refused_when_flattened(tmp_path, make) -> None:
+    """A functionalization wrapper is a plain Tensor by its type, with no memory of its
+    own: a save got as far as the copy into the host buffer, and raised torch's "INTERNAL
+    ASSERT FAILED" as a CheckpointSaveError."""
+    ft = make()
+    for where, state in (("m/w", {"m": {"w": ft}}), ("m/0", {"m": [ft]})):
+        for target in (False, True):
+            with pytest.raises(UnsupportedLeafError,
+                               match=rf"tensor at '{where}' is a functionalization wrapper"):
+                flatten(state, target=target)
+    with pytest.raises(UnsupportedLeafError, match="checkpoint outside the functionalized"):
+        asyncckpt.save({"w": ft}, tmp_path, step=1)
+    torch._sync(ft)  # (what the message says to save)
+    assert flatten({"w": torch._from_functional_tensor(ft)}).tensors["w"].shape == ft.shape
+
+
+def _float_of(bits: str) -> float:
+    return struct.unpack(">d", bytes.fromhex(bits))[0]
+
+
+@pytest.mark.parametrize("bits", ["7ff8000000000000", "fff8000000000000", "7ff8dead0000beef",
+                                  "fffc000000000001", "7ff0000000000001"])
+def test_a_float_nan_keeps_its_sign_and_payload(tmp_path, bits) -> None:
+    """Its node held repr's "nan" alone: -nan and a payload came back as float("nan"),
+    where a tensor keeps NaN bits."""
+    x = _float_of(bits)
+    flat, back = roundtrip({"v": x, "in_list": [x], "in_tuple": (x,)})
+    for got in (back["v"], back["in_list"][0], back["in_tuple"][0]):
+        assert struct.pack(">d", got) == struct.pack(">d", x)
+    node = flat.skeleton["items"][0][1]
+    assert node["v"] == "nan"  # (what readers before "bits" read, as float("nan"))
+    assert ("bits" in node) == (bits != struct.pack(">d", float("nan")).hex())
+    asyncckpt.save({"v": x, "l": [x]}, tmp_path, step=1)
+    loaded = asyncckpt.load(tmp_path)
+    target = {"v": 0.0, "l": [1.0]}
+    asyncckpt.load(tmp_path, target)
+    for got in (loaded["v"], loaded["l"][0], target["v"], target["l"][0]):
+        assert struct.pack(">d", got) == struct.pack(">d", x)
+
+
+def test_a_nan_node_without_bits_reads_as_float_nan() -> None:
+    # (as every NaN node of a checkpoint written before "bits")
+    got = unflatten({"t": "float", "v": "nan"}, {})
+    assert struct.pack(">d", got) == struct.pack(">d", float("nan"))

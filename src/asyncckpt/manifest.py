@@ -48,7 +48,14 @@ from .errors import (
     CheckpointError,
     CheckpointVersionError,
 )
-from .tree import ARRAY_NODES, RESERVED_KEY, _is_bits, dtype_from_name, dtype_name
+from .tree import (
+    ARRAY_NODES,
+    RESERVED_KEY,
+    _is_bits,
+    dtype_from_name,
+    dtype_name,
+    nan_from_bits,
+)
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 4
@@ -1436,5 +1443,16 @@ def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
                 base64.b64decode(v, validate=True)
         except (ValueError, binascii.Error) as exc:
             raise c.fail(f"{t} node holds {v!r:.40}, which is no {t}") from exc
+        if t == "float" and "bits" in node:  # a NaN's sign and payload (optional)
+            bits = node["bits"]
+            if not math.isnan(float(v)):
+                raise c.fail(f"float node {v!r:.40} has bits, which only a NaN's node has")
+            try:
+                if type(bits) is not str:
+                    raise ValueError("not a string")
+                nan_from_bits(bits)
+            except ValueError as exc:
+                raise c.fail(f"NaN float node has bits {bits!r:.40}, which are not a "
+                             f"NaN's 16 hex digits ({exc})") from exc
     else:
         raise c.fail(f"unknown skeleton node type {t!r:.40}")

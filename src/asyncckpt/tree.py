@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import functools
 import logging
 import random
+import struct
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -256,6 +258,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
             raise UnsupportedLeafError(_huge_int(f"int at {where!r}", obj))
         return {"t": "int", "v": obj}
     if t is float:
+        if obj != obj:  # NaN: its sign and payload are no part of repr's "nan"
+            return _nan_node(obj)
         return {"t": "float", "v": repr(obj)}
     if t is str:
         return {"t": "str", "v": obj}
@@ -292,18 +296,50 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
                 "state": _flatten(sd, path, flat, seen, active)}
         active.discard(id(obj))
         return node
-    raise UnsupportedLeafError(
-        f"cannot checkpoint the value at {where!r}: type {t.__module__}.{t.__qualname__} is not a "
-        "tensor, numpy array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
-        "state_dict()/load_state_dict()" + _leaf_hint(obj))
+    raise UnsupportedLeafError(_refusal(obj, where))
+
+
+# The types a value leaf or container is saved as: a subclass of one would come back as it.
+_SAVED_BASES = (tuple, list, str, bytes, int, float)
+
+
+def _refusal(obj: Any, where: str) -> str:
+    """Why ``obj`` cannot be saved, and what to save instead.
+
+    Values are never converted on their way in: a round trip gives back each value as
+    the type it was saved as, so a namedtuple or an IntEnum is refused, not saved as the
+    plain tuple or int that would come back."""
+    t = type(obj)
+    name = f"{t.__module__}.{t.__qualname__}"
+    base = next((b for b in _SAVED_BASES if isinstance(obj, b)), None)
+    if base is not None:
+        b = base.__name__
+        plain = "plain bytes" if b == "bytes" else f"a plain {b}"
+        return (f"cannot checkpoint the value at {where!r}: type {name} is a subclass of {b} "
+                f"that would come back as {plain}; " + _subclass_fix(obj, b))
+    return (f"cannot checkpoint the value at {where!r}: type {name} is not a tensor, numpy "
+            "array, int/float/bool/str/None/bytes, dict, list, tuple or an object with "
+            "state_dict()/load_state_dict()" + _leaf_hint(obj))
+
+
+def _subclass_fix(obj: Any, base: str) -> str:
+    """What to save instead of ``obj``, an instance of a subclass of ``base``."""
+    cls = type(obj).__qualname__
+    if isinstance(obj, enum.Enum):
+        return f"save x.value or x.name, and rebuild it with {cls}(v) or {cls}[name]"
+    if isinstance(obj, torch.Size):
+        return "save tuple(x) or list(x), and rebuild it with torch.Size(v)"
+    if isinstance(obj, tuple) and callable(getattr(obj, "_asdict", None)):  # a namedtuple
+        return (f"save tuple(x), or x._asdict() (a dict of its fields), and rebuild it with "
+                f"{cls}(*v) or {cls}(**d)")
+    if isinstance(obj, np.generic):  # numpy's str_ and bytes_
+        return f"save {base}(x)"
+    return f"save {base}(x) (and rebuild the {cls} from it after loading)"
 
 
 def _leaf_hint(obj: Any) -> str:
-    """How to save a random generator, which has no state_dict(), or a dataclass (a
-    run's config)."""
-    import dataclasses
-    import random
-
+    """How to save what a checkpoint holds no type for: a random generator (it has no
+    state_dict()), a dataclass (a run's config), an enum, a set, a complex number..."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return ("; for a dataclass, save dataclasses.asdict(x) (plain values, tuples kept) "
                 f"and rebuild it with {type(obj).__qualname__}(**d)")
@@ -319,6 +355,25 @@ def _leaf_hint(obj: Any) -> str:
                "g.get_state(legacy=False), a dict / g.set_state(...)")
         return (f"; save its state instead ({how}), or the process's global generators with "
                 "asyncckpt.RNGState()")
+    cls = type(obj).__qualname__
+    if isinstance(obj, enum.Enum):
+        return f"; save x.value or x.name, and rebuild it with {cls}(v) or {cls}[name]"
+    if isinstance(obj, bytearray):
+        return "; save bytes(x) (and rebuild it with bytearray(b) after loading)"
+    if isinstance(obj, (set, frozenset)):
+        return (f"; save sorted(x) (or another list of its items), and rebuild it with "
+                f"{cls}(v)")
+    if isinstance(obj, complex):
+        return ("; save two floats (z.real, z.imag), or a complex tensor "
+                "torch.tensor(z, dtype=torch.complex128) (without dtype= it is complex64)")
+    if isinstance(obj, torch.dtype):
+        return "; save str(x), and rebuild it with getattr(torch, s.removeprefix('torch.'))"
+    if isinstance(obj, torch.device):
+        return "; save str(x), and rebuild it with torch.device(s)"
+    if isinstance(obj, torch.utils.data.DataLoader):
+        return ("; a DataLoader has no state_dict(): save its position (epoch, batches "
+                "seen, the sampler's seed) through an object with state_dict()/"
+                "load_state_dict(), or use torchdata's StatefulDataLoader, which has them")
     return ""
 
 
@@ -462,6 +517,10 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
             # must be tied where the ranks holding data tie it by data pointer, or the
             # ranks disagree on the keys: tie it by its storage.
             tie = ("empty shard", t.untyped_storage()._cdata, t.storage_offset())
+        if not tie and torch._is_functional_tensor(t):
+            # a plain Tensor by its type, with no memory to stage: the copy into the host
+            # buffer raised torch's internal assert
+            raise UnsupportedLeafError(_functional(f"{what} at {path or '<root>'!r}"))
         if tie:
             met = seen.get(tie)
             if met is None:
@@ -564,7 +623,9 @@ def _check_unusual_tensor(t: torch.Tensor, path: str, what: str = "tensor") -> N
     if t.layout != torch.strided:
         raise UnsupportedLeafError(
             f"{what} at {where!r} has layout {t.layout}; convert it with .to_dense()")
-    if t.is_quantized or _refused_dtype(t.dtype):
+    if t.is_quantized:
+        raise UnsupportedLeafError(_quantized(t, f"{what} at {where!r}"))
+    if _refused_dtype(t.dtype):
         raise UnsupportedLeafError(
             f"{what} at {where!r} has dtype {t.dtype}, which has no stable byte layout to save")
     if not _is_dtensor(t) and t.numel() > 0 and not t.is_meta and t.data_ptr() == 0:
@@ -572,6 +633,27 @@ def _check_unusual_tensor(t: torch.Tensor, path: str, what: str = "tensor") -> N
             f"{what} at {where!r} is a {type(t).__qualname__} that holds no memory of its own "
             "(a wrapper subclass, as torchao's NF4 or Float8 tensors are): save its "
             "component tensors, or a plain tensor of its values")
+
+
+def _quantized(t: torch.Tensor, what: str) -> str:
+    """The refusal of a quantized tensor: its values are integers plus a scale and zero
+    point that are no part of its bytes."""
+    try:
+        per_channel = t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric,
+                                      torch.per_channel_affine_float_qparams)
+        params = ("x.q_per_channel_scales(), x.q_per_channel_zero_points() and "
+                  "x.q_per_channel_axis()" if per_channel else "x.q_scale() and x.q_zero_point()")
+    except RuntimeError:  # (a quantizer of no known scheme)
+        params = "its scale and zero point (x.q_scale() and x.q_zero_point(), or q_per_channel_*)"
+    return (f"{what} is quantized ({t.dtype}): a checkpoint holds a tensor's bytes, not its "
+            f"scale and zero point; save x.int_repr() with {params}, or x.dequantize()")
+
+
+def _functional(what: str) -> str:
+    return (f"{what} is a functionalization wrapper (torch.func.functionalize, or "
+            "torch.compile's tracing), which holds no memory of its own: checkpoint "
+            "outside the functionalized code, or save its value (torch._sync(x); "
+            "torch._from_functional_tensor(x))")
 
 
 @functools.cache
@@ -621,6 +703,28 @@ def _build(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     return scalar_value(node)
 
 
+# float("nan")'s bits, which a NaN node's "v": "nan" stands for alone; another NaN (-nan,
+# a payload) adds "bits", which readers before it ignore (they read float("nan")).
+NAN_BITS = "7ff8000000000000"
+
+
+def _nan_node(x: float) -> Node:
+    bits = struct.pack(">d", x).hex()
+    return {"t": "float", "v": "nan"} if bits == NAN_BITS else {
+        "t": "float", "v": "nan", "bits": bits}
+
+
+def nan_from_bits(bits: str) -> float:
+    """The float of a NaN node's ``bits`` (16 hex digits of its IEEE 754 binary64
+    pattern, big-endian); ValueError for a string that is no such pattern of a NaN."""
+    if len(bits) != 16 or not all(c in "0123456789abcdefABCDEF" for c in bits):
+        raise ValueError(f"{bits!r:.40} is not 16 hex digits")
+    x: float = struct.unpack(">d", bytes.fromhex(bits))[0]
+    if x == x:
+        raise ValueError(f"{bits!r} is the pattern of {x!r}, not of a NaN")
+    return x
+
+
 def scalar_value(node: Node) -> Any:
     """Value of a scalar skeleton node."""
     t = node["t"]
@@ -629,7 +733,8 @@ def scalar_value(node: Node) -> Any:
     if t in ("bool", "int", "str"):
         return node["v"]
     if t == "float":
-        return float(node["v"])
+        bits = node.get("bits")
+        return float(node["v"]) if bits is None else nan_from_bits(bits)
     if t == "bytes":
         return base64.b64decode(node["v"])
     raise ValueError(f"unknown skeleton node type {t!r}")
