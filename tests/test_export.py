@@ -454,14 +454,19 @@ def test_export_every_dtype(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level("WARNING", logger="asyncckpt.export"):
         report = export_safetensors(root, out)
     got = load_file(out)
+    back = asyncckpt.load_safetensors(out)
     skipped = {s.key for s in report.skipped}
+    # safetensors 0.8 names these two too (F8_E8M0, F4): written, not skipped
+    newer = {getattr(torch, n) for n in ("float8_e8m0fnu", "float4_e2m1fn_x2")
+             if hasattr(torch, n)}
     for name, t in state.items():
-        if t.dtype in _ST_DTYPES:
+        if t.dtype in _ST_DTYPES or t.dtype in newer:
             assert_exact(got[name], t, name)
+            assert_exact(back[name], t, name)
         else:
             assert name in skipped and name not in got
             assert name in caplog.text
-    assert "complex128" in skipped
+    assert "complex128" in skipped and not {"float8_e8m0fnu", "float4_e2m1fn_x2"} & skipped
     code, _, err = export(str(root), str(tmp_path / "e.safetensors"))
     assert code == 0 and "warning: skipped complex128" in err
     assert err.count("complex128 (") == 1 and "export: skipping" not in err  # said once
@@ -1139,3 +1144,80 @@ def test_a_sharded_export_checks_every_header_before_it_writes_any(
                                                               "take"):
         export_safetensors(tmp_path / "ck", tmp_path / "out", max_shard_bytes=150 * 16)
     assert writes == [] and not (tmp_path / "out").exists()
+
+
+# --- F4 (packed float4) and F8_E8M0, which safetensors 0.8 writes ------------------------------
+
+needs_fp4 = pytest.mark.skipif(
+    not (hasattr(torch, "float4_e2m1fn_x2") and hasattr(torch, "float8_e8m0fnu")),
+    reason="this torch has no float4_e2m1fn_x2 or float8_e8m0fnu")
+
+
+def _mx_state() -> dict[str, Any]:
+    """Packed 4-bit weights and their power-of-two scales (random bits: NaN scales too)."""
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(0, 256, (5, 6, 8), dtype=torch.uint8, generator=g)
+    return {"model": {"q": bits.view(torch.float4_e2m1fn_x2),
+                      "s": bits[:, :, 0].clone().view(torch.float8_e8m0fnu),
+                      "qe": torch.zeros(3, 0, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+                      "w": randn(4, seed=12, dtype=torch.bfloat16)}}
+
+
+@needs_fp4
+@pytest.mark.parametrize("world", [1, 2])
+def test_export_writes_f4_and_f8_e8m0_as_safetensors_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    """(The trial: both were skipped, 'safetensors has no dtype for ...'.) Bit-exact, in
+    the header safetensors' own save_file writes, and back to the dtype and shape they
+    had through safetensors' reader and asyncckpt's."""
+    state = _mx_state()
+    root = tmp_path / "ck"
+    if world == 1:
+        asyncckpt.save(state, root, step=1)
+    else:  # the packed tensor split along its last dim, the scales along the first
+        save_sharded(root, state, {"model/q": 2, "model/s": 0}, 1, monkeypatch)
+    out = tmp_path / "mx.safetensors"
+    report = export_safetensors(root, out, prefix="model", strip_prefix=True)
+    assert not report.skipped
+    want = dict(state["model"])
+    save_file(want, str(tmp_path / "ref.safetensors"))  # what safetensors itself writes
+    ours, theirs = _headers(out), _headers(tmp_path / "ref.safetensors")
+    assert set(ours) - {"__metadata__"} == set(want)
+    for k in want:
+        assert ours[k]["dtype"] == theirs[k]["dtype"] and ours[k]["shape"] == theirs[k]["shape"]
+    assert ours["q"]["dtype"] == "F4" and ours["q"]["shape"] == [5, 6, 16]
+    assert ours["s"]["dtype"] == "F8_E8M0"
+    got = load_file(out)
+    back = asyncckpt.load_safetensors(out)
+    for k, t in want.items():
+        assert_exact(got[k], t, k)
+        assert_exact(back[k], t, k)
+        assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+def _headers(path: Path) -> dict[str, Any]:
+    raw_bytes = path.read_bytes()
+    n = int.from_bytes(raw_bytes[:8], "little")
+    header: dict[str, Any] = json.loads(raw_bytes[8:8 + n])
+    return header
+
+
+@needs_fp4
+def test_export_keeps_packed_float4_under_a_cast_and_skips_only_a_0d_one(
+        tmp_path: Path) -> None:
+    """A cast leaves the packed float4 as it is (torch cannot convert it); a 0-d one (two
+    values) has no F4 shape, as safetensors' save_file refuses it too, and is skipped
+    saying why."""
+    state = _mx_state()
+    zero_d = torch.tensor(0x3C, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(safetensors.SafetensorError, match="byte boundary"):
+        save_file({"z": zero_d}, str(tmp_path / "no.safetensors"))
+    state["model"]["z"] = zero_d
+    asyncckpt.save(state, tmp_path / "ck", step=1)
+    out = tmp_path / "bf16.safetensors"
+    report = export_safetensors(tmp_path / "ck", out, dtype="bf16")
+    assert [(s.key, s.dtype) for s in report.skipped] == [("model/z", "float4_e2m1fn_x2")]
+    assert "0-d" in report.skipped[0].reason and "reshape it" in report.skipped[0].reason
+    got = load_file(out)
+    assert_exact(got["model/q"], state["model"]["q"], "q")
+    assert got["model/w"].dtype == torch.bfloat16 and "model/z" not in got

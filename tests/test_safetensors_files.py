@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import asyncckpt
@@ -237,6 +238,12 @@ def test_index_problems_name_the_index_or_the_tensor(tmp_path: Path) -> None:
     ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "outside"),
     ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "data_offsets"),
     ({"w": [1, 2]}, b"", "not an object"),
+    # F4 values fill whole bytes, as safetensors' own reader checks
+    ({"w": {"dtype": "F4", "shape": [5], "data_offsets": [0, 3]}}, b"\0" * 3,
+     "end inside a byte"),
+    ({"w": {"dtype": "F4", "shape": [], "data_offsets": [0, 1]}}, b"\0", "end inside a byte"),
+    ({"w": {"dtype": "F4", "shape": [2, 4], "data_offsets": [0, 8]}}, b"\0" * 8,
+     "holds 8 bytes, but 4"),
 ])
 def test_bad_headers_are_corrupt_and_name_file_and_tensor(tmp_path: Path, header: Any,
                                                            body: bytes, match: str) -> None:
@@ -450,3 +457,114 @@ def test_only_batch_norm_counters_are_let_go_missing(tmp_path: Path) -> None:
     with pytest.raises(StateMismatchError) as err:
         asyncckpt.load_safetensors(tmp_path / "w2.safetensors", net)
     assert sorted(err.value.missing) == ["0.1.weight", "1.num_batches_tracked"]
+
+
+# --- dtypes newer than asyncckpt's own: F4 (packed float4) and F8_E8M0 ----------------------
+
+needs_fp4 = pytest.mark.skipif(
+    not (hasattr(torch, "float4_e2m1fn_x2") and hasattr(torch, "float8_e8m0fnu")),
+    reason="this torch has no float4_e2m1fn_x2 or float8_e8m0fnu")
+
+
+def _header(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header: dict[str, Any] = json.loads(raw[8:8 + n])
+    return header
+
+
+def _mx() -> dict[str, torch.Tensor]:
+    """An MX-style pair, packed 4-bit values and their power-of-two scales, with random
+    bits (every byte pattern, NaN scales included)."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 256, (3, 4, 6), dtype=torch.uint8, generator=g)
+    return {"q": bits.view(torch.float4_e2m1fn_x2),
+            "s": bits[:, :, 0].clone().view(torch.float8_e8m0fnu),
+            "empty": torch.zeros(2, 0, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+            "w": torch.arange(3.0)}
+
+
+@needs_fp4
+def test_f4_and_f8_e8m0_load_bit_exact_as_safetensors_own_does(tmp_path: Path) -> None:
+    # The trial: a valid file with an F4 tensor was called corrupt (and inspect exited 1).
+    tensors = _mx()
+    path = tmp_path / "mx.safetensors"
+    save_file(tensors, str(path))
+    header = _header(path)
+    assert header["q"]["dtype"] == "F4" and header["q"]["shape"] == [3, 4, 12]
+    assert header["s"]["dtype"] == "F8_E8M0"
+    ref = load_file(str(path))
+    got = asyncckpt.load_safetensors(path, threads=2)
+    assert set(got) == set(ref) == set(tensors)
+    for k, t in tensors.items():
+        assert _same(got[k], ref[k]) and _same(got[k], t), k
+        assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+    # in place, and a box of the packed tensor along its last dim
+    target = {k: torch.empty_like(t) for k, t in tensors.items()}
+    kept = dict(target)
+    asyncckpt.load_safetensors(path, target)
+    for k, t in tensors.items():
+        assert target[k] is kept[k] and _same(target[k], t), k
+    part = {"q": torch.empty(3, 2, 3, dtype=torch.float4_e2m1fn_x2)}
+    asyncckpt.load_safetensors(path, part, ignore_unexpected=True,
+                               shards={"q": ShardMetadata((3, 4, 6), (0, 2, 3))})
+    assert _same(part["q"], tensors["q"][:, 2:, 3:].contiguous())
+
+
+@needs_fp4
+def test_inspect_lists_an_f4_file_and_exits_0(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncckpt.cli import main
+
+    path = tmp_path / "mx.safetensors"
+    save_file(_mx(), str(path))
+    assert main(["inspect", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {t["path"]: t for t in doc["tensors"]}
+    assert rows["q"]["dtype"] == "float4_e2m1fn_x2" and rows["q"]["shape"] == [3, 4, 6]
+    assert rows["q"]["bytes"] == 72 and rows["s"]["dtype"] == "float8_e8m0fnu"
+    # a dtype torch has none for: no damage (1), but "could not tell" (2), saying which
+    _unloadable_file(tmp_path / "new.safetensors")
+    assert main(["inspect", str(tmp_path / "new.safetensors")]) == 2
+    assert "'f6' cannot be loaded" in capsys.readouterr().err
+
+
+def _unloadable_file(path: Path) -> None:
+    """A valid file (safetensors' own reader opens it) with two tensors torch cannot hold:
+    an F6 one (torch has no 6-bit dtype) and an F4 one whose last dim is odd (torch's
+    float4_e2m1fn_x2 holds two values an element), and one it can."""
+    _write_raw(path, {"f6": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]},
+                      "odd": {"dtype": "F4", "shape": [2, 3], "data_offsets": [3, 6]},
+                      "w": {"dtype": "F32", "shape": [2], "data_offsets": [6, 14]}},
+               b"\1" * 6 + struct.pack("<2f", 1.5, -2.0))
+
+
+def test_a_dtype_this_torch_cannot_hold_is_refused_as_such_not_as_corrupt(
+        tmp_path: Path) -> None:
+    path = tmp_path / "new.safetensors"
+    _unloadable_file(path)
+    with safe_open(str(path), "pt") as f:  # (valid: safetensors opens it, and reads "w")
+        assert set(f.keys()) == {"f6", "odd", "w"}
+        assert torch.equal(f.get_tensor("w"), torch.tensor([1.5, -2.0]))
+    with pytest.raises(CheckpointConfigError) as err:
+        asyncckpt.load_safetensors(path)
+    text = str(err.value)
+    assert not isinstance(err.value, CheckpointCorruptError)
+    assert "new.safetensors" in text and "'f6'" in text and "F6_E2M3" in text
+    assert "'odd'" in text and "key_map=lambda name: None if name in ('f6', 'odd')" in text
+    with pytest.raises(CheckpointConfigError, match=r"'odd' cannot be loaded: .*last dim"):
+        asyncckpt.load_safetensors(path, key_map=lambda n: None if n == "f6" else n)
+
+
+def test_key_map_leaving_out_the_tensors_this_torch_cannot_hold_loads_the_rest(
+        tmp_path: Path) -> None:
+    # key_map's None leaves a tensor out (docs/api.md): the trial could load nothing of
+    # such a file at all
+    path = tmp_path / "new.safetensors"
+    _unloadable_file(path)
+    skip = {"f6", "odd"}
+    got = asyncckpt.load_safetensors(path, key_map=lambda n: None if n in skip else n)
+    assert set(got) == {"w"} and torch.equal(got["w"], torch.tensor([1.5, -2.0]))
+    target = {"w": torch.zeros(2)}
+    asyncckpt.load_safetensors(path, target, key_map=lambda n: None if n in skip else n)
+    assert torch.equal(target["w"], torch.tensor([1.5, -2.0]))

@@ -46,6 +46,7 @@ from .errors import (
 )
 from .manifest import _ST_DTYPES, MANIFEST_NAME, WRITE_MAX_HEADER_BYTES, Manifest
 from .reader import _check_file, _load_checked, read_manifest, tensor_bytes
+from .safetensors_files import st_dtype, st_shape
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
 
@@ -171,7 +172,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     ``dtype`` ("bf16", "fp16", "fp32" or a torch floating dtype safetensors holds) casts
     every floating tensor torch can convert; others (integers, bool, complex, packed
     float4) keep their dtype. Tensors whose dtype safetensors cannot express (e.g.
-    complex128) are skipped with a warning and listed in ``report.skipped``.
+    complex128) are skipped with a warning and listed in ``report.skipped``; those of
+    float8_e8m0fnu and float4_e2m1fn_x2 are written as safetensors does (``F8_E8M0``,
+    and ``F4``, whose header shape counts the 4-bit values: the last dim doubled).
     Tied tensors (two paths, one storage) are written once (``tied="once"``, as Hugging
     Face publishes tied embeddings; see ``report.aliases``, also in each file's metadata
     as ``asyncckpt_tied``, JSON of alias -> name), or under each of their names
@@ -299,9 +302,12 @@ def _check_cast_target(dtype: torch.dtype) -> None:
         raise CheckpointConfigError(f"dtype={dtype}: only floating dtypes can be cast to")
     usable = ", ".join(dtype_name(d) for d in _ST_DTYPES if d.is_floating_point)
     if dtype not in _ST_DTYPES:
-        raise CheckpointConfigError(
-            f"dtype={dtype}: safetensors has no dtype for {dtype_name(dtype)}; cast to one "
-            f"of {usable}")
+        # float8_e8m0fnu (scales: powers of two, no sign) and the packed float4: tensors of
+        # them are written as they are, but no weights are cast to them
+        why = (f"safetensors has no dtype for {dtype_name(dtype)}" if st_dtype(dtype) is None
+               else f"{dtype_name(dtype)} tensors are exported as they are (safetensors' "
+               f"{st_dtype(dtype)}), but other tensors are not cast to it")
+        raise CheckpointConfigError(f"dtype={dtype}: {why}; cast to one of {usable}")
     try:
         torch.zeros(1).to(dtype)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
@@ -411,10 +417,13 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
             continue
         entry = manifest.tensors[key]
         out = cast if cast is not None and _castable(entry.dtype, cast) else entry.dtype
-        if out not in _ST_DTYPES:
+        if st_dtype(out) is None or st_shape(out, entry.shape) is None:
             report.skipped.append(SkippedTensor(
                 key, dtype_name(entry.dtype), entry.shape,
-                f"safetensors has no dtype for {dtype_name(out)}"))
+                f"safetensors has no dtype for {dtype_name(out)}" if st_dtype(out) is None
+                else f"safetensors' {st_dtype(out)} counts the 4-bit values, two to each "
+                f"element of a {dtype_name(out)}: a 0-d one has no shape there (reshape it "
+                "to (1,) to export it)"))
             continue
         if name == RESERVED_KEY or (not name and strip and prefix):
             # A key of its own may be '' (safetensors allows it); a name that stripping
@@ -448,8 +457,9 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
                                 len(entry.chunks)))
     if not planned and report.skipped:
         raise CheckpointConfigError(
-            f"every tensor under {prefix!r} in step {manifest.step} is of a dtype safetensors "
-            "cannot hold: " + "; ".join(f"{k.key} ({k.dtype})" for k in report.skipped[:5])
+            f"every tensor under {prefix!r} in step {manifest.step} is of a dtype (or, a 0-d "
+            "float4_e2m1fn_x2, a shape) safetensors cannot hold: "
+            + "; ".join(f"{k.key} ({k.dtype})" for k in report.skipped[:5])
             + ("..." if len(report.skipped) > 5 else "") + "; nothing to export")
     if not planned:
         # (as the prefix is matched: keys as they were, not as the manifest escapes them)
@@ -494,7 +504,8 @@ def _encode_header(planned: list[_Planned], manifest: Manifest, step_dir: Path,
     header: dict[str, Any] = {RESERVED_KEY: meta}
     pos = 0
     for p in planned:
-        header[p.name] = {"dtype": _ST_DTYPES[p.out], "shape": list(p.shape),
+        # (F4's shape counts 4-bit values: twice float4_e2m1fn_x2's along the last dim)
+        header[p.name] = {"dtype": st_dtype(p.out), "shape": st_shape(p.out, p.shape),
                           "data_offsets": [pos, pos + p.nbytes]}
         pos += p.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")

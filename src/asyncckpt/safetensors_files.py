@@ -23,7 +23,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -57,18 +57,53 @@ from .manifest import (
     TensorEntry,
 )
 from .storage import LocalStorage, open_regular
-from .tree import escape_key, flatten
+from .tree import dtype_name, escape_key, flatten
 
 log = logging.getLogger(__name__)
 
 __all__ = ["load_safetensors"]
 
-# safetensors dtype name -> torch dtype (the inverse of what asyncckpt writes, plus the
-# names newer writers use for dtypes this torch has)
-_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _ST_DTYPES.items()}
-for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("C128", "complex128")):
+# torch dtype -> its safetensors name, as export writes it: asyncckpt's own, and those
+# newer safetensors writes for dtypes this torch has
+_NAMES: dict[torch.dtype, str] = dict(_ST_DTYPES)
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
     if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
+        _NAMES[getattr(torch, _attr)] = _name
+# safetensors dtype name -> torch dtype: the inverse, and C128, which other writers use
+# (safetensors' own readers do not know it, so it is read, not written)
+_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _NAMES.items()} | {"C128": torch.complex128}
+
+# The bits of one value of each dtype safetensors (0.8) names, and C128, which other
+# writers use. A name outside it is no safetensors file's; one inside it that _DTYPES
+# lacks is a valid file's tensor this torch has no dtype for (F6_E2M3...), which a
+# key_map may leave out.
+_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "C128": 128, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+# Packed dtypes: the header's shape counts the safetensors values, while torch's dtype
+# holds this many of them in one element along the last dim (F4: float4_e2m1fn_x2, two
+# 4-bit values a byte). safetensors.torch converts the shapes so; here too, both ways.
+_PACKED: dict[str, int] = {"F4": 2}
+
+
+def st_dtype(dtype: torch.dtype) -> str | None:
+    """The safetensors name of ``dtype`` for a file others read (None: it has none)."""
+    return _NAMES.get(dtype)
+
+
+def st_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int] | None:
+    """The header shape of a tensor of ``dtype`` and (torch) ``shape``, as safetensors
+    writes it; None where its format cannot say it (a 0-d float4_e2m1fn_x2 is two F4
+    values, which no header shape counts)."""
+    per = _PACKED.get(st_dtype(dtype) or "", 1)
+    if per == 1:
+        return list(shape)
+    if not shape:
+        return None
+    return [*shape[:-1], shape[-1] * per]
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 _MAX_INDEX_BYTES = 256 * 1024 * 1024
@@ -107,15 +142,19 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
 
     Safetensors files hold no checksums: a damaged byte goes unseen here, as with any
     safetensors reader; what is checked is each header's structure, each tensor's
-    dtype, shape and byte range against its file's size.
+    dtype, shape and byte range against its file's size. ``F4`` (packed float4) loads
+    as ``torch.float4_e2m1fn_x2``, its last dim half the header's, as
+    ``safetensors.torch`` loads it.
 
     Raises:
         CheckpointNotFoundError: no such file, or a directory without safetensors files.
         CheckpointCorruptError: a header, index or byte range that is not valid; names
             the file and tensor.
         CheckpointConfigError: a bad ``key_map`` (two tensors to one name, a name that
-            is both a tensor and a dict), or an asyncckpt checkpoint's own files (load
-            those with ``asyncckpt.load``).
+            is both a tensor and a dict), an asyncckpt checkpoint's own files (load
+            those with ``asyncckpt.load``), or a tensor of a valid file that this torch
+            cannot hold (F6_E2M3; F4 with an odd last dim): the message names the
+            ``key_map`` that leaves it out, so that the rest loads.
         StateMismatchError: as for :meth:`AsyncCheckpointer.load`.
     """
     check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
@@ -282,6 +321,7 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
     root: dict[str, Any] = {}  # nested dicts of the paths; leaves are storage keys
     dropped: set[tuple[str, str]] = set()  # (file, name) that key_map left out
     tied: dict[str, str] = {}  # alias -> the name written (asyncckpt export's metadata)
+    unloadable: list[tuple[str, str, str]] = []  # (file, name, why) that key_map kept
     for fname in names:
         entry, header = _read_header(where / fname)
         files[fname] = FileEntry(fname, entry[0], 0, entry[1], entry[2])
@@ -290,11 +330,15 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype, shape, lo, hi = _tensor_info(where / fname, name, info, entry[0] - entry[1])
+            dtype, shape, lo, hi, why = _tensor_info(where / fname, name, info,
+                                                     entry[0] - entry[1])
             ranges.append((lo, hi, name))
             path = _mapped(name, key_map)
             if path is None:
                 dropped.add((fname, name))
+                continue
+            if dtype is None:
+                unloadable.append((fname, name, why))
                 continue
             if path in found:
                 was = found[path]
@@ -309,6 +353,8 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
             tensors[key] = TensorEntry(dtype, shape, "torch", (Chunk(
                 fname, name, (0,) * len(shape), shape, (entry[1] + lo, entry[1] + hi), ()),))
         _check_apart(where / fname, ranges)
+    if unloadable:
+        raise _unloadable(where, unloadable, key_map)
     for alias, name in tied.items():
         # A tensor `asyncckpt export` wrote once for several names (tied embeddings): its
         # other names stand for it too, as the checkpoint it came from had them (a trial's
@@ -342,6 +388,26 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
     return Manifest(step=0, world_size=1, created_unix=0.0, library_version="",
                     block_bytes=DEFAULT_BLOCK_BYTES, files=files, tensors=tensors,
                     skeleton=_skeleton(root))
+
+
+def _unloadable(where: Path, found: list[tuple[str, str, str]],
+                key_map: KeyMap | None) -> CheckpointConfigError:
+    """The refusal of tensors of valid files that this torch cannot hold, saying how to
+    load the rest (a key_map that leaves them out)."""
+    fname, name, why = found[0]
+    more = (f" (and {len(found) - 1} more: "
+            + ", ".join(f"{n!r} ({f})" for f, n, _ in found[1:4])
+            + (", ..." if len(found) > 4 else "") + ")") if len(found) > 1 else ""
+    names = sorted({n for _, n, _ in found})
+    if key_map is not None or len(names) > 3:
+        fix = "have key_map return None for " + ("it" if len(found) == 1 else "them")
+    elif len(names) == 1:
+        fix = f"pass key_map=lambda name: None if name == {names[0]!r} else name"
+    else:
+        fix = f"pass key_map=lambda name: None if name in {tuple(names)!r} else name"
+    return CheckpointConfigError(
+        f"{where / fname}: tensor {name!r} cannot be loaded: {why}{more}. The file is "
+        f"valid: to load its other tensors, {fix}")
 
 
 def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
@@ -424,9 +490,20 @@ def _check_apart(path: Path, ranges: list[tuple[int, int, str]]) -> None:
         end, last = hi, name
 
 
-def _tensor_info(path: Path, name: str, info: Any, body: int
-                 ) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-    """dtype, shape and byte range (in the body) of header entry ``name``, checked."""
+class _Info(NamedTuple):
+    """A header entry, checked: its torch dtype and shape and its bytes in the body."""
+
+    dtype: torch.dtype | None
+    """None: a valid safetensors dtype this torch cannot load (``why`` says so)."""
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    why: str = ""
+
+
+def _tensor_info(path: Path, name: str, info: Any, body: int) -> _Info:
+    """dtype, shape (torch's) and byte range (in the body) of header entry ``name``,
+    checked as safetensors checks them (a header it refuses is corrupt here)."""
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{path}: tensor {name!r}: {what}", path=str(path),
                                       key=name)
@@ -434,10 +511,9 @@ def _tensor_info(path: Path, name: str, info: Any, body: int
     if not isinstance(info, dict):
         raise bad("its header entry is not an object")
     st = info.get("dtype")
-    dtype = _DTYPES.get(st) if isinstance(st, str) else None
-    if dtype is None:
-        raise bad(f"dtype {st!r} is not one this torch can load (known: "
-                  f"{', '.join(sorted(_DTYPES))})")
+    if not isinstance(st, str) or st not in _BITS:
+        raise bad(f"dtype {st!r} is none that safetensors names (known: "
+                  f"{', '.join(sorted(_BITS))})")
     shape = info.get("shape")
     if (not isinstance(shape, list) or len(shape) > 64
             or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
@@ -447,13 +523,31 @@ def _tensor_info(path: Path, name: str, info: Any, body: int
             or not all(type(o) is int for o in offsets)):
         raise bad(f"data_offsets {offsets!r} is not [begin, end]")
     lo, hi = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
     if not 0 <= lo <= hi <= body:
         raise bad(f"its bytes {lo}..{hi} lie outside the file's {body} bytes of data: the "
                   "file is truncated or damaged")
-    if hi - lo != nbytes:
-        raise bad(f"holds {hi - lo} bytes, but {nbytes} are a {st} tensor of shape {shape}")
-    return dtype, tuple(shape), lo, hi
+    nbits = math.prod(shape) * _BITS[st]
+    if nbits % 8:  # (F4 and F6: the values of each tensor fill whole bytes)
+        n = math.prod(shape)
+        raise bad(f"shape {shape} makes it {n} {st} value{'s' if n != 1 else ''} of "
+                  f"{_BITS[st]} bits, which end inside a byte: safetensors allows no such "
+                  "tensor (a damaged or forged header)")
+    if hi - lo != nbits // 8:
+        raise bad(f"holds {hi - lo} bytes, but {nbits // 8} are a {st} tensor of shape "
+                  f"{shape}")
+    dtype = _DTYPES.get(st)
+    if dtype is None:
+        return _Info(None, tuple(shape), lo, hi, f"torch {torch.__version__} has no dtype "
+                     f"for {st} (a newer torch may have one)")
+    per = _PACKED.get(st, 1)
+    if per == 1:
+        return _Info(dtype, tuple(shape), lo, hi)
+    if not shape or shape[-1] % per:
+        return _Info(None, tuple(shape), lo, hi, (
+            f"its shape {shape} counts {st} values, which torch's {dtype_name(dtype)} "
+            f"holds {per} to an element along the last dim: a last dim that is not a "
+            f"multiple of {per} has no torch shape"))
+    return _Info(dtype, (*shape[:-1], shape[-1] // per), lo, hi)
 
 
 def _mapped(name: str, key_map: KeyMap | None) -> str | None:
