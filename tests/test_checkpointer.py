@@ -3670,3 +3670,43 @@ def test_save_and_close_from_a_handler_that_interrupted_a_load_do_not_hang(
         again.save({"w": torch.ones(4)}, 4)
         again.wait()
     assert asyncckpt.load(tmp_path)["w"].sum() == 4 and len(list(tmp_path.glob("step_*"))) == 1
+
+
+def test_the_module_level_fallback_load_marks_the_damaged_step_too(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """api.md has asyncckpt.load(fallback=True) behave as ckpt.load: a trial's did not
+    mark, and a later keep_last=2 deleted the intact step 1 and kept the corrupt 2."""
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000002")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert asyncckpt.load(tmp_path, fallback=True)["w"][0].item() == 1.0
+    assert "step(s) [2] under" in caplog.text and "marked by damaged.json" in caplog.text
+    assert not asyncckpt.storage.DirectoryLock(tmp_path).held_in_this_process()  # (let go)
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
+        ck.save({"w": torch.full((10,), 3.0)}, step=3)
+        assert ck.steps() == [1, 2, 3]  # the intact 1 kept, 2 for a look
+
+
+def test_a_damaged_mark_cut_short_by_a_full_disk_is_not_left_behind(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's full disk left a 0-byte damaged.json that later read as a mark ("not a
+    JSON object"), where the warning said none was written."""
+    class Full(asyncckpt.storage.LocalStorage):
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            if path.name == "damaged.json":
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.close(fd)  # created, then no room for a byte of it
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write_bytes(path, data)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000002")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path, storage=Full()) as ck:
+        assert ck.load(fallback=True)["w"][0].item() == 1.0
+    assert "could not be written (step 2: No space left on device)" in caplog.text
+    assert not (tmp_path / "step_000000002" / "damaged.json").exists()

@@ -198,12 +198,21 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             "step_* directories, or one of them): load it with asyncckpt.load_safetensors")
     storage = _LocalStorage()
     if fallback and step is None:
+        from .checkpointer import note_damaged
         from .loader import load_newest_intact
+        from .storage import DirectoryLock
 
-        return load_newest_intact(Path(path), state, storage, strict=strict,
-                                  ignore_unexpected=ignore_unexpected, threads=threads,
-                                  progress=progress, exclude=exclude, key_map=key_map,
-                                  cast=cast, shards=shards)
+        found: list[tuple[int, str]] = []
+        try:
+            return load_newest_intact(Path(path), state, storage, strict=strict,
+                                      ignore_unexpected=ignore_unexpected, threads=threads,
+                                      progress=progress, exclude=exclude, key_map=key_map,
+                                      cast=cast, shards=shards, damaged=found)
+        finally:
+            if found:  # marked as a checkpointer's fallback marks them (for retention, ls)
+                note_damaged(Path(path), storage, sorted(dict(found).items()),
+                             DirectoryLock(Path(path)), 0, marks=True,
+                             unmarked_means="a later checkpointer's retention does not know")
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
         try:

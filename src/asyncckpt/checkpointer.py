@@ -1083,42 +1083,8 @@ class AsyncCheckpointer:
         if not new:
             return
         self._damaged.update(s for s, _ in new)
-        unmarked = []
-        if self._ctx.is_coordinator:
-            # The directory's owner marks: this checkpointer, once it saves here (or
-            # another of this process that does), or, while none does (a resume before
-            # its first save), this one for the moment it takes; not a reader beside a
-            # process that saves here (an evaluator beside its trainer).
-            lk = self._lock
-            owned = lk.held or lk.held_in_this_process() is not None
-            taken = False
-            refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
-            if not owned:
-                try:
-                    taken = lk.acquire()
-                except OSError as exc:
-                    refused = f"its lock file cannot be taken: {exc.strerror or exc}"
-            try:
-                for s, why in new:
-                    failed = (commit.mark_damaged(self.directory, s, why, self.storage)
-                              if owned or taken else refused or
-                              f"another process (pid {lk.holder()}) saves there")
-                    if failed is not None:
-                        unmarked.append(f"step {s}: {failed}")
-            finally:
-                if taken:
-                    lk.release()
-        steps = [s for s, _ in new]
-        log.warning(
-            "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
-            "keep_last does not count them, and removes them once older than the steps it "
-            "keeps. To save a step older than them, or to remove them now: "
-            "ckpt.discard_steps_after(<the step loaded>)", self._ctx.rank, steps,
-            self.directory,
-            "" if not self._ctx.is_coordinator else
-            f", marked by {commit.DAMAGED_NAME}" if not unmarked else
-            f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): only "
-            "this checkpointer knows")
+        note_damaged(self.directory, self.storage, new, self._lock, self._ctx.rank,
+                     marks=self._ctx.is_coordinator, unmarked_means="only this checkpointer knows")
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -1989,3 +1955,43 @@ def _version() -> str:
     from . import __version__
 
     return __version__
+
+
+def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
+                 lock: DirectoryLock, rank: int, *, marks: bool, unmarked_means: str) -> None:
+    """Mark the steps a fallback load found damaged (``new``: step, what was found) with
+    damaged.json, and warn of them. ``marks``: False where another rank marks (this one
+    only warns). The directory's owner marks: the checkpointer (or another of this
+    process) that holds ``lock``, or, while none does (a resume before its first save, a
+    module-level load), this process for the moment it takes it; not a reader beside a
+    process that saves there (an evaluator beside its trainer)."""
+    unmarked = []
+    if marks:
+        owned = lock.held or lock.held_in_this_process() is not None
+        taken = False
+        refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
+        if not owned:
+            try:
+                taken = lock.acquire()
+            except OSError as exc:
+                refused = f"its lock file cannot be taken: {exc.strerror or exc}"
+        try:
+            for s, why in new:
+                failed = (commit.mark_damaged(directory, s, why, storage)
+                          if owned or taken else refused or
+                          f"another process (pid {lock.holder()}) saves there")
+                if failed is not None:
+                    unmarked.append(f"step {s}: {failed}")
+        finally:
+            if taken:
+                lock.release()
+    steps = [s for s, _ in new]
+    log.warning(
+        "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
+        "keep_last does not count them, and removes them once older than the steps it "
+        "keeps. To save a step older than them, or to remove them now: "
+        "ckpt.discard_steps_after(<the step loaded>)", rank, steps, directory,
+        "" if not marks else
+        f", marked by {commit.DAMAGED_NAME}" if not unmarked else
+        f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): "
+        f"{unmarked_means}")

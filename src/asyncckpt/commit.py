@@ -583,11 +583,18 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
     disk, else why it could not be written (the verdict is then this process's alone)."""
     body = json.dumps({"step": step, "found_unix": time.time(),
                        "problem": problem[:_MAX_PROBLEM_CHARS]}, indent=1).encode()
+    path = root / step_dir_name(step) / DAMAGED_NAME
     try:
-        storage.write_bytes(root / step_dir_name(step) / DAMAGED_NAME, body)
+        storage.write_bytes(path, body)
     except FileExistsError:
         pass  # (found damaged before: the first finding stays)
     except OSError as exc:
+        # A write cut short (a full disk) left a file that is no mark, yet would read as
+        # one, "damaged.json is not a JSON object", where the warning says none was
+        # written. The file was made here (O_EXCL: it was not there before): it goes.
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_size < len(body):
+                os.unlink(path)
         return exc.strerror or str(exc)
     return None
 
