@@ -2730,3 +2730,20 @@ def test_a_peer_trickling_its_current_step_times_out_and_a_step_past_2_63_is_ref
             asyncckpt.load(f"http://127.0.0.1:{srv.port}/v1", timeout=5)
     finally:
         srv.close()
+
+
+def test_a_failed_send_checkpoint_takes_the_step_on_offer_before_with_it(
+        transports: Any) -> None:
+    """A trial: step 3 sent (no disallow after it), then step 4's send failed; step 3 was
+    still served as current, and a receiver of step 4 was told to fetch step 3."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 3, state_of(3), 10.0)
+    with pytest.raises(UnsupportedLeafError):
+        srv.send_checkpoint([1], 4, {"w": torch.ones(3), "bad": object()}, 10.0)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 4 is not being served: its "
+                       r"send_checkpoint failed at the sender"):
+        fetch(srv, 4, timeout=5.0)
+    with pytest.raises(CheckpointNotFoundError, match="send_checkpoint failed"):
+        asyncckpt.load(srv.address(), token=TOKEN, timeout=5.0)
+    with pytest.raises(CheckpointNotFoundError, match="nothing is on offer"):
+        srv.allow_checkpoint(3)

@@ -339,6 +339,10 @@ class HTTPTransport(CheckpointTransport[Any]):
                                              f"({type(exc).__name__}: {exc})")
                     with self._cond:
                         self._failed = failed
+                # The step on offer before is stale: its sender moved on (and may change
+                # its tensors); still allowed, it was served as current, and a receiver
+                # waiting for this step was told to fetch that one.
+                self.withdraw()
                 raise
             # A disallow_checkpoint() (or withdraw()) from another thread while the state
             # was laid out returned at once: its caller may be changing the tensors now.
