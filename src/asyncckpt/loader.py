@@ -893,10 +893,18 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
         return manifest
     moves = []
     seen: set[str] = set()
+    by_path = key_map if isinstance(key_map, Mapping) else None
     for path, _ in iter_array_nodes(manifest.skeleton):
         old = unescape_path(path)
         seen.add(old)
-        new = mapped_name(old, key_map)
+        if by_path is not None and path != old:
+            # a key holding '/' or '%': a mapping may name it as inspect lists it (and as
+            # a mismatch's advice does), escaped, or with the key as it is
+            seen.add(path)
+            new = mapped_name(path, key_map) if path in by_path else mapped_name(old, key_map)
+            new = old if new == path else new
+        else:
+            new = mapped_name(old, key_map)
         if new != old:
             if not path:
                 raise CheckpointConfigError(
