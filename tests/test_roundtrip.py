@@ -2567,3 +2567,42 @@ def test_a_key_map_names_a_key_holding_a_slash_as_inspect_and_the_advice_do(
     # mapped to itself, escaped: it stays where it is
     kept = asyncckpt.load(tmp_path, key_map={"m/a%2Fb": "m/a%2Fb"})
     assert kept["m"]["a/b"].item() == 1.0
+
+
+def _trained(steps: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    m = nn.Linear(3, 3)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    s = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)
+    for _ in range(steps):
+        m(torch.ones(3)).sum().backward()
+        o.step()
+        s.step()
+    return m, o, s
+
+
+def test_state_dict_copies_of_an_optimizer_and_scheduler_are_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial's port of a torch.save loop loaded into o.state_dict(), s.state_dict():
+    the moments came back (the copy holds the optimizer's own tensors), the learning rate
+    and the scheduler's step did not, without a word."""
+    m, o, s = _trained(3)
+    asyncckpt.save({"model": m.state_dict(), "optim": o.state_dict(),
+                    "sched": s.state_dict()}, tmp_path, step=3)
+    m2, o2, s2 = _trained(1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": m2.state_dict(), "optim": o2.state_dict(),
+                                  "sched": s2.state_dict()})
+    said = [r.getMessage() for r in caplog.records if "state_dict() cop" in r.getMessage()]
+    assert len(said) == 1 and "'optim', 'sched' hold state_dict() copies (of an LR " \
+        "scheduler and an optimizer)" in said[0] and "load_state_dict" in said[0], said
+    assert o2.param_groups[0]["lr"] != o.param_groups[0]["lr"]  # (what it warns of)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        # the objects themselves: restored, and nothing to say
+        asyncckpt.load(tmp_path, {"model": m2, "optim": o2, "sched": s2})
+        assert o2.param_groups[0]["lr"] == o.param_groups[0]["lr"] and s2.last_epoch == 3
+        # copies whose settings are the checkpoint's already lose nothing: no warning
+        asyncckpt.load(tmp_path, {"model": m2.state_dict(), "optim": o2.state_dict(),
+                                  "sched": s2.state_dict()})
+    assert not [r for r in caplog.records if "state_dict() cop" in r.getMessage()]

@@ -1221,6 +1221,20 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
              "there is an optimizer's state_dict() with no state yet (a copy of a fresh "
              "optimizer's); pass the optimizer itself to restore it",
              step_dir, few([repr(p or "<root>") for p in stateless], 3))
+    if not same_tree:
+        copies = [(p, kind) for p, kind in _copied_state_dicts(manifest.skeleton,
+                                                                target.skeleton)
+                  if p not in stateless]
+        if copies:
+            _say("loading %s: %s %s (of %s): the load fills their "
+                 "tensors in place, but the settings beside them (learning rates, a "
+                 "scheduler's step count) change in the copies only, not in the live "
+                 "objects: put the objects themselves in the state (as with a model), or call "
+                 "their load_state_dict with those parts of the returned tree", step_dir,
+                 few([repr(p or "<root>") for p, _ in copies], 3),
+                 "hold state_dict() copies" if len(copies) > 1 else
+                 "holds a state_dict() copy",
+                 " and ".join(sorted({f"an {k}" for _, k in copies})))
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
         for k in {saved[p] for p in unexpected if p in saved}:
@@ -1460,6 +1474,35 @@ def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) 
                     and kids["param_groups"]["t"] in _SEQUENCES):
                 found.append(head)
                 break
+    return found
+
+
+def _copied_state_dicts(saved: dict[str, Any], target: dict[str, Any]
+                        ) -> list[tuple[str, str]]:
+    """(path, kind) of the target's plain dicts near its root shaped as an optimizer's or
+    an LR scheduler's ``state_dict()`` whose values beside the tensors differ from the
+    checkpoint's: a load in place changes those in the dict, a copy, and not in the live
+    object (a trial's resume got its moments back, and its learning rate not)."""
+    found: list[tuple[str, str]] = []
+
+    def walk(node: dict[str, Any], path: str, depth: int) -> None:
+        keys = {k for k, _ in node["items"] if type(k) is str}
+        kind = ("optimizer" if {"state", "param_groups"} <= keys else
+                "LR scheduler" if {"last_epoch", "_step_count"} <= keys else None)
+        if kind is not None:
+            part = "param_groups" if kind == "optimizer" else ""
+            mine = _node_at(node, part)
+            theirs = _node_at(saved, join_path(path, part) if part else path)
+            if theirs is not None and mine is not None and theirs != mine:
+                found.append((path, kind))
+            return
+        if depth < 3:  # (where state trees hold them: a model's state dict is not walked)
+            for k, child in node["items"]:
+                if child["t"] == "dict":
+                    walk(child, join_path(path, k), depth + 1)
+
+    if target["t"] == "dict":
+        walk(target, "", 0)
     return found
 
 
