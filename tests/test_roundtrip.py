@@ -2606,3 +2606,31 @@ def test_state_dict_copies_of_an_optimizer_and_scheduler_are_warned_of(
         asyncckpt.load(tmp_path, {"model": m2.state_dict(), "optim": o2.state_dict(),
                                   "sched": s2.state_dict()})
     assert not [r for r in caplog.records if "state_dict() cop" in r.getMessage()]
+
+
+def test_a_key_map_that_moves_an_optimizer_s_tensors_alone_is_refused_before_reading(
+        tmp_path: Path) -> None:
+    """A trial mapped optimizer_state_dict/ to optim/: the moments moved, the
+    param_groups stayed, and SGD's load_state_dict raised KeyError with the model already
+    filled."""
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(2)).sum().backward()
+    o.step()
+    asyncckpt.save({"model_state_dict": m.state_dict(), "optimizer_state_dict": o.state_dict()},
+                   tmp_path, step=1)
+    m2 = nn.Linear(2, 2)
+    before = m2.weight.detach().clone()
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StateMismatchError, match=r"optim: the checkpoint holds no optimizer "
+                       r"state dict there \(no param_groups\) for the target's SGD; a key_map "
+                       r"moves tensors only") as err:
+        asyncckpt.load(tmp_path, {"model": m2, "optim": o2}, ignore_unexpected=True,
+                       key_map=lambda p: p.replace("model_state_dict/", "model/", 1)
+                       .replace("optimizer_state_dict/", "optim/", 1))
+    assert err.value.mismatched == [err.value.mismatched[0]] and torch.equal(m2.weight, before)
+    # what it advises: the optimizer under the saved name (the model key_mapped alone)
+    asyncckpt.load(tmp_path, {"model": m2, "optimizer_state_dict": o2},
+                   key_map=lambda p: p.replace("model_state_dict/", "model/", 1))
+    assert torch.equal(m2.weight, m.weight)
+    assert torch.equal(o2.state[m2.weight]["momentum_buffer"], o.state[m.weight]["momentum_buffer"])

@@ -1882,6 +1882,19 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             continue
         node = _node_at(skeleton, path)
         groups = None if node is None else _node_at(node, "param_groups")
+        if groups is None and node is not None and _inner(node)["t"] == "dict" and (
+                path not in told):
+            # its load_state_dict raised KeyError 'param_groups' with the tensors before
+            # it loaded: a trial's key_map had moved the saved optimizer's tensors here,
+            # and a key_map moves tensors only
+            mismatched.append(
+                f"{path or '<root>'}: the checkpoint holds no optimizer state dict there (no "
+                f"param_groups) for the target's {type(obj).__qualname__}; a key_map moves "
+                "tensors only, and an optimizer's param_groups stay at the saved name: to "
+                "load it under another name, give the optimizer the saved name in the "
+                "target instead")
+            told.add(path)
+            continue
         if groups is None or groups["t"] not in _SEQUENCES:
             continue  # not an optimizer's state dict: its load_state_dict will say
         params = [_node_at(g, "params") for g in groups["items"]]
