@@ -1243,3 +1243,38 @@ def test_a_damaged_plain_safetensors_file_is_not_sent_to_verify(
     path.write_bytes(bytes(data))
     code, _, err = run(capsys, "inspect", str(path))
     assert code == 1 and "asyncckpt verify" not in err, err  # (verify takes no such file)
+
+
+def test_verify_all_goes_on_past_a_step_it_cannot_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial: one step unreadable (another user's 0600 shard) ended --all with that
+    one error and no word of the intact steps; --json had no "steps"."""
+    import asyncckpt.cli as cli_module
+    from asyncckpt.errors import CheckpointPermissionError
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in (1, 2, 3):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    real = cli_module._verified
+
+    def verified(step_dir: Path, storage: Any, threads: int | None = None) -> Any:
+        if step_dir.name == "step_000000002":
+            raise CheckpointPermissionError(f"{step_dir}/rank_00000.safetensors cannot be "
+                                            "read: Permission denied")
+        return real(step_dir, storage, threads)
+
+    monkeypatch.setattr(cli_module, "_verified", verified)
+    code, out, _ = run(capsys, "verify", str(tmp_path), "--all")
+    assert code == 2, out
+    assert "OK " in out and "step 1," in out and "step 3," in out
+    assert f"NOT VERIFIED {tmp_path / 'step_000000002'}: " in out and "Permission" in out
+    assert "2 committed steps verified: all intact; 1 could not be verified" in out
+    code, out, _ = run(capsys, "verify", str(tmp_path), "--all", "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False
+    assert [s["step"] for s in doc["steps"]] == [1, 3]
+    assert [(s["step"], "Permission denied" in s["error"]) for s in doc["not_verified"]] == [
+        (2, True)]
+    flip_byte(tmp_path / "step_000000003", "w")  # one corrupt: exit 1 all the same
+    assert run(capsys, "verify", str(tmp_path), "--all")[0] == 1

@@ -757,6 +757,9 @@ def _verify_all(args: argparse.Namespace) -> int:
         _refuse_lost_only(root, storage, exc)
         raise exc
     done: list[tuple[Path, VerifyReport, float]] = []
+    # Steps that could not be judged (unreadable for lack of permission, a newer format):
+    # the others are still verified (a trial's one unreadable step hid them all).
+    untold: dict[Path, str] = {}
     for step in steps:
         step_dir = root / commit.step_dir_name(step)
         t0 = time.perf_counter()
@@ -766,15 +769,24 @@ def _verify_all(args: argparse.Namespace) -> int:
             if os.path.lexists(step_dir):
                 raise
             continue  # retired by retention since it was listed: no step now
+        except CheckpointCorruptError as exc:  # (its manifest: the step is damaged)
+            report = VerifyReport(path=step_dir, step=step, problems=[str(exc)])
+        except (CheckpointError, OSError) as exc:
+            untold[step_dir] = (str(exc) if isinstance(exc, CheckpointError)
+                                else f"cannot read {exc.filename or step_dir}: "
+                                     f"{exc.strerror or exc}")
+            continue
         done.append((step_dir, report, time.perf_counter() - t0))
     bad = [d.name for d, r, _ in done if not r.ok]
-    code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_OK)
+    code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_USAGE if untold else EXIT_OK)
     marks = {d: commit.read_damaged_mark(d, storage) for d, _, _ in done}
     if args.json:
-        _print_json({"root": str(root), "ok": not bad and not lost,
+        _print_json({"root": str(root), "ok": not bad and not lost and not untold,
                      "steps": [_verify_doc(d, r, t) | ({"damaged_mark": marks[d]} if marks[d]
                                                        else {}) for d, r, t in done],
-                     "without_manifest": lost})
+                     "without_manifest": lost,
+                     "not_verified": [{"path": str(d), "step": commit.step_of_dir_name(d.name),
+                                       "error": e} for d, e in untold.items()]})
         return code
     for d, r, t in done:
         _print_verdict(d, r, t)
@@ -782,8 +794,12 @@ def _verify_all(args: argparse.Namespace) -> int:
         if r.ok and mark is not None:  # (ls shows it DAMAGED: say why, and what to do)
             _out(f"  {_mark_text(mark)}; it verifies now: if that was a passing fault, "
                  f"delete {d / commit.DAMAGED_NAME}")
+    for d, e in untold.items():
+        _out(f"NOT VERIFIED {d}: {_shown(e)}")
     _out(f"{_n(len(done), 'committed step')} verified: " + (
-        f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact"))
+        f"{len(bad)} corrupt ({', '.join(bad)}); load another step" if bad else "all intact")
+        + (f"; {len(untold)} could not be verified (exit 2 unless one is corrupt)"
+           if untold else ""))
     if lost:
         _out(f"{_n(len(lost), 'step directory', 'step directories')} without {MANIFEST_NAME} "
              f"(checkpoints whose manifest was lost, or a copy cut short): {', '.join(lost)}; "
