@@ -2634,3 +2634,21 @@ def test_a_key_map_that_moves_an_optimizer_s_tensors_alone_is_refused_before_rea
                    key_map=lambda p: p.replace("model_state_dict/", "model/", 1))
     assert torch.equal(m2.weight, m.weight)
     assert torch.equal(o2.state[m2.weight]["momentum_buffer"], o.state[m.weight]["momentum_buffer"])
+
+
+def test_strict_false_names_what_it_skips_for_being_of_another_kind(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: a tensor saved where the target held an int was skipped without a word
+    (strict=True calls it a mismatch; a missing key gets strict=False's warning)."""
+    asyncckpt.save({"t": torch.arange(3.0), "s": np.float32(2.5), "x": torch.ones(2)},
+                   tmp_path, step=1)
+    target: dict[str, Any] = {"t": 0, "s": 0.0, "x": torch.zeros(2)}
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, target, strict=False)
+    assert target["t"] == 0 and target["s"] == 0.0 and target["x"].tolist() == [1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "strict=False" in r.getMessage()]
+    assert len(said) == 1 and "skips 2 entries of another kind than the checkpoint's" in \
+        said[0] and "t: the checkpoint holds a tensor, the target an int" in said[0], said
+    with pytest.raises(StateMismatchError) as err:  # (strict: mismatches, as before)
+        asyncckpt.load(tmp_path, dict(target))
+    assert sorted(m.split(":")[0] for m in err.value.mismatched) == ["s", "t"]

@@ -1118,9 +1118,14 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                            missing, mismatched, unexpected, told)
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched, told, saved,
                           manifest.tensors)
-    if strict and (missing or unexpected) and not same_tree:  # (strict=False skips them)
-        _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched,
-                     told)
+    apart: list[str] = []  # (strict=False skips them: named in its warning)
+    if (missing or unexpected) and not same_tree:
+        if strict:
+            _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched,
+                         told)
+        else:
+            _kinds_apart(manifest.skeleton, target.skeleton, list(missing), list(unexpected),
+                         apart, set(told))
     readonly: list[str] = []
     overlapping: list[str] = []
     unwritable: list[str] = []
@@ -1249,6 +1254,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
             skipped = (f"loading {step_dir} with strict=False leaves {len(missing)} target "
                        f"key(s) the checkpoint does not hold as they are: {few(missing)}")
+        if apart:  # (a trial's tensor saved where the target held an int: silent)
+            skipped = ((skipped + "; it also" if skipped else
+                        f"loading {step_dir} with strict=False") +
+                       f" skips {len(apart)} entr{'y' if len(apart) == 1 else 'ies'} of "
+                       f"another kind than the checkpoint's, which keep the target's values: "
+                       f"{few(apart)}")
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
