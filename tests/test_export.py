@@ -7,6 +7,7 @@ import contextlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -1221,3 +1222,33 @@ def test_export_keeps_packed_float4_under_a_cast_and_skips_only_a_0d_one(
     got = load_file(out)
     assert_exact(got["model/q"], state["model"]["q"], "q")
     assert got["model/w"].dtype == torch.bfloat16 and "model/z" not in got
+
+
+def test_export_warns_of_a_wrapper_s_prefix_on_every_name_and_says_how_to_drop_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial exported a torch.compile'd model with --prefix model --strip-prefix and got
+    _orig_mod.* names, which no model loads, without a word."""
+    model = torch.compile(torch.nn.Linear(2, 2))
+    asyncckpt.save({"model": model}, tmp_path / "ck", step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        export_safetensors(tmp_path / "ck", tmp_path / "a.safetensors", prefix="model",
+                           strip_prefix=True)
+    said = [r.getMessage() for r in caplog.records if "wrapper" in r.getMessage()]
+    assert len(said) == 1 and "prefix='model/_orig_mod.'" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):  # as it advises: quiet
+        export_safetensors(tmp_path / "ck", tmp_path / "b.safetensors",
+                           prefix="model/_orig_mod.", strip_prefix=True)
+    assert not caplog.records
+    assert sorted(load_file(str(tmp_path / "b.safetensors"))) == ["bias", "weight"]
+
+
+def test_export_warns_of_a_key_s_own_slash(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    asyncckpt.save({"x": {"a/b": torch.ones(1), "c": torch.ones(1)}}, tmp_path / "ck", step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        export_safetensors(tmp_path / "ck", tmp_path / "a.safetensors")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "1 tensor name(s) hold a '/' of their key's own ('x/a/b')" in \
+        said[0], said
+    assert asyncckpt.load_safetensors(tmp_path / "a.safetensors")["x"]["a"]["b"].item() == 1.0

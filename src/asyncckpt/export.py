@@ -153,6 +153,8 @@ class _Planned:
     shape: tuple[int, ...]
     nbytes: int
     chunks: int
+    full: str = ""  # its path in the state tree, keys as they are
+    own_slash: bool = False  # a key on its path holds a '/' of its own
 
 
 def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
@@ -242,6 +244,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     for s in report.skipped:
         report_log.warning("export: skipping %s (%s %s): %s", s.key, s.dtype, list(s.shape),
                            s.reason)
+    _warn_of_names(planned, prefix, strip_prefix)
     # every file once, up front (size and header): not once per tensor, which re-read
     # and re-hashed the headers of all the files a sharded tensor touches
     for name in sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}):
@@ -392,6 +395,34 @@ def _check_out(out: Path, force: bool) -> None:
                                     "overwrite it")
 
 
+_WRAPPERS = ("_orig_mod.", "module.")  # torch.compile's; DataParallel's and DDP's
+
+
+def _warn_of_names(planned: list[_Planned], prefix: str, strip: bool) -> None:
+    """Names a reader of the file will not expect: every one under a wrapper's prefix (a
+    trial exported a torch.compile'd model as _orig_mod.*, which no model loads), or
+    holding a key's own '/' (read back as a separator, into nested dicts)."""
+    if planned:
+        for wrapper in _WRAPPERS:
+            if all(p.name.startswith(wrapper) for p in planned):
+                first = planned[0]
+                cut = first.full[:len(first.full) - len(first.name)] + wrapper
+                log.warning("export: every tensor name starts with %r, a wrapper's part of "
+                            "the names (torch.compile, DataParallel), which the model that "
+                            "loads the file will not have: export with prefix=%r and "
+                            "strip_prefix (--prefix %s --strip-prefix) to drop it", wrapper,
+                            cut, cut)
+                break
+    slashed = [p.name for p in planned if p.own_slash]
+    if slashed:
+        log.warning("export: %d tensor name(s) hold a '/' of their key's own (%s): a "
+                    "safetensors name has no way to tell it from the '/' between keys, and "
+                    "load_safetensors reads it back as one (nested dicts); rename those keys "
+                    "to load the file into the tree it came from", len(slashed),
+                    ", ".join(repr(n) for n in slashed[:3]) + (", ..." if len(slashed) > 3
+                                                               else ""))
+
+
 def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None,
           report: ExportReport, copy_tied: bool = False) -> list[_Planned]:
     """Choose the tensors and their output names, dtypes and order (``copy_tied``: a
@@ -454,7 +485,7 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
         for s in entry.shape:
             n *= s
         planned.append(_Planned(name, key, entry.dtype, out, entry.shape, n * out.itemsize,
-                                len(entry.chunks)))
+                                len(entry.chunks), full, "%2F" in path))
     if not planned and report.skipped:
         raise CheckpointConfigError(
             f"every tensor under {prefix!r} in step {manifest.step} is of a dtype (or, a 0-d "
