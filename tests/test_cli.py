@@ -1278,3 +1278,14 @@ def test_verify_all_goes_on_past_a_step_it_cannot_read(
         (2, True)]
     flip_byte(tmp_path / "step_000000003", "w")  # one corrupt: exit 1 all the same
     assert run(capsys, "verify", str(tmp_path), "--all")[0] == 1
+
+
+def test_inspect_json_gives_float_scalars_as_numbers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """cli.md: numbers are JSON numbers (NaN and the infinities strings); a trial's float
+    scalars came out as strings, ints as numbers."""
+    asyncckpt.save({"w": torch.ones(1), "lr": 1.5e-4, "n": 3, "bad": float("nan"),
+                    "top": float("-inf")}, tmp_path, step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
+    values = {s["path"]: s["value"] for s in json.loads(out)["skeleton"]["scalars"]}
+    assert code == 0 and values == {"lr": 1.5e-4, "n": 3, "bad": "nan", "top": "-inf"}

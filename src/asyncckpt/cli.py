@@ -478,7 +478,12 @@ def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> N
         for i, child in enumerate(node["items"]):
             _skeleton_summary(child, join_path(path, i), out)
     elif t not in ARRAY_NODES:
-        out["scalars"].append({"path": path, "type": t, "value": node.get("v")})
+        value = node.get("v")
+        if t == "float" and isinstance(value, str):  # (kept as its repr: a JSON number here)
+            with contextlib.suppress(ValueError):
+                number = float(value)
+                value = number if math.isfinite(number) else value  # ("nan", "inf" as text)
+        out["scalars"].append({"path": path, "type": t, "value": value})
 
 
 def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
