@@ -3710,3 +3710,22 @@ def test_a_damaged_mark_cut_short_by_a_full_disk_is_not_left_behind(
         assert ck.load(fallback=True)["w"][0].item() == 1.0
     assert "could not be written (step 2: No space left on device)" in caplog.text
     assert not (tmp_path / "step_000000002" / "damaged.json").exists()
+
+
+def test_a_host_buffer_that_cannot_be_allocated_is_told_in_words(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial's message read "...the host buffer of 4398.05 GB that saves into DIR stage
+    into (OSError ...)"."""
+    import asyncckpt.checkpointer as checkpointer_module
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(checkpointer_module, "HostArena", refuse)
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck, pytest.raises(
+            asyncckpt.CheckpointSaveError) as err:
+        ck.save({"w": torch.zeros(1).expand(1000)}, step=1)
+    text = str(err.value)
+    assert text.startswith("rank 0: could not allocate the host buffer of 0.00 GB (OSError: ")
+    assert f"into which the saves to {tmp_path} copy the state: free host memory" in text
+    assert ck.steps() == []

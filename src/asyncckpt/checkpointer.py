@@ -1702,10 +1702,11 @@ class AsyncCheckpointer:
                 pinned = pinned and torch.cuda.is_available()
                 raise CheckpointSaveError(
                     f"rank {self._ctx.rank}: could not allocate the "
-                    f"{'pinned ' if pinned else ''}host buffer of {need / 1e9:.2f} GB that "
-                    f"saves into {self.directory} stage into ({type(exc).__name__}: {exc}); "
-                    "free host memory" + (", or try mode='async' (not pinned)" if pinned
-                                          else "")) from exc
+                    f"{'pinned ' if pinned else ''}host buffer of {need / 1e9:.2f} GB "
+                    f"({type(exc).__name__}: {exc}) into which the saves to {self.directory} "
+                    "copy the state: free host memory, or save less (a state's tensors are "
+                    "copied whole: an expanded view, stride 0, takes its full size)"
+                    + ("; or try mode='async' (not pinned)" if pinned else "")) from exc
         assert self._arena is not None
         return self._arena
 
