@@ -156,6 +156,11 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         raise CheckpointConfigError(
             f"{path}: a peer's address must start with http:// (as HTTPTransport.address() "
             f"gives), not {scheme.group(1)}://; a local path has no scheme")
+    if scheme is None and re.match(r"(?i)https?:", str(path)) and not os.path.exists(path):
+        # ("http:/host:port/v1" read as a local path: "no checkpoint directory at ...")
+        raise CheckpointConfigError(
+            f"{path}: not a peer's address (http://host:port/v1, as HTTPTransport.address() "
+            "gives: two slashes after http:), nor a local path that exists")
     if is_peer:
         if fallback:
             raise CheckpointConfigError(

@@ -1030,6 +1030,23 @@ def test_serving_a_damaged_directory_is_refused_as_a_load_would(tmp_path: Path,
         srv.serve_directory(info.path)
 
 
+def test_serve_directory_takes_a_root_and_names_a_path_that_is_not_there(
+        tmp_path: Path, transports: Any) -> None:
+    """A trial: a root (which the CLI takes) or a missing path got "has no manifest.json:
+    not a committed checkpoint"; after shutdown the error named "serve"."""
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save({"w": torch.arange(64.0)}, 3)
+        ckpt.save({"w": torch.arange(64.0) + 1}, 4)
+    srv = transports(token=TOKEN)
+    assert srv.serve_directory(tmp_path / "ckpt") == 4  # (the latest step)
+    with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint directory at|does not "
+                                                      r"exist"):
+        srv.serve_directory(tmp_path / "nowhere")
+    srv.shutdown()
+    with pytest.raises(CheckpointClosedError, match=r"^serve_directory: "):
+        srv.serve_directory(tmp_path / "ckpt")
+
+
 _SLOW_SERVER = r"""
 import sys, time, torch
 from asyncckpt.transport import HTTPTransport

@@ -335,9 +335,15 @@ def serve_arena(step: int, manifest: Manifest | bytes, file: str, buf: memoryvie
 
 
 def serve_directory(step_dir: Path) -> Served:
-    """Serve a committed checkpoint from disk: its files are there, of their sizes, with
-    their headers (CheckpointCorruptError, as a load or verify would say, if not)."""
+    """Serve a committed checkpoint from disk (a step directory, or a root: its latest
+    step): its files are there, of their sizes, with their headers
+    (CheckpointCorruptError, as a load or verify would say, if not)."""
+    from ..commit import resolve_step_dir
+
     storage = LocalStorage()
+    # (a root, or a path that is not there, got "has no manifest.json: not a committed
+    # checkpoint", where the CLI takes a root: a trial)
+    step_dir, _ = resolve_step_dir(step_dir, None, storage)
     manifest = read_manifest(step_dir, storage)
     for name in manifest.files:
         check_file(step_dir, manifest, name, storage)

@@ -334,15 +334,17 @@ class HTTPTransport(CheckpointTransport[Any]):
             except Exception as exc:
                 # (a leaf that cannot be served, a state_dict() that raised) The receivers
                 # of this step would wait out their timeout for it: tell them now.
+                failed = None
                 with contextlib.suppress(CheckpointError, TypeError, ValueError):
                     failed = (as_step(step), f"its send_checkpoint failed at the sender "
                                              f"({type(exc).__name__}: {exc})")
                     with self._cond:
                         self._failed = failed
-                # The step on offer before is stale: its sender moved on (and may change
-                # its tensors); still allowed, it was served as current, and a receiver
-                # waiting for this step was told to fetch that one.
-                self.withdraw()
+                if failed is not None:  # (not a step that is no step: an argument refused)
+                    # The step on offer before is stale: its sender moved on (and may
+                    # change its tensors); still allowed, it was served as current, and a
+                    # receiver waiting for this step was told to fetch that one.
+                    self.withdraw()
                 raise
             # A disallow_checkpoint() (or withdraw()) from another thread while the state
             # was laid out returned at once: its caller may be changing the tensors now.
@@ -355,8 +357,10 @@ class HTTPTransport(CheckpointTransport[Any]):
                 self._cond.notify_all()  # (a failure, or the send's end: waiters look again)
 
     def serve_directory(self, step_dir: str | Path) -> int:
-        """Serve a committed checkpoint from disk; returns its step."""
+        """Serve a committed checkpoint from disk (a step directory, or a checkpoint root:
+        its latest step); returns its step."""
         self._refuse_forked("serve_directory")
+        self._check_open("serve_directory")  # (before the files are read)
         served = serve_directory(Path(step_dir))
         try:
             self.serve(served)
