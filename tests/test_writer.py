@@ -167,3 +167,31 @@ def test_back_to_back_saves_wait_for_the_old_steps_removal_when_the_disk_lacks_r
         ckpt.close()
     assert ckpt.steps() == [5, 6]
     assert ckpt.load(step=6)["w"][0].item() == 6.0
+
+
+def test_a_lower_keep_last_makes_room_on_a_full_disk_before_the_save_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A trial filled a disk with keep_last=3, then restarted with keep_last=1, as the
+    ENOSPC error advises: every save still failed, for retention runs after a commit."""
+    import logging
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    step_bytes = 512 * 1024 * 4
+    storage = _Quota(tmp_path, quota=3 * step_bytes + (1 << 20))
+    monkeypatch.setattr(writer_module.os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=max(0, storage.quota - storage.used()), f_frsize=1))
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3, storage=storage) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save({"w": torch.full((512 * 1024,), float(s))}, step=s)
+        with pytest.raises(asyncckpt.CheckpointSaveError, match="the disk is full"):
+            ckpt.save({"w": torch.full((512 * 1024,), 4.0)}, step=4)  # (keeps 3: no room)
+        assert ckpt.steps() == [1, 2, 3]
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path, keep_last=1, mode="async", storage=storage) as ckpt:
+        ckpt.save_async({"w": torch.full((512 * 1024,), 4.0)}, step=4).wait()
+        assert ckpt.steps() == [4]
+    assert "removing now the steps keep_last=1 lets go of" in caplog.text
+    assert asyncckpt.load(tmp_path)["w"][0].item() == 4.0

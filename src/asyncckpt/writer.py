@@ -552,7 +552,7 @@ class BackgroundWriter:
         raw: bytes | None = None
         if hashes is not None:
             try:
-                _room_for(job)
+                _room_for(job, self._reap)
                 ready = _Counted(job, _ready(job))
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
                                     ready, job.direct_io)
@@ -703,15 +703,18 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
             f"whether {job.root} holds the step") from exc
 
 
-def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
+def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
+            before: bool = False) -> None:
     """Apply keep_last after a committed save (coordinator only): hide the old steps here,
     remove their files on ``reaper``; ``done`` resolves once they are gone. A failure is
-    logged, never raised: the new checkpoint is durable, and the next save tries again."""
+    logged, never raised: the new checkpoint is durable, and the next save tries again.
+    ``before``: before the save is written, to make room (see _room_for): the steps
+    there alone are counted."""
     hidden: list[tuple[int, Path]] = []
     leftovers: list[Path] = []
     marked: set[int] = set()  # steps damaged.json marks (another process's verdict, maybe)
     try:
-        if job.committed and job.ctx.is_coordinator:
+        if (job.committed or before) and job.ctx.is_coordinator:
             # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked)
             with job.in_use.locked() as got:
                 if not got:
@@ -722,9 +725,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
                     doomed = []
                 else:
                     best = job.keep_best
-                    if best is not None:  # (committed: its metrics need not be read back)
+                    if best is not None and not before:  # (its metrics need not be read)
                         best.cache.note(job.root, job.step, job.storage, job.metrics)
-                    if job.known is not None:  # (nor its files' sizes: see amiss)
+                    if job.known is not None and not before:  # (nor its files' sizes)
                         job.known.note_files(job.root, job.step, job.storage)
                     listed: list[int] = []
                     doomed = job.in_use.spare(commit.doomed_steps(
@@ -769,26 +772,39 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None]) -> None:
 ROOM_WAIT_S = 120.0  # the longest a save waits for the last one's removals to free room
 
 
-def _room_for(job: SaveJob) -> None:
-    """Wait for the removals of the last save's retention while the disk lacks room for
-    this step: those run on their own thread, so as not to delay a save, but a disk with
-    room for keep_last + 1 steps and no more filled up (ENOSPC) when saves came back to
-    back, the old step's files still there as the new ones were written."""
+def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
+    """Make room for this step on a disk that lacks it, before it is written.
+
+    First, wait for the removals of the last save's retention: those run on their own
+    thread, so as not to delay a save, but a disk with room for keep_last + 1 steps and
+    no more filled up (ENOSPC) when saves came back to back, the old step's files still
+    there as the new ones were written. Then, still short, remove now what retention
+    would remove of the steps there, this one left aside (the coordinator): a restart
+    with a lower keep_last on a full disk failed every save, as retention runs after a
+    commit; what it removes here would go after this commit all the same, and the steps
+    it keeps are keep_last, should this save fail."""
     removals = job.removals
-    if removals is None or removals.done():
-        return
+    if removals is not None and not removals.done() and _short_of_room(job):
+        log.info("rank=%d step=%d: the disk lacks room for this step: waiting for the last "
+                 "save's retention to remove the old steps", job.ctx.rank, job.step)
+        cf.wait([removals], timeout=ROOM_WAIT_S)
+    if job.keep_last is not None and job.ctx.is_coordinator and _short_of_room(job):
+        log.info("rank=0 step=%d: the disk lacks room for this step: removing now the steps "
+                 "keep_last=%d lets go of those there", job.step, job.keep_last)
+        made: cf.Future[None] = cf.Future()
+        _retain(job, reaper, made, before=True)
+        cf.wait([made], timeout=ROOM_WAIT_S)
+
+
+def _short_of_room(job: SaveJob) -> bool:
+    """Whether the disk of the checkpoint (a local path: else None is known) has less
+    room free than this step takes, with a margin."""
     try:
         fs = os.statvfs(job.root)
     except (OSError, AttributeError):  # (not a local path: a storage of its own; Windows)
-        return
-    free = fs.f_bavail * fs.f_frsize
+        return False
     need = job.plan.file_bytes + (1 << 20)  # (the manifest, the directories)
-    if free >= need:
-        return
-    log.info("rank=%d step=%d: the disk has %d bytes free, this step needs ~%d: waiting for "
-             "the last save's retention to remove the old steps", job.ctx.rank, job.step,
-             free, need)
-    cf.wait([removals], timeout=ROOM_WAIT_S)
+    return bool(fs.f_bavail * fs.f_frsize < need)
 
 
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
@@ -1215,9 +1231,10 @@ def _storage_call(exc: BaseException) -> str:
 def os_error_hint(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return (" (the disk is full, or out of inodes: free space, or keep fewer steps "
-                "with keep_last=, which deletes once a save commits: a save needs room for "
-                "one step more than it keeps, as the oldest goes only after the new one is "
-                "committed; earlier checkpoints are intact)")
+                "with a lower keep_last=, whose deletions the next save makes before it "
+                "writes where the disk lacks room: a save needs room for one step more than "
+                "it keeps, as the oldest goes only after the new one is committed; earlier "
+                "checkpoints are intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""
