@@ -3744,3 +3744,17 @@ def test_a_host_buffer_that_cannot_be_allocated_is_told_in_words(
     assert text.startswith("rank 0: could not allocate the host buffer of 0.00 GB (OSError: ")
     assert f"into which the saves to {tmp_path} copy the state: free host memory" in text
     assert ck.steps() == []
+
+
+def test_a_path_under_a_file_names_the_file_not_the_path(tmp_path: Path) -> None:
+    """(a trial: DIR/iamafile/sub was said to be a file)"""
+    (tmp_path / "iamafile").write_text("x")
+    for call in (lambda: asyncckpt.AsyncCheckpointer(tmp_path / "iamafile" / "sub").steps(),
+                 lambda: asyncckpt.load(tmp_path / "iamafile" / "sub")):
+        with pytest.raises(asyncckpt.CheckpointNotFoundError) as err:
+            call()
+        assert str(err.value) == (f"no checkpoint directory at {tmp_path / 'iamafile' / 'sub'}"
+                                  f": {tmp_path / 'iamafile'}, on its path, is a file; check "
+                                  "the path")
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="iamafile is a file, not a "):
+        asyncckpt.load(tmp_path / "iamafile")

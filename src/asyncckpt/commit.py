@@ -89,6 +89,12 @@ def list_root(root: Path, storage: ReadStorage) -> list[str]:
     try:
         return storage.listdir(root)
     except NotADirectoryError:
+        # (root itself, or a directory above it: "DIR/file/sub is a file" said of sub)
+        above = next((p for p in root.parents if p.is_file()), None)
+        if above is not None and not root.is_file():
+            raise CheckpointNotFoundError(
+                f"no checkpoint directory at {root}: {above}, on its path, is a file; check "
+                "the path") from None
         raise CheckpointNotFoundError(
             f"{root} is a file, not a checkpoint directory: pass the directory that holds "
             f"the step_* directories (or one of them){foreign_hint(root)}") from None
