@@ -3758,3 +3758,15 @@ def test_a_path_under_a_file_names_the_file_not_the_path(tmp_path: Path) -> None
                                   "the path")
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="iamafile is a file, not a "):
         asyncckpt.load(tmp_path / "iamafile")
+
+
+def test_a_file_named_as_a_step_is_said_to_be_a_file(tmp_path: Path) -> None:
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.save({"w": torch.ones(2)}, step=1)
+        (tmp_path / "step_000000005").write_text("x")
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"step_000000005 is in the way of step 5's commit: it is a "
+                                 r"file, not a step directory"):
+            ck.save({"w": torch.ones(2)}, step=5)
+        ck.save({"w": torch.ones(2)}, step=6)
+        assert ck.steps() == [1, 6]

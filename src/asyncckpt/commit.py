@@ -515,10 +515,15 @@ def check_step_free(root: Path, step: int, storage: ReadStorage) -> Path:
 
 
 def _refuse_taken(final: Path, step: int, storage: ReadStorage) -> None:
+    a_file = False
     try:
         names = storage.listdir(final)
     except NotADirectoryError:
-        names = []
+        names, a_file = [], True
+    if a_file:  # (told it "holds no manifest.json": a trial)
+        raise CheckpointExistsError(
+            f"{final} is in the way of step {step}'s commit: it is a file, not a step "
+            "directory; move or delete it, or save under a new step number")
     if MANIFEST_NAME in names and DAMAGED_NAME in names:
         # (a resume whose fallback loaded an older step saves the damaged one's step again)
         raise CheckpointExistsError(
