@@ -366,13 +366,24 @@ def test_a_key_map_entry_naming_no_tensor_of_the_file_is_warned_of(
 
 def test_a_torch_save_file_or_json_passed_as_safetensors_is_named(tmp_path: Path) -> None:
     # (both said only that the header claims some 10**17 bytes)
+    # (and not as damaged, CheckpointCorruptError, which inspect's exit code 1 says: a
+    # trial's torch.save file was; they are files of another format)
     torch.save({"w": torch.ones(2)}, tmp_path / "model.safetensors")
-    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"a zip archive: a torch.save "
-                       r"file\? load it with torch.load\(path, weights_only=True\)"):
+    with pytest.raises(CheckpointNotFoundError, match=r"is no safetensors file \(a zip "
+                       r"archive: a torch.save file\? load it with torch.load\(path, "
+                       r"weights_only=True\)"):
         asyncckpt.load_safetensors(tmp_path / "model.safetensors")
+    torch.save({"w": torch.ones(2)}, tmp_path / "old.safetensors",
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointNotFoundError, match=r"a pickle: a torch.save file of the "
+                                                      r"legacy format"):
+        asyncckpt.load_safetensors(tmp_path / "old.safetensors")
     (tmp_path / "index.safetensors").write_text('{"weight_map": {"w": "model.safetensors"}}')
-    with pytest.raises(asyncckpt.CheckpointCorruptError, match=r"it begins as JSON"):
+    with pytest.raises(CheckpointNotFoundError, match=r"it begins as JSON"):
         asyncckpt.load_safetensors(tmp_path / "index.safetensors")
+    from asyncckpt.cli import main
+
+    assert main(["inspect", str(tmp_path / "model.safetensors")]) == 2  # (not 1: damaged)
 
 
 def test_forged_headers_with_shared_bytes_or_repeated_names_are_refused(tmp_path: Path) -> None:

@@ -432,12 +432,19 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
             raise CheckpointCorruptError(f"{path} is {size} bytes: too short for a "
                                          "safetensors file", path=str(path))
         (n,) = struct.unpack("<Q", prefix)
+        if (n > MAX_HEADER_BYTES or 8 + n > size) and _other_format(prefix):
+            # another format, which the first bytes name: not damaged (a trial's torch.save
+            # file was called corrupt, and inspect exits 1 for that)
+            raise CheckpointNotFoundError(
+                f"{path} is no safetensors file{_other_format(prefix)}")
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header claims {n} bytes, more than "
                 f"{'the file holds' if 8 + n > size else 'any header may'}: not a "
                 "safetensors file, or a damaged one" + _other_format(prefix), path=str(path))
         head = os.pread(fd, 8 + n, 0)
+    except CheckpointNotFoundError:  # (an OSError too: not one of reading)
+        raise
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: cannot be read: {exc}", path=str(path)) from exc
     finally:
@@ -602,6 +609,9 @@ def _other_format(prefix: bytes) -> str:
     if prefix.startswith(b"PK\x03\x04"):
         return (" (a zip archive: a torch.save file? load it with torch.load(path, "
                 "weights_only=True))")
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return (" (a pickle: a torch.save file of the legacy format? load it with "
+                "torch.load(path, weights_only=True))")
     if prefix.lstrip()[:1] in (b"{", b"["):
         return " (it begins as JSON: an index or a manifest? pass the directory that holds it)"
     return ""
