@@ -93,3 +93,24 @@ def test_refuses_non_empty_dir(demo: ModuleType, tmp_path: Path,
     (tmp_path / "old").write_text("x")
     assert demo.main(["--dir", str(tmp_path)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+_MIGRATING = Path(__file__).parents[1] / "docs" / "migrating.md"
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_every_block_of_the_migration_guide_prints_what_it_says(
+        index: int, tmp_path: Path) -> None:
+    """docs/migrating.md says its blocks run as they are; each ends in a print whose
+    output its comment gives."""
+    import subprocess
+
+    blocks = re.findall(r"```python\n(.*?)```", _MIGRATING.read_text(), re.S)
+    assert len(blocks) == 3
+    code = blocks[index]
+    said = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s*#\s*(.+)", code)]
+    assert said, code
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:len(said)] == said, (out.stdout, said)
