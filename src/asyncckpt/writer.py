@@ -833,8 +833,9 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
             # settings, one whose retention a crash skipped: the warning says "if".
             log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
                         ", keep_every=%s, keep_best=%s): if a restart changed those settings, "
-                        "the steps the old ones kept are gone too", job.step, len(removed),
-                        removed, job.keep_last, job.keep_every,
+                        "the steps the old ones kept are gone too (else: steps an earlier "
+                        "retention could not delete, or the removals a crash skipped)",
+                        job.step, len(removed), removed, job.keep_last, job.keep_every,
                         None if job.keep_best is None else job.keep_best.count)
         elif removed:
             log.info("rank=0 step=%d: retention removed steps %s", job.step, removed)
