@@ -3698,10 +3698,30 @@ def test_the_module_level_fallback_load_marks_the_damaged_step_too(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert asyncckpt.load(tmp_path, fallback=True)["w"][0].item() == 1.0
     assert "step(s) [2] under" in caplog.text and "marked by damaged.json" in caplog.text
+    assert "AsyncCheckpointer(root).discard_steps_after(<the step loaded>)" in caplog.text
     assert not asyncckpt.storage.DirectoryLock(tmp_path).held_in_this_process()  # (let go)
     with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2) as ck:
         ck.save({"w": torch.full((10,), 3.0)}, step=3)
         assert ck.steps() == [1, 2, 3]  # the intact 1 kept, 2 for a look
+
+
+def test_only_rank_0_of_a_job_marks_in_a_module_level_fallback_load(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a review) every rank of a job calling asyncckpt.load(fallback=True) took the lock
+    to mark, and rank 0's first save could meet one of them holding it."""
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.full((10,), float(s))}, step=s)
+    _flip_a_byte(tmp_path / "step_000000002")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert asyncckpt.load(tmp_path, fallback=True)["w"][0].item() == 1.0
+    assert "rank=1: step(s) [2] under" in caplog.text and "marked" not in caplog.text
+    assert not (tmp_path / "step_000000002" / "damaged.json").exists()
+    monkeypatch.setenv("RANK", "0")
+    asyncckpt.load(tmp_path, fallback=True)
+    assert (tmp_path / "step_000000002" / "damaged.json").exists()
 
 
 def test_a_damaged_mark_cut_short_by_a_full_disk_is_not_left_behind(

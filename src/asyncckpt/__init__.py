@@ -143,6 +143,21 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
                             threads, progress, ignore_unexpected, parts, key_map, cast, shards))
 
 
+def _process_rank() -> int:
+    """This process's rank in a job: the default group's, else torchrun's RANK, else 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
               verify: bool, token: str | None, timeout: float, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
@@ -215,9 +230,14 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                                       cast=cast, shards=shards, damaged=found)
         finally:
             if found:  # marked as a checkpointer's fallback marks them (for retention, ls)
+                # by one process of a job (rank 0, as a group's checkpointer): the lock the
+                # mark takes for a moment must not meet the first save of another rank's
+                rank = _process_rank()
                 note_damaged(Path(path), storage, sorted(dict(found).items()),
-                             DirectoryLock(Path(path)), 0, marks=True,
-                             unmarked_means="a later checkpointer's retention does not know")
+                             DirectoryLock(Path(path)), rank, marks=rank == 0,
+                             unmarked_means="a later checkpointer's retention does not know",
+                             remedy="AsyncCheckpointer(root).discard_steps_after(<the step "
+                                    "loaded>)")
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
         try:

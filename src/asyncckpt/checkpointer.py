@@ -1959,7 +1959,8 @@ def _version() -> str:
 
 
 def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
-                 lock: DirectoryLock, rank: int, *, marks: bool, unmarked_means: str) -> None:
+                 lock: DirectoryLock, rank: int, *, marks: bool, unmarked_means: str,
+                 remedy: str = "ckpt.discard_steps_after(<the step loaded>)") -> None:
     """Mark the steps a fallback load found damaged (``new``: step, what was found) with
     damaged.json, and warn of them. ``marks``: False where another rank marks (this one
     only warns). The directory's owner marks: the checkpointer (or another of this
@@ -1990,9 +1991,9 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
     log.warning(
         "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
         "keep_last does not count them, and removes them once older than the steps it "
-        "keeps. To save a step older than them, or to remove them now: "
-        "ckpt.discard_steps_after(<the step loaded>)", rank, steps, directory,
+        "keeps. To save a step older than them, or to remove them now: %s", rank, steps,
+        directory,
         "" if not marks else
         f", marked by {commit.DAMAGED_NAME}" if not unmarked else
         f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): "
-        f"{unmarked_means}")
+        f"{unmarked_means}", remedy)

@@ -603,9 +603,10 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
         # A write cut short (a full disk) left a file that is no mark, yet would read as
         # one, "damaged.json is not a JSON object", where the warning says none was
         # written. The file was made here (O_EXCL: it was not there before): it goes.
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_size < len(body):
-                os.unlink(path)
+        if isinstance(storage, LocalStorage):  # (another storage's files are its own)
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_size < len(body):
+                    os.unlink(path)
         return exc.strerror or str(exc)
     return None
 

@@ -76,6 +76,10 @@ class ShardMetadata:
 # Set while a fallback load matches an older step only to learn what it would fill
 # (_Rollback._filled_by): what that match finds is said by the load of that step, if any.
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncckpt_quiet", default=False)
+# Set by a transport's receive, whose caller (torchft's Manager) hands the tree to the
+# objects' load_state_dict as its protocol says: state_dict() copies are what it loads.
+COPIES_EXPECTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "asyncckpt_copies_expected", default=False)
 
 
 def _say(msg: str, *args: Any) -> None:
@@ -980,7 +984,10 @@ def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str,
             ints: dict[tuple[str, ...], set[str]]) -> None:
     """Put ``node`` at path ``new``, making the dicts on the way. A new key is an int
     where the dict had that int key before the moves, or holds int keys only."""
-    parts = new.split("/")
+    # (a segment escaped as inspect lists it, and as a mismatch's advice spells it, is the
+    # key it names: "a%2Fb" is the key "a/b")
+    parts = ["" if seg == "%00" else seg.replace("%2F", "/").replace("%25", "%")
+             for seg in new.split("/")]
     here = skeleton
     for n, part in enumerate(parts):
         here = _inner(here)
@@ -1119,13 +1126,19 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     _compare_param_groups(manifest.skeleton, target, lenient, mismatched, told, saved,
                           manifest.tensors)
     apart: list[str] = []  # (strict=False skips them: named in its warning)
+    apart_saved: list[str] = []  # ... and the saved paths among them
     if (missing or unexpected) and not same_tree:
         if strict:
             _kinds_apart(manifest.skeleton, target.skeleton, missing, unexpected, mismatched,
                          told)
         else:
-            _kinds_apart(manifest.skeleton, target.skeleton, list(missing), list(unexpected),
-                         apart, set(told))
+            # (out of missing and unexpected too: named once, and in no rename's advice;
+            # the saved ones are still left unread, as unexpected ones are)
+            kept_unexpected = list(unexpected)
+            _kinds_apart(manifest.skeleton, target.skeleton, missing, kept_unexpected, apart,
+                         set(told))
+            apart_saved = [p for p in unexpected if p not in set(kept_unexpected)]
+            unexpected = kept_unexpected
     readonly: list[str] = []
     overlapping: list[str] = []
     unwritable: list[str] = []
@@ -1226,23 +1239,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
              "there is an optimizer's state_dict() with no state yet (a copy of a fresh "
              "optimizer's); pass the optimizer itself to restore it",
              step_dir, few([repr(p or "<root>") for p in stateless], 3))
-    if not same_tree:
-        copies = [(p, kind) for p, kind in _copied_state_dicts(manifest.skeleton,
-                                                                target.skeleton)
-                  if p not in stateless]
-        if copies:
-            _say("loading %s: %s %s (of %s): the load fills their "
-                 "tensors in place, but the settings beside them (learning rates, a "
-                 "scheduler's step count) change in the copies only, not in the live "
-                 "objects: put the objects themselves in the state (as with a model), or call "
-                 "their load_state_dict with those parts of the returned tree", step_dir,
-                 few([repr(p or "<root>") for p, _ in copies], 3),
-                 "hold state_dict() copies" if len(copies) > 1 else
-                 "holds a state_dict() copy",
-                 " and ".join(sorted({f"an {k}" for _, k in copies})))
+    # a torch.save habit: said once the load is sure to go ahead (with strict=False's)
+    copies = [] if same_tree or COPIES_EXPECTED.get() else [
+        (p, kind) for p, kind in _copied_state_dicts(manifest.skeleton, target.skeleton)
+        if p not in stateless]
     skipped_unexpected: list[str] = []  # (ignore_unexpected's: named where keys are missing)
     if skip_unexpected:
-        for k in {saved[p] for p in unexpected if p in saved}:
+        for k in {saved[p] for p in unexpected + apart_saved if p in saved}:
             if not dests.get(k):
                 dests.pop(k, None)
         skipped_unexpected, unexpected = unexpected, []
@@ -1346,6 +1349,18 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     if skipped is not None:
         _say("%s", skipped)
+    if copies:
+        kinds = list(dict.fromkeys(f"an {k}" for _, k in copies))  # (in the paths' order)
+        _say("loading %s: %s %s (of %s), whose tensors the load fills in place, but whose "
+             "settings beside them (learning rates, a scheduler's step count) it changes in "
+             "the %s only: unless you pass %s to %s load_state_dict, put %s in the state "
+             "(as with a model)", step_dir,
+             few([repr(p or "<root>") for p, _ in copies], 3),
+             "hold state_dict() copies" if len(copies) > 1 else "holds a state_dict() copy",
+             " and ".join(kinds), "copies" if len(copies) > 1 else "copy",
+             "those parts of the returned tree" if len(copies) > 1 else
+             "that part of the returned tree", "their" if len(copies) > 1 else "its",
+             "the objects themselves" if len(copies) > 1 else "the object itself")
     return dests, boxes, regions
 
 
@@ -1497,14 +1512,17 @@ def _copied_state_dicts(saved: dict[str, Any], target: dict[str, Any]
     found: list[tuple[str, str]] = []
 
     def walk(node: dict[str, Any], path: str, depth: int) -> None:
-        keys = {k for k, _ in node["items"] if type(k) is str}
+        # (theirs are small dicts: a model's state dict of 50,000 keys is not made a set)
+        keys = {k for k, _ in node["items"] if type(k) is str} if (
+            len(node["items"]) <= 32) else set()
         kind = ("optimizer" if {"state", "param_groups"} <= keys else
                 "LR scheduler" if {"last_epoch", "_step_count"} <= keys else None)
         if kind is not None:
             part = "param_groups" if kind == "optimizer" else ""
             mine = _node_at(node, part)
             theirs = _node_at(saved, join_path(path, part) if part else path)
-            if theirs is not None and mine is not None and theirs != mine:
+            if theirs is not None and mine is not None and theirs != mine and not (
+                    kind == "optimizer" and _named_params(mine)):
                 found.append((path, kind))
             return
         if depth < 3:  # (where state trees hold them: a model's state dict is not walked)
@@ -1515,6 +1533,18 @@ def _copied_state_dicts(saved: dict[str, Any], target: dict[str, Any]
     if target["t"] == "dict":
         walk(target, "", 0)
     return found
+
+
+def _named_params(groups: dict[str, Any]) -> bool:
+    """Whether parameter groups name their parameters (DCP's get_state_dict does, by
+    their names in the model), not number them as an optimizer's own state_dict() does:
+    such a dict is made to be handed to set_state_dict, not taken for the optimizer."""
+    for g in groups.get("items", []):
+        params = _node_at(g, "params")
+        if params is not None and params["t"] in _SEQUENCES and any(
+                c["t"] == "str" for c in params["items"]):
+            return True
+    return False
 
 
 def _view_of(t: torch.Tensor) -> tuple[Any, ...]:
@@ -1893,8 +1923,12 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             continue
         node = _node_at(skeleton, path)
         groups = None if node is None else _node_at(node, "param_groups")
+        mine = _node_at(target.skeleton, path)
         if groups is None and node is not None and _inner(node)["t"] == "dict" and (
-                path not in told):
+                path not in told) and mine is not None and (
+                _node_at(mine, "param_groups") is not None):
+            # (only where the target's own state dict has them: a subclass's state_dict()
+            # of another layout, such as two optimizers in one, has none either side)
             # its load_state_dict raised KeyError 'param_groups' with the tensors before
             # it loaded: a trial's key_map had moved the saved optimizer's tensors here,
             # and a key_map moves tensors only

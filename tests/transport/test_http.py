@@ -2762,5 +2762,10 @@ def test_a_failed_send_checkpoint_takes_the_step_on_offer_before_with_it(
         fetch(srv, 4, timeout=5.0)
     with pytest.raises(CheckpointNotFoundError, match="send_checkpoint failed"):
         asyncckpt.load(srv.address(), token=TOKEN, timeout=5.0)
+    t0 = time.monotonic()  # step 3 asked for by name: told at once, not after 30 s
+    with pytest.raises(CheckpointNotFoundError, match=r"moved on to step 4, whose "
+                                                      r"send_checkpoint failed"):
+        fetch(srv, 3, timeout=30.0)
+    assert time.monotonic() - t0 < 10
     with pytest.raises(CheckpointNotFoundError, match="nothing is on offer"):
         srv.allow_checkpoint(3)

@@ -326,6 +326,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             since = (self._disallows, self._withdrawals)
             if self._failed is not None and self._failed[0] == step:
                 self._failed = None  # (sent again: its requests wait for this offer)
+            self._retired = None  # (something is being offered: requests wait for it)
             self._sending += 1  # (requests for the step on offer wait for this one)
         try:
             try:
@@ -340,11 +341,16 @@ class HTTPTransport(CheckpointTransport[Any]):
                                              f"({type(exc).__name__}: {exc})")
                     with self._cond:
                         self._failed = failed
-                if failed is not None:  # (not a step that is no step: an argument refused)
+                with self._cond:
+                    stale = self._offered is not None
+                if failed is not None and stale:  # (not an argument refused: a bad step)
                     # The step on offer before is stale: its sender moved on (and may
                     # change its tensors); still allowed, it was served as current, and a
-                    # receiver waiting for this step was told to fetch that one.
-                    self.withdraw()
+                    # receiver waiting for this step was told to fetch that one. Its
+                    # receivers are told at once, not left to wait their timeout.
+                    self.withdraw(retired=f"the sender moved on to step {failed[0]}, whose "
+                                          f"send_checkpoint failed ({type(exc).__name__}: "
+                                          f"{exc})")
                 raise
             # A disallow_checkpoint() (or withdraw()) from another thread while the state
             # was laid out returned at once: its caller may be changing the tensors now.
@@ -534,14 +540,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline = time.monotonic() + self.timeout_s
         while self._allowed is None:
             self._check_open("serving a request")
-            if self._retired is not None:
-                raise _Retired(self._retired)
             if self._failed is not None and (self._failed[0] == step or (
                     step is None and not self._sending)):
                 # (a request for "the step on offer" too, unless another send is laying
                 # out its state: it waited out its whole timeout for an offer that had
                 # failed, told nothing of why; a docs trial)
                 raise _Retired(self._failed[1])
+            if self._retired is not None:
+                raise _Retired(self._retired)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
@@ -591,6 +597,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 receive cuts it off (``CheckpointTransportError``).
         """
         from ..loader import (
+            COPIES_EXPECTED,
             check_exclude,
             check_key_map,
             excluded_view,
@@ -616,6 +623,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                                             "HTTPTransport was shut down; make a new one")
             self._receiving.add(storage)
         reuse = None
+        copies = COPIES_EXPECTED.set(True)  # (its caller hands them to load_state_dict)
         try:
             if into is None and self._state_dict is not None:
                 reuse = self._state_dict()  # (torchft's Manager passes no target)
@@ -630,6 +638,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         except CheckpointError as exc:
             raise peer_error(exc, into if reuse is None else reuse, storage) from exc.__cause__
         finally:
+            COPIES_EXPECTED.reset(copies)
             with self._cond:
                 self._receiving.discard(storage)
             storage.close_all()

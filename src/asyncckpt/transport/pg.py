@@ -381,6 +381,7 @@ class PGTransport(CheckpointTransport[Any]):
                 the buffers (the peer is told).
         """
         from ..loader import (
+            COPIES_EXPECTED,
             check_exclude,
             check_key_map,
             excluded_view,
@@ -408,13 +409,17 @@ class PGTransport(CheckpointTransport[Any]):
             _verify_file(manifest, name, view, step_dir, where)
         # (``host`` owns the memory the storage's view points into: it lives until we return)
         storage = _MemoryStorage(raw, {name: view} if name is not None else {})
-        if into is None and self._state_dict is not None:  # (torchft's Manager passes none)
-            return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
-                                verify=False, exclude=parts, key_map=key_map)
-        target, _, finish = excluded_view(into, parts)
-        return finish(load_from(step_dir, target, storage, strict=strict, verify=False,
-                                manifest=manifest, ignore_unexpected=ignore_unexpected,
-                                exclude=parts, key_map=key_map, cast=cast))
+        copies = COPIES_EXPECTED.set(True)  # (its caller hands them to load_state_dict)
+        try:
+            if into is None and self._state_dict is not None:  # (torchft's Manager: none)
+                return load_reusing(step_dir, self._state_dict(), storage, manifest=manifest,
+                                    verify=False, exclude=parts, key_map=key_map)
+            target, _, finish = excluded_view(into, parts)
+            return finish(load_from(step_dir, target, storage, strict=strict, verify=False,
+                                    manifest=manifest, ignore_unexpected=ignore_unexpected,
+                                    exclude=parts, key_map=key_map, cast=cast))
+        finally:
+            COPIES_EXPECTED.reset(copies)
 
     def disallow_checkpoint(self) -> None:
         """Sends finish before ``send_checkpoint`` returns, so there is nothing to stop;
