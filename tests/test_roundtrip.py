@@ -2735,3 +2735,28 @@ def test_a_key_map_moves_a_tensor_onto_a_key_holding_a_slash_as_its_advice_spell
     target = {"m": {"a/b": torch.zeros(2)}}
     asyncckpt.load(tmp_path, target, key_map=ast.literal_eval(advice.group(1)))
     assert target["m"]["a/b"].tolist() == [1.0, 1.0]
+
+
+def test_an_optimizer_held_in_a_list_is_checked_before_anything_is_read(
+        tmp_path: Path) -> None:
+    """[model, optimizer]: the group checks looked through dicts only, and SGD's
+    load_state_dict refused the groups with the model already filled."""
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(2)).sum().backward()
+    o.step()
+    asyncckpt.save([m, o], tmp_path, step=1)
+    m2 = nn.Linear(2, 2)
+    before = m2.weight.detach().clone()
+    o2 = torch.optim.SGD([{"params": [m2.weight]}, {"params": [m2.bias]}], lr=0.1,
+                         momentum=0.9)
+    with pytest.raises(StateMismatchError) as err:
+        asyncckpt.load(tmp_path, [m2, o2])
+    assert err.value.mismatched == [
+        "1: the checkpoint's optimizer has parameter groups of [2] parameters, the target's "
+        "[1, 1]; to load the rest and start this optimizer afresh, hold the parts in a dict "
+        "({'model': ..., 'optim': ...}) and leave it out with exclude="]
+    assert torch.equal(m2.weight, before)  # nothing read
+    o3 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    asyncckpt.load(tmp_path, [m2, o3])  # (the same groups: loads, as ever)
+    assert torch.equal(m2.weight, m.weight)

@@ -1918,7 +1918,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
     for path in lenient:
         obj = target.statefuls[path][0]
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            _warn_other_scheduler(skeleton, path, obj)
+            _warn_other_scheduler(skeleton, path, obj, bool(path) and _excludable(target, path))
         if not isinstance(obj, torch.optim.Optimizer):
             continue
         node = _node_at(skeleton, path)
@@ -1960,9 +1960,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                 f"{path or '<root>'}: the checkpoint's optimizer ({cls or 'of another kind'}) "
                 f"has parameter groups without {', '.join(map(repr, lacks[:6]))}, which the "
                 f"target {type(obj).__qualname__} needs (its load_state_dict would take the "
-                "saved groups, and its first step() fail)" + (
-                    f"; to load the rest and start this optimizer afresh, pass "
-                    f"exclude=[{path!r}]" if path else ""))
+                "saved groups, and its first step() fail)" + _afresh(target, path, "optimizer"))
             told.add(path)
         elif isinstance(cls, str) and cls != type(obj).__qualname__ and saved == want:
             # (torch's load_state_dict takes another class's groups as they are: a trial's
@@ -1971,22 +1969,32 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
                  "parameter groups keep %s's settings (torch loads them as they are); "
                  "%s", path or "<root>", cls, type(obj).__qualname__, cls,
                  f"to start this optimizer afresh instead, pass exclude=[{path!r}]"
-                 if path else "load it into a " + cls)
+                 if path and _excludable(target, path) else "load it into a " + cls)
         if saved == want and isinstance(ids, list):
             _check_moment_shapes(manifest_paths, manifest_tensors, target.refs, path, obj, ids,
-                                 mismatched, told)
+                                 mismatched, told, bool(path) and _excludable(target, path))
         if saved != want:
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
             added = ("; if the saved run added groups (add_param_group), add them before "
                      "loading" if len(saved) > len(want) else "")
-            fresh = added + (f"; to load the rest and start this optimizer afresh, pass "
-                             f"exclude=[{path!r}]" if path else "")
+            fresh = added + _afresh(target, path, "optimizer")
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
                               f"groups of {saved} parameters, the target's {want}{fresh}")
             told.add(path)
 
 
-def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None:
+def _afresh(target: FlatState, path: str, what: str) -> str:
+    """The advice that leaves the object at ``path`` out of a load, to start it afresh."""
+    if path and _excludable(target, path):
+        return f"; to load the rest and start this {what} afresh, pass exclude=[{path!r}]"
+    if path:  # (an item of a list: exclude= reaches into dicts and modules only)
+        return (f"; to load the rest and start this {what} afresh, hold the parts in a dict "
+                f"({{'model': ..., 'optim': ...}}) and leave it out with exclude=")
+    return ""
+
+
+def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any,
+                          excludable: bool) -> None:
     """An LR scheduler's load_state_dict sets every saved attribute on it, whatever class
     saved them (a trial's OneCycleLR state went into a CosineAnnealingLR silently, which
     then carried OneCycleLR's total_steps and phases): warn, as of an optimizer's."""
@@ -1997,7 +2005,7 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any) -> None
              "load_state_dict sets %s's attributes on it as they are; %s",
              path or "<root>", cls, type(obj).__qualname__, cls,
              f"to start this scheduler afresh instead, pass exclude=[{path!r}]"
-             if path else "load it into a " + cls)
+             if excludable else "load it into a " + cls)
 
 
 def _settings_lacking(groups: dict[str, Any], obj: Any) -> list[str]:
@@ -2038,7 +2046,7 @@ _PARAM_SHAPED_STATE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adadelta",
 
 def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any] | None,
                          refs: Mapping[str, str], path: str, obj: Any, ids: list[Any],
-                         mismatched: list[str], told: set[str]) -> None:
+                         mismatched: list[str], told: set[str], excludable: bool) -> None:
     """A torch optimizer whose state is made lazily takes the saved moments whole, of any
     shape: a resized parameter's (a trial's embedding grown from 50 to 60 rows) loaded, and
     the first step() raised a size mismatch. Refuse it before any read, as a stepped
@@ -2063,7 +2071,7 @@ def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any
         if p is None or not shape or lazy(p) or tuple(p.shape) == shape:
             continue
         advice = (f" (a parameter resized since: leave the optimizer out with "
-                  f"exclude=[{path!r}])" if path and first else "")
+                  f"exclude=[{path!r}])" if excludable and first else "")
         first = False
         mismatched.append(f"{saved_path}: checkpoint {list(shape)}, parameter {pid} of the "
                           f"target {type(obj).__name__} {list(p.shape)}{advice}")
@@ -2117,6 +2125,12 @@ def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
     for seg in path.split("/") if path else []:
         if node["t"] == "stateful":
             node = node["state"]
+        if node["t"] in _SEQUENCES:  # (an item: [model, optimizer] is checked as a dict is)
+            i = int(seg) if seg.isdigit() and seg.isascii() else -1
+            if not 0 <= i < len(node["items"]):
+                return None
+            node = node["items"][i]
+            continue
         if node["t"] != "dict":
             return None
         if children is None:
