@@ -1877,7 +1877,9 @@ def _compare_skeletons(saved: dict[str, Any], want: dict[str, Any], path: str,
                     missing.append(here)
             elif type(got[0]) is not type(k):
                 mismatched.append(f"{here}: the checkpoint's key is {got[0]!r}, the target's "
-                                  f"{k!r}")
+                                  f"{k!r} (one path, but not one key: key the target's dict "
+                                  f"by {type(got[0]).__name__}s as the saved one is, or load "
+                                  "with state=None and convert)")
                 told.add(here)
             else:
                 _compare_skeletons(got[1], child, here, lenient, whole, missing, mismatched,
