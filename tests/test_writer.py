@@ -195,3 +195,30 @@ def test_a_lower_keep_last_makes_room_on_a_full_disk_before_the_save_is_written(
         assert ckpt.steps() == [4]
     assert "removing now the steps keep_last=1 lets go of" in caplog.text
     assert asyncckpt.load(tmp_path)["w"][0].item() == 4.0
+
+
+class _CountedListings(LocalStorage):
+    """Counts the listings and reads of step directories' insides."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def listdir(self, path: Path) -> list[str]:
+        if path.name.startswith("step_"):
+            self.looks += 1
+        return super().listdir(path)
+
+
+def test_retention_does_not_look_into_every_milestone_at_every_save(tmp_path: Path) -> None:
+    """A soak trial with keep_every: each save's retention opened and listed every kept
+    milestone twice (its manifest, its damaged.json), ~20 µs each, growing for ever."""
+    storage = _CountedListings()
+    looks = []
+    with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=2, keep_every=2,
+                                     storage=storage) as ckpt:
+        for s in range(1, 41):
+            before = storage.looks
+            ckpt.save({"w": torch.full((4,), float(s))}, step=s)
+            looks.append(storage.looks - before)
+        assert ckpt.steps() == [*range(2, 39, 2), 39, 40]
+    assert max(looks[-10:]) <= max(looks[5:15]) and max(looks[-10:]) < 10, looks

@@ -176,6 +176,7 @@ class StepMetrics:
         self._known: dict[int, tuple[object, dict[str, float]]] = {}
         # step -> (identity, its files' sizes): of the committed steps (see keep_files)
         self._files: dict[int, tuple[object, dict[str, int]]] = {}
+        self._committed: frozenset[int] = frozenset()  # as the last retention found them
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float]) -> None:
@@ -208,6 +209,13 @@ class StepMetrics:
         with self._lock:
             for s in [s for s in self._files if s not in keep]:
                 del self._files[s]
+            self._committed = frozenset(keep)
+
+    def committed(self) -> frozenset[int]:
+        """The committed steps the last retention found (``keep_files``): still listed,
+        they are committed still (their directories need not be looked into again)."""
+        with self._lock:
+            return self._committed
 
     def amiss(self, root: Path, storage: ReadStorage, step: int) -> bool:
         """Whether committed ``step`` has a file missing or not of its size (a stat each;

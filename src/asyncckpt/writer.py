@@ -736,7 +736,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                         functools.partial(best.spared, job.root, job.storage),
                         damaged=job.damaged, found=marked,
                         amiss=None if job.known is None else functools.partial(
-                            job.known.amiss, job.root, job.storage), listed=listed))
+                            job.known.amiss, job.root, job.storage), listed=listed,
+                        trusted=() if job.known is None else job.known.committed()))
                     if job.known is not None:
                         job.known.keep_files(listed)
                 for s in doomed:
