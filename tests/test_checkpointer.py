@@ -3015,6 +3015,29 @@ def test_every_unwaited_failure_is_reported_not_only_the_first(tmp_path: Path) -
     assert "step 4 " in said(ei.value) and "step 5 failed too" in said(ei.value), said(ei.value)
 
 
+def test_many_unwaited_failures_are_told_up_to_a_count_then_summed(tmp_path: Path) -> None:
+    """A soak trial's flaky disk: 5,000 saves never waited on, and wait() raised one error
+    with 2,468 notes, 670 KB of text."""
+    from asyncckpt.checkpointer import MISSED_SHOWN
+
+    class Fails(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error (injected)", str(path))
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Fails())
+    n = MISSED_SHOWN + 15
+    for step in range(1, n + 1):
+        ck.save_async({"w": torch.ones(4)}, step=step)  # futures never waited on
+    with pytest.raises(asyncckpt.CheckpointSaveError) as ei:
+        ck.close()
+    notes = ei.value.__notes__
+    told = [m for m in notes if "failed too, and nobody waited" in m]
+    assert len(told) == MISSED_SHOWN, notes
+    summed = [m for m in notes if m.startswith("... and ")]
+    assert len(summed) == 1 and f"the last: step {n - 1}: " in summed[0], notes
+    assert int(summed[0].split()[2]) + len(told) + 2 == n  # (the first, and the last one)
+
+
 def test_a_lock_whose_pid_cannot_be_written_is_still_taken_and_released(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.pwrite
