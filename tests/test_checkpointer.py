@@ -3813,3 +3813,31 @@ def test_a_file_named_as_a_step_is_said_to_be_a_file(tmp_path: Path) -> None:
             ck.save({"w": torch.ones(2)}, step=5)
         ck.save({"w": torch.ones(2)}, step=6)
         assert ck.steps() == [1, 6]
+
+
+def test_the_host_buffer_grows_with_room_and_gives_back_what_a_shrunk_state_left(
+        tmp_path: Path) -> None:
+    """A soak trial: a state growing by 16 KiB a save made a new host buffer at every save
+    (blocked 10 -> 19 ms), and one that shrank for good kept its old size until close."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        big = torch.zeros(24 << 20)  # 96 MiB
+        ck.save({"w": big}, step=0)
+        first = ck.host_buffer_bytes
+        assert first < 98 << 20  # (the first: as needed)
+        sizes = []
+        for s in range(1, 11):  # grows 16 KiB a save
+            ck.save({"w": big, "g": torch.zeros(4096 * s)}, step=s)
+            sizes.append(ck.host_buffer_bytes)
+        assert len(set(sizes)) == 1 and sizes[0] > first, sizes  # made anew once only
+        small = {"w": torch.zeros(1 << 20)}  # 4 MiB: far less, for good
+        held = []
+        for s in range(11, 16):
+            ck.save(small, step=s)
+            held.append(ck.host_buffer_bytes)
+        assert held[0] == sizes[0] and held[-1] < 8 << 20, held  # given back, not at once
+        alternating = []
+        for s in range(16, 24):  # alternating: made anew once, not at each save
+            ck.save({"w": big} if s % 2 else small, step=s)
+            alternating.append(ck.host_buffer_bytes)
+        assert len(set(alternating[1:])) == 1 and alternating[1] > 96 << 20, alternating
+        assert asyncckpt.load(tmp_path, step=23)["w"].numel() == big.numel()

@@ -268,6 +268,18 @@ def default_copy_threads() -> int:
 
 MISSED_SHOWN = 20  # unwaited failures told one by one on the error that reports them
 
+# The host buffer: one that must grow is made 1/16 larger than needed, in whole 2 MiB
+# pages; one more than twice (and 64 MiB over) what this many saves in a row needed is
+# made anew at their size (a state that shrank for good: its memory back; not one that
+# only alternates, nor a passing dip, which would fault a new one in at each save).
+_ARENA_GRAIN = 2 << 20
+_ARENA_SHRINK_AFTER = 3
+
+
+def _far_too_large(have: int, need: int) -> bool:
+    return have > 2 * need and have - need > (64 << 20)
+
+
 
 class AsyncCheckpointer:
     """Saves state trees without stopping training; loads them back, verified.
@@ -323,6 +335,7 @@ class AsyncCheckpointer:
             cfg.keep_best, Ranking(cfg.best_metric or "", cfg.best_mode), self._metrics)
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
+        self._small_saves = 0  # saves in a row that needed far less than the arena holds
         self._plan: WritePlan | None = None
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
         self._cleaned = False
@@ -1701,18 +1714,40 @@ class AsyncCheckpointer:
                                                and self._arena_header_for is not plan)
 
     def _arena_too_small(self, need: int) -> bool:
+        """Whether the arena must be made anew for ``need`` bytes: none yet, too small,
+        pinned where it must not be (or not where it must), or far too large for the
+        last saves (see _ARENA_SHRINK_AFTER)."""
         pinned = self.config.mode == "async_pinned" and torch.cuda.is_available()
-        return self._arena is None or self._arena.nbytes < need or self._arena.pinned != pinned
+        return (self._arena is None or self._arena.nbytes < need
+                or self._arena.pinned != pinned
+                or (self._small_saves >= _ARENA_SHRINK_AFTER and _far_too_large(
+                    self._arena.nbytes, need)))
 
     def _arena_of(self, need: int) -> HostArena:
-        """The arena, reallocated first if it holds fewer than ``need`` bytes."""
+        """The arena, reallocated first if it holds fewer than ``need`` bytes (with room
+        to grow: a state that grew by 16 KiB a save made a new one at every save, a
+        trial's), or far more than the last saves needed (its memory given back)."""
         pinned = self.config.mode == "async_pinned"
+        old = self._arena
+        self._small_saves = (self._small_saves + 1 if old is not None and _far_too_large(
+            old.nbytes, need) else 0)
         if self._arena_too_small(need):
+            grown = old is not None and old.nbytes < need  # (not the first: it may grow on)
+            size = need if not grown else -(-(need + need // 16) // _ARENA_GRAIN) * _ARENA_GRAIN
             self._arena = None  # drop the old one first: never hold two at once
             self._arena_header_for = None
+            self._small_saves = 0
+            del old
             try:
-                self._arena = HostArena(need, pinned=pinned,
-                                        threads=self.config.copy_threads or 1)
+                try:
+                    self._arena = HostArena(size, pinned=pinned,
+                                            threads=self.config.copy_threads or 1)
+                except (MemoryError, OSError, RuntimeError):
+                    if size == need:
+                        raise
+                    # (no room for the room to grow: the size needed, then)
+                    self._arena = HostArena(need, pinned=pinned,
+                                            threads=self.config.copy_threads or 1)
             except (MemoryError, OSError, RuntimeError) as exc:  # mmap: OSError; pinned: Runtime
                 pinned = pinned and torch.cuda.is_available()
                 raise CheckpointSaveError(
