@@ -2766,3 +2766,16 @@ def test_an_optimizer_held_in_a_list_is_checked_before_anything_is_read(
     o3 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     asyncckpt.load(tmp_path, [m2, o3])  # (the same groups: loads, as ever)
     assert torch.equal(m2.weight, m.weight)
+
+
+def test_no_key_map_is_advised_between_a_dict_and_a_list(tmp_path: Path) -> None:
+    """(a review) a key_map was offered between a saved dict and a target list (and the
+    reverse), which fails: key_map moves tensors between dicts only."""
+    asyncckpt.save({"model": {"a": torch.ones(2), "b": torch.ones(2)}}, tmp_path / "d", step=1)
+    asyncckpt.save([{"a": torch.ones(2), "b": torch.ones(2)}], tmp_path / "l", step=1)
+    for saved, target in (("d", [{"a": torch.zeros(2), "b": torch.zeros(2)}]),
+                          ("l", {"model": {"a": torch.zeros(2), "b": torch.zeros(2)}})):
+        with pytest.raises(StateMismatchError) as err:
+            asyncckpt.load(tmp_path / saved, target)
+        assert "key_map" not in str(err.value) and "state.pop" not in str(err.value), err.value
+        assert "<root>: the checkpoint holds a" in str(err.value)

@@ -384,6 +384,11 @@ def test_a_torch_save_file_or_json_passed_as_safetensors_is_named(tmp_path: Path
     from asyncckpt.cli import main
 
     assert main(["inspect", str(tmp_path / "model.safetensors")]) == 2  # (not 1: damaged)
+    # a safetensors file cut short in a header of 640 bytes, whose length reads as a
+    # pickle's first bytes (80 02): damaged, not another format (a review)
+    (tmp_path / "cut.safetensors").write_bytes(struct.pack("<Q", 640) + b'{"w": ' * 10)
+    with pytest.raises(CheckpointCorruptError, match="header claims 640 bytes"):
+        asyncckpt.load_safetensors(tmp_path / "cut.safetensors")
 
 
 def test_forged_headers_with_shared_bytes_or_repeated_names_are_refused(tmp_path: Path) -> None:

@@ -191,7 +191,8 @@ def test_a_lower_keep_last_makes_room_on_a_full_disk_before_the_save_is_written(
         assert ckpt.steps() == [1, 2, 3]
     with caplog.at_level(logging.INFO, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
             tmp_path, keep_last=1, mode="async", storage=storage) as ckpt:
-        ckpt.save_async({"w": torch.full((512 * 1024,), 4.0)}, step=4).wait()
+        ckpt.save_async({"w": torch.full((512 * 1024,), 4.0)}, step=4)
+        ckpt.wait()  # (and its retention: the future resolves at the commit, before it)
         assert ckpt.steps() == [4]
     assert "removing now the steps keep_last=1 lets go of" in caplog.text
     assert asyncckpt.load(tmp_path)["w"][0].item() == 4.0

@@ -336,6 +336,7 @@ class AsyncCheckpointer:
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
         self._small_saves = 0  # saves in a row that needed far less than the arena holds
+        self._small_need = 0  # ... and the most one of them needed
         self._plan: WritePlan | None = None
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
         self._cleaned = False
@@ -383,8 +384,8 @@ class AsyncCheckpointer:
     @property
     def host_buffer_bytes(self) -> int:
         """Bytes of the host buffer saves stage into (0 before the first save or
-        ``prepare()``, and after ``close()``): kept and reused, it grows only with the
-        state. For memory budgets and logs."""
+        ``prepare()``, and after ``close()``): kept and reused, made anew when the state
+        outgrows it (1/16 to spare) or shrinks for good. For memory budgets and logs."""
         arena = self._arena
         return 0 if arena is None else arena.nbytes
 
@@ -499,7 +500,7 @@ class AsyncCheckpointer:
                                 ctx.rank, step, type(failed).__name__, failed)
             plan = self._plan_for(tensors)
             allocating = time.perf_counter()
-            arena = self._arena_for(plan)  # may fail: e.g. out of (pinned) memory
+            arena = self._arena_for(plan, save=True)  # may fail: e.g. out of (pinned) memory
             _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating)
         except BaseException as exc:
             if ctx.is_coordinator and not had_lock and self._lock.held and (
@@ -1701,8 +1702,8 @@ class AsyncCheckpointer:
                                  {"asyncckpt_format": "1"})
         return self._plan
 
-    def _arena_for(self, plan: WritePlan) -> HostArena:
-        arena = self._arena_of(plan.padded_bytes)
+    def _arena_for(self, plan: WritePlan, *, save: bool = False) -> HostArena:
+        arena = self._arena_of(plan.padded_bytes, save=save)
         if self._arena_header_for is not plan:
             arena.write_header(plan.header)
             self._arena_header_for = plan
@@ -1713,30 +1714,35 @@ class AsyncCheckpointer:
         return self._arena_too_small(need) or (plan is not None
                                                and self._arena_header_for is not plan)
 
-    def _arena_too_small(self, need: int) -> bool:
+    def _arena_too_small(self, need: int, counted: int = 0) -> bool:
         """Whether the arena must be made anew for ``need`` bytes: none yet, too small,
-        pinned where it must not be (or not where it must), or far too large for the
-        last saves (see _ARENA_SHRINK_AFTER)."""
+        pinned where it must not be (or not where it must), or (unpinned) far too large
+        for the last saves (see _ARENA_SHRINK_AFTER; ``counted``: this one counted too)."""
         pinned = self.config.mode == "async_pinned" and torch.cuda.is_available()
-        return (self._arena is None or self._arena.nbytes < need
-                or self._arena.pinned != pinned
-                or (self._small_saves >= _ARENA_SHRINK_AFTER and _far_too_large(
-                    self._arena.nbytes, need)))
+        arena = self._arena
+        return (arena is None or arena.nbytes < need or arena.pinned != pinned
+                or (not arena.pinned and self._small_saves + counted >= _ARENA_SHRINK_AFTER
+                    and _far_too_large(arena.nbytes, need)))
 
-    def _arena_of(self, need: int) -> HostArena:
+    def _arena_of(self, need: int, *, save: bool = False) -> HostArena:
         """The arena, reallocated first if it holds fewer than ``need`` bytes (with room
         to grow: a state that grew by 16 KiB a save made a new one at every save, a
-        trial's), or far more than the last saves needed (its memory given back)."""
+        trial's), or far more than the last saves (``save``: this is one) needed: its
+        memory given back. Not for pinned memory, which comes from torch's cache of it:
+        that rounds sizes up to powers of two (room to grow already, and 1/16 more can
+        double it) and keeps what is freed (a smaller one is pinned beside it)."""
         pinned = self.config.mode == "async_pinned"
         old = self._arena
-        self._small_saves = (self._small_saves + 1 if old is not None and _far_too_large(
-            old.nbytes, need) else 0)
-        if self._arena_too_small(need):
-            grown = old is not None and old.nbytes < need  # (not the first: it may grow on)
-            size = need if not grown else -(-(need + need // 16) // _ARENA_GRAIN) * _ARENA_GRAIN
+        small = save and old is not None and _far_too_large(old.nbytes, need)
+        if self._arena_too_small(need, counted=int(small)):
+            grown = old is not None and old.nbytes < need and not old.pinned
+            shrunk = old is not None and old.nbytes >= need
+            want = max(need, self._small_need) if shrunk else need
+            size = (-(-(want + want // 16) // _ARENA_GRAIN) * _ARENA_GRAIN if grown or shrunk
+                    else need)
             self._arena = None  # drop the old one first: never hold two at once
             self._arena_header_for = None
-            self._small_saves = 0
+            self._small_saves = self._small_need = 0
             del old
             try:
                 try:
@@ -1757,6 +1763,11 @@ class AsyncCheckpointer:
                     "copy the state: free host memory, or save less (a state's tensors are "
                     "copied whole: an expanded view, stride 0, takes its full size)"
                     + ("; or try mode='async' (not pinned)" if pinned else "")) from exc
+        elif small:
+            self._small_saves += 1
+            self._small_need = max(self._small_need, need)
+        elif save:
+            self._small_saves = self._small_need = 0
         assert self._arena is not None
         return self._arena
 

@@ -1220,11 +1220,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # (the caller's own, where it knows better: a safetensors file's names, prefixed with
     # "model." as Hugging Face's are, got three hints that disagreed)
     theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
+    # (a dict saved, a list wanted, or the reverse: told as such; no renaming of the first
+    # parts of the paths fixes it, whose advice was state['model'] = state.pop('0'))
+    roots_apart = _inner(manifest.skeleton)["t"] != _inner(target.skeleton)["t"]
     hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
             or prefix_hint(missing, unexpected)
-            or head_hint(missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
-                _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
-                _node_at(target.skeleton, new)))
+            or (not roots_apart and head_hint(
+                missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
+                    _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
+                    _node_at(target.skeleton, new))))
             or _mapping_hint(missing, unexpected, fits, saved)
             or renamed_hint(missing, unexpected, fits))
     stateless = _stateless_optimizer_dicts(target.skeleton, unexpected) if unexpected else []
@@ -1493,7 +1497,7 @@ def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) 
             if segs[i] != "state" or head in looked:
                 continue
             looked.add(head)
-            node = _node_at(skeleton, head)
+            node = _node_at(skeleton, head, lists=True)
             kids = {k: c for k, c in node["items"] if k in ("state", "param_groups")} if (
                 node is not None and node["t"] == "dict") else {}
             if (len(kids) == 2 and kids["state"]["t"] == "dict" and not kids["state"]["items"]
@@ -1923,9 +1927,9 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             _warn_other_scheduler(skeleton, path, obj, bool(path) and _excludable(target, path))
         if not isinstance(obj, torch.optim.Optimizer):
             continue
-        node = _node_at(skeleton, path)
+        node = _node_at(skeleton, path, lists=True)
         groups = None if node is None else _node_at(node, "param_groups")
-        mine = _node_at(target.skeleton, path)
+        mine = _node_at(target.skeleton, path, lists=True)
         if groups is None and node is not None and _inner(node)["t"] == "dict" and (
                 path not in told) and mine is not None and (
                 _node_at(mine, "param_groups") is not None):
@@ -1951,7 +1955,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         ids: list[Any] | None = [c.get("v") for p in params if p is not None and p["t"] in
                                  _SEQUENCES for c in p["items"]]
         want = [len(g["params"]) for g in obj.param_groups]
-        holder = _node_at(skeleton, path, stateful=True)
+        holder = _node_at(skeleton, path, stateful=True, lists=True)
         cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
         lacks = _settings_lacking(groups, obj) if (
             saved == want and isinstance(cls, str) and cls != type(obj).__qualname__) else []
@@ -2000,7 +2004,7 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any,
     """An LR scheduler's load_state_dict sets every saved attribute on it, whatever class
     saved them (a trial's OneCycleLR state went into a CosineAnnealingLR silently, which
     then carried OneCycleLR's total_steps and phases): warn, as of an optimizer's."""
-    holder = _node_at(skeleton, path, stateful=True)
+    holder = _node_at(skeleton, path, stateful=True, lists=True)
     cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
     if isinstance(cls, str) and cls != type(obj).__qualname__:
         _say("loading the LR scheduler state at %r saved by %s into a %s: torch's "
@@ -2099,8 +2103,8 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
             if p in told or p in said:
                 told.add(p)
                 continue
-            other = _node_at(there, p, children=children)
-            mine = _node_at(here, p, children=children)
+            other = _node_at(there, p, children=children, lists=True)
+            mine = _node_at(here, p, children=children, lists=True)
             if other is None or mine is None or other["t"] in ARRAY_NODES:
                 continue
             ours, theirs = (mine, other) if here is want else (other, mine)
@@ -2119,7 +2123,8 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
 
 
 def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
-             children: dict[int, dict[str, Any]] | None = None) -> dict[str, Any] | None:
+             children: dict[int, dict[str, Any]] | None = None,
+             lists: bool = False) -> dict[str, Any] | None:
     """The skeleton node at ``path`` under ``node`` (through stateful nodes), or None;
     with ``stateful``, a stateful node there itself rather than its state. ``children``
     keeps each dict's children by name between calls (for many paths: one pass over a
@@ -2127,7 +2132,8 @@ def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
     for seg in path.split("/") if path else []:
         if node["t"] == "stateful":
             node = node["state"]
-        if node["t"] in _SEQUENCES:  # (an item: [model, optimizer] is checked as a dict is)
+        if lists and node["t"] in _SEQUENCES:  # (an item: [model, optimizer], checked as
+            # in a dict by the checks that ask; not by the advice of a key_map, a dict's)
             i = int(seg) if seg.isdigit() and seg.isascii() else -1
             if not 0 <= i < len(node["items"]):
                 return None

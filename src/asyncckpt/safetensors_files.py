@@ -432,7 +432,9 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
             raise CheckpointCorruptError(f"{path} is {size} bytes: too short for a "
                                          "safetensors file", path=str(path))
         (n,) = struct.unpack("<Q", prefix)
-        if (n > MAX_HEADER_BYTES or 8 + n > size) and _other_format(prefix):
+        if n > MAX_HEADER_BYTES and _other_format(prefix):  # (a zip's, a pickle's, JSON's
+            # first bytes read as a length of petabytes; a safetensors file cut short in
+            # its header, whose length may begin as a pickle's, is damaged: not this)
             # another format, which the first bytes name: not damaged (a trial's torch.save
             # file was called corrupt, and inspect exits 1 for that)
             raise CheckpointNotFoundError(

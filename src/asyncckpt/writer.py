@@ -737,7 +737,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                         damaged=job.damaged, found=marked,
                         amiss=None if job.known is None else functools.partial(
                             job.known.amiss, job.root, job.storage), listed=listed,
-                        trusted=() if job.known is None else job.known.committed()))
+                        # (trusted where amiss can tell a step that lost its files)
+                        trusted=job.known.committed() if job.known is not None and isinstance(
+                            job.storage, LocalStorage) else ()))
                     if job.known is not None:
                         job.known.keep_files(listed)
                 for s in doomed:
@@ -771,6 +773,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
 
 
 ROOM_WAIT_S = 120.0  # the longest a save waits for the last one's removals to free room
+ROOM_WAIT_GROUP_S = 10.0  # ... in a group
 
 
 def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
@@ -784,17 +787,20 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
     with a lower keep_last on a full disk failed every save, as retention runs after a
     commit; what it removes here would go after this commit all the same, and the steps
     it keeps are keep_last, should this save fail."""
+    # (in a group, briefly: the other ranks wait on this one with their timeout_s, and its
+    # beat moves only with progress)
+    limit = ROOM_WAIT_S if not job.ctx.distributed else ROOM_WAIT_GROUP_S
     removals = job.removals
     if removals is not None and not removals.done() and _short_of_room(job):
         log.info("rank=%d step=%d: the disk lacks room for this step: waiting for the last "
                  "save's retention to remove the old steps", job.ctx.rank, job.step)
-        cf.wait([removals], timeout=ROOM_WAIT_S)
+        cf.wait([removals], timeout=limit)
     if job.keep_last is not None and job.ctx.is_coordinator and _short_of_room(job):
         log.info("rank=0 step=%d: the disk lacks room for this step: removing now the steps "
                  "keep_last=%d lets go of those there", job.step, job.keep_last)
         made: cf.Future[None] = cf.Future()
         _retain(job, reaper, made, before=True)
-        cf.wait([made], timeout=ROOM_WAIT_S)
+        cf.wait([made], timeout=limit)
 
 
 def _short_of_room(job: SaveJob) -> bool:
