@@ -804,8 +804,8 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
 
 
 def _short_of_room(job: SaveJob) -> bool:
-    """Whether the disk of the checkpoint (a local path: else None is known) has less
-    room free than this step takes, with a margin."""
+    """Whether the disk of the checkpoint has less room free than this step takes, with a
+    margin (False where that cannot be known: a root that is no local path)."""
     try:
         fs = os.statvfs(job.root)
     except (OSError, AttributeError):  # (not a local path: a storage of its own; Windows)
