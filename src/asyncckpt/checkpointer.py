@@ -2054,7 +2054,7 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
         "keep_last does not count them, and removes them once older than the steps it "
         "keeps. To save a step older than them, or to remove them now: %s", rank, steps,
         directory,
-        "" if not marks else
+        f" (rank 0 marks them, by {commit.DAMAGED_NAME})" if not marks else
         f", marked by {commit.DAMAGED_NAME}" if not unmarked else
         f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): "
         f"{unmarked_means}", remedy)

@@ -163,6 +163,9 @@ class SaveJob:
     # the retention of the save before this one, whose removals may still be freeing the
     # space this one needs (see _room_for)
     removals: cf.Future[None] | None = None
+    # set once the write thread made room (or found it there): the hash thread's manifest
+    # waits for it (a trial's exact-room disk failed at the manifest, written meanwhile)
+    room: threading.Event = field(default_factory=threading.Event)
     announced: bool = False  # this rank posted "done" (its file is durable)
     rejected: bool = False  # the coordinator's verdict said the step was not committed
     committed: bool = False
@@ -552,7 +555,10 @@ class BackgroundWriter:
         raw: bytes | None = None
         if hashes is not None:
             try:
-                _room_for(job, self._reap)
+                try:
+                    _room_for(job, self._reap)
+                finally:
+                    job.room.set()
                 ready = _Counted(job, _ready(job))
                 storage.write_arena(job.tmp / plan.file, job.arena.memoryview(), plan.file_bytes,
                                     ready, job.direct_io)
@@ -737,9 +743,11 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                         damaged=job.damaged, found=marked,
                         amiss=None if job.known is None else functools.partial(
                             job.known.amiss, job.root, job.storage), listed=listed,
-                        # (trusted where amiss can tell a step that lost its files)
-                        trusted=job.known.committed() if job.known is not None and isinstance(
-                            job.storage, LocalStorage) else ()))
+                        # (milestones found committed before, which it keeps: not every
+                        # step, or one whose manifest went since would be deleted, where
+                        # retention leaves a directory without one alone)
+                        trusted=[s for s in job.known.committed() if s % job.keep_every == 0]
+                        if job.known is not None and job.keep_every else ()))
                     if job.known is not None:
                         job.known.keep_files(listed)
                 for s in doomed:
@@ -1110,6 +1118,8 @@ def _describe(job: SaveJob) -> _Described:
             job.progress.fail(exc)  # the step cannot commit: stop this rank's write now
             raise
     assert raw is not None
+    while not job.room.wait(0.05) and not job.progress.failed:
+        pass  # (the write thread makes room first: see _room_for)
     try:
         job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
         job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
