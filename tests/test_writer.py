@@ -237,7 +237,6 @@ def test_the_manifest_waits_for_the_room_the_shard_waits_for(
     """A second trial's disk had room for keep_last + 1 steps, manifests included: the
     shard waited for the last retention's removals, but the manifest, which the hash
     thread writes meanwhile, did not (29 of 100 saves failed)."""
-    from types import SimpleNamespace
 
     import asyncckpt.writer as writer_module
 
