@@ -2780,3 +2780,24 @@ def test_no_key_map_is_advised_between_a_dict_and_a_list(tmp_path: Path) -> None
         said = str(err.value).partition("into the given state")[2]  # (not the tmp path)
         assert "key_map" not in said and "state.pop" not in said, err.value
         assert "<root>: the checkpoint holds a" in str(err.value)
+
+
+def test_an_optimizer_state_saved_as_a_plain_dict_is_checked_for_the_settings_it_lacks(
+        tmp_path: Path) -> None:
+    """(a migration trial) AdamW's state_dict() converted from a torch.save file, loaded
+    into an SGD: no class is saved with a plain dict, so the check was skipped, and SGD's
+    first step() raised KeyError 'momentum'."""
+    m = nn.Linear(2, 2)
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2)).sum().backward()
+    o.step()
+    asyncckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, tmp_path, step=20)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StateMismatchError, match=r"optim: the checkpoint's optimizer \(of "
+                       r"another kind, or of another version\) has parameter groups "
+                       r"without 'dampening', 'momentum'"):
+        asyncckpt.load(tmp_path, {"model": m, "optim": sgd})
+    assert "momentum" in sgd.param_groups[0]
+    again = torch.optim.AdamW(m.parameters())  # (the same kind: loads, as ever)
+    asyncckpt.load(tmp_path, {"model": m, "optim": again})
+    assert torch.equal(again.state[m.weight]["exp_avg"], o.state[m.weight]["exp_avg"])

@@ -1957,13 +1957,16 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         want = [len(g["params"]) for g in obj.param_groups]
         holder = _node_at(skeleton, path, stateful=True, lists=True)
         cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
+        # (cls None: saved as a plain dict, an optimizer's state_dict() converted from a
+        # torch.save file, whose class nobody knows: its groups are looked at as well)
         lacks = _settings_lacking(groups, obj) if (
-            saved == want and isinstance(cls, str) and cls != type(obj).__qualname__) else []
+            saved == want and cls != type(obj).__qualname__) else []
         if lacks:
             # (torch's load_state_dict takes the saved groups as they are: an SGD given
             # AdamW's loaded, and its first step() raised KeyError 'momentum' (trials))
             mismatched.append(
-                f"{path or '<root>'}: the checkpoint's optimizer ({cls or 'of another kind'}) "
+                f"{path or '<root>'}: the checkpoint's optimizer ({cls or 'of another kind'}"
+                f"{'' if cls else ', or of another version'}) "
                 f"has parameter groups without {', '.join(map(repr, lacks[:6]))}, which the "
                 f"target {type(obj).__qualname__} needs (its load_state_dict would take the "
                 "saved groups, and its first step() fail)" + _afresh(target, path, "optimizer"))
