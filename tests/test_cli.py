@@ -1289,3 +1289,17 @@ def test_inspect_json_gives_float_scalars_as_numbers(
     code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
     values = {s["path"]: s["value"] for s in json.loads(out)["skeleton"]["scalars"]}
     assert code == 0 and values == {"lr": 1.5e-4, "n": 3, "bad": "nan", "top": "-inf"}
+
+
+def test_a_shard_file_is_named_as_one_by_load_and_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(a migration trial) load said "a plain safetensors file: use load_safetensors",
+    which said "a shard file: load its step directory"; verify, "holds no checksums"."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=20)
+    shard = tmp_path / "step_000000020" / "rank_00000.safetensors"
+    with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                       match=r"is a shard file of the checkpoint .*step_000000020: load that "
+                             r"step directory"):
+        asyncckpt.load(shard)
+    code, _, err = run(capsys, "verify", str(shard))
+    assert code == 2 and "is a shard file of the checkpoint" in err, err

@@ -50,6 +50,7 @@ from .loader import check_key_map as _check_key_map
 from .loader import check_threads as _check_threads
 from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
+from .manifest import is_shard_file_name as _is_shard_file_name
 from .preemption import PreemptionWatch
 from .safetensors_files import load_safetensors
 from .storage import LocalStorage as _LocalStorage
@@ -212,6 +213,12 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 raise peer_error(exc, state, peer) from exc.__cause__
             finally:
                 peer.close_all()
+    if str(path).endswith(".safetensors") and os.path.isfile(path) and _is_shard_file_name(
+            Path(path).name) and os.path.isfile(Path(path).parent / "manifest.json"):
+        # (not "a plain safetensors file": load_safetensors sent the user back here)
+        raise CheckpointNotFoundError(
+            f"{path} is a shard file of the checkpoint {Path(path).parent}: load that step "
+            f"directory (asyncckpt.load({str(Path(path).parent)!r}, state))")
     if str(path).endswith(".safetensors") and os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path} is a plain safetensors file, not an asyncckpt checkpoint (a directory of "

@@ -253,6 +253,10 @@ def _resolve(ckpt: str, step: int | None, plain_hint: str = "") -> tuple[Path, L
     path = Path(ckpt)
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
+        if path.is_file() and is_shard_file_name(path.name) and (
+                path.parent / MANIFEST_NAME).is_file():  # (not "a plain safetensors file")
+            raise _Usage(f"{path} is a shard file of the checkpoint {path.parent}: pass that "
+                         "step directory")
         plain = (f" ({plain_hint})" if plain_hint and path.suffix == ".safetensors"
                  and path.is_file() else "")
         raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}"
