@@ -584,3 +584,24 @@ def test_key_map_leaving_out_the_tensors_this_torch_cannot_hold_loads_the_rest(
     target = {"w": torch.zeros(2)}
     asyncckpt.load_safetensors(path, target, key_map=lambda n: None if n in skip else n)
     assert torch.equal(target["w"], torch.tensor([1.5, -2.0]))
+
+
+def test_a_state_dict_copy_without_batch_norm_counters_loads_as_the_module_does(
+        tmp_path: Path) -> None:
+    """(a second migration trial) the module kept its counter; its state_dict() copy, which
+    the guide says loads in place, was refused as missing it."""
+    src = _bn_net()
+    weights = {k: v for k, v in src.state_dict().items()
+               if not k.endswith("num_batches_tracked")}
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    target = _bn_net()
+    sd = target.state_dict()
+    asyncckpt.load_safetensors(tmp_path / "w.safetensors", sd)
+    assert torch.equal(target[0].weight, src[0].weight)
+    asyncckpt.save({"model": weights}, tmp_path / "ck")
+    asyncckpt.load(tmp_path / "ck", {"model": _bn_net().state_dict()})
+    bad = {k: v for k, v in weights.items() if k != "1.running_var"}  # (a statistic is
+    save_file(bad, str(tmp_path / "b.safetensors"))                    # missing still)
+    with pytest.raises(StateMismatchError) as err:
+        asyncckpt.load_safetensors(tmp_path / "b.safetensors", _bn_net().state_dict())
+    assert sorted(err.value.missing) == ["1.running_var"]

@@ -1354,9 +1354,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if skipped is not None:
         _say("%s", skipped)
     if copies:
-        kinds = list(dict.fromkeys(f"an {k}" for _, k in copies))  # (in the paths' order)
+        kinds = list(dict.fromkeys(  # (in the paths' order)
+            ("a " if k == "GradScaler" else "an ") + k for _, k in copies))
         _say("loading %s: %s %s (of %s), whose tensors the load fills in place, but whose "
-             "settings beside them (learning rates, a scheduler's step count) it changes in "
+             "settings beside them (learning rates, a scheduler's step count, a scaler's "
+             "scale) it changes in "
              "the %s only: unless you pass %s to %s load_state_dict, put %s in the state "
              "(as with a model)", step_dir,
              few([repr(p or "<root>") for p, _ in copies], 3),
@@ -1520,7 +1522,8 @@ def _copied_state_dicts(saved: dict[str, Any], target: dict[str, Any]
         keys = {k for k, _ in node["items"] if type(k) is str} if (
             len(node["items"]) <= 32) else set()
         kind = ("optimizer" if {"state", "param_groups"} <= keys else
-                "LR scheduler" if {"last_epoch", "_step_count"} <= keys else None)
+                "LR scheduler" if {"last_epoch", "_step_count"} <= keys else
+                "GradScaler" if {"scale", "growth_factor", "_growth_tracker"} <= keys else None)
         if kind is not None:
             part = "param_groups" if kind == "optimizer" else ""
             mine = _node_at(node, part)
@@ -2163,6 +2166,18 @@ def _node_at(node: dict[str, Any], path: str, *, stateful: bool = False,
 _SEQUENCES = ("list", "tuple")
 
 
+def _counter_of_a_copy(target: FlatState, path: str) -> bool:
+    """Whether ``path`` of a plain dict (a module's state_dict() copy, no module in the
+    tree) is a batch-norm counter: a 0-dim int64 beside its layer's running statistics."""
+    head = path[:-len("num_batches_tracked")]
+    if head and head[-1] not in "./":
+        return False
+    key = target.refs.get(path)
+    t = target.tensors.get(key) if key is not None else None
+    return (t is not None and t.dim() == 0 and t.dtype == torch.int64
+            and head + "running_mean" in target.refs and head + "running_var" in target.refs)
+
+
 def _without_untracked_counts(target: FlatState, missing: list[str],
                               step_dir: Path) -> list[str]:
     """``missing`` less the ``num_batches_tracked`` counters of batch-norm layers, which
@@ -2185,6 +2200,9 @@ def _without_untracked_counts(target: FlatState, missing: list[str],
                         mod, torch.nn.modules.batchnorm._NormBase):
                     kept.append(p)
                     continue
+            elif _counter_of_a_copy(target, p):
+                kept.append(p)
+                continue
     if not kept:
         return missing
     log.info("loading %s: %s keep their values (batch-norm counters the checkpoint does "
