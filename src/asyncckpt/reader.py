@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -172,6 +173,15 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, key: str | None = None) -> N
                             "wrapped around")
 
 
+@functools.cache
+def _holds_inf(dtype: torch.dtype) -> bool:
+    """Whether a float dtype holds infinity (float8_e4m3fn and the fnuz ones do not)."""
+    try:
+        return bool(torch.tensor(float("inf")).to(dtype).float().isinf())
+    except (RuntimeError, NotImplementedError):
+        return True  # (no cast to tell: nothing said of it)
+
+
 def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
     """How many finite values of ``src`` lie beyond the range of ``dtype`` (0 when its
     range holds all of ``src.dtype``'s, or either is no real float or integer dtype)."""
@@ -193,9 +203,12 @@ def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
         return 0
     if all(floats):
         top = torch.finfo(dtype).max
+        # (a format without infinities, float8_e4m3fn's, saturates or NaNs them: changed)
+        lost = int(src.isinf().sum()) if _holds_inf(src.dtype) and not _holds_inf(
+            dtype) else 0
         if torch.finfo(src.dtype).max <= top:
-            return 0
-        return int((src.abs() > top).logical_and_(src.isfinite()).sum())
+            return lost
+        return lost + int((src.abs() > top).logical_and_(src.isfinite()).sum())
     if not any(floats):
         have, want = torch.iinfo(src.dtype), torch.iinfo(dtype)
         # Only the bounds inside src's own range are compared: a bound beyond it would be
