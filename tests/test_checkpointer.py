@@ -3861,3 +3861,22 @@ def test_a_shrunk_host_buffer_fits_the_largest_of_the_small_saves_and_prepare_co
         assert 20 << 20 < shrunk < 24 << 20, shrunk  # the largest (20 MiB), 1/16 to spare
         ck.save({"w": torch.zeros(21 * mib)}, step=4)
         assert ck.host_buffer_bytes == shrunk  # (fits still)
+
+
+def test_a_directory_of_another_format_s_checkpoint_is_told_where_no_step_is_found(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(a migration trial) a checkpointer on the old run's directory (last.pt, or a DCP
+    checkpoint): latest_step() said None without a word, and the resume began at 0."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "last.pt")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        ck = asyncckpt.AsyncCheckpointer(tmp_path)
+        assert ck.latest_step() is None and ck.steps() == []
+    said = [r.getMessage() for r in caplog.records if "no committed asyncckpt step" in
+            r.getMessage()]
+    assert len(said) == 1 and "torch.save files (last.pt)" in said[0], said  # (said once)
+    ck.save({"w": torch.ones(2)}, step=1)
+    ck.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert asyncckpt.AsyncCheckpointer(tmp_path / "fresh").latest_step() is None
+    assert not caplog.records  # (an empty directory: nothing to say)

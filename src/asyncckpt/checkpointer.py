@@ -336,6 +336,7 @@ class AsyncCheckpointer:
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
         self._small_saves = 0  # saves in a row that needed far less than the arena holds
+        self._told_foreign = False  # steps() warned of another format's checkpoint here
         self._small_need = 0  # ... and the most one of them needed
         self._plan: WritePlan | None = None
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
@@ -797,7 +798,20 @@ class AsyncCheckpointer:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return commit.committed_steps(self.directory, self.storage)
+        steps = commit.committed_steps(self.directory, self.storage)
+        if not steps and not self._told_foreign:
+            self._told_foreign = True
+            # (a trial pointed its checkpointer at the run's old directory: latest_step()
+            # said None without a word, and the resume started from step 0)
+            try:
+                names = self.storage.listdir(self.directory)
+            except OSError:
+                names = []
+            foreign = commit.foreign_hint(self.directory, names) if names else ""
+            if foreign:
+                log.warning("no committed asyncckpt step under %s%s; until then, a resume "
+                            "that asks latest_step() starts afresh", self.directory, foreign)
+        return steps
 
     def latest_step(self) -> int | None:
         steps = self.steps()
