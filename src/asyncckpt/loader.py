@@ -268,16 +268,18 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies, spans)
+    unsaid = False  # the sharing told once the values are read (see below)
     if staged:
         # (saved tensors of one content, their checksums say, into one target: no matter
         # which wins; a trial's untied model saved and loaded into a tied one was warned)
+        one_view = len({_view_of(t) for k in staged for t in dests[k]}) == 1  # (tied)
         alike = len({_content(manifest.tensors[k]) for k in staged}) == 1 and all(
-            c.checksums for k in staged for c in manifest.tensors[k].chunks) and len(
-            {_view_of(t) for k in staged for t in dests[k]}) == 1  # (one view: tied)
-        (log.info if alike else log.warning)(
-            "loading %s: the target tensors of saved tensors %s share memory; each is "
-            "read into a temporary and copied in checkpoint order, so the last one wins%s",
-            label, few(staged), " (they hold the same values)" if alike else "")
+            c.checksums for k in staged for c in manifest.tensors[k].chunks) and one_view
+        # (no checksums to tell, as in a safetensors file: the values, once read, below)
+        unsaid = not alike and one_view and not any(
+            c.checksums for k in staged for c in manifest.tensors[k].chunks)
+        if not unsaid:
+            _say_shared(label, staged, alike)
     # Read into a temporary, then copied into each target: targets sharing memory, and a
     # cast key's several (tied) targets, each cast from the saved values. A cast key's
     # one target is read into as usual: the reader casts each piece as it comes.
@@ -290,6 +292,12 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                           storage, verify=verify, boxes=boxes, threads=threads, read=read,
                           progress=progress,
                           casts=casts - through - regions.keys() if casts else frozenset())
+    if staged and unsaid:  # (a file's tied weights written twice: the same bytes, mostly)
+        first = loaded[staged[0]]
+        _say_shared(label, staged, all(
+            loaded[k].dtype == first.dtype and loaded[k].shape == first.shape
+            and torch.equal(loaded[k].view(-1).view(torch.uint8),
+                            first.view(-1).view(torch.uint8)) for k in staged[1:]))
     for key, tensors in dests.items():  # in checkpoint order
         if len(tensors) < 2 and not copies and key not in through:
             continue  # the usual target: filled by the read itself
@@ -312,6 +320,13 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                 mismatched=[key]) from exc
     target.skip_extra = ignore_unexpected or not strict
     return restore_into(state, manifest.skeleton, loaded, "", target)
+
+
+def _say_shared(label: Path, staged: list[str], alike: bool) -> None:
+    (log.info if alike else log.warning)(
+        "loading %s: the target tensors of saved tensors %s share memory; each is "
+        "read into a temporary and copied in checkpoint order, so the last one wins%s",
+        label, few(staged), " (they hold the same values)" if alike else "")
 
 
 def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
