@@ -628,3 +628,12 @@ def test_tied_weights_written_twice_with_the_same_bytes_are_not_warned_of(
         assert torch.equal(model.emb.weight, w) and not caplog.records
         asyncckpt.load_safetensors(tmp_path / "diff.safetensors", Tied())
     assert "share memory" in caplog.text and "last one wins" in caplog.text
+
+
+def test_a_dcp_directory_passed_to_load_safetensors_is_named(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(CheckpointNotFoundError, match=r"holds no .safetensors file; it holds "
+                                                      r"a PyTorch DCP checkpoint"):
+        asyncckpt.load_safetensors(tmp_path / "dcp")

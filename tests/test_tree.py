@@ -1169,3 +1169,11 @@ def test_a_nan_node_without_bits_reads_as_float_nan() -> None:
     # (as every NaN node of a checkpoint written before "bits")
     got = unflatten({"t": "float", "v": "nan"}, {})
     assert struct.pack(">d", got) == struct.pack(">d", float("nan"))
+
+
+def test_an_argparse_namespace_is_told_to_be_saved_as_a_dict() -> None:
+    """(a migration trial: a run's args, refused with no word of what to do)"""
+    import argparse
+
+    with pytest.raises(UnsupportedLeafError, match=r"save vars\(x\) \(a dict of its fields\)"):
+        flatten({"args": argparse.Namespace(lr=0.1)})

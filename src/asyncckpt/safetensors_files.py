@@ -283,7 +283,10 @@ def files_of(source: Path) -> tuple[Path, list[str], dict[str, str] | None]:
         return source, list(dict.fromkeys(wmap.values())), wmap
     names = [n for n in listing if n.endswith(".safetensors")]
     if not names:
-        raise CheckpointNotFoundError(f"{source} holds no .safetensors file")
+        from .commit import foreign_hint
+
+        raise CheckpointNotFoundError(f"{source} holds no .safetensors file"
+                                      f"{foreign_hint(source, listing)}")
     return source, names, None
 
 

@@ -13,6 +13,7 @@ so that round trips are exact: int keys stay ints, tuples stay tuples.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import dataclasses
 import enum
@@ -370,6 +371,9 @@ def _leaf_hint(obj: Any) -> str:
         return "; save str(x), and rebuild it with getattr(torch, s.removeprefix('torch.'))"
     if isinstance(obj, torch.device):
         return "; save str(x), and rebuild it with torch.device(s)"
+    if isinstance(obj, argparse.Namespace):
+        return ("; save vars(x) (a dict of its fields), and rebuild it with "
+                "argparse.Namespace(**d)")
     if isinstance(obj, torch.utils.data.DataLoader):
         return ("; a DataLoader has no state_dict(): save its position (epoch, batches "
                 "seen, the sampler's seed) through an object with state_dict()/"
