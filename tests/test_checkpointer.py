@@ -3740,7 +3740,9 @@ def test_only_rank_0_of_a_job_marks_in_a_module_level_fallback_load(
     monkeypatch.setenv("RANK", "1")
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert asyncckpt.load(tmp_path, fallback=True)["w"][0].item() == 1.0
-    assert "rank=1: step(s) [2] under" in caplog.text and "marked" not in caplog.text
+    assert "rank=1: step(s) [2] under" in caplog.text and "marked by damaged.json" not in \
+        caplog.text and "(not marked by this rank: rank 0 marks what its own load finds)" \
+        in caplog.text
     assert not (tmp_path / "step_000000002" / "damaged.json").exists()
     monkeypatch.setenv("RANK", "0")
     asyncckpt.load(tmp_path, fallback=True)
@@ -3880,3 +3882,19 @@ def test_a_directory_of_another_format_s_checkpoint_is_told_where_no_step_is_fou
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert asyncckpt.AsyncCheckpointer(tmp_path / "fresh").latest_step() is None
     assert not caplog.records  # (an empty directory: nothing to say)
+
+
+def test_a_run_directory_s_other_files_are_no_checkpoint_to_warn_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(a review) a tokenizer's .tar or a run's training_args.bin, and a .metadata file
+    without DCP's shards, were taken for another format's checkpoint."""
+    (tmp_path / "tokenizer.tar").write_bytes(b"x")
+    (tmp_path / "training_args.bin").write_bytes(b"x")
+    (tmp_path / ".metadata").write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert asyncckpt.AsyncCheckpointer(tmp_path).latest_step() is None
+    assert not caplog.records, caplog.text
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.AsyncCheckpointer(tmp_path).steps()
+    assert "PyTorch DCP checkpoint" in caplog.text

@@ -2802,3 +2802,37 @@ def test_an_optimizer_state_saved_as_a_plain_dict_is_checked_for_the_settings_it
     again = torch.optim.AdamW(m.parameters())  # (the same kind: loads, as ever)
     asyncckpt.load(tmp_path, {"model": m, "optim": again})
     assert torch.equal(again.state[m.weight]["exp_avg"], o.state[m.weight]["exp_avg"])
+
+
+def test_a_grad_scaler_s_state_dict_copy_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(a second migration trial) the copy held the saved scale, the live scaler kept
+    65536, silently: a bit-exact resume of an AMP run broken."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    asyncckpt.save({"scaler": scaler.state_dict()}, tmp_path, step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"scaler": torch.amp.GradScaler("cpu").state_dict()})
+    said = [r.getMessage() for r in caplog.records if "state_dict() cop" in r.getMessage()]
+    assert len(said) == 1 and "'scaler' holds a state_dict() copy (of a GradScaler)" in \
+        said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        live = torch.amp.GradScaler("cpu")
+        asyncckpt.load(tmp_path, {"scaler": live})  # the object: restored, nothing said
+        asyncckpt.load(tmp_path, {"scaler": scaler.state_dict()})  # (equal: nothing lost)
+    assert live.get_scale() == 128.0 and not caplog.records
+
+
+def test_a_plain_dict_optimizer_state_is_not_refused_for_keys_a_scheduler_added(
+        tmp_path: Path) -> None:
+    """(a review) with no class saved, keys an LR scheduler (or a subclass) adds to the
+    target's groups were taken for settings the saved groups lack: OneCycleLR's max_lr."""
+    m = nn.Linear(2, 2)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(2)).sum().backward()
+    o.step()
+    asyncckpt.save({"optim": o.state_dict()}, tmp_path, step=1)
+    o2 = torch.optim.AdamW(m.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=0.1, total_steps=10)
+    asyncckpt.load(tmp_path, {"optim": o2})
+    assert torch.equal(o2.state[m.weight]["exp_avg"], o.state[m.weight]["exp_avg"])

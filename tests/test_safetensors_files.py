@@ -637,3 +637,24 @@ def test_a_dcp_directory_passed_to_load_safetensors_is_named(tmp_path: Path) -> 
     with pytest.raises(CheckpointNotFoundError, match=r"holds no .safetensors file; it holds "
                                                       r"a PyTorch DCP checkpoint"):
         asyncckpt.load_safetensors(tmp_path / "dcp")
+
+
+def test_two_tied_pairs_of_the_same_bytes_each_are_not_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(a review) two tied pairs in one file: the sharing was judged over all four keys at
+    once, which are no one view, and warned of."""
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.pos = torch.nn.Embedding(4, 3), torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 4, bias=False)
+            self.pos_out = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight, self.pos_out.weight = self.emb.weight, self.pos.weight
+
+    m = Two()
+    e, p = m.emb.weight.detach().clone(), m.pos.weight.detach().clone()
+    save_file({"emb.weight": e, "head.weight": e.clone(), "pos.weight": p,
+               "pos_out.weight": p.clone()}, str(tmp_path / "two.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load_safetensors(tmp_path / "two.safetensors", Two())
+    assert not caplog.records, caplog.text

@@ -244,7 +244,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                              DirectoryLock(Path(path)), rank, marks=rank == 0,
                              unmarked_means="a later checkpointer's retention does not know",
                              remedy="AsyncCheckpointer(root).discard_steps_after(<the step "
-                                    "loaded>)")
+                                    "loaded>)",
+                             unmarked_here=" (not marked by this rank: rank 0 marks what its "
+                                           "own load finds)")
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
         try:

@@ -799,7 +799,7 @@ class AsyncCheckpointer:
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
         steps = commit.committed_steps(self.directory, self.storage)
-        if not steps and not self._told_foreign:
+        if not steps and not self._told_foreign and self._ctx.is_coordinator:
             self._told_foreign = True
             # (a trial pointed its checkpointer at the run's old directory: latest_step()
             # said None without a word, and the resume started from step 0)
@@ -807,7 +807,13 @@ class AsyncCheckpointer:
                 names = self.storage.listdir(self.directory)
             except OSError:
                 names = []
-            foreign = commit.foreign_hint(self.directory, names) if names else ""
+            # (a checkpoint's files: DCP's .metadata beside its .distcp shards, a .pt, .pth
+            # or .ckpt; not any .bin or .tar, a tokenizer's or a run's arguments)
+            told = [n for n in names if n == ".metadata" or n.endswith(
+                (".distcp", ".pt", ".pth", ".ckpt", ".safetensors"))]
+            dcp_alone = ".metadata" in told and not any(n.endswith(".distcp") for n in told)
+            foreign = commit.foreign_hint(self.directory, [
+                n for n in told if not (dcp_alone and n == ".metadata")]) if told else ""
             if foreign:
                 log.warning("no committed asyncckpt step under %s%s; until then, a resume "
                             "that asks latest_step() starts afresh", self.directory, foreign)
@@ -2035,7 +2041,8 @@ def _version() -> str:
 
 def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
                  lock: DirectoryLock, rank: int, *, marks: bool, unmarked_means: str,
-                 remedy: str = "ckpt.discard_steps_after(<the step loaded>)") -> None:
+                 remedy: str = "ckpt.discard_steps_after(<the step loaded>)",
+                 unmarked_here: str = "") -> None:
     """Mark the steps a fallback load found damaged (``new``: step, what was found) with
     damaged.json, and warn of them. ``marks``: False where another rank marks (this one
     only warns). The directory's owner marks: the checkpointer (or another of this
@@ -2068,7 +2075,7 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
         "keep_last does not count them, and removes them once older than the steps it "
         "keeps. To save a step older than them, or to remove them now: %s", rank, steps,
         directory,
-        f" (rank 0 marks them, by {commit.DAMAGED_NAME})" if not marks else
+        (unmarked_here or f" (rank 0 marks them, by {commit.DAMAGED_NAME})") if not marks else
         f", marked by {commit.DAMAGED_NAME}" if not unmarked else
         f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): "
         f"{unmarked_means}", remedy)

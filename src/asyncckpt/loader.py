@@ -268,18 +268,21 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
     # numpy targets whose tensor is a contiguous copy (negative strides), by that tensor
     copies = {id(target.tensors[k]): a for k, a in target.arrays.items() if is_copied(a)}
     staged = _sharing_memory(dests, copies, spans)
-    unsaid = False  # the sharing told once the values are read (see below)
+    unsaid: list[list[str]] = []  # sharing told once the values are read (see below)
     if staged:
         # (saved tensors of one content, their checksums say, into one target: no matter
         # which wins; a trial's untied model saved and loaded into a tied one was warned)
-        one_view = len({_view_of(t) for k in staged for t in dests[k]}) == 1  # (tied)
-        alike = len({_content(manifest.tensors[k]) for k in staged}) == 1 and all(
-            c.checksums for k in staged for c in manifest.tensors[k].chunks) and one_view
-        # (no checksums to tell, as in a safetensors file: the values, once read, below)
-        unsaid = not alike and one_view and not any(
-            c.checksums for k in staged for c in manifest.tensors[k].chunks)
-        if not unsaid:
-            _say_shared(label, staged, alike)
+        # by the view they share (tied pairs: an embedding's, a position table's...)
+        for group in _by_view(staged, dests):
+            one_view = len({_view_of(t) for k in group for t in dests[k]}) == 1  # (tied)
+            checked = all(c.checksums for k in group for c in manifest.tensors[k].chunks)
+            alike = checked and one_view and len(
+                {_content(manifest.tensors[k]) for k in group}) == 1
+            if one_view and not alike and not any(
+                    c.checksums for k in group for c in manifest.tensors[k].chunks):
+                unsaid.append(group)  # (no checksums, a safetensors file's: once read)
+            else:
+                _say_shared(label, group, alike)
     # Read into a temporary, then copied into each target: targets sharing memory, and a
     # cast key's several (tied) targets, each cast from the saved values. A cast key's
     # one target is read into as usual: the reader casts each piece as it comes.
@@ -292,12 +295,12 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                           storage, verify=verify, boxes=boxes, threads=threads, read=read,
                           progress=progress,
                           casts=casts - through - regions.keys() if casts else frozenset())
-    if staged and unsaid:  # (a file's tied weights written twice: the same bytes, mostly)
-        first = loaded[staged[0]]
-        _say_shared(label, staged, all(
+    for group in unsaid:  # (a file's tied weights written twice: the same bytes, mostly)
+        first = loaded[group[0]]
+        _say_shared(label, group, all(
             loaded[k].dtype == first.dtype and loaded[k].shape == first.shape
             and torch.equal(loaded[k].view(-1).view(torch.uint8),
-                            first.view(-1).view(torch.uint8)) for k in staged[1:]))
+                            first.view(-1).view(torch.uint8)) for k in group[1:]))
     for key, tensors in dests.items():  # in checkpoint order
         if len(tensors) < 2 and not copies and key not in through:
             continue  # the usual target: filled by the read itself
@@ -320,6 +323,19 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
                 mismatched=[key]) from exc
     target.skip_extra = ignore_unexpected or not strict
     return restore_into(state, manifest.skeleton, loaded, "", target)
+
+
+def _by_view(staged: list[str], dests: Mapping[str, list[torch.Tensor]]) -> list[list[str]]:
+    """``staged`` in groups of the keys whose targets are one view (one tied tensor); a key
+    whose targets overlap others otherwise, in one group of the rest."""
+    groups: dict[Any, list[str]] = {}
+    for k in staged:
+        views = {_view_of(t) for t in dests[k]}
+        groups.setdefault(next(iter(views)) if len(views) == 1 else None, []).append(k)
+    rest = groups.pop(None, [])
+    out = [g for g in groups.values() if len(g) > 1]
+    rest += [k for g in groups.values() if len(g) == 1 for k in g]
+    return out + ([rest] if rest else [])
 
 
 def _say_shared(label: Path, staged: list[str], alike: bool) -> None:
@@ -1371,7 +1387,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if copies:
         kinds = list(dict.fromkeys(  # (in the paths' order)
             ("a " if k == "GradScaler" else "an ") + k for _, k in copies))
-        _say("loading %s: %s %s (of %s), whose tensors the load fills in place, but whose "
+        _say("loading %s: %s %s (of %s), whose tensors, if any, the load fills in place, but whose "
              "settings beside them (learning rates, a scheduler's step count, a scaler's "
              "scale) it changes in "
              "the %s only: unless you pass %s to %s load_state_dict, put %s in the state "
@@ -1977,7 +1993,7 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
         cls = holder.get("cls") if holder is not None and holder["t"] == "stateful" else None
         # (cls None: saved as a plain dict, an optimizer's state_dict() converted from a
         # torch.save file, whose class nobody knows: its groups are looked at as well)
-        lacks = _settings_lacking(groups, obj) if (
+        lacks = _settings_lacking(groups, obj, settings_only=cls is None) if (
             saved == want and cls != type(obj).__qualname__) else []
         if lacks:
             # (torch's load_state_dict takes the saved groups as they are: an SGD given
@@ -2035,14 +2051,18 @@ def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any,
              if excludable else "load it into a " + cls)
 
 
-def _settings_lacking(groups: dict[str, Any], obj: Any) -> list[str]:
+def _settings_lacking(groups: dict[str, Any], obj: Any, *,
+                      settings_only: bool = False) -> list[str]:
     """The settings the optimizer ``obj`` has in its groups that some saved group (of the
     skeleton node ``groups``) lacks: torch's load_state_dict replaces the groups with the
-    saved ones (keeping only ``params``), so the optimizer would step without them."""
+    saved ones (keeping only ``params``), so the optimizer would step without them.
+    ``settings_only``: of its defaults alone (a plain dict saved, of no known class: keys
+    an LR scheduler or a subclass added to the groups are not the optimizer's settings)."""
     # (torch keeps the target's own param_names where the saved groups lack them, and an
     # LR scheduler's initial_lr is the scheduler's, set again as it is made: no refusal)
     have = {k for g in obj.param_groups for k in g
-            if k not in ("params", "param_names", "initial_lr")}
+            if k not in ("params", "param_names", "initial_lr")
+            and (not settings_only or k in obj.defaults)}
     lacks: list[str] = []
     saved: list[set[str]] = []
     for g in groups["items"]:

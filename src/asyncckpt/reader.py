@@ -183,8 +183,10 @@ def _holds_inf(dtype: torch.dtype) -> bool:
 
 
 def out_of_range(src: torch.Tensor, dtype: torch.dtype) -> int:
-    """How many finite values of ``src`` lie beyond the range of ``dtype`` (0 when its
-    range holds all of ``src.dtype``'s, or either is no real float or integer dtype)."""
+    """How many values of ``src`` a cast to ``dtype`` changes for lying beyond its range:
+    finite ones beyond it, and infinities where ``dtype`` has none (float8_e4m3fn
+    saturates them, or makes them NaN); 0 when its range holds all of ``src.dtype``'s,
+    or either is no real float or integer dtype."""
     if src.is_complex() and dtype.is_complex:  # (each part as a float of half the width)
         part = {torch.complex128: torch.float64, torch.complex64: torch.float32,
                 torch.complex32: torch.float16}.get(dtype)

@@ -746,8 +746,10 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                         # (milestones found committed before, which it keeps: not every
                         # step, or one whose manifest went since would be deleted, where
                         # retention leaves a directory without one alone)
+                        # (and on local storage: amiss can tell one that lost its files)
                         trusted=[s for s in job.known.committed() if s % job.keep_every == 0]
-                        if job.known is not None and job.keep_every else ()))
+                        if job.known is not None and job.keep_every and isinstance(
+                            job.storage, LocalStorage) else ()))
                     if job.known is not None:
                         job.known.keep_files(listed)
                 for s in doomed:
@@ -1118,8 +1120,9 @@ def _describe(job: SaveJob) -> _Described:
             job.progress.fail(exc)  # the step cannot commit: stop this rank's write now
             raise
     assert raw is not None
-    while not job.room.wait(0.05) and not job.progress.failed:
-        pass  # (the write thread makes room first: see _room_for)
+    while not job.room.wait(0.05):  # (the write thread makes room first: see _room_for)
+        if job.progress.failed:
+            raise RuntimeError("the save failed")  # (no manifest to write: the step is lost)
     try:
         job.storage.makedirs(job.tmp_path)  # the writer may not have made it yet
         job.storage.write_bytes(job.tmp_path / MANIFEST_NAME, raw)
