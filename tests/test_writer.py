@@ -269,3 +269,19 @@ def test_a_step_whose_manifest_went_is_left_alone_though_this_checkpointer_saved
             ckpt.save({"w": torch.full((4,), float(s))}, step=s)
         assert ckpt.steps() == [0, 6, 7]
     assert (tmp_path / "step_000000005").is_dir()
+
+
+def test_a_full_disk_s_error_says_the_room_free_and_the_room_needed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a disk trial could not tell its own steps from another's file filling the disk)"""
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    storage = _Quota(tmp_path, quota=1 << 20)
+    monkeypatch.setattr(writer_module.os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=1_500_000, f_frsize=1))
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=storage) as ckpt, pytest.raises(
+            asyncckpt.CheckpointSaveError, match=r"No space left on device.* \(1\.5 MB free "
+                                                  r"now; this step's file takes 4\.2 MB\)"):
+        ckpt.save({"w": torch.zeros(1 << 20)}, step=1)

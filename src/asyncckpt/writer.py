@@ -546,7 +546,7 @@ class BackgroundWriter:
                     " (the checkpoint directory was deleted or moved while the step was "
                     "written: "
                     "the next save makes it again, with only its own step)" if gone
-                    else os_error_hint(exc))) from exc
+                    else _room_said(job, exc) + os_error_hint(exc))) from exc
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
@@ -1247,6 +1247,19 @@ def _storage_call(exc: BaseException) -> str:
             return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
         tb = tb.tb_next
     return ""
+
+
+def _room_said(job: SaveJob, exc: BaseException) -> str:
+    """For a full disk, the room free now and what this step takes (a trial could not
+    tell its own steps from another's file filling the disk)."""
+    if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+        return ""
+    try:
+        fs = os.statvfs(job.root)
+    except (OSError, AttributeError):
+        return ""
+    return (f" ({fs.f_bavail * fs.f_frsize / 1e6:.1f} MB free now; this step's file takes "
+            f"{job.plan.file_bytes / 1e6:.1f} MB)")
 
 
 def os_error_hint(exc: BaseException) -> str:
