@@ -275,11 +275,10 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
         # by the view they share (tied pairs: an embedding's, a position table's...)
         for group in _by_view(staged, dests):
             one_view = len({_view_of(t) for k in group for t in dests[k]}) == 1  # (tied)
-            checked = all(c.checksums for k in group for c in manifest.tensors[k].chunks)
-            alike = checked and one_view and len(
+            sums = {bool(c.checksums) for k in group for c in manifest.tensors[k].chunks}
+            alike = sums == {True} and one_view and len(
                 {_content(manifest.tensors[k]) for k in group}) == 1
-            if one_view and not alike and not any(
-                    c.checksums for k in group for c in manifest.tensors[k].chunks):
+            if one_view and not alike and True not in sums:
                 unsaid.append(group)  # (no checksums, a safetensors file's: once read)
             else:
                 _say_shared(label, group, alike)
@@ -1542,10 +1541,11 @@ def _stateless_optimizer_dicts(skeleton: dict[str, Any], unexpected: list[str]) 
 
 def _copied_state_dicts(saved: dict[str, Any], target: dict[str, Any]
                         ) -> list[tuple[str, str]]:
-    """(path, kind) of the target's plain dicts near its root shaped as an optimizer's or
-    an LR scheduler's ``state_dict()`` whose values beside the tensors differ from the
-    checkpoint's: a load in place changes those in the dict, a copy, and not in the live
-    object (a trial's resume got its moments back, and its learning rate not)."""
+    """(path, kind) of the target's plain dicts near its root shaped as an optimizer's, an
+    LR scheduler's or a GradScaler's ``state_dict()`` whose values beside the tensors
+    differ from the checkpoint's: a load in place changes those in the dict, a copy, and
+    not in the live object (a trial's resume got its moments back, and its learning rate
+    not)."""
     found: list[tuple[str, str]] = []
 
     def walk(node: dict[str, Any], path: str, depth: int) -> None:

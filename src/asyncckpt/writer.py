@@ -816,12 +816,18 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
 def _short_of_room(job: SaveJob) -> bool:
     """Whether the disk of the checkpoint has less room free than this step takes, with a
     margin (False where that cannot be known: a root that is no local path)."""
+    free = _free_bytes(job.root)
+    return free is not None and free < job.plan.file_bytes + (1 << 20)  # (+ the manifest)
+
+
+def _free_bytes(root: Path) -> int | None:
+    """The bytes free to this user on the disk of ``root``; None where that cannot be
+    known (not a local path: a storage of its own; Windows)."""
     try:
-        fs = os.statvfs(job.root)
-    except (OSError, AttributeError):  # (not a local path: a storage of its own; Windows)
-        return False
-    need = job.plan.file_bytes + (1 << 20)  # (the manifest, the directories)
-    return bool(fs.f_bavail * fs.f_frsize < need)
+        fs = os.statvfs(root)
+    except (OSError, AttributeError):
+        return None
+    return int(fs.f_bavail * fs.f_frsize)
 
 
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
@@ -1252,13 +1258,11 @@ def _storage_call(exc: BaseException) -> str:
 def _room_said(job: SaveJob, exc: BaseException) -> str:
     """For a full disk, the room free now and what this step takes (a trial could not
     tell its own steps from another's file filling the disk)."""
-    if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+    free = _free_bytes(job.root) if isinstance(exc, OSError) and (
+        exc.errno == errno.ENOSPC) else None
+    if free is None:
         return ""
-    try:
-        fs = os.statvfs(job.root)
-    except (OSError, AttributeError):
-        return ""
-    return (f" ({fs.f_bavail * fs.f_frsize / 1e6:.1f} MB free now; this step's file takes "
+    return (f" ({free / 1e6:.1f} MB free now; this step's file takes "
             f"{job.plan.file_bytes / 1e6:.1f} MB)")
 
 
