@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 
 _PATH = re.compile(r"/v1/(0|[1-9][0-9]{0,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
 _CURRENT = "/v1/current"
-_RANGE = re.compile(r"bytes=([0-9]{1,18})-([0-9]{1,18})")
+# (RFC 9110 14.1.1: first-last, first- (the rest) or -suffix (the last bytes); one range)
+_RANGE = re.compile(r"bytes=(?:([0-9]{1,18})-([0-9]{1,18})?|-([0-9]{1,18}))")
 _SIZE = re.compile(r"[0-9]{1,18}")
 _MiB = 1024 * 1024
 _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts reading
@@ -1028,12 +1029,22 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 r = _RANGE.fullmatch(rng.strip())
                 if r is None:
-                    return self._refuse(400, "Range must be bytes=<first>-<last>")
-                lo, hi = int(r.group(1)), int(r.group(2)) + 1
-                if lo >= hi:  # (RFC 9110: a last byte before the first is no range)
-                    return self._refuse(400, "Range must be bytes=<first>-<last>, with first "
-                                             "<= last")
-                if hi > source.size:
+                    return self._refuse(400, "Range must be one range: bytes=<first>-<last>, "
+                                             "bytes=<first>- or bytes=-<suffix length>")
+                if r.group(3) is not None:  # the last n bytes (all of a shorter file)
+                    lo, hi = max(source.size - int(r.group(3)), 0), source.size
+                    unsatisfiable = r.group(3) == "0" or source.size == 0
+                else:
+                    lo = int(r.group(1))
+                    hi = source.size if r.group(2) is None else int(r.group(2)) + 1
+                    if lo >= hi and r.group(2) is not None:  # (a last byte before the first)
+                        return self._refuse(400, "Range must be bytes=<first>-<last>, with "
+                                                 "first <= last")
+                    # (a last byte past the end means the rest of the file, as RFC 9110
+                    # says: 416 only for a first byte that is not there)
+                    unsatisfiable = lo >= source.size
+                    hi = min(hi, source.size)
+                if unsatisfiable:
                     return self._refuse(416, f"range outside the file ({source.size} bytes)",
                                         [("Content-Range", f"bytes */{source.size}")])
             if send_body and hi - lo > tr.max_range_bytes:  # HEAD only asks for the size
