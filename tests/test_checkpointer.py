@@ -1727,6 +1727,37 @@ def test_close_waits_and_refuses_later_saves(tmp_path: Path) -> None:
         ckpt.save_async(make_state(), step=2)
 
 
+def test_close_with_a_timeout_leaves_a_hung_save_open_and_closes_once_it_ends(
+        tmp_path: Path) -> None:
+    """A save stuck on its storage (a dead mount) held close() for ever: close(timeout=)
+    raises CheckpointTimeoutError naming the step, and the checkpointer stays usable."""
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    for bad in (-1, float("nan"), float("inf"), "3", True):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match=r"close\(timeout="):
+            ckpt.close(timeout=bad)  # type: ignore[arg-type]
+    fut = ckpt.save_async(make_state(), step=1)
+    t0 = time.monotonic()
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"step 1 is still being saved.*"
+                                                               r"stays open"):
+        ckpt.close(timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 5.0
+    assert not fut.done() and repr(ckpt).endswith(": saving step 1>")
+    storage.gate.set()
+    ckpt.close(timeout=30)
+    assert fut.done() and ckpt.steps() == [1]
+    with pytest.raises(asyncckpt.CheckpointClosedError):
+        ckpt.save_async(make_state(), step=2)
+    ckpt.close(timeout=0)  # (closed: nothing to wait for)
+    # a failure nobody waited on is raised by close(timeout=) as by close()
+    failing = asyncckpt.AsyncCheckpointer(tmp_path / "f", storage=StuckCommit(tmp_path / "f"))
+    failing.save(make_state(), step=1)
+    failing.save_async(make_state(), step=2)
+    with pytest.raises(asyncckpt.CheckpointSaveError):
+        failing.close(timeout=30)
+
+
 def test_one_shot_helpers_accept_root_or_step_dir(tmp_path: Path) -> None:
     state = make_state(8)
     info = asyncckpt.save(state, tmp_path / "final")

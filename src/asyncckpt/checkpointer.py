@@ -1125,18 +1125,45 @@ class AsyncCheckpointer:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, then release threads, memory and the lock.
 
         Raises the failure of a save whose future nobody waited on (the last one, or an
         earlier one ``wait()`` has not reported yet): closing is the caller's last chance
-        to learn that a step was not saved.
+        to learn that a step was not saved. With ``timeout``, a save (or its retention)
+        still running after that many seconds raises CheckpointTimeoutError and leaves
+        the checkpointer open: close() again waits on, or the process may exit without
+        that step (a storage that hangs, such as a dead network mount, would otherwise
+        hold close() for ever).
         """
         if self._forked():
             self._closed = True  # (the parent's to close: its threads, its lock)
             return
+        if timeout is not None and not self._closed:
+            self._wait_to_close(timeout)
         with self._one_call("close"):
             self._close(raise_missed=True)
+
+    def _wait_to_close(self, timeout: float) -> None:
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout < 0):
+            raise CheckpointConfigError(
+                f"close(timeout={timeout!r}): pass seconds, a finite number >= 0, or None to "
+                "wait for the save in flight however long it takes")
+        deadline = time.monotonic() + timeout
+        fut, retention = self._pending, self._retention
+        if fut is not None and not cf.wait([fut._durable], timeout).done:
+            raise CheckpointTimeoutError(
+                f"close(timeout={timeout}): step {fut.step} is still being saved to "
+                f"{self.directory} ({fut.progress().phase}); the checkpointer stays open: "
+                "close() again waits on, or exit without that step (the steps committed "
+                "before it are intact)")
+        if retention is not None and not cf.wait(
+                [retention], max(deadline - time.monotonic(), 0.0)).done:
+            raise CheckpointTimeoutError(
+                f"close(timeout={timeout}): old steps under {self.directory} are still being "
+                f"removed (retention, keep_last={self.config.keep_last}); the checkpointer "
+                "stays open: close() again waits on")
 
     def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
