@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,40 @@ def test_the_manifest_waits_for_the_room_the_shard_waits_for(
             ckpt.save_async({"w": torch.full((512 * 1024,), float(s))}, step=s).wait()
         ckpt.wait()
         assert ckpt.steps() == [5, 6]
+
+
+def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) In a group on a shared filesystem only rank 0 waited for room: rank 1's
+    shard met the full disk while rank 0's removals ran. The others watch the room free,
+    for ROOM_WAIT_GROUP_S at most; the manifest's margin grows with the tensors listed."""
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    free = [0]
+    monkeypatch.setattr(writer_module, "_free_bytes", lambda root: free[0])
+    plan = SimpleNamespace(file_bytes=10 << 20, header=b" " * (1 << 20))
+    need = (10 << 20) + (1 << 20) + 4 * (1 << 20)
+    job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1),
+                          keep_last=2, removals=None, root=tmp_path, plan=plan, step=7)
+    free[0] = need - 1  # (a flat 1 MiB margin called this room enough)
+    assert writer_module._short_of_room(job)  # type: ignore[arg-type]
+    threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert 0.25 < time.monotonic() - t0 < 5.0  # (returned once rank 0 made room)
+    # a disk that stays full: back after the limit, to fail the write with ENOSPC
+    free[0] = 0
+    monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 0.3)
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert 0.25 < time.monotonic() - t0 < 5.0
+    # without keep_last nothing will free room: no wait at all
+    job.keep_last = None
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.2
 
 
 def test_a_step_whose_manifest_went_is_left_alone_though_this_checkpointer_saved_it(

@@ -811,13 +811,26 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
         made: cf.Future[None] = cf.Future()
         _retain(job, reaper, made, before=True)
         cf.wait([made], timeout=limit)
+    elif job.keep_last is not None and job.ctx.distributed and _short_of_room(job):
+        # The others of a group on a shared filesystem: rank 0 removes the old steps (its
+        # retention, or the removals above), which this rank cannot wait on: it watches
+        # the room free, briefly (a review: rank 0 waited for room, rank 1's shard met the
+        # full disk). A disk that stays full fails the write with ENOSPC, as before.
+        log.info("rank=%d step=%d: the disk lacks room for this step: waiting up to %.0f s for "
+                 "rank 0's retention to remove the old steps", job.ctx.rank, job.step, limit)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and _short_of_room(job):
+            time.sleep(0.05)
 
 
 def _short_of_room(job: SaveJob) -> bool:
     """Whether the disk of the checkpoint has less room free than this step takes, with a
     margin (False where that cannot be known: a root that is no local path)."""
     free = _free_bytes(job.root)
-    return free is not None and free < job.plan.file_bytes + (1 << 20)  # (+ the manifest)
+    # (+ the manifest: a few times the shard's header, which lists the same tensors; a
+    # flat 1 MiB undercounted one of 100,000 tensors, tens of MB)
+    return free is not None and free < job.plan.file_bytes + (1 << 20) + 4 * len(
+        job.plan.header)
 
 
 def _free_bytes(root: Path) -> int | None:
