@@ -1456,6 +1456,56 @@ def test_an_in_place_fetch_of_a_step_the_peer_moved_on_from_says_so(
         "state: receive again before using them"), str(info.value)
 
 
+def test_disallow_cuts_off_a_stalled_receiver_but_not_a_slow_one(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft calls disallow_checkpoint() on the training thread: a receiver that stopped
+    reading (stuck, SIGSTOPped, a network cut) held it for the transport's whole timeout
+    (60 s there). One that has taken nothing for STALL_S is cut off; one that reads,
+    slowly, may finish within the timeout."""
+    import asyncckpt.transport.http as http_module
+
+    if http_module._bytes_acked(socket.socket()) is None:
+        pytest.skip("this system's TCP_INFO has no tcpi_bytes_acked (Linux 4.1+)")
+    monkeypatch.setattr(http_module, "STALL_S", 0.6)
+    srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30)
+    state = {"w": torch.randn(8 << 20)}  # 32 MiB: more than the socket buffers
+    srv.send_checkpoint([1], 1, state, 10.0)
+    sock = _hold_a_transfer(srv, 1)
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    assert 0.5 < took < 10, took  # (the 60 s timeout before)
+    assert not srv._serving
+    sock.close()
+    # a slow reader keeps its transfer: 4 MiB in 64 kB reads spread over ~1.5 s
+    srv.allow_checkpoint(1)
+    slow = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    n = 4 << 20
+    slow.sendall(f"GET /v1/1/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 f"Range: bytes=0-{n - 1}\r\n\r\n".encode())
+    got = bytearray()
+
+    def read_slowly() -> None:
+        while True:
+            b = slow.recv(65536)
+            if not b:
+                return
+            got.extend(b)
+            time.sleep(0.02)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not srv._serving and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.disallow_checkpoint()
+    slow.shutdown(socket.SHUT_WR)
+    reader.join(30)
+    body = bytes(got).partition(b"\r\n\r\n")[2]
+    assert len(body) == n  # whole: a reader that moves is not cut off
+
+
 def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:
     """A peer that asks for the whole file of ``step`` and reads nothing: its transfer
     runs (the socket buffers full) until it is cut off."""

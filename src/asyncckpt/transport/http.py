@@ -25,6 +25,7 @@ import random
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -73,6 +74,10 @@ _MiB = 1024 * 1024
 _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts reading
 _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
 _SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
+STALL_S = 10.0  # a transfer taken nothing of for this long is cut off by a drain (_drain)
+# (struct tcp_info: 8 one-byte fields, 24 u32s, then u64 pacing_rate, max_pacing_rate and
+# bytes_acked)
+_ACKED_AT = 8 + 24 * 4 + 2 * 8
 _MIN_RANGE = 64 * 1024  # below this, a server's 413 is an error rather than halved again
 # (and a server's max_range_bytes below it is refused)
 _NOT_ALLOWED = "was not allowed"  # a 503 a client answers by asking again, up to its timeout
@@ -498,7 +503,33 @@ class HTTPTransport(CheckpointTransport[Any]):
         def running() -> list[tuple[socket.socket, Served]]:
             return [v for v in self._serving.values() if served is None or v[1] is served]
 
-        self._cond.wait_for(lambda: not running(), grace_s)
+        # A transfer whose receiver has taken no byte for STALL_S (stopped, SIGSTOPped,
+        # cut off by the network) is cut off before the grace ends: disallow_checkpoint(),
+        # which torchft calls on the training thread, waited all of the timeout for one
+        # (60 s in its set-up). One that moves, however slowly, has the whole grace.
+        deadline = time.monotonic() + grace_s
+        acked: dict[socket.socket, tuple[int, float]] = {}
+        cut: set[socket.socket] = set()
+        while running():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._cond.wait_for(lambda: not running(), min(left, 0.25)):
+                break
+            if grace_s <= STALL_S:
+                continue
+            now = time.monotonic()
+            for sock, _ in running():
+                n = _bytes_acked(sock)
+                seen = acked.get(sock)
+                if n is None or sock in cut:
+                    continue
+                if seen is None or seen[0] != n:
+                    acked[sock] = (n, now)
+                elif now - seen[1] >= STALL_S:
+                    log.warning("%s: cutting off a transfer whose receiver took nothing for "
+                                "%gs", who, STALL_S)
+                    cut.add(sock)
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
         if not running():
             return
         log.warning("%s: cutting off %d transfers still running after %gs", who,
@@ -1072,6 +1103,19 @@ def _printable(text: str) -> str:
 _NO_SUCH_RESOURCE = "no such resource"
 # The server's 404 for a step it does not serve (see _Handler._handle): which it does.
 _SERVED_INSTEAD = re.compile(r"step \d+ is not being served \(step (\d+) is\)")
+
+
+def _bytes_acked(sock: socket.socket) -> int | None:
+    """How many bytes the receiver on ``sock`` has acknowledged (Linux's TCP_INFO
+    ``tcpi_bytes_acked``); None where that cannot be read (another system, a kernel before
+    4.1, a socket that is no TCP one)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, AttributeError, ValueError):
+        return None
+    if len(info) < _ACKED_AT + 8:
+        return None
+    return int(struct.unpack_from("=Q", info, _ACKED_AT)[0])
 
 
 class _RangeTooLarge(Exception):
