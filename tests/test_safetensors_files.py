@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,9 @@ def test_names_that_do_not_match_get_the_key_map_hint(tmp_path: Path) -> None:
     assert "m.safetensors" in msg and "model/0.weight" in msg
     assert "model/0.weight" in info.value.missing
     # a prefix apart: the very key_map that loads them, whichever side has what
-    assert ("key_map=lambda name: 'model/' + name.removeprefix('model.')" in msg)
+    # (guarded: a name without the prefix keeps its own, as it matched already)
+    assert msg.endswith("key_map=lambda name: 'model/' + name[6:] if name.startswith('model.') "
+                        "else name"), msg
     assert "strict=False" not in msg, msg  # (it loads none of them: a trial was told to)
     asyncckpt.load_safetensors(tmp_path / "m.safetensors", {"model": _model(1)},
                                key_map=lambda name: "model/" + name.removeprefix("model."))
@@ -186,9 +189,39 @@ def test_names_that_do_not_match_get_the_key_map_hint(tmp_path: Path) -> None:
     with pytest.raises(StateMismatchError, match=r"key_map=lambda name: 'model/' \+ name$"):
         asyncckpt.load_safetensors(tmp_path / "bare.safetensors", {"model": _model(1)})
     save_file({"x": torch.ones(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(StateMismatchError, match=r"key_map=\{'x': 'y'\}"):  # (one for one)
+        asyncckpt.load_safetensors(tmp_path / "other.safetensors", {"y": torch.ones(1)})
+    save_file({"x": torch.ones(3, dtype=torch.int64)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(StateMismatchError, match=r"e\.g\. key_map=lambda name: 'model/' \+ "
                        r"name puts them"):  # nothing in common: the general way
         asyncckpt.load_safetensors(tmp_path / "other.safetensors", {"y": torch.ones(1)})
+
+
+def test_a_renamed_submodule_s_key_map_renames_that_submodule_alone(tmp_path: Path) -> None:
+    """(a fine-tuning trial) A file's final_norm.* for the model's ln_f.* was answered
+    "key_map=lambda name: 'ln_f.' + name.removeprefix('final_norm.')", which renamed every
+    other tensor too; the advice given is pasted and loads."""
+    weights = {**_weights(0), "final_norm.weight": torch.ones(3), "final_norm.bias":
+               torch.zeros(3)}
+    save_file(weights, str(tmp_path / "r.safetensors"))
+    target = {**{k: torch.zeros_like(v) for k, v in _weights(1).items()},
+              "ln_f.weight": torch.zeros(3), "ln_f.bias": torch.ones(3)}
+    with pytest.raises(StateMismatchError, match=r"key_map=(lambda name: .*)$") as info:
+        asyncckpt.load_safetensors(tmp_path / "r.safetensors", target)
+    code = re.search(r"key_map=(lambda name: .*)$", str(info.value)).group(1)  # type: ignore
+    asyncckpt.load_safetensors(tmp_path / "r.safetensors", target, key_map=eval(code))
+    assert torch.equal(target["ln_f.weight"], torch.ones(3))
+    assert torch.equal(target["0.weight"], weights["0.weight"])
+    # a file with nothing of the target's prefix-apart, of a LoRA-wrapped model: the
+    # loader's renamed-submodule advice, not "'model/' + name puts them under 'model'"
+    lora = {"blocks.0.qkv.base.weight": torch.zeros(2, 2), "blocks.0.qkv.lora_A":
+            torch.zeros(1, 2), "blocks.1.qkv.base.weight": torch.zeros(2, 2)}
+    save_file({"blocks.0.qkv.weight": torch.ones(2, 2), "blocks.1.qkv.weight":
+               torch.ones(2, 2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load_safetensors(tmp_path / "plain.safetensors", lora)
+    assert "puts them under 'model'" not in str(info.value), info.value
+    assert "'blocks.0.qkv.weight': 'blocks.0.qkv.base.weight'" in str(info.value), info.value
 
 
 def test_key_map_collisions_and_clashes_are_refused(tmp_path: Path) -> None:

@@ -1087,7 +1087,9 @@ def _fits(entry: TensorEntry, target: FlatState, tkey: str, casts: set[str] | No
                                  and tkey not in target.arrays))
 
 
-RenameHint = Callable[[list[str], list[str]], str]
+# (missing, unexpected) -> (the caller's own hint, or ""; its general advice, given where
+# no hint of the loader's fits either)
+RenameHint = Callable[[list[str], list[str]], tuple[str, str]]
 """(missing, unexpected) -> a sentence saying how to rename, or "": a caller's hint."""
 
 
@@ -1249,18 +1251,21 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 
     # (the caller's own, where it knows better: a safetensors file's names, prefixed with
     # "model." as Hugging Face's are, got three hints that disagreed)
-    theirs = rename_hint(missing, unexpected) if rename_hint and missing and unexpected else ""
+    theirs, general = (rename_hint(missing, unexpected) if rename_hint and missing
+                       and unexpected else ("", ""))
     # (a dict saved, a list wanted, or the reverse: told as such; no renaming of the first
     # parts of the paths fixes it, whose advice was state['model'] = state.pop('0'))
     roots_apart = _inner(manifest.skeleton)["t"] != _inner(target.skeleton)["t"]
-    hint = ((f". {theirs}" if theirs else "") or wrapper_hint(missing, unexpected)
+    # (a wrapper's part first: it names torch.compile or DDP, and the module to load into)
+    hint = (wrapper_hint(missing, unexpected) or (f". {theirs}" if theirs else "")
             or prefix_hint(missing, unexpected)
             or (not roots_apart and head_hint(
                 missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
                     _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
                     _node_at(target.skeleton, new))))
             or _mapping_hint(missing, unexpected, fits, saved)
-            or renamed_hint(missing, unexpected, fits))
+            or renamed_hint(missing, unexpected, fits)
+            or (f". {general}" if general else ""))
     stateless = _stateless_optimizer_dicts(target.skeleton, unexpected) if unexpected else []
     if stateless and not skip_unexpected:  # (the hints above know nothing of it)
         hint = (f" ({few([repr(p or '<root>') for p in stateless], 3)} holds an optimizer's "

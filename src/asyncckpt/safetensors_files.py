@@ -186,9 +186,11 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     return finish(out)
 
 
-def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
+def _rename_hint(missing: list[str], unexpected: list[str]) -> tuple[str, str]:
     """The key_map that would match most names, when a prefix is all that differs
-    (Hugging Face's ``model.``, a wrapper's ``module.``, a state's ``model/``)."""
+    (Hugging Face's ``model.``, a state's ``model/``); and the general advice, for when
+    neither this nor the loader's own hints (a wrapper's part, a renamed submodule) find
+    one."""
     def splits(name: str) -> Iterable[tuple[str, str]]:  # (prefix, rest) at "." and "/"
         yield "", name
         for i, ch in enumerate(name[:-1]):
@@ -212,16 +214,23 @@ def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
                     counts[k] = counts.get(k, 0) + 1
                     example.setdefault(k, (u, theirs + rest))
                 break
+    general = ("The files' tensors can be renamed with key_map=, e.g. key_map=lambda name: "
+               "'model/' + name puts them under 'model'")
     if counts:
         (drop, add), n = max(counts.items(), key=lambda kv: kv[1])
-        if 2 * n >= len(missing):
+        # (a prefix added to every name only where every name lacks it: a trial's renamed
+        # submodule, final_norm. for ln_f., was told 'ln_f.' + name, which renamed all)
+        if 2 * n >= len(missing) and (drop or n == len(unexpected)):
             file, target = example[(drop, add)]
-            new = "name" if not drop else f"name.removeprefix({drop!r})"
+            if not add:
+                code = f"name.removeprefix({drop!r})"
+            elif not drop:
+                code = f"{add!r} + name"
+            else:
+                code = f"{add!r} + name[{len(drop)}:] if name.startswith({drop!r}) else name"
             return (f"The files' names differ from the target's by a prefix (file {file!r}, "
-                    f"target {target!r}): pass key_map=lambda name: "
-                    + (f"{add!r} + {new}" if add else new))
-    return ("The files' tensors can be renamed with key_map=, e.g. key_map=lambda name: "
-            "'model/' + name puts them under 'model'")
+                    f"target {target!r}): pass key_map=lambda name: {code}"), general
+    return "", general
 
 
 def _dict_keys(node: dict[str, Any]) -> Iterable[str]:
