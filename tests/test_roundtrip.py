@@ -648,11 +648,15 @@ def test_the_strict_false_hint_is_not_given_where_it_would_not_help(tmp_path: Pa
     target = {"model": new, "optim": torch.optim.SGD(new.parameters(), lr=0.1)}
     with pytest.raises(StateMismatchError) as info:
         asyncckpt.load(tmp_path, target)
-    assert str(info.value).endswith(
-        "(strict=False would skip the missing and unexpected keys, but not the mismatches)")
+    assert ("(strict=False would skip the missing and unexpected keys, but not the "
+            "mismatches)") in str(info.value)
     assert info.value.missing and info.value.mismatched
     with pytest.raises(StateMismatchError):
         asyncckpt.load(tmp_path, target, strict=False)  # (as it says)
+    # what does load: the new layer and the optimizer left out, told at once
+    assert str(info.value).endswith("pass exclude=['optim', 'model/1']"), str(info.value)
+    asyncckpt.load(tmp_path, target, exclude=["optim", "model/1"])
+    assert torch.equal(new[0].weight, old[0].weight)
 
 
 def test_many_unexpected_keys_are_told_apart_in_one_pass_over_each_dict(
@@ -2051,6 +2055,41 @@ def test_an_exclude_hint_never_drags_in_keys_that_would_load(tmp_path: Path) -> 
     wider[0].weight = nn.Parameter(torch.zeros(8, 5))
     with pytest.raises(StateMismatchError, match=re.escape("pass exclude=['model/0.weight']")):
         asyncckpt.load(tmp_path, {"model": wider})
+
+
+def test_a_new_block_is_told_as_one_exclude_and_with_its_optimizer_in_one_go(
+        tmp_path: Path) -> None:
+    """(fine-tuning trial) A block added to a LoRA model was told exclude= of its eight
+    layers and their inner parts (blocks.2.attn.base beside blocks.2.attn), only with
+    strict=False under ignore_unexpected=True, and, with its optimizer resized as well,
+    exclude=['optim'] first and the block on the next try. Followed as told, the advice
+    now loads at the first try."""
+    def gpt(n: int) -> nn.Module:
+        return nn.ModuleDict({"wte": nn.Embedding(5, 4), "blocks": nn.ModuleList(
+            nn.ModuleDict({"attn": _LoRALinear(4, 4), "mlp": nn.Linear(4, 4)})
+            for _ in range(n))})
+
+    def state(n: int) -> dict[str, Any]:
+        model = gpt(n)
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    torch.manual_seed(0)
+    saved = state(2)
+    asyncckpt.save(saved, tmp_path, step=1)
+    for kw in ({}, {"ignore_unexpected": True}):
+        with pytest.raises(StateMismatchError) as info:
+            asyncckpt.load(tmp_path, {"model": gpt(3)}, **kw)  # type: ignore[arg-type]
+        told = re.findall(r"exclude=(\[[^]]*\])", str(info.value))
+        assert told and ast.literal_eval(told[-1]) == ["model/blocks.2"], str(info.value)
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, state(3))
+    told = re.findall(r"exclude=(\[[^]]*\])", str(info.value))
+    assert "all of those out at once" in str(info.value), str(info.value)
+    assert sorted(ast.literal_eval(told[-1])) == ["model/blocks.2", "optim"], str(info.value)
+    target = state(3)
+    asyncckpt.load(tmp_path, target, exclude=ast.literal_eval(told[-1]))
+    assert torch.equal(target["model"]["blocks"][1]["attn"].lora_A,
+                       saved["model"]["blocks"][1]["attn"].lora_A)
 
 
 def test_a_layer_inserted_into_a_sequential_is_told_the_key_map_that_moves_the_rest(

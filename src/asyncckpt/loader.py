@@ -7,6 +7,7 @@ chunks intersect it: the world size or layout it was saved with does not matter.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import contextlib
 import contextvars
@@ -1368,23 +1369,26 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         # (where a wrapper renamed the keys, strict=False would load none of them)
         # (and where something does not match besides, neither flag would load it)
         hint = hint or (
-            " (strict=False would skip the missing and unexpected keys, but not the "
-            "mismatches)" if mismatched and (missing or unexpected)
+            _exclude_hint(target, saved, missing, unexpected, " (strict=False would skip the "
+                          "missing and unexpected keys, but not the mismatches)")
+            if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
             else _parts_absent_hint(target, unexpected) or _exclude_hint(
                 target, saved, missing, unexpected, " (strict=False would skip both: the target's "
                 "keys would keep their values and the checkpoint's go unread; if names "
                 "changed, map the saved ones to the new with key_map=)") if missing and unexpected
-            else f" (ignore_unexpected=True skips the checkpoint's {len(skipped_unexpected)} "
-            f"key(s) the target lacks: {few(skipped_unexpected, 3)}; strict=False would also "
-            "skip the missing ones, which keep their values; if names changed, map the saved "
-            "ones to the new with key_map=)" if missing and skipped_unexpected
+            else _exclude_hint(
+                target, saved, missing, [], f" (ignore_unexpected=True skips the checkpoint's "
+                f"{len(skipped_unexpected)} key(s) the target lacks: "
+                f"{few(skipped_unexpected, 3)}; strict=False would also skip the missing ones, "
+                "which keep their values; if names changed, map the saved ones to the new with "
+                "key_map=)") if missing and skipped_unexpected
             else _exclude_hint(target, saved, missing, [], " (pass strict=False to skip "
                                "missing and unexpected keys)") if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
-                                 + "; ".join(parts) + hint,
+                                 + "; ".join(parts) + hint + _all_at_once(parts, hint),
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     if skipped is not None:
         _say("%s", skipped)
@@ -1403,6 +1407,36 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
              "that part of the returned tree", "their" if len(copies) > 1 else "its",
              "the objects themselves" if len(copies) > 1 else "the object itself")
     return dests, boxes, regions
+
+
+# (the advice that leaves a part out, each a list of paths, where a mismatch error gives
+# it: a submodule that is new, an optimizer to start afresh, a resized head)
+_ADVISED_EXCLUDE = re.compile(r"(?:afresh, pass|own values there, pass|such as a head:|"
+                              r"resized since: leave the optimizer out with) "
+                              r"exclude=(\[[^\]]*\])")
+
+
+def _all_at_once(parts: list[str], hint: str) -> str:
+    """Where a mismatch error advises leaving out several parts, each for its own reason
+    (a new block's submodule, an optimizer resized with it): the exclude= of all of them,
+    last, so that the advice followed loads in one go (a trial took two tries, then three);
+    "" where there is one piece of advice or none."""
+    found: dict[str, None] = {}
+    pieces = 0
+    for text in [*parts, hint]:
+        for m in _ADVISED_EXCLUDE.finditer(text):
+            try:
+                names = ast.literal_eval(m.group(1))
+            except (ValueError, SyntaxError):
+                return ""
+            pieces += 1
+            found.update(dict.fromkeys(names))
+    if pieces < 2:
+        return ""
+    # (a path under another one advised is left out with it)
+    names = [n for n in found if not any(n.startswith(o + sep) for o in found if o != n
+                                         for sep in "./")]
+    return f"; to leave all of those out at once, pass exclude={names!r}"
 
 
 def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
@@ -1466,20 +1500,26 @@ def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -
         parent, _, last = p.rpartition("/")
         obj = target.statefuls.get(parent, (None, None))[0]
         if isinstance(obj, torch.nn.Module) and "." in last:
-            sub = join_path(parent, last.rsplit(".", 1)[0]) if parent else last.rsplit(".", 1)[0]
-            if sub not in whole:
-                if ordered is None:
-                    ordered = sorted({*target.refs, *saved})
-                i = bisect.bisect_left(ordered, f"{sub}.")
-                all_in = True
-                while i < len(ordered) and ordered[i].startswith(f"{sub}."):
-                    if ordered[i] not in wanted:
-                        all_in = False
-                        break
-                    i += 1
-                whole[sub] = all_in
-            if whole[sub]:
-                p = sub
+            # (the outermost submodule all of whose keys are in paths: a new block is
+            # blocks.2, not its eight layers and their inner parts, as a trial was told)
+            names = last.split(".")
+            for k in range(1, len(names)):
+                sub = ".".join(names[:k])
+                sub = join_path(parent, sub) if parent else sub
+                if sub not in whole:
+                    if ordered is None:
+                        ordered = sorted({*target.refs, *saved})
+                    i = bisect.bisect_left(ordered, f"{sub}.")
+                    all_in = True
+                    while i < len(ordered) and ordered[i].startswith(f"{sub}."):
+                        if ordered[i] not in wanted:
+                            all_in = False
+                            break
+                        i += 1
+                    whole[sub] = all_in
+                if whole[sub]:
+                    p = sub
+                    break
         out.setdefault(p, None)
     return list(out)
 
