@@ -2092,6 +2092,26 @@ def test_a_new_block_is_told_as_one_exclude_and_with_its_optimizer_in_one_go(
                        saved["model"]["blocks"][1]["attn"].lora_A)
 
 
+def test_an_exclude_pattern_is_refused_with_the_paths_it_would_match(tmp_path: Path) -> None:
+    """(fine-tuning trial) exclude=['model/*lora*'] was warned of as a path the checkpoint
+    lacks, and the load went on: the adapters it meant to keep were overwritten."""
+    base = nn.Sequential(_LoRALinear(4, 8), nn.ReLU(), _LoRALinear(8, 2))
+    asyncckpt.save({"model": base}, tmp_path, step=1)
+    target = nn.Sequential(_LoRALinear(4, 8), nn.ReLU(), _LoRALinear(8, 2))
+    kept = target[0].lora_A.detach().clone()
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"takes paths, not patterns") as info:
+        asyncckpt.load(tmp_path, {"model": target}, exclude=["model/*lora*"])
+    assert torch.equal(target[0].lora_A, kept)  # (refused before anything was read)
+    told = re.search(r"pass exclude=(\[[^]]*\])", str(info.value))
+    assert told is not None and sorted(ast.literal_eval(told.group(1))) == [
+        "model/0.lora_A", "model/0.lora_B", "model/2.lora_A", "model/2.lora_B"], info.value
+    asyncckpt.load(tmp_path, {"model": target}, exclude=ast.literal_eval(told.group(1)))
+    assert torch.equal(target[0].lora_A, kept) and torch.equal(target[0].weight, base[0].weight)
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"holds no path of that name \(names as"):
+        asyncckpt.load(tmp_path, {"model": target}, exclude=["nothing/*"])
+
+
 def test_a_layer_inserted_into_a_sequential_is_told_the_key_map_that_moves_the_rest(
         tmp_path: Path) -> None:
     """(trial v2) A Linear inserted before the last one: told to exclude model/4 and then

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import fnmatch
 import functools
 import logging
 import math
@@ -690,6 +691,9 @@ class Agreement(Protocol):
 
 # --- exclude=: parts of the state a load leaves alone, on both sides ------------------------
 
+_GLOB = re.compile(r"[*?\[]")  # (what makes an exclude= path a shell pattern)
+
+
 def check_exclude(exclude: object) -> tuple[str, ...]:
     """``exclude`` (paths of the state, ``"dataloader"`` or ``"train/loader"``, as the
     checkpoint names them) as a tuple; CheckpointConfigError for anything else."""
@@ -835,6 +839,19 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...],
     # head: not warned of, once per load and rank, on every run; a typo is)
     mine = [e for e in unmatched
             if any(a == e or a.startswith((f"{e}/", f"{e}.")) for a in also)]
+    patterns = [e for e in unmatched if e not in mine and _GLOB.search(e)]
+    if patterns:
+        # (a fine-tuning trial's exclude=['model/*lora*'] was warned of, and the adapters
+        # it meant to keep were overwritten)
+        paths = [p for p, _ in iter_array_nodes(manifest.skeleton)]
+        matched = [p for p in paths if any(fnmatch.fnmatchcase(p, e) for e in patterns)]
+        raise CheckpointConfigError(
+            f"exclude={list(patterns)!r}: exclude= takes paths, not patterns, and the "
+            f"checkpoint of step {manifest.step} holds no path of that name"
+            + (f"; the paths it would match: pass exclude={matched!r}" if 0 < len(matched) <= 20
+               else f"; it would match {len(matched)} paths, such as {few(matched, 3)}: pass "
+                    "them as a list (the paths 'asyncckpt inspect' lists)" if matched
+               else " (names as 'asyncckpt inspect' lists them)"))
     if len(mine) < len(unmatched):
         _say("exclude: the checkpoint of step %d holds nothing at %s (names as "
              "'asyncckpt inspect' lists them)", manifest.step,
