@@ -763,6 +763,17 @@ def test_a_malformed_rng_state_is_corrupt_and_changes_no_generator(case):
         getattr(info.value, "__notes__", []))
 
 
+def test_a_hand_made_rng_state_is_not_called_a_corrupt_checkpoint():
+    """(fine-tuning trial) capture_rng_state() with 'numpy' removed, given straight to
+    restore_rng_state: "the checkpoint is corrupt", where no checkpoint was involved."""
+    state = asyncckpt.capture_rng_state()
+    del state["numpy"]
+    with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
+        asyncckpt.restore_rng_state(state)
+    assert str(info.value).startswith("the given generator state numpy is malformed (KeyError")
+    assert "checkpoint is corrupt" not in str(info.value)
+
+
 def test_a_rewritten_rng_state_in_a_checkpoint_is_corrupt_naming_its_path(tmp_path):
     import re
 

@@ -982,7 +982,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         if isinstance(state, Mapping) and "ranks" in state:
             RNGState().load_state_dict(state)
             return
-        _set_rng_state(_checked_rng_state(state, ""))
+        _set_rng_state(_checked_rng_state(state, "", given=True))
     except CheckpointCorruptError as exc:
         # (what it was given may come from a checkpoint, or be made by hand: a trial's was
         # told its "checkpoint" was corrupt)
@@ -1004,10 +1004,11 @@ class _RNGParts:
     cuda_states: list[torch.Tensor] | None
 
 
-def _checked_rng_state(state: Any, where: str) -> _RNGParts:
+def _checked_rng_state(state: Any, where: str, given: bool = False) -> _RNGParts:
     """The generator states of ``state``, each tried on a scratch generator first.
 
-    ``where`` names ``state`` within an RNGState's state dict (e.g. ``ranks/0/``).
+    ``where`` names ``state`` within an RNGState's state dict (e.g. ``ranks/0/``);
+    ``given``: handed to restore_rng_state, maybe made by hand, not loaded by a load.
     """
     part = ""
     try:
@@ -1034,9 +1035,11 @@ def _checked_rng_state(state: Any, where: str) -> _RNGParts:
     except _RNG_ERRORS as exc:
         what = f"{where}{part}".rstrip("/")
         raise CheckpointCorruptError(
-            f"the saved generator state{' ' + what if what else ''} is malformed "
-            f"({type(exc).__name__}: "
-            f"{str(exc)[:200]}): the checkpoint is corrupt; no generator was changed") from exc
+            f"the {'given' if given else 'saved'} generator state"
+            f"{' ' + what if what else ''} is malformed ({type(exc).__name__}: "
+            f"{str(exc)[:200]}): "
+            + ("" if given else "the checkpoint is corrupt; ")
+            + "no generator was changed") from exc
     return _RNGParts(py_state, np_state, cpu, cuda)
 
 
