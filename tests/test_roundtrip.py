@@ -2092,6 +2092,21 @@ def test_a_new_block_is_told_as_one_exclude_and_with_its_optimizer_in_one_go(
                        saved["model"]["blocks"][1]["attn"].lora_A)
 
 
+def test_a_scaler_saved_disabled_is_told_as_one_exclude(tmp_path: Path) -> None:
+    """(fine-tuning trial) A GradScaler saved disabled (its state dict empty) into an
+    enabled one was told of strict=False alone: its keys cannot be excluded one by one,
+    the scaler can."""
+    model = nn.Linear(2, 2)
+    asyncckpt.save({"model": model, "scaler": torch.amp.GradScaler("cpu", enabled=False)},
+                   tmp_path, step=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(StateMismatchError, match=re.escape("exclude=['scaler'] leaves it out")):
+        asyncckpt.load(tmp_path, {"model": nn.Linear(2, 2), "scaler": scaler})
+    target = nn.Linear(2, 2)
+    asyncckpt.load(tmp_path, {"model": target, "scaler": scaler}, exclude=["scaler"])
+    assert torch.equal(target.weight, model.weight) and scaler.get_scale() == 1024.0
+
+
 def test_an_exclude_pattern_is_refused_with_the_paths_it_would_match(tmp_path: Path) -> None:
     """(fine-tuning trial) exclude=['model/*lora*'] was warned of as a path the checkpoint
     lacks, and the load went on: the adapters it meant to keep were overwritten."""

@@ -1383,25 +1383,26 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          f"{few(overlapping)}; load into tensors with memory of their own "
                          "(e.g. t.clone())")
             mismatched += [f"{p}: elements share memory" for p in overlapping]
+        exclude_hint = functools.partial(_exclude_hint, skeleton=manifest.skeleton)
         # (where a wrapper renamed the keys, strict=False would load none of them)
         # (and where something does not match besides, neither flag would load it)
         hint = hint or (
-            _exclude_hint(target, saved, missing, unexpected, " (strict=False would skip the "
+            exclude_hint(target, saved, missing, unexpected, " (strict=False would skip the "
                           "missing and unexpected keys, but not the mismatches)")
             if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-            else _parts_absent_hint(target, unexpected) or _exclude_hint(
+            else _parts_absent_hint(target, unexpected) or exclude_hint(
                 target, saved, missing, unexpected, " (strict=False would skip both: the target's "
                 "keys would keep their values and the checkpoint's go unread; if names "
                 "changed, map the saved ones to the new with key_map=)") if missing and unexpected
-            else _exclude_hint(
+            else exclude_hint(
                 target, saved, missing, [], f" (ignore_unexpected=True skips the checkpoint's "
                 f"{len(skipped_unexpected)} key(s) the target lacks: "
                 f"{few(skipped_unexpected, 3)}; strict=False would also skip the missing ones, "
                 "which keep their values; if names changed, map the saved ones to the new with "
                 "key_map=)") if missing and skipped_unexpected
-            else _exclude_hint(target, saved, missing, [], " (pass strict=False to skip "
+            else exclude_hint(target, saved, missing, [], " (pass strict=False to skip "
                                "missing and unexpected keys)") if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
@@ -1542,11 +1543,12 @@ def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -
 
 
 def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
-                  unexpected: list[str], otherwise: str) -> str:
+                  unexpected: list[str], otherwise: str,
+                  skeleton: dict[str, Any] | None = None) -> str:
     """The exclude= that leaves ``missing`` and ``unexpected`` out on both sides (a new
     head, a dropped one) and keeps the rest strict, before ``otherwise`` (strict=False's
     advice, which would also skip a key that goes missing by mistake)."""
-    paths = missing + unexpected
+    paths = _by_whole_objects(target, missing + unexpected, skeleton)
     names = _condensed(target, paths, saved) if len(paths) <= 200 and all(
         _excludable(target, p) for p in paths) else []
     if not names or len(names) > 8:
@@ -1554,6 +1556,36 @@ def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
     return (f" (a new or a dropped part, such as a head: exclude={names!r} leaves "
             f"{'it' if len(names) == 1 else 'them'} out on both sides, the rest loading "
             f"strictly){otherwise}")
+
+
+def _by_whole_objects(target: FlatState, paths: list[str],
+                      skeleton: dict[str, Any] | None) -> list[str]:
+    """``paths``, those inside an object other than a module (a GradScaler, a scheduler)
+    whose state one side has nothing of named by the object's path: a scaler saved
+    disabled (its state dict empty) into an enabled one was told of strict=False alone,
+    as its keys cannot be excluded one by one."""
+    owners = sorted((p for p, (obj, _) in target.statefuls.items()
+                     if p and not isinstance(obj, torch.nn.Module)), key=len)
+    if not owners or skeleton is None:
+        return paths
+
+    def empty(node: dict[str, Any] | None) -> bool:
+        if node is not None and node["t"] == "stateful":
+            node = node["state"]
+        return node is None or (node["t"] == "dict" and not node["items"])
+
+    out: dict[str, None] = {}
+    whole: dict[str, bool] = {}
+    for p in paths:
+        owner = next((o for o in owners if p.startswith(f"{o}/")), None)
+        if owner is not None:
+            if owner not in whole:
+                whole[owner] = empty(_node_at(skeleton, owner, stateful=True)) or empty(
+                    _node_at(target.skeleton, owner, stateful=True))
+            if whole[owner]:
+                p = owner
+        out.setdefault(p, None)
+    return list(out)
 
 
 def _excludable(target: FlatState, path: str) -> bool:
