@@ -2638,6 +2638,9 @@ def test_equal_saved_tensors_into_one_tied_target_are_not_warned_of(
             asyncckpt.load(tmp_path / which, {"model": model})
         assert ("the last one wins" in caplog.text) == warned, (which, caplog.text)
     assert torch.equal(model.emb.weight, _TiedLM(2, tie=False).lm_head.weight)
+    # (fine-tuning trial) which one won, and how to keep another
+    assert "wins ('model/lm_head.weight', whose values differ" in caplog.text, caplog.text
+    assert "key_map= returning None" in caplog.text
     # (second review) equal values into overlapping views are no tie: still warned of
     asyncckpt.save({"a": torch.arange(4.0), "b": torch.arange(4.0)}, tmp_path / "ov", step=1)
     base = torch.zeros(6)

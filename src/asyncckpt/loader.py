@@ -340,10 +340,13 @@ def _by_view(staged: list[str], dests: Mapping[str, list[torch.Tensor]]) -> list
 
 
 def _say_shared(label: Path, staged: list[str], alike: bool) -> None:
+    # (a trial's untied file into a tied model: which one won, and how to choose, untold)
     (log.info if alike else log.warning)(
         "loading %s: the target tensors of saved tensors %s share memory; each is "
         "read into a temporary and copied in checkpoint order, so the last one wins%s",
-        label, few(staged), " (they hold the same values)" if alike else "")
+        label, few(staged), " (they hold the same values)" if alike else (
+            f" ({staged[-1]!r}, whose values differ from the others'): to keep another, "
+            "leave the rest out with key_map= returning None for them"))
 
 
 def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
