@@ -224,6 +224,30 @@ def test_a_renamed_submodule_s_key_map_renames_that_submodule_alone(tmp_path: Pa
     assert "'blocks.0.qkv.weight': 'blocks.0.qkv.base.weight'" in str(info.value), info.value
 
 
+def test_a_tied_head_held_once_is_left_out_with_its_resized_embedding(tmp_path: Path) -> None:
+    """(fine-tuning trial) A vocabulary grown on a tied model, its file holding the shared
+    tensor once as Hugging Face saves it: told exclude=['emb'], then, followed, of the
+    head the embedding stood for. Both at once now."""
+    class Tied(torch.nn.Module):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, 4)
+            self.body = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+    src = Tied(6)
+    save_file({k: v for k, v in src.state_dict().items() if k != "head.weight"},
+              str(tmp_path / "t.safetensors"))
+    target = Tied(8)
+    with pytest.raises(StateMismatchError, match=r"exclude=(\[[^]]*\])") as info:
+        asyncckpt.load_safetensors(tmp_path / "t.safetensors", target)
+    told = re.findall(r"exclude=(\[[^]]*\])", str(info.value))[-1]
+    assert sorted(eval(told)) == ["emb", "head"], str(info.value)
+    asyncckpt.load_safetensors(tmp_path / "t.safetensors", target, exclude=eval(told))
+    assert torch.equal(target.body.weight, src.body.weight)
+
+
 def test_key_map_collisions_and_clashes_are_refused(tmp_path: Path) -> None:
     save_file({"a": torch.ones(1), "b": torch.ones(1)}, str(tmp_path / "f.safetensors"))
     with pytest.raises(CheckpointConfigError, match=r"'a'.*'b'|'b'.*'a'"):

@@ -1348,8 +1348,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 # (a new head, a resized vocabulary: by the submodule where all of it is
                 # new, head.bias too; the keys the target lacks with them)
                 subs = {p.rpartition(".")[0] for p in reshaped}  # (a head's bias, not a rename)
+                # (and a tied head the file holds once, under the embedding's name: the
+                # embedding left out, the head went missing, told on the next try)
+                shared = {target.refs.get(p) for p in reshaped} - {None}
                 near = [m for m in missing if m.rpartition(".")[0] in subs
                         and _excludable(target, m)] if len(missing) <= 50 else []
+                near += [q for q, k in target.refs.items() if k in shared and q not in saved
+                         and q not in near and _excludable(target, q)] if shared else []
                 names = _condensed(target, reshaped + near, saved)
                 parts.append("to load the rest and keep the target's own values there, pass "
                              + (f"exclude={names!r}" if len(names) <= 8 else
