@@ -1668,6 +1668,39 @@ def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:
     assert not (tmp_path / ".step_000000003.tmp-abc123").exists()  # cleaned at first save
 
 
+class _SlowRemoval(LocalStorage):
+    """Removing a tree waits for ``gate`` (a network filesystem's slow deletes)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def remove_tree(self, path: Path) -> None:
+        self.gate.wait(30)
+        super().remove_tree(path)
+
+
+def test_a_restart_s_first_save_does_not_wait_for_the_killed_run_s_leftovers(
+        tmp_path: Path) -> None:
+    """(preemption trial) A run killed with a backlog of half-removed steps: the restart's
+    first save_async returned after 19 s, removing them on the training thread. They are
+    removed on the reaper thread; wait() and close() wait for it."""
+    for name in (".step_000000003.tmp-abc123", ".step_000000001.deleting-0123456789ab"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank_00000.safetensors").write_bytes(b"x" * 100)
+    storage = _SlowRemoval()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage)
+    fut = ckpt.save_async(make_state(), step=4)
+    fut.wait(30)  # (committed while the removals wait on the gate)
+    assert ckpt.steps() == [4]
+    assert (tmp_path / ".step_000000003.tmp-abc123").exists()
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match="still being removed"):
+        ckpt.wait(timeout=0.1)
+    storage.gate.set()
+    ckpt.wait(timeout=30)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
+    ckpt.close()
+
+
 def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     a = asyncckpt.AsyncCheckpointer(tmp_path)
     b = asyncckpt.AsyncCheckpointer(tmp_path)

@@ -341,6 +341,7 @@ class AsyncCheckpointer:
         self._plan: WritePlan | None = None
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
         self._cleaned = False
+        self._cleaning: cf.Future[None] | None = None  # (see _cleanup)
         self._pending: CheckpointFuture | None = None
         self._last_said: tuple[int, str] | None = None  # (step, outcome) wait() handed over
         self._refused_tag: str | None = None  # the last save the coordinator refused to start
@@ -707,8 +708,9 @@ class AsyncCheckpointer:
             retention.result()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Wait for the save in flight (if any) and its retention; re-raise its error, or
-        that of an earlier save whose future nobody waited on."""
+        """Wait for the save in flight (if any) and its retention (and the removal of what
+        a killed run left, which the first save starts); re-raise its error, or that of
+        an earlier save whose future nobody waited on."""
         self._refuse_forked("wait")
         fut = self._pending
         info = None
@@ -737,6 +739,14 @@ class AsyncCheckpointer:
                         f"old steps under {self.directory} are still being removed after "
                         f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
                 self._retention = None
+            if self._cleaning is not None:  # (what a killed run left: see _cleanup)
+                try:
+                    self._cleaning.result(timeout)
+                except cf.TimeoutError:
+                    raise CheckpointTimeoutError(
+                        f"the directories a killed run left under {self.directory} are "
+                        f"still being removed after {timeout}s") from None
+                self._cleaning = None
             error = self._take_missed()
             if error is not None:
                 if info is not None:  # (not returned now, nor by a next wait(): said here)
@@ -1223,7 +1233,8 @@ class AsyncCheckpointer:
                 # the directory (interrupted twice): a checkpointer opened on it meanwhile
                 # would take its temporary directory for an abandoned one and delete it
                 busy = [f for f in (last._durable if last is not None else None,
-                                    self._retention) if f is not None and not f.done()]
+                                    self._retention, self._cleaning)
+                        if f is not None and not f.done()]
                 if busy:
                     self._lock.draining = (f"its save of step {last.step}" if last is not None
                                            else "its last save")
@@ -1490,8 +1501,18 @@ class AsyncCheckpointer:
                 self.storage.fsync_dir(d.parent)
 
     def _cleanup(self) -> None:
-        commit.cleanup_abandoned(self.directory, self.storage)
+        """Remove what a killed run left (temporary and half-deleted steps), under the
+        lock, on the reaper thread: a restart's first save does not wait for it."""
         self._cleaned = True
+        try:
+            names = commit.abandoned_dirs(self.directory, self.storage)
+        except OSError as exc:
+            log.warning("could not list %s for abandoned checkpoint directories: %s",
+                        self.directory, exc)
+            return
+        if names:
+            self._cleaning = self._ensure_writer().clean_up(functools.partial(
+                commit.cleanup_abandoned, self.directory, self.storage, names))
 
     def _my_keys(self, step: int, tag: str, flat: FlatState) -> set[str]:
         """The tensor keys this rank writes: all of them alone; its share in a group.

@@ -323,10 +323,12 @@ def abandoned_dirs(root: Path, storage: ReadStorage) -> list[str]:
     return sorted(n for n in storage.listdir(root) if _TMP_DIR.match(n))
 
 
-def cleanup_abandoned(root: Path, storage: Storage) -> list[str]:
-    """Remove temporary and half-deleted directories; call only while holding the lock."""
+def cleanup_abandoned(root: Path, storage: Storage,
+                      names: Sequence[str] | None = None) -> list[str]:
+    """Remove temporary and half-deleted directories (``names``, by default all those
+    there); call only while holding the lock."""
     removed = []
-    for name in abandoned_dirs(root, storage):
+    for name in abandoned_dirs(root, storage) if names is None else names:
         try:
             storage.remove_tree(root / name)
             removed.append(name)

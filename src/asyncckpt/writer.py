@@ -478,6 +478,19 @@ class BackgroundWriter:
             raise
         return durable, retained
 
+    def clean_up(self, remove: Callable[[], object]) -> cf.Future[None]:
+        """Run ``remove`` (the directories a killed run left) on the reaper thread: the
+        first save must not wait for it (a trial's first save_async after a restart was
+        blocked 19 s). It counts as the last retention's removals: a save that lacks room
+        waits for it (see _room_for), and retention's removals queue behind it."""
+        def run() -> None:
+            remove()
+
+        fut = self._reap.submit(run)
+        if self._retained is None or self._retained.done():
+            self._retained = fut
+        return fut
+
     def owns(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` is one of these threads."""
         return any(thread in getattr(ex, "_threads", ())

@@ -325,7 +325,9 @@ def run_child(cmd: dict[str, Any]) -> None:
     prev = None
     for i in range(int(cmd.get("max_saves", 1000))):
         fut = ckpt.save_async(state_for(step), step)
-        if i == 0:  # the first save took the lock and removed what earlier crashes left
+        if i == 0:  # the first save took the lock and removes what earlier crashes left
+            # (on the reaper thread: ckpt.wait() waits for it, and this save)
+            ckpt.wait()
             ev(cleanup=left_over, still_there=sorted(set(left_over) & set(abandoned(directory))))
         if prev is not None:
             prev.wait()
