@@ -198,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.term_at is not None and step == args.term_at and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGTERM)
             if preempt.should_stop():  # every rank, every step: did any rank get SIGTERM?
-                ckpt.wait()  # a save in flight commits first
                 if ckpt.latest_step() != step:
-                    ckpt.save(state_of(model, opt, step), step)  # durable when it returns
+                    # after the save in flight; durable when it returns. Not ckpt.wait()
+                    # or save(): they also wait for keep_last's deletions, and raise an
+                    # earlier unwaited save's failure instead of saving this step
+                    ckpt.save_async(state_of(model, opt, step), step).wait()
                 emit(rank, "preempted", step)
                 break
             if step % args.every == 0 or step == args.steps:

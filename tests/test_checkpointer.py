@@ -1791,6 +1791,34 @@ def test_close_with_a_timeout_leaves_a_hung_save_open_and_closes_once_it_ends(
         failing.close(timeout=30)
 
 
+class _FailsOnce(LocalStorage):
+    """The first shard file written fails with ENOSPC; every later one is written."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_arena(path, *args, **kwargs)
+
+
+def test_the_preemption_recipe_s_final_save_survives_an_earlier_unwaited_failure(
+        tmp_path: Path) -> None:
+    """(preemption trial) api.md's recipe called ckpt.wait() first, which raised a failure
+    of 1,300 steps before, so the final save never ran. The recipe's save_async(...).wait()
+    commits the step; the old failure is still raised, by close()."""
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=_FailsOnce())
+    ckpt.save_async(make_state(), step=1)  # fails; nobody waits on its future
+    ckpt.save_async(make_state(), step=2)
+    assert ckpt.latest_step() != 3
+    info = ckpt.save_async(make_state(), step=3).wait()  # (the recipe's final save)
+    assert info.step == 3 and ckpt.steps() == [2, 3]
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="step 1"):
+        ckpt.close()
+
+
 def test_one_shot_helpers_accept_root_or_step_dir(tmp_path: Path) -> None:
     state = make_state(8)
     info = asyncckpt.save(state, tmp_path / "final")
