@@ -1791,6 +1791,30 @@ def test_close_with_a_timeout_leaves_a_hung_save_open_and_closes_once_it_ends(
         failing.close(timeout=30)
 
 
+def test_a_checkpointer_made_before_init_process_group_refuses_to_save_in_a_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(distributed trial) Made before init_process_group, a checkpointer saved as one
+    process: rank 1 committed its own state as the job's step, and rank 0 was told
+    "another process" held the lock. Its first save in a group of 2 now says why."""
+    import torch.distributed as dist
+
+    from asyncckpt import checkpointer as checkpointer_module
+
+    early = asyncckpt.AsyncCheckpointer(tmp_path / "early")
+    alone = asyncckpt.AsyncCheckpointer(tmp_path / "alone", rank=0, world_size=1)
+    monkeypatch.setattr(checkpointer_module, "_group_up", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"made before torch\.distributed\.init_process_group.*of 2 ranks"):
+        early.save(make_state(), step=1)
+    assert not (tmp_path / "early" / "step_000000001").exists()
+    alone.save(make_state(), step=1)  # (one process's by choice: saves)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    early.save(make_state(), step=1)  # (a group of one: nothing lost)
+    early.close()
+    alone.close()
+
+
 class _FailsOnce(LocalStorage):
     """The first shard file written fails with ENOSPC; every later one is written."""
 

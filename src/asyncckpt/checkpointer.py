@@ -322,6 +322,11 @@ class AsyncCheckpointer:
         # save between two directories (and the commit renamed the half with the manifest).
         self.directory = Path(os.path.realpath(given) if isinstance(self.storage, LocalStorage)
                               else given)
+        # (a checkpointer made before init_process_group saves as one process: a trial's
+        # rank 1 committed its own state as the whole job's step, and rank 0 was told
+        # "another process" held the lock)
+        self._before_group = (process_group is None and rank is None and world_size is None
+                              and store is None and not _group_up())
         self._ctx: DistContext = resolve_context(
             # (not realpath: nodes may resolve one shared alias to different mounts)
             given, process_group=process_group, rank=rank,
@@ -456,6 +461,16 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         self._check_open()
         ctx = self._ctx
+        if self._before_group and _group_up():
+            import torch.distributed as dist
+
+            if dist.get_world_size() > 1:
+                raise CheckpointConfigError(
+                    f"this AsyncCheckpointer of {self.directory} was made before "
+                    f"torch.distributed.init_process_group, as one process: its saves would "
+                    f"hold this rank's state alone (of {dist.get_world_size()} ranks). Make "
+                    "it after init_process_group (or, for a checkpointer of this process alone, "
+                    "pass rank=0, world_size=1)")
         if ctx.distributed:
             ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
@@ -1879,6 +1894,13 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+def _group_up() -> bool:
+    """Whether torch.distributed's default process group is initialized."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _caller_site() -> str:
