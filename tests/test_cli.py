@@ -1153,14 +1153,16 @@ def test_docs_cli_names_every_key_of_every_json_document(
     named = set(re.findall(r"`([a-z_]+)`", doc_text))
     out_file = root.parent / "o.safetensors"
     keys: set[str] = set()
+    (root / ".step_000000040.tmp-0123abcd").mkdir()  # (for clean's rows, run last)
     for argv in (["ls", str(root)], ["inspect", str(root)], ["verify", str(root)],
-                 ["verify", str(root), "--all"], ["export", str(root), str(out_file)]):
+                 ["verify", str(root), "--all"], ["export", str(root), str(out_file)],
+                 ["clean", str(root), "--dry-run"], ["clean", str(root)]):
         code, out, _ = run(capsys, *argv, "--json")
         assert code == 0, argv
         doc = json.loads(out)
         assert doc["ok"] is True, argv
-        keys |= set(doc)
-        for rows in ("steps", "tensors"):
+        keys |= set(doc) | set(doc.get("lock") or {})
+        for rows in ("steps", "tensors", "abandoned"):
             if isinstance(doc.get(rows), list):  # (verify's "tensors" is a count)
                 keys |= set(doc[rows][0])
     assert keys - named == set(), sorted(keys - named)
@@ -1303,3 +1305,284 @@ def test_a_shard_file_is_named_as_one_by_load_and_verify(
         asyncckpt.load(shard)
     code, _, err = run(capsys, "verify", str(shard))
     assert code == 2 and "is a shard file of the checkpoint" in err, err
+
+
+# --- clean, and the lock as ls tells it --------------------------------------------------------
+
+def _leftovers(root: Path) -> dict[str, int]:
+    """A save's temporary directory and a half-deleted step, as a killed run leaves them:
+    name -> the bytes of its files."""
+    made = {".step_000000040.tmp-0123abcd": 3000, ".step_000000020.deleting-4567ef01": 1234}
+    for name, size in made.items():
+        (root / name / "sub").mkdir(parents=True)
+        (root / name / "shard.bin").write_bytes(b"x" * (size - 100))
+        (root / name / "sub" / "manifest.json").write_bytes(b"y" * 100)
+    return made
+
+
+def _holder_process(root: Path) -> subprocess.Popen[str]:
+    """Another process whose AsyncCheckpointer saved into ``root`` and holds its lock
+    until a line is written to its stdin."""
+    src = str(Path(asyncckpt.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    script = ("import sys, torch, asyncckpt\n"
+              "c = asyncckpt.AsyncCheckpointer(sys.argv[1], mode='sync')\n"
+              "c.save_async({'w': torch.zeros(4)}, 40).wait()\n"
+              "print('ready', flush=True)\n"
+              "sys.stdin.readline()\n"
+              "c.close()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(root)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.poll()
+    return proc
+
+
+def test_clean_removes_abandoned_dirs_and_no_committed_step(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    made = _leftovers(root)
+    (root / ".step_000000050.tmp-NOTHEX").mkdir()  # (no name a save gives: not ours)
+    (root / "notes").mkdir()
+    code, out, err = run(capsys, "clean", str(root), "--json")
+    assert code == 0 and err == "", err
+    doc = json.loads(out)
+    assert doc["ok"] is True and doc["dry_run"] is False and doc["root"] == str(root)
+    assert doc["removed"] == sorted(made)
+    assert {r["name"]: (r["bytes"], r["removed"], r["error"]) for r in doc["abandoned"]} == {
+        name: (size, True, None) for name, size in made.items()}
+    assert {r["name"]: r["kind"] for r in doc["abandoned"]} == {
+        ".step_000000040.tmp-0123abcd": "tmp", ".step_000000020.deleting-4567ef01": "deleting"}
+    assert doc["bytes_freed"] == sum(made.values())
+    assert doc["lock"] == {"held": False, "pid": None, "note": None}  # (it took it itself)
+    assert sorted(os.listdir(root)) == [".asyncckpt.lock", ".step_000000050.tmp-NOTHEX",
+                                        "notes", "step_000000010", "step_000000020",
+                                        "step_000000030"]
+    assert run(capsys, "verify", str(root), "--all")[0] == 0  # every step whole
+    # the lock was released: a save takes it
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save_async(_state(40), 40).wait()
+    made = _leftovers(root)
+    code, out, err = run(capsys, "clean", str(root))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["DIRECTORY", "SIZE"]
+    assert lines[1].split() == [".step_000000020.deleting-4567ef01", "1.2", "KiB", "removed"]
+    assert lines[2].split() == [".step_000000040.tmp-0123abcd", "2.9", "KiB", "removed"]
+    assert lines[3] == f"removed 2 abandoned directories under {root}, 4.1 KiB freed"
+    code, out, _ = run(capsys, "clean", str(root))  # again: nothing left
+    assert code == 0 and out == f"nothing to remove under {root}: no abandoned temporary " \
+        "directories\n"
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [10, 20, 30, 40]
+
+
+def test_clean_dry_run_removes_nothing(root: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _leftovers(root)
+    before = sorted(os.listdir(root))
+    lock_file = (root / ".asyncckpt.lock").read_bytes()
+    code, out, err = run(capsys, "clean", str(root), "--dry-run")
+    assert code == 0 and err == ""
+    assert [ln.split()[-3:] for ln in out.splitlines()[1:3]] == [["would", "be", "removed"]] * 2
+    assert "2 abandoned directories, 4.1 KiB: none removed (--dry-run)" in out
+    code, out, _ = run(capsys, "clean", str(root), "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["dry_run"] is True and doc["removed"] == []
+    assert doc["bytes_freed"] == 0
+    assert {r["name"]: (r["bytes"], r["removed"]) for r in doc["abandoned"]} == {
+        n: (size, False) for n, size in made.items()}
+    assert sorted(os.listdir(root)) == before
+    assert (root / ".asyncckpt.lock").read_bytes() == lock_file  # (not taken: no pid written)
+    _no_lock_taken(monkeypatch)  # (a save that came meanwhile would fail)
+    assert run(capsys, "clean", str(root), "--dry-run")[0] == 0
+    assert sorted(os.listdir(root)) == before
+
+
+def test_clean_refuses_while_another_process_holds_the_lock(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = _holder_process(root)
+    try:
+        made = _leftovers(root)  # (after its first save, which removed what was there)
+        code, out, err = run(capsys, "clean", str(root))
+        assert code == 2 and out == ""
+        assert (f"asyncckpt: error: the lock of {root} is held by pid {proc.pid} (the pid its "
+                "lock file names), a trainer saving there or another clean: nothing was "
+                "removed") in err, err
+        code, out, _ = run(capsys, "clean", str(root), "--json")
+        doc = json.loads(out)
+        assert code == 2 and doc["ok"] is False
+        assert doc["error"]["type"] == "CheckpointLockedError"
+        assert doc["error"]["exit_code"] == 2 and f"pid {proc.pid}" in doc["error"]["message"]
+        assert doc["lock"] == {"held": True, "pid": proc.pid, "note": None}
+        code, _, err = run(capsys, "clean", str(root), "--dry-run")  # (its verdict too)
+        assert code == 2 and f"held by pid {proc.pid} (as /proc/locks shows)" in err, err
+        assert all((root / name).is_dir() for name in made)
+        # ls says a save may be writing them
+        code, out, _ = run(capsys, "ls", str(root))
+        assert code == 0
+        assert (f"  the lock of {root} is held by pid {proc.pid}: a save may be writing or "
+                "removing them right now") in out.splitlines(), out
+        code, out, _ = run(capsys, "ls", str(root), "--json")
+        assert json.loads(out)["lock"] == {"held": True, "pid": proc.pid, "note": None}
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert json.loads(out)["lock"]["held"] is not True  # (it ended: its lock went with it)
+    code, out, _ = run(capsys, "clean", str(root), "--json")
+    assert code == 0 and json.loads(out)["removed"] == sorted(made)
+
+
+def test_clean_refuses_beside_a_checkpointer_of_this_process(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save_async(_state(40), 40).wait()  # (takes the lock, holds it until closed)
+        made = _leftovers(root)
+        code, _, err = run(capsys, "clean", str(root))
+        assert code == 2 and f"held by pid {os.getpid()}" in err
+        assert all((root / name).is_dir() for name in made)
+        ckpt.save_async(_state(50), 50).wait()  # (its lock is still its own)
+    assert run(capsys, "clean", str(root))[0] == 0
+    assert not any((root / name).exists() for name in made)
+
+
+def _no_lock_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any attempt to take a lock fail the test (ls must not: a save that came
+    meanwhile would find the lock held, and fail)."""
+    import asyncckpt.storage
+
+    real = asyncckpt.storage.fcntl.flock
+
+    def no_flock(fd: int, op: int) -> None:
+        if not op & asyncckpt.storage.fcntl.LOCK_UN:
+            raise AssertionError("a lock was tried")
+        real(fd, op)
+
+    monkeypatch.setattr(asyncckpt.storage.fcntl, "flock", no_flock)
+
+
+def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncckpt import cli
+
+    if not Path("/proc/locks").exists():
+        pytest.skip("no /proc/locks here: ls cannot tell")
+    made = _leftovers(root)
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:  # (made after: they stay)
+        ckpt.save_async(_state(40), 40).wait()
+        made = _leftovers(root)
+        _no_lock_taken(monkeypatch)  # (ls neither takes the lock nor waits for it)
+        code, out, _ = run(capsys, "ls", str(root))
+        assert code == 0
+        assert ("2 incomplete or abandoned temp dirs (never read; the next save here removes "
+                f"them): {', '.join(sorted(made))}") in out
+        assert (f"  the lock of {root} is held by pid {os.getpid()}: a save may be writing or "
+                "removing them right now") in out.splitlines()
+        code, out, _ = run(capsys, "ls", str(root), "--json")
+        doc = json.loads(out)
+        assert doc["incomplete"] == sorted(made)  # (as it was)
+        assert doc["lock"] == {"held": True, "pid": os.getpid(), "note": None}
+    # closed: nobody holds it
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    lock = json.loads(out)["lock"]
+    code, text, _ = run(capsys, "ls", str(root))
+    if lock["held"] is False:  # (a local filesystem, seen from the first pid namespace)
+        assert lock == {"held": False, "pid": None, "note": None}
+        assert (f"  no process holds the lock of {root}: they are abandoned; 'asyncckpt clean "
+                f"{root}' removes them") in text.splitlines(), text
+    else:  # (where a holder on another machine or in another container would not be seen)
+        assert lock["held"] is None and lock["note"] and lock["pid"] == os.getpid(), lock
+    # where a holder elsewhere would not be seen (NFS), ls says it cannot tell
+    real_mount = cli._mount_of
+
+    def nfs(path: Path) -> tuple[str, int] | None:
+        found = real_mount(path)
+        return None if found is None else ("nfs4", found[1])
+
+    monkeypatch.setattr(cli, "_mount_of", nfs)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert json.loads(out)["lock"] == {
+        "held": None, "pid": os.getpid(),  # (the last to take it, as its lock file says)
+        "note": "on a nfs4 filesystem, a holder on another machine is not seen from here"}
+    code, out, _ = run(capsys, "ls", str(root))
+    assert (f"  whether a process holds the lock of {root} cannot be told here (on a nfs4 "
+            "filesystem, a holder on another machine is not seen from here; its lock file "
+            f"names pid {os.getpid()}, the last process that took it): 'asyncckpt clean "
+            f"{root}' removes them unless one does") in out, out
+    code, out, _ = run(capsys, "clean", str(root), "--dry-run")  # (and lists them all the same)
+    assert code == 0 and "whether a process holds the lock of" in out
+    # without /proc/locks: cannot tell either
+    monkeypatch.setattr(cli, "_flock_holders", lambda inode, devices: None)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert json.loads(out)["lock"]["held"] is None
+
+
+def test_ls_of_a_root_without_a_lock_file_creates_none(
+        tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    (copy / ".asyncckpt.lock").unlink()  # (a root copied without it, or of an old version)
+    (copy / ".step_000000040.tmp-0123abcd").mkdir()
+    code, out, _ = run(capsys, "ls", str(copy), "--json")
+    assert code == 0 and json.loads(out)["lock"] == {"held": False, "pid": None, "note": None}
+    assert not (copy / ".asyncckpt.lock").exists()
+    code, out, _ = run(capsys, "ls", str(copy / "step_000000010"), "--json")
+    assert code == 0 and json.loads(out)["lock"] is None  # (a step directory has none)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert "held" not in out and "lock" not in out  # (no temporary directory: nothing said)
+
+
+def test_clean_of_a_missing_root_or_a_step_dir_is_an_error(
+        tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "nope" / "ckpts"
+    code, out, err = run(capsys, "clean", str(missing))
+    assert code == 2 and out == ""
+    assert f"asyncckpt: error: {missing} does not exist: pass a checkpoint root directory" in err
+    code, out, _ = run(capsys, "clean", str(missing), "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False and doc["error"]["type"] == "UsageError"
+    assert not (tmp_path / "nope").exists()  # (no root made, nor its parent)
+    _leftovers(root)
+    _no_lock_taken(monkeypatch)  # (refused before it is taken)
+    for inside in (root / "step_000000020", root / "step_000000020" / "sub"):
+        inside.mkdir(exist_ok=True)
+        code, _, err = run(capsys, "clean", str(inside))
+        assert code == 2 and "pass the checkpoint root" in err, err
+    code, _, err = run(capsys, "clean", str(root / "step_000000020" / "manifest.json"))
+    assert code == 2 and "is not a directory" in err
+    assert len(commit_abandoned(root)) == 2  # (none of it removed)
+    # a directory that is no checkpoint root (a path mistyped): nothing removed, no lock made
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert run(capsys, "clean", str(plain)) == (
+        0, f"nothing to remove under {plain}: no abandoned temporary directories\n", "")
+    assert os.listdir(plain) == []
+
+
+def commit_abandoned(root: Path) -> list[str]:
+    from asyncckpt import commit
+
+    return commit.abandoned_dirs(root, LocalStorage())
+
+
+def test_clean_says_what_it_could_not_remove(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _leftovers(root)
+    _deny(monkeypatch, "remove_tree", ".step_000000040.tmp-0123abcd")
+    code, out, err = run(capsys, "clean", str(root), "--json")
+    assert code == 2
+    assert "asyncckpt: warning: could not remove abandoned" in err and "Permission denied" in err
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["removed"] == [".step_000000020.deleting-4567ef01"]
+    assert doc["bytes_freed"] == made[".step_000000020.deleting-4567ef01"]
+    row = {r["name"]: r for r in doc["abandoned"]}[".step_000000040.tmp-0123abcd"]
+    assert row["removed"] is False and "Permission denied" in row["error"]
+    assert (root / ".step_000000040.tmp-0123abcd").is_dir()
+    code, out, _ = run(capsys, "clean", str(root))
+    assert code == 2 and "NOT REMOVED: could not remove abandoned" in out
+    assert out.splitlines()[-1].endswith("; 1 could not be removed")
+    # the lock was released all the same
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save_async(_state(40), 40).wait()

@@ -1,6 +1,7 @@
 """The ``asyncckpt`` command: list, inspect, verify and export checkpoints.
 
     asyncckpt ls ROOT                 committed steps under a checkpoint root
+    asyncckpt clean ROOT [--dry-run]  remove what saves abandoned (under the root's lock)
     asyncckpt inspect CKPT [--step N] tensors of one checkpoint (root -> latest step)
     asyncckpt verify CKPT [--step N]  check every header and checksum
     asyncckpt export CKPT OUT.safetensors [--step N] [--prefix P] [--strip-prefix]
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -47,7 +49,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import VerifyReport, read_manifest, read_manifest_summary, verify_checkpoint
-from .storage import LocalStorage, ReadStorage
+from .storage import DirectoryLock, LocalStorage, ReadStorage
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
@@ -337,6 +339,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     unlistable: list[tuple[str, str]] = []
     no_manifest: list[str] = []
     names = storage.listdir(root)
+    lock: dict[str, Any] | None = None  # (the lock state of a root)
     if MANIFEST_NAME in names:  # a step directory: list just that one
         _warn_if_uncommitted(root)
         dirs = [root]
@@ -348,6 +351,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             commit.refuse_a_step_dir_without_manifest(root, names)
         dirs = [root / commit.step_dir_name(s) for s in steps]
         abandoned = commit.abandoned_dirs(root, storage)
+        lock = _lock_state(Path(os.path.realpath(root)))  # (read: neither taken nor made)
     entries: list[dict[str, Any]] = [
         _unreadable_row(commit.step_of_dir_name(name), root / name,
                         f"cannot be listed ({why}): it counts as no committed step")
@@ -400,7 +404,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         # ("without_manifest" as verify --all says it; "no_manifest", its older name)
         _print_json({"root": str(root), "ok": code == EXIT_OK, "steps": entries,
                      "latest": latest, **({"best": best} if args.best is not None else {}),
-                     "incomplete": abandoned,
+                     "incomplete": abandoned, "lock": lock,
                      "without_manifest": no_manifest, "no_manifest": no_manifest})
         return code
     if not entries:
@@ -431,6 +435,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(f"{_n(len(abandoned), 'incomplete or abandoned temp dir')} (never read; the "
              "next save here removes "
              f"them): {', '.join(abandoned)}")
+        if lock is not None:
+            _out(_shown(f"  {_lock_line(root, lock)}"))
     if no_manifest:
         _out(_shown(f"{_n(len(no_manifest), 'step directory', 'step directories')} without "
                     f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
@@ -465,6 +471,278 @@ def _mark_text(mark: Mapping[str, object]) -> str:
     when = mark.get("found_unix")
     at = f" at {_iso(when)}" if isinstance(when, (int, float)) else ""
     return f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"
+
+
+# --- the directory's lock, and clean -----------------------------------------------------------
+
+# The inode of /proc/self/ns/pid in the kernel's first pid namespace (a fixed number): there
+# /proc/locks shows every process's locks; in a container's, only those of its processes.
+_INIT_PID_NS = 0xEFFFFFFC
+# Filesystems of one machine, whose locks are all this kernel's (and so in /proc/locks). On
+# any other (NFS, Lustre, GPFS, CIFS, FUSE...) another machine's holder is not seen here.
+_LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "bcachefs", "f2fs", "jfs",
+                       "reiserfs", "nilfs2", "zfs", "tmpfs", "ramfs", "overlay", "vfat",
+                       "exfat", "ntfs", "ntfs3", "hfsplus"})
+
+
+def _lock_state(root: Path) -> dict[str, Any]:
+    """Whether a process holds the lock of the (resolved) ``root`` now, and which, told
+    without taking the lock (a probe that took it, for a moment even, would fail a save
+    that came then) nor creating its file: the kernel's table of locks is read.
+
+    ``held``: True, False, or None where this machine cannot tell (no /proc/locks, a
+    network filesystem, a container's pid namespace: a holder elsewhere is not seen).
+    ``pid``: the holder's where held; where it cannot tell, the pid the lock file names
+    (the last process that took the lock: it may hold it still); else None. ``note``:
+    why it cannot tell, or None."""
+    lock = DirectoryLock(root)
+    try:
+        st = os.lstat(lock.path)
+    except FileNotFoundError:  # (a save creates it: none has taken a lock here)
+        return {"held": False, "pid": None, "note": None}
+    except OSError as exc:
+        return {"held": None, "pid": None,
+                "note": f"its lock file {lock.path} cannot be looked at: {exc.strerror or exc}"}
+    if not stat.S_ISREG(st.st_mode):  # (a link or a FIFO: no save takes a lock on it)
+        return {"held": False, "pid": None, "note": None}
+    named = lock.holder()
+    file_pid = int(named) if named.isdecimal() else None
+    mount = _mount_of(root)
+    devices = {st.st_dev} | ({mount[1]} if mount is not None else set())
+    holders = _flock_holders(st.st_ino, devices)
+    if holders:
+        pid = next((p for p in holders if p > 0), None)  # (this namespace's pid of it)
+        return {"held": True, "pid": pid if pid is not None else file_pid, "note": None}
+    if holders is None:
+        note = "this system has no /proc/locks to tell it"
+    elif mount is None or mount[0] not in _LOCAL_FS:
+        fs = f"a {mount[0]} filesystem" if mount is not None else "a filesystem of unknown type"
+        note = f"on {fs}, a holder on another machine is not seen from here"
+    elif not _in_init_pid_namespace():
+        note = ("this runs in a container's pid namespace: a holder in another container "
+                "(or on the host) is not seen from here")
+    else:
+        return {"held": False, "pid": None, "note": None}
+    return {"held": None, "pid": file_pid, "note": note}
+
+
+def _flock_holders(inode: int, devices: set[int]) -> list[int] | None:
+    """The pids (0 or less where not known here) of the processes /proc/locks says hold a
+    flock on the file ``inode`` of one of ``devices``; None where there is no /proc/locks."""
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read(1 << 24).splitlines()
+    except OSError:
+        return None
+    pids = []
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 5846 fe:00:2146431 0 EOF"
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # (" -> FLOCK": one waiting for it)
+            continue
+        with contextlib.suppress(ValueError):
+            major, minor, ino = fields[5].split(":")
+            if int(ino) == inode and os.makedev(int(major, 16), int(minor, 16)) in devices:
+                pids.append(int(fields[4]))
+    return pids
+
+
+def _mount_of(path: Path) -> tuple[str, int] | None:
+    """The type of the filesystem ``path`` (resolved) lies on, and its device number as
+    /proc/locks gives it (the mount's: stat() gives another on btrfs); None where
+    /proc/self/mountinfo cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read(1 << 24).splitlines()
+    except OSError:
+        return None
+    target = str(path)
+    found: tuple[str, str, int] | None = None
+    for line in lines:  # "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw"
+        fields = line.split()
+        with contextlib.suppress(ValueError, IndexError):
+            fstype = fields[fields.index("-", 6) + 1]
+            major, minor = (int(n) for n in fields[2].split(":"))
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            # (the longest mount point holding it; of equal ones, the last: mounted over)
+            if inside and (found is None or len(point) >= len(found[0])):
+                found = (point, fstype, os.makedev(major, minor))
+    return None if found is None else found[1:]
+
+
+def _in_init_pid_namespace() -> bool:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == _INIT_PID_NS
+    except OSError:
+        return False
+
+
+def _pid_text(pid: int | None) -> str:
+    return f"pid {pid}" if pid is not None else "a process of unknown pid"
+
+
+def _lock_line(root: Path, lock: Mapping[str, Any]) -> str:
+    """What ls says of the lock beside the temporary directories it lists."""
+    if lock["held"]:
+        return (f"the lock of {root} is held by {_pid_text(lock['pid'])}: a save may be "
+                "writing or removing them right now")
+    if lock["held"] is False:
+        return (f"no process holds the lock of {root}: they are abandoned; "
+                f"'asyncckpt clean {root}' removes them")
+    last = (f"; its lock file names pid {lock['pid']}, the last process that took it"
+            if lock["pid"] is not None else "")
+    return (f"whether a process holds the lock of {root} cannot be told here ({lock['note']}"
+            f"{last}): 'asyncckpt clean {root}' removes them unless one does (it takes the "
+            "lock, and refuses while another process holds it)")
+
+
+def _tree_bytes(path: Path) -> int:
+    """The sizes of the files under ``path``, summed (a symbolic link counts nothing: its
+    removal takes the link alone); what cannot be looked at counts nothing."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    total, todo = 0, [str(path)]
+    while todo:
+        with contextlib.suppress(OSError), os.scandir(todo.pop()) as entries:
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                    elif e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+    return total
+
+
+class _Caught(logging.Handler):
+    """The warnings logged meanwhile (why cleanup_abandoned could not remove one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.messages.append(record.getMessage())
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():  # (not made: clean creates no root)
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise _Usage(f"{root} {what}: pass a checkpoint root directory"
+                     f"{commit.foreign_hint(root) if root.is_file() else ''}")
+    real = Path(os.path.realpath(root))  # (as a checkpointer pins it for its lock)
+    around = commit.step_dir_around(real)
+    if around is not None:
+        where = ("is a step directory" if around == real
+                 else f"is inside the step directory {around}")
+        raise _Usage(f"{root} {where} of a checkpoint: pass the checkpoint root "
+                     f"({around.parent}); clean removes what saves left beside the steps")
+    storage = LocalStorage()
+    lock = DirectoryLock(real)
+    rows: list[dict[str, Any]] = []
+    state: dict[str, Any] = {"held": False, "pid": None, "note": None}
+    if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does
+        state = _lock_state(real)
+        if state["held"]:
+            return _refuse_locked(args, root, state, "as /proc/locks shows")
+        rows = [_abandoned_row(real, name) for name in commit.abandoned_dirs(real, storage)]
+    elif commit.abandoned_dirs(real, storage) or os.path.lexists(lock.path):
+        # (no lock file and nothing to remove: none is made, as in a directory mistyped)
+        try:
+            taken = lock.acquire()  # as a save takes it (non-blocking)
+        except OSError as exc:
+            raise CheckpointPermissionError(
+                f"cannot take the lock of {root} ({lock.path}): {exc.strerror or exc}; clean "
+                "takes it as a save does, so as to remove nothing a save is writing: nothing "
+                "was removed", path=str(lock.path)) from exc
+        if not taken:
+            named = lock.holder()
+            return _refuse_locked(args, root, {"held": True, "note": None,
+                                               "pid": int(named) if named.isdecimal() else None},
+                                  "the pid its lock file names")
+        try:
+            with _sigterm_interrupts():
+                rows = [_abandoned_row(real, name)  # (listed again, under the lock)
+                        for name in commit.abandoned_dirs(real, storage)]
+                for row in rows:
+                    _remove(real, row, storage)
+        finally:
+            lock.release()
+    failed = [r for r in rows if r["error"] is not None]
+    code = _decided(args, EXIT_USAGE if failed else EXIT_OK)
+    freed = sum(r["bytes_freed"] for r in rows)
+    if args.json:
+        _print_json({"ok": code == EXIT_OK, "root": str(root), "dry_run": args.dry_run,
+                     "abandoned": rows, "removed": [r["name"] for r in rows if r["removed"]],
+                     "bytes_freed": freed, "lock": state})
+        return code
+    if not rows:
+        _out(_shown(f"nothing to remove under {root}: no abandoned temporary directories"))
+        return code
+    status = {True: "removed", False: "would be removed" if args.dry_run else "NOT REMOVED"}
+    _out(_table(["DIRECTORY", "SIZE", ""],
+                [[r["name"], human_bytes(r["bytes"]),
+                  status[r["removed"]] + (f": {r['error']}" if r["error"] else "")]
+                 for r in rows], right=(1,)))
+    if args.dry_run:
+        _out(_shown(f"{_n(len(rows), 'abandoned directory', 'abandoned directories')}, "
+                    f"{human_bytes(sum(r['bytes'] for r in rows))}: none removed (--dry-run)"))
+        if state["held"] is None:
+            _out(_shown(f"whether a process holds the lock of {root} cannot be told here "
+                        f"({state['note']}): clean takes it, and refuses while another "
+                        "process holds it"))
+        return code
+    removed = sum(r["removed"] for r in rows)
+    _out(_shown(f"removed {_n(removed, 'abandoned directory', 'abandoned directories')} "
+                f"under {root}, {human_bytes(freed)} freed"
+                + (f"; {len(failed)} could not be removed" if failed else "")))
+    return code
+
+
+def _abandoned_row(root: Path, name: str) -> dict[str, Any]:
+    """clean's row of one temporary directory, before it is removed."""
+    return {"name": name, "path": str(root / name), "kind": commit.temp_dir_kind(name),
+            "bytes": _tree_bytes(root / name), "removed": False, "bytes_freed": 0,
+            "error": None}
+
+
+def _remove(root: Path, row: dict[str, Any], storage: LocalStorage) -> None:
+    """Remove one temporary directory (under the lock), noting in ``row`` what went."""
+    caught = _Caught()
+    logger = logging.getLogger(commit.__name__)
+    logger.addHandler(caught)
+    try:
+        row["removed"] = bool(commit.cleanup_abandoned(root, storage, [row["name"]]))
+    finally:
+        logger.removeHandler(caught)
+    if row["removed"]:
+        row["bytes_freed"] = row["bytes"]
+    else:  # (warned of on stderr already; part of it may be gone)
+        row["error"] = "; ".join(caught.messages) or "it could not be removed"
+        row["bytes_freed"] = max(0, row["bytes"] - _tree_bytes(root / row["name"]))
+
+
+def _refuse_locked(args: argparse.Namespace, root: Path, state: dict[str, Any],
+                   told: str) -> int:
+    """clean's refusal while another process holds the lock: nothing was removed."""
+    known = f" ({told})" if state["pid"] is not None else ""
+    message = (f"the lock of {root} is held by {_pid_text(state['pid'])}{known}, a trainer "
+               "saving there or another clean: nothing was removed, as its temporary "
+               "directories may be a save in progress; run clean again once that process "
+               "has ended (a checkpointer removes what was abandoned itself when it takes "
+               "the lock)")
+    _error(message)
+    code = _decided(args, EXIT_USAGE)
+    if args.json:
+        _print_json({"ok": False, "root": str(root),
+                     "error": {"type": "CheckpointLockedError", "message": message,
+                               "exit_code": code}, "lock": state})
+    return code
 
 
 # --- inspect -----------------------------------------------------------------------------------
@@ -1078,7 +1356,8 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="asyncckpt",
-        description="List, inspect, verify, export and serve asyncckpt checkpoints.",
+        description="List, inspect, verify, export and serve asyncckpt checkpoints, and clean "
+        "up what saves abandoned.",
         epilog="exit codes: 0 ok, 1 corrupt checkpoint (damaged, or a step directory "
                "without its manifest), 2 could not tell (a usage error, nothing found)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -1086,6 +1365,18 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
     _add_best(ls, "mark the committed step whose METRIC (save_async(metrics=...)) is best")
     ls.set_defaults(func=cmd_ls)
+    cl = sub.add_parser(
+        "clean", help="remove the temporary directories saves abandoned under a root",
+        description="Remove the .step_*.tmp-* and .step_*.deleting-* directories under a "
+        "checkpoint root: saves that did not commit, and steps whose removal did not end "
+        "(a killed run's). Takes the root's lock as a save does, and refuses (exit 2, "
+        "removing nothing) while another process holds it: a trainer saving there. Never "
+        "touches a committed step.")
+    cl.add_argument("dir", metavar="DIR", help="checkpoint root directory")
+    cl.add_argument("--dry-run", action="store_true",
+                    help="list what would be removed, and remove nothing (takes no lock: "
+                    "tells whether one holds it, as ls does)")
+    cl.set_defaults(func=cmd_clean)
     for name, func, text in (
             ("inspect", cmd_inspect, "show the tensors of one checkpoint (or of plain "
              "safetensors files)"),
