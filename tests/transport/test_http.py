@@ -2063,33 +2063,181 @@ class ClaimsSize(FileSource):
 
     def __init__(self, inner: FileSource, size: int):
         self.inner, self.size = inner, size
+        self.reads: list[int] = []  # the offsets read, for a peer's answers
 
     def read(self, offset: int, n: int) -> memoryview:
+        self.reads.append(offset)
         have = bytes(self.inner.read(offset, max(0, min(n, self.inner.size - offset))))
         return memoryview(have + bytes(n - len(have)))
 
 
-def test_a_peer_claiming_a_tensor_no_memory_holds_gives_a_corrupt_error(transports: Any) -> None:
-    # The peer's HEAD gives the file the size its manifest claims: sizes match, and the
-    # claimed tensor reaches the allocation, which must fail as corrupt, not RuntimeError.
-    huge = 2 ** 59  # beyond any address space; its size still has 18 digits
-    served = serve_state(5, {"w": torch.ones(4)}, block_bytes=1 << 22, library_version="t")
+def claiming(step: int, nbytes: int, dtype: str = "uint8") -> tuple[Served, int]:
+    """A fake peer's offer: a real state's manifest plus a tensor ``big`` of ``nbytes`` of
+    ``dtype`` (one checksum block), its file's HEAD size matching (zeros past the real
+    bytes); and that file's claimed size."""
+    served = serve_state(step, {"w": torch.ones(4)}, block_bytes=1 << 22, library_version="t")
     raw = served.manifest()
     doc = json.loads(raw[:raw.rindex(b',"digest"')] + b"}")
     size = doc["files"][FILE]["bytes"]
-    doc["checksum"]["block_bytes"] = huge
-    doc["files"][FILE]["bytes"] = size + huge
-    doc["tensors"]["big"] = {"dtype": "uint8", "shape": [huge], "kind": "torch", "chunks": [
-        {"file": FILE, "key": "big", "offsets": [0], "lengths": [huge],
-         "byte_range": [size, size + huge], "checksums": ["0" * 16]}]}
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    doc["checksum"]["block_bytes"] = nbytes
+    doc["files"][FILE]["bytes"] = size + nbytes
+    doc["tensors"]["big"] = {"dtype": dtype, "shape": [nbytes // itemsize], "kind": "torch",
+                             "chunks": [{"file": FILE, "key": "big", "offsets": [0],
+                                         "lengths": [nbytes // itemsize],
+                                         "byte_range": [size, size + nbytes],
+                                         "checksums": ["0" * 16]}]}
     doc["skeleton"]["items"].append(["big", {"t": "tensor", "key": "big"}])
     forged = seal(json.dumps(doc, separators=(",", ":")).encode())
+    return Served(step, lambda: forged, {FILE: ClaimsSize(served.files[FILE], size + nbytes)}), \
+        size + nbytes
+
+
+def test_a_peer_claiming_a_tensor_no_memory_holds_gives_a_corrupt_error(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peer's HEAD gives the file the size its manifest claims: sizes match, and the
+    # claimed tensor reaches the allocation (no max_file_bytes), which must fail as
+    # corrupt, not RuntimeError.
+    from asyncckpt import reader
+
+    # (the file's header is left as it was, which a load refuses first where it compares
+    # them: as if forged to agree, as a peer can)
+    monkeypatch.setattr(reader, "_header_problems", lambda *a, **kw: [], raising=False)
+    huge = 2 ** 59  # beyond any address space; its size still has 18 digits
     srv = transports(token=TOKEN)
-    srv.serve(Served(5, lambda: forged, {FILE: ClaimsSize(served.files[FILE], size + huge)}))
+    srv.serve(claiming(5, huge)[0])
+    unlimited = transports(token=TOKEN, max_file_bytes=None)
     with pytest.raises(CheckpointCorruptError, match=f"tensor 'big' claims {huge} bytes, more "
                        "than this machine's memory could ever hold") as ei:
-        asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10)
+        unlimited.recv_checkpoint(0, srv.address(), 5, 10)
     assert ei.value.key == "big"
+
+
+@pytest.mark.parametrize("how", ["recv_checkpoint", "load"])
+def test_a_claim_above_the_default_max_file_bytes_is_refused_by_default(
+        how: str, transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(security review) A manifest's claims were bounded only by what the machine could
+    ever hold: a receive (HTTPTransport's, and asyncckpt.load from an address, which has
+    no option for it) refuses a file above 1 TiB, PGTransport's default too."""
+    from asyncckpt import reader
+    from asyncckpt.transport import http, pg
+
+    assert http.DEFAULT_MAX_FILE_BYTES == pg.DEFAULT_MAX_FILE_BYTES == 1 << 40
+    assert transports().max_file_bytes == 1 << 40
+    allocated: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(reader, "fresh_tensor", lambda *a, **kw: allocated.append(a))
+    srv = transports(token=TOKEN)
+    served, claimed = claiming(5, 1 << 41)
+    srv.serve(served)
+    with pytest.raises(CheckpointTransportError, match=rf"{FILE} is {claimed} bytes .*above "
+                       rf"this receiver's limit of {1 << 40} bytes \(1 TiB\) "
+                       r"\(max_file_bytes=\); refused before any tensor is allocated"):
+        if how == "load":
+            asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10)
+        else:
+            transports(token=TOKEN).recv_checkpoint(0, srv.address(), 5, 10)
+    assert allocated == []
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_peer_claiming_more_than_max_file_bytes_is_refused_before_allocating(
+        into: bool, transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(security review) A fake peer whose manifest of ~78 KB claimed one float32 tensor
+    of 16 GiB (its HEAD size matching) had a receive with no target (torchft's Manager)
+    reserve 16 GiB. Over max_file_bytes it is refused once the manifest is parsed, before
+    any tensor is allocated or byte of the file read, with or without a target; the
+    error names the peer, the file, the claimed size and the option."""
+    from asyncckpt import reader
+
+    real_fresh = reader.fresh_tensor
+    allocated: list[tuple[Any, ...]] = []
+
+    def fresh(*a: Any, **kw: Any) -> torch.Tensor:
+        allocated.append(a)
+        return real_fresh(*a, **kw)
+
+    monkeypatch.setattr(reader, "fresh_tensor", fresh)
+    srv = transports(token=TOKEN)
+    served, claimed = claiming(5, 16 << 30, "float32")
+    source = served.files[FILE]
+    assert isinstance(source, ClaimsSize)
+    srv.serve(served)
+    capped = transports(token=TOKEN, max_file_bytes=1 << 30)
+    assert capped.max_file_bytes == 1 << 30
+    target = {"w": torch.zeros(4), "big": torch.zeros(1)} if into else None
+    with pytest.raises(CheckpointTransportError) as ei:
+        capped.recv_checkpoint(0, srv.address(), 5, 10, into=target)
+    port = port_of(srv)
+    text = str(ei.value)
+    assert f"the peer 127.0.0.1:{port}: its manifest of step 5 claims the shard file " \
+           f"http://127.0.0.1:{port}/v1/5/files/{FILE} is {claimed} bytes (16 GiB), above " \
+           f"this receiver's limit of {1 << 30} bytes (1 GiB) (max_file_bytes=); refused " \
+           "before any tensor is allocated" in text
+    assert "HTTPTransport(max_file_bytes=...); None: no limit" in text
+    assert "may hold part" not in text  # (nothing of the targets was touched)
+    assert allocated == [] and source.reads == []  # (not even the file's header)
+    if into:
+        assert torch.equal(target["w"], torch.zeros(4))  # type: ignore[index]
+    # Within the limit a receive goes on (an honest peer's state, allocated fresh).
+    honest = transports(token=TOKEN)
+    honest.send_checkpoint([1], 6, state_of(3), timedelta(seconds=10))
+    honest.allow_checkpoint(6)
+    assert_state(capped.recv_checkpoint(0, honest.address(), 6, 10), state_of(3))
+    assert allocated  # (the spy sees the allocations of a receive that goes on)
+
+
+def test_a_receive_with_no_target_bounds_the_files_total_with_max_file_bytes(
+        tmp_path: Path, transports: Any) -> None:
+    """A manifest may list several files (a peer's shard and its replicas; a whole
+    checkpoint served from disk), each under the limit: a receive with no target
+    allocates every tensor they hold, so their total is bounded too. A receive into a
+    target allocates nothing from the claims: only each file is."""
+    from _ranks import all_ok, in_threads
+
+    world = 2
+    store = torch.distributed.HashStore()
+    whole = torch.arange(4 * 3 * world, dtype=torch.float32).reshape(4 * world, 3)
+
+    def rank(r: int) -> None:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=world,
+                                         store=store, timeout_s=60) as ck:
+            ck.save({"w": whole[4 * r:4 * r + 4].clone()}, step=1, shards={
+                "w": asyncckpt.ShardMetadata((4 * world, 3), (4 * r, 0))})
+
+    all_ok(in_threads(rank, world=world))
+    step_dir = tmp_path / "step_000000001"
+    sizes = [f["bytes"] for f in json.loads((step_dir / "manifest.json").read_bytes())["files"]
+             .values()]
+    assert len(sizes) == world
+    srv = transports(token=TOKEN)
+    assert srv.serve_directory(step_dir) == 1
+    each = transports(token=TOKEN, max_file_bytes=max(sizes))
+    with pytest.raises(CheckpointTransportError,
+                       match=rf"claims 2 shard files of {sum(sizes)} bytes .* in all .*above "
+                             rf"this receiver's limit of {max(sizes)} bytes .*\(max_file_bytes="
+                             r"\), which a receive with no target .* applies to their total; "
+                             "refused before any tensor is allocated"):
+        each.recv_checkpoint(0, srv.address(), 1, 10)
+    target = {"w": torch.zeros(4 * world, 3)}
+    each.recv_checkpoint(0, srv.address(), 1, 10, into=target)
+    assert torch.equal(target["w"], whole)
+    got = transports(token=TOKEN, max_file_bytes=sum(sizes)).recv_checkpoint(
+        0, srv.address(), 1, 10)
+    assert torch.equal(got["w"], whole)
+    with pytest.raises(CheckpointTransportError, match=r"is \d+ bytes .*\(max_file_bytes=\)"):
+        transports(token=TOKEN, max_file_bytes=min(sizes) - 1).recv_checkpoint(
+            0, srv.address(), 1, 10, into=target)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, 1e12, True, "1", float("inf")])
+def test_a_max_file_bytes_that_is_no_positive_int_is_a_config_error(bad: Any) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"max_file_bytes=.*use an int of 1 or "
+                       r"more \(bytes\), or None for no limit"):
+        HTTPTransport(max_file_bytes=bad)
+    with pytest.raises(CheckpointConfigError, match="max_file_bytes="):
+        HTTPStorage("http://127.0.0.1:1/v1", 1, token=None, timeout_s=1.0, max_file_bytes=bad)
+    with pytest.raises(CheckpointConfigError, match="max_total_bytes="):
+        HTTPStorage("http://127.0.0.1:1/v1", 1, token=None, timeout_s=1.0, max_total_bytes=bad)
 
 
 def test_transports_refuse_a_block_size_receivers_would_refuse() -> None:

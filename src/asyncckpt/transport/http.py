@@ -91,6 +91,15 @@ _HANGUP_CHECK_S = 0.25  # a request waiting for a step checks this often that it
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
 
+DEFAULT_MAX_FILE_BYTES = 1 << 40
+"""The largest shard file a receive accepts from a peer's manifest by default
+(``max_file_bytes``): 1 TiB, PGTransport's default too. A shard file holds one rank's
+state, which lives in that rank's accelerator memory (a few hundred GB on the largest) and
+its share of its host's, so no real shard comes near it; without a limit a forged manifest
+could claim any size short of what the receiving machine could ever hold. A default
+cannot tell a forged 16 GiB claim from a real 16 GiB shard: a receiver that knows the
+size of its peers' shards sets a tighter limit."""
+
 
 def fetch_connections(asked: int) -> int:
     """The connections (and reader threads) a fetch uses: ``asked``, but at most one per
@@ -141,6 +150,27 @@ def _unspecified(host: str) -> bool:
         return False
 
 
+def check_max_file_bytes(value: Any, label: str = "max_file_bytes") -> int | None:
+    """A limit on the file bytes a peer's manifest may claim: an int of 1 or more, or None
+    (no limit)."""
+    if value is not None and (type(value) is not int or value < 1):
+        # (bool, float, numpy ints refused, as max_manifest_bytes's: a limit is bytes)
+        raise CheckpointConfigError(f"{label}={value!r}: use an int of 1 or more (bytes), "
+                                    "or None for no limit")
+    return value
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, in bytes and a unit a person reads at a glance: "17179869184 bytes
+    (16 GiB)"."""
+    x, unit = float(n), ""
+    for u in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if x < 1024:
+            break
+        x, unit = x / 1024, u
+    return f"{n} bytes ({x:.3g} {unit})" if unit else f"{n} bytes"
+
+
 def fetch_timeout(timeout: timedelta | float) -> float:
     """A fetch's whole-fetch timeout in seconds: positive, at most ``MAX_TIMEOUT_S``."""
     t = seconds(timeout)
@@ -175,6 +205,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             a receiver halves its ranges down to that on a 413, not below).
         max_manifest_bytes: the largest manifest a fetch accepts from a peer (a manifest
             grows up to ~25x in memory while parsed; ~60 MB holds 100k tensors).
+        max_file_bytes: the largest shard file a peer's manifest may claim (1 TiB by
+            default, as PGTransport's; None: no limit). A receive refuses a manifest
+            claiming a larger one before it allocates anything; a receive with no
+            ``into=`` target, which allocates every tensor the manifest claims, also
+            refuses files that total more. It bounds what a forged manifest makes this
+            receiver allocate: set it just above the shards your peers send.
         withdraw_grace: how long ``withdraw()`` -- what a checkpointer serving its saves
             calls before its next save restages the arena, and at ``close()`` -- lets the
             transfers of the old offer run before it cuts them off (their receivers then
@@ -189,7 +225,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                  max_range_bytes: int = 1 << 30, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
                  state_dict: Callable[[], Any] | None = None,
-                 withdraw_grace: timedelta | float = 1.0):
+                 withdraw_grace: timedelta | float = 1.0,
+                 max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES):
         for name, value in (("num_chunks", num_chunks), ("max_connections", max_connections),
                             ("max_range_bytes", max_range_bytes), ("port", port)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -222,6 +259,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointConfigError(f"max_manifest_bytes={max_manifest_bytes!r}: use an "
                                         "int of 1 or more")
         self.max_manifest_bytes = max_manifest_bytes
+        self.max_file_bytes = check_max_file_bytes(max_file_bytes)
         self._state_dict = check_state_dict_fn(state_dict)
         if not 0 <= port <= 65535:
             raise CheckpointConfigError(f"port={port}: use 0 (any free port) to 65535")
@@ -646,8 +684,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         check_key_map(key_map)
         step = as_step(step)
         t = self.timeout_s if timeout is None else fetch_timeout(timeout)
+        # A receive with no target (state_dict= too: what its state lacks comes new)
+        # allocates every tensor the manifest claims: the files' total is bounded as well.
         storage = HTTPStorage(metadata, step, token=self.token, timeout_s=t, deadline_s=t,
-                              max_manifest_bytes=self.max_manifest_bytes)
+                              max_manifest_bytes=self.max_manifest_bytes,
+                              max_file_bytes=self.max_file_bytes,
+                              max_total_bytes=self.max_file_bytes if into is None else None)
         with self._cond:  # (under the lock: a shutdown() meanwhile cuts it off)
             if self._closed:
                 storage.close_all()
@@ -1149,6 +1191,11 @@ class HTTPStorage:
     given, bounds the whole fetch: once it has passed, a watchdog shuts every connection,
     so that a peer trickling bytes just fast enough to beat the stall timeout cannot hold
     the receiver for ever. Call ``close_all()`` when done (it also stops the watchdog).
+
+    ``max_file_bytes`` bounds each file the peer's manifest claims, ``max_total_bytes``
+    (for a load with no target, which allocates every tensor it claims) their total; a
+    manifest over either is refused once parsed, before the load allocates anything.
+    None: no limit. Named ``max_file_bytes=`` in the errors: HTTPTransport's option.
     """
 
     peer_view = True
@@ -1156,7 +1203,9 @@ class HTTPStorage:
 
     def __init__(self, base: str, step: int, *, token: str | None, timeout_s: float,
                  retries: int = 3, deadline_s: float | None = None,
-                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES):
+                 max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
+                 max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
+                 max_total_bytes: int | None = None):
         try:
             u = urlsplit(base)
             port = u.port
@@ -1185,6 +1234,8 @@ class HTTPStorage:
         self._deadline_s = deadline_s
         self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
         self.max_manifest_bytes = max_manifest_bytes
+        self.max_file_bytes = check_max_file_bytes(max_file_bytes)
+        self.max_total_bytes = check_max_file_bytes(max_total_bytes, "max_total_bytes")
         self._expired = False
         self._cancelled: str | None = None  # why ``cancel()`` cut the fetch off
         self._cancel = threading.Event()  # set with it: pauses between requests end
@@ -1497,6 +1548,35 @@ class HTTPStorage:
                 f"not of the requested step {self.step}: the peer is broken or not an "
                 "asyncckpt server; fetch from another peer",
                 path=f"http://{self.where}{url}")
+        self._check_sizes(manifest)
+
+    def _check_sizes(self, manifest: Manifest) -> None:
+        """Refuse a manifest claiming more file bytes than this receiver accepts: before
+        the load allocates the tensors it claims (sizes a peer chooses: a manifest of
+        78 KB claimed a 16 GiB tensor, and the receiver reserved it)."""
+        files = manifest.files
+        if not files:
+            return
+        raise_it = ("if the peer's shards are that large, raise the limit "
+                    "(HTTPTransport(max_file_bytes=...); None: no limit)")
+        big = max(files.values(), key=lambda e: e.bytes)
+        limit = self.max_file_bytes
+        if limit is not None and big.bytes > limit:
+            raise CheckpointTransportError(
+                f"{self._peer}: its manifest of step {self.step} claims the shard file "
+                f"http://{self.where}{self._url('files/' + big.name)} is {_size(big.bytes)}, "
+                f"above this receiver's limit of {_size(limit)} (max_file_bytes=); refused "
+                f"before any tensor is allocated: {raise_it}")
+        limit = self.max_total_bytes
+        total = sum(e.bytes for e in files.values())
+        if limit is not None and total > limit:
+            raise CheckpointTransportError(
+                f"{self._peer}: its manifest of step {self.step} claims {len(files)} shard "
+                f"files of {_size(total)} in all (the largest "
+                f"http://{self.where}{self._url('files/' + big.name)}, {_size(big.bytes)}), "
+                f"above this receiver's limit of {_size(limit)} (max_file_bytes=), which a "
+                "receive with no target (it allocates every tensor they hold) applies to "
+                f"their total; refused before any tensor is allocated: {raise_it}")
 
     @property
     def where(self) -> str:
