@@ -578,9 +578,10 @@ def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]
         assert all(v is None for v in dests.values())
         return real(step_dir, manifest, dests, storage, **kw)
 
-    def check_spy(step_dir: Path, manifest: Any, name: str, storage: Any) -> None:
+    def check_spy(step_dir: Path, manifest: Any, name: str, storage: Any,
+                  chunks: Any = None) -> None:
         checked.append(name)
-        real_check(step_dir, manifest, name, storage)
+        real_check(step_dir, manifest, name, storage, chunks)
 
     monkeypatch.setattr(export_mod, "_load_checked", spy)
     monkeypatch.setattr(export_mod, "_check_file", check_spy)

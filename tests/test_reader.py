@@ -554,11 +554,16 @@ class SparseStorage(LocalStorage):
         return self.claimed if fd in self.fds else super().file_size(fd)
 
 
-def test_a_size_no_memory_can_hold_is_a_corrupt_error_naming_the_tensor(tmp_path: Path) -> None:
+def test_a_size_no_memory_can_hold_is_a_corrupt_error_naming_the_tensor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.reader as reader
+
     _two_steps(tmp_path)
     step_dir = tmp_path / "step_000000002"
     size = _claim_huge_tensor(step_dir)
     storage = SparseStorage(step_dir / SHARD, size + HUGE)
+    # (the header is left as it was, which the load refuses first: as if forged to agree)
+    monkeypatch.setattr(reader, "_header_problems", lambda *args, **kwargs: [])
     with pytest.raises(CheckpointCorruptError, match=f"tensor 'big' claims {HUGE} bytes, more "
                        "than this machine's memory could ever hold: the checkpoint is likely "
                        "damaged") as info:
@@ -616,6 +621,39 @@ def test_an_error_of_the_moment_is_raised_as_it_is_not_as_damage(
     storage.listing = True  # type: ignore[attr-defined]  # not taken for "no such step"
     with pytest.raises(type(error)):
         commit.committed_steps(tmp_path, storage)
+
+
+def test_a_load_refuses_a_header_that_disagrees_with_a_resealed_manifest(
+        tmp_path: Path) -> None:
+    """(security review) A shard's header rewritten to list a decoy over the bytes of 'w',
+    the manifest re-sealed with the new header's checksum (xxh3 has no key): load gave the
+    manifest's tensors, verify said corrupt, and safetensors tools saw the decoy."""
+    import struct
+
+    import xxhash
+
+    asyncckpt.save({"w": torch.arange(8.0)}, tmp_path, step=1)
+    step_dir = tmp_path / "step_000000001"
+    raw = (step_dir / SHARD).read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["decoy"] = header.pop("w")
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))  # (the same length: the body stays where it was)
+    assert len(text) == n
+    (step_dir / SHARD).write_bytes(raw[:8] + text + raw[8 + n:])
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["files"][SHARD]["header_checksum"] = xxhash.xxh3_64_hexdigest(raw[:8] + text)
+
+    _reseal(step_dir, edit)
+    for state in (None, {"w": torch.zeros(8)}):
+        with pytest.raises(CheckpointCorruptError, match=r"header entry of tensor 'w' is null.*"
+                           r"\(and 1 more\): the file's header and the manifest disagree"):
+            asyncckpt.load(tmp_path, state)
+    report = verify_checkpoint(step_dir, LocalStorage())
+    assert any("its header lists 1 tensor(s) the manifest does not: 'decoy'" in p
+               for p in report.problems), report.problems
 
 
 def test_verify_reads_no_tensor_of_a_file_of_another_size(tmp_path: Path) -> None:

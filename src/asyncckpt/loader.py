@@ -823,7 +823,7 @@ def selected(manifest: Manifest, key_map: KeyMap | None, exclude: tuple[str, ...
 def _with_skeleton(manifest: Manifest, skeleton: dict[str, Any]) -> Manifest:
     """``manifest`` with ``skeleton``, and only the tensors that skeleton still holds."""
     kept = {n["key"] for _, n in iter_array_nodes(skeleton)}
-    return dataclasses.replace(manifest, skeleton=skeleton, tensors={
+    return dataclasses.replace(manifest, skeleton=skeleton, pruned=True, tensors={
         k: v for k, v in manifest.tensors.items() if k in kept})
 
 

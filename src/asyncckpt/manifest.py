@@ -356,6 +356,11 @@ class Manifest:
     """True for a view that holds only some boxes of its tensors (what a peer serves)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What ``save_async(metrics=...)`` recorded (a validation loss...), for keep_best."""
+    pruned: bool = field(default=False, compare=False)
+    """True for a load's view without some tensors (exclude=): the files hold more."""
+    from_headers: bool = field(default=False, compare=False)
+    """True for what plain safetensors files' headers describe (load_safetensors): no
+    manifest to check them against."""
 
     @property
     def total_bytes(self) -> int:

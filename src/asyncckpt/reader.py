@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import xxhash
@@ -261,8 +261,10 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     # tensor sharded over every rank's file opens the few files holding that box, not
     # every file (world x world opens), and a damaged file it does not need is no error
     # of its load (verify_checkpoint checks every file).
-    for name in sorted({it.chunk.file for it in items}):
-        _check_file(step_dir, manifest, name, storage)
+    names = sorted({it.chunk.file for it in items})
+    by_file = chunks_by_file(manifest) if names else {}
+    for name in names:
+        _check_file(step_dir, manifest, name, storage, by_file.get(name, []))
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
                          boxes=boxes, items=items, read=read, progress=progress,
                          bump_versions=bump_versions, casts=casts)
@@ -732,8 +734,22 @@ def _gone(step_dir: Path, storage: ReadStorage) -> bool:
         return False
 
 
-def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage) -> None:
-    """The file exists, has the manifest's size, and its header has the manifest's checksum."""
+def chunks_by_file(manifest: Manifest) -> dict[str, list[tuple[str, TensorEntry, Chunk]]]:
+    """The manifest's chunks by the file holding them, each with its tensor's key and
+    entry."""
+    by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
+    for key, entry in manifest.tensors.items():
+        for ch in entry.chunks:
+            by_file.setdefault(ch.file, []).append((key, entry, ch))
+    return by_file
+
+
+def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage,
+                chunks: list[tuple[str, TensorEntry, Chunk]] | None = None) -> None:
+    """The file exists, has the manifest's size, and its header has the manifest's checksum;
+    with ``chunks`` (the manifest's chunks in it), the header lists those, as the manifest
+    says, and nothing else: a manifest re-sealed over a rewritten header (the checksum has
+    no key) loaded while any safetensors tool saw other tensors (a security review)."""
     path = step_dir / name
     entry = manifest.files[name]
     fd = _open(path, storage)
@@ -761,6 +777,15 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header does not match the manifest's checksum: the "
                 "file is corrupt or belongs to another checkpoint", path=str(path))
+        if chunks is not None and not manifest.from_headers:
+            parsed, body = decode_header(bytes(header), str(path))
+            problems = _header_problems(path, parsed, body, chunks, every=not manifest.pruned)
+            if problems:
+                raise CheckpointCorruptError(
+                    problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                   else "") + ": the file's header and the manifest disagree "
+                    "(damaged, or forged: a safetensors tool would read other tensors than "
+                    "a load)", path=str(path), key=chunks[0][0] if chunks else None)
     except BaseException:
         _abort(storage, fd)
         raise
@@ -949,7 +974,7 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
     # at every walk; and walking them all once per file was files x chunks)
     entries = [(key, entry, tuple(entry.chunks)) for key, entry in manifest.tensors.items()]
     by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
-    for key, entry, chunks in entries:
+    for key, entry, chunks in entries:  # (the chunks made once: a table makes them anew)
         for ch in chunks:
             by_file.setdefault(ch.file, []).append((key, entry, ch))
     for name in manifest.files:  # each file once: size and header checksum, then entries
@@ -1111,7 +1136,17 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
         return [str(err)]
     finally:
         _close(storage, fd)
-    problems = []  # the header's checksum is _check_file's; here: entries vs the manifest
+    # (the header's checksum is _check_file's; here: entries vs the manifest)
+    return _header_problems(path, header, body, chunks)
+
+
+def _header_problems(path: Path, header: dict[str, Any], body: int,
+                     chunks: list[tuple[str, TensorEntry, Chunk]],
+                     every: bool = True) -> list[str]:
+    """Where the entries of a file's safetensors header differ from the manifest's chunks
+    in the file: each chunk's entry as the manifest implies it, and (``every``: the
+    chunks are all the file's) no other entry."""
+    problems = []
     for key, entry, ch in chunks:
         h = header.get(ch.key)
         st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
@@ -1120,4 +1155,9 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
         if h != want:
             problems.append(f"{path}: header entry of tensor {key!r} is "
                             f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")
+    listed = {ch.key for _, _, ch in chunks} if every else set()
+    extra = [k for k in header if k != "__metadata__" and k not in listed] if every else []
+    if extra:
+        problems.append(f"{path}: its header lists {len(extra)} tensor(s) the manifest "
+                        f"does not: {', '.join(repr(k[:100]) for k in extra[:3])}")
     return problems

@@ -399,7 +399,7 @@ def describe(where: Path, names: list[str], key_map: KeyMap | None = None,
                 path=str(where), key=lost[0])
     return Manifest(step=0, world_size=1, created_unix=0.0, library_version="",
                     block_bytes=DEFAULT_BLOCK_BYTES, files=files, tensors=tensors,
-                    skeleton=_skeleton(root))
+                    skeleton=_skeleton(root), from_headers=True)
 
 
 def _unloadable(where: Path, found: list[tuple[str, str, str]],
