@@ -118,9 +118,12 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
          ignore_unexpected: bool = False,
          exclude: str | Iterable[str] | None = None,
          key_map: _KeyMap | None = None, cast: bool = False,
-         shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+         shards: Mapping[str, ShardMetadata] | None = None,
+         max_file_bytes: int | None = 1 << 40) -> Any:
     """Load from a checkpoint root (latest step, or ``step``), one step directory, or a
     peer's address (``http://host:port/v1``, as ``HTTPTransport.address()`` gives).
+    ``max_file_bytes`` (a peer only: as HTTPTransport's): the most a file the peer lists
+    may hold, and with no ``state``, all of them together; None for no limit.
     ``fallback=True`` skips corrupt steps, newest first (see AsyncCheckpointer.load).
     ``threads``: reader threads for files (default: up to 2), parallel connections for
     a peer (default 8; at most one per CPU, 2 at least). ``timeout``: seconds a fetch
@@ -139,9 +142,13 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _check_fallback(fallback, step, verify)
     parts = _check_exclude(exclude)
     _check_key_map(key_map)
+    from .transport.http import check_max_file_bytes
+
+    max_file_bytes = check_max_file_bytes(max_file_bytes)
     view, _, finish = _excluded_view(state, parts)
     return finish(_load_any(path, view, step, strict, verify, token, timeout, fallback,
-                            threads, progress, ignore_unexpected, parts, key_map, cast, shards))
+                            threads, progress, ignore_unexpected, parts, key_map, cast, shards,
+                            max_file_bytes=max_file_bytes))
 
 
 def _process_rank() -> int:
@@ -164,7 +171,8 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
               threads: int | None, progress: Callable[[int, int], None] | None,
               ignore_unexpected: bool, exclude: tuple[str, ...],
               key_map: _KeyMap | None, cast: bool,
-              shards: Mapping[str, ShardMetadata] | None = None) -> Any:
+              shards: Mapping[str, ShardMetadata] | None = None,
+              max_file_bytes: int | None = 1 << 40) -> Any:
     step = _check_step(step)  # (a NumPy integer or a 0-dim tensor as an int)
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
     is_peer = scheme is not None and scheme.group(1).lower() == "http"  # (RFC 3986: any case)
@@ -194,7 +202,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         deadline = _time.monotonic() + timeout
         while True:
             left = max(deadline - _time.monotonic(), 0.001)
-            peer = HTTPStorage(str(path), -1, token=token, timeout_s=left, deadline_s=left)
+            peer = HTTPStorage(str(path), -1, token=token, timeout_s=left, deadline_s=left,
+                               max_file_bytes=max_file_bytes,
+                               max_total_bytes=max_file_bytes if state is None else None)
             try:
                 peer.step = peer.current_step() if step is None else step
                 return _load_from(Path(f"peer-step-{peer.step}"), state, peer, strict=strict,

@@ -2137,6 +2137,15 @@ def test_a_claim_above_the_default_max_file_bytes_is_refused_by_default(
         else:
             transports(token=TOKEN).recv_checkpoint(0, srv.address(), 5, 10)
     assert allocated == []
+    if how == "load":  # asyncckpt.load takes the limit too
+        with pytest.raises(CheckpointTransportError, match=r"above this receiver's limit of "
+                           r"1048576 bytes"):
+            asyncckpt.load(srv.address(), step=5, token=TOKEN, timeout=10,
+                           max_file_bytes=1 << 20)
+        for bad in (0, -1, 1.5, True, "1"):
+            with pytest.raises(CheckpointConfigError, match="max_file_bytes="):
+                asyncckpt.load(srv.address(), max_file_bytes=bad)  # type: ignore[arg-type]
+        assert allocated == []
 
 
 @pytest.mark.parametrize("into", [False, True])
