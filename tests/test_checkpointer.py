@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -1727,8 +1728,10 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(asyncckpt.CheckpointLockedError, match="of this process"):
         asyncckpt.AsyncCheckpointer(tmp_path).save(make_state(), step=4)
     c.close()
-    # another process: named by its pid
+    # another process: named by its pid (and host: a pid alone names no process of a
+    # fleet sharing one filesystem)
     lock = tmp_path / ".asyncckpt.lock"
+    assert lock.read_text().split() == [str(os.getpid()), socket.gethostname()]
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import fcntl, os, sys, time
@@ -1741,7 +1744,7 @@ def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "locked"
         with (pytest.raises(asyncckpt.CheckpointLockedError,
-                            match=f"another process \\(pid {child.pid}\\)"),
+                            match=f"another process \\(pid {child.pid} on host "),
               asyncckpt.AsyncCheckpointer(tmp_path) as c):
             c.save(make_state(), step=3)
     finally:

@@ -53,6 +53,7 @@ from .loader import load_from as _load_from
 from .manifest import is_shard_file_name as _is_shard_file_name
 from .preemption import PreemptionWatch
 from .safetensors_files import load_safetensors
+from .storage import LocalStorage
 from .storage import LocalStorage as _LocalStorage
 from .tree import RNGState, Stateful, capture_rng_state, restore_rng_state
 from .writer import CheckpointFuture, CheckpointInfo, SaveProgress
@@ -77,6 +78,7 @@ __all__ = [
     "CheckpointTransportError",
     "CheckpointVersionError",
     "CheckpointerConfig",
+    "LocalStorage",
     "PreemptionWatch",
     "RNGState",
     "SaveProgress",

@@ -1483,8 +1483,10 @@ class AsyncCheckpointer:
                 "that one, or start a new process")
         namesake = (" (not this one, whose pid it shares: another machine's or container's)"
                     if here is False else "")
+        host = self._lock.holder_host()
+        on = f" on host {host}" if host is not None else ""
         raise CheckpointLockedError(
-            f"another process (pid {holder}{namesake}) is saving into {self.directory}; "
+            f"another process (pid {holder}{on}{namesake}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
 
     def _make_root(self) -> None:

@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import stat
 import sys
 import threading
@@ -250,6 +251,12 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         offset += n
 
 
+def _hostname() -> str:
+    """This machine's name, as one word (written in a lock file beside the pid)."""
+    name = "".join(ch for ch in socket.gethostname() if ch.isprintable() and not ch.isspace())
+    return name[:255] or "unknown-host"
+
+
 class DirectoryLock:
     """An exclusive advisory lock on a checkpoint directory (``.asyncckpt.lock``).
 
@@ -302,7 +309,9 @@ class DirectoryLock:
         # disk) without making the lock any less held.
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # (and the host: trainers of many machines share one filesystem, where a pid
+            # alone named no process a trial could find)
+            os.pwrite(fd, f"{os.getpid()}\n{_hostname()}\n".encode(errors="replace"), 0)
         self._fd, self._pid = fd, os.getpid()
         self.freed.clear()
         _held_locks.add(self)
@@ -359,6 +368,15 @@ class DirectoryLock:
     def holder(self) -> str:
         """The pid the holder wrote (its first line: a writer that did not truncate
         leaves the end of a longer pid behind it)."""
+        return (self._written() or ["unknown"])[0]
+
+    def holder_host(self) -> str | None:
+        """The host name the holder wrote (its second line; None from a lock file of a
+        version that wrote the pid alone)."""
+        words = self._written()
+        return words[1] if len(words) > 1 else None
+
+    def _written(self) -> list[str]:
         # (not through a link, nor from a FIFO, on which a read would wait for ever: a
         # lock file planted as one of those holds no pid of ours)
         flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
@@ -366,11 +384,10 @@ class DirectoryLock:
             fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
-                    return (os.pread(fd, 64, 0).decode(errors="replace").split()
-                            or ["unknown"])[0]
+                    return os.pread(fd, 320, 0).decode(errors="replace").split()[:2]
             finally:
                 os.close(fd)
-        return "unknown"
+        return []
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
