@@ -1236,6 +1236,25 @@ def test_a_rollback_the_ranks_disagree_on_deletes_nothing_and_fails_on_every_ran
         assert "different steps (rank 0: 2, rank 1: 3); nothing was deleted" in out[r], out[r]
 
 
+def test_a_rollback_a_rank_does_not_join_names_the_call(tmp_path: Path) -> None:
+    """(distributed trial) A rank that never called discard_steps_after was said to "have
+    not called save_async", in a wait for "the steps the ranks discard the steps after"."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with _synced(tmp_path, store, r, timeout_s=2.0) as ck:
+            ck.save(_state(r), step=1)
+            if r == 0:
+                with pytest.raises(CheckpointError) as ei:
+                    ck.discard_steps_after(1)
+                return str(ei.value)
+            return ""
+
+    out = in_threads(rank)
+    assert "the step each rank passed to discard_steps_after from rank(s) [1]" in out[0], out[0]
+    assert "not called discard_steps_after (every rank must)" in out[0], out[0]
+
+
 def test_a_rollback_the_coordinator_cannot_finish_fails_on_every_rank(tmp_path: Path) -> None:
     class Busy(LocalStorage):
         def rename(self, src: Path, dst: Path) -> None:

@@ -1410,8 +1410,9 @@ class AsyncCheckpointer:
         """Coordinator: every rank's step of this discard_steps_after, before anything is
         deleted (a rank that asked to keep a step saw it deleted on rank 0's word)."""
         ctx = self._ctx
-        asked = ctx.gather((tag, "asked"), "the steps the ranks discard the steps after",
-                           have={0: {"step": step}})
+        asked = ctx.gather((tag, "asked"), "the step each rank passed to discard_steps_after",
+                           have={0: {"step": step}},
+                           absent="not called discard_steps_after (every rank must)")
         with contextlib.suppress(Exception):
             for r in range(1, ctx.world_size):
                 ctx.store.delete_key(ctx.key(tag, "asked", r))

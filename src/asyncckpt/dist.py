@@ -567,7 +567,8 @@ class DistContext:
     def gather(self, prefix: tuple[object, ...], what: str, timeout_s: float | None = None,
                *, cancelled: Callable[[], bool] | None = None,
                pulse: Pulse | None = None, have: Mapping[int, Any] | None = None,
-               look: Callable[[list[int]], None] | None = None) -> dict[int, Any]:
+               look: Callable[[list[int]], None] | None = None,
+               absent: str = "not called save_async for this step") -> dict[int, Any]:
         """Wait for ``<prefix>/<rank>`` from every rank and return the decoded values, or
         as soon as one that has arrived is an error: then only those read so far (the
         callers raise the error; a late or dead rank must not delay a reported failure).
@@ -585,7 +586,7 @@ class DistContext:
             return isinstance(got[r], dict) and "error" in got[r]
 
         if self.wait_keys(keys, what, timeout_s, cancelled=cancelled, stop=failed, pulse=pulse,
-                          look=look):
+                          look=look, absent=absent):
             return got
         rest = [r for r in range(self.world_size) if r not in got]
         with self._store_errors(f"reading {what}"):
