@@ -612,6 +612,13 @@ def test_merged_skeletons_report_the_non_tensor_values_ranks_disagree_on():
     merged = merge_skeletons([a, b], differing)
     assert differing == ["pos", "l/1"]
     assert merged == a
+    # (distributed trial) three ranks, two of them apart at one path: said once
+    from asyncckpt.dist import merged_skeleton
+
+    c = flatten({"step": 3, "pos": 12, "w": torch.ones(2), "l": [1]}).skeleton
+    with pytest.raises(asyncckpt.CheckpointSaveError) as info:
+        merged_skeleton([a, b, c], 1, 0, strict=True)
+    assert "values at 'pos', 'l/1', 'l'," in str(info.value), info.value
 
 
 def test_merged_skeletons_refuse_an_array_on_one_rank_and_a_value_on_another():

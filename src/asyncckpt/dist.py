@@ -1220,6 +1220,7 @@ def merged_skeleton(skeletons: list[Any], step: int, first_rank: int,
         return first
     differing: list[str] = []
     skeleton = merge_skeletons(skeletons, differing)
+    differing = list(dict.fromkeys(differing))  # (one path per rank that differs: once)
     if differing:
         more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
         if strict:
