@@ -1593,6 +1593,25 @@ def _damage_rank1_part_of_step2(tmp_path: Path) -> None:
         f.write(b"\xff\xff\xff\xff")
 
 
+def test_ranks_given_a_directory_and_a_link_to_it_are_told_it_is_one(tmp_path: Path) -> None:
+    """(distributed trial) rank 1's path was a symlink to rank 0's: told of two directories,
+    while ck.directory on each showed the same one."""
+    (tmp_path / "root").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "root")
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path / ("root" if r == 0 else "link"), rank=r, world_size=2,
+                               store=store, timeout_s=60) as ck:
+            with pytest.raises(CheckpointConfigError) as info:
+                ck.save({"w": torch.full((4,), float(r))}, step=1)
+            return str(info.value)
+
+    out = all_ok(in_threads(rank, timeout=50))
+    for r in (0, 1):
+        assert "they are one directory here, under two names" in out[r], out[r]
+
+
 def test_ranks_saving_into_different_directories_are_told_at_once(tmp_path: Path) -> None:
     """A trial gave each rank a directory of its own (nodes without a shared filesystem):
     both waited out the whole timeout_s before an error named the two directories."""

@@ -307,10 +307,19 @@ class DistContext:
                                                                  step))
 
     def _elsewhere_text(self, other: object, where: object, step: int) -> str:
+        # (a trial's ranks passed a directory and a symlink to it: one directory, told as
+        # two; the ranks compare the paths as given, as one alias may lead each node to
+        # another mount)
+        same = ""
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            if isinstance(where, str) and os.path.samefile(where, self.directory):
+                same = (" (they are one directory here, under two names: the ranks compare "
+                        "the paths they were given, as one name may lead each machine to "
+                        "another mount; pass the same path on every rank)")
         return (f"rank {self.rank}: rank {other} is saving step {step} into {where!r}, this "
-                f"rank into {self.directory!r}: a save is one checkpoint of the whole group, "
-                "so every rank must save into the same directory, one that all of them share "
-                "(NFS, Lustre...), with its checkpointers made in the same order")
+                f"rank into {self.directory!r}{same}: a save is one checkpoint of the whole "
+                "group, so every rank must save into the same directory, one that all of "
+                "them share (NFS, Lustre...), with its checkpointers made in the same order")
 
     @staticmethod
     def _last_directory_key(rank: int) -> str:
