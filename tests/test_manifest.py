@@ -1532,3 +1532,31 @@ def test_a_float_node_with_bad_bits_is_corrupt(node: dict[str, Any], told: str) 
     with pytest.raises(CheckpointCorruptError, match="malformed manifest") as info:
         parse_doc(_with_float(node))
     assert told in str(info.value)
+
+
+def test_a_key_twice_in_a_manifest_is_refused(tmp_path: Path) -> None:
+    """(security review) A second "tensors" object won over the first, and a skeleton dict
+    naming a key twice loaded the last (inspect listed both): readers that keep the first,
+    or refuse, read another checkpoint. Both are refused as damaged or forged."""
+    import re
+
+    import asyncckpt
+    from asyncckpt.errors import CheckpointCorruptError
+    from asyncckpt.manifest import seal
+
+    asyncckpt.save({"w": torch.ones(4, 8), "train": {"lr": 0.1}}, tmp_path, step=1)
+    path = tmp_path / "step_000000001" / "manifest.json"
+    raw = path.read_bytes()
+    body = raw[:re.search(rb',"digest"', raw).start()] + b"}"  # type: ignore[union-attr]
+    doc = json.loads(body)
+    # a second "user_metadata" object, as text (json.dumps cannot write a key twice)
+    twice = body[:-1] + b',"user_metadata":{"x":"y"}}'
+    path.write_bytes(seal(twice))
+    with pytest.raises(CheckpointCorruptError, match="the key 'user_metadata' appears twice"):
+        asyncckpt.load(tmp_path)
+    # a skeleton dict with "lr" twice
+    train = next(v for k, v in doc["skeleton"]["items"] if k == "train")
+    train["items"].append(["lr", {"t": "float", "v": "1e9"}])
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    with pytest.raises(CheckpointCorruptError, match="names the key 'lr' twice"):
+        asyncckpt.load(tmp_path)

@@ -671,6 +671,17 @@ def _refuse_undigested(raw: bytes, path: str) -> None:
         "state again with this one", path=path)
 
 
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; ValueError for a key it holds twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice[:100]!r} appears twice in one object (damaged, or "
+                         "forged: readers differ on which one counts)")
+    return out
+
+
 def _parse_head(raw: bytes, path: str) -> _Head:
     """The digest, the JSON, and every field a manifest has before its tensors, checked."""
     c = _Check(path)
@@ -683,7 +694,10 @@ def _parse_head(raw: bytes, path: str) -> _Head:
         raise CheckpointCorruptError(f"{path}: the manifest's digest does not match its "
                                      "contents: it is corrupt", path=path)
     try:
-        doc = json.loads(raw)  # (a RecursionError is _deep_stack_aware's to judge)
+        # (a RecursionError is _deep_stack_aware's to judge; a key twice in one object is
+        # refused: a security review's second "tensors" won, which a reader keeping the
+        # first, or a strict one, reads otherwise)
+        doc = json.loads(raw, object_pairs_hook=_unique_pairs)
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
                                      path=path) from exc
@@ -1426,6 +1440,12 @@ def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
             if not (isinstance(it, list) and len(it) == 2 and type(it[0]) in (str, int)):
                 raise c.fail("dict item must be [str or int key, node]")
             _check_skeleton(c, it[1], dtypes, depth + 1, partial=partial)
+        if len({(type(it[0]), it[0]) for it in items}) != len(items):
+            seen: set[tuple[type, Any]] = set()
+            twice = next(it[0] for it in items
+                         if (type(it[0]), it[0]) in seen or seen.add((type(it[0]), it[0])))  # type: ignore[func-returns-value]
+            raise c.fail(f"a dict of the skeleton names the key {twice!r:.100} twice (which "
+                         "one a reader keeps differs: damaged, or forged)")
     elif t in ("list", "tuple"):
         items = node.get("items")
         if not isinstance(items, list):
