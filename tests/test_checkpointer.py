@@ -4020,3 +4020,25 @@ def test_a_run_directory_s_other_files_are_no_checkpoint_to_warn_of(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         asyncckpt.AsyncCheckpointer(tmp_path).steps()
     assert "PyTorch DCP checkpoint" in caplog.text
+
+
+def test_a_fallback_load_writes_no_mark_through_a_step_linked_out_of_the_root(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(security review) A downloaded root whose step 2 was a link to a directory elsewhere:
+    a fallback load wrote damaged.json there. It writes nothing outside the root, and says
+    so; step 1 loads."""
+    root = tmp_path / "dl"
+    for s in (1, 2):
+        asyncckpt.save({"w": torch.arange(4.0) + s}, root, step=s)
+    shard = root / "step_000000002" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    outside = tmp_path / "elsewhere"
+    shutil.move(str(root / "step_000000002"), str(outside))
+    (root / "step_000000002").symlink_to(outside)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        got = asyncckpt.load(root, fallback=True)
+    assert torch.equal(got["w"], torch.arange(4.0) + 1)
+    assert sorted(p.name for p in outside.iterdir()) == ["manifest.json", "rank_00000.safetensors"]
+    assert "leads out of" in caplog.text, caplog.text

@@ -603,6 +603,13 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
     body = json.dumps({"step": step, "found_unix": time.time(),
                        "problem": problem[:_MAX_PROBLEM_CHARS]}, indent=1).encode()
     path = root / step_dir_name(step) / DAMAGED_NAME
+    if isinstance(storage, LocalStorage):
+        # (a security review: a downloaded root's step linked to a directory elsewhere, and
+        # a fallback load wrote its mark there; a load writes nothing outside the root)
+        real, inside = os.path.realpath(path.parent), os.path.realpath(root)
+        if os.path.commonpath([real, inside]) != inside or real == inside:
+            return (f"its directory leads out of {root} (a link to {real}): nothing is "
+                    "written there")
     try:
         storage.write_bytes(path, body)
     except FileExistsError:
