@@ -1560,3 +1560,14 @@ def test_a_key_twice_in_a_manifest_is_refused(tmp_path: Path) -> None:
     path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
     with pytest.raises(CheckpointCorruptError, match="names the key 'lr' twice"):
         asyncckpt.load(tmp_path)
+
+
+def test_a_dtype_that_is_no_string_is_told_once() -> None:
+    """(security review) "...manifest.json: malformed manifest (tensor 'w'): ...manifest.json:
+    malformed manifest (tensor 'w'): dtype must be a string"."""
+    from asyncckpt.errors import CheckpointCorruptError
+    from asyncckpt.manifest import _Check, _checked_dtype
+
+    with pytest.raises(CheckpointCorruptError) as info:
+        _checked_dtype(_Check("m.json"), "w", 7)
+    assert str(info.value) == "m.json: malformed manifest (tensor 'w'): dtype must be a string"

@@ -1309,8 +1309,10 @@ def _parse_tensor_checked(c: _Check, key: str, t: dict[str, Any], files: dict[st
 def _checked_dtype(c: _Check, key: str, name: Any) -> torch.dtype:
     dtype = _STORABLE_DTYPES.get(name) if type(name) is str else None
     if dtype is None:
+        text = c.str_(name, "dtype", key)  # (its refusal as it is: wrapped, it said twice
+        # which manifest and tensor)
         try:
-            dtype = dtype_from_name(c.str_(name, "dtype", key))
+            dtype = dtype_from_name(text)
         except ValueError as exc:
             raise c.fail(str(exc), key) from exc
         if _is_bits(dtype_name(dtype)):
