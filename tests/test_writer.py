@@ -320,3 +320,30 @@ def test_a_full_disk_s_error_says_the_room_free_and_the_room_needed(
             asyncckpt.CheckpointSaveError, match=r"No space left on device.* \(1\.5 MB free "
                                                   r"now; this step's file takes 4\.2 MB\)"):
         ckpt.save({"w": torch.zeros(1 << 20)}, step=1)
+
+
+def test_a_rank_whose_store_fails_after_the_commit_is_told_the_step_is_there(
+        tmp_path: Path) -> None:
+    """(distributed trial) Rank 0, which hosted the Store, died right after renaming step 2
+    into place: rank 1 was told its save failed ("is the process that hosts the Store
+    alive?"), while step 2 loads. It is told the step is committed."""
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+    from asyncckpt.storage import LocalStorage
+
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=2)
+
+    def get(key: str, what: str, **kw: Any) -> Any:
+        raise asyncckpt.CheckpointSaveError("rank 1: coordination through the Store failed "
+                                            "while waiting for the commit of step 2")
+
+    ctx = SimpleNamespace(rank=1, timeout_s=5.0, key=lambda *a: "/".join(map(str, a)), get=get)
+    job = SimpleNamespace(ctx=ctx, tag="n2", step=2, root=tmp_path, storage=LocalStorage(),
+                          pulse=None)
+    with pytest.raises(asyncckpt.CheckpointSaveError,
+                       match=r"holds step 2 committed \(its manifest is there\)"):
+        writer_module._await_verdict(job)  # type: ignore[arg-type]
+    job.step = 3  # (not there: the Store's error as it was)
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="coordination through the Store"):
+        writer_module._await_verdict(job)  # type: ignore[arg-type]

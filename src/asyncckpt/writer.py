@@ -708,6 +708,17 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
         # was 2 * timeout_s + 30 s: 20 minutes at the default, for a dead coordinator.)
         return dict(ctx.get(key, what, timeout_s=ctx.timeout_s + _VERDICT_GRACE_S,
                             pulse=job.pulse))
+    except CheckpointSaveError as exc:
+        # The Store failed: its host (rank 0, often) may have died, maybe just after its
+        # commit: a trial's rank 1 was told the save failed, the step committed beside it
+        if not isinstance(exc, CheckpointTimeoutError) and _committed(job):
+            raise CheckpointSaveError(
+                f"rank {ctx.rank}: the Store failed while this rank waited for the verdict on "
+                f"step {job.step}, but {job.root} holds step {job.step} committed (its "
+                "manifest is there): the coordinator committed it, then died or lost the "
+                "Store; it loads as any committed step (asyncckpt verify checks it). Restart "
+                "the group") from exc
+        raise
     except CheckpointTimeoutError as exc:
         got = ctx.claim(ctx.key(job.tag, "decision"), f"rank {ctx.rank} gave up: {exc}", what)
         if got != "commit":
@@ -720,6 +731,15 @@ def _await_verdict(job: SaveJob) -> dict[str, Any]:
             f"rank {ctx.rank}: the coordinator decided to commit step {job.step} but did not "
             f"confirm it within {seconds_text(ctx.timeout_s)}; it may have died mid-commit: check "
             f"whether {job.root} holds the step") from exc
+
+
+def _committed(job: SaveJob) -> bool:
+    """Whether ``job``'s step is there committed, as far as this rank can see."""
+    try:
+        return job.step in commit.committed_steps(job.root, job.storage, above=job.step - 1,
+                                                  skip_denied=True)
+    except (OSError, CheckpointError):
+        return False
 
 
 def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
