@@ -347,3 +347,32 @@ def test_a_rank_whose_store_fails_after_the_commit_is_told_the_step_is_there(
     job.step = 3  # (not there: the Store's error as it was)
     with pytest.raises(asyncckpt.CheckpointSaveError, match="coordination through the Store"):
         writer_module._await_verdict(job)  # type: ignore[arg-type]
+
+
+def test_removals_falling_behind_the_saves_are_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(preemption trial) Deletions slower than saves queued up without a word: 29 old
+    steps waited for removal after 40 saves, and then a wait() took 28 s."""
+    import logging
+
+    import asyncckpt.writer as writer_module
+    from asyncckpt.storage import LocalStorage
+
+    class SlowRemoval(LocalStorage):
+        gate = threading.Event()
+
+        def remove_tree(self, path: Path) -> None:
+            self.gate.wait(30)
+            super().remove_tree(path)
+
+    storage = SlowRemoval()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path, mode="async", keep_last=1, storage=storage) as ckpt:
+        for s in range(1, 7):
+            ckpt.save_async({"w": torch.full((4,), float(s))}, step=s).wait()
+        told = [r.getMessage() for r in caplog.records if "still being removed" in r.getMessage()]
+        assert told and f"old steps under {tmp_path}" in told[0], caplog.text
+        assert len(told) == 1  # (again only once it doubles)
+        storage.gate.set()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
+    assert writer_module.BACKLOG_WARN == 3

@@ -805,6 +805,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
     finally:
         if job.committed and job.ctx.is_coordinator and not done.done():
             leftovers = _leftovers(job, {gone for _, gone in hidden})
+            _tell_backlog(job, len(leftovers))
         if not hidden and not leftovers:
             if not done.done():
                 done.set_result(None)
@@ -813,6 +814,29 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                 reaper.submit(_reap, job, hidden, done, leftovers, marked)
             except RuntimeError:  # the interpreter is exiting: remove them here
                 _reap(job, hidden, done, leftovers, marked)
+
+
+# root -> the backlog of removals last warned of (see _tell_backlog)
+_backlog_told: dict[str, int] = {}
+BACKLOG_WARN = 3  # old steps still being removed at a save's retention: warned of from here
+
+
+def _tell_backlog(job: SaveJob, behind: int) -> None:
+    """Warn when the removals of old steps fall behind the saves (a preemption trial's slow
+    network filesystem: 29 steps queued for removal after 40 saves, filling the disk, and
+    a wait() of 28 s), once at BACKLOG_WARN steps and again each time it doubles."""
+    key = str(job.root)
+    told = _backlog_told.get(key, 0)
+    if behind < BACKLOG_WARN:
+        _backlog_told.pop(key, None)
+        return
+    if behind < 2 * told:
+        return
+    _backlog_told[key] = behind
+    log.warning("rank=0 step=%d: %d old steps under %s are still being removed (.deleting- "
+                "directories): the storage deletes more slowly than steps are saved, and the "
+                "disk holds them until then; wait(), save() and close() wait for them. Save "
+                "less often, or on a faster disk", job.step, behind, job.root)
 
 
 ROOM_WAIT_S = 120.0  # the longest a save waits for the last one's removals to free room
