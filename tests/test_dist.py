@@ -1612,6 +1612,37 @@ def test_ranks_given_a_directory_and_a_link_to_it_are_told_it_is_one(tmp_path: P
         assert "they are one directory here, under two names" in out[r], out[r]
 
 
+def test_a_rank_that_reopened_its_checkpointer_alone_is_told_at_once(tmp_path: Path) -> None:
+    """(distributed trial) Rank 1 closed and reopened its checkpointer after an error, rank
+    0 kept its own: every later save waited out timeout_s on both (10 minutes at the
+    default), though each rank's note in the Store told it at once."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> tuple[str, float]:
+        ck = AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                               mode="sync")
+        ck.save({"w": torch.full((4,), float(r))}, step=1)
+        if r == 1:
+            ck.close()
+            ck = AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=60,
+                                   mode="sync")
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(CheckpointConfigError) as info:
+                ck.save({"w": torch.full((4,), float(r))}, step=2)
+            return str(info.value), time.monotonic() - t0
+        finally:
+            with contextlib.suppress(Exception):
+                ck.close()
+
+    out = all_ok(in_threads(rank, timeout=90))
+    for r in (0, 1):
+        msg, took = out[r]
+        assert took < 30, out
+        assert "make (and close) its checkpointers in the same order" in msg, msg
+    assert not (tmp_path / "step_000000002").exists()
+
+
 def test_ranks_saving_into_different_directories_are_told_at_once(tmp_path: Path) -> None:
     """A trial gave each rank a directory of its own (nodes without a shared filesystem):
     both waited out the whole timeout_s before an error named the two directories."""

@@ -269,7 +269,8 @@ class DistContext:
         does): what refuse_saving_elsewhere reads."""
         with contextlib.suppress(Exception):  # (a best effort: it only cuts a wait short)
             self.store.set(self._saving_key(self.rank), json.dumps(
-                {"directory": self.directory, "step": step, "waiting": waiting}))
+                {"directory": self.directory, "step": step, "waiting": waiting,
+                 "namespace": self.namespace}))
 
     def refuse_saving_elsewhere(self, ranks: Sequence[int], step: int) -> None:
         """CheckpointConfigError when a rank waited for is itself waiting for the group
@@ -279,6 +280,14 @@ class DistContext:
         that finds it tells the other too (its own note is cleared as it raises)."""
         told = f"asyncckpt/saving-elsewhere/{self.rank}"
         try:
+            order = f"asyncckpt/out-of-order/{self.rank}"
+            if self.store.check([order]):
+                got = json.loads(self.store.get(order))
+                if (got.get("step") == step and got.get("directory") == self.directory
+                        and got.get("namespace") == self.namespace):
+                    with contextlib.suppress(Exception):
+                        self.store.delete_key(order)
+                    raise CheckpointConfigError(str(got.get("text")))
             if self.store.check([told]):
                 got = json.loads(self.store.get(told))
                 if got.get("step") == step and got.get("directory") == self.directory:
@@ -297,6 +306,31 @@ class DistContext:
                 got = json.loads(v)
             except ValueError:
                 continue
+            theirs = got.get("namespace") if isinstance(got, dict) else None
+            if (isinstance(got, dict) and got.get("waiting") and got.get("step") == step
+                    and got.get("directory") == self.directory and isinstance(theirs, str)
+                    and theirs != self.namespace
+                    and theirs.rsplit(".", 1)[-1].isdigit()
+                    and self.namespace.rsplit(".", 1)[-1].isdigit()):
+                # (a distributed trial's rank 1 closed and reopened its checkpointer after
+                # an error, the others not: every later save waited out timeout_s)
+                mine = int(self.namespace.rsplit(".", 1)[1]) + 1
+                other = int(theirs.rsplit(".", 1)[1]) + 1
+
+                def text(me: int, them: int, n_me: int, n_them: int) -> str:
+                    return (f"rank {me}: rank {them} is saving step {step} into "
+                            f"{self.directory!r} with its checkpointer #{n_them} of that "
+                            f"directory, this rank with its #{n_me}: the ranks pair their "
+                            "checkpointers by the order they made them, so these cannot save "
+                            "together. Every rank must make (and close) its checkpointers "
+                            "in the same order: after one rank closed and reopened its own, "
+                            "close and reopen it on every rank")
+
+                with contextlib.suppress(Exception):  # (the other rank is told too)
+                    self.store.set(f"asyncckpt/out-of-order/{r}", json.dumps(
+                        {"step": step, "directory": self.directory, "namespace": theirs,
+                         "text": text(r, self.rank, other, mine)}))
+                raise CheckpointConfigError(text(self.rank, r, mine, other))
             if (isinstance(got, dict) and got.get("waiting") and got.get("step") == step
                     and got.get("directory") != self.directory):
                 with contextlib.suppress(Exception):
