@@ -1305,6 +1305,28 @@ def test_a_rank_stuck_in_its_write_is_told_the_group_gave_up_not_a_storage_error
     assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())
 
 
+def test_a_rank_s_full_disk_is_told_to_the_others_with_its_advice(tmp_path: Path) -> None:
+    """(distributed trial) Rank 1's disk filled: rank 1 was told what to do, rank 0 only
+    "stopped ...: rank 1: OSError: [Errno 28]"."""
+    class Full(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
+                               storage=Full() if r == 1 else LocalStorage()) as ck:
+            with pytest.raises(CheckpointError) as ei:
+                ck.save({"w": torch.arange(6.0), f"only{r}": torch.ones(1000)}, step=1)
+            return str(ei.value)
+
+    out = in_threads(rank)
+    for r in (0, 1):
+        assert "No space left on device" in out[r] and "keep fewer steps" in out[r], out[r]
+    assert "rank 1:" in out[0], out[0]
+
+
 def test_prepare_in_a_group_sizes_the_arena_for_this_ranks_share(tmp_path: Path) -> None:
     """Replicated tensors are written once, spread over the ranks: prepare() must not
     allocate every rank an arena for all of them (with 8 ranks: 8x the memory)."""

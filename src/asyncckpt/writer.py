@@ -965,7 +965,11 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     """Tell the other ranks (so nobody waits out a timeout), and drop what was written."""
     ctx = job.ctx
     text = str(exc)
-    msg = text if text.startswith("rank ") else f"rank {ctx.rank}: {type(exc).__name__}: {text}"
+    # (with the advice this rank's own error gets: a full disk's room and what to do; a
+    # trial's coordinator was told "rank 1: OSError: [Errno 28]" alone)
+    msg = text if text.startswith("rank ") else (
+        f"rank {ctx.rank}: {type(exc).__name__}: {text}" + (
+            _room_said(job, exc) + os_error_hint(exc) if isinstance(exc, OSError) else ""))
     if job.pulse is not None and not job.committed:
         job.pulse.abort(msg)  # the others stop their writes now, not when they finish
     if ctx.distributed:
