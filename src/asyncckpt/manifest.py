@@ -163,6 +163,11 @@ class HeaderEntry:
     end: int
 
 
+def st_name(dtype: torch.dtype) -> str | None:
+    """Safetensors' name of ``dtype``; None where it has none (stored as raw ``U8``)."""
+    return _ST_DTYPES.get(dtype)
+
+
 def st_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
                        ) -> tuple[str, list[int]]:
     st = _ST_DTYPES.get(dtype)

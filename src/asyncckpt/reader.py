@@ -52,6 +52,7 @@ from .manifest import (
     parse_manifest,
     parse_manifest_summary,
     st_dtype_and_shape,
+    st_name,
 )
 from .plan import (
     Box,
@@ -778,8 +779,11 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
                 f"{path}: its safetensors header does not match the manifest's checksum: the "
                 "file is corrupt or belongs to another checkpoint", path=str(path))
         if chunks is not None and not manifest.from_headers:
-            parsed, body = decode_header(bytes(header), str(path))
-            problems = _header_problems(path, parsed, body, chunks, every=not manifest.pruned)
+            with gc_paused():  # (100,000 entries: the collector doubled the time)
+                parsed, body = decode_header(bytes(header), str(path))
+                problems = _header_problems(path, parsed, body, chunks,
+                                            every=not manifest.pruned)
+                del parsed
             if problems:
                 raise CheckpointCorruptError(
                     problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1
@@ -1147,11 +1151,20 @@ def _header_problems(path: Path, header: dict[str, Any], body: int,
     in the file: each chunk's entry as the manifest implies it, and (``every``: the
     chunks are all the file's) no other entry."""
     problems = []
+    sts: dict[torch.dtype, str | None] = {}  # (safetensors' name of each dtype, looked up once)
     for key, entry, ch in chunks:
         h = header.get(ch.key)
-        st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
-        want = {"dtype": st, "shape": shape,
-                "data_offsets": [ch.byte_range[0] - body, ch.byte_range[1] - body]}
+        st = sts.get(entry.dtype, "")
+        if st == "":
+            st = sts[entry.dtype] = st_name(entry.dtype)
+        lo, hi = ch.byte_range
+        # (field by field, no dict built: one per chunk cost ~2 µs, 0.2 s at 100,000)
+        if (type(h) is dict and len(h) == 3 and h.get("dtype") == (st or "U8")
+                and h.get("shape") == (list(ch.lengths) if st else [ch.nbytes])
+                and h.get("data_offsets") == [lo - body, hi - body]):
+            continue
+        st_, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
+        want = {"dtype": st_, "shape": shape, "data_offsets": [lo - body, hi - body]}
         if h != want:
             problems.append(f"{path}: header entry of tensor {key!r} is "
                             f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")

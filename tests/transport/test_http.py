@@ -330,6 +330,7 @@ def test_malformed_paths_traversal_and_absurd_ranges_get_4xx(transports: Any) ->
         ("GET", f, {"Range": f"bytes={size}-{size}"}, {416}),
         ("GET", f, {"Range": f"bytes={size}-"}, {416}),
         ("GET", f, {"Range": "bytes=-0"}, {416}),
+        ("GET", f, {"Range": "bytes=-00"}, {416}),  # (review: 206 with a last before first)
         ("GET", f, {"Range": "bytes=--5"}, {400}),
     ]
     for method, path, headers, want in cases:
@@ -1504,6 +1505,43 @@ def test_disallow_cuts_off_a_stalled_receiver_but_not_a_slow_one(
     reader.join(30)
     body = bytes(got).partition(b"\r\n\r\n")[2]
     assert len(body) == n  # whole: a reader that moves is not cut off
+
+
+def test_a_transfer_with_nothing_unsent_is_no_stalled_receiver(
+        transports: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(review) A transfer whose server side is busy (checksumming a live state for its
+    manifest) sends nothing, so nothing is acknowledged either: it was cut off as a
+    receiver that "took nothing". Only a socket with bytes waiting in it is."""
+    import logging
+
+    import asyncckpt.transport.http as http_module
+
+    if http_module._bytes_acked(socket.socket()) is None:
+        pytest.skip("this system's TCP_INFO has no tcpi_bytes_acked (Linux 4.1+)")
+    monkeypatch.setattr(http_module, "STALL_S", 0.3)
+    srv = transports(token=TOKEN, timeout=1.5)
+    srv.send_checkpoint([1], 1, {"w": torch.ones(4)}, 10.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    busy, _ = listener.accept()
+    with srv._cond:  # (a transfer of the offer that sends nothing yet)
+        srv._serving[-1] = (busy, srv._offered)  # type: ignore[assignment]
+
+    def end_it() -> None:
+        time.sleep(1.0)
+        with srv._cond:
+            srv._serving.pop(-1, None)
+            srv._cond.notify_all()
+
+    threading.Thread(target=end_it, daemon=True).start()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        srv.disallow_checkpoint()
+    assert "took nothing" not in caplog.text, caplog.text
+    busy.sendall(b"still open")  # (not shut by the drain)
+    assert client.recv(100) == b"still open"
+    for s_ in (client, busy, listener):
+        s_.close()
 
 
 def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:

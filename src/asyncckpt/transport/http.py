@@ -560,7 +560,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                 seen = acked.get(sock)
                 if n is None or sock in cut:
                     continue
-                if seen is None or seen[0] != n:
+                if seen is None or seen[0] != n or not _unsent(sock):
+                    # (nothing waits in the socket: the server itself is busy, e.g.
+                    # checksumming a live state for its manifest; no receiver to blame)
                     acked[sock] = (n, now)
                 elif now - seen[1] >= STALL_S:
                     log.warning("%s: cutting off a transfer whose receiver took nothing for "
@@ -1106,7 +1108,7 @@ class _Handler(BaseHTTPRequestHandler):
                                              "bytes=<first>- or bytes=-<suffix length>")
                 if r.group(3) is not None:  # the last n bytes (all of a shorter file)
                     lo, hi = max(source.size - int(r.group(3)), 0), source.size
-                    unsatisfiable = r.group(3) == "0" or source.size == 0
+                    unsatisfiable = int(r.group(3)) == 0 or source.size == 0
                 else:
                     lo = int(r.group(1))
                     hi = source.size if r.group(2) is None else int(r.group(2)) + 1
@@ -1145,6 +1147,19 @@ def _printable(text: str) -> str:
 _NO_SUCH_RESOURCE = "no such resource"
 # The server's 404 for a step it does not serve (see _Handler._handle): which it does.
 _SERVED_INSTEAD = re.compile(r"step \d+ is not being served \(step (\d+) is\)")
+
+
+def _unsent(sock: socket.socket) -> int:
+    """The bytes in ``sock``'s send queue, sent or not but not yet acknowledged (Linux's
+    SIOCOUTQ); 0 where that cannot be read."""
+    try:
+        import fcntl
+        import termios
+
+        got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ImportError, AttributeError, ValueError):
+        return 0
+    return int(struct.unpack("i", got)[0])
 
 
 def _bytes_acked(sock: socket.socket) -> int | None:
