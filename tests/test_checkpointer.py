@@ -1696,10 +1696,28 @@ def test_a_restart_s_first_save_does_not_wait_for_the_killed_run_s_leftovers(
     assert (tmp_path / ".step_000000003.tmp-abc123").exists()
     with pytest.raises(asyncckpt.CheckpointTimeoutError, match="still being removed"):
         ckpt.wait(timeout=0.1)
+    t0 = time.monotonic()  # (review: close(timeout=) did not wait for it, then hung in join)
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"still being removed.*os\._exit"):
+        ckpt.close(timeout=0.2)
+    assert time.monotonic() - t0 < 10
     storage.gate.set()
     ckpt.wait(timeout=30)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
     ckpt.close()
+
+
+def test_close_with_a_timeout_waits_no_longer_for_a_stuck_clean_up(tmp_path: Path) -> None:
+    """(review) With the save committed and its retention done, close(timeout=) did not
+    wait for the clean-up of a killed run's temporary directory: it hung in the join."""
+    (tmp_path / ".step_000000003.tmp-abc123").mkdir()
+    storage = _SlowRemoval()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage)
+    ckpt.save_async(make_state(), step=4).wait(30)
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match="a killed run left"):
+        ckpt.close(timeout=0.2)
+    storage.gate.set()
+    ckpt.close(timeout=30)
+    assert not (tmp_path / ".step_000000003.tmp-abc123").exists()
 
 
 def test_second_writer_on_one_directory_is_refused(tmp_path: Path) -> None:
@@ -1810,6 +1828,9 @@ def test_a_checkpointer_made_before_init_process_group_refuses_to_save_in_a_grou
     with pytest.raises(asyncckpt.CheckpointConfigError,
                        match=r"made before torch\.distributed\.init_process_group.*of 2 ranks"):
         early.save(make_state(), step=1)
+    for call in (lambda: early.prepare(make_state()), lambda: early.discard_steps_after(0)):
+        with pytest.raises(asyncckpt.CheckpointConfigError, match=r"made before torch"):
+            call()  # (review: prepare's lock error named "another process", as before)
     assert not (tmp_path / "early" / "step_000000001").exists()
     alone.save(make_state(), step=1)  # (one process's by choice: saves)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)

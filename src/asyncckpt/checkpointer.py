@@ -432,6 +432,21 @@ class AsyncCheckpointer:
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
                                     shards=shards, metrics=metrics, paused=paused)
 
+    def _refuse_before_group(self, what: str) -> None:
+        """CheckpointConfigError for a checkpointer made before init_process_group, now
+        that a group of several ranks is up: as one process, each rank's would take the
+        lock as rank 0 and save its state alone."""
+        if self._before_group and _group_up():
+            import torch.distributed as dist
+
+            if dist.get_world_size() > 1:
+                raise CheckpointConfigError(
+                    f"{what}(): this AsyncCheckpointer of {self.directory} was made before "
+                    f"torch.distributed.init_process_group, as one process: its saves would "
+                    f"hold this rank's state alone (of {dist.get_world_size()} ranks). Make "
+                    "it after init_process_group (or, for a checkpointer of this process "
+                    "alone, pass rank=0, world_size=1)")
+
     @contextlib.contextmanager
     def _one_call(self, what: str) -> Iterator[None]:
         """Refuse a call that would start while save_async, prepare or close runs: from a
@@ -461,16 +476,7 @@ class AsyncCheckpointer:
         started = time.perf_counter()
         self._check_open()
         ctx = self._ctx
-        if self._before_group and _group_up():
-            import torch.distributed as dist
-
-            if dist.get_world_size() > 1:
-                raise CheckpointConfigError(
-                    f"this AsyncCheckpointer of {self.directory} was made before "
-                    f"torch.distributed.init_process_group, as one process: its saves would "
-                    f"hold this rank's state alone (of {dist.get_world_size()} ranks). Make "
-                    "it after init_process_group (or, for a checkpointer of this process alone, "
-                    "pass rank=0, world_size=1)")
+        self._refuse_before_group("save_async")
         if ctx.distributed:
             ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
@@ -633,6 +639,7 @@ class AsyncCheckpointer:
     def _prepare(self, state: Any, *, background: bool,
                  shards: Mapping[str, ShardMetadata] | None) -> cf.Future[Any]:
         self._check_open()
+        self._refuse_before_group("prepare")
         if self._ctx.is_coordinator:
             # (a second trainer on this directory learns it here, at start-up, rather than
             # at its first save, an hour of training later)
@@ -729,6 +736,13 @@ class AsyncCheckpointer:
         self._refuse_forked("wait")
         fut = self._pending
         info = None
+        # (one deadline for the save, its retention and the clean-up: a review's wait(t)
+        # could take 3 t)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
         try:
             if fut is not None:
                 seen = fut.observed  # its failure was handed over already (fut.wait, save)
@@ -748,7 +762,7 @@ class AsyncCheckpointer:
                     self._last_said = (fut.step, "committed")
             if self._retention is not None:
                 try:
-                    self._retention.result(timeout)
+                    self._retention.result(left())
                 except cf.TimeoutError:
                     raise CheckpointTimeoutError(
                         f"old steps under {self.directory} are still being removed after "
@@ -756,7 +770,7 @@ class AsyncCheckpointer:
                 self._retention = None
             if self._cleaning is not None:  # (what a killed run left: see _cleanup)
                 try:
-                    self._cleaning.result(timeout)
+                    self._cleaning.result(left())
                 except cf.TimeoutError:
                     raise CheckpointTimeoutError(
                         f"the directories a killed run left under {self.directory} are "
@@ -912,6 +926,7 @@ class AsyncCheckpointer:
         step = commit.as_step(step)
         with self._one_call("discard_steps_after"):
             self._check_open()
+            self._refuse_before_group("discard_steps_after")
             self._wait_for_previous()
             if self._retention is not None:  # its removals end before these begin
                 cf.wait([self._retention])
@@ -1157,9 +1172,9 @@ class AsyncCheckpointer:
         earlier one ``wait()`` has not reported yet): closing is the caller's last chance
         to learn that a step was not saved. With ``timeout``, a save (or its retention)
         still running after that many seconds raises CheckpointTimeoutError and leaves
-        the checkpointer open: close() again waits on, or the process may exit without
-        that step (a storage that hangs, such as a dead network mount, would otherwise
-        hold close() for ever).
+        the checkpointer open: close() again waits on (a storage that hangs, such as a
+        dead network mount, would otherwise hold close() for ever). Its thread, stuck,
+        keeps the process from exiting normally: ``os._exit()`` ends it without that step.
         """
         if self._forked():
             self._closed = True  # (the parent's to close: its threads, its lock)
@@ -1181,14 +1196,21 @@ class AsyncCheckpointer:
             raise CheckpointTimeoutError(
                 f"close(timeout={timeout}): step {fut.step} is still being saved to "
                 f"{self.directory} ({fut.progress().phase}); the checkpointer stays open: "
-                "close() again waits on, or exit without that step (the steps committed "
-                "before it are intact)")
+                "close() again waits on (the steps committed before it are intact)"
+                + _STUCK_EXIT)
         if retention is not None and not cf.wait(
                 [retention], max(deadline - time.monotonic(), 0.0)).done:
             raise CheckpointTimeoutError(
                 f"close(timeout={timeout}): old steps under {self.directory} are still being "
                 f"removed (retention, keep_last={self.config.keep_last}); the checkpointer "
-                "stays open: close() again waits on")
+                "stays open: close() again waits on" + _STUCK_EXIT)
+        cleaning = self._cleaning
+        if cleaning is not None and not cf.wait(
+                [cleaning], max(deadline - time.monotonic(), 0.0)).done:
+            raise CheckpointTimeoutError(
+                f"close(timeout={timeout}): the directories a killed run left under "
+                f"{self.directory} are still being removed; the checkpointer stays open: "
+                "close() again waits on" + _STUCK_EXIT)
 
     def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
@@ -1897,6 +1919,13 @@ class AsyncCheckpointer:
         if self._writer is None:
             self._writer = BackgroundWriter(self.config.copy_threads or 1)
         return self._writer
+
+
+# (a review: Python waits for the checkpointer's threads at exit, as the `with` block's
+# close does: a thread stuck in the storage holds the process)
+_STUCK_EXIT = ("; a thread stuck in the storage keeps the process from exiting normally "
+               "(Python waits for it): end it with os._exit(), e.g. os._exit(143) after a "
+               "SIGTERM, and the next run cleans up")
 
 
 def _group_up() -> bool:

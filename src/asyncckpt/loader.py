@@ -283,7 +283,7 @@ def _load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool
             if one_view and not alike and True not in sums:
                 unsaid.append(group)  # (no checksums, a safetensors file's: once read)
             else:
-                _say_shared(label, group, alike)
+                _say_shared(label, group, alike, one_view)
     # Read into a temporary, then copied into each target: targets sharing memory, and a
     # cast key's several (tied) targets, each cast from the saved values. A cast key's
     # one target is read into as usual: the reader casts each piece as it comes.
@@ -339,14 +339,16 @@ def _by_view(staged: list[str], dests: Mapping[str, list[torch.Tensor]]) -> list
     return out + ([rest] if rest else [])
 
 
-def _say_shared(label: Path, staged: list[str], alike: bool) -> None:
-    # (a trial's untied file into a tied model: which one won, and how to choose, untold)
+def _say_shared(label: Path, staged: list[str], alike: bool, one_view: bool = True) -> None:
+    # (a trial's untied file into a tied model: which one won, and how to choose, untold;
+    # named where the targets are one view, whose last copy is all of it)
     (log.info if alike else log.warning)(
         "loading %s: the target tensors of saved tensors %s share memory; each is "
         "read into a temporary and copied in checkpoint order, so the last one wins%s",
         label, few(staged), " (they hold the same values)" if alike else (
             f" ({staged[-1]!r}, whose values differ from the others'): to keep another, "
-            "leave the rest out with key_map= returning None for them"))
+            "leave the rest out with key_map= returning None for them") if one_view
+        else " where they overlap")
 
 
 def load_reusing(step_dir: Path, reuse: Any, storage: ReadStorage, *,
