@@ -760,22 +760,21 @@ class AsyncCheckpointer:
                 if self._pending is fut:
                     self._pending = None
                     self._last_said = (fut.step, "committed")
-            if self._retention is not None:
+            # the save's retention, then the removal of what a killed run left (_cleanup)
+            for attr, what, why in (
+                    ("_retention", "old steps", f" (retention, keep_last="
+                                                f"{self.config.keep_last})"),
+                    ("_cleaning", "the directories a killed run left", "")):
+                removals = getattr(self, attr)
+                if removals is None:
+                    continue
                 try:
-                    self._retention.result(left())
+                    removals.result(left())
                 except cf.TimeoutError:
                     raise CheckpointTimeoutError(
-                        f"old steps under {self.directory} are still being removed after "
-                        f"{timeout}s (retention, keep_last={self.config.keep_last})") from None
-                self._retention = None
-            if self._cleaning is not None:  # (what a killed run left: see _cleanup)
-                try:
-                    self._cleaning.result(left())
-                except cf.TimeoutError:
-                    raise CheckpointTimeoutError(
-                        f"the directories a killed run left under {self.directory} are "
-                        f"still being removed after {timeout}s") from None
-                self._cleaning = None
+                        f"{what} under {self.directory} are still being removed after "
+                        f"{timeout}s{why}") from None
+                setattr(self, attr, None)
             error = self._take_missed()
             if error is not None:
                 if info is not None:  # (not returned now, nor by a next wait(): said here)
@@ -1198,19 +1197,15 @@ class AsyncCheckpointer:
                 f"{self.directory} ({fut.progress().phase}); the checkpointer stays open: "
                 "close() again waits on (the steps committed before it are intact)"
                 + _STUCK_EXIT)
-        if retention is not None and not cf.wait(
-                [retention], max(deadline - time.monotonic(), 0.0)).done:
-            raise CheckpointTimeoutError(
-                f"close(timeout={timeout}): old steps under {self.directory} are still being "
-                f"removed (retention, keep_last={self.config.keep_last}); the checkpointer "
-                "stays open: close() again waits on" + _STUCK_EXIT)
-        cleaning = self._cleaning
-        if cleaning is not None and not cf.wait(
-                [cleaning], max(deadline - time.monotonic(), 0.0)).done:
-            raise CheckpointTimeoutError(
-                f"close(timeout={timeout}): the directories a killed run left under "
-                f"{self.directory} are still being removed; the checkpointer stays open: "
-                "close() again waits on" + _STUCK_EXIT)
+        for removals, what in ((retention, f"old steps under {self.directory} (retention, "
+                                            f"keep_last={self.config.keep_last})"),
+                               (self._cleaning, f"the directories a killed run left under "
+                                                f"{self.directory}")):
+            if removals is not None and not cf.wait(
+                    [removals], max(deadline - time.monotonic(), 0.0)).done:
+                raise CheckpointTimeoutError(
+                    f"close(timeout={timeout}): {what} are still being removed; the "
+                    "checkpointer stays open: close() again waits on" + _STUCK_EXIT)
 
     def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
