@@ -2092,6 +2092,32 @@ def test_a_new_block_is_told_as_one_exclude_and_with_its_optimizer_in_one_go(
                        saved["model"]["blocks"][1]["attn"].lora_A)
 
 
+def test_excluding_half_of_a_tied_pair_is_refused(tmp_path: Path) -> None:
+    """(fine-tuning trial) exclude=['model/embed'] on a model whose head is tied to its
+    embedding loaded the checkpoint's values into the embedding all the same, through the
+    head, without a word. Refused, naming both; excluding both keeps the target's."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 4)
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    src = Tied()
+    asyncckpt.save({"model": src}, tmp_path, step=1)
+    target = Tied()
+    mine = target.embed.weight.detach().clone()
+    for half in ("model/embed", "model/head"):
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"shares its memory with .*Exclude both"):
+            asyncckpt.load(tmp_path, {"model": target}, exclude=[half])
+        assert torch.equal(target.embed.weight, mine)
+    asyncckpt.load(tmp_path, {"model": target}, exclude=["model/embed", "model/head"])
+    assert torch.equal(target.embed.weight, mine)
+    assert torch.equal(target.body.weight, src.body.weight)
+
+
 def test_a_scaler_saved_disabled_is_told_as_one_exclude(tmp_path: Path) -> None:
     """(fine-tuning trial) A GradScaler saved disabled (its state dict empty) into an
     enabled one was told of strict=False alone: its keys cannot be excluded one by one,

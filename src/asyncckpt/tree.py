@@ -31,6 +31,7 @@ import torch
 
 from ._gc import gc_resumed
 from .errors import (
+    CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointSaveError,
@@ -177,6 +178,9 @@ class FlatState:
     # (a lazy or meta head left out of a load is not refused), and where they were
     exclude: tuple[str, ...] = ()
     excluded: list[str] = field(default_factory=list)
+    # (the tensors exclude= left out, by path: one tied to a tensor the load fills would
+    # be filled through it, see flatten)
+    excluded_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     module_paths: set[str] = field(default_factory=set)  # (with exclude: modules' paths)
     # key -> the DTensor leaf whose local shard ``tensors`` holds: its version counter is
     # the one in-place ops on it bump (its local tensor's stays as it was)
@@ -225,7 +229,37 @@ def flatten(state: Any, *, target: bool = False, exclude: tuple[str, ...] = ()) 
     flat = FlatState(target=target, exclude=exclude)
     seen: _Seen = {}
     flat.skeleton = _flatten(state, "", flat, seen, set())
+    if flat.excluded_tensors and flat.tensors:
+        _refuse_half_a_tie(flat)
     return flat
+
+
+def _refuse_half_a_tie(flat: FlatState) -> None:
+    """CheckpointConfigError where exclude= leaves out a tensor that shares its memory with
+    one the load fills (tied weights: an embedding and its head): the excluded name would
+    be filled all the same, through the other (a trial's, silently)."""
+    def where(t: torch.Tensor) -> tuple[int, int] | None:
+        if t.device.type == "meta" or torch.nn.parameter.is_lazy(t):
+            return None
+        try:
+            s = t.untyped_storage()
+            return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+        except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage)
+            return None
+
+    left_out = {w: p for p, t in flat.excluded_tensors if (w := where(t)) is not None}
+    if not left_out:
+        return
+    paths: dict[str, str] = {}
+    for p, k in flat.refs.items():
+        paths.setdefault(k, p)
+    for k, t in flat.tensors.items():
+        w = where(t)
+        if w is not None and w in left_out and k in paths:
+            raise CheckpointConfigError(
+                f"exclude= leaves out {left_out[w]!r}, which shares its memory with "
+                f"{paths[k]!r}, which the load fills (tied weights): it would be filled "
+                f"through {paths[k]!r} all the same. Exclude both (or neither)")
 
 
 def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
@@ -418,6 +452,8 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
                 "can be checkpointed; convert the key to str")
         if gone and seg in gone:  # (a load's exclude=: left out of the target)
             flat.excluded.append(prefix + seg)
+            if isinstance(v, torch.Tensor):
+                flat.excluded_tensors.append((prefix + seg, v))
             continue
         tv = type(v)
         if tv in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
