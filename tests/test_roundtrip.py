@@ -2118,6 +2118,46 @@ def test_excluding_half_of_a_tied_pair_is_refused(tmp_path: Path) -> None:
     assert torch.equal(target.body.weight, src.body.weight)
 
 
+def test_second_trial_s_advice_loads_at_the_first_try(tmp_path: Path) -> None:
+    """(second fine-tuning trial) A pattern naming submodules matched no tensor path and
+    listed nothing, "opt*" was told the moments inside the optimizer (which exclude=
+    refuses); a vocabulary grown under a trained optimizer got no advice; a new module
+    beside the model was told its parts, then itself."""
+    def lm(vocab: int = 6) -> nn.Module:
+        return nn.ModuleDict({"embed": nn.Embedding(vocab, 4), "blocks": nn.ModuleList(
+            nn.ModuleDict({"attn": nn.Linear(4, 4), "mlp": nn.Linear(4, 4)})
+            for _ in range(2))})
+
+    def trained(model: nn.Module) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(model.parameters())
+        sum(p.sum() for p in model.parameters()).backward()
+        opt.step()
+        return opt
+
+    model = lm()
+    asyncckpt.save({"model": model, "optim": trained(model)}, tmp_path, step=1)
+
+    def told(state: Any, **kw: Any) -> list[str]:
+        with pytest.raises((StateMismatchError, asyncckpt.CheckpointConfigError)) as info:
+            asyncckpt.load(tmp_path, state, **kw)
+        return ast.literal_eval(re.findall(r"exclude=(\[[^]]*\])", str(info.value))[-1])
+
+    fresh = lm()
+    assert told({"model": fresh, "optim": trained(fresh)}, exclude=["model/blocks.?.attn"]) \
+        == ["model/blocks.0.attn", "model/blocks.1.attn"]
+    assert told({"model": fresh, "optim": trained(fresh)}, exclude=["opt*"]) == ["optim"]
+    grown = lm(vocab=9)
+    state = {"model": grown, "optim": trained(grown)}
+    advice = told(state)
+    assert sorted(advice) == ["model/embed", "optim"], advice
+    asyncckpt.load(tmp_path, state, exclude=advice)
+    assert torch.equal(grown["blocks"][1]["mlp"].weight, model["blocks"][1]["mlp"].weight)
+    ema = torch.optim.swa_utils.AveragedModel(lm())
+    with_ema = {"model": lm(), "ema": ema}
+    assert told(with_ema, ignore_unexpected=True) == ["ema"]
+    asyncckpt.load(tmp_path, with_ema, ignore_unexpected=True, exclude=["ema"])
+
+
 def test_a_scaler_saved_disabled_is_told_as_one_exclude(tmp_path: Path) -> None:
     """(fine-tuning trial) A GradScaler saved disabled (its state dict empty) into an
     enabled one was told of strict=False alone: its keys cannot be excluded one by one,

@@ -780,7 +780,8 @@ def excluded_view(state: Any, exclude: tuple[str, ...],
                 continue
             if not isinstance(v, dict):
                 raise CheckpointConfigError(
-                    f"exclude {below!r} lies inside {p!r}, a {type(v).__name__}: "
+                    f"exclude {below!r} lies inside {p!r}, "
+                    f"{'an' if type(v).__name__[:1] in 'AEIOU' else 'a'} {type(v).__name__}: "
                     "exclude= looks into plain dicts and modules only (an optimizer's "
                     "or another object's state loads as a whole); exclude all of it, or "
                     "leave the part in (strict=False skips what the checkpoint lacks)")
@@ -848,14 +849,26 @@ def without_excluded(manifest: Manifest, exclude: tuple[str, ...],
     if patterns:
         # (a fine-tuning trial's exclude=['model/*lora*'] was warned of, and the adapters
         # it meant to keep were overwritten)
-        paths = [p for p, _ in iter_array_nodes(manifest.skeleton)]
-        matched = [p for p in paths if any(fnmatch.fnmatchcase(p, e) for e in patterns)]
+        # (the outermost part each pattern names, of the checkpoint's tensors and the
+        # target's own: a submodule, an optimizer as a whole; a trial's "model/blocks.?"
+        # matched no tensor path, and "opt*" was told the moments inside the optimizer)
+        matched: dict[str, None] = {}
+        for p in [*(q for q, _ in iter_array_nodes(manifest.skeleton)), *also]:
+            cuts = [i for i, ch in enumerate(p) if ch in "/."] + [len(p)]
+            for i in cuts:
+                if p[:i] in matched:
+                    break
+                if any(fnmatch.fnmatchcase(p[:i], e) for e in patterns):
+                    matched[p[:i]] = None
+                    break
+        names = [m for m in matched if not any(
+            m.startswith((f"{o}/", f"{o}.")) for o in matched if o != m)]
         raise CheckpointConfigError(
             f"exclude={list(patterns)!r}: exclude= takes paths, not patterns, and the "
             f"checkpoint of step {manifest.step} holds no path of that name"
-            + (f"; the paths it would match: pass exclude={matched!r}" if 0 < len(matched) <= 20
-               else f"; it would match {len(matched)} paths, such as {few(matched, 3)}: pass "
-                    "them as a list (the paths 'asyncckpt inspect' lists)" if matched
+            + (f"; the parts it would match: pass exclude={names!r}" if 0 < len(names) <= 40
+               else f"; it would match {len(names)} parts, such as {few(names, 3)}: pass "
+                    "them as a list (the paths 'asyncckpt inspect' lists)" if names
                else " (names as 'asyncckpt inspect' lists them)"))
     if len(mine) < len(unmatched):
         _say("exclude: the checkpoint of step %d holds nothing at %s (names as "
@@ -1346,7 +1359,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "
                              "checkpoint's state dict whole, in new tensors (see load)")
-            if reshaped and not grown and all(_excludable(target, p) for p in reshaped[:50]):
+            # (the moments of a trained optimizer resized with its parameters cannot be
+            # excluded one by one: the optimizer can, as a whole; a trial got no advice)
+            apart = [p for p in reshaped[:50] if not _excludable(target, p)]
+            owners = {_excludable_owner(target, p) for p in apart}
+            if reshaped and not grown and len(reshaped) <= 50 and None not in owners:
+                reshaped = [p for p in reshaped if p not in apart]
                 # (a new head, a resized vocabulary: by the submodule where all of it is
                 # new, head.bias too; the keys the target lacks with them)
                 subs = {p.rpartition(".")[0] for p in reshaped}  # (a head's bias, not a rename)
@@ -1357,10 +1375,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                         and _excludable(target, m)] if len(missing) <= 50 else []
                 near += [q for q, k in target.refs.items() if k in shared and q not in saved
                          and q not in near and _excludable(target, q)] if shared else []
-                names = _condensed(target, reshaped + near, saved)
+                names = sorted(o for o in owners if o is not None) + _condensed(
+                    target, reshaped + near, saved)
                 parts.append("to load the rest and keep the target's own values there, pass "
-                             + (f"exclude={names!r}" if len(names) <= 8 else
-                                f"exclude= with those paths ({len(names)})"))
+                             + (f"exclude={names!r}" if len(names) <= 16 else
+                                f"exclude= with those paths ({len(names)}: "
+                                f"{few([repr(n) for n in names], 16)})"))
                 moved = _moved(reshaped, missing, fits) if len(reshaped) <= 50 else {}
                 if moved:  # (a layer inserted: the saved ones fit further on)
                     left = _condensed(target, [p for p in reshaped if p not in moved.values()]
@@ -1368,7 +1388,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                     parts.append(
                         "but if layers moved (one inserted before them), the saved tensors "
                         f"fit further on: key_map={moved!r}"
-                        + (f" with exclude={left!r}" if left and len(left) <= 8 else "")
+                        + (f" with exclude={left!r}" if left and len(left) <= 16 else "")
                         + " loads each where it fits, the new ones keeping their values")
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
@@ -1402,7 +1422,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-            else _parts_absent_hint(target, unexpected) or exclude_hint(
+            else (_parts_absent_hint(target, unexpected) + exclude_hint(
+                target, saved, missing, [], "")) if missing and unexpected
+            and _parts_absent_hint(target, unexpected)
+            else exclude_hint(
                 target, saved, missing, unexpected, " (strict=False would skip both: the target's "
                 "keys would keep their values and the checkpoint's go unread; if names "
                 "changed, map the saved ones to the new with key_map=)") if missing and unexpected
@@ -1440,7 +1463,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 # (the advice that leaves a part out, each a list of paths, where a mismatch error gives
 # it: a submodule that is new, an optimizer to start afresh, a resized head)
 _ADVISED_EXCLUDE = re.compile(r"(?:afresh, pass|own values there, pass|such as a head:|"
-                              r"resized since: leave the optimizer out with) "
+                              r"resized since: leave the optimizer out with|"
+                              r"the target holds no [^:]*:) "
                               r"exclude=(\[[^\]]*\])")
 
 
@@ -1561,7 +1585,7 @@ def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
     paths = _by_whole_objects(target, missing + unexpected, skeleton)
     names = _condensed(target, paths, saved) if len(paths) <= 200 and all(
         _excludable(target, p) for p in paths) else []
-    if not names or len(names) > 8:
+    if not names or len(names) > 16:
         return otherwise
     return (f" (a new or a dropped part, such as a head: exclude={names!r} leaves "
             f"{'it' if len(names) == 1 else 'them'} out on both sides, the rest loading "
@@ -1570,12 +1594,13 @@ def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
 
 def _by_whole_objects(target: FlatState, paths: list[str],
                       skeleton: dict[str, Any] | None) -> list[str]:
-    """``paths``, those inside an object other than a module (a GradScaler, a scheduler)
+    """``paths``, those inside a stateful object (a GradScaler, a scheduler, a module)
     whose state one side has nothing of named by the object's path: a scaler saved
     disabled (its state dict empty) into an enabled one was told of strict=False alone,
     as its keys cannot be excluded one by one."""
-    owners = sorted((p for p, (obj, _) in target.statefuls.items()
-                     if p and not isinstance(obj, torch.nn.Module)), key=len)
+    # (a module too: a new AveragedModel beside the model was told its parts first, then
+    # itself, a trial's two tries)
+    owners = sorted((p for p in target.statefuls if p), key=len)
     if not owners or skeleton is None:
         return paths
 
@@ -1596,6 +1621,15 @@ def _by_whole_objects(target: FlatState, paths: list[str],
                 p = owner
         out.setdefault(p, None)
     return list(out)
+
+
+def _excludable_owner(target: FlatState, path: str) -> str | None:
+    """The object other than a module (an optimizer) whose state holds ``path``, where
+    exclude= can name it; None where there is none."""
+    owner = max((o for o, (obj, _) in target.statefuls.items()
+                 if o and path.startswith(f"{o}/") and not isinstance(obj, torch.nn.Module)),
+                key=len, default=None)
+    return owner if owner is not None and _excludable(target, owner) else None
 
 
 def _excludable(target: FlatState, path: str) -> bool:
