@@ -1867,6 +1867,27 @@ def test_the_preemption_recipe_s_final_save_survives_an_earlier_unwaited_failure
         ckpt.close()
 
 
+def test_a_save_waiting_long_for_the_one_in_flight_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(second operations trial) A save hung on a dead mount held the next save_async, and
+    the training loop with it, silently until the scheduler's SIGKILL."""
+    from asyncckpt import checkpointer as checkpointer_module
+
+    monkeypatch.setattr(checkpointer_module, "BUSY_SAY_S", 0.2)
+    storage = GatedStorage()
+    storage.gate.clear()
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
+    ckpt.save_async(make_state(), step=1)
+    threading.Timer(1.0, storage.gate.set).start()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        ckpt.save_async(make_state(), step=2).wait(30)
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert said and "for the save of step 1, still" in said[0] and "os._exit()" in said[0]
+    assert 1 <= len(said) <= 4  # (again each time the wait doubles)
+    ckpt.close()
+
+
 def test_one_shot_helpers_accept_root_or_step_dir(tmp_path: Path) -> None:
     state = make_state(8)
     info = asyncckpt.save(state, tmp_path / "final")

@@ -1379,6 +1379,7 @@ class AsyncCheckpointer:
         # log says so, and the next ckpt.wait() raises it. Anything else raised while
         # waiting (a signal handler's exception, KeyboardInterrupt) propagates, and the
         # save stays pending: the next save must still wait for it.
+        self._wait_and_say(fut)
         exc = self._settle(fut, "")
         self._pending = None
         self._last_said = (fut.step, "failed" if exc is not None else "committed")
@@ -1404,6 +1405,23 @@ class AsyncCheckpointer:
                     else:
                         add_note(error, note)
         del fut, exc  # frames of a raised error keep their locals: no cycle through them
+
+    def _wait_and_say(self, fut: CheckpointFuture) -> None:
+        """Wait for the save in flight before the next one, saying so where it takes long:
+        a storage that hung (a dead mount) held a trial's training loop here, silently,
+        until the scheduler's SIGKILL (after BUSY_SAY_S, and each time the wait doubles)."""
+        waited, say_at = 0.0, BUSY_SAY_S
+        t0 = time.monotonic()
+        while not cf.wait([fut._durable], max(say_at - waited, 0.0)).done:
+            waited = time.monotonic() - t0
+            if waited >= say_at:
+                log.warning(
+                    "rank=%d: a save into %s has waited %.0fs for the save of step %d, still "
+                    "%s (a storage that hangs? a dead network mount?); until it ends, no "
+                    "save starts. A process that must end anyway: close(timeout=) tells it, "
+                    "and os._exit() ends it (the steps committed before are intact)",
+                    self._ctx.rank, self.directory, waited, fut.step, fut.progress().phase)
+                say_at *= 2
 
     @staticmethod
     def _settle(fut: CheckpointFuture, context: str, *,
@@ -1921,6 +1939,9 @@ class AsyncCheckpointer:
 _STUCK_EXIT = ("; a thread stuck in the storage keeps the process from exiting normally "
                "(Python waits for it): end it with os._exit(), e.g. os._exit(143) after a "
                "SIGTERM, and the next run cleans up")
+
+
+BUSY_SAY_S = 60.0  # a save waiting this long for the one in flight says so (_wait_and_say)
 
 
 def _group_up() -> bool:
