@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ from asyncckpt.cli import _iso, _when, human_bytes, main
 from asyncckpt.manifest import shard_file_name
 from asyncckpt.reader import read_manifest
 from asyncckpt.storage import LocalStorage
+
+HOST = socket.gethostname()  # (the lock file names it beside the pid)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -1352,7 +1355,8 @@ def test_clean_removes_abandoned_dirs_and_no_committed_step(
     assert {r["name"]: r["kind"] for r in doc["abandoned"]} == {
         ".step_000000040.tmp-0123abcd": "tmp", ".step_000000020.deleting-4567ef01": "deleting"}
     assert doc["bytes_freed"] == sum(made.values())
-    assert doc["lock"] == {"held": False, "pid": None, "note": None}  # (it took it itself)
+    # (it took it itself)
+    assert doc["lock"] == {"held": False, "pid": None, "note": None, "host": None}
     assert sorted(os.listdir(root)) == [".asyncckpt.lock", ".step_000000050.tmp-NOTHEX",
                                         "notes", "step_000000010", "step_000000020",
                                         "step_000000030"]
@@ -1403,25 +1407,27 @@ def test_clean_refuses_while_another_process_holds_the_lock(
         made = _leftovers(root)  # (after its first save, which removed what was there)
         code, out, err = run(capsys, "clean", str(root))
         assert code == 2 and out == ""
-        assert (f"asyncckpt: error: the lock of {root} is held by pid {proc.pid} (the pid its "
-                "lock file names), a trainer saving there or another clean: nothing was "
-                "removed") in err, err
+        assert (f"asyncckpt: error: the lock of {root} is held by pid {proc.pid} on host "
+                f"{HOST} (the pid its lock file names), a trainer saving there or another "
+                "clean: nothing was removed") in err, err
         code, out, _ = run(capsys, "clean", str(root), "--json")
         doc = json.loads(out)
         assert code == 2 and doc["ok"] is False
         assert doc["error"]["type"] == "CheckpointLockedError"
         assert doc["error"]["exit_code"] == 2 and f"pid {proc.pid}" in doc["error"]["message"]
-        assert doc["lock"] == {"held": True, "pid": proc.pid, "note": None}
+        assert doc["lock"] == {"held": True, "pid": proc.pid, "note": None, "host": HOST}
         code, _, err = run(capsys, "clean", str(root), "--dry-run")  # (its verdict too)
-        assert code == 2 and f"held by pid {proc.pid} (as /proc/locks shows)" in err, err
+        assert code == 2 and f"held by pid {proc.pid} on host {HOST} (as /proc/locks shows)" \
+            in err, err
         assert all((root / name).is_dir() for name in made)
         # ls says a save may be writing them
         code, out, _ = run(capsys, "ls", str(root))
         assert code == 0
-        assert (f"  the lock of {root} is held by pid {proc.pid}: a save may be writing or "
-                "removing them right now") in out.splitlines(), out
+        assert (f"  the lock of {root} is held by pid {proc.pid} on host {HOST}: a save may "
+                "be writing or removing them right now") in out.splitlines(), out
         code, out, _ = run(capsys, "ls", str(root), "--json")
-        assert json.loads(out)["lock"] == {"held": True, "pid": proc.pid, "note": None}
+        assert json.loads(out)["lock"] == {"held": True, "pid": proc.pid, "note": None,
+                                           "host": HOST}
     finally:
         assert proc.stdin is not None
         proc.stdin.write("\n")
@@ -1477,18 +1483,18 @@ def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFix
         assert code == 0
         assert ("2 incomplete or abandoned temp dirs (never read; the next save here removes "
                 f"them): {', '.join(sorted(made))}") in out
-        assert (f"  the lock of {root} is held by pid {os.getpid()}: a save may be writing or "
-                "removing them right now") in out.splitlines()
+        assert (f"  the lock of {root} is held by pid {os.getpid()} on host {HOST}: a save "
+                "may be writing or removing them right now") in out.splitlines()
         code, out, _ = run(capsys, "ls", str(root), "--json")
         doc = json.loads(out)
         assert doc["incomplete"] == sorted(made)  # (as it was)
-        assert doc["lock"] == {"held": True, "pid": os.getpid(), "note": None}
+        assert doc["lock"] == {"held": True, "pid": os.getpid(), "note": None, "host": HOST}
     # closed: nobody holds it
     code, out, _ = run(capsys, "ls", str(root), "--json")
     lock = json.loads(out)["lock"]
     code, text, _ = run(capsys, "ls", str(root))
     if lock["held"] is False:  # (a local filesystem, seen from the first pid namespace)
-        assert lock == {"held": False, "pid": None, "note": None}
+        assert lock == {"held": False, "pid": None, "note": None, "host": None}
         assert (f"  no process holds the lock of {root}: they are abandoned; 'asyncckpt clean "
                 f"{root}' removes them") in text.splitlines(), text
     else:  # (where a holder on another machine or in another container would not be seen)
@@ -1504,11 +1510,13 @@ def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFix
     code, out, _ = run(capsys, "ls", str(root), "--json")
     assert json.loads(out)["lock"] == {
         "held": None, "pid": os.getpid(),  # (the last to take it, as its lock file says)
-        "note": "on a nfs4 filesystem, a holder on another machine is not seen from here"}
+        "note": "on a nfs4 filesystem, a holder on another machine is not seen from here",
+        "host": HOST}
     code, out, _ = run(capsys, "ls", str(root))
     assert (f"  whether a process holds the lock of {root} cannot be told here (on a nfs4 "
             "filesystem, a holder on another machine is not seen from here; its lock file "
-            f"names pid {os.getpid()}, the last process that took it): 'asyncckpt clean "
+            f"names pid {os.getpid()} on host {HOST}, the last process that took it): "
+            "'asyncckpt clean "
             f"{root}' removes them unless one does") in out, out
     code, out, _ = run(capsys, "clean", str(root), "--dry-run")  # (and lists them all the same)
     assert code == 0 and "whether a process holds the lock of" in out
@@ -1525,7 +1533,8 @@ def test_ls_of_a_root_without_a_lock_file_creates_none(
     (copy / ".asyncckpt.lock").unlink()  # (a root copied without it, or of an old version)
     (copy / ".step_000000040.tmp-0123abcd").mkdir()
     code, out, _ = run(capsys, "ls", str(copy), "--json")
-    assert code == 0 and json.loads(out)["lock"] == {"held": False, "pid": None, "note": None}
+    assert code == 0 and json.loads(out)["lock"] == {"held": False, "pid": None, "note": None,
+                                                     "host": None}
     assert not (copy / ".asyncckpt.lock").exists()
     code, out, _ = run(capsys, "ls", str(copy / "step_000000010"), "--json")
     assert code == 0 and json.loads(out)["lock"] is None  # (a step directory has none)

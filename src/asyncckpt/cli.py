@@ -486,6 +486,13 @@ _LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "bcachefs", "f2fs
 
 
 def _lock_state(root: Path) -> dict[str, Any]:
+    """As _lock_state_of, with the holder's host where its lock file names one."""
+    state = _lock_state_of(root)
+    state["host"] = DirectoryLock(root).holder_host() if state["pid"] is not None else None
+    return state
+
+
+def _lock_state_of(root: Path) -> dict[str, Any]:
     """Whether a process holds the lock of the (resolved) ``root`` now, and which, told
     without taking the lock (a probe that took it, for a moment even, would fail a save
     that came then) nor creating its file: the kernel's table of locks is read.
@@ -577,20 +584,23 @@ def _in_init_pid_namespace() -> bool:
         return False
 
 
-def _pid_text(pid: int | None) -> str:
-    return f"pid {pid}" if pid is not None else "a process of unknown pid"
+def _pid_text(pid: int | None, host: str | None = None) -> str:
+    # (the host too: on a network filesystem, a pid alone names no process)
+    on = f" on host {host}" if host else ""
+    return f"pid {pid}{on}" if pid is not None else "a process of unknown pid"
 
 
 def _lock_line(root: Path, lock: Mapping[str, Any]) -> str:
     """What ls says of the lock beside the temporary directories it lists."""
     if lock["held"]:
-        return (f"the lock of {root} is held by {_pid_text(lock['pid'])}: a save may be "
+        return (f"the lock of {root} is held by {_pid_text(lock['pid'], lock.get('host'))}: "
+                "a save may be "
                 "writing or removing them right now")
     if lock["held"] is False:
         return (f"no process holds the lock of {root}: they are abandoned; "
                 f"'asyncckpt clean {root}' removes them")
-    last = (f"; its lock file names pid {lock['pid']}, the last process that took it"
-            if lock["pid"] is not None else "")
+    last = (f"; its lock file names {_pid_text(lock['pid'], lock.get('host'))}, the last "
+            "process that took it" if lock["pid"] is not None else "")
     return (f"whether a process holds the lock of {root} cannot be told here ({lock['note']}"
             f"{last}): 'asyncckpt clean {root}' removes them unless one does (it takes the "
             "lock, and refuses while another process holds it)")
@@ -645,7 +655,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     storage = LocalStorage()
     lock = DirectoryLock(real)
     rows: list[dict[str, Any]] = []
-    state: dict[str, Any] = {"held": False, "pid": None, "note": None}
+    state: dict[str, Any] = {"held": False, "pid": None, "note": None, "host": None}
     if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does
         state = _lock_state(real)
         if state["held"]:
@@ -663,7 +673,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
         if not taken:
             named = lock.holder()
             return _refuse_locked(args, root, {"held": True, "note": None,
-                                               "pid": int(named) if named.isdecimal() else None},
+                                               "pid": int(named) if named.isdecimal() else None,
+                                               "host": lock.holder_host()},
                                   "the pid its lock file names")
         try:
             with _sigterm_interrupts():
@@ -731,7 +742,8 @@ def _refuse_locked(args: argparse.Namespace, root: Path, state: dict[str, Any],
                    told: str) -> int:
     """clean's refusal while another process holds the lock: nothing was removed."""
     known = f" ({told})" if state["pid"] is not None else ""
-    message = (f"the lock of {root} is held by {_pid_text(state['pid'])}{known}, a trainer "
+    message = (f"the lock of {root} is held by {_pid_text(state['pid'], state.get('host'))}"
+               f"{known}, a trainer "
                "saving there or another clean: nothing was removed, as its temporary "
                "directories may be a save in progress; run clean again once that process "
                "has ended (a checkpointer removes what was abandoned itself when it takes "
