@@ -1788,10 +1788,20 @@ def test_close_with_a_timeout_leaves_a_hung_save_open_and_closes_once_it_ends(
     storage = GatedStorage()
     storage.gate.clear()
     ckpt = asyncckpt.AsyncCheckpointer(tmp_path, storage=storage)
-    for bad in (-1, float("nan"), float("inf"), "3", True):
+    for bad in (-1, float("nan"), "3", True):
         with pytest.raises(asyncckpt.CheckpointConfigError, match=r"close\(timeout="):
             ckpt.close(timeout=bad)  # type: ignore[arg-type]
     fut = ckpt.save_async(make_state(), step=1)
+    # (second operations trial: wait(timeout=True) said "not durable after Trues"; a str
+    # raised a bare TypeError)
+    for call, name in ((ckpt.wait, "wait"), (fut.wait, "wait"), (fut.wait_staged,
+                                                                  "wait_staged")):
+        for bad in (-1, float("nan"), "3", True):
+            with pytest.raises(asyncckpt.CheckpointConfigError, match=rf"{name}\(timeout="):
+                call(timeout=bad)  # type: ignore[operator]
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"not durable after 0.05s \(still "
+                                                               r"(writing|committing)"):
+        fut.wait(timeout=0.05)
     t0 = time.monotonic()
     with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"step 1 is still being saved.*"
                                                                r"stays open"):

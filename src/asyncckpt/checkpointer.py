@@ -98,6 +98,7 @@ from .writer import (
     Handover,
     SaveJob,
     os_error_hint,
+    wait_seconds,
     withdraw_offers,
 )
 
@@ -734,6 +735,7 @@ class AsyncCheckpointer:
         a killed run left, which the first save starts); re-raise its error, or that of
         an earlier save whose future nobody waited on."""
         self._refuse_forked("wait")
+        timeout = wait_seconds(timeout, "wait")
         fut = self._pending
         info = None
         # (one deadline for the save, its retention and the clean-up: a review's wait(t)
@@ -1183,12 +1185,10 @@ class AsyncCheckpointer:
         with self._one_call("close"):
             self._close(raise_missed=True)
 
-    def _wait_to_close(self, timeout: float) -> None:
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not math.isfinite(timeout) or timeout < 0):
-            raise CheckpointConfigError(
-                f"close(timeout={timeout!r}): pass seconds, a finite number >= 0, or None to "
-                "wait for the save in flight however long it takes")
+    def _wait_to_close(self, given: float) -> None:
+        timeout = wait_seconds(given, "close")
+        if timeout is None:  # (infinity: as close())
+            return
         deadline = time.monotonic() + timeout
         fut, retention = self._pending, self._retention
         if fut is not None and not cf.wait([fut._durable], timeout).done:

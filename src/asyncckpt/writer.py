@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ from .best import KeepBest, StepMetrics, merged_metadata, merged_metrics
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
+    CheckpointConfigError,
     CheckpointError,
     CheckpointSaveError,
     CheckpointTimeoutError,
@@ -261,6 +263,20 @@ def _detached(exc: BaseException) -> BaseException:
     return twin.with_traceback(exc.__traceback__)
 
 
+def wait_seconds(timeout: object, what: str) -> float | None:
+    """A wait's ``timeout``: seconds >= 0 (infinity: None, no limit), or None;
+    CheckpointConfigError for anything else (a trial's wait(timeout=True) said "not
+    durable after Trues", and a str raised a bare TypeError)."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or math.isnan(timeout) or timeout < 0):
+        raise CheckpointConfigError(
+            f"{what}(timeout={timeout!r:.40}): pass seconds, a number >= 0, or None to wait "
+            "however long it takes")
+    return None if math.isinf(timeout) else float(timeout)
+
+
 class CheckpointFuture:
     """The handle of one save: poll it, wait for staging, or wait for durability.
 
@@ -336,6 +352,7 @@ class CheckpointFuture:
         because the save had already failed (overlap=True: e.g. its directory could not
         be made), that failure is raised, as ``wait()`` would.
         """
+        timeout = wait_seconds(timeout, "wait_staged")
         if not self._staged.done():
             self._refuse_forked()
         if not cf.wait([self._staged], timeout).done:
@@ -368,10 +385,12 @@ class CheckpointFuture:
         Re-raises a background failure (as CheckpointSaveError, or the CheckpointError it
         was); raises CheckpointTimeoutError when ``timeout`` seconds pass first.
         """
+        timeout = wait_seconds(timeout, "wait")
         self._refuse_forked()
         if not cf.wait([self._durable], timeout).done:
             raise CheckpointTimeoutError(
-                f"step {self.step}: checkpoint not durable after {timeout}s")
+                f"step {self.step}: checkpoint not durable after {timeout}s (still "
+                f"{self.progress().phase})")
         # Its failure is read, not raised by result(): raised there, the kept error would
         # gather this frame, and through it the caller's (see _detached).
         failure = self._durable.exception()
