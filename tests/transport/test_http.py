@@ -2220,7 +2220,8 @@ def test_a_peer_claiming_more_than_max_file_bytes_is_refused_before_allocating(
            f"http://127.0.0.1:{port}/v1/5/files/{FILE} is {claimed} bytes (16 GiB), above " \
            f"this receiver's limit of {1 << 30} bytes (1 GiB) (max_file_bytes=); refused " \
            "before any tensor is allocated" in text
-    assert "HTTPTransport(max_file_bytes=...); None: no limit" in text
+    assert ("(max_file_bytes= of the HTTPTransport, or of asyncckpt.load(address, ...); "
+            "None: no limit)") in text
     assert "may hold part" not in text  # (nothing of the targets was touched)
     assert allocated == [] and source.reads == []  # (not even the file's header)
     if into:

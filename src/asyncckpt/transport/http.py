@@ -1573,7 +1573,8 @@ class HTTPStorage:
         if not files:
             return
         raise_it = ("if the peer's shards are that large, raise the limit "
-                    "(HTTPTransport(max_file_bytes=...); None: no limit)")
+                    "(max_file_bytes= of the HTTPTransport, or of asyncckpt.load(address, "
+                    "...); None: no limit)")
         big = max(files.values(), key=lambda e: e.bytes)
         limit = self.max_file_bytes
         if limit is not None and big.bytes > limit:
