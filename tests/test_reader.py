@@ -633,6 +633,7 @@ def test_a_load_refuses_a_header_that_disagrees_with_a_resealed_manifest(
     import xxhash
 
     asyncckpt.save({"w": torch.arange(8.0)}, tmp_path, step=1)
+    asyncckpt.load(tmp_path)  # (a load's verdict is kept while both files stay as they are)
     step_dir = tmp_path / "step_000000001"
     raw = (step_dir / SHARD).read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]

@@ -745,6 +745,26 @@ def chunks_by_file(manifest: Manifest) -> dict[str, list[tuple[str, TensorEntry,
     return by_file
 
 
+# (the files whose header a load found as their manifest says, as they were then: a hot
+# load of the same checkpoint again skips the comparison, ~8 ms at 4,000 tensors; any
+# change to either file changes its ctime)
+_headers_seen: dict[tuple[Any, ...], None] = {}
+
+
+def _header_seen_key(step_dir: Path, path: Path, fd: int, storage: ReadStorage,
+                     checksum: str, pruned: bool) -> tuple[Any, ...] | None:
+    """What identifies a shard file and its manifest as they are now (local files only;
+    None where that cannot be told)."""
+    if not isinstance(storage, LocalStorage) or pruned:  # (a view checks some entries only)
+        return None
+    try:
+        a, b = os.fstat(fd), os.stat(step_dir / MANIFEST_NAME)
+    except (OSError, TypeError, ValueError):
+        return None
+    return (str(path), checksum, *(
+        (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in (a, b)))
+
+
 def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStorage,
                 chunks: list[tuple[str, TensorEntry, Chunk]] | None = None) -> None:
     """The file exists, has the manifest's size, and its header has the manifest's checksum;
@@ -778,12 +798,19 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header does not match the manifest's checksum: the "
                 "file is corrupt or belongs to another checkpoint", path=str(path))
-        if chunks is not None and not manifest.from_headers:
+        seen = _header_seen_key(step_dir, path, fd, storage, entry.header_checksum,
+                                manifest.pruned)
+        if (chunks is not None and not manifest.from_headers
+                and (seen is None or seen not in _headers_seen)):
             with gc_paused():  # (100,000 entries: the collector doubled the time)
                 parsed, body = decode_header(bytes(header), str(path))
                 problems = _header_problems(path, parsed, body, chunks,
                                             every=not manifest.pruned)
                 del parsed
+            if not problems and seen is not None:
+                if len(_headers_seen) >= 1024:
+                    _headers_seen.pop(next(iter(_headers_seen)))
+                _headers_seen[seen] = None
             if problems:
                 raise CheckpointCorruptError(
                     problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1
