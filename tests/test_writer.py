@@ -376,3 +376,22 @@ def test_removals_falling_behind_the_saves_are_warned_of(
         storage.gate.set()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
     assert writer_module.BACKLOG_WARN == 3
+
+
+def test_a_full_disk_s_figures_differ_where_they_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(second operations trial) "4.2 MB free now; this step's file takes 4.2 MB", and the
+    advice of a lower keep_last at keep_last=1."""
+    import errno
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "_free_bytes", lambda root: 4_190_000)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    job = SimpleNamespace(root=Path("/x"), plan=SimpleNamespace(file_bytes=4_200_000),
+                          keep_last=3)
+    said = writer_module._room_said(job, full)  # type: ignore[arg-type]
+    assert said == " (4.19 MB free now; this step's file takes 4.20 MB)", said
+    job.keep_last = 1
+    said = writer_module._room_said(job, full)  # type: ignore[arg-type]
+    assert "keep_last=1 keeps one step besides the one being saved" in said, said

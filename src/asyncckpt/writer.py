@@ -1355,8 +1355,16 @@ def _room_said(job: SaveJob, exc: BaseException) -> str:
         exc.errno == errno.ENOSPC) else None
     if free is None:
         return ""
-    return (f" ({free / 1e6:.1f} MB free now; this step's file takes "
-            f"{job.plan.file_bytes / 1e6:.1f} MB)")
+    need = job.plan.file_bytes
+    digits = 1
+    while digits < 6 and f"{free / 1e6:.{digits}f}" == f"{need / 1e6:.{digits}f}" and free != need:
+        digits += 1  # (a trial read "4.2 MB free now; this step's file takes 4.2 MB")
+    said = (f" ({free / 1e6:.{digits}f} MB free now; this step's file takes "
+            f"{need / 1e6:.{digits}f} MB")
+    if job.keep_last == 1:  # (no lower keep_last to advise)
+        said += ("; keep_last=1 keeps one step besides the one being saved: the disk needs "
+                 "room for two steps, or free space")
+    return said + ")"
 
 
 def os_error_hint(exc: BaseException) -> str:
