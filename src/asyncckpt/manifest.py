@@ -163,11 +163,6 @@ class HeaderEntry:
     end: int
 
 
-def st_name(dtype: torch.dtype) -> str | None:
-    """Safetensors' name of ``dtype``; None where it has none (stored as raw ``U8``)."""
-    return _ST_DTYPES.get(dtype)
-
-
 def st_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
                        ) -> tuple[str, list[int]]:
     st = _ST_DTYPES.get(dtype)
@@ -676,14 +671,32 @@ def _refuse_undigested(raw: bytes, path: str) -> None:
         "state again with this one", path=path)
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict; ValueError for a key it holds twice."""
+def first_repeat(items: Iterable[Any]) -> Any:
+    """The first item of ``items`` met a second time; None where none is."""
+    seen: set[Any] = set()
+    for x in items:
+        if x in seen:
+            return x
+        seen.add(x)
+    return None
+
+
+class RepeatedKey(ValueError):
+    """A JSON object names a key twice (json.loads would keep the last; other readers
+    keep the first, or refuse)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"the key {key[:100]!r} appears twice in one object (damaged, or "
+                         "forged: readers differ on which one counts)")
+        self.key = key
+
+
+def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (``object_pairs_hook``); RepeatedKey for a key it
+    holds twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"the key {twice[:100]!r} appears twice in one object (damaged, or "
-                         "forged: readers differ on which one counts)")
+        raise RepeatedKey(first_repeat(k for k, _ in pairs))
     return out
 
 
@@ -702,7 +715,7 @@ def _parse_head(raw: bytes, path: str) -> _Head:
         # (a RecursionError is _deep_stack_aware's to judge; a key twice in one object is
         # refused: a security review's second "tensors" won, which a reader keeping the
         # first, or a strict one, reads otherwise)
-        doc = json.loads(raw, object_pairs_hook=_unique_pairs)
+        doc = json.loads(raw, object_pairs_hook=no_repeats)
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: manifest is not valid JSON: {exc}",
                                      path=path) from exc
@@ -1447,12 +1460,10 @@ def _check_skeleton(c: _Check, node: Any, dtypes: Mapping[str, torch.dtype],
             if not (isinstance(it, list) and len(it) == 2 and type(it[0]) in (str, int)):
                 raise c.fail("dict item must be [str or int key, node]")
             _check_skeleton(c, it[1], dtypes, depth + 1, partial=partial)
-        if len({(type(it[0]), it[0]) for it in items}) != len(items):
-            seen: set[tuple[type, Any]] = set()
-            twice = next(it[0] for it in items
-                         if (type(it[0]), it[0]) in seen or seen.add((type(it[0]), it[0])))  # type: ignore[func-returns-value]
-            raise c.fail(f"a dict of the skeleton names the key {twice!r:.100} twice (which "
-                         "one a reader keeps differs: damaged, or forged)")
+        twice = first_repeat((type(it[0]), it[0]) for it in items)
+        if twice is not None:
+            raise c.fail(f"a dict of the skeleton names the key {twice[1]!r:.100} twice "
+                         "(which one a reader keeps differs: damaged, or forged)")
     elif t in ("list", "tuple"):
         items = node.get("items")
         if not isinstance(items, list):

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -52,7 +52,6 @@ from .manifest import (
     parse_manifest,
     parse_manifest_summary,
     st_dtype_and_shape,
-    st_name,
 )
 from .plan import (
     Box,
@@ -738,9 +737,14 @@ def _gone(step_dir: Path, storage: ReadStorage) -> bool:
 def chunks_by_file(manifest: Manifest) -> dict[str, list[tuple[str, TensorEntry, Chunk]]]:
     """The manifest's chunks by the file holding them, each with its tensor's key and
     entry."""
+    return _by_file((key, entry, entry.chunks) for key, entry in manifest.tensors.items())
+
+
+def _by_file(entries: Iterable[tuple[str, TensorEntry, Iterable[Chunk]]]
+             ) -> dict[str, list[tuple[str, TensorEntry, Chunk]]]:
     by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
-    for key, entry in manifest.tensors.items():
-        for ch in entry.chunks:
+    for key, entry, chunks in entries:
+        for ch in chunks:
             by_file.setdefault(ch.file, []).append((key, entry, ch))
     return by_file
 
@@ -1004,10 +1008,7 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
     # (each tensor's chunks made once: a sharded one's are a ChunkTable, which makes them
     # at every walk; and walking them all once per file was files x chunks)
     entries = [(key, entry, tuple(entry.chunks)) for key, entry in manifest.tensors.items()]
-    by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
-    for key, entry, chunks in entries:  # (the chunks made once: a table makes them anew)
-        for ch in chunks:
-            by_file.setdefault(ch.file, []).append((key, entry, ch))
+    by_file = _by_file(entries)  # (the chunks made once: a table makes them anew)
     for name in manifest.files:  # each file once: size and header checksum, then entries
         try:
             _close(storage, _open(step_dir / name, storage))
@@ -1178,20 +1179,15 @@ def _header_problems(path: Path, header: dict[str, Any], body: int,
     in the file: each chunk's entry as the manifest implies it, and (``every``: the
     chunks are all the file's) no other entry."""
     problems = []
-    sts: dict[torch.dtype, str | None] = {}  # (safetensors' name of each dtype, looked up once)
     for key, entry, ch in chunks:
         h = header.get(ch.key)
-        st = sts.get(entry.dtype, "")
-        if st == "":
-            st = sts[entry.dtype] = st_name(entry.dtype)
+        st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
         lo, hi = ch.byte_range
         # (field by field, no dict built: one per chunk cost ~2 µs, 0.2 s at 100,000)
-        if (type(h) is dict and len(h) == 3 and h.get("dtype") == (st or "U8")
-                and h.get("shape") == (list(ch.lengths) if st else [ch.nbytes])
-                and h.get("data_offsets") == [lo - body, hi - body]):
+        if (type(h) is dict and len(h) == 3 and h.get("dtype") == st
+                and h.get("shape") == shape and h.get("data_offsets") == [lo - body, hi - body]):
             continue
-        st_, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
-        want = {"dtype": st_, "shape": shape, "data_offsets": [lo - body, hi - body]}
+        want = {"dtype": st, "shape": shape, "data_offsets": [lo - body, hi - body]}
         if h != want:
             problems.append(f"{path}: header entry of tensor {key!r} is "
                             f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")

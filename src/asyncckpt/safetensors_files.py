@@ -54,7 +54,9 @@ from .manifest import (
     Chunk,
     FileEntry,
     Manifest,
+    RepeatedKey,
     TensorEntry,
+    no_repeats,
 )
 from .storage import LocalStorage, open_regular
 from .tree import dtype_name, escape_key, flatten
@@ -466,10 +468,10 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
     if len(head) != 8 + n:
         raise CheckpointCorruptError(f"{path} was cut short while being read", path=str(path))
     try:
-        header = json.loads(head[8:], object_pairs_hook=_no_repeats)
-    except _Repeated as exc:
-        raise CheckpointCorruptError(f"{path}: its safetensors header names {exc} twice: a "
-                                     "damaged or forged file", path=str(path)) from None
+        header = json.loads(head[8:], object_pairs_hook=no_repeats)
+    except RepeatedKey as exc:
+        raise CheckpointCorruptError(f"{path}: its safetensors header names {exc.key!r} twice: "
+                                     "a damaged or forged file", path=str(path)) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{path}: its safetensors header is not JSON: {exc}",
                                      path=str(path)) from exc
@@ -482,21 +484,6 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
             f"{path} is a shard file of an asyncckpt checkpoint, whose tensors may be parts "
             "of larger ones: load its step directory with asyncckpt.load")
     return (size, 8 + n, xxhash.xxh3_64_hexdigest(head)), header
-
-
-class _Repeated(ValueError):
-    """A JSON object of the header names a key twice (json.loads would keep the last)."""
-
-
-def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _Repeated(repr(k))
-            seen.add(k)
-    return out
 
 
 def _check_apart(path: Path, ranges: list[tuple[int, int, str]]) -> None:
