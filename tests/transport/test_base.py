@@ -1,0 +1,103 @@
+"""transport.base: the manifest of a live state served to peers (``serve_state``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from asyncckpt.manifest import block_checksums, parse_manifest
+from asyncckpt.reader import tensor_bytes
+from asyncckpt.transport import base
+from asyncckpt.transport.base import partial_manifest, serve_state
+from asyncckpt.tree import flatten
+
+BLOCK = 1 << 12
+
+
+def built_anew(step: int, state: Any) -> bytes:
+    """The manifest of ``state`` made from scratch, as serve_state made it before it kept
+    a record book: every tensor hashed here, the frame laid out again."""
+    flat = flatten(state)
+    plan = base._live_plan(flat.tensors)
+    sums = [block_checksums(tensor_bytes(flat.tensors[it.key]), BLOCK) for it in plan.items]
+    return partial_manifest(0, plan, flat, sums, step=step, block_bytes=BLOCK,
+                            library_version="test").to_json()
+
+
+def served(step: int, state: Any) -> bytes:
+    return serve_state(step, state, block_bytes=BLOCK, library_version="test").manifest()
+
+
+def test_a_state_served_again_gets_the_manifest_built_anew() -> None:
+    """A live state offered again with its layout unchanged fills the last manifest's
+    text: its checksums, step and non-tensor values must be this offer's, byte for byte."""
+    torch.manual_seed(0)
+    state: dict[str, Any] = {"model": {"w": torch.randn(3000), "b": torch.randn(7)},
+                             "train": {"step": 1, "lr": 0.5, "name": "run"}}
+    first = served(1, state)
+    assert first == built_anew(1, state)
+    assert served(2, state) == built_anew(2, state)  # the same values, another step
+    with torch.no_grad():
+        state["model"]["w"][1234] += 1.0  # one block of one tensor changes
+    state["train"]["step"] = 2
+    again = served(3, state)
+    assert again == built_anew(3, state)
+    old = parse_manifest(first, "first").tensors["model/w"].chunks[0].checksums
+    new = parse_manifest(again, "again").tensors["model/w"].chunks[0].checksums
+    assert [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b] == [
+        1234 * 4 // BLOCK]
+    assert parse_manifest(again, "again").skeleton != parse_manifest(first, "first").skeleton
+    state["train"]["lr"] = {"groups": [0.1, 0.2]}  # the skeleton's shape changes
+    assert served(4, state) == built_anew(4, state)
+    other = serve_state(5, state, block_bytes=BLOCK * 2, library_version="test").manifest()
+    assert parse_manifest(other, "other").block_bytes == BLOCK * 2  # another block size
+    assert len(parse_manifest(other, "other").tensors["model/w"].chunks[0].checksums) == 2
+    assert served(5, state) == built_anew(5, state)  # and back
+    state["model"]["extra"] = torch.ones(5, dtype=torch.int64)  # the layout changes
+    assert served(6, state) == built_anew(6, state)
+    del state["model"]["extra"]
+    assert served(7, state) == built_anew(7, state)
+
+
+def hashing_threads(monkeypatch: pytest.MonkeyPatch, state: Any) -> tuple[bytes, set[int]]:
+    """The served manifest of ``state``, and the threads that hashed its tensors."""
+    seen: set[int] = set()
+    lock = threading.Lock()
+    real = base.xxhash.xxh3_64_hexdigest
+
+    def spy(data: Any) -> str:
+        with lock:
+            seen.add(threading.get_ident())
+        return real(data)
+
+    monkeypatch.setattr(base.xxhash, "xxh3_64_hexdigest", spy)
+    monkeypatch.setattr(base, "block_checksums",
+                        lambda data, bb: [spy(data[i:i + bb]) for i in range(0, len(data), bb)])
+    try:
+        return served(1, state), seen
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_state_of_small_tensors_is_hashed_on_one_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads hashing a few bytes each only take turns at the GIL: below _HASH_SPAN
+    bytes a thread, one hashes them all."""
+    state = {f"t{i}": torch.full((100,), float(i)) for i in range(64)}
+    raw, seen = hashing_threads(monkeypatch, state)
+    assert len(seen) == 1
+    assert raw == built_anew(1, state)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs for 2 hashing threads")
+def test_large_states_are_hashed_on_several_threads_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {f"t{i}": torch.randn(5000 + i) for i in range(16)}
+    monkeypatch.setattr(base, "_HASH_SPAN", 1)  # every tensor counts as large
+    raw, seen = hashing_threads(monkeypatch, state)
+    assert len(seen) >= 2
+    assert raw == built_anew(1, state)
