@@ -303,6 +303,44 @@ def test_inspect_of_a_step_with_a_truncated_shard_exits_1_as_ls(
     assert code == 0 and json.loads(out)["ok"] is True
 
 
+def test_inspect_of_a_step_whose_header_disagrees_with_its_manifest_exits_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A shard's header rewritten to list a decoy over the bytes of 'w', under a manifest
+    re-sealed with the new header's checksum: inspect showed it as sound and exited 0,
+    where verify and a load refuse it."""
+    import struct
+
+    import xxhash
+
+    from asyncckpt.manifest import seal
+
+    asyncckpt.save({"w": torch.arange(8.0)}, tmp_path, step=1)
+    step_dir = tmp_path / "step_000000001"
+    assert run(capsys, "inspect", str(tmp_path))[0] == 0
+    shard = step_dir / shard_file_name(0)
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["decoy"] = header.pop("w")
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))  # (the same length: the body stays where it was)
+    shard.write_bytes(raw[:8] + text + raw[8 + n:])
+    path = step_dir / "manifest.json"
+    man = path.read_bytes()
+    doc = long_entries(json.loads(man[:man.rindex(b',"digest"')] + b"}"))
+    doc["files"][shard_file_name(0)]["header_checksum"] = xxhash.xxh3_64_hexdigest(
+        raw[:8] + text)
+    path.write_bytes(seal(json.dumps(doc, separators=(",", ":")).encode()))
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 1 and "w" in out  # (listed from the manifest, as for a truncated shard)
+    assert "step 1 is DAMAGED: " in err and "header entry of tensor 'w' is null" in err, err
+    assert "the file's header and the manifest disagree" in err
+    code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 1 and json.loads(out)["ok"] is False
+    assert any("header entry of tensor 'w' is null" in d for d in json.loads(out)["damaged"])
+    assert run(capsys, "verify", str(tmp_path))[0] == 1  # the same verdict
+
+
 def test_inspect_not_found(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
                            ) -> None:
     code, out, err = run(capsys, "inspect", str(root), "--step", "25")

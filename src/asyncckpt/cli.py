@@ -48,7 +48,13 @@ from .errors import (
     retold,
 )
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
-from .reader import VerifyReport, read_manifest, read_manifest_summary, verify_checkpoint
+from .reader import (
+    VerifyReport,
+    header_problems,
+    read_manifest,
+    read_manifest_summary,
+    verify_checkpoint,
+)
 from .storage import DirectoryLock, LocalStorage, ReadStorage
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
@@ -876,6 +882,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         # what ls checks too (a stat per file): inspect showed a truncated shard's tensors
         # and exited 0, where ls says DAMAGED and exits 1
         doc["damaged"] = _damaged(step_dir, m.files, storage)
+        if not doc["damaged"]:
+            # and what a load checks of the headers (a few KB a file): a shard whose header
+            # lists other tensors than its manifest, under a re-sealed manifest, was shown
+            # as sound, where verify and load refuse it
+            doc["damaged"] = header_problems(step_dir, m, storage)
         return doc
 
     step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))

@@ -740,6 +740,20 @@ def chunks_by_file(manifest: Manifest) -> dict[str, list[tuple[str, TensorEntry,
     return _by_file((key, entry, entry.chunks) for key, entry in manifest.tensors.items())
 
 
+def header_problems(step_dir: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
+    """What a load would refuse in the files' safetensors headers (each header's checksum,
+    and its entries against the manifest's chunks), one problem per file; no tensor byte
+    is read. For ``asyncckpt inspect``, which otherwise reads the manifest alone."""
+    problems = []
+    by_file = chunks_by_file(manifest)
+    for name in manifest.files:
+        try:
+            _check_file(step_dir, manifest, name, storage, by_file.get(name, []))
+        except CheckpointCorruptError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def _by_file(entries: Iterable[tuple[str, TensorEntry, Iterable[Chunk]]]
              ) -> dict[str, list[tuple[str, TensorEntry, Chunk]]]:
     by_file: dict[str, list[tuple[str, TensorEntry, Chunk]]] = {}
