@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -258,7 +259,8 @@ def test_the_manifest_waits_for_the_room_the_shard_waits_for(
 
 
 def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """(review) In a group on a shared filesystem only rank 0 waited for room: rank 1's
     shard met the full disk while rank 0's removals ran. The others watch the room free,
     for ROOM_WAIT_GROUP_S at most; the manifest's margin grows with the tensors listed."""
@@ -276,8 +278,12 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     assert writer_module._short_of_room(job)  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()
     t0 = time.monotonic()
-    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert 0.25 < time.monotonic() - t0 < 5.0  # (returned once rank 0 made room)
+    # the figures, margin said: "lacks room" alone read as wrong beside free > file size
+    assert "the disk lacks room for this step (15.728639 MB free; it takes 15.728640 MB: " \
+        "its shard file, and its manifest with a margin): waiting up to 10 s" in caplog.text
     # a disk that stays full: back after the limit, to fail the write with ENOSPC
     free[0] = 0
     monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 0.3)

@@ -878,12 +878,12 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
     limit = ROOM_WAIT_S if not job.ctx.distributed else ROOM_WAIT_GROUP_S
     removals = job.removals
     if removals is not None and not removals.done() and _short_of_room(job):
-        log.info("rank=%d step=%d: the disk lacks room for this step: waiting for the last "
-                 "save's retention to remove the old steps", job.ctx.rank, job.step)
+        log.info("rank=%d step=%d: %s: waiting for the last save's retention to remove the "
+                 "old steps", job.ctx.rank, job.step, _lacking(job))
         cf.wait([removals], timeout=limit)
     if job.keep_last is not None and job.ctx.is_coordinator and _short_of_room(job):
-        log.info("rank=0 step=%d: the disk lacks room for this step: removing now the steps "
-                 "keep_last=%d lets go of those there", job.step, job.keep_last)
+        log.info("rank=0 step=%d: %s: removing now the steps keep_last=%d lets go of those "
+                 "there", job.step, _lacking(job), job.keep_last)
         made: cf.Future[None] = cf.Future()
         _retain(job, reaper, made, before=True)
         cf.wait([made], timeout=limit)
@@ -892,8 +892,8 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
         # retention, or the removals above), which this rank cannot wait on: it watches
         # the room free, briefly (a review: rank 0 waited for room, rank 1's shard met the
         # full disk). A disk that stays full fails the write with ENOSPC, as before.
-        log.info("rank=%d step=%d: the disk lacks room for this step: waiting up to %.0f s for "
-                 "rank 0's retention to remove the old steps", job.ctx.rank, job.step, limit)
+        log.info("rank=%d step=%d: %s: waiting up to %.0f s for rank 0's retention to remove "
+                 "the old steps", job.ctx.rank, job.step, _lacking(job), limit)
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline and _short_of_room(job):
             time.sleep(0.05)
@@ -903,10 +903,22 @@ def _short_of_room(job: SaveJob) -> bool:
     """Whether the disk of the checkpoint has less room free than this step takes, with a
     margin (False where that cannot be known: a root that is no local path)."""
     free = _free_bytes(job.root)
-    # (+ the manifest: a few times the shard's header, which lists the same tensors; a
-    # flat 1 MiB undercounted one of 100,000 tensors, tens of MB)
-    return free is not None and free < job.plan.file_bytes + (1 << 20) + 4 * len(
-        job.plan.header)
+    return free is not None and free < _room_needed(job)
+
+
+def _room_needed(job: SaveJob) -> int:
+    """The room a step takes: its shard file, and its manifest with a margin (a few times
+    the shard's header, which lists the same tensors; a flat 1 MiB undercounted one of
+    100,000 tensors, tens of MB)."""
+    return job.plan.file_bytes + (1 << 20) + 4 * len(job.plan.header)
+
+
+def _lacking(job: SaveJob) -> str:
+    """The log's words for a disk short of room: the figures, margin said (an operator
+    read 'lacks room' with more free than the step's file)."""
+    free, need = _megabytes(_free_bytes(job.root) or 0, _room_needed(job))
+    return (f"the disk lacks room for this step ({free} free; it takes {need}: its shard "
+            "file, and its manifest with a margin)")
 
 
 def _free_bytes(root: Path) -> int | None:
@@ -1355,16 +1367,21 @@ def _room_said(job: SaveJob, exc: BaseException) -> str:
         exc.errno == errno.ENOSPC) else None
     if free is None:
         return ""
-    need = job.plan.file_bytes
-    digits = 1
-    while digits < 6 and f"{free / 1e6:.{digits}f}" == f"{need / 1e6:.{digits}f}" and free != need:
-        digits += 1  # (a trial read "4.2 MB free now; this step's file takes 4.2 MB")
-    said = (f" ({free / 1e6:.{digits}f} MB free now; this step's file takes "
-            f"{need / 1e6:.{digits}f} MB")
+    free_mb, need_mb = _megabytes(free, job.plan.file_bytes)
+    said = f" ({free_mb} free now; this step's file takes {need_mb}"
     if job.keep_last == 1:  # (no lower keep_last to advise)
         said += ("; keep_last=1 keeps one step besides the one being saved: the disk needs "
                  "room for two steps, or free space")
     return said + ")"
+
+
+def _megabytes(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` in MB, with the digits that tell them apart (a trial read "4.2 MB
+    free now; this step's file takes 4.2 MB")."""
+    digits = 1
+    while digits < 6 and f"{a / 1e6:.{digits}f}" == f"{b / 1e6:.{digits}f}" and a != b:
+        digits += 1
+    return f"{a / 1e6:.{digits}f} MB", f"{b / 1e6:.{digits}f} MB"
 
 
 def os_error_hint(exc: BaseException) -> str:
