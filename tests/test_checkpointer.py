@@ -4094,3 +4094,62 @@ def test_a_fallback_load_writes_no_mark_through_a_step_linked_out_of_the_root(
     assert torch.equal(got["w"], torch.arange(4.0) + 1)
     assert sorted(p.name for p in outside.iterdir()) == ["manifest.json", "rank_00000.safetensors"]
     assert "leads out of" in caplog.text, caplog.text
+
+
+_CLEAN_HOLDER = """\
+import sys
+from pathlib import Path
+from asyncckpt.storage import DirectoryLock
+lock = DirectoryLock(Path(sys.argv[1]), purpose="clean")
+assert lock.acquire()
+print("held", flush=True)
+sys.stdin.readline()
+lock.release()
+print("released", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(operations trial) While `asyncckpt clean` (a cron job) held the lock, a trainer
+    starting there failed its first save, told another process "is saving" there: it
+    waits for the clean, and one that holds on is named as what it is."""
+    import asyncckpt.checkpointer as C
+    from asyncckpt.storage import DirectoryLock
+
+    asyncckpt.save({"w": torch.zeros(4)}, tmp_path, step=1)
+
+    def hold() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-c", _CLEAN_HOLDER, str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        return p
+
+    def let_go(p: subprocess.Popen[str]) -> None:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+    holder = hold()
+    try:
+        assert DirectoryLock(tmp_path).holder_purpose() == "clean"
+        threading.Timer(0.5, let_go, (holder,)).start()
+        t0 = time.monotonic()
+        with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+            ck.save({"w": torch.ones(4)}, step=2)
+            assert time.monotonic() - t0 >= 0.4  # (it waited for the clean to end)
+            assert ck.steps() == [1, 2]
+    finally:
+        holder.communicate("go\n", timeout=30)
+    assert DirectoryLock(tmp_path).holder_purpose() == ""  # a save's lock names none
+    monkeypatch.setattr(C, "_CLEAN_WAIT_S", 0.3)
+    holder = hold()
+    try:
+        with pytest.raises(asyncckpt.CheckpointLockedError, match=(
+                rf"`asyncckpt clean` \(pid {holder.pid} on host .*\) has held "
+                rf"{re.escape(str(tmp_path))} for 0.3s, removing what earlier runs left there: "
+                "save again once it ends")):
+            asyncckpt.AsyncCheckpointer(tmp_path).save({"w": torch.ones(4)}, step=3)
+    finally:
+        holder.communicate("go\n", timeout=30)

@@ -1484,7 +1484,17 @@ class AsyncCheckpointer:
             # for that release a moment, then take it
             releasing = (other is None and holder == str(os.getpid())) or (
                 other is not None and other.draining is not None)
-            if releasing:
+            # `asyncckpt clean` (a cron job, an operator) holds it while it removes what
+            # killed runs left: seconds; a trainer starting meanwhile waits for it rather
+            # than fail its first save (it was told another process "is saving")
+            cleaning = other is None and self._lock.holder_purpose() == "clean"
+            if cleaning:
+                deadline = deadline or time.monotonic() + _CLEAN_WAIT_S
+                left = deadline - time.monotonic()
+                if left > 0:
+                    time.sleep(min(0.05, left))
+                    continue
+            elif releasing:
                 deadline = deadline or time.monotonic() + _DRAIN_GRACE_S
                 left = deadline - time.monotonic()
                 if left > 0:
@@ -1521,6 +1531,11 @@ class AsyncCheckpointer:
                     if here is False else "")
         host = self._lock.holder_host()
         on = f" on host {host}" if host is not None else ""
+        if cleaning:
+            raise CheckpointLockedError(
+                f"`asyncckpt clean` (pid {holder}{on}{namesake}) has held {self.directory} for "
+                f"{seconds_text(_CLEAN_WAIT_S)}, removing what earlier runs left there: save "
+                "again once it ends, or stop it")
         raise CheckpointLockedError(
             f"another process (pid {holder}{on}{namesake}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
@@ -1984,6 +1999,7 @@ def _release_when_done(lock: DirectoryLock, busy: Sequence[cf.Future[Any]]) -> N
 # How long a save waits for the lock a closed checkpointer's save in flight is about to
 # release (its future done, the release a callback away) before it says the directory is busy
 _DRAIN_GRACE_S = 1.0
+_CLEAN_WAIT_S = 30.0  # the longest a save waits for `asyncckpt clean` to release the lock
 
 # How long the coordinator's close() waits at most for the other ranks to read the verdict
 # on the last save (they poll for it every 0.1 s at most).

@@ -659,7 +659,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
         raise _Usage(f"{root} {where} of a checkpoint: pass the checkpoint root "
                      f"({around.parent}); clean removes what saves left beside the steps")
     storage = LocalStorage()
-    lock = DirectoryLock(real)
+    lock = DirectoryLock(real, purpose="clean")
     rows: list[dict[str, Any]] = []
     state: dict[str, Any] = {"held": False, "pid": None, "note": None, "host": None}
     if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does

@@ -265,8 +265,9 @@ class DirectoryLock:
 
     NAME = ".asyncckpt.lock"
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, purpose: str = ""):
         self.path = directory / self.NAME
+        self.purpose = purpose  # one word the lock file names, for another's error ("clean")
         self._fd: int | None = None
         self._pid = 0  # the process that took the lock
         # set by a closed checkpointer whose save in flight still holds it (a close() that
@@ -311,7 +312,8 @@ class DirectoryLock:
             os.ftruncate(fd, 0)
             # (and the host: trainers of many machines share one filesystem, where a pid
             # alone named no process a trial could find)
-            os.pwrite(fd, f"{os.getpid()}\n{_hostname()}\n".encode(errors="replace"), 0)
+            purpose = f"{self.purpose}\n" if self.purpose else ""
+            os.pwrite(fd, f"{os.getpid()}\n{_hostname()}\n{purpose}".encode(errors="replace"), 0)
         self._fd, self._pid = fd, os.getpid()
         self.freed.clear()
         _held_locks.add(self)
@@ -376,6 +378,12 @@ class DirectoryLock:
         words = self._written()
         return words[1] if len(words) > 1 else None
 
+    def holder_purpose(self) -> str:
+        """What the holder wrote it holds the lock for (its third line: "clean" for
+        ``asyncckpt clean``; "" for a save, or a lock file of a version that wrote none)."""
+        words = self._written()
+        return words[2] if len(words) > 2 else ""
+
     def _written(self) -> list[str]:
         # (not through a link, nor from a FIFO, on which a read would wait for ever: a
         # lock file planted as one of those holds no pid of ours)
@@ -384,7 +392,7 @@ class DirectoryLock:
             fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
-                    return os.pread(fd, 320, 0).decode(errors="replace").split()[:2]
+                    return os.pread(fd, 320, 0).decode(errors="replace").split()[:3]
             finally:
                 os.close(fd)
         return []
