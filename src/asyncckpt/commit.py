@@ -737,6 +737,9 @@ class StepsInUse:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._held: collections.Counter[int | None] = collections.Counter()
+        # steps a retention left for a load (here, or on another rank), which a later one
+        # removes beside its own: not the "several steps at once" of changed settings
+        self.deferred: set[int] = set()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[bool]:
@@ -760,10 +763,11 @@ class StepsInUse:
                 del self._held[step]
 
     def spare(self, doomed: list[int]) -> list[int]:
-        """The steps of ``doomed`` that no load holds (call with ``lock`` held)."""
-        if None in self._held:
-            return []
-        return [s for s in doomed if s not in self._held]
+        """The steps of ``doomed`` that no load holds (call with ``lock`` held); the others
+        are noted as ``deferred``."""
+        free = [] if None in self._held else [s for s in doomed if s not in self._held]
+        self.deferred.update(set(doomed) - set(free))
+        return free
 
 
 def hide_step(root: Path, step: int, storage: Storage) -> Path:

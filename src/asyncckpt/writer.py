@@ -806,6 +806,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                         job.known.keep_files(listed)
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
+                        job.in_use.deferred.add(s)
                         continue
                     try:
                         hidden.append((s, commit.hide_step(job.root, s, job.storage)))
@@ -950,7 +951,11 @@ def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
         usual = 1 + (job.keep_best is not None)
-        if len([s for s in removed if s not in job.damaged and s not in marked]) > usual:
+        with job.in_use.lock:  # (left for a load before: see StepsInUse.deferred)
+            late = job.in_use.deferred.intersection(s for s, _ in hidden)
+            job.in_use.deferred.difference_update(late)
+        if len([s for s in removed if s not in job.damaged and s not in marked
+                and s not in late]) > usual:
             # A save removes one step as a rule, and one more with keep_best (a best step
             # it displaced). More at once are those of a run saved with other settings (a
             # restart that dropped keep_every lost its milestones), or, without a word of
