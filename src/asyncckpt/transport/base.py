@@ -276,10 +276,17 @@ class LiveSource(FileSource):
         with self._lock:
             return self._view(key)
 
-    def views(self) -> list[memoryview]:
-        """Every planned tensor's bytes, in the plan's order (one lock for all of them)."""
+    def views(self, stop: threading.Event | None = None) -> list[memoryview]:
+        """Every planned tensor's bytes, in the plan's order (one lock for all of them);
+        ``_Stopped`` once ``stop`` is set (checked before each tensor: one on an
+        accelerator is copied here)."""
         with self._lock:
-            return [self._view(it.key) for it in self.plan.items]
+            out = []
+            for it in self.plan.items:
+                if stop is not None and stop.is_set():
+                    raise _Stopped
+                out.append(self._view(it.key))
+            return out
 
     def _view(self, key: str) -> memoryview:
         mv = self._bytes.get(key)
@@ -312,6 +319,10 @@ class LiveSource(FileSource):
 
     def read(self, offset: int, n: int) -> memoryview:
         return memoryview(b"".join(self.pieces(offset, n)))
+
+
+class _Stopped(Exception):
+    """Work on a served state stopped: its offer was cut off."""
 
 
 @dataclass
@@ -444,7 +455,14 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
         transfer starts. Each thread hashes at least _HASH_SPAN bytes: the threads of a
         state of many small tensors would only take turns at the GIL between them (16,000
         tensors: 2 threads took longer than 1)."""
-        views = source.views()
+        def cut_off() -> CheckpointTransportError:  # disallowed: the tensors may change now
+            return CheckpointTransportError(
+                f"step {step}: serving was cut off while checksumming the live state")
+
+        try:
+            views = source.views(cancelled)
+        except _Stopped:
+            raise cut_off() from None
         bb, xxh = block_bytes, xxhash.xxh3_64_hexdigest
         total = sum(map(len, views))
         n = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(views), total // _HASH_SPAN))
@@ -459,9 +477,8 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
         def run(lo: int, hi: int) -> list[list[str]]:
             out = []
             for v in views[lo:hi]:
-                if cancelled.is_set():  # disallowed: the tensors may be changing now
-                    raise CheckpointTransportError(
-                        f"step {step}: serving was cut off while checksumming the live state")
+                if cancelled.is_set():
+                    raise cut_off()
                 out.append([xxh(v)] if len(v) <= bb else block_checksums(v, bb))
             return out
 
