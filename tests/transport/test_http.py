@@ -1926,6 +1926,36 @@ def test_disallow_cuts_off_a_slow_transfer_before_returning() -> None:
         tr.shutdown()
 
 
+def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
+        transports: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """(torchft trial) A sender that ran optimizer.step() after send_checkpoint and before
+    any receiver asked: the checksums, computed at the first request, agreed with the
+    changed tensors, and the receiver took the next step's weights as this step's."""
+    srv = transports(token=TOKEN)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "step": 5}
+    srv.send_checkpoint([1], 5, state, 10.0)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # the bug in the sender's loop: before disallow_checkpoint()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            pytest.raises(CheckpointTransportError, match=(
+                r"HTTP 409: step 5: the sender changed tensor\(s\) 'model/weight', "
+                r"'model/bias' in place after send_checkpoint offered them \(an "
+                r"optimizer.step\(\) before disallow_checkpoint\(\)\?\)")):
+        fetch(srv, 5)
+    assert "the sender changed tensor(s) 'model/weight'" in caplog.text  # the sender's log
+    with pytest.raises(CheckpointTransportError, match="HTTP 409"):
+        fetch(srv, 5)  # (the same answer again)
+    srv.send_checkpoint([1], 6, {"model": model.state_dict(), "step": 6}, 10.0)
+    got = fetch(srv, 6)  # offered again: served
+    assert torch.equal(got["model"]["weight"], model.weight.detach())
+    with torch.inference_mode():  # (no version counter to compare: served as it is)
+        frozen = {"w": torch.ones(3)}
+    srv.send_checkpoint([1], 7, frozen, 10.0)
+    assert torch.equal(fetch(srv, 7)["w"], torch.ones(3))
+
+
 def test_disallow_stops_checksumming_live_tensors() -> None:
     # A manifest request makes the server checksum the live tensors; a disallow whose
     # grace time runs out stops that at the next tensor.

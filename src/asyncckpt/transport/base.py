@@ -14,6 +14,7 @@ import bisect
 import concurrent.futures as cf
 import errno
 import itertools
+import logging
 import os
 import select
 import socket
@@ -43,6 +44,7 @@ from ..storage import LocalStorage, open_regular
 from ..tree import FlatState, flatten
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _PIECE = 8 * 1024 * 1024
 _GATHER = 1024 * 1024  # small pieces (a state's many small tensors) go out in one sendmsg
@@ -321,6 +323,30 @@ class LiveSource(FileSource):
         return memoryview(b"".join(self.pieces(offset, n)))
 
 
+class StateChanged(CheckpointTransportError):
+    """Live tensors offered with ``send_checkpoint`` changed in place before a receiver
+    asked for them: the offer is refused (its receivers are told why)."""
+
+    def __init__(self, step: int, keys: Sequence[str]):
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        super().__init__(
+            f"step {step}: the sender changed tensor(s) {', '.join(map(repr, keys[:3]))}{more} "
+            "in place after send_checkpoint offered them (an optimizer.step() before "
+            "disallow_checkpoint()?): the offer is refused, as what it would serve is no "
+            "longer that step's state; the sender must leave its tensors unchanged until "
+            "disallow_checkpoint() returns, and offer again")
+        self.step, self.keys = step, list(keys)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (in-place changes torch saw); None for a tensor that keeps
+    none (made under inference_mode)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
 class _Stopped(Exception):
     """Work on a served state stopped: its offer was cut off."""
 
@@ -445,10 +471,12 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
+        offered = [(key, t, _version(t)) for key, t in flat.tensors.items()]
     source = LiveSource(plan, dict(flat.tensors))
     lock = threading.Lock()
     cache: list[bytes] = []
     cancelled = threading.Event()
+    refused: list[StateChanged] = []
 
     def checksums() -> list[list[str]]:
         """Every item's block checksums: a recovering peer waits for them before its
@@ -494,9 +522,22 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
 
     def manifest() -> bytes:
         with lock:
+            if refused:
+                raise refused[0]
             if not cache:
                 with gc_paused():  # (a list per tensor, then the manifest's text)
                     sums = checksums()
+                    # Hashed as they are now, not as they were offered: a change since the
+                    # offer (an optimizer.step() before disallow_checkpoint) would be served
+                    # as the step's state, its checksums agreeing. The version counters tell
+                    # what torch saw change in place; a change after this shows as a
+                    # checksum mismatch at the receiver.
+                    changed = [key for key, t, v in offered
+                               if v is not None and _version(t) != v]
+                    if changed:
+                        refused.append(StateChanged(step, changed))
+                        log.warning("%s", refused[0])  # (the sender's log: its loop is amiss)
+                        raise refused[0]
                     cache.append(live_manifest(plan, flat, sums, step=step,
                                                block_bytes=block_bytes,
                                                library_version=library_version))

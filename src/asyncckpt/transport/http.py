@@ -53,6 +53,7 @@ from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
     Served,
+    StateChanged,
     StepNotOffered,
     check_state_dict_fn,
     seconds,
@@ -1087,7 +1088,10 @@ class _Handler(BaseHTTPRequestHandler):
         served, ticket = got
         try:
             if what == MANIFEST_NAME:
-                body = served.manifest()
+                try:
+                    body = served.manifest()
+                except StateChanged as exc:
+                    return self._refuse(409, str(exc))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
