@@ -977,7 +977,7 @@ def test_inspect_counts_a_stateful_roots_scalars_as_its_own(
     """Scalars of a stateful object are its own, not loose ones: the root one too."""
     asyncckpt.save(_Stateful(), tmp_path / "root", step=1)
     asyncckpt.save({"opt": _Stateful(), "epoch": 3}, tmp_path / "nested", step=1)
-    for where, loose in (("root", ""), ("nested", " (epoch=3)")):
+    for where, loose in (("root", ""), ("nested", " (1 outside the objects: epoch=3)")):
         code, out, _ = run(capsys, "inspect", str(tmp_path / where))
         line = next(ln for ln in out.splitlines() if ln.startswith("non-tensor state"))
         assert code == 0 and line.startswith(f"non-tensor state: {2 if loose else 1} "

@@ -207,9 +207,15 @@ def test_export_prefix_and_strip(sharded: tuple[Path, dict[str, Any]], tmp_path:
     for k, t in want.items():
         assert_exact(got[k.removeprefix("model/")], t, k)
     assert "layers.0.weight" in stdout and "wrote" in stdout
+    head = stdout.splitlines()[0].split()
+    assert head == ["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], head  # (names renamed)
+    assert "model/layers.0.weight" in stdout
 
     kept = tmp_path / "kept.safetensors"
-    assert export(str(root), str(kept), "--prefix", "model/layers.")[0] == 0
+    code, stdout, _ = export(str(root), str(kept), "--prefix", "model/layers.")
+    assert code == 0
+    # no name differs from its key: no FROM column, always empty (a user trial)
+    assert stdout.splitlines()[0].split() == ["NAME", "DTYPE", "SHAPE", "BYTES"], stdout
     assert sorted(load_file(kept)) == ["model/layers.0.bias", "model/layers.0.weight",
                                        "model/layers.1.weight"]
     # a prefix without the slash still gives clean names

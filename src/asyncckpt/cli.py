@@ -915,6 +915,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
              if not any(o == "" or s["path"] == o or s["path"].startswith(o + "/")
                         for o in owned)]  # ("": a stateful root owns every path)
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
+    if shown and len(loose) < len(skel["scalars"]):  # (the rest are the objects' own)
+        shown = f"{len(loose)} outside the objects: {shown}"
     _out(_shown(f"non-tensor state: {len(skel['scalars'])} scalars"
                 + (f" ({shown})" if shown else "") + (f"; objects {classes}" if classes else "")))
     if doc["user_metadata"]:
@@ -1202,7 +1204,10 @@ def cmd_export(args: argparse.Namespace) -> int:
              str(list(t.shape)), str(t.nbytes), "" if t.name == t.key else t.key]
             for t in report.tensors]
     if rows:
-        _out(_table(["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"], rows, right=(3,)))
+        head = ["NAME", "DTYPE", "SHAPE", "BYTES", "FROM"]
+        if not any(r[4] for r in rows):  # (no name differs from its key: an empty column)
+            head, rows = head[:4], [r[:4] for r in rows]
+        _out(_table(head, rows, right=(3,)))
     for alias, name in report.aliases.items():
         _out(f"{_shown(alias)}: tied to {_shown(name)} (written once)")
     gbps = report.tensor_bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
