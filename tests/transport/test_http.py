@@ -5,6 +5,7 @@ corruption and dying servers, retries, binding, AsyncCheckpointer.serve and the
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -1507,6 +1508,81 @@ def test_disallow_cuts_off_a_stalled_receiver_but_not_a_slow_one(
     assert len(body) == n  # whole: a reader that moves is not cut off
 
 
+def _slowed_fetch(monkeypatch: pytest.MonkeyPatch, pause: Callable[[int], float]
+                  ) -> threading.Event:
+    """Make every read of a client fetch sleep ``pause(n)`` s first (n: reads so far);
+    returns an event set at the first read."""
+    real = HTTPStorage._fetch
+    began = threading.Event()
+    count = itertools.count()
+
+    def slow(self: HTTPStorage, fd: int, views: Any, offset: int) -> int:
+        began.set()
+        time.sleep(pause(next(count)))
+        return real(self, fd, views, offset)
+
+    monkeypatch.setattr(HTTPStorage, "_fetch", slow)
+    return began
+
+
+def test_disallow_lets_a_fetch_in_progress_finish(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(torchft trial) disallow_checkpoint() waited only for the range request in flight:
+    the fetch's next request waited for an allow that never came, and the receiver failed
+    at its timeout, though it was only slow. The fetch's later requests are served until
+    it ends (its "done"), within the transport's timeout."""
+    srv = transports(token=TOKEN, timeout=30.0)
+    state = {f"t{i}": torch.randn(1 << 19) for i in range(8)}  # 8 x 2 MiB: several ranges
+    srv.send_checkpoint([1], 1, state, 10.0)
+    began = _slowed_fetch(monkeypatch, lambda n: 0.1)
+    got: dict[str, Any] = {}
+    receiver = threading.Thread(target=lambda: got.update(
+        r=fetch(srv, 1, timeout=20.0, num_chunks=1)))
+    receiver.start()
+    assert began.wait(20)
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    receiver.join(30)
+    assert "r" in got, "the receive failed"
+    assert_state(got["r"], state)
+    assert 0.3 < took < 15, took  # (it waited for the fetch, which took ~1 s)
+    assert not srv._fetches  # its "done" came: nothing is kept of it
+    with pytest.raises(CheckpointTimeoutError):
+        fetch(srv, 1, timeout=1.0)  # a new fetch is refused: nothing is allowed now
+
+
+def test_disallow_waits_for_no_fetch_that_stopped_asking(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch whose receiver asked for nothing for STALL_S (stopped, or gone without a
+    "done") holds disallow_checkpoint() no longer; its later requests are refused."""
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "STALL_S", 0.5)
+    srv = transports(token=TOKEN, timeout=30.0)
+    state = {f"t{i}": torch.randn(1 << 19) for i in range(8)}
+    srv.send_checkpoint([1], 1, state, 10.0)
+    began = _slowed_fetch(monkeypatch, lambda n: 3.0 if n == 2 else 0.0)
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            fetch(srv, 1, timeout=5.0, num_chunks=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    assert began.wait(20)
+    time.sleep(0.3)  # (into its pause)
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    receiver.join(30)
+    assert took < 2.5, took  # not the fetch's 3 s pause, nor the 30 s timeout
+    assert errors and isinstance(errors[0], CheckpointTimeoutError), errors
+
+
 def test_a_transfer_with_nothing_unsent_is_no_stalled_receiver(
         transports: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -2855,10 +2931,14 @@ def test_a_fetch_out_of_time_before_its_watchdog_says_so_is_a_timeout(
 
 
 def test_a_fetch_held_back_by_a_withdrawn_step_says_so_at_its_timeout(
-        transports: Any) -> None:
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # The peer answered the fetch's first requests, then disallowed the step: it holds
     # the next range request until the step is allowed again. At the fetch's timeout
-    # that was told as "the peer stalls or sends too slowly".
+    # that was told as "the peer stalls or sends too slowly". (The disallow waits for
+    # the fetch while it goes on: here it asks nothing for STALL_S, and is not waited for.)
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "STALL_S", 0.2)
     srv = transports(token=TOKEN)
     srv.send_checkpoint([1], 4, state_of(), 10.0)
     peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=5.0, deadline_s=1.0)

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import select
 import socket
 import struct
@@ -66,7 +67,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PATH = re.compile(r"/v1/(0|[1-9][0-9]{0,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128})")
+_PATH = re.compile(
+    r"/v1/(0|[1-9][0-9]{0,18})/(manifest\.json|files/[A-Za-z0-9_.-]{1,128}|done)")
+_FETCH = "Asyncckpt-Fetch"  # the header naming the fetch a request belongs to
+_FETCH_ID = re.compile(r"[0-9a-f]{16,64}")
+_MAX_FETCHES = 1024  # fetches a server keeps track of at most (the oldest go first)
 _CURRENT = "/v1/current"
 # (RFC 9110 14.1.1: first-last, first- (the rest) or -suffix (the last bytes); one range)
 _RANGE = re.compile(r"bytes=(?:([0-9]{1,18})-([0-9]{1,18})?|-([0-9]{1,18}))")
@@ -88,6 +93,7 @@ _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
 _BACKOFF_MAX_S = 1.0  # the pauses double up to this
 _HANGUP_CHECK_S = 0.25  # a request waiting for a step checks this often that its client is there
+_DONE_WAIT_S = 2.0  # at most, for the peer to take a fetch's "done"
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
@@ -283,6 +289,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._closed = False  # shutdown() has begun: requests and offers are refused
         self._mixed = False  # offers of two origins met (warned of once)
         self._serving: dict[int, tuple[socket.socket, Served]] = {}  # ticket -> transfer
+        # Fetches (a receiver's requests, from its manifest to its "done") of the offers,
+        # with when each was last seen: a disallow_checkpoint() lets those of the offer
+        # it stops finish (their next requests too), not just the requests in flight.
+        self._fetches: dict[str, tuple[Served, float]] = {}
+        self._draining: Served | None = None  # the offer a disallow lets fetches finish
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
         host = _bare_host(host, "host")
@@ -452,7 +463,12 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             self._allowed = None
             self._disallows += 1
-            self._drain(None, self.timeout_s, "disallow_checkpoint")
+            self._draining = self._offered
+            try:
+                self._drain(None, self.timeout_s, "disallow_checkpoint")
+            finally:
+                self._draining = None
+                self._forget_fetches(lambda srv: True)
 
     def withdraw(self, retired: str | None = None) -> None:
         """Stop serving, then forget the offer: its step cannot be allowed again, and the
@@ -542,6 +558,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         def running() -> list[tuple[socket.socket, Served]]:
             return [v for v in self._serving.values() if served is None or v[1] is served]
 
+        def busy() -> bool:  # requests in flight, or (a disallow) fetches not ended yet
+            return bool(running() or self._fetching())
+
         # A transfer whose receiver has taken no byte for STALL_S (stopped, SIGSTOPped,
         # cut off by the network) is cut off before the grace ends: disallow_checkpoint(),
         # which torchft calls on the training thread, waited all of the timeout for one
@@ -549,9 +568,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline = time.monotonic() + grace_s
         acked: dict[socket.socket, tuple[int, float]] = {}
         cut: set[socket.socket] = set()
-        while running():
+        while busy():
             left = deadline - time.monotonic()
-            if left <= 0 or self._cond.wait_for(lambda: not running(), min(left, 0.25)):
+            if left <= 0 or self._cond.wait_for(lambda: not busy(), min(left, 0.25)):
                 break
             if grace_s <= STALL_S:
                 continue
@@ -572,6 +591,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
         if not running():
+            if self._fetching():
+                log.warning("%s: %d fetches did not end within %gs: their later requests "
+                            "are refused", who, len(self._fetching()), grace_s)
             return
         log.warning("%s: cutting off %d transfers still running after %gs", who,
                     len(running()), grace_s)
@@ -589,21 +611,60 @@ class HTTPTransport(CheckpointTransport[Any]):
             served.close()
         threading.Thread(target=close, daemon=True).start()
 
-    def _acquire(self, step: int, sock: socket.socket) -> tuple[Served, int] | int | None:
-        """Wait until ``step`` may be served. Returns the offer and the ticket to
-        ``_release``; or the step that is served instead, None when nothing is on offer.
-        ``_ClientGone`` when the client on ``sock`` hangs up meanwhile."""
+    def _acquire(self, step: int, sock: socket.socket, fetch: str | None = None
+                 ) -> tuple[Served, int] | int | None:
+        """Wait until ``step`` may be served (to ``fetch``: its own, a request of a
+        fetch that began before a disallow_checkpoint that still waits for it). Returns
+        the offer and the ticket to ``_release``; or the step that is served instead,
+        None when nothing is on offer. ``_ClientGone`` when the client on ``sock`` hangs
+        up meanwhile."""
         with self._cond:
-            allowed = self._wait_allowed(sock, step)
+            allowed = self._wait_allowed(sock, step, fetch)
             if self._offered is None:
                 return None
             if allowed != step:
                 return allowed
             ticket = next(self._tickets)
             self._serving[ticket] = (sock, self._offered)
+            if fetch is not None:
+                self._seen(fetch, self._offered)
             return self._offered, ticket
 
-    def _wait_allowed(self, sock: socket.socket, step: int | None = None) -> int:
+    def _seen(self, fetch: str, served: Served) -> None:
+        """Note a request of ``fetch`` for ``served``. Call with ``self._cond`` held."""
+        if fetch not in self._fetches and len(self._fetches) >= _MAX_FETCHES:
+            self._fetches.pop(min(self._fetches, key=lambda f: self._fetches[f][1]))
+        self._fetches[fetch] = (served, time.monotonic())
+
+    def _finishing(self, fetch: str | None, step: int | None) -> bool:
+        """Whether ``fetch`` began on the offer a disallow_checkpoint() is draining, and
+        may go on (its receiver asked or took something within STALL_S). Call with
+        ``self._cond`` held."""
+        seen = self._fetches.get(fetch) if fetch is not None else None
+        served = self._draining
+        return (seen is not None and served is not None and seen[0] is served
+                and served is self._offered and served.step == step
+                and time.monotonic() - seen[1] < STALL_S)
+
+    def _fetching(self) -> list[str]:
+        """The fetches a disallow_checkpoint() in progress waits for. Call with
+        ``self._cond`` held."""
+        return [f for f in self._fetches if self._finishing(f, self._offered.step)] \
+            if self._draining is not None and self._offered is not None else []
+
+    def _forget_fetches(self, which: Callable[[Served], bool]) -> None:
+        for f in [f for f, (srv, _) in self._fetches.items() if which(srv)]:
+            del self._fetches[f]
+
+    def _fetch_done(self, fetch: str) -> None:
+        """The receiver of ``fetch`` is done (or gave up): a disallow waits for it no
+        longer."""
+        with self._cond:
+            if self._fetches.pop(fetch, None) is not None:
+                self._cond.notify_all()
+
+    def _wait_allowed(self, sock: socket.socket, step: int | None = None,
+                      fetch: str | None = None) -> int:
         """The allowed step, once there is one; TimeoutError after the timeout,
         CheckpointClosedError once shutdown() has begun, ``_ClientGone`` once the client
         on ``sock`` has hung up (checked every ``_HANGUP_CHECK_S``: a client that gave
@@ -613,6 +674,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         deadline = time.monotonic() + self.timeout_s
         while self._allowed is None:
             self._check_open("serving a request")
+            if self._finishing(fetch, step):
+                assert step is not None
+                return step
             if self._failed is not None and (self._failed[0] == step or (
                     step is None and not self._sending)):
                 # (a request for "the step on offer" too, unless another send is laying
@@ -633,9 +697,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             return self._wait_allowed(sock)
 
-    def _release(self, ticket: int) -> None:
+    def _release(self, ticket: int, fetch: str | None = None) -> None:
         with self._cond:
-            del self._serving[ticket]
+            _, served = self._serving.pop(ticket)
+            if fetch is not None and fetch in self._fetches:
+                self._seen(fetch, served)
             self._cond.notify_all()
 
     def _authorized(self, header: str | None) -> bool:
@@ -1069,8 +1135,17 @@ class _Handler(BaseHTTPRequestHandler):
         if m is None:
             return self._refuse(404, _NO_SUCH_RESOURCE)
         step, what = int(m.group(1)), m.group(2)
+        fetch = self.headers.get(_FETCH)
+        if fetch is not None and not _FETCH_ID.fullmatch(fetch):
+            fetch = None  # (not one of ours: the request is served as one of no fetch)
+        if what == "done":  # the fetch ended: a disallow waits for it no longer
+            if fetch is not None:
+                tr._fetch_done(fetch)
+            self.send_response(204)
+            self.end_headers()
+            return None
         try:
-            got = tr._acquire(step, self.connection)
+            got = tr._acquire(step, self.connection, fetch)
         except _Retired as exc:
             return self._refuse(404, f"step {step} is not being served: {exc}")
         except _ClientGone:
@@ -1137,7 +1212,7 @@ class _Handler(BaseHTTPRequestHandler):
             if send_body:
                 source.send(self.connection, lo, hi - lo)
         finally:
-            tr._release(ticket)
+            tr._release(ticket, fetch)
 
 
 def _printable(text: str) -> str:
@@ -1240,6 +1315,10 @@ class HTTPStorage:
         self.retries = retries
         token = _check_token(token)
         self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        # every request names the fetch: a disallow_checkpoint() lets it finish
+        self._fetch_id = secrets.token_hex(8)
+        self._headers[_FETCH] = self._fetch_id
+        self._said_done = False
         self._local = threading.local()
         self._names: list[str] = []
         self._sizes: dict[str, int] = {}  # by file name: a file is opened more than once
@@ -1805,8 +1884,36 @@ class HTTPStorage:
                     self._conns.remove(c)
 
     def close_all(self) -> None:
+        if self._answered and self._cancelled is None and not self._expired and (
+                not self._said_done):
+            self._said_done = True
+            self._say_done()
         self._closed.set()
         with self._lock:
             for c in self._conns:
                 c.close()
             self._conns.clear()
+
+    def _say_done(self) -> None:
+        """Tell the peer this fetch is over, so that a disallow_checkpoint() there waits
+        for it no longer: on this thread's connection where it is free, else on a new one
+        (best effort, briefly: a peer that is gone, or of a version that knows no such
+        request, answers nothing that matters)."""
+        self._drop_stream(keep=True)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        for c in (conn, None):
+            c = c or http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
+            try:
+                if c.sock is not None:
+                    c.sock.settimeout(_DONE_WAIT_S)
+                c.request("GET", self._url("done"), headers=self._headers)
+                c.getresponse().read(4096)
+                return
+            except (OSError, http.client.HTTPException) as exc:
+                log.debug("telling %s that fetch %s is over failed: %s", self.where,
+                          self._fetch_id, exc)
+            finally:
+                if c is not conn:
+                    c.close()
+            if conn is None:
+                return
