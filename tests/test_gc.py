@@ -181,3 +181,64 @@ def test_a_child_forked_inside_its_own_pause_resumes_when_the_pause_ends() -> No
     finally:
         os.close(r)
     assert gc.isenabled()
+
+
+def _young_collections(fn: Callable[[], T]) -> tuple[T, list[int]]:
+    """``fn()``, and the generations of the collections that started on this thread
+    meanwhile."""
+    me = threading.get_ident()
+    seen: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and threading.get_ident() == me:
+            seen.append(info["generation"])
+
+    gc.callbacks.append(note)
+    try:
+        return fn(), seen
+    finally:
+        gc.callbacks.remove(note)
+
+
+def test_a_settled_pause_leaves_its_objects_to_no_young_collection() -> None:
+    """The objects a pause made that live on were collected young by the first
+    allocation after it (a save of 20,000 tensors: 20-30 ms of the caller's right after
+    save_async, 130 ms at times); settled, they are taken for long-lived at once."""
+    kept: list[object] = []
+
+    def burst(settle: bool) -> None:
+        with gc_paused(settle=settle):
+            kept.extend([i] for i in range(20000))  # (lists: tracked objects)
+        [[j] for j in range(10)]  # the allocations that follow
+
+    gc.collect()
+    _, seen = _young_collections(lambda: burst(False))
+    assert seen, "no collection of the burst (the test shows nothing)"
+    gc.collect()
+    _, seen = _young_collections(lambda: burst(True))
+    assert seen == []
+    assert gc.get_freeze_count() == 0 and len(kept) == 40000  # nothing left frozen
+    # a caller's own frozen objects stay frozen: no settling then
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        _, seen = _young_collections(lambda: burst(True))
+        assert gc.get_freeze_count() > frozen // 2 and seen  # (not thawed: 0 then)
+    finally:
+        gc.unfreeze()
+
+
+def test_save_async_leaves_its_objects_to_no_collection_on_the_callers_thread(
+        tmp_path: os.PathLike[str]) -> None:
+    import torch
+
+    import asyncckpt
+
+    state = {f"t{i}": torch.zeros(2) for i in range(3000)}
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        ck.save(state, step=1)
+        for step in (2, 3):
+            gc.collect()
+            fut, seen = _young_collections(lambda s=step: ck.save_async(state, step=s))
+            fut.wait()
+            assert seen == [], seen

@@ -499,7 +499,7 @@ class AsyncCheckpointer:
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:
             # not over the wait for the previous save above, nor (mode="sync") the write.
-            paused.enter_context(gc_paused())
+            paused.enter_context(gc_paused(settle=True))
             flat = flatten(state)
             apply_shards(flat, shards)
             if shards and not ctx.distributed:
