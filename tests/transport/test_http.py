@@ -3149,3 +3149,20 @@ def test_a_failed_send_checkpoint_takes_the_step_on_offer_before_with_it(
     assert time.monotonic() - t0 < 10
     with pytest.raises(CheckpointNotFoundError, match="nothing is on offer"):
         srv.allow_checkpoint(3)
+
+
+def test_a_fetch_from_a_peer_that_shut_down_says_nothing_listens_there(
+        transports: Any) -> None:
+    """(torchft trial) A receiver whose peer had shut its server down was told only
+    "failed after 4 attempts: [Errno 111] Connection refused"."""
+    srv = transports(token=TOKEN)
+    address = srv.address()
+    srv.shutdown()
+    client = HTTPTransport(token=TOKEN, timeout=10.0)
+    try:
+        with pytest.raises(CheckpointTransportError, match=(
+                r"Connection refused \(nothing listens there: the peer shut its server down "
+                r"or exited, or the address is wrong\)")):
+            client.recv_checkpoint(0, address, 1, 10.0)
+    finally:
+        client.shutdown()

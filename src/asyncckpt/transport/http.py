@@ -1615,9 +1615,11 @@ class HTTPStorage:
             raise CheckpointTimeoutError(
                 f"fetching {self._url(what)} from {self.where}: the server stayed "
                 f"full for {seconds_text(self.timeout_s)}: {last}") from last
+        gone = (" (nothing listens there: the peer shut its server down or exited, or "
+                "the address is wrong)" if isinstance(last, ConnectionRefusedError) else "")
         raise CheckpointTransportError(
             f"fetching {self._url(what)} from {self.where} failed after "
-            f"{self.retries + 1} attempts: {last}") from last
+            f"{self.retries + 1} attempts: {last}{gone}") from last
 
     # ReadStorage -------------------------------------------------------------------------
 
