@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sysconfig
 import threading
 from collections.abc import Iterator
 
@@ -12,6 +13,8 @@ _lock = threading.RLock()  # reentrant: a signal handler may pause on a thread h
 _depth = 0  # pauses in progress, on any thread
 _resume = False  # whether the collector was enabled when the first of them began
 _settle = False  # a pause in progress asked for its objects to be settled (gc_paused)
+# (where freeze and unfreeze walk the whole heap, stopping the world: free-threaded builds)
+_CAN_SETTLE = not sysconfig.get_config_var("Py_GIL_DISABLED")
 _held: dict[int, int] = {}  # pauses in progress by thread: a forked child keeps its own
 
 
@@ -31,9 +34,14 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
     with _lock:
         if _depth == 0:
             _resume = gc.isenabled()
+            if settle and _resume and _CAN_SETTLE and gc.get_freeze_count() == 0:
+                # the caller's young objects first, collected young as they would be
+                # (their garbage must not be settled with the pause's objects: it would
+                # wait for a full collection); a few hundred objects at most, as a rule
+                gc.collect(1)
             gc.disable()
         _depth += 1
-        _settle = _settle or settle  # (for the last pause to end, whichever it is)
+        _settle = _settle or (settle and _CAN_SETTLE)  # (for the last pause to end)
         _held[me] = _held.get(me, 0) + 1
     try:
         yield
@@ -51,7 +59,8 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
                     # would: freeze and unfreeze move lists, and reset the count whose
                     # excess had the first allocation after this collect them (20,000
                     # tensors: 20-30 ms of the caller's right after each save, 130 ms
-                    # at times). Not where the caller froze objects of its own (gc.freeze
+                    # at times). The caller's young objects were collected as the pause
+                    # began. Not where the caller froze objects of its own (gc.freeze
                     # before a fork): unfreeze would thaw those too.
                     gc.freeze()
                     gc.unfreeze()

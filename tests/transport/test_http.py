@@ -1583,6 +1583,61 @@ def test_disallow_waits_for_no_fetch_that_stopped_asking(
     assert errors and isinstance(errors[0], CheckpointTimeoutError), errors
 
 
+def test_a_stalled_fetch_holds_disallow_for_stall_s_once(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) A fetch whose transfer was cut off as stalled counted that transfer's end
+    as a sign of life: the disallow waited STALL_S more for a receiver judged stuck."""
+    import asyncckpt.transport.http as http_module
+
+    if http_module._bytes_acked(socket.socket()) is None:
+        pytest.skip("this system's TCP_INFO has no tcpi_bytes_acked (Linux 4.1+)")
+    monkeypatch.setattr(http_module, "STALL_S", 1.0)
+    srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30)
+    srv.send_checkpoint([1], 1, {"w": torch.randn(8 << 20)}, 10.0)
+    sock = _hold_a_transfer(srv, 1, fetch="ab" * 8)
+    try:
+        assert list(srv._fetches) == ["ab" * 8]
+        t0 = time.monotonic()
+        srv.disallow_checkpoint()
+        took = time.monotonic() - t0
+        assert 0.9 < took < 1.9, took  # (2 STALL_S before)
+        assert not srv._fetches
+    finally:
+        sock.close()
+
+
+def test_the_server_keeps_no_fetch_of_an_offer_gone(transports: Any) -> None:
+    """(review) The fetches the server tracked held their offers (a live state's CPU
+    copies, a checkpointer's arena) until a disallow, which ckpt.serve never calls."""
+    srv = transports(token=TOKEN)
+    for step in (1, 2, 3):
+        srv.send_checkpoint([1], step, {"w": torch.ones(1 << 10)[::2]}, 10.0)
+        storage = HTTPStorage(srv.address(), step, token=TOKEN, timeout_s=10.0)
+        fd = storage.open_read(Path(FILE))
+        assert storage.file_size(fd) > 0  # (a request of the fetch: tracked)
+        assert [served.step for served, _ in srv._fetches.values()] == [step]
+        storage._said_done = True  # (abandoned: no "done" will come)
+        storage.close_all()
+    srv.withdraw()
+    assert not srv._fetches
+
+
+def test_a_failed_fetch_still_says_done(transports: Any) -> None:
+    """(review) A fetch that failed on bad bytes sent no "done": the sender's
+    disallow_checkpoint() then waited STALL_S for a receive that had already failed."""
+    srv = transports(token=TOKEN)
+    state = {"a": torch.randn(1000), "victim": torch.randn(50000)}
+    probe = serve_state(7, state, block_bytes=1 << 16, library_version="test")
+    lo, hi = parse_manifest(probe.manifest(), "m").tensors["victim"].chunks[0].byte_range
+    srv.serve(wrapped(state, 7, lambda src: FlipOneByte(src, (lo + hi) // 2)))
+    with pytest.raises(CheckpointCorruptError):
+        fetch(srv, 7)
+    assert not srv._fetches
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_a_transfer_with_nothing_unsent_is_no_stalled_receiver(
         transports: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -1620,13 +1675,14 @@ def test_a_transfer_with_nothing_unsent_is_no_stalled_receiver(
         s_.close()
 
 
-def _hold_a_transfer(srv: HTTPTransport, step: int) -> socket.socket:
-    """A peer that asks for the whole file of ``step`` and reads nothing: its transfer
-    runs (the socket buffers full) until it is cut off."""
+def _hold_a_transfer(srv: HTTPTransport, step: int, fetch: str = "") -> socket.socket:
+    """A peer that asks for the whole file of ``step`` (as part of ``fetch``, if given)
+    and reads nothing: its transfer runs (the socket buffers full) until it is cut off."""
     sock = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    named = f"Asyncckpt-Fetch: {fetch}\r\n" if fetch else ""
     sock.sendall(f"GET /v1/{step}/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
-                 "\r\n".encode())
+                 f"{named}\r\n".encode())
     deadline = time.monotonic() + 10
     while not srv._serving and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -2030,6 +2086,12 @@ def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
         frozen = {"w": torch.ones(3)}
     srv.send_checkpoint([1], 7, frozen, 10.0)
     assert torch.equal(fetch(srv, 7)["w"], torch.ones(3))
+    # (review) a forward pass between the offer and the request bumps BatchNorm's
+    # num_batches_tracked (0-dim: not compared); its running stats change without a bump
+    bn = torch.nn.BatchNorm1d(4)
+    srv.send_checkpoint([1], 8, {"model": bn.state_dict()}, 10.0)
+    bn(torch.randn(8, 4))
+    assert fetch(srv, 8)["model"]["num_batches_tracked"].item() == 1
 
 
 def test_disallow_stops_checksumming_live_tensors() -> None:

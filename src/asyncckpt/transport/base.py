@@ -471,7 +471,9 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
-        offered = [(key, t, _version(t)) for key, t in flat.tensors.items()]
+        # (not 0-dim ones: a forward pass bumps BatchNorm's num_batches_tracked, and the
+        # step counters move with the parameters, whose versions tell)
+        offered = [(key, t, _version(t)) for key, t in flat.tensors.items() if t.dim()]
     source = LiveSource(plan, dict(flat.tensors))
     lock = threading.Lock()
     cache: list[bytes] = []

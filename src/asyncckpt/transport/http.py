@@ -93,7 +93,7 @@ _HEADER_WAIT_S = 10.0  # at most, for a request's line and headers (an idle keep
 _BACKOFF_FIRST_S = 0.05  # a client's first pause after a 503 "server full"
 _BACKOFF_MAX_S = 1.0  # the pauses double up to this
 _HANGUP_CHECK_S = 0.25  # a request waiting for a step checks this often that its client is there
-_DONE_WAIT_S = 2.0  # at most, for the peer to take a fetch's "done"
+_DONE_WAIT_S = 1.0  # at most, for the peer to take a fetch's "done"
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: socket and thread timeouts overflow far above
@@ -294,6 +294,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         # it stops finish (their next requests too), not just the requests in flight.
         self._fetches: dict[str, tuple[Served, float]] = {}
         self._draining: Served | None = None  # the offer a disallow lets fetches finish
+        self._fetch_of: dict[socket.socket, str] = {}  # a transfer's fetch, while it runs
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
         host = _bare_host(host, "host")
@@ -354,6 +355,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._offered = served
             self._allowed = served.step if allow else None
             self._retired = None  # (offered again: requests wait for an allowed step)
+            self._forget_fetches(lambda srv: srv is not served)  # (nor keep old offers alive)
             self._cond.notify_all()
         if old is not None and old is not served:
             if old.origin and served.origin and old.origin != served.origin and not self._mixed:
@@ -465,7 +467,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._disallows += 1
             self._draining = self._offered
             try:
-                self._drain(None, self.timeout_s, "disallow_checkpoint")
+                self._drain(None, self.timeout_s, "disallow_checkpoint", fetches=True)
             finally:
                 self._draining = None
                 self._forget_fetches(lambda srv: True)
@@ -489,6 +491,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._allowed = None
             self._retired = retired
             self._withdrawals += 1
+            self._forget_fetches(lambda srv: True)
             self._cond.notify_all()  # (waiting requests learn it now)
             if old is not None:
                 self._drain(old, self.withdraw_grace_s, "withdraw")
@@ -551,15 +554,17 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise CheckpointClosedError(f"{what}: this HTTPTransport was shut down; make a "
                                         "new one to serve again")
 
-    def _drain(self, served: Served | None, grace_s: float, who: str) -> None:
+    def _drain(self, served: Served | None, grace_s: float, who: str,
+               fetches: bool = False) -> None:
         """Wait up to ``grace_s`` for the transfers of ``served`` (None: of anything) to
-        end, then cut off the rest: shut their sockets (a send fails at once) and cancel
-        checksumming; return once none runs. Call with ``self._cond`` held."""
+        end (``fetches``: and the fetches ``_draining`` lets finish), then cut off the
+        rest: shut their sockets (a send fails at once) and cancel checksumming; return
+        once none runs. Call with ``self._cond`` held."""
         def running() -> list[tuple[socket.socket, Served]]:
             return [v for v in self._serving.values() if served is None or v[1] is served]
 
         def busy() -> bool:  # requests in flight, or (a disallow) fetches not ended yet
-            return bool(running() or self._fetching())
+            return bool(running() or (fetches and self._fetching()))
 
         # A transfer whose receiver has taken no byte for STALL_S (stopped, SIGSTOPped,
         # cut off by the network) is cut off before the grace ends: disallow_checkpoint(),
@@ -588,12 +593,15 @@ class HTTPTransport(CheckpointTransport[Any]):
                     log.warning("%s: cutting off a transfer whose receiver took nothing for "
                                 "%gs", who, STALL_S)
                     cut.add(sock)
+                    # (its fetch is waited for no longer either: its receiver is stuck)
+                    self._fetches.pop(self._fetch_of.get(sock, ""), None)
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
+        if fetches and self._fetching():
+            log.warning("%s: %d fetches did not end within %gs: their later requests are "
+                        "refused", who, len(self._fetching()), grace_s)
+        self._draining = None  # (from here on no request is let in: only cut off)
         if not running():
-            if self._fetching():
-                log.warning("%s: %d fetches did not end within %gs: their later requests "
-                            "are refused", who, len(self._fetching()), grace_s)
             return
         log.warning("%s: cutting off %d transfers still running after %gs", who,
                     len(running()), grace_s)
@@ -628,6 +636,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._serving[ticket] = (sock, self._offered)
             if fetch is not None:
                 self._seen(fetch, self._offered)
+                self._fetch_of[sock] = fetch
             return self._offered, ticket
 
     def _seen(self, fetch: str, served: Served) -> None:
@@ -697,10 +706,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             return self._wait_allowed(sock)
 
-    def _release(self, ticket: int, fetch: str | None = None) -> None:
+    def _release(self, ticket: int, fetch: str | None = None, served_whole: bool = False
+                 ) -> None:
+        """End a transfer; one of ``fetch`` that was ``served_whole`` counts as that
+        fetch's sign of life (a cut-off one does not: its receiver may be stuck)."""
         with self._cond:
-            _, served = self._serving.pop(ticket)
-            if fetch is not None and fetch in self._fetches:
+            sock, served = self._serving.pop(ticket)
+            self._fetch_of.pop(sock, None)
+            if served_whole and fetch is not None and fetch in self._fetches:
                 self._seen(fetch, served)
             self._cond.notify_all()
 
@@ -1161,6 +1174,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._refuse(404, f"step {step} is not being served (step {got} is): fetch "
                                 f"step {got}, or ask {_CURRENT} for the step on offer")
         served, ticket = got
+        whole = False  # (whether the answer went out whole)
         try:
             if what == MANIFEST_NAME:
                 try:
@@ -1173,6 +1187,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 if send_body:
                     self.wfile.write(body)
+                whole = True
                 return
             source = served.files.get(what.removeprefix("files/"))
             if source is None:
@@ -1211,8 +1226,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if send_body:
                 source.send(self.connection, lo, hi - lo)
+            whole = True
         finally:
-            tr._release(ticket, fetch)
+            tr._release(ticket, fetch, whole)
 
 
 def _printable(text: str) -> str:
@@ -1886,8 +1902,9 @@ class HTTPStorage:
                     self._conns.remove(c)
 
     def close_all(self) -> None:
-        if self._answered and self._cancelled is None and not self._expired and (
-                not self._said_done):
+        # (a fetch cut off by a failed read, or by a shutdown() here, says it too: the
+        # peer's disallow_checkpoint() would wait STALL_S for it; not once its time is up)
+        if self._answered and not self._expired and not self._said_done:
             self._said_done = True
             self._say_done()
         self._closed.set()
