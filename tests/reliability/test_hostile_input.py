@@ -30,6 +30,7 @@ import json
 import math
 import os
 import pickle
+import random
 import re
 import subprocess
 import sys
@@ -164,31 +165,46 @@ def _count_fuzz_cases(figures: Any) -> Iterator[None]:
 # Each of these runs its hypothesis loop inside, so that it can then check how far the
 # examples got: a fuzz test whose every case stops at the digest check tests nothing else.
 # The minimums are about half of what the (derandomized) runs reach, noted with each.
+# Hypothesis draws a seed per example and the mutations come from random.Random(seed):
+# hypothesis's own draws favour the literals of the modules loaded (it mines them), so
+# a constant added anywhere in the library, or one more module imported by another test
+# file, moved these counts (a CI run read parsed=18 where this file alone read 51).
+
+SEEDS = st.integers(0, 2 ** 64 - 1)
+
+
+def _rng(seed: int) -> tuple[random.Random, int]:
+    """The mutations' random source for ``seed``, and a pick among the corpus."""
+    rnd = random.Random(seed)
+    return rnd, rnd.randrange(1001)
+
 
 def test_fuzz_manifest_byte_mutations() -> None:
     reached: Counter[str] = Counter()
 
     @FUZZ
-    @given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
-    def run(rnd: Any, pick: int) -> None:
+    @given(seed=SEEDS)
+    def run(seed: int) -> None:
+        rnd, pick = _rng(seed)
         docs = [s.manifest for s in corpus()]
         parse_or_refuse(fz.mutate_bytes(rnd, docs[pick % len(docs)], docs), reached)
 
     run()
-    assert_reached(reached, FUZZ.max_examples, json=200, fields=20)  # 412, 46
+    assert_reached(reached, FUZZ.max_examples, json=200, fields=20)  # 406, 65
 
 
 def test_fuzz_manifest_json_mutations() -> None:
     reached: Counter[str] = Counter()
 
     @FUZZ
-    @given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
-    def run(rnd: Any, pick: int) -> None:
+    @given(seed=SEEDS)
+    def run(seed: int) -> None:
+        rnd, pick = _rng(seed)
         docs = [s.manifest for s in corpus()]
         parse_or_refuse(fz.mutate_json(rnd, docs[pick % len(docs)]), reached)
 
     run()
-    assert_reached(reached, FUZZ.max_examples, fields=250, parsed=20)  # 459, 49
+    assert_reached(reached, FUZZ.max_examples, fields=250, parsed=20)  # 439, 43
 
 
 def test_fuzz_manifest_generated_values() -> None:
@@ -238,8 +254,9 @@ def test_fuzz_manifest_random_bytes() -> None:
 
 
 @FUZZ
-@given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000))
-def test_fuzz_header_mutations(rnd: Any, pick: int) -> None:
+@given(seed=SEEDS)
+def test_fuzz_header_mutations(seed: int) -> None:
+    rnd, pick = _rng(seed)
     headers = [s.header(n) for s in corpus() for n in s.files]
     header_or_refuse(fz.mutate_header(rnd, headers[pick % len(headers)], headers))
 
@@ -260,9 +277,10 @@ def test_fuzz_load_and_verify_of_mutations() -> None:
     outcomes: Counter[str] = Counter()
 
     @settings(FUZZ, max_examples=300)
-    @given(rnd=st.randoms(use_true_random=False), pick=st.integers(0, 1000),
-           kind=st.sampled_from(["manifest-json", "manifest-bytes", "header"]))
-    def run(rnd: Any, pick: int, kind: str) -> None:
+    @given(seed=SEEDS)
+    def run(seed: int) -> None:
+        rnd, pick = _rng(seed)
+        kind = rnd.choice(["manifest-json", "manifest-bytes", "header"])
         seeds = corpus()
         s = seeds[pick % len(seeds)]
         stats = fz.Stats()
@@ -283,9 +301,9 @@ def test_fuzz_load_and_verify_of_mutations() -> None:
     run()
     print(f"\nload and verify of mutations: {dict(outcomes)}")
     # about half of what the derandomized run reaches (noted with each)
-    assert outcomes["manifest refused"] >= 90, outcomes  # 187, past the digest
-    assert outcomes["manifest parsed"] >= 6, outcomes  # 13
-    assert outcomes["load refused"] >= 50 and outcomes["loaded"] >= 7, outcomes  # 102, 14
+    assert outcomes["manifest refused"] >= 90, outcomes  # 182, past the digest
+    assert outcomes["manifest parsed"] >= 6, outcomes  # 25
+    assert outcomes["load refused"] >= 50 and outcomes["loaded"] >= 7, outcomes  # 106, 18
 
 
 def test_fuzz_script_smoke(tmp_path: Path, figures: Any) -> None:
