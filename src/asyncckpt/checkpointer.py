@@ -89,7 +89,8 @@ from .staging import (
     stage,
 )
 from .storage import DirectoryLock, LocalStorage, Storage
-from .tree import FlatState, dtype_name, flatten
+from .tree import FlatState, changed_in_place, dtype_name, flatten
+from .tree import version_counters as _versions  # (a test stands in for it here)
 from .writer import (
     BackgroundWriter,
     CheckpointFuture,
@@ -2036,18 +2037,6 @@ def _share_estimate(flat: FlatState, world_size: int) -> int:
     return align_up(header + min(total, body + extra))
 
 
-def _versions(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Each tensor's version counter (bumped by every in-place op on it or on a view of
-    its storage), where it has one: inference tensors have none."""
-    out = {}
-    for key, t in tensors.items():
-        try:  # noqa: SIM105 - suppress() would cost more than the read, per tensor
-            out[key] = t._version
-        except RuntimeError:
-            pass
-    return out
-
-
 def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
                      versions: Mapping[str, int], *, handover: bool = False) -> None:
     """With overlap=True, refuse a checkpoint whose tensors were changed in place while
@@ -2056,7 +2045,7 @@ def _check_unchanged(step: int, tensors: Mapping[str, torch.Tensor],
     to inference tensors; ``wait_staged()`` is the guarantee, this a safety net). Run as
     the copy ends, and again (``handover``) when the caller takes the tensors back, or
     before the commit if it never does (writer.Handover)."""
-    changed = [key for key, v in versions.items() if tensors[key]._version != v]
+    changed = changed_in_place(tensors, versions)
     if changed:
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
         when = ("while save_async(overlap=True) was still copying them" if not handover

@@ -234,6 +234,25 @@ def flatten(state: Any, *, target: bool = False, exclude: tuple[str, ...] = ()) 
     return flat
 
 
+def version_counters(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter (bumped by every in-place op on it or on a view of
+    its storage), where it has one: inference tensors have none."""
+    out = {}
+    for key, t in tensors.items():
+        try:  # noqa: SIM105 - suppress() would cost more than the read, per tensor
+            out[key] = t._version
+        except RuntimeError:
+            pass
+    return out
+
+
+def changed_in_place(tensors: Mapping[str, torch.Tensor],
+                     versions: Mapping[str, int]) -> list[str]:
+    """The keys of ``versions`` (``version_counters`` of ``tensors``, taken earlier) whose
+    tensor torch saw changed in place since."""
+    return [key for key, v in versions.items() if tensors[key]._version != v]
+
+
 def _refuse_half_a_tie(flat: FlatState) -> None:
     """CheckpointConfigError where exclude= leaves out a tensor that shares its memory with
     one the load fills (tied weights: an embedding and its head): the excluded name would

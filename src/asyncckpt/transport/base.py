@@ -41,7 +41,7 @@ from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import _check_file as check_file
 from ..reader import read_manifest, tensor_bytes
 from ..storage import LocalStorage, open_regular
-from ..tree import FlatState, flatten
+from ..tree import FlatState, changed_in_place, flatten, version_counters
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -338,15 +338,6 @@ class StateChanged(CheckpointTransportError):
         self.step, self.keys = step, list(keys)
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (in-place changes torch saw); None for a tensor that keeps
-    none (made under inference_mode)."""
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return None
-
-
 class _Stopped(Exception):
     """Work on a served state stopped: its offer was cut off."""
 
@@ -471,9 +462,11 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
-        # (not 0-dim ones: a forward pass bumps BatchNorm's num_batches_tracked, and the
-        # step counters move with the parameters, whose versions tell)
-        offered = [(key, t, _version(t)) for key, t in flat.tensors.items() if t.dim()]
+        # (as save_async(overlap=True) watches them: a DTensor's own counter, not its
+        # local shard's; not 0-dim ones: a forward pass bumps BatchNorm's
+        # num_batches_tracked, and the step counters move with the parameters, which tell)
+        offered = {k: flat.wrappers.get(k, t) for k, t in flat.tensors.items() if t.dim()}
+        versions = version_counters(offered)
     source = LiveSource(plan, dict(flat.tensors))
     lock = threading.Lock()
     cache: list[bytes] = []
@@ -534,8 +527,7 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                     # as the step's state, its checksums agreeing. The version counters tell
                     # what torch saw change in place; a change after this shows as a
                     # checksum mismatch at the receiver.
-                    changed = [key for key, t, v in offered
-                               if v is not None and _version(t) != v]
+                    changed = changed_in_place(offered, versions)
                     if changed:
                         refused.append(StateChanged(step, changed))
                         log.warning("%s", refused[0])  # (the sender's log: its loop is amiss)
