@@ -576,7 +576,9 @@ def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]
     root, state = sharded
     asked: list[list[str]] = []
     checked: list[str] = []
-    real, real_check = export_mod._load_checked, export_mod._check_file
+    import asyncckpt.reader as reader_mod
+
+    real, real_check = export_mod._load_checked, reader_mod._check_file
 
     def spy(step_dir: Path, manifest: Any, dests: dict[str, Any], storage: Any,
             **kw: Any) -> dict[str, torch.Tensor]:
@@ -590,7 +592,7 @@ def test_export_streams_one_tensor_at_a_time(sharded: tuple[Path, dict[str, Any]
         real_check(step_dir, manifest, name, storage, chunks)
 
     monkeypatch.setattr(export_mod, "_load_checked", spy)
-    monkeypatch.setattr(export_mod, "_check_file", check_spy)
+    monkeypatch.setattr(reader_mod, "_check_file", check_spy)  # (through check_files)
     export_safetensors(root, tmp_path / "s.safetensors")
     assert all(len(a) == 1 for a in asked)
     assert len(asked) == len(tensors_of(state))

@@ -50,7 +50,7 @@ from .errors import (
 from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import (
     VerifyReport,
-    header_problems,
+    check_files,
     read_manifest,
     read_manifest_summary,
     verify_checkpoint,
@@ -886,7 +886,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             # and what a load checks of the headers (a few KB a file): a shard whose header
             # lists other tensors than its manifest, under a re-sealed manifest, was shown
             # as sound, where verify and load refuse it
-            doc["damaged"] = header_problems(step_dir, m, storage)
+            check_files(step_dir, m, m.files, storage, doc["damaged"])
         return doc
 
     step_dir, doc = _on_latest(args, attempt, lambda d: bool(d["damaged"]))

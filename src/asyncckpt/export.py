@@ -45,7 +45,7 @@ from .errors import (
     check_flags,
 )
 from .manifest import _ST_DTYPES, MANIFEST_NAME, WRITE_MAX_HEADER_BYTES, Manifest
-from .reader import _check_file, _load_checked, chunks_by_file, read_manifest, tensor_bytes
+from .reader import _load_checked, check_files, read_manifest, tensor_bytes
 from .safetensors_files import st_dtype, st_shape
 from .storage import DirectoryLock, LocalStorage, Storage
 from .tree import RESERVED_KEY, dtype_name, iter_array_nodes, unescape_path
@@ -247,10 +247,9 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     _warn_of_names(planned, prefix, strip_prefix)
     # every file once, up front (size and header): not once per tensor, which re-read
     # and re-hashed the headers of all the files a sharded tensor touches
-    names = sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks})
-    by_file = chunks_by_file(manifest) if names else {}
-    for name in names:
-        _check_file(step_dir, manifest, name, storage, by_file.get(name, []))
+    check_files(step_dir, manifest,
+                sorted({c.file for p in planned for c in manifest.tensors[p.key].chunks}),
+                storage)
     _remove_stale_temporaries(out.parent)
     tmp = _temporary(out.parent)
     written = _Written(sum(p.nbytes for p in planned), progress)

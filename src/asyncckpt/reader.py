@@ -261,10 +261,7 @@ def load_tensors(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.T
     # tensor sharded over every rank's file opens the few files holding that box, not
     # every file (world x world opens), and a damaged file it does not need is no error
     # of its load (verify_checkpoint checks every file).
-    names = sorted({it.chunk.file for it in items})
-    by_file = chunks_by_file(manifest) if names else {}
-    for name in names:
-        _check_file(step_dir, manifest, name, storage, by_file.get(name, []))
+    check_files(step_dir, manifest, sorted({it.chunk.file for it in items}), storage)
     return _load_checked(step_dir, manifest, dests, storage, verify=verify, threads=threads,
                          boxes=boxes, items=items, read=read, progress=progress,
                          bump_versions=bump_versions, casts=casts)
@@ -740,18 +737,21 @@ def chunks_by_file(manifest: Manifest) -> dict[str, list[tuple[str, TensorEntry,
     return _by_file((key, entry, entry.chunks) for key, entry in manifest.tensors.items())
 
 
-def header_problems(step_dir: Path, manifest: Manifest, storage: ReadStorage) -> list[str]:
-    """What a load would refuse in the files' safetensors headers (each header's checksum,
-    and its entries against the manifest's chunks), one problem per file; no tensor byte
-    is read. For ``asyncckpt inspect``, which otherwise reads the manifest alone."""
-    problems = []
-    by_file = chunks_by_file(manifest)
-    for name in manifest.files:
+def check_files(step_dir: Path, manifest: Manifest, names: Iterable[str],
+                storage: ReadStorage, problems: list[str] | None = None) -> None:
+    """What a load checks of each file it reads before it allocates anything: its size,
+    and its safetensors header against the manifest (_check_file); no tensor byte is
+    read. Raises the first file's CheckpointCorruptError, or, given ``problems``, notes
+    each file's there and goes on (``asyncckpt inspect``)."""
+    names = list(names)
+    by_file = chunks_by_file(manifest) if names else {}
+    for name in names:
         try:
             _check_file(step_dir, manifest, name, storage, by_file.get(name, []))
         except CheckpointCorruptError as exc:
+            if problems is None:
+                raise
             problems.append(str(exc))
-    return problems
 
 
 def _by_file(entries: Iterable[tuple[str, TensorEntry, Iterable[Chunk]]]
