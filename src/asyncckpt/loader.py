@@ -1423,9 +1423,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if mismatched and (missing or unexpected)
             else " (pass ignore_unexpected=True to load only what the target holds, or "
             "strict=False to skip missing and unexpected keys)" if unexpected and not missing
-            else (_parts_absent_hint(target, unexpected) + exclude_hint(
-                target, saved, missing, [], "")) if missing and unexpected
-            and _parts_absent_hint(target, unexpected)
+            else (parts_absent + exclude_hint(target, saved, missing, [], "")) if missing
+            and unexpected and (parts_absent := _parts_absent_hint(target, unexpected))
             else exclude_hint(
                 target, saved, missing, unexpected, " (strict=False would skip both: the target's "
                 "keys would keep their values and the checkpoint's go unread; if names "
