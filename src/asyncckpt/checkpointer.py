@@ -1489,20 +1489,15 @@ class AsyncCheckpointer:
             # killed runs left: seconds; a trainer starting meanwhile waits for it rather
             # than fail its first save (it was told another process "is saving")
             cleaning = other is None and self._lock.holder_purpose() == "clean"
-            if cleaning:
-                deadline = deadline or time.monotonic() + _CLEAN_WAIT_S
-                left = deadline - time.monotonic()
-                if left > 0:
-                    time.sleep(min(0.05, left))
-                    continue
-            elif releasing:
-                deadline = deadline or time.monotonic() + _DRAIN_GRACE_S
+            if cleaning or releasing:
+                deadline = deadline or time.monotonic() + (
+                    _CLEAN_WAIT_S if cleaning else _DRAIN_GRACE_S)
                 left = deadline - time.monotonic()
                 if left > 0:
                     if other is not None:
                         other.freed.wait(left)
-                    else:
-                        time.sleep(min(0.002, left))
+                    else:  # (another process's clean, or this pid's lock mid-release)
+                        time.sleep(min(0.05 if cleaning else 0.002, left))
                     continue
             break
         if other is not None and other.draining is not None:
