@@ -1918,21 +1918,24 @@ class HTTPStorage:
         for it no longer: on this thread's connection where it is free, else on a new one
         (best effort, briefly: a peer that is gone, or of a version that knows no such
         request, answers nothing that matters)."""
-        self._drop_stream(keep=True)
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        for c in (conn, None):
-            c = c or http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
+        def ask(c: http.client.HTTPConnection) -> bool:
             try:
                 if c.sock is not None:
                     c.sock.settimeout(_DONE_WAIT_S)
                 c.request("GET", self._url("done"), headers=self._headers)
                 c.getresponse().read(4096)
-                return
+                return True
             except (OSError, http.client.HTTPException) as exc:
                 log.debug("telling %s that fetch %s is over failed: %s", self.where,
                           self._fetch_id, exc)
-            finally:
-                if c is not conn:
-                    c.close()
-            if conn is None:
-                return
+                return False
+
+        self._drop_stream(keep=True)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and ask(conn):
+            return
+        new = http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
+        try:
+            ask(new)
+        finally:
+            new.close()
