@@ -101,3 +101,68 @@ def test_large_states_are_hashed_on_several_threads_alike(
     raw, seen = hashing_threads(monkeypatch, state)
     assert len(seen) >= 2
     assert raw == built_anew(1, state)
+
+
+def served_tensors(srv: base.Served) -> dict[str, torch.Tensor]:
+    """The tensors a receiver would get now: the served file's bytes, parsed; each
+    checked against the served manifest's checksums (AssertionError naming the key)."""
+    from safetensors.torch import load as st_load
+
+    man = parse_manifest(srv.manifest(), "served")
+    (name,) = srv.files
+    src = srv.files[name]
+    got = st_load(bytes(src.read(0, src.size)))
+    for key, entry in man.tensors.items():
+        sums = block_checksums(tensor_bytes(got[key].contiguous()), man.block_bytes)
+        assert tuple(sums) == entry.chunks[0].checksums, f"{key}: checksums disagree"
+    return got
+
+
+def test_a_forward_pass_during_an_offer_changes_nothing_served() -> None:
+    """(stop 47's trial, torchft flow) The healthy replica offers its state as its next
+    step's forward pass begins. BatchNorm's forward changes its running statistics in
+    place without a version bump: one after the manifest request failed the receiver's
+    checksums, one before it was served as the offered step's. Buffers changed with a
+    bump (num_batches_tracked, a spectral-norm-like vector) got the offer refused."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(64)
+    vec = torch.randn(32)
+    strided = torch.randn(8, 4).t()  # (not contiguous: copied as a tensor)
+    big = torch.randn(64 * 1024)  # past _SNAPSHOT_MAX: served from its own memory
+    state = {"bn": bn.state_dict(), "u": vec, "s": strided, "w": big}
+    before = {"bn/" + k: v.clone() for k, v in bn.state_dict().items()}
+    before |= {"u": vec.clone(), "s": strided.clone(), "w": big.clone()}
+
+    srv = serve_state(3, state, block_bytes=BLOCK, library_version="test")
+    bn(torch.randn(16, 64))  # before the first request
+    vec.mul_(2.0)  # (bumps the version)
+    strided.add_(1.0)
+    srv.manifest()
+    bn(torch.randn(16, 64))  # between the request and the transfer
+    got = served_tensors(srv)
+    assert not torch.equal(bn.running_mean, before["bn/running_mean"])  # (it did change)
+    for key, want in before.items():
+        assert torch.equal(got[key], want), key
+
+    # the large tensors are still watched: a change with a bump refuses the offer
+    srv = serve_state(4, state, block_bytes=BLOCK, library_version="test")
+    big.add_(1.0)
+    with pytest.raises(base.StateChanged, match="'w'"):
+        srv.manifest()
+
+
+def test_small_tensors_past_the_copy_budget_are_served_live(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies stop at _SNAPSHOT_BUDGET bytes: the small tensors after that are served
+    from their own memory, and watched (refused when changed) as the large ones are."""
+    monkeypatch.setattr(base, "_SNAPSHOT_BUDGET", 3 * 400)
+    state = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}
+    srv = serve_state(1, state, block_bytes=BLOCK, library_version="test")
+    state["t0"].add_(1.0)  # copied: served as offered
+    assert torch.equal(served_tensors(srv)["t0"], torch.zeros(100))
+    srv = serve_state(2, state, block_bytes=BLOCK, library_version="test")
+    state["t2"].add_(1.0)  # the third fits the budget
+    state["t4"].add_(1.0)  # the fifth does not: refused
+    with pytest.raises(base.StateChanged, match="'t4'") as err:
+        srv.manifest()
+    assert err.value.keys == ["t4"]

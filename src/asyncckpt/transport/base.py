@@ -51,6 +51,11 @@ _GATHER = 1024 * 1024  # small pieces (a state's many small tensors) go out in o
 _IOV_MAX = 512
 _HASH_THREADS = 4  # at most, for the checksums of live tensors
 _HASH_SPAN = 256 * 1024 * 1024  # bytes a hash thread takes at least
+# serve_state copies tensors of at most _SNAPSHOT_MAX bytes when they are offered, up to
+# _SNAPSHOT_BUDGET bytes in all: buffers a forward pass updates (BatchNorm's running
+# statistics, without a version bump) are served as they were at the offer
+_SNAPSHOT_MAX = 64 * 1024
+_SNAPSHOT_BUDGET = 64 * 1024 * 1024
 
 __all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_directory",
            "serve_state"]
@@ -265,12 +270,14 @@ def _wait_writable(sock: socket.socket, timeout: float | None) -> None:
 class LiveSource(FileSource):
     """A shard file made of a header and live tensors, never materialized."""
 
-    def __init__(self, plan: WritePlan, tensors: dict[str, torch.Tensor]):
+    def __init__(self, plan: WritePlan, tensors: dict[str, torch.Tensor],
+                 copied: dict[str, memoryview] | None = None):
+        """``copied``: the bytes of tensors copied already, which are served instead."""
         self.plan = plan
         self.size = plan.file_bytes
         self._header = memoryview(plan.header)
         self._starts = [it.offset for it in plan.items]
-        self._bytes: dict[str, memoryview] = {}
+        self._bytes: dict[str, memoryview] = dict(copied or {})
         self._tensors = tensors
         self._lock = threading.Lock()
 
@@ -455,19 +462,62 @@ def live_manifest(plan: WritePlan, flat: FlatState, sums: list[list[str]], *, st
         return raw
 
 
+def snapshot_small(tensors: Mapping[str, torch.Tensor]
+                   ) -> tuple[dict[str, memoryview], dict[str, torch.Tensor]]:
+    """Copies of the tensors of at most ``_SNAPSHOT_MAX`` bytes, in order until
+    ``_SNAPSHOT_BUDGET`` bytes are copied: the bytes of those in CPU memory, in one buffer,
+    and copies of the others on their own devices (in stream order there).
+
+    A forward pass changes some buffers in place while an offer is served (torchft
+    offers the state as its next step's forward begins): BatchNorm's running statistics
+    without a version bump (the receiver's checksums then failed), others with one (the
+    offer was refused). Such buffers are small; a model's large tensors change only in
+    ``optimizer.step()``, after ``disallow_checkpoint()``. (~1.4 us a tensor, most of it
+    the byte view the served state makes of each tensor anyway; a clone took ~1.4 more.)"""
+    keys: list[str] = []
+    views: list[memoryview] = []
+    copies: dict[str, torch.Tensor] = {}
+    left = _SNAPSHOT_BUDGET
+    for key, t in tensors.items():
+        n = t.nbytes
+        if n > _SNAPSHOT_MAX or n > left:
+            continue
+        if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            keys.append(key)
+            views.append(tensor_bytes(t))
+        elif not t.is_meta:
+            with torch.no_grad():
+                copies[key] = t.detach().resolve_conj().resolve_neg().clone(
+                    memory_format=torch.contiguous_format)
+        left -= n
+    # (writable: the process-group transport hands the bytes to torch.frombuffer)
+    joined = memoryview(bytearray().join(views))
+    copied = {}
+    at = 0
+    for key, v in zip(keys, views, strict=True):
+        copied[key] = joined[at:at + len(v)]
+        at += len(v)
+    return copied, copies
+
+
 def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
-    """Serve live tensors: nothing is copied up front; checksums are computed on the
-    first manifest request (off the training thread)."""
+    """Serve live tensors: small ones are copied when offered (``snapshot_small``), the
+    rest served from their own memory; checksums are computed on the first manifest
+    request (off the training thread)."""
     step = as_step(step)  # (it names the step in URLs and the manifest)
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
-        # (as save_async(overlap=True) watches them: a DTensor's own counter, not its
-        # local shard's; not 0-dim ones: a forward pass bumps BatchNorm's
-        # num_batches_tracked, and the step counters move with the parameters, which tell)
-        offered = {k: flat.wrappers.get(k, t) for k, t in flat.tensors.items() if t.dim()}
+        copied, copies = snapshot_small(flat.tensors)
+        # The rest are served live: the version counters of those tell a change in place
+        # before the first request (as save_async(overlap=True) watches them: a DTensor's
+        # own counter, not its local shard's; not 0-dim ones past the copies' budget: a
+        # forward pass bumps BatchNorm's num_batches_tracked, and the step counters move
+        # with the parameters, which tell)
+        offered = {k: flat.wrappers.get(k, t) for k, t in flat.tensors.items()
+                   if t.dim() and k not in copied and k not in copies}
         versions = version_counters(offered)
-    source = LiveSource(plan, dict(flat.tensors))
+    source = LiveSource(plan, {**flat.tensors, **copies}, copied)
     lock = threading.Lock()
     cache: list[bytes] = []
     cancelled = threading.Event()

@@ -370,7 +370,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                         timeout: timedelta | float) -> None:
         """Offer the live ``state_dict`` at ``step``; returns at once.
 
-        Nothing is copied: the tensors are served as they are, so they must not change
+        Only small tensors are copied (the buffers a forward pass updates: BatchNorm's
+        running statistics); the rest are served as they are, so they must not change
         until ``disallow_checkpoint()`` returns (torchft's contract). A disallow (or
         withdraw) on another thread while this lays out the state wins: the offer is
         made as if before it. If this raises, requests for ``step`` are refused at once.

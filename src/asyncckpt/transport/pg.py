@@ -261,7 +261,8 @@ class PGTransport(CheckpointTransport[Any]):
 
         Returns once every destination has received it (or was told the step it asked
         for is not this one: that is logged, not raised). The tensors are sent from
-        their own memory, so they must not change until this returns. When the state
+        their own memory (small ones from copies made here), so they must not change
+        until this returns. When the state
         cannot be served (an unsupported leaf, a cut-off), each destination's request is
         answered with the reason, so that its receive fails at once rather than at its
         timeout, and then the error is raised here. A destination that refuses the
