@@ -1526,6 +1526,33 @@ def test_model_state_inside_a_user_stateful_is_checked_before_any_read(ckpt):
     assert _Versioned.seen == [3]
 
 
+def test_many_mismatches_alike_are_told_once_with_their_count(tmp_path: Path) -> None:
+    """(stop 47's MoE trial) An expert's weight resized in each of 40 layers: the error
+    listed 8 of the 320 mismatches, each with the same two shapes, and cut the rest."""
+    def experts(w1: tuple[int, ...], w2: tuple[int, ...]) -> dict[str, Any]:
+        return {"model": {f"layers.{i}.experts.{e}.{w}": torch.zeros(shape)
+                          for i in range(40) for e in range(8)
+                          for w, shape in (("w1", w1), ("w2", w2))}}
+
+    asyncckpt.save(experts((4, 4), (4, 4)), tmp_path, step=1)
+    with pytest.raises(StateMismatchError) as err:
+        asyncckpt.load(tmp_path, experts((4, 5), (4, 4)))
+    text = str(err.value)
+    assert ("shape/dtype mismatch: 320 tensors of checkpoint torch.float32 [4, 4], target "
+            "torch.float32 [4, 5] (model/layers.0.experts.0.w1, model/layers.0.experts.1.w1, "
+            "model/layers.0.experts.2.w1 and 317 more)") in text, text
+    assert len(err.value.mismatched) == 320  # (the attribute still lists each)
+    with pytest.raises(StateMismatchError) as err:  # two kinds: the larger first
+        asyncckpt.load(tmp_path, experts((4, 5), (2, 4)) | {"x": torch.zeros(1)},
+                       ignore_unexpected=True, strict=False)
+    text = str(err.value)
+    assert ": 320 tensors of checkpoint torch.float32 [4, 4], target torch.float32 [4, 5] (" \
+        in text, text
+    assert ", 320 tensors of checkpoint torch.float32 [4, 4], target torch.float32 [2, 4] (" \
+        in text, text
+    assert len(err.value.mismatched) == 640
+
+
 def test_an_optimizer_moment_of_another_shape_is_still_refused(ckpt):
     p = nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([p], lr=0.1)

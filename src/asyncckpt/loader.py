@@ -1214,6 +1214,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     grown: list[str] = []  # ... of shape alone, in the state of an object of the user's
     other_dtype = False  # a target of another dtype (and the same shape) among the mismatches
     reshaped: list[str] = []  # the paths of the mismatches of shape
+    described: list[tuple[str, str]] = []  # the mismatches of shape or dtype: (path, what)
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
@@ -1248,8 +1249,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                     numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
                 arr = target.arrays.get(tkey) if target.arrays else None
                 kind = t.dtype if arr is None else f"numpy {arr.dtype}"  # (as the user has it)
-                mismatched.append(f"{path}: checkpoint {entry.dtype} {list(entry.shape)}, "
-                                  f"target {kind} {list(target.global_shape(tkey))}")
+                what = (f"checkpoint {entry.dtype} {list(entry.shape)}, "
+                        f"target {kind} {list(target.global_shape(tkey))}")
+                mismatched.append(f"{path}: {what}")
+                described.append((path, what))
                 shape_dtype += 1
                 if t.dtype == entry.dtype and len(grown) < 1:
                     grown += _grown_object(target, path)
@@ -1355,7 +1358,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             parts.append(f"in the checkpoint but not in the target: {few(unexpected)}")
         if mismatched:
             label = "shape/dtype mismatch" if shape_dtype == len(mismatched) else "mismatched"
-            parts.append(f"{label}: {few(mismatched)}")
+            parts.append(f"{label}: {_mismatches_text(mismatched, described)}")
             for owner in grown:  # (a replay buffer, a list of metrics: it grows)
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "
@@ -1574,6 +1577,27 @@ def _condensed(target: FlatState, paths: list[str], saved: Iterable[str] = ()) -
                     break
         out.setdefault(p, None)
     return list(out)
+
+
+def _mismatches_text(mismatched: list[str], described: list[tuple[str, str]]) -> str:
+    """``few(mismatched)``, but the shape or dtype mismatches (``described``: each path
+    and what differs there) that differ alike given once, with their count and a few of
+    their paths: an expert's weight resized in each of 40 layers read as 320 pairs of the
+    same two shapes, cut off after 8. (8 or fewer are listed one by one.)"""
+    if len(mismatched) <= 8:
+        return few(mismatched)
+    alike: dict[str, list[str]] = {}
+    for path, what in described:
+        alike.setdefault(what, []).append(path)
+    if len(alike) == len(described):
+        return few(mismatched)
+    listed = {f"{path}: {what}" for path, what in described}
+    texts = [m for m in mismatched if m not in listed]  # (of other kinds)
+    texts += [f"{what} ({paths[0]})" if len(paths) == 1 else
+              f"{len(paths)} tensors of {what} ({few(paths, 3)})"
+              for what, paths in sorted(alike.items(), key=lambda kv: -len(kv[1]))]
+    more = len(texts) - 4
+    return ", ".join(texts[:4]) + (f" and {more} more mismatch(es)" if more > 0 else "")
 
 
 def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
