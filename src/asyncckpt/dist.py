@@ -1239,7 +1239,7 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     out: dict[str, TensorEntry] = {}
     for key, (dtype, shape, kind, chunks) in tensors.items():
         chunks.sort(key=lambda c: c.offsets)
-        _check_coverage(key, shape, chunks, partial)
+        _check_coverage(key, shape, chunks, partial, files, [r["rank"] for r in records])
         out[key] = TensorEntry(dtype, shape, kind, tuple(chunks))
     skeleton = merged_skeleton([r["skeleton"] for r in records], step, records[0]["rank"],
                                strict_replicas)
@@ -1367,14 +1367,27 @@ def warn_differing_replicas(step: int, replicas: Sequence[tuple[int, Mapping[str
 
 
 def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
-                    partial: bool = False) -> None:
+                    partial: bool = False, files: Mapping[str, FileEntry] | None = None,
+                    ranks: Sequence[int] = ()) -> None:
+    """CheckpointSaveError where ``chunks`` do not tile ``shape`` once (``partial``: gaps
+    allowed). ``files`` (by name) and ``ranks`` (every rank of the save) name the ranks
+    that saved none of a tensor left uncovered: a DTensor one rank's state leaves out
+    (or holds something else at its path) read as a gap in its indices alone."""
     problem = tiling_problem(shape, [(c.offsets, c.lengths) for c in chunks], allow_gaps=partial)
     if problem is not None:
+        hint = ""
         if problem == "chunks overlap":
             problem += _which_overlap(shape, chunks)
+        elif files is not None:
+            wrote = {files[c.file].rank for c in chunks if c.file in files}
+            silent = sorted(set(ranks) - wrote)
+            if wrote and silent:
+                hint = (f"; its chunks come from rank(s) {sorted(wrote)} alone: did rank(s) "
+                        f"{silent} leave it out of their state, or hold something else at its "
+                        "path? (a DTensor must be in every rank's state, at the same path)")
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
-            "held by exactly one box of the ranks' declared shards")
+            f"held by exactly one box of the ranks' declared shards{hint}")
 
 
 def _which_overlap(shape: tuple[int, ...], chunks: Sequence[Chunk], most: int = 4096) -> str:

@@ -244,6 +244,16 @@ def raising_worker(ctx: RankCtx) -> dict[str, Any]:
     ctx.barrier()
     out["keep_last"]["after"] = [] if ck3.steps() == [] else [f"committed {ck3.steps()}"]
     ck3.close()
+    # a DTensor rank 1's state leaves out: told as a gap in its indices, naming no rank
+    root4 = Path(ctx.args["root"] + "_omit")
+    ck4 = asyncckpt.AsyncCheckpointer(root4, timeout_s=TIMEOUT_S)
+    state = _state(ctx, 1)
+    if ctx.rank == 1:
+        del state["w"]
+    out["omitted"] = _attempt(ck4, state, 1)
+    ctx.barrier()
+    out["omitted"]["after"] = [] if ck4.steps() == [] else [f"committed {ck4.steps()}"]
+    ck4.close()
     return out
 
 
@@ -287,6 +297,17 @@ def test_unsupported_leaf_on_one_rank_fails_every_rank(
     _assert_all_failed_promptly(raising, "bad_leaf", culprit=1)
     assert raising[1]["bad_leaf"]["raised"] == "UnsupportedLeafError"
     assert raising[1]["bad_leaf"]["where"] == "save_async"
+
+
+def test_a_dtensor_one_rank_leaves_out_is_told_naming_the_ranks(
+        raising: dict[int, dict[str, Any]]) -> None:
+    _assert_all_failed_promptly(raising, "omitted", culprit=None)
+    for rank in (0, 1):
+        assert ("tensor 'w' of shape [12, 6]: chunks leave part of the tensor uncovered"
+                in raising[rank]["omitted"]["msg"]), raising[rank]["omitted"]["msg"]
+        assert ("its chunks come from rank(s) [0] alone: did rank(s) [1] leave it out of "
+                "their state, or hold something else at its path?"
+                in raising[rank]["omitted"]["msg"]), raising[rank]["omitted"]["msg"]
 
 
 def test_failed_shard_write_fails_every_rank(raising: dict[int, dict[str, Any]]) -> None:

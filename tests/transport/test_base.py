@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -128,7 +129,7 @@ def test_a_forward_pass_during_an_offer_changes_nothing_served() -> None:
     bn = torch.nn.BatchNorm1d(64)
     vec = torch.randn(32)
     strided = torch.randn(8, 4).t()  # (not contiguous: copied as a tensor)
-    big = torch.randn(64 * 1024)  # past _SNAPSHOT_MAX: served from its own memory
+    big = torch.randn(64 * 1024)  # past SNAPSHOT_MAX_BYTES: served from its own memory
     state = {"bn": bn.state_dict(), "u": vec, "s": strided, "w": big}
     before = {"bn/" + k: v.clone() for k, v in bn.state_dict().items()}
     before |= {"u": vec.clone(), "s": strided.clone(), "w": big.clone()}
@@ -166,3 +167,30 @@ def test_small_tensors_past_the_copy_budget_are_served_live(
     with pytest.raises(base.StateChanged, match="'t4'") as err:
         srv.manifest()
     assert err.value.keys == ["t4"]
+
+
+def test_an_offer_copying_while_the_state_changes_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """(stop 48's trial) torchft offers on its quorum thread while the forward pass runs:
+    the copies could then mix a BatchNorm layer's counter from after a step with its
+    running statistics from before it, a state that never was, without a word."""
+    bn = torch.nn.BatchNorm1d(4)
+    state = {"bn": bn.state_dict()}
+    real = base.tensor_bytes
+
+    def forward_meanwhile(t: torch.Tensor) -> memoryview:
+        if t is state["bn"]["running_mean"]:  # (after the counters were read)
+            bn(torch.randn(8, 4))
+        return real(t)
+
+    monkeypatch.setattr(base, "tensor_bytes", forward_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        serve_state(1, state, block_bytes=BLOCK, library_version="test")
+    assert ("step 1: send_checkpoint copied the state's small tensors while something "
+            "changed them ('bn/num_batches_tracked')") in caplog.text
+    assert "Manager(use_async_quorum=False)" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(base, "tensor_bytes", real)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):  # nothing meanwhile
+        serve_state(2, state, block_bytes=BLOCK, library_version="test")
+    assert caplog.text == ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import json
+import logging
 import os
 import queue
 import re
@@ -977,6 +978,35 @@ def test_a_damaged_transfer_leaves_the_in_place_targets_untouched() -> None:
     # not a mix of two steps: "a" (sent before b) and "b" keep step 5's values
     for k, t in target.items():
         assert t is before[k] and bool((t == 1.0).all()), (k, t.unique())
+
+
+def test_a_tensor_changed_while_it_is_sent_is_told_at_both_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(stop 48's trial) A large buffer a forward pass updates while send_checkpoint sends
+    it: the receiver's error said "damaged in transit" alone, and the sender said nothing."""
+    state = {"w": torch.ones(8), "queue": torch.zeros(MiB // 4)}  # (past what is copied)
+
+    def forward_pass(index: int, t: torch.Tensor) -> None:
+        if wire.sent[index][0] == 0 and index == 1:  # the sender's manifest: hashed already
+            state["queue"].add_(1.0)
+
+    wire = Wire(tamper=forward_pass)
+    a, b, _ = pair(wire)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        sender = Background(a.send_checkpoint, [1], 6, state, 10.0)
+        with pytest.raises(CheckpointCorruptError, match=(
+                r"checksum mismatch in tensor 'queue' .*damaged in transit, or changed by the "
+                r"sender while it sent it .* a forward pass that updates a buffer of more "
+                r"than 64 KiB")):
+            b.recv_checkpoint(0, "pg:0", 6, 10.0)
+        sender.result()
+    assert "tensor(s) 'queue' changed in place while send_checkpoint sent them" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):  # unchanged: no word
+        sender = Background(a.send_checkpoint, [1], 7, state, 10.0)
+        assert torch.equal(b.recv_checkpoint(0, "pg:0", 7, 10.0)["queue"], state["queue"])
+        sender.result()
+    assert "changed in place" not in caplog.text
 
 
 def _failing_receive_buffer(monkeypatch: pytest.MonkeyPatch, min_bytes: int) -> None:

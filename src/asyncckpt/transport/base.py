@@ -34,6 +34,7 @@ from ..errors import (
     CheckpointConfigError,
     CheckpointNotFoundError,
     CheckpointTransportError,
+    few,
     seconds_text,
 )
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
@@ -51,10 +52,10 @@ _GATHER = 1024 * 1024  # small pieces (a state's many small tensors) go out in o
 _IOV_MAX = 512
 _HASH_THREADS = 4  # at most, for the checksums of live tensors
 _HASH_SPAN = 256 * 1024 * 1024  # bytes a hash thread takes at least
-# serve_state copies tensors of at most _SNAPSHOT_MAX bytes when they are offered, up to
+# serve_state copies tensors of at most SNAPSHOT_MAX_BYTES bytes when they are offered, up to
 # _SNAPSHOT_BUDGET bytes in all: buffers a forward pass updates (BatchNorm's running
 # statistics, without a version bump) are served as they were at the offer
-_SNAPSHOT_MAX = 64 * 1024
+SNAPSHOT_MAX_BYTES = 64 * 1024
 _SNAPSHOT_BUDGET = 64 * 1024 * 1024
 
 __all__ = ["CheckpointTransport", "FileSource", "Served", "serve_arena", "serve_directory",
@@ -339,9 +340,11 @@ class StateChanged(CheckpointTransportError):
         super().__init__(
             f"step {step}: the sender changed tensor(s) {', '.join(map(repr, keys[:3]))}{more} "
             "in place after send_checkpoint offered them (an optimizer.step() before "
-            "disallow_checkpoint()?): the offer is refused, as what it would serve is no "
-            "longer that step's state; the sender must leave its tensors unchanged until "
-            "disallow_checkpoint() returns, and offer again")
+            "disallow_checkpoint()? or a forward pass that updates a buffer of more than "
+            f"{SNAPSHOT_MAX_BYTES // 1024} KiB, which the offer does not copy?): the offer is "
+            "refused, as what it would serve is no longer that step's state; the sender "
+            "must leave its tensors unchanged until disallow_checkpoint() returns (offer "
+            "a copy of such a buffer: state['queue'] = queue.clone()), and offer again")
         self.step, self.keys = step, list(keys)
 
 
@@ -363,6 +366,8 @@ class Served:
     files: dict[str, FileSource]
     cancelled: threading.Event = field(default_factory=threading.Event)
     origin: str = ""  # who offers it, in words: a transport holds one offer at a time
+    # live tensors: the keys of those torch has seen change in place since the offer
+    changed: Callable[[], list[str]] | None = None
 
     def close(self) -> None:
         for f in self.files.values():
@@ -463,25 +468,33 @@ def live_manifest(plan: WritePlan, flat: FlatState, sums: list[list[str]], *, st
 
 
 def snapshot_small(tensors: Mapping[str, torch.Tensor]
-                   ) -> tuple[dict[str, memoryview], dict[str, torch.Tensor]]:
-    """Copies of the tensors of at most ``_SNAPSHOT_MAX`` bytes, in order until
+                   ) -> tuple[dict[str, memoryview], dict[str, torch.Tensor], list[str]]:
+    """Copies of the tensors of at most ``SNAPSHOT_MAX_BYTES`` bytes, in order until
     ``_SNAPSHOT_BUDGET`` bytes are copied: the bytes of those in CPU memory, in one buffer,
-    and copies of the others on their own devices (in stream order there).
+    and copies of the others on their own devices (in stream order there); and the keys
+    of those that torch saw change while they were copied (a forward pass running
+    alongside: the copies may then mix values from before and during it).
 
     A forward pass changes some buffers in place while an offer is served (torchft
     offers the state as its next step's forward begins): BatchNorm's running statistics
     without a version bump (the receiver's checksums then failed), others with one (the
     offer was refused). Such buffers are small; a model's large tensors change only in
-    ``optimizer.step()``, after ``disallow_checkpoint()``. (~1.4 us a tensor, most of it
+    ``optimizer.step()``, after ``disallow_checkpoint()``. (~1.5 us a tensor, most of it
     the byte view the served state makes of each tensor anyway; a clone took ~1.4 more.)"""
     keys: list[str] = []
     views: list[memoryview] = []
     copies: dict[str, torch.Tensor] = {}
+    small: list[tuple[str, torch.Tensor]] = []
     left = _SNAPSHOT_BUDGET
     for key, t in tensors.items():
         n = t.nbytes
-        if n > _SNAPSHOT_MAX or n > left:
-            continue
+        if n <= SNAPSHOT_MAX_BYTES and n <= left:
+            small.append((key, t))
+            left -= n
+    # (read before any is copied: a change from here to the end of the copies may leave
+    # them a mix; an inference tensor has no version counter)
+    versions = version_counters(dict(small))
+    for key, t in small:
         if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             keys.append(key)
             views.append(tensor_bytes(t))
@@ -489,15 +502,15 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]
             with torch.no_grad():
                 copies[key] = t.detach().resolve_conj().resolve_neg().clone(
                     memory_format=torch.contiguous_format)
-        left -= n
     # (writable: the process-group transport hands the bytes to torch.frombuffer)
     joined = memoryview(bytearray().join(views))
+    changed = changed_in_place(dict(small), versions)
     copied = {}
     at = 0
     for key, v in zip(keys, views, strict=True):
         copied[key] = joined[at:at + len(v)]
         at += len(v)
-    return copied, copies
+    return copied, copies, changed
 
 
 def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
@@ -508,7 +521,14 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
-        copied, copies = snapshot_small(flat.tensors)
+        copied, copies, torn = snapshot_small(flat.tensors)
+        if torn:  # (the sender's log: its loop offers while its state changes)
+            log.warning(
+                "step %d: send_checkpoint copied the state's small tensors while something "
+                "changed them (%s): a forward pass running alongside the offer (torchft's "
+                "async quorum?); what is served mixes their values from before and during "
+                "it: for an exact state, offer before the forward pass begins (torchft: "
+                "Manager(use_async_quorum=False))", step, few([repr(k) for k in torn], 3))
         # The rest are served live: the version counters of those tell a change in place
         # before the first request (as save_async(overlap=True) watches them: a DTensor's
         # own counter, not its local shard's; not 0-dim ones past the copies' budget: a
@@ -587,4 +607,5 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                                                library_version=library_version))
             return cache[0]
 
-    return Served(step, manifest, {plan.file: source}, cancelled, origin="send_checkpoint")
+    return Served(step, manifest, {plan.file: source}, cancelled, origin="send_checkpoint",
+                  changed=lambda: changed_in_place(offered, versions))
