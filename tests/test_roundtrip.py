@@ -2084,6 +2084,29 @@ def test_an_exclude_hint_never_drags_in_keys_that_would_load(tmp_path: Path) -> 
         asyncckpt.load(tmp_path, {"model": wider})
 
 
+def test_advice_that_says_it_loads_the_rest_does(tmp_path: Path) -> None:
+    """(stop 48's docs trial, api.md's StateMismatchError example) A resized tensor beside
+    a new and a dropped key: the error said "to load the rest ..., pass exclude=['a', 'c']",
+    which failed on the saved 'b' the target lacks. Each exclude= told as loading the rest
+    must load."""
+    asyncckpt.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path, step=1)
+    cases = [{"a": torch.zeros(3), "c": torch.zeros(1)},  # resized, new, dropped
+             {"a": torch.zeros(3), "b": torch.zeros(2)},  # resized only
+             {"a": torch.zeros(3), "b": torch.zeros(2), "c": torch.zeros(1)}]  # and new
+    for target in cases:
+        with pytest.raises(StateMismatchError) as info:
+            asyncckpt.load(tmp_path, target)
+        text = str(info.value)
+        told = re.findall(r"load the rest[^;(]*?pass exclude=(\[[^]]*\])", text)
+        assert told, text
+        for names in told:
+            got = asyncckpt.load(tmp_path, {k: v.clone() for k, v in target.items()},
+                                 exclude=ast.literal_eval(names))
+            assert all(torch.equal(got[k], torch.ones(2)) for k in got if k == "b"), names
+    assert "to keep the target's own values there, pass exclude=['a', 'c']" in str(
+        pytest.raises(StateMismatchError, asyncckpt.load, tmp_path, cases[0]).value)
+
+
 def test_a_new_block_is_told_as_one_exclude_and_with_its_optimizer_in_one_go(
         tmp_path: Path) -> None:
     """(fine-tuning trial) A block added to a LoRA model was told exclude= of its eight

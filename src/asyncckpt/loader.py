@@ -1381,7 +1381,14 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          and q not in near and _excludable(target, q)] if shared else []
                 names = sorted(o for o in owners if o is not None) + _condensed(
                     target, reshaped + near, saved)
-                parts.append("to load the rest and keep the target's own values there, pass "
+                # (where missing or unexpected keys remain besides, this alone loads
+                # nothing: a trial followed it, and failed on the saved key the target lacks)
+                beside = bool(unexpected) or any(
+                    m not in names and not any(m.startswith(n + sep) for n in names
+                                               for sep in "./") for m in missing)
+                parts.append(("to keep the target's own values there" if beside else
+                              "to load the rest and keep the target's own values there")
+                             + ", pass "
                              + (f"exclude={names!r}" if len(names) <= 16 else
                                 f"exclude= with those paths ({len(names)}: "
                                 f"{few([repr(n) for n in names], 16)})"))
@@ -1491,7 +1498,7 @@ def _all_at_once(parts: list[str], hint: str) -> str:
     # (a path under another one advised is left out with it)
     names = [n for n in found if not any(n.startswith(o + sep) for o in found if o != n
                                          for sep in "./")]
-    return f"; to leave all of those out at once, pass exclude={names!r}"
+    return f"; to leave all of those out at once and load the rest, pass exclude={names!r}"
 
 
 def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
