@@ -72,6 +72,11 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
 
 _CAST_PIECE_ELEMS = 4 * 1024 * 1024  # a cast goes through pieces of this many elements
 _WRITE_PIECE = 8 * 1024 * 1024
+# tensors of at most _BATCH_ONE bytes (not cast) are read and written in runs of at most
+# _BATCH_BYTES: one read of a run, not a read plan, an open and a write per tensor (an
+# export of 20,000 small tensors took ~55 us a tensor)
+_BATCH_ONE = 4 * 1024 * 1024
+_BATCH_BYTES = 64 * 1024 * 1024
 _HEADER_ALIGN = 8  # the body starts 8-byte aligned, as safetensors' own writer does
 
 
@@ -575,11 +580,23 @@ def _write_file(path: Path, planned: list[_Planned], header: bytes, step_dir: Pa
     try:
         with _writing(out):
             _write_all(fd, memoryview(header))
+        run: list[_Planned] = []
+        run_bytes = 0
         for p in planned:
+            if p.out == p.src and p.nbytes <= _BATCH_ONE:
+                run.append(p)
+                run_bytes += p.nbytes
+                if run_bytes >= _BATCH_BYTES:
+                    _write_run(fd, step_dir, manifest, storage, run, out, written)
+                    run_bytes = 0
+                continue
+            _write_run(fd, step_dir, manifest, storage, run, out, written)
+            run_bytes = 0
             over = _write_tensor(fd, step_dir, manifest, storage, p, out)
             if over:
                 report.overflowed[p.name] = over
             written.add(p.nbytes)
+        _write_run(fd, step_dir, manifest, storage, run, out, written)
         with _writing(out):
             os.fsync(fd)
             return os.fstat(fd).st_size
@@ -707,6 +724,22 @@ def _check_out_dir(out: Path, force: bool) -> None:
             raise CheckpointExistsError(f"{out} already exists; pass force=True (--force) to "
                                         "replace it")
         _check_replaceable(out)
+
+
+def _write_run(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
+               run: list[_Planned], out: Path, written: _Written) -> None:
+    """Read the tensors of ``run`` (verified; their files were checked) with one read,
+    append them in order, and empty ``run``."""
+    if not run:
+        return
+    got = _load_checked(step_dir, manifest, dict.fromkeys(p.key for p in run), storage,
+                        verify=True, threads=None, boxes={})
+    data = b"".join([tensor_bytes(got[p.key]) for p in run])
+    with _writing(out):
+        _write_all(fd, memoryview(data))
+    for p in run:
+        written.add(p.nbytes)
+    run.clear()
 
 
 def _write_tensor(fd: int, step_dir: Path, manifest: Manifest, storage: Storage,
