@@ -2075,8 +2075,9 @@ def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
                 r"HTTP 409: step 5: the sender changed tensor\(s\) 'model/weight' "
                 r"in place after send_checkpoint offered them \(an "
                 r"optimizer.step\(\) before disallow_checkpoint\(\)\? or a forward pass "
-                r"that updates a buffer of more than 64 KiB, which the offer does not "
-                r"copy\?\)")):
+                r"that updates a buffer send_checkpoint does not copy \(one of more than 64 "
+                r"KiB, or a small one past its first 64 MiB of copies\)\? put a copy of such "
+                r"a buffer in the state offered \('model/weight' there: its .clone\(\)\)\)")):
         fetch(srv, 5)
     assert "the sender changed tensor(s) 'model/weight'" in caplog.text  # the sender's log
     with pytest.raises(CheckpointTransportError, match="HTTP 409"):
@@ -2097,6 +2098,19 @@ def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
     got = fetch(srv, 8)["model"]
     assert got["num_batches_tracked"].item() == 0
     assert torch.equal(got["running_mean"], torch.zeros(4))
+    # (stop 48's trial) a large buffer changed after the manifest's checksums: the
+    # receiver's error names the cause, and the sender, which said nothing, warns
+    bank = {"queue": torch.zeros(64 * 1024)}
+    srv.send_checkpoint([1], 9, bank, 10.0)
+    assert status_of(port_of(srv), "GET", "/v1/9/manifest.json") == 200  # (hashed now)
+    bank["queue"].add_(1.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            pytest.raises(CheckpointCorruptError, match=(
+                r"or the peer changed its tensors while it offered them .* a forward pass "
+                r"that updates a buffer send_checkpoint does not copy")):
+        fetch(srv, 9)
+    assert "step 9: tensor(s) 'queue' changed in place while they were served" in caplog.text
 
 
 def test_disallow_stops_checksumming_live_tensors() -> None:

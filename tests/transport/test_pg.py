@@ -996,11 +996,13 @@ def test_a_tensor_changed_while_it_is_sent_is_told_at_both_ends(
         sender = Background(a.send_checkpoint, [1], 6, state, 10.0)
         with pytest.raises(CheckpointCorruptError, match=(
                 r"checksum mismatch in tensor 'queue' .*damaged in transit, or changed by the "
-                r"sender while it sent it .* a forward pass that updates a buffer of more "
-                r"than 64 KiB")):
+                r"sender while it sent it .* a forward pass that updates a buffer "
+                r"send_checkpoint does not copy \(one of more than 64 KiB, or a small one "
+                r"past its first 64 MiB of copies\)\? put a copy of such a buffer in the "
+                r"state offered \('queue' there: its .clone\(\)\)")):
             b.recv_checkpoint(0, "pg:0", 6, 10.0)
         sender.result()
-    assert "tensor(s) 'queue' changed in place while send_checkpoint sent them" in caplog.text
+    assert "step 6: tensor(s) 'queue' changed in place while they were served" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):  # unchanged: no word
         sender = Background(a.send_checkpoint, [1], 7, state, 10.0)

@@ -331,6 +331,25 @@ class LiveSource(FileSource):
         return memoryview(b"".join(self.pieces(offset, n)))
 
 
+def uncopied_hint(key: str | None = None) -> str:
+    """What changes a live tensor that an offer did not copy, and the way out: for
+    messages of changed tensors (``key``: one of them, where known)."""
+    where = f" ({key!r} there: its .clone())" if key is not None else ""
+    return (f"a forward pass that updates a buffer send_checkpoint does not copy (one of "
+            f"more than {SNAPSHOT_MAX_BYTES // 1024} KiB, or a small one past its first "
+            f"{_SNAPSHOT_BUDGET >> 20} MiB of copies)? put a copy of such a buffer in the "
+            f"state offered{where}")
+
+
+def changed_while_served(step: int, keys: Sequence[str]) -> str:
+    """The sender's warning of live tensors that changed in place while a transfer read
+    them (after the offer's checksums)."""
+    return (f"step {step}: tensor(s) {few([repr(k) for k in keys], 3)} changed in place "
+            "while they were served: a receiver that read them after the change fails its "
+            "checksums; leave them as they are until disallow_checkpoint() returns (over a "
+            f"process group: until send_checkpoint returns) ({uncopied_hint(keys[0])})")
+
+
 class StateChanged(CheckpointTransportError):
     """Live tensors offered with ``send_checkpoint`` changed in place before a receiver
     asked for them: the offer is refused (its receivers are told why)."""
@@ -340,11 +359,9 @@ class StateChanged(CheckpointTransportError):
         super().__init__(
             f"step {step}: the sender changed tensor(s) {', '.join(map(repr, keys[:3]))}{more} "
             "in place after send_checkpoint offered them (an optimizer.step() before "
-            "disallow_checkpoint()? or a forward pass that updates a buffer of more than "
-            f"{SNAPSHOT_MAX_BYTES // 1024} KiB, which the offer does not copy?): the offer is "
-            "refused, as what it would serve is no longer that step's state; the sender "
-            "must leave its tensors unchanged until disallow_checkpoint() returns (offer "
-            "a copy of such a buffer: state['queue'] = queue.clone()), and offer again")
+            f"disallow_checkpoint()? or {uncopied_hint(keys[0])}): the offer is refused, as "
+            "what it would serve is no longer that step's state; the sender must leave its "
+            "tensors unchanged until disallow_checkpoint() returns, and offer again")
         self.step, self.keys = step, list(keys)
 
 
@@ -368,6 +385,17 @@ class Served:
     origin: str = ""  # who offers it, in words: a transport holds one offer at a time
     # live tensors: the keys of those torch has seen change in place since the offer
     changed: Callable[[], list[str]] | None = None
+    told_changed: bool = False  # (the sender's warning of them is given once an offer)
+
+    def tell_changed(self) -> None:
+        """Warn, once an offer, of live tensors changed in place since it was made: call
+        after a transfer read them."""
+        if self.changed is None or self.told_changed:
+            return
+        moved = self.changed()
+        if moved:
+            self.told_changed = True
+            log.warning("%s", changed_while_served(self.step, moved))
 
     def close(self) -> None:
         for f in self.files.values():
@@ -479,7 +507,7 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]
     offers the state as its next step's forward begins): BatchNorm's running statistics
     without a version bump (the receiver's checksums then failed), others with one (the
     offer was refused). Such buffers are small; a model's large tensors change only in
-    ``optimizer.step()``, after ``disallow_checkpoint()``. (~1.5 us a tensor, most of it
+    ``optimizer.step()``, after ``disallow_checkpoint()``. (~1 us a tensor, most of it
     the byte view the served state makes of each tensor anyway; a clone took ~1.4 more.)"""
     keys: list[str] = []
     views: list[memoryview] = []
@@ -526,8 +554,9 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
             log.warning(
                 "step %d: send_checkpoint copied the state's small tensors while something "
                 "changed them (%s): a forward pass running alongside the offer (torchft's "
-                "async quorum?); what is served mixes their values from before and during "
-                "it: for an exact state, offer before the forward pass begins (torchft: "
+                "async quorum?); what is served may mix values from before and during it "
+                "(and a mix is not always seen: no warning is no proof): for an exact "
+                "state, offer before the forward pass begins (torchft: "
                 "Manager(use_async_quorum=False))", step, few([repr(k) for k in torn], 3))
         # The rest are served live: the version counters of those tell a change in place
         # before the first request (as save_async(overlap=True) watches them: a DTensor's

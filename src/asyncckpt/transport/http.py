@@ -60,6 +60,7 @@ from .base import (
     seconds,
     serve_directory,
     serve_state,
+    uncopied_hint,
 )
 
 if TYPE_CHECKING:
@@ -850,8 +851,8 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
                             "on its disk (a peer serving a checkpoint from disk: run "
                             "'asyncckpt verify' there), or the peer changed its tensors "
                             "while it offered them (send_checkpoint's must stay as they are "
-                            "until disallow_checkpoint() returns); receive them again, or "
-                            "from another peer")
+                            f"until disallow_checkpoint() returns: {uncopied_hint()}); "
+                            "receive them again, or from another peer")
         text = text.replace("load an earlier step", "receive it again, or from another peer")
     if into is not None and storage.tensor_bytes_read:
         text += ("; the targets were loaded in place and may hold part of the peer's state: "
@@ -1227,6 +1228,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if send_body:
                 source.send(self.connection, lo, hi - lo)
+                served.tell_changed()  # (the receiver may fail its checksums: say why)
             whole = True
         finally:
             tr._release(ticket, fetch, whole)

@@ -91,7 +91,6 @@ from ..errors import (
     CheckpointTimeoutError,
     CheckpointTransportError,
     check_flags,
-    few,
     seconds_text,
 )
 from ..manifest import (
@@ -108,13 +107,13 @@ from ..manifest import (
 from ..reader import tensor_bytes
 from .base import (
     PEER_MAX_MANIFEST_BYTES,
-    SNAPSHOT_MAX_BYTES,
     CheckpointTransport,
     LiveSource,
     StepNotOffered,
     check_state_dict_fn,
     seconds,
     serve_state,
+    uncopied_hint,
 )
 
 if TYPE_CHECKING:
@@ -340,14 +339,7 @@ class PGTransport(CheckpointTransport[Any]):
                         failed = failed or exc
             finally:
                 self._lock.release()
-            moved = served.changed() if served.changed is not None else []
-            if moved:  # (its receivers fail their checksums; the sender's loop is amiss)
-                log.warning(
-                    "step %d: tensor(s) %s changed in place while send_checkpoint sent them: "
-                    "the receivers' checksums fail; leave them as they are until it returns "
-                    "(a forward pass that updates a buffer of more than %d KiB, which it "
-                    "does not copy? offer a copy of such a buffer)", step,
-                    few([repr(k) for k in moved], 3), SNAPSHOT_MAX_BYTES // 1024)
+            served.tell_changed()  # (a receiver may fail its checksums: the loop is amiss)
             if failed is not None:
                 raise failed
             if cut_off is not None:
@@ -1078,11 +1070,9 @@ def _verify_file(manifest: Manifest, name: str, view: memoryview, step_dir: Path
                 f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
                 f"{c.byte_range[0] + bad * bb}..) of step {manifest.step} sent by {where}: "
                 "damaged in transit, or changed by the sender while it sent it (its "
-                "tensors must stay as they are until send_checkpoint returns: a forward "
-                "pass that updates a buffer of more than "
-                f"{SNAPSHOT_MAX_BYTES // 1024} KiB, which send_checkpoint does not copy, changes "
-                "one; offer a copy of such a buffer); nothing was loaded: receive it again "
-                "(retry the transfer)", path=str(path), key=key)
+                "tensors must stay as they are until send_checkpoint returns: "
+                f"{uncopied_hint(key)}); nothing was loaded: receive it again (retry the "
+                "transfer)", path=str(path), key=key)
 
 
 def _resolve_device(pg: Any, device: torch.device | str | None) -> torch.device:
