@@ -211,6 +211,22 @@ def test_negative_stride_numpy_targets_get_the_saved_values(ckpt):
     assert np.array_equal(base_m[::-1, ::-2], src["m"]) and not base_m[:, 0::2].any()
 
 
+def test_numpy_arrays_reversed_along_a_dimension_of_one_round_trip(ckpt):
+    """(stop 48's trial) numpy calls an array with a negative stride on a dimension of 1
+    (np.array([5.])[::-1], a batch of one reversed) C-contiguous: the save, and a load
+    into one, raised torch's bare ValueError of negative strides."""
+    one = np.array([5.0])[::-1]
+    row = np.arange(6.0).reshape(2, 3)[1:][::-1]  # shape (1, 3), strides (-24, 8)
+    assert one.strides[0] < 0 and row.strides[0] < 0 and row.flags.c_contiguous
+    ckpt.save({"one": one, "row": row}, 1)
+    got = ckpt.load(step=1)
+    assert np.array_equal(got["one"], [5.0]) and np.array_equal(got["row"], [[3.0, 4.0, 5.0]])
+    target = {"one": np.zeros(1)[::-1], "row": np.zeros((2, 3))[1:][::-1]}
+    out = ckpt.load(target, step=1)
+    assert out["one"] is target["one"] and np.array_equal(target["one"], [5.0])
+    assert np.array_equal(target["row"], [[3.0, 4.0, 5.0]])
+
+
 def test_negative_stride_numpy_target_of_a_tied_tensor_wanted_in_parts(ckpt):
     # One saved tensor (tied at a and b) whose targets want different boxes is loaded
     # whole and handed out in parts; a numpy target there that takes its bytes through

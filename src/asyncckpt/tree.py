@@ -523,7 +523,9 @@ def _numpy_as_tensor(arr: np.ndarray, where: str, kind: str = "array") -> torch.
             f"numpy {kind} at {where!r} has non-native byte order ({arr.dtype.str}); convert it "
             "with arr.astype(arr.dtype.newbyteorder('='))")
     if is_copied(arr):
-        arr = np.ascontiguousarray(arr)
+        # (not ascontiguousarray: numpy calls an array with a negative stride on a
+        # dimension of 1, np.array([5.])[::-1], C-contiguous, and returns it as it is)
+        arr = np.array(arr, order="C", copy=True)
     try:
         if not arr.flags.writeable:  # (only read, or refused as a target by the loader:
             with warnings.catch_warnings():  # torch's warning would only be noise)
