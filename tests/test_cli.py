@@ -255,6 +255,22 @@ def test_inspect_shows_tied_paths(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert tensors["b"]["tied"] == [] and "head/weight" not in tensors
 
 
+def test_inspect_cuts_long_scalars_short(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """(stop 48's trial) A 20 MB bytes value made the summary one 33 MB line; --json
+    still holds it whole."""
+    long = "x" * 100_000
+    asyncckpt.save({"w": torch.zeros(2), "note": long, "k" * 500: 1, "step": 7},
+                   tmp_path / "ck", step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"))
+    assert code == 0 and len(out) < 2000, len(out)
+    assert f"note={'x' * 60}... (99,940 more characters)" in out, out
+    assert f"{'k' * 60}... (440 more characters)=1" in out and "step=7" in out, out
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"), "--json")
+    scalars = {s["path"]: s["value"] for s in json.loads(out)["skeleton"]["scalars"]}
+    assert scalars["note"] == long
+
+
 def test_inspect_json_step_and_step_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "inspect", str(root), "--step", "20", "--json")
     assert code == 0

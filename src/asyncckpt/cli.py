@@ -149,6 +149,15 @@ def _shown(text: str) -> str:
 _WIDE = 100
 
 
+def _clipped(text: str, most: int = 60) -> str:
+    """``text`` cut to about ``most`` characters, saying how many more there are: a
+    scalar of 20 MB (a bytes value, a long string) made inspect's summary one 33 MB line
+    (--json holds it whole)."""
+    if len(text) <= most:
+        return text
+    return f"{text[:most]}... ({len(text) - most:,} more characters)"
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
            ) -> str:
     """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart.
@@ -911,7 +920,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
          f"{_n(len(doc['files']), 'file')})  "
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
     owned = [s["path"] for s in skel["stateful"]]
-    loose = [f"{s['path']}={s['value']}" for s in skel["scalars"]
+    loose = [f"{_clipped(s['path'])}={_clipped(str(s['value']))}" for s in skel["scalars"]
              if not any(o == "" or s["path"] == o or s["path"].startswith(o + "/")
                         for o in owned)]  # ("": a stateful root owns every path)
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
