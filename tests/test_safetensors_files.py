@@ -131,6 +131,33 @@ def test_an_export_comes_back_as_the_tree_it_was_exported_from(tmp_path: Path) -
     assert torch.equal(fresh["optim"]["state"]["0"]["exp_avg"], torch.arange(4.0))
 
 
+def test_an_export_of_lists_or_of_one_tensor_loads_back_into_its_tree(tmp_path: Path) -> None:
+    """(stop 48's trial) A file's names are text: an export of lists came back as dicts
+    of "0", "1"... and did not load into the list it came from; an export of a tensor
+    alone (its name "") did not load into a tensor, and the error named the root ""."""
+    lists = {"l": [torch.arange(2.0), [torch.arange(3.0)]], "t": (torch.ones(1),)}
+    asyncckpt.save(lists, tmp_path / "ck", step=1)
+    export_safetensors(tmp_path / "ck", tmp_path / "lists.safetensors")
+    target = {"l": [torch.zeros(2), [torch.zeros(3)]], "t": (torch.zeros(1),)}
+    out = asyncckpt.load_safetensors(tmp_path / "lists.safetensors", target)
+    assert out["l"][1][0] is target["l"][1][0] and type(out["t"]) is tuple
+    assert torch.equal(target["l"][0], torch.arange(2.0))
+    assert torch.equal(target["l"][1][0], torch.arange(3.0))
+    assert torch.equal(target["t"][0], torch.ones(1))
+    with pytest.raises(StateMismatchError, match="missing from the checkpoint: l/2"):
+        asyncckpt.load_safetensors(tmp_path / "lists.safetensors",
+                                   {"l": [torch.zeros(2), [torch.zeros(3)], torch.zeros(1)],
+                                    "t": (torch.zeros(1),)})
+    asyncckpt.save(torch.arange(5.0), tmp_path / "one", step=1)
+    export_safetensors(tmp_path / "one", tmp_path / "one.safetensors")
+    t = torch.zeros(5)
+    assert asyncckpt.load_safetensors(tmp_path / "one.safetensors", t) is t
+    assert torch.equal(t, torch.arange(5.0))
+    with pytest.raises(StateMismatchError, match="mismatched: <root>: the checkpoint holds a "
+                                                 "dict, the target a list"):
+        asyncckpt.load_safetensors(tmp_path / "one.safetensors", [torch.zeros(5)])
+
+
 def test_key_map_as_a_mapping_renames_and_a_function_may_leave_out(tmp_path: Path) -> None:
     save_file({"old.w": torch.ones(2), "b": torch.full((3,), 2.0), "junk": torch.zeros(1)},
               str(tmp_path / "f.safetensors"))

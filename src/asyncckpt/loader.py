@@ -2321,7 +2321,8 @@ def _kinds_apart(saved: dict[str, Any], want: dict[str, Any], missing: list[str]
             none = (" (a load fills tensors in place: put one of the saved shape there "
                     "first, e.g. torch.zeros_like, or load with state=None)"
                     if ours["t"] == "none" and theirs["t"] in ARRAY_NODES else "")
-            mismatched.append(f"{p}: the checkpoint holds {_KIND_WORDS.get(theirs['t'], '?')}"
+            mismatched.append(f"{p or '<root>'}: the checkpoint holds "
+                              f"{_KIND_WORDS.get(theirs['t'], '?')}"
                               f", the target {_KIND_WORDS.get(ours['t'], '?')}{none}")
             told.add(p)
     if told:  # (and what the other side holds inside it: "a" told, "a/x" is no news)

@@ -59,7 +59,7 @@ from .manifest import (
     no_repeats,
 )
 from .storage import LocalStorage, open_regular
-from .tree import dtype_name, escape_key, flatten
+from .tree import ARRAY_NODES, dtype_name, escape_key, flatten
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     aliases: list[str] = []
     manifest = describe(where, names, key_map, index, aliases)
     state, shards, finish = excluded_view(state, parts, shards)
-    digits = any(k.isdigit() for k in _dict_keys(manifest.skeleton))
+    digits = any(k.isdigit() or not k for k in _dict_keys(manifest.skeleton))
     if state is not None and (aliases or digits):
         target = flatten(state, target=True, exclude=parts)
         # A name the file stands for but does not hold is the target's to want, not the
@@ -178,7 +178,10 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
             manifest = without_excluded(manifest, gone)
         if digits:
             # A name is text: where the target's dict has int keys (an optimizer's
-            # state), "0" names key 0 (asyncckpt's export writes it so)
+            # state), "0" names key 0 (asyncckpt's export writes it so); where it has a
+            # list or tuple, "0", "1"... name its items, and where the target is one
+            # tensor, the name "" is it (an export of a list, or of a tensor alone, did
+            # not load back into the tree it came from: a trial)
             _typed_like(manifest.skeleton, target.skeleton)
     out = load_from(where, state, LocalStorage(), strict=strict,
                     ignore_unexpected=ignore_unexpected, verify=False, shards=shards,
@@ -244,15 +247,33 @@ def _dict_keys(node: dict[str, Any]) -> Iterable[str]:
 
 
 def _typed_like(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """Make the keys of ``mine`` (a skeleton of nested dicts with str keys) ints where the
-    target skeleton ``theirs`` has that int key at the same place and not the string."""
+    """Shape ``mine`` (a skeleton of nested dicts with str keys) after the target skeleton
+    ``theirs``, in place: its keys made ints where ``theirs`` has that int key at the same
+    place and not the string; a dict of the keys "0" to "n-1" made the list or tuple
+    ``theirs`` has there; a root dict of the one key "" made the tensor it holds, where
+    ``theirs`` is one."""
     while theirs.get("t") == "stateful":
         theirs = theirs["state"]
+    items = mine["items"]
+    if theirs.get("t") in ARRAY_NODES and [k for k, _ in items] == [""]:
+        only = items[0][1]
+        mine.clear()
+        mine.update(only)
+        return
+    if theirs.get("t") in ("list", "tuple") and sorted(k for k, _ in items) == sorted(
+            str(i) for i in range(len(items))):
+        by_index = {int(k): c for k, c in items}
+        mine["t"] = theirs["t"]
+        mine["items"] = [by_index[i] for i in range(len(items))]
+        for child, other in zip(mine["items"], theirs["items"], strict=False):
+            if child["t"] == "dict":
+                _typed_like(child, other)
+        return
     if theirs.get("t") != "dict":
         return
     children = {k: c for k, c in theirs["items"]}
     ints = {str(k): k for k in children if type(k) is int}
-    for item in mine["items"]:
+    for item in items:
         k = item[0]
         if k not in children and k in ints:
             item[0] = k = ints[k]
