@@ -75,6 +75,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    few,
     seconds_text,
 )
 from .loader import Finding
@@ -1382,9 +1383,12 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
             wrote = {files[c.file].rank for c in chunks if c.file in files}
             silent = sorted(set(ranks) - wrote)
             if wrote and silent:
-                hint = (f"; its chunks come from rank(s) {sorted(wrote)} alone: did rank(s) "
-                        f"{silent} leave it out of their state, or hold something else at its "
-                        "path? (a DTensor must be in every rank's state, at the same path)")
+                # (not "did they leave it out": a replica of a part, an empty shard, writes
+                # nothing either)
+                hint = (f"; its chunks come from rank(s) {sorted(wrote)} alone: did one of "
+                        f"the ranks that wrote none of it ({few(list(map(str, silent)), 8)}) "
+                        "leave it out of its state, or hold something else at its path? (a "
+                        "DTensor must be in every rank's state, at the same path)")
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
             f"held by exactly one box of the ranks' declared shards{hint}")

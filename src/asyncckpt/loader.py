@@ -1345,6 +1345,19 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         missing = []
     if missing or unexpected or mismatched or readonly or overlapping or unwritable:
         parts = []
+        # what would still be in the way of a load that leaves out the paths an advice
+        # names: a mismatch of kind (no path of its own here), and every path below
+        blocked = len(mismatched) > len(described)
+        blockers = ([p for p, _ in described] + missing + unexpected + readonly + unwritable
+                    + overlapping)
+
+        def loads_rest(names: Sequence[str]) -> bool:
+            """Whether a load with exclude=``names`` would go through (a trial followed
+            "to load the rest, pass exclude=..." and failed on what it left in)."""
+            return not blocked and all(
+                any(p == n or p.startswith(n + sep) for n in names for sep in "./")
+                for p in blockers)
+
         if missing and manifest.partial:  # (a view a rank of a group serves of its part)
             parts.append(f"missing from the peer's view (the state of the rank that serves "
                          f"it): {few(missing)}")
@@ -1381,13 +1394,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          and q not in near and _excludable(target, q)] if shared else []
                 names = sorted(o for o in owners if o is not None) + _condensed(
                     target, reshaped + near, saved)
-                # (where missing or unexpected keys remain besides, this alone loads
-                # nothing: a trial followed it, and failed on the saved key the target lacks)
-                beside = bool(unexpected) or any(
-                    m not in names and not any(m.startswith(n + sep) for n in names
-                                               for sep in "./") for m in missing)
-                parts.append(("to keep the target's own values there" if beside else
-                              "to load the rest and keep the target's own values there")
+                # (where something else is in the way, this alone loads nothing: a trial
+                # followed it, and failed on the saved key the target lacks)
+                parts.append(("to load the rest and keep the target's own values there"
+                              if loads_rest(names) else
+                              "to keep the target's own values there")
                              + ", pass "
                              + (f"exclude={names!r}" if len(names) <= 16 else
                                 f"exclude= with those paths ({len(names)}: "
@@ -1449,7 +1460,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                                "missing and unexpected keys)") if missing
             else "")
         raise StateMismatchError(f"cannot load {step_dir} into the given state: "
-                                 + "; ".join(parts) + hint + _all_at_once(parts, hint),
+                                 + "; ".join(parts) + hint
+                                 + _all_at_once(parts, hint, loads_rest),
                                  missing=missing, unexpected=unexpected, mismatched=mismatched)
     if skipped is not None:
         _say("%s", skipped)
@@ -1478,11 +1490,13 @@ _ADVISED_EXCLUDE = re.compile(r"(?:afresh, pass|own values there, pass|such as a
                               r"exclude=(\[[^\]]*\])")
 
 
-def _all_at_once(parts: list[str], hint: str) -> str:
+def _all_at_once(parts: list[str], hint: str,
+                 loads_rest: Callable[[Sequence[str]], bool] = lambda names: False) -> str:
     """Where a mismatch error advises leaving out several parts, each for its own reason
     (a new block's submodule, an optimizer resized with it): the exclude= of all of them,
     last, so that the advice followed loads in one go (a trial took two tries, then three);
-    "" where there is one piece of advice or none."""
+    "" where there is one piece of advice or none. ``loads_rest(names)``: whether the
+    rest would load then (said so only where it would)."""
     found: dict[str, None] = {}
     pieces = 0
     for text in [*parts, hint]:
@@ -1498,7 +1512,8 @@ def _all_at_once(parts: list[str], hint: str) -> str:
     # (a path under another one advised is left out with it)
     names = [n for n in found if not any(n.startswith(o + sep) for o in found if o != n
                                          for sep in "./")]
-    return f"; to leave all of those out at once and load the rest, pass exclude={names!r}"
+    rest = " and load the rest" if loads_rest(names) else ""
+    return f"; to leave all of those out at once{rest}, pass exclude={names!r}"
 
 
 def _parts_absent_hint(target: FlatState, unexpected: list[str]) -> str:
@@ -1599,12 +1614,16 @@ def _mismatches_text(mismatched: list[str], described: list[tuple[str, str]]) ->
     if len(alike) == len(described):
         return few(mismatched)
     listed = {f"{path}: {what}" for path, what in described}
-    texts = [m for m in mismatched if m not in listed]  # (of other kinds)
-    texts += [f"{what} ({paths[0]})" if len(paths) == 1 else
-              f"{len(paths)} tensors of {what} ({few(paths, 3)})"
-              for what, paths in sorted(alike.items(), key=lambda kv: -len(kv[1]))]
-    more = len(texts) - 4
-    return ", ".join(texts[:4]) + (f" and {more} more mismatch(es)" if more > 0 else "")
+    others = [m for m in mismatched if m not in listed]  # (of other kinds)
+    groups = sorted(alike.items(), key=lambda kv: -len(kv[1]))
+    texts = others + [f"{what} ({paths[0]})" if len(paths) == 1 else
+                      f"{len(paths)} tensors of {what} ({few(paths, 3)})"
+                      for what, paths in groups]
+    counts = [1] * len(others) + [len(paths) for _, paths in groups]
+    shown = len(texts) if len(texts) <= 8 else 4  # (each group lists three paths)
+    hidden = sum(counts[shown:])
+    return ", ".join(texts[:shown]) + (f" and {hidden} more mismatched tensor(s)"
+                                       if hidden else "")
 
 
 def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],

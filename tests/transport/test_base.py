@@ -154,19 +154,42 @@ def test_a_forward_pass_during_an_offer_changes_nothing_served() -> None:
 
 def test_small_tensors_past_the_copy_budget_are_served_live(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copies stop at _SNAPSHOT_BUDGET bytes: the small tensors after that are served
-    from their own memory, and watched (refused when changed) as the large ones are."""
-    monkeypatch.setattr(base, "_SNAPSHOT_BUDGET", 3 * 400)
-    state = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}
+    """The copies stop at the first small tensor that would pass _SNAPSHOT_BUDGET bytes:
+    it and those after it are served from their own memory, and watched (refused when
+    changed) as the large ones are."""
+    monkeypatch.setattr(base, "_SNAPSHOT_BUDGET", 3 * 400 + 50)
+    state: dict[str, torch.Tensor] = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}
+    state["u"] = torch.zeros(10)  # (40 bytes: would fit what is left, but comes after)
     srv = serve_state(1, state, block_bytes=BLOCK, library_version="test")
     state["t0"].add_(1.0)  # copied: served as offered
     assert torch.equal(served_tensors(srv)["t0"], torch.zeros(100))
     srv = serve_state(2, state, block_bytes=BLOCK, library_version="test")
     state["t2"].add_(1.0)  # the third fits the budget
     state["t4"].add_(1.0)  # the fifth does not: refused
-    with pytest.raises(base.StateChanged, match="'t4'") as err:
+    state["u"].add_(1.0)  # nor, after it, the last
+    with pytest.raises(base.StateChanged, match="'t4', 'u'") as err:
         srv.manifest()
-    assert err.value.keys == ["t4"]
+    assert err.value.keys == ["t4", "u"]
+
+
+def test_the_warning_of_tensors_changed_while_served_is_given_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(stop 48's review) A receiver's ranges end together, on several server threads:
+    each saw the flag unset and warned."""
+    import time
+
+    def slow() -> list[str]:
+        time.sleep(0.05)
+        return ["queue"]
+
+    srv = base.Served(3, lambda: b"", {}, changed=slow)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        threads = [threading.Thread(target=srv.tell_changed) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert caplog.text.count("changed in place while they were served") == 1, caplog.text
 
 
 def test_an_offer_copying_while_the_state_changes_says_so(
@@ -194,3 +217,21 @@ def test_an_offer_copying_while_the_state_changes_says_so(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):  # nothing meanwhile
         serve_state(2, state, block_bytes=BLOCK, library_version="test")
     assert caplog.text == ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_small_gpu_tensors_offered_on_a_side_stream_are_served_as_offered() -> None:
+    """(stop 48's review) torchft offers on its recovery stream: the offer's copies of
+    small CUDA tensors are made there, and the server thread that copies them to the host
+    (on its own stream) must wait for them."""
+    side = torch.cuda.Stream()
+    w = torch.randn(1 << 12, device="cuda")  # (16 KiB: copied at the offer)
+    want = w.clone()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # (the side stream busy for a while)
+        srv = serve_state(1, {"w": w}, block_bytes=BLOCK, library_version="test")
+    # (read on this thread's default stream, which does not follow the side one: the
+    # copy there is still queued behind the sleep, its memory not yet written)
+    got = served_tensors(srv)["w"]
+    assert torch.equal(got, want.cpu())

@@ -2077,7 +2077,7 @@ def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
                 r"optimizer.step\(\) before disallow_checkpoint\(\)\? or a forward pass "
                 r"that updates a buffer send_checkpoint does not copy \(one of more than 64 "
                 r"KiB, or a small one past its first 64 MiB of copies\)\? put a copy of such "
-                r"a buffer in the state offered \('model/weight' there: its .clone\(\)\)\)")):
+                r"a buffer \(its \.clone\(\)\) in the state offered\): the offer is refused")):
         fetch(srv, 5)
     assert "the sender changed tensor(s) 'model/weight'" in caplog.text  # the sender's log
     with pytest.raises(CheckpointTransportError, match="HTTP 409"):

@@ -272,14 +272,17 @@ class LiveSource(FileSource):
     """A shard file made of a header and live tensors, never materialized."""
 
     def __init__(self, plan: WritePlan, tensors: dict[str, torch.Tensor],
-                 copied: dict[str, memoryview] | None = None):
-        """``copied``: the bytes of tensors copied already, which are served instead."""
+                 copied: dict[str, memoryview] | None = None, ready: Sequence[Any] = ()):
+        """``copied``: the bytes of tensors copied already, which are served instead;
+        ``ready``: CUDA events to wait for before a tensor on a device is read (those
+        made on another thread's stream)."""
         self.plan = plan
         self.size = plan.file_bytes
         self._header = memoryview(plan.header)
         self._starts = [it.offset for it in plan.items]
         self._bytes: dict[str, memoryview] = dict(copied or {})
         self._tensors = tensors
+        self._ready = list(ready)
         self._lock = threading.Lock()
 
     def tensor_view(self, key: str) -> memoryview:
@@ -303,6 +306,8 @@ class LiveSource(FileSource):
         if mv is None:
             t = self._tensors[key]
             if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+                while self._ready:  # (the offer's copies, made on its thread's stream)
+                    self._ready.pop().synchronize()
                 t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
                 self._tensors[key] = t  # keep the copy alive while it is served
             mv = self._bytes[key] = tensor_bytes(t)
@@ -331,14 +336,14 @@ class LiveSource(FileSource):
         return memoryview(b"".join(self.pieces(offset, n)))
 
 
-def uncopied_hint(key: str | None = None) -> str:
+def uncopied_hint() -> str:
     """What changes a live tensor that an offer did not copy, and the way out: for
-    messages of changed tensors (``key``: one of them, where known)."""
-    where = f" ({key!r} there: its .clone())" if key is not None else ""
+    messages of changed tensors. (Not naming one of them: the first may be a weight that
+    an optimizer.step() changed, whose copy is no way out.)"""
     return (f"a forward pass that updates a buffer send_checkpoint does not copy (one of "
             f"more than {SNAPSHOT_MAX_BYTES // 1024} KiB, or a small one past its first "
-            f"{_SNAPSHOT_BUDGET >> 20} MiB of copies)? put a copy of such a buffer in the "
-            f"state offered{where}")
+            f"{_SNAPSHOT_BUDGET >> 20} MiB of copies)? put a copy of such a buffer (its "
+            ".clone()) in the state offered")
 
 
 def changed_while_served(step: int, keys: Sequence[str]) -> str:
@@ -347,7 +352,7 @@ def changed_while_served(step: int, keys: Sequence[str]) -> str:
     return (f"step {step}: tensor(s) {few([repr(k) for k in keys], 3)} changed in place "
             "while they were served: a receiver that read them after the change fails its "
             "checksums; leave them as they are until disallow_checkpoint() returns (over a "
-            f"process group: until send_checkpoint returns) ({uncopied_hint(keys[0])})")
+            f"process group: until send_checkpoint returns) ({uncopied_hint()})")
 
 
 class StateChanged(CheckpointTransportError):
@@ -359,7 +364,7 @@ class StateChanged(CheckpointTransportError):
         super().__init__(
             f"step {step}: the sender changed tensor(s) {', '.join(map(repr, keys[:3]))}{more} "
             "in place after send_checkpoint offered them (an optimizer.step() before "
-            f"disallow_checkpoint()? or {uncopied_hint(keys[0])}): the offer is refused, as "
+            f"disallow_checkpoint()? or {uncopied_hint()}): the offer is refused, as "
             "what it would serve is no longer that step's state; the sender must leave its "
             "tensors unchanged until disallow_checkpoint() returns, and offer again")
         self.step, self.keys = step, list(keys)
@@ -386,16 +391,20 @@ class Served:
     # live tensors: the keys of those torch has seen change in place since the offer
     changed: Callable[[], list[str]] | None = None
     told_changed: bool = False  # (the sender's warning of them is given once an offer)
+    _telling: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def tell_changed(self) -> None:
         """Warn, once an offer, of live tensors changed in place since it was made: call
-        after a transfer read them."""
-        if self.changed is None or self.told_changed:
+        after a transfer read them (from any thread: a receiver's ranges end together)."""
+        if self.changed is None:
             return
-        moved = self.changed()
-        if moved:
-            self.told_changed = True
-            log.warning("%s", changed_while_served(self.step, moved))
+        with self._telling:
+            if self.told_changed:
+                return
+            moved = self.changed()
+            if moved:
+                self.told_changed = True
+                log.warning("%s", changed_while_served(self.step, moved))
 
     def close(self) -> None:
         for f in self.files.values():
@@ -495,13 +504,25 @@ def live_manifest(plan: WritePlan, flat: FlatState, sums: list[list[str]], *, st
         return raw
 
 
-def snapshot_small(tensors: Mapping[str, torch.Tensor]
-                   ) -> tuple[dict[str, memoryview], dict[str, torch.Tensor], list[str]]:
-    """Copies of the tensors of at most ``SNAPSHOT_MAX_BYTES`` bytes, in order until
-    ``_SNAPSHOT_BUDGET`` bytes are copied: the bytes of those in CPU memory, in one buffer,
-    and copies of the others on their own devices (in stream order there); and the keys
-    of those that torch saw change while they were copied (a forward pass running
-    alongside: the copies may then mix values from before and during it).
+@dataclass
+class Snapshot:
+    """What ``snapshot_small`` copied: ``copied``, the bytes of CPU tensors (one buffer);
+    ``copies``, tensors copied on their own devices, ready once the CUDA events of
+    ``ready`` have happened (recorded on the offering thread's streams, which a reader
+    thread's do not follow: torchft offers on a side stream); ``changed``, the keys of
+    those torch saw change while they were copied."""
+
+    copied: dict[str, memoryview]
+    copies: dict[str, torch.Tensor]
+    ready: list[Any]
+    changed: list[str]
+
+
+def snapshot_small(tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+    """Copies of the tensors of at most ``SNAPSHOT_MAX_BYTES`` bytes, in order until one
+    would pass ``_SNAPSHOT_BUDGET`` bytes in all (the rest are served from their own
+    memory); a change torch sees while they are copied (a forward pass running
+    alongside) is told: the copies may then mix values from before and during it.
 
     A forward pass changes some buffers in place while an offer is served (torchft
     offers the state as its next step's forward begins): BatchNorm's running statistics
@@ -516,9 +537,12 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]
     left = _SNAPSHOT_BUDGET
     for key, t in tensors.items():
         n = t.nbytes
-        if n <= SNAPSHOT_MAX_BYTES and n <= left:
-            small.append((key, t))
-            left -= n
+        if n > SNAPSHOT_MAX_BYTES:
+            continue
+        if n > left:
+            break
+        small.append((key, t))
+        left -= n
     # (read before any is copied: a change from here to the end of the copies may leave
     # them a mix; an inference tensor has no version counter)
     versions = version_counters(dict(small))
@@ -530,6 +554,11 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]
             with torch.no_grad():
                 copies[key] = t.detach().resolve_conj().resolve_neg().clone(
                     memory_format=torch.contiguous_format)
+    ready = []
+    for device in {c.device for c in copies.values() if c.is_cuda}:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        ready.append(event)
     # (writable: the process-group transport hands the bytes to torch.frombuffer)
     joined = memoryview(bytearray().join(views))
     changed = changed_in_place(dict(small), versions)
@@ -538,7 +567,7 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]
     for key, v in zip(keys, views, strict=True):
         copied[key] = joined[at:at + len(v)]
         at += len(v)
-    return copied, copies, changed
+    return Snapshot(copied, copies, ready, changed)
 
 
 def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str) -> Served:
@@ -549,7 +578,8 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
     with gc_paused():  # thousands of small objects: no full collection mid-way (~0.1 s)
         flat = flatten(state)
         plan = _live_plan(flat.tensors)
-        copied, copies, torn = snapshot_small(flat.tensors)
+        snap = snapshot_small(flat.tensors)
+        torn = snap.changed
         if torn:  # (the sender's log: its loop offers while its state changes)
             log.warning(
                 "step %d: send_checkpoint copied the state's small tensors while something "
@@ -564,9 +594,9 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
         # forward pass bumps BatchNorm's num_batches_tracked, and the step counters move
         # with the parameters, which tell)
         offered = {k: flat.wrappers.get(k, t) for k, t in flat.tensors.items()
-                   if t.dim() and k not in copied and k not in copies}
+                   if t.dim() and k not in snap.copied and k not in snap.copies}
         versions = version_counters(offered)
-    source = LiveSource(plan, {**flat.tensors, **copies}, copied)
+    source = LiveSource(plan, {**flat.tensors, **snap.copies}, snap.copied, snap.ready)
     lock = threading.Lock()
     cache: list[bytes] = []
     cancelled = threading.Event()

@@ -1071,7 +1071,7 @@ def _verify_file(manifest: Manifest, name: str, view: memoryview, step_dir: Path
                 f"{c.byte_range[0] + bad * bb}..) of step {manifest.step} sent by {where}: "
                 "damaged in transit, or changed by the sender while it sent it (its "
                 "tensors must stay as they are until send_checkpoint returns: "
-                f"{uncopied_hint(key)}); nothing was loaded: receive it again (retry the "
+                f"{uncopied_hint()}); nothing was loaded: receive it again (retry the "
                 "transfer)", path=str(path), key=key)
 
 
