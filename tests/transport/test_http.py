@@ -2076,8 +2076,9 @@ def test_tensors_changed_after_send_checkpoint_are_refused_not_served(
                 r"in place after send_checkpoint offered them \(an "
                 r"optimizer.step\(\) before disallow_checkpoint\(\)\? or a forward pass "
                 r"that updates a buffer send_checkpoint does not copy \(one of more than 64 "
-                r"KiB, or a small one past its first 64 MiB of copies\)\? put a copy of such "
-                r"a buffer \(its \.clone\(\)\) in the state offered\): the offer is refused")):
+                r"KiB, or a small one past its first 64 MiB of copies\)\? offer a copy of it "
+                r"in its place: sd\['queue'\] = sd\['queue'\]\.clone\(\), where sd is the state "
+                r"given to send_checkpoint\): the offer is refused")):
         fetch(srv, 5)
     assert "the sender changed tensor(s) 'model/weight'" in caplog.text  # the sender's log
     with pytest.raises(CheckpointTransportError, match="HTTP 409"):

@@ -998,8 +998,9 @@ def test_a_tensor_changed_while_it_is_sent_is_told_at_both_ends(
                 r"checksum mismatch in tensor 'queue' .*damaged in transit, or changed by the "
                 r"sender while it sent it .* a forward pass that updates a buffer "
                 r"send_checkpoint does not copy \(one of more than 64 KiB, or a small one "
-                r"past its first 64 MiB of copies\)\? put a copy of such a buffer \(its "
-                r"\.clone\(\)\) in the state offered\)")):
+                r"past its first 64 MiB of copies\)\? offer a copy of it in its place: "
+                r"sd\['queue'\] = sd\['queue'\]\.clone\(\), where sd is the state given to "
+                r"send_checkpoint\)")):
             b.recv_checkpoint(0, "pg:0", 6, 10.0)
         sender.result()
     assert "step 6: tensor(s) 'queue' changed in place while they were served" in caplog.text

@@ -342,8 +342,9 @@ def uncopied_hint() -> str:
     an optimizer.step() changed, whose copy is no way out.)"""
     return (f"a forward pass that updates a buffer send_checkpoint does not copy (one of "
             f"more than {SNAPSHOT_MAX_BYTES // 1024} KiB, or a small one past its first "
-            f"{_SNAPSHOT_BUDGET >> 20} MiB of copies)? put a copy of such a buffer (its "
-            ".clone()) in the state offered")
+            f"{_SNAPSHOT_BUDGET >> 20} MiB of copies)? offer a copy of it in its place: "
+            "sd['queue'] = sd['queue'].clone(), where sd is the state given to "
+            "send_checkpoint")
 
 
 def changed_while_served(step: int, keys: Sequence[str]) -> str:
@@ -351,8 +352,9 @@ def changed_while_served(step: int, keys: Sequence[str]) -> str:
     them (after the offer's checksums)."""
     return (f"step {step}: tensor(s) {few([repr(k) for k in keys], 3)} changed in place "
             "while they were served: a receiver that read them after the change fails its "
-            "checksums; leave them as they are until disallow_checkpoint() returns (over a "
-            f"process group: until send_checkpoint returns) ({uncopied_hint()})")
+            "checksums, at every try, until the state is offered again; leave them as they "
+            "are until disallow_checkpoint() returns (over a process group: until "
+            f"send_checkpoint returns) ({uncopied_hint()})")
 
 
 class StateChanged(CheckpointTransportError):
@@ -366,7 +368,8 @@ class StateChanged(CheckpointTransportError):
             "in place after send_checkpoint offered them (an optimizer.step() before "
             f"disallow_checkpoint()? or {uncopied_hint()}): the offer is refused, as "
             "what it would serve is no longer that step's state; the sender must leave its "
-            "tensors unchanged until disallow_checkpoint() returns, and offer again")
+            "tensors unchanged until disallow_checkpoint() returns (over a process group: "
+            "until send_checkpoint returns), and offer again")
         self.step, self.keys = step, list(keys)
 
 

@@ -851,8 +851,9 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
                             "on its disk (a peer serving a checkpoint from disk: run "
                             "'asyncckpt verify' there), or the peer changed its tensors "
                             "while it offered them (send_checkpoint's must stay as they are "
-                            f"until disallow_checkpoint() returns: {uncopied_hint()}); "
-                            "receive them again, or from another peer")
+                            f"until disallow_checkpoint() returns: {uncopied_hint()}; "
+                            "then every try fails until it offers again); receive them "
+                            "again, or from another peer")
         text = text.replace("load an earlier step", "receive it again, or from another peer")
     if into is not None and storage.tensor_bytes_read:
         text += ("; the targets were loaded in place and may hold part of the peer's state: "
