@@ -53,6 +53,7 @@ from ..manifest import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, Manifest, check_block
 from .base import (
     PEER_MAX_MANIFEST_BYTES,
     CheckpointTransport,
+    LiveSource,
     Served,
     StateChanged,
     StepNotOffered,
@@ -1229,7 +1230,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if send_body:
                 source.send(self.connection, lo, hi - lo)
-                served.tell_changed()  # (the receiver may fail its checksums: say why)
+                if served.changed is not None and isinstance(source, LiveSource):
+                    # (the receiver may fail its checksums: say why)
+                    served.tell_changed(source.keys_in(lo, hi - lo))
             whole = True
         finally:
             tr._release(ticket, fetch, whole)
