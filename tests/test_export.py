@@ -1009,6 +1009,11 @@ def test_export_speaks_of_keys_as_they_were_not_as_the_manifest_escapes_them(
     assert str(info.value).endswith("start with: 'a/b', 'x%y'")
     export_safetensors(tmp_path / "c", tmp_path / "o.safetensors", prefix="a/b")
     assert list(load_file(tmp_path / "o.safetensors")) == ["a/b"]
+    # (stop 48's trial) a step of no tensors at all: "no tensor is under '' ...: none"
+    asyncckpt.save({"step": 3, "lr": 0.1}, tmp_path / "none", step=1)
+    with pytest.raises(asyncckpt.CheckpointConfigError,
+                       match=r"^step 1 holds no tensors: nothing to export$"):
+        export_safetensors(tmp_path / "none", tmp_path / "n.safetensors")
 
 
 # --- max_shard_bytes: a directory of files, as Hugging Face publishes a model -------------------

@@ -502,7 +502,10 @@ def _plan(manifest: Manifest, prefix: str, strip: bool, cast: torch.dtype | None
         # (as the prefix is matched: keys as they were, not as the manifest escapes them)
         tops = sorted({unescape_path(p.split("/", 1)[0]) + ("/" if "/" in p else "")
                        for p, _ in iter_array_nodes(manifest.skeleton)})
-        have = ", ".join(repr(t) for t in tops[:10]) or "none"
+        if not tops:  # (a trial's: "no tensor is under '' ...; start with: none")
+            raise CheckpointConfigError(f"step {manifest.step} holds no tensors: nothing to "
+                                        "export")
+        have = ", ".join(repr(t) for t in tops[:10])
         raise CheckpointConfigError(
             f"no tensor is under {prefix!r} in step {manifest.step}; the tensor paths "
             f"start with: {have}")
