@@ -260,12 +260,16 @@ def test_inspect_cuts_long_scalars_short(tmp_path: Path,
     """(stop 48's trial) A 20 MB bytes value made the summary one 33 MB line; --json
     still holds it whole."""
     long = "x" * 100_000
-    asyncckpt.save({"w": torch.zeros(2), "note": long, "k" * 500: 1, "step": 7},
+    asyncckpt.save({"w": torch.zeros(2), "note": long, "k" * 500: 1, "step": 7,
+                    "s": "7", "none": None, "s_none": "None", "raw": b"ab"},
                    tmp_path / "ck", step=1)
     code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"))
     assert code == 0 and len(out) < 2000, len(out)
-    assert f"note={'x' * 60}... (99,940 more characters)" in out, out
+    assert f"note='{'x' * 59}... (99,942 more characters)" in out, out
     assert f"{'k' * 60}... (440 more characters)=1" in out and "step=7" in out, out
+    # (and kinds that print alike told apart: a trial read "s5=5, i5=5")
+    assert "s='7'" in out and "none=None" in out and "s_none='None'" in out, out
+    assert "raw=b64:YWI=" in out, out
     code, out, _ = run(capsys, "inspect", str(tmp_path / "ck"), "--json")
     scalars = {s["path"]: s["value"] for s in json.loads(out)["skeleton"]["scalars"]}
     assert scalars["note"] == long
@@ -647,7 +651,7 @@ def test_inspect_prints_keys_and_values_no_encoding_can_hold(
     errors = sys.stdout.errors
     code, out, err = run(capsys, "inspect", str(tmp_path))
     assert code == 0 and err == "", err
-    assert "w\\ud800" in out and "note=x\\udcff" in out
+    assert "w\\ud800" in out and "note='x\\udcff'" in out
     assert sys.stdout.errors == errors  # set back as it was
     code, out, _ = run(capsys, "inspect", "--json", str(tmp_path))
     assert code == 0 and json.loads(out)["tensors"][0]["path"] == "w\ud800"

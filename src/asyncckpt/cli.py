@@ -149,6 +149,18 @@ def _shown(text: str) -> str:
 _WIDE = 100
 
 
+def _scalar_text(scalar: dict[str, Any]) -> str:
+    """A scalar of inspect's summary, its kind told apart where the text alone would not
+    (a trial's "s5=5, i5=5", "sNone=None, none=None"): strings quoted, bytes as b64:...,
+    cut past 60 characters."""
+    value, kind = scalar["value"], scalar["type"]
+    if kind == "str":
+        return _clipped(repr(value))
+    if kind == "bytes":
+        return _clipped(f"b64:{value}")
+    return _clipped(str(value))
+
+
 def _clipped(text: str, most: int = 60) -> str:
     """``text`` cut to about ``most`` characters, saying how many more there are: a
     scalar of 20 MB (a bytes value, a long string) made inspect's summary one 33 MB line
@@ -920,7 +932,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
          f"{_n(len(doc['files']), 'file')})  "
          f"asyncckpt {doc['library_version']}  created {_when(doc['created_unix'])}")
     owned = [s["path"] for s in skel["stateful"]]
-    loose = [f"{_clipped(s['path'])}={_clipped(str(s['value']))}" for s in skel["scalars"]
+    loose = [f"{_clipped(s['path'])}={_scalar_text(s)}" for s in skel["scalars"]
              if not any(o == "" or s["path"] == o or s["path"].startswith(o + "/")
                         for o in owned)]  # ("": a stateful root owns every path)
     shown = ", ".join(loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
