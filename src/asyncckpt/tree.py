@@ -246,11 +246,13 @@ def version_counters(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
-def changed_in_place(tensors: Mapping[str, torch.Tensor],
-                     versions: Mapping[str, int]) -> list[str]:
+def changed_in_place(tensors: Mapping[str, torch.Tensor], versions: Mapping[str, int],
+                     keys: Iterable[str] | None = None) -> list[str]:
     """The keys of ``versions`` (``version_counters`` of ``tensors``, taken earlier) whose
-    tensor torch saw changed in place since."""
-    return [key for key, v in versions.items() if tensors[key]._version != v]
+    tensor torch saw changed in place since; of ``keys`` alone, where given."""
+    if keys is None:
+        return [key for key, v in versions.items() if tensors[key]._version != v]
+    return [key for key in keys if key in versions and tensors[key]._version != versions[key]]
 
 
 def _refuse_half_a_tie(flat: FlatState) -> None:

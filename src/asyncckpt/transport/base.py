@@ -368,9 +368,8 @@ class StateChanged(CheckpointTransportError):
     asked for them: the offer is refused (its receivers are told why)."""
 
     def __init__(self, step: int, keys: Sequence[str]):
-        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
         super().__init__(
-            f"step {step}: the sender changed tensor(s) {', '.join(map(repr, keys[:3]))}{more} "
+            f"step {step}: the sender changed tensor(s) {few([repr(k) for k in keys], 3)} "
             "in place after send_checkpoint offered them (an optimizer.step() before "
             f"disallow_checkpoint()? or {uncopied_hint()}): the offer is refused, as "
             "what it would serve is no longer that step's state; the sender must leave its "
@@ -556,7 +555,8 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         left -= n
     # (read before any is copied: a change from here to the end of the copies may leave
     # them a mix; an inference tensor has no version counter)
-    versions = version_counters(dict(small))
+    by_key = dict(small)
+    versions = version_counters(by_key)
     for key, t in small:
         if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             keys.append(key)
@@ -572,7 +572,7 @@ def snapshot_small(tensors: Mapping[str, torch.Tensor]) -> Snapshot:
         ready.append(event)
     # (writable: the process-group transport hands the bytes to torch.frombuffer)
     joined = memoryview(bytearray().join(views))
-    changed = changed_in_place(dict(small), versions)
+    changed = changed_in_place(by_key, versions)
     copied = {}
     at = 0
     for key, v in zip(keys, views, strict=True):
@@ -677,12 +677,6 @@ def serve_state(step: int, state: Any, *, block_bytes: int, library_version: str
                                                library_version=library_version))
             return cache[0]
 
-    def changed(keys: Iterable[str] | None) -> list[str]:
-        """The offered tensors (of ``keys``, or all) changed in place since the offer:
-        checked after each range a receiver read, so only that range's (~0.3 us each)."""
-        if keys is None:
-            return changed_in_place(offered, versions)
-        return [k for k in keys if k in versions and offered[k]._version != versions[k]]
-
+    # (checked after each range a receiver read: that range's tensors, ~0.3 us each)
     return Served(step, manifest, {plan.file: source}, cancelled, origin="send_checkpoint",
-                  changed=changed)
+                  changed=lambda keys: changed_in_place(offered, versions, keys))
