@@ -248,8 +248,11 @@ def test_the_manifest_waits_for_the_room_the_shard_waits_for(
                        (probe / "manifest.json").stat().st_size)
     root = tmp_path / "ck"
     storage = _Quota(root, quota=3 * (shard + manifest) + 64)  # keep_last + 1 steps (+ lock)
-    monkeypatch.setattr(writer_module, "_short_of_room", lambda job: (
-        storage.quota - storage.used() < shard + manifest))  # (the exact need)
+    def free_if_short(job: object) -> int | None:  # (the exact need)
+        free = storage.quota - storage.used()
+        return free if free < shard + manifest else None
+
+    monkeypatch.setattr(writer_module, "_free_if_short", free_if_short)
     with asyncckpt.AsyncCheckpointer(root, mode="async", keep_last=2,
                                      storage=storage) as ckpt:
         for s in range(1, 7):
@@ -275,7 +278,7 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1),
                           keep_last=2, removals=None, root=tmp_path, plan=plan, step=7)
     free[0] = need - 1  # (a flat 1 MiB margin called this room enough)
-    assert writer_module._short_of_room(job)  # type: ignore[arg-type]
+    assert writer_module._free_if_short(job) == need - 1  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO, logger="asyncckpt"):

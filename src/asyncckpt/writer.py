@@ -878,33 +878,37 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
     # beat moves only with progress)
     limit = ROOM_WAIT_S if not job.ctx.distributed else ROOM_WAIT_GROUP_S
     removals = job.removals
-    if removals is not None and not removals.done() and _short_of_room(job):
+    if removals is not None and not removals.done() and (
+            free := _free_if_short(job)) is not None:
         log.info("rank=%d step=%d: %s: waiting for the last save's retention to remove the "
-                 "old steps", job.ctx.rank, job.step, _lacking(job))
+                 "old steps", job.ctx.rank, job.step, _lacking(job, free))
         cf.wait([removals], timeout=limit)
-    if job.keep_last is not None and job.ctx.is_coordinator and _short_of_room(job):
+    if job.keep_last is not None and job.ctx.is_coordinator and (
+            free := _free_if_short(job)) is not None:
         log.info("rank=0 step=%d: %s: removing now the steps keep_last=%d lets go of those "
-                 "there", job.step, _lacking(job), job.keep_last)
+                 "there", job.step, _lacking(job, free), job.keep_last)
         made: cf.Future[None] = cf.Future()
         _retain(job, reaper, made, before=True)
         cf.wait([made], timeout=limit)
-    elif job.keep_last is not None and job.ctx.distributed and _short_of_room(job):
+    elif job.keep_last is not None and job.ctx.distributed and (
+            free := _free_if_short(job)) is not None:
         # The others of a group on a shared filesystem: rank 0 removes the old steps (its
         # retention, or the removals above), which this rank cannot wait on: it watches
         # the room free, briefly (a review: rank 0 waited for room, rank 1's shard met the
         # full disk). A disk that stays full fails the write with ENOSPC, as before.
         log.info("rank=%d step=%d: %s: waiting up to %.0f s for rank 0's retention to remove "
-                 "the old steps", job.ctx.rank, job.step, _lacking(job), limit)
+                 "the old steps", job.ctx.rank, job.step, _lacking(job, free), limit)
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline and _short_of_room(job):
+        while time.monotonic() < deadline and _free_if_short(job) is not None:
             time.sleep(0.05)
 
 
-def _short_of_room(job: SaveJob) -> bool:
-    """Whether the disk of the checkpoint has less room free than this step takes, with a
-    margin (False where that cannot be known: a root that is no local path)."""
+def _free_if_short(job: SaveJob) -> int | None:
+    """The bytes free on the disk of the checkpoint where that is less than this step
+    takes, with a margin; None where it has room (or that cannot be known: a root that is
+    no local path)."""
     free = _free_bytes(job.root)
-    return free is not None and free < _room_needed(job)
+    return free if free is not None and free < _room_needed(job) else None
 
 
 def _room_needed(job: SaveJob) -> int:
@@ -914,12 +918,13 @@ def _room_needed(job: SaveJob) -> int:
     return job.plan.file_bytes + (1 << 20) + 4 * len(job.plan.header)
 
 
-def _lacking(job: SaveJob) -> str:
-    """The log's words for a disk short of room: the figures, margin said (an operator
-    read 'lacks room' with more free than the step's file)."""
-    free, need = _megabytes(_free_bytes(job.root) or 0, _room_needed(job))
-    return (f"the disk lacks room for this step ({free} free; it takes {need}: its shard "
-            "file, and its manifest with a margin)")
+def _lacking(job: SaveJob, free: int) -> str:
+    """The log's words for a disk short of room, ``free`` bytes free (as _free_if_short
+    found it): the figures, margin said (an operator read 'lacks room' with more free than
+    the step's file)."""
+    free_mb, need_mb = _megabytes(free, _room_needed(job))
+    return (f"the disk lacks room for this step ({free_mb} free; it takes {need_mb}: its "
+            "shard file, and its manifest with a margin)")
 
 
 def _free_bytes(root: Path) -> int | None:
