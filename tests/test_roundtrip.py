@@ -3063,3 +3063,19 @@ def test_a_plain_dict_optimizer_state_is_not_refused_for_keys_a_scheduler_added(
     torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=0.1, total_steps=10)
     asyncckpt.load(tmp_path, {"optim": o2})
     assert torch.equal(o2.state[m.weight]["exp_avg"], o.state[m.weight]["exp_avg"])
+
+
+def test_key_map_keeps_a_moved_int_key_an_int_in_a_dict_of_mixed_keys(tmp_path: Path) -> None:
+    # A trial's dict of str and int keys: key_map={"m/1": "m/100"} came back keyed "100",
+    # and a target keyed 100 was refused as "one path, but not one key".
+    state = {"m": {1: torch.ones(1), "a": torch.zeros(1)}, "s": {"x": torch.ones(2)}}
+    asyncckpt.save(state, tmp_path, step=1)
+    out = asyncckpt.load(tmp_path, key_map={"m/1": "m/100", "s/x": "s/9"})
+    assert set(out["m"]) == {100, "a"}
+    assert set(out["s"]) == {"9"}  # (only a key that was an int stays one)
+    target = {"m": {100: torch.zeros(1), "a": torch.ones(1)}, "s": {"x": torch.zeros(2)}}
+    asyncckpt.load(tmp_path, target, key_map={"m/1": "m/100"})
+    assert torch.equal(target["m"][100], torch.ones(1))
+    # into a dict of str keys only, a moved int key is text
+    into_str = asyncckpt.load(tmp_path, key_map={"m/1": "s/5"})
+    assert set(into_str["s"]) == {"x", "5"}

@@ -1000,9 +1000,9 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
     skeleton = copy.deepcopy(manifest.skeleton)
     ints: dict[tuple[str, ...], set[str]] = {}  # a dict's path -> the int keys moves emptied
     nodes = [_detach(skeleton, path, old, new, ints) for path, old, new in moves]
-    for (_, old, new), node in zip(moves, nodes, strict=True):
+    for (_, old, new), (node, int_in) in zip(moves, nodes, strict=True):
         if new is not None:
-            _attach(skeleton, new, node, old, ints)
+            _attach(skeleton, new, node, old, ints, int_in)
     return _with_skeleton(manifest, skeleton)
 
 
@@ -1014,9 +1014,11 @@ def _inner(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
-            ints: dict[tuple[str, ...], set[str]]) -> dict[str, Any]:
+            ints: dict[tuple[str, ...], set[str]]
+            ) -> tuple[dict[str, Any], tuple[str, ...] | None]:
     """Take the node at ``path`` out of its dict, and dicts that this empties out of
-    theirs (noting in ``ints`` those whose key was an int); return it."""
+    theirs (noting in ``ints`` those whose key was an int); return it, and the path (as
+    text keys) of the dict it was in where its own key was an int, else None."""
     chain: list[tuple[dict[str, Any], int]] = []  # (container, index of the child in it)
     keys: list[str] = []  # the keys on the way, as text
     node = skeleton
@@ -1034,7 +1036,7 @@ def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
             f"{parent['t']}: only tensors in dicts can be renamed or left out (a key_map "
             "function may return a path it does not move as it is, and "
             "ignore_unexpected=True skips what the target lacks)")
-    parent["items"].pop(i)
+    int_in = tuple(keys[:-1]) if type(parent["items"].pop(i)[0]) is int else None
     for depth in range(len(chain) - 2, -1, -1):  # (dicts it leaves empty go too)
         container, j = chain[depth]
         child = container["items"][j][1] if container["t"] == "dict" else None
@@ -1043,13 +1045,17 @@ def _detach(skeleton: dict[str, Any], path: str, old: str, new: str | None,
         key = container["items"].pop(j)[0]
         if type(key) is int:  # (an optimizer's state of parameter 3: moved back, it is 3)
             ints.setdefault(tuple(keys[:depth]), set()).add(str(key))
-    return node
+    return node, int_in
 
 
 def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str,
-            ints: dict[tuple[str, ...], set[str]]) -> None:
+            ints: dict[tuple[str, ...], set[str]],
+            int_in: tuple[str, ...] | None = None) -> None:
     """Put ``node`` at path ``new``, making the dicts on the way. A new key is an int
-    where the dict had that int key before the moves, or holds int keys only."""
+    where the dict had that int key before the moves, or holds int keys only; and the
+    tensor's own key, where it was an int in the dict ``int_in``, stays an int in that dict
+    or in one that holds an int key (``m/1`` to ``m/100`` in a dict of str and int keys).
+    """
     # (a segment escaped as inspect lists it, and as a mismatch's advice spells it, is the
     # key it names: "a%2Fb" is the key "a/b")
     parts = ["" if seg == "%00" else seg.replace("%2F", "/").replace("%25", "%")
@@ -1068,7 +1074,10 @@ def _attach(skeleton: dict[str, Any], new: str, node: dict[str, Any], old: str,
         key: str | int = part
         if child is None and _int_text(part) and (
                 part in ints.get(tuple(parts[:n]), ()) or (items and all(type(k) is int
-                                                                 for k, _ in items))):
+                                                                 for k, _ in items))
+                or (int_in is not None and n == len(parts) - 1 and (
+                    int_in == tuple(parts[:n])
+                    or not all(type(k) is str for k, _ in items)))):
             key = int(part)
         if n == len(parts) - 1:
             if child is not None:
