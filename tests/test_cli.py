@@ -102,7 +102,10 @@ def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert doc["ok"] is False  # as verify's documents say it
     manifest = asyncckpt.AsyncCheckpointer(root).manifest(20)
     s20 = doc["steps"][1]
-    assert s20["bytes"] == manifest.total_bytes
+    # (its files and its manifest.json: a state of 59 MB of scalars showed 4 KiB)
+    d20 = root / "step_000000020"
+    assert s20["bytes"] == manifest.total_bytes + (d20 / "manifest.json").stat().st_size
+    assert s20["bytes"] == sum(f.stat().st_size for f in d20.iterdir())
     assert s20["tensors"] == 3
     assert s20["created_unix"] == manifest.created_unix
     assert Path(s20["path"]).name == "step_000000020"
@@ -152,8 +155,9 @@ def test_ls_marks_a_step_whose_files_are_missing_or_cut_short(
     assert "DAMAGED" not in rows["10"]
     code, out, _ = run(capsys, "ls", str(root), "--json")
     doc = json.loads(out)
+    size = asyncckpt.AsyncCheckpointer(root).manifest(20).files[shard].bytes
     assert [s["damaged"] for s in doc["steps"]] == [
-        [], [f"{shard} is 100 bytes, not {doc['steps'][1]['bytes']}"], [f"{shard} is missing"]]
+        [], [f"{shard} is 100 bytes, not {size}"], [f"{shard} is missing"]]
 
 
 def test_ls_marks_a_step_a_fallback_load_found_damaged(

@@ -406,7 +406,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             damaged = _damaged(d, m.files, storage)
             if damaged and d != root and not os.path.lexists(d):
                 continue  # retired while its files were looked at: no step now, no damage
-            entries.append({"step": m.step, "path": str(d), "bytes": m.total_bytes,
+            # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
+            entries.append({"step": m.step, "path": str(d),
+                            "bytes": m.total_bytes + m.manifest_bytes,
                             "tensors": m.tensors, "files": len(m.files),
                             "created_unix": m.created_unix, "created": _iso(m.created_unix),
                             "library_version": m.library_version,

@@ -771,6 +771,8 @@ class ManifestSummary:
     tensors: int
     partial: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    manifest_bytes: int = 0
+    """The size of ``manifest.json`` itself (a state of many scalars: most of the step)."""
 
     @property
     def total_bytes(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
 import itertools
@@ -101,7 +102,7 @@ def read_manifest_summary(step_dir: Path, storage: ReadStorage) -> ManifestSumma
     with gc_paused():  # (json.loads of 100,000 entries: 0.2 s paused, 0.45 s with it)
         summary = parse_manifest_summary(raw, str(path))
     _check_read(step_dir, path, storage, summary.step, summary.partial)
-    return summary
+    return dataclasses.replace(summary, manifest_bytes=len(raw))
 
 
 def _manifest_bytes(step_dir: Path, storage: ReadStorage) -> tuple[Path, bytes]:
