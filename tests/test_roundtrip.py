@@ -3079,3 +3079,23 @@ def test_key_map_keeps_a_moved_int_key_an_int_in_a_dict_of_mixed_keys(tmp_path: 
     # into a dict of str keys only, a moved int key is text
     into_str = asyncckpt.load(tmp_path, key_map={"m/1": "s/5"})
     assert set(into_str["s"]) == {"x", "5"}
+
+
+def test_one_numpy_array_at_two_paths_is_stored_once_and_comes_back_tied(
+        tmp_path: Path) -> None:
+    # (tensors were tied and arrays were not: the bytes written twice, two arrays back)
+    a = np.arange(6, dtype=np.float32)
+    asyncckpt.save({"a": a, "b": a, "view": a[2:], "t": torch.from_numpy(a)}, tmp_path,
+                   step=1)
+    manifest = asyncckpt.AsyncCheckpointer(tmp_path).manifest(1)
+    assert sorted(manifest.tensors) == ["a", "t", "view"]  # (a tensor is a tensor still)
+    out = asyncckpt.load(tmp_path)
+    assert np.shares_memory(out["a"], out["b"]) and np.array_equal(out["b"], a)
+    assert not np.shares_memory(out["a"], out["view"])
+    assert isinstance(out["t"], torch.Tensor) and isinstance(out["b"], np.ndarray)
+    x = np.zeros(6, np.float32)
+    target = {"a": x, "b": x, "view": np.zeros(4, np.float32), "t": torch.zeros(6)}
+    asyncckpt.load(tmp_path, target)
+    assert np.array_equal(x, a)
+    with pytest.raises(asyncckpt.CheckpointConfigError, match="leaves out 'b', which shares"):
+        asyncckpt.load(tmp_path, target, exclude=["b"])

@@ -378,10 +378,12 @@ def test_empty_tensors_are_never_aliased():
     assert flat.refs == {p: p for p in "abcd"}
 
 
-def test_numpy_arrays_are_not_aliased_with_each_other():
+def test_one_numpy_array_twice_is_one_tensor_but_not_one_with_a_tensor_or_a_view():
     arr = np.arange(4.0)
-    flat = flatten({"a": arr, "b": arr})
-    assert len(flat.tensors) == 2
+    flat = flatten({"a": arr, "b": arr, "v": arr[1:], "r": arr.reshape(2, 2),
+                    "t": torch.from_numpy(arr), "e": np.zeros(0), "f": np.zeros(0)})
+    assert flat.refs["b"] == "a" and sorted(flat.tensors) == ["a", "e", "f", "r", "t", "v"]
+    assert flat.kinds["a"] == "numpy" and flat.kinds["t"] == "torch"
 
 
 def test_numpy_arrays_are_recorded_and_negative_strides_copied():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -475,6 +476,9 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
             flat.excluded.append(prefix + seg)
             if isinstance(v, torch.Tensor):
                 flat.excluded_tensors.append((prefix + seg, v))
+            elif type(v) is np.ndarray and not is_copied(v):  # (tied as arrays too)
+                with contextlib.suppress(UnsupportedLeafError):
+                    flat.excluded_tensors.append((prefix + seg, _numpy_as_tensor(v, "")))
             continue
         tv = type(v)
         if tv in _PLAIN_TENSOR_TYPES or (  # the common leaves, without recursion
@@ -572,14 +576,21 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         raise UnsupportedLeafError(
             f"a tensor at {RESERVED_KEY!r}: safetensors reserves that name for the file's "
             "metadata (readers would fail on the shard file); rename the key")
-    if kind == "torch":
-        tie: Any = t.data_ptr()  # empty tensors have no data to share...
+    if kind == "numpy":
+        # the same array twice (a weight and its tied head kept as arrays) is stored once
+        # and comes back as one array; numpy arrays are not tied to tensors that share
+        # their memory (a leaf's kind says how it comes back)
+        tie: Any = ("numpy", t.data_ptr()) if t.data_ptr() else 0
+        empty_shard = False
+    elif kind == "torch":
+        tie = t.data_ptr()  # empty tensors have no data to share...
         empty_shard = box is not None and t.numel() == 0
         if empty_shard:
             # ...but an empty shard of a DTensor (a rank that holds none of a small tensor)
             # must be tied where the ranks holding data tie it by data pointer, or the
             # ranks disagree on the keys: tie it by its storage.
             tie = ("empty shard", t.untyped_storage()._cdata, t.storage_offset())
+    if kind in ("torch", "numpy"):
         if not tie and torch._is_functional_tensor(t):
             # a plain Tensor by its type, with no memory to stage: the copy into the host
             # buffer raised torch's internal assert
