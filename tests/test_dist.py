@@ -945,14 +945,73 @@ def test_a_rank_the_others_gave_up_on_is_told_whether_it_skipped_or_came_late(
     out = in_threads(rank)
     assert out[0] is None and isinstance(out[1], asyncckpt.CheckpointTimeoutError), out
     if skips:
-        assert str(out[1]).endswith(
-            "; rank 1 was paired with the group's save of step 1, for which the others gave "
-            "up waiting for it: this rank skipped that save. Every rank must call save_async "
-            "the same number of times, in the same order: this rank's later saves pair with "
-            "the others' next ones"), out[1]
+        # (its checkpointer had never saved: it pairs with the others' next one, which
+        # rank 0 never opened)
+        assert ("this rank skipped the group's save of step 1 (the first of the others' "
+                f"checkpointer #1 of {str(tmp_path)!r}, which they gave up on for want of "
+                "this rank), so this checkpointer pairs with the others' #2: close and "
+                "reopen theirs too") in str(out[1]), out[1]
     else:
         assert str(out[1]).endswith("; rank 1 came to this save after the others had given "
                                     "up waiting for it (timeout_s)"), out[1]
+
+
+def test_the_ranks_that_went_on_are_told_at_once_that_a_rank_skipped_a_save(
+        tmp_path: Path) -> None:
+    """(a distributed trial) Rank 1 skipped the save of step 2; at step 3 it was told at
+    once that it had, while rank 0 waited out timeout_s for its layout, told rank 1 'may
+    have died or not called save_async' (it had called)."""
+    store = dist.HashStore()
+    gave_up = threading.Event()
+
+    def rank(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            ck.save(_state(r), step=1)
+            if r == 0:
+                with pytest.raises(CheckpointTimeoutError):
+                    ck.save(_state(r), step=2)
+                gave_up.set()
+            assert gave_up.wait(30)
+            ck._ctx.timeout_s = 30.0  # (rank 0 would wait this long for rank 1's layout)
+            ck.save(_state(r), step=3)
+
+    out = in_threads(rank)
+    assert isinstance(out[1], CheckpointTimeoutError), out
+    assert "this rank skipped that save" in str(out[1])
+    assert isinstance(out[0], CheckpointConfigError), out
+    assert str(out[0]).startswith(
+        "rank 0: rank 1 skipped the group's save of step 2 (the save the others gave up "
+        "waiting for it in), so its saves pair with this group's earlier ones: its save of "
+        "step 3 met that one."), out[0]
+    assert AsyncCheckpointer(tmp_path).steps() == [1]
+
+
+def test_the_group_saves_again_after_a_rank_skipped_its_checkpointers_first_save(
+        tmp_path: Path) -> None:
+    """(a distributed trial) Rank 2 skipped the save of step 2, the first of its
+    checkpointer; every rank then closed its checkpointer and opened a new one, as the docs
+    say: rank 2's new one was its first to save, and paired with the others' old one, so
+    the save of step 4 failed on every rank (and every later one would have)."""
+    store = dist.HashStore()
+    failed = threading.Barrier(3)
+    reopened = threading.Barrier(3)
+
+    def rank(r: int) -> Any:
+        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=1)
+        if r != 2:
+            with pytest.raises(CheckpointTimeoutError):
+                ck.save(_state(r), step=2)
+        failed.wait(30)
+        ck.close()
+        reopened.wait(30)
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=20) as again:
+            return again.save(_state(r), step=4).step
+
+    assert in_threads(rank, world=3) == {0: 4, 1: 4, 2: 4}
+    assert AsyncCheckpointer(tmp_path).steps() == [4]
 
 
 def test_a_timeout_says_a_rank_is_saving_with_another_checkpointer(tmp_path: Path) -> None:

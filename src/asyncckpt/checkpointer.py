@@ -479,8 +479,8 @@ class AsyncCheckpointer:
         self._check_open()
         ctx = self._ctx
         self._refuse_before_group("save_async")
-        if ctx.distributed:
-            ctx.join()  # the first save pairs this checkpointer with the other ranks'
+        if ctx.distributed:  # the first save pairs this checkpointer with the other ranks'
+            ctx.join(step if type(step) is int else None)
         self._seq += 1  # counted on every rank alike: saves are collective
         tag = f"n{self._seq}"
         had_lock = True
@@ -1736,6 +1736,7 @@ class AsyncCheckpointer:
             ctx.saw_verdict(tag)  # (rank 0's close() waits for that: it may host the Store)
             why = go["error"] if go.get("said") else f"step {step} not started: {go['error']}"
             if go.get("kind") == "CheckpointTimeoutError":
+                self._tell_skipped(step, go)
                 timeout = CheckpointTimeoutError(why + self._came_late(step, go))
                 timeout.ranks = tuple(go.get("ranks", ()))
                 raise timeout
@@ -1747,6 +1748,27 @@ class AsyncCheckpointer:
                 raise CheckpointInFlightError(why)
             raise CheckpointSaveError(why)
         return go
+
+    def _tell_skipped(self, step: int, go: Mapping[str, Any]) -> None:
+        """Where this rank skipped the group's save of another step (see _came_late),
+        tell the ranks that went on: their next save waits for this rank's layout, which
+        this rank posted for the save they gave up on (a trial's waited timeout_s, told
+        that rank 2 'may have died or not called save_async', when rank 2 had been told
+        at once)."""
+        ctx = self._ctx
+        theirs = go.get("step")
+        missing = go.get("ranks", ())
+        if ctx.rank not in missing or type(theirs) is not int or theirs == step:
+            return
+        for r in range(ctx.world_size):
+            if r not in missing:
+                ctx.tell_out_of_order(r, step, (
+                    f"rank {r}: rank {ctx.rank} skipped the group's save of step {theirs} "
+                    f"(the save the others gave up waiting for it in), so its saves pair "
+                    f"with this group's earlier ones: its save of step {step} met that "
+                    "one. Every rank must call save_async the same number of times, in "
+                    "the same order; to go on, close the checkpointers on every rank and "
+                    "open new ones"))
 
     def _came_late(self, step: int, go: Mapping[str, Any]) -> str:
         """What to add when this rank is one the others gave up waiting for: this call

@@ -221,6 +221,8 @@ class DistContext:
     directory: str = ""  # absolute: what pairs checkpointers across ranks (with a count)
     # the saves whose verdict this rank said it read (once each: see saw_verdict)
     _saw: set[str] = field(default_factory=set, repr=False, compare=False)
+    # (checkpointer number, step) of the others' first save this rank skipped (see join)
+    passed_over: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_coordinator(self) -> bool:
@@ -234,14 +236,18 @@ class DistContext:
         assert self.namespace, "join() first"
         return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
 
-    def join(self) -> None:
-        """Choose the namespace (the first save of a checkpointer in a group calls this).
+    def join(self, step: int | None = None) -> None:
+        """Choose the namespace (the first save of a checkpointer in a group calls this,
+        with its ``step``).
 
         Every rank's n-th checkpointer of a directory to save pairs with every other
         rank's n-th: saves are collective, so they start in the same order everywhere.
         Counted per rank in the Store, not in this process: a replaced rank's new process
         goes on from its predecessor's count (and pairs with survivors that reopen their
-        checkpointers), and a job restarted with a fresh Store starts over.
+        checkpointers), and a job restarted with a fresh Store starts over. An n-th whose
+        first save the group gave up waiting for this rank in, a save of another step,
+        is passed over: this rank skipped that save with a checkpointer that never saved
+        (so not counted), and the others' reopened checkpointers are the next.
         """
         if self.namespace:
             return
@@ -250,6 +256,21 @@ class DistContext:
             self._claim_holds()  # a new process of this rank: what its predecessor held
         with self._store_errors(f"counting this checkpointer of {self.directory!r}"):
             n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
+            # (a trial's rank 2 skipped the first save of its checkpointer; after the
+            # recovery the docs give, closing and reopening on every rank, its new one
+            # was its first to save and paired with the others' old one: every later
+            # save failed on every rank)
+            for _ in range(8):
+                theirs = None if step is None else self._skipped_first_save(
+                    f"{base}.{n}", step)
+                if theirs is None:
+                    break
+                self.passed_over = (n + 1, theirs)
+                log.warning("rank=%d: the group gave up waiting for this rank in the first "
+                            "save of its checkpointer #%d of %r, which this rank skipped: "
+                            "this checkpointer pairs with the others' next one", self.rank,
+                            n + 1, self.directory)
+                n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
         self.namespace = f"{base}.{n}"
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
             self.store.set(self._where_key(self.rank), json.dumps(
@@ -258,6 +279,22 @@ class DistContext:
 
     def _base(self) -> str:
         return hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+
+    def _skipped_first_save(self, namespace: str, step: int) -> int | None:
+        """The step of the first save of ``namespace``, where its coordinator refused it
+        for want of this rank and it was of another step than ``step`` (see join)."""
+        key = "/".join(["asyncckpt", namespace, "n1", "go"])
+        try:
+            if not self.store.check([key]):
+                return None
+            go = self._decode(key, self.store.get(key))
+        except Exception:  # (a best effort: the save goes on, and fails as before)
+            return None
+        if (type(go) is dict and go.get("kind") == "CheckpointTimeoutError"
+                and self.rank in go.get("ranks", ()) and type(go.get("step")) is int
+                and go["step"] != step):
+            return int(go["step"])
+        return None
 
     @staticmethod
     def _saving_key(rank: int) -> str:
@@ -327,10 +364,8 @@ class DistContext:
                             "in the same order: after one rank closed and reopened its own, "
                             "close and reopen it on every rank")
 
-                with contextlib.suppress(Exception):  # (the other rank is told too)
-                    self.store.set(f"asyncckpt/out-of-order/{r}", json.dumps(
-                        {"step": step, "directory": self.directory, "namespace": theirs,
-                         "text": text(r, self.rank, other, mine)}))
+                # (the other rank is told too)
+                self._tell(r, step, theirs, text(r, self.rank, other, mine))
                 raise CheckpointConfigError(text(self.rank, r, mine, other))
             if (isinstance(got, dict) and got.get("waiting") and got.get("step") == step
                     and got.get("directory") != self.directory):
@@ -340,6 +375,17 @@ class DistContext:
                          "other": self.directory}))
                 raise CheckpointConfigError(self._elsewhere_text(r, got.get("directory"),
                                                                  step))
+
+    def tell_out_of_order(self, rank: int, step: int, text: str) -> None:
+        """Have ``rank``'s wait in its save of ``step`` with this checkpointer's
+        namespace end with ``text`` (refuse_saving_elsewhere reads it)."""
+        self._tell(rank, step, self.namespace, text)
+
+    def _tell(self, rank: int, step: int, namespace: str, text: str) -> None:
+        with contextlib.suppress(Exception):  # (a best effort: the wait times out)
+            self.store.set(f"asyncckpt/out-of-order/{rank}", json.dumps(
+                {"step": step, "directory": self.directory, "namespace": namespace,
+                 "text": text}))
 
     def _elsewhere_text(self, other: object, where: object, step: int) -> str:
         # (a trial's ranks passed a directory and a symlink to it: one directory, told as
@@ -533,6 +579,13 @@ class DistContext:
                         break
             except Exception:  # an explanation is a best effort
                 continue
+        if self.passed_over is not None:
+            n, skipped = self.passed_over
+            notes.append(
+                f"this rank skipped the group's save of step {skipped} (the first of the "
+                f"others' checkpointer #{n} of {self.directory!r}, which they gave up on "
+                f"for want of this rank), so this checkpointer pairs with the others' "
+                f"#{n + 1}: close and reopen theirs too")
         if not notes:
             return ""
         return ("; " + "; ".join(notes) + ". Every rank must create the checkpointers it "
