@@ -47,6 +47,7 @@ from .loader import ShardMetadata
 from .loader import check_exclude as _check_exclude
 from .loader import check_fallback as _check_fallback
 from .loader import check_key_map as _check_key_map
+from .loader import check_progress as _check_progress
 from .loader import check_threads as _check_threads
 from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
@@ -144,6 +145,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
     _check_fallback(fallback, step, verify)
     parts = _check_exclude(exclude)
     _check_key_map(key_map)
+    _check_progress(progress)
     from .transport.http import check_max_file_bytes
 
     max_file_bytes = check_max_file_bytes(max_file_bytes)

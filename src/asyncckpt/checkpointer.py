@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ from .loader import (
     check_exclude,
     check_fallback,
     check_key_map,
+    check_progress,
     check_threads,
     excluded_view,
     load_from,
@@ -283,6 +284,25 @@ def _far_too_large(have: int, need: int) -> bool:
 
 
 
+def _checked_storage(storage: Any) -> Storage:
+    """``storage=``, checked for the calls saves and loads make (a trial's "local" and
+    object() failed the first save with an AttributeError)."""
+    if storage is None:
+        return LocalStorage()
+    lacking = [name for name in _STORAGE_CALLS if not callable(getattr(storage, name, None))]
+    if lacking:
+        raise CheckpointConfigError(
+            f"storage={storage!r:.60} is no Storage: it lacks {', '.join(lacking[:4])}"
+            f"{'...' if len(lacking) > 4 else ''}; pass None for the local filesystem, or an "
+            "instance of a subclass of asyncckpt.storage.LocalStorage")
+    return cast(Storage, storage)
+
+
+_STORAGE_CALLS = ("makedirs", "write_arena", "write_bytes", "fsync_dir", "rename",
+                  "remove_tree", "listdir", "read_bytes", "open_read", "close", "file_size",
+                  "pread_into")
+
+
 class AsyncCheckpointer:
     """Saves state trees without stopping training; loads them back, verified.
 
@@ -318,7 +338,7 @@ class AsyncCheckpointer:
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
         given = os.path.abspath(checked_directory(directory, "directory"))
-        self.storage: Storage = storage or LocalStorage()
+        self.storage: Storage = _checked_storage(storage)
         # The directory is pinned now, as the lock is taken on it: a relative path read
         # again after an os.chdir, or a symlink pointed elsewhere during a save, split the
         # save between two directories (and the commit renamed the half with the manifest).
@@ -1084,6 +1104,7 @@ class AsyncCheckpointer:
         check_fallback(fallback, step, verify)
         parts = check_exclude(exclude)
         check_key_map(key_map)
+        check_progress(progress)
         view, shards, finish = excluded_view(state, parts, shards)
         pending = self._pending
         if step is None and pending is not None and not pending.done() and not self._closed:

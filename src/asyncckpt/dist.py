@@ -1010,6 +1010,12 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
             store = _group_store(group)
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointConfigError(f"{name}={value!r:.40}: pass a whole number (an int)")
+    if world_size < 1:
+        raise CheckpointConfigError(f"world_size={world_size}: a group has one rank or more "
+                                    "(pass world_size=1 for this process alone)")
     if not 0 <= rank < world_size:
         raise CheckpointConfigError(f"rank={rank} is outside world_size={world_size}")
     if world_size > 1 and store is None:

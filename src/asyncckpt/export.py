@@ -44,6 +44,7 @@ from .errors import (
     CheckpointNotFoundError,
     check_flags,
 )
+from .loader import check_progress
 from .manifest import _ST_DTYPES, MANIFEST_NAME, WRITE_MAX_HEADER_BYTES, Manifest
 from .reader import _load_checked, check_files, read_manifest, tensor_bytes
 from .safetensors_files import st_dtype, st_shape
@@ -213,6 +214,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     """
     started = time.perf_counter()
     check_flags(strip_prefix=strip_prefix, force=force)
+    check_progress(progress)
     storage = storage or LocalStorage()
     out = Path(out_path)
     if max_shard_bytes is not None:

@@ -74,6 +74,22 @@ class ShardMetadata:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        # (checked where it is written: a trial's ShardMetadata((-4,), (0, 0)) was made
+        # without a word, and refused only by the save it was passed to)
+        gs = _whole_numbers(self.global_shape, "ShardMetadata's global_shape")
+        offs = _whole_numbers(self.offsets, "ShardMetadata's offsets")
+        if len(gs) != len(offs):
+            raise CheckpointConfigError(
+                f"ShardMetadata(global_shape={list(gs)}, offsets={list(offs)}): give one "
+                "offset per dimension of the global shape")
+        if any(v < 0 for v in (*gs, *offs)):
+            raise CheckpointConfigError(
+                f"ShardMetadata(global_shape={list(gs)}, offsets={list(offs)}): sizes and "
+                "offsets are never negative")
+        object.__setattr__(self, "global_shape", gs)
+        object.__setattr__(self, "offsets", offs)
+
 
 # Set while a fallback load matches an older step only to learn what it would fill
 # (_Rollback._filled_by): what that match finds is said by the load of that step, if any.
@@ -929,6 +945,15 @@ def _under(path: str, named: set[str]) -> bool:
 KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
 
 
+def check_progress(progress: object) -> None:
+    """``progress=``: None or a callable of (done, total) (a trial's progress=5 failed the
+    load with "'int' object is not callable")."""
+    if progress is not None and not callable(progress):
+        raise CheckpointConfigError(
+            f"progress={progress!r:.60}: pass a function of (done, total), the bytes so far "
+            "and in all, or None")
+
+
 def check_key_map(key_map: object) -> None:
     if key_map is not None and not callable(key_map) and not isinstance(key_map, Mapping):
         raise CheckpointConfigError(
@@ -980,6 +1005,14 @@ def renamed(manifest: Manifest, key_map: KeyMap | None) -> Manifest:
                 raise CheckpointConfigError(
                     f"key_map renames the checkpoint's root to {new!r}, but the root is one "
                     "tensor, not a dict of them: load it without key_map")
+            if new is not None and "" in new.split("/") and "" not in old.split("/"):
+                # (a trial's "x/" made the key '' of a dict 'x', without a word; a path
+                # with an empty key of its own, given to a function as it is, may keep it)
+                raise CheckpointConfigError(
+                    f"key_map renames tensor {old!r} to {new!r}, a path with an empty key "
+                    "in it (a '/' at an end, or two together): keys are joined by '/', and "
+                    "an empty key is spelt %00 (e.g. 'x/%00'), as 'asyncckpt inspect' lists "
+                    "it")
             moves.append((path, old, new))
     if isinstance(key_map, Mapping):
         # (a typo, "model/head.weight " or a path without its "model/", renames nothing)

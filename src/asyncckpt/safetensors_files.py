@@ -40,6 +40,7 @@ from .loader import (
     ShardMetadata,
     check_exclude,
     check_key_map,
+    check_progress,
     check_threads,
     excluded_view,
     load_from,
@@ -162,6 +163,7 @@ def load_safetensors(source: str | os.PathLike[str], state: Any = None, *,
     check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
     check_threads(threads)
     check_key_map(key_map)
+    check_progress(progress)
     parts = check_exclude(exclude)
     path = Path(source)
     where, names, index = files_of(path)

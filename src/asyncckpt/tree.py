@@ -1097,6 +1097,12 @@ def _checked_rng_state(state: Any, where: str, given: bool = False) -> _RNGParts
         cpu = torch.as_tensor(state["torch"]).to("cpu", torch.uint8)
         torch.Generator().set_state(cpu)
         cuda = None
+        if state.get("cuda") and not torch.cuda.is_available():
+            # (a trial's GPU run resumed on a CPU machine: the part went without a word)
+            log.warning("the %s generator state%s holds CUDA generators, which are not "
+                        "restored: this process has no CUDA device",
+                        "given" if given else "saved", f" {where}".rstrip("/ ") if where
+                        else "")
         if "cuda" in state and torch.cuda.is_available():
             part = "cuda"
             cuda = [torch.as_tensor(s).cpu() for s in state["cuda"]]
@@ -1145,7 +1151,13 @@ class RNGState:
     _asyncckpt_load_fresh = True
 
     def __init__(self, rank: int | None = None):
-        self.rank = rank
+        # (a trial's rank="a" and -1 saved, and no rank found its generators again)
+        if rank is not None and (isinstance(rank, (bool, np.bool_))
+                                 or not isinstance(rank, (int, np.integer)) or rank < 0):
+            raise CheckpointConfigError(
+                f"RNGState(rank={rank!r:.40}): pass the rank as a non-negative int, or None "
+                "for the rank in the default process group")
+        self.rank = None if rank is None else int(rank)
 
     def _rank(self) -> int:
         if self.rank is not None:
