@@ -4159,3 +4159,21 @@ def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
             asyncckpt.AsyncCheckpointer(tmp_path).save({"w": torch.ones(4)}, step=3)
     finally:
         holder.communicate("go\n", timeout=30)
+
+
+def test_saving_the_step_of_the_save_in_flight_says_it_is_saved(tmp_path: Path) -> None:
+    # (a preemption trial asked should_stop() after the periodic save_async: latest_step()
+    # did not count the step in flight, the final save of it raised, and the error's
+    # advice, discard_steps_after(step - 1), would have deleted the step just committed)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        state = {"w": torch.ones(1000)}
+        ck.save_async(state, step=3)
+        with pytest.raises(asyncckpt.CheckpointExistsError) as info:
+            ck.save_async(state, step=3).wait()
+        assert "by this checkpointer's own save of it (the one in flight when this call " \
+               "came): it is saved, nothing to do" in str(info.value)
+        assert "discard_steps_after" not in str(info.value)
+        assert ck.steps() == [3]
+    other = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")  # (not its own: the advice)
+    with other, pytest.raises(asyncckpt.CheckpointExistsError, match="discard_steps_after"):
+        other.save({"w": torch.ones(1000)}, step=3)

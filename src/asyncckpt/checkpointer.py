@@ -46,6 +46,7 @@ from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointInFlightError,
     CheckpointLockedError,
     CheckpointNotFoundError,
@@ -514,8 +515,21 @@ class AsyncCheckpointer:
             if ctx.is_coordinator:
                 had_lock = self._lock.held
                 self._take_lock()
-            commit.check_new_step(self.directory, step, self.storage,  # (before any write)
-                                  retention=self.config.keep_last is not None)
+            try:
+                commit.check_new_step(self.directory, step, self.storage,  # (before any write)
+                                      retention=self.config.keep_last is not None)
+            except CheckpointExistsError as exc:
+                if self._last_said != (step, "committed") or "older than" in str(exc):
+                    raise
+                # (a preemption trial's guard, latest_step() != step, ran while this very
+                # step's save was in flight: the final save raised, and its advice,
+                # discard_steps_after, would have deleted the step just committed)
+                raise CheckpointExistsError(
+                    f"step {step} is already committed at "
+                    f"{self.directory / commit.step_dir_name(step)} by this checkpointer's "
+                    "own save of it (the one in flight when this call came): it is saved, "
+                    "nothing to do. latest_step() counts a step once its save commits: "
+                    "before it, check is_pending or call wait()") from None
             # Flattening, the layout exchange, planning and staging make thousands of
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:
