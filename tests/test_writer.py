@@ -404,3 +404,28 @@ def test_a_full_disk_s_figures_differ_where_they_do(monkeypatch: pytest.MonkeyPa
     job.keep_last = 1
     said = writer_module._room_said(job, full)  # type: ignore[arg-type]
     assert "keep_last=1 keeps one step besides the one being saved" in said, said
+
+
+def test_a_full_disk_s_advice_fits_the_checkpointer_s_keep_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a crash trial) keep_last=1, and a checkpointer without keep_last, were told to keep
+    fewer steps with a lower keep_last=; a full inode table read "8.4 MB free now; this
+    step's file takes 0.0 MB"."""
+    import errno
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert "a lower keep_last=" in writer_module.os_error_hint(full, 3)
+    assert "a lower keep_last=" in writer_module.os_error_hint(full)  # (not known)
+    none = writer_module.os_error_hint(full, None)
+    assert "keep_last= (this checkpointer keeps every step)" in none
+    one = writer_module.os_error_hint(full, 1)
+    assert "lower" not in one and "free space (keep_last=1 keeps no fewer)" in one
+    monkeypatch.setattr(writer_module, "_free_bytes", lambda root: 8_400_000)
+    job = SimpleNamespace(root=Path("/x"), plan=SimpleNamespace(file_bytes=4_000),
+                          keep_last=3)
+    said = writer_module._room_said(job, full)  # type: ignore[arg-type]
+    assert said.endswith("room for its bytes, so the filesystem is likely out of inodes "
+                         "(df -i))"), said

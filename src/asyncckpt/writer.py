@@ -578,7 +578,7 @@ class BackgroundWriter:
                     " (the checkpoint directory was deleted or moved while the step was "
                     "written: "
                     "the next save makes it again, with only its own step)" if gone
-                    else _room_said(job, exc) + os_error_hint(exc))) from exc
+                    else _room_said(job, exc) + os_error_hint(exc, job.keep_last))) from exc
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
@@ -1010,7 +1010,8 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     # trial's coordinator was told "rank 1: OSError: [Errno 28]" alone)
     msg = text if text.startswith("rank ") else (
         f"rank {ctx.rank}: {type(exc).__name__}: {text}" + (
-            _room_said(job, exc) + os_error_hint(exc) if isinstance(exc, OSError) else ""))
+            _room_said(job, exc) + os_error_hint(exc, job.keep_last)
+            if isinstance(exc, OSError) else ""))
     if job.pulse is not None and not job.committed:
         job.pulse.abort(msg)  # the others stop their writes now, not when they finish
     if ctx.distributed:
@@ -1379,7 +1380,10 @@ def _room_said(job: SaveJob, exc: BaseException) -> str:
         return ""
     free_mb, need_mb = _megabytes(free, job.plan.file_bytes)
     said = f" ({free_mb} free now; this step's file takes {need_mb}"
-    if job.keep_last == 1:  # (no lower keep_last to advise)
+    if free > 2 * job.plan.file_bytes + (1 << 20):
+        # (a trial's full inode table read "8.4 MB free now; this step's file takes 0.0 MB")
+        said += ": room for its bytes, so the filesystem is likely out of inodes (df -i)"
+    elif job.keep_last == 1:  # (no lower keep_last to advise)
         said += ("; keep_last=1 keeps one step besides the one being saved: the disk needs "
                  "room for two steps, or free space")
     return said + ")"
@@ -1394,13 +1398,22 @@ def _megabytes(a: int, b: int) -> tuple[str, str]:
     return f"{a / 1e6:.{digits}f} MB", f"{b / 1e6:.{digits}f} MB"
 
 
-def os_error_hint(exc: BaseException) -> str:
+def os_error_hint(exc: BaseException, keep_last: int | bool | None = False) -> str:
+    """Advice for an OSError of a save; ``keep_last`` that of the save's checkpointer
+    (False: not known here)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return (" (the disk is full, or out of inodes: free space, or keep fewer steps "
-                "with a lower keep_last=, whose deletions the next save makes before it "
-                "writes where the disk lacks room: a save needs room for one step more than "
-                "it keeps, as the oldest goes only after the new one is committed; earlier "
-                "checkpoints are intact)")
+        # (a trial's keep_last=1, and one without keep_last, were told to lower it)
+        fewer = ("free space, or keep fewer steps with keep_last= (this checkpointer keeps "
+                 "every step)" if keep_last is None else
+                 "free space (keep_last=1 keeps no fewer)" if keep_last == 1 else
+                 "free space, or keep fewer steps with a lower keep_last=")
+        return (f" (the disk is full, or out of inodes: {fewer}, whose deletions the next "
+                "save makes before it writes where the disk lacks room: a save needs room "
+                "for one step more than it keeps, as the oldest goes only after the new one "
+                "is committed; earlier checkpoints are intact)" if keep_last != 1 else
+                f" (the disk is full, or out of inodes: {fewer}: a save needs room for one "
+                "step more than it keeps, as the oldest goes only after the new one is "
+                "committed; earlier checkpoints are intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""
