@@ -1657,3 +1657,29 @@ def test_clean_says_what_it_could_not_remove(
     # the lock was released all the same
     with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
         ckpt.save_async(_state(40), 40).wait()
+
+
+def test_clean_without_manifest_removes_the_step_dirs_ls_reports_as_lost(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (a crash trial's copy held a step directory without its manifest: ls exited 1 for
+    # ever after, retention never removed it, and clean said "nothing to remove")
+    bare = root / "step_000000005"
+    bare.mkdir()
+    (bare / "rank_00000.safetensors").write_bytes(b"x" * 100)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 1 and f"'asyncckpt clean {root} --without-manifest' removes them" in out
+    code, out, _ = run(capsys, "clean", str(root))  # (not asked for: kept)
+    assert code == 0 and bare.is_dir()
+    code, out, _ = run(capsys, "clean", str(root), "--without-manifest", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [(r["name"], r["kind"], r["removed"]) for r in doc["abandoned"]] == [
+        ("step_000000005", "without_manifest", False)] and bare.is_dir()
+    code, out, err = run(capsys, "clean", str(root), "--without-manifest")
+    assert code == 0 and err == "", err
+    assert out.splitlines()[1].split() == ["step_000000005", "100", "B", "removed"]
+    assert not bare.exists()
+    assert run(capsys, "ls", str(root))[0] == 0
+    assert asyncckpt.AsyncCheckpointer(root).steps() == [10, 20, 30]
+    code, out, _ = run(capsys, "clean", str(root), "--without-manifest")
+    assert out == (f"nothing to remove under {root}: no abandoned temporary directories, "
+                   "no step directory without its manifest\n")

@@ -469,7 +469,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if no_manifest:
         _out(_shown(f"{_n(len(no_manifest), 'step directory', 'step directories')} without "
                     f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
-                    f"short: no load reads them): {', '.join(no_manifest)}"))
+                    f"short: no load reads them): {', '.join(no_manifest)}; 'asyncckpt clean "
+                    f"{root} --without-manifest' removes them"))
     return code
 
 
@@ -685,12 +686,20 @@ def cmd_clean(args: argparse.Namespace) -> int:
     lock = DirectoryLock(real, purpose="clean")
     rows: list[dict[str, Any]] = []
     state: dict[str, Any] = {"held": False, "pid": None, "note": None, "host": None}
+    def bare() -> list[str]:  # (step directories without their manifest, when asked for)
+        names: list[str] = []
+        if args.without_manifest:
+            with _quiet_commit_log():
+                commit.committed_steps(real, storage, [], names)
+        return names
+
     if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does
         state = _lock_state(real)
         if state["held"]:
             return _refuse_locked(args, root, state, "as /proc/locks shows")
         rows = [_abandoned_row(real, name) for name in commit.abandoned_dirs(real, storage)]
-    elif commit.abandoned_dirs(real, storage) or os.path.lexists(lock.path):
+        rows += [_abandoned_row(real, name, bare=True) for name in bare()]
+    elif commit.abandoned_dirs(real, storage) or os.path.lexists(lock.path) or bare():
         # (no lock file and nothing to remove: none is made, as in a directory mistyped)
         try:
             taken = lock.acquire()  # as a save takes it (non-blocking)
@@ -709,6 +718,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
             with _sigterm_interrupts():
                 rows = [_abandoned_row(real, name)  # (listed again, under the lock)
                         for name in commit.abandoned_dirs(real, storage)]
+                rows += [_abandoned_row(real, name, bare=True) for name in bare()]
                 for row in rows:
                     _remove(real, row, storage)
         finally:
@@ -722,7 +732,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
                      "bytes_freed": freed, "lock": state})
         return code
     if not rows:
-        _out(_shown(f"nothing to remove under {root}: no abandoned temporary directories"))
+        _out(_shown(f"nothing to remove under {root}: no abandoned temporary directories"
+                    + (", no step directory without its manifest" if args.without_manifest
+                       else "")))
         return code
     status = {True: "removed", False: "would be removed" if args.dry_run else "NOT REMOVED"}
     _out(_table(["DIRECTORY", "SIZE", ""],
@@ -744,27 +756,60 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return code
 
 
-def _abandoned_row(root: Path, name: str) -> dict[str, Any]:
-    """clean's row of one temporary directory, before it is removed."""
-    return {"name": name, "path": str(root / name), "kind": commit.temp_dir_kind(name),
+def _abandoned_row(root: Path, name: str, bare: bool = False) -> dict[str, Any]:
+    """clean's row of one temporary directory (``bare``: a step directory without its
+    manifest), before it is removed."""
+    return {"name": name, "path": str(root / name),
+            "kind": "without_manifest" if bare else commit.temp_dir_kind(name),
             "bytes": _tree_bytes(root / name), "removed": False, "bytes_freed": 0,
             "error": None}
 
 
+@contextlib.contextmanager
+def _quiet_commit_log() -> Iterator[None]:
+    """The commit module's warnings muted (clean lists steps only to find the bare ones:
+    an unlistable step is ls's and verify's to tell of)."""
+    logger = logging.getLogger(commit.__name__)
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
+
+
 def _remove(root: Path, row: dict[str, Any], storage: LocalStorage) -> None:
-    """Remove one temporary directory (under the lock), noting in ``row`` what went."""
+    """Remove one temporary directory, or a step directory without its manifest (first
+    renamed out of sight, as retention does: a crash leaves a .deleting- one), under the
+    lock, noting in ``row`` what went."""
     caught = _Caught()
     logger = logging.getLogger(commit.__name__)
     logger.addHandler(caught)
     try:
-        row["removed"] = bool(commit.cleanup_abandoned(root, storage, [row["name"]]))
+        name = row["name"]
+        if row["kind"] == "without_manifest":
+            if not commit.still_there(root, name, storage):
+                row["removed"] = True  # (gone since it was listed: nothing left to remove)
+                return
+            if MANIFEST_NAME in storage.listdir(root / name):
+                row["error"] = f"it holds {MANIFEST_NAME} now: kept"
+                return
+            step = commit.step_of_dir_name(name)
+            assert step is not None
+            name = commit.hide_step(root, step, storage).name
+        row["removed"] = bool(commit.cleanup_abandoned(root, storage, [name]))
+    except OSError as exc:  # (the rename out of sight failed: it is there as it was)
+        row["error"] = f"it could not be removed: {exc.strerror or exc}"
+        return
     finally:
         logger.removeHandler(caught)
     if row["removed"]:
         row["bytes_freed"] = row["bytes"]
     else:  # (warned of on stderr already; part of it may be gone)
         row["error"] = "; ".join(caught.messages) or "it could not be removed"
-        row["bytes_freed"] = max(0, row["bytes"] - _tree_bytes(root / row["name"]))
+        row["bytes_freed"] = max(0, row["bytes"] - _tree_bytes(root / name))
+        if name != row["name"]:  # (the next clean, or save, removes the rest)
+            row["error"] += f" (what is left of it is {name})"
 
 
 def _refuse_locked(args: argparse.Namespace, root: Path, state: dict[str, Any],
@@ -1427,6 +1472,10 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--dry-run", action="store_true",
                     help="list what would be removed, and remove nothing (takes no lock: "
                     "tells whether one holds it, as ls does)")
+    cl.add_argument("--without-manifest", action="store_true",
+                    help="also remove the step_* directories without a manifest.json, which "
+                    "ls and verify report as damage (a manifest lost, a copy cut short): "
+                    "no load reads them")
     cl.set_defaults(func=cmd_clean)
     for name, func, text in (
             ("inspect", cmd_inspect, "show the tensors of one checkpoint (or of plain "
