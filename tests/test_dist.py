@@ -2268,3 +2268,29 @@ def test_a_rank_whose_storage_wrote_its_padding_is_named_not_an_unshared_directo
         "more than it was given" in said[0], said
     assert "must be on a filesystem every rank shares" not in said[0], said
     assert not list(tmp_path.glob("step_*"))
+
+
+def test_a_shard_loaded_without_its_shards_is_told_of_shards(tmp_path: Path) -> None:
+    """(a distributed trial) A rank's part of a tensor saved in chunks, loaded without
+    shards=, was told only to exclude it: its weights would have stayed unloaded."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            ck.save({"w": torch.full((5, 6), float(r))}, step=1,
+                    shards={"w": ShardMetadata((10, 6), (5 * r, 0))})
+
+    all_ok(in_threads(rank))
+    with pytest.raises(asyncckpt.StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"w": torch.zeros(5, 6)})
+    assert ("if this process holds a part of that tensor, sharded by hand, say which: "
+            "shards={'w': asyncckpt.ShardMetadata(global_shape=(10, 6), offsets=<where its "
+            "part starts>)} (DTensors need none)") in str(info.value)
+    target = {"w": torch.zeros(5, 6)}
+    asyncckpt.load(tmp_path, target, shards={"w": ShardMetadata((10, 6), (5, 0))})
+    assert torch.equal(target["w"], torch.ones(5, 6))
+    asyncckpt.save({"v": torch.ones(10, 6)}, tmp_path / "one", step=1)  # (one chunk: a
+    with pytest.raises(asyncckpt.StateMismatchError) as info:  # smaller head, not a shard)
+        asyncckpt.load(tmp_path / "one", {"v": torch.zeros(5, 6)})
+    assert "shards=" not in str(info.value)

@@ -47,6 +47,7 @@ from .tree import (
     ARRAY_NODES,
     Box,
     FlatState,
+    _group_size,
     escape_key,
     excluded_here,
     flatten,
@@ -1256,6 +1257,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     grown: list[str] = []  # ... of shape alone, in the state of an object of the user's
     other_dtype = False  # a target of another dtype (and the same shape) among the mismatches
     reshaped: list[str] = []  # the paths of the mismatches of shape
+    # (path, saved shape) of whole targets that fit inside the saved tensor: maybe a shard
+    # this rank holds, given without its shards= (a distributed trial was told exclude=)
+    inside: list[tuple[str, tuple[int, ...]]] = []
     described: list[tuple[str, str]] = []  # the mismatches of shape or dtype: (path, what)
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
     writable = _WritableMemory()
@@ -1286,6 +1290,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if casts is None or not _fits(entry, target, tkey, casts):
                 if not same_shape:
                     reshaped.append(path)
+                    if (tbox is None and t.dim() == len(entry.shape) and len(inside) < 4
+                            and all(a <= b for a, b in zip(t.shape, entry.shape,
+                                                          strict=True))
+                            and (len(entry.chunks) > 1 or _group_size() > 1)):
+                        inside.append((path, tuple(entry.shape)))
                 elif t.dtype != entry.dtype:  # (of another shape, no cast would help)
                     other_dtype = True
                     numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
@@ -1454,6 +1463,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                         f"fit further on: key_map={moved!r}"
                         + (f" with exclude={left!r}" if left and len(left) <= 16 else "")
                         + " loads each where it fits, the new ones keeping their values")
+            if inside:
+                path0, shape0 = inside[0]
+                parts.append(
+                    f"if this {'rank' if _group_size() > 1 else 'process'} holds a part of "
+                    + ("that tensor" if len(inside) == 1 else
+                       f"those tensors ({few([p for p, _ in inside])})")
+                    + ", sharded by hand, say which: shards={"
+                    f"{path0!r}: asyncckpt.ShardMetadata(global_shape={shape0}, offsets=<where "
+                    "its part starts>)} (DTensors need none)")
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
