@@ -1683,3 +1683,15 @@ def test_clean_without_manifest_removes_the_step_dirs_ls_reports_as_lost(
     code, out, _ = run(capsys, "clean", str(root), "--without-manifest")
     assert out == (f"nothing to remove under {root}: no abandoned temporary directories, "
                    "no step directory without its manifest\n")
+
+
+def test_inspect_tells_a_tab_from_a_backslash_and_a_t(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (a trial's keys "a<TAB>b" and "a\\tb" were listed as two rows of 'a\tb')
+    asyncckpt.save({"a\tb": torch.ones(1), "a\\tb": torch.ones(2)}, tmp_path, step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path))
+    rows = {ln.split()[0]: ln.split()[2] for ln in out.splitlines()[1:3]}
+    assert code == 0 and rows == {"a\\tb": "[1]", "a\\\\tb": "[2]"}, out
+    asyncckpt.save({"a\\tb": torch.ones(2)}, tmp_path / "alone", step=1)
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "alone"))  # (no escapes: as it is)
+    assert out.splitlines()[1].split()[0] == "a\\tb"

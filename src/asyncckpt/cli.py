@@ -137,13 +137,16 @@ def _iso(unix: float) -> str:
         return str(unix)
 
 
-def _shown(text: str) -> str:
+def _shown(text: str, backslashes: bool = False) -> str:
     """``text`` with its unprintable characters (a newline, an escape sequence, a
     right-to-left override in a key) written as Python escapes, so a table stays a table
-    and a terminal is never driven by a checkpoint's contents."""
-    if text.isprintable():
+    and a terminal is never driven by a checkpoint's contents. Where it writes escapes
+    (or with ``backslashes``: a table some of whose cells hold escapes), its backslashes
+    are doubled: a key with a tab and one with a backslash and a t are not shown alike."""
+    if text.isprintable() and not (backslashes and "\\" in text):
         return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() and c != "\\" else
+                   "\\\\" if c == "\\" else repr(c)[1:-1] for c in text)
 
 
 _WIDE = 100
@@ -175,7 +178,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequenc
     """Left-aligned columns (right-aligned for the indices in ``right``), two spaces apart.
     A cell wider than ``_WIDE`` is printed whole but sets no column's width: one key of
     5,000 characters pushed every row's next column 5,000 columns right."""
-    rows = [[_shown(str(c)) for c in r] for r in rows]
+    escaped = not all(str(c).isprintable() for r in rows for c in r)
+    rows = [[_shown(str(c), escaped) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows if len(r[i]) <= _WIDE])
               for i, h in enumerate(headers)]
 
