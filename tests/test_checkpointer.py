@@ -4165,9 +4165,19 @@ def test_saving_the_step_of_the_save_in_flight_says_it_is_saved(tmp_path: Path) 
     # (a preemption trial asked should_stop() after the periodic save_async: latest_step()
     # did not count the step in flight, the final save of it raised, and the error's
     # advice, discard_steps_after(step - 1), would have deleted the step just committed)
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+    from asyncckpt.storage import LocalStorage
+
+    gate = threading.Event()
+
+    class HeldCommit(LocalStorage):  # (the save stays in flight until the gate opens)
+        def rename(self, src: Path, dst: Path) -> None:
+            assert gate.wait(30)
+            super().rename(src, dst)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=HeldCommit()) as ck:
         state = {"w": torch.ones(1000)}
         ck.save_async(state, step=3)
+        threading.Timer(0.3, gate.set).start()
         with pytest.raises(asyncckpt.CheckpointExistsError) as info:
             ck.save_async(state, step=3).wait()
         assert "by this checkpointer's own save of it (the one in flight when this call " \
@@ -4177,3 +4187,13 @@ def test_saving_the_step_of_the_save_in_flight_says_it_is_saved(tmp_path: Path) 
     other = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")  # (not its own: the advice)
     with other, pytest.raises(asyncckpt.CheckpointExistsError, match="discard_steps_after"):
         other.save({"w": torch.ones(1000)}, step=3)
+
+
+def test_saving_a_step_saved_before_keeps_the_advice_to_save_it_anew(tmp_path: Path) -> None:
+    # (the review: a step saved and waited for is no save in flight)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        ck.save({"w": torch.ones(10)}, step=3)
+        with pytest.raises(asyncckpt.CheckpointExistsError) as info:
+            ck.save({"w": torch.zeros(10)}, step=3)
+        assert "in flight" not in str(info.value)
+        assert "ckpt.discard_steps_after(2)" in str(info.value)

@@ -945,12 +945,11 @@ def test_a_rank_the_others_gave_up_on_is_told_whether_it_skipped_or_came_late(
     out = in_threads(rank)
     assert out[0] is None and isinstance(out[1], asyncckpt.CheckpointTimeoutError), out
     if skips:
-        # (its checkpointer had never saved: it pairs with the others' next one, which
-        # rank 0 never opened)
-        assert ("this rank skipped the group's save of step 1 (the first of the others' "
-                f"checkpointer #1 of {str(tmp_path)!r}, which they gave up on for want of "
-                "this rank), so this checkpointer pairs with the others' #2: close and "
-                "reopen theirs too") in str(out[1]), out[1]
+        assert str(out[1]).endswith(
+            "; rank 1 was paired with the group's save of step 1, for which the others gave "
+            "up waiting for it: this rank skipped that save. Every rank must call save_async "
+            "the same number of times, in the same order: this rank's later saves pair with "
+            "the others' next ones"), out[1]
     else:
         assert str(out[1]).endswith("; rank 1 came to this save after the others had given "
                                     "up waiting for it (timeout_s)"), out[1]
@@ -987,12 +986,15 @@ def test_the_ranks_that_went_on_are_told_at_once_that_a_rank_skipped_a_save(
     assert AsyncCheckpointer(tmp_path).steps() == [1]
 
 
+@pytest.mark.parametrize("then", ["reopen", "save_then_reopen", "discard"])
 def test_the_group_saves_again_after_a_rank_skipped_its_checkpointers_first_save(
-        tmp_path: Path) -> None:
+        tmp_path: Path, then: str) -> None:
     """(a distributed trial) Rank 2 skipped the save of step 2, the first of its
     checkpointer; every rank then closed its checkpointer and opened a new one, as the docs
     say: rank 2's new one was its first to save, and paired with the others' old one, so
-    the save of step 4 failed on every rank (and every later one would have)."""
+    the save of step 4 failed on every rank (and every later one would have). Also (the
+    review): the ranks first try step 3 with the checkpointers they have (told at once
+    that rank 2 skipped), or the new checkpointers' first call is discard_steps_after."""
     store = dist.HashStore()
     failed = threading.Barrier(3)
     reopened = threading.Barrier(3)
@@ -1004,10 +1006,17 @@ def test_the_group_saves_again_after_a_rank_skipped_its_checkpointers_first_save
             with pytest.raises(CheckpointTimeoutError):
                 ck.save(_state(r), step=2)
         failed.wait(30)
+        if then == "save_then_reopen":
+            ck._ctx.timeout_s = 20.0  # (told at once, not after timeout_s)
+            with pytest.raises((CheckpointConfigError, CheckpointTimeoutError,
+                                CheckpointSaveError), match="rank 2"):
+                ck.save(_state(r), step=3)
         ck.close()
         reopened.wait(30)
         with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
                                timeout_s=20) as again:
+            if then == "discard":
+                assert again.discard_steps_after(1) == []
             return again.save(_state(r), step=4).step
 
     assert in_threads(rank, world=3) == {0: 4, 1: 4, 2: 4}

@@ -57,3 +57,21 @@ def test_the_readme_example_runs_and_resumes_past_a_damaged_step(
     # (step 200 loaded, not the zeros: step 300 saved anew is the first run's)
     again = second["ckpt"].load(step=300)  # type: ignore[attr-defined]
     assert torch.equal(again["model"]["weight"], after_300)
+
+
+def test_the_resume_recipe_removes_a_later_step_dir_without_its_manifest(
+        tmp_path: Path) -> None:
+    # (the review: a copy cut short left step_400 without its manifest; fallback and
+    # discard_steps_after kept it, and the save of step 400 was refused as in the way)
+    import asyncckpt
+
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="sync")
+    ckpt.save({"w": torch.ones(2), "train": {"step": 300}}, step=300)
+    (tmp_path / "step_000000400").mkdir()
+    state = {"w": torch.zeros(2), "train": {"step": 0}}
+    ckpt.load(state, fallback=True)
+    assert state["train"]["step"] == 300
+    assert ckpt.discard_steps_after(300) == [400]
+    assert ckpt.save(state, step=400).step == 400
+    assert ckpt.steps() == [300, 400]
+    ckpt.close()

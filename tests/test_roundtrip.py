@@ -3099,3 +3099,13 @@ def test_one_numpy_array_at_two_paths_is_stored_once_and_comes_back_tied(
     assert np.array_equal(x, a)
     with pytest.raises(asyncckpt.CheckpointConfigError, match="leaves out 'b', which shares"):
         asyncckpt.load(tmp_path, target, exclude=["b"])
+    # (the review: a read-only view tied to a writable array was refused, or filled,
+    # by the order of the two)
+    for first in (True, False):
+        w = np.zeros(6, np.float32)
+        ro = w.view()
+        ro.flags.writeable = False
+        pair = {"a": ro, "b": w} if first else {"a": w, "b": ro}
+        with pytest.raises(asyncckpt.StateMismatchError,
+                           match=f"read-only numpy arrays: {'a' if first else 'b'};"):
+            asyncckpt.load(tmp_path, {**target, **pair})

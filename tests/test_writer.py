@@ -416,6 +416,7 @@ def test_a_full_disk_s_advice_fits_the_checkpointer_s_keep_last(
 
     import asyncckpt.writer as writer_module
 
+    assert writer_module._free_inodes(Path("/nonexistent/x")) is None
     full = OSError(errno.ENOSPC, "No space left on device")
     assert "a lower keep_last=" in writer_module.os_error_hint(full, 3)
     assert "a lower keep_last=" in writer_module.os_error_hint(full)  # (not known)
@@ -426,6 +427,9 @@ def test_a_full_disk_s_advice_fits_the_checkpointer_s_keep_last(
     monkeypatch.setattr(writer_module, "_free_bytes", lambda root: 8_400_000)
     job = SimpleNamespace(root=Path("/x"), plan=SimpleNamespace(file_bytes=4_000),
                           keep_last=3)
+    monkeypatch.setattr(writer_module, "_free_inodes", lambda root: 0)
     said = writer_module._room_said(job, full)  # type: ignore[arg-type]
-    assert said.endswith("room for its bytes, so the filesystem is likely out of inodes "
+    assert said.endswith("; but no inode is free: the filesystem is out of files "
                          "(df -i))"), said
+    monkeypatch.setattr(writer_module, "_free_inodes", lambda root: 5)  # (bytes, then)
+    assert "inode" not in writer_module._room_said(job, full)  # type: ignore[arg-type]

@@ -354,6 +354,8 @@ class AsyncCheckpointer:
             # (not realpath: nodes may resolve one shared alias to different mounts)
             given, process_group=process_group, rank=rank,
             world_size=world_size, store=store, timeout_s=timeout_s)
+        if self._ctx.distributed:
+            self._ctx.note_opened()
         self._lock = DirectoryLock(self.directory)
         self._lock.made_at = _caller_site()
         self._lock.owner = weakref.ref(self)
@@ -500,8 +502,8 @@ class AsyncCheckpointer:
         self._check_open()
         ctx = self._ctx
         self._refuse_before_group("save_async")
-        if ctx.distributed:  # the first save pairs this checkpointer with the other ranks'
-            ctx.join(step if type(step) is int else None)
+        if ctx.distributed:
+            ctx.join()  # the first save pairs this checkpointer with the other ranks'
         self._seq += 1  # counted on every rank alike: saves are collective
         tag = f"n{self._seq}"
         had_lock = True
@@ -511,6 +513,9 @@ class AsyncCheckpointer:
             recorded = checked_metrics(metrics)
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
+            pending = self._pending
+            same_in_flight = (pending is not None and not pending.done()
+                              and pending.step == step)
             self._wait_for_previous()
             if ctx.is_coordinator:
                 had_lock = self._lock.held
@@ -518,8 +523,8 @@ class AsyncCheckpointer:
             try:
                 commit.check_new_step(self.directory, step, self.storage,  # (before any write)
                                       retention=self.config.keep_last is not None)
-            except CheckpointExistsError as exc:
-                if self._last_said != (step, "committed") or "older than" in str(exc):
+            except CheckpointExistsError:
+                if not same_in_flight or self._last_said != (step, "committed"):
                     raise
                 # (a preemption trial's guard, latest_step() != step, ran while this very
                 # step's save was in flight: the final save raised, and its advice,
@@ -939,7 +944,8 @@ class AsyncCheckpointer:
             self._metrics.amiss(self.directory, self.storage, step))
 
     def discard_steps_after(self, step: int) -> list[int]:
-        """Delete every committed step newer than ``step``, for a rollback: after
+        """Delete every committed step newer than ``step`` (and the step directories
+        without a manifest there, which no load reads: a copy cut short), for a rollback: after
         ``load(state, step=step)`` (a loss spike, a bad data shard), training goes on from
         ``step``, and its saves would otherwise be refused as older than the steps kept.
         Returns the steps deleted, oldest first.
@@ -1043,8 +1049,9 @@ class AsyncCheckpointer:
                     "of this checkpointer did not let go of its steps within "
                     f"{commit.RETENTION_LOCK_S:.0f}s (called from a signal handler during a "
                     "load?); call again once it is done")
-            later = [s for s in commit.committed_steps(self.directory, self.storage,
-                                                       skip_denied=True) if s > step]
+            bare: list[str] = []  # (step directories without a manifest: in the way too)
+            later = [s for s in commit.committed_steps(self.directory, self.storage, None,
+                                                       bare, skip_denied=True) if s > step]
             held = sorted(set(later) - set(self._in_use.spare(later)))
             if held:
                 raise CheckpointInFlightError(
@@ -1064,6 +1071,18 @@ class AsyncCheckpointer:
                     ) from exc
                 finally:
                     self._ctx.retired(s)
+            # (a copy cut short left step_400 without its manifest: the resume recipe's
+            # discard_steps_after(300) kept it, and the save of step 400 was refused)
+            for name in bare:
+                number = commit.step_of_dir_name(name)
+                if number is not None and number > step:
+                    try:
+                        hidden.append((number, commit.hide_step(self.directory, number,
+                                                                self.storage)))
+                    except OSError as exc:
+                        raise CheckpointSaveError(
+                            f"deleting {self.directory / name} (no manifest: no committed "
+                            f"step) failed: {exc.strerror or exc}" + so_far()) from exc
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None)."""

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import signal
 import stat
 import sys
@@ -474,7 +475,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(_shown(f"{_n(len(no_manifest), 'step directory', 'step directories')} without "
                     f"{MANIFEST_NAME} (checkpoints whose manifest was lost, or a copy cut "
                     f"short: no load reads them): {', '.join(no_manifest)}; 'asyncckpt clean "
-                    f"{root} --without-manifest' removes them"))
+                    f"{shlex.quote(str(root))} --without-manifest' removes them"))
     return code
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import threading
 import time
 import uuid
@@ -550,8 +551,9 @@ def _refuse_taken(final: Path, step: int, storage: ReadStorage) -> None:
             "into a new directory")
     raise CheckpointExistsError(
         f"{final} is in the way of step {step}'s commit: it holds no {MANIFEST_NAME}, so it "
-        "is no committed step (a copy cut short or a hand edit?); move or delete it, or save "
-        "under a new step number")
+        "is no committed step (a copy cut short or a hand edit?); move or delete it "
+        f"(asyncckpt clean {shlex.quote(str(final.parent))} --without-manifest removes every "
+        "such directory), or save under a new step number")
 
 
 def commit(tmp: Path, root: Path, step: int, storage: Storage,

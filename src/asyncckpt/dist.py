@@ -54,6 +54,7 @@ import functools
 import hashlib
 import json
 import logging
+import numbers
 import os
 import threading
 import time
@@ -223,6 +224,8 @@ class DistContext:
     _saw: set[str] = field(default_factory=set, repr=False, compare=False)
     # (checkpointer number, step) of the others' first save this rank skipped (see join)
     passed_over: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    # (count, step) of a namespace whose first save was given up on (see note_opened)
+    _dead_at_open: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_coordinator(self) -> bool:
@@ -236,18 +239,18 @@ class DistContext:
         assert self.namespace, "join() first"
         return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
 
-    def join(self, step: int | None = None) -> None:
-        """Choose the namespace (the first save of a checkpointer in a group calls this,
-        with its ``step``).
+    def join(self) -> None:
+        """Choose the namespace (the first save of a checkpointer in a group calls this).
 
         Every rank's n-th checkpointer of a directory to save pairs with every other
         rank's n-th: saves are collective, so they start in the same order everywhere.
         Counted per rank in the Store, not in this process: a replaced rank's new process
         goes on from its predecessor's count (and pairs with survivors that reopen their
         checkpointers), and a job restarted with a fresh Store starts over. An n-th whose
-        first save the group gave up waiting for this rank in, a save of another step,
-        is passed over: this rank skipped that save with a checkpointer that never saved
-        (so not counted), and the others' reopened checkpointers are the next.
+        first save the group had given up waiting for this rank in when this checkpointer
+        was made (see note_opened) is passed over: this rank skipped that save with a
+        checkpointer that never saved, or died before it, and the others' reopened
+        checkpointers are the next.
         """
         if self.namespace:
             return
@@ -260,16 +263,13 @@ class DistContext:
             # recovery the docs give, closing and reopening on every rank, its new one
             # was its first to save and paired with the others' old one: every later
             # save failed on every rank)
-            for _ in range(8):
-                theirs = None if step is None else self._skipped_first_save(
-                    f"{base}.{n}", step)
-                if theirs is None:
-                    break
-                self.passed_over = (n + 1, theirs)
+            dead = self._dead_at_open
+            if dead is not None and dead[0] == n:
+                self.passed_over = (n + 1, dead[1])
                 log.warning("rank=%d: the group gave up waiting for this rank in the first "
-                            "save of its checkpointer #%d of %r, which this rank skipped: "
-                            "this checkpointer pairs with the others' next one", self.rank,
-                            n + 1, self.directory)
+                            "save of its checkpointer #%d of %r (step %d), which this rank "
+                            "never made: this checkpointer pairs with the others' next one",
+                            self.rank, n + 1, self.directory, dead[1])
                 n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
         self.namespace = f"{base}.{n}"
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
@@ -280,21 +280,24 @@ class DistContext:
     def _base(self) -> str:
         return hashlib.sha256(self.directory.encode()).hexdigest()[:12]
 
-    def _skipped_first_save(self, namespace: str, step: int) -> int | None:
-        """The step of the first save of ``namespace``, where its coordinator refused it
-        for want of this rank and it was of another step than ``step`` (see join)."""
-        key = "/".join(["asyncckpt", namespace, "n1", "go"])
+    def note_opened(self) -> None:
+        """At a checkpointer's construction: note whether the checkpointer number its
+        first save would take is one whose first save the group has already given up
+        on for want of this rank; if so, join passes it over. (Noted now, not at the
+        first save: a rank that skipped a save with the checkpointer it goes on with
+        must pair with the group's abandoned save, and be told at once.)"""
+        base = self._base()
         try:
+            n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 0)
+            key = "/".join(["asyncckpt", f"{base}.{n}", "n1", "go"])
             if not self.store.check([key]):
-                return None
+                return
             go = self._decode(key, self.store.get(key))
         except Exception:  # (a best effort: the save goes on, and fails as before)
-            return None
+            return
         if (type(go) is dict and go.get("kind") == "CheckpointTimeoutError"
-                and self.rank in go.get("ranks", ()) and type(go.get("step")) is int
-                and go["step"] != step):
-            return int(go["step"])
-        return None
+                and self.rank in go.get("ranks", ()) and type(go.get("step")) is int):
+            self._dead_at_open = (n, int(go["step"]))
 
     @staticmethod
     def _saving_key(rank: int) -> str:
@@ -579,7 +582,7 @@ class DistContext:
                         break
             except Exception:  # an explanation is a best effort
                 continue
-        if self.passed_over is not None:
+        if self.passed_over is not None and seq == 1:  # (its first save: said once)
             n, skipped = self.passed_over
             notes.append(
                 f"this rank skipped the group's save of step {skipped} (the first of the "
@@ -1010,9 +1013,11 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
             store = _group_store(group)
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
+    given: tuple[tuple[str, object], ...] = (("rank", rank), ("world_size", world_size))
+    for name, value in given:  # (numpy's ints too)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise CheckpointConfigError(f"{name}={value!r:.40}: pass a whole number (an int)")
+    rank, world_size = int(rank), int(world_size)
     if world_size < 1:
         raise CheckpointConfigError(f"world_size={world_size}: a group has one rank or more "
                                     "(pass world_size=1 for this process alone)")

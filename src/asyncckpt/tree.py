@@ -297,7 +297,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
                 f"numpy array at {where!r} is a {type(obj).__module__}.{type(obj).__qualname__}, "
                 "whose extras (a mask, a matrix's shape rules) an array would lose: save "
                 "np.asarray(x) and what else it holds (e.g. np.ma.getmaskarray(x)) apart")
-        key = _add_tensor(_numpy_as_tensor(obj, where), path, flat, seen, "numpy")
+        key = _add_tensor(_numpy_as_tensor(obj, where), path, flat, seen, "numpy",
+                          writeable=bool(obj.flags.writeable))
         flat.arrays[key] = obj
         return {"t": "ndarray", "key": key}
     if isinstance(obj, np.generic) and not isinstance(obj, (np.object_, np.str_, np.bytes_,
@@ -550,7 +551,8 @@ def is_copied(arr: np.ndarray) -> bool:
     return any(s < 0 or s % arr.itemsize for s in arr.strides)
 
 
-def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str) -> str:
+def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str,
+                writeable: bool = True) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
     box = None
     what = "tensor"
@@ -580,7 +582,9 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
         # the same array twice (a weight and its tied head kept as arrays) is stored once
         # and comes back as one array; numpy arrays are not tied to tensors that share
         # their memory (a leaf's kind says how it comes back)
-        tie: Any = ("numpy", t.data_ptr()) if t.data_ptr() else 0
+        # (a read-only view and a writable array of one memory are not one target: the
+        # load refuses the first by its own path, and fills the second)
+        tie: Any = ("numpy", t.data_ptr(), writeable) if t.data_ptr() else 0
         empty_shard = False
     elif kind == "torch":
         tie = t.data_ptr()  # empty tensors have no data to share...
@@ -1097,7 +1101,8 @@ def _checked_rng_state(state: Any, where: str, given: bool = False) -> _RNGParts
         cpu = torch.as_tensor(state["torch"]).to("cpu", torch.uint8)
         torch.Generator().set_state(cpu)
         cuda = None
-        if state.get("cuda") and not torch.cuda.is_available():
+        if "cuda" in state and not torch.cuda.is_available() and not (
+                isinstance(state["cuda"], (list, tuple)) and not state["cuda"]):
             # (a trial's GPU run resumed on a CPU machine: the part went without a word)
             log.warning("the %s generator state%s holds CUDA generators, which are not "
                         "restored: this process has no CUDA device",

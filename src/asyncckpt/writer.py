@@ -937,6 +937,16 @@ def _free_bytes(root: Path) -> int | None:
     return int(fs.f_bavail * fs.f_frsize)
 
 
+def _free_inodes(root: Path) -> int | None:
+    """The inodes free to this user on the filesystem of ``root``; None where that cannot
+    be known (as _free_bytes; a filesystem that makes inodes as it goes says 0 of all)."""
+    try:  # (what only words an error's message must never raise itself)
+        fs = os.statvfs(root)
+        return int(fs.f_favail) if fs.f_files else None
+    except Exception:
+        return None
+
+
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
     """Hidden steps whose removal failed (or ``hide_step``'s fsync did): retried by every
     retention, not only by the next checkpointer's clean-up, or a long run leaks a step's
@@ -1380,9 +1390,9 @@ def _room_said(job: SaveJob, exc: BaseException) -> str:
         return ""
     free_mb, need_mb = _megabytes(free, job.plan.file_bytes)
     said = f" ({free_mb} free now; this step's file takes {need_mb}"
-    if free > 2 * job.plan.file_bytes + (1 << 20):
+    if _free_inodes(job.root) == 0:
         # (a trial's full inode table read "8.4 MB free now; this step's file takes 0.0 MB")
-        said += ": room for its bytes, so the filesystem is likely out of inodes (df -i)"
+        said += "; but no inode is free: the filesystem is out of files (df -i)"
     elif job.keep_last == 1:  # (no lower keep_last to advise)
         said += ("; keep_last=1 keeps one step besides the one being saved: the disk needs "
                  "room for two steps, or free space")
