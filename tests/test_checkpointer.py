@@ -4197,3 +4197,34 @@ def test_saving_a_step_saved_before_keeps_the_advice_to_save_it_anew(tmp_path: P
             ck.save({"w": torch.zeros(10)}, step=3)
         assert "in flight" not in str(info.value)
         assert "ckpt.discard_steps_after(2)" in str(info.value)
+
+
+def test_a_failure_handled_through_its_future_is_not_raised_again_once_it_is_dropped(
+        tmp_path: Path) -> None:
+    # (an integrator's callback asked a failed save's future, logged it and dropped it:
+    # close() raised it again, in place of the training error being handled)
+    import gc
+
+    from asyncckpt.storage import LocalStorage
+
+    class FailStep2(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> Any:
+            if "step_000000002" in str(path):
+                raise OSError(5, "injected EIO")
+            return super().write_arena(path, *args, **kwargs)
+
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=FailStep2())
+    futs = [ck.save_async({"w": torch.ones(4)}, 2)]
+    futs.append(ck.save_async({"w": torch.ones(4)}, 3))  # (after step 2's failure)
+    assert [f.exception() is not None for f in futs] == [True, False]
+    futs.clear()
+    gc.collect()
+    ck.close()  # (raised "an earlier save failed and nobody waited on its future")
+    assert ck.steps() == [3]
+    # one nobody asked for is still raised, dropped or not
+    ck = asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async", storage=FailStep2())
+    ck.save_async({"w": torch.ones(4)}, 2)
+    ck.save_async({"w": torch.ones(4)}, 4)
+    gc.collect()
+    with pytest.raises(asyncckpt.CheckpointSaveError, match="nobody waited on its future"):
+        ck.close()

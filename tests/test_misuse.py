@@ -89,3 +89,20 @@ def test_a_rank_or_world_size_that_cannot_be_is_refused(tmp_path: Path, kwargs: 
                                                          why: str) -> None:
     with pytest.raises(CheckpointConfigError, match=why):
         asyncckpt.AsyncCheckpointer(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_metadata_takes_numpy_and_0_dim_tensor_numbers_as_metrics_do(tmp_path: Path) -> None:
+    # (an integrator passed the same np.int64 epoch and 0-dim tensor step to metrics= and
+    # metadata=: metadata refused them, np.bool_ as "of type bool: ... or bool")
+    import numpy as np
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.save({"w": torch.ones(1)}, 1, metadata={
+            "a": np.int64(3), "b": np.float32(0.5), "c": np.bool_(True), "d": torch.tensor(7),
+            "e": 1e-3, "f": torch.tensor(True)})
+        assert ck.manifest(1).user_metadata == {"a": "3", "b": "0.5", "c": "True", "d": "7",
+                                                "e": "0.001", "f": "True"}
+        for bad in ([1], torch.ones(2), np.complex64(1j), torch.tensor(1j)):
+            with pytest.raises(CheckpointConfigError, match=r"metadata\['x'\] is of type "):
+                ck.save({"w": torch.ones(1)}, 2, metadata={"x": bad})
+        assert ck.steps() == [1]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import AsyncCheckpointer, CheckpointerConfig
+from .checkpointer import MetadataValue as _MetadataValue
 from .checkpointer import checked_directory as _checked_directory
 from .commit import check_step as _check_step
 from .commit import resolve_step_dir as _resolve_step_dir
@@ -97,7 +98,7 @@ __all__ = [
 
 
 def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0,
-         metadata: Mapping[str, str] | None = None,
+         metadata: Mapping[str, _MetadataValue] | None = None,
          metrics: Mapping[str, Any] | None = None,
          shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointInfo:
     """Save ``state`` synchronously as ``step`` under ``directory``.

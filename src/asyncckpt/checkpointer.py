@@ -105,6 +105,8 @@ from .writer import (
     withdraw_offers,
 )
 
+MetadataValue = str | int | float | bool  # (stored as its text: read back as str)
+
 log = logging.getLogger(__name__)
 
 _MODES = {"sync": "sync", "disabled": "sync", "async": "async",
@@ -384,7 +386,8 @@ class AsyncCheckpointer:
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
         self._reports = Reports()  # what the coordinator holds of each rank's records
         # a failed save nobody waited on: (its future, its error), raised by wait()
-        self._missed: tuple[weakref.ref[CheckpointFuture], CheckpointSaveError] | None = None
+        # (the seen flag of the future whose failure nobody asked for, and that failure)
+        self._missed: tuple[list[bool], CheckpointSaveError] | None = None
         self._retention: cf.Future[None] | None = None
         self._damaged: set[int] = set()  # steps a fallback load found damaged
         self._looked_at_optimizers = False  # (at the first save: see _warn_fsdp_optimizers)
@@ -431,7 +434,7 @@ class AsyncCheckpointer:
     # --- saving --------------------------------------------------------------------------
 
     def save_async(self, state: Any, step: int, *, overlap: bool = False,
-                   metadata: Mapping[str, str] | None = None,
+                   metadata: Mapping[str, MetadataValue] | None = None,
                    shards: Mapping[str, ShardMetadata] | None = None,
                    metrics: Mapping[str, Any] | None = None) -> CheckpointFuture:
         """Stage ``state`` into the host arena and write it in the background.
@@ -494,7 +497,7 @@ class AsyncCheckpointer:
             self._calling.release()
 
     def _save_async(self, state: Any, step: int, *, overlap: bool,
-                    metadata: Mapping[str, str] | None,
+                    metadata: Mapping[str, MetadataValue] | None,
                     shards: Mapping[str, ShardMetadata] | None,
                     metrics: Mapping[str, Any] | None,
                     paused: contextlib.ExitStack) -> CheckpointFuture:
@@ -752,7 +755,7 @@ class AsyncCheckpointer:
         if not any(t is transport for t in self._transports):  # (twice: served once)
             self._transports.append(transport)
 
-    def save(self, state: Any, step: int, *, metadata: Mapping[str, str] | None = None,
+    def save(self, state: Any, step: int, *, metadata: Mapping[str, MetadataValue] | None = None,
              shards: Mapping[str, ShardMetadata] | None = None,
              metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Save synchronously: return once the checkpoint is committed and the old steps
@@ -834,12 +837,10 @@ class AsyncCheckpointer:
         missed, self._missed = self._missed, None
         if missed is None:
             return None
-        ref, error = missed
-        earlier = ref()
-        if earlier is not None and earlier.observed:  # its own caller has seen it since
+        seen, error = missed
+        if seen[0]:  # its own caller has seen it since (and may have dropped the future)
             return None
-        if earlier is not None:
-            earlier.observed = True
+        seen[0] = True
         return error
 
     def _note_missed(self, exc: BaseException) -> None:
@@ -1440,9 +1441,8 @@ class AsyncCheckpointer:
         self._last_said = (fut.step, "failed" if exc is not None else "committed")
         if exc is not None:  # (the message only: its traceback holds state)
             missed = self._missed
-            earlier = missed[0]() if missed is not None else None
-            if missed is None or (earlier is not None and earlier.observed):
-                self._missed = (weakref.ref(fut), CheckpointSaveError(
+            if missed is None or missed[0][0]:
+                self._missed = (fut.seen, CheckpointSaveError(
                     f"an earlier save failed and nobody waited on its future: {exc}"))
             else:  # one more: said with the first, which the next wait() or close() raises
                 error = missed[1]
@@ -2218,12 +2218,18 @@ def _checked_metadata(metadata: object) -> dict[str, str]:
     for k, v in metadata.items():
         if type(k) is not str:
             raise CheckpointConfigError(f"metadata key {k!r:.80}: keys must be str")
+        if (isinstance(v, (np.bool_, np.integer, np.floating))
+                or (isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_complex())):
+            # (a trial's np.int64 epoch and 0-dim tensor step, which metrics= took, were
+            # refused here: "of type bool: values must be str (or a number or bool")
+            v = v.item()
         if isinstance(v, (str, bool, int, float)):
             out[k] = str(v)
         else:
             raise CheckpointConfigError(
                 f"metadata[{k!r}] is of type {type(v).__name__}: values must be str (or a "
-                "number or bool, stored as its text); json.dumps() it, or save it in the state")
+                "number or bool, stored as its text: numpy's and 0-dim tensors' too); "
+                "json.dumps() it, or save it in the state")
     return out
 
 

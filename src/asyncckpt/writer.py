@@ -292,8 +292,21 @@ class CheckpointFuture:
         self._handover = handover
         self._progress = progress
         self._total = total_bytes
-        self.observed = False  # someone asked for the outcome (wait, result, exception)
+        # someone asked for the outcome (wait, result, exception): in a list of its own,
+        # which the checkpointer keeps where it keeps this save's failure for the next
+        # wait() (a future handled and then dropped was reported again: a trial)
+        self.seen = [False]
         self._pid = os.getpid()
+
+    @property
+    def observed(self) -> bool:
+        """Whether the outcome was handed over (``wait``, ``result``, ``exception``): the
+        checkpointer then does not report this save's failure again."""
+        return self.seen[0]
+
+    @observed.setter
+    def observed(self, value: bool) -> None:
+        self.seen[0] = value
 
     def _refuse_forked(self) -> None:
         """In a forked child, no thread will finish this save: waiting would hang."""
