@@ -170,6 +170,7 @@ def test_a_save_tells_its_progress(tmp_path: Path) -> None:
         assert storage.at["commit"].wait(30)
         p = fut.progress()  # written and fsync'd: the rename is left
         assert (p.phase, p.written_bytes) == ("committing", total), p
+        assert p.fraction == 0.99  # (not 100% before the commit: a trial's progress bar)
         storage.go["commit"].set()
         info = fut.wait(30)
         p = fut.progress()
