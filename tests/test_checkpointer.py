@@ -3432,7 +3432,12 @@ def test_a_call_from_within_save_async_is_refused_and_the_save_lands(tmp_path: P
         assert ckpt.steps() == [1, 2]
         assert torch.equal(ckpt.load(step=2)["w"], torch.arange(4.0))
         ckpt.save({"w": torch.ones(4)}, 3)  # and the checkpointer goes on as before
-    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2, 3]
+        # (an integrator's thread was told "its save_async()" beside a save())
+        refused.clear()
+        ckpt.save({"w": torch.arange(4.0), "obj": _Reentrant(handler)}, 4)
+        assert "save_async() of the checkpointer" in str(refused[0])
+        assert "while its save() is still running on thread 'MainThread'" in str(refused[0])
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [1, 2, 3, 4]
 
 
 def test_save_async_from_a_second_thread_meanwhile_is_refused(tmp_path: Path) -> None:

@@ -107,6 +107,8 @@ from .writer import (
 
 MetadataValue = str | int | float | bool  # (stored as its text: read back as str)
 
+_CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
+
 log = logging.getLogger(__name__)
 
 _MODES = {"sync": "sync", "disabled": "sync", "async": "async",
@@ -456,7 +458,11 @@ class AsyncCheckpointer:
         """
         check_flags(overlap=overlap)
         self._refuse_forked("save_async")
-        with self._one_call("save_async"), contextlib.ExitStack() as paused:
+        # (named as the caller called it: a thread refused beside a save() was told that
+        # "its save_async()" ran, which the trainer never called)
+        called = "save" if getattr(_CALLING_SAVE, "on", False) else "save_async"
+        _CALLING_SAVE.on = False  # (a signal handler's call inside this one is its own)
+        with self._one_call(called), contextlib.ExitStack() as paused:
             return self._save_async(state, step, overlap=overlap, metadata=metadata,
                                     shards=shards, metrics=metrics, paused=paused)
 
@@ -761,8 +767,13 @@ class AsyncCheckpointer:
         """Save synchronously: return once the checkpoint is committed and the old steps
         ``keep_last`` lets go are removed, as in mode="sync" (arguments as for
         ``save_async``)."""
-        info = self.save_async(state, step, metadata=metadata, shards=shards,
-                               metrics=metrics).wait()
+        _CALLING_SAVE.on = True
+        try:
+            fut = self.save_async(state, step, metadata=metadata, shards=shards,
+                                  metrics=metrics)
+        finally:
+            _CALLING_SAVE.on = False
+        info = fut.wait()
         self._retention_done()  # (this save's: none since)
         return info
 
