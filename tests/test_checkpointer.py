@@ -3974,7 +3974,18 @@ def test_a_host_buffer_that_cannot_be_allocated_is_told_in_words(
     text = str(err.value)
     assert text.startswith("rank 0: could not allocate the host buffer of 0.00 GB (OSError: ")
     assert f"into which the saves to {tmp_path} copy the state: free host memory" in text
+    assert "ulimit -v" not in text  # (no limit here)
     assert ck.steps() == []
+    # (a memory trial's ulimit -v refused a save with memory to spare)
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (4_000_000_000, -1))
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck, pytest.raises(
+            asyncckpt.CheckpointSaveError) as err:
+        ck.save({"w": torch.zeros(4)}, step=1)
+    assert ("This process's address space is limited to 4.00 GB (ulimit -v), which counts "
+            "what threads reserve") in str(err.value)
+    assert "MALLOC_ARENA_MAX=2" in str(err.value)
 
 
 def test_a_path_under_a_file_names_the_file_not_the_path(tmp_path: Path) -> None:

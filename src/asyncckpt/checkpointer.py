@@ -289,6 +289,23 @@ def _far_too_large(have: int, need: int) -> bool:
 
 
 
+def _address_space_note() -> str:
+    """For a host buffer that could not be allocated: the address space limit, if this
+    process has one (a memory trial's ulimit -v refused a save with memory to spare:
+    threads' malloc arenas take address space, not memory)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError, AttributeError):
+        return ""
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (f". This process's address space is limited to {soft / 1e9:.2f} GB (ulimit -v), "
+            "which counts what threads reserve, not only memory in use: raise the limit, or "
+            "set MALLOC_ARENA_MAX=2 in the environment (fewer malloc arenas)")
+
+
 def _checked_storage(storage: Any) -> Storage:
     """``storage=``, checked for the calls saves and loads make (a trial's "local" and
     object() failed the first save with an AttributeError)."""
@@ -1981,7 +1998,8 @@ class AsyncCheckpointer:
                     f"({type(exc).__name__}: {exc}) into which the saves to {self.directory} "
                     "copy the state: free host memory, or save less (a state's tensors are "
                     "copied whole: an expanded view, stride 0, takes its full size)"
-                    + ("; or try mode='async' (not pinned)" if pinned else "")) from exc
+                    + ("; or try mode='async' (not pinned)" if pinned else "")
+                    + _address_space_note()) from exc
         elif small:
             self._small_saves += 1
             self._small_need = max(self._small_need, need)
