@@ -4245,3 +4245,36 @@ def test_a_failure_handled_through_its_future_is_not_raised_again_once_it_is_dro
     gc.collect()
     with pytest.raises(asyncckpt.CheckpointSaveError, match="nobody waited on its future"):
         ck.close()
+
+
+def test_a_done_callback_is_called_once_the_save_ends(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # (an integrator polled its futures from the training loop to log their info)
+    from asyncckpt.storage import LocalStorage
+
+    gate = threading.Event()
+
+    class HeldCommit(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            assert gate.wait(30)
+            super().rename(src, dst)
+
+    seen: list[tuple[int, bool, str]] = []
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=HeldCommit()) as ck:
+        fut = ck.save_async({"w": torch.ones(4)}, 1)
+        fut.add_done_callback(lambda f: seen.append(
+            (f.step, f.observed, threading.current_thread().name)))
+        assert seen == [] and not fut.done()
+        gate.set()
+        fut.wait(30)
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen[0][:2] == (1, False) and seen[0][2] != threading.current_thread().name
+        done_now: list[int] = []
+        fut.add_done_callback(lambda f: done_now.append(f.step))  # (done: called at once)
+        assert done_now == [1]
+        fut.add_done_callback(lambda f: 1 / 0)
+        assert "the done callback" in caplog.text and "ZeroDivisionError" in caplog.text
+        with pytest.raises(asyncckpt.CheckpointConfigError, match="pass a function"):
+            fut.add_done_callback(5)  # type: ignore[arg-type]

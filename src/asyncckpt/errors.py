@@ -177,7 +177,9 @@ def add_note(exc: BaseException, note: str) -> None:
     notes.append(note)
     # (an exception type with __slots__ takes no attribute: the note is lost, not the error)
     with contextlib.suppress(AttributeError):
-        exc.__notes__ = notes  # type: ignore[attr-defined]  # (3.10: no such attribute)
+        # (setattr: typeshed has __notes__ from 3.11 only, and a type: ignore for 3.10
+        # was reported unused to users checking this package under 3.11)
+        setattr(exc, "__notes__", notes)  # noqa: B010
 
 
 def check_flags(**flags: object) -> None:

@@ -427,6 +427,25 @@ class CheckpointFuture:
 
     result = wait
 
+    def add_done_callback(self, fn: Callable[[CheckpointFuture], object]) -> None:
+        """Call ``fn(future)`` once the save is committed or has failed: at once, on this
+        thread, if it has; else on the writer's thread, which it holds up (keep it short:
+        log, update a progress bar). An exception it raises is logged, not raised. It
+        does not count as asking for the outcome: ``fn`` calls ``exception()`` or
+        ``wait()`` for that (an integrator's progress bar polled from the training loop
+        for want of this)."""
+        if not callable(fn):
+            raise CheckpointConfigError(f"add_done_callback({fn!r:.60}): pass a function of "
+                                        "the future")
+
+        def call(_: object) -> None:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("step %d: the done callback %r raised", self.step, fn)
+
+        self._durable.add_done_callback(call)
+
 
 def exiting(exc: BaseException) -> bool:
     """Whether ``exc`` is an executor's refusal of new work once the interpreter has begun
