@@ -21,6 +21,7 @@ from typing import Any
 from .checkpointer import AsyncCheckpointer, CheckpointerConfig
 from .checkpointer import MetadataValue as _MetadataValue
 from .checkpointer import checked_directory as _checked_directory
+from .commit import StepLike as _StepLike
 from .commit import check_step as _check_step
 from .commit import resolve_step_dir as _resolve_step_dir
 from .errors import (
@@ -97,7 +98,7 @@ __all__ = [
 ]
 
 
-def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0,
+def save(state: Any, directory: str | os.PathLike[str], *, step: _StepLike = 0,
          metadata: Mapping[str, _MetadataValue] | None = None,
          metrics: Mapping[str, Any] | None = None,
          shards: Mapping[str, ShardMetadata] | None = None) -> CheckpointInfo:
@@ -115,7 +116,7 @@ def save(state: Any, directory: str | os.PathLike[str], *, step: int = 0,
         return ckpt.save(state, step, metadata=metadata, metrics=metrics, shards=shards)
 
 
-def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = None,
+def load(path: str | os.PathLike[str], state: Any = None, *, step: _StepLike | None = None,
          strict: bool = True, verify: bool = True, token: str | None = None,
          timeout: float = 60.0, fallback: bool = False, threads: int | None = None,
          progress: Callable[[int, int], None] | None = None,
@@ -143,6 +144,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, step: int | None = 
                  ignore_unexpected=ignore_unexpected, cast=cast)
     _check_threads(threads)
     _checked_directory(path, "path")
+    step = _check_step(step)
     _check_fallback(fallback, step, verify)
     parts = _check_exclude(exclude)
     _check_key_map(key_map)

@@ -28,6 +28,7 @@ from . import commit
 from ._gc import gc_paused
 from .best import MODES as BEST_MODES
 from .best import KeepBest, Ranking, StepMetrics, check_ranking, checked_metrics
+from .commit import StepLike
 from .dist import (
     DistContext,
     LocalItem,
@@ -105,7 +106,8 @@ from .writer import (
     withdraw_offers,
 )
 
-MetadataValue = str | int | float | bool  # (stored as its text: read back as str)
+# (stored as its text, read back as str: numpy's numbers and 0-dim tensors too)
+MetadataValue = str | int | float | bool | np.generic | torch.Tensor
 
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
@@ -452,7 +454,7 @@ class AsyncCheckpointer:
 
     # --- saving --------------------------------------------------------------------------
 
-    def save_async(self, state: Any, step: int, *, overlap: bool = False,
+    def save_async(self, state: Any, step: StepLike, *, overlap: bool = False,
                    metadata: Mapping[str, MetadataValue] | None = None,
                    shards: Mapping[str, ShardMetadata] | None = None,
                    metrics: Mapping[str, Any] | None = None) -> CheckpointFuture:
@@ -519,7 +521,7 @@ class AsyncCheckpointer:
             self._caller = ("?", "?")
             self._calling.release()
 
-    def _save_async(self, state: Any, step: int, *, overlap: bool,
+    def _save_async(self, state: Any, step: StepLike, *, overlap: bool,
                     metadata: Mapping[str, MetadataValue] | None,
                     shards: Mapping[str, ShardMetadata] | None,
                     metrics: Mapping[str, Any] | None,
@@ -778,7 +780,8 @@ class AsyncCheckpointer:
         if not any(t is transport for t in self._transports):  # (twice: served once)
             self._transports.append(transport)
 
-    def save(self, state: Any, step: int, *, metadata: Mapping[str, MetadataValue] | None = None,
+    def save(self, state: Any, step: StepLike, *,
+             metadata: Mapping[str, MetadataValue] | None = None,
              shards: Mapping[str, ShardMetadata] | None = None,
              metrics: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Save synchronously: return once the checkpoint is committed and the old steps
@@ -972,7 +975,7 @@ class AsyncCheckpointer:
         return bool(commit.damaged_marks(self.directory, [step], self.storage)) or (
             self._metrics.amiss(self.directory, self.storage, step))
 
-    def discard_steps_after(self, step: int) -> list[int]:
+    def discard_steps_after(self, step: StepLike) -> list[int]:
         """Delete every committed step newer than ``step`` (and the step directories
         without a manifest there, which no load reads: a copy cut short), for a rollback: after
         ``load(state, step=step)`` (a loss spike, a bad data shard), training goes on from
@@ -1113,12 +1116,13 @@ class AsyncCheckpointer:
                             f"deleting {self.directory / name} (no manifest: no committed "
                             f"step) failed: {exc.strerror or exc}" + so_far()) from exc
 
-    def manifest(self, step: int | None = None) -> Manifest:
+    def manifest(self, step: StepLike | None = None) -> Manifest:
         """The manifest of ``step`` (latest when None)."""
-        step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
+        step_dir, _ = commit.resolve_step_dir(self.directory, commit.check_step(step),
+                                              self.storage)
         return read_manifest(step_dir, self.storage)
 
-    def load(self, state: Any = None, *, step: int | None = None, strict: bool = True,
+    def load(self, state: Any = None, *, step: StepLike | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
              fallback: bool = False, threads: int | None = None,
              progress: Callable[[int, int], None] | None = None,

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, SupportsIndex, TypeAlias
 
 from .errors import (
     CheckpointConfigError,
@@ -367,6 +367,11 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
     return ""
 
 
+
+
+# What a step may be given as (as_step takes it): an int, a NumPy integer, a 0-dim integer
+# tensor (a training loop's counter); in type hints, what has __index__.
+StepLike: TypeAlias = int | SupportsIndex
 
 
 def as_step(step: object, *, latest: bool = False) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import commit
+from .commit import StepLike
 from .errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -164,7 +165,8 @@ class _Planned:
 
 
 def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
-                       step: int | None = None, prefix: str = "", strip_prefix: bool = False,
+                       step: StepLike | None = None, prefix: str = "",
+                       strip_prefix: bool = False,
                        dtype: torch.dtype | str | None = None, force: bool = False,
                        storage: Storage | None = None,
                        progress: Callable[[int, int], None] | None = None,
@@ -237,6 +239,7 @@ def export_safetensors(ckpt_path: str | os.PathLike[str], out_path: str | os.Pat
     else:
         _check_out_dir(out, force)
     root = Path(ckpt_path)
+    step = commit.check_step(step)
     step_dir, _ = commit.resolve_step_dir(root, step, storage, uncommitted_ok=True)
     manifest = read_manifest(step_dir, storage)
     if step is not None and manifest.step != step:

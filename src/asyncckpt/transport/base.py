@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from .._gc import gc_paused
-from ..commit import as_step
+from ..commit import StepLike, as_step
 from ..errors import (
     CheckpointConfigError,
     CheckpointNotFoundError,
@@ -104,12 +104,12 @@ class CheckpointTransport(abc.ABC, Generic[T]):
         """What a peer needs to fetch from this transport (e.g. its address)."""
 
     @abc.abstractmethod
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
+    def send_checkpoint(self, dst_ranks: list[int], step: StepLike, state_dict: T,
                         timeout: timedelta) -> None:
         """Offer ``state_dict`` at ``step`` to ``dst_ranks``; may return before they fetch it."""
 
     @abc.abstractmethod
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: StepLike,
                         timeout: timedelta) -> T:
         """Fetch the checkpoint of ``step`` from the peer described by ``metadata``."""
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..commit import MAX_STEP, as_step
+from ..commit import MAX_STEP, StepLike, as_step
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -368,7 +368,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                             served.step, served.origin, old.step, old.origin)
             self._close_when_idle(old)
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
+    def send_checkpoint(self, dst_ranks: list[int], step: StepLike, state_dict: Any,
                         timeout: timedelta | float) -> None:
         """Offer the live ``state_dict`` at ``step``; returns at once.
 
@@ -382,6 +382,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         self._refuse_forked("send_checkpoint")
         _check_ranks(dst_ranks, "dst_ranks")
+        step = as_step(step)
         with self._cond:
             self._check_open("send_checkpoint")
             since = (self._disallows, self._withdrawals)
@@ -436,7 +437,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise
         return served.step
 
-    def allow_checkpoint(self, step: int) -> None:
+    def allow_checkpoint(self, step: StepLike) -> None:
         """Serve the offered checkpoint if it is of ``step``.
 
         Raises:
@@ -732,7 +733,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     # --- receiving side --------------------------------------------------------------------
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: StepLike,
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
                         exclude: str | Iterable[str] | None = None,

@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from ..commit import as_step
+from ..commit import StepLike, as_step
 from ..errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -255,7 +255,7 @@ class PGTransport(CheckpointTransport[Any]):
         except Exception:
             return "pg:?"
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
+    def send_checkpoint(self, dst_ranks: list[int], step: StepLike, state_dict: Any,
                         timeout: timedelta | float | None = None) -> None:
         """Send ``state_dict`` at ``step`` to each rank of ``dst_ranks``, one at a time, in
         the order their requests arrive.
@@ -354,7 +354,7 @@ class PGTransport(CheckpointTransport[Any]):
             if served is not None:
                 served.close()
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: StepLike,
                         timeout: timedelta | float | None = None, *, into: Any = None,
                         strict: bool = True, ignore_unexpected: bool = False,
                         exclude: str | Iterable[str] | None = None,
