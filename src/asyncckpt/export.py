@@ -72,7 +72,7 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
 }
 """Names accepted for ``dtype``, by the CLI's ``--dtype`` too."""
 
-_CAST_PIECE_ELEMS = 4 * 1024 * 1024  # a cast goes through pieces of this many elements
+_CAST_PIECE_ELEMS = 1024 * 1024  # a cast goes through pieces of this many elements
 _WRITE_PIECE = 8 * 1024 * 1024
 # tensors of at most _BATCH_ONE bytes (not cast) are read and written in runs of at most
 # _BATCH_BYTES: one read of a run, not a read plan, an open and a write per tensor (an
