@@ -938,19 +938,25 @@ def test_a_rank_the_others_gave_up_on_is_told_whether_it_skipped_or_came_late(
             assert gave_up.wait(30)
             try:
                 ck.save(_state(r), step=2 if skips else 1)
-            except asyncckpt.CheckpointTimeoutError as exc:
+            except (asyncckpt.CheckpointTimeoutError, CheckpointConfigError) as exc:
                 return exc
             return None
 
     out = in_threads(rank)
-    assert out[0] is None and isinstance(out[1], asyncckpt.CheckpointTimeoutError), out
+    assert out[0] is None
     if skips:
+        # (out of step: a CheckpointConfigError, as the ranks it tells get; a trial's
+        # three ranks got three kinds of error, and one handler could not recover)
+        assert isinstance(out[1], CheckpointConfigError), out
         assert str(out[1]).endswith(
             "; rank 1 was paired with the group's save of step 1, for which the others gave "
             "up waiting for it: this rank skipped that save. Every rank must call save_async "
             "the same number of times, in the same order: this rank's later saves pair with "
-            "the others' next ones"), out[1]
+            "the others' next ones. To go on, every rank closes its checkpointer, waits "
+            "until every rank's close() has returned (a dist.barrier()), and opens a new "
+            "one"), out[1]
     else:
+        assert isinstance(out[1], asyncckpt.CheckpointTimeoutError), out
         assert str(out[1]).endswith("; rank 1 came to this save after the others had given "
                                     "up waiting for it (timeout_s)"), out[1]
 
@@ -976,7 +982,7 @@ def test_the_ranks_that_went_on_are_told_at_once_that_a_rank_skipped_a_save(
             ck.save(_state(r), step=3)
 
     out = in_threads(rank)
-    assert isinstance(out[1], CheckpointTimeoutError), out
+    assert isinstance(out[1], CheckpointConfigError), out
     assert "this rank skipped that save" in str(out[1])
     assert isinstance(out[0], CheckpointConfigError), out
     assert str(out[0]).startswith(
@@ -1082,7 +1088,8 @@ def test_a_step_one_rank_cannot_use_is_announced_to_the_others(tmp_path: Path) -
     out = in_threads(rank)
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     assert isinstance(out[1], CheckpointConfigError), out[1]
-    assert isinstance(out[0], CheckpointSaveError) and "step=-5" in str(out[0]), out[0]
+    # (a config error of one rank: the same kind on every rank, as for ranks out of step)
+    assert isinstance(out[0], CheckpointConfigError) and "step=-5" in str(out[0]), out[0]
 
 
 def test_a_third_rank_is_told_of_a_failed_rank_in_the_words_rank_0_read_them(
@@ -1100,8 +1107,8 @@ def test_a_third_rank_is_told_of_a_failed_rank_in_the_words_rank_0_read_them(
     out = in_threads(rank, world=3)
     assert time.monotonic() - t0 < 20  # not the 60 s timeout
     assert isinstance(out[1], CheckpointConfigError), out[1]
-    for r in (0, 2):
-        assert isinstance(out[r], CheckpointSaveError), out[r]
+    for r in (0, 2):  # (one kind of error on every rank)
+        assert isinstance(out[r], CheckpointConfigError), out[r]
         assert str(out[r]).startswith("step 5 not started: rank 1 failed: rank 1: "
                                       "CheckpointConfigError: step=-5"), out[r]
         assert str(out[r]).count("not started") == 1, out[r]

@@ -111,6 +111,10 @@ MetadataValue = str | int | float | bool | np.generic | torch.Tensor
 
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
+# what a rank out of step with its group is told to do (every rank is told at one save)
+_REOPEN_ADVICE = (". To go on, every rank closes its checkpointer, waits until every "
+                  "rank's close() has returned (a dist.barrier()), and opens a new one")
+
 log = logging.getLogger(__name__)
 
 _MODES = {"sync": "sync", "disabled": "sync", "async": "async",
@@ -1822,7 +1826,11 @@ class AsyncCheckpointer:
             ctx.saw_verdict(tag)  # (rank 0's close() waits for that: it may host the Store)
             why = go["error"] if go.get("said") else f"step {step} not started: {go['error']}"
             if go.get("kind") == "CheckpointTimeoutError":
-                self._tell_skipped(step, go)
+                if self._tell_skipped(step, go):
+                    # (out of step, as the ranks it tells are: one kind of error on every
+                    # rank, which one handler can act on; a trial's ranks got three)
+                    raise CheckpointConfigError(why + self._came_late(step, go)
+                                                + _REOPEN_ADVICE)
                 timeout = CheckpointTimeoutError(why + self._came_late(step, go))
                 timeout.ranks = tuple(go.get("ranks", ()))
                 raise timeout
@@ -1835,17 +1843,17 @@ class AsyncCheckpointer:
             raise CheckpointSaveError(why)
         return go
 
-    def _tell_skipped(self, step: int, go: Mapping[str, Any]) -> None:
+    def _tell_skipped(self, step: int, go: Mapping[str, Any]) -> bool:
         """Where this rank skipped the group's save of another step (see _came_late),
-        tell the ranks that went on: their next save waits for this rank's layout, which
-        this rank posted for the save they gave up on (a trial's waited timeout_s, told
-        that rank 2 'may have died or not called save_async', when rank 2 had been told
-        at once)."""
+        tell the ranks that went on, and return True: their next save waits for this
+        rank's layout, which this rank posted for the save they gave up on (a trial's
+        waited timeout_s, told that rank 2 'may have died or not called save_async', when
+        rank 2 had been told at once)."""
         ctx = self._ctx
         theirs = go.get("step")
         missing = go.get("ranks", ())
         if ctx.rank not in missing or type(theirs) is not int or theirs == step:
-            return
+            return False
         for r in range(ctx.world_size):
             if r not in missing:
                 ctx.tell_out_of_order(r, step, (
@@ -1853,8 +1861,8 @@ class AsyncCheckpointer:
                     f"(the save the others gave up waiting for it in), so its saves pair "
                     f"with this group's earlier ones: its save of step {step} met that "
                     "one. Every rank must call save_async the same number of times, in "
-                    "the same order; to go on, close the checkpointers on every rank and "
-                    "open new ones"))
+                    "the same order" + _REOPEN_ADVICE))
+        return True
 
     def _came_late(self, step: int, go: Mapping[str, Any]) -> str:
         """What to add when this rank is one the others gave up waiting for: this call

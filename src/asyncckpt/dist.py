@@ -989,8 +989,13 @@ def raise_failures(answers: Mapping[int, Mapping[str, Any]], head: str) -> None:
     every failed rank refused the save as busy (on_busy="error": a save to skip)."""
     failed = {r: a["error"] for r, a in answers.items() if "error" in a}
     if failed:
-        busy = all(answers[r].get("kind") == "CheckpointInFlightError" for r in failed)
-        raise (CheckpointInFlightError if busy else CheckpointSaveError)(f"{head}: " + "; ".join(
+        kinds = {answers[r].get("kind") for r in failed}
+        # (a rank told it is out of step, or that the ranks' settings differ: the same
+        # kind of error on every rank, the coordinator too; a trial's got a SaveError)
+        kind = (CheckpointInFlightError if kinds == {"CheckpointInFlightError"} else
+                CheckpointConfigError if kinds == {"CheckpointConfigError"} else
+                CheckpointSaveError)
+        raise kind(f"{head}: " + "; ".join(
             f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())))
 
 
