@@ -2310,3 +2310,40 @@ def test_a_shard_loaded_without_its_shards_is_told_of_shards(tmp_path: Path) -> 
     with pytest.raises(asyncckpt.StateMismatchError) as info:  # smaller head, not a shard)
         asyncckpt.load(tmp_path / "one", {"v": torch.zeros(5, 6)})
     assert "shards=" not in str(info.value)
+
+
+def test_a_coordinator_that_skipped_a_save_and_the_others_are_told_at_its_next(
+        tmp_path: Path) -> None:
+    """(a distributed trial) Rank 0 skipped the save of step 1: every later save cost the
+    others timeout_s ("may have died or not called save_async") and rank 0 a SaveError
+    blaming them; no rank was told that rank 0 was out of step, and the group never saved
+    again. Now every rank raises CheckpointConfigError at the next save, and the
+    documented recovery works."""
+    store = dist.HashStore()
+    gave_up = threading.Barrier(3)
+    closed = threading.Barrier(3)
+
+    def rank(r: int) -> Any:
+        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=1)
+        ck.save(_state(r), step=0)
+        if r != 0:
+            with pytest.raises(CheckpointTimeoutError):
+                ck.save(_state(r), step=1)
+        gave_up.wait(30)
+        ck._ctx.timeout_s = 30.0  # (told at once, not after timeout_s)
+        with pytest.raises(CheckpointConfigError) as info:
+            ck.save(_state(r), step=2)
+        ck.close()
+        closed.wait(30)
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
+                               timeout_s=30) as again:
+            return str(info.value), again.save(_state(r), step=3).step
+
+    out = in_threads(rank, world=3)
+    assert [out[r][1] for r in range(3)] == [3, 3, 3], out
+    assert out[0][0].startswith("rank 0: this save of step 2 met the group's save of step "
+                                "1, which the other ranks gave up waiting for this rank in")
+    for r in (1, 2):
+        assert (f"rank {r}: rank 0 skipped the group's save of step 1") in out[r][0], out[r]
+    assert AsyncCheckpointer(tmp_path).steps() == [0, 3]

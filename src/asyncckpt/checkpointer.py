@@ -606,7 +606,7 @@ class AsyncCheckpointer:
                 # traceback keeps alive would refuse the corrected cell's new one.
                 self._lock.release()
             # Up to here the other ranks wait on this one: tell them, or they time out.
-            self._announce_failure(tag, exc)
+            self._announce_failure(tag, exc, step if type(step) is int else None)
             if tag != self._prev_tag:  # not reached the layout exchange: not forgotten there
                 self._failed_tags.append(tag)
             raise
@@ -1769,6 +1769,7 @@ class AsyncCheckpointer:
             err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
             err.ranks = exc.ranks
             raise err from exc
+        self._skipped_by_me(step, got)
         raise_failures(got, f"step {step} not started")
         steps = {r: got[r]["step"] for r in range(ctx.world_size)}
         if len(set(steps.values())) > 1:
@@ -1777,8 +1778,7 @@ class AsyncCheckpointer:
                 + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
                 + "); every rank must save the same step. Saves pair by their count on "
                 "each rank: a rank that skipped one stays out of step for every later save "
-                "of these checkpointers; close them on every rank and open new ones (saves "
-                "then pair again)")
+                "of these checkpointers" + _REOPEN_ADVICE + " (saves then pair again)")
         mine = self._group_settings()
         for name in mine:
             values = {r: got[r].get("settings", mine).get(name) for r in range(ctx.world_size)}
@@ -1790,6 +1790,33 @@ class AsyncCheckpointer:
                     "keep_every, keep_best), compares replicas and merges the checksums for "
                     "the whole group, so every rank must pass the same")
         return got
+
+    def _skipped_by_me(self, step: int, got: Mapping[int, Any]) -> None:
+        """Coordinator: CheckpointConfigError where the ranks gave up this save, of
+        another step, waiting for this rank, which skipped it; the others are told at
+        their next save (a trial's rank 0 skipped one: every later save cost the others
+        timeout_s, and no rank was told why)."""
+        ctx = self._ctx
+        failed = {r: a for r, a in got.items() if isinstance(a, dict) and "error" in a}
+        if not failed or len(failed) + 1 < ctx.world_size or any(
+                a.get("kind") != "CheckpointTimeoutError" or ctx.rank not in a.get("ranks", ())
+                or type(a.get("step")) is not int or a["step"] == step
+                for a in failed.values()):
+            return
+        theirs = sorted({a["step"] for a in failed.values()})
+        said = ", ".join(map(str, theirs))
+        for r in failed:
+            ctx.tell_out_of_order(r, step, (
+                f"rank {r}: rank {ctx.rank} skipped the group's save of step {said} (the "
+                f"save the others gave up waiting for it in), so its saves pair with this "
+                f"group's earlier ones: its save of step {step} met that one. Every rank "
+                "must call save_async the same number of times, in the same order"
+                + _REOPEN_ADVICE))
+        raise CheckpointConfigError(
+            f"rank {ctx.rank}: this save of step {step} met the group's save of step {said}, "
+            "which the other ranks gave up waiting for this rank in: this rank skipped that "
+            "save. Every rank must call save_async the same number of times, in the same "
+            "order" + _REOPEN_ADVICE)
 
     def _group_settings(self) -> dict[str, Any]:
         """The settings rank 0 applies for the whole group: every rank must have its."""
@@ -1914,16 +1941,20 @@ class AsyncCheckpointer:
                 "box": list(box[1][0]), "sums": sums}
         return out
 
-    def _announce_failure(self, tag: str, exc: BaseException) -> None:
-        """Let the other ranks fail this save at once instead of timing out."""
+    def _announce_failure(self, tag: str, exc: BaseException, step: int | None = None
+                          ) -> None:
+        """Let the other ranks fail this save at once instead of timing out (with this
+        rank's ``step``, and the ranks a timeout waited for: see _skipped_by_me)."""
         ctx = self._ctx
         if not ctx.distributed:
             return
         msg = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         Pulse(ctx, tag).abort(msg)
         with contextlib.suppress(Exception):
+            post = {"error": msg, "kind": type(exc).__name__, "step": step,
+                    "ranks": [int(r) for r in getattr(exc, "ranks", ()) or ()]}
             for part in ("layout", "record", "done"):
-                ctx.put(ctx.key(tag, part, ctx.rank), {"error": msg, "kind": type(exc).__name__})
+                ctx.put(ctx.key(tag, part, ctx.rank), post)
             if not ctx.is_coordinator:
                 ctx.saw_verdict(tag)  # (it knows the outcome: rank 0's close() need not wait)
             if ctx.is_coordinator:
