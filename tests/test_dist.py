@@ -2347,3 +2347,24 @@ def test_a_coordinator_that_skipped_a_save_and_the_others_are_told_at_its_next(
     for r in (1, 2):
         assert (f"rank {r}: rank 0 skipped the group's save of step 1") in out[r][0], out[r]
     assert AsyncCheckpointer(tmp_path).steps() == [0, 3]
+
+
+def test_a_discard_the_coordinator_never_joins_times_out_naming_discard(
+        tmp_path: Path) -> None:
+    # (a trial's rank was told the coordinator "may have died or not called save_async")
+    store = dist.HashStore()
+
+    def rank(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            ck.save(_state(r), step=1)
+            if r == 1:
+                with pytest.raises(CheckpointTimeoutError) as info:
+                    ck.discard_steps_after(0)
+                return str(info.value)
+            time.sleep(3)  # (rank 0 never calls it)
+            return None
+
+    out = in_threads(rank)
+    assert "not called discard_steps_after (every rank must)" in out[1], out[1]
+    assert "save_async" not in out[1], out[1]

@@ -1032,7 +1032,8 @@ class AsyncCheckpointer:
                 else:
                     ctx.put(ctx.key(tag, "asked", ctx.rank), {"step": step})
                     got = ctx.get(key, f"rank 0's deletion of the steps after {step}",
-                                  2 * ctx.timeout_s)
+                                  2 * ctx.timeout_s,
+                                  absent="not called discard_steps_after (every rank must)")
                     with contextlib.suppress(Exception):  # the last reader tidies up
                         if ctx.store.add(key + "/seen", 1) >= ctx.world_size - 1:
                             ctx.store.delete_key(key)

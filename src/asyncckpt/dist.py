@@ -657,10 +657,10 @@ class DistContext:
         return value
 
     def get(self, key: str, what: str, timeout_s: float | None = None, *, rank: int = 0,
-            pulse: Pulse | None = None, look: Callable[[list[int]], None] | None = None
-            ) -> Any:
+            pulse: Pulse | None = None, look: Callable[[list[int]], None] | None = None,
+            absent: str = "not called save_async for this step") -> Any:
         """Wait for ``key`` (posted by ``rank``) and return its decoded value."""
-        self.wait_keys({rank: key}, what, timeout_s, pulse=pulse, look=look)
+        self.wait_keys({rank: key}, what, timeout_s, pulse=pulse, look=look, absent=absent)
         with self._store_errors(f"reading {what}"):
             return self._decode(key, self.store.get(key))
 
