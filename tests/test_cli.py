@@ -1668,8 +1668,12 @@ def test_clean_without_manifest_removes_the_step_dirs_ls_reports_as_lost(
     (bare / "rank_00000.safetensors").write_bytes(b"x" * 100)
     code, out, _ = run(capsys, "ls", str(root))
     assert code == 1 and f"'asyncckpt clean {root} --without-manifest' removes them" in out
-    code, out, _ = run(capsys, "clean", str(root))  # (not asked for: kept)
+    code, out, _ = run(capsys, "clean", str(root))  # (not asked for: kept, and said)
     assert code == 0 and bare.is_dir()
+    assert ("1 step directory without manifest.json left as they are (step_000000005): "
+            "--without-manifest removes them") in out, out
+    code, out, _ = run(capsys, "clean", str(root), "--json")
+    assert json.loads(out)["without_manifest_left"] == ["step_000000005"]
     code, out, _ = run(capsys, "clean", str(root), "--without-manifest", "--dry-run", "--json")
     doc = json.loads(out)
     assert code == 0 and [(r["name"], r["kind"], r["removed"]) for r in doc["abandoned"]] == [

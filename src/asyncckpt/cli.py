@@ -731,11 +731,19 @@ def cmd_clean(args: argparse.Namespace) -> int:
     failed = [r for r in rows if r["error"] is not None]
     code = _decided(args, EXIT_USAGE if failed else EXIT_OK)
     freed = sum(r["bytes_freed"] for r in rows)
+    left: list[str] = []  # (not asked to remove them: said, as ls says it)
+    if not args.without_manifest:
+        with _quiet_commit_log():
+            commit.committed_steps(real, storage, [], left)
     if args.json:
         _print_json({"ok": code == EXIT_OK, "root": str(root), "dry_run": args.dry_run,
                      "abandoned": rows, "removed": [r["name"] for r in rows if r["removed"]],
-                     "bytes_freed": freed, "lock": state})
+                     "bytes_freed": freed, "lock": state, "without_manifest_left": left})
         return code
+    if left:  # (a docs trial: a plain clean said nothing of them)
+        _out(_shown(f"{_n(len(left), 'step directory', 'step directories')} without "
+                    f"{MANIFEST_NAME} left as they are ({', '.join(left)}): "
+                    "--without-manifest removes them"))
     if not rows:
         _out(_shown(f"nothing to remove under {root}: no abandoned temporary directories"
                     + (", no step directory without its manifest" if args.without_manifest
