@@ -4266,11 +4266,12 @@ def test_a_done_callback_is_called_once_the_save_ends(tmp_path: Path,
             (f.step, f.observed, threading.current_thread().name)))
         assert seen == [] and not fut.done()
         gate.set()
-        fut.wait(30)
         deadline = time.monotonic() + 30
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seen[0][:2] == (1, False) and seen[0][2] != threading.current_thread().name
+        assert not fut.observed  # (a callback alone asks for nothing)
+        fut.wait(30)
         done_now: list[int] = []
         fut.add_done_callback(lambda f: done_now.append(f.step))  # (done: called at once)
         assert done_now == [1]
@@ -4278,3 +4279,18 @@ def test_a_done_callback_is_called_once_the_save_ends(tmp_path: Path,
         assert "the done callback" in caplog.text and "ZeroDivisionError" in caplog.text
         with pytest.raises(asyncckpt.CheckpointConfigError, match="pass a function"):
             fut.add_done_callback(5)  # type: ignore[arg-type]
+
+
+def test_a_done_callback_may_wait_for_the_checkpointer(tmp_path: Path) -> None:
+    # (the review: run on the writer's thread, a callback calling ckpt.wait() waited for
+    # work queued behind it on that thread: for ever)
+    got: list[Any] = []
+    done = threading.Event()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1) as ck:
+        def on_done(f: Any) -> None:
+            got.append(ck.wait(timeout=20))
+            done.set()
+
+        ck.save_async({"w": torch.ones(4)}, 1).add_done_callback(on_done)
+        assert done.wait(30)
+    assert got and got[0].step == 1

@@ -2368,3 +2368,28 @@ def test_a_discard_the_coordinator_never_joins_times_out_naming_discard(
     out = in_threads(rank)
     assert "not called discard_steps_after (every rank must)" in out[1], out[1]
     assert "save_async" not in out[1], out[1]
+
+
+def test_a_late_coordinator_is_not_told_it_skipped_a_save_another_rank_skipped(
+        tmp_path: Path) -> None:
+    # (the review) Rank 1 skipped step 1 and went on; rank 0 came to step 1 after rank 1
+    # had given up on step 2 waiting for it: rank 0 was told *it* skipped step 2.
+    store = dist.HashStore()
+
+    def rank(r: int) -> Any:
+        out = []
+        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=1) as ck:
+            ck.save(_state(r), step=0)
+            for s in ([1, 2, 3] if r == 0 else [2, 3]):
+                if r == 0 and s == 1:
+                    time.sleep(3)
+                try:
+                    ck.save(_state(r), step=s)
+                    out.append("ok")
+                except asyncckpt.CheckpointError as exc:
+                    out.append(str(exc))
+        return out
+
+    out = in_threads(rank)
+    assert not any("this rank skipped that save" in m for m in out[0]), out[0]

@@ -102,7 +102,8 @@ def test_metadata_takes_numpy_and_0_dim_tensor_numbers_as_metrics_do(tmp_path: P
             "e": 1e-3, "f": torch.tensor(True)})
         assert ck.manifest(1).user_metadata == {"a": "3", "b": "0.5", "c": "True", "d": "7",
                                                 "e": "0.001", "f": "True"}
-        for bad in ([1], torch.ones(2), np.complex64(1j), torch.tensor(1j)):
+        for bad in ([1], torch.ones(2), np.complex64(1j), torch.tensor(1j),
+                    torch.empty((), device="meta")):  # (item() of it raised RuntimeError)
             with pytest.raises(CheckpointConfigError, match=r"metadata\['x'\] is of type "):
                 ck.save({"w": torch.ones(1)}, 2, metadata={"x": bad})
         assert ck.steps() == [1]

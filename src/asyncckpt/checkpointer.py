@@ -107,7 +107,8 @@ from .writer import (
 )
 
 # (stored as its text, read back as str: numpy's numbers and 0-dim tensors too)
-MetadataValue = str | int | float | bool | np.generic | torch.Tensor
+MetadataValue = str | int | float | bool | np.bool_ | np.integer[Any] | np.floating[Any] \
+    | torch.Tensor
 
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
@@ -1801,7 +1802,9 @@ class AsyncCheckpointer:
         failed = {r: a for r, a in got.items() if isinstance(a, dict) and "error" in a}
         if not failed or len(failed) + 1 < ctx.world_size or any(
                 a.get("kind") != "CheckpointTimeoutError" or ctx.rank not in a.get("ranks", ())
-                or type(a.get("step")) is not int or a["step"] == step
+                # (a save of an older step: one it passed over; a newer one means another
+                # rank skipped, or rank 0 came late: the review)
+                or type(a.get("step")) is not int or a["step"] >= step
                 for a in failed.values()):
             return
         theirs = sorted({a["step"] for a in failed.values()})
@@ -1880,8 +1883,8 @@ class AsyncCheckpointer:
         ctx = self._ctx
         theirs = go.get("step")
         missing = go.get("ranks", ())
-        if ctx.rank not in missing or type(theirs) is not int or theirs == step:
-            return False
+        if ctx.rank not in missing or type(theirs) is not int or theirs >= step:
+            return False  # (the same step: late; a newer one: not this rank that skipped)
         for r in range(ctx.world_size):
             if r not in missing:
                 ctx.tell_out_of_order(r, step, (
@@ -1951,9 +1954,12 @@ class AsyncCheckpointer:
             return
         msg = f"rank {ctx.rank}: {type(exc).__name__}: {exc}"
         Pulse(ctx, tag).abort(msg)
+        try:  # (an error of the user's may have a `ranks` of its own)
+            ranks = [int(r) for r in getattr(exc, "ranks", ()) or ()]
+        except Exception:
+            ranks = []
         with contextlib.suppress(Exception):
-            post = {"error": msg, "kind": type(exc).__name__, "step": step,
-                    "ranks": [int(r) for r in getattr(exc, "ranks", ()) or ()]}
+            post = {"error": msg, "kind": type(exc).__name__, "step": step, "ranks": ranks}
             for part in ("layout", "record", "done"):
                 ctx.put(ctx.key(tag, part, ctx.rank), post)
             if not ctx.is_coordinator:
@@ -2292,10 +2298,12 @@ def _checked_metadata(metadata: object) -> dict[str, str]:
         if type(k) is not str:
             raise CheckpointConfigError(f"metadata key {k!r:.80}: keys must be str")
         if (isinstance(v, (np.bool_, np.integer, np.floating))
-                or (isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_complex())):
+                or (type(v) in (torch.Tensor, torch.nn.Parameter) and v.ndim == 0
+                    and not v.is_complex() and v.device.type != "meta")):
             # (a trial's np.int64 epoch and 0-dim tensor step, which metrics= took, were
             # refused here: "of type bool: values must be str (or a number or bool")
-            v = v.item()
+            with contextlib.suppress(Exception):  # (else refused below, as it was)
+                v = v.item()
         if isinstance(v, (str, bool, int, float)):
             out[k] = str(v)
         else:

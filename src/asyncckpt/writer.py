@@ -429,20 +429,28 @@ class CheckpointFuture:
 
     def add_done_callback(self, fn: Callable[[CheckpointFuture], object]) -> None:
         """Call ``fn(future)`` once the save is committed or has failed: at once, on this
-        thread, if it has; else on the writer's thread, which it holds up (keep it short:
-        log, update a progress bar). An exception it raises is logged, not raised. It
-        does not count as asking for the outcome: ``fn`` calls ``exception()`` or
-        ``wait()`` for that (an integrator's progress bar polled from the training loop
-        for want of this)."""
+        thread, if it has; else on a thread of its own (not the writer's: ``fn`` may call
+        ``ckpt.wait()``, which waits for work of the writer's thread: the review). An
+        exception it raises is logged, not raised. It does not count as asking for the
+        outcome: ``fn`` calls ``exception()`` or ``wait()`` for that (an integrator's
+        progress bar polled from the training loop for want of this)."""
         if not callable(fn):
             raise CheckpointConfigError(f"add_done_callback({fn!r:.60}): pass a function of "
                                         "the future")
 
-        def call(_: object) -> None:
+        def run() -> None:
             try:
                 fn(self)
             except Exception:
                 log.exception("step %d: the done callback %r raised", self.step, fn)
+
+        if self._durable.done():
+            run()
+            return
+
+        def call(_: object) -> None:
+            threading.Thread(target=run, name=f"asyncckpt-done-{self.step}",
+                             daemon=True).start()
 
         self._durable.add_done_callback(call)
 
