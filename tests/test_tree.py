@@ -614,6 +614,12 @@ def test_merged_skeletons_report_the_non_tensor_values_ranks_disagree_on():
     merged = merge_skeletons([a, b], differing)
     assert differing == ["pos", "l/1"]
     assert merged == a
+    # (a trial's int on one rank and a dict on another was told "different values" alone)
+    kinds: list[str] = []
+    merge_skeletons([a, flatten({"step": {"n": 3}, "pos": None, "w": torch.ones(2),
+                                 "l": [1, 2]}).skeleton], kinds)
+    assert kinds == ["step (int on one rank, a dict on another)",
+                     "pos (int on one rank, None on another)"]
     # (distributed trial) three ranks, two of them apart at one path: said once
     from asyncckpt.dist import merged_skeleton
 

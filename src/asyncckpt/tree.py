@@ -1021,8 +1021,19 @@ def _merge(a: Node, b: Node, path: str, differing: list[str] | None) -> Node:
             f"the ranks' state trees disagree at {path or '<root>'!r}: {kinds}; give every "
             "rank a state tree of the same structure (per-rank values under per-rank paths)")
     if differing is not None and a != b and "key" not in a:
-        differing.append(path or "<root>")
+        # (a trial's int on two ranks and a dict on the third was told "different
+        # values", as two ints would be: the kinds are said where they differ)
+        differing.append((path or "<root>") if a["t"] == b["t"] else
+                         f"{path or '<root>'} ({_kind_text(a)} on one rank, {_kind_text(b)} "
+                         "on another)")
     return a
+
+
+def _kind_text(node: Node) -> str:
+    """What kind of value a skeleton node is, for a message: 'int', 'a dict'..."""
+    t = str(node["t"])
+    return {"dict": "a dict", "list": "a list", "tuple": "a tuple", "stateful": "an object's "
+            "state", "none": "None"}.get(t, t)
 
 
 # --- RNG state -----------------------------------------------------------------------------
