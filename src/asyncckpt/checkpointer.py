@@ -91,7 +91,7 @@ from .staging import (
     side_streams,
     stage,
 )
-from .storage import DirectoryLock, LocalStorage, Storage
+from .storage import STORAGE_CALLS, DirectoryLock, LocalStorage, Storage
 from .tree import FlatState, changed_in_place, dtype_name, flatten
 from .tree import version_counters as _versions  # (a test stands in for it here)
 from .writer import (
@@ -318,18 +318,13 @@ def _checked_storage(storage: Any) -> Storage:
     object() failed the first save with an AttributeError)."""
     if storage is None:
         return LocalStorage()
-    lacking = [name for name in _STORAGE_CALLS if not callable(getattr(storage, name, None))]
+    lacking = [name for name in STORAGE_CALLS if not callable(getattr(storage, name, None))]
     if lacking:
         raise CheckpointConfigError(
             f"storage={storage!r:.60} is no Storage: it lacks {', '.join(lacking[:4])}"
             f"{'...' if len(lacking) > 4 else ''}; pass None for the local filesystem, or an "
             "instance of a subclass of asyncckpt.storage.LocalStorage")
     return cast(Storage, storage)
-
-
-_STORAGE_CALLS = ("makedirs", "write_arena", "write_bytes", "fsync_dir", "rename",
-                  "remove_tree", "listdir", "read_bytes", "open_read", "close", "file_size",
-                  "pread_into")
 
 
 class AsyncCheckpointer:

@@ -80,6 +80,12 @@ class Storage(ReadStorage, Protocol):
     def remove_tree(self, path: Path) -> None: ...
 
 
+# The calls of a Storage, in the protocols' order: what a storage= must have, and what a
+# traceback's frame is looked for by (writer._storage_call).
+STORAGE_CALLS: tuple[str, ...] = tuple(n for c in (Storage, ReadStorage) for n in vars(c)
+                                       if not n.startswith("_"))
+
+
 class LocalStorage:
     """The local filesystem. Thread-safe (every method works on its own descriptors)."""
 

@@ -53,7 +53,7 @@ from .manifest import (
 from .plan import WritePlan
 from .reports import RecordBook, Reports
 from .staging import HostArena, StagingProgress, StagingStopped
-from .storage import LocalStorage, ReadStorage, Storage
+from .storage import STORAGE_CALLS, LocalStorage, Storage
 from .tree import FlatState
 
 log = logging.getLogger(__name__)
@@ -1402,10 +1402,6 @@ def _record(job: SaveJob, sums: list[list[str]]) -> dict[str, Any]:
 
 
 # (the protocol's own methods: named once, in storage.py)
-_STORAGE_CALLS = frozenset(n for c in (Storage, ReadStorage) for n in vars(c)
-                           if not n.startswith("_"))
-
-
 def _storage_call(exc: BaseException) -> str:
     """The storage call ``exc`` came from, as ``LocalStorage.fsync_dir(/path)`` (the
     outermost, a subclass's own), or "": an EIO of an fsync names no file, and a storage's
@@ -1414,7 +1410,7 @@ def _storage_call(exc: BaseException) -> str:
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
-        if frame.f_code.co_name in _STORAGE_CALLS and owner is not None and hasattr(
+        if frame.f_code.co_name in STORAGE_CALLS and owner is not None and hasattr(
                 owner, "write_arena"):
             path = frame.f_locals.get("path", frame.f_locals.get("src"))
             return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
