@@ -118,8 +118,7 @@ def apply_shards(flat: FlatState, shards: Mapping[str, ShardMetadata] | None) ->
             raise CheckpointConfigError(
                 f"shards[{path!r}] is {meta!r:.80}: pass asyncckpt.ShardMetadata("
                 "global_shape=..., offsets=...)")
-        gs = _whole_numbers(meta.global_shape, f"shards[{path!r}].global_shape")
-        offs = _whole_numbers(meta.offsets, f"shards[{path!r}].offsets")
+        gs, offs = meta.global_shape, meta.offsets  # (whole numbers: its __post_init__)
         lens = tuple(local.shape)
         for name, values in (("global_shape", gs), ("offsets", offs)):
             if len(values) != local.dim():
