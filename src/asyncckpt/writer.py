@@ -968,24 +968,27 @@ def _lacking(job: SaveJob, free: int) -> str:
             "shard file, and its manifest with a margin)")
 
 
-def _free_bytes(root: Path) -> int | None:
-    """The bytes free to this user on the disk of ``root``; None where that cannot be
-    known (not a local path: a storage of its own; Windows)."""
+def _statvfs(root: Path) -> Any:
+    """``os.statvfs`` of ``root``; None where it cannot be had (not a local path: a
+    storage of its own; Windows)."""
     try:
-        fs = os.statvfs(root)
+        return os.statvfs(root)
     except (OSError, AttributeError):
         return None
-    return int(fs.f_bavail * fs.f_frsize)
+
+
+def _free_bytes(root: Path) -> int | None:
+    """The bytes free to this user on the disk of ``root``; None where that cannot be
+    known."""
+    fs = _statvfs(root)
+    return None if fs is None else int(fs.f_bavail * fs.f_frsize)
 
 
 def _free_inodes(root: Path) -> int | None:
     """The inodes free to this user on the filesystem of ``root``; None where that cannot
-    be known (as _free_bytes; a filesystem that makes inodes as it goes says 0 of all)."""
-    try:  # (what only words an error's message must never raise itself)
-        fs = os.statvfs(root)
-        return int(fs.f_favail) if fs.f_files else None
-    except Exception:
-        return None
+    be known (a filesystem that makes inodes as it goes says 0 of all)."""
+    fs = _statvfs(root)
+    return int(fs.f_favail) if getattr(fs, "f_files", 0) else None
 
 
 def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
@@ -1454,13 +1457,11 @@ def os_error_hint(exc: BaseException, keep_last: int | bool | None = False) -> s
                  "every step)" if keep_last is None else
                  "free space (keep_last=1 keeps no fewer)" if keep_last == 1 else
                  "free space, or keep fewer steps with a lower keep_last=")
-        return (f" (the disk is full, or out of inodes: {fewer}, whose deletions the next "
-                "save makes before it writes where the disk lacks room: a save needs room "
-                "for one step more than it keeps, as the oldest goes only after the new one "
-                "is committed; earlier checkpoints are intact)" if keep_last != 1 else
-                f" (the disk is full, or out of inodes: {fewer}: a save needs room for one "
-                "step more than it keeps, as the oldest goes only after the new one is "
-                "committed; earlier checkpoints are intact)")
+        deletions = (", whose deletions the next save makes before it writes where the disk "
+                     "lacks room" if keep_last != 1 else "")
+        return (f" (the disk is full, or out of inodes: {fewer}{deletions}: a save needs "
+                "room for one step more than it keeps, as the oldest goes only after the new "
+                "one is committed; earlier checkpoints are intact)")
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return " (check that the checkpoint directory is writable)"
     return ""
