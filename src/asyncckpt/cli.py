@@ -692,11 +692,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     state: dict[str, Any] = {"held": False, "pid": None, "note": None, "host": None}
     def bare() -> list[str]:  # (step directories without their manifest, when asked for)
-        names: list[str] = []
-        if args.without_manifest:
-            with _quiet_commit_log():
-                commit.committed_steps(real, storage, [], names)
-        return names
+        return _without_manifest(real, storage, quiet=True) if args.without_manifest else []
 
     if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does
         state = _lock_state(real)
@@ -731,10 +727,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
     failed = [r for r in rows if r["error"] is not None]
     code = _decided(args, EXIT_USAGE if failed else EXIT_OK)
     freed = sum(r["bytes_freed"] for r in rows)
-    left: list[str] = []  # (not asked to remove them: said, as ls says it)
-    if not args.without_manifest:
-        with _quiet_commit_log():
-            commit.committed_steps(real, storage, [], left)
+    # (not asked to remove them: said, as ls says it)
+    left = [] if args.without_manifest else _without_manifest(real, storage, quiet=True)
     if args.json:
         _print_json({"ok": code == EXIT_OK, "root": str(root), "dry_run": args.dry_run,
                      "abandoned": rows, "removed": [r["name"] for r in rows if r["removed"]],
@@ -776,19 +770,6 @@ def _abandoned_row(root: Path, name: str, bare: bool = False) -> dict[str, Any]:
             "kind": "without_manifest" if bare else commit.temp_dir_kind(name),
             "bytes": _tree_bytes(root / name), "removed": False, "bytes_freed": 0,
             "error": None}
-
-
-@contextlib.contextmanager
-def _quiet_commit_log() -> Iterator[None]:
-    """The commit module's warnings muted (clean lists steps only to find the bare ones:
-    an unlistable step is ls's and verify's to tell of)."""
-    logger = logging.getLogger(commit.__name__)
-    was = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = was
 
 
 def _remove(root: Path, row: dict[str, Any], storage: LocalStorage) -> None:
@@ -1120,11 +1101,21 @@ def _refuse_lost_only(root: Path, storage: LocalStorage, exc: CheckpointNotFound
             "manifest was lost, or a copy cut short); no load reads them") from exc
 
 
-def _without_manifest(root: Path, storage: LocalStorage, above: int) -> list[str]:
-    """The step directories under ``root`` newer than step ``above`` that lack a manifest
-    (only those are looked into: usually none)."""
+def _without_manifest(root: Path, storage: LocalStorage, above: int | None = None, *,
+                      quiet: bool = False) -> list[str]:
+    """The step directories under ``root`` (newer than step ``above``: only those are
+    looked into, usually none) that lack a manifest; ``quiet``: the commit module's
+    warnings muted meanwhile, as ``ls`` mutes them (clean lists the steps only to find
+    these: an unlistable step is ls's and verify's to tell of)."""
     names: list[str] = []
-    commit.committed_steps(root, storage, [], names, above=above)
+    muting = quiet and commit.__name__ not in _LOG.muted
+    if muting:
+        _LOG.muted.add(commit.__name__)
+    try:
+        commit.committed_steps(root, storage, [], names, above=above)
+    finally:
+        if muting:  # (clean's removals still say what they could not remove)
+            _LOG.muted.discard(commit.__name__)
     return names
 
 
