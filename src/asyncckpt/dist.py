@@ -235,9 +235,15 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def key(self, *parts: object) -> str:
-        assert self.namespace, "join() first"
-        return "/".join(["asyncckpt", self.namespace, *map(str, parts)])
+    def key(self, *parts: object, namespace: str | None = None) -> str:
+        """A Store key of this checkpointer's namespace (or of ``namespace``)."""
+        namespace = namespace or self.namespace
+        assert namespace, "join() first"
+        return "/".join(["asyncckpt", namespace, *map(str, parts)])
+
+    def _count_key(self) -> str:
+        """The Store's count of this rank's checkpointers of the directory (see join)."""
+        return f"asyncckpt/sessions/{self._base()}/{self.rank}"
 
     def join(self) -> None:
         """Choose the namespace (the first save of a checkpointer in a group calls this).
@@ -258,7 +264,7 @@ class DistContext:
         with contextlib.suppress(Exception), _LEDGER_LOCK:  # (a failure keeps steps held)
             self._claim_holds()  # a new process of this rank: what its predecessor held
         with self._store_errors(f"counting this checkpointer of {self.directory!r}"):
-            n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
+            n = self.store.add(self._count_key(), 1) - 1
             # (a trial's rank 2 skipped the first save of its checkpointer; after the
             # recovery the docs give, closing and reopening on every rank, its new one
             # was its first to save and paired with the others' old one: every later
@@ -270,7 +276,7 @@ class DistContext:
                             "save of its checkpointer #%d of %r (step %d), which this rank "
                             "never made: this checkpointer pairs with the others' next one",
                             self.rank, n + 1, self.directory, dead[1])
-                n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 1) - 1
+                n = self.store.add(self._count_key(), 1) - 1
         self.namespace = f"{base}.{n}"
         with contextlib.suppress(Exception):  # only ever read to explain a timeout
             self.store.set(self._where_key(self.rank), json.dumps(
@@ -288,8 +294,8 @@ class DistContext:
         must pair with the group's abandoned save, and be told at once.)"""
         base = self._base()
         try:
-            n = self.store.add(f"asyncckpt/sessions/{base}/{self.rank}", 0)
-            key = "/".join(["asyncckpt", f"{base}.{n}", "n1", "go"])
+            n = self.store.add(self._count_key(), 0)
+            key = self.key("n1", "go", namespace=f"{base}.{n}")
             if not self.store.check([key]):
                 return
             go = self._decode(key, self.store.get(key))
