@@ -970,8 +970,7 @@ def test_the_ranks_that_went_on_are_told_at_once_that_a_rank_skipped_a_save(
     gave_up = threading.Event()
 
     def rank(r: int) -> Any:
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
-                               timeout_s=1) as ck:
+        with _synced(tmp_path, store, r, timeout_s=1) as ck:
             ck.save(_state(r), step=1)
             if r == 0:
                 with pytest.raises(CheckpointTimeoutError):
@@ -1006,8 +1005,7 @@ def test_the_group_saves_again_after_a_rank_skipped_its_checkpointers_first_save
     reopened = threading.Barrier(3)
 
     def rank(r: int) -> Any:
-        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
-                               timeout_s=1)
+        ck = _synced(tmp_path, store, r, world=3, timeout_s=1)
         if r != 2:
             with pytest.raises(CheckpointTimeoutError):
                 ck.save(_state(r), step=2)
@@ -1019,8 +1017,7 @@ def test_the_group_saves_again_after_a_rank_skipped_its_checkpointers_first_save
                 ck.save(_state(r), step=3)
         ck.close()
         reopened.wait(30)
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
-                               timeout_s=20) as again:
+        with _synced(tmp_path, store, r, world=3, timeout_s=20) as again:
             if then == "discard":
                 assert again.discard_steps_after(1) == []
             return again.save(_state(r), step=4).step
@@ -1311,23 +1308,34 @@ def test_a_rollback_the_ranks_disagree_on_deletes_nothing_and_fails_on_every_ran
         assert "different steps (rank 0: 2, rank 1: 3); nothing was deleted" in out[r], out[r]
 
 
-def test_a_rollback_a_rank_does_not_join_names_the_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caller", [0, 1])
+def test_a_rollback_a_rank_does_not_join_names_the_call(tmp_path: Path, caller: int) -> None:
     """(distributed trial) A rank that never called discard_steps_after was said to "have
-    not called save_async", in a wait for "the steps the ranks discard the steps after"."""
+    not called save_async", in a wait for "the steps the ranks discard the steps after";
+    and (a later trial) a rank whose coordinator never called it, waiting for its
+    deletion, was told the coordinator "may have died or not called save_async"."""
     store = dist.HashStore()
+    timeout_s = 2.0
 
     def rank(r: int) -> str:
-        with _synced(tmp_path, store, r, timeout_s=2.0) as ck:
+        with _synced(tmp_path, store, r, timeout_s=timeout_s) as ck:
             ck.save(_state(r), step=1)
-            if r == 0:
+            if r == caller:
                 with pytest.raises(CheckpointError) as ei:
-                    ck.discard_steps_after(1)
+                    ck.discard_steps_after(caller ^ 1)  # (1 on rank 0, 0 on rank 1)
+                assert caller == 0 or isinstance(ei.value, CheckpointTimeoutError)
                 return str(ei.value)
+            if r == 0:
+                time.sleep(2 * timeout_s + 1)  # (rank 0 never calls it, nor closes)
             return ""
 
     out = in_threads(rank)
-    assert "the step each rank passed to discard_steps_after from rank(s) [1]" in out[0], out[0]
-    assert "not called discard_steps_after (every rank must)" in out[0], out[0]
+    if caller == 0:
+        assert "the step each rank passed to discard_steps_after from rank(s) [1]" in out[0], \
+            out[0]
+    assert "not called discard_steps_after (every rank must)" in out[caller], out[caller]
+    if caller == 1:
+        assert "save_async" not in out[1], out[1]
 
 
 def test_a_rollback_the_coordinator_cannot_finish_fails_on_every_rank(tmp_path: Path) -> None:
@@ -2292,8 +2300,7 @@ def test_a_shard_loaded_without_its_shards_is_told_of_shards(tmp_path: Path) -> 
     store = dist.HashStore()
 
     def rank(r: int) -> None:
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
-                               timeout_s=30) as ck:
+        with _synced(tmp_path, store, r, timeout_s=30) as ck:
             ck.save({"w": torch.full((5, 6), float(r))}, step=1,
                     shards={"w": ShardMetadata((10, 6), (5 * r, 0))})
 
@@ -2324,8 +2331,7 @@ def test_a_coordinator_that_skipped_a_save_and_the_others_are_told_at_its_next(
     closed = threading.Barrier(3)
 
     def rank(r: int) -> Any:
-        ck = AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
-                               timeout_s=1)
+        ck = _synced(tmp_path, store, r, world=3, timeout_s=1)
         ck.save(_state(r), step=0)
         if r != 0:
             with pytest.raises(CheckpointTimeoutError):
@@ -2336,8 +2342,7 @@ def test_a_coordinator_that_skipped_a_save_and_the_others_are_told_at_its_next(
             ck.save(_state(r), step=2)
         ck.close()
         closed.wait(30)
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=3, store=store,
-                               timeout_s=30) as again:
+        with _synced(tmp_path, store, r, world=3, timeout_s=30) as again:
             return str(info.value), again.save(_state(r), step=3).step
 
     out = in_threads(rank, world=3)
@@ -2349,27 +2354,6 @@ def test_a_coordinator_that_skipped_a_save_and_the_others_are_told_at_its_next(
     assert AsyncCheckpointer(tmp_path).steps() == [0, 3]
 
 
-def test_a_discard_the_coordinator_never_joins_times_out_naming_discard(
-        tmp_path: Path) -> None:
-    # (a trial's rank was told the coordinator "may have died or not called save_async")
-    store = dist.HashStore()
-
-    def rank(r: int) -> Any:
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
-                               timeout_s=1) as ck:
-            ck.save(_state(r), step=1)
-            if r == 1:
-                with pytest.raises(CheckpointTimeoutError) as info:
-                    ck.discard_steps_after(0)
-                return str(info.value)
-            time.sleep(3)  # (rank 0 never calls it)
-            return None
-
-    out = in_threads(rank)
-    assert "not called discard_steps_after (every rank must)" in out[1], out[1]
-    assert "save_async" not in out[1], out[1]
-
-
 def test_a_late_coordinator_is_not_told_it_skipped_a_save_another_rank_skipped(
         tmp_path: Path) -> None:
     # (the review) Rank 1 skipped step 1 and went on; rank 0 came to step 1 after rank 1
@@ -2378,8 +2362,7 @@ def test_a_late_coordinator_is_not_told_it_skipped_a_save_another_rank_skipped(
 
     def rank(r: int) -> Any:
         out = []
-        with AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
-                               timeout_s=1) as ck:
+        with _synced(tmp_path, store, r, timeout_s=1) as ck:
             ck.save(_state(r), step=0)
             for s in ([1, 2, 3] if r == 0 else [2, 3]):
                 if r == 0 and s == 1:
