@@ -1804,13 +1804,7 @@ class AsyncCheckpointer:
             return
         theirs = sorted({a["step"] for a in failed.values()})
         said = ", ".join(map(str, theirs))
-        for r in failed:
-            ctx.tell_out_of_order(r, step, (
-                f"rank {r}: rank {ctx.rank} skipped the group's save of step {said} (the "
-                f"save the others gave up waiting for it in), so its saves pair with this "
-                f"group's earlier ones: its save of step {step} met that one. Every rank "
-                "must call save_async the same number of times, in the same order"
-                + _REOPEN_ADVICE))
+        self._tell_others_skipped(failed, said, step)
         raise CheckpointConfigError(
             f"rank {ctx.rank}: this save of step {step} met the group's save of step {said}, "
             "which the other ranks gave up waiting for this rank in: this rank skipped that "
@@ -1880,15 +1874,21 @@ class AsyncCheckpointer:
         missing = go.get("ranks", ())
         if ctx.rank not in missing or type(theirs) is not int or theirs >= step:
             return False  # (the same step: late; a newer one: not this rank that skipped)
-        for r in range(ctx.world_size):
-            if r not in missing:
-                ctx.tell_out_of_order(r, step, (
-                    f"rank {r}: rank {ctx.rank} skipped the group's save of step {theirs} "
-                    f"(the save the others gave up waiting for it in), so its saves pair "
-                    f"with this group's earlier ones: its save of step {step} met that "
-                    "one. Every rank must call save_async the same number of times, in "
-                    "the same order" + _REOPEN_ADVICE))
+        self._tell_others_skipped([r for r in range(ctx.world_size) if r not in missing],
+                                  str(theirs), step)
         return True
+
+    def _tell_others_skipped(self, ranks: Iterable[int], skipped: str, step: int) -> None:
+        """End the waits of ``ranks`` in their save of ``step``: this rank skipped the
+        group's save of step(s) ``skipped`` (see _tell_skipped, _skipped_by_me)."""
+        ctx = self._ctx
+        for r in ranks:
+            ctx.tell_out_of_order(r, step, (
+                f"rank {r}: rank {ctx.rank} skipped the group's save of step {skipped} (the "
+                f"save the others gave up waiting for it in), so its saves pair with this "
+                f"group's earlier ones: its save of step {step} met that one. Every rank "
+                "must call save_async the same number of times, in the same order"
+                + _REOPEN_ADVICE))
 
     def _came_late(self, step: int, go: Mapping[str, Any]) -> str:
         """What to add when this rank is one the others gave up waiting for: this call
