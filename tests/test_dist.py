@@ -1481,6 +1481,42 @@ def test_a_peer_gives_the_coordinators_verdict_timeout_s_of_silence_and_the_grac
     assert waits == [7.0 + asyncckpt.writer._VERDICT_GRACE_S]
 
 
+class _CommitWaits(LocalStorage):
+    """The commit's first call (the fsync of the temporary directory, the manifest in
+    it) waits until ``gate`` is set: a coordinator stuck in its commit."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def fsync_dir(self, path: Path) -> None:
+        if Path(path).name.startswith(".step_") and (Path(path) / "manifest.json").exists():
+            self.gate.wait(20)
+        super().fsync_dir(path)
+
+
+def test_a_coordinator_stuck_in_its_commit_is_named_as_committing_not_as_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a trial: a peer of a coordinator that died mid-commit was told it was "last waiting
+    # for the shard files of step 1 from rank(s) [1]": the rank told had posted its file)
+    monkeypatch.setattr(asyncckpt.writer, "_VERDICT_GRACE_S", 0.0)
+    store, stuck = dist.HashStore(), _CommitWaits()
+
+    def rank(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=1,
+                               storage=stuck if r == 0 else LocalStorage()) as ck:
+            fut = ck.save_async(_state(r), step=1)
+            try:
+                return fut.wait()
+            finally:
+                stuck.gate.set()  # (the peer gave up: let the coordinator's commit go on)
+
+    out = in_threads(rank)
+    assert isinstance(out[1], CheckpointTimeoutError), out[1]
+    assert "rank 0 was last committing step 1" in str(out[1]), out[1]
+    assert isinstance(out[0], CheckpointSaveError), out[0]  # the peer decided: not committed
+    assert AsyncCheckpointer(tmp_path).steps() == []
+
+
 def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(asyncckpt.writer, "_VERDICT_GRACE_S", 0.0)

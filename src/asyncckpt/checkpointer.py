@@ -1760,7 +1760,7 @@ class AsyncCheckpointer:
         failed, the ranks save different steps, or one did not come in time."""
         ctx = self._ctx
         try:
-            got = ctx.gather((tag, "layout"), f"the layouts of step {step}",
+            got = ctx.gather((tag, "layout"), f"the save plans of step {step}",
                              look=lambda ranks: ctx.refuse_saving_elsewhere(ranks, step))
         except CheckpointTimeoutError as exc:
             err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
@@ -1830,7 +1830,7 @@ class AsyncCheckpointer:
             absent = ctx.unposted({r: ctx.key(tag, "layout", r)
                                    for r in range(ctx.world_size)})
             if absent:
-                why = (f"the layouts of step {step} from rank(s) {absent}; they may have "
+                why = (f"the save plans of step {step} from rank(s) {absent}; they may have "
                        "died or not called save_async for this step"
                        + ctx.why_absent(absent, self._seq))
             else:

@@ -910,12 +910,16 @@ class Pulse:
         self._abort_key = ctx.key(tag, "abort")
         self.watch = True
 
-    def __call__(self, doing: str = "", *, mark: object = None) -> None:
+    def __call__(self, doing: str = "", *, mark: object = None, at_once: bool = False) -> None:
         """Beat: ``doing`` says what this rank is doing (for the others' errors); the
-        count moves unless ``mark`` is given and is the one it last moved for."""
+        count moves unless ``mark`` is given and is the one it last moved for. With
+        ``at_once``, beat even within a second of the last beat: a rank that starts work
+        during which it does not beat (the commit) says so, or a rank timing out on it
+        would be told what it did before ("waiting for the shard files" from ranks that
+        had posted them)."""
         now = time.monotonic()
         with self._lock:
-            if now < self._next:
+            if now < self._next and not at_once:
                 return
             self._next = now + self.every_s
             if mark is None or mark != self._mark:

@@ -674,6 +674,9 @@ class BackgroundWriter:
             job.announced = True
             _raise_failed(job, ctx.gather((job.tag, "done"),
                                           f"the shard files of step {job.step}", pulse=job.pulse))
+            if job.pulse is not None:  # (no beats in the commit: fsyncs, the rename)
+                job.pulse(f"committing step {job.step} (every rank's shard file is written)",
+                          at_once=True)
             if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
                 final = self._commit(job, _gather_records(job, record))
             else:
@@ -1315,6 +1318,9 @@ def _gather_records(job: SaveJob, mine: dict[str, Any]) -> list[dict[str, Any]]:
                          cancelled=lambda: job.progress.failed, pulse=job.pulse,
                          have={job.ctx.rank: mine})
     _raise_failed(job, got)
+    if job.pulse is not None:  # (no beats while it merges them into the manifest)
+        job.pulse(f"merging the shard layouts of step {job.step} into its manifest",
+                  at_once=True)
     return [got[r] for r in sorted(got)]
 
 
