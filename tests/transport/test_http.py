@@ -3248,3 +3248,95 @@ def test_a_fetch_from_a_peer_that_shut_down_says_nothing_listens_there(
             client.recv_checkpoint(0, address, 1, 10.0)
     finally:
         client.shutdown()
+
+
+def test_a_receiver_that_gave_up_just_before_an_allow_holds_no_disallow(
+        transports: Any) -> None:
+    """(torchft trial) A receiver gave up waiting for a disallowed step; the step was
+    allowed again within the server's hang-up check (0.25 s): the dead request was
+    served, its fetch noted, and the next disallow_checkpoint() on the training thread
+    waited STALL_S (10 s) for it."""
+    srv = transports(token=TOKEN, timeout=60.0)
+    client = HTTPTransport(token=TOKEN, timeout=60.0)
+    try:
+        srv.send_checkpoint([1], 5, {"w": torch.randn(1000, 1000)}, 10.0)
+        srv.disallow_checkpoint()
+        with pytest.raises(CheckpointTimeoutError):
+            client.recv_checkpoint(0, srv.address(), 5, 1.0)
+        srv.allow_checkpoint(5)  # (at once: within the check's interval)
+        time.sleep(0.5)  # (the dead request's handler has woken and ended)
+        assert not srv._fetches
+        t0 = time.monotonic()
+        srv.disallow_checkpoint()
+        assert time.monotonic() - t0 < 5.0  # (not STALL_S)
+    finally:
+        client.shutdown()
+
+
+def _freeze_after(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Once the first event is set, the server's handlers answer no new request until the
+    second is (a SIGSTOPped peer: its kernel still accepts connections)."""
+    import asyncckpt.transport.http as http_module
+
+    frozen, thaw = threading.Event(), threading.Event()
+    real = http_module._Handler.handle_one_request
+
+    def handle(self: Any) -> None:
+        if frozen.is_set():
+            thaw.wait(30)
+        real(self)
+
+    monkeypatch.setattr(http_module._Handler, "handle_one_request", handle)
+    return frozen, thaw
+
+
+def test_shutdown_cuts_off_a_receive_from_a_frozen_peer_at_once(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(torchft trial) A receive cut off by its transport's shutdown() told the frozen
+    peer its fetch was over before raising: 1 s, or the fetch's whole timeout where the
+    "done" reconnected with the fetch's own timeout. The caller's error comes at once;
+    the peer is told in the background."""
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "_DONE_WAIT_S", 5.0)
+    live = serve_state(4, {"w": torch.randn(1 << 16)}, block_bytes=1 << 22,
+                       library_version="t")
+    srv = transports(token=TOKEN)
+    srv.serve(Served(4, live.manifest, {FILE: _Trickle(live.files[FILE])}))
+    frozen, thaw = _freeze_after(monkeypatch)
+    client = HTTPTransport(token=TOKEN, timeout=30.0, num_chunks=2)
+    try:
+        receive = Background(client.recv_checkpoint, 0, srv.address(), 4, 30.0)
+        time.sleep(1.0)  # (the manifest answered, the file trickling)
+        frozen.set()
+        t0 = time.monotonic()
+        client.shutdown()
+        with pytest.raises(CheckpointTransportError, match="the receiving HTTPTransport was "
+                           "shut down"):
+            receive.result(timeout=20)
+        assert receive.ended is not None and receive.ended - t0 < 3.0  # (not _DONE_WAIT_S)
+    finally:
+        thaw.set()
+
+
+def test_telling_a_frozen_peer_a_fetch_is_over_takes_done_wait_s_in_all(
+        transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(torchft trial) The "done" on the fetch's own connection, its socket closed,
+    reconnected with the fetch's timeout: a frozen peer held it that long."""
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "_DONE_WAIT_S", 0.5)
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 4, state_of(), 10.0)
+    peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=30.0, deadline_s=30.0)
+    fd = peer.open_read(Path(FILE))
+    assert peer.file_size(fd) > 0  # (answered: a "done" is owed)
+    peer._local.conn.close()  # (its socket gone: request() would reconnect)
+    frozen, thaw = _freeze_after(monkeypatch)
+    frozen.set()
+    try:
+        t0 = time.monotonic()
+        peer.close_all()
+        assert time.monotonic() - t0 < 2.0  # (0.5 s, not the fetch's 30 s)
+    finally:
+        thaw.set()

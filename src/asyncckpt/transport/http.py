@@ -702,7 +702,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             if left <= 0:
                 raise TimeoutError
             self._cond.wait(min(left, _HANGUP_CHECK_S))
-            if self._allowed is None and _hung_up(sock):
+            # (once allowed too: a client that gave up within the last check's interval,
+            # served, would count as a fetch that the next disallow_checkpoint() waits
+            # STALL_S for, on the training thread; a trial's took 10 s)
+            if _hung_up(sock):
                 raise _ClientGone
         return self._allowed
 
@@ -1914,22 +1917,36 @@ class HTTPStorage:
         # peer's disallow_checkpoint() would wait STALL_S for it; not once its time is up)
         if self._answered and not self._expired and not self._said_done:
             self._said_done = True
-            self._say_done()
+            if self._cancelled is None:
+                self._say_done()
+            else:  # (cut off: the caller's error must not wait on a peer that may be stuck)
+                self._drop_stream(keep=False)
+                threading.Thread(target=self._say_done, kwargs={"reuse": False}, daemon=True,
+                                 name="asyncckpt-http-done").start()
         self._closed.set()
         with self._lock:
             for c in self._conns:
                 c.close()
             self._conns.clear()
 
-    def _say_done(self) -> None:
+    def _say_done(self, reuse: bool = True) -> None:
         """Tell the peer this fetch is over, so that a disallow_checkpoint() there waits
-        for it no longer: on this thread's connection where it is free, else on a new one
-        (best effort, briefly: a peer that is gone, or of a version that knows no such
-        request, answers nothing that matters)."""
+        for it no longer: on this thread's connection where it is free (``reuse``), else
+        on a new one (best effort, within ``_DONE_WAIT_S`` in all: a peer that is gone or
+        stuck, or of a version that knows no such request, answers nothing that
+        matters)."""
+        ends = time.monotonic() + _DONE_WAIT_S
+
         def ask(c: http.client.HTTPConnection) -> bool:
+            left = ends - time.monotonic()
+            if left <= 0:
+                return False
             try:
+                # (both: a connection whose socket was closed reconnects in request(),
+                # with its own timeout, the fetch's: a frozen peer's kernel accepts)
+                c.timeout = left
                 if c.sock is not None:
-                    c.sock.settimeout(_DONE_WAIT_S)
+                    c.sock.settimeout(left)
                 c.request("GET", self._url("done"), headers=self._headers)
                 c.getresponse().read(4096)
                 return True
@@ -1938,10 +1955,11 @@ class HTTPStorage:
                           self._fetch_id, exc)
                 return False
 
-        self._drop_stream(keep=True)
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is not None and ask(conn):
-            return
+        if reuse:
+            self._drop_stream(keep=True)
+            conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+            if conn is not None and ask(conn):
+                return
         new = http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
         try:
             ask(new)
