@@ -6,6 +6,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -334,3 +335,34 @@ def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
     assert not reader.is_alive() and torch.equal(got[0]["w"], torch.full((1024,), 1.0))
     assert "its lock file cannot be taken" in caplog.text and "hunter2" not in caplog.text
     assert secret.read_text() == "hunter2 is the password"
+
+
+def test_a_fifo_named_like_a_temporary_directory_is_left_and_never_opened(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(adversary trial) rmtree opens its top, and opening a FIFO blocks until a writer
+    comes: a FIFO named like an abandoned temporary directory hung the next save's
+    cleanup, and with it close() and the interpreter's exit."""
+    import asyncckpt
+
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=1)
+    fifo = tmp_path / ".step_000000002.tmp-abc"
+    os.mkfifo(fifo)
+    done: list[object] = []
+
+    def save_and_close() -> None:
+        ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="sync")
+        ck.save({"w": torch.ones(4)}, step=3)
+        ck.close()
+        done.append(ck.steps())
+
+    t = threading.Thread(target=save_and_close, daemon=True)
+    with caplog.at_level("WARNING", logger="asyncckpt"):
+        t.start()
+        t.join(30)
+        if t.is_alive():  # (let the stuck open go: a writer to the FIFO)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(10)
+            pytest.fail("the cleanup opened the FIFO")
+    assert done == [[1, 3]]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left as it is
+    assert "not a directory" in caplog.text

@@ -164,6 +164,15 @@ class LocalStorage:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             return
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(mode):
+            # (rmtree opens its top, and opening a FIFO blocks until a writer comes: a
+            # FIFO named like a temporary directory hung close() for good; not ours)
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory, so not one a save "
+                                     "made: left as it is", str(path))
 
         def gone_is_fine(func: Any, p: str, exc: BaseException) -> None:
             if not isinstance(exc, FileNotFoundError):
