@@ -4119,6 +4119,24 @@ def test_a_fallback_load_writes_no_mark_through_a_step_linked_out_of_the_root(
     assert "leads out of" in caplog.text, caplog.text
 
 
+def test_a_fallback_load_marks_no_other_step_through_a_step_linked_to_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(adversary trial) Step 30 a link to step 10's directory: refused (the manifest of
+    step 10), it was marked through the link, so intact step 10 read as damaged and the
+    next save's retention removed it."""
+    for s in (10, 20):
+        asyncckpt.save({"w": torch.full((4,), float(s))}, tmp_path, step=s)
+    os.symlink("step_000000010", tmp_path / "step_000000030")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        got = asyncckpt.load(tmp_path, fallback=True)
+    assert torch.equal(got["w"], torch.full((4,), 20.0))
+    assert not (tmp_path / "step_000000010" / "damaged.json").exists()
+    assert "leads elsewhere in" in caplog.text, caplog.text
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=3) as ck:
+        ck.save({"w": torch.full((4,), 40.0)}, step=40)
+    assert (tmp_path / "step_000000010" / "manifest.json").exists()
+
+
 _CLEAN_HOLDER = """\
 import sys
 from pathlib import Path

@@ -613,9 +613,13 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
     if isinstance(storage, LocalStorage):
         # (a security review: a downloaded root's step linked to a directory elsewhere, and
         # a fallback load wrote its mark there; a load writes nothing outside the root)
+        # (an adversary trial: a step linked to another step of the root, refused as
+        # such, marked that one, which retention then removed though it was intact)
         real, inside = os.path.realpath(path.parent), os.path.realpath(root)
-        if os.path.commonpath([real, inside]) != inside or real == inside:
-            return (f"its directory leads out of {root} (a link to {real}): nothing is "
+        if real != os.path.join(inside, step_dir_name(step)):
+            where = ("out of " if os.path.commonpath([real, inside]) != inside
+                     else "elsewhere in ")
+            return (f"its directory leads {where}{root} (a link to {real}): nothing is "
                     "written there")
     try:
         storage.write_bytes(path, body)
