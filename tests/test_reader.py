@@ -657,6 +657,22 @@ def test_a_load_refuses_a_header_that_disagrees_with_a_resealed_manifest(
                for p in report.problems), report.problems
 
 
+def test_a_header_that_disagrees_with_the_manifest_is_keyed_by_its_tensor(
+        tmp_path: Path) -> None:
+    """(adversary trial) The dtype of 'c' edited in a re-sealed manifest (bf16 -> fp16,
+    the same size): the error's ``key`` named 'a', the file's first tensor."""
+    asyncckpt.save({"a": torch.ones(4), "b": torch.ones(4),
+                    "c": torch.ones(3, dtype=torch.bfloat16)}, tmp_path, step=1)
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"]["c"]["dtype"] = "float16"
+
+    _reseal(tmp_path / "step_000000001", edit)
+    with pytest.raises(CheckpointCorruptError, match="header entry of tensor 'c'") as info:
+        asyncckpt.load(tmp_path)
+    assert info.value.key == "c"
+
+
 def test_verify_reads_no_tensor_of_a_file_of_another_size(tmp_path: Path) -> None:
     # The file's size is checked first: the tensors of a file that failed it are not
     # allocated at their claimed sizes (which no file backs).

@@ -835,7 +835,7 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
                     problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                    else "") + ": the file's header and the manifest disagree "
                     "(damaged, or forged: a safetensors tool would read other tensors than "
-                    "a load)", path=str(path), key=chunks[0][0] if chunks else None)
+                    "a load)", path=str(path), key=problems.first_key)
     except BaseException:
         _abort(storage, fd)
         raise
@@ -1187,13 +1187,19 @@ def _check_header(path: Path, chunks: list[tuple[str, TensorEntry, Chunk]],
     return _header_problems(path, header, body, chunks)
 
 
+class _Problems(list[str]):
+    """Problems in words, and the tensor path of the first that has one (an error's key)."""
+
+    first_key: str | None = None
+
+
 def _header_problems(path: Path, header: dict[str, Any], body: int,
                      chunks: list[tuple[str, TensorEntry, Chunk]],
-                     every: bool = True) -> list[str]:
+                     every: bool = True) -> _Problems:
     """Where the entries of a file's safetensors header differ from the manifest's chunks
     in the file: each chunk's entry as the manifest implies it, and (``every``: the
     chunks are all the file's) no other entry."""
-    problems = []
+    problems = _Problems()
     for key, entry, ch in chunks:
         h = header.get(ch.key)
         st, shape = st_dtype_and_shape(entry.dtype, ch.lengths, ch.nbytes)
@@ -1204,6 +1210,8 @@ def _header_problems(path: Path, header: dict[str, Any], body: int,
             continue
         want = {"dtype": st, "shape": shape, "data_offsets": [lo - body, hi - body]}
         if h != want:
+            if not problems:  # (the error's key: the tensor named first, not the file's first)
+                problems.first_key = key
             problems.append(f"{path}: header entry of tensor {key!r} is "
                             f"{json.dumps(h)[:200]}, manifest implies {json.dumps(want)}")
     listed = {ch.key for _, _, ch in chunks} if every else set()
