@@ -4215,13 +4215,29 @@ def test_saving_the_step_of_the_save_in_flight_says_it_is_saved(tmp_path: Path) 
         threading.Timer(0.3, gate.set).start()
         with pytest.raises(asyncckpt.CheckpointExistsError) as info:
             ck.save_async(state, step=3).wait()
-        assert "by this checkpointer's own save of it (the one in flight when this call " \
-               "came): it is saved, nothing to do" in str(info.value)
+        assert "by this checkpointer's own previous save of it (in flight, or not waited " \
+               "for, when this call came): it is saved, nothing to do" in str(info.value)
         assert "discard_steps_after" not in str(info.value)
         assert ck.steps() == [3]
     other = asyncckpt.AsyncCheckpointer(tmp_path, mode="async")  # (not its own: the advice)
     with other, pytest.raises(asyncckpt.CheckpointExistsError, match="discard_steps_after"):
         other.save({"w": torch.ones(1000)}, step=3)
+
+
+def test_saving_the_step_of_a_save_committed_since_but_not_waited_for_says_it_is_saved(
+        tmp_path: Path) -> None:
+    # (a trial's guard, latest_step() != step, ran while the periodic save was in flight;
+    # a validation pass later, the save had committed, and the final save of the step
+    # was told to discard_steps_after(step - 1), which would delete the step just saved)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ck:
+        state = {"w": torch.ones(1000)}
+        fut = ck.save_async(state, step=3)
+        while not fut.done():
+            time.sleep(0.01)
+        with pytest.raises(asyncckpt.CheckpointExistsError) as info:
+            ck.save(state, step=3)
+        assert "own previous save of it" in str(info.value)
+        assert "discard_steps_after" not in str(info.value)
 
 
 def test_saving_a_step_saved_before_keeps_the_advice_to_save_it_anew(tmp_path: Path) -> None:

@@ -541,9 +541,12 @@ class AsyncCheckpointer:
             recorded = checked_metrics(metrics)
             # (inside: a rank still busy with its last save, on_busy="error", must tell the
             # others, who would otherwise wait out their timeout for it)
+            # (done too, where its future was not asked since: a trial's guard,
+            # latest_step() != step, ran while it was in flight, then a validation pass
+            # let it commit; a save() waited for is a step saved before)
             pending = self._pending
-            same_in_flight = (pending is not None and not pending.done()
-                              and pending.step == step)
+            same_in_flight = (pending is not None and pending.step == step
+                              and not (pending.done() and pending.observed))
             self._wait_for_previous()
             if ctx.is_coordinator:
                 had_lock = self._lock.held
@@ -560,7 +563,8 @@ class AsyncCheckpointer:
                 raise CheckpointExistsError(
                     f"step {step} is already committed at "
                     f"{self.directory / commit.step_dir_name(step)} by this checkpointer's "
-                    "own save of it (the one in flight when this call came): it is saved, "
+                    "own previous save of it (in flight, or not waited for, when this call "
+                    "came): it is saved, "
                     "nothing to do. latest_step() counts a step once its save commits: "
                     "before it, check is_pending or call wait()") from None
             # Flattening, the layout exchange, planning and staging make thousands of
