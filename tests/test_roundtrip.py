@@ -1341,6 +1341,31 @@ def test_optimizer_with_other_param_groups_is_refused_before_any_read(ckpt):
                        opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_the_advice_to_start_an_optimizer_afresh_names_its_lr_scheduler(ckpt):
+    # (a trial followed exclude=['optim']: the scheduler loaded and went on from the saved
+    # step while the fresh optimizer kept its initial lr; the next lr was 8x too low)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    other_model = nn.Linear(3, 1)  # (a scheduler of another optimizer is not named)
+    other_opt = torch.optim.SGD(other_model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt, "other": other_opt,
+             "sched": torch.optim.lr_scheduler.StepLR(opt, 2),
+             "other_sched": torch.optim.lr_scheduler.StepLR(other_opt, 2)}
+    ckpt.save(state, 1)
+    two_groups = torch.optim.AdamW([{"params": model[0].parameters()},
+                                    {"params": model[1].parameters()}])
+    state.update(optim=two_groups, sched=torch.optim.lr_scheduler.StepLR(two_groups, 2))
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load(state)
+    assert info.value.mismatched == [
+        "optim: the checkpoint's optimizer has parameter groups of [4] parameters, the "
+        "target's [2, 2]; to load the rest and start this optimizer afresh, pass "
+        "exclude=['optim'] (its LR scheduler at 'sched' would still load and go on from "
+        "the saved step, while this optimizer's learning rates start at their initial "
+        "values: exclude it too, exclude=['optim', 'sched'], to restart the schedule, or "
+        "set each param_group's 'lr' after the load)"]
+
+
 def test_lists_a_state_dict_shares_are_not_overwritten_through_each_other(ckpt):
     """SequentialLR's state dict holds its current scheduler's _last_lr list twice (its
     own and that scheduler's): filling it in place made the later value win."""

@@ -2276,11 +2276,28 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
 def _afresh(target: FlatState, path: str, what: str) -> str:
     """The advice that leaves the object at ``path`` out of a load, to start it afresh."""
     if path and _excludable(target, path):
-        return f"; to load the rest and start this {what} afresh, pass exclude=[{path!r}]"
+        return (f"; to load the rest and start this {what} afresh, pass exclude=[{path!r}]"
+                + _schedulers_of(target, path))
     if path:  # (an item of a list: exclude= reaches into dicts and modules only)
         return (f"; to load the rest and start this {what} afresh, hold the parts in a dict "
                 f"({{'model': ..., 'optim': ...}}) and leave it out with exclude=")
     return ""
+
+
+def _schedulers_of(target: FlatState, path: str) -> str:
+    """What to know of the target's LR schedulers that step the optimizer at ``path``, when
+    it starts afresh: a trial followed the advice above, and the scheduler, loaded, went on
+    from the saved step while the fresh optimizer kept its initial learning rates (the next
+    lr 8x too low, no warning)."""
+    obj = target.statefuls.get(path, (None, None))[0]
+    tied = sorted(p for p, (o, _) in target.statefuls.items()
+                  if p and p != path and getattr(o, "optimizer", None) is obj is not None)
+    if not tied:
+        return ""
+    return (f" (its LR scheduler at {', '.join(map(repr, tied))} would still load and go on "
+            "from the saved step, while this optimizer's learning rates start at their "
+            f"initial values: exclude it too, exclude=[{path!r}, {tied[0]!r}], to restart "
+            "the schedule, or set each param_group's 'lr' after the load)")
 
 
 def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any,
