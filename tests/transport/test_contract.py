@@ -365,6 +365,12 @@ def not_ranks_send(link: Link) -> None:
         with contextlib.suppress(CheckpointConfigError):
             link.tr.send_checkpoint(bad, 18, {"w": torch.ones(2)}, datetime.timedelta(seconds=T))
             raise AssertionError(f"send_checkpoint({bad!r}, ...) was not refused")
+    # (nor is a timeout that is no positive number: HTTP's send, which waits for nothing,
+    # took 0, -5 and "x", which PG's refused: a torchft trial)
+    for timeout in (0, -5, "x"):
+        with contextlib.suppress(CheckpointConfigError):
+            link.tr.send_checkpoint([link.peer], 18, {"w": torch.ones(2)}, timeout)
+            raise AssertionError(f"send_checkpoint(timeout={timeout!r}) was not refused")
     link.sync()
 
 

@@ -377,11 +377,15 @@ class HTTPTransport(CheckpointTransport[Any]):
         until ``disallow_checkpoint()`` returns (torchft's contract). A disallow (or
         withdraw) on another thread while this lays out the state wins: the offer is
         made as if before it. If this raises, requests for ``step`` are refused at once.
+        ``timeout`` bounds nothing here (the offer is made at once; what a request may
+        wait is the transport's ``timeout``), but it must be a positive number of seconds,
+        as PGTransport's send, which waits, requires.
         """
         from .. import __version__
 
         self._refuse_forked("send_checkpoint")
         _check_ranks(dst_ranks, "dst_ranks")
+        fetch_timeout(timeout)  # (a trial: 0, -5 and "x" were taken, refused over PG)
         step = as_step(step)
         with self._cond:
             self._check_open("send_checkpoint")

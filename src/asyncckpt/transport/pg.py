@@ -397,13 +397,21 @@ class PGTransport(CheckpointTransport[Any]):
         check_flags(strict=strict, ignore_unexpected=ignore_unexpected, cast=cast)
         parts = check_exclude(exclude)
         check_key_map(key_map)
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else _timeout(timeout))
+        total = self.timeout_s if timeout is None else _timeout(timeout)
+        deadline = time.monotonic() + total
         (src,) = self._check_peers([src_rank], f"src_rank={src_rank!r}")
         _check_metadata(metadata, src)
         where = f"peer rank {src} ({metadata})"
         self._acquire(deadline, f"receive step {step} from {where}")
         try:
             raw, manifest, name, host = self._recv_from(src, step, deadline, where)
+        except CheckpointTimeoutError as exc:
+            # (a trial's 0.05 s receive of 160 MB was told "no answer within 0.00083s
+            # (the peer is not taking part, or is stuck)": what was left, not its timeout)
+            raise CheckpointTimeoutError(
+                f"{exc}; the receive of step {step} ran out of its timeout of "
+                f"{seconds_text(total)}: if the peer was sending, the timeout is too short "
+                "for this state's size over this group (pass a larger one)") from exc
         finally:
             self._lock.release()
         step_dir = Path(f"pg-rank-{src}-step-{step}")
