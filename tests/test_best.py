@@ -426,6 +426,38 @@ def test_a_damaged_step_is_no_best_step_nor_takes_an_intact_ones_place(tmp_path:
         assert ckpt.steps() == [5] and ckpt.best_step() == 5
 
 
+def _flip_last_byte(step_dir: Path) -> None:
+    from asyncckpt.manifest import shard_file_name
+
+    shard = step_dir / shard_file_name(0)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["checkpointer", "module"])
+def test_a_load_of_a_step_that_finds_it_corrupt_marks_it(tmp_path: Path, how: str) -> None:
+    """A trial: the best step, a byte flipped, raised CheckpointCorruptError when loaded
+    by step=, but only a fallback load marked steps: it stayed best_step(), export --best
+    chose it, and keep_best kept it while intact steps went."""
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="val_loss") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss})
+        _flip_last_byte(tmp_path / "step_000000002")
+        with pytest.raises(CheckpointCorruptError):
+            if how == "checkpointer":
+                ckpt.load(step=ckpt.best_step())
+            else:
+                asyncckpt.load(tmp_path, step=2)
+        assert (tmp_path / "step_000000002" / "damaged.json").exists()
+        assert AsyncCheckpointer(tmp_path, best_metric="val_loss").best_step() == 3
+    # (a step directory given itself is not marked: it may be a copy outside any root)
+    _flip_last_byte(tmp_path / "step_000000003")
+    with pytest.raises(CheckpointCorruptError):
+        asyncckpt.load(tmp_path / "step_000000003")
+    assert not (tmp_path / "step_000000003" / "damaged.json").exists()
+
+
 def test_best_step_passes_over_a_step_whose_files_are_cut_short(tmp_path: Path) -> None:
     """A trial's deploy script: best_step() gave a step that ls already said was DAMAGED
     (a shard cut short), found by a stat, as ls finds it."""

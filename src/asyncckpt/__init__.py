@@ -241,10 +241,25 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             f"{path} is a plain safetensors file, not an asyncckpt checkpoint (a directory of "
             "step_* directories, or one of them): load it with asyncckpt.load_safetensors")
     storage = _LocalStorage()
-    if fallback and step is None:
+
+    def mark(found: list[tuple[int, str]]) -> None:
+        """Mark steps a load found damaged, as a checkpointer's load marks them (for
+        retention, ls, best_step): by one process of a job (rank 0, as a group's
+        checkpointer): the lock the mark takes for a moment must not meet the first save
+        of another rank's."""
         from .checkpointer import note_damaged
-        from .loader import load_newest_intact
         from .storage import DirectoryLock
+
+        rank = _process_rank()
+        note_damaged(Path(path), storage, sorted(dict(found).items()),
+                     DirectoryLock(Path(path)), rank, marks=rank == 0,
+                     unmarked_means="a later checkpointer's retention does not know",
+                     remedy="AsyncCheckpointer(root).discard_steps_after(<the step loaded>)",
+                     unmarked_here=" (not marked by this rank: rank 0 marks what its own "
+                                   "load finds)")
+
+    if fallback and step is None:
+        from .loader import load_newest_intact
 
         found: list[tuple[int, str]] = []
         try:
@@ -253,17 +268,8 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                                       progress=progress, exclude=exclude, key_map=key_map,
                                       cast=cast, shards=shards, damaged=found)
         finally:
-            if found:  # marked as a checkpointer's fallback marks them (for retention, ls)
-                # by one process of a job (rank 0, as a group's checkpointer): the lock the
-                # mark takes for a moment must not meet the first save of another rank's
-                rank = _process_rank()
-                note_damaged(Path(path), storage, sorted(dict(found).items()),
-                             DirectoryLock(Path(path)), rank, marks=rank == 0,
-                             unmarked_means="a later checkpointer's retention does not know",
-                             remedy="AsyncCheckpointer(root).discard_steps_after(<the step "
-                                    "loaded>)",
-                             unmarked_here=" (not marked by this rank: rank 0 marks what its "
-                                           "own load finds)")
+            if found:
+                mark(found)
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
         try:
@@ -281,7 +287,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
         except CheckpointCorruptError as exc:
-            if step is None and resolved is not None:  # (a root, fallback not on: see above)
+            if resolved is not None:  # (a root: a step directory given is not marked)
+                mark([(resolved, str(exc))])
+            if step is None and resolved is not None:  # (fallback not on: see above)
                 _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
                              "step instead")
             raise

@@ -1202,7 +1202,7 @@ class AsyncCheckpointer:
             except CheckpointCorruptError as exc:
                 if step is None and not fallback:  # (a trial: "load an earlier step", how?)
                     add_note(exc, "load(..., fallback=True) loads the newest intact step "
-                                  "instead, and marks this one damaged")
+                                  "instead")
                 raise
         raise AssertionError("unreachable")
 
@@ -1235,10 +1235,17 @@ class AsyncCheckpointer:
                     self._note_damaged(damaged)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
-            return load_from(step_dir, state, self.storage, strict=strict,
-                             ignore_unexpected=ignore_unexpected, verify=verify, shards=shards,
-                             threads=threads, step=step, progress=progress,
-                             exclude=exclude, key_map=key_map, cast=cast)
+            try:
+                return load_from(step_dir, state, self.storage, strict=strict,
+                                 ignore_unexpected=ignore_unexpected, verify=verify,
+                                 shards=shards, threads=threads, step=step, progress=progress,
+                                 exclude=exclude, key_map=key_map, cast=cast)
+            except CheckpointCorruptError as exc:
+                # marked as a fallback marks (a trial: a corrupt best step, loaded by
+                # step=, stayed best_step(), and keep_best kept it over intact ones)
+                if held is not None:
+                    self._note_damaged([(held, str(exc))])
+                raise
         finally:
             if shared:
                 self._ctx.release_step(held)

@@ -597,8 +597,9 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
 
 
 DAMAGED_NAME = "damaged.json"
-"""Beside a step's manifest: a fallback load of the checkpointer that owns the directory
-found the step damaged (its problem, and when). Retention and ``ls`` read it, so the
+"""Beside a step's manifest: a load of the checkpointer that owns the directory (a
+fallback past the step, or a load of it that raised) found the step damaged (its problem,
+and when). Retention and ``ls`` read it, so the
 verdict outlives the process; a step saved anew, or removed, takes it with it."""
 
 _MAX_PROBLEM_CHARS = 2000  # of the problem a damaged.json keeps (a group's can be long)
