@@ -1699,3 +1699,126 @@ def test_inspect_tells_a_tab_from_a_backslash_and_a_t(
     asyncckpt.save({"a\\tb": torch.ones(2)}, tmp_path / "alone", step=1)
     code, out, _ = run(capsys, "inspect", str(tmp_path / "alone"))  # (no escapes: as it is)
     assert out.splitlines()[1].split()[0] == "a\\tb"
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify"])
+def test_ls_and_verify_all_list_the_root_again_for_the_steps_committed_meanwhile(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, cmd: str) -> None:
+    """A trial beside a trainer with keep_last=1: 'ls --json' said an old step was the
+    latest, and 'verify --all' skipped the newest, when the step they read was retired
+    meanwhile (docs/cli.md: the root is listed again for the steps committed since)."""
+    import asyncckpt.cli as cli
+
+    step_40 = _step_40(tmp_path)
+    os.symlink("step_000000007", root / "step_000000007")  # a loop: one row, said once
+    name = "read_manifest_summary" if cmd == "ls" else "_verified"
+    real = getattr(cli, name)
+    gone: list[Path] = []
+
+    def retired_meanwhile(step_dir: Path, storage: Any, *args: Any) -> Any:
+        if not gone and step_dir.name == "step_000000030":
+            gone.append(step_dir)
+            # the trainer commits step 40 and its keep_last retires step 30
+            os.rename(step_40, root / "step_000000040")
+            os.rename(step_dir, root / ".step_000000030.deleting-x")
+            shutil.rmtree(root / ".step_000000030.deleting-x")
+        return real(step_dir, storage, *args)
+
+    monkeypatch.setattr(cli, name, retired_meanwhile)
+    argv = ["ls", str(root)] if cmd == "ls" else ["verify", str(root), "--all"]
+    code, out, err = run(capsys, *argv, "--json")
+    doc = json.loads(out)
+    assert gone and [e["step"] for e in doc["steps"] if e["step"] != 7] == [10, 20, 40], doc
+    assert code == 1 and err == "", (out, err)  # (1: the loop)
+    assert [e["step"] for e in doc["steps"]] == [7, 10, 20, 40], doc
+    if cmd == "ls":
+        assert doc["latest"] == 40
+        assert [e["error"] is None for e in doc["steps"]] == [False, True, True, True]
+    else:
+        assert [e["ok"] for e in doc["steps"]] == [False, True, True, True]
+
+
+def test_verify_all_counts_a_step_dir_it_cannot_list_as_verify_and_ls_do(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial: with step_000000040 a symbolic link loop (standing in for EIO), 'verify
+    ROOT --all' said "all intact" and exited 0, where 'verify ROOT' and 'ls' exit 1."""
+    os.symlink("step_000000040", root / "step_000000040")
+    assert run(capsys, "verify", str(root))[0] == 1
+    assert run(capsys, "ls", str(root))[0] == 1
+    code, out, err = run(capsys, "verify", str(root), "--all")
+    assert code == 1 and "all intact" not in out and err == "", (out, err)
+    assert f"CORRUPT {root / 'step_000000040'}" in out and "cannot be listed" in out
+    assert "4 committed steps verified: 1 corrupt (step_000000040)" in out
+    code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False and doc["not_verified"] == []
+    assert [(s["step"], s["ok"]) for s in doc["steps"]] == [
+        (10, True), (20, True), (30, True), (40, False)]
+    assert "damaged_mark" not in doc["steps"][-1]  # (nothing of it could be read)
+    (root / "step_000000040").unlink()
+    # one it may not list: not verified (exit 2), the others verified all the same (it
+    # failed whole, with no "steps")
+    _deny(monkeypatch, "listdir", "step_000000020")
+    code, out, _ = run(capsys, "verify", str(root), "--all", "--json")
+    doc = json.loads(out)
+    assert code == 2 and [s["step"] for s in doc["steps"]] == [10, 30], doc
+    assert [(e["step"], "Permission denied" in e["error"]) for e in doc["not_verified"]] == [
+        (20, True)]
+
+
+def test_ls_of_a_step_dir_it_may_read_but_not_search_is_no_damage(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial's step directory of mode 0400 (listed, but every file in it "permission
+    denied"): ls said "a load found it damaged (damaged.json: damaged.json cannot be read
+    (Permission denied))" and exited 1, where docs/cli.md says 2."""
+    real = LocalStorage.read_bytes
+
+    def unsearchable(self: LocalStorage, path: Path, limit: int) -> bytes:
+        if Path(path).parent.name == "step_000000020":  # (the tests run as root)
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(self, path, limit)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", unsearchable)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 2 and "UNREADABLE" in out and "Permission denied" in out, out
+    assert "damaged" not in out, out
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = json.loads(out)["steps"][1]
+    assert code == 2 and row["step"] == 20 and row["damaged"] == [], row
+    # a damaged.json that is there, if unreadable, still marks the step
+    (root / "step_000000020" / "damaged.json").write_text("{}")
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = json.loads(out)["steps"][1]
+    assert code == 1 and "damaged.json cannot be read (Permission denied)" in row["damaged"][0]
+
+
+def test_ls_and_verify_all_name_a_root_they_may_not_list_as_the_other_commands(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (ls and verify --all said "PermissionError", the others CheckpointPermissionError)
+    _deny(monkeypatch, "listdir", root.name)
+    for argv in (["ls"], ["verify", "--all"], ["verify"], ["inspect"]):
+        code, out, err = run(capsys, *argv, str(root), "--json")
+        error = json.loads(out)["error"]
+        assert code == 2 and error["type"] == "CheckpointPermissionError", (argv, error)
+        assert "read access" in error["message"] and "read access" in err
+
+
+def test_ls_says_a_fifo_or_a_directory_in_a_files_place_is_not_a_regular_file(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As verify says (ls said "is 0 bytes, not N" of a FIFO, "4096 bytes" of a directory)."""
+    shard = "rank_00000.safetensors"
+    (root / "step_000000020" / shard).unlink()
+    os.mkfifo(root / "step_000000020" / shard)
+    (root / "step_000000030" / shard).unlink()
+    (root / "step_000000030" / shard).mkdir()
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    rows = json.loads(out)["steps"]
+    assert code == 1
+    assert [r["damaged"] for r in rows] == [[], *[[
+        f"{shard} is not a regular file (a FIFO, device or directory)"]] * 2], rows
+    code, _, err = run(capsys, "inspect", str(root))
+    assert code == 1 and f"{shard} is not a regular file" in err, err

@@ -368,59 +368,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise _Usage(f"{root} {what}: pass a checkpoint root directory"
                      f"{commit.foreign_hint(root) if root.is_file() else ''}")
     storage = LocalStorage()
-    unlistable: list[tuple[str, str]] = []
-    no_manifest: list[str] = []
-    names = storage.listdir(root)
+    # (CheckpointPermissionError for a root it may not list, as the other commands say)
+    names = commit.list_root(root, storage)
     lock: dict[str, Any] | None = None  # (the lock state of a root)
     if MANIFEST_NAME in names:  # a step directory: list just that one
         _warn_if_uncommitted(root)
-        dirs = [root]
+        listing = _Listing(root, storage, [root])
+        listing.read_all()
         abandoned: list[str] = []
     else:
         _LOG.muted.add("asyncckpt.commit")  # unlistable step dirs get a row of their own
-        steps = commit.committed_steps(root, storage, unlistable, no_manifest)
-        if not steps and not unlistable:  # not "no committed checkpoints under step_…"
+        listing = _Listing(root, storage)
+        listing.relist()
+        if not listing.dirs and not listing.unlistable:  # not "no committed checkpoints…"
             commit.refuse_a_step_dir_without_manifest(root, names)
-        dirs = [root / commit.step_dir_name(s) for s in steps]
+        # A step retired (a save's keep_last) while it was read: the listing is old, and
+        # lacks the steps committed since (a trial's 'ls --json' beside a trainer with
+        # keep_last=1 said an old keep_best step was the latest): list again, a few times.
+        for left in range(_RELISTS, -1, -1):
+            if not listing.read_all() or left == 0:
+                break
+            listing.relist()
         abandoned = commit.abandoned_dirs(root, storage)
         lock = _lock_state(Path(os.path.realpath(root)))  # (read: neither taken nor made)
-    entries: list[dict[str, Any]] = [
+    unlistable, no_manifest = listing.unlistable, listing.no_manifest
+    entries = listing.entries + [
         _unreadable_row(commit.step_of_dir_name(name), root / name,
                         f"cannot be listed ({why}): it counts as no committed step")
         for name, why in unlistable]
-    listed = 0
-    latest = None  # as latest_step() says: unlistable dirs do not count
+    listed, latest = len(listing.entries), listing.latest
     # a step it cannot read (permissions, a newer format); a directory it cannot list for
     # another reason (a symbolic link loop, EIO) is damage, as verify says of it
     denied = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
-    untold = any(why in denied for _, why in unlistable)
-    corrupt = any(why not in denied for _, why in unlistable)
-    for d in dirs:
-        try:
-            m = read_manifest_summary(d, storage)
-        except CheckpointError as exc:
-            if d != root and not os.path.lexists(d):
-                continue  # retired by retention since it was listed: no step now
-            unknown = isinstance(exc, (CheckpointVersionError, CheckpointPermissionError))
-            corrupt = corrupt or not unknown
-            untold = untold or unknown
-            # a copied step dir may have any name
-            entries.append(_unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
-                                           _marked(d, storage)))
-        else:
-            damaged = _damaged(d, m.files, storage)
-            if damaged and d != root and not os.path.lexists(d):
-                continue  # retired while its files were looked at: no step now, no damage
-            # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
-            entries.append({"step": m.step, "path": str(d),
-                            "bytes": m.total_bytes + m.manifest_bytes,
-                            "tensors": m.tensors, "files": len(m.files),
-                            "created_unix": m.created_unix, "created": _iso(m.created_unix),
-                            "library_version": m.library_version,
-                            "metrics": _json_metrics(m.metrics),
-                            "damaged": damaged, "error": None})
-        listed += 1
-        latest = entries[-1]["step"]
+    untold = listing.untold or any(why in denied for _, why in unlistable)
+    corrupt = listing.corrupt or any(why not in denied for _, why in unlistable)
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
     # A step whose files are amiss, or whose manifest is corrupt, is a corrupt checkpoint:
     # exit 1, as verify would (a script checking ls's status missed it); a step directory
@@ -479,6 +460,73 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return code
 
 
+_RELISTS = 3  # ls and verify --all list a root again at most this many times
+
+
+class _Listing:
+    """The steps of a root (or the one step directory given) as ``ls`` reads them, their
+    rows in ``entries``. ``relist()`` lists the root again (after a step was retired
+    while read: the steps committed meanwhile), and ``read_all()`` then reads only the
+    steps not read yet. Not thread-safe."""
+
+    def __init__(self, root: Path, storage: LocalStorage, dirs: Sequence[Path] = ()):
+        self.root, self.storage = root, storage
+        self.dirs = list(dirs)  # to be read by the next read_all()
+        self.seen = set(self.dirs)
+        self.unlistable: list[tuple[str, str]] = []  # (of the last listing)
+        self.no_manifest: list[str] = []  # (of the last listing)
+        self.entries: list[dict[str, Any]] = []
+        self.latest: int | None = None  # as latest_step() says: unlistable dirs do not count
+        self.newest = -1  # the step of latest's directory
+        self.corrupt = self.untold = False  # (a step damaged; one it cannot tell of)
+
+    def relist(self) -> None:
+        self.unlistable, self.no_manifest = [], []
+        steps = commit.committed_steps(self.root, self.storage, self.unlistable,
+                                       self.no_manifest)
+        self.dirs = [d for d in (self.root / commit.step_dir_name(s) for s in steps)
+                     if d not in self.seen]
+        self.seen.update(self.dirs)
+
+    def read_all(self) -> bool:
+        """Read the steps listed and not read yet; whether one was retired meanwhile."""
+        retired = False
+        for d in self.dirs:
+            row = self._row(d)
+            if row is None:
+                retired = True  # (retired by retention since it was listed: no step now)
+                continue
+            self.entries.append(row)
+            named = commit.step_of_dir_name(d.name)
+            if named is None or named > self.newest:
+                self.latest, self.newest = row["step"], -1 if named is None else named
+        self.dirs = []
+        return retired
+
+    def _row(self, d: Path) -> dict[str, Any] | None:
+        """ls's row of the step directory ``d``; None where it went while looked at."""
+        try:
+            m = read_manifest_summary(d, self.storage)
+        except CheckpointError as exc:
+            if d != self.root and not os.path.lexists(d):
+                return None
+            unknown = isinstance(exc, (CheckpointVersionError, CheckpointPermissionError))
+            self.corrupt = self.corrupt or not unknown
+            self.untold = self.untold or unknown
+            # a copied step dir may have any name
+            return _unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
+                                   _marked(d, self.storage))
+        damaged = _damaged(d, m.files, self.storage)
+        if damaged and d != self.root and not os.path.lexists(d):
+            return None  # retired while its files were looked at: no step now, no damage
+        # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
+        return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
+                "tensors": m.tensors, "files": len(m.files),
+                "created_unix": m.created_unix, "created": _iso(m.created_unix),
+                "library_version": m.library_version, "metrics": _json_metrics(m.metrics),
+                "damaged": damaged, "error": None}
+
+
 def _unreadable_row(step: int | None, path: Path, error: str,
                     marked: list[str] | None = None) -> dict[str, Any]:
     """ls --json's row of a step whose manifest cannot be read: every key a row has (a
@@ -491,14 +539,49 @@ def _unreadable_row(step: int | None, path: Path, error: str,
 def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
     """What ls and inspect say is amiss with a step, a stat per file and no byte read: its
     manifest's ``files`` missing or not of their sizes, and its damaged.json."""
-    return (commit.files_amiss(step_dir, {n: f.bytes for n, f in files.items()})
-            + _marked(step_dir, storage))
+    amiss = commit.files_amiss(step_dir, {n: f.bytes for n, f in files.items()})
+    # a FIFO, device or directory in a file's place is none, as verify says (a trial's ls
+    # said "is 0 bytes, not N" of a FIFO, and "4096 bytes" of a directory); looked at only
+    # where the sizes disagree (a stat per file is what ls costs, on NFS too)
+    odd = [n for n in files if any(a.startswith(f"{n} is ") for a in amiss)
+           and _not_regular(step_dir / n)]
+    if odd:
+        amiss = [a for a in amiss if not any(a.startswith(f"{n} ") for n in odd)] + [
+            f"{n} is not a regular file (a FIFO, device or directory)" for n in odd]
+    return amiss + _marked(step_dir, storage)
+
+
+def _not_regular(path: Path) -> bool:
+    """Whether ``path`` is there (through links) and is no regular file."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # (missing or unreadable: files_amiss says so)
+        return False
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
     """What the step's damaged.json says: a fallback load found it damaged."""
-    mark = commit.read_damaged_mark(step_dir, storage)
+    mark = _damaged_mark(step_dir, storage)
     return [] if mark is None else [_mark_text(mark)]
+
+
+def _damaged_mark(step_dir: Path, storage: ReadStorage) -> Mapping[str, object] | None:
+    """The step's damaged.json (see commit.read_damaged_mark), or None: there is none, or
+    none can be told of."""
+    mark = commit.read_damaged_mark(step_dir, storage)
+    if mark is not None and set(mark) == {"problem"}:  # (no mark a load wrote: unread)
+        # A directory this user may read but not search (mode 0400) answers every read
+        # "permission denied": a damaged.json it does not hold is no mark (a trial's ls
+        # said "a load found it damaged" of such a step, and exited 1 for it, not 2).
+        try:
+            there = commit.DAMAGED_NAME in storage.listdir(step_dir)
+        except PermissionError:
+            there = False  # (whether there is one cannot be told: none is invented)
+        except OSError:
+            there = True
+        if not there:
+            return None
+    return mark
 
 
 def _mark_text(mark: Mapping[str, object]) -> str:
@@ -1067,7 +1150,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{'ies' if len(lost) != 1 else 'y'} without {MANIFEST_NAME}: {', '.join(lost)}: "
             "the newest checkpoint lost its manifest (or a copy is cut short); no load reads "
             f"it, and loads take step {latest}:") if lost else ""
-    mark = commit.read_damaged_mark(step_dir, storage)
+    mark = _damaged_mark(step_dir, storage)
     if args.json:
         doc = _verify_doc(step_dir, report, seconds)
         if lost:  # ("newer_without_manifest": its older name)
@@ -1119,6 +1202,30 @@ def _without_manifest(root: Path, storage: LocalStorage, above: int | None = Non
     return names
 
 
+def _dir_step(step_dir: Path) -> int:
+    """The step a step directory's name gives, -1 for none (to sort by)."""
+    step = commit.step_of_dir_name(step_dir.name)
+    return -1 if step is None else step
+
+
+def _steps_of(root: Path, storage: LocalStorage
+              ) -> tuple[list[int], list[tuple[str, str]], list[str]]:
+    """The committed steps under ``root``, its step directories that cannot be listed (name,
+    why) and those without a manifest: what verify --all reads and reports (the commit
+    module's warning of an unlistable one muted: the report tells of it)."""
+    unlistable: list[tuple[str, str]] = []
+    lost: list[str] = []
+    muting = commit.__name__ not in _LOG.muted
+    if muting:
+        _LOG.muted.add(commit.__name__)
+    try:
+        steps = commit.committed_steps(root, storage, unlistable, lost)
+    finally:
+        if muting:
+            _LOG.muted.discard(commit.__name__)
+    return steps, unlistable, lost
+
+
 def _verify_all(args: argparse.Namespace) -> int:
     """``verify ROOT --all``: every committed step, oldest first; exit 1 if any is corrupt
     (the verdicts are printed once all are known: a pipe closed early keeps the code)."""
@@ -1130,12 +1237,12 @@ def _verify_all(args: argparse.Namespace) -> int:
         what = "is not a directory" if root.exists() else "does not exist"
         raise _Usage(f"{root} {what}: --all takes a checkpoint root directory")
     storage = LocalStorage()
-    if MANIFEST_NAME in storage.listdir(root):
+    # (CheckpointPermissionError for a root it may not list, as the other commands say)
+    if MANIFEST_NAME in commit.list_root(root, storage):
         raise _Usage(f"{root} is one step's directory: --all takes the checkpoint root that "
                      "holds the step_* directories (or drop --all)")
-    lost: list[str] = []  # step directories without a manifest
-    steps = commit.committed_steps(root, storage, None, lost)
-    if not steps:
+    steps, unlistable, lost = _steps_of(root, storage)
+    if not steps and not unlistable:
         exc = CheckpointNotFoundError(f"no committed checkpoint under {root}"
                                       f"{commit.foreign_hint(root, storage.listdir(root))}")
         _refuse_lost_only(root, storage, exc)
@@ -1144,26 +1251,55 @@ def _verify_all(args: argparse.Namespace) -> int:
     # Steps that could not be judged (unreadable for lack of permission, a newer format):
     # the others are still verified (a trial's one unreadable step hid them all).
     untold: dict[Path, str] = {}
-    for step in steps:
-        step_dir = root / commit.step_dir_name(step)
-        t0 = time.perf_counter()
-        try:
-            report = _verified(step_dir, storage, args.threads)
-        except CheckpointNotFoundError:
-            if os.path.lexists(step_dir):
-                raise
-            continue  # retired by retention since it was listed: no step now
-        except CheckpointCorruptError as exc:  # (its manifest: the step is damaged)
-            report = VerifyReport(path=step_dir, step=step, problems=[str(exc)])
-        except (CheckpointError, OSError) as exc:
-            untold[step_dir] = (str(exc) if isinstance(exc, CheckpointError)
-                                else f"cannot read {exc.filename or step_dir}: "
-                                     f"{exc.strerror or exc}")
-            continue
-        done.append((step_dir, report, time.perf_counter() - t0))
+    seen: set[int] = set()
+    for left in range(_RELISTS, -1, -1):
+        retired = False
+        for step in steps:
+            if step in seen:
+                continue
+            seen.add(step)
+            step_dir = root / commit.step_dir_name(step)
+            t0 = time.perf_counter()
+            report: VerifyReport | str  # (a verdict, or why none could be reached)
+            try:
+                report = _verified(step_dir, storage, args.threads)
+            except CheckpointCorruptError as exc:  # (its manifest: the step is damaged)
+                report = VerifyReport(path=step_dir, step=step, problems=[str(exc)])
+            except (CheckpointError, OSError) as exc:
+                report = (str(exc) if isinstance(exc, CheckpointError)
+                          else f"cannot read {exc.filename or step_dir}: {exc.strerror or exc}")
+            if (isinstance(report, str) or not report.ok) and not os.path.lexists(step_dir):
+                retired = True  # retired by retention since it was listed: no step now
+            elif isinstance(report, str):
+                untold[step_dir] = report
+            else:
+                done.append((step_dir, report, time.perf_counter() - t0))
+        # A step retired while read: the listing is old, and lacks the steps committed
+        # since (a trial's 'verify --all' beside a trainer with keep_last=1 verified an
+        # old keep_best step alone): list again, a few times, as ls does.
+        if not retired or left == 0:
+            break
+        steps, unlistable, lost = _steps_of(root, storage)
+    # A step directory it cannot list: for lack of permission, a step it cannot tell of;
+    # for another reason (a symbolic link loop, EIO), a damaged one, as verify ROOT and ls
+    # say (it said "all intact" beside such a step, and exited 0).
+    denied = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
+    for name, why in unlistable:
+        step_dir = root / name
+        if why in denied:
+            untold[step_dir] = (f"{step_dir} cannot be listed: {why}; give this user read "
+                                "access to it")
+        else:
+            done.append((step_dir, VerifyReport(
+                path=step_dir, step=commit.step_of_dir_name(name),
+                problems=[f"{step_dir} cannot be listed ({why}): that step is damaged or "
+                          "unreadable"]), 0.0))
+    done.sort(key=lambda t: _dir_step(t[0]))
+    untold = dict(sorted(untold.items(), key=lambda t: _dir_step(t[0])))
     bad = [d.name for d, r, _ in done if not r.ok]
     code = _decided(args, EXIT_CORRUPT if bad or lost else EXIT_USAGE if untold else EXIT_OK)
-    marks = {d: commit.read_damaged_mark(d, storage) for d, _, _ in done}
+    unlisted = {root / name for name, _ in unlistable}  # (what it holds is unknown)
+    marks = {d: None if d in unlisted else _damaged_mark(d, storage) for d, _, _ in done}
     if args.json:
         _print_json({"root": str(root), "ok": not bad and not lost and not untold,
                      "steps": [_verify_doc(d, r, t) | ({"damaged_mark": marks[d]} if marks[d]
