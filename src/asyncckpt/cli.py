@@ -1163,7 +1163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _out(said)
         _print_verdict(step_dir, report, seconds)
         if not report.ok:
-            _out("load an earlier step (asyncckpt ls ROOT lists them)")
+            _out("load another step, an intact one (asyncckpt ls ROOT lists them)")
         elif mark is not None:  # (ls shows the step DAMAGED: say why, and what to do)
             _out(f"{_mark_text(mark)}; it verifies now: if that was a passing fault, delete "
                  f"{step_dir / commit.DAMAGED_NAME}")
