@@ -1230,6 +1230,18 @@ def test_a_truncated_shard_names_the_tensors_past_its_end(tmp_path: Path) -> Non
     assert info.value.key == last and info.value.path == str(step_dir / shard)
 
 
+def test_a_shard_with_bytes_appended_is_not_said_to_be_truncated(tmp_path: Path) -> None:
+    # (an adversary trial: "truncated or replaced" of a file grown by junk at its end)
+    asyncckpt.save({"a": torch.ones(10)}, tmp_path, step=1)
+    (shard,) = (tmp_path / "step_000000001").glob("*.safetensors")
+    with open(shard, "ab") as f:
+        f.write(b"junk")
+    with pytest.raises(CheckpointCorruptError, match=r"written to past its end \(bytes "
+                                                     r"appended\), or replaced; load another "
+                                                     r"step\n"):
+        asyncckpt.load(tmp_path)
+
+
 def test_a_reusing_load_fills_only_targets_it_may_and_returns_the_checkpoints_tree(
         tmp_path: Path) -> None:
     from asyncckpt.loader import load_reusing

@@ -804,9 +804,12 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
                     more = f" and {len(cut) - 5} more" if len(cut) > 5 else ""
                     lost = (f"; tensor(s) {', '.join(map(repr, cut[:5]))}{more} lie past its "
                             "end")
+                how = ("truncated or replaced" if size < entry.bytes
+                       else "written to past its end (bytes appended), or replaced")
                 raise CheckpointCorruptError(
                     f"{path} is {size} bytes but the manifest says {entry.bytes}: the file was "
-                    f"truncated or replaced{lost}", path=str(path), key=cut[0] if cut else None)
+                    f"{how}{lost}; load another step", path=str(path),
+                    key=cut[0] if cut else None)
             header = bytearray(entry.header_bytes)  # parse_manifest bounds it
             got = read_full(storage, fd, memoryview(header), 0)
         except CheckpointError:
@@ -816,7 +819,8 @@ def _check_file(step_dir: Path, manifest: Manifest, name: str, storage: ReadStor
         if got != len(header) or xxhash.xxh3_64_hexdigest(header) != entry.header_checksum:
             raise CheckpointCorruptError(
                 f"{path}: its safetensors header does not match the manifest's checksum: the "
-                "file is corrupt or belongs to another checkpoint", path=str(path))
+                "file is corrupt or belongs to another checkpoint; load another step",
+                path=str(path))
         seen = _header_seen_key(step_dir, path, fd, storage, entry.header_checksum,
                                 manifest.pruned)
         if (chunks is not None and not manifest.from_headers
