@@ -581,14 +581,16 @@ def test_manifest_cannot_point_outside(tmp_path: Path, name: str, where: str) ->
         # ls lists the step as unreadable (exit 1), unless the forged entry is one its
         # summary does not read (a chunk's, behind a re-sealed digest: verify's to find)
         for args, code in ((["verify", str(root)], 1), (["inspect", str(step_dir)], 1),
-                           (["ls", str(root)], 0 if where == "chunk" else 1)):
+                           (["ls", str(root)], 1)):
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 assert cli.main(args) == code, (args, out.getvalue(), err.getvalue())
             if args[0] == "ls" and where == "chunk":
                 # ls reads a step's summary (digest, file list, counts), not each tensor
-                # entry: a forged entry behind a re-sealed digest is verify's to find
+                # entry: a forged entry behind a re-sealed digest is verify's to find, or
+                # a load's, which marked the step (damaged.json): DAMAGED, not UNREADABLE
                 assert "UNREADABLE" not in out.getvalue(), out.getvalue()
+                assert "a load found it damaged" in out.getvalue(), out.getvalue()
                 continue
             assert refusal in out.getvalue() + err.getvalue(), (args, out.getvalue())
     # (ls ROOT reads the root's lock file: which pid it names, whether it is held)

@@ -1632,6 +1632,10 @@ def test_a_failed_fetch_still_says_done(transports: Any) -> None:
     srv.serve(wrapped(state, 7, lambda src: FlipOneByte(src, (lo + hi) // 2)))
     with pytest.raises(CheckpointCorruptError):
         fetch(srv, 7)
+    # (a fetch cut off says it in the background: its error waits on no peer)
+    deadline = time.monotonic() + 5.0
+    while srv._fetches and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not srv._fetches
     t0 = time.monotonic()
     srv.disallow_checkpoint()
