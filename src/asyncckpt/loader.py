@@ -2534,12 +2534,23 @@ def _refuse_plain_state_for_dtensor_params(saved: dict[str, str], target: FlatSt
         fresh = [p for p in saved if p.startswith(prefix) and p not in target.refs]
         if fresh:
             where = path or "<root>"
+            # Saved as the object, its moments are keyed by parameter index ("state/0/...")
+            # and an optimizer state dict of get_state_dict's, keyed by name, does not take
+            # them (a DCP trial followed that advice into missing and unexpected keys):
+            # the object with its state made first does.
+            by_index = any(p[len(prefix):].split("/")[:2][-1].isdecimal()
+                           for p in fresh if p[len(prefix):].startswith("state/"))
+            todo = ("call get_state_dict(model, optim) once before the load (torch."
+                    "distributed.checkpoint.state_dict: it makes the optimizer's state, as "
+                    "DTensors), then load the objects again; and save get_state_dict(model, "
+                    "optim)[1] from now on" if by_index else
+                    "load its state dict instead: osd = get_state_dict(model, optim)[1] "
+                    "(torch.distributed.checkpoint.state_dict), load into {'optim': osd}, "
+                    "then set_state_dict(...)")
             raise StateMismatchError(
                 f"cannot load {step_dir}: the optimizer at {where!r} has DTensor parameters "
                 f"(FSDP2) but no state yet, so {few(fresh, 3)} would come back as whole plain "
-                "tensors; load its state dict instead: osd = get_state_dict(model, optim)[1] "
-                "(torch.distributed.checkpoint.state_dict), load into {'optim': osd}, then "
-                "set_state_dict(...) (see examples/train_fsdp.py)", mismatched=fresh)
+                f"tensors; {todo} (see examples/train_fsdp.py)", mismatched=fresh)
 
 
 # What wrapping a module does to its state dict's keys: each wrapper puts its own name
