@@ -1517,6 +1517,36 @@ def test_a_coordinator_stuck_in_its_commit_is_named_as_committing_not_as_waiting
     assert AsyncCheckpointer(tmp_path).steps() == []
 
 
+def test_a_plain_load_in_a_group_that_finds_damage_says_to_move_every_rank(
+        tmp_path: Path) -> None:
+    # (a DCP trial followed "load an earlier step" on the rank that raised: the other rank
+    # had loaded the newer step, and the ranks went on from different steps, told nothing)
+    store = dist.HashStore()
+
+    def save(r: int) -> None:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            ck.save({"w": torch.arange(1000.0)}, step=1)
+
+    all_ok(in_threads(save))
+    shard = next((tmp_path / "step_000000001").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    def load(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store,
+                               timeout_s=30) as ck:
+            return ck.load({"w": torch.zeros(1000)})
+
+    out = in_threads(load)
+    for r in (0, 1):
+        assert isinstance(out[r], asyncckpt.CheckpointCorruptError), out[r]
+        said = "\n".join([str(out[r]), *getattr(out[r], "__notes__", ())])
+        assert f"rank {r}: a plain load is this rank's alone" in said, said
+        assert "load(..., fallback=True) on every rank" in said, said
+
+
 def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(asyncckpt.writer, "_VERDICT_GRACE_S", 0.0)

@@ -1200,7 +1200,15 @@ class AsyncCheckpointer:
                     raise
                 log.info("loading the latest step under %s again: %s", self.directory, exc)
             except CheckpointCorruptError as exc:
-                if step is None and not fallback:  # (a trial: "load an earlier step", how?)
+                if self._ctx.distributed and not fallback:
+                    # (a DCP trial loaded an earlier step on the rank that raised: the
+                    # other had loaded the newer one, and no error said so)
+                    add_note(exc, f"rank {self._ctx.rank}: a plain load is this rank's "
+                                  "alone (the others may have loaded this step): load "
+                                  "another step on every rank, or load(..., fallback=True) "
+                                  "on every rank, which brings them all to the newest step "
+                                  "intact on every rank")
+                elif step is None and not fallback:  # (a trial: "load an earlier step", how?)
                     add_note(exc, "load(..., fallback=True) loads the newest intact step "
                                   "instead")
                 raise
