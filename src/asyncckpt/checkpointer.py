@@ -1792,9 +1792,12 @@ class AsyncCheckpointer:
             raise CheckpointConfigError(
                 "the ranks called save_async with different steps ("
                 + ", ".join(f"rank {r}: {s}" for r, s in steps.items())
-                + "); every rank must save the same step. Saves pair by their count on "
-                "each rank: a rank that skipped one stays out of step for every later save "
-                "of these checkpointers" + _REOPEN_ADVICE + " (saves then pair again)")
+                + "); every rank must save the same step. Where the ranks worked out "
+                "the step each its own way, pass every rank the same one: the next save "
+                "with one step on every rank goes on. Where a rank skipped a save (saves "
+                "pair by their count on each rank), it stays out of step for every later "
+                "save of these checkpointers" + _REOPEN_ADVICE + " (saves then pair "
+                "again)")
         mine = self._group_settings()
         for name in mine:
             values = {r: got[r].get("settings", mine).get(name) for r in range(ctx.world_size)}
