@@ -275,8 +275,11 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     monkeypatch.setattr(writer_module, "_free_bytes", lambda root: free[0])
     plan = SimpleNamespace(file_bytes=10 << 20, header=b" " * (1 << 20))
     need = (10 << 20) + (1 << 20) + 4 * (1 << 20)
+    aborted: list[str | None] = [None]
     job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1),
-                          keep_last=2, removals=None, root=tmp_path, plan=plan, step=7)
+                          keep_last=2, removals=None, root=tmp_path, plan=plan, step=7,
+                          progress=SimpleNamespace(failed=False),
+                          pulse=SimpleNamespace(aborted=lambda: aborted[0]))
     free[0] = need - 1  # (a flat 1 MiB margin called this room enough)
     assert writer_module._free_if_short(job) == need - 1  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()
@@ -293,6 +296,13 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     t0 = time.monotonic()
     writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert 0.25 < time.monotonic() - t0 < 5.0
+    # (a DCP trial) another rank gave the save up (its write met the full disk): back at
+    # once, to fail with the reason it posted, not after ROOM_WAIT_GROUP_S
+    monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 10.0)
+    threading.Timer(0.2, lambda: aborted.__setitem__(0, "rank 0 failed: ENOSPC")).start()
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert 0.15 < time.monotonic() - t0 < 5.0
     # without keep_last nothing will free room: no wait at all
     job.keep_last = None
     t0 = time.monotonic()

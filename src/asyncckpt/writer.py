@@ -944,6 +944,12 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
                  "the old steps", job.ctx.rank, job.step, _lacking(job, free), limit)
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline and _free_if_short(job) is not None:
+            # (a DCP trial: rank 0 failed at once on the full disk, and rank 1 went on
+            # watching for room its whole ROOM_WAIT_GROUP_S; the write then fails with
+            # the abort's reason)
+            if job.progress.failed or (job.pulse is not None
+                                       and job.pulse.aborted() is not None):
+                return
             time.sleep(0.05)
 
 
