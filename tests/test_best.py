@@ -436,7 +436,8 @@ def _flip_last_byte(step_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["checkpointer", "module"])
-def test_a_load_of_a_step_that_finds_it_corrupt_marks_it(tmp_path: Path, how: str) -> None:
+def test_a_load_of_a_step_that_finds_it_corrupt_marks_it(
+        tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
     """A trial: the best step, a byte flipped, raised CheckpointCorruptError when loaded
     by step=, but only a fallback load marked steps: it stayed best_step(), export --best
     chose it, and keep_best kept it while intact steps went."""
@@ -444,18 +445,44 @@ def test_a_load_of_a_step_that_finds_it_corrupt_marks_it(tmp_path: Path, how: st
         for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
             ckpt.save(_state(step), step, metrics={"val_loss": loss})
         _flip_last_byte(tmp_path / "step_000000002")
-        with pytest.raises(CheckpointCorruptError):
+        with pytest.raises(CheckpointCorruptError), caplog.at_level(logging.WARNING):
             if how == "checkpointer":
                 ckpt.load(step=ckpt.best_step())
             else:
                 asyncckpt.load(tmp_path, step=2)
         assert (tmp_path / "step_000000002" / "damaged.json").exists()
+        # (nothing was loaded: not the fallback's "discard_steps_after(<the step
+        # loaded>)", which a review's user filled with step 1, deleting intact step 3)
+        assert "load(..., fallback=True) loads the newest intact step" in caplog.text
+        assert "<the step loaded>" not in caplog.text
         assert AsyncCheckpointer(tmp_path, best_metric="val_loss").best_step() == 3
     # (a step directory given itself is not marked: it may be a copy outside any root)
     _flip_last_byte(tmp_path / "step_000000003")
     with pytest.raises(CheckpointCorruptError):
         asyncckpt.load(tmp_path / "step_000000003")
     assert not (tmp_path / "step_000000003" / "damaged.json").exists()
+
+
+def test_a_tensor_larger_than_this_machine_s_memory_marks_no_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a review) Such a tensor may be real (a 200 GB embedding read on a 128 GB node): the
+    load refuses it, but marking the step would have retention and best_step() drop it."""
+    import asyncckpt.reader as reader
+
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="val_loss") as ckpt:
+        ckpt.save({"w": torch.zeros(1 << 16)}, 1, metrics={"val_loss": 1.0})
+        monkeypatch.setattr(reader, "_physical_memory", lambda: 1000)
+        monkeypatch.setattr(reader, "fresh_tensor", _fails_to_allocate)
+        for load in (lambda: ckpt.load(step=1), lambda: asyncckpt.load(tmp_path, step=1)):
+            with pytest.raises(CheckpointCorruptError, match="made on a machine with more "
+                                                             "memory"):
+                load()
+        assert not (tmp_path / "step_000000001" / "damaged.json").exists()
+        assert ckpt.best_step() == 1
+
+
+def _fails_to_allocate(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("out of memory")
 
 
 def test_best_step_passes_over_a_step_whose_files_are_cut_short(tmp_path: Path) -> None:

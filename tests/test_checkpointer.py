@@ -4141,7 +4141,7 @@ _CLEAN_HOLDER = """\
 import sys
 from pathlib import Path
 from asyncckpt.storage import DirectoryLock
-lock = DirectoryLock(Path(sys.argv[1]), purpose="clean")
+lock = DirectoryLock(Path(sys.argv[1]), purpose=sys.argv[2])
 assert lock.acquire()
 print("held", flush=True)
 sys.stdin.readline()
@@ -4151,18 +4151,20 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.parametrize("purpose", ["clean", "mark"])
 def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, purpose: str) -> None:
     """(operations trial) While `asyncckpt clean` (a cron job) held the lock, a trainer
     starting there failed its first save, told another process "is saving" there: it
-    waits for the clean, and one that holds on is named as what it is."""
+    waits for the clean, and one that holds on is named as what it is. So for a load
+    beside it that marks a step damaged (a review: plain loads mark too)."""
     import asyncckpt.checkpointer as C
     from asyncckpt.storage import DirectoryLock
 
     asyncckpt.save({"w": torch.zeros(4)}, tmp_path, step=1)
 
     def hold() -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-c", _CLEAN_HOLDER, str(tmp_path)],
+        p = subprocess.Popen([sys.executable, "-c", _CLEAN_HOLDER, str(tmp_path), purpose],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert p.stdout is not None and p.stdout.readline().strip() == "held"
         return p
@@ -4174,7 +4176,7 @@ def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
 
     holder = hold()
     try:
-        assert DirectoryLock(tmp_path).holder_purpose() == "clean"
+        assert DirectoryLock(tmp_path).holder_purpose() == purpose
         threading.Timer(0.5, let_go, (holder,)).start()
         t0 = time.monotonic()
         with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
@@ -4187,10 +4189,12 @@ def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
     monkeypatch.setattr(C, "_CLEAN_WAIT_S", 0.3)
     holder = hold()
     try:
+        who, doing = (("`asyncckpt clean`", "removing what earlier runs left there")
+                      if purpose == "clean" else
+                      ("a load", r"marking a step it found damaged \(damaged.json\)"))
         with pytest.raises(asyncckpt.CheckpointLockedError, match=(
-                rf"`asyncckpt clean` \(pid {holder.pid} on host .*\) has held "
-                rf"{re.escape(str(tmp_path))} for 0.3s, removing what earlier runs left there: "
-                "save again once it ends")):
+                rf"{who} \(pid {holder.pid} on host .*\) has held "
+                rf"{re.escape(str(tmp_path))} for 0.3s, {doing}: save again once it ends")):
             asyncckpt.AsyncCheckpointer(tmp_path).save({"w": torch.ones(4)}, step=3)
     finally:
         holder.communicate("go\n", timeout=30)

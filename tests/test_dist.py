@@ -1557,6 +1557,9 @@ def test_a_plain_load_in_a_group_that_finds_damage_says_to_move_every_rank(
         said = "\n".join([str(out[r]), *getattr(out[r], "__notes__", ())])
         assert f"rank {r}: a plain load is this rank's alone" in said, said
         assert "load(..., fallback=True) on every rank" in said, said
+    # (a review: marked on the rank that raised alone, best_step() differed between the
+    # ranks; fallback=True, collective, is the group's verdict)
+    assert not (tmp_path / "step_000000001" / "damaged.json").exists()
 
 
 def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0(

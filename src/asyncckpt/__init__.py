@@ -242,7 +242,9 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             "step_* directories, or one of them): load it with asyncckpt.load_safetensors")
     storage = _LocalStorage()
 
-    def mark(found: list[tuple[int, str]]) -> None:
+    def mark(found: list[tuple[int, str]],
+             remedy: str = "AsyncCheckpointer(root).discard_steps_after(<the step loaded>)"
+             ) -> None:
         """Mark steps a load found damaged, as a checkpointer's load marks them (for
         retention, ls, best_step): by one process of a job (rank 0, as a group's
         checkpointer): the lock the mark takes for a moment must not meet the first save
@@ -254,7 +256,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         note_damaged(Path(path), storage, sorted(dict(found).items()),
                      DirectoryLock(Path(path)), rank, marks=rank == 0,
                      unmarked_means="a later checkpointer's retention does not know",
-                     remedy="AsyncCheckpointer(root).discard_steps_after(<the step loaded>)",
+                     remedy=remedy,
                      unmarked_here=" (not marked by this rank: rank 0 marks what its own "
                                    "load finds)")
 
@@ -287,8 +289,11 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
         except CheckpointCorruptError as exc:
-            if resolved is not None:  # (a root: a step directory given is not marked)
-                mark([(resolved, str(exc))])
+            # (a root: a step directory given is not marked; nor what may be no damage)
+            if resolved is not None and not getattr(exc, "maybe_intact", False):
+                from .checkpointer import PLAIN_LOAD_REMEDY
+
+                mark([(resolved, str(exc))], remedy=PLAIN_LOAD_REMEDY)
             if step is None and resolved is not None:  # (fallback not on: see above)
                 _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
                              "step instead")

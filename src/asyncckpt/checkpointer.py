@@ -113,6 +113,12 @@ MetadataValue = str | int | float | bool | np.bool_ | np.integer[Any] | np.float
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
 # what a rank out of step with its group is told to do (every rank is told at one save)
+# What a warning of a step a plain load found damaged says to do (nothing was loaded: the
+# fallback's "discard_steps_after(<the step loaded>)" would name no step, and a user who
+# put the step before the damaged one there deleted the intact steps after it)
+PLAIN_LOAD_REMEDY = ("load(..., fallback=True) loads the newest intact step; "
+                     "discard_steps_after(s) removes every step after s, intact or not")
+
 _REOPEN_ADVICE = (". To go on, every rank closes its checkpointer, waits until every "
                   "rank's close() has returned (a dist.barrier()), and opens a new one")
 
@@ -1250,16 +1256,21 @@ class AsyncCheckpointer:
                                  exclude=exclude, key_map=key_map, cast=cast)
             except CheckpointCorruptError as exc:
                 # marked as a fallback marks (a trial: a corrupt best step, loaded by
-                # step=, stayed best_step(), and keep_best kept it over intact ones)
-                if held is not None:
-                    self._note_damaged([(held, str(exc))])
+                # step=, stayed best_step(), and keep_best kept it over intact ones);
+                # not in a group, where the ranks must agree (the others may have read
+                # their parts intact: fallback=True is the collective verdict), nor for
+                # what may be no damage (a tensor larger than this machine's memory)
+                if held is not None and not self._ctx.distributed and not getattr(
+                        exc, "maybe_intact", False):
+                    self._note_damaged([(held, str(exc))], remedy=PLAIN_LOAD_REMEDY)
                 raise
         finally:
             if shared:
                 self._ctx.release_step(held)
             self._in_use.release(held)
 
-    def _note_damaged(self, found: list[tuple[int, str]]) -> None:
+    def _note_damaged(self, found: list[tuple[int, str]], *,
+                      remedy: str = "ckpt.discard_steps_after(<the step loaded>)") -> None:
         """Steps a fallback load found damaged (with what was found): retention counts
         them no more among the steps it keeps (a damaged step kept while the intact one
         before it went: a trial's keep_last=2 left [20 (corrupt), 30]). The coordinator
@@ -1270,7 +1281,8 @@ class AsyncCheckpointer:
             return
         self._damaged.update(s for s, _ in new)
         note_damaged(self.directory, self.storage, new, self._lock, self._ctx.rank,
-                     marks=self._ctx.is_coordinator, unmarked_means="only this checkpointer knows")
+                     marks=self._ctx.is_coordinator, unmarked_means="only this checkpointer knows",
+                     remedy=remedy)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -1594,7 +1606,8 @@ class AsyncCheckpointer:
             # `asyncckpt clean` (a cron job, an operator) holds it while it removes what
             # killed runs left: seconds; a trainer starting meanwhile waits for it rather
             # than fail its first save (it was told another process "is saving")
-            cleaning = other is None and self._lock.holder_purpose() == "clean"
+            # (or a load that marks a step damaged beside it: a moment)
+            cleaning = other is None and self._lock.holder_purpose() in ("clean", "mark")
             if cleaning or releasing:
                 deadline = deadline or time.monotonic() + (
                     _CLEAN_WAIT_S if cleaning else _DRAIN_GRACE_S)
@@ -1634,10 +1647,13 @@ class AsyncCheckpointer:
         host = self._lock.holder_host()
         on = f" on host {host}" if host is not None else ""
         if cleaning:
+            what = ("`asyncckpt clean`", "removing what earlier runs left there") if (
+                self._lock.holder_purpose() != "mark") else (
+                "a load", "marking a step it found damaged (damaged.json)")
             raise CheckpointLockedError(
-                f"`asyncckpt clean` (pid {holder}{on}{namesake}) has held {self.directory} for "
-                f"{seconds_text(_CLEAN_WAIT_S)}, removing what earlier runs left there: save "
-                "again once it ends, or stop it")
+                f"{what[0]} (pid {holder}{on}{namesake}) has held {self.directory} for "
+                f"{seconds_text(_CLEAN_WAIT_S)}, {what[1]}: save again once it ends, or "
+                "stop it")
         raise CheckpointLockedError(
             f"another process (pid {holder}{on}{namesake}) is saving into {self.directory}; "
             "use a different directory or stop the other process")
@@ -2353,6 +2369,9 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
         taken = False
         refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
         if not owned:
+            # (its purpose named: a trainer's first save meanwhile waits for it, as for
+            # `asyncckpt clean`, rather than fail as if another process saved there)
+            lock = DirectoryLock(directory, purpose="mark")
             try:
                 taken = lock.acquire()
             except OSError as exc:

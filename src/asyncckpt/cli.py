@@ -1344,7 +1344,7 @@ def _print_verdict(step_dir: Path, report: VerifyReport, seconds: float) -> None
         return
     _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
          f"({_n(report.tensors, 'tensor')} intact):")
-    tail = "; load an earlier step"  # (said once, after, with where to find one)
+    tail = "; load another step"  # (said once, after, with where to find one)
     for p in report.problems:
         _out(f"  - {_shown(p[:-len(tail)] if p.endswith(tail) else p)}")
 

@@ -2291,13 +2291,16 @@ def _schedulers_of(target: FlatState, path: str) -> str:
     lr 8x too low, no warning)."""
     obj = target.statefuls.get(path, (None, None))[0]
     tied = sorted(p for p, (o, _) in target.statefuls.items()
-                  if p and p != path and getattr(o, "optimizer", None) is obj is not None)
+                  if p and p != path and isinstance(o, torch.optim.lr_scheduler.LRScheduler)
+                  and getattr(o, "optimizer", None) is obj is not None)
     if not tied:
         return ""
-    return (f" (its LR scheduler at {', '.join(map(repr, tied))} would still load and go on "
-            "from the saved step, while this optimizer's learning rates start at their "
-            f"initial values: exclude it too, exclude=[{path!r}, {tied[0]!r}], to restart "
-            "the schedule, or set each param_group's 'lr' after the load)")
+    one = len(tied) == 1
+    return (f" (its LR scheduler{'' if one else 's'} at {', '.join(map(repr, tied))} would "
+            "still load and go on from the saved step, while this optimizer's learning "
+            f"rates start at their initial values: exclude {'it' if one else 'them'} too, "
+            f"exclude={[path, *tied]!r}, to restart the schedule, or set each "
+            "param_group's 'lr' after the load)")
 
 
 def _warn_other_scheduler(skeleton: dict[str, Any], path: str, obj: Any,

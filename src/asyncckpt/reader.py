@@ -125,7 +125,7 @@ def _check_read(step_dir: Path, path: Path, storage: ReadStorage, step: int,
     if partial and not getattr(storage, "peer_view", False):
         raise CheckpointCorruptError(
             f"{path}: the manifest is marked partial (as a peer's view of some boxes is, and "
-            "a committed checkpoint never): it is corrupt; load an earlier step",
+            "a committed checkpoint never): it is corrupt; load another step",
             path=str(path))
     named = step_of_dir_name(step_dir.name)
     if named is not None and named != step:
@@ -371,10 +371,13 @@ def _allocation_error(where: Path, key: str, nbytes: int) -> CheckpointError:
         return CheckpointError(
             f"{where}: tensor {key!r} needs {nbytes} bytes, which could not be allocated "
             "(out of memory?): free memory, or load into an existing state")
-    return CheckpointCorruptError(
+    err = CheckpointCorruptError(
         f"{where}: tensor {key!r} claims {nbytes} bytes, more than this machine's memory "
-        "could ever hold: the checkpoint is likely damaged (load an earlier step)",
-        path=str(where), key=key)
+        "could ever hold: the checkpoint is likely damaged (load another step), or was made "
+        "on a machine with more memory (load it there)", path=str(where), key=key)
+    # (no load marks the step damaged for it: a review's 200 GB embedding on a 128 GB node)
+    err.maybe_intact = True  # type: ignore[attr-defined]
+    return err
 
 
 def _physical_memory() -> int:
@@ -990,8 +993,8 @@ def _check_sums(path: Path, key: str, chunk: Chunk, first_block: int, sums: list
             len(want))
         raise CheckpointCorruptError(
             f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
-            f"{chunk.byte_range[0] + bad * block_bytes}..): the checkpoint is corrupt; load an "
-            "earlier step", path=str(path), key=key)
+            f"{chunk.byte_range[0] + bad * block_bytes}..): the checkpoint is corrupt; load "
+            "another step", path=str(path), key=key)
 
 
 @dataclass

@@ -454,7 +454,7 @@ def _read_header(path: Path) -> tuple[tuple[int, int, str], dict[str, Any]]:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path} does not exist (a broken link, or a file the "
                                       "index names that is missing)") from None
-    except CheckpointCorruptError:  # (its words are a checkpoint's: "load an earlier step")
+    except CheckpointCorruptError:  # (its words are a checkpoint's: "load another step")
         raise CheckpointCorruptError(f"{path} is not a regular file (a directory, FIFO or "
                                      "device): pass safetensors files",
                                      path=str(path)) from None

@@ -237,7 +237,7 @@ def open_regular(path: str | os.PathLike[str]) -> int:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointCorruptError(f"{os.fsdecode(path)} is not a regular file (a FIFO, "
                                          "device or directory): the checkpoint is damaged; "
-                                         "load an earlier step", path=os.fsdecode(path))
+                                         "load another step", path=os.fsdecode(path))
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)

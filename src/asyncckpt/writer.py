@@ -674,13 +674,11 @@ class BackgroundWriter:
             job.announced = True
             _raise_failed(job, ctx.gather((job.tag, "done"),
                                           f"the shard files of step {job.step}", pulse=job.pulse))
-            if job.pulse is not None:  # (no beats in the commit: fsyncs, the rename)
-                job.pulse(f"committing step {job.step} (every rank's shard file is written)",
-                          at_once=True)
-            if raw is None:  # the coordinator wrote nothing, so its hash thread merged nothing
-                final = self._commit(job, _gather_records(job, record))
-            else:
-                final = self._commit(job, [], manifest_written=True)
+            # (the coordinator wrote nothing, so its hash thread merged nothing)
+            records = _gather_records(job, record) if raw is None else []
+            _say_doing(job, f"committing step {job.step} (every rank's shard file is "
+                            "written)")  # (no beats in the commit: fsyncs, the rename)
+            final = self._commit(job, records, manifest_written=raw is not None)
             job.committed = True  # from here on, the save succeeded whatever the Store says
             try:
                 ctx.put(ctx.key(job.tag, "verdict"), {"ok": str(final)})
@@ -943,13 +941,17 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
         log.info("rank=%d step=%d: %s: waiting up to %.0f s for rank 0's retention to remove "
                  "the old steps", job.ctx.rank, job.step, _lacking(job, free), limit)
         deadline = time.monotonic() + limit
+        look = 0.0  # (the Store is asked once a beat's interval, not at every look)
         while time.monotonic() < deadline and _free_if_short(job) is not None:
             # (a DCP trial: rank 0 failed at once on the full disk, and rank 1 went on
             # watching for room its whole ROOM_WAIT_GROUP_S; the write then fails with
             # the abort's reason)
-            if job.progress.failed or (job.pulse is not None
-                                       and job.pulse.aborted() is not None):
+            if job.progress.failed:
                 return
+            if job.pulse is not None and time.monotonic() >= look:
+                look = time.monotonic() + job.pulse.every_s
+                if job.pulse.aborted() is not None:
+                    return
             time.sleep(0.05)
 
 
@@ -1324,10 +1326,19 @@ def _gather_records(job: SaveJob, mine: dict[str, Any]) -> list[dict[str, Any]]:
                          cancelled=lambda: job.progress.failed, pulse=job.pulse,
                          have={job.ctx.rank: mine})
     _raise_failed(job, got)
-    if job.pulse is not None:  # (no beats while it merges them into the manifest)
-        job.pulse(f"merging the shard layouts of step {job.step} into its manifest",
-                  at_once=True)
+    # (no beats while it merges them into the manifest)
+    _say_doing(job, f"merging the shard layouts of step {job.step} into its manifest")
     return [got[r] for r in sorted(got)]
+
+
+def _say_doing(job: SaveJob, doing: str) -> None:
+    """Beat at once with what the coordinator starts, work during which it does not beat
+    (a peer timing out on it was told it was "waiting for the shard files" it had
+    posted). Best effort: a Store that fails here fails no save whose files are written,
+    and an abort posted meanwhile is the commit's claim to find."""
+    if job.pulse is not None:
+        with contextlib.suppress(CheckpointError):
+            job.pulse(doing, at_once=True)
 
 
 def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:

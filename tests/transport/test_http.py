@@ -3344,3 +3344,13 @@ def test_telling_a_frozen_peer_a_fetch_is_over_takes_done_wait_s_in_all(
         assert time.monotonic() - t0 < 2.0  # (0.5 s, not the fetch's 30 s)
     finally:
         thaw.set()
+
+
+def test_send_checkpoint_takes_no_timeout_as_pg_s_does(transports: Any) -> None:
+    """(a review) The check of send_checkpoint's timeout refused None, PGTransport's
+    default: code moving from one transport to the other broke."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 3, state_of(), None)
+    assert_state(fetch(srv, 3), state_of())
+    with pytest.raises(CheckpointConfigError, match="timeout=0"):
+        srv.send_checkpoint([1], 4, state_of(), 0)

@@ -378,14 +378,15 @@ class HTTPTransport(CheckpointTransport[Any]):
         withdraw) on another thread while this lays out the state wins: the offer is
         made as if before it. If this raises, requests for ``step`` are refused at once.
         ``timeout`` bounds nothing here (the offer is made at once; what a request may
-        wait is the transport's ``timeout``), but it must be a positive number of seconds,
-        as PGTransport's send, which waits, requires.
+        wait is the transport's ``timeout``), but it must be None or a positive number of
+        seconds, as PGTransport's send, which waits, requires.
         """
         from .. import __version__
 
         self._refuse_forked("send_checkpoint")
         _check_ranks(dst_ranks, "dst_ranks")
-        fetch_timeout(timeout)  # (a trial: 0, -5 and "x" were taken, refused over PG)
+        if timeout is not None:  # (a trial: 0, -5 and "x" were taken, refused over PG)
+            fetch_timeout(timeout)
         step = as_step(step)
         with self._cond:
             self._check_open("send_checkpoint")
@@ -846,7 +847,7 @@ def _check_token(token: str | None) -> str | None:
 def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> CheckpointError:
     """``exc`` of a fetch from a peer (``storage``), told as one: its files named by their
     URLs, not the local-looking names the loader gave them; for damaged bytes, the advice
-    of a transfer (receive again), not of a checkpoint on disk (load an earlier step); and,
+    of a transfer (receive again), not of a checkpoint on disk (load another step); and,
     once tensor bytes were read into in-place targets (``into``), that those may hold
     part of the peer's state."""
     text = old = str(exc)
@@ -855,7 +856,7 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
     text = text.replace(local + MANIFEST_NAME, url + MANIFEST_NAME).replace(local, url + "files/")
     text = text.replace(local[:-1], url[:-1])  # (the step as a whole: "cannot load ...")
     if isinstance(exc, CheckpointCorruptError):
-        text = text.replace("the checkpoint is corrupt; load an earlier step",
+        text = text.replace("the checkpoint is corrupt; load another step",
                             "the bytes were damaged in transit, in the peer's memory, or "
                             "on its disk (a peer serving a checkpoint from disk: run "
                             "'asyncckpt verify' there), or the peer changed its tensors "
@@ -863,7 +864,7 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
                             f"until disallow_checkpoint() returns: {uncopied_hint()}; "
                             "then every try fails until it offers again); receive them "
                             "again, or from another peer")
-        text = text.replace("load an earlier step", "receive it again, or from another peer")
+        text = text.replace("load another step", "receive it again, or from another peer")
     if into is not None and storage.tensor_bytes_read:
         text += ("; the targets were loaded in place and may hold part of the peer's state: "
                  "receive again before using them")
@@ -1936,9 +1937,9 @@ class HTTPStorage:
     def _say_done(self, reuse: bool = True) -> None:
         """Tell the peer this fetch is over, so that a disallow_checkpoint() there waits
         for it no longer: on this thread's connection where it is free (``reuse``), else
-        on a new one (best effort, within ``_DONE_WAIT_S`` in all: a peer that is gone or
-        stuck, or of a version that knows no such request, answers nothing that
-        matters)."""
+        on a new one (best effort, each wait bounded by what is left of ``_DONE_WAIT_S``:
+        a peer that is gone or stuck, or of a version that knows no such request, answers
+        nothing that matters)."""
         ends = time.monotonic() + _DONE_WAIT_S
 
         def ask(c: http.client.HTTPConnection) -> bool:
