@@ -1341,6 +1341,26 @@ def test_optimizer_with_other_param_groups_is_refused_before_any_read(ckpt):
                        opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_an_optimizer_over_its_parameters_in_another_order_is_told_so(ckpt):
+    # (a trial built the optimizer over model.parameters() reversed: told "a parameter
+    # resized since", where none was)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ckpt.save({"model": model, "optim": opt}, 1)
+    reversed_opt = torch.optim.AdamW(list(model.parameters())[::-1])
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": model, "optim": reversed_opt})
+    said = info.value.mismatched[0]
+    assert said.startswith("optim/state/0/exp_avg: checkpoint [8, 4], parameter 0 of the "
+                           "target AdamW [2] (the optimizer's parameters come in another "
+                           "order than when it was saved: build it over them in the saved "
+                           "order (e.g. model.parameters()); or leave the optimizer out "
+                           "with exclude=['optim'])"), said
+    assert "resized" not in " ".join(info.value.mismatched)
+
+
 def test_the_advice_to_start_an_optimizer_afresh_names_its_lr_scheduler(ckpt):
     # (a trial followed exclude=['optim']: the scheduler loaded and went on from the saved
     # step while the fresh optimizer kept its initial lr; the next lr was 8x too low)

@@ -2374,19 +2374,34 @@ def _check_moment_shapes(paths: dict[str, str] | None, tensors: Mapping[str, Any
     lazy = torch.nn.parameter.is_lazy  # (no shape yet: its module's first forward makes it)
     by_id = {str(i): p for i, p in zip(ids, params, strict=True)}
     head = f"{path}/state/" if path else "state/"
-    first = True
+    found: list[tuple[str, str, tuple[int, ...], Any]] = []
+    saved: dict[str, tuple[int, ...]] = {}  # (a parameter-shaped moment's shape, by id)
     for saved_path, key in paths.items():
-        if not saved_path.startswith(head) or saved_path in refs:
-            continue  # (a moment the target holds: matched as any tensor, below)
+        if not saved_path.startswith(head):
+            continue
         pid, _, _name = saved_path[len(head):].partition("/")
         p = by_id.get(pid)
         entry = tensors.get(key)
         shape = None if entry is None else tuple(entry.shape)
-        if p is None or not shape or lazy(p) or tuple(p.shape) == shape:
+        if p is None or not shape or lazy(p):
             continue
-        advice = (f" (a parameter resized since: leave the optimizer out with "
-                  f"exclude=[{path!r}])" if excludable and first else "")
-        first = False
+        saved.setdefault(pid, shape)
+        if saved_path not in refs and tuple(p.shape) != shape:
+            # (a moment the target holds is matched as any tensor, below)
+            found.append((saved_path, pid, shape, p))
+    if not found:
+        return
+    # (a trial built its optimizer over the parameters reversed: told "a parameter
+    # resized since"; the saved moments fit the target's parameters in another order)
+    reordered = len(saved) == len(params) and sorted(saved.values()) == sorted(
+        tuple(p.shape) for p in params)
+    leave = f"leave the optimizer out with exclude=[{path!r}]" if excludable else ""
+    why = ("the optimizer's parameters come in another order than when it was saved: "
+           "build it over them in the saved order (e.g. model.parameters())"
+           + (f"; or {leave}" if leave else "")) if reordered else (
+        f"a parameter resized since: {leave}" if leave else "")
+    for i, (saved_path, pid, shape, p) in enumerate(found):
+        advice = f" ({why})" if why and not i else ""
         mismatched.append(f"{saved_path}: checkpoint {list(shape)}, parameter {pid} of the "
                           f"target {type(obj).__name__} {list(p.shape)}{advice}")
         told.add(saved_path)
