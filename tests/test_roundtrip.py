@@ -1361,6 +1361,25 @@ def test_an_optimizer_over_its_parameters_in_another_order_is_told_so(ckpt):
     assert "resized" not in " ".join(info.value.mismatched)
 
 
+def test_a_layer_removed_is_told_the_key_map_that_loads_the_layers_after_it(ckpt):
+    # (a trial removed a middle layer: offered exclude= alone, which would have left the
+    # trained head unloaded; an inserted layer was told its key_map, a removed one not)
+    big = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    ckpt.save({"model": big}, 1)
+    small = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": small})
+    kmap = {"model/4.weight": "model/2.weight", "model/4.bias": "model/2.bias",
+            "model/2.weight": None, "model/2.bias": None}
+    assert f"but if layers moved (one removed before them), the saved tensors fit further " \
+           f"back: key_map={kmap!r} (None: the removed layer's, left out) loads each where " \
+           "it fits" in str(info.value)
+    ckpt.load({"model": small}, key_map=kmap)  # (the advice, followed)
+    assert torch.equal(small[0].weight, big[0].weight)
+    assert torch.equal(small[2].weight, big[4].weight)
+    assert torch.equal(small[2].bias, big[4].bias)
+
+
 def test_the_advice_to_start_an_optimizer_afresh_names_its_lr_scheduler(ckpt):
     # (a trial followed exclude=['optim']: the scheduler loaded and went on from the saved
     # step while the fresh optimizer kept its initial lr; the next lr was 8x too low)

@@ -1462,6 +1462,21 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                         f"fit further on: key_map={moved!r}"
                         + (f" with exclude={left!r}" if left and len(left) <= 16 else "")
                         + " loads each where it fits, the new ones keeping their values")
+                # (a layer removed: the saved ones after it fit further back, the removed
+                # one's left out; a trial was offered exclude= alone, which would have
+                # left the trained head unloaded)
+                back = (_moved(unexpected, reshaped, fits)
+                        if not moved and len(unexpected) <= 50 else {})
+                if back:
+                    kmap: dict[str, str | None] = {**back}
+                    kmap.update({t: None for t in back.values()})
+                    left = _condensed(target, [p for p in reshaped if p not in back.values()],
+                                      saved)
+                    parts.append(
+                        "but if layers moved (one removed before them), the saved tensors "
+                        f"fit further back: key_map={kmap!r} (None: the removed layer's, "
+                        "left out)" + (f" with exclude={left!r}" if left and len(left) <= 16
+                                       else "") + " loads each where it fits")
             if inside:
                 path0, shape0 = inside[0]
                 parts.append(
