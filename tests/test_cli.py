@@ -1798,6 +1798,27 @@ def test_ls_of_a_step_dir_it_may_read_but_not_search_is_no_damage(
     assert code == 1 and "damaged.json cannot be read (Permission denied)" in row["damaged"][0]
 
 
+def test_ls_of_a_shard_this_user_may_not_read_is_a_step_it_cannot_tell_of(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (an adversary trial: a shard of mode 000 was OK to ls, exit 0, while every load,
+    # inspect and verify raised CheckpointPermissionError, exit 2)
+    real = os.access
+
+    def access(path: Any, mode: int, **kw: Any) -> bool:  # (the tests run as root)
+        if "step_000000020" in os.fspath(path) and str(path).endswith(".safetensors"):
+            return False
+        return real(path, mode, **kw)
+
+    monkeypatch.setattr(os, "access", access)
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 2, out
+    assert "cannot be read by this user (permission denied): a load of this step fails" in out
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = json.loads(out)["steps"][1]
+    assert code == 2 and row["step"] == 20 and "permission denied" in row["error"], row
+
+
 def test_ls_and_verify_all_name_a_root_they_may_not_list_as_the_other_commands(
         root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

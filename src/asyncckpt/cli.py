@@ -519,6 +519,15 @@ class _Listing:
         damaged = _damaged(d, m.files, self.storage)
         if damaged and d != self.root and not os.path.lexists(d):
             return None  # retired while its files were looked at: no step now, no damage
+        # (an adversary trial: a shard this user may not read was OK to ls, exit 0, while
+        # every load, inspect and verify failed on it; access(): a call per file, as stat)
+        denied = [] if damaged else [n for n in m.files if not os.access(d / n, os.R_OK)]
+        if denied:
+            self.untold = True
+            return _unreadable_row(
+                m.step, d, f"{', '.join(denied[:3])}{' and more' if len(denied) > 3 else ''} "
+                "cannot be read by this user (permission denied): a load of this step fails; "
+                "give it read access")
         # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
                 "tensors": m.tensors, "files": len(m.files),
