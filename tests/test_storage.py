@@ -366,3 +366,37 @@ def test_a_fifo_named_like_a_temporary_directory_is_left_and_never_opened(
     assert done == [[1, 3]]
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left as it is
     assert "not a directory" in caplog.text
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ESTALE, errno.ENOENT])
+def test_a_commit_rename_that_raises_after_it_was_done_commits(
+        tmp_path: Path, err: int, caplog: pytest.LogCaptureFixture) -> None:
+    """(storage trial) NFS: a rename's reply lost, its retry finds the source gone (ENOENT),
+    or EIO/ESTALE after the fact: the save raised CheckpointSaveError with its step
+    committed, listed and loadable (its name never fsync'd), and a retry was refused as
+    "already committed". Done is done: the commit goes on."""
+    import asyncckpt
+
+    class LateError(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            super().rename(src, dst)
+            if ".tmp-" in Path(src).name:
+                raise OSError(err, os.strerror(err), str(src))
+
+    class EarlyError(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            if ".tmp-" in Path(src).name:
+                raise OSError(err, os.strerror(err), str(src))
+            super().rename(src, dst)
+
+    with caplog.at_level("WARNING", logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path, mode="sync", storage=LateError()) as ck:
+        info = ck.save({"w": torch.arange(4.0)}, step=1)
+        assert info.path == tmp_path / "step_000000001" and ck.steps() == [1]
+    assert "raised, but it was done: going on with the commit" in caplog.text
+    assert torch.equal(asyncckpt.load(tmp_path)["w"], torch.arange(4.0))
+    # (a rename that failed before it was done is a failed save, as ever)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=EarlyError()) as ck:
+        with pytest.raises(asyncckpt.CheckpointSaveError):
+            ck.save({"w": torch.arange(4.0)}, step=2)
+        assert ck.steps() == [1]

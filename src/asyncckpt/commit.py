@@ -571,7 +571,17 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
     if before_rename is not None:
         before_rename()
     # COMMIT POINT: after this rename the checkpoint is visible; before it, it never was.
-    storage.rename(tmp, final)
+    try:
+        storage.rename(tmp, final)
+    except OSError:
+        # A rename may fail after it was done (NFS: a reply lost, the retry finds its source
+        # gone, ENOENT; or EIO, ESTALE): a storage trial's save raised with its step
+        # committed, listed and loadable, its name never fsync'd. Done: go on, as if it had
+        # returned; not done: it failed.
+        if not _renamed(tmp, final, storage):
+            raise
+        log.warning("step %d: the rename that commits it (%s -> %s) raised, but it was "
+                    "done: going on with the commit", step, tmp.name, final.name)
     try:
         storage.fsync_dir(root)
     except BaseException as exc:
@@ -594,6 +604,17 @@ def commit(tmp: Path, root: Path, step: int, storage: Storage,
             storage.remove_tree(gone)
         raise
     return final
+
+
+def _renamed(tmp: Path, final: Path, storage: Storage) -> bool:
+    """Whether the rename of ``tmp`` to ``final`` was done though it raised: ``tmp`` is gone
+    and ``final`` holds the manifest (a question a failing filesystem may not answer:
+    then no)."""
+    try:
+        return (not still_there(tmp.parent, tmp.name, storage)
+                and MANIFEST_NAME in storage.listdir(final))
+    except OSError:
+        return False
 
 
 DAMAGED_NAME = "damaged.json"
