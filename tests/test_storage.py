@@ -400,3 +400,27 @@ def test_a_commit_rename_that_raises_after_it_was_done_commits(
         with pytest.raises(asyncckpt.CheckpointSaveError):
             ck.save({"w": torch.arange(4.0)}, step=2)
         assert ck.steps() == [1]
+
+
+def test_ready_past_the_files_end_does_not_wait_for_ever(tmp_path: Path) -> None:
+    """(storage trial) A write_arena in whole padded blocks called ready() with the last
+    block's end, past nbytes: nothing is ever staged there, and the save hung."""
+    import asyncckpt
+
+    class PaddedBlocks(LocalStorage):
+        def write_arena(self, path: Path, buf: memoryview, nbytes: int, ready: Any,
+                        direct: bool = True) -> None:
+            ready(align_up(nbytes) + 4096)  # (the padded end, and more)
+            super().write_arena(path, buf, nbytes, ready, direct)
+
+    done: list[object] = []
+
+    def save() -> None:
+        with asyncckpt.AsyncCheckpointer(tmp_path, mode="async",
+                                         storage=PaddedBlocks()) as ck:
+            done.append(ck.save({"w": torch.arange(1000.0)}, step=1).step)
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [1], "the save hung"

@@ -1133,6 +1133,9 @@ class _Counted:
         self.job, self.ready, self.reached = job, ready, 0
 
     def __call__(self, offset: int) -> None:
+        # (past the file's end, as a storage writing whole padded blocks asks: nothing is
+        # staged there, and a storage trial's save waited for it for good)
+        offset = min(offset, self.job.plan.file_bytes)
         self.job.progress.written = self.reached
         self.ready(offset)
         self.reached = max(self.reached, offset)
