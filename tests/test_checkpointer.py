@@ -4200,6 +4200,64 @@ def test_a_save_waits_for_asyncckpt_clean_to_release_the_directory(
         holder.communicate("go\n", timeout=30)
 
 
+_UNWRITTEN_HOLDER = """\
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], ".asyncckpt.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)  # (taken, not yet written: what every holder is for a moment)
+print("held", flush=True)
+sys.stdin.readline()
+os.close(fd)
+sys.stdin.read()
+"""
+
+
+def test_a_save_waits_a_moment_for_a_holder_that_has_not_written_who_it_is(
+        tmp_path: Path) -> None:
+    """(evaluator trial) A reader marking a step damaged takes the lock a moment, and
+    writes its purpose just after: a trainer's first save caught in between failed at once,
+    "another process (pid unknown) is saving", 6 restarts in 100."""
+    asyncckpt.save({"w": torch.zeros(4)}, tmp_path, step=1)
+    holder = subprocess.Popen([sys.executable, "-c", _UNWRITTEN_HOLDER, str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+
+        def let_go() -> None:
+            assert holder.stdin is not None
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+
+        threading.Timer(0.3, let_go).start()
+        with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+            ck.save({"w": torch.ones(4)}, step=2)
+            assert ck.steps() == [1, 2]
+    finally:
+        holder.communicate("go\n", timeout=30)
+
+
+def test_a_reader_beside_a_trainer_says_the_trainer_does_not_know_of_the_damage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(re-check trial) An evaluator that found a step damaged while a trainer held the
+    lock marks nothing, and its warning said "keep_last does not count them": the
+    trainer's retention, knowing nothing, goes on counting (and keep_best ranking) them."""
+    for s in (1, 2):
+        asyncckpt.save({"w": torch.arange(1000.0)}, tmp_path, step=s)
+    _flip_a_byte(tmp_path / "step_000000002")
+    holder = subprocess.Popen([sys.executable, "-c", _CLEAN_HOLDER, str(tmp_path), ""],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"), pytest.raises(
+                asyncckpt.CheckpointCorruptError):
+            asyncckpt.load(tmp_path, step=2)
+    finally:
+        holder.communicate("go\n", timeout=30)
+    assert not (tmp_path / "step_000000002" / "damaged.json").exists()
+    assert "the process saving there does not know of them" in caplog.text, caplog.text
+    assert "keep_last does not count them" not in caplog.text
+
+
 def test_saving_the_step_of_the_save_in_flight_says_it_is_saved(tmp_path: Path) -> None:
     # (a preemption trial asked should_stop() after the periodic save_async: latest_step()
     # did not count the step in flight, the final save of it raised, and the error's

@@ -1608,15 +1608,22 @@ class AsyncCheckpointer:
             # than fail its first save (it was told another process "is saving")
             # (or a load that marks a step damaged beside it: a moment)
             cleaning = other is None and self._lock.holder_purpose() in ("clean", "mark")
-            if cleaning or releasing:
+            # A holder that has not written its lock file yet (it takes the lock, then
+            # writes what it is): a reader marking a step damaged, caught in that moment,
+            # failed an evaluator trial's trainer's first save "another process (pid
+            # unknown) is saving"; one that stays unwritten is of an older version
+            unwritten = other is None and holder == "unknown"
+            if cleaning or releasing or unwritten:
                 deadline = deadline or time.monotonic() + (
-                    _CLEAN_WAIT_S if cleaning else _DRAIN_GRACE_S)
+                    _CLEAN_WAIT_S if cleaning else _UNWRITTEN_WAIT_S if unwritten
+                    else _DRAIN_GRACE_S)
                 left = deadline - time.monotonic()
                 if left > 0:
                     if other is not None:
                         other.freed.wait(left)
                     else:  # (another process's clean, or this pid's lock mid-release)
-                        time.sleep(min(0.05 if cleaning else 0.002, left))
+                        time.sleep(min(0.002 if releasing else 0.05 if cleaning else 0.01,
+                                       left))
                     continue
             break
         if other is not None and other.draining is not None:
@@ -2184,6 +2191,7 @@ def _release_when_done(lock: DirectoryLock, busy: Sequence[cf.Future[Any]]) -> N
 # release (its future done, the release a callback away) before it says the directory is busy
 _DRAIN_GRACE_S = 1.0
 _CLEAN_WAIT_S = 30.0  # the longest a save waits for `asyncckpt clean` to release the lock
+_UNWRITTEN_WAIT_S = 1.0  # ... for a holder that has not written its lock file yet
 
 # How long the coordinator's close() waits at most for the other ranks to read the verdict
 # on the last save (they poll for it every 0.1 s at most).
@@ -2364,9 +2372,13 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
     module-level load), this process for the moment it takes it; not a reader beside a
     process that saves there (an evaluator beside its trainer)."""
     unmarked = []
-    if marks:
+    # (marked already: not taken again, nor the lock for it; an evaluator trial's reader
+    # took the lock at every load that met a marked step)
+    todo = [(s, why) for s, why in new
+            if commit.read_damaged_mark(directory / commit.step_dir_name(s), storage) is None]
+    owned = taken = False
+    if marks and todo:
         owned = lock.held or lock.held_in_this_process() is not None
-        taken = False
         refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
         if not owned:
             # (its purpose named: a trainer's first save meanwhile waits for it, as for
@@ -2377,7 +2389,7 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
             except OSError as exc:
                 refused = f"its lock file cannot be taken: {exc.strerror or exc}"
         try:
-            for s, why in new:
+            for s, why in todo:
                 failed = (commit.mark_damaged(directory, s, why, storage)
                           if owned or taken else refused or
                           f"another process (pid {lock.holder()}) saves there")
@@ -2387,12 +2399,19 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
             if taken:
                 lock.release()
     steps = [s for s, _ in new]
+    # (a reader beside a trainer marks nothing: the trainer's retention goes on counting
+    # them, which the warning said it did not: a trial)
+    elsewhere = marks and bool(unmarked) and not owned and not taken
     log.warning(
         "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
-        "keep_last does not count them, and removes them once older than the steps it "
-        "keeps. To save a step older than them, or to remove them now: %s", rank, steps,
+        "%s. To save a step older than them, or to remove them now: %s", rank, steps,
         directory,
         (unmarked_here or f" (rank 0 marks them, by {commit.DAMAGED_NAME})") if not marks else
         f", marked by {commit.DAMAGED_NAME}" if not unmarked else
         f"; {commit.DAMAGED_NAME} could not be written ({'; '.join(unmarked)}): "
-        f"{unmarked_means}", remedy)
+        f"{unmarked_means}",
+        "the process saving there does not know of them: its keep_last goes on counting "
+        "them, and keep_best ranking them; run 'asyncckpt verify' there, or load with "
+        "fallback=True in that process" if elsewhere else
+        "keep_last does not count them, and removes them once older than the steps it keeps",
+        remedy)

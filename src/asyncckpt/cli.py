@@ -796,6 +796,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
         # (no lock file and nothing to remove: none is made, as in a directory mistyped)
         try:
             taken = lock.acquire()  # as a save takes it (non-blocking)
+            # (a load marking a step damaged holds it a moment, and any holder a moment
+            # before it writes who it is: an evaluator trial's clean was refused, "held by
+            # a process of unknown pid", while a reader marked a step)
+            ends = time.monotonic() + 5.0
+            while not taken and time.monotonic() < ends and (
+                    lock.holder() == "unknown" or lock.holder_purpose() == "mark"):
+                time.sleep(0.01)
+                taken = lock.acquire()
         except OSError as exc:
             raise CheckpointPermissionError(
                 f"cannot take the lock of {root} ({lock.path}): {exc.strerror or exc}; clean "
