@@ -844,6 +844,35 @@ def test_a_read_error_is_a_corrupt_error_naming_the_file(tmp_path: Path, what: s
         assert any("Input/output error" in p for p in verify_checkpoint(step_dir, storage).problems)
 
 
+def test_an_eio_is_passed_over_but_marks_no_step(tmp_path: Path) -> None:
+    """(storage trial) An NFS soft mount's outage read as EIO on every step: each was marked
+    damaged, and once the outage passed the next save's retention deleted them, intact.
+    A fallback goes past such a step, and a plain load raises, but neither marks it."""
+    outage = [True]
+
+    class Outage(LocalStorage):
+        def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+            if outage[0]:
+                raise OSError(errno.EIO, "Input/output error")
+            return super().pread_into(fd, views, offset)
+
+    storage = Outage()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", keep_last=3,
+                                     storage=storage) as ck:
+        for s in (1, 2, 3):
+            outage[0] = False
+            ck.save({"x": torch.full((8,), float(s))}, step=s)
+        outage[0] = True
+        with pytest.raises(CheckpointCorruptError, match="Input/output error"):
+            ck.load(step=3)
+        with pytest.raises(CheckpointCorruptError):
+            ck.load({"x": torch.zeros(8)}, fallback=True)
+        assert not list(tmp_path.glob("step_*/damaged.json"))
+        outage[0] = False
+        ck.save({"x": torch.full((8,), 4.0)}, step=4)
+        assert ck.steps() == [2, 3, 4]  # (keep_last=3 of intact steps: none taken for damaged)
+
+
 class HeaderCheckFails(LocalStorage):
     """Fails only verify's read of the file headers (its own pass), with ``code``."""
 

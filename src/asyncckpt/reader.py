@@ -706,8 +706,13 @@ def _damaged(path: Path, exc: OSError, key: str | None = None) -> CheckpointErro
         return CheckpointPermissionError(
             f"{what} cannot be read: {exc.strerror or exc}; the checkpoint may be intact: give "
             "this user read access (or run as one that has it), then try again", path=str(path))
-    return CheckpointCorruptError(f"{what} cannot be read ({exc.strerror or exc}): the "
-                                  "checkpoint is damaged or unreadable", path=str(path), key=key)
+    err = CheckpointCorruptError(f"{what} cannot be read ({exc.strerror or exc}): the "
+                                 "checkpoint is damaged or unreadable", path=str(path), key=key)
+    # An EIO is a bad sector, or a network mount's outage (an NFS soft mount's timeout):
+    # a load goes past the step, but marks nothing (a storage trial's outage marked every
+    # step, and the next save's retention deleted them, intact, once it had passed)
+    err.maybe_intact = exc.errno == errno.EIO  # type: ignore[attr-defined]
+    return err
 
 
 def _open(path: Path, storage: ReadStorage) -> int:
