@@ -1396,9 +1396,26 @@ def test_the_advice_to_start_an_optimizer_afresh_names_its_lr_scheduler(ckpt):
     state.update(optim=two_groups, sched=torch.optim.lr_scheduler.StepLR(two_groups, 2))
     with pytest.raises(StateMismatchError) as info:
         ckpt.load(state)
+    # (another number of groups: the scheduler's per-group lists cannot fit; a re-check
+    # trial's LambdaLR then raised at its first step())
     assert info.value.mismatched == [
         "optim: the checkpoint's optimizer has parameter groups of [4] parameters, the "
         "target's [2, 2]; to load the rest and start this optimizer afresh, pass "
+        "exclude=['optim'] (exclude its LR scheduler too, exclude=['optim', 'sched']: it "
+        "saved one learning rate per parameter group, for another number of groups than "
+        "this optimizer's, which it cannot step)"]
+    ckpt.load(state, exclude=["optim", "sched"])  # (the advice, followed)
+    assert len(state["sched"].get_last_lr()) == 2  # (one per group, as the optimizer's)
+    # the same number of groups, of other sizes (a layer added)
+    grown = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    one_group = torch.optim.AdamW(grown.parameters())
+    state.update(model=grown, optim=one_group,
+                 sched=torch.optim.lr_scheduler.StepLR(one_group, 2))
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load(state, exclude=["model"])
+    assert info.value.mismatched == [
+        "optim: the checkpoint's optimizer has parameter groups of [4] parameters, the "
+        "target's [6]; to load the rest and start this optimizer afresh, pass "
         "exclude=['optim'] (its LR scheduler at 'sched' would still load and go on from "
         "the saved step, while this optimizer's learning rates start at their initial "
         "values: exclude it too, exclude=['optim', 'sched'], to restart the schedule, or "

@@ -2284,24 +2284,26 @@ def _compare_param_groups(skeleton: dict[str, Any], target: FlatState, lenient: 
             # (a model grown by a layer: strict=False cannot help, leaving it out does)
             added = ("; if the saved run added groups (add_param_group), add them before "
                      "loading" if len(saved) > len(want) else "")
-            fresh = added + _afresh(target, path, "optimizer")
+            fresh = added + _afresh(target, path, "optimizer",
+                                    regrouped=len(saved) != len(want))
             mismatched.append(f"{path or '<root>'}: the checkpoint's optimizer has parameter "
                               f"groups of {saved} parameters, the target's {want}{fresh}")
             told.add(path)
 
 
-def _afresh(target: FlatState, path: str, what: str) -> str:
-    """The advice that leaves the object at ``path`` out of a load, to start it afresh."""
+def _afresh(target: FlatState, path: str, what: str, regrouped: bool = False) -> str:
+    """The advice that leaves the object at ``path`` out of a load, to start it afresh
+    (``regrouped``: an optimizer with another number of parameter groups)."""
     if path and _excludable(target, path):
         return (f"; to load the rest and start this {what} afresh, pass exclude=[{path!r}]"
-                + _schedulers_of(target, path))
+                + _schedulers_of(target, path, regrouped))
     if path:  # (an item of a list: exclude= reaches into dicts and modules only)
         return (f"; to load the rest and start this {what} afresh, hold the parts in a dict "
                 f"({{'model': ..., 'optim': ...}}) and leave it out with exclude=")
     return ""
 
 
-def _schedulers_of(target: FlatState, path: str) -> str:
+def _schedulers_of(target: FlatState, path: str, regrouped: bool = False) -> str:
     """What to know of the target's LR schedulers that step the optimizer at ``path``, when
     it starts afresh: a trial followed the advice above, and the scheduler, loaded, went on
     from the saved step while the fresh optimizer kept its initial learning rates (the next
@@ -2313,9 +2315,15 @@ def _schedulers_of(target: FlatState, path: str) -> str:
     if not tied:
         return ""
     one = len(tied) == 1
+    it = "it" if one else "them"
+    if regrouped:  # (a re-check trial: LambdaLR's step() then raised in zip())
+        return (f" (exclude its LR scheduler{'' if one else 's'} too, "
+                f"exclude={[path, *tied]!r}: {it} saved one learning rate per parameter "
+                f"group, for another number of groups than this optimizer's, which {it} "
+                "cannot step)")
     return (f" (its LR scheduler{'' if one else 's'} at {', '.join(map(repr, tied))} would "
             "still load and go on from the saved step, while this optimizer's learning "
-            f"rates start at their initial values: exclude {'it' if one else 'them'} too, "
+            f"rates start at their initial values: exclude {it} too, "
             f"exclude={[path, *tied]!r}, to restart the schedule, or set each "
             "param_group's 'lr' after the load)")
 
