@@ -481,6 +481,22 @@ def test_a_tensor_larger_than_this_machine_s_memory_marks_no_step(
         assert ckpt.best_step() == 1
 
 
+def test_a_module_level_load_of_one_rank_of_a_job_that_finds_damage_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a re-check trial: rank 1's note said "fallback=True loads the newest intact step",
+    # which it did, alone, while rank 0 had loaded the newer step)
+    asyncckpt.save(_state(1), tmp_path, step=1)
+    asyncckpt.save(_state(2), tmp_path, step=2)
+    _flip_last_byte(tmp_path / "step_000000002")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(CheckpointCorruptError) as info:
+        asyncckpt.load(tmp_path)
+    said = " ".join(getattr(info.value, "__notes__", ()))
+    assert "rank 1: asyncckpt.load is this process's alone, with fallback=True too" in said
+    assert "AsyncCheckpointer(root).load(..., fallback=True) on every rank" in said
+
+
 def _fails_to_allocate(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("out of memory")
 

@@ -173,6 +173,22 @@ def _process_rank() -> int:
         return 0
 
 
+def _in_a_job() -> bool:
+    """Whether this process is one of several ranks (the default group's, or torchrun's
+    WORLD_SIZE)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size()) > 1
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
 def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict: bool,
               verify: bool, token: str | None, timeout: float, fallback: bool,
               threads: int | None, progress: Callable[[int, int], None] | None,
@@ -290,11 +306,20 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 resolved, path, exc)
         except CheckpointCorruptError as exc:
             # (a root: a step directory given is not marked; nor what may be no damage)
-            if resolved is not None and not getattr(exc, "maybe_intact", False):
+            # (nor in a job: its processes' verdicts must agree, as a group's ranks')
+            if resolved is not None and not getattr(exc, "maybe_intact", False) and (
+                    not _in_a_job()):
                 from .checkpointer import PLAIN_LOAD_REMEDY
 
                 mark([(resolved, str(exc))], remedy=PLAIN_LOAD_REMEDY)
-            if step is None and resolved is not None:  # (fallback not on: see above)
+            if _in_a_job():
+                # (a re-check trial: one rank followed the advice below, and the ranks
+                # went on from different steps; a module-level load decides per process)
+                _add_note(exc, f"rank {_process_rank()}: asyncckpt.load is this process's "
+                               "alone, with fallback=True too: load another step in every "
+                               "process, or AsyncCheckpointer(root).load(..., fallback=True) "
+                               "on every rank, which brings them all to one intact step")
+            elif step is None and resolved is not None:  # (fallback not on: see above)
                 _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
                              "step instead")
             raise
