@@ -504,11 +504,33 @@ class _Padded(LocalStorage):
             f.write(buf)
 
 
+class _Short(LocalStorage):
+    """Writes 100 bytes less than it was given (a storage trial's was told that
+    "something moved or removed it")."""
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        ready(nbytes)
+        with open(path, "wb") as f:
+            f.write(buf[:nbytes - 100])
+
+
+class _NoFile(LocalStorage):
+    """Returns without making the file."""
+
+    def write_arena(self, path: Path, buf: memoryview, nbytes: int,
+                    ready: Callable[[int], None], direct: bool = True) -> None:
+        ready(nbytes)
+
+
 @pytest.mark.parametrize(("storage", "says"), [
     (_Eager, r"step 1: _Eager\.write_arena returned without calling ready\(\d+\) \(it got "
              r"to 0\).*nothing was committed"),
     (_Padded, r"_Padded\.write_arena wrote more than it was given \(it must write exactly "
               r"nbytes"),
+    (_Short, r"_Short\.write_arena wrote less than it was given \(it must write exactly "
+             r"nbytes\)"),
+    (_NoFile, r"_NoFile\.write_arena returned without making it"),
 ])
 def test_a_storage_that_breaks_the_write_arena_contract_commits_nothing(
         tmp_path: Path, storage: type[LocalStorage], says: str) -> None:

@@ -1404,7 +1404,13 @@ def _check_shared(job: SaveJob) -> None:
                       "meanwhile")
         if not job.ctx.distributed or longer:  # (a longer file: no filesystem unshared)
             mine = "its" if not job.ctx.distributed else f"rank {rec['rank']}'s"
-            why = wrote_more if longer else "something moved or removed it while it was written"
+            # (a storage trial's write_arena that wrote too little was told "something
+            # moved or removed it")
+            why = wrote_more if longer else (
+                f"{writer} wrote less than it was given (it must write exactly nbytes), or "
+                "something cut it short meanwhile" if size is not None else
+                f"{writer} returned without making it, or something moved or removed it "
+                "meanwhile")
             raise CheckpointSaveError(
                 f"step {job.step} aborted, nothing committed: {mine} shard file {path} "
                 f"{seen}; " + why)
