@@ -1213,6 +1213,25 @@ def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
     assert commit.committed_steps(root, LocalStorage()) == [10, 20, 40]
 
 
+def test_serve_warns_of_a_step_a_load_marked_damaged(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (an evaluator trial: 'serve ROOT' served a latest step ls showed DAMAGED, unwarned,
+    # and every client failed on it)
+    import asyncckpt.cli as cli
+    from asyncckpt import commit
+
+    monkeypatch.setattr(cli, "_serve_until", lambda stop: None)
+    code, out, err = run(capsys, "serve", str(root), "--json")
+    assert code == 0 and "marked damaged" not in err
+    assert commit.mark_damaged(root, 30, "checksum mismatch in tensor 'w'", LocalStorage()) \
+        is None
+    code, out, err = run(capsys, "serve", str(root), "--json")
+    assert code == 0 and json.loads(out)["step"] == 30
+    assert "step 30 is marked damaged: a load found it damaged" in err, err
+    assert "serve another step (--step)" in err
+
+
 def test_docs_cli_names_every_key_of_every_json_document(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/cli.md is what scripts rely on (a trial guessed the keys from one run): every

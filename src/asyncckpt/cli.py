@@ -1557,6 +1557,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _to_stderr(f"asyncckpt: serving step {got} of {step_dir} at {address}"
                    f"{' (token required)' if token else ''}; Ctrl-C or SIGTERM stops",
                    flush=True)
+        mark = _damaged_mark(step_dir, LocalStorage())
+        if mark is not None:  # (an evaluator trial's clients each failed on it, unwarned)
+            _warn(f"step {got} is marked damaged: {_mark_text(mark)}; its receivers will "
+                  "likely fail their checks: serve another step (--step), or run 'asyncckpt "
+                  "verify' on it (--verify refuses to serve a step that fails)")
         _serve_until(stop)
     except KeyboardInterrupt:
         pass
