@@ -3354,3 +3354,25 @@ def test_send_checkpoint_takes_no_timeout_as_pg_s_does(transports: Any) -> None:
     assert_state(fetch(srv, 3), state_of())
     with pytest.raises(CheckpointConfigError, match="timeout=0"):
         srv.send_checkpoint([1], 4, state_of(), 0)
+
+
+def test_a_receiver_killed_mid_transfer_holds_disallow_briefly(transports: Any) -> None:
+    """(re-check trial) A receiver SIGKILLed mid-transfer: its fetch, asked nothing since
+    and said no "done", held disallow_checkpoint() STALL_S (10 s) on the training thread.
+    A fetch whose last transfer broke off and that asks nothing again within
+    _BROKEN_GRACE_S is over; a retry (a new request of it) keeps it going."""
+    import asyncckpt.transport.http as http_module
+
+    srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30)
+    srv.send_checkpoint([1], 1, {"w": torch.randn(8 << 20)}, 10.0)
+    sock = _hold_a_transfer(srv, 1, fetch="cd" * 8)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()  # (killed: the kernel resets its connection)
+    deadline = time.monotonic() + 10
+    while srv._serving and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not srv._serving and "cd" * 8 in srv._broken
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    assert took < http_module._BROKEN_GRACE_S + 2.0, took  # (not STALL_S)

@@ -83,6 +83,10 @@ _STREAM_FIRST = 1 * _MiB  # the range a client thread asks for where it starts r
 _STREAM_MAX = 64 * _MiB  # ranges double up to this while the thread reads on sequentially
 _SKIP = 1 * _MiB  # a gap up to this in a stream is read and dropped, not a new request
 STALL_S = 10.0  # a transfer taken nothing of for this long is cut off by a drain (_drain)
+# A fetch whose last transfer broke off (its receiver gone: killed, or cut off), and that
+# has no other running nor asks again within this long, is over: a receive retries a
+# broken range at once (a re-check trial's killed receiver held disallow STALL_S)
+_BROKEN_GRACE_S = 2.0
 # (struct tcp_info: 8 one-byte fields, 24 u32s, then u64 pacing_rate, max_pacing_rate and
 # bytes_acked)
 _ACKED_AT = 8 + 24 * 4 + 2 * 8
@@ -297,6 +301,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._fetches: dict[str, tuple[Served, float]] = {}
         self._draining: Served | None = None  # the offer a disallow lets fetches finish
         self._fetch_of: dict[socket.socket, str] = {}  # a transfer's fetch, while it runs
+        self._broken: dict[str, float] = {}  # when a fetch's last transfer broke off
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
         host = _bare_host(host, "host")
@@ -653,6 +658,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if fetch not in self._fetches and len(self._fetches) >= _MAX_FETCHES:
             self._fetches.pop(min(self._fetches, key=lambda f: self._fetches[f][1]))
         self._fetches[fetch] = (served, time.monotonic())
+        self._broken.pop(fetch, None)  # (it asks again: a retry, not a receiver gone)
 
     def _finishing(self, fetch: str | None, step: int | None) -> bool:
         """Whether ``fetch`` began on the offer a disallow_checkpoint() is draining, and
@@ -660,9 +666,15 @@ class HTTPTransport(CheckpointTransport[Any]):
         ``self._cond`` held."""
         seen = self._fetches.get(fetch) if fetch is not None else None
         served = self._draining
-        return (seen is not None and served is not None and seen[0] is served
-                and served is self._offered and served.step == step
-                and time.monotonic() - seen[1] < STALL_S)
+        if seen is None or served is None or seen[0] is not served or (
+                served is not self._offered or served.step != step):
+            return False
+        now = time.monotonic()
+        broke = self._broken.get(fetch) if fetch is not None else None
+        if broke is not None and now - broke >= _BROKEN_GRACE_S and (
+                fetch not in self._fetch_of.values()):
+            return False
+        return now - seen[1] < STALL_S
 
     def _fetching(self) -> list[str]:
         """The fetches a disallow_checkpoint() in progress waits for. Call with
@@ -727,6 +739,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._fetch_of.pop(sock, None)
             if served_whole and fetch is not None and fetch in self._fetches:
                 self._seen(fetch, served)
+            elif fetch is not None and fetch in self._fetches:
+                self._broken[fetch] = time.monotonic()
+                if len(self._broken) > _MAX_FETCHES:  # (of fetches forgotten since)
+                    self._broken = {f: t for f, t in self._broken.items()
+                                    if f in self._fetches}
             self._cond.notify_all()
 
     def _authorized(self, header: str | None) -> bool:
