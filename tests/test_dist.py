@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -1560,6 +1561,46 @@ def test_a_plain_load_in_a_group_that_finds_damage_says_to_move_every_rank(
     # (a review: marked on the rank that raised alone, best_step() differed between the
     # ranks; fallback=True, collective, is the group's verdict)
     assert not (tmp_path / "step_000000001" / "damaged.json").exists()
+
+
+def test_a_pulse_whose_store_is_gone_says_the_save_stopped() -> None:
+    # (a storage trial: rank 0, the Store's host, failed on a full disk and exited; rank 1
+    # asked the gone Store whether the save was aborted, was told no, and waited 10 s)
+    from asyncckpt.dist import Pulse
+
+    class Gone:
+        def check(self, keys: list[str]) -> bool:
+            raise RuntimeError("Connection reset by peer")
+
+    ctx = _ctx(timeout_s=5.0)
+    pulse = Pulse(ctx, "s1")
+    assert not pulse.stopped()
+    pulse.abort("rank 0: ENOSPC")
+    assert pulse.stopped()
+    gone = DistContext(rank=1, world_size=2, store=Gone(), namespace="t",  # type: ignore[arg-type]
+                       timeout_s=5.0)
+    assert Pulse(gone, "s1").stopped()
+
+
+def test_a_rank_whose_save_directory_rank_0_removed_is_told_so(tmp_path: Path) -> None:
+    # (a DCP trial's rank 1, its save's directory removed by rank 0 as it gave the save
+    # up, was told FileNotFoundError alone)
+    store = dist.HashStore()
+
+    class Removed(LocalStorage):
+        def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            shutil.rmtree(Path(path).parent, ignore_errors=True)
+            super().write_arena(path, *args, **kwargs)
+
+    def rank(r: int) -> Any:
+        with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=5,
+                               storage=Removed() if r == 1 else LocalStorage()) as ck:
+            return ck.save_async({f"w{r}": torch.full((1000,), float(r))}, step=1).wait()
+
+    out = in_threads(rank)
+    assert isinstance(out[1], CheckpointSaveError), out[1]
+    assert "its temporary directory .step_000000001.tmp-" in str(out[1])
+    assert "is gone: rank 0 removes it when it gives the save up" in str(out[1])
 
 
 def test_a_committed_step_whose_verdict_cannot_be_posted_is_no_failure_on_rank_0(

@@ -279,7 +279,8 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1),
                           keep_last=2, removals=None, root=tmp_path, plan=plan, step=7,
                           progress=SimpleNamespace(failed=False),
-                          pulse=SimpleNamespace(aborted=lambda: aborted[0], every_s=0.05))
+                          pulse=SimpleNamespace(stopped=lambda: aborted[0] is not None,
+                                                every_s=0.05))
     free[0] = need - 1  # (a flat 1 MiB margin called this room enough)
     assert writer_module._free_if_short(job) == need - 1  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()

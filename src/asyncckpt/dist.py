@@ -943,6 +943,15 @@ class Pulse:
                 return str(self.ctx.store.get(self._abort_key).decode(errors="replace"))
         return None
 
+    def stopped(self) -> bool:
+        """Whether another rank (or this one) stopped the save, or the Store is gone (its
+        host, rank 0 often, failed the save and exited: a storage trial's rank 1 went on
+        waiting for room its whole 10 s, asking a Store that no longer answered)."""
+        try:
+            return bool(self.ctx.store.check([self._abort_key]))
+        except Exception:
+            return True
+
     def abort(self, why: str) -> None:
         """Post why the save failed, unless a rank did first (best effort)."""
         with contextlib.suppress(Exception):

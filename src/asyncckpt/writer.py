@@ -613,6 +613,18 @@ class BackgroundWriter:
                     f"own write then failed: {type(exc).__name__}: {exc})") from exc
             gone = (isinstance(exc, FileNotFoundError) and isinstance(job.storage, LocalStorage)
                     and not os.path.isdir(job.root))
+            # (a rank other than 0 whose save's directory rank 0 removed as it gave the
+            # save up, its Store gone with it: a trial's rank 1 was told FileNotFoundError)
+            taken = (not gone and job.ctx.distributed and not job.ctx.is_coordinator
+                     and isinstance(exc, FileNotFoundError) and isinstance(
+                         job.storage, LocalStorage) and not os.path.isdir(job.tmp_path))
+            if taken:
+                raise CheckpointSaveError(
+                    f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed: "
+                    f"its temporary directory {job.tmp_path.name} is gone: rank 0 removes it "
+                    "when it gives the save up (its error says why: a full disk, a rank that "
+                    "failed), and could not tell this rank (its Store did not answer); "
+                    "nothing was committed") from exc
             raise CheckpointSaveError(
                 f"rank {job.ctx.rank}: saving step {job.step} under {job.root} failed"
                 f"{f' in {call}' if call else ''}: {type(exc).__name__}: {exc}" + (
@@ -950,7 +962,7 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
                 return
             if job.pulse is not None and time.monotonic() >= look:
                 look = time.monotonic() + job.pulse.every_s
-                if job.pulse.aborted() is not None:
+                if job.pulse.stopped():
                     return
             time.sleep(0.05)
 
