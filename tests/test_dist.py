@@ -1586,16 +1586,26 @@ def test_a_rank_whose_save_directory_rank_0_removed_is_told_so(tmp_path: Path) -
     # (a DCP trial's rank 1, its save's directory removed by rank 0 as it gave the save
     # up, was told FileNotFoundError alone)
     store = dist.HashStore()
+    made = threading.Event()
 
-    class Removed(LocalStorage):
+    class Made(LocalStorage):  # (rank 0's: says when it has made the save's directory)
+        def makedirs(self, path: Path) -> None:
+            super().makedirs(path)
+            if ".tmp-" in Path(path).name:
+                made.set()
+
+    class Removed(LocalStorage):  # (rank 1's: the directory goes, as rank 0's abort takes it)
         def write_arena(self, path: Path, *args: Any, **kwargs: Any) -> None:
+            assert made.wait(10)
             shutil.rmtree(Path(path).parent, ignore_errors=True)
             super().write_arena(path, *args, **kwargs)
 
     def rank(r: int) -> Any:
         with AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=5,
-                               storage=Removed() if r == 1 else LocalStorage()) as ck:
-            return ck.save_async({f"w{r}": torch.full((1000,), float(r))}, step=1).wait()
+                               storage=Removed() if r == 1 else Made()) as ck:
+            # (rank 0 writes no file of its own: its write would race rank 1's removal)
+            state = {"n": 0} if r == 0 else {"w1": torch.full((1000,), 1.0)}
+            return ck.save_async(state, step=1).wait()
 
     out = in_threads(rank)
     assert isinstance(out[1], CheckpointSaveError), out[1]
