@@ -305,14 +305,14 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)
         except CheckpointCorruptError as exc:
-            # (a root: a step directory given is not marked; nor what may be no damage)
-            # (nor in a job: its processes' verdicts must agree, as a group's ranks')
-            if resolved is not None and not getattr(exc, "maybe_intact", False) and (
-                    not _in_a_job()):
+            # (a root: a step directory given is not marked; nor what may be no damage;
+            # nor in a job: its processes' verdicts must agree, as a group's ranks')
+            in_job = _in_a_job()
+            if resolved is not None and not exc.maybe_intact and not in_job:
                 from .checkpointer import PLAIN_LOAD_REMEDY
 
                 mark([(resolved, str(exc))], remedy=PLAIN_LOAD_REMEDY)
-            if _in_a_job():
+            if in_job:
                 # (a re-check trial: one rank followed the advice below, and the ranks
                 # went on from different steps; a module-level load decides per process)
                 _add_note(exc, f"rank {_process_rank()}: asyncckpt.load is this process's "

@@ -113,6 +113,8 @@ MetadataValue = str | int | float | bool | np.bool_ | np.integer[Any] | np.float
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
 # what a rank out of step with its group is told to do (every rank is told at one save)
+# What a warning of the steps a fallback load passed over says to do
+FALLBACK_REMEDY = "ckpt.discard_steps_after(<the step loaded>)"
 # What a warning of a step a plain load found damaged says to do (nothing was loaded: the
 # fallback's "discard_steps_after(<the step loaded>)" would name no step, and a user who
 # put the step before the damaged one there deleted the intact steps after it)
@@ -1260,8 +1262,7 @@ class AsyncCheckpointer:
                 # not in a group, where the ranks must agree (the others may have read
                 # their parts intact: fallback=True is the collective verdict), nor for
                 # what may be no damage (a tensor larger than this machine's memory)
-                if held is not None and not self._ctx.distributed and not getattr(
-                        exc, "maybe_intact", False):
+                if held is not None and not self._ctx.distributed and not exc.maybe_intact:
                     self._note_damaged([(held, str(exc))], remedy=PLAIN_LOAD_REMEDY)
                 raise
         finally:
@@ -1270,7 +1271,7 @@ class AsyncCheckpointer:
             self._in_use.release(held)
 
     def _note_damaged(self, found: list[tuple[int, str]], *,
-                      remedy: str = "ckpt.discard_steps_after(<the step loaded>)") -> None:
+                      remedy: str = FALLBACK_REMEDY) -> None:
         """Steps a fallback load found damaged (with what was found): retention counts
         them no more among the steps it keeps (a damaged step kept while the intact one
         before it went: a trial's keep_last=2 left [20 (corrupt), 30]). The coordinator
@@ -2363,7 +2364,7 @@ def _version() -> str:
 
 def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
                  lock: DirectoryLock, rank: int, *, marks: bool, unmarked_means: str,
-                 remedy: str = "ckpt.discard_steps_after(<the step loaded>)",
+                 remedy: str = FALLBACK_REMEDY,
                  unmarked_here: str = "") -> None:
     """Mark the steps a fallback load found damaged (``new``: step, what was found) with
     damaged.json, and warn of them. ``marks``: False where another rank marks (this one

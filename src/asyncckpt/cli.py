@@ -399,9 +399,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     listed, latest = len(listing.entries), listing.latest
     # a step it cannot read (permissions, a newer format); a directory it cannot list for
     # another reason (a symbolic link loop, EIO) is damage, as verify says of it
-    denied = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
-    untold = listing.untold or any(why in denied for _, why in unlistable)
-    corrupt = listing.corrupt or any(why not in denied for _, why in unlistable)
+    untold = listing.untold or any(why in _DENIED for _, why in unlistable)
+    corrupt = listing.corrupt or any(why not in _DENIED for _, why in unlistable)
     entries.sort(key=lambda e: -1 if e["step"] is None else e["step"])
     # A step whose files are amiss, or whose manifest is corrupt, is a corrupt checkpoint:
     # exit 1, as verify would (a script checking ls's status missed it); a step directory
@@ -461,6 +460,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 _RELISTS = 3  # ls and verify --all list a root again at most this many times
+# Why a step directory could not be listed, where that is a permission (a step that cannot
+# be told of, exit 2), not damage
+_DENIED = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
 
 
 class _Listing:
@@ -1208,15 +1210,24 @@ def _without_manifest(root: Path, storage: LocalStorage, above: int | None = Non
     warnings muted meanwhile, as ``ls`` mutes them (clean lists the steps only to find
     these: an unlistable step is ls's and verify's to tell of)."""
     names: list[str] = []
-    muting = quiet and commit.__name__ not in _LOG.muted
+    # (afterwards, clean's removals still say what they could not remove)
+    with _commit_log_muted() if quiet else contextlib.nullcontext():
+        commit.committed_steps(root, storage, [], names, above=above)
+    return names
+
+
+@contextlib.contextmanager
+def _commit_log_muted() -> Iterator[None]:
+    """The commit module's warnings muted meanwhile, as ``ls`` mutes them for its whole
+    run (they tell of step directories the command reports itself)."""
+    muting = commit.__name__ not in _LOG.muted
     if muting:
         _LOG.muted.add(commit.__name__)
     try:
-        commit.committed_steps(root, storage, [], names, above=above)
+        yield
     finally:
-        if muting:  # (clean's removals still say what they could not remove)
+        if muting:
             _LOG.muted.discard(commit.__name__)
-    return names
 
 
 def _dir_step(step_dir: Path) -> int:
@@ -1232,14 +1243,8 @@ def _steps_of(root: Path, storage: LocalStorage
     module's warning of an unlistable one muted: the report tells of it)."""
     unlistable: list[tuple[str, str]] = []
     lost: list[str] = []
-    muting = commit.__name__ not in _LOG.muted
-    if muting:
-        _LOG.muted.add(commit.__name__)
-    try:
+    with _commit_log_muted():
         steps = commit.committed_steps(root, storage, unlistable, lost)
-    finally:
-        if muting:
-            _LOG.muted.discard(commit.__name__)
     return steps, unlistable, lost
 
 
@@ -1300,10 +1305,9 @@ def _verify_all(args: argparse.Namespace) -> int:
     # A step directory it cannot list: for lack of permission, a step it cannot tell of;
     # for another reason (a symbolic link loop, EIO), a damaged one, as verify ROOT and ls
     # say (it said "all intact" beside such a step, and exited 0).
-    denied = (os.strerror(errno.EACCES), os.strerror(errno.EPERM))
     for name, why in unlistable:
         step_dir = root / name
-        if why in denied:
+        if why in _DENIED:
             untold[step_dir] = (f"{step_dir} cannot be listed: {why}; give this user read "
                                 "access to it")
         else:

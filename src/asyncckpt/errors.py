@@ -25,13 +25,17 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointCorruptError(CheckpointError, ValueError):
     """A checkpoint's bytes or metadata do not match what was committed.
 
-    ``path`` names the file and ``key`` the tensor (when one is known).
+    ``path`` names the file and ``key`` the tensor (when one is known). ``maybe_intact``:
+    what was found may be no damage (an EIO of a network mount's outage, a tensor larger
+    than this machine's memory): a load goes past the step, but marks nothing.
     """
 
-    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 maybe_intact: bool = False):
         super().__init__(message)
         self.path = path
         self.key = key
+        self.maybe_intact = maybe_intact
 
 
 class CheckpointPermissionError(CheckpointError, PermissionError):

@@ -547,9 +547,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
             undo.failed(step)
         # A step gone, here or on another rank (deleted while read; on a network
         # filesystem, not yet visible there), is no damage: nothing to mark or keep.
-        corrupt = problem is not None and not isinstance(problem, CheckpointNotFoundError)
-        # (what may be no damage: an EIO of an outage, a tensor too large for this machine)
-        corrupt = corrupt and not getattr(problem, "maybe_intact", False)
+        # (nor what may be no damage: an EIO of an outage, a tensor too large for this
+        # machine)
+        corrupt = isinstance(problem, CheckpointCorruptError) and not problem.maybe_intact
         bad = [(o.rank, o.problem) for o in others if not o.gone]
         if damaged is not None and (corrupt or bad):
             if agree is None:  # (alone: the finding is this process's, no rank to name)

@@ -371,13 +371,13 @@ def _allocation_error(where: Path, key: str, nbytes: int) -> CheckpointError:
         return CheckpointError(
             f"{where}: tensor {key!r} needs {nbytes} bytes, which could not be allocated "
             "(out of memory?): free memory, or load into an existing state")
-    err = CheckpointCorruptError(
+    # (maybe intact: no load marks the step damaged for it, a review's 200 GB embedding
+    # read on a 128 GB node)
+    return CheckpointCorruptError(
         f"{where}: tensor {key!r} claims {nbytes} bytes, more than this machine's memory "
         "could ever hold: the checkpoint is likely damaged (load another step), or was made "
-        "on a machine with more memory (load it there)", path=str(where), key=key)
-    # (no load marks the step damaged for it: a review's 200 GB embedding on a 128 GB node)
-    err.maybe_intact = True  # type: ignore[attr-defined]
-    return err
+        "on a machine with more memory (load it there)", path=str(where), key=key,
+        maybe_intact=True)
 
 
 def _physical_memory() -> int:
@@ -706,13 +706,12 @@ def _damaged(path: Path, exc: OSError, key: str | None = None) -> CheckpointErro
         return CheckpointPermissionError(
             f"{what} cannot be read: {exc.strerror or exc}; the checkpoint may be intact: give "
             "this user read access (or run as one that has it), then try again", path=str(path))
-    err = CheckpointCorruptError(f"{what} cannot be read ({exc.strerror or exc}): the "
-                                 "checkpoint is damaged or unreadable", path=str(path), key=key)
     # An EIO is a bad sector, or a network mount's outage (an NFS soft mount's timeout):
     # a load goes past the step, but marks nothing (a storage trial's outage marked every
     # step, and the next save's retention deleted them, intact, once it had passed)
-    err.maybe_intact = exc.errno == errno.EIO  # type: ignore[attr-defined]
-    return err
+    return CheckpointCorruptError(f"{what} cannot be read ({exc.strerror or exc}): the "
+                                  "checkpoint is damaged or unreadable", path=str(path), key=key,
+                                  maybe_intact=exc.errno == errno.EIO)
 
 
 def _open(path: Path, storage: ReadStorage) -> int:
