@@ -575,6 +575,21 @@ def test_a_failed_save_names_the_storage_call_that_failed(tmp_path: Path, call: 
         assert ckpt.steps() == []
 
 
+def test_a_failed_fd_call_of_a_save_names_the_file_it_was_of(tmp_path: Path) -> None:
+    """A storage trial's failed size check read "Failing.file_size(None)": an fd call
+    names the fd and the file its caller opened."""
+    class Failing(LocalStorage):
+        def file_size(self, fd: int) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Failing()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"failed in Failing\.file_size\(fd \d+ of \S*\.step_000000001"
+                                 r"\.tmp-\w+/rank_0+\.safetensors\): OSError: \[Errno 5\]"):
+            ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == []
+
+
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
     storage = GatedStorage()
     storage.gate.clear()

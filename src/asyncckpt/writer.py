@@ -1454,13 +1454,18 @@ def _storage_call(exc: BaseException) -> str:
     outermost, a subclass's own), or "": an EIO of an fsync names no file, and a storage's
     author could not tell which call failed."""
     tb = exc.__traceback__
+    opened = None  # the path of the last caller that had one: what an fd call's fd is of
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
+        path = frame.f_locals.get("path", frame.f_locals.get("src"))
         if frame.f_code.co_name in STORAGE_CALLS and owner is not None and hasattr(
                 owner, "write_arena"):
-            path = frame.f_locals.get("path", frame.f_locals.get("src"))
+            if path is None and "fd" in frame.f_locals:  # (a trial read "file_size(None)")
+                path = f"fd {frame.f_locals['fd']}" + (f" of {opened}" if opened else "")
             return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
+        if path is not None:
+            opened = path
         tb = tb.tb_next
     return ""
 
