@@ -577,10 +577,24 @@ def test_a_failed_save_names_the_storage_call_that_failed(tmp_path: Path, call: 
 
 def test_a_failed_fd_call_of_a_save_names_the_file_it_was_of(tmp_path: Path) -> None:
     """A storage trial's failed size check read "Failing.file_size(None)": an fd call
-    names the fd and the file its caller opened."""
+    names the fd and the file its caller opened; and a storage that takes ``*args`` names
+    the path it was given."""
     class Failing(LocalStorage):
         def file_size(self, fd: int) -> int:
             raise OSError(errno.EIO, "Input/output error")
+
+    class Wrapping(LocalStorage):  # (a storage that passes every call on, as a trial's)
+        def write_bytes(self, *args: Any) -> None:
+            if args[0].name == "manifest.json":
+                raise OSError(errno.EIO, "Input/output error")
+            super().write_bytes(*args)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Wrapping()) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"failed in Wrapping\.write_bytes\(\S*\.step_000000001\.tmp-"
+                                 r"\w+/manifest\.json\): OSError"):
+            ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == []
 
     with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Failing()) as ckpt:
         with pytest.raises(asyncckpt.CheckpointSaveError,

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import errno
 import functools
+import inspect
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ import traceback
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -1458,16 +1460,30 @@ def _storage_call(exc: BaseException) -> str:
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
-        path = frame.f_locals.get("path", frame.f_locals.get("src"))
+        path = _first_argument(frame)
         if frame.f_code.co_name in STORAGE_CALLS and owner is not None and hasattr(
                 owner, "write_arena"):
-            if path is None and "fd" in frame.f_locals:  # (a trial read "file_size(None)")
-                path = f"fd {frame.f_locals['fd']}" + (f" of {opened}" if opened else "")
+            if isinstance(path, int):  # (a trial read "file_size(None)")
+                path = f"fd {path}" + (f" of {opened}" if opened else "")
             return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
-        if path is not None:
-            opened = path
+        named = frame.f_locals.get("path")  # (what a caller opened is its "path")
+        if isinstance(named, (str, os.PathLike)):
+            opened = named
         tb = tb.tb_next
     return ""
+
+
+def _first_argument(frame: FrameType) -> Any:
+    """The first argument after ``self`` of ``frame``'s call (a path, or an fd), also of a
+    storage written as ``def write_bytes(self, *args)`` (a trial's wrapper read
+    "write_bytes(None)"); None if it has none."""
+    code, names = frame.f_code, frame.f_code.co_varnames
+    if code.co_argcount >= 2:
+        return frame.f_locals.get(names[1])
+    if code.co_flags & inspect.CO_VARARGS:
+        rest = frame.f_locals.get(names[code.co_argcount + code.co_kwonlyargcount])
+        return rest[0] if isinstance(rest, tuple) and rest else None
+    return None
 
 
 def _room_said(job: SaveJob, exc: BaseException) -> str:
