@@ -4441,3 +4441,18 @@ def test_a_done_callback_may_wait_for_the_checkpointer(tmp_path: Path) -> None:
         ck.save_async({"w": torch.ones(4)}, 1).add_done_callback(on_done)
         assert done.wait(30)
     assert got and got[0].step == 1
+
+
+def test_a_file_named_like_a_hidden_step_is_left_and_told_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A storage trial's file named like a step retention hid warned at every save (each
+    retention retried it, and a non-directory is not a save's to remove)."""
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1) as ckpt:
+        odd = tmp_path / ".step_000000001.deleting-0123456789ab"
+        odd.write_bytes(b"not ours")
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            for step in range(1, 5):
+                ckpt.save({"w": torch.ones(4)}, step=step)
+        told = [r.getMessage() for r in caplog.records if odd.name in r.getMessage()]
+        assert len(told) == 1 and "remove it by hand" in told[0], told
+        assert odd.read_bytes() == b"not ours" and ckpt.steps() == [4]

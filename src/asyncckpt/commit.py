@@ -330,15 +330,42 @@ def cleanup_abandoned(root: Path, storage: Storage,
     there); call only while holding the lock."""
     removed = []
     for name in abandoned_dirs(root, storage) if names is None else names:
+        if not_ours(root / name) and names is None:
+            continue
         try:
             storage.remove_tree(root / name)
             removed.append(name)
+        except NotADirectoryError as exc:
+            left_as_not_ours(root / name, exc, "cleaning up")
         except OSError as exc:
             log.warning("could not remove abandoned %s: %s", root / name, exc)
     if removed:
         log.info("removed %d abandoned checkpoint directories under %s: %s", len(removed), root,
                  ", ".join(removed))
     return removed
+
+
+# Entries named like a save's temporary or hidden directory that are not directories (no
+# save made them, and remove_tree leaves them): told once per process, not at every save
+# (a storage trial's file warned at each of them)
+_NOT_OURS: set[Path] = set()
+_NOT_OURS_LOCK = threading.Lock()
+
+
+def not_ours(path: Path) -> bool:
+    """Whether ``path`` was found not to be a directory a save made (left_as_not_ours)."""
+    with _NOT_OURS_LOCK:
+        return path in _NOT_OURS
+
+
+def left_as_not_ours(path: Path, exc: OSError, who: str) -> None:
+    """Leave ``path`` (remove_tree's NotADirectoryError) and say so, once per process."""
+    with _NOT_OURS_LOCK:
+        told = path in _NOT_OURS
+        _NOT_OURS.add(path)
+    if not told:
+        log.warning("%s: leaving %s as it is: %s; remove it by hand (not retried)", who, path,
+                    exc.strerror or exc)
 
 
 _TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")

@@ -1027,7 +1027,8 @@ def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
         log.warning("rank=0 step=%d: retention could not list %s for steps left half-removed: "
                     "%s", job.step, job.root, exc)
         return []
-    return [job.root / n for n in names if job.root / n not in hidden]
+    return [job.root / n for n in names if job.root / n not in hidden
+            and not commit.not_ours(job.root / n)]
 
 
 def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
@@ -1075,6 +1076,9 @@ def _remove(job: SaveJob, gone: Path) -> bool:
         return True
     except FileNotFoundError:  # removed meanwhile (e.g. by an earlier, slower removal)
         return True
+    except NotADirectoryError as exc:
+        commit.left_as_not_ours(gone, exc, f"rank=0 step={job.step}: retention")
+        return False
     except Exception as exc:
         log.warning("rank=0 step=%d: retention could not remove %s (the next save's retention "
                     "tries again): %s", job.step, gone, exc)
