@@ -4456,3 +4456,34 @@ def test_a_file_named_like_a_hidden_step_is_left_and_told_once(
         told = [r.getMessage() for r in caplog.records if odd.name in r.getMessage()]
         assert len(told) == 1 and "remove it by hand" in told[0], told
         assert odd.read_bytes() == b"not ours" and ckpt.steps() == [4]
+
+
+def test_a_parent_of_per_step_roots_names_them(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A DCP migrant saved each step under a directory of its own (ckpt/step_10 as the
+    root): loading, listing or resuming from ckpt said only "no committed checkpoint",
+    and a resume by latest_step() started afresh."""
+    for step in (10, 20):
+        asyncckpt.save({"w": torch.full((2,), float(step))}, tmp_path / f"step_{step}",
+                       step=step)
+    (tmp_path / "notes.txt").write_text("a run's notes")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                       match=r"step_10, \S*step_20 are checkpoint roots of its own: to load "
+                             r"from one, pass it as the directory"):
+        asyncckpt.load(tmp_path)
+    from asyncckpt.cli import main
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() is None
+    assert any("are checkpoint roots of its own" in r.getMessage() for r in caplog.records)
+    assert main(["verify", "--all", str(tmp_path)]) != 0
+    capsys.readouterr()
+    main(["ls", str(tmp_path)])
+    assert "are checkpoint roots of its own" in capsys.readouterr().out
+    # a root of its own steps is not told of others' (a best-model root inside it)
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path / "step_10" / "best", step=1)
+    with asyncckpt.AsyncCheckpointer(tmp_path / "step_10") as ckpt:
+        assert ckpt.latest_step() == 10
+    assert asyncckpt.load(tmp_path / "step_10")["w"].tolist() == [10.0, 10.0]

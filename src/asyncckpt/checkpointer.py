@@ -938,6 +938,7 @@ class AsyncCheckpointer:
             dcp_alone = ".metadata" in told and not any(n.endswith(".distcp") for n in told)
             foreign = commit.foreign_hint(self.directory, [
                 n for n in told if not (dcp_alone and n == ".metadata")]) if told else ""
+            foreign = foreign or commit.nested_hint(self.directory, names, self.storage)
             if foreign:
                 log.warning("no committed asyncckpt step under %s%s; until then, a resume "
                             "that asks latest_step() starts afresh", self.directory, foreign)

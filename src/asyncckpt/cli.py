@@ -422,7 +422,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "without_manifest": no_manifest, "no_manifest": no_manifest})
         return code
     if not entries:
-        _out(f"no committed checkpoints under {root}{commit.foreign_hint(root, names)}")
+        _out(f"no committed checkpoints under {root}{commit.foreign_hint(root, names)}"
+             f"{'' if abandoned else commit.nested_hint(root, names, storage)}")
     else:
         metrics = any(e.get("metrics") for e in entries)  # (a column only where there are)
         rows = [[str(e["step"]), human_bytes(e["bytes"]), str(e["tensors"]),
@@ -1265,8 +1266,10 @@ def _verify_all(args: argparse.Namespace) -> int:
                      "holds the step_* directories (or drop --all)")
     steps, unlistable, lost = _steps_of(root, storage)
     if not steps and not unlistable:
+        names = storage.listdir(root)
         exc = CheckpointNotFoundError(f"no committed checkpoint under {root}"
-                                      f"{commit.foreign_hint(root, storage.listdir(root))}")
+                                      f"{commit.foreign_hint(root, names)}"
+                                      f"{commit.nested_hint(root, names, storage)}")
         _refuse_lost_only(root, storage, exc)
         raise exc
     done: list[tuple[Path, VerifyReport, float]] = []

@@ -394,6 +394,30 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
     return ""
 
 
+def nested_hint(root: Path, names: Sequence[str], storage: ReadStorage) -> str:
+    """For a root without committed steps: its subdirectories that are checkpoint roots
+    themselves ("" for none), as a per-step layout leaves them (``ckpt/step_10`` used as
+    the root of step 10's save, DCP's habit: a resume from ``ckpt`` started afresh)."""
+    found = []
+    for name in sorted(n for n in names if not n.startswith(".") and step_of_dir_name(n)
+                       is None)[:_NESTED_LOOKS]:
+        try:
+            if committed_steps(root / name, storage, skip_denied=True):
+                found.append(name)
+        except (OSError, CheckpointError):  # a file, not listable: not a root
+            continue
+    if not found:
+        return ""
+    return (f"; {few([str(root / n) for n in found], 3)} "
+            f"{'is a checkpoint root' if len(found) == 1 else 'are checkpoint roots'} of "
+            f"its own: to load from {'it' if len(found) == 1 else 'one'}, pass it as the "
+            "directory (a checkpointer's directory "
+            "is the root of its step_* directories: saving every step under one root lets "
+            "latest_step() and retention see them all)")
+
+
+# The most subdirectories nested_hint looks into (a root of a million files is not read)
+_NESTED_LOOKS = 16
 
 
 # What a step may be given as (as_step takes it): an int, a NumPy integer, a 0-dim integer
@@ -489,7 +513,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
             junk = abandoned_dirs(root, storage)
             extra = f" ({len(junk)} incomplete ones ignored: {', '.join(junk[:3])})" if junk else ""
             raise CheckpointNotFoundError(
-                f"no committed checkpoint under {root}{extra}{foreign_hint(root, names)}")
+                f"no committed checkpoint under {root}{extra}{foreign_hint(root, names)}"
+                f"{nested_hint(root, names, storage) if not extra else ''}")
         step = newest
     elif step_dir_name(step) not in names or not _is_committed(
             root, step_dir_name(step), storage, denied="raise", damaged="raise"):
