@@ -1706,14 +1706,14 @@ def test_a_corrupt_latest_step_is_told_of_fallback(tmp_path: Path) -> None:
                  lambda **kw: asyncckpt.AsyncCheckpointer(tmp_path).load(**kw)):
         with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
             load()
-        assert "fallback=True" in "".join(getattr(info.value, "__notes__", []))
+        assert "fallback=True" in str(info.value)  # (in the message: a log line's too)
         assert load(fallback=True)["w"][0] == 1.0
         with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
             load(step=2)  # (a step asked for: no other step would do)
-        assert not getattr(info.value, "__notes__", [])
+        assert "fallback=True" not in str(info.value)
     with pytest.raises(asyncckpt.CheckpointCorruptError) as info:  # (a step directory)
         asyncckpt.load(tmp_path / "step_000000002")
-    assert not getattr(info.value, "__notes__", [])
+    assert "fallback=True" not in str(info.value)
 
 
 def test_nothing_committed_is_a_clear_not_found(tmp_path: Path) -> None:

@@ -41,8 +41,8 @@ from .errors import (
     StateMismatchError,
     UnsupportedLeafError,
 )
-from .errors import add_note as _add_note
 from .errors import check_flags as _check_flags
+from .errors import with_advice as _with_advice
 from .loader import LATEST_TRIES as _LATEST_TRIES
 from .loader import KeyMap as _KeyMap
 from .loader import ShardMetadata
@@ -315,12 +315,13 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             if in_job:
                 # (a re-check trial: one rank followed the advice below, and the ranks
                 # went on from different steps; a module-level load decides per process)
-                _add_note(exc, f"rank {_process_rank()}: asyncckpt.load is this process's "
-                               "alone, with fallback=True too: load another step in every "
-                               "process, or AsyncCheckpointer(root).load(..., fallback=True) "
-                               "on every rank, which brings them all to one intact step")
-            elif step is None and resolved is not None:  # (fallback not on: see above)
-                _add_note(exc, "asyncckpt.load(..., fallback=True) loads the newest intact "
-                             "step instead")
+                raise _with_advice(exc, f"rank {_process_rank()}: asyncckpt.load is this "
+                                   "process's alone, with fallback=True too: load another "
+                                   "step in every process, or AsyncCheckpointer(root).load("
+                                   "..., fallback=True) on every rank, which brings them all "
+                                   "to one intact step") from exc.__cause__
+            if step is None and resolved is not None:  # (fallback not on: see above)
+                raise _with_advice(exc, "asyncckpt.load(..., fallback=True) loads the newest "
+                                   "intact step instead") from exc.__cause__
             raise
     raise AssertionError("unreachable")

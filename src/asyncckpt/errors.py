@@ -167,6 +167,13 @@ def retold(exc: CheckpointError, message: str) -> CheckpointError:
     return out
 
 
+def with_advice(exc: CheckpointError, advice: str) -> CheckpointError:
+    """``exc`` with ``advice`` appended to its message (not a note: ``str(exc)``, what a
+    log line shows, lacks notes: a group's load advice was lost there), its traceback
+    and fields kept: ``raise with_advice(exc, ...) from exc.__cause__``."""
+    return retold(exc, f"{exc}; {advice}").with_traceback(exc.__traceback__)
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)``, on Python 3.10 too, which lacks it: there the note goes in
     ``exc.__notes__`` as 3.11 keeps it (PEP 678), for code and tools that read notes
