@@ -4487,3 +4487,25 @@ def test_a_parent_of_per_step_roots_names_them(tmp_path: Path,
     with asyncckpt.AsyncCheckpointer(tmp_path / "step_10") as ckpt:
         assert ckpt.latest_step() == 10
     assert asyncckpt.load(tmp_path / "step_10")["w"].tolist() == [10.0, 10.0]
+
+
+def test_strict_false_over_renamed_keys_warns_with_the_key_map(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """strict=False over a renamed model loads nothing: its warning gives the key_map that
+    would (and not strict=True's "strict=False would load none of them")."""
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    asyncckpt.save({"model": saved}, tmp_path, step=1)
+
+    class Renamed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = torch.nn.Linear(4, 4)
+
+    target = Renamed()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        asyncckpt.load(tmp_path, {"model": target}, strict=False)
+    assert "pass key_map=lambda p: 'model/enc.' + p[8:]" in caplog.text
+    assert "would load none" not in caplog.text
+    asyncckpt.load(tmp_path, {"model": target}, key_map={"model/0.weight": "model/enc.weight",
+                                                         "model/0.bias": "model/enc.bias"})
+    assert torch.equal(target.enc.weight, saved[0].weight)

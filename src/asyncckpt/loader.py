@@ -1384,7 +1384,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     if not strict:
         if hint:  # strict=False then skips the keys on both sides: say why nothing loaded
             skipped = (f"loading {step_dir} with strict=False skips {len(missing)} target "
-                       f"key(s) the checkpoint holds under other names{hint}")
+                       f"key(s) the checkpoint holds under other names" + hint.replace(
+                           "; strict=False would load none of them", ""))
         elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
             skipped = (f"loading {step_dir} with strict=False leaves {len(missing)} target "
                        f"key(s) the checkpoint does not hold as they are: {few(missing)}")
