@@ -4509,3 +4509,29 @@ def test_strict_false_over_renamed_keys_warns_with_the_key_map(
     asyncckpt.load(tmp_path, {"model": target}, key_map={"model/0.weight": "model/enc.weight",
                                                          "model/0.bias": "model/enc.bias"})
     assert torch.equal(target.enc.weight, saved[0].weight)
+
+
+def test_a_failed_saves_temporary_directory_left_behind_is_told(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A storage trial's failed save whose removal of its .tmp- directory failed too said
+    nothing of the directory left behind."""
+    class Failing(LocalStorage):
+        def write_bytes(self, path: Path, data: bytes) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        def remove_tree(self, path: Path) -> None:
+            if ".tmp-" in path.name:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            super().remove_tree(path)
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path, mode="async", storage=Failing()) as ckpt, pytest.raises(
+                asyncckpt.CheckpointSaveError):
+        ckpt.save(make_state(), step=1)
+    left = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    assert len(left) == 1
+    told = [r.getMessage() for r in caplog.records if left[0] in r.getMessage()]
+    assert told and "could not be removed" in told[0] and "asyncckpt clean" in told[0], told
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:  # (the next one removes it)
+        ckpt.save(make_state(), step=2)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]

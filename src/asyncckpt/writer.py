@@ -1116,8 +1116,15 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
     if job.tmp is None:
         return
     if ctx.is_coordinator or not ctx.distributed:
-        with contextlib.suppress(OSError):
+        try:
             job.storage.remove_tree(job.tmp)
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # (a storage trial's failed removal was silent)
+            log.warning("rank=%d step=%d: the failed save's temporary directory %s could not "
+                        "be removed (%s): it is never read; the next checkpointer opened on "
+                        "%s removes it, or 'asyncckpt clean' does", ctx.rank, job.step,
+                        job.tmp, err, job.root)
     elif job.announced and not job.rejected:
         # This rank's file is durable and announced, and no verdict came: the coordinator
         # may still commit the step, and then the file must be in it. If it aborts
