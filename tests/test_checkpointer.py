@@ -4535,3 +4535,27 @@ def test_a_failed_saves_temporary_directory_left_behind_is_told(
     with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:  # (the next one removes it)
         ckpt.save(make_state(), step=2)
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EINVAL])
+def test_a_failed_fsync_of_a_new_roots_parent_is_told_unless_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, code: int) -> None:
+    """A storage trial's EIO of the parent's fsync as the root was made was silent (a crash
+    may lose the root's entry, and every step in it); a filesystem refusing directory
+    fsyncs (EINVAL) loses nothing and is not told of."""
+    class Failing(LocalStorage):
+        def fsync_dir(self, path: Path) -> None:
+            if path == tmp_path:
+                raise OSError(code, os.strerror(code))
+            super().fsync_dir(path)
+
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"), asyncckpt.AsyncCheckpointer(
+            tmp_path / "run", mode="async", storage=Failing()) as ckpt:
+        ckpt.save(make_state(), step=1)
+        assert ckpt.steps() == [1]
+    told = [r.getMessage() for r in caplog.records if "may not survive a crash" in
+            r.getMessage()]
+    if code == errno.EIO:
+        assert len(told) == 1 and str(tmp_path / "run") in told[0], told
+    else:
+        assert not told

@@ -336,6 +336,11 @@ def _checked_storage(storage: Any) -> Storage:
     return cast(Storage, storage)
 
 
+# What fsync of a directory fails with where a filesystem does not do it (nothing lost)
+_FSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF,
+                            errno.EACCES, errno.EPERM, errno.EROFS})
+
+
 class AsyncCheckpointer:
     """Saves state trees without stopping training; loads them back, verified.
 
@@ -1695,8 +1700,18 @@ class AsyncCheckpointer:
                 f"cannot create the checkpoint directory {self.directory}: "
                 f"{exc.strerror or exc}" + os_error_hint(exc)) from exc
         for d in reversed(new):
-            with contextlib.suppress(OSError):  # best effort: some filesystems refuse it
+            try:
                 self.storage.fsync_dir(d.parent)
+            except OSError as exc:
+                if exc.errno in _FSYNC_REFUSED:  # some filesystems refuse it: best effort
+                    continue
+                # (a storage trial's EIO here was silent: steps committed in a directory
+                # whose own entry a crash may lose)
+                log.warning("the new checkpoint directory %s may not survive a crash: the "
+                            "fsync of %s failed (%s); its steps are committed as usual, but "
+                            "check the storage (an EIO is a failing disk or a lost network "
+                            "mount)", d, d.parent, exc.strerror or exc)
+                break
 
     def _cleanup(self) -> None:
         """Remove what a killed run left (temporary and half-deleted steps), under the
