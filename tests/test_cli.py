@@ -1865,3 +1865,26 @@ def test_ls_says_a_fifo_or_a_directory_in_a_files_place_is_not_a_regular_file(
         f"{shard} is not a regular file (a FIFO, device or directory)"]] * 2], rows
     code, _, err = run(capsys, "inspect", str(root))
     assert code == 1 and f"{shard} is not a regular file" in err, err
+
+
+def test_export_of_a_damaged_best_or_latest_step_names_the_one_to_pass_instead(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A deploy trial's 'export --best' beside a trainer met a damaged best step (a reader
+    cannot mark it: ls and export --best go on naming it), told no step to pass instead."""
+    root = tmp_path / "ck"
+    with asyncckpt.AsyncCheckpointer(root, mode="sync", best_metric="loss") as ckpt:
+        for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            ckpt.save({"model": {"w": torch.full((64,), float(step))}}, step,
+                      metrics={"loss": loss})
+    flip_byte(root / "step_000000002", "model/w")
+    out = tmp_path / "out.safetensors"
+    assert main(["export", "--best", "loss", str(root), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--best loss was step 2; the next best is step 3: pass --step 3" in err, err
+    assert main(["export", "--step", "3", str(root), str(out)]) == 0
+    flip_byte(root / "step_000000003", "model/w")
+    assert main(["export", "--force", str(root), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "the latest step was step 3; the step before it is step 2: pass --step 2" in err
+    assert main(["export", "--force", "--step", "3", str(root), str(out)]) == 1
+    assert "pass --step" not in capsys.readouterr().err  # (a step named: nothing else to say)

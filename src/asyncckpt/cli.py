@@ -336,13 +336,19 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
     while it was being read", in 12 runs of 20)."""
     from .loader import LATEST_TRIES
 
-    if getattr(args, "best", None) is not None:  # (with no --step: _check_choice)
+    best = getattr(args, "best", None) is not None  # (with no --step: _check_choice)
+    if best:
         args.step = _best_step(args, Path(args.ckpt))  # (a step named: never replaced)
     for left in range(LATEST_TRIES - 1, -1, -1):
         step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""))
         latest = args.step is None and step_dir != Path(args.ckpt)
         try:
             result = attempt(step_dir, storage)
+        except CheckpointCorruptError as exc:
+            if not latest or left == 0 or os.path.lexists(step_dir):
+                if (best or latest) and not exc.maybe_intact:
+                    raise retold(exc, f"{exc}{_instead(args, step_dir, best)}") from exc.__cause__
+                raise
         except (CheckpointError, OSError):
             if not latest or left == 0 or os.path.lexists(step_dir):
                 raise
@@ -352,6 +358,33 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
         _LOG_RETRY.info("%s was deleted (a save's keep_last) while it was read: reading the "
                         "newest step again", step_dir)
     raise AssertionError("unreachable")  # (the last try returns or raises)
+
+
+def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
+    """For a step chosen by --best or as the latest that is damaged: the step to name
+    instead ("" for none), as best_step() would pick it past this one (a deploy trial's
+    'export --best' named no other step: a reader beside a trainer cannot mark one)."""
+    from .checkpointer import AsyncCheckpointer
+
+    damaged = commit.step_of_dir_name(step_dir.name)
+    if damaged is None:
+        return ""
+    try:
+        with AsyncCheckpointer(step_dir.parent, mode="sync") as ckpt:  # (reads only)
+            if best:
+                ckpt._damaged.add(damaged)
+                other = ckpt.best_step(args.best, "max" if args.max else "min")
+            else:
+                other = next((s for s in reversed(ckpt.steps()) if s < damaged
+                              and not ckpt._amiss(s)), None)
+    except CheckpointError:
+        return ""
+    chosen = f"--best {args.best}" if best else "the latest step"
+    if other is None:
+        return f" ({chosen} was step {damaged}; no other step to name instead)"
+    what = "the next best" if best else "the step before it"
+    return (f" ({chosen} was step {damaged}; {what} is step {other}: pass --step {other}, "
+            "whose bytes were not read yet)")
 
 
 def _n(count: int, noun: str, plural: str | None = None) -> str:
