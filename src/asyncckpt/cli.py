@@ -470,8 +470,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                               if e["damaged"] else []))]
                 if e["error"] is None else
                 ["?" if e["step"] is None else str(e["step"]), "?", "?", "?",
-                 *(["?"] if metrics else []), f"UNREADABLE: {e['error']}"
-                 + "".join(f"; {d}" for d in e["damaged"])] for e in entries]
+                 *(["?"] if metrics else []),
+                 f"{'DAMAGED' if e['error'] in e['damaged'] else 'UNREADABLE'}: {e['error']}"
+                 + "".join(f"; {d}" for d in e["damaged"] if d != e["error"])]
+                for e in entries]
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
                      ""], rows, right=(0, 1, 2)))
         total = sum(e["bytes"] or 0 for e in entries)
@@ -549,15 +551,19 @@ class _Listing:
             unknown = isinstance(exc, (CheckpointVersionError, CheckpointPermissionError))
             self.corrupt = self.corrupt or not unknown
             self.untold = self.untold or unknown
-            # a copied step dir may have any name
+            # a copied step dir may have any name; a manifest that is damage (not a
+            # permission, nor a newer format) is in ``damaged`` too: a script told an exit-1
+            # row from an exit-2 one by the text of ``error`` alone (a CLI trial)
             return _unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
-                                   _marked(d, self.storage))
+                                   ([] if unknown else [str(exc)]) + _marked(d, self.storage))
         damaged = _damaged(d, m.files, self.storage)
         if damaged and d != self.root and not os.path.lexists(d):
             return None  # retired while its files were looked at: no step now, no damage
         # (an adversary trial: a shard this user may not read was OK to ls, exit 0, while
         # every load, inspect and verify failed on it; access(): a call per file, as stat)
         denied = [] if damaged else [n for n in m.files if not os.access(d / n, os.R_OK)]
+        if denied and d != self.root and not os.path.lexists(d):
+            return None  # (retired meanwhile: a CLI trial's ls said "permission denied")
         if denied:
             self.untold = True
             return _unreadable_row(
