@@ -1505,9 +1505,16 @@ def test_clean_refuses_while_another_process_holds_the_lock(
         assert doc["error"]["type"] == "CheckpointLockedError"
         assert doc["error"]["exit_code"] == 2 and f"pid {proc.pid}" in doc["error"]["message"]
         assert doc["lock"] == {"held": True, "pid": proc.pid, "note": None, "host": HOST}
-        code, _, err = run(capsys, "clean", str(root), "--dry-run")  # (its verdict too)
+        code, out, err = run(capsys, "clean", str(root), "--dry-run")  # (its verdict too)
         assert code == 2 and f"held by pid {proc.pid} on host {HOST} (as /proc/locks shows)" \
             in err, err
+        # ... and what it would remove, listed all the same (a CLI trial's listed nothing)
+        assert all(name in out for name in made) and "none removed (--dry-run)" in out, out
+        code, out, _ = run(capsys, "clean", str(root), "--dry-run", "--json")
+        doc = json.loads(out)
+        assert code == 2 and doc["ok"] is False and doc["dry_run"] is True
+        assert sorted(r["name"] for r in doc["abandoned"]) == sorted(made)
+        assert doc["error"]["type"] == "CheckpointLockedError" and doc["lock"]["held"] is True
         assert all((root / name).is_dir() for name in made)
         # ls says a save may be writing them
         code, out, _ = run(capsys, "ls", str(root))

@@ -830,8 +830,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
     if args.dry_run:  # takes no lock and writes nothing: tells the lock's state, as ls does
         state = _lock_state(real)
-        if state["held"]:
-            return _refuse_locked(args, root, state, "as /proc/locks shows")
+        # (held: still listed, exit 2; a CLI trial's dry run listed nothing while a
+        # trainer held the lock, where the docs say it lists and tells the holder)
         rows = [_abandoned_row(real, name) for name in commit.abandoned_dirs(real, storage)]
         rows += [_abandoned_row(real, name, bare=True) for name in bare()]
     elif commit.abandoned_dirs(real, storage) or os.path.lexists(lock.path) or bare():
@@ -867,15 +867,23 @@ def cmd_clean(args: argparse.Namespace) -> int:
         finally:
             lock.release()
     failed = [r for r in rows if r["error"] is not None]
-    code = _decided(args, EXIT_USAGE if failed else EXIT_OK)
+    held = args.dry_run and bool(state["held"])
+    code = _decided(args, EXIT_USAGE if failed or held else EXIT_OK)
     freed = sum(r["bytes_freed"] for r in rows)
     # (not asked to remove them: said, as ls says it)
     left = [] if args.without_manifest else _without_manifest(real, storage, quiet=True)
+    holder = (f"the lock of {root} is held by {_pid_text(state['pid'], state.get('host'))} "
+              "(as /proc/locks shows), a trainer saving there or another clean: clean "
+              "would remove nothing now, as these may be a save in progress") if held else None
     if args.json:
         _print_json({"ok": code == EXIT_OK, "root": str(root), "dry_run": args.dry_run,
                      "abandoned": rows, "removed": [r["name"] for r in rows if r["removed"]],
-                     "bytes_freed": freed, "lock": state, "without_manifest_left": left})
+                     "bytes_freed": freed, "lock": state, "without_manifest_left": left,
+                     **({"error": {"type": "CheckpointLockedError", "message": holder,
+                                   "exit_code": code}} if holder else {})})
         return code
+    if holder:
+        _error(holder)
     if left:  # (a docs trial: a plain clean said nothing of them)
         _out(_shown(f"{_n(len(left), 'step directory', 'step directories')} without "
                     f"{MANIFEST_NAME} left as they are ({', '.join(left)}): "
