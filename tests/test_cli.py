@@ -1923,3 +1923,15 @@ def test_ls_of_a_step_retired_as_its_files_are_checked_for_access_drops_it(
     doc = json.loads(out)
     assert code == 0 and [r["step"] for r in doc["steps"]] == [20, 30], (out, err)
     assert all(r["error"] is None for r in doc["steps"])
+
+
+def test_a_step_older_than_the_latest_and_gone_is_told_retention_may_have_removed_it(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CLI trial's 'verify ROOT --step 13' of a step ls had just listed, removed since by
+    a trainer's keep_last, was told to "check the path"."""
+    code, _, err = run(capsys, "verify", str(root), "--step", "15")
+    assert code == 2 and "(committed steps: 10, 20, 30); older than the latest, it may have " \
+        "been saved and then removed by retention" in err, err
+    assert "check the path" not in err
+    code, _, err = run(capsys, "verify", str(root), "--step", "31")  # (newer: never saved)
+    assert code == 2 and "retention" not in err and "check the path" in err, err

@@ -1875,7 +1875,8 @@ def _main(argv: list[str] | None) -> int:
         return _failed(args, exc, str(exc), EXIT_CORRUPT)
     except CheckpointNotFoundError as exc:
         told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
-            "a torch.save file" in str(exc))  # (what to do with another format is said)
+            "a torch.save file" in str(exc)) or (  # (what to do with another format is said)
+            "removed by retention" in str(exc))  # (not "check the path": a CLI trial)
         hint = "" if told else (
             ": check the path" if ".safetensors" in str(exc)  # (plain files: no steps to list)
             else ": check the path, or run 'asyncckpt ls' on the checkpoint root")

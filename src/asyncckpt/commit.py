@@ -526,9 +526,14 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
         lost = (f"; {step_dir_name(step)} is there without its {MANIFEST_NAME} (the manifest "
                 "lost, or a copy cut short): no load reads it"
                 if step_dir_name(step) in names else "")
+        # (a CLI trial's verify --step of a step ls had listed a moment before, beside a
+        # trainer, was told to "check the path")
+        gone = ("; older than the latest, it may have been saved and then removed by "
+                "retention (a saver's keep_last) since" if not lost and steps
+                and step < steps[-1] else "")
         raise (StepWithoutManifestError if lost else CheckpointNotFoundError)(
             f"no committed checkpoint for step {step} under {root} (committed steps: {have})"
-            f"{lost}")
+            f"{lost}{gone}")
     return root / step_dir_name(step), step
 
 
