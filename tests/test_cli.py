@@ -1935,3 +1935,64 @@ def test_a_step_older_than_the_latest_and_gone_is_told_retention_may_have_remove
     assert "check the path" not in err
     code, _, err = run(capsys, "verify", str(root), "--step", "31")  # (newer: never saved)
     assert code == 2 and "retention" not in err and "check the path" in err, err
+
+
+@pytest.mark.parametrize("argv", [["ls", ""], ["clean", ""], ["verify", ""], ["inspect", ""],
+                                  ["export", "", "out.safetensors"], ["serve", ""]])
+def test_an_empty_path_is_a_usage_error_not_the_working_directory(
+        argv: list[str], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A CLI trial's cron job ran 'ls "$UNSET" --json': exit 0, no steps, a false green."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv, "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False and "is empty: pass a path" in \
+        doc["error"]["message"], (out, err)
+    assert os.listdir(tmp_path) == []  # (nothing made in the working directory)
+
+
+@pytest.mark.parametrize("flag", [["--step", "1"], ["--best", "val_loss"]])
+def test_inspect_of_plain_safetensors_refuses_a_step_choice(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: list[str]) -> None:
+    """A CLI trial's CI gate ran 'inspect model.safetensors --best val_loss': exit 0, as if
+    it had inspected the best step (--step was refused)."""
+    f = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(f))
+    code, _, err = run(capsys, "inspect", str(f), *flag)
+    assert code == 2 and f"which have no steps: drop {flag[0]}" in err, err
+
+
+def test_inspect_says_it_takes_safetensors_files_and_the_directory_of_an_index(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CLI trial: inspect of an index.json said "pass a checkpoint root or a step
+    directory", ignoring the plain safetensors files inspect takes."""
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {}}')
+    code, _, err = run(capsys, "inspect", str(index))
+    assert code == 2 and "a .safetensors file or a directory of them" in err
+    assert f"an index of sharded safetensors files: pass {tmp_path}, which holds it" in err
+    code, _, err = run(capsys, "verify", str(index))
+    assert code == 2 and "which holds it" not in err and "or a step directory" in err, err
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_with_its_json_document(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A CLI trial: SIGTERM to export exited 130 with "KeyboardInterrupt" (no library
+    type), to verify, ls or inspect it killed the process (143) with no JSON document."""
+    import signal
+    import time
+
+    import asyncckpt.cli as cli
+
+    def terminated(args: Any) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not end the command")
+
+    monkeypatch.setattr(cli, "cmd_ls", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    code, out, err = run(capsys, "ls", str(root), "--json")
+    assert code == 130 and json.loads(out)["error"] == {
+        "type": "Interrupted", "message": "interrupted", "exit_code": 130}, (out, err)
+    assert signal.getsignal(signal.SIGTERM) is before  # (put back)

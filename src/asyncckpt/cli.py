@@ -280,9 +280,11 @@ def _dtype_name(text: str) -> str:
 _dtype_name.__name__ = "dtype (bf16, fp16, fp32, fp64, fp8_e4m3 or fp8_e5m2)"
 
 
-def _resolve(ckpt: str, step: int | None, plain_hint: str = "") -> tuple[Path, LocalStorage]:
+def _resolve(ckpt: str, step: int | None, plain_hint: str = "", command: str = ""
+             ) -> tuple[Path, LocalStorage]:
     """The step directory named by CKPT (+ --step); raises _Usage or CheckpointNotFoundError
-    (``plain_hint``: what to say when CKPT is a plain safetensors file)."""
+    (``plain_hint``: what to say when CKPT is a plain safetensors file; ``command``: the
+    command, for what it takes)."""
     storage = LocalStorage()
     path = Path(ckpt)
     if not path.is_dir():
@@ -293,7 +295,11 @@ def _resolve(ckpt: str, step: int | None, plain_hint: str = "") -> tuple[Path, L
                          "step directory")
         plain = (f" ({plain_hint})" if plain_hint and path.suffix == ".safetensors"
                  and path.is_file() else "")
-        raise _Usage(f"{path} {what}: pass a checkpoint root or a step directory{plain}"
+        if command == "inspect" and path.name.endswith(".safetensors.index.json") and (
+                path.is_file()):
+            plain += f" (an index of sharded safetensors files: pass {path.parent}, which holds it)"
+        takes = _TAKES.get(command, "a checkpoint root or a step directory")
+        raise _Usage(f"{path} {what}: pass {takes}{plain}"
                      f"{commit.foreign_hint(path) if path.is_file() else ''}")
     if step is not None and (path / MANIFEST_NAME).is_file():
         # (before resolve_step_dir, whose error says it in the words of the Python API)
@@ -320,6 +326,10 @@ def _warn_if_uncommitted(step_dir: Path) -> None:
               "no load reads it")
 
 
+_TAKES = {  # what a command takes, where more than a checkpoint (a CLI trial)
+    "inspect": "a checkpoint root, a step directory, a .safetensors file or a directory of "
+               "them",
+}
 _PLAIN_HINTS = {  # what a command given a plain safetensors file is told
     "verify": "a plain safetensors file holds no checksums to verify: 'asyncckpt inspect' "
               "shows its tensors",
@@ -340,7 +350,8 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
     if best:
         args.step = _best_step(args, Path(args.ckpt))  # (a step named: never replaced)
     for left in range(LATEST_TRIES - 1, -1, -1):
-        step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""))
+        step_dir, storage = _resolve(args.ckpt, args.step, _PLAIN_HINTS.get(args.command, ""),
+                                     args.command)
         latest = args.step is None and step_dir != Path(args.ckpt)
         try:
             result = attempt(step_dir, storage)
@@ -1062,9 +1073,10 @@ def _inspect_plain(args: argparse.Namespace, where: Path, files: list[str]) -> i
     """inspect of plain safetensors files: what asyncckpt.load_safetensors would load."""
     from .safetensors_files import describe
 
-    if args.step is not None:
+    if args.step is not None or getattr(args, "best", None) is not None:
+        flag = "--step" if args.step is not None else "--best"  # (--best was ignored: a trial)
         raise _Usage(f"{args.ckpt} holds plain safetensors files, which have no steps: drop "
-                     "--step")
+                     f"{flag}")
     m = describe(where, files)
     doc = _inspect_doc(where, m)
     doc.update(format="safetensors", step=None, world_size=None, library_version=None,
@@ -1638,6 +1650,15 @@ def _add_best(sp: argparse.ArgumentParser, text: str = "the committed step of th
                     "the least (a loss)")
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse an empty path argument: Path("") is the working directory, and a cron job's
+    'ls "$UNSET"' exited 0 with no steps (a CLI trial's false green)."""
+    for name, metavar in (("dir", "DIR"), ("ckpt", "CKPT"), ("out", "OUT")):
+        if getattr(args, name, None) == "":
+            raise _Usage(f"{metavar} is empty: pass a path (an unset shell variable?); "
+                         "'.' is the working directory")
+
+
 def _check_choice(args: argparse.Namespace) -> None:
     """The options that choose a step, together: --max only with --best, and --best or
     --step, not both (every command that has them)."""
@@ -1671,10 +1692,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="List, inspect, verify, export and serve asyncckpt checkpoints, and clean "
         "up what saves abandoned.",
         epilog="exit codes: 0 ok, 1 corrupt checkpoint (damaged, or a step directory "
-               "without its manifest), 2 could not tell (a usage error, nothing found)")
+               "without its manifest), 2 could not tell (a usage error, nothing found), "
+               "130 interrupted")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
-    ls.add_argument("dir", metavar="DIR", help="checkpoint root directory")
+    ls.add_argument("dir", metavar="DIR", help="checkpoint root directory (or one step's "
+                    "directory)")
     _add_best(ls, "mark the committed step whose METRIC (save_async(metrics=...)) is best")
     ls.set_defaults(func=cmd_ls)
     cl = sub.add_parser(
@@ -1861,8 +1884,13 @@ def _main(argv: list[str] | None) -> int:
     library = logging.getLogger("asyncckpt")
     library.addHandler(_LOG)
     try:
+        _check_paths(args)
         _check_choice(args)
-        code: int = args.func(args)
+        # SIGTERM (a supervisor's, a timeout's) ends a command as Ctrl-C does: exit 130 and
+        # its JSON document (a CLI trial's verify was ended silently, 143, while export
+        # said "interrupted"); serve has its own (a clean stop, exit 0)
+        with contextlib.nullcontext() if args.func is cmd_serve else _sigterm_interrupts():
+            code: int = args.func(args)
         try:  # here, not at exit, where a failure could only be printed as ignored
             if sys.stdout is not None:
                 sys.stdout.flush()
@@ -1922,7 +1950,8 @@ def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: in
     _error(message)
     if getattr(args, "json", False) and getattr(args, "verdict", None) is None:
         with contextlib.suppress(_OutputError):  # stderr has it
-            kind = "UsageError" if isinstance(exc, _Usage) else type(exc).__name__
+            kind = ("UsageError" if isinstance(exc, _Usage) else "Interrupted" if isinstance(
+                exc, KeyboardInterrupt) else type(exc).__name__)  # (Ctrl-C, or SIGTERM)
             _print_json({"ok": False, "error": {"type": kind,
                                                 "message": message, "exit_code": code}},
                         one_line=getattr(args, "func", None) is cmd_serve)
