@@ -1303,3 +1303,26 @@ def test_a_run_of_small_tensors_is_written_from_the_tensors_through_short_writes
     os.close(fd)
     assert path.read_bytes() == b"".join(bytes(v.cast("B")) for v in views)
     assert max(calls) == 6 and len(calls) > 5
+
+
+def test_a_full_disk_under_the_output_is_a_save_error_leaving_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CLI trial's export onto a full disk was told CheckpointConfigError (a setting to
+    change) for "No space left on device"."""
+    import errno as errno_
+
+    import asyncckpt.export as export_mod
+
+    asyncckpt.save({"model": {"w": torch.ones(1000)}}, tmp_path / "ck", step=1)
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno_.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_mod.os, "write", full)
+    out = tmp_path / "out" / "m.safetensors"
+    out.parent.mkdir()
+    with pytest.raises(asyncckpt.CheckpointSaveError, match=r"cannot write .*m\.safetensors: "
+                       r"No space left on device; nothing was written"):
+        export_safetensors(tmp_path / "ck", out)
+    monkeypatch.undo()
+    assert os.listdir(out.parent) == []

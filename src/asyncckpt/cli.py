@@ -390,12 +390,13 @@ def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
                               and not ckpt._amiss(s)), None)
     except CheckpointError:
         return ""
-    chosen = f"--best {args.best}" if best else "the latest step"
+    chosen = (f"--best {args.best} was step {damaged}; " if best else "" if args.step
+              is not None else f"the latest step was step {damaged}; ")
     if other is None:
-        return f" ({chosen} was step {damaged}; no other step to name instead)"
+        return f" ({chosen}no other step to name instead)"
     what = "the next best" if best else "the step before it"
-    return (f" ({chosen} was step {damaged}; {what} is step {other}: pass --step {other}, "
-            "whose bytes were not read yet)")
+    return (f" ({chosen}{what} is step {other}: pass --step {other}, whose bytes were not "
+            "read yet)")
 
 
 def _n(count: int, noun: str, plural: str | None = None) -> str:
@@ -1603,8 +1604,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         step_dir, got = _on_latest(args, attempt, lambda r: isinstance(r, VerifyReport))
         if isinstance(got, VerifyReport):
             _decided(args, EXIT_CORRUPT)
+            # (a CLI trial's damaged step 0 was told to "serve an earlier step")
             why = (f"not serving {step_dir}: {_n(len(got.problems), 'problem')} "
-                   f"({_n(got.tensors, 'tensor')} intact); serve an earlier step (--step)")
+                   f"({_n(got.tensors, 'tensor')} intact)"
+                   f"{_instead(args, step_dir, getattr(args, 'best', None) is not None)}")
             _to_stderr(f"asyncckpt: {why}")
             for p in got.problems[:20]:
                 _to_stderr(f"  - {_shown(p)}")

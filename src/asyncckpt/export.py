@@ -43,6 +43,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     check_flags,
 )
 from .loader import check_progress
@@ -338,7 +339,16 @@ def _writing(out: Path) -> Iterator[None]:
     except CheckpointError:
         raise
     except OSError as exc:
+        if exc.errno in _STORAGE_ERRNOS:  # (not a setting to change: a CLI trial's full
+            # disk read as CheckpointConfigError)
+            raise CheckpointSaveError(f"cannot write {out}: {exc.strerror or exc}; nothing "
+                                      "was written (no partial file is left): free space "
+                                      "or write elsewhere") from exc
         raise CheckpointConfigError(f"cannot write {out}: {exc.strerror or exc}") from exc
+
+
+# Errors of the storage under an export's output, not of what it was asked to do
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS})
 
 
 def _selects(name: str, prefix: str) -> bool:

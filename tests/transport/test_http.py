@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -1927,7 +1928,17 @@ def test_cli_serve_verify_refuses_a_damaged_checkpoint(
     out, err = capsys.readouterr()
     assert out == ""  # no address: nothing served
     assert "asyncckpt: not serving" in err and "1 problem" in err and "checksum" in err
-    assert "serve an earlier step (--step)" in err
+    # (one step only: no other to name; a CLI trial's step 0 was told "serve an earlier
+    # step")
+    assert "the latest step was step 1; no other step to name instead" in err, err
+    asyncckpt.save(state_of(), root, step=2)
+    shard = root / "step_000000002" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli_main(["serve", str(root), "--verify"]) == 1
+    assert "the step before it is step 1: pass --step 1" in capsys.readouterr().err
+    shutil.rmtree(root / "step_000000002")
     # --json: the failure as a document on stdout too, as every --json command's (it
     # printed nothing there)
     assert cli_main(["serve", str(root), "--verify", "--json"]) == 1
