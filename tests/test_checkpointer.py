@@ -4559,3 +4559,27 @@ def test_a_failed_fsync_of_a_new_roots_parent_is_told_unless_refused(
         assert len(told) == 1 and str(tmp_path / "run") in told[0], told
     else:
         assert not told
+
+
+def test_a_wait_out_of_time_during_retention_keeps_the_saves_info_for_the_next(
+        tmp_path: Path) -> None:
+    """A concurrency trial's poll loop of ckpt.wait(timeout=0.001): a timeout after the
+    commit, during keep_last's removals, dropped the save's CheckpointInfo, and every next
+    wait() returned None."""
+    class SlowRemove(LocalStorage):
+        def remove_tree(self, path: Path) -> None:
+            time.sleep(1.0)
+            super().remove_tree(path)
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=1,
+                                     storage=SlowRemove()) as ckpt:
+        ckpt.save(make_state(), step=1)
+        ckpt.save_async(make_state(), step=2).wait()  # (its retention of step 1 runs now)
+        with pytest.raises(asyncckpt.CheckpointTimeoutError,
+                           match=r"old steps .* are still being removed after 0\.1s "
+                                 r"\(retention, keep_last=1\)"):
+            ckpt.wait(timeout=0.1)
+        info = ckpt.wait()
+        assert info is not None and info.step == 2
+        assert ckpt.wait() is None  # (returned once)
+        assert ckpt.steps() == [2]

@@ -1267,7 +1267,8 @@ def test_a_shard_with_bytes_appended_is_not_said_to_be_truncated(tmp_path: Path)
         f.write(b"junk")
     with pytest.raises(CheckpointCorruptError, match=r"written to past its end \(bytes "
                                                      r"appended\), or replaced; load another "
-                                                     r"step\n"):
+                                                     r"step; asyncckpt\.load\(\.\.\., "
+                                                     r"fallback=True\) loads the newest"):
         asyncckpt.load(tmp_path)
 
 

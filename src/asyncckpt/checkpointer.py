@@ -851,13 +851,11 @@ class AsyncCheckpointer:
                     if not seen:
                         self._note_missed(exc)  # two failures: report both at once
                         raise
-                if self._pending is fut:
-                    self._pending = None
-                    self._last_said = (fut.step, "committed")
             # the save's retention, then the removal of what a killed run left (_cleanup)
+            kept = ", ".join(f"{k}={getattr(self.config, k)}" for k in (
+                "keep_last", "keep_every", "keep_best") if getattr(self.config, k) is not None)
             for attr, what, why in (
-                    ("_retention", "old steps", f" (retention, keep_last="
-                                                f"{self.config.keep_last})"),
+                    ("_retention", "old steps", f" (retention{', ' + kept if kept else ''})"),
                     ("_cleaning", "the directories a killed run left", "")):
                 removals = getattr(self, attr)
                 if removals is None:
@@ -869,6 +867,11 @@ class AsyncCheckpointer:
                         f"{what} under {self.directory} are still being removed after "
                         f"{timeout}s{why}") from None
                 setattr(self, attr, None)
+            # Forgotten only now: a wait(timeout) out of time during the removals kept it
+            # for the next wait() to return (a trial's poll loop got None, the step lost)
+            if fut is not None and info is not None and self._pending is fut:
+                self._pending = None
+                self._last_said = (fut.step, "committed")
             error = self._take_missed()
             if error is not None:
                 if info is not None:  # (not returned now, nor by a next wait(): said here)
