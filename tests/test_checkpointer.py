@@ -3081,6 +3081,35 @@ def test_a_close_interrupted_twice_keeps_the_lock_until_the_save_in_flight_ends(
     assert torch.equal(asyncckpt.load(tmp_path, step=1)["w"], state["w"])
 
 
+def test_close_again_after_a_close_interrupted_twice_waits_for_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrency trial caught the KeyboardInterrupt of a close() interrupted twice and
+    called close() again to let the save finish: it returned at once, and the process's
+    exit left the step uncommitted (exit status 0)."""
+    from asyncckpt import writer as W
+
+    slow = GatedCommit()
+    ck = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=slow)
+    state = {"w": torch.arange(10.0)}
+    ck.save_async(state, step=1)
+
+    def interrupted(*a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncckpt.AsyncCheckpointer, "_settle", staticmethod(interrupted))
+    monkeypatch.setattr(W.BackgroundWriter, "shutdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.close()
+    monkeypatch.undo()
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match="still being saved"):
+        ck.close(timeout=0.05)  # (a timeout is kept too)
+    threading.Timer(0.3, slow.gate.set).start()
+    ck.close()
+    assert not ck.is_pending and ck.steps() == [1]
+    ck.close()  # (and a close() after that does nothing)
+    assert torch.equal(asyncckpt.load(tmp_path, step=1)["w"], state["w"])
+
+
 def test_a_checkpointer_dropped_by_its_own_prepare_releases_the_lock(tmp_path: Path) -> None:
     """Dropped while prepare() allocates in the background, the last reference was the
     stager's task: close ran on that thread, could not join it, and kept the lock."""

@@ -1313,7 +1313,7 @@ class AsyncCheckpointer:
         if self._forked():
             self._closed = True  # (the parent's to close: its threads, its lock)
             return
-        if timeout is not None and not self._closed:
+        if timeout is not None and (not self._closed or self._pending is not None):
             self._wait_to_close(timeout)
         with self._one_call("close"):
             self._close(raise_missed=True)
@@ -1342,6 +1342,16 @@ class AsyncCheckpointer:
 
     def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
+            # A close() interrupted twice left its save in flight: a close() again waits
+            # for it, as it says (a concurrency trial's returned at once, and the process's
+            # exit then left the step uncommitted); and tells its failure, once
+            last, self._pending = self._pending, None
+            unseen = None if last is None else self._settle(
+                last, f"closing {self.directory}: ", quiet=raise_missed)
+            if raise_missed and unseen is not None:
+                raise CheckpointSaveError(
+                    f"closing {self.directory}: the last save, whose future nobody waited "
+                    f"on, failed: {unseen}") from unseen
             return
         unseen: BaseException | None = None
         last = self._pending
