@@ -1645,6 +1645,8 @@ def test_loading_the_latest_beside_its_own_save_in_flight_is_warned_of(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert ck.load()["w"][0] == 4.0
         ck.load(step=4)  # (a step asked for by number: no word)
+        for _ in range(3):  # (once per save: a trial's eval loop logged it at every load)
+            assert ck.load()["w"][0] == 4.0
     assert caplog.text.count("while this checkpointer's save of step 5 is in flight") == 1
     storage.gate.set()
     fut.wait()
@@ -1652,6 +1654,13 @@ def test_loading_the_latest_beside_its_own_save_in_flight_is_warned_of(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         assert ck.load()["w"][0] == 5.0
     assert "in flight" not in caplog.text
+    storage.gate.clear()
+    fut = ck.save_async({"w": torch.full((2,), 6.0)}, step=6)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        ck.load()
+        ck.load()
+    assert caplog.text.count("while this checkpointer's save of step 6 is in flight") == 1
+    storage.gate.set()
     ck.close()
 
 
