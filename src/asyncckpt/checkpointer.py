@@ -1349,13 +1349,13 @@ class AsyncCheckpointer:
             # A close() interrupted twice left its save in flight: a close() again waits
             # for it, as it says (a concurrency trial's returned at once, and the process's
             # exit then left the step uncommitted); and tells its failure, once
-            last, self._pending = self._pending, None
-            unseen = None if last is None else self._settle(
-                last, f"closing {self.directory}: ", quiet=raise_missed)
-            if raise_missed and unseen is not None:
+            left, self._pending = self._pending, None
+            failed = None if left is None else self._settle(
+                left, f"closing {self.directory}: ", quiet=raise_missed)
+            if raise_missed and failed is not None:
                 raise CheckpointSaveError(
                     f"closing {self.directory}: the last save, whose future nobody waited "
-                    f"on, failed: {unseen}") from unseen
+                    f"on, failed: {failed}") from failed
             return
         unseen: BaseException | None = None
         last = self._pending
