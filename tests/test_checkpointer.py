@@ -4621,3 +4621,22 @@ def test_a_wait_out_of_time_during_retention_keeps_the_saves_info_for_the_next(
         assert info is not None and info.step == 2
         assert ckpt.wait() is None  # (returned once)
         assert ckpt.steps() == [2]
+
+
+def test_pickling_a_checkpointer_or_its_future_says_what_to_send_instead(
+        tmp_path: Path) -> None:
+    """A concurrency trial's Dataset held the checkpointer: a spawn DataLoader failed with
+    "cannot pickle '_thread.lock' object"."""
+    import pickle
+
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        fut = ckpt.save_async(make_state(), step=1)
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"cannot be pickled .*pass the directory instead"):
+            pickle.dumps(ckpt)
+        with pytest.raises(asyncckpt.CheckpointConfigError,
+                           match=r"step 1 cannot be pickled .*send fut\.wait\(\)'s "
+                                 r"CheckpointInfo"):
+            pickle.dumps(fut)
+        info = pickle.loads(pickle.dumps(fut.wait()))
+        assert info.step == 1 and ckpt.steps() == [1]

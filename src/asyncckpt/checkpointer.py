@@ -907,6 +907,15 @@ class AsyncCheckpointer:
         """True while a save is staging or writing."""
         return self._pending is not None and not self._pending.done()
 
+    def __reduce__(self) -> Any:
+        # (a concurrency trial's Dataset holding one, under a spawn DataLoader, was told
+        # "cannot pickle '_thread.lock' object"; Python 3.14 spawns by default)
+        raise CheckpointConfigError(
+            f"an AsyncCheckpointer cannot be pickled (sent to another process: a spawn or "
+            f"forkserver DataLoader worker, a multiprocessing pool): it owns threads, host "
+            f"memory and the lock of {self.directory}; pass the directory instead, and "
+            "open an AsyncCheckpointer (or call asyncckpt.load) in that process")
+
     # --- discovering and loading ---------------------------------------------------------
 
     def __repr__(self) -> str:

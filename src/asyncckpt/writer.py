@@ -339,6 +339,12 @@ class CheckpointFuture:
             phase = "writing"
         return SaveProgress(self.step, phase, total, min(staged, total), min(written, total))
 
+    def __reduce__(self) -> Any:
+        raise CheckpointConfigError(
+            f"the CheckpointFuture of step {self.step} cannot be pickled (sent to another "
+            "process): it is this process's save in flight; send fut.wait()'s CheckpointInfo "
+            "(or the step) instead")
+
     def __repr__(self) -> str:
         # (what a notebook shows of ``fut``: the step and where its save stands, no wait)
         p = self.progress()
