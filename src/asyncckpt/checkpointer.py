@@ -904,8 +904,12 @@ class AsyncCheckpointer:
 
     @property
     def is_pending(self) -> bool:
-        """True while a save is staging or writing."""
-        return self._pending is not None and not self._pending.done()
+        """True while a save is staging or writing. In a process forked meanwhile,
+        raises CheckpointClosedError, as wait() does (no thread there ends that save)."""
+        pending = self._pending
+        if pending is not None and not pending._durable.done() and self._forked():
+            self._refuse_forked("is_pending")
+        return pending is not None and not pending._durable.done()
 
     def __reduce__(self) -> Any:
         # (a concurrency trial's Dataset holding one, under a spawn DataLoader, was told
@@ -928,7 +932,7 @@ class AsyncCheckpointer:
         last = getattr(self, "_last_said", None)
         if getattr(self, "_closed", True):
             state = "closed" if hasattr(self, "_closed") else "not made"
-        elif pending is not None and not pending.done():
+        elif pending is not None and not pending._durable.done():
             state = f"saving step {pending.step}"
         elif pending is not None:
             state = f"last save step {pending.step} {pending.progress().phase}"

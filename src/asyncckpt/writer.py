@@ -316,7 +316,8 @@ class CheckpointFuture:
         if os.getpid() != self._pid and not self._durable.done():
             raise CheckpointClosedError(
                 f"step {self.step} is being saved by process {self._pid}, which this process "
-                f"({os.getpid()}) was forked from: it cannot be waited for here")
+                f"({os.getpid()}) was forked from: it cannot be waited for, nor its outcome "
+                "known, here (no thread of this process ends it)")
 
     def progress(self) -> SaveProgress:
         """Where the save stands now: bytes copied and written, and its phase. Does not
@@ -360,7 +361,10 @@ class CheckpointFuture:
                 + (f" {where}" if where else "") + (f": {failed}" if failed else "") + ">")
 
     def done(self) -> bool:
-        """True once the save has committed or failed."""
+        """True once the save has committed or failed. In a process forked while it was
+        in flight, raises CheckpointClosedError (no thread there ends it: a poll loop of a
+        trial's child spun for ever)."""
+        self._refuse_forked()
         return self._durable.done()
 
     def staged(self) -> bool:
