@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import gc
@@ -3110,8 +3111,20 @@ def test_close_again_after_a_close_interrupted_twice_waits_for_the_save(
     with pytest.raises(KeyboardInterrupt):
         ck.close()
     monkeypatch.undo()
-    with pytest.raises(asyncckpt.CheckpointTimeoutError, match="still being saved"):
-        ck.close(timeout=0.05)  # (a timeout is kept too)
+    # (a review: a `with` block left by an exception, and the collector, return at once:
+    # the second interrupt asked not to wait)
+    t0 = time.monotonic()
+    ck.__exit__(RuntimeError, RuntimeError("the block failed"), None)
+    ck.__del__()
+    assert time.monotonic() - t0 < 1.0 and ck.is_pending
+    with pytest.raises(asyncckpt.CheckpointTimeoutError, match=r"still being saved to \S+ "
+                       r"\(\w+\); close\(\) again waits on"):
+        ck.close(timeout=0.05)  # (a timeout is kept too; "stays open" it is not)
+    monkeypatch.setattr(asyncckpt.AsyncCheckpointer, "_settle", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):  # (a third interrupt, in this wait)
+        ck.close()
+    monkeypatch.undo()
+    assert ck.is_pending  # (not forgotten: the review's third close returned at once)
     threading.Timer(0.3, slow.gate.set).start()
     ck.close()
     assert not ck.is_pending and ck.steps() == [1]
@@ -4642,5 +4655,7 @@ def test_pickling_a_checkpointer_or_its_future_says_what_to_send_instead(
                            match=r"step 1 cannot be pickled .*send fut\.wait\(\)'s "
                                  r"CheckpointInfo"):
             pickle.dumps(fut)
+        with pytest.raises(TypeError):  # (as pickle's own refusals: is_picklable helpers)
+            copy.deepcopy(ckpt)
         info = pickle.loads(pickle.dumps(fut.wait()))
         assert info.step == 1 and ckpt.steps() == [1]

@@ -38,6 +38,7 @@ from .errors import (
     CheckpointTimeoutError,
     CheckpointTransportError,
     CheckpointVersionError,
+    NotPicklableError,
     StateMismatchError,
     UnsupportedLeafError,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "CheckpointVersionError",
     "CheckpointerConfig",
     "LocalStorage",
+    "NotPicklableError",
     "PreemptionWatch",
     "RNGState",
     "SaveProgress",

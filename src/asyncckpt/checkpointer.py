@@ -53,6 +53,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    NotPicklableError,
     add_note,
     add_note_of,
     check_flags,
@@ -404,7 +405,8 @@ class AsyncCheckpointer:
         self._arena: HostArena | None = None
         self._small_saves = 0  # saves in a row that needed far less than the arena holds
         self._told_foreign = False  # steps() warned of another format's checkpoint here
-        self._told_in_flight: tuple[int, int] | None = None  # load() warned of this save
+        # load() warned of this save in flight (weak: no future is kept for it)
+        self._told_in_flight: weakref.ref[CheckpointFuture] | None = None
         self._small_need = 0  # ... and the most one of them needed
         self._plan: WritePlan | None = None
         self._arena_header_for: WritePlan | None = None  # whose header the arena holds
@@ -853,10 +855,8 @@ class AsyncCheckpointer:
                         self._note_missed(exc)  # two failures: report both at once
                         raise
             # the save's retention, then the removal of what a killed run left (_cleanup)
-            kept = ", ".join(f"{k}={getattr(self.config, k)}" for k in (
-                "keep_last", "keep_every", "keep_best") if getattr(self.config, k) is not None)
             for attr, what, why in (
-                    ("_retention", "old steps", f" (retention{', ' + kept if kept else ''})"),
+                    ("_retention", "old steps", f" ({self._retention_said()})"),
                     ("_cleaning", "the directories a killed run left", "")):
                 removals = getattr(self, attr)
                 if removals is None:
@@ -908,13 +908,13 @@ class AsyncCheckpointer:
         raises CheckpointClosedError, as wait() does (no thread there ends that save)."""
         pending = self._pending
         if pending is not None and not pending._durable.done() and self._forked():
-            self._refuse_forked("is_pending")
+            self._refuse_forked("is_pending")  # (raises)
         return pending is not None and not pending._durable.done()
 
     def __reduce__(self) -> Any:
         # (a concurrency trial's Dataset holding one, under a spawn DataLoader, was told
         # "cannot pickle '_thread.lock' object"; Python 3.14 spawns by default)
-        raise CheckpointConfigError(
+        raise NotPicklableError(
             f"an AsyncCheckpointer cannot be pickled (sent to another process: a spawn or "
             f"forkserver DataLoader worker, a multiprocessing pool): it owns threads, host "
             f"memory and the lock of {self.directory}; pass the directory instead, and "
@@ -1210,11 +1210,12 @@ class AsyncCheckpointer:
         check_progress(progress)
         view, shards, finish = excluded_view(state, parts, shards)
         pending = self._pending
+        told = self._told_in_flight
         if step is None and pending is not None and not pending.done() and not (
-                self._closed or self._told_in_flight == (pending.step, id(pending))):
+                self._closed or (told is not None and told() is pending)):
             # (documented, but a notebook trial took the step before for the one it saved;
             # once per save: an eval loop's 1,662 loads beside 5 saves logged 1,662)
-            self._told_in_flight = (pending.step, id(pending))
+            self._told_in_flight = weakref.ref(pending)
             log.warning("rank=%d: loading the latest committed step of %s while this "
                         "checkpointer's save of step %d is in flight: that save is not "
                         "committed yet, so an older step loads (ckpt.wait() first to load "
@@ -1330,45 +1331,73 @@ class AsyncCheckpointer:
         if self._forked():
             self._closed = True  # (the parent's to close: its threads, its lock)
             return
-        if timeout is not None and (not self._closed or self._pending is not None):
+        if self._closed:
+            self._close_again(timeout)
+            return
+        if timeout is not None:
             self._wait_to_close(timeout)
         with self._one_call("close"):
             self._close(raise_missed=True)
 
-    def _wait_to_close(self, given: float) -> None:
+    def _close_again(self, timeout: float | None) -> None:
+        """close() of a closed checkpointer: nothing, but after a close() interrupted
+        twice, which left its save in flight: a close() again waits for it, as close()
+        says (a concurrency trial's returned at once, and the process's exit then left
+        the step uncommitted), and tells its failure. Only an explicit close() waits: a
+        ``with`` block left by an exception, or the collector, return at once (the second
+        interrupt asked not to wait)."""
+        last = self._pending
+        if last is None:
+            return
+        with self._one_call("close"):
+            if timeout is not None:
+                self._wait_to_close(timeout, closed=True)
+            # (forgotten only once it has ended: a Ctrl-C in this wait leaves it pending)
+            failed = self._settle(last, f"closing {self.directory}: ", quiet=True)
+            if self._pending is last:
+                self._pending = None
+            earlier = self._take_missed()
+            if failed is not None:
+                error = CheckpointSaveError(
+                    f"closing {self.directory}: the last save, whose future nobody waited "
+                    f"on, failed: {failed}")
+                if earlier is not None:
+                    add_note_of(error, earlier)
+                raise error from failed
+            if earlier is not None:
+                raise earlier
+
+    def _retention_said(self) -> str:
+        """The retention settings that apply, for a message: ``retention, keep_last=2``."""
+        kept = ", ".join(f"{k}={getattr(self.config, k)}" for k in (
+            "keep_last", "keep_every", "keep_best") if getattr(self.config, k) is not None)
+        return f"retention{', ' + kept if kept else ''}"
+
+    def _wait_to_close(self, given: float, closed: bool = False) -> None:
         timeout = wait_seconds(given, "close")
         if timeout is None:  # (infinity: as close())
             return
         deadline = time.monotonic() + timeout
         fut, retention = self._pending, self._retention
+        stays = "" if closed else "the checkpointer stays open: "
         if fut is not None and not cf.wait([fut._durable], timeout).done:
             raise CheckpointTimeoutError(
                 f"close(timeout={timeout}): step {fut.step} is still being saved to "
-                f"{self.directory} ({fut.progress().phase}); the checkpointer stays open: "
+                f"{self.directory} ({fut.progress().phase}); {stays}"
                 "close() again waits on (the steps committed before it are intact)"
                 + _STUCK_EXIT)
-        for removals, what in ((retention, f"old steps under {self.directory} (retention, "
-                                            f"keep_last={self.config.keep_last})"),
+        for removals, what in ((retention, f"old steps under {self.directory} "
+                                            f"({self._retention_said()})"),
                                (self._cleaning, f"the directories a killed run left under "
                                                 f"{self.directory}")):
             if removals is not None and not cf.wait(
                     [removals], max(deadline - time.monotonic(), 0.0)).done:
                 raise CheckpointTimeoutError(
-                    f"close(timeout={timeout}): {what} are still being removed; the "
-                    "checkpointer stays open: close() again waits on" + _STUCK_EXIT)
+                    f"close(timeout={timeout}): {what} are still being removed; {stays}"
+                    "close() again waits on" + _STUCK_EXIT)
 
     def _close(self, *, raise_missed: bool, join: bool = True) -> None:
         if self._closed:
-            # A close() interrupted twice left its save in flight: a close() again waits
-            # for it, as it says (a concurrency trial's returned at once, and the process's
-            # exit then left the step uncommitted); and tells its failure, once
-            left, self._pending = self._pending, None
-            failed = None if left is None else self._settle(
-                left, f"closing {self.directory}: ", quiet=raise_missed)
-            if raise_missed and failed is not None:
-                raise CheckpointSaveError(
-                    f"closing {self.directory}: the last save, whose future nobody waited "
-                    f"on, failed: {failed}") from failed
             return
         unseen: BaseException | None = None
         last = self._pending
@@ -1516,7 +1545,8 @@ class AsyncCheckpointer:
     def _refuse_forked(self, what: str) -> None:
         if self._forked():
             raise CheckpointClosedError(
-                f"{what}() in process {os.getpid()}: the checkpointer of {self.directory} "
+                f"{what}{'' if what == 'is_pending' else '()'} in process {os.getpid()}: "
+                f"the checkpointer of {self.directory} "
                 f"belongs to process {self._pid}, which this one was forked from, and its "
                 "saves run there; make a new AsyncCheckpointer in this process"
                 + (f" (or read with asyncckpt.load({str(self.directory)!r}, state))"

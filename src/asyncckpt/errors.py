@@ -18,6 +18,12 @@ class CheckpointConfigError(CheckpointError, ValueError):
     """An argument or option has a bad value; the message names it and the allowed values."""
 
 
+class NotPicklableError(CheckpointConfigError, TypeError):
+    """An object that belongs to its process (a checkpointer, a save's future) was
+    pickled or copied: a TypeError, as pickle's own refusals are (helpers that test
+    picklability catch that), saying what to send instead."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint (or no such step) where one was asked for."""
 

@@ -43,6 +43,7 @@ from .errors import (
     CheckpointError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    NotPicklableError,
     seconds_text,
 )
 from .manifest import (
@@ -341,7 +342,7 @@ class CheckpointFuture:
         return SaveProgress(self.step, phase, total, min(staged, total), min(written, total))
 
     def __reduce__(self) -> Any:
-        raise CheckpointConfigError(
+        raise NotPicklableError(
             f"the CheckpointFuture of step {self.step} cannot be pickled (sent to another "
             "process): it is this process's save in flight; send fut.wait()'s CheckpointInfo "
             "(or the step) instead")
