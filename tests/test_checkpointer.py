@@ -4525,18 +4525,20 @@ def test_a_parent_of_per_step_roots_names_them(tmp_path: Path,
     (tmp_path / "notes.txt").write_text("a run's notes")
     (tmp_path / "empty").mkdir()
     with pytest.raises(asyncckpt.CheckpointNotFoundError,
-                       match=r"step_10, \S*step_20 are checkpoint roots of its own: to load "
+                       match=r"step_10, \S*step_20 are checkpoint roots of their own: to load "
                              r"from one, pass it as the directory"):
         asyncckpt.load(tmp_path)
     from asyncckpt.cli import main
     with caplog.at_level(logging.WARNING, logger="asyncckpt"), \
             asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
         assert ckpt.latest_step() is None
-    assert any("are checkpoint roots of its own" in r.getMessage() for r in caplog.records)
-    assert main(["verify", "--all", str(tmp_path)]) != 0
+    assert any("are checkpoint roots of their own" in r.getMessage() for r in caplog.records)
     capsys.readouterr()
+    assert main(["verify", "--all", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "checkpoint roots of their own" in err and "check the path" not in err, err
     main(["ls", str(tmp_path)])
-    assert "are checkpoint roots of its own" in capsys.readouterr().out
+    assert "are checkpoint roots of their own" in capsys.readouterr().out
     # a root of its own steps is not told of others' (a best-model root inside it)
     asyncckpt.save({"w": torch.ones(2)}, tmp_path / "step_10" / "best", step=1)
     with asyncckpt.AsyncCheckpointer(tmp_path / "step_10") as ckpt:

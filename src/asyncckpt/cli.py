@@ -378,7 +378,7 @@ def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
     from .checkpointer import AsyncCheckpointer
 
     damaged = commit.step_of_dir_name(step_dir.name)
-    if damaged is None:
+    if damaged is None or step_dir == Path(args.ckpt):  # (a step directory given: its own)
         return ""
     try:
         with AsyncCheckpointer(step_dir.parent, mode="sync") as ckpt:  # (reads only)
@@ -388,7 +388,7 @@ def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
             else:
                 other = next((s for s in reversed(ckpt.steps()) if s < damaged
                               and not ckpt._amiss(s)), None)
-    except CheckpointError:
+    except Exception:  # (advice inside an error's path: never in place of that error)
         return ""
     chosen = (f"--best {args.best} was step {damaged}; " if best else "" if args.step
               is not None else f"the latest step was step {damaged}; ")
@@ -1855,7 +1855,10 @@ def main(argv: list[str] | None = None) -> int:
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt meanwhile (its default ends the process without
     running any clean-up)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(
+            signal.SIGTERM) in (signal.SIG_IGN, None):
+        # (ignored by the caller, `trap '' TERM`: kept so; None: a handler set from C,
+        # which signal.signal could not put back)
         yield
         return
 
@@ -1907,7 +1910,8 @@ def _main(argv: list[str] | None) -> int:
     except CheckpointNotFoundError as exc:
         told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
             "a torch.save file" in str(exc)) or (  # (what to do with another format is said)
-            "removed by retention" in str(exc))  # (not "check the path": a CLI trial)
+            "checkpoint root of its own" in str(exc)) or (
+            "checkpoint roots of their own" in str(exc))
         hint = "" if told else (
             ": check the path" if ".safetensors" in str(exc)  # (plain files: no steps to list)
             else ": check the path, or run 'asyncckpt ls' on the checkpoint root")

@@ -399,25 +399,36 @@ def nested_hint(root: Path, names: Sequence[str], storage: ReadStorage) -> str:
     themselves ("" for none), as a per-step layout leaves them (``ckpt/step_10`` used as
     the root of step 10's save, DCP's habit: a resume from ``ckpt`` started afresh)."""
     found = []
+    looked = 0
+    local = isinstance(storage, LocalStorage)
     for name in sorted(n for n in names if not n.startswith(".") and step_of_dir_name(n)
-                       is None)[:_NESTED_LOOKS]:
-        try:
-            if committed_steps(root / name, storage, skip_denied=True):
+                       is None):
+        if looked == _NESTED_LOOKS:
+            break
+        if not os.path.isdir(root / name) if local else "." in name[1:]:
+            continue  # (a file: no look, and none of the budget; files have suffixes)
+        looked += 1
+        try:  # a root's listing holds step_* directories, the newest with a manifest
+            inner = sorted((n for n in storage.listdir(root / name)
+                            if step_of_dir_name(n) is not None), reverse=True)
+            if any(MANIFEST_NAME in storage.listdir(root / name / n) for n in inner[:4]):
                 found.append(name)
         except (OSError, CheckpointError):  # a file, not listable: not a root
             continue
     if not found:
         return ""
+    one = len(found) == 1
     return (f"; {few([str(root / n) for n in found], 3)} "
-            f"{'is a checkpoint root' if len(found) == 1 else 'are checkpoint roots'} of "
-            f"its own: to load from {'it' if len(found) == 1 else 'one'}, pass it as the "
+            f"{'is a checkpoint root of its own' if one else 'are checkpoint roots of their own'}"
+            f": to load from {'it' if one else 'one'}, pass it as the "
             "directory (a checkpointer's directory "
             "is the root of its step_* directories: saving every step under one root lets "
             "latest_step() and retention see them all)")
 
 
-# The most subdirectories nested_hint looks into (a root of a million files is not read)
-_NESTED_LOOKS = 16
+# The most subdirectories nested_hint looks into (each listed once, and up to 4 step
+# directories in each: a parent of many runs costs a few listings, on an error's path)
+_NESTED_LOOKS = 8
 
 
 # What a step may be given as (as_step takes it): an int, a NumPy integer, a 0-dim integer
@@ -528,8 +539,8 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
                 if step_dir_name(step) in names else "")
         # (a CLI trial's verify --step of a step ls had listed a moment before, beside a
         # trainer, was told to "check the path")
-        gone = ("; older than the latest, it may have been saved and then removed by "
-                "retention (a saver's keep_last) since" if not lost and steps
+        gone = ("; older than the latest: if it was saved, retention (a saver's "
+                "keep_last) may have removed it since" if not lost and steps
                 and step < steps[-1] else "")
         raise (StepWithoutManifestError if lost else CheckpointNotFoundError)(
             f"no committed checkpoint for step {step} under {root} (committed steps: {have})"
