@@ -124,3 +124,38 @@ def test_add_note_without_add_note_keeps_the_note_in_dunder_notes() -> None:
     native = asyncckpt.CheckpointSaveError("boom")
     errors.add_note(native, "noted")
     assert native.__notes__ == ["noted"]  # type: ignore[attr-defined]
+
+
+def test_advice_added_to_an_error_keeps_what_it_carried() -> None:
+    """(review) with_advice, the load's advice put into the message: the fields, the notes
+    (a list of its own), the cause, or the context where there was no cause, and the
+    traceback without the frame that re-raises it twice."""
+    import traceback
+
+    from asyncckpt.errors import with_advice
+
+    def read() -> None:
+        try:
+            raise OSError(5, "Input/output error")
+        except OSError:  # (an implicit context, no cause)
+            raise asyncckpt.CheckpointCorruptError(  # noqa: B904
+                "step 2 is damaged", path="/ck/f", key="w", maybe_intact=True)
+
+    def load() -> None:
+        try:
+            read()
+        except asyncckpt.CheckpointCorruptError as exc:
+            exc.add_note("an earlier note")
+            err = with_advice(exc, "load another step")
+            raise err from err.__cause__
+
+    with pytest.raises(asyncckpt.CheckpointCorruptError) as info:
+        load()
+    got = info.value
+    assert str(got) == "step 2 is damaged; load another step"
+    assert (got.path, got.key, got.maybe_intact) == ("/ck/f", "w", True)
+    assert got.__notes__ == ["an earlier note"]
+    got.add_note("the caller's")
+    assert isinstance(got.__cause__, OSError)  # (the context, kept as the cause)
+    frames = [f.name for f in traceback.extract_tb(got.__traceback__)]
+    assert frames.count("load") == 1 and frames[-1] == "read", frames

@@ -317,13 +317,15 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             if in_job:
                 # (a re-check trial: one rank followed the advice below, and the ranks
                 # went on from different steps; a module-level load decides per process)
-                raise _with_advice(exc, f"rank {_process_rank()}: asyncckpt.load is this "
+                err = _with_advice(exc, f"rank {_process_rank()}: asyncckpt.load is this "
                                    "process's alone, with fallback=True too: load another "
                                    "step in every process, or AsyncCheckpointer(root).load("
                                    "..., fallback=True) on every rank, which brings them all "
-                                   "to one intact step") from exc.__cause__
+                                   "to one intact step")
+                raise err from err.__cause__
             if step is None and resolved is not None:  # (fallback not on: see above)
-                raise _with_advice(exc, "asyncckpt.load(..., fallback=True) loads the newest "
-                                   "intact step instead") from exc.__cause__
+                err = _with_advice(exc, "asyncckpt.load(..., fallback=True) loads the newest "
+                                   "intact step instead")
+                raise err from err.__cause__
             raise
     raise AssertionError("unreachable")

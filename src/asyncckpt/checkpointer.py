@@ -1240,15 +1240,16 @@ class AsyncCheckpointer:
                     # (a DCP trial loaded an earlier step on the rank that raised: the
                     # other had loaded the newer one, and no error said so; in the
                     # message, not a note: a log line of str(exc) lost it)
-                    raise with_advice(exc, f"rank {self._ctx.rank}: a plain load is this "
+                    err = with_advice(exc, f"rank {self._ctx.rank}: a plain load is this "
                                       "rank's alone (the others may have loaded this step): "
                                       "load another step on every rank, or load(..., "
                                       "fallback=True) on every rank, which brings them all "
-                                      "to the newest step intact on every rank"
-                                      ) from exc.__cause__
+                                      "to the newest step intact on every rank")
+                    raise err from err.__cause__
                 if step is None and not fallback:  # (a trial: "load an earlier step", how?)
-                    raise with_advice(exc, "load(..., fallback=True) loads the newest intact "
-                                      "step instead") from exc.__cause__
+                    err = with_advice(exc, "load(..., fallback=True) loads the newest intact "
+                                      "step instead")
+                    raise err from err.__cause__
                 raise
         raise AssertionError("unreachable")
 

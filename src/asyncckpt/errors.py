@@ -175,9 +175,20 @@ def retold(exc: CheckpointError, message: str) -> CheckpointError:
 
 def with_advice(exc: CheckpointError, advice: str) -> CheckpointError:
     """``exc`` with ``advice`` appended to its message (not a note: ``str(exc)``, what a
-    log line shows, lacks notes: a group's load advice was lost there), its traceback
-    and fields kept: ``raise with_advice(exc, ...) from exc.__cause__``."""
-    return retold(exc, f"{exc}; {advice}").with_traceback(exc.__traceback__)
+    log line shows, lacks notes: a group's load advice was lost there): its fields, a
+    list of its notes of its own, its traceback below the frame re-raising it, and as
+    ``__cause__`` its cause, or its context where it had no cause: raise it as
+    ``err = with_advice(exc, ...); raise err from err.__cause__``."""
+    out = retold(exc, f"{exc}; {advice}")
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        with contextlib.suppress(AttributeError):
+            setattr(out, "__notes__", list(notes))  # noqa: B010
+    tb = exc.__traceback__
+    out = out.with_traceback(tb.tb_next if tb is not None and tb.tb_next is not None else tb)
+    out.__cause__ = exc.__cause__ if exc.__cause__ is not None or exc.__suppress_context__ \
+        else exc.__context__
+    return out
 
 
 def add_note(exc: BaseException, note: str) -> None:
