@@ -1322,7 +1322,8 @@ def test_a_full_disk_under_the_output_is_a_save_error_leaving_nothing(
     out = tmp_path / "out" / "m.safetensors"
     out.parent.mkdir()
     with pytest.raises(asyncckpt.CheckpointSaveError, match=r"cannot write .*m\.safetensors: "
-                       r"No space left on device; nothing was written"):
+                       r"No space left on device; the export was not published: free "
+                       r"space"):
         export_safetensors(tmp_path / "ck", out)
     monkeypatch.undo()
     assert os.listdir(out.parent) == []

@@ -337,9 +337,9 @@ def _checked_storage(storage: Any) -> Storage:
     return cast(Storage, storage)
 
 
-# What fsync of a directory fails with where a filesystem does not do it (nothing lost)
-_FSYNC_REFUSED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF,
-                            errno.EACCES, errno.EPERM, errno.EROFS})
+# What fsync of a directory fails with where the storage lost what it was given (any other
+# error: a filesystem that does not do it, or refuses it, nothing lost)
+_FSYNC_FAILED = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
 
 
 class AsyncCheckpointer:
@@ -1764,14 +1764,14 @@ class AsyncCheckpointer:
             try:
                 self.storage.fsync_dir(d.parent)
             except OSError as exc:
-                if exc.errno in _FSYNC_REFUSED:  # some filesystems refuse it: best effort
+                if exc.errno not in _FSYNC_FAILED:  # some filesystems refuse it: best effort
                     continue
                 # (a storage trial's EIO here was silent: steps committed in a directory
                 # whose own entry a crash may lose)
                 log.warning("the new checkpoint directory %s may not survive a crash: the "
                             "fsync of %s failed (%s); its steps are committed as usual, but "
                             "check the storage (an EIO is a failing disk or a lost network "
-                            "mount)", d, d.parent, exc.strerror or exc)
+                            "mount)", self.directory, d.parent, exc.strerror or exc)
                 break
 
     def _cleanup(self) -> None:

@@ -350,6 +350,9 @@ def cleanup_abandoned(root: Path, storage: Storage,
 # (a storage trial's file warned at each of them)
 _NOT_OURS: set[Path] = set()
 _NOT_OURS_LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # (a child forked while another thread held it)
+    os.register_at_fork(after_in_child=lambda: globals().update(
+        _NOT_OURS_LOCK=threading.Lock()))
 
 
 def not_ours(path: Path) -> bool:

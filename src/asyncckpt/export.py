@@ -341,9 +341,11 @@ def _writing(out: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno in _STORAGE_ERRNOS:  # (not a setting to change: a CLI trial's full
             # disk read as CheckpointConfigError)
-            raise CheckpointSaveError(f"cannot write {out}: {exc.strerror or exc}; nothing "
-                                      "was written (no partial file is left): free space "
-                                      "or write elsewhere") from exc
+            what = ("free space, or write elsewhere" if exc.errno in (
+                errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "check that storage, or write "
+                "elsewhere")
+            raise CheckpointSaveError(f"cannot write {out}: {exc.strerror or exc}; the "
+                                      f"export was not published: {what}") from exc
         raise CheckpointConfigError(f"cannot write {out}: {exc.strerror or exc}") from exc
 
 

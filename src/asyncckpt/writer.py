@@ -1499,12 +1499,20 @@ def _first_argument(frame: FrameType) -> Any:
     """The first argument after ``self`` of ``frame``'s call (a path, or an fd), also of a
     storage written as ``def write_bytes(self, *args)`` (a trial's wrapper read
     "write_bytes(None)"); None if it has none."""
-    code, names = frame.f_code, frame.f_code.co_varnames
+    code, names, local = frame.f_code, frame.f_code.co_varnames, frame.f_locals
     if code.co_argcount >= 2:
-        return frame.f_locals.get(names[1])
+        return local.get(names[1])
     if code.co_flags & inspect.CO_VARARGS:
-        rest = frame.f_locals.get(names[code.co_argcount + code.co_kwonlyargcount])
-        return rest[0] if isinstance(rest, tuple) and rest else None
+        rest = local.get(names[code.co_argcount + code.co_kwonlyargcount])
+        if isinstance(rest, tuple) and rest:
+            return rest[0]
+    # (keyword-only, or **kwargs: the protocol's own names)
+    for name in ("path", "src", "fd"):
+        if name in local:
+            return local[name]
+    kwargs = local.get(names[-1]) if code.co_flags & inspect.CO_VARKEYWORDS else None
+    if isinstance(kwargs, dict):
+        return next((kwargs[n] for n in ("path", "src", "fd") if n in kwargs), None)
     return None
 
 
