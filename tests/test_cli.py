@@ -2027,3 +2027,46 @@ def test_serve_verify_of_a_damaged_step_directory_names_no_latest(
     assert main(["serve", str(root / "step_000000030"), "--verify"]) == 1
     err = capsys.readouterr().err
     assert "not serving" in err and "latest" not in err and "--step" not in err, err
+
+
+def test_a_step_retired_while_inspect_reads_it_is_no_step_not_damage(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A re-check trial's inspect --step of the oldest step beside a trainer (keep_last=2)
+    said DAMAGED, "rank_00000.safetensors is missing", exit 1, 66 times in 1,719: the step
+    was removed by retention as it was read."""
+    import asyncckpt.cli as cli
+
+    real = cli._damaged
+
+    def retired_meanwhile(step_dir: Path, files: Any, storage: Any) -> list[str]:
+        step_dir.rename(step_dir.with_name(".step_000000010.deleting-0123456789ab"))
+        return real(step_dir, files, storage)
+
+    monkeypatch.setattr(cli, "_damaged", retired_meanwhile)
+    code, out, err = run(capsys, "inspect", str(root), "--step", "10", "--json")
+    assert code == 2 and "was deleted while it was being read" in json.loads(out)[
+        "error"]["message"], (out, err)
+    assert "DAMAGED" not in err
+
+
+def test_a_step_retired_as_it_is_resolved_is_not_one_without_its_manifest(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A re-check trial's export --step beside a trainer was told, 3 times in 1,511,
+    "step_N is there without its manifest.json" (exit 1) of a step retention had hidden
+    between the listing and the look for its manifest."""
+    from asyncckpt import commit
+
+    real = commit._is_committed
+
+    def hidden_meanwhile(root_: Path, name: str, *a: Any, **kw: Any) -> bool:
+        if name == "step_000000010" and (root_ / name).exists():
+            (root_ / name).rename(root_ / ".step_000000010.deleting-0123456789ab")
+        return real(root_, name, *a, **kw)
+
+    monkeypatch.setattr(commit, "_is_committed", hidden_meanwhile)
+    code, _, err = run(capsys, "export", str(root), str(root.parent / "o.safetensors"),
+                       "--step", "10")
+    assert code == 2 and "without its manifest" not in err and \
+        "no committed checkpoint for step 10" in err, err

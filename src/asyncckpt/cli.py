@@ -364,6 +364,14 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
             if not latest or left == 0 or os.path.lexists(step_dir):
                 raise
         else:
+            if failed(result) and not os.path.lexists(step_dir) and (not latest or left == 0):
+                # (a step a saver's retention removed as it was read, named by --step or
+                # as a directory: a CLI trial's inspect beside a trainer said DAMAGED, "is
+                # missing", exit 1, where cli.md says such a step is no step)
+                raise CheckpointNotFoundError(
+                    f"{step_dir} was deleted while it was being read (the keep_last "
+                    "retention of a newer save, or another process): use a step that is "
+                    "still committed ('asyncckpt ls' lists them)")
             if not latest or left == 0 or not failed(result) or os.path.lexists(step_dir):
                 return step_dir, result
         _LOG_RETRY.info("%s was deleted (a save's keep_last) while it was read: reading the "

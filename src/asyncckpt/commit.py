@@ -537,9 +537,12 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
             refuse_a_step_dir_without_manifest(root, names)
         have = (", ".join(map(str, steps[-10:])) or "none") + (
             f"; and {len(steps) - 10} older" if len(steps) > 10 else "")
+        # (there now, not only when listed: a step retention hid meanwhile is no step, not
+        # one "without its manifest", which a CLI trial's export beside a trainer was told)
         lost = (f"; {step_dir_name(step)} is there without its {MANIFEST_NAME} (the manifest "
                 "lost, or a copy cut short): no load reads it"
-                if step_dir_name(step) in names else "")
+                if step_dir_name(step) in names and still_there(root, step_dir_name(step),
+                                                                 storage) else "")
         # (a CLI trial's verify --step of a step ls had listed a moment before, beside a
         # trainer, was told to "check the path")
         gone = ("; older than the latest: if it was saved, retention (a saver's "
