@@ -2070,3 +2070,52 @@ def test_a_step_retired_as_it_is_resolved_is_not_one_without_its_manifest(
                        "--step", "10")
     assert code == 2 and "without its manifest" not in err and \
         "no committed checkpoint for step 10" in err, err
+
+
+def test_an_interrupt_after_the_json_document_is_out_keeps_its_verdict(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A re-check trial's SIGTERM at the end of a long --json document gave a whole
+    "ok": true document and exit 130 (the code must say what the document says)."""
+    import asyncckpt.cli as cli
+
+    real = cli.cmd_ls
+
+    def then_interrupted(args: Any) -> int:
+        real(args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_ls", then_interrupted)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)  # (one document, whole)
+    assert code == 0 and doc["ok"] is True
+
+    def interrupted_midway(args: Any) -> int:
+        cli._decided(args, 0)
+        cli._DOC_OUT[0] = 1  # (as if cut off in its write)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_ls", interrupted_midway)
+    code, out, err = run(capsys, "ls", str(root), "--json")
+    assert code == 130 and out == "" and "what was printed is incomplete" in err
+
+
+def test_a_blank_path_is_a_usage_error_too(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """A re-check trial's 'export ROOT " "' wrote a file named " " in the working
+    directory, where "" was refused."""
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code, _, err = run(capsys, "export", str(root), " ")
+    assert code == 2 and "OUT is ' ': pass a path" in err, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_serve_verify_of_a_damaged_oldest_step_names_the_latest(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A re-check trial's damaged step 0 (the oldest) was told "no other step to name
+    instead" while later steps were committed and intact."""
+    flip_byte(root / "step_000000010", "model/w")
+    assert main(["serve", str(root), "--step", "10", "--verify"]) == 1
+    assert "the latest is step 30: pass --step 30" in capsys.readouterr().err

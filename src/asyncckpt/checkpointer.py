@@ -1372,7 +1372,8 @@ class AsyncCheckpointer:
         """The retention settings that apply, for a message: ``retention, keep_last=2``."""
         kept = ", ".join(f"{k}={getattr(self.config, k)}" for k in (
             "keep_last", "keep_every", "keep_best") if getattr(self.config, k) is not None)
-        return f"retention{', ' + kept if kept else ''}"
+        return (f"retention, {kept}" if kept else "no keep_* setting: steps an earlier "
+                "removal left half-removed, or marked damaged")
 
     def _wait_to_close(self, given: float, closed: bool = False) -> None:
         timeout = wait_seconds(given, "close")

@@ -232,8 +232,19 @@ def _metrics_text(metrics: dict[str, float | str]) -> str:
 
 def _print_json(doc: Any, *, one_line: bool = False) -> None:
     """``doc`` on stdout, indented; ``one_line``: on one line (serve prints its address as
-    one line, which a script reads first: so is its failure)."""
-    _out(json.dumps(doc) if one_line else json.dumps(doc, indent=2), flush=one_line)
+    one line, which a script reads first: so is its failure). Flushed: once it is out
+    whole, an interrupt ends the command with the code it says (_DOC_OUT)."""
+    text = json.dumps(doc) if one_line else json.dumps(doc, indent=2)
+    _DOC_OUT[0] = 1
+    _out(text, flush=True)
+    _DOC_OUT[0] = 2
+
+
+# How far this command's JSON document is out: 0 not begun, 1 begun, 2 whole. A signal
+# once it is whole exits with the code it says, not 130 (a re-check trial's SIGTERM at the
+# end of a long document gave a whole "ok": true document, and exit 130); one while it is
+# printed adds no second document to the first's half
+_DOC_OUT = [0]
 
 
 def _step_number(text: str) -> int:
@@ -393,16 +404,18 @@ def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
             if best:
                 ckpt._damaged.add(damaged)
                 other = ckpt.best_step(args.best, "max" if args.max else "min")
-            else:
-                other = next((s for s in reversed(ckpt.steps()) if s < damaged
-                              and not ckpt._amiss(s)), None)
+            else:  # the one before it, or (none) the newest other one
+                steps = [s for s in reversed(ckpt.steps()) if s != damaged]
+                other = next((s for s in steps if s < damaged and not ckpt._amiss(s)),
+                             next((s for s in steps if not ckpt._amiss(s)), None))
     except Exception:  # (advice inside an error's path: never in place of that error)
         return ""
     chosen = (f"--best {args.best} was step {damaged}; " if best else "" if args.step
               is not None else f"the latest step was step {damaged}; ")
     if other is None:
         return f" ({chosen}no other step to name instead)"
-    what = "the next best" if best else "the step before it"
+    what = ("the next best" if best else "the step before it" if other < damaged
+            else "the latest")
     return (f" ({chosen}{what} is step {other}: pass --step {other}, whose bytes were not "
             "read yet)")
 
@@ -1665,9 +1678,10 @@ def _check_paths(args: argparse.Namespace) -> None:
     """Refuse an empty path argument: Path("") is the working directory, and a cron job's
     'ls "$UNSET"' exited 0 with no steps (a CLI trial's false green)."""
     for name, metavar in (("dir", "DIR"), ("ckpt", "CKPT"), ("out", "OUT")):
-        if getattr(args, name, None) == "":
-            raise _Usage(f"{metavar} is empty: pass a path (an unset shell variable?); "
-                         "'.' is the working directory")
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():  # (blanks too: export wrote " ")
+            raise _Usage(f"{metavar} is {'empty' if not value else repr(value)}: pass a path "
+                         "(an unset shell variable?); '.' is the working directory")
 
 
 def _check_choice(args: argparse.Namespace) -> None:
@@ -1733,7 +1747,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("verify", cmd_verify, "check every header and checksum of one checkpoint")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("ckpt", metavar="CKPT",
-                        help="a checkpoint root (latest step unless --step) or a step directory")
+                        help="a checkpoint root (latest step unless --step) or a step directory"
+                        + (", or a .safetensors file or a directory of them (Hugging Face "
+                           "weights)" if name == "inspect" else ""))
         sp.add_argument("--step", type=_step_number, default=None,
                         help="which committed step of the root")
         _add_best(sp)
@@ -1881,6 +1897,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def _main(argv: list[str] | None) -> int:
+    _DOC_OUT[0] = 0
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
@@ -1935,6 +1952,13 @@ def _main(argv: list[str] | None) -> int:
     except CheckpointError as exc:
         return _failed(args, exc, str(exc), EXIT_USAGE)
     except KeyboardInterrupt as exc:
+        decided = getattr(args, "verdict", None)
+        if _DOC_OUT[0] == 2 and decided is not None:  # (its document is out whole: it stands)
+            return int(decided)
+        if _DOC_OUT[0] == 1:  # (cut off: no second document after the first's half)
+            _error("interrupted while printing its JSON document: what was printed is "
+                   "incomplete")
+            return EXIT_INTERRUPTED
         return _failed(args, exc, "interrupted", EXIT_INTERRUPTED)
     except _OutputError as exc:
         _drop_stdout()

@@ -432,7 +432,9 @@ class CheckpointFuture:
             failure = None
 
     def exception(self) -> BaseException | None:
-        """The failure of a finished save, or None."""
+        """The failure of a finished save, or None (as done(), refused in a process
+        forked while it was in flight)."""
+        self._refuse_forked()
         if not self._durable.done():
             return None
         self.observed = True
