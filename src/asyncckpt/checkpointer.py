@@ -1357,16 +1357,7 @@ class AsyncCheckpointer:
             failed = self._settle(last, f"closing {self.directory}: ", quiet=True)
             if self._pending is last:
                 self._pending = None
-            earlier = self._take_missed()
-            if failed is not None:
-                error = CheckpointSaveError(
-                    f"closing {self.directory}: the last save, whose future nobody waited "
-                    f"on, failed: {failed}")
-                if earlier is not None:
-                    add_note_of(error, earlier)
-                raise error from failed
-            if earlier is not None:
-                raise earlier
+            self._raise_unseen(failed, self._take_missed())
 
     def _retention_said(self) -> str:
         """The retention settings that apply, for a message: ``retention, keep_last=2``."""
@@ -1469,8 +1460,13 @@ class AsyncCheckpointer:
                                       sorted(self._posted_digests),
                                       sorted(self._shared))
         earlier = self._take_missed()
-        if not raise_missed:
-            return
+        if raise_missed:
+            self._raise_unseen(unseen, earlier)
+
+    def _raise_unseen(self, unseen: BaseException | None,
+                      earlier: CheckpointSaveError | None) -> None:
+        """close()'s last word: the failure of the last save, whose future nobody waited
+        on (``unseen``), with that of an earlier one noted; or the earlier one alone."""
         if unseen is not None:
             error = CheckpointSaveError(
                 f"closing {self.directory}: the last save, whose future nobody waited on, "
