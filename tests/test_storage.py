@@ -424,3 +424,16 @@ def test_ready_past_the_files_end_does_not_wait_for_ever(tmp_path: Path) -> None
     t.start()
     t.join(30)
     assert done == [1], "the save hung"
+
+
+def test_a_lock_holder_that_lets_go_soon_is_told_apart_from_a_save(tmp_path: Path) -> None:
+    """What a save and `clean` wait a moment for (one read of the lock file): a holder
+    that has not written who it is yet, a load marking a step, a clean; not a save."""
+    from asyncckpt.storage import DirectoryLock
+
+    lock = DirectoryLock(tmp_path)
+    assert lock.passing() == "unwritten"  # (no file: nobody wrote who it is)
+    for text, said in (("", "unwritten"), ("123 host\n", None), ("123 host mark\n", "mark"),
+                       ("123 host clean\n", "clean"), ("123 host other\n", None)):
+        lock.path.write_text(text)
+        assert lock.passing() == said, text

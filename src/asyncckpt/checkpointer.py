@@ -1675,12 +1675,13 @@ class AsyncCheckpointer:
             # killed runs left: seconds; a trainer starting meanwhile waits for it rather
             # than fail its first save (it was told another process "is saving")
             # (or a load that marks a step damaged beside it: a moment)
-            cleaning = other is None and self._lock.holder_purpose() in ("clean", "mark")
+            passing = None if other is not None else self._lock.passing()
+            cleaning = passing in ("clean", "mark")
             # A holder that has not written its lock file yet (it takes the lock, then
             # writes what it is): a reader marking a step damaged, caught in that moment,
             # failed an evaluator trial's trainer's first save "another process (pid
             # unknown) is saving"; one that stays unwritten is of an older version
-            unwritten = other is None and holder == "unknown"
+            unwritten = passing == "unwritten"
             if cleaning or releasing or unwritten:
                 deadline = deadline or time.monotonic() + (
                     _CLEAN_WAIT_S if cleaning else _UNWRITTEN_WAIT_S if unwritten

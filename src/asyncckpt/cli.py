@@ -875,8 +875,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
             # before it writes who it is: an evaluator trial's clean was refused, "held by
             # a process of unknown pid", while a reader marked a step)
             ends = time.monotonic() + 5.0
-            while not taken and time.monotonic() < ends and (
-                    lock.holder() == "unknown" or lock.holder_purpose() == "mark"):
+            while not taken and time.monotonic() < ends and lock.passing() in (
+                    "unwritten", "mark"):
                 time.sleep(0.01)
                 taken = lock.acquire()
         except OSError as exc:

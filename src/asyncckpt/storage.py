@@ -399,6 +399,17 @@ class DirectoryLock:
         words = self._written()
         return words[2] if len(words) > 2 else ""
 
+    def passing(self) -> str | None:
+        """What another process holds the lock for where it lets go of it soon, so that
+        a caller waits a moment rather than fail: "unwritten" (it took the lock and has
+        not written who it is yet), "mark" (a load marking a step damaged), "clean"
+        (``asyncckpt clean``: seconds); None for a save, or no holder. One read."""
+        words = self._written()
+        if not words or words[0] == "unknown":
+            return "unwritten"
+        purpose = words[2] if len(words) > 2 else ""
+        return purpose if purpose in ("mark", "clean") else None
+
     def _written(self) -> list[str]:
         # (not through a link, nor from a FIFO, on which a read would wait for ever: a
         # lock file planted as one of those holds no pid of ours)
