@@ -3190,3 +3190,29 @@ def test_one_numpy_array_at_two_paths_is_stored_once_and_comes_back_tied(
         with pytest.raises(asyncckpt.StateMismatchError,
                            match=f"read-only numpy arrays: {'a' if first else 'b'};"):
             asyncckpt.load(tmp_path, {**target, **pair})
+
+
+def test_the_combined_exclude_advice_keeps_the_lr_scheduler(ckpt):
+    """A trial's new head with a parameter group of its own: the error's combined advice
+    ("to leave all of those out at once") left the LR scheduler out of it, which then
+    loaded a learning rate per saved group, and LambdaLR's next step() raised."""
+    def warm(epoch: int) -> float:
+        return min(1.0, (epoch + 1) / 10)
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt.save({"model": model, "optim": opt,
+               "sched": torch.optim.lr_scheduler.LambdaLR(opt, warm)}, 1)
+    grown = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # a new head, its own group
+    opt2 = torch.optim.AdamW([{"params": grown[0].parameters()},
+                              {"params": grown[1].parameters(), "lr": 1e-2}], lr=1e-3)
+    state = {"model": grown, "optim": opt2,
+             "sched": torch.optim.lr_scheduler.LambdaLR(opt2, [warm, warm])}
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load(state)
+    combined = str(info.value).rsplit("to leave all of those out at once", 1)[1]
+    advised = ast.literal_eval(combined.split("pass exclude=", 1)[1].split("]", 1)[0] + "]")
+    assert set(advised) == {"optim", "sched", "model/1"}, combined
+    ckpt.load(state, exclude=advised)  # (the advice, followed: the scheduler steps)
+    state["sched"].step()
+    assert len(state["sched"].get_last_lr()) == 2

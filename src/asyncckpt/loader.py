@@ -1563,7 +1563,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
 # it: a submodule that is new, an optimizer to start afresh, a resized head)
 _ADVISED_EXCLUDE = re.compile(r"(?:afresh, pass|own values there, pass|such as a head:|"
                               r"resized since: leave the optimizer out with|"
-                              r"the target holds no [^:]*:) "
+                              r"the target holds no [^:]*:|"
+                              # (an optimizer's LR schedulers: a trial's combined advice
+                              # left them out, and LambdaLR's next step() raised)
+                              r"exclude its LR schedulers? too,|exclude (?:it|them) too,) "
                               r"exclude=(\[[^\]]*\])")
 
 
