@@ -624,3 +624,21 @@ def test_a_latest_load_that_finds_damage_says_what_to_do_in_its_message(
     assert info.value.path is not None and "step_000000002" in info.value.path
     assert "fallback=True) loads the newest" not in " ".join(getattr(info.value, "__notes__",
                                                                      ()))
+
+
+def test_saving_a_step_again_with_its_metrics_says_they_were_not_recorded(
+        tmp_path: Path) -> None:
+    """A researcher trial saved a step, validated, then saved the step again with
+    metrics=: "it is saved, nothing to do", and the metrics were lost without a word."""
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=2, keep_best=1,
+                           best_metric="val_loss") as ckpt:
+        fut = ckpt.save_async(_state(1), 1, overlap=True)
+        fut.wait_staged()
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"its metrics \(val_loss=0\.5\) were NOT recorded"):
+            ckpt.save_async(_state(1), 1, metrics={"val_loss": 0.5})
+        ckpt.wait()
+        with pytest.raises(asyncckpt.CheckpointExistsError,
+                           match=r"its metrics \(val_loss=0\.5\) were NOT recorded"):
+            ckpt.save(_state(1), 1, metrics={"val_loss": 0.5})
+        assert ckpt.manifest(1).metrics == {}

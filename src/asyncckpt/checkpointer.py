@@ -57,6 +57,7 @@ from .errors import (
     add_note,
     add_note_of,
     check_flags,
+    retold,
     seconds_text,
     with_advice,
 )
@@ -571,8 +572,18 @@ class AsyncCheckpointer:
             try:
                 commit.check_new_step(self.directory, step, self.storage,  # (before any write)
                                       retention=self.config.keep_last is not None)
-            except CheckpointExistsError:
+            except CheckpointExistsError as exc:
+                # (a researcher trial saved a step, validated it, then saved it again with
+                # metrics=: refused, and the metrics were lost without a word; keep_best
+                # then kept nothing of its best step)
+                lost = "" if not recorded else (
+                    f"; its metrics ({', '.join(f'{k}={v:g}' for k, v in recorded.items())}) "
+                    "were NOT recorded: a step's metrics are written with its save, so "
+                    "compute them before save_async(..., metrics=...) of that step (a "
+                    "validation after the save counts toward the next one)")
                 if not same_in_flight or self._last_said != (step, "committed"):
+                    if lost:
+                        raise retold(exc, f"{exc}{lost}") from None
                     raise
                 # (a preemption trial's guard, latest_step() != step, ran while this very
                 # step's save was in flight: the final save raised, and its advice,
@@ -581,9 +592,9 @@ class AsyncCheckpointer:
                     f"step {step} is already committed at "
                     f"{self.directory / commit.step_dir_name(step)} by this checkpointer's "
                     "own previous save of it (in flight, or not waited for, when this call "
-                    "came): it is saved, "
-                    "nothing to do. latest_step() counts a step once its save commits: "
-                    "before it, check is_pending or call wait()") from None
+                    "came): it is saved"
+                    + (lost or ", nothing to do") + ". latest_step() counts a step once its "
+                    "save commits: before it, check is_pending or call wait()") from None
             # Flattening, the layout exchange, planning and staging make thousands of
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:
