@@ -2119,3 +2119,11 @@ def test_serve_verify_of_a_damaged_oldest_step_names_the_latest(
     flip_byte(root / "step_000000010", "model/w")
     assert main(["serve", str(root), "--step", "10", "--verify"]) == 1
     assert "the latest is step 30: pass --step 30" in capsys.readouterr().err
+
+
+def test_ls_best_of_a_metric_no_step_recorded_says_so(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A researcher trial's typo, 'ls --best val_los', printed the table as if all was
+    well, where export --best says no step recorded it."""
+    code, out, _ = run(capsys, "ls", str(root), "--best", "val_los")
+    assert code == 0 and "no committed step recorded the metric 'val_los'" in out, out

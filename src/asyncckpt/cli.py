@@ -514,6 +514,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
              f"{human_bytes(total)} in all"
              + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
                 "listed" if unlistable else ""))
+    if args.best is not None and best is None and entries:
+        # (a researcher trial's typo, --best val_los, printed the table as if all was well)
+        _out(_shown(f"no committed step recorded the metric {args.best!r} (or each that did "
+                    "is known damaged): none is marked best"))
     if abandoned:
         _out(f"{_n(len(abandoned), 'incomplete or abandoned temp dir')} (never read; the "
              "next save here removes "
@@ -1703,6 +1707,7 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
         raise _Usage(f"--best picks among the steps of a checkpoint root: {root} is "
                      f"{'a step directory' if root.is_dir() else 'no directory'}")
     with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
+        ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
         best = ckpt.best_step(args.best, "max" if args.max else "min")
     if best is None:
         raise CheckpointNotFoundError(

@@ -424,9 +424,7 @@ def nested_hint(root: Path, names: Sequence[str], storage: ReadStorage) -> str:
     return (f"; {few([str(root / n) for n in found], 3)} "
             f"{'is a checkpoint root of its own' if one else 'are checkpoint roots of their own'}"
             f": to load from {'it' if one else 'one'}, pass it as the "
-            "directory (a checkpointer's directory "
-            "is the root of its step_* directories: saving every step under one root lets "
-            "latest_step() and retention see them all)")
+            "directory (a checkpointer's directory is the root of its step_* directories)")
 
 
 # The most subdirectories nested_hint looks into (each listed once, and up to 4 step
