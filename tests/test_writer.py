@@ -444,3 +444,27 @@ def test_a_full_disk_s_advice_fits_the_checkpointer_s_keep_last(
                          "(df -i))"), said
     monkeypatch.setattr(writer_module, "_free_inodes", lambda root: 5)  # (bytes, then)
     assert "inode" not in writer_module._room_said(job, full)  # type: ignore[arg-type]
+
+
+def test_the_storage_call_named_is_found_by_its_argument_in_every_signature() -> None:
+    """(review) A storage method taking its path positionally, as *args, by keyword or in
+    **kwargs (locals of its own besides) is named with it, not None."""
+    import sys
+
+    from asyncckpt.writer import _first_argument
+
+    def plain(self: Any, path: str) -> Any:
+        return sys._getframe()
+
+    def star(self: Any, *args: Any, **kw: Any) -> Any:
+        spare = 1  # noqa: F841  (a local of its own, after the arguments)
+        return sys._getframe()
+
+    def keywords(self: Any, **kw: Any) -> Any:
+        one, two = 1, 2  # noqa: F841
+        return sys._getframe()
+
+    assert _first_argument(plain(None, "/a")) == "/a"
+    assert _first_argument(star(None, "/b")) == "/b"
+    assert _first_argument(star(None, path="/c")) == "/c"
+    assert _first_argument(keywords(None, fd=7)) == 7

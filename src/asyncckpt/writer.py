@@ -1512,7 +1512,9 @@ def _first_argument(frame: FrameType) -> Any:
     for name in ("path", "src", "fd"):
         if name in local:
             return local[name]
-    kwargs = local.get(names[-1]) if code.co_flags & inspect.CO_VARKEYWORDS else None
+    varargs = bool(code.co_flags & inspect.CO_VARARGS)
+    kwargs = (local.get(names[code.co_argcount + code.co_kwonlyargcount + varargs])
+              if code.co_flags & inspect.CO_VARKEYWORDS else None)
     if isinstance(kwargs, dict):
         return next((kwargs[n] for n in ("path", "src", "fd") if n in kwargs), None)
     return None
