@@ -3217,3 +3217,21 @@ def test_the_combined_exclude_advice_keeps_the_lr_scheduler(ckpt):
     opt2.step()
     state["sched"].step()
     assert len(state["sched"].get_last_lr()) == 2
+
+
+def test_the_wrapper_key_map_hint_names_what_it_leaves_unloaded(tmp_path):
+    """A researcher trial's EMA (AveragedModel) loaded into a plain module: the key_map
+    of the hint, followed, met the AveragedModel's n_averaged in a second error."""
+    from torch.optim.swa_utils import AveragedModel
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    asyncckpt.save({"ema": AveragedModel(net)}, tmp_path, step=1)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"ema": plain})
+    said = str(info.value)
+    assert ("'ema/n_averaged' has no counterpart in the target: with the key_map, pass "
+            "ignore_unexpected=True too") in said, said
+    code = said.rsplit("pass key_map=", 1)[1]
+    asyncckpt.load(tmp_path, {"ema": plain}, key_map=eval(code), ignore_unexpected=True)
+    assert torch.equal(plain[0].weight, net[0].weight)

@@ -2736,9 +2736,15 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     if saved_only and not target_only:
         names = " and ".join(repr(x) for x in saved_only)
         who = " and ".join(_WRAPPERS[x] for x in saved_only)
+        # (an AveragedModel's n_averaged: a trial's key_map, followed, met it next)
+        mapped = {sv for _, sv in pairs}
+        extra = [x for x in unexpected if x not in mapped and _WRAPPER_PART.sub("", x) == x]
+        also = (f"; {few([repr(x) for x in extra], 3)} "
+                f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target: with "
+                "the key_map, pass ignore_unexpected=True too" if extra and code else "")
         return (f"; the checkpoint's keys have {names} where the target's have none, as "
                 f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, "
-                f"target {m!r}): load into the module wrapped the same way{key_map}")
+                f"target {m!r}{also}): load into the module wrapped the same way{key_map}")
     if target_only and not saved_only:
         names = " and ".join(repr(x) for x in target_only)
         who = " and ".join(_WRAPPERS[x] for x in target_only)
