@@ -2127,3 +2127,21 @@ def test_ls_best_of_a_metric_no_step_recorded_says_so(
     well, where export --best says no step recorded it."""
     code, out, _ = run(capsys, "ls", str(root), "--best", "val_los")
     assert code == 0 and "no committed step recorded the metric 'val_los'" in out, out
+
+
+def test_best_by_a_metric_that_reads_the_other_way_is_told_of(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A researcher trial's export --best val_acc without --max exported the worst kept
+    step, exit 0 and not a word (a root does not record which way its metric ranks)."""
+    root = tmp_path / "ck"
+    with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
+        for step, acc, loss in ((1, 0.5, 2.0), (2, 0.9, 1.0), (3, 0.6, 1.5)):
+            ckpt.save(_state(step), step, metrics={"val_acc": acc, "val_loss": loss})
+    code, _, err = run(capsys, "ls", str(root), "--best", "val_acc")
+    assert code == 0 and "ranks by the least value (step 1), as for a loss: pass --max" in err
+    code, _, err = run(capsys, "ls", str(root), "--best", "val_acc", "--max")
+    assert code == 0 and err == ""
+    code, _, err = run(capsys, "ls", str(root), "--best", "val_loss")
+    assert code == 0 and err == ""  # (a loss: the least, as asked)
+    _, _, err = run(capsys, "ls", str(root), "--best", "val_loss", "--max")
+    assert "drop --max if the least is best" in err

@@ -1709,11 +1709,28 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
         best = ckpt.best_step(args.best, "max" if args.max else "min")
+    # A root does not record which way its metric ranks (a researcher trial's export
+    # --best val_acc, without --max, exported the worst kept step, exit 0): a name that
+    # reads the other way than the order asked for is told of
+    name = args.best.lower()
+    if best is not None and not args.max and _GREATER_IS_BETTER.search(name) and not (
+            _LESS_IS_BETTER.search(name)):
+        _warn(f"--best {args.best} ranks by the least value (step {best}), as for a loss: "
+              "pass --max if the greatest is best")
+    elif best is not None and args.max and _LESS_IS_BETTER.search(name):
+        _warn(f"--best {args.best} --max ranks by the greatest value (step {best}): drop "
+              "--max if the least is best, as for a loss")
     if best is None:
         raise CheckpointNotFoundError(
             f"no committed step under {root} recorded the metric {args.best!r} (or each that "
             f"did is known damaged): 'asyncckpt ls {root} --json' shows every step's metrics")
     return best
+
+
+# Metric names that read as "greater is better", and as "less is better" (--best's check)
+_GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
+                                r"top\d|reward|return|win|r2")
+_LESS_IS_BETTER = re.compile(r"loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|cer|fid|dist")
 
 
 def build_parser() -> argparse.ArgumentParser:
