@@ -52,6 +52,7 @@ from .manifest import MANIFEST_NAME, Manifest, is_shard_file_name
 from .reader import (
     VerifyReport,
     check_files,
+    deleted_while_read,
     read_manifest,
     read_manifest_summary,
     verify_checkpoint,
@@ -379,10 +380,7 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
                 # (a step a saver's retention removed as it was read, named by --step or
                 # as a directory: a CLI trial's inspect beside a trainer said DAMAGED, "is
                 # missing", exit 1, where cli.md says such a step is no step)
-                raise CheckpointNotFoundError(
-                    f"{step_dir} was deleted while it was being read (the keep_last "
-                    "retention of a newer save, or another process): use a step that is "
-                    "still committed ('asyncckpt ls' lists them)")
+                raise deleted_while_read(step_dir)
             if not latest or left == 0 or not failed(result) or os.path.lexists(step_dir):
                 return step_dir, result
         _LOG_RETRY.info("%s was deleted (a save's keep_last) while it was read: reading the "

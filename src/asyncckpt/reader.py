@@ -719,16 +719,22 @@ def _open(path: Path, storage: ReadStorage) -> int:
         return storage.open_read(path)
     except FileNotFoundError:
         if _gone(path.parent, storage):
-            raise CheckpointNotFoundError(
-                f"{path.parent} was deleted while it was being read (the keep_last retention "
-                "of a newer save, or another process): use a step that is still committed "
-                "('asyncckpt ls' lists them)") from None
+            raise deleted_while_read(path.parent) from None
         raise CheckpointCorruptError(f"{path} is missing: the checkpoint is damaged",
                                      path=str(path)) from None
     except CheckpointError:
         raise
     except OSError as exc:  # a directory, a symlink loop, no permission, EIO
         raise _damaged(path, exc) from exc
+
+
+def deleted_while_read(step_dir: Path) -> CheckpointNotFoundError:
+    """The error of a step that went while it was read: retired by a newer save's
+    keep_last (or removed by another process), which is no damage."""
+    return CheckpointNotFoundError(
+        f"{step_dir} was deleted while it was being read (the keep_last retention of a newer "
+        "save, or another process): use a step that is still committed ('asyncckpt ls' "
+        "lists them)")
 
 
 def _gone(step_dir: Path, storage: ReadStorage) -> bool:
