@@ -115,7 +115,6 @@ MetadataValue = str | int | float | bool | np.bool_ | np.integer[Any] | np.float
 
 _CALLING_SAVE = threading.local()  # .on: save_async is called by save() on this thread
 
-# what a rank out of step with its group is told to do (every rank is told at one save)
 # What a warning of the steps a fallback load passed over says to do
 FALLBACK_REMEDY = "ckpt.discard_steps_after(<the step loaded>)"
 # What a warning of a step a plain load found damaged says to do (nothing was loaded: the
@@ -124,6 +123,7 @@ FALLBACK_REMEDY = "ckpt.discard_steps_after(<the step loaded>)"
 PLAIN_LOAD_REMEDY = ("load(..., fallback=True) loads the newest intact step; "
                      "discard_steps_after(s) removes every step after s, intact or not")
 
+# what a rank out of step with its group is told to do (every rank is told at one save)
 _REOPEN_ADVICE = (". To go on, every rank closes its checkpointer, waits until every "
                   "rank's close() has returned (a dist.barrier()), and opens a new one")
 
