@@ -918,9 +918,10 @@ class AsyncCheckpointer:
         """True while a save is staging or writing. In a process forked meanwhile,
         raises CheckpointClosedError, as wait() does (no thread there ends that save)."""
         pending = self._pending
-        if pending is not None and not pending._durable.done() and self._forked():
-            self._refuse_forked("is_pending")  # (raises)
-        return pending is not None and not pending._durable.done()
+        if pending is None or pending._durable.done():
+            return False
+        self._refuse_forked("is_pending")  # (in a forked child: raises)
+        return True
 
     def __reduce__(self) -> Any:
         # (a concurrency trial's Dataset holding one, under a spawn DataLoader, was told

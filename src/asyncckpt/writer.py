@@ -1484,9 +1484,9 @@ def _storage_call(exc: BaseException) -> str:
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
-        path = _first_argument(frame)
         if frame.f_code.co_name in STORAGE_CALLS and owner is not None and hasattr(
                 owner, "write_arena"):
+            path = _first_argument(frame)
             if isinstance(path, int):  # (a trial read "file_size(None)")
                 path = f"fd {path}" + (f" of {opened}" if opened else "")
             return f"{type(owner).__name__}.{frame.f_code.co_name}({path})"
