@@ -537,10 +537,7 @@ def test_a_storage_that_breaks_the_write_arena_contract_commits_nothing(
         tmp_path: Path, storage: type[LocalStorage], says: str) -> None:
     """A trial's storage wrote buf[:nbytes] at once, never calling ready(): every save
     "succeeded", and a committed step held a former save's bytes."""
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=storage()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError, match=says):
-            ckpt.save(make_state(), step=1)
-        assert ckpt.steps() == []
+    _first_save_fails(tmp_path, storage(), says)
 
 
 @pytest.mark.parametrize("call", ["fsync_dir", "write_bytes", "rename"])
@@ -568,10 +565,16 @@ def test_a_failed_save_names_the_storage_call_that_failed(tmp_path: Path, call: 
                 eio(src)
             super().rename(src, dst)
 
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Failing()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=rf"saving step 1 under .* failed in Failing\.{call}\(\S*"
-                                 rf"\.step_000000001\.tmp-\w+\S*\): OSError: \[Errno 5\]"):
+    _first_save_fails(tmp_path, Failing(),
+                      rf"saving step 1 under .* failed in Failing\.{call}\(\S*"
+                      rf"\.step_000000001\.tmp-\w+\S*\): OSError: \[Errno 5\]")
+
+
+def _first_save_fails(root: Path, storage: LocalStorage, says: str) -> None:
+    """A first save into ``root`` through ``storage`` raises CheckpointSaveError matching
+    ``says``, and commits nothing."""
+    with asyncckpt.AsyncCheckpointer(root, mode="async", storage=storage) as ckpt:
+        with pytest.raises(asyncckpt.CheckpointSaveError, match=says):
             ckpt.save(make_state(), step=1)
         assert ckpt.steps() == []
 
@@ -590,19 +593,12 @@ def test_a_failed_fd_call_of_a_save_names_the_file_it_was_of(tmp_path: Path) -> 
                 raise OSError(errno.EIO, "Input/output error")
             super().write_bytes(*args)
 
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Wrapping()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=r"failed in Wrapping\.write_bytes\(\S*\.step_000000001\.tmp-"
-                                 r"\w+/manifest\.json\): OSError"):
-            ckpt.save(make_state(), step=1)
-        assert ckpt.steps() == []
-
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async", storage=Failing()) as ckpt:
-        with pytest.raises(asyncckpt.CheckpointSaveError,
-                           match=r"failed in Failing\.file_size\(fd \d+ of \S*\.step_000000001"
-                                 r"\.tmp-\w+/rank_0+\.safetensors\): OSError: \[Errno 5\]"):
-            ckpt.save(make_state(), step=1)
-        assert ckpt.steps() == []
+    _first_save_fails(tmp_path, Wrapping(),
+                      r"failed in Wrapping\.write_bytes\(\S*\.step_000000001\.tmp-"
+                      r"\w+/manifest\.json\): OSError")
+    _first_save_fails(tmp_path, Failing(),
+                      r"failed in Failing\.file_size\(fd \d+ of \S*\.step_000000001"
+                      r"\.tmp-\w+/rank_0+\.safetensors\): OSError: \[Errno 5\]")
 
 
 def test_on_busy_error_raises_while_in_flight(tmp_path: Path) -> None:
