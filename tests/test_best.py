@@ -642,3 +642,169 @@ def test_saving_a_step_again_with_its_metrics_says_they_were_not_recorded(
                            match=r"its metrics \(val_loss=0\.5\) were NOT recorded"):
             ckpt.save(_state(1), 1, metrics={"val_loss": 0.5})
         assert ckpt.manifest(1).metrics == {}
+
+
+# --- which way a metric ranks, as the saves recorded it ----------------------------------------
+
+def _accuracies(root: Path, **kw: Any) -> None:
+    """Steps 1-4 saved with acc 0.5, 0.9, 0.1, 0.7 (best by the greatest: step 2)."""
+    with AsyncCheckpointer(root, mode="sync", **kw) as ckpt:
+        for step, acc in ((1, 0.5), (2, 0.9), (3, 0.1), (4, 0.7)):
+            ckpt.save(_state(step), step, metrics={"acc": acc, "loss": 1 - acc})
+
+
+def test_a_save_records_its_best_mode_and_another_reader_ranks_by_it(tmp_path: Path) -> None:
+    """A researcher trial's evaluator (another process) asked best_step("val_acc") of a
+    root saved with best_mode="max", and got the worst step."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    assert read_manifest(tmp_path / "step_000000004", LocalStorage()).metric_modes == {
+        "acc": "max"}
+    reader = AsyncCheckpointer(tmp_path, mode="sync")
+    assert reader.recorded_best_mode("acc") == "max"
+    assert reader.recorded_best_mode("loss") is None  # (only best_metric's is recorded)
+    assert reader.best_step("acc") == 2
+    assert reader.best_step("acc", "min") == 3  # (a mode given is taken as given)
+    assert reader.best_step("loss") == 2  # (nothing recorded: the least)
+    with pytest.raises(CheckpointConfigError, match=r"recorded_best_mode\(metric=''\)"):
+        reader.recorded_best_mode("")
+    reader.close()
+
+
+def test_without_best_metric_a_save_records_no_mode(tmp_path: Path) -> None:
+    _accuracies(tmp_path)
+    m = read_manifest(tmp_path / "step_000000001", LocalStorage())
+    assert m.metric_modes == {} and b"metric_modes" not in (
+        tmp_path / "step_000000001" / "manifest.json").read_bytes()
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        assert ckpt.recorded_best_mode("acc") is None and ckpt.best_step("acc") == 3
+
+
+def test_a_resume_without_best_mode_keeps_the_best_as_the_run_before_it_ranked(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """keep_best of a run resumed without best_mode="max" kept the worst steps."""
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="acc", best_mode="max") as ckpt:
+        for step, acc in ((1, 0.5), (2, 0.9), (3, 0.1)):
+            ckpt.save(_state(step), step, metrics={"acc": acc})
+        assert ckpt.steps() == [2, 3]
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=1, keep_best=1,
+                           best_metric="acc") as ckpt:
+        assert ckpt.config.best_mode is None
+        assert ckpt.best_step() == 2
+        for step, acc in ((4, 0.2), (5, 0.95), (6, 0.3)):
+            ckpt.save_async(_state(step), step, metrics={"acc": acc}).wait()
+            ckpt.wait()
+        assert ckpt.steps() == [5, 6] and ckpt.best_step() == 5
+    assert read_manifest(tmp_path / "step_000000006", LocalStorage()).metric_modes == {
+        "acc": "max"}  # (inherited, and recorded again for the readers after it)
+    assert "best_mode" not in caplog.text
+
+
+def test_a_root_with_no_recorded_mode_ranks_by_the_least_and_records_it(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="loss") as ckpt:
+        for step, loss in ((1, 2.0), (2, 1.0), (3, 3.0)):
+            ckpt.save(_state(step), step, metrics={"loss": loss})
+        assert ckpt.steps() == [2, 3] and ckpt.best_step() == 2
+    assert read_manifest(tmp_path / "step_000000003", LocalStorage()).metric_modes == {
+        "loss": "min"}
+
+
+def test_a_mode_given_that_the_steps_recorded_otherwise_is_used_and_warned_of_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="acc", best_mode="min") as ckpt:
+        for step, acc in ((5, 0.05), (6, 0.99)):
+            ckpt.save(_state(step), step, metrics={"acc": acc})
+        assert ckpt.best_step() == 5  # the least, as given
+        assert ckpt.steps() == [5, 6]
+    said = [r.getMessage() for r in caplog.records if "best_mode" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "best_mode='min' ranks 'acc' by the least value, but step 4" in said[0]
+    assert "recorded best_mode='max'" in said[0] and "best_mode=None" in said[0]
+    assert read_manifest(tmp_path / "step_000000006", LocalStorage()).metric_modes == {
+        "acc": "min"}
+
+
+def test_the_config_takes_best_mode_none_and_refuses_others_naming_none_too(
+        tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"best_mode='up'.*or None: as the root's"):
+        AsyncCheckpointer(tmp_path, best_metric="acc", best_mode="up")
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        assert ckpt.best_step("acc", None) is None
+
+
+def test_in_a_group_the_coordinator_records_the_mode(tmp_path: Path) -> None:
+    store = torch.distributed.HashStore()
+    ckpts = [AsyncCheckpointer(tmp_path, mode="sync", rank=r, world_size=2, store=store,
+                               timeout_s=60, best_metric="acc", best_mode="max")
+             for r in range(2)]
+
+    def rank_main(r: int) -> None:
+        part = torch.arange(4.0) + 10 * r
+        ckpts[r].save({"w": part}, 1, metrics={"acc": 0.5},
+                      shards={"w": asyncckpt.ShardMetadata((8,), (4 * r,))})
+        ckpts[r].close()
+
+    all_ok(in_threads(rank_main, 2))
+    assert read_manifest(tmp_path / "step_000000001", LocalStorage()).metric_modes == {
+        "acc": "max"}
+
+
+def test_the_manifest_carries_metric_modes_and_passes_over_unknown_ones(
+        tmp_path: Path) -> None:
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    m = read_manifest(tmp_path / "step_000000001", LocalStorage())
+    assert m.metric_modes == {"acc": "max"}
+    assert parse_manifest(m.encode(), "x").metric_modes == {"acc": "max"}
+    other = dataclasses.replace(m, metric_modes={"acc": "median", "f1": "max"})
+    assert parse_manifest(other.encode(), "x").metric_modes == {"f1": "max"}
+    broken = dataclasses.replace(m, metric_modes=["acc"])  # type: ignore[arg-type]
+    with pytest.raises(CheckpointCorruptError, match="metric_modes"):
+        parse_manifest(broken.encode(), "x")
+
+
+def test_the_cli_ranks_by_the_recorded_mode_and_says_when_told_otherwise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A researcher trial's `export --best val_acc`, without --max, exported the worst."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--best", "acc", "--json"]) == 0
+    got = capsys.readouterr()
+    doc = json.loads(got.out)
+    assert doc["best"] == 2 and got.err == ""
+    assert [r["metric_modes"] for r in doc["steps"]] == [{"acc": "max"}] * 4
+    assert main(["inspect", str(tmp_path), "--best", "acc", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["step"] == 2 and json.loads(got.out)["metric_modes"] == {
+        "acc": "max"}
+    assert main(["inspect", str(tmp_path), "--step", "2"]) == 0
+    assert "ranked by: acc (greatest is best)" in capsys.readouterr().out
+    assert main(["ls", str(tmp_path), "--best", "acc", "--min", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 3
+    assert "--best acc --min ranks by the least value (step 3), but the steps recorded " \
+           "best_mode='max'" in got.err
+    assert main(["ls", str(tmp_path), "--best", "acc", "--max", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 2 and got.err == ""
+    for argv, said in ((["ls", str(tmp_path), "--min"], "--min goes with --best"),
+                       (["ls", str(tmp_path), "--best", "acc", "--max", "--min"],
+                        "--max and --min each say")):
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err, argv
+
+
+def test_the_cli_without_a_recorded_mode_ranks_by_the_least_and_warns_by_the_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _accuracies(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--best", "acc", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 3
+    assert "ranks by the least value (step 3), as for a loss (no step recorded" in got.err
+    assert main(["ls", str(tmp_path), "--best", "acc", "--min", "--json"]) == 0
+    assert "as for a loss" in capsys.readouterr().err  # (--min told: the name still reads)

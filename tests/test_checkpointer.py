@@ -2430,6 +2430,59 @@ def test_the_host_buffer_size_is_public_and_stays_across_saves(tmp_path: Path) -
     assert ckpt.host_buffer_bytes == 0
 
 
+def test_release_host_buffer_frees_it_until_the_next_save(tmp_path: Path) -> None:
+    """A root that saves rarely (the best model) held a buffer of the state's size from
+    one save to the next; its only way out was to close the checkpointer each time."""
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "n": 3}
+    ckpt = asyncckpt.AsyncCheckpointer(tmp_path, mode="async", keep_last=2)
+    assert ckpt.release_host_buffer() == 0  # (none yet)
+    ckpt.save(state, step=1)
+    size = ckpt.host_buffer_bytes
+    assert size > 0
+    gone = weakref.ref(ckpt._arena)
+    assert ckpt.release_host_buffer() == size
+    gc.collect()
+    assert ckpt.host_buffer_bytes == 0 and gone() is None  # (no reference left anywhere)
+    assert ckpt.release_host_buffer() == 0
+    state["w"] += 1
+    fut = ckpt.save_async(state, step=2)  # allocated again, as the first save did
+    assert ckpt.release_host_buffer() == size  # waits for the save in flight to be written
+    assert fut.wait().step == 2 and ckpt.host_buffer_bytes == 0
+    got = asyncckpt.load(tmp_path, step=2)
+    assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+    ckpt.prepare(state)  # (in the background: waited for)
+    assert ckpt.release_host_buffer() == size
+    ckpt.close()
+    assert ckpt.release_host_buffer() == 0  # (close freed it)
+
+
+def test_release_host_buffer_withdraws_what_serve_offers_from_it(tmp_path: Path) -> None:
+    class Transport:
+        closed = False
+
+        def __init__(self) -> None:
+            self.offers: list[Any] = []
+            self.withdrawn = 0
+
+        def serve(self, served: Any, **_: Any) -> None:
+            self.offers.append(served)
+
+        def withdraw(self, retired: str | None = None) -> None:
+            self.withdrawn += 1
+
+        def disallow_checkpoint(self) -> None:
+            raise AssertionError("withdraw() is the way: not disallow")
+
+    transport = Transport()
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+        ckpt.serve(transport)
+        ckpt.save({"w": torch.ones(1000)}, step=1)
+        assert len(transport.offers) == 1
+        before = transport.withdrawn
+        assert ckpt.release_host_buffer() > 0
+        assert transport.withdrawn == before + 1
+
+
 @pytest.mark.parametrize("background", [True, False])
 def test_prepare_for_a_new_layout_waits_for_the_save_in_flight(tmp_path: Path,
                                                                background: bool) -> None:

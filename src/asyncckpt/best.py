@@ -21,13 +21,13 @@ from typing import Any
 
 from .commit import files_amiss, step_dir_name, still_there
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, METRIC_MODES
 from .reader import read_manifest_summary
 from .storage import LocalStorage, ReadStorage
 
 log = logging.getLogger(__name__)
 
-MODES = ("min", "max")
+MODES = METRIC_MODES
 
 
 def checked_metrics(metrics: object) -> dict[str, float]:
@@ -129,15 +129,17 @@ def _number(name: str, v: Any) -> float:
         raise wrong from exc
 
 
-def check_ranking(metric: object, mode: object) -> None:
-    """``best_metric`` (None: not given) and ``best_mode``, or CheckpointConfigError."""
+def check_ranking(metric: object, mode: object, *, unset: bool = False) -> None:
+    """``best_metric`` (None: not given) and ``best_mode`` (None too with ``unset``: as
+    the steps recorded it), or CheckpointConfigError."""
     if metric is not None and (not isinstance(metric, str) or not metric):
         raise CheckpointConfigError(
             f"best_metric={metric!r:.80}: name the metric that saves record, e.g. "
             "best_metric='val_loss' with save_async(..., metrics={'val_loss': loss})")
-    if mode not in MODES:
+    if mode not in MODES and not (unset and mode is None):
         raise CheckpointConfigError(
-            f"best_mode={mode!r:.40}: use 'min' (a loss) or 'max' (an accuracy)")
+            f"best_mode={mode!r:.40}: use 'min' (a loss) or 'max' (an accuracy)"
+            + (", or None: as the root's steps recorded it, else 'min'" if unset else ""))
 
 
 @dataclass(frozen=True)
@@ -173,17 +175,18 @@ class StepMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._known: dict[int, tuple[object, dict[str, float]]] = {}
+        # step -> (identity, its metrics, its metric_modes)
+        self._known: dict[int, tuple[object, dict[str, float], dict[str, str]]] = {}
         # step -> (identity, its files' sizes): of the committed steps (see keep_files)
         self._files: dict[int, tuple[object, dict[str, int]]] = {}
         self._committed: frozenset[int] = frozenset()  # as the last retention found them
 
     def note(self, root: Path, step: int, storage: ReadStorage,
-             metrics: Mapping[str, float]) -> None:
+             metrics: Mapping[str, float], modes: Mapping[str, str] | None = None) -> None:
         """What a save committed as ``step`` recorded (no need to read it back)."""
         ident = _identity(root, step, storage)
         with self._lock:
-            self._known[step] = (ident, dict(metrics))
+            self._known[step] = (ident, dict(metrics), dict(modes or {}))
 
     def note_files(self, root: Path, step: int, storage: ReadStorage) -> None:
         """The sizes of the files a save just committed as ``step`` (checked as it
@@ -239,14 +242,34 @@ class StepMetrics:
         return bool(files_amiss(root / step_dir_name(step), sizes))
 
     def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
+        """The metrics committed ``step`` recorded ({} where its manifest cannot be read)."""
+        return self._read(root, step, storage)[0]
+
+    def modes_of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, str]:
+        """Which way each metric ranks, as committed ``step`` recorded it."""
+        return self._read(root, step, storage)[1]
+
+    def recorded_mode(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+                      metric: str) -> tuple[str, int] | None:
+        """The way ``metric`` ranks as the newest of ``steps`` that recorded one says,
+        and that step; None where none did (steps saved before the library recorded it,
+        or by a checkpointer without best_metric)."""
+        for s in sorted(steps, reverse=True):
+            mode = self.modes_of(root, s, storage).get(metric)
+            if mode is not None:
+                return mode, s
+        return None
+
+    def _read(self, root: Path, step: int, storage: ReadStorage
+              ) -> tuple[dict[str, float], dict[str, str]]:
         ident = _identity(root, step, storage)
         with self._lock:
             got = self._known.get(step)
         if got is not None and got[0] == ident:
-            return got[1]
+            return got[1], got[2]
         try:
             summary = read_manifest_summary(root / step_dir_name(step), storage)
-            metrics = summary.metrics
+            metrics, modes = summary.metrics, summary.metric_modes
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
@@ -255,12 +278,12 @@ class StepMetrics:
             if not gone:
                 log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
                             "without metrics", step, type(exc).__name__, exc)
-            return {}
+            return {}, {}
         with self._lock:
-            self._known[step] = (ident, metrics)
+            self._known[step] = (ident, metrics, modes)
         if ident is not None:  # (read once: the sizes too, for retention's amiss)
             self._remember(step, ident, {n: f.bytes for n, f in summary.files.items()})
-        return metrics
+        return metrics, modes
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                metric: str) -> dict[int, float]:
@@ -291,13 +314,61 @@ def _identity(root: Path, step: int, storage: ReadStorage) -> object:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+class MetricMode:
+    """Which way a checkpointer's ``best_metric`` ranks: its ``best_mode`` where given;
+    else as the newest step under the root that recorded one says (a run resumed without
+    best_mode="max" ranks as it did before), else "min". A given mode the steps recorded
+    the other way is warned of, once. Thread-safe (retention asks on the writer thread)."""
+
+    def __init__(self, metric: str, mode: str | None, cache: StepMetrics) -> None:
+        self.metric, self.mode, self.cache = metric, mode, cache
+        self._lock = threading.Lock()
+        self._warned = False
+        self._saving: str | None = None  # what this checkpointer's saves record
+
+    def get(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str:
+        """The mode to rank ``steps`` (every committed step) by."""
+        recorded = self.cache.recorded_mode(root, storage, steps, self.metric)
+        if self.mode is None:
+            return recorded[0] if recorded is not None else "min"
+        if recorded is not None and recorded[0] != self.mode:
+            with self._lock:
+                warn, self._warned = not self._warned, True
+            if warn:
+                log.warning(
+                    "best_mode=%r ranks %r by the %s value, but step %d under %s recorded "
+                    "best_mode=%r (a run saved with other settings): the %s value is best now "
+                    "(keep_best keeps those steps; best_step() names one); pass "
+                    "best_mode=%r, or best_mode=None to rank as the steps recorded",
+                    self.mode, self.metric, "least" if self.mode == "min" else "greatest",
+                    recorded[1], root, recorded[0],
+                    "least" if self.mode == "min" else "greatest", recorded[0])
+        return self.mode
+
+    def for_save(self, root: Path, storage: ReadStorage,
+                 steps: Callable[[], Iterable[int]]) -> str:
+        """The mode a save records: ``get``'s, looked up once, before this checkpointer's
+        first save records its own (``steps`` lists the committed ones: a given mode the
+        steps recorded the other way is warned of then)."""
+        with self._lock:
+            known = self._saving
+        if known is None:
+            known = self.get(root, storage, steps())
+            with self._lock:
+                self._saving = known
+        return known
+
+
 @dataclass(frozen=True)
 class KeepBest:
-    """Retention's ``keep_best``: the ``count`` best steps by ``ranking`` are kept."""
+    """Retention's ``keep_best``: the ``count`` best steps by ``metric_mode`` are kept."""
 
     count: int
-    ranking: Ranking
-    cache: StepMetrics
+    metric_mode: MetricMode
+
+    @property
+    def cache(self) -> StepMetrics:
+        return self.metric_mode.cache
 
     def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                damaged: Collection[int] = ()) -> set[int]:
@@ -305,7 +376,9 @@ class KeepBest:
         not ``damaged``: a damaged best one takes no intact step's place. It is spared as
         well while it ranks among the best of all (a mark may be wrong: a passing read
         error), and goes once others rank above it."""
-        scores = self.cache.scores(root, storage, steps, self.ranking.metric)
+        steps = list(steps)
+        mm = self.metric_mode
+        ranking = Ranking(mm.metric, mm.get(root, storage, steps))
+        scores = self.cache.scores(root, storage, steps, mm.metric)
         intact = {s: v for s, v in scores.items() if s not in damaged}
-        return set(self.ranking.best(intact, self.count)) | set(
-            self.ranking.best(scores, self.count))
+        return set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))

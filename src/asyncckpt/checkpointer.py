@@ -27,7 +27,7 @@ import torch
 from . import commit
 from ._gc import gc_paused
 from .best import MODES as BEST_MODES
-from .best import KeepBest, Ranking, StepMetrics, check_ranking, checked_metrics
+from .best import KeepBest, MetricMode, Ranking, StepMetrics, check_ranking, checked_metrics
 from .commit import StepLike
 from .dist import (
     DistContext,
@@ -148,8 +148,10 @@ class CheckpointerConfig:
     ``save_async(metrics=...)``) is best are kept too."""
     best_metric: str | None = None
     """The metric that ranks steps, for keep_best and ``best_step()``."""
-    best_mode: str = "min"
-    """"min" (a loss: less is better) or "max" (an accuracy)."""
+    best_mode: str | None = None
+    """"min" (a loss: less is better) or "max" (an accuracy); None: as the newest step
+    under the directory that recorded one says (each save records it with
+    ``best_metric``), else "min"."""
     on_busy: str = "wait"
     """When a save is asked for while one is in flight: "wait" for it, or "error"."""
     direct_io: bool = True
@@ -188,7 +190,7 @@ class CheckpointerConfig:
             raise CheckpointConfigError(
                 f"keep_every={self.keep_every} spares steps from the keep_last retention, "
                 "which is off (keep_last=None keeps every step): pass keep_last too")
-        check_ranking(self.best_metric, self.best_mode)
+        check_ranking(self.best_metric, self.best_mode, unset=True)
         if self.keep_best is not None:
             if type(self.keep_best) is not int or self.keep_best < 1:
                 raise CheckpointConfigError(
@@ -368,7 +370,7 @@ class AsyncCheckpointer:
                  world_size: int | None = None, store: Any = None,
                  storage: Storage | None = None, copy_threads: int | None = None,
                  keep_every: int | None = None, keep_best: int | None = None,
-                 best_metric: str | None = None, best_mode: str = "min",
+                 best_metric: str | None = None, best_mode: str | None = None,
                  strict_replicas: bool = False):
         self._pid = os.getpid()
         self.config = CheckpointerConfig(mode=mode, keep_last=keep_last,
@@ -400,8 +402,11 @@ class AsyncCheckpointer:
         self._lock.owner = weakref.ref(self)
         self._metrics = StepMetrics()  # each committed step's, read once (best_step)
         cfg = self.config
-        self._keep_best = None if cfg.keep_best is None else KeepBest(
-            cfg.keep_best, Ranking(cfg.best_metric or "", cfg.best_mode), self._metrics)
+        # which way best_metric ranks: recorded by each save, for readers without it
+        self._metric_mode = None if cfg.best_metric is None else MetricMode(
+            cfg.best_metric, cfg.best_mode, self._metrics)
+        self._keep_best = None if cfg.keep_best is None or self._metric_mode is None else (
+            KeepBest(cfg.keep_best, self._metric_mode))
         self._writer: BackgroundWriter | None = None
         self._arena: HostArena | None = None
         self._small_saves = 0  # saves in a row that needed far less than the arena holds
@@ -469,6 +474,41 @@ class AsyncCheckpointer:
         "async_pinned" and CUDA present; without CUDA it is ordinary memory."""
         arena = self._arena
         return arena is not None and arena.pinned
+
+    def release_host_buffer(self) -> int:
+        """Free the host buffer saves stage into, and return its bytes (0: none held); the
+        next save (or ``prepare()``) allocates it again, as the first save did.
+
+        For a root that saves rarely (the best model, an EMA copy): its buffer, of the
+        state's size, is otherwise held from one save to the next. Waits for the save in
+        flight to be written and a background ``prepare()`` to end (a failure stays for
+        ``wait()``), then withdraws what ``serve()`` offers from the buffer (a peer
+        fetching it is told the step is no longer served). Pinned memory goes back to
+        torch's cache of pinned memory, which the next pinned save takes from. After
+        ``close()``, which frees it, 0.
+
+        Example:
+            >>> best.save(state, step, metrics={"val_loss": loss})
+            >>> best.release_host_buffer()
+        """
+        self._refuse_forked("release_host_buffer")
+        if self._closed:
+            return 0
+        with self._one_call("release_host_buffer"):
+            self._check_open()
+            pending, preparing = self._pending, self._preparing
+            if pending is not None:  # (not pending.wait(): its error stays uncollected)
+                cf.wait([pending._durable])
+            if preparing is not None:
+                cf.wait([preparing])
+            arena = self._arena
+            if arena is None and self._extras is None:
+                return 0
+            self._stop_serving()  # (peers stop reading it first)
+            self._arena = self._extras = None
+            self._arena_header_for = None
+            self._small_saves = self._small_need = 0
+            return 0 if arena is None else arena.nbytes
 
     # --- saving --------------------------------------------------------------------------
 
@@ -651,6 +691,7 @@ class AsyncCheckpointer:
             library_version=_version(),
             user_metadata=user_metadata, direct_io=self.config.direct_io,
             metrics=recorded, keep_best=self._keep_best, known=self._metrics,
+            metric_mode=self._metric_mode,
             strict_replicas=self.config.strict_replicas,
             started=started, tag=tag, in_use=self._in_use, replicas=replicas,
             reports=self._reports, sync=self.config.mode == "sync",
@@ -986,7 +1027,9 @@ class AsyncCheckpointer:
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The committed step whose ``metric`` (recorded by ``save_async(metrics=...)``) is
         best: the least with ``mode="min"``, the greatest with ``"max"`` (defaults: the
-        checkpointer's ``best_metric`` and ``best_mode``). NaN ranks last; of equal values
+        checkpointer's ``best_metric`` and ``best_mode``; without a mode, the way the
+        newest step that recorded one ranks ``metric``, else "min": a checkpointer saving
+        with ``best_metric`` records its ``best_mode``). NaN ranks last; of equal values
         the newer step wins. None when no committed step recorded it (check before
         passing it on: ``load(step=None)`` loads the latest step).
 
@@ -1003,10 +1046,15 @@ class AsyncCheckpointer:
         if mode is not None and mode not in BEST_MODES:
             raise CheckpointConfigError(f"best_step(mode={mode!r:.40}): use 'min' (a loss) or "
                                         "'max' (an accuracy)")
-        ranking = Ranking(metric if metric is not None else self.config.best_metric or "",
-                          mode if mode is not None else self.config.best_mode)
-        scores = self._metrics.scores(self.directory, self.storage, self.steps(),
-                                      ranking.metric)
+        name = metric if metric is not None else self.config.best_metric or ""
+        steps = self.steps()
+        if mode is None and self._metric_mode is not None and name == self._metric_mode.metric:
+            mode = self._metric_mode.get(self.directory, self.storage, steps)
+        elif mode is None:  # (another metric than best_metric: as its steps recorded it)
+            recorded = self._metrics.recorded_mode(self.directory, self.storage, steps, name)
+            mode = "min" if recorded is None else recorded[0]
+        ranking = Ranking(name, mode)
+        scores = self._metrics.scores(self.directory, self.storage, steps, ranking.metric)
         # best first, passing over the steps known damaged (a trial's deploy script took
         # a step whose damaged.json said so: a load found it corrupt) or whose files are
         # missing or cut short (ls says DAMAGED: a stat each)
@@ -1015,6 +1063,22 @@ class AsyncCheckpointer:
                 return best[0]
             del scores[best[0]]
         return None
+
+    def recorded_best_mode(self, metric: str) -> str | None:
+        """Which way ``metric`` ranks ("min" or "max") as the newest committed step that
+        recorded one says (a save records its checkpointer's ``best_metric`` and
+        ``best_mode``); None where none did. What ``best_step(metric)`` ranks by when
+        given no mode.
+
+        Example:
+            >>> AsyncCheckpointer("runs/exp1").recorded_best_mode("val_acc")
+            'max'
+        """
+        if not isinstance(metric, str) or not metric:
+            raise CheckpointConfigError(f"recorded_best_mode(metric={metric!r:.80}): name a "
+                                        "metric that saves record, e.g. 'val_loss'")
+        got = self._metrics.recorded_mode(self.directory, self.storage, self.steps(), metric)
+        return None if got is None else got[0]
 
     def _amiss(self, step: int) -> bool:
         """Whether something is known amiss with committed ``step`` without reading its

@@ -401,7 +401,7 @@ def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
         with AsyncCheckpointer(step_dir.parent, mode="sync") as ckpt:  # (reads only)
             if best:
                 ckpt._damaged.add(damaged)
-                other = ckpt.best_step(args.best, "max" if args.max else "min")
+                other = ckpt.best_step(args.best, _asked_mode(args))
             else:  # the one before it, or (none) the newest other one
                 steps = [s for s in reversed(ckpt.steps()) if s != damaged]
                 other = next((s for s in steps if s < damaged and not ckpt._amiss(s)),
@@ -610,7 +610,7 @@ class _Listing:
                 "tensors": m.tensors, "files": len(m.files),
                 "created_unix": m.created_unix, "created": _iso(m.created_unix),
                 "library_version": m.library_version, "metrics": _json_metrics(m.metrics),
-                "damaged": damaged, "error": None}
+                "metric_modes": m.metric_modes, "damaged": damaged, "error": None}
 
 
 def _unreadable_row(step: int | None, path: Path, error: str,
@@ -619,7 +619,7 @@ def _unreadable_row(step: int | None, path: Path, error: str,
     script reading ``row["bytes"]`` failed on these), its values null but ``error``."""
     return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
             "created_unix": None, "created": None, "library_version": None, "metrics": None,
-            "damaged": marked or [], "error": error}
+            "metric_modes": None, "damaged": marked or [], "error": error}
 
 
 def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
@@ -1054,7 +1054,7 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
             "tensor_bytes": sum(t["bytes"] for t in tensors),
             "files": {n: {"bytes": f.bytes, "rank": f.rank} for n, f in m.files.items()},
             "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata,
-            "metrics": _json_metrics(m.metrics)}
+            "metrics": _json_metrics(m.metrics), "metric_modes": m.metric_modes}
 
 
 def _tensor_table(doc: dict[str, Any]) -> str:
@@ -1171,6 +1171,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _out(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
     if doc["metrics"]:
         _out(_shown("metrics: " + _metrics_text(doc["metrics"])))
+    if doc["metric_modes"]:
+        _out(_shown("ranked by: " + ", ".join(f"{k} ({_VALUE[v]} is best)"
+                                             for k, v in doc["metric_modes"].items())))
     _out(f"checkpoint: {step_dir}")
     return code
 
@@ -1669,11 +1672,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_best(sp: argparse.ArgumentParser, text: str = "the committed step of the root "
               "whose METRIC (recorded by save_async(metrics=...)) is best, as "
-              "best_step() picks it: the least, or with --max the greatest") -> None:
+              "best_step() picks it: ranked as the steps recorded (best_mode), else the "
+              "least; --max or --min to choose") -> None:
     sp.add_argument("--best", metavar="METRIC", default=None, help=text)
     sp.add_argument("--max", action="store_true",
                     help="with --best: the greatest value is best (an accuracy); default: "
-                    "the least (a loss)")
+                    "as the steps recorded it, else the least")
+    sp.add_argument("--min", action="store_true",
+                    help="with --best: the least value is best (a loss)")
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -1690,10 +1696,18 @@ def _check_choice(args: argparse.Namespace) -> None:
     """The options that choose a step, together: --max only with --best, and --best or
     --step, not both (every command that has them)."""
     best = getattr(args, "best", None)
-    if getattr(args, "max", False) and best is None:
-        raise _Usage("--max goes with --best METRIC")
+    for flag in ("max", "min"):
+        if getattr(args, flag, False) and best is None:
+            raise _Usage(f"--{flag} goes with --best METRIC")
+    if getattr(args, "max", False) and getattr(args, "min", False):
+        raise _Usage("--max and --min each say which way METRIC ranks: pass one of them")
     if best is not None and getattr(args, "step", None) is not None:
         raise _Usage("--step and --best each name a step: pass one of them")
+
+
+def _asked_mode(args: argparse.Namespace) -> str | None:
+    """The ranking --max or --min asks for; None: as the steps recorded it."""
+    return "max" if args.max else "min" if args.min else None
 
 
 def _best_step(args: argparse.Namespace, root: Path) -> int:
@@ -1704,20 +1718,29 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     if not root.is_dir() or (root / MANIFEST_NAME).exists():
         raise _Usage(f"--best picks among the steps of a checkpoint root: {root} is "
                      f"{'a step directory' if root.is_dir() else 'no directory'}")
+    asked = _asked_mode(args)
     with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
-        best = ckpt.best_step(args.best, "max" if args.max else "min")
-    # A root does not record which way its metric ranks (a researcher trial's export
-    # --best val_acc, without --max, exported the worst kept step, exit 0): a name that
-    # reads the other way than the order asked for is told of
-    name = args.best.lower()
-    if best is not None and not args.max and _GREATER_IS_BETTER.search(name) and not (
-            _LESS_IS_BETTER.search(name)):
-        _warn(f"--best {args.best} ranks by the least value (step {best}), as for a loss: "
-              "pass --max if the greatest is best")
-    elif best is not None and args.max and _LESS_IS_BETTER.search(name):
-        _warn(f"--best {args.best} --max ranks by the greatest value (step {best}): drop "
-              "--max if the least is best, as for a loss")
+        recorded = ckpt.recorded_best_mode(args.best)
+        best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
+    if best is not None and asked is not None and recorded is not None and asked != recorded:
+        _warn(f"--best {args.best} --{asked} ranks by the {_VALUE[asked]} value (step {best}), "
+              f"but the steps recorded best_mode={recorded!r} for it: drop --{asked} to rank "
+              "as they did")
+    elif best is not None and recorded is None:
+        # Steps that recorded no best_mode (saved without best_metric, or by a library
+        # before it recorded one: a researcher trial's export --best val_acc, without
+        # --max, exported the worst kept step, exit 0): a name that reads the other way
+        # than the order asked for is told of
+        name = args.best.lower()
+        if not args.max and _GREATER_IS_BETTER.search(name) and not (
+                _LESS_IS_BETTER.search(name)):
+            _warn(f"--best {args.best} ranks by the least value (step {best}), as for a "
+                  "loss (no step recorded a best_mode for it): pass --max if the greatest "
+                  "is best")
+        elif args.max and _LESS_IS_BETTER.search(name):
+            _warn(f"--best {args.best} --max ranks by the greatest value (step {best}): drop "
+                  "--max if the least is best, as for a loss")
     if best is None:
         raise CheckpointNotFoundError(
             f"no committed step under {root} recorded the metric {args.best!r} (or each that "
@@ -1725,6 +1748,7 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     return best
 
 
+_VALUE = {"min": "least", "max": "greatest"}
 # Metric names that read as "greater is better", and as "less is better" (--best's check)
 _GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
                                 r"top\d|reward|return|win|r2")

@@ -1307,6 +1307,7 @@ def _check_one_box(t: torch.Tensor, mesh: Any, placements: tuple[Any, ...], dims
 def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                   block_bytes: int, user_metadata: dict[str, str], created_unix: float,
                   partial: bool = False, metrics: dict[str, float] | None = None,
+                  metric_modes: dict[str, str] | None = None,
                   strict_replicas: bool = False) -> Manifest:
     """Build the global manifest from every rank's record (coordinator's first).
 
@@ -1339,7 +1340,8 @@ def merge_records(records: Sequence[dict[str, Any]], *, step: int, library_versi
     return Manifest(step=step, world_size=len(records), created_unix=created_unix,
                     library_version=library_version, block_bytes=block_bytes, files=files,
                     tensors=out, skeleton=skeleton, user_metadata=user_metadata,
-                    partial=partial, metrics=dict(metrics or {}))
+                    partial=partial, metrics=dict(metrics or {}),
+                    metric_modes=dict(metric_modes or {}))
 
 
 def merged_skeleton(skeletons: list[Any], step: int, first_rank: int,

@@ -59,6 +59,8 @@ from .tree import (
 
 FORMAT_NAME = "asyncckpt"
 FORMAT_VERSION = 4
+# How a metric may rank (Manifest.metric_modes): the least best, or the greatest
+METRIC_MODES = ("min", "max")
 MANIFEST_NAME = "manifest.json"
 ALIGN = 4096
 CHECKSUM_ALGORITHM = "xxh3_64"
@@ -356,6 +358,9 @@ class Manifest:
     """True for a view that holds only some boxes of its tensors (what a peer serves)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What ``save_async(metrics=...)`` recorded (a validation loss...), for keep_best."""
+    metric_modes: dict[str, str] = field(default_factory=dict)
+    """Which way a metric ranks ("min" or "max"), as the saving checkpointer's
+    ``best_metric`` and ``best_mode`` said: what a later reader ranks by unless told."""
     pruned: bool = field(default=False, compare=False)
     """True for a load's view without some tensors (exclude=): the files hold more."""
     from_headers: bool = field(default=False, compare=False)
@@ -402,6 +407,8 @@ class Manifest:
                  compact_json(self.user_metadata)]
         if self.metrics:
             parts += [',"metrics":', compact_json(metrics_text(self.metrics))]
+        if self.metric_modes:
+            parts += [',"metric_modes":', compact_json(self.metric_modes)]
         if self.partial:
             parts.append(',"partial":true')
         parts.append("}")
@@ -771,6 +778,7 @@ class ManifestSummary:
     tensors: int
     partial: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    metric_modes: dict[str, str] = field(default_factory=dict)
     manifest_bytes: int = 0
     """The size of ``manifest.json`` itself (a state of many scalars: most of the step)."""
 
@@ -789,6 +797,14 @@ def _metrics(c: _Check, doc: dict[str, Any]) -> dict[str, float]:
         except ValueError:
             raise c.fail(f"metrics[{name!r:.80}] holds {v!r:.40}, which is no number") from None
     return out
+
+
+def _metric_modes(c: _Check, doc: dict[str, Any]) -> dict[str, str]:
+    """The manifest's metric_modes: metric names to "min" or "max". An entry of another
+    value (a later library's way of ranking) is passed over, as if none was recorded:
+    the step's data is not in question."""
+    modes = c.obj(doc.get("metric_modes", {}), "metric_modes")
+    return {name: mode for name, mode in modes.items() if name and mode in METRIC_MODES}
 
 
 def _created(c: _Check, doc: dict[str, Any]) -> float:
@@ -811,7 +827,7 @@ def parse_manifest_summary(raw: bytes, path: str) -> ManifestSummary:
                            library_version=c.str_(doc.get("library_version"),
                                                   "library_version"),
                            files=h.files, tensors=len(tensors), partial=h.partial,
-                           metrics=_metrics(c, doc))
+                           metrics=_metrics(c, doc), metric_modes=_metric_modes(c, doc))
 
 
 @_deep_stack_aware
@@ -842,7 +858,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         library_version=c.str_(doc.get("library_version"), "library_version"),
         block_bytes=block_bytes, files=files, tensors=tensors, skeleton=skeleton,
         user_metadata={str(k): str(v) for k, v in meta.items()}, format_version=version,
-        partial=partial, metrics=_metrics(c, doc))
+        partial=partial, metrics=_metrics(c, doc), metric_modes=_metric_modes(c, doc))
 
 
 # Names of the dtypes a manifest may hold, for a fast lookup; others take the slow path.

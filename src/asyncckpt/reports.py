@@ -323,6 +323,7 @@ class RecordBook:
     def manifest(self, records: Sequence[dict[str, Any]], *, step: int, library_version: str,
                  block_bytes: int, user_metadata: dict[str, str], created_unix: float,
                  partial: bool = False, metrics: dict[str, float] | None = None,
+                 metric_modes: dict[str, str] | None = None,
                  strict_replicas: bool = False) -> tuple[bytes, list[dict[str, Any]]]:
         """The manifest's bytes for these records (every rank's, coordinator's first),
         and each rank's file fields (rank, file, bytes...). ``partial``: the records
@@ -339,7 +340,8 @@ class RecordBook:
         kw: dict[str, Any] = {"step": step, "library_version": library_version,
                               "block_bytes": block_bytes, "user_metadata": user_metadata,
                               "created_unix": created_unix, "partial": partial,
-                              "metrics": dict(metrics or {})}
+                              "metrics": dict(metrics or {}),
+                              "metric_modes": dict(metric_modes or {})}
         t = self.template
         if t is not None and t.fids == fids and t.block_bytes == block_bytes:
             raw = self._fill(t, reports, kw, strict_replicas)

@@ -35,7 +35,7 @@ import xxhash
 
 from . import commit
 from ._gc import gc_paused
-from .best import KeepBest, StepMetrics, merged_metadata, merged_metrics
+from .best import KeepBest, MetricMode, StepMetrics, merged_metadata, merged_metrics
 from .dist import DistContext, Pulse, Replica, raise_failures
 from .errors import (
     CheckpointClosedError,
@@ -161,6 +161,8 @@ class SaveJob:
     keep_best: KeepBest | None = None  # with keep_last: the best steps by a metric are kept
     known: StepMetrics | None = None  # what is known of the committed steps (files, metrics)
     metrics: dict[str, float] = field(default_factory=dict)  # save_async(metrics=...)
+    metric_mode: MetricMode | None = None  # best_metric's ranking, which the save records
+    metric_modes: dict[str, str] = field(default_factory=dict)  # (what it recorded)
     strict_replicas: bool = False  # ranks' differing replicas fail the save (not a warning)
     blocked_s: float = 0.0
     sync: bool = False  # mode="sync": the caller is blocked until the commit
@@ -853,7 +855,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                 else:
                     best = job.keep_best
                     if best is not None and not before:  # (its metrics need not be read)
-                        best.cache.note(job.root, job.step, job.storage, job.metrics)
+                        best.cache.note(job.root, job.step, job.storage, job.metrics,
+                                        job.metric_modes)
                     if job.known is not None and not before:  # (nor its files' sizes)
                         job.known.note_files(job.root, job.step, job.storage)
                     listed: list[int] = []
@@ -1386,6 +1389,22 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
     raise_failures(answers, f"step {job.step} aborted, nothing committed")
 
 
+def _metric_modes(job: SaveJob) -> dict[str, str]:
+    """What the save records of the way its checkpointer's best_metric ranks (nothing
+    without best_metric, or where the steps it would inherit one from cannot be listed:
+    none is better than a wrong one)."""
+    mm = job.metric_mode
+    if mm is None:
+        return {}
+    try:
+        return {mm.metric: mm.for_save(job.root, job.storage, lambda: commit.committed_steps(
+            job.root, job.storage, skip_denied=True))}
+    except (OSError, CheckpointError) as exc:
+        log.warning("rank=0 step=%d: the steps under %s could not be listed to tell which way "
+                    "%r ranks (%s): the save records none", job.step, job.root, mm.metric, exc)
+        return {}
+
+
 def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
     """The manifest merged from every rank's record (reports.RecordBook), with the
     metrics and metadata any rank passed (``job.metrics`` and ``job.user_metadata``
@@ -1395,11 +1414,13 @@ def _manifest_bytes(job: SaveJob, records: list[dict[str, Any]]) -> bytes:
                                      job.reports.metrics_warned)
         job.user_metadata = merged_metadata(job.user_metadata, records, job.step,
                                             job.reports.metadata_warned)
+    job.metric_modes = _metric_modes(job)
     with _gc_paused():  # (its objects freed before resuming)
         raw, job.records = job.reports.book.manifest(
             records, step=job.step, library_version=job.library_version,
             block_bytes=job.block_bytes, user_metadata=job.user_metadata,
-            created_unix=time.time(), metrics=job.metrics, strict_replicas=job.strict_replicas)
+            created_unix=time.time(), metrics=job.metrics, metric_modes=job.metric_modes,
+            strict_replicas=job.strict_replicas)
     if len(raw) > MAX_MANIFEST_BYTES:  # (no load would read it: the step is not committed)
         raise CheckpointSaveError(
             f"step {job.step}: its {MANIFEST_NAME} would take {len(raw):,} bytes, over the "
