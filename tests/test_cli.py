@@ -941,7 +941,8 @@ def test_options_are_not_abbreviated(root: Path, capsys: pytest.CaptureFixture[s
     code, out, err = run(capsys, "ls", str(root), "--js")
     assert code == 2 and out == "" and "unrecognized arguments: --js" in err
     # told with the command's usage (it was the top level's, which names no option)
-    assert err.startswith("usage: asyncckpt ls [-h] [--best METRIC] [--max] [--json] DIR"), err
+    assert err.startswith("usage: asyncckpt ls [-h] [--best METRIC] [--max] [--min] [--json] "
+                          "DIR"), err
     assert "asyncckpt ls: error: unrecognized arguments: --js" in err, err
     safetensors.torch.save_file({"w": torch.ones(2)}, str(root.parent / "plain.safetensors"))
     code, _, err = run(capsys, "verify", str(root.parent / "plain.safetensors"))
@@ -2132,13 +2133,14 @@ def test_ls_best_of_a_metric_no_step_recorded_says_so(
 def test_best_by_a_metric_that_reads_the_other_way_is_told_of(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A researcher trial's export --best val_acc without --max exported the worst kept
-    step, exit 0 and not a word (a root does not record which way its metric ranks)."""
+    step, exit 0 and not a word (its steps recorded no best_mode: saved without best_metric)."""
     root = tmp_path / "ck"
     with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:
         for step, acc, loss in ((1, 0.5, 2.0), (2, 0.9, 1.0), (3, 0.6, 1.5)):
             ckpt.save(_state(step), step, metrics={"val_acc": acc, "val_loss": loss})
     code, _, err = run(capsys, "ls", str(root), "--best", "val_acc")
-    assert code == 0 and "ranks by the least value (step 1), as for a loss: pass --max" in err
+    assert code == 0 and "ranks by the least value (step 1), as for a loss (no step " \
+        "recorded a best_mode for it): pass --max" in err
     code, _, err = run(capsys, "ls", str(root), "--best", "val_acc", "--max")
     assert code == 0 and err == ""
     code, _, err = run(capsys, "ls", str(root), "--best", "val_loss")
