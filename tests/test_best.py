@@ -808,3 +808,103 @@ def test_the_cli_without_a_recorded_mode_ranks_by_the_least_and_warns_by_the_nam
     assert "ranks by the least value (step 3), as for a loss (no step recorded" in got.err
     assert main(["ls", str(tmp_path), "--best", "acc", "--min", "--json"]) == 0
     assert "as for a loss" in capsys.readouterr().err  # (--min told: the name still reads)
+
+
+# --- metrics recorded after the save -----------------------------------------------------------
+
+def test_metrics_recorded_after_the_save_rank_the_step_as_its_own(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation that ends after the step was saved had no way to count for keep_best:
+    the roadmap's "no API adds metrics to a committed step"."""
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=2, keep_best=1,
+                           best_metric="val_loss") as ckpt:
+        for step in (1, 2):
+            ckpt.save_async(_state(step), step).wait()
+        # step 1's evaluation ends now: the best
+        assert ckpt.record_metrics(1, {"val_loss": torch.tensor(0.25)}) == {"val_loss": 0.25}
+        assert ckpt.best_step() == 1 and ckpt.step_metrics(1) == {"val_loss": 0.25}
+        fut = ckpt.save_async(_state(3), 3)
+        assert ckpt.record_metrics(3, {"val_loss": 0.5}) == {"val_loss": 0.5}  # (waited)
+        assert fut.done()
+        ckpt.save_async(_state(4), 4, metrics={"val_loss": 0.75}).wait()
+        ckpt.wait()
+        assert ckpt.steps() == [1, 3, 4]  # step 1 spared as the best, 2 removed
+    files = sorted(p.name for p in (tmp_path / "step_000000001").iterdir())
+    assert files == ["manifest.json", "metrics.json", "rank_00000.safetensors"]  # (no tmp)
+    reader = AsyncCheckpointer(tmp_path, mode="sync")
+    assert reader.best_step("val_loss") == 1
+    assert reader.step_metrics(4) == {"val_loss": 0.75} and reader.step_metrics(3) == {
+        "val_loss": 0.5}
+    # a second evaluation replaces the value; another checkpointer reads it again
+    with AsyncCheckpointer(tmp_path, mode="sync") as evaluator:
+        assert evaluator.record_metrics(1, {"val_loss": 0.9, "acc": 0.1}) == {
+            "val_loss": 0.9, "acc": 0.1}
+    assert reader.best_step("val_loss") == 3
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    assert [r["metrics"] for r in rows] == [{"val_loss": 0.9, "acc": 0.1}, {"val_loss": 0.5},
+                                            {"val_loss": 0.75}]
+    assert main(["inspect", str(tmp_path), "--step", "1"]) == 0
+    assert "(val_loss, acc recorded after the save)" in capsys.readouterr().out
+    reader.close()
+
+
+def test_record_metrics_keeps_what_the_save_recorded(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_loss": 2.0, "nan": NAN})
+        with pytest.raises(CheckpointConfigError,
+                           match=r"step 1: val_loss=1 \(its save recorded 2\): the metrics a "
+                                 r"save recorded are not rewritten.*'val_loss_2'"):
+            ckpt.record_metrics(1, {"val_loss": 1.0, "acc": 0.5})
+        assert not (tmp_path / "step_000000001" / "metrics.json").exists()  # (nothing)
+        got = ckpt.record_metrics(1, {"val_loss": 2.0, "nan": NAN, "acc": 0.5})  # (the same)
+        assert got["val_loss"] == 2.0 and got["acc"] == 0.5 and math.isnan(got["nan"])
+        assert read_manifest(tmp_path / "step_000000001", LocalStorage()).metrics[
+            "val_loss"] == 2.0
+
+
+def test_record_metrics_refuses_what_it_cannot_record(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+        with pytest.raises(asyncckpt.CheckpointNotFoundError, match="step 7"):
+            ckpt.record_metrics(7, {"val_loss": 1.0})
+        with pytest.raises(CheckpointConfigError, match="pass the metrics to record"):
+            ckpt.record_metrics(1, {})
+        with pytest.raises(CheckpointConfigError, match=r"metrics\['x'\]"):
+            ckpt.record_metrics(1, {"x": "high"})
+        other = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+        shutil.copytree(tmp_path / "step_000000001", other)
+        os.symlink(other, tmp_path / "step_000000002")
+        with pytest.raises(CheckpointConfigError, match=r"step 2: its directory leads out of"):
+            ckpt.record_metrics(2, {"val_loss": 1.0})
+        assert not (other / "metrics.json").exists()
+    with pytest.raises(asyncckpt.CheckpointClosedError):
+        ckpt.record_metrics(1, {"val_loss": 1.0})
+
+
+def test_a_damaged_metrics_file_counts_as_none_and_is_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 3.0})
+        ckpt.save(_state(2), 2, metrics={"loss": 2.0})
+        ckpt.record_metrics(1, {"val_loss": 1.0})
+    path = tmp_path / "step_000000001" / "metrics.json"
+    path.write_bytes(path.read_bytes().replace(b'"1.0"', b'"0.5"'))  # (edited by hand)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        assert ckpt.best_step("val_loss") is None
+        assert ckpt.best_step("val_loss") is None
+        said = [r.getMessage() for r in caplog.records if "metrics.json" in r.getMessage()]
+        assert len(said) == 1 and "its digest does not match" in said[0], said
+        assert "record them again" in said[0]
+        with pytest.raises(CheckpointCorruptError, match=r"metrics\.json"):
+            ckpt.step_metrics(1)
+        capsys.readouterr()
+        assert main(["ls", str(tmp_path), "--json"]) == 0  # (the data is fine: exit 0)
+        got = capsys.readouterr()
+        assert json.loads(got.out)["steps"][0]["metrics"] == {"loss": 3.0}
+        assert "its digest does not match" in got.err
+        assert ckpt.record_metrics(1, {"val_loss": 0.5}) == {"val_loss": 0.5, "loss": 3.0}
+        assert ckpt.best_step("val_loss") == 1

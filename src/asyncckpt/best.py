@@ -9,25 +9,90 @@ step's manifest again).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import numbers
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .commit import files_amiss, step_dir_name, still_there
-from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
-from .manifest import MANIFEST_NAME, METRIC_MODES
+from .commit import files_amiss, new_token, step_dir_name, still_there
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointSaveError,
+)
+from .manifest import MANIFEST_NAME, METRIC_MODES, compact_json, is_sealed, metrics_text, seal
 from .reader import read_manifest_summary
-from .storage import LocalStorage, ReadStorage
+from .storage import LocalStorage, ReadStorage, Storage
 
 log = logging.getLogger(__name__)
 
 MODES = METRIC_MODES
+# A committed step's metrics recorded after its save (record_metrics): its manifest never
+# changes, so they go beside it, in a file of their own sealed with its digest
+LATER_METRICS_NAME = "metrics.json"
+_LATER_FORMAT = "asyncckpt-metrics"
+_MAX_LATER_BYTES = 1 << 20
+
+
+def read_later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]:
+    """The metrics recorded for a committed step after its save ({} where none were).
+
+    Raises CheckpointCorruptError where the file is cut short, edited (its digest does
+    not match) or no such file; OSError as the storage raises it."""
+    path = step_dir / LATER_METRICS_NAME
+    try:
+        raw = storage.read_bytes(path, _MAX_LATER_BYTES)
+    except FileNotFoundError:
+        return {}
+    except (ValueError, CheckpointError) as exc:  # over the limit; a directory, a FIFO
+        raise CheckpointCorruptError(f"{path} cannot be read ({exc})", path=str(path)) from exc
+    problem = None
+    if not is_sealed(raw):
+        problem = "its digest does not match its contents (cut short, or edited)"
+    else:
+        doc = json.loads(raw)
+        got = doc.get("metrics") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict) or doc.get("format") != _LATER_FORMAT:
+            problem = f"it is no {_LATER_FORMAT} file"
+        elif not isinstance(got, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in got.items()):
+            problem = "its metrics are not names to numbers"
+        else:
+            try:
+                return {k: float(v) for k, v in got.items()}
+            except ValueError:
+                problem = "its metrics are not names to numbers"
+    raise CheckpointCorruptError(
+        f"{path}: {problem}: the metrics recorded after the save (record_metrics) are not "
+        "counted; record them again (the step's data is not in question)", path=str(path))
+
+
+def write_later_metrics(step_dir: Path, step: int, storage: Storage,
+                        metrics: Mapping[str, float]) -> None:
+    """Replace ``step_dir``'s later metrics with ``metrics``, atomically: a file written
+    and made durable beside it, then renamed over it (a reader sees the old or the new)."""
+    body = seal(compact_json({"format": _LATER_FORMAT, "step": step,
+                              "recorded_unix": time.time(),
+                              "metrics": metrics_text(metrics)}).encode("ascii"))
+    tmp = step_dir / f".{LATER_METRICS_NAME}.tmp-{new_token()}"
+    try:
+        storage.write_bytes(tmp, body)
+        storage.rename(tmp, step_dir / LATER_METRICS_NAME)
+    except BaseException:
+        if isinstance(storage, LocalStorage):
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    storage.fsync_dir(step_dir)
 
 
 def checked_metrics(metrics: object) -> dict[str, float]:
@@ -180,6 +245,7 @@ class StepMetrics:
         # step -> (identity, its files' sizes): of the committed steps (see keep_files)
         self._files: dict[int, tuple[object, dict[str, int]]] = {}
         self._committed: frozenset[int] = frozenset()  # as the last retention found them
+        self._told: set[tuple[int, str]] = set()  # later metrics files warned of
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float], modes: Mapping[str, str] | None = None) -> None:
@@ -270,6 +336,9 @@ class StepMetrics:
         try:
             summary = read_manifest_summary(root / step_dir_name(step), storage)
             metrics, modes = summary.metrics, summary.metric_modes
+            later = self._later(root, step, storage)
+            if later:  # (the save's own first: record_metrics adds no name it recorded)
+                metrics = {**later, **metrics}
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
@@ -284,6 +353,20 @@ class StepMetrics:
         if ident is not None:  # (read once: the sizes too, for retention's amiss)
             self._remember(step, ident, {n: f.bytes for n, f in summary.files.items()})
         return metrics, modes
+
+    def _later(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
+        """``read_later_metrics`` of ``step``; a file that cannot be read is warned of
+        (once per step and file) and counts as none."""
+        try:
+            return read_later_metrics(root / step_dir_name(step), storage)
+        except CheckpointCorruptError as exc:
+            said = (step, str(exc))
+            with self._lock:
+                warn = said not in self._told
+                self._told.add(said)
+            if warn:
+                log.warning("step %d: %s", step, exc)
+            return {}
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                metric: str) -> dict[int, float]:
@@ -307,11 +390,17 @@ def _identity(root: Path, step: int, storage: ReadStorage) -> object:
     where the storage cannot say, or the file is not there)."""
     if not isinstance(storage, LocalStorage):
         return None
+    step_dir = root / step_dir_name(step)
     try:
-        st = os.stat(root / step_dir_name(step) / MANIFEST_NAME)
+        st = os.stat(step_dir / MANIFEST_NAME)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    try:  # (and its metrics recorded after the save, which record_metrics replaces)
+        later = os.stat(step_dir / LATER_METRICS_NAME)
+        more: tuple[int, ...] = (later.st_ino, later.st_size, later.st_mtime_ns)
+    except OSError:
+        more = ()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, *more)
 
 
 class MetricMode:

@@ -27,7 +27,16 @@ import torch
 from . import commit
 from ._gc import gc_paused
 from .best import MODES as BEST_MODES
-from .best import KeepBest, MetricMode, Ranking, StepMetrics, check_ranking, checked_metrics
+from .best import (
+    KeepBest,
+    MetricMode,
+    Ranking,
+    StepMetrics,
+    check_ranking,
+    checked_metrics,
+    read_later_metrics,
+    write_later_metrics,
+)
 from .commit import StepLike
 from .dist import (
     DistContext,
@@ -84,7 +93,7 @@ from .manifest import (
     shard_file_name,
 )
 from .plan import WritePlan, layout_signature, plain_memory, plan_writes
-from .reader import read_manifest, tensor_bytes
+from .reader import read_manifest, read_manifest_summary, tensor_bytes
 from .reports import Reports
 from .staging import (
     HostArena,
@@ -422,6 +431,7 @@ class AsyncCheckpointer:
         self._last_said: tuple[int, str] | None = None  # (step, outcome) wait() handed over
         self._refused_tag: str | None = None  # the last save the coordinator refused to start
         self._closed = False
+        self._record_lock = threading.Lock()  # (record_metrics: one at a time here)
         self._transports: list[Any] = []
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
@@ -1234,6 +1244,82 @@ class AsyncCheckpointer:
         step_dir, _ = commit.resolve_step_dir(self.directory, commit.check_step(step),
                                               self.storage)
         return read_manifest(step_dir, self.storage)
+
+    def step_metrics(self, step: StepLike | None = None) -> dict[str, float]:
+        """Every metric committed ``step`` (latest when None) has: those its save recorded
+        (``save_async(metrics=...)``) and those recorded after it (``record_metrics``),
+        as keep_best, ``best_step()`` and ``asyncckpt ls`` count them."""
+        step_dir, _ = commit.resolve_step_dir(self.directory, commit.check_step(step),
+                                              self.storage)
+        saved = read_manifest_summary(step_dir, self.storage).metrics
+        return {**read_later_metrics(step_dir, self.storage), **saved}
+
+    def record_metrics(self, step: StepLike, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Record metrics of a committed step after its save: an evaluation that ends after
+        the step was saved (in this process, or an evaluator's beside the trainer).
+        keep_best, ``best_step()``, ``step_metrics()`` and ``asyncckpt ls`` count them as
+        the save's own. Returns every metric the step now has.
+
+        They go into the step's ``metrics.json`` (written beside it, then renamed over the
+        one before: a crash leaves the old or the new), with those recorded after the save
+        before; a name recorded again replaces its value (an evaluation run again). A
+        name the save itself recorded keeps its value: another one is refused. Waits for
+        this checkpointer's save of ``step`` when it is in flight. One process records a
+        step's metrics at a time (two at once: one's may be lost). A step that retention
+        removes meanwhile is not found: with ``keep_best``, record before the step leaves
+        ``keep_last`` (the next saves' retentions rank it from then on).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed (or was removed meanwhile).
+            CheckpointConfigError: a metric that is no name and number, or one the save
+                recorded with another value.
+            CheckpointSaveError: the file could not be written (nothing changed).
+
+        Example:
+            >>> ckpt.record_metrics(1000, {"val_loss": evaluate(model)})
+        """
+        self._refuse_forked("record_metrics")
+        self._check_open()
+        step = commit.as_step(step)
+        recorded = checked_metrics(metrics)
+        if not recorded:
+            raise CheckpointConfigError(f"record_metrics({step}, {metrics!r:.40}): pass the "
+                                        "metrics to record, e.g. {'val_loss': 2.31}")
+        pending = self._pending
+        if pending is not None and pending.step == step:  # (its outcome stays for wait())
+            cf.wait([pending._durable])
+        step_dir, _ = commit.resolve_step_dir(self.directory, step, self.storage)
+        elsewhere = commit.led_elsewhere(self.directory, step, self.storage)
+        if elsewhere is not None:
+            raise CheckpointConfigError(f"step {step}: {elsewhere}")
+        saved = read_manifest_summary(step_dir, self.storage).metrics
+        clash = [f"{k}={v:g} (its save recorded {saved[k]:g})" for k, v in recorded.items()
+                 if k in saved and not (v == saved[k] or (math.isnan(v)
+                                                         and math.isnan(saved[k])))]
+        if clash:
+            raise CheckpointConfigError(
+                f"step {step}: {', '.join(clash)}: the metrics a save recorded are not "
+                "rewritten; record the new value under another name (e.g. "
+                f"{(next(iter(k for k in recorded if k in saved)) + '_2')!r})")
+        with self._record_lock:
+            try:
+                later = read_later_metrics(step_dir, self.storage)
+            except CheckpointCorruptError as exc:  # (counted as none: replaced)
+                log.warning("step %d: %s: replaced by the metrics recorded now", step, exc)
+                later = {}
+            later.update((k, v) for k, v in recorded.items() if k not in saved)
+            try:
+                write_later_metrics(step_dir, step, self.storage, later)
+            except OSError as exc:
+                if not commit.still_there(self.directory, step_dir.name, self.storage):
+                    raise CheckpointNotFoundError(
+                        f"step {step} was removed from {self.directory} while its metrics "
+                        "were recorded (retention: keep_last); nothing was recorded"
+                    ) from exc
+                raise CheckpointSaveError(
+                    f"step {step}: its metrics could not be recorded in {step_dir} "
+                    f"({type(exc).__name__}: {exc}); nothing changed") from exc
+        return {**later, **saved}
 
     def load(self, state: Any = None, *, step: StepLike | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import commit
+from .best import LATER_METRICS_NAME, read_later_metrics
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -609,8 +610,21 @@ class _Listing:
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
                 "tensors": m.tensors, "files": len(m.files),
                 "created_unix": m.created_unix, "created": _iso(m.created_unix),
-                "library_version": m.library_version, "metrics": _json_metrics(m.metrics),
+                "library_version": m.library_version,
+                "metrics": _json_metrics({**_later_metrics(d, self.storage), **m.metrics}),
                 "metric_modes": m.metric_modes, "damaged": damaged, "error": None}
+
+
+def _later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]:
+    """The metrics recorded for a step after its save (record_metrics); a file that cannot
+    be read is warned of and counts as none (the step's data is not in question)."""
+    try:
+        return read_later_metrics(step_dir, storage)
+    except (CheckpointError, OSError) as exc:
+        _warn(str(exc) if isinstance(exc, CheckpointError) else
+              f"{step_dir / LATER_METRICS_NAME} cannot be read ({exc}): the metrics recorded "
+              "after the save are not shown")
+        return {}
 
 
 def _unreadable_row(step: int | None, path: Path, error: str,
@@ -1034,6 +1048,7 @@ def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> N
 
 
 def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
+    later = {} if m.from_headers else _later_metrics(step_dir, LocalStorage())
     skel: dict[str, Any] = {"stateful": [], "scalars": []}
     _skeleton_summary(m.skeleton, "", skel)
     paths: dict[str, list[str]] = {}  # storage key -> the paths of the tree that hold it
@@ -1054,7 +1069,9 @@ def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
             "tensor_bytes": sum(t["bytes"] for t in tensors),
             "files": {n: {"bytes": f.bytes, "rank": f.rank} for n, f in m.files.items()},
             "tensors": tensors, "skeleton": skel, "user_metadata": m.user_metadata,
-            "metrics": _json_metrics(m.metrics), "metric_modes": m.metric_modes}
+            "metrics": _json_metrics({**later, **m.metrics}),
+            "metrics_recorded_later": [k for k in later if k not in m.metrics],
+            "metric_modes": m.metric_modes}
 
 
 def _tensor_table(doc: dict[str, Any]) -> str:
@@ -1170,7 +1187,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if doc["user_metadata"]:
         _out(_shown("metadata: " + ", ".join(f"{k}={v}" for k, v in doc["user_metadata"].items())))
     if doc["metrics"]:
-        _out(_shown("metrics: " + _metrics_text(doc["metrics"])))
+        after = doc["metrics_recorded_later"]
+        _out(_shown("metrics: " + _metrics_text(doc["metrics"])
+                    + (f" ({', '.join(after)} recorded after the save)" if after else "")))
     if doc["metric_modes"]:
         _out(_shown("ranked by: " + ", ".join(f"{k} ({_VALUE[v]} is best)"
                                              for k, v in doc["metric_modes"].items())))

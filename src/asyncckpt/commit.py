@@ -704,17 +704,9 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
     body = json.dumps({"step": step, "found_unix": time.time(),
                        "problem": problem[:_MAX_PROBLEM_CHARS]}, indent=1).encode()
     path = root / step_dir_name(step) / DAMAGED_NAME
-    if isinstance(storage, LocalStorage):
-        # (a security review: a downloaded root's step linked to a directory elsewhere, and
-        # a fallback load wrote its mark there; a load writes nothing outside the root)
-        # (an adversary trial: a step linked to another step of the root, refused as
-        # such, marked that one, which retention then removed though it was intact)
-        real, inside = os.path.realpath(path.parent), os.path.realpath(root)
-        if real != os.path.join(inside, step_dir_name(step)):
-            where = ("out of " if os.path.commonpath([real, inside]) != inside
-                     else "elsewhere in ")
-            return (f"its directory leads {where}{root} (a link to {real}): nothing is "
-                    "written there")
+    elsewhere = led_elsewhere(root, step, storage)
+    if elsewhere is not None:
+        return elsewhere
     try:
         storage.write_bytes(path, body)
     except FileExistsError:
@@ -729,6 +721,21 @@ def mark_damaged(root: Path, step: int, problem: str, storage: Storage) -> str |
                     os.unlink(path)
         return exc.strerror or str(exc)
     return None
+
+
+def led_elsewhere(root: Path, step: int, storage: ReadStorage) -> str | None:
+    """Why nothing may be written into step ``step``'s directory under ``root``: it leads
+    out of the root, or to another of its directories (a link); None where it is its own.
+    (A security review: a downloaded root's step linked to a directory elsewhere, and a
+    fallback load wrote its mark there; an adversary trial: a step linked to another step
+    of the root, marked that one, which retention then removed though it was intact.)"""
+    if not isinstance(storage, LocalStorage):
+        return None
+    real, inside = os.path.realpath(root / step_dir_name(step)), os.path.realpath(root)
+    if real == os.path.join(inside, step_dir_name(step)):
+        return None
+    where = "out of " if os.path.commonpath([real, inside]) != inside else "elsewhere in "
+    return f"its directory leads {where}{root} (a link to {real}): nothing is written there"
 
 
 def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object] | None:

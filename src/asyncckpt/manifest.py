@@ -555,6 +555,13 @@ def seal(body: bytes) -> bytes:
     return b"".join((head, b',"digest":"', xxhash.xxh3_64_hexdigest(body).encode(), b'"}\n'))
 
 
+def is_sealed(raw: bytes) -> bool:
+    """Whether ``raw`` ends with the digest :func:`seal` gives it, and the digest matches."""
+    m = _DIGEST_TAIL.search(raw, max(0, len(raw) - 64))
+    return m is not None and xxhash.xxh3_64_hexdigest(
+        raw[:m.start()] + b"}") == m.group(1).decode()
+
+
 class _Check:
     """Small helpers that turn a bad manifest field into CheckpointCorruptError."""
 
