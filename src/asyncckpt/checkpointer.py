@@ -998,7 +998,7 @@ class AsyncCheckpointer:
         elif pending is not None and not pending._durable.done():
             state = f"saving step {pending.step}"
         elif pending is not None:
-            state = f"last save step {pending.step} {pending.progress().phase}"
+            state = f"last save step {pending.step} {pending._progress_now().phase}"
         else:
             state = "no save yet" if last is None else f"last save step {last[0]} {last[1]}"
         config = getattr(self, "config", None)
@@ -1538,7 +1538,7 @@ class AsyncCheckpointer:
         if fut is not None and not cf.wait([fut._durable], timeout).done:
             raise CheckpointTimeoutError(
                 f"close(timeout={timeout}): step {fut.step} is still being saved to "
-                f"{self.directory} ({fut.progress().phase}); {stays}"
+                f"{self.directory} ({fut._progress_now().phase}); {stays}"
                 "close() again waits on (the steps committed before it are intact)"
                 + _STUCK_EXIT)
         for removals, what in ((retention, f"old steps under {self.directory} "
@@ -1769,7 +1769,7 @@ class AsyncCheckpointer:
                     "%s (a storage that hangs? a dead network mount?); until it ends, no "
                     "save starts. A process that must end anyway: close(timeout=) tells it, "
                     "and os._exit() ends it (the steps committed before are intact)",
-                    self._ctx.rank, self.directory, waited, fut.step, fut.progress().phase)
+                    self._ctx.rank, self.directory, waited, fut.step, fut._progress_now().phase)
                 say_at *= 2
 
     @staticmethod

@@ -324,7 +324,13 @@ class CheckpointFuture:
 
     def progress(self) -> SaveProgress:
         """Where the save stands now: bytes copied and written, and its phase. Does not
-        block; does not mark a failure as seen (``exception()`` tells it)."""
+        block; does not mark a failure as seen (``exception()`` tells it). In a process
+        forked while the save was in flight, raises CheckpointClosedError, as ``done()``
+        does (its phase would never move there: a child's loop on it spun for ever)."""
+        self._refuse_forked()
+        return self._progress_now()
+
+    def _progress_now(self) -> SaveProgress:
         staged = self._progress.staged if self._progress is not None else 0
         written = self._progress.written if self._progress is not None else 0
         total = self._total
@@ -350,8 +356,9 @@ class CheckpointFuture:
             "(or the step) instead")
 
     def __repr__(self) -> str:
-        # (what a notebook shows of ``fut``: the step and where its save stands, no wait)
-        p = self.progress()
+        # (what a notebook shows of ``fut``: the step and where its save stands, no wait;
+        # in a forked child too, as it stood when the process was forked)
+        p = self._progress_now()
         n = p.total_bytes
         size = (f"{n / 1e9:.3f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6
                 else f"{n / 1e3:.1f} kB" if n >= 1e3 else f"{n} B")
@@ -371,7 +378,10 @@ class CheckpointFuture:
         return self._durable.done()
 
     def staged(self) -> bool:
-        """True once every tensor has been copied to the host arena."""
+        """True once every tensor has been copied to the host arena (in a process forked
+        while they were being copied, CheckpointClosedError: no copy goes on there)."""
+        if not self._staged.done():
+            self._refuse_forked()
         return self._staged.done()
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -419,7 +429,7 @@ class CheckpointFuture:
         if not cf.wait([self._durable], timeout).done:
             raise CheckpointTimeoutError(
                 f"step {self.step}: checkpoint not durable after {timeout}s (still "
-                f"{self.progress().phase})")
+                f"{self._progress_now().phase})")
         # Its failure is read, not raised by result(): raised there, the kept error would
         # gather this frame, and through it the caller's (see _detached).
         failure = self._durable.exception()
