@@ -908,3 +908,27 @@ def test_a_damaged_metrics_file_counts_as_none_and_is_replaced(
         assert "its digest does not match" in got.err
         assert ckpt.record_metrics(1, {"val_loss": 0.5}) == {"val_loss": 0.5, "loss": 3.0}
         assert ckpt.best_step("val_loss") == 1
+
+
+def test_a_save_looks_for_the_mode_to_inherit_in_the_newest_steps_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the save's path: a root of many steps that recorded no mode (an earlier
+    library's) is not read whole before the first save's manifest."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step in range(1, 13):
+            ckpt.save(_state(step), step, metrics={"loss": float(step)})
+    import asyncckpt.best as best
+
+    reads: list[int] = []
+    real = best.read_manifest_summary
+
+    def counted(step_dir: Path, storage: Any) -> Any:
+        reads.append(int(step_dir.name.split("_")[1]))
+        return real(step_dir, storage)
+
+    monkeypatch.setattr(best, "read_manifest_summary", counted)
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="loss") as ckpt:
+        ckpt.save(_state(13), 13, metrics={"loss": 0.5})
+    assert sorted(reads) == list(range(5, 13))
+    assert read_manifest(tmp_path / "step_000000013", LocalStorage()).metric_modes == {
+        "loss": "min"}

@@ -438,14 +438,19 @@ class MetricMode:
                  steps: Callable[[], Iterable[int]]) -> str:
         """The mode a save records: ``get``'s, looked up once, before this checkpointer's
         first save records its own (``steps`` lists the committed ones: a given mode the
-        steps recorded the other way is warned of then)."""
+        steps recorded the other way is warned of then). Only the newest
+        ``_INHERIT_FROM`` steps are looked at: on the save's path, a root of steps that
+        recorded none (saved by an earlier library) is not read whole."""
         with self._lock:
             known = self._saving
         if known is None:
-            known = self.get(root, storage, steps())
+            known = self.get(root, storage, sorted(steps())[-_INHERIT_FROM:])
             with self._lock:
                 self._saving = known
         return known
+
+
+_INHERIT_FROM = 8  # the newest steps a save looks at for the mode it inherits
 
 
 @dataclass(frozen=True)
