@@ -701,14 +701,19 @@ def test_a_resume_without_best_mode_keeps_the_best_as_the_run_before_it_ranked(
     assert "best_mode" not in caplog.text
 
 
-def test_a_root_with_no_recorded_mode_ranks_by_the_least_and_records_it(tmp_path: Path) -> None:
+def test_a_root_with_no_recorded_mode_ranks_by_the_least_and_records_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default "min" is no choice: recorded, it silenced the CLI's check of the name
+    (a review: `--best val_acc` then took the worst step without a word)."""
     with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
-                           best_metric="loss") as ckpt:
-        for step, loss in ((1, 2.0), (2, 1.0), (3, 3.0)):
-            ckpt.save(_state(step), step, metrics={"loss": loss})
+                           best_metric="acc") as ckpt:
+        for step, acc in ((1, 2.0), (2, 1.0), (3, 3.0)):
+            ckpt.save(_state(step), step, metrics={"acc": acc})
         assert ckpt.steps() == [2, 3] and ckpt.best_step() == 2
-    assert read_manifest(tmp_path / "step_000000003", LocalStorage()).metric_modes == {
-        "loss": "min"}
+    assert read_manifest(tmp_path / "step_000000003", LocalStorage()).metric_modes == {}
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--best", "acc"]) == 0
+    assert "as for a loss (no step recorded a best_mode for it)" in capsys.readouterr().err
 
 
 def test_a_mode_given_that_the_steps_recorded_otherwise_is_used_and_warned_of_once(
@@ -762,9 +767,9 @@ def test_the_manifest_carries_metric_modes_and_passes_over_unknown_ones(
     assert parse_manifest(m.encode(), "x").metric_modes == {"acc": "max"}
     other = dataclasses.replace(m, metric_modes={"acc": "median", "f1": "max"})
     assert parse_manifest(other.encode(), "x").metric_modes == {"f1": "max"}
+    # (advice, not data: a field of another shape leaves the step loadable: a review)
     broken = dataclasses.replace(m, metric_modes=["acc"])  # type: ignore[arg-type]
-    with pytest.raises(CheckpointCorruptError, match="metric_modes"):
-        parse_manifest(broken.encode(), "x")
+    assert parse_manifest(broken.encode(), "x").metric_modes == {}
 
 
 def test_the_cli_ranks_by_the_recorded_mode_and_says_when_told_otherwise(
@@ -930,5 +935,110 @@ def test_a_save_looks_for_the_mode_to_inherit_in_the_newest_steps_only(
     with AsyncCheckpointer(tmp_path, mode="sync", best_metric="loss") as ckpt:
         ckpt.save(_state(13), 13, metrics={"loss": 0.5})
     assert sorted(reads) == list(range(5, 13))
-    assert read_manifest(tmp_path / "step_000000013", LocalStorage()).metric_modes == {
-        "loss": "min"}
+    assert read_manifest(tmp_path / "step_000000013", LocalStorage()).metric_modes == {}
+
+
+def test_a_rollback_looks_up_the_mode_to_inherit_again(tmp_path: Path) -> None:
+    """A review: the mode a checkpointer's saves record was looked up once, and outlived
+    discard_steps_after() of the steps it came from."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="min")  # steps 1-4 say "min"
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc",
+                           best_mode="max") as ckpt:
+        ckpt.save(_state(5), 5, metrics={"acc": 0.3})  # (warned: "max" given)
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc") as ckpt:
+        ckpt.save(_state(6), 6, metrics={"acc": 0.2})  # inherits "max" from step 5
+        assert ckpt.manifest(6).metric_modes == {"acc": "max"}
+        assert ckpt.discard_steps_after(4) == [5, 6]
+        ckpt.save(_state(5), 5, metrics={"acc": 0.05})  # inherits "min" from step 4 now
+        assert ckpt.manifest(5).metric_modes == {"acc": "min"}
+        assert ckpt.best_step() == 5  # (the least: 0.05; by the greatest, step 2's 0.9)
+
+
+def test_a_metric_recorded_right_after_the_save_counts_though_retention_noted_it_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: retention noted the save's own metrics under an identity that already
+    held the metrics.json recorded meanwhile, which then never counted: keep_best
+    deleted the best step."""
+    import asyncckpt.best as best
+
+    real = best.StepMetrics.note
+
+    def late(self: Any, *args: Any, **kw: Any) -> None:
+        import time as _time
+
+        _time.sleep(0.2)  # (the writer thread, scheduled late)
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(best.StepMetrics, "note", late)
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=2, keep_best=1,
+                           best_metric="val_loss") as ckpt:
+        for step in range(1, 7):
+            ckpt.save_async(_state(step), step)
+            ckpt.record_metrics(step, {"val_loss": -1.0 if step == 3 else float(step)})
+            if step >= 3:
+                assert ckpt.best_step() == 3
+        ckpt.wait()
+        assert ckpt.steps() == [3, 5, 6]
+
+
+def test_metrics_recorded_through_another_storage_are_seen_by_the_same_checkpointer(
+        tmp_path: Path) -> None:
+    """A review: a storage that is no LocalStorage trusted what it knew of a step for
+    ever, so a metric recorded later never counted for retention."""
+    class Passing:  # a storage of the protocol's calls, delegating to the local one
+        def __init__(self) -> None:
+            self._local = LocalStorage()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._local, name)
+
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="val_loss", storage=Passing()) as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_loss": 3.0})
+        ckpt.save(_state(2), 2)
+        assert ckpt.best_step() == 1
+        ckpt.record_metrics(2, {"val_loss": 1.0})
+        assert ckpt.best_step() == 2
+        ckpt.save(_state(3), 3, metrics={"val_loss": 2.0})
+        assert ckpt.steps() == [2, 3]
+
+
+def test_a_metrics_file_this_user_may_not_read_leaves_the_saves_own_metrics(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A review: an evaluator's unreadable metrics.json hid the manifest's metrics too, and
+    keep_best deleted the best step."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_loss": 0.1})
+        ckpt.record_metrics(1, {"acc": 0.5})
+        ckpt.save(_state(2), 2, metrics={"val_loss": 0.5})
+    import asyncckpt.best as best
+
+    real = LocalStorage.read_bytes
+
+    def denied(self: Any, path: Path, limit: int) -> bytes:
+        if path.name == "metrics.json" and path.exists():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(self, path, limit)
+
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalStorage, "read_bytes", denied)
+        with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                               best_metric="val_loss") as ckpt:
+            assert ckpt.best_step() == 1
+            ckpt.save(_state(3), 3, metrics={"val_loss": 0.9})
+            assert ckpt.steps() == [1, 3]
+            with pytest.raises(asyncckpt.CheckpointPermissionError,
+                               match=r"metrics\.json cannot be read by this user.*give it "
+                                     r"read access"):
+                ckpt.step_metrics(1)
+    said = [r.getMessage() for r in caplog.records if "metrics.json" in r.getMessage()]
+    assert len(said) == 1 and "give it read access" in said[0], said
+    assert best.LATER_METRICS_NAME == "metrics.json"
+
+
+def test_record_metrics_names_the_clashing_metric_in_its_advice(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"nan": NAN, "val_loss": 2.0})
+        with pytest.raises(CheckpointConfigError, match=r"e\.g\. 'val_loss_2'"):
+            ckpt.record_metrics(1, {"nan": NAN, "val_loss": 1.0})

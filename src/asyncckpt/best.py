@@ -27,6 +27,7 @@ from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointPermissionError,
     CheckpointSaveError,
 )
 from .manifest import MANIFEST_NAME, METRIC_MODES, compact_json, is_sealed, metrics_text, seal
@@ -47,12 +48,18 @@ def read_later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]
     """The metrics recorded for a committed step after its save ({} where none were).
 
     Raises CheckpointCorruptError where the file is cut short, edited (its digest does
-    not match) or no such file; OSError as the storage raises it."""
+    not match) or no such file, CheckpointPermissionError where this user may not read
+    it; another OSError as the storage raises it."""
     path = step_dir / LATER_METRICS_NAME
     try:
         raw = storage.read_bytes(path, _MAX_LATER_BYTES)
     except FileNotFoundError:
         return {}
+    except PermissionError as exc:
+        raise CheckpointPermissionError(
+            f"{path} cannot be read by this user ({exc.strerror or exc}): the metrics recorded "
+            "after the save (record_metrics) are not counted; give it read access",
+            path=str(path)) from exc
     except (ValueError, CheckpointError) as exc:  # over the limit; a directory, a FIFO
         raise CheckpointCorruptError(f"{path} cannot be read ({exc})", path=str(path)) from exc
     problem = None
@@ -236,6 +243,10 @@ class StepMetrics:
     (a rollback, by this checkpointer or another process; a step deleted by hand): on
     the local filesystem, what is known of a step is tied to its manifest file (inode,
     size, time), so a replaced step is read again; other storages are trusted by step.
+    The metrics recorded after a save (``metrics.json``, which ``record_metrics``
+    replaces) are known apart, tied to that file (and read again where it was changed in
+    the last seconds, whose times may not tell two changes apart; on other storages,
+    read at every ask).
     """
 
     def __init__(self) -> None:
@@ -246,6 +257,8 @@ class StepMetrics:
         self._files: dict[int, tuple[object, dict[str, int]]] = {}
         self._committed: frozenset[int] = frozenset()  # as the last retention found them
         self._told: set[tuple[int, str]] = set()  # later metrics files warned of
+        # step -> (its metrics.json's identity, the metrics it holds): see _later_of
+        self._later_known: dict[int, tuple[object, dict[str, float]]] = {}
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float], modes: Mapping[str, str] | None = None) -> None:
@@ -326,8 +339,25 @@ class StepMetrics:
                 return mode, s
         return None
 
+    def forget_later(self, step: int) -> None:
+        """Read ``step``'s metrics recorded after the save again at the next ask (this
+        process recorded some)."""
+        with self._lock:
+            self._later_known.pop(step, None)
+
     def _read(self, root: Path, step: int, storage: ReadStorage
               ) -> tuple[dict[str, float], dict[str, str]]:
+        saved, modes = self._saved(root, step, storage)
+        later = self._later_of(root, step, storage) if saved is not None else {}
+        if not later:
+            return saved or {}, modes
+        # (the save's own first: record_metrics adds no name it recorded)
+        return {**later, **(saved or {})}, modes
+
+    def _saved(self, root: Path, step: int, storage: ReadStorage
+               ) -> tuple[dict[str, float] | None, dict[str, str]]:
+        """What ``step``'s save recorded (its manifest's metrics; None where that cannot be
+        read) and its metric_modes."""
         ident = _identity(root, step, storage)
         with self._lock:
             got = self._known.get(step)
@@ -336,9 +366,6 @@ class StepMetrics:
         try:
             summary = read_manifest_summary(root / step_dir_name(step), storage)
             metrics, modes = summary.metrics, summary.metric_modes
-            later = self._later(root, step, storage)
-            if later:  # (the save's own first: record_metrics adds no name it recorded)
-                metrics = {**later, **metrics}
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
@@ -347,25 +374,44 @@ class StepMetrics:
             if not gone:
                 log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
                             "without metrics", step, type(exc).__name__, exc)
-            return {}, {}
+            return None, {}
         with self._lock:
             self._known[step] = (ident, metrics, modes)
         if ident is not None:  # (read once: the sizes too, for retention's amiss)
             self._remember(step, ident, {n: f.bytes for n, f in summary.files.items()})
         return metrics, modes
 
+    def _later_of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
+        """The metrics recorded for ``step`` after its save, read again only where its
+        metrics.json may have changed (see _later_identity)."""
+        ident = _later_identity(root, step, storage)
+        with self._lock:
+            got = self._later_known.get(step)
+        if ident is not None and got is not None and got[0] == ident:
+            return got[1]
+        later = self._later(root, step, storage)
+        if ident is not None:
+            with self._lock:
+                self._later_known[step] = (ident, later)
+        return later
+
     def _later(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
         """``read_later_metrics`` of ``step``; a file that cannot be read is warned of
-        (once per step and file) and counts as none."""
+        (once per step and file) and counts as none: the save's own metrics still count
+        (an evaluator's file this user may not read hid them: a review)."""
         try:
             return read_later_metrics(root / step_dir_name(step), storage)
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, CheckpointPermissionError, OSError) as exc:
+            if isinstance(exc, FileNotFoundError):  # (the step went meanwhile)
+                return {}
             said = (step, str(exc))
             with self._lock:
                 warn = said not in self._told
                 self._told.add(said)
             if warn:
-                log.warning("step %d: %s", step, exc)
+                log.warning("step %d: %s", step, exc if isinstance(exc, CheckpointError) else (
+                    f"{root / step_dir_name(step) / LATER_METRICS_NAME} cannot be read "
+                    f"({exc}): the metrics recorded after the save are not counted"))
             return {}
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
@@ -381,6 +427,8 @@ class StepMetrics:
         with self._lock:
             for s in [s for s in self._known if s not in steps]:
                 del self._known[s]
+            for s in [s for s in self._later_known if s not in steps]:
+                del self._later_known[s]
         self.keep_files(steps)
         return out
 
@@ -390,17 +438,34 @@ def _identity(root: Path, step: int, storage: ReadStorage) -> object:
     where the storage cannot say, or the file is not there)."""
     if not isinstance(storage, LocalStorage):
         return None
-    step_dir = root / step_dir_name(step)
     try:
-        st = os.stat(step_dir / MANIFEST_NAME)
+        st = os.stat(root / step_dir_name(step) / MANIFEST_NAME)
     except OSError:
         return None
-    try:  # (and its metrics recorded after the save, which record_metrics replaces)
-        later = os.stat(step_dir / LATER_METRICS_NAME)
-        more: tuple[int, ...] = (later.st_ino, later.st_size, later.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# A metrics.json changed this recently (seconds) is read again at every ask: two changes
+# within a clock tick (4 ms here; seconds on some network filesystems) may leave it the
+# same inode (freed and taken again), size and times (racy-git's rule)
+_RECENT_S = 2.0
+
+
+def _later_identity(root: Path, step: int, storage: ReadStorage) -> object:
+    """What tells ``step``'s metrics.json from the one before it (a marker where there is
+    none); None where it cannot be told: another storage, a stat that fails, or a file
+    changed in the last ``_RECENT_S`` seconds."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    try:
+        st = os.stat(root / step_dir_name(step) / LATER_METRICS_NAME)
+    except FileNotFoundError:
+        return "none"
     except OSError:
-        more = ()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, *more)
+        return None
+    if time.time() - max(st.st_mtime, st.st_ctime) < _RECENT_S:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class MetricMode:
@@ -413,13 +478,18 @@ class MetricMode:
         self.metric, self.mode, self.cache = metric, mode, cache
         self._lock = threading.Lock()
         self._warned = False
-        self._saving: str | None = None  # what this checkpointer's saves record
+        # what this checkpointer's saves record (None: nothing), once looked up
+        self._saving: tuple[str | None] | None = None
 
     def get(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str:
         """The mode to rank ``steps`` (every committed step) by."""
+        return self._chosen(root, storage, steps) or "min"
+
+    def _chosen(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str | None:
+        """The mode given, or else the one the steps recorded; None where neither says."""
         recorded = self.cache.recorded_mode(root, storage, steps, self.metric)
         if self.mode is None:
-            return recorded[0] if recorded is not None else "min"
+            return recorded[0] if recorded is not None else None
         if recorded is not None and recorded[0] != self.mode:
             with self._lock:
                 warn, self._warned = not self._warned, True
@@ -435,19 +505,27 @@ class MetricMode:
         return self.mode
 
     def for_save(self, root: Path, storage: ReadStorage,
-                 steps: Callable[[], Iterable[int]]) -> str:
-        """The mode a save records: ``get``'s, looked up once, before this checkpointer's
-        first save records its own (``steps`` lists the committed ones: a given mode the
-        steps recorded the other way is warned of then). Only the newest
-        ``_INHERIT_FROM`` steps are looked at: on the save's path, a root of steps that
-        recorded none (saved by an earlier library) is not read whole."""
+                 steps: Callable[[], Iterable[int]]) -> str | None:
+        """The mode a save records: the one given, or else the one the steps recorded
+        (None where neither says: "min" by default is no choice, and a reader then
+        judges by the metric's name), looked up once, before this checkpointer's first
+        save records its own (``steps`` lists the committed ones: a given mode the steps
+        recorded the other way is warned of then). Only the newest ``_INHERIT_FROM``
+        steps are looked at: on the save's path, a root of steps that recorded none
+        (saved by an earlier library) is not read whole."""
         with self._lock:
             known = self._saving
         if known is None:
-            known = self.get(root, storage, sorted(steps())[-_INHERIT_FROM:])
+            known = (self._chosen(root, storage, sorted(steps())[-_INHERIT_FROM:]),)
             with self._lock:
                 self._saving = known
-        return known
+        return known[0]
+
+    def forget(self) -> None:
+        """Look the mode to record up again at the next save (a rollback deleted the
+        steps it was inherited from)."""
+        with self._lock:
+            self._saving = None
 
 
 _INHERIT_FROM = 8  # the newest steps a save looks at for the mode it inherits

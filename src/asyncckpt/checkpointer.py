@@ -159,8 +159,8 @@ class CheckpointerConfig:
     """The metric that ranks steps, for keep_best and ``best_step()``."""
     best_mode: str | None = None
     """"min" (a loss: less is better) or "max" (an accuracy); None: as the newest step
-    under the directory that recorded one says (each save records it with
-    ``best_metric``), else "min"."""
+    under the directory that recorded one says (with ``best_metric``, each save records
+    the mode given, or so inherited), else "min" (not recorded: a default is no choice)."""
     on_busy: str = "wait"
     """When a save is asked for while one is in flight: "wait" for it, or "error"."""
     direct_io: bool = True
@@ -1039,7 +1039,7 @@ class AsyncCheckpointer:
         best: the least with ``mode="min"``, the greatest with ``"max"`` (defaults: the
         checkpointer's ``best_metric`` and ``best_mode``; without a mode, the way the
         newest step that recorded one ranks ``metric``, else "min": a checkpointer saving
-        with ``best_metric`` records its ``best_mode``). NaN ranks last; of equal values
+        with ``best_metric`` records a ``best_mode`` given). NaN ranks last; of equal values
         the newer step wins. None when no committed step recorded it (check before
         passing it on: ``load(step=None)`` loads the latest step).
 
@@ -1077,8 +1077,8 @@ class AsyncCheckpointer:
     def recorded_best_mode(self, metric: str) -> str | None:
         """Which way ``metric`` ranks ("min" or "max") as the newest committed step that
         recorded one says (a save records its checkpointer's ``best_metric`` and
-        ``best_mode``); None where none did. What ``best_step(metric)`` ranks by when
-        given no mode.
+        ``best_mode``, where one was given or inherited); None where none did. What
+        ``best_step(metric)`` ranks by when given no mode.
 
         Example:
             >>> AsyncCheckpointer("runs/exp1").recorded_best_mode("val_acc")
@@ -1164,6 +1164,8 @@ class AsyncCheckpointer:
                     return sorted(got["ok"])
             self._remove_hidden(hidden)
             self._damaged = {s for s in self._damaged if s <= step}  # (gone: saved anew)
+            if self._metric_mode is not None and hidden:  # (it may be inherited anew)
+                self._metric_mode.forget()
             removed = sorted(s for s, _ in hidden)
             if removed:
                 log.info("deleted step(s) %s under %s: training goes on from step %d",
@@ -1293,14 +1295,15 @@ class AsyncCheckpointer:
         if elsewhere is not None:
             raise CheckpointConfigError(f"step {step}: {elsewhere}")
         saved = read_manifest_summary(step_dir, self.storage).metrics
-        clash = [f"{k}={v:g} (its save recorded {saved[k]:g})" for k, v in recorded.items()
-                 if k in saved and not (v == saved[k] or (math.isnan(v)
-                                                         and math.isnan(saved[k])))]
+        clash = [k for k, v in recorded.items() if k in saved and not (
+            v == saved[k] or (math.isnan(v) and math.isnan(saved[k])))]
         if clash:
             raise CheckpointConfigError(
-                f"step {step}: {', '.join(clash)}: the metrics a save recorded are not "
-                "rewritten; record the new value under another name (e.g. "
-                f"{(next(iter(k for k in recorded if k in saved)) + '_2')!r})")
+                f"step {step}: "
+                + ", ".join(f"{k}={recorded[k]:g} (its save recorded {saved[k]:g})"
+                            for k in clash)
+                + ": the metrics a save recorded are not rewritten; record the new value "
+                f"under another name (e.g. {clash[0] + '_2'!r}); nothing was recorded")
         with self._record_lock:
             try:
                 later = read_later_metrics(step_dir, self.storage)
@@ -1316,9 +1319,15 @@ class AsyncCheckpointer:
                         f"step {step} was removed from {self.directory} while its metrics "
                         "were recorded (retention: keep_last); nothing was recorded"
                     ) from exc
+                # (a failure after the rename, of the directory's fsync, leaves them there
+                # but perhaps not durable: a review)
                 raise CheckpointSaveError(
                     f"step {step}: its metrics could not be recorded in {step_dir} "
-                    f"({type(exc).__name__}: {exc}); nothing changed") from exc
+                    f"({type(exc).__name__}: {exc}); they may not be there, or not durable: "
+                    f"step_metrics({step}) tells what is, and recording them again is "
+                    "safe") from exc
+            finally:
+                self._metrics.forget_later(step)
         return {**later, **saved}
 
     def load(self, state: Any = None, *, step: StepLike | None = None, strict: bool = True,

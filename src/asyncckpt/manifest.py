@@ -808,9 +808,11 @@ def _metrics(c: _Check, doc: dict[str, Any]) -> dict[str, float]:
 
 def _metric_modes(c: _Check, doc: dict[str, Any]) -> dict[str, str]:
     """The manifest's metric_modes: metric names to "min" or "max". An entry of another
-    value (a later library's way of ranking) is passed over, as if none was recorded:
-    the step's data is not in question."""
-    modes = c.obj(doc.get("metric_modes", {}), "metric_modes")
+    value (a later library's way of ranking), or a field that is no object, is passed
+    over, as if none was recorded: the step's data is not in question."""
+    modes = doc.get("metric_modes", {})  # (advice, not data: one of another shape too)
+    if not isinstance(modes, dict):
+        return {}
     return {name: mode for name, mode in modes.items() if name and mode in METRIC_MODES}
 
 

@@ -1401,14 +1401,15 @@ def _raise_failed(job: SaveJob, answers: dict[int, dict[str, Any]]) -> None:
 
 def _metric_modes(job: SaveJob) -> dict[str, str]:
     """What the save records of the way its checkpointer's best_metric ranks (nothing
-    without best_metric, or where the steps it would inherit one from cannot be listed:
-    none is better than a wrong one)."""
+    without best_metric, or without a best_mode given or inherited, or where the steps it
+    would inherit one from cannot be listed: none is better than a wrong one)."""
     mm = job.metric_mode
     if mm is None:
         return {}
     try:
-        return {mm.metric: mm.for_save(job.root, job.storage, lambda: commit.committed_steps(
-            job.root, job.storage, skip_denied=True))}
+        mode = mm.for_save(job.root, job.storage, lambda: commit.committed_steps(
+            job.root, job.storage, skip_denied=True))
+        return {} if mode is None else {mm.metric: mode}
     except (OSError, CheckpointError) as exc:
         log.warning("rank=0 step=%d: the steps under %s could not be listed to tell which way "
                     "%r ranks (%s): the save records none", job.step, job.root, mm.metric, exc)
