@@ -1348,7 +1348,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # parts of the paths fixes it, whose advice was state['model'] = state.pop('0'))
     roots_apart = _inner(manifest.skeleton)["t"] != _inner(target.skeleton)["t"]
     # (a wrapper's part first: it names torch.compile or DDP, and the module to load into)
-    hint = (wrapper_hint(missing, unexpected) or (f". {theirs}" if theirs else "")
+    wrapped = wrapper_hint(missing, unexpected)
+    hint = (wrapped or (f". {theirs}" if theirs else "")
             or prefix_hint(missing, unexpected)
             or (not roots_apart and head_hint(
                 missing, unexpected, fits, lambda old, new: _tensors_in_str_dicts(
@@ -1414,8 +1415,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if missing and manifest.partial:  # (a view a rank of a group serves of its part)
             parts.append(f"missing from the peer's view (the state of the rank that serves "
                          f"it): {few(missing)}")
-            # (not a rename hint: the names the view holds instead are its own rank's)
-            hint = (" (a peer serves what its own state holds; in a group, fetch each rank's "
+            # (not a rename hint of names the view holds instead: those are its own
+            # rank's; but a wrapper's part of every key, a DDP "module.", is one: a trial)
+            hint = (hint if wrapped else
+                    " (a peer serves what its own state holds; in a group, fetch each rank's "
                     "state from the same rank of a healthy replica; leave out what only this "
                     "side holds with exclude=)")
         elif missing:
@@ -1425,6 +1428,10 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         if mismatched:
             label = "shape/dtype mismatch" if shape_dtype == len(mismatched) else "mismatched"
             parts.append(f"{label}: {_mismatches_text(mismatched, described)}")
+            if manifest.partial and reshaped:  # (a heal: the advice below would not mend it)
+                parts.append("the peer's tensors have other shapes than this side's: a "
+                             "replacement is built as the sender is (the same model "
+                             "config); what follows loads a state unlike its peers'")
             for owner in grown:  # (a replay buffer, a list of metrics: it grows)
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "

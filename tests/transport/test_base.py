@@ -255,3 +255,23 @@ def test_a_range_is_checked_for_changes_by_the_tensors_it_holds_alone() -> None:
     assert srv.changed is not None
     assert srv.changed(src.keys_in(lo, hi - lo)) == []
     assert srv.changed(None) == ["w2"]
+
+
+def test_an_error_of_the_state_dict_callable_says_whose_call_it_was() -> None:
+    """A trial: a state_dict= callable that raised came out of recv_checkpoint as a bare
+    ZeroDivisionError, nothing telling that the transport had called it."""
+    from asyncckpt.transport.base import check_state_dict_fn
+
+    def my_state() -> dict[str, Any]:
+        return {"x": 1 / 0}
+
+    call = check_state_dict_fn(my_state)
+    assert call is not None and check_state_dict_fn(None) is None
+    with pytest.raises(ZeroDivisionError) as ei:
+        call()
+    notes = getattr(ei.value, "__notes__", [])
+    assert any("raised by the state_dict= callable given to the transport "
+               "(test_an_error_of_the_state_dict_callable_says_whose_call_it_was.<locals>."
+               "my_state)" in n for n in notes), notes
+    got = check_state_dict_fn(lambda: {"w": 1})
+    assert got is not None and got() == {"w": 1}

@@ -280,8 +280,14 @@ def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transpor
     srv.send_checkpoint([1], 5, state, 10.0)
     port = port_of(srv)
     for token in ("wrong", None, TOKEN + "x", TOKEN[:-1], TOKEN.upper()):
-        with pytest.raises(CheckpointTransportError, match="401"):
+        with pytest.raises(CheckpointTransportError, match="401") as ei:
             fetch(srv, 5, token=token)
+        # (a trial's client that sent none was told "missing or wrong token" alone)
+        assert ("the peer requires a token, and none was given: pass token=" if token is None
+                else "both sides need the same token") in str(ei.value), ei.value
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"token: pass a str \(got a "
+                                                             r"int\)"):
+        HTTPTransport(token=123)  # type: ignore[arg-type]
     for path in ("/v1/current", "/v1/5/manifest.json", f"/v1/5/files/{FILE}", "/nope"):
         assert status_of(port, "GET", path, token=None) == 401
         assert status_of(port, "GET", path, token="wrong") == 401
@@ -389,8 +395,8 @@ def test_a_request_for_another_step_is_told_which_step_is_served(transports: Any
     srv = transports(token=TOKEN)
     srv.send_checkpoint([1], 5, state_of(), 10.0)
     with pytest.raises(CheckpointNotFoundError,
-                       match=r"step 3 is not being served \(step 5 is\): fetch step 5, or ask "
-                             "/v1/current"):
+                       match=r"step 3 is not being served \(step 5 is\): fetch step 5, or load "
+                             r"the peer's address with no step"):
         fetch(srv, 3)
     with srv._cond:  # (allowed, but withdrawn meanwhile: a moment's state)
         srv._offered = None
@@ -1040,6 +1046,26 @@ def test_a_file_served_from_disk_without_sendfile_sends_the_asked_for_bytes(
             assert reply.partition(b"\r\n\r\n")[2] == on_disk[lo:hi + 1], (lo, hi)
 
 
+def test_a_damaged_byte_of_a_step_served_from_disk_is_told_without_the_live_advice(
+        tmp_path: Path, transports: Any) -> None:
+    """A trial: `asyncckpt serve` of a file corrupted on disk was told a paragraph about
+    send_checkpoint and sd['queue'].clone(), which cannot apply to a disk peer."""
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        info = ckpt.save({"w": torch.arange(4096.0)}, 3)
+    with open(info.path / FILE, "r+b") as f:  # (a byte of the tensor, the size the same)
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    srv = transports(token=TOKEN)
+    srv.serve_directory(info.path)
+    with pytest.raises(CheckpointCorruptError) as ei:
+        fetch(srv, 3)
+    said = str(ei.value)
+    assert "checksum mismatch" in said and "run 'asyncckpt verify' on it there" in said, said
+    assert "send_checkpoint" not in said and "clone()" not in said, said
+
+
 def test_serving_a_damaged_directory_is_refused_as_a_load_would(tmp_path: Path,
                                                                  transports: Any) -> None:
     # (a missing file came out as a bare FileNotFoundError: "asyncckpt serve" exited 2,
@@ -1454,8 +1480,9 @@ def test_an_in_place_fetch_of_a_step_the_peer_moved_on_from_says_so(
     assert info.value.offered == 2
     assert str(info.value).startswith(f"{srv.address()}/1/files/"), str(info.value)  # (a URL)
     assert str(info.value).endswith(
-        "step 1 is not being served (step 2 is): fetch step 2, or ask /v1/current for the "
-        "step on offer; the targets were loaded in place and may hold part of the peer's "
+        "step 1 is not being served (step 2 is): fetch step 2, or load the peer's address "
+        "with no step (asyncckpt.load(address, state)) for the step on offer; the error's "
+        ".offered holds it; the targets were loaded in place and may hold part of the peer's "
         "state: receive again before using them"), str(info.value)
 
 
@@ -1507,6 +1534,40 @@ def test_disallow_cuts_off_a_stalled_receiver_but_not_a_slow_one(
     reader.join(30)
     body = bytes(got).partition(b"\r\n\r\n")[2]
     assert len(body) == n  # whole: a reader that moves is not cut off
+
+
+def test_send_checkpoints_timeout_bounds_the_disallow_that_ends_the_offer(
+        transports: Any) -> None:
+    """A trial: torchft passes its Manager's timeout to send_checkpoint, which took it and
+    bound nothing: the disallow behind a slow receiver waited the transport's timeout."""
+    srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30)
+    srv.send_checkpoint([1], 1, {"w": torch.randn(8 << 20)}, timedelta(seconds=1))
+    slow = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=30)
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    slow.sendall(f"GET /v1/1/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 f"Range: bytes=0-{(32 << 20) - 1}\r\n\r\n".encode())
+    stop = threading.Event()
+
+    def read_slowly() -> None:  # (~3 MB/s: 10 s for the 32 MiB, never stalled)
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and slow.recv(65536):
+                time.sleep(0.02)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not srv._serving and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    stop.set()
+    slow.close()
+    reader.join(30)
+    assert 0.8 < took < 5, took
+    # (the next offer without one: the transport's own timeout again)
+    srv.send_checkpoint([1], 2, {"w": torch.ones(4)}, None)
+    assert srv._offered is not None and srv._offered.drain_s is None
 
 
 def _slowed_fetch(monkeypatch: pytest.MonkeyPatch, pause: Callable[[int], float]
@@ -2175,7 +2236,9 @@ class _Hostile:
 
 
 @pytest.mark.parametrize(("case", "want"), [
-    ("short_manifest", "sent 10 of the 1000 bytes of the manifest"),
+    ("short_manifest", "sent 10 of the 1000 bytes of the manifest, then closed the "
+                       "connection (it died, or shut down, in the middle of its answer): "
+                       "receive again"),
     ("chunked_manifest", "without a Content-Length"),
     ("bad_head_length", "gave files/rank_00000.safetensors the size 'abc'"),
     # "²".isdigit() is True, and int("²") a ValueError
@@ -2243,6 +2306,29 @@ def test_peer_errors_name_the_peer_and_what_to_do(transports: Any) -> None:
     srv.withdraw()
     with pytest.raises(CheckpointNotFoundError, match="cannot allow step 5: nothing is on offer"):
         srv.allow_checkpoint(5)
+
+
+def test_a_ddp_wrapped_receiver_of_a_peer_is_told_the_key_map(transports: Any) -> None:
+    """A trial: a receiver under DDP (its keys "module."-prefixed) fetching a bare model's
+    live state was told to exclude= what only it holds, which cannot help a rename; a
+    load from disk names the wrapper and the key_map."""
+    class Wrapped(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = m
+
+    model = torch.nn.Linear(4, 3)
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, {"model": model}, timeout=10)
+    target = {"model": Wrapped(torch.nn.Linear(4, 3))}
+    with pytest.raises(StateMismatchError) as ei:
+        asyncckpt.load(srv.address(), target, token=TOKEN, timeout=10)
+    said = str(ei.value)
+    assert "the target's keys have 'module.' where the checkpoint's have none" in said, said
+    assert "key_map=" in said and "exclude=" not in said, said
+    fn = eval(said[said.rindex("key_map=") + len("key_map="):].rstrip(")"))  # (as pasted)
+    asyncckpt.load(srv.address(), target, token=TOKEN, timeout=10, key_map=fn)
+    assert torch.equal(target["model"].module.weight, model.weight)
 
 
 _REAL_MANIFEST: list[bytes] = [b""]
@@ -3265,6 +3351,20 @@ def test_a_fetch_from_a_peer_that_shut_down_says_nothing_listens_there(
         client.shutdown()
 
 
+def test_a_fetch_from_a_host_that_does_not_resolve_says_to_advertise_another() -> None:
+    """A trial: an advertised host this machine cannot resolve failed with a bare "[Errno
+    -2] Name or service not known" after 4 attempts."""
+    client = HTTPTransport(token=TOKEN, timeout=5.0)
+    try:
+        with pytest.raises(CheckpointTransportError, match=(
+                r"failed after \d+ attempts: .*\(its host does not resolve here: where the "
+                r"peer advertises a name only it knows, give its HTTPTransport "
+                r"advertise_host= ")):
+            client.recv_checkpoint(0, "http://no-such-host.invalid:9/v1", 1, 5.0)
+    finally:
+        client.shutdown()
+
+
 def test_a_receiver_that_gave_up_just_before_an_allow_holds_no_disallow(
         transports: Any) -> None:
     """(torchft trial) A receiver gave up waiting for a disallowed step; the step was
@@ -3387,3 +3487,20 @@ def test_a_receiver_killed_mid_transfer_holds_disallow_briefly(transports: Any) 
     srv.disallow_checkpoint()
     took = time.monotonic() - t0
     assert took < http_module._BROKEN_GRACE_S + 2.0, took  # (not STALL_S)
+
+
+def test_a_receiver_of_other_shapes_is_told_it_is_built_unlike_the_sender(
+        transports: Any, tmp_path: Path) -> None:
+    """A trial: a replacement of another hidden size was told to exclude= the parts that
+    differ (which would heal it into a replica unlike its peers, without an error)."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, {"model": torch.nn.Linear(4, 8)}, timeout=10)
+    with pytest.raises(StateMismatchError) as ei:
+        asyncckpt.load(srv.address(), {"model": torch.nn.Linear(4, 6)}, token=TOKEN,
+                       timeout=10)
+    assert "the peer's tensors have other shapes than this side's: a replacement is built " \
+           "as the sender is" in str(ei.value), ei.value
+    asyncckpt.save({"model": torch.nn.Linear(4, 8)}, tmp_path, step=1)
+    with pytest.raises(StateMismatchError) as ei:  # (from disk, no heal: not said)
+        asyncckpt.load(tmp_path, {"model": torch.nn.Linear(4, 6)})
+    assert "the peer's tensors" not in str(ei.value)

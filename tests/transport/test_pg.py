@@ -446,8 +446,10 @@ def test_a_silent_peer_times_out_within_the_timeout() -> None:
     assert time.monotonic() - t0 < 3.0
     # (the receive's own timeout, not the rest of it a piece had left; a trial's 0.05 s
     # receive of 160 MB said "no answer within 0.00083s" and blamed the peer alone)
-    assert "ran out of its timeout of 0.5s: if the peer was sending, the timeout is too " \
-           "short for this state's size" in str(info.value)
+    # (and a peer killed mid-transfer, which gloo tells only at the timeout: a trial)
+    assert "ran out of its timeout of 0.5s: if the peer was sending, it died (a process " \
+           "killed mid-transfer is seen only at the timeout), or the timeout is too short " \
+           "for this state's size" in str(info.value)
     a, _, _ = pair()
     t0 = time.monotonic()
     with pytest.raises(CheckpointTimeoutError):

@@ -75,7 +75,23 @@ def check_state_dict_fn(fn: object) -> Callable[[], Any] | None:
         raise CheckpointConfigError(
             f"state_dict={fn!r:.60}: pass a callable that returns the state to receive into "
             "(e.g. lambda: {\"model\": model.state_dict()}), or None")
-    return None if fn is None else cast(Callable[[], Any], fn)
+    if fn is None:
+        return None
+    given = cast(Callable[[], Any], fn)
+
+    def call() -> Any:
+        try:
+            return given()
+        except Exception as exc:  # (its own error, told whose call it came from: a trial
+            # got a bare ZeroDivisionError out of recv_checkpoint)
+            add_note = getattr(exc, "add_note", None)  # (Python 3.11 on)
+            if add_note is not None:
+                add_note(f"raised by the state_dict= callable given to the transport "
+                         f"({getattr(given, '__qualname__', type(given).__name__)}), which a "
+                         "receive without into= calls for the state to fill")
+            raise
+
+    return call
 
 
 def seconds(t: timedelta | float, label: str = "timeout") -> float:
@@ -400,6 +416,9 @@ class Served:
     # change in place since the offer
     changed: Callable[[Iterable[str] | None], list[str]] | None = None
     told_changed: bool = False  # (the sender's warning of them is given once an offer)
+    # how long a disallow waits for this offer's transfers at most (send_checkpoint's
+    # timeout; None: the transport's own)
+    drain_s: float | None = None
     _telling: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def tell_changed(self, keys: Iterable[str] | None = None) -> None:

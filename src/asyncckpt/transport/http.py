@@ -382,16 +382,16 @@ class HTTPTransport(CheckpointTransport[Any]):
         until ``disallow_checkpoint()`` returns (torchft's contract). A disallow (or
         withdraw) on another thread while this lays out the state wins: the offer is
         made as if before it. If this raises, requests for ``step`` are refused at once.
-        ``timeout`` bounds nothing here (the offer is made at once; what a request may
-        wait is the transport's ``timeout``), but it must be None or a positive number of
-        seconds, as PGTransport's send, which waits, requires.
+        ``timeout`` (None: the transport's) bounds how long the ``disallow_checkpoint()``
+        that ends this offer waits for transfers in progress, at most the transport's
+        ``timeout`` (the offer itself is made at once: torchft passes its Manager's
+        timeout, which a trial expected to bound the training thread's stall).
         """
         from .. import __version__
 
         self._refuse_forked("send_checkpoint")
         _check_ranks(dst_ranks, "dst_ranks")
-        if timeout is not None:  # (a trial: 0, -5 and "x" were taken, refused over PG)
-            fetch_timeout(timeout)
+        drain_s = None if timeout is None else fetch_timeout(timeout)  # (0, -5, "x" refused)
         step = as_step(step)
         with self._cond:
             self._check_open("send_checkpoint")
@@ -404,6 +404,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             try:
                 served = serve_state(step, state_dict, block_bytes=self.block_bytes,
                                      library_version=__version__)
+                served.drain_s = drain_s
             except Exception as exc:
                 # (a leaf that cannot be served, a state_dict() that raised) The receivers
                 # of this step would wait out their timeout for it: tell them now.
@@ -480,8 +481,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             self._allowed = None
             self._disallows += 1
             self._draining = self._offered
+            bound = self._offered.drain_s if self._offered is not None else None
             try:
-                self._drain(None, self.timeout_s, "disallow_checkpoint", fetches=True)
+                self._drain(None, self.timeout_s if bound is None else min(bound, self.timeout_s),
+                            "disallow_checkpoint", fetches=True)
             finally:
                 self._draining = None
                 self._forget_fetches(lambda srv: True)
@@ -851,7 +854,10 @@ def _check_token(token: str | None) -> str | None:
     if token is not None and not token:
         raise CheckpointConfigError("token='': use a non-empty shared secret, or None for "
                                     "no token check")
-    if token is not None and not (isinstance(token, str) and token.isascii()
+    if token is not None and not isinstance(token, str):
+        raise CheckpointConfigError(f"token: pass a str (got a {type(token).__name__}); the "
+                                    "token itself is not shown")
+    if token is not None and not (token.isascii()
                                   and token.isprintable() and " " not in token):
         # (a header cannot carry it: a raw error at the first request, quoting the secret;
         # the usual cause is the newline a token file ends with)
@@ -872,6 +878,14 @@ def peer_error(exc: CheckpointError, into: Any, storage: HTTPStorage) -> Checkpo
     url = f"http://{storage.where}{storage.prefix}/{storage.step}/"
     text = text.replace(local + MANIFEST_NAME, url + MANIFEST_NAME).replace(local, url + "files/")
     text = text.replace(local[:-1], url[:-1])  # (the step as a whole: "cannot load ...")
+    if isinstance(exc, CheckpointCorruptError) and storage.saved_view:
+        # (a trial: a disk peer's damage was told the live state's send_checkpoint advice;
+        # a step served whole is one from disk, or one process's staged save: no tensor
+        # of a training loop changes under it)
+        text = text.replace("the checkpoint is corrupt; load another step",
+                            "the bytes were damaged in transit, in the peer's memory, or on "
+                            "its disk (it serves a saved step: from disk, run 'asyncckpt "
+                            "verify' on it there); receive them again, or from another peer")
     if isinstance(exc, CheckpointCorruptError):
         text = text.replace("the checkpoint is corrupt; load another step",
                             "the bytes were damaged in transit, in the peer's memory, or "
@@ -1378,6 +1392,7 @@ class HTTPStorage:
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._max_range = 1 << 62  # lowered when the server answers 413
+        self.saved_view = False  # the peer serves a saved step whole (see check_manifest)
         self._deadline_s = deadline_s
         self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
         self.max_manifest_bytes = max_manifest_bytes
@@ -1633,12 +1648,20 @@ class HTTPStorage:
             self._answered = True
             where = f"http://{self.where}{self._url(what)}"
             if resp.status == 401:
-                raise CheckpointTransportError(f"{where}: refused (401): {body}; both sides "
-                                               "need the same token")
+                raise CheckpointTransportError(
+                    f"{where}: refused (401): {body}; "
+                    + ("both sides need the same token" if "Authorization" in self._headers
+                       else "the peer requires a token, and none was given: pass token= "
+                       "(the peer's shared secret)"))
             if resp.status == 404:
                 moved = _SERVED_INSTEAD.match(body)
                 if moved is not None:
-                    raise StepNotOffered(f"{where}: {body}", int(moved.group(1)))
+                    # (the server's words are the wire's: a trial's Python caller was told
+                    # to ask /v1/current)
+                    raise StepNotOffered(f"{where}: " + body.replace(
+                        f"ask {_CURRENT} for the step on offer", "load the peer's address "
+                        "with no step (asyncckpt.load(address, state)) for the step on offer; "
+                        "the error's .offered holds it"), int(moved.group(1)))
                 if not self.prefix.endswith("/v1"):  # (the server knows /v1/... only)
                     hint = (f"; a peer's address ends in /v1 (http://{self.where}/v1, as "
                             "HTTPTransport.address() gives it)")
@@ -1665,7 +1688,10 @@ class HTTPStorage:
                 f"fetching {self._url(what)} from {self.where}: the server stayed "
                 f"full for {seconds_text(self.timeout_s)}: {last}") from last
         gone = (" (nothing listens there: the peer shut its server down or exited, or "
-                "the address is wrong)" if isinstance(last, ConnectionRefusedError) else "")
+                "the address is wrong)" if isinstance(last, ConnectionRefusedError) else
+                " (its host does not resolve here: where the peer advertises a name only it "
+                "knows, give its HTTPTransport advertise_host= a name or address this "
+                "machine reaches)" if isinstance(last, socket.gaierror) else "")
         raise CheckpointTransportError(
             f"fetching {self._url(what)} from {self.where} failed after "
             f"{self.retries + 1} attempts: {last}{gone}") from last
@@ -1690,6 +1716,7 @@ class HTTPStorage:
         """Refuse a manifest of another step than the one asked for (the loader calls
         this once it has parsed it): the peer must answer ``/v1/<step>/manifest.json``
         with that step's manifest, or 404."""
+        self.saved_view = not manifest.partial  # (a step's whole manifest: see peer_error)
         if manifest.step != self.step:
             url = self._url(MANIFEST_NAME)
             raise CheckpointCorruptError(
@@ -1766,7 +1793,9 @@ class HTTPStorage:
         if exact and len(body) != n:
             self._check_deadline()
             raise CheckpointTransportError(
-                f"{self._peer} sent {len(body)} of the {n} bytes of {what}")
+                f"{self._peer} sent {len(body)} of the {n} bytes of {what}, then closed the "
+                "connection (it died, or shut down, in the middle of its answer): receive "
+                "again, from it once it serves again or from another peer")
         return body
 
     def open_read(self, path: Path) -> int:

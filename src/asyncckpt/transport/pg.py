@@ -137,7 +137,8 @@ _VERIFY_BYTES = 16 << 20  # a received file is verified in tasks of about this (
 _TAG = 0x6163  # one tag for every message: gloo keeps per-pair, per-tag order
 _POLL_FIRST_S = 0.001  # a sender waiting for requests looks again after this,
 _POLL_MAX_S = 0.02  # doubling up to this
-_STUCK = "the peer is not taking part, or is stuck"
+_STUCK = ("the peer is not taking part, is stuck, or died (gloo tells of a peer killed in "
+          "the middle of a transfer only at the timeout)")
 _BUSY = ("the peer is not taking part, is stuck, or is still serving other ranks: a sender "
          "serves its destinations one at a time, so this rank's timeout must also cover the "
          "transfers to the ranks served before it")
@@ -410,8 +411,9 @@ class PGTransport(CheckpointTransport[Any]):
             # (the peer is not taking part, or is stuck)": what was left, not its timeout)
             raise CheckpointTimeoutError(
                 f"{exc}; the receive of step {step} ran out of its timeout of "
-                f"{seconds_text(total)}: if the peer was sending, the timeout is too short "
-                "for this state's size over this group (pass a larger one)") from exc
+                f"{seconds_text(total)}: if the peer was sending, it died (a process "
+                "killed mid-transfer is seen only at the timeout), or the timeout is too "
+                "short for this state's size over this group (pass a larger one)") from exc
         finally:
             self._lock.release()
         step_dir = Path(f"pg-rank-{src}-step-{step}")
