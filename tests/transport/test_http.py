@@ -1509,31 +1509,41 @@ def test_disallow_cuts_off_a_stalled_receiver_but_not_a_slow_one(
     sock.close()
     # a slow reader keeps its transfer: 4 MiB in 64 kB reads spread over ~1.5 s
     srv.allow_checkpoint(1)
-    slow = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10)
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     n = 4 << 20
+    got = bytearray()
+    slow, reader = _slow_reader(srv, n, got)
+    srv.disallow_checkpoint()
+    slow.shutdown(socket.SHUT_WR)
+    reader.join(30)
+    body = bytes(got).partition(b"\r\n\r\n")[2]
+    assert len(body) == n  # whole: a reader that moves is not cut off
+
+
+def _slow_reader(srv: HTTPTransport, n: int, got: bytearray | None = None,
+                 stop: threading.Event | None = None) -> tuple[socket.socket, threading.Thread]:
+    """A receiver of the first ``n`` bytes of step 1's file reading 64 kB every 20 ms
+    (into ``got``; until ``stop``), once the server is serving it."""
+    slow = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=30)
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     slow.sendall(f"GET /v1/1/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
                  f"Range: bytes=0-{n - 1}\r\n\r\n".encode())
-    got = bytearray()
 
     def read_slowly() -> None:
-        while True:
-            b = slow.recv(65536)
-            if not b:
-                return
-            got.extend(b)
-            time.sleep(0.02)
+        with contextlib.suppress(OSError):
+            while stop is None or not stop.is_set():
+                b = slow.recv(65536)
+                if not b:
+                    return
+                if got is not None:
+                    got.extend(b)
+                time.sleep(0.02)
 
     reader = threading.Thread(target=read_slowly)
     reader.start()
     deadline = time.monotonic() + 10
     while not srv._serving and time.monotonic() < deadline:
         time.sleep(0.01)
-    srv.disallow_checkpoint()
-    slow.shutdown(socket.SHUT_WR)
-    reader.join(30)
-    body = bytes(got).partition(b"\r\n\r\n")[2]
-    assert len(body) == n  # whole: a reader that moves is not cut off
+    return slow, reader
 
 
 def test_send_checkpoints_timeout_bounds_the_disallow_that_ends_the_offer(
@@ -1542,22 +1552,8 @@ def test_send_checkpoints_timeout_bounds_the_disallow_that_ends_the_offer(
     bound nothing: the disallow behind a slow receiver waited the transport's timeout."""
     srv = transports(token=TOKEN, timeout=60.0, max_range_bytes=1 << 30)
     srv.send_checkpoint([1], 1, {"w": torch.randn(8 << 20)}, timedelta(seconds=1))
-    slow = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=30)
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-    slow.sendall(f"GET /v1/1/files/{FILE} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
-                 f"Range: bytes=0-{(32 << 20) - 1}\r\n\r\n".encode())
     stop = threading.Event()
-
-    def read_slowly() -> None:  # (~3 MB/s: 10 s for the 32 MiB, never stalled)
-        with contextlib.suppress(OSError):
-            while not stop.is_set() and slow.recv(65536):
-                time.sleep(0.02)
-
-    reader = threading.Thread(target=read_slowly)
-    reader.start()
-    deadline = time.monotonic() + 10
-    while not srv._serving and time.monotonic() < deadline:
-        time.sleep(0.01)
+    slow, reader = _slow_reader(srv, 32 << 20, stop=stop)  # (~3 MB/s: 10 s, never stalled)
     t0 = time.monotonic()
     srv.disallow_checkpoint()
     took = time.monotonic() - t0
