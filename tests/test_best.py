@@ -1042,3 +1042,44 @@ def test_record_metrics_names_the_clashing_metric_in_its_advice(tmp_path: Path) 
         ckpt.save(_state(1), 1, metrics={"nan": NAN, "val_loss": 2.0})
         with pytest.raises(CheckpointConfigError, match=r"e\.g\. 'val_loss_2'"):
             ckpt.record_metrics(1, {"nan": NAN, "val_loss": 1.0})
+
+
+def test_a_record_that_races_retention_counts_for_it_or_finds_its_step_gone(
+        tmp_path: Path) -> None:
+    """A trial: an evaluator recorded the best step after retention had ranked the steps,
+    and before it removed that one: record_metrics returned, and the step was gone 1 ms
+    later, the best lost."""
+    import threading
+
+    evaluator = AsyncCheckpointer(tmp_path, mode="sync")  # (as another process's would)
+    outcome: list[Any] = []
+
+    class Racing(LocalStorage):
+        def rename(self, src: Path, dst: Path) -> None:
+            if ".deleting-" in dst.name and not outcome:  # (ranked: about to hide step 2)
+                def record() -> None:
+                    try:
+                        outcome.append(evaluator.record_metrics(2, {"val_acc": 0.99}))
+                    except asyncckpt.CheckpointNotFoundError as exc:
+                        outcome.append(exc)
+
+                t = threading.Thread(target=record)
+                t.start()
+                t.join(0.5)  # (it waits for the retention: the lock)
+                assert t.is_alive() and not outcome
+                self.waiter = t
+            super().rename(src, dst)
+
+    storage = Racing()
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=2, keep_best=1,
+                           best_metric="val_acc", best_mode="max", storage=storage) as ckpt:
+        ckpt.save({"w": torch.zeros(4)}, 1, metrics={"val_acc": 0.5})
+        ckpt.save({"w": torch.zeros(4)}, 2)
+        ckpt.save({"w": torch.zeros(4)}, 3)
+        ckpt.save({"w": torch.zeros(4)}, 4)  # (step 2 leaves keep_last here)
+    storage.waiter.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], asyncckpt.CheckpointNotFoundError)
+    assert "step 2 was removed" in str(outcome[0]) and "nothing was recorded" in str(
+        outcome[0])
+    assert evaluator.steps() == [1, 3, 4] and evaluator.best_step("val_acc") == 1
+    evaluator.close()

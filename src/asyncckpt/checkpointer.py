@@ -60,6 +60,7 @@ from .errors import (
     CheckpointInFlightError,
     CheckpointLockedError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CheckpointSaveError,
     CheckpointTimeoutError,
     NotPicklableError,
@@ -1294,7 +1295,16 @@ class AsyncCheckpointer:
         elsewhere = commit.led_elsewhere(self.directory, step, self.storage)
         if elsewhere is not None:
             raise CheckpointConfigError(f"step {step}: {elsewhere}")
-        saved = read_manifest_summary(step_dir, self.storage).metrics
+        removed = CheckpointNotFoundError(
+            f"step {step} was removed from {self.directory} (retention: keep_last, or a "
+            "rollback) before its metrics were recorded; nothing was recorded: record a "
+            "step's metrics while it is among those kept")
+        try:
+            saved = read_manifest_summary(step_dir, self.storage).metrics
+        except CheckpointError:
+            if not commit.still_there(self.directory, step_dir.name, self.storage):
+                raise removed from None  # (not "has no manifest.json": a trial)
+            raise
         clash = [k for k, v in recorded.items() if k in saved and not (
             v == saved[k] or (math.isnan(v) and math.isnan(saved[k])))]
         if clash:
@@ -1304,7 +1314,13 @@ class AsyncCheckpointer:
                             for k in clash)
                 + ": the metrics a save recorded are not rewritten; record the new value "
                 f"under another name (e.g. {clash[0] + '_2'!r}); nothing was recorded")
-        with self._record_lock:
+        # (a retention here or in another process ranks and hides steps under the same
+        # lock: the record counts for its ranking, or finds its step gone; and two
+        # evaluators' records of one step do not lose one's: a trial)
+        with self._record_lock, commit.ranking_lock(self.directory, self.storage,
+                                                    f"record_metrics({step})"):
+            if not commit.still_there(self.directory, step_dir.name, self.storage):
+                raise removed
             try:
                 later = read_later_metrics(step_dir, self.storage)
             except CheckpointCorruptError as exc:  # (counted as none: replaced)
@@ -1315,10 +1331,13 @@ class AsyncCheckpointer:
                 write_later_metrics(step_dir, step, self.storage, later)
             except OSError as exc:
                 if not commit.still_there(self.directory, step_dir.name, self.storage):
-                    raise CheckpointNotFoundError(
-                        f"step {step} was removed from {self.directory} while its metrics "
-                        "were recorded (retention: keep_last); nothing was recorded"
-                    ) from exc
+                    raise removed from exc
+                if isinstance(exc, PermissionError):
+                    raise CheckpointPermissionError(
+                        f"step {step}: its metrics cannot be recorded: this user may not "
+                        f"write in {step_dir} ({exc.strerror or exc}); record them as the "
+                        "user that saves there, or make its step directories writable; "
+                        "nothing was recorded", path=str(step_dir)) from exc
                 # (a failure after the rename, of the directory's fsync, leaves them there
                 # but perhaps not durable: a review)
                 raise CheckpointSaveError(

@@ -34,6 +34,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointSaveError,
+    CheckpointTimeoutError,
     few,
 )
 from .manifest import MANIFEST_NAME, is_shard_file_name
@@ -736,6 +737,51 @@ def led_elsewhere(root: Path, step: int, storage: ReadStorage) -> str | None:
         return None
     where = "out of " if os.path.commonpath([real, inside]) != inside else "elsewhere in "
     return f"its directory leads {where}{root} (a link to {real}): nothing is written there"
+
+
+# The lock file retention and record_metrics take around what they do (see ranking_lock)
+RANKING_LOCK_NAME = ".asyncckpt.ranking"
+RANKING_LOCK_S = 30.0  # how long either waits for the other at most
+
+
+@contextlib.contextmanager
+def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
+    """An flock on ``root``'s ``.asyncckpt.ranking``, held by a retention while it ranks
+    and hides steps, and by ``record_metrics`` while it writes a step's metrics (in this
+    process or another: an evaluator beside the trainer): a record then either counts
+    for the ranking, or finds its step gone, never lands on a step about to go (a trial
+    recorded the best step 1 ms before retention deleted it). Yields whether it is held:
+    not where the storage is not local, or the file cannot be opened (a root this user
+    may not write: nothing is recorded there either); CheckpointTimeoutError after
+    ``RANKING_LOCK_S`` (``what`` waited)."""
+    fd = -1
+    if isinstance(storage, LocalStorage):
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # (another user's file: read)
+            with contextlib.suppress(OSError):
+                fd = os.open(root / RANKING_LOCK_NAME, flags | getattr(os, "O_CLOEXEC", 0),
+                             0o666)
+                break
+    if fd < 0:
+        yield False
+        return
+    try:
+        import fcntl
+
+        deadline = time.monotonic() + RANKING_LOCK_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CheckpointTimeoutError(
+                        f"{what}: {root / RANKING_LOCK_NAME} stayed locked for "
+                        f"{RANKING_LOCK_S:.0f}s (another process's retention or "
+                        "record_metrics, stuck?)") from None
+                time.sleep(0.005)
+        yield True
+    finally:
+        os.close(fd)  # (and the lock with it)
 
 
 def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object] | None:

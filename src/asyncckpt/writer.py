@@ -854,8 +854,11 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
     marked: set[int] = set()  # steps damaged.json marks (another process's verdict, maybe)
     try:
         if (job.committed or before) and job.ctx.is_coordinator:
-            # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked)
-            with job.in_use.locked() as got:
+            # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked);
+            # with keep_best, a record_metrics waits (see commit.ranking_lock)
+            with (commit.ranking_lock(job.root, job.storage, f"step {job.step}'s retention")
+                  if job.keep_best is not None else contextlib.nullcontext()
+                  ), job.in_use.locked() as got:
                 if not got:
                     log.warning("rank=0 step=%d: retention waited %.0fs for a load of this "
                                 "checkpointer to pick its step (a signal handler saving "
@@ -899,7 +902,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                                     "the next save tries again", job.step, s, exc)
                     finally:
                         job.ctx.retired(s)
-    except OSError as exc:
+    except (OSError, CheckpointTimeoutError) as exc:
         log.warning("rank=0 step=%d: retention could not delete an old step: %s", job.step, exc)
     except BaseException as exc:
         done.set_exception(exc)

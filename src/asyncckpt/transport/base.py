@@ -34,6 +34,7 @@ from ..errors import (
     CheckpointConfigError,
     CheckpointNotFoundError,
     CheckpointTransportError,
+    add_note,
     few,
     seconds_text,
 )
@@ -84,11 +85,9 @@ def check_state_dict_fn(fn: object) -> Callable[[], Any] | None:
             return given()
         except Exception as exc:  # (its own error, told whose call it came from: a trial
             # got a bare ZeroDivisionError out of recv_checkpoint)
-            add_note = getattr(exc, "add_note", None)  # (Python 3.11 on)
-            if add_note is not None:
-                add_note(f"raised by the state_dict= callable given to the transport "
-                         f"({getattr(given, '__qualname__', type(given).__name__)}), which a "
-                         "receive without into= calls for the state to fill")
+            add_note(exc, f"raised by the state_dict= callable given to the transport "
+                          f"({getattr(given, '__qualname__', type(given).__name__)}), which "
+                          "a receive without into= calls for the state to fill")
             raise
 
     return call
