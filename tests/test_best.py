@@ -1083,3 +1083,38 @@ def test_a_record_that_races_retention_counts_for_it_or_finds_its_step_gone(
         outcome[0])
     assert evaluator.steps() == [1, 3, 4] and evaluator.best_step("val_acc") == 1
     evaluator.close()
+
+
+def test_keep_best_keeps_a_step_whose_later_metrics_cannot_be_read(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: the best step's hand-corrected metrics.json (its digest then wrong) had the
+    step deleted at the next save, before its metrics could be recorded again."""
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="val_acc", best_mode="max") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_acc": 0.5})
+        ckpt.save(_state(2), 2)
+        ckpt.record_metrics(2, {"val_acc": 0.9})
+        ckpt.save(_state(3), 3, metrics={"val_acc": 0.1})
+        assert ckpt.steps() == [2, 3]
+        path = tmp_path / "step_000000002" / "metrics.json"
+        path.write_bytes(path.read_bytes().replace(b'"0.9"', b'"0.8"'))
+        caplog.set_level(logging.WARNING, logger="asyncckpt")
+        ckpt.save(_state(4), 4, metrics={"val_acc": 0.2})
+        assert ckpt.steps() == [2, 4]  # (kept: its metrics unread; 4 the best read)
+        assert "keep_best keeps the step until they can be read" in caplog.text
+        ckpt.record_metrics(2, {"val_acc": 0.8})  # (recorded again: it ranks again)
+        ckpt.save(_state(5), 5, metrics={"val_acc": 0.3})
+        assert ckpt.steps() == [2, 5] and ckpt.best_step() == 2
+
+
+def test_a_metrics_file_copied_from_another_step_is_refused(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+        ckpt.save(_state(2), 2)
+        ckpt.record_metrics(2, {"val_acc": 0.9})
+        shutil.copy(tmp_path / "step_000000002" / "metrics.json",
+                    tmp_path / "step_000000001" / "metrics.json")
+        with pytest.raises(CheckpointCorruptError,
+                           match=r"it holds the metrics of step 2, not of step 1 \(copied"):
+            ckpt.step_metrics(1)
+        assert ckpt.best_step("val_acc") == 2

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .commit import files_amiss, new_token, step_dir_name, still_there
+from .commit import files_amiss, new_token, step_dir_name, step_of_dir_name, still_there
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -70,6 +70,10 @@ def read_later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]
         got = doc.get("metrics") if isinstance(doc, dict) else None
         if not isinstance(doc, dict) or doc.get("format") != _LATER_FORMAT:
             problem = f"it is no {_LATER_FORMAT} file"
+        elif (named := step_of_dir_name(step_dir.name)) is not None and doc.get(
+                "step") != named:  # (copied from another step's directory: a trial)
+            problem = (f"it holds the metrics of step {doc.get('step')!r:.20}, not of step "
+                       f"{named} (copied from another step?)")
         elif not isinstance(got, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) for k, v in got.items()):
             problem = "its metrics are not names to numbers"
@@ -259,6 +263,7 @@ class StepMetrics:
         self._told: set[tuple[int, str]] = set()  # later metrics files warned of
         # step -> (its metrics.json's identity, the metrics it holds): see _later_of
         self._later_known: dict[int, tuple[object, dict[str, float]]] = {}
+        self._unreadable: set[int] = set()  # steps whose metrics.json cannot be read
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float], modes: Mapping[str, str] | None = None) -> None:
@@ -400,19 +405,33 @@ class StepMetrics:
         (once per step and file) and counts as none: the save's own metrics still count
         (an evaluator's file this user may not read hid them: a review)."""
         try:
-            return read_later_metrics(root / step_dir_name(step), storage)
+            got = read_later_metrics(root / step_dir_name(step), storage)
         except (CheckpointCorruptError, CheckpointPermissionError, OSError) as exc:
             if isinstance(exc, FileNotFoundError):  # (the step went meanwhile)
                 return {}
+            with self._lock:
+                self._unreadable.add(step)
             said = (step, str(exc))
             with self._lock:
                 warn = said not in self._told
                 self._told.add(said)
             if warn:
-                log.warning("step %d: %s", step, exc if isinstance(exc, CheckpointError) else (
-                    f"{root / step_dir_name(step) / LATER_METRICS_NAME} cannot be read "
-                    f"({exc}): the metrics recorded after the save are not counted"))
+                log.warning("step %d: %s (keep_best keeps the step until they can be read)",
+                            step, exc if isinstance(exc, CheckpointError) else (
+                                f"{root / step_dir_name(step) / LATER_METRICS_NAME} cannot "
+                                f"be read ({exc}): the metrics recorded after the save are "
+                                "not counted"))
             return {}
+        with self._lock:
+            self._unreadable.discard(step)
+        return got
+
+    def unreadable(self, steps: Iterable[int]) -> set[int]:
+        """Those of ``steps`` whose metrics recorded after the save could not be read when
+        last asked: keep_best keeps them (a trial's hand-corrected metrics.json of the best
+        step had it deleted at the next save, before it could be recorded again)."""
+        with self._lock:
+            return self._unreadable.intersection(steps)
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                metric: str) -> dict[int, float]:
@@ -429,6 +448,7 @@ class StepMetrics:
                 del self._known[s]
             for s in [s for s in self._later_known if s not in steps]:
                 del self._later_known[s]
+            self._unreadable.intersection_update(steps)
         self.keep_files(steps)
         return out
 
@@ -553,4 +573,5 @@ class KeepBest:
         ranking = Ranking(mm.metric, mm.get(root, storage, steps))
         scores = self.cache.scores(root, storage, steps, mm.metric)
         intact = {s: v for s, v in scores.items() if s not in damaged}
-        return set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
+        return (set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
+                | self.cache.unreadable(steps))
