@@ -716,22 +716,50 @@ def test_a_root_with_no_recorded_mode_ranks_by_the_least_and_records_none(
     assert "as for a loss (no step recorded a best_mode for it)" in capsys.readouterr().err
 
 
-def test_a_mode_given_that_the_steps_recorded_otherwise_is_used_and_warned_of_once(
+def test_a_save_with_a_mode_given_against_the_recorded_one_is_refused(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial resumed a best_mode="max" run with best_mode="min": its first save's
+    retention removed the two best steps, and the root then recorded "min" for good."""
     _accuracies(tmp_path, best_metric="acc", best_mode="max")
     caplog.set_level(logging.WARNING, logger="asyncckpt")
+    for mode in ("sync", "async"):
+        with AsyncCheckpointer(tmp_path, mode=mode, keep_last=1, keep_best=1,
+                               best_metric="acc", best_mode="min") as ckpt:
+            with pytest.raises(CheckpointConfigError) as ei:
+                ckpt.save_async(_state(5), 5, metrics={"acc": 0.05}).wait()
+            assert ckpt.steps() == [1, 2, 3, 4]  # nothing removed, nothing committed
+            assert ckpt.best_step() == 3  # (read: ranked as given, warned of)
+    said = str(ei.value)
+    assert "best_mode='min' ranks 'acc' by the least value, but step 4 under" in said, said
+    assert "recorded best_mode='max'" in said and "the steps ranked best so far would be " \
+        "removed; pass best_mode='max' (or None: as the steps recorded)" in said, said
+    assert "nothing was committed" in said
+    warned = [r.getMessage() for r in caplog.records if "ranks by the least value as given"
+              in r.getMessage()]
+    assert len(warned) == 2, warned  # (once per checkpointer)
     with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
-                           best_metric="acc", best_mode="min") as ckpt:
-        for step, acc in ((5, 0.05), (6, 0.99)):
-            ckpt.save(_state(step), step, metrics={"acc": acc})
-        assert ckpt.best_step() == 5  # the least, as given
-        assert ckpt.steps() == [5, 6]
-    said = [r.getMessage() for r in caplog.records if "best_mode" in r.getMessage()]
+                           best_metric="acc", best_mode="max") as ckpt:
+        ckpt.save(_state(5), 5, metrics={"acc": 0.05})
+        assert ckpt.steps() == [2, 5]
+
+
+def test_steps_that_recorded_both_ways_are_warned_of_and_ranked_by_the_newest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial copied one step of another run (ranked "min") into a "max" root: the
+    whole root then ranked by the least, and a resumed trainer removed the best steps,
+    without a word."""
+    _accuracies(tmp_path / "a", best_metric="acc", best_mode="max")
+    _accuracies(tmp_path / "b", best_metric="acc", best_mode="min")
+    shutil.copytree(tmp_path / "b" / "step_000000004", tmp_path / "a" / "step_000000004",
+                    dirs_exist_ok=True)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path / "a", mode="sync", best_metric="acc") as ckpt:
+        assert ckpt.best_step() == 3  # (by the newest's, "min")
+        assert ckpt.best_step() == 3
+    said = [r.getMessage() for r in caplog.records if "recorded both ways" in r.getMessage()]
     assert len(said) == 1, said
-    assert "best_mode='min' ranks 'acc' by the least value, but step 4" in said[0]
-    assert "recorded best_mode='max'" in said[0] and "best_mode=None" in said[0]
-    assert read_manifest(tmp_path / "step_000000006", LocalStorage()).metric_modes == {
-        "acc": "min"}
+    assert "recorded both ways of ranking 'acc': best_mode='max' at steps 1, 2, 3; " \
+           "best_mode='min' at step 4 (a step copied in from another run?" in said[0], said
 
 
 def test_the_config_takes_best_mode_none_and_refuses_others_naming_none_too(
@@ -941,16 +969,17 @@ def test_a_save_looks_for_the_mode_to_inherit_in_the_newest_steps_only(
 def test_a_rollback_looks_up_the_mode_to_inherit_again(tmp_path: Path) -> None:
     """A review: the mode a checkpointer's saves record was looked up once, and outlived
     discard_steps_after() of the steps it came from."""
-    _accuracies(tmp_path, best_metric="acc", best_mode="min")  # steps 1-4 say "min"
+    _accuracies(tmp_path)  # steps 1-4 record no mode
     with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc",
                            best_mode="max") as ckpt:
-        ckpt.save(_state(5), 5, metrics={"acc": 0.3})  # (warned: "max" given)
+        ckpt.save(_state(5), 5, metrics={"acc": 0.3})
     with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc") as ckpt:
         ckpt.save(_state(6), 6, metrics={"acc": 0.2})  # inherits "max" from step 5
         assert ckpt.manifest(6).metric_modes == {"acc": "max"}
+        assert ckpt.best_step() == 2
         assert ckpt.discard_steps_after(4) == [5, 6]
-        ckpt.save(_state(5), 5, metrics={"acc": 0.05})  # inherits "min" from step 4 now
-        assert ckpt.manifest(5).metric_modes == {"acc": "min"}
+        ckpt.save(_state(5), 5, metrics={"acc": 0.05})  # nothing to inherit now
+        assert ckpt.manifest(5).metric_modes == {}
         assert ckpt.best_step() == 5  # (the least: 0.05; by the greatest, step 2's 0.9)
 
 

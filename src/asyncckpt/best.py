@@ -29,6 +29,7 @@ from .errors import (
     CheckpointError,
     CheckpointPermissionError,
     CheckpointSaveError,
+    few,
 )
 from .manifest import MANIFEST_NAME, METRIC_MODES, compact_json, is_sealed, metrics_text, seal
 from .reader import read_manifest_summary
@@ -344,6 +345,17 @@ class StepMetrics:
                 return mode, s
         return None
 
+    def recorded_modes(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+                       metric: str) -> dict[str, list[int]]:
+        """Each way ``metric`` ranks that ``steps`` recorded, and the steps that did,
+        newest first."""
+        out: dict[str, list[int]] = {}
+        for s in sorted(steps, reverse=True):
+            mode = self.modes_of(root, s, storage).get(metric)
+            if mode is not None:
+                out.setdefault(mode, []).append(s)
+        return out
+
     def forget_later(self, step: int) -> None:
         """Read ``step``'s metrics recorded after the save again at the next ask (this
         process recorded some)."""
@@ -491,37 +503,26 @@ def _later_identity(root: Path, step: int, storage: ReadStorage) -> object:
 class MetricMode:
     """Which way a checkpointer's ``best_metric`` ranks: its ``best_mode`` where given;
     else as the newest step under the root that recorded one says (a run resumed without
-    best_mode="max" ranks as it did before), else "min". A given mode the steps recorded
-    the other way is warned of, once. Thread-safe (retention asks on the writer thread)."""
+    best_mode="max" ranks as it did before), else "min". A save with a given mode the
+    steps recorded the other way is refused (its retention would remove the steps ranked
+    best so far: a trial); steps that recorded both ways are warned of, once.
+    Thread-safe (retention asks on the writer thread)."""
 
     def __init__(self, metric: str, mode: str | None, cache: StepMetrics) -> None:
         self.metric, self.mode, self.cache = metric, mode, cache
         self._lock = threading.Lock()
-        self._warned = False
+        self._told: set[object] = set()  # (what was warned of)
         # what this checkpointer's saves record (None: nothing), once looked up
         self._saving: tuple[str | None] | None = None
 
     def get(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str:
         """The mode to rank ``steps`` (every committed step) by."""
-        return self._chosen(root, storage, steps) or "min"
-
-    def _chosen(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str | None:
-        """The mode given, or else the one the steps recorded; None where neither says."""
-        recorded = self.cache.recorded_mode(root, storage, steps, self.metric)
+        recorded = self._recorded(root, storage, steps)
         if self.mode is None:
-            return recorded[0] if recorded is not None else None
-        if recorded is not None and recorded[0] != self.mode:
-            with self._lock:
-                warn, self._warned = not self._warned, True
-            if warn:
-                log.warning(
-                    "best_mode=%r ranks %r by the %s value, but step %d under %s recorded "
-                    "best_mode=%r (a run saved with other settings): the %s value is best now "
-                    "(keep_best keeps those steps; best_step() names one); pass "
-                    "best_mode=%r, or best_mode=None to rank as the steps recorded",
-                    self.mode, self.metric, "least" if self.mode == "min" else "greatest",
-                    recorded[1], root, recorded[0],
-                    "least" if self.mode == "min" else "greatest", recorded[0])
+            return recorded[0] if recorded is not None else "min"
+        if recorded is not None and recorded[0] != self.mode and self._once("given"):
+            log.warning("%s: %s ranks by the %s value as given", self._against(
+                root, recorded), _given(self.mode), _VALUE[self.mode])
         return self.mode
 
     def for_save(self, root: Path, storage: ReadStorage,
@@ -529,14 +530,26 @@ class MetricMode:
         """The mode a save records: the one given, or else the one the steps recorded
         (None where neither says: "min" by default is no choice, and a reader then
         judges by the metric's name), looked up once, before this checkpointer's first
-        save records its own (``steps`` lists the committed ones: a given mode the steps
-        recorded the other way is warned of then). Only the newest ``_INHERIT_FROM``
-        steps are looked at: on the save's path, a root of steps that recorded none
-        (saved by an earlier library) is not read whole."""
+        save records its own (``steps`` lists the committed ones). Only the newest
+        ``_INHERIT_FROM`` steps are looked at: on the save's path, a root of steps that
+        recorded none (saved by an earlier library) is not read whole.
+
+        Raises CheckpointConfigError where a mode was given that the newest step that
+        recorded one recorded the other way (each save, until it is mended)."""
         with self._lock:
             known = self._saving
         if known is None:
-            known = (self._chosen(root, storage, sorted(steps())[-_INHERIT_FROM:]),)
+            recorded = self._recorded(root, storage, sorted(steps())[-_INHERIT_FROM:])
+            if self.mode is not None and recorded is not None and recorded[0] != self.mode:
+                raise CheckpointConfigError(
+                    f"{self._against(root, recorded)}: from this save on, keep_best and "
+                    f"best_step() would rank by the {_VALUE[self.mode]} value, and the steps "
+                    f"ranked best so far would be removed; pass best_mode={recorded[0]!r} "
+                    "(or None: as the steps recorded); to rank it the other way on purpose, "
+                    "save into a new directory, or under another metric name; nothing was "
+                    "committed")
+            known = (self.mode if self.mode is not None
+                     else None if recorded is None else recorded[0],)
             with self._lock:
                 self._saving = known
         return known[0]
@@ -547,7 +560,43 @@ class MetricMode:
         with self._lock:
             self._saving = None
 
+    def _recorded(self, root: Path, storage: ReadStorage, steps: Iterable[int]
+                  ) -> tuple[str, int] | None:
+        """The newest of ``steps`` that recorded a mode for the metric, and its mode;
+        steps that recorded both ways (a step copied in from another run) warned of."""
+        found = self.cache.recorded_modes(root, storage, steps, self.metric)
+        if not found:
+            return None
+        newest = max(((m, ss[0]) for m, ss in found.items()), key=lambda ms: ms[1])
+        if len(found) > 1 and self._once(("both", tuple(sorted(found)))):
+            log.warning(
+                "the steps under %s recorded both ways of ranking %r: %s (a step copied in "
+                "from another run? a run saved with another best_mode?): ranked by the "
+                "newest's, %r (the %s value best); keep those of one way in this directory",
+                root, self.metric, "; ".join(
+                    f"best_mode={m!r} at step{'s' if len(ss) > 1 else ''} "
+                    f"{few([str(x) for x in sorted(ss)], 6)}" for m, ss in sorted(found.items())),
+                newest[0], _VALUE[newest[0]])
+        return newest
 
+    def _against(self, root: Path, recorded: tuple[str, int]) -> str:
+        return (f"{_given(self.mode)} ranks {self.metric!r} by the "
+                f"{_VALUE[self.mode or 'min']} value, but step {recorded[1]} under {root} "
+                f"recorded best_mode={recorded[0]!r} (the {_VALUE[recorded[0]]} value best: a "
+                "run saved with other settings)")
+
+    def _once(self, what: object) -> bool:
+        with self._lock:
+            first = what not in self._told
+            self._told.add(what)
+        return first
+
+
+def _given(mode: str | None) -> str:
+    return f"best_mode={mode!r}"
+
+
+_VALUE = {"min": "least", "max": "greatest"}
 _INHERIT_FROM = 8  # the newest steps a save looks at for the mode it inherits
 
 

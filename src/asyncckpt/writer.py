@@ -1413,6 +1413,8 @@ def _metric_modes(job: SaveJob) -> dict[str, str]:
         mode = mm.for_save(job.root, job.storage, lambda: commit.committed_steps(
             job.root, job.storage, skip_denied=True))
         return {} if mode is None else {mm.metric: mode}
+    except CheckpointConfigError:  # (a best_mode given against the steps': the save fails)
+        raise
     except (OSError, CheckpointError) as exc:
         log.warning("rank=0 step=%d: the steps under %s could not be listed to tell which way "
                     "%r ranks (%s): the save records none", job.step, job.root, mm.metric, exc)
