@@ -639,7 +639,8 @@ def test_saving_a_step_again_with_its_metrics_says_they_were_not_recorded(
             ckpt.save_async(_state(1), 1, metrics={"val_loss": 0.5})
         ckpt.wait()
         with pytest.raises(asyncckpt.CheckpointExistsError,
-                           match=r"its metrics \(val_loss=0\.5\) were NOT recorded"):
+                           match=r"its metrics \(val_loss=0\.5\) were NOT recorded by this "
+                                 r"save: record_metrics\(step, metrics\) adds them"):
             ckpt.save(_state(1), 1, metrics={"val_loss": 0.5})
         assert ckpt.manifest(1).metrics == {}
 
@@ -1147,3 +1148,21 @@ def test_a_metrics_file_copied_from_another_step_is_refused(tmp_path: Path) -> N
                            match=r"it holds the metrics of step 2, not of step 1 \(copied"):
             ckpt.step_metrics(1)
         assert ckpt.best_step("val_acc") == 2
+
+
+def test_ls_of_a_step_directory_with_best_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trial: `ls STEP_DIR --best val_acc` said no step recorded val_acc, beside the step
+    showing val_acc=0.871."""
+    _accuracies(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "step_000000002"), "--best", "acc"]) == 2
+    assert "--best picks among the steps of a checkpoint root" in capsys.readouterr().err
+
+
+def test_best_mode_without_best_metric_ranks_the_metric_best_step_names(tmp_path: Path) -> None:
+    """A trial: AsyncCheckpointer(root, best_mode="max").best_step("val_acc") ignored the
+    mode and named the worst step."""
+    _accuracies(tmp_path)
+    with AsyncCheckpointer(tmp_path, mode="sync", best_mode="max") as ckpt:
+        assert ckpt.best_step("acc") == 2 and ckpt.best_step("acc", "min") == 3

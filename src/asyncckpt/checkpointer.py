@@ -629,9 +629,8 @@ class AsyncCheckpointer:
                 # then kept nothing of its best step)
                 lost = "" if not recorded else (
                     f"; its metrics ({', '.join(f'{k}={v:g}' for k, v in recorded.items())}) "
-                    "were NOT recorded: a step's metrics are written with its save, so "
-                    "compute them before save_async(..., metrics=...) of that step (a "
-                    "validation after the save counts toward the next one)")
+                    "were NOT recorded by this save: record_metrics(step, metrics) adds "
+                    "them to the committed step")
                 if not same_in_flight or self._last_said != (step, "committed"):
                     if lost:
                         raise retold(exc, f"{exc}{lost}") from None
@@ -1061,6 +1060,9 @@ class AsyncCheckpointer:
         steps = self.steps()
         if mode is None and self._metric_mode is not None and name == self._metric_mode.metric:
             mode = self._metric_mode.get(self.directory, self.storage, steps)
+        elif mode is None and self._metric_mode is None and self.config.best_mode:
+            mode = self.config.best_mode  # (best_mode without best_metric: a trial's was
+            # ignored, and best_step("val_acc") named the worst step)
         elif mode is None:  # (another metric than best_metric: as its steps recorded it)
             recorded = self._metrics.recorded_mode(self.directory, self.storage, steps, name)
             mode = "min" if recorded is None else recorded[0]

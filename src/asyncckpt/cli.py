@@ -475,7 +475,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     code = EXIT_CORRUPT if corrupt or no_manifest or any(
         e.get("damaged") for e in entries) else EXIT_USAGE if untold else EXIT_OK
     best: int | None = None  # (--best: marked; none recorded the metric: none marked)
-    if args.best is not None and MANIFEST_NAME not in names:
+    if args.best is not None:  # (a step directory: refused, as by the other commands)
         with contextlib.suppress(CheckpointNotFoundError):
             best = _best_step(args, root)
     _decided(args, code)
