@@ -1166,3 +1166,42 @@ def test_best_mode_without_best_metric_ranks_the_metric_best_step_names(tmp_path
     _accuracies(tmp_path)
     with AsyncCheckpointer(tmp_path, mode="sync", best_mode="max") as ckpt:
         assert ckpt.best_step("acc") == 2 and ckpt.best_step("acc", "min") == 3
+
+
+def _at_once(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "steps at once" in r.getMessage()]
+
+
+def test_a_restart_that_lowers_keep_best_is_warned_of_the_steps_it_removes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: keep_best=3 then 1 removed two best steps in one save, unwarned (two at
+    once was taken for a best displaced beside the step leaving keep_last)."""
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=3,
+                           best_metric="loss") as ckpt:
+        for step, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
+            ckpt.save(_state(step), step, metrics={"loss": loss})
+        assert ckpt.steps() == [1, 2, 3]
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1,
+                           best_metric="loss") as ckpt:
+        ckpt.save(_state(4), 4, metrics={"loss": 5.0})
+        assert ckpt.steps() == [3, 4]
+    said = _at_once(caplog)
+    assert len(said) == 1 and "removed 2 steps at once, [1, 2]" in said[0], said
+
+
+def test_bests_displaced_by_metrics_recorded_later_are_no_changed_settings(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: after an evaluator's records, a save's removals (bests displaced, and the
+    step leaving keep_last) were told "if a restart changed those settings". Bests
+    displaced are known now, and not counted (one removal more is warned of)."""
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=2,
+                           best_metric="loss") as ckpt:
+        for step, loss in ((1, 5.0), (2, 4.0), (3, None), (4, None)):
+            ckpt.save(_state(step), step, metrics=None if loss is None else {"loss": loss})
+        assert ckpt.steps() == [1, 2, 4]
+        ckpt.record_metrics(4, {"loss": 1.0})
+        ckpt.save(_state(5), 5, metrics={"loss": 0.5})
+        assert ckpt.steps() == [4, 5]
+    assert _at_once(caplog) == []

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -606,21 +606,40 @@ class KeepBest:
 
     count: int
     metric_mode: MetricMode
+    # the steps the last ranking spared (none yet: [None]), for retention's warning of
+    # many steps removed at once: a best one displaced is no surprise (a trial's
+    # evaluator recorded two steps, and a save removing three was told "if a restart
+    # changed those settings")
+    _last: list[set[int] | None] = field(default_factory=lambda: [None], compare=False)
 
     @property
     def cache(self) -> StepMetrics:
         return self.metric_mode.cache
+
+    def spared_before(self) -> set[int] | None:
+        """The steps the last ranking spared; None before the first one."""
+        return self._last[0]
 
     def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                damaged: Collection[int] = ()) -> set[int]:
         """The ``count`` best of ``steps`` (every committed step) ranked among the steps
         not ``damaged``: a damaged best one takes no intact step's place. It is spared as
         well while it ranks among the best of all (a mark may be wrong: a passing read
-        error), and goes once others rank above it."""
+        error), and goes once others rank above it. Remembered (``spared_before``)."""
+        out = self.ranked(root, storage, steps, damaged)
+        self._last[0] = out
+        return out
+
+    def ranked(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+               damaged: Collection[int] = (), *, leave_out: int | None = None) -> set[int]:
+        """``spared``'s answer, not remembered; ``leave_out``: a step of ``steps`` not
+        ranked (the save's own: what was best before it)."""
         steps = list(steps)
         mm = self.metric_mode
         ranking = Ranking(mm.metric, mm.get(root, storage, steps))
         scores = self.cache.scores(root, storage, steps, mm.metric)
+        if leave_out is not None:
+            scores.pop(leave_out, None)
         intact = {s: v for s, v in scores.items() if s not in damaged}
         return (set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
                 | self.cache.unreadable(steps))

@@ -852,6 +852,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
     hidden: list[tuple[int, Path]] = []
     leftovers: list[Path] = []
     marked: set[int] = set()  # steps damaged.json marks (another process's verdict, maybe)
+    was_best: set[int] | None = None  # keep_best's spared at the last ranking (None: none)
     try:
         if (job.committed or before) and job.ctx.is_coordinator:
             # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked);
@@ -867,6 +868,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                     doomed = []
                 else:
                     best = job.keep_best
+                    if best is not None:  # (removed now, they were bests displaced)
+                        was_best = set(best.spared_before() or ())
                     if best is not None and not before:  # (its metrics need not be read)
                         best.cache.note(job.root, job.step, job.storage, job.metrics,
                                         job.metric_modes)
@@ -889,6 +892,12 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                             job.storage, LocalStorage) else ()))
                     if job.known is not None:
                         job.known.keep_files(listed)
+                    if best is not None and was_best is not None and not before:
+                        # (and those best before this save, as the settings now rank: a
+                        # restart that lowered keep_best removes more, and is told)
+                        with contextlib.suppress(CheckpointError, OSError):
+                            was_best |= best.ranked(job.root, job.storage, listed,
+                                                    leave_out=job.step)
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         job.in_use.deferred.add(s)
@@ -916,9 +925,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                 done.set_result(None)
         else:
             try:
-                reaper.submit(_reap, job, hidden, done, leftovers, marked)
+                reaper.submit(_reap, job, hidden, done, leftovers, marked, was_best)
             except RuntimeError:  # the interpreter is exiting: remove them here
-                _reap(job, hidden, done, leftovers, marked)
+                _reap(job, hidden, done, leftovers, marked, was_best)
 
 
 # root -> the backlog of removals last warned of (see _tell_backlog)
@@ -1061,19 +1070,21 @@ def _leftovers(job: SaveJob, hidden: set[Path]) -> list[Path]:
 
 
 def _reap(job: SaveJob, hidden: list[tuple[int, Path]], done: cf.Future[None],
-          leftovers: list[Path] | None = None, marked: Collection[int] = ()) -> None:
+          leftovers: list[Path] | None = None, marked: Collection[int] = (),
+          was_best: Collection[int] | None = None) -> None:
     try:
         removed = [s for s, gone in hidden if _remove(job, gone)]
-        usual = 1 + (job.keep_best is not None)
+        usual = 1  # (and the bests this save displaced: ``was_best``)
         with job.in_use.lock:  # (left for a load before: see StepsInUse.deferred)
             late = job.in_use.deferred.intersection(s for s, _ in hidden)
             job.in_use.deferred.difference_update(late)
         if len([s for s in removed if s not in job.damaged and s not in marked
-                and s not in late]) > usual:
-            # A save removes one step as a rule, and one more with keep_best (a best step
-            # it displaced). More at once are those of a run saved with other settings (a
-            # restart that dropped keep_every lost its milestones), or, without a word of
-            # settings, one whose retention a crash skipped: the warning says "if".
+                and s not in late and s not in (was_best or ())]) > usual:
+            # A save removes one step as a rule, and any best steps it displaced (metrics
+            # recorded later may displace several). More at once are those of a run saved
+            # with other settings (a restart that dropped keep_every lost its milestones,
+            # or lowered keep_best), or, without a word of settings, one whose retention
+            # a crash skipped: the warning says "if".
             log.warning("rank=0 step=%d: retention removed %d steps at once, %s (keep_last=%s"
                         ", keep_every=%s, keep_best=%s): if a restart changed those settings, "
                         "the steps the old ones kept are gone too (else: steps an earlier "
