@@ -1574,6 +1574,8 @@ def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFix
     made = _leftovers(root)
     with asyncckpt.AsyncCheckpointer(root, mode="sync") as ckpt:  # (made after: they stay)
         ckpt.save_async(_state(40), 40).wait()
+        ckpt.wait()  # (and the removal of those made before, which runs in the background:
+        # a loaded CI's mkdir met them still there)
         made = _leftovers(root)
         _no_lock_taken(monkeypatch)  # (ls neither takes the lock nor waits for it)
         code, out, _ = run(capsys, "ls", str(root))
