@@ -1205,3 +1205,18 @@ def test_bests_displaced_by_metrics_recorded_later_are_no_changed_settings(
         ckpt.save(_state(5), 5, metrics={"loss": 0.5})
         assert ckpt.steps() == [4, 5]
     assert _at_once(caplog) == []
+
+
+def test_the_cli_says_when_the_best_it_takes_is_nan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trial: `export --best val_loss` of a root whose every val_loss was NaN took a
+    step, exit 0, without a word."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step, metrics={"val_loss": NAN})
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--best", "val_loss", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 3
+    assert "--best val_loss: step 3 is taken, but its val_loss is NaN, as is every step's" \
+        in got.err, got.err

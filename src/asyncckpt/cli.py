@@ -1742,6 +1742,13 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
         recorded = ckpt.recorded_best_mode(args.best)
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
+        value = None
+        if best is not None:
+            with contextlib.suppress(CheckpointError, OSError):
+                value = ckpt.step_metrics(best).get(args.best)
+    if value is not None and math.isnan(value):  # (NaN ranks last: so every one is NaN)
+        _warn(f"--best {args.best}: step {best} is taken, but its {args.best} is NaN, as is "
+              "every step's that recorded it (a diverged run, or a broken evaluation?)")
     if best is not None and asked is not None and recorded is not None and asked != recorded:
         _warn(f"--best {args.best} --{asked} ranks by the {_VALUE[asked]} value (step {best}), "
               f"but the steps recorded best_mode={recorded!r} for it: drop --{asked} to rank "
