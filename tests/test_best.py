@@ -1220,3 +1220,146 @@ def test_the_cli_says_when_the_best_it_takes_is_nan(
     assert json.loads(got.out)["best"] == 3
     assert "--best val_loss: step 3 is taken, but its val_loss is NaN, as is every step's" \
         in got.err, got.err
+
+
+def test_a_refused_best_mode_is_raised_before_anything_is_staged_or_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: on a disk short of room, the save's retention made room (ranking by the
+    mode given, removing the best steps) before the refusal; and a refused save wrote its
+    whole file first."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    import asyncckpt.writer as writer
+
+    monkeypatch.setattr(writer, "_free_bytes", lambda *a, **k: 1)  # (no room: make some)
+    ckpt = AsyncCheckpointer(tmp_path, mode="async", keep_last=1, keep_best=1,
+                             best_metric="acc", best_mode="min")
+    with pytest.raises(CheckpointConfigError, match="recorded best_mode='max'"):
+        ckpt.save_async(_state(5), 5, metrics={"acc": 0.05})  # (at once, on this thread)
+    assert ckpt.host_buffer_bytes == 0  # (nothing staged)
+    assert ckpt.steps() == [1, 2, 3, 4]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".step_")] == []
+    ckpt.close()
+
+
+def test_a_mode_given_is_checked_against_steps_older_than_the_newest_eight(
+        tmp_path: Path) -> None:
+    """A review: two "max" steps under eight that recorded none were not looked at, and
+    the "min" run's retention removed them."""
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc", best_mode="max") as c:
+        c.save(_state(1), 1, metrics={"acc": 0.99})
+        c.save(_state(2), 2, metrics={"acc": 0.98})
+    with AsyncCheckpointer(tmp_path, mode="sync") as c:
+        for step in range(3, 11):
+            c.save(_state(step), step, metrics={"acc": 0.1})
+    with AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=2,
+                           best_metric="acc", best_mode="min") as ckpt:
+        with pytest.raises(CheckpointConfigError, match="step 2 under"):
+            ckpt.save(_state(11), 11, metrics={"acc": 0.05})
+        assert ckpt.steps() == list(range(1, 11))
+
+
+def test_in_a_group_every_rank_is_refused_a_best_mode_given_against_the_steps(
+        tmp_path: Path) -> None:
+    """A review: rank 0 raised CheckpointConfigError, rank 1 a CheckpointSaveError."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    store = torch.distributed.HashStore()
+    ckpts = [AsyncCheckpointer(tmp_path, mode="async", rank=r, world_size=2, store=store,
+                               timeout_s=30, keep_last=1, keep_best=1, best_metric="acc",
+                               best_mode="min") for r in range(2)]
+    raised: dict[int, BaseException] = {}
+
+    def rank_main(r: int) -> None:
+        try:
+            ckpts[r].save_async({"w": torch.arange(4.0) + r}, 5, metrics={"acc": 0.05},
+                                shards={"w": asyncckpt.ShardMetadata((8,), (4 * r,))}).wait()
+        except CheckpointConfigError as exc:
+            raised[r] = exc
+        finally:
+            ckpts[r].close()
+
+    all_ok(in_threads(rank_main, 2))
+    assert set(raised) == {0, 1}, raised
+    assert "recorded best_mode='max'" in str(raised[1])
+    assert AsyncCheckpointer(tmp_path).steps() == [1, 2, 3, 4]
+
+
+def test_the_ranking_lock_is_released_though_a_child_forked_while_it_was_held(
+        tmp_path: Path) -> None:
+    """A review: a child forked while a retention held the lock shared its open file, and
+    kept the lock until it exited: every later retention and record waited 30 s."""
+    import signal
+    import threading
+    import time
+    import warnings
+
+    from asyncckpt import commit
+
+    tmp_path.mkdir(exist_ok=True)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with commit.ranking_lock(tmp_path, LocalStorage(), "test") as held:
+            assert held
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        time.sleep(20)
+        os._exit(0)
+    try:
+        leave.set()
+        t.join(10)
+        t0 = time.monotonic()
+        with commit.ranking_lock(tmp_path, LocalStorage(), "test") as held:
+            assert held
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_filesystem_without_flock_records_unlocked(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+        assert ckpt.record_metrics(1, {"acc": 0.5}) == {"acc": 0.5}
+
+
+def test_what_a_killed_record_left_is_swept_by_the_next(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+        left = tmp_path / "step_000000001" / ".metrics.json.tmp-deadbeef"
+        left.write_bytes(b"{")
+        ckpt.record_metrics(1, {"acc": 0.5})
+        assert not left.exists()
+        assert ckpt.step_metrics(1) == {"acc": 0.5}
+
+
+def test_modes_are_read_from_manifests_alone(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: every step's metrics.json was read again to learn its mode (4 reads a
+    step at each retention on a storage that is not local)."""
+    _accuracies(tmp_path, best_metric="acc", best_mode="max")
+    import asyncckpt.best as best
+
+    reads: list[Path] = []
+    real = best.read_later_metrics
+    monkeypatch.setattr(best, "read_later_metrics",
+                        lambda d, s: reads.append(d) or real(d, s))
+    cache = StepMetrics()
+    assert cache.recorded_modes(tmp_path, LocalStorage(), [1, 2, 3, 4], "acc") == {
+        "max": [4, 3, 2, 1]}
+    assert reads == []

@@ -95,16 +95,35 @@ def write_later_metrics(step_dir: Path, step: int, storage: Storage,
     body = seal(compact_json({"format": _LATER_FORMAT, "step": step,
                               "recorded_unix": time.time(),
                               "metrics": metrics_text(metrics)}).encode("ascii"))
-    tmp = step_dir / f".{LATER_METRICS_NAME}.tmp-{new_token()}"
+    tmp = step_dir / f"{_LATER_TMP}{new_token()}"
     try:
         storage.write_bytes(tmp, body)
         storage.rename(tmp, step_dir / LATER_METRICS_NAME)
     except BaseException:
-        if isinstance(storage, LocalStorage):
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        _remove_later_tmp(tmp, storage)
         raise
     storage.fsync_dir(step_dir)
+
+
+_LATER_TMP = f".{LATER_METRICS_NAME}.tmp-"  # (a metrics.json being written)
+
+
+def sweep_later_tmp(step_dir: Path, storage: Storage) -> None:
+    """Remove what writes of ``step_dir``'s metrics.json left (a process killed between
+    its write and its rename). Call with the ranking lock held: no write is then under
+    way (best effort: errors are ignored)."""
+    with contextlib.suppress(OSError):
+        for name in storage.listdir(step_dir):
+            if name.startswith(_LATER_TMP):
+                _remove_later_tmp(step_dir / name, storage)
+
+
+def _remove_later_tmp(tmp: Path, storage: Storage) -> None:
+    with contextlib.suppress(OSError):
+        if isinstance(storage, LocalStorage):
+            os.unlink(tmp)
+        else:  # (the protocol's one removal: a path and what it holds)
+            storage.remove_tree(tmp)
 
 
 def checked_metrics(metrics: object) -> dict[str, float]:
@@ -331,8 +350,9 @@ class StepMetrics:
         return self._read(root, step, storage)[0]
 
     def modes_of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, str]:
-        """Which way each metric ranks, as committed ``step`` recorded it."""
-        return self._read(root, step, storage)[1]
+        """Which way each metric ranks, as committed ``step`` recorded it (its manifest
+        alone: no metrics.json read)."""
+        return self._saved(root, step, storage)[1]
 
     def recorded_mode(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                       metric: str) -> tuple[str, int] | None:
@@ -539,7 +559,12 @@ class MetricMode:
         with self._lock:
             known = self._saving
         if known is None:
-            recorded = self._recorded(root, storage, sorted(steps())[-_INHERIT_FROM:])
+            every = sorted(steps())
+            recorded = self._recorded(root, storage, every[-_INHERIT_FROM:])
+            if recorded is None and self.mode is not None and len(every) > _INHERIT_FROM:
+                # (a mode given is checked against every step, not only the newest: a
+                # review's two "max" steps under eight that recorded none were removed)
+                recorded = self._recorded(root, storage, every)
             if self.mode is not None and recorded is not None and recorded[0] != self.mode:
                 raise CheckpointConfigError(
                     f"{self._against(root, recorded)}: from this save on, keep_best and "

@@ -35,6 +35,7 @@ from .best import (
     check_ranking,
     checked_metrics,
     read_later_metrics,
+    sweep_later_tmp,
     write_later_metrics,
 )
 from .commit import StepLike
@@ -645,6 +646,12 @@ class AsyncCheckpointer:
                     "came): it is saved"
                     + (lost or ", nothing to do") + ". latest_step() counts a step once its "
                     "save commits: before it, check is_pending or call wait()") from None
+            if self._metric_mode is not None and not ctx.distributed:
+                # (a best_mode given against the steps' refused here, before anything is
+                # staged or written: once per checkpointer, then known; a group's
+                # coordinator refuses at the start of its write, for every rank)
+                self._metric_mode.for_save(self.directory, self.storage, lambda: (
+                    commit.committed_steps(self.directory, self.storage, skip_denied=True)))
             # Flattening, the layout exchange, planning and staging make thousands of
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:
@@ -1269,8 +1276,11 @@ class AsyncCheckpointer:
         one before: a crash leaves the old or the new), with those recorded after the save
         before; a name recorded again replaces its value (an evaluation run again). A
         name the save itself recorded keeps its value: another one is refused. Waits for
-        this checkpointer's save of ``step`` when it is in flight. One process records a
-        step's metrics at a time (two at once: one's may be lost). A step that retention
+        this checkpointer's save of ``step`` when it is in flight. On the local filesystem,
+        records (from any process) and keep_best's retentions take turns (the root's
+        ``.asyncckpt.ranking`` lock): a record counts for the ranking or finds its step
+        gone, and two records of one step keep both; elsewhere, one process records a
+        step's metrics at a time (two at once may lose one's). A step that retention
         removes meanwhile is not found: with ``keep_best``, record before the step leaves
         ``keep_last`` (the next saves' retentions rank it from then on).
 
@@ -1278,6 +1288,9 @@ class AsyncCheckpointer:
             CheckpointNotFoundError: ``step`` is not committed (or was removed meanwhile).
             CheckpointConfigError: a metric that is no name and number, or one the save
                 recorded with another value.
+            CheckpointPermissionError: this user may not write in the step's directory.
+            CheckpointTimeoutError: the ranking lock stayed held for 30 s (a stuck
+                retention or record elsewhere).
             CheckpointSaveError: the file could not be written (nothing changed).
 
         Example:
@@ -1320,9 +1333,11 @@ class AsyncCheckpointer:
         # lock: the record counts for its ranking, or finds its step gone; and two
         # evaluators' records of one step do not lose one's: a trial)
         with self._record_lock, commit.ranking_lock(self.directory, self.storage,
-                                                    f"record_metrics({step})"):
+                                                    f"record_metrics({step})") as held:
             if not commit.still_there(self.directory, step_dir.name, self.storage):
                 raise removed
+            if held:  # (no other record is under way: what a killed one left goes)
+                sweep_later_tmp(step_dir, self.storage)
             try:
                 later = read_later_metrics(step_dir, self.storage)
             except CheckpointCorruptError as exc:  # (counted as none: replaced)

@@ -768,6 +768,7 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
         import fcntl
 
         deadline = time.monotonic() + RANKING_LOCK_S
+        held = True
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -779,9 +780,19 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
                         f"{RANKING_LOCK_S:.0f}s (another process's retention or "
                         "record_metrics, stuck?)") from None
                 time.sleep(0.005)
-        yield True
+            except OSError:  # (a filesystem without flock: ENOLCK; as no lock file)
+                held = False
+                break
+        try:
+            yield held
+        finally:
+            # (unlocked, not only closed: a process forked meanwhile shares the open file,
+            # and would hold the lock until it exits: a review)
+            if held:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        os.close(fd)  # (and the lock with it)
+        os.close(fd)
 
 
 def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object] | None:

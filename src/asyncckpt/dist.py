@@ -56,6 +56,7 @@ import json
 import logging
 import numbers
 import os
+import re
 import threading
 import time
 import uuid
@@ -878,6 +879,19 @@ class DistContext:
         return False
 
 
+# How _abort words a rank's refusal of the settings (see stopped_error)
+_CONFIG_REFUSED = re.compile(r"rank \d+: CheckpointConfigError: ")
+
+
+def stopped_error(message: str, why: str) -> CheckpointError:
+    """The error of a rank stopped because another failed the save for ``why`` (as the
+    failing rank's abort worded it): CheckpointConfigError where that rank refused the
+    settings, as it raised itself, else CheckpointSaveError."""
+    if _CONFIG_REFUSED.match(why):
+        return CheckpointConfigError(message)
+    return CheckpointSaveError(message)
+
+
 class Pulse:
     """One rank's signs of life during one save, through the Store (never the training
     process group, so background threads may call it).
@@ -933,7 +947,7 @@ class Pulse:
             if not self.watch or not ctx.store.check([self._abort_key]):
                 return
             why = ctx.store.get(self._abort_key).decode(errors="replace")
-        raise CheckpointSaveError(f"rank {ctx.rank}: stopped, nothing committed: {why}")
+        raise stopped_error(f"rank {ctx.rank}: stopped, nothing committed: {why}", why)
 
     def aborted(self) -> str | None:
         """Why another rank (or this one) stopped the save, if one has; None when none

@@ -662,6 +662,15 @@ class BackgroundWriter:
 
     def _save(self, job: SaveJob, hashes: cf.Future[_Described] | None) -> CheckpointInfo:
         plan, storage, ctx = job.plan, job.storage, job.ctx
+        if ctx.is_coordinator and job.metric_mode is not None:
+            # (what the manifest records, looked up before any room is made or byte
+            # written: a best_mode given against the steps' fails the save here, before a
+            # retention that would rank by it removes their best steps: a review)
+            try:
+                job.metric_modes = _metric_modes(job)
+            except BaseException:
+                job.room.set()  # (the hash thread's manifest waits for it)
+                raise
         job.tmp = job.tmp_path
         storage.makedirs(job.tmp)
         raw: bytes | None = None
@@ -749,6 +758,8 @@ class BackgroundWriter:
                     timed_out = CheckpointTimeoutError(why)
                     timed_out.ranks = tuple(int(r) for r in verdict.get("ranks", ()))
                     raise timed_out
+                if verdict.get("kind") == "CheckpointConfigError":  # (a review: rank 0's
+                    raise CheckpointConfigError(why)  # alone was, the others' a SaveError)
                 raise CheckpointSaveError(why)
             job.tmp = None
             final = Path(verdict["ok"])
@@ -1150,6 +1161,8 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
                 if isinstance(exc, CheckpointTimeoutError):  # (raised as such everywhere)
                     verdict.update(kind="CheckpointTimeoutError",
                                    ranks=list(getattr(exc, "ranks", ()) or ()))
+                elif isinstance(exc, CheckpointConfigError):  # (the settings: on every rank)
+                    verdict.update(kind="CheckpointConfigError")
                 ctx.put(ctx.key(job.tag, "verdict"), verdict)
     if isinstance(exc, commit.CommittedNotDurableError):
         job.tmp = None  # renamed into the step: nothing of it is this save's to remove
