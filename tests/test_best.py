@@ -1324,8 +1324,7 @@ def test_the_ranking_lock_is_released_though_a_child_forked_while_it_was_held(
         os.waitpid(pid, 0)
 
 
-def test_a_filesystem_without_flock_records_unlocked(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_filesystem_without_flock_records_unlocked(tmp_path: Path) -> None:
     import errno
     import fcntl
 
@@ -1334,8 +1333,9 @@ def test_a_filesystem_without_flock_records_unlocked(tmp_path: Path,
 
     with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
         ckpt.save(_state(1), 1)
-        monkeypatch.setattr(fcntl, "flock", no_locks)
-        assert ckpt.record_metrics(1, {"acc": 0.5}) == {"acc": 0.5}
+        with pytest.MonkeyPatch.context() as mp:  # (the record's alone: not the lock's)
+            mp.setattr(fcntl, "flock", no_locks)
+            assert ckpt.record_metrics(1, {"acc": 0.5}) == {"acc": 0.5}
 
 
 def test_what_a_killed_record_left_is_swept_by_the_next(tmp_path: Path) -> None:
@@ -1363,3 +1363,120 @@ def test_modes_are_read_from_manifests_alone(tmp_path: Path,
     assert cache.recorded_modes(tmp_path, LocalStorage(), [1, 2, 3, 4], "acc") == {
         "max": [4, 3, 2, 1]}
     assert reads == []
+
+
+def _mixed_root(root: Path) -> None:
+    """A "max" root (acc 0.5, 0.9, 0.1, 0.7 at steps 1-4) with step 5 copied in from a
+    "min" run (acc 0.2)."""
+    _accuracies(root / "a", best_metric="acc", best_mode="max")
+    with AsyncCheckpointer(root / "b", mode="sync", best_metric="acc", best_mode="min") as c:
+        c.save(_state(5), 5, metrics={"acc": 0.2})
+    shutil.copytree(root / "b" / "step_000000005", root / "a" / "step_000000005")
+
+
+def test_a_mixed_root_takes_a_mode_one_of_its_steps_recorded_and_refuses_none(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A QA trial: with a step copied in from a "min" run, the right best_mode="max" was
+    refused (its advice: "min" or None, which removed the best steps), and None inherited
+    the copied step's "min" and removed the two best steps."""
+    _mixed_root(tmp_path)
+    root = tmp_path / "a"
+    with AsyncCheckpointer(root, mode="sync", keep_last=1, keep_best=2,
+                           best_metric="acc") as ckpt:
+        with pytest.raises(CheckpointConfigError, match=(
+                r"recorded both ways of ranking 'acc' \(best_mode='max' at steps 1, 2, 3, 4; "
+                r"best_mode='min' at step 5: a step copied in from another run\?\), and no "
+                r"best_mode was given to say which this run ranks by: pass best_mode='min' "
+                r"or 'max'")):
+            ckpt.save(_state(6), 6, metrics={"acc": 0.3})
+        assert ckpt.steps() == [1, 2, 3, 4, 5]
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(root, mode="sync", keep_last=1, keep_best=2,
+                           best_metric="acc", best_mode="max") as ckpt:
+        ckpt.save(_state(6), 6, metrics={"acc": 0.3})
+        assert ckpt.steps() == [2, 4, 6]  # (the two best by the greatest, and the newest)
+    assert "recorded both ways of ranking 'acc'" in caplog.text
+    assert "ranked by 'max' (the greatest value best, as given)" in caplog.text
+
+
+def test_the_cli_warns_of_a_root_whose_steps_recorded_both_ways(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A QA trial: `ls --best` and `inspect --best` of a mixed root named the step the
+    copied one's mode picked, without a word."""
+    _mixed_root(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "a"), "--best", "acc", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 3
+    assert "recorded both ways of ranking 'acc'" in got.err, got.err
+    assert "ranked by 'min' (the least value best: the newest step's)" in got.err
+
+
+def test_a_retention_leaves_its_round_to_the_next_save_while_a_record_holds_the_lock(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QA trial: an evaluator stopped inside record_metrics (SIGSTOP, a debugger) held
+    every keep_best save of the trainer 30 s."""
+    import threading
+    import time
+
+    from asyncckpt import commit
+
+    monkeypatch.setattr(commit, "RETENTION_RANKING_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="async", keep_last=1, keep_best=1,
+                           best_metric="loss") as ckpt:
+        ckpt.save(_state(1), 1, metrics={"loss": 1.0})
+        inside, leave = threading.Event(), threading.Event()
+
+        def stopped_evaluator() -> None:
+            with commit.ranking_lock(tmp_path, LocalStorage(), "test"):
+                inside.set()
+                leave.wait(30)
+
+        t = threading.Thread(target=stopped_evaluator)
+        t.start()
+        inside.wait(10)
+        t0 = time.monotonic()
+        for step in (2, 3):
+            ckpt.save_async(_state(step), step, metrics={"loss": float(step)}).wait()
+            ckpt.wait()
+        assert time.monotonic() - t0 < 5
+        assert ckpt.steps() == [1, 2, 3]  # (left to the next save's retention)
+        leave.set()
+        t.join(10)
+        ckpt.save(_state(4), 4, metrics={"loss": 4.0})
+        assert ckpt.steps() == [1, 4]
+    assert "retention left the old steps to the next save's" in caplog.text
+
+
+def test_release_host_buffer_tells_a_served_root_s_peers_at_once(tmp_path: Path) -> None:
+    """A QA trial: after a release, peers' fetches waited out their whole timeout."""
+    import time
+
+    from asyncckpt.transport import HTTPTransport
+
+    srv = HTTPTransport(timeout=10.0)
+    try:
+        with AsyncCheckpointer(tmp_path, mode="async") as ckpt:
+            ckpt.serve(srv)
+            ckpt.save(_state(1), 1)
+            ckpt.release_host_buffer()
+            t0 = time.monotonic()
+            with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                               match="released the host buffer it served from"):
+                asyncckpt.load(srv.address(), timeout=10)
+            assert time.monotonic() - t0 < 5
+    finally:
+        srv.shutdown()
+
+
+def test_an_older_step_s_lost_metrics_are_not_sent_to_record_metrics(tmp_path: Path) -> None:
+    """A QA trial: saving step 0 with metrics= beside step 1 was told record_metrics adds
+    them to "the committed step", which step 0 is not."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(_state(1), 1)
+        with pytest.raises(asyncckpt.CheckpointExistsError) as ei:
+            ckpt.save(_state(0), 0, metrics={"loss": 1.0})
+        assert "were NOT recorded by this save" in str(ei.value)
+        assert "record_metrics" not in str(ei.value), ei.value

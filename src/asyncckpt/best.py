@@ -91,7 +91,9 @@ def read_later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]
 def write_later_metrics(step_dir: Path, step: int, storage: Storage,
                         metrics: Mapping[str, float]) -> None:
     """Replace ``step_dir``'s later metrics with ``metrics``, atomically: a file written
-    and made durable beside it, then renamed over it (a reader sees the old or the new)."""
+    and made durable beside it, then renamed over it (a reader sees the old or the new).
+    An OSError before the rename changed nothing; one of the directory's fsync after it
+    is raised as NotDurableYet (the new file is there, perhaps not durable)."""
     body = seal(compact_json({"format": _LATER_FORMAT, "step": step,
                               "recorded_unix": time.time(),
                               "metrics": metrics_text(metrics)}).encode("ascii"))
@@ -102,7 +104,14 @@ def write_later_metrics(step_dir: Path, step: int, storage: Storage,
     except BaseException:
         _remove_later_tmp(tmp, storage)
         raise
-    storage.fsync_dir(step_dir)
+    try:
+        storage.fsync_dir(step_dir)
+    except OSError as exc:
+        raise NotDurableYet(exc.errno, exc.strerror or str(exc)) from exc
+
+
+class NotDurableYet(OSError):
+    """A metrics.json renamed into place whose directory's fsync failed."""
 
 
 _LATER_TMP = f".{LATER_METRICS_NAME}.tmp-"  # (a metrics.json being written)
@@ -537,10 +546,10 @@ class MetricMode:
 
     def get(self, root: Path, storage: ReadStorage, steps: Iterable[int]) -> str:
         """The mode to rank ``steps`` (every committed step) by."""
-        recorded = self._recorded(root, storage, steps)
+        recorded, found = self._recorded(root, storage, steps, "ranked by")
         if self.mode is None:
             return recorded[0] if recorded is not None else "min"
-        if recorded is not None and recorded[0] != self.mode and self._once("given"):
+        if recorded is not None and self.mode not in found and self._once("given"):
             log.warning("%s: %s ranks by the %s value as given", self._against(
                 root, recorded), _given(self.mode), _VALUE[self.mode])
         return self.mode
@@ -554,18 +563,20 @@ class MetricMode:
         ``_INHERIT_FROM`` steps are looked at: on the save's path, a root of steps that
         recorded none (saved by an earlier library) is not read whole.
 
-        Raises CheckpointConfigError where a mode was given that the newest step that
-        recorded one recorded the other way (each save, until it is mended)."""
+        Raises CheckpointConfigError where a mode was given that no step recorded but
+        the other way, or none was given where steps recorded both ways (each save,
+        until it is mended: either would have retention remove the steps ranked best so
+        far by the other way)."""
         with self._lock:
             known = self._saving
         if known is None:
             every = sorted(steps())
-            recorded = self._recorded(root, storage, every[-_INHERIT_FROM:])
+            recorded, found = self._recorded(root, storage, every[-_INHERIT_FROM:], None)
             if recorded is None and self.mode is not None and len(every) > _INHERIT_FROM:
                 # (a mode given is checked against every step, not only the newest: a
                 # review's two "max" steps under eight that recorded none were removed)
-                recorded = self._recorded(root, storage, every)
-            if self.mode is not None and recorded is not None and recorded[0] != self.mode:
+                recorded, found = self._recorded(root, storage, every, None)
+            if self.mode is not None and recorded is not None and self.mode not in found:
                 raise CheckpointConfigError(
                     f"{self._against(root, recorded)}: from this save on, keep_best and "
                     f"best_step() would rank by the {_VALUE[self.mode]} value, and the steps "
@@ -573,6 +584,15 @@ class MetricMode:
                     "(or None: as the steps recorded); to rank it the other way on purpose, "
                     "save into a new directory, or under another metric name; nothing was "
                     "committed")
+            if self.mode is None and len(found) > 1:
+                # (a QA trial: a step copied in from a "min" run had a "max" run's resume
+                # inherit "min", and remove its two best steps)
+                raise CheckpointConfigError(
+                    f"the steps under {root} recorded both ways of ranking {self.metric!r} "
+                    f"({_both(found)}: a step copied in from another run?), and no best_mode "
+                    "was given to say which this run ranks by: pass best_mode='min' or "
+                    "'max' (and move the steps of the other way out of this directory); "
+                    "nothing was committed")
             known = (self.mode if self.mode is not None
                      else None if recorded is None else recorded[0],)
             with self._lock:
@@ -585,24 +605,25 @@ class MetricMode:
         with self._lock:
             self._saving = None
 
-    def _recorded(self, root: Path, storage: ReadStorage, steps: Iterable[int]
-                  ) -> tuple[str, int] | None:
-        """The newest of ``steps`` that recorded a mode for the metric, and its mode;
-        steps that recorded both ways (a step copied in from another run) warned of."""
+    def _recorded(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+                  ranking: str | None) -> tuple[tuple[str, int] | None, dict[str, list[int]]]:
+        """The newest of ``steps`` that recorded a mode for the metric, and its mode (None
+        where none did); and every mode they recorded, with its steps. Steps that recorded
+        both ways (a step copied in from another run) are warned of, once, where
+        ``ranking`` ("ranked by") says they are ranked."""
         found = self.cache.recorded_modes(root, storage, steps, self.metric)
         if not found:
-            return None
+            return None, found
         newest = max(((m, ss[0]) for m, ss in found.items()), key=lambda ms: ms[1])
-        if len(found) > 1 and self._once(("both", tuple(sorted(found)))):
+        if len(found) > 1 and ranking is not None and self._once(("both", tuple(found))):
+            used = self.mode or newest[0]
             log.warning(
                 "the steps under %s recorded both ways of ranking %r: %s (a step copied in "
-                "from another run? a run saved with another best_mode?): ranked by the "
-                "newest's, %r (the %s value best); keep those of one way in this directory",
-                root, self.metric, "; ".join(
-                    f"best_mode={m!r} at step{'s' if len(ss) > 1 else ''} "
-                    f"{few([str(x) for x in sorted(ss)], 6)}" for m, ss in sorted(found.items())),
-                newest[0], _VALUE[newest[0]])
-        return newest
+                "from another run? a run saved with another best_mode?): %s %r (the %s "
+                "value best%s); keep those of one way in this directory", root, self.metric,
+                _both(found), ranking, used, _VALUE[used],
+                ", as given" if self.mode else ": the newest step's")
+        return newest, found
 
     def _against(self, root: Path, recorded: tuple[str, int]) -> str:
         return (f"{_given(self.mode)} ranks {self.metric!r} by the "
@@ -615,6 +636,11 @@ class MetricMode:
             first = what not in self._told
             self._told.add(what)
         return first
+
+
+def _both(found: Mapping[str, Sequence[int]]) -> str:
+    return "; ".join(f"best_mode={m!r} at step{'s' if len(ss) > 1 else ''} "
+                     f"{few([str(x) for x in sorted(ss)], 6)}" for m, ss in sorted(found.items()))
 
 
 def _given(mode: str | None) -> str:

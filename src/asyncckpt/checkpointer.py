@@ -30,6 +30,7 @@ from .best import MODES as BEST_MODES
 from .best import (
     KeepBest,
     MetricMode,
+    NotDurableYet,
     Ranking,
     StepMetrics,
     check_ranking,
@@ -434,6 +435,7 @@ class AsyncCheckpointer:
         self._refused_tag: str | None = None  # the last save the coordinator refused to start
         self._closed = False
         self._record_lock = threading.Lock()  # (record_metrics: one at a time here)
+        self._other_modes: dict[str, MetricMode] = {}  # (best_step of other metrics)
         self._transports: list[Any] = []
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
@@ -516,7 +518,11 @@ class AsyncCheckpointer:
             arena = self._arena
             if arena is None and self._extras is None:
                 return 0
-            self._stop_serving()  # (peers stop reading it first)
+            # (peers stop reading it first, and are told at once: a QA trial's waited out
+            # their timeout for it)
+            self._stop_serving(retired="its checkpointer released the host buffer it "
+                                       "served from (release_host_buffer): its next save "
+                                       "offers again")
             self._arena = self._extras = None
             self._arena_header_for = None
             self._small_saves = self._small_need = 0
@@ -628,10 +634,13 @@ class AsyncCheckpointer:
                 # (a researcher trial saved a step, validated it, then saved it again with
                 # metrics=: refused, and the metrics were lost without a word; keep_best
                 # then kept nothing of its best step)
+                committed = commit.still_there(self.directory, commit.step_dir_name(step),
+                                               self.storage)
                 lost = "" if not recorded else (
                     f"; its metrics ({', '.join(f'{k}={v:g}' for k, v in recorded.items())}) "
-                    "were NOT recorded by this save: record_metrics(step, metrics) adds "
-                    "them to the committed step")
+                    "were NOT recorded by this save" + (
+                        ": record_metrics(step, metrics) adds them to the committed step"
+                        if committed else ""))
                 if not same_in_flight or self._last_said != (step, "committed"):
                     if lost:
                         raise retold(exc, f"{exc}{lost}") from None
@@ -1070,9 +1079,12 @@ class AsyncCheckpointer:
         elif mode is None and self._metric_mode is None and self.config.best_mode:
             mode = self.config.best_mode  # (best_mode without best_metric: a trial's was
             # ignored, and best_step("val_acc") named the worst step)
-        elif mode is None:  # (another metric than best_metric: as its steps recorded it)
-            recorded = self._metrics.recorded_mode(self.directory, self.storage, steps, name)
-            mode = "min" if recorded is None else recorded[0]
+        elif mode is None:  # (another metric than best_metric: as its steps recorded it;
+            # steps that recorded both ways warned of, once: the CLI's --best too)
+            other = self._other_modes.get(name)
+            if other is None:
+                other = self._other_modes[name] = MetricMode(name, None, self._metrics)
+            mode = other.get(self.directory, self.storage, steps)
         ranking = Ranking(name, mode)
         scores = self._metrics.scores(self.directory, self.storage, steps, ranking.metric)
         # best first, passing over the steps known damaged (a trial's deploy script took
@@ -1332,8 +1344,9 @@ class AsyncCheckpointer:
         # (a retention here or in another process ranks and hides steps under the same
         # lock: the record counts for its ranking, or finds its step gone; and two
         # evaluators' records of one step do not lose one's: a trial)
-        with self._record_lock, commit.ranking_lock(self.directory, self.storage,
-                                                    f"record_metrics({step})") as held:
+        with self._record_lock, commit.ranking_lock(
+                self.directory, self.storage,
+                f"record_metrics({step}) recorded nothing") as held:
             if not commit.still_there(self.directory, step_dir.name, self.storage):
                 raise removed
             if held:  # (no other record is under way: what a killed one left goes)
@@ -1355,13 +1368,14 @@ class AsyncCheckpointer:
                         f"write in {step_dir} ({exc.strerror or exc}); record them as the "
                         "user that saves there, or make its step directories writable; "
                         "nothing was recorded", path=str(step_dir)) from exc
-                # (a failure after the rename, of the directory's fsync, leaves them there
-                # but perhaps not durable: a review)
+                if isinstance(exc, NotDurableYet):  # (after the rename: a review)
+                    raise CheckpointSaveError(
+                        f"step {step}: its metrics were recorded in {step_dir}, but the "
+                        f"directory's fsync failed ({exc}): they may not survive a crash; "
+                        "recording them again is safe") from exc
                 raise CheckpointSaveError(
                     f"step {step}: its metrics could not be recorded in {step_dir} "
-                    f"({type(exc).__name__}: {exc}); they may not be there, or not durable: "
-                    f"step_metrics({step}) tells what is, and recording them again is "
-                    "safe") from exc
+                    f"({type(exc).__name__}: {exc}); nothing changed") from exc
             finally:
                 self._metrics.forget_later(step)
         return {**later, **saved}

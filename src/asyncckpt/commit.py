@@ -741,11 +741,15 @@ def led_elsewhere(root: Path, step: int, storage: ReadStorage) -> str | None:
 
 # The lock file retention and record_metrics take around what they do (see ranking_lock)
 RANKING_LOCK_NAME = ".asyncckpt.ranking"
-RANKING_LOCK_S = 30.0  # how long either waits for the other at most
+RANKING_LOCK_S = 30.0  # how long a record_metrics waits for the lock at most
+# ... and a retention: then it leaves the old steps to the next save's (an evaluator
+# stopped inside a record, SIGSTOP or a debugger, held every save 30 s: a QA trial)
+RETENTION_RANKING_S = 2.0
 
 
 @contextlib.contextmanager
-def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
+def ranking_lock(root: Path, storage: ReadStorage, what: str,
+                 timeout_s: float = RANKING_LOCK_S) -> Iterator[bool]:
     """An flock on ``root``'s ``.asyncckpt.ranking``, held by a retention while it ranks
     and hides steps, and by ``record_metrics`` while it writes a step's metrics (in this
     process or another: an evaluator beside the trainer): a record then either counts
@@ -753,7 +757,7 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
     recorded the best step 1 ms before retention deleted it). Yields whether it is held:
     not where the storage is not local, or the file cannot be opened (a root this user
     may not write: nothing is recorded there either); CheckpointTimeoutError after
-    ``RANKING_LOCK_S`` (``what`` waited)."""
+    ``timeout_s`` (``what`` waited)."""
     fd = -1
     if isinstance(storage, LocalStorage):
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # (another user's file: read)
@@ -767,7 +771,7 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
     try:
         import fcntl
 
-        deadline = time.monotonic() + RANKING_LOCK_S
+        deadline = time.monotonic() + timeout_s
         held = True
         while True:
             try:
@@ -777,8 +781,8 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str) -> Iterator[bool]:
                 if time.monotonic() >= deadline:
                     raise CheckpointTimeoutError(
                         f"{what}: {root / RANKING_LOCK_NAME} stayed locked for "
-                        f"{RANKING_LOCK_S:.0f}s (another process's retention or "
-                        "record_metrics, stuck?)") from None
+                        f"{timeout_s:g}s (another process's retention or record_metrics, "
+                        "stopped or stuck?)") from None
                 time.sleep(0.005)
             except OSError:  # (a filesystem without flock: ENOLCK; as no lock file)
                 held = False

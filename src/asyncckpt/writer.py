@@ -868,7 +868,9 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
         if (job.committed or before) and job.ctx.is_coordinator:
             # a load of this checkpointer keeps its step meanwhile (see StepsInUse.locked);
             # with keep_best, a record_metrics waits (see commit.ranking_lock)
-            with (commit.ranking_lock(job.root, job.storage, f"step {job.step}'s retention")
+            with (commit.ranking_lock(
+                    job.root, job.storage, f"step {job.step}'s retention left the old steps "
+                    "to the next save's", commit.RETENTION_RANKING_S)
                   if job.keep_best is not None else contextlib.nullcontext()
                   ), job.in_use.locked() as got:
                 if not got:

@@ -285,7 +285,7 @@ def test_wrong_or_missing_token_is_refused_and_the_server_keeps_serving(transpor
         # (a trial's client that sent none was told "missing or wrong token" alone)
         assert ("the peer requires a token, and none was given: pass token=" if token is None
                 else "both sides need the same token") in str(ei.value), ei.value
-    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"token: pass a str \(got a "
+    with pytest.raises(asyncckpt.CheckpointConfigError, match=r"token: pass a str \(not "
                                                              r"int\)"):
         HTTPTransport(token=123)  # type: ignore[arg-type]
     for path in ("/v1/current", "/v1/5/manifest.json", f"/v1/5/files/{FILE}", "/nope"):

@@ -615,8 +615,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
         if fetches and self._fetching():
-            log.warning("%s: %d fetches did not end within %gs: their later requests are "
-                        "refused", who, len(self._fetching()), grace_s)
+            n = len(self._fetching())
+            log.warning("%s: %d %s not end within %gs: their later requests are refused", who,
+                        n, "fetch did" if n == 1 else "fetches did", grace_s)
         self._draining = None  # (from here on no request is let in: only cut off)
         if not running():
             return
@@ -855,7 +856,7 @@ def _check_token(token: str | None) -> str | None:
         raise CheckpointConfigError("token='': use a non-empty shared secret, or None for "
                                     "no token check")
     if token is not None and not isinstance(token, str):
-        raise CheckpointConfigError(f"token: pass a str (got a {type(token).__name__}); the "
+        raise CheckpointConfigError(f"token: pass a str (not {type(token).__name__}); the "
                                     "token itself is not shown")
     if token is not None and not (token.isascii()
                                   and token.isprintable() and " " not in token):
