@@ -1480,3 +1480,28 @@ def test_an_older_step_s_lost_metrics_are_not_sent_to_record_metrics(tmp_path: P
             ckpt.save(_state(0), 0, metrics={"loss": 1.0})
         assert "were NOT recorded by this save" in str(ei.value)
         assert "record_metrics" not in str(ei.value), ei.value
+
+
+def test_a_record_tied_to_one_save_of_a_step_is_refused_for_another(tmp_path: Path) -> None:
+    """A trial: an evaluator scored step 30, the trainer rolled back and saved step 30
+    anew, and the score landed on the new weights (best_step() then named a step never
+    evaluated)."""
+    with AsyncCheckpointer(tmp_path, mode="sync") as trainer:
+        trainer.save(_state(10), 10)
+        trainer.save(_state(30), 30)
+        evaluator = AsyncCheckpointer(tmp_path, mode="sync")
+        seen = evaluator.manifest(30).created_unix  # (read before the load)
+        scored = evaluator.load(step=30)
+        assert scored["step"] == 30
+        trainer.discard_steps_after(10)
+        trainer.save(_state(-1), 30)  # (the same number, another state)
+        with pytest.raises(asyncckpt.CheckpointNotFoundError,
+                           match=r"step 30 under .* was saved again since the save of "
+                                 r"created_unix=.*nothing was recorded"):
+            evaluator.record_metrics(30, {"acc": 0.9}, created_unix=seen)
+        assert evaluator.step_metrics(30) == {}
+        now = evaluator.manifest(30).created_unix
+        assert evaluator.record_metrics(30, {"acc": 0.1}, created_unix=now) == {"acc": 0.1}
+        with pytest.raises(CheckpointConfigError, match=r"created_unix='x'"):
+            evaluator.record_metrics(30, {"acc": 0.1}, created_unix="x")  # type: ignore[arg-type]
+        evaluator.close()

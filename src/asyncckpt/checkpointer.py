@@ -1278,7 +1278,8 @@ class AsyncCheckpointer:
         saved = read_manifest_summary(step_dir, self.storage).metrics
         return {**read_later_metrics(step_dir, self.storage), **saved}
 
-    def record_metrics(self, step: StepLike, metrics: Mapping[str, Any]) -> dict[str, float]:
+    def record_metrics(self, step: StepLike, metrics: Mapping[str, Any], *,
+                       created_unix: float | None = None) -> dict[str, float]:
         """Record metrics of a committed step after its save: an evaluation that ends after
         the step was saved (in this process, or an evaluator's beside the trainer).
         keep_best, ``best_step()``, ``step_metrics()`` and ``asyncckpt ls`` count them as
@@ -1296,8 +1297,14 @@ class AsyncCheckpointer:
         removes meanwhile is not found: with ``keep_best``, record before the step leaves
         ``keep_last`` (the next saves' retentions rank it from then on).
 
+        ``created_unix``: the ``manifest(step).created_unix`` of the save the metrics were
+        measured on (read before loading it): a step of that number saved again since (a
+        rollback, then the same step anew) is refused rather than given metrics of a
+        state it does not hold.
+
         Raises:
-            CheckpointNotFoundError: ``step`` is not committed (or was removed meanwhile).
+            CheckpointNotFoundError: ``step`` is not committed (or was removed meanwhile,
+                or saved again since ``created_unix``).
             CheckpointConfigError: a metric that is no name and number, or one the save
                 recorded with another value.
             CheckpointPermissionError: this user may not write in the step's directory.
@@ -1315,6 +1322,11 @@ class AsyncCheckpointer:
         if not recorded:
             raise CheckpointConfigError(f"record_metrics({step}, {metrics!r:.40}): pass the "
                                         "metrics to record, e.g. {'val_loss': 2.31}")
+        if created_unix is not None and (isinstance(created_unix, bool) or not isinstance(
+                created_unix, (int, float))):
+            raise CheckpointConfigError(
+                f"record_metrics(created_unix={created_unix!r:.40}): pass the number "
+                f"manifest({step}).created_unix gave, or None")
         pending = self._pending
         if pending is not None and pending.step == step:  # (its outcome stays for wait())
             cf.wait([pending._durable])
@@ -1349,6 +1361,14 @@ class AsyncCheckpointer:
                 f"record_metrics({step}) recorded nothing") as held:
             if not commit.still_there(self.directory, step_dir.name, self.storage):
                 raise removed
+            if created_unix is not None:  # (under the lock: a retention's rollback waits)
+                now = read_manifest_summary(step_dir, self.storage).created_unix
+                if now != created_unix:  # (a trial's evaluator scored the old step 30)
+                    raise CheckpointNotFoundError(
+                        f"step {step} under {self.directory} was saved again since the save "
+                        f"of created_unix={created_unix!r} whose metrics these are (it is "
+                        f"now of created_unix={now!r}: a rollback, then this step anew); "
+                        "nothing was recorded: evaluate the step as it is now")
             if held:  # (no other record is under way: what a killed one left goes)
                 sweep_later_tmp(step_dir, self.storage)
             try:
