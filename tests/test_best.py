@@ -1505,3 +1505,13 @@ def test_a_record_tied_to_one_save_of_a_step_is_refused_for_another(tmp_path: Pa
         with pytest.raises(CheckpointConfigError, match=r"created_unix='x'"):
             evaluator.record_metrics(30, {"acc": 0.1}, created_unix="x")  # type: ignore[arg-type]
         evaluator.close()
+
+
+def test_the_cli_takes_a_flag_some_step_of_a_mixed_root_recorded_without_a_word_against_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _mixed_root(tmp_path)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "a"), "--best", "acc", "--max", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 2
+    assert "drop --max" not in got.err, got.err

@@ -1741,6 +1741,9 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
         recorded = ckpt.recorded_best_mode(args.best)
+        # (every mode recorded: a flag that some step recorded is no flag against them)
+        modes = ckpt._metrics.recorded_modes(ckpt.directory, ckpt.storage, ckpt.steps(),
+                                             args.best) if recorded is not None else {}
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
         value = None
         if best is not None:
@@ -1749,7 +1752,8 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     if value is not None and math.isnan(value):  # (NaN ranks last: so every one is NaN)
         _warn(f"--best {args.best}: step {best} is taken, but its {args.best} is NaN, as is "
               "every step's that recorded it (a diverged run, or a broken evaluation?)")
-    if best is not None and asked is not None and recorded is not None and asked != recorded:
+    if best is not None and asked is not None and recorded is not None and (
+            asked not in modes):
         _warn(f"--best {args.best} --{asked} ranks by the {_VALUE[asked]} value (step {best}), "
               f"but the steps recorded best_mode={recorded!r} for it: drop --{asked} to rank "
               "as they did")
