@@ -1515,3 +1515,22 @@ def test_the_cli_takes_a_flag_some_step_of_a_mixed_root_recorded_without_a_word_
     got = capsys.readouterr()
     assert json.loads(got.out)["best"] == 2
     assert "drop --max" not in got.err, got.err
+
+
+def test_a_best_metric_that_would_rank_first_for_ever_is_warned_of_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: a broken evaluation's inf accuracy made its step best for good, unwarned."""
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path, mode="sync", best_metric="acc", best_mode="max") as c:
+        c.save(_state(1), 1, metrics={"acc": -INF})  # (last for ever: no harm)
+        c.save(_state(2), 2, metrics={"acc": INF})
+        c.save(_state(3), 3)
+        c.record_metrics(3, {"acc": INF})
+    said = [r.getMessage() for r in caplog.records if "for ever" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("step 2: acc=inf ranks first for ever by "
+                                                 "the greatest value"), said
+    caplog.clear()
+    with AsyncCheckpointer(tmp_path / "loss", mode="sync", best_metric="loss") as c:
+        c.save(_state(1), 1)
+        c.record_metrics(1, {"loss": -INF})
+    assert "loss=-inf ranks first for ever by the least value" in caplog.text

@@ -436,6 +436,7 @@ class AsyncCheckpointer:
         self._closed = False
         self._record_lock = threading.Lock()  # (record_metrics: one at a time here)
         self._other_modes: dict[str, MetricMode] = {}  # (best_step of other metrics)
+        self._told_infinite = False  # (_warn_if_first_for_ever)
         self._transports: list[Any] = []
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
@@ -661,6 +662,7 @@ class AsyncCheckpointer:
                 # coordinator refuses at the start of its write, for every rank)
                 self._metric_mode.for_save(self.directory, self.storage, lambda: (
                     commit.committed_steps(self.directory, self.storage, skip_denied=True)))
+            self._warn_if_first_for_ever(step, recorded)
             # Flattening, the layout exchange, planning and staging make thousands of
             # small objects; with a large state alive, the collections they set off took
             # 0.2 s of a 0.5 s save (2 ranks). Paused from here until the copy is done:
@@ -1377,6 +1379,7 @@ class AsyncCheckpointer:
                 log.warning("step %d: %s: replaced by the metrics recorded now", step, exc)
                 later = {}
             later.update((k, v) for k, v in recorded.items() if k not in saved)
+            self._warn_if_first_for_ever(step, recorded)
             try:
                 write_later_metrics(step_dir, step, self.storage, later)
             except OSError as exc:
@@ -1399,6 +1402,24 @@ class AsyncCheckpointer:
             finally:
                 self._metrics.forget_later(step)
         return {**later, **saved}
+
+    def _warn_if_first_for_ever(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Warn (once per checkpointer) of a ``best_metric`` value that would rank first
+        for ever: +inf by the greatest, -inf by the least (a trial's broken evaluation
+        gave inf accuracy, the step then best for good, unwarned)."""
+        mm = self._metric_mode
+        value = None if mm is None else metrics.get(mm.metric)
+        if mm is None or value is None or not math.isinf(value) or self._told_infinite:
+            return
+        mode = mm.mode or (mm._saving[0] if mm._saving else None) or "min"
+        if (value > 0) == (mode == "max"):
+            self._told_infinite = True
+            log.warning("step %d: %s=%r ranks first for ever by the %s value (best_mode=%r): "
+                        "a broken evaluation? keep_best keeps that step, and best_step() "
+                        "names it, until the value is recorded anew (record_metrics, for "
+                        "one recorded after the save) or the step's directory is deleted "
+                        "(a save's own values are not rewritten)", step, mm.metric, value,
+                        "greatest" if mode == "max" else "least", mode)
 
     def load(self, state: Any = None, *, step: StepLike | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,
