@@ -450,10 +450,9 @@ class StepMetrics:
         except (CheckpointCorruptError, CheckpointPermissionError, OSError) as exc:
             if isinstance(exc, FileNotFoundError):  # (the step went meanwhile)
                 return {}
-            with self._lock:
-                self._unreadable.add(step)
             said = (step, str(exc))
             with self._lock:
+                self._unreadable.add(step)
                 warn = said not in self._told
                 self._told.add(said)
             if warn:
@@ -551,7 +550,7 @@ class MetricMode:
             return recorded[0] if recorded is not None else "min"
         if recorded is not None and self.mode not in found and self._once("given"):
             log.warning("%s: %s ranks by the %s value as given", self._against(
-                root, recorded), _given(self.mode), _VALUE[self.mode])
+                root, recorded), _given(self.mode), MODE_WORDS[self.mode])
         return self.mode
 
     def for_save(self, root: Path, storage: ReadStorage,
@@ -579,7 +578,7 @@ class MetricMode:
             if self.mode is not None and recorded is not None and self.mode not in found:
                 raise CheckpointConfigError(
                     f"{self._against(root, recorded)}: from this save on, keep_best and "
-                    f"best_step() would rank by the {_VALUE[self.mode]} value, and the steps "
+                    f"best_step() would rank by the {MODE_WORDS[self.mode]} value, and the steps "
                     f"ranked best so far would be removed; pass best_mode={recorded[0]!r} "
                     "(or None: as the steps recorded); to rank it the other way on purpose, "
                     "save into a new directory, or under another metric name; nothing was "
@@ -598,6 +597,13 @@ class MetricMode:
             with self._lock:
                 self._saving = known
         return known[0]
+
+    def saving(self) -> str:
+        """The mode this checkpointer ranks its saves by: the one given, else the one its
+        saves record (once the first looked it up), else "min"."""
+        with self._lock:
+            known = self._saving
+        return self.mode or (known[0] if known else None) or "min"
 
     def forget(self) -> None:
         """Look the mode to record up again at the next save (a rollback deleted the
@@ -621,14 +627,14 @@ class MetricMode:
                 "the steps under %s recorded both ways of ranking %r: %s (a step copied in "
                 "from another run? a run saved with another best_mode?): %s %r (the %s "
                 "value best%s); keep those of one way in this directory", root, self.metric,
-                _both(found), ranking, used, _VALUE[used],
+                _both(found), ranking, used, MODE_WORDS[used],
                 ", as given" if self.mode else ": the newest step's")
         return newest, found
 
     def _against(self, root: Path, recorded: tuple[str, int]) -> str:
         return (f"{_given(self.mode)} ranks {self.metric!r} by the "
-                f"{_VALUE[self.mode or 'min']} value, but step {recorded[1]} under {root} "
-                f"recorded best_mode={recorded[0]!r} (the {_VALUE[recorded[0]]} value best: a "
+                f"{MODE_WORDS[self.mode or 'min']} value, but step {recorded[1]} under {root} "
+                f"recorded best_mode={recorded[0]!r} (the {MODE_WORDS[recorded[0]]} value best: a "
                 "run saved with other settings)")
 
     def _once(self, what: object) -> bool:
@@ -647,7 +653,8 @@ def _given(mode: str | None) -> str:
     return f"best_mode={mode!r}"
 
 
-_VALUE = {"min": "least", "max": "greatest"}
+# Each mode's best value, in words (for messages)
+MODE_WORDS = {"min": "least", "max": "greatest"}
 _INHERIT_FROM = 8  # the newest steps a save looks at for the mode it inherits
 
 
@@ -657,11 +664,12 @@ class KeepBest:
 
     count: int
     metric_mode: MetricMode
-    # the steps the last ranking spared (none yet: [None]), for retention's warning of
-    # many steps removed at once: a best one displaced is no surprise (a trial's
-    # evaluator recorded two steps, and a save removing three was told "if a restart
-    # changed those settings")
+    # the steps the last ranking spared (none yet: [None]), and the best of it but the
+    # save's own step (``leave_out``), for retention's warning of many steps removed at
+    # once: a best one displaced is no surprise (a trial's evaluator recorded two steps,
+    # and a save removing three was told "if a restart changed those settings")
     _last: list[set[int] | None] = field(default_factory=lambda: [None], compare=False)
+    _before: list[set[int]] = field(default_factory=lambda: [set()], compare=False)
 
     @property
     def cache(self) -> StepMetrics:
@@ -671,26 +679,28 @@ class KeepBest:
         """The steps the last ranking spared; None before the first one."""
         return self._last[0]
 
+    def best_without_own(self) -> set[int]:
+        """The best steps of the last ranking but its ``leave_out``: those best before
+        that save (as the settings now rank)."""
+        return self._before[0]
+
     def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
-               damaged: Collection[int] = ()) -> set[int]:
+               damaged: Collection[int] = (), *, leave_out: int | None = None) -> set[int]:
         """The ``count`` best of ``steps`` (every committed step) ranked among the steps
         not ``damaged``: a damaged best one takes no intact step's place. It is spared as
         well while it ranks among the best of all (a mark may be wrong: a passing read
-        error), and goes once others rank above it. Remembered (``spared_before``)."""
-        out = self.ranked(root, storage, steps, damaged)
-        self._last[0] = out
-        return out
-
-    def ranked(self, root: Path, storage: ReadStorage, steps: Iterable[int],
-               damaged: Collection[int] = (), *, leave_out: int | None = None) -> set[int]:
-        """``spared``'s answer, not remembered; ``leave_out``: a step of ``steps`` not
-        ranked (the save's own: what was best before it)."""
+        error), and goes once others rank above it. Remembered (``spared_before``), with
+        the best but ``leave_out`` (``best_without_own``), from the same scores."""
         steps = list(steps)
         mm = self.metric_mode
         ranking = Ranking(mm.metric, mm.get(root, storage, steps))
         scores = self.cache.scores(root, storage, steps, mm.metric)
-        if leave_out is not None:
-            scores.pop(leave_out, None)
+        unreadable = self.cache.unreadable(steps)
         intact = {s: v for s, v in scores.items() if s not in damaged}
-        return (set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
-                | self.cache.unreadable(steps))
+        out = (set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
+               | unreadable)
+        self._last[0] = out
+        if leave_out is not None:
+            self._before[0] = set(ranking.best(
+                {s: v for s, v in scores.items() if s != leave_out}, self.count)) | unreadable
+        return out

@@ -26,8 +26,8 @@ import torch
 
 from . import commit
 from ._gc import gc_paused
-from .best import MODES as BEST_MODES
 from .best import (
+    MODE_WORDS,
     KeepBest,
     MetricMode,
     NotDurableYet,
@@ -39,6 +39,7 @@ from .best import (
     sweep_later_tmp,
     write_later_metrics,
 )
+from .best import MODES as BEST_MODES
 from .commit import StepLike
 from .dist import (
     DistContext,
@@ -1411,7 +1412,7 @@ class AsyncCheckpointer:
         value = None if mm is None else metrics.get(mm.metric)
         if mm is None or value is None or not math.isinf(value) or self._told_infinite:
             return
-        mode = mm.mode or (mm._saving[0] if mm._saving else None) or "min"
+        mode = mm.saving()
         if (value > 0) == (mode == "max"):
             self._told_infinite = True
             log.warning("step %d: %s=%r ranks first for ever by the %s value (best_mode=%r): "
@@ -1419,7 +1420,7 @@ class AsyncCheckpointer:
                         "names it, until the value is recorded anew (record_metrics, for "
                         "one recorded after the save) or the step's directory is deleted "
                         "(a save's own values are not rewritten)", step, mm.metric, value,
-                        "greatest" if mode == "max" else "least", mode)
+                        MODE_WORDS[mode], mode)
 
     def load(self, state: Any = None, *, step: StepLike | None = None, strict: bool = True,
              verify: bool = True, shards: Mapping[str, ShardMetadata] | None = None,

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import commit
-from .best import LATER_METRICS_NAME, read_later_metrics
+from .best import LATER_METRICS_NAME, MODE_WORDS, read_later_metrics
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -1191,7 +1191,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _out(_shown("metrics: " + _metrics_text(doc["metrics"])
                     + (f" ({', '.join(after)} recorded after the save)" if after else "")))
     if doc["metric_modes"]:
-        _out(_shown("ranked by: " + ", ".join(f"{k} ({_VALUE[v]} is best)"
+        _out(_shown("ranked by: " + ", ".join(f"{k} ({MODE_WORDS[v]} is best)"
                                              for k, v in doc["metric_modes"].items())))
     _out(f"checkpoint: {step_dir}")
     return code
@@ -1740,10 +1740,11 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     asked = _asked_mode(args)
     with AsyncCheckpointer(root, mode="sync") as ckpt:  # (reads only: takes no lock)
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
-        recorded = ckpt.recorded_best_mode(args.best)
-        # (every mode recorded: a flag that some step recorded is no flag against them)
+        # (every mode recorded: a flag that some step recorded is no flag against them;
+        # the newest step's is what best_step() ranks by, as recorded_best_mode says)
         modes = ckpt._metrics.recorded_modes(ckpt.directory, ckpt.storage, ckpt.steps(),
-                                             args.best) if recorded is not None else {}
+                                             args.best)
+        recorded = max(modes, key=lambda m: modes[m][0]) if modes else None
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
         value = None
         if best is not None:
@@ -1754,7 +1755,7 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
               "every step's that recorded it (a diverged run, or a broken evaluation?)")
     if best is not None and asked is not None and recorded is not None and (
             asked not in modes):
-        _warn(f"--best {args.best} --{asked} ranks by the {_VALUE[asked]} value (step {best}), "
+        _warn(f"--best {args.best} --{asked} ranks by the {MODE_WORDS[asked]} value (step {best}), "
               f"but the steps recorded best_mode={recorded!r} for it: drop --{asked} to rank "
               "as they did")
     elif best is not None and recorded is None:
@@ -1778,7 +1779,6 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
     return best
 
 
-_VALUE = {"min": "least", "max": "greatest"}
 # Metric names that read as "greater is better", and as "less is better" (--best's check)
 _GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
                                 r"top\d|reward|return|win|r2")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -769,8 +770,6 @@ def ranking_lock(root: Path, storage: ReadStorage, what: str,
         yield False
         return
     try:
-        import fcntl
-
         deadline = time.monotonic() + timeout_s
         held = True
         while True:

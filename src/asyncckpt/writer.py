@@ -892,7 +892,8 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                     doomed = job.in_use.spare(commit.doomed_steps(
                         job.root, job.keep_last, job.storage, protect=job.step,
                         keep_every=job.keep_every, spare=None if best is None else
-                        functools.partial(best.spared, job.root, job.storage),
+                        functools.partial(best.spared, job.root, job.storage,
+                                          leave_out=None if before else job.step),
                         damaged=job.damaged, found=marked,
                         amiss=None if job.known is None else functools.partial(
                             job.known.amiss, job.root, job.storage), listed=listed,
@@ -908,9 +909,7 @@ def _retain(job: SaveJob, reaper: cf.Executor, done: cf.Future[None], *,
                     if best is not None and was_best is not None and not before:
                         # (and those best before this save, as the settings now rank: a
                         # restart that lowered keep_best removes more, and is told)
-                        with contextlib.suppress(CheckpointError, OSError):
-                            was_best |= best.ranked(job.root, job.storage, listed,
-                                                    leave_out=job.step)
+                        was_best |= best.best_without_own()
                 for s in doomed:
                     if not job.ctx.may_retire(s):  # a load on another rank holds it
                         job.in_use.deferred.add(s)
