@@ -2177,15 +2177,16 @@ class _RacedListing(asyncckpt.storage.LocalStorage):
     rename in) and its keep_last retention hides the step before (a rename out): neither
     step, and the retention's directory."""
 
-    def __init__(self, root: Path, times: int = 1) -> None:
-        self.root, self.times = root, times
+    def __init__(self, root: Path, times: int = 1, *, bare: bool = False) -> None:
+        self.root, self.times, self.bare = root, times, bare
 
     def listdir(self, path: Path) -> list[str]:
         names = super().listdir(path)
         if path == self.root and self.times > 0:
             self.times -= 1
-            return [n for n in names if not n.startswith("step_")] + [
-                ".step_000000001.deleting-0123abcd"]
+            # (bare: readdir missed the retention's directory as well)
+            return [n for n in names if not n.startswith("step_")] + (
+                [] if self.bare else [".step_000000001.deleting-0123abcd"])
         return names
 
 
@@ -2212,6 +2213,26 @@ def test_a_listing_that_raced_with_a_commit_is_taken_again(tmp_path: Path) -> No
     assert got["w"][0].item() == 2.0
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match="no committed checkpoint"):
         commit.resolve_step_dir(tmp_path, None, _RacedListing(tmp_path, times=10))
+
+
+def test_a_listing_that_raced_with_a_commit_and_shows_nothing_is_taken_again(
+        tmp_path: Path) -> None:
+    """The same reader once it was taken again where a temporary directory showed: 1 load
+    in ~30,000 still said 'no committed checkpoint' (readdir missed that one as well)."""
+    from asyncckpt import commit
+    from asyncckpt.loader import load_newest_intact
+
+    asyncckpt.save({"w": torch.full((4,), 2.0)}, tmp_path, step=2)
+    d, step = commit.resolve_step_dir(tmp_path, None, _RacedListing(tmp_path, bare=True))
+    assert step == 2 and d == tmp_path / "step_000000002"
+    assert commit.committed_steps(tmp_path, _RacedListing(tmp_path, bare=True)) == [2]
+    got = load_newest_intact(tmp_path, None, _RacedListing(tmp_path, bare=True))
+    assert got["w"][0].item() == 2.0
+    # an empty root is still told so, after that one listing more
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        commit.resolve_step_dir(empty, None, asyncckpt.storage.LocalStorage())
 
 
 def test_a_load_of_the_latest_step_retired_while_read_loads_the_newer_one(

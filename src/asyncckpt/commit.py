@@ -150,7 +150,10 @@ def committed_steps(root: Path, storage: ReadStorage,
         # Step directories retired (by a save's keep_last) between the listing and the
         # look into them: the listing is old, and may lack the steps committed since (a
         # trial's steps() said [] beside a trainer that always kept 2): list again.
-        if not retired or tries_left == 0:
+        # None at all may be such a listing too, taken across a save's commit and its
+        # retention's removal of the step before (two renames, neither seen): once more.
+        empty = not steps and not cannot and above is None
+        if not (retired or (empty and tries_left == _RELISTS_AFTER_RETIRED)) or tries_left == 0:
             break
     if no_manifest is not None:
         no_manifest += bare
@@ -513,11 +516,14 @@ def resolve_step_dir(root: Path, step: int | None, storage: ReadStorage, *,
     # a network filesystem): the one asked for, or the newest until one is committed.
     if step is None:
         newest = _newest_committed(root, names, storage, for_load=True)
-        for pause in _RELIST_PAUSES_S:
+        for i, pause in enumerate(_RELIST_PAUSES_S):
             # A listing taken while a save committed and its retention hid the step before
             # (two renames) may hold neither step: readdir is no snapshot. A trial's
-            # reader of a keep_last=1 run was told "no committed checkpoint" 1 time in ~600.
-            if newest is not None or not any(_TMP_DIR.match(n) for n in names):
+            # reader of a keep_last=1 run was told "no committed checkpoint" 1 time in ~600;
+            # then, listed again only where a temporary directory showed, 1 in ~30,000
+            # (the listing can miss that one too): a root that shows none is listed again
+            # once whatever it held.
+            if newest is not None or (i and not any(_TMP_DIR.match(n) for n in names)):
                 break
             time.sleep(pause)
             names = list_root(root, storage)
