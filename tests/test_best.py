@@ -1534,3 +1534,31 @@ def test_a_best_metric_that_would_rank_first_for_ever_is_warned_of_once(
         c.save(_state(1), 1)
         c.record_metrics(1, {"loss": -INF})
     assert "loss=-inf ranks first for ever by the least value" in caplog.text
+
+
+def test_an_accuracy_ranked_by_the_default_least_value_is_warned_of_before_it_counts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial: keep_best=1 of best_metric="val_acc" without best_mode kept the step of the
+    worst accuracy and removed the best, unwarned (the CLI's --best warned of the name)."""
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with AsyncCheckpointer(tmp_path / "acc", mode="sync", keep_last=1, keep_best=1,
+                           best_metric="val_acc") as c:
+        for step, acc in enumerate([0.5, 0.9, 0.6], start=1):
+            c.save(_state(step), step, metrics={"val_acc": acc})
+    said = [r.getMessage() for r in caplog.records if "ranks by the least" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("best_metric='val_acc' ranks by the least "
+                                                 "value, as for a loss"), said
+    assert "pass best_mode='max'" in said[0]
+    # a loss, a mode given, or one recorded by the steps: nothing to tell
+    caplog.clear()
+    for name, mode in (("val_loss", None), ("top1_err", None), ("val_acc", "min")):
+        with AsyncCheckpointer(tmp_path / name, mode="sync", best_metric=name,
+                               best_mode=mode) as c:
+            c.save(_state(1), 1, metrics={name: 1.0})
+    with AsyncCheckpointer(tmp_path / "max", mode="sync", best_metric="acc",
+                           best_mode="max") as c:
+        c.save(_state(1), 1, metrics={"acc": 1.0})
+    with AsyncCheckpointer(tmp_path / "max", mode="sync", best_metric="acc") as c:
+        c.save(_state(2), 2, metrics={"acc": 2.0})
+        assert c.best_step() == 2
+    assert "ranks by the least" not in caplog.text

@@ -15,6 +15,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -592,6 +593,15 @@ class MetricMode:
                     "was given to say which this run ranks by: pass best_mode='min' or "
                     "'max' (and move the steps of the other way out of this directory); "
                     "nothing was committed")
+            if self.mode is None and recorded is None and reads_greater_is_better(
+                    self.metric) and self._once("name"):
+                # (a trial: keep_best=1 of best_metric="val_acc" kept the worst step and
+                # removed the best, unwarned, where the CLI's --best warned of the name)
+                log.warning(
+                    "best_metric=%r ranks by the least value, as for a loss (best_mode "
+                    "defaults to 'min', and no step under %s recorded one): keep_best keeps, "
+                    "and best_step() returns, the steps of the least %s; pass "
+                    "best_mode='max' if the greatest is best", self.metric, root, self.metric)
             known = (self.mode if self.mode is not None
                      else None if recorded is None else recorded[0],)
             with self._lock:
@@ -642,6 +652,24 @@ class MetricMode:
             first = what not in self._told
             self._told.add(what)
         return first
+
+
+# Metric names that read as "greater is better", and as "less is better"
+_GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
+                                r"top\d|reward|return|win|r2")
+_LESS_IS_BETTER = re.compile(r"loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|cer|fid|dist")
+
+
+def reads_greater_is_better(metric: str) -> bool:
+    """Whether the name ``metric`` reads as one whose greatest value is best (accuracy,
+    F1, reward...) and not also as a loss or an error."""
+    name = metric.lower()
+    return bool(_GREATER_IS_BETTER.search(name)) and not _LESS_IS_BETTER.search(name)
+
+
+def reads_less_is_better(metric: str) -> bool:
+    """Whether the name ``metric`` reads as a loss or an error (least is best)."""
+    return bool(_LESS_IS_BETTER.search(metric.lower()))
 
 
 def _both(found: Mapping[str, Sequence[int]]) -> str:

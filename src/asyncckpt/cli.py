@@ -39,7 +39,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import commit
-from .best import LATER_METRICS_NAME, MODE_WORDS, read_later_metrics
+from .best import (
+    LATER_METRICS_NAME,
+    MODE_WORDS,
+    read_later_metrics,
+    reads_greater_is_better,
+    reads_less_is_better,
+)
 from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
@@ -1763,13 +1769,11 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
         # before it recorded one: a researcher trial's export --best val_acc, without
         # --max, exported the worst kept step, exit 0): a name that reads the other way
         # than the order asked for is told of
-        name = args.best.lower()
-        if not args.max and _GREATER_IS_BETTER.search(name) and not (
-                _LESS_IS_BETTER.search(name)):
+        if not args.max and reads_greater_is_better(args.best):
             _warn(f"--best {args.best} ranks by the least value (step {best}), as for a "
                   "loss (no step recorded a best_mode for it): pass --max if the greatest "
                   "is best")
-        elif args.max and _LESS_IS_BETTER.search(name):
+        elif args.max and reads_less_is_better(args.best):
             _warn(f"--best {args.best} --max ranks by the greatest value (step {best}): drop "
                   "--max if the least is best, as for a loss")
     if best is None:
@@ -1777,12 +1781,6 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
             f"no committed step under {root} recorded the metric {args.best!r} (or each that "
             f"did is known damaged): 'asyncckpt ls {root} --json' shows every step's metrics")
     return best
-
-
-# Metric names that read as "greater is better", and as "less is better" (--best's check)
-_GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
-                                r"top\d|reward|return|win|r2")
-_LESS_IS_BETTER = re.compile(r"loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|cer|fid|dist")
 
 
 def build_parser() -> argparse.ArgumentParser:
