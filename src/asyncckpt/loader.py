@@ -1390,6 +1390,21 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
         elif missing:  # (a new layer, as meant; or a typo that silently loads nothing)
             skipped = (f"loading {step_dir} with strict=False leaves {len(missing)} target "
                        f"key(s) the checkpoint does not hold as they are: {few(missing)}")
+        if skipped_unexpected and not ignore_unexpected and not hint:
+            # (a trial's model with a layer removed: the saved layer was dropped without a
+            # word, where the missing side was warned of) Said of the parts the target
+            # holds; a part left out whole (the model alone of a training state) is meant.
+            held = {p.split("/", 1)[0] for p in target.refs}
+            inside = [p for p in skipped_unexpected if p.split("/", 1)[0] in held]
+            if inside:
+                skipped = ((skipped + "; it also" if skipped else
+                            f"loading {step_dir} with strict=False") +
+                           f" leaves {len(inside)} saved key(s) unread, which the target "
+                           f"lacks: {few(inside)}")
+            left_out = [p for p in skipped_unexpected if p.split("/", 1)[0] not in held]
+            if left_out:
+                log.info("loading %s with strict=False: the parts the target leaves out are "
+                         "not read (%d key(s): %s)", step_dir, len(left_out), few(left_out, 3))
         if apart:  # (a trial's tensor saved where the target held an int: silent)
             skipped = ((skipped + "; it also" if skipped else
                         f"loading {step_dir} with strict=False") +
