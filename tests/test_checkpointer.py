@@ -4732,3 +4732,16 @@ def test_pickling_a_checkpointer_or_its_future_says_what_to_send_instead(
             copy.deepcopy(ckpt)
         info = pickle.loads(pickle.dumps(fut.wait()))
         assert info.step == 1 and ckpt.steps() == [1]
+
+
+def test_a_step_older_than_those_committed_is_told_to_go_in_oldest_first(
+        tmp_path: Path) -> None:
+    """A trial converted old files in glob order (step 60, then 20): the advice named
+    discard_steps_after(20) alone, which deletes the step 60 just converted."""
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=60)
+    with pytest.raises(asyncckpt.CheckpointExistsError) as info:
+        asyncckpt.save({"w": torch.zeros(2)}, tmp_path, step=20)
+    said = str(info.value)
+    assert "is older than step(s) [60]" in said and "discard_steps_after(20)" in said
+    assert "save them oldest step first instead (sorted by step, not by file name)" in said
+    assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [60]

@@ -98,7 +98,7 @@ def test_refuses_non_empty_dir(demo: ModuleType, tmp_path: Path,
 _MIGRATING = Path(__file__).parents[1] / "docs" / "migrating.md"
 
 
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
 def test_every_block_of_the_migration_guide_prints_what_it_says(
         index: int, tmp_path: Path) -> None:
     """docs/migrating.md says its blocks run as they are; each ends in a print whose
@@ -106,7 +106,7 @@ def test_every_block_of_the_migration_guide_prints_what_it_says(
     import subprocess
 
     blocks = re.findall(r"```python\n(.*?)```", _MIGRATING.read_text(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     code = blocks[index]
     said = [m.group(1).strip() for m in re.finditer(r"print\(.*\)\s*#\s*(.+)", code)]
     assert said, code

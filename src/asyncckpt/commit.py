@@ -321,7 +321,9 @@ def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bo
             f"{root}: a load would take step {later[-1]}"
             + (", and keep_last would remove the new steps before it" if retention else "")
             + ". If the later steps belong to a run you rolled back, delete them with "
-            f"ckpt.discard_steps_after({step}) (or save into a new directory)")
+            f"ckpt.discard_steps_after({step}) (or save into a new directory); if you are "
+            "bringing old checkpoints in, save them oldest step first instead (sorted by "
+            "step, not by file name), keeping the steps committed here")
     return final
 
 
