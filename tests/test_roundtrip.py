@@ -3254,6 +3254,14 @@ def test_the_wrapper_key_map_hint_names_what_it_leaves_unloaded(tmp_path):
     said = str(info.value)
     assert ("'ema/n_averaged' has no counterpart in the target: with the key_map, pass "
             "ignore_unexpected=True too") in said, said
+    # (a trial, with ignore_unexpected=True passed already: told to pass it "too")
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, {"ema": plain}, ignore_unexpected=True)
+    again = str(info.value)
+    assert "pass ignore_unexpected=True too" not in again and (
+        "'ema/n_averaged' has no counterpart in the target, which ignore_unexpected=True "
+        "skips") in again, again
     code = said.rsplit("pass key_map=", 1)[1]
+    assert again.rsplit("pass key_map=", 1)[1] == code
     asyncckpt.load(tmp_path, {"ema": plain}, key_map=eval(code), ignore_unexpected=True)
     assert torch.equal(plain[0].weight, net[0].weight)

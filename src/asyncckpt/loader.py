@@ -1348,7 +1348,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     # parts of the paths fixes it, whose advice was state['model'] = state.pop('0'))
     roots_apart = _inner(manifest.skeleton)["t"] != _inner(target.skeleton)["t"]
     # (a wrapper's part first: it names torch.compile or DDP, and the module to load into)
-    wrapped = wrapper_hint(missing, unexpected)
+    wrapped = wrapper_hint(missing, unexpected, ignoring=ignore_unexpected)
     hint = (wrapped or (f". {theirs}" if theirs else "")
             or prefix_hint(missing, unexpected)
             or (not roots_apart and head_hint(
@@ -2730,10 +2730,12 @@ def _wrapper_key_map(pairs: list[tuple[str, str]], saved_only: list[str],
     return ""
 
 
-def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
+def wrapper_hint(missing: list[str], unexpected: list[str], *,
+                 ignoring: bool = False) -> str:
     """A sentence for a mismatch error when most ``missing`` paths are ``unexpected``
     ones but for a wrapper's part of the keys ("module.", "_orig_mod."): which wrapper,
-    and a key_map that renames exactly that part (checked on those paths); "" otherwise."""
+    and a key_map that renames exactly that part (checked on those paths); "" otherwise.
+    ``ignoring``: the load passed ignore_unexpected=True already."""
     if not missing or not unexpected:
         return ""
     bare: dict[str, str] = {}
@@ -2764,6 +2766,10 @@ def wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
         also = (f"; {few([repr(x) for x in extra], 3)} "
                 f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target: with "
                 "the key_map, pass ignore_unexpected=True too" if extra and code else "")
+        if ignoring:  # (a trial was told to pass what it had passed)
+            also = (f"; {few([repr(x) for x in extra], 3)} "
+                    f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target, "
+                    "which ignore_unexpected=True skips" if extra and code else "")
         return (f"; the checkpoint's keys have {names} where the target's have none, as "
                 f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, "
                 f"target {m!r}{also}): load into the module wrapped the same way{key_map}")
