@@ -940,8 +940,29 @@ def test_a_damaged_metrics_file_counts_as_none_and_is_replaced(
         got = capsys.readouterr()
         assert json.loads(got.out)["steps"][0]["metrics"] == {"loss": 3.0}
         assert "its digest does not match" in got.err
+        row = json.loads(got.out)["steps"][0]
+        assert "its digest does not match" in row["metrics_error"] and not row["damaged"]
+        # --best cannot tell which step is best (an ops trial: export --best took another
+        # step, exit 0, and ls --best --json said ok): exit 2, the step named
+        ckpt.record_metrics(2, {"val_loss": 0.7})
+        capsys.readouterr()
+        assert main(["ls", str(tmp_path), "--json", "--best", "val_loss"]) == 2
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["best"] == 2 and doc["unranked"] == [1] and doc["ok"] is False
+        assert main(["ls", str(tmp_path), "--best", "val_loss"]) == 2
+        assert "step 1 cannot be read: it may hold a better val_loss" in capsys.readouterr().out
+        out = tmp_path.parent / f"{tmp_path.name}.safetensors"
+        assert main(["export", str(tmp_path), str(out), "--best", "val_loss"]) == 2
+        assert not out.exists()
+        assert ("cannot tell which step is best under" in capsys.readouterr().err)
+        assert main(["ls", str(tmp_path), "--json", "--best", "loss"]) == 2  # (any metric)
+        capsys.readouterr()
         assert ckpt.record_metrics(1, {"val_loss": 0.5}) == {"val_loss": 0.5, "loss": 3.0}
         assert ckpt.best_step("val_loss") == 1
+        assert main(["ls", str(tmp_path), "--json", "--best", "val_loss"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["best"] == 1 and doc["unranked"] == [] and doc["steps"][0][
+            "metrics_error"] is None
 
 
 def test_a_save_looks_for_the_mode_to_inherit_in_the_newest_steps_only(

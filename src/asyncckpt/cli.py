@@ -481,14 +481,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
     code = EXIT_CORRUPT if corrupt or no_manifest or any(
         e.get("damaged") for e in entries) else EXIT_USAGE if untold else EXIT_OK
     best: int | None = None  # (--best: marked; none recorded the metric: none marked)
+    unranked: list[int] = []  # (--best: steps whose later metrics cannot be read)
     if args.best is not None:  # (a step directory: refused, as by the other commands)
         with contextlib.suppress(CheckpointNotFoundError):
-            best = _best_step(args, root)
+            best = _best_step(args, root, unranked)
+        if unranked and code == EXIT_OK:
+            code = EXIT_USAGE  # (which step is best, it cannot tell)
     _decided(args, code)
     if args.json:
         # ("without_manifest" as verify --all says it; "no_manifest", its older name)
         _print_json({"root": str(root), "ok": code == EXIT_OK, "steps": entries,
-                     "latest": latest, **({"best": best} if args.best is not None else {}),
+                     "latest": latest, **({"best": best, "unranked": unranked}
+                                          if args.best is not None else {}),
                      "incomplete": abandoned, "lock": lock,
                      "without_manifest": no_manifest, "no_manifest": no_manifest})
         return code
@@ -519,6 +523,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
              f"{human_bytes(total)} in all"
              + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
                 "listed" if unlistable else ""))
+    if unranked:
+        _out(_shown(f"--best {args.best}: the later metrics of step"
+                    f"{'s' if len(unranked) > 1 else ''} {', '.join(map(str, unranked[:5]))} "
+                    f"cannot be read: {'it' if len(unranked) == 1 else 'they'} may hold a "
+                    f"better {args.best}, so the step marked best may not be"))
     if args.best is not None and best is None and entries:
         # (a researcher trial's typo, --best val_los, printed the table as if all was well)
         _out(_shown(f"no committed step recorded the metric {args.best!r} (or each that did "
@@ -613,24 +622,28 @@ class _Listing:
                 "cannot be read by this user (permission denied): a load of this step fails; "
                 "give it read access")
         # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
+        later, why = _later_metrics(d, self.storage)
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
                 "tensors": m.tensors, "files": len(m.files),
                 "created_unix": m.created_unix, "created": _iso(m.created_unix),
                 "library_version": m.library_version,
-                "metrics": _json_metrics({**_later_metrics(d, self.storage), **m.metrics}),
-                "metric_modes": m.metric_modes, "damaged": damaged, "error": None}
+                "metrics": _json_metrics({**later, **m.metrics}),
+                "metric_modes": m.metric_modes, "damaged": damaged, "error": None,
+                "metrics_error": why}
 
 
-def _later_metrics(step_dir: Path, storage: ReadStorage) -> dict[str, float]:
-    """The metrics recorded for a step after its save (record_metrics); a file that cannot
-    be read is warned of and counts as none (the step's data is not in question)."""
+def _later_metrics(step_dir: Path, storage: ReadStorage) -> tuple[dict[str, float], str | None]:
+    """The metrics recorded for a step after its save (record_metrics), and why they
+    cannot be read (None where they can); a file that cannot be read is warned of and
+    counts as none (the step's data is not in question)."""
     try:
-        return read_later_metrics(step_dir, storage)
+        return read_later_metrics(step_dir, storage), None
     except (CheckpointError, OSError) as exc:
-        _warn(str(exc) if isinstance(exc, CheckpointError) else
-              f"{step_dir / LATER_METRICS_NAME} cannot be read ({exc}): the metrics recorded "
-              "after the save are not shown")
-        return {}
+        why = (str(exc) if isinstance(exc, CheckpointError) else
+               f"{step_dir / LATER_METRICS_NAME} cannot be read ({exc}): the metrics "
+               "recorded after the save are not shown")
+        _warn(why)
+        return {}, why
 
 
 def _unreadable_row(step: int | None, path: Path, error: str,
@@ -639,7 +652,8 @@ def _unreadable_row(step: int | None, path: Path, error: str,
     script reading ``row["bytes"]`` failed on these), its values null but ``error``."""
     return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
             "created_unix": None, "created": None, "library_version": None, "metrics": None,
-            "metric_modes": None, "damaged": marked or [], "error": error}
+            "metric_modes": None, "damaged": marked or [], "error": error,
+            "metrics_error": None}
 
 
 def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
@@ -1054,7 +1068,7 @@ def _skeleton_summary(node: dict[str, Any], path: str, out: dict[str, Any]) -> N
 
 
 def _inspect_doc(step_dir: Path, m: Manifest) -> dict[str, Any]:
-    later = {} if m.from_headers else _later_metrics(step_dir, LocalStorage())
+    later = {} if m.from_headers else _later_metrics(step_dir, LocalStorage())[0]
     skel: dict[str, Any] = {"stateful": [], "scalars": []}
     _skeleton_summary(m.skeleton, "", skel)
     paths: dict[str, list[str]] = {}  # storage key -> the paths of the tree that hold it
@@ -1735,9 +1749,12 @@ def _asked_mode(args: argparse.Namespace) -> str | None:
     return "max" if args.max else "min" if args.min else None
 
 
-def _best_step(args: argparse.Namespace, root: Path) -> int:
+def _best_step(args: argparse.Namespace, root: Path,
+               unranked: list[int] | None = None) -> int:
     """The step --best names under ``root`` (AsyncCheckpointer.best_step's choice: steps
-    known damaged are passed over); CheckpointNotFoundError when no step recorded it."""
+    known damaged are passed over); CheckpointNotFoundError when no step recorded it.
+    Steps whose later metrics (metrics.json) cannot be read may be the best: they go into
+    ``unranked`` where it is given, else a CheckpointError says so (exit 2)."""
     from .checkpointer import AsyncCheckpointer
 
     if not root.is_dir() or (root / MANIFEST_NAME).exists():
@@ -1752,6 +1769,20 @@ def _best_step(args: argparse.Namespace, root: Path) -> int:
                                              args.best)
         recorded = max(modes, key=lambda m: modes[m][0]) if modes else None
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
+        # (an ops trial: a step's damaged metrics.json dropped it out of --best unsaid but
+        # on stderr; export --best exported another step, exit 0)
+        lost = sorted(ckpt._metrics.unreadable(ckpt.steps()))
+        if lost and unranked is not None:
+            unranked += lost
+        elif lost:
+            raise CheckpointError(
+                f"--best {args.best}: cannot tell which step is best under {root}: the "
+                f"metrics recorded after the save of step{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(map(str, lost[:5]))} cannot be read (its "
+                f"{LATER_METRICS_NAME}, warned of above), and may hold a better "
+                f"{args.best}{'' if best is None else f' than step {best} has'}; record them "
+                "again (record_metrics), or remove that file to rank without them, or name "
+                "the step with --step")
         value = None
         if best is not None:
             with contextlib.suppress(CheckpointError, OSError):
