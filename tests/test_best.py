@@ -1241,6 +1241,18 @@ def test_the_cli_says_when_the_best_it_takes_is_nan(
     assert json.loads(got.out)["best"] == 3
     assert "--best val_loss: step 3 is taken, but its val_loss is NaN, as is every step's" \
         in got.err, got.err
+    # (an ops trial: a diverged run's loss of -inf was taken as best, unsaid)
+    with AsyncCheckpointer(tmp_path / "inf", mode="sync") as ckpt:
+        for step, loss in ((1, 2.0), (2, -INF), (3, 1.0)):
+            ckpt.save(_state(step), step, metrics={"loss": loss})
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "inf"), "--best", "loss", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["best"] == 2
+    assert "--best loss: step 2 is taken, and its loss is -inf, which no finite value " \
+        "outranks" in got.err, got.err
+    assert main(["ls", str(tmp_path / "inf"), "--best", "loss", "--max"]) == 0
+    assert "outranks" not in capsys.readouterr().err  # (+inf/-inf ranked last: no word)
 
 
 def test_a_refused_best_mode_is_raised_before_anything_is_staged_or_removed(

@@ -1790,6 +1790,10 @@ def _best_step(args: argparse.Namespace, root: Path,
     if value is not None and math.isnan(value):  # (NaN ranks last: so every one is NaN)
         _warn(f"--best {args.best}: step {best} is taken, but its {args.best} is NaN, as is "
               "every step's that recorded it (a diverged run, or a broken evaluation?)")
+    elif value is not None and math.isinf(value):  # (it ranks first: -inf of a loss)
+        _warn(f"--best {args.best}: step {best} is taken, and its {args.best} is {value}, "
+              "which no finite value outranks (a diverged run, or a broken evaluation?): "
+              "check it before you use it, or name another step with --step")
     if best is not None and asked is not None and recorded is not None and (
             asked not in modes):
         _warn(f"--best {args.best} --{asked} ranks by the {MODE_WORDS[asked]} value (step {best}), "
