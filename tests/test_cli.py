@@ -89,6 +89,19 @@ def test_ls_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "incomplete" not in out
 
 
+def test_steps_without_their_manifest_are_listed_in_order(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (an ops trial: in directory order, which made cron logs diff noisily)
+    for s in (85, 58, 74, 59, 84, 27):
+        (root / f"step_{s:09d}").mkdir()
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    bare = json.loads(out)["without_manifest"]
+    assert bare == sorted(bare) and len(bare) == 6, bare
+    code, out, _ = run(capsys, "clean", str(root), "--without-manifest", "--dry-run", "--json")
+    names = [r["name"] for r in json.loads(out)["abandoned"] if r["kind"] == "without_manifest"]
+    assert names == sorted(names) and len(names) == 6, out
+
+
 def test_ls_json_and_abandoned(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / ".step_000000040.tmp-0123abcd").mkdir()
     (root / "step_000000050").mkdir()  # no manifest: not committed (its manifest lost?)

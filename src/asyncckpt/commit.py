@@ -155,8 +155,8 @@ def committed_steps(root: Path, storage: ReadStorage,
         empty = not steps and not cannot and above is None
         if not (retired or (empty and tries_left == _RELISTS_AFTER_RETIRED)) or tries_left == 0:
             break
-    if no_manifest is not None:
-        no_manifest += bare
+    if no_manifest is not None:  # (in order: an ops trial's cron logs diffed noisily)
+        no_manifest += sorted(bare)
     for name, why in cannot:  # (once, of the last listing)
         # A symlink loop, EIO (or, for a save, no permission): one entry that cannot be
         # listed must not make every save of the root fail; the others are still there.
