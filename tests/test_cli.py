@@ -2066,6 +2066,30 @@ def test_a_step_retired_while_inspect_reads_it_is_no_step_not_damage(
     assert "DAMAGED" not in err
 
 
+def test_a_latest_step_retired_at_every_read_names_the_race_not_the_path(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """An ops trial's export beside a keep_last=1 trainer saving faster than it read, 1 run
+    in 3: told to "use a step that is still committed" and to run 'asyncckpt ls' twice."""
+    import asyncckpt.cli as cli
+    from asyncckpt.loader import LATEST_TRIES
+
+    real = cli._damaged
+    assert LATEST_TRIES == 3  # (the root holds 3 steps: each read retires one)
+
+    def retired_meanwhile(step_dir: Path, files: Any, storage: Any) -> list[str]:
+        step_dir.rename(step_dir.with_name(f".{step_dir.name}.deleting-0123456789ab"))
+        return real(step_dir, files, storage)
+
+    monkeypatch.setattr(cli, "_damaged", retired_meanwhile)
+    code, out, err = run(capsys, "inspect", str(root), "--json")
+    said = json.loads(out)["error"]["message"]
+    assert code == 2 and said.startswith(
+        f"the latest step under {root} was deleted while it was being read, 3 times in a "
+        "row (last step_000000010)"), said
+    assert "keep_last=2" in said and said.count("asyncckpt ls") == 0, said
+
+
 def test_a_step_retired_as_it_is_resolved_is_not_one_without_its_manifest(
         root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
         ) -> None:

@@ -379,7 +379,9 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
                 if (best or latest) and not exc.maybe_intact:
                     raise retold(exc, f"{exc}{_instead(args, step_dir, best)}") from exc.__cause__
                 raise
-        except (CheckpointError, OSError):
+        except (CheckpointError, OSError) as exc:
+            if latest and left == 0 and not os.path.lexists(step_dir):
+                raise _outpaced(step_dir) from exc
             if not latest or left == 0 or os.path.lexists(step_dir):
                 raise
         else:
@@ -387,12 +389,26 @@ def _on_latest(args: argparse.Namespace, attempt: Callable[[Path, LocalStorage],
                 # (a step a saver's retention removed as it was read, named by --step or
                 # as a directory: a CLI trial's inspect beside a trainer said DAMAGED, "is
                 # missing", exit 1, where cli.md says such a step is no step)
-                raise deleted_while_read(step_dir)
+                raise _outpaced(step_dir) if latest else deleted_while_read(step_dir)
             if not latest or left == 0 or not failed(result) or os.path.lexists(step_dir):
                 return step_dir, result
         _LOG_RETRY.info("%s was deleted (a save's keep_last) while it was read: reading the "
                         "newest step again", step_dir)
     raise AssertionError("unreachable")  # (the last try returns or raises)
+
+
+def _outpaced(step_dir: Path) -> CheckpointNotFoundError:
+    """The error of a read of the latest step that a saver's retention outpaced every
+    time (an ops trial's export beside a keep_last=1 trainer, 1 run in 3, was told to
+    use a step that is still committed, and to run 'asyncckpt ls', twice)."""
+    from .loader import LATEST_TRIES
+
+    return CheckpointNotFoundError(
+        f"the latest step under {step_dir.parent} was deleted while it was being read, "
+        f"{LATEST_TRIES} times in a row (last {step_dir.name}): a saver's keep_last removes "
+        "each step sooner than this reads it. Read it when the trainer is done or saves "
+        "less often, or keep more steps there (keep_last=2, keep_every), or copy the "
+        "step out first")
 
 
 def _instead(args: argparse.Namespace, step_dir: Path, best: bool) -> str:
@@ -2041,7 +2057,7 @@ def _main(argv: list[str] | None) -> int:
         return _failed(args, exc, str(exc), EXIT_CORRUPT)
     except CheckpointNotFoundError as exc:
         told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
-            "a torch.save file" in str(exc)) or (  # (what to do with another format is said)
+            "a torch.save file" in str(exc)) or ("times in a row" in str(exc)) or (  # (what to do with another format is said)
             "checkpoint root of its own" in str(exc)) or (
             "checkpoint roots of their own" in str(exc))
         hint = "" if told else (
