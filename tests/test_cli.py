@@ -1224,11 +1224,51 @@ def test_a_latest_step_retired_while_read_is_read_again_as_the_new_latest(
     argv = {"verify": [], "inspect": [], "export": [str(tmp_path / "o.safetensors")],
             "serve": ["--json"]}[cmd]
     if cmd == "serve":  # (stopped as soon as it serves)
-        monkeypatch.setattr(cli, "_serve_until", lambda stop: None)
+        monkeypatch.setattr(cli, "_serve_until", lambda stop, check=None: None)
     code, out, err = run(capsys, cmd, str(root), *argv)
     assert gone and code == 0, (out, err)
     assert "step_000000040" in out + err, (out, err)
     assert commit.committed_steps(root, LocalStorage()) == [10, 20, 40]
+
+
+def test_serve_warns_once_when_its_step_is_removed_while_served(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ops trial: a trainer's keep_last removed the step 'serve ROOT' served; its files,
+    held open, kept 48 MB of disk that neither ls nor du showed, unsaid."""
+    import asyncckpt.cli as cli
+
+    checks: list[Any] = []
+
+    def retired_while_served(stop: Any, check: Any = None) -> None:
+        check()  # (still there: nothing said)
+        shutil.rmtree(root / "step_000000030")
+        check()
+        check()
+        checks.append(check)
+
+    monkeypatch.setattr(cli, "_serve_until", retired_while_served)
+    code, out, err = run(capsys, "serve", str(root), "--json")
+    assert code == 0 and checks and json.loads(out)["step"] == 30
+    assert err.count("was removed") == 1, err
+    assert (f"step 30 was removed from {root} while served (a saver's keep_last?): it is "
+            "still served, from its files held open, whose ") in err, err
+    assert "KiB of disk stay in use" in err
+
+
+def test_serve_checks_its_step_while_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncckpt.cli as cli
+
+    monkeypatch.setattr(cli, "_SERVE_CHECK_S", 0.0)
+    stop, calls = cli._StopFlag(), []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            stop.set()
+
+    cli._serve_until(stop, check)
+    assert len(calls) == 2
 
 
 def test_serve_warns_of_a_step_a_load_marked_damaged(
@@ -1239,7 +1279,7 @@ def test_serve_warns_of_a_step_a_load_marked_damaged(
     import asyncckpt.cli as cli
     from asyncckpt import commit
 
-    monkeypatch.setattr(cli, "_serve_until", lambda stop: None)
+    monkeypatch.setattr(cli, "_serve_until", lambda stop, check=None: None)
     code, out, err = run(capsys, "serve", str(root), "--json")
     assert code == 0 and "marked damaged" not in err
     assert commit.mark_damaged(root, 30, "checksum mismatch in tensor 'w'", LocalStorage()) \

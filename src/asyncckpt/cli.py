@@ -1633,10 +1633,35 @@ class _StopFlag:
         self.requested = True
 
 
-def _serve_until(stop: _StopFlag) -> None:
-    """Serve until Ctrl-C or SIGTERM set ``stop`` (tests replace this)."""
+_SERVE_CHECK_S = 5.0  # serve looks whether its step is still there this often
+
+
+def _serve_until(stop: _StopFlag, check: Callable[[], None] | None = None) -> None:
+    """Serve until Ctrl-C or SIGTERM set ``stop``, calling ``check`` every
+    ``_SERVE_CHECK_S`` (tests replace this)."""
+    last = time.monotonic()
     while not stop.requested:
         time.sleep(0.2)  # (a signal ends the sleep early only to run its handler)
+        if check is not None and time.monotonic() - last >= _SERVE_CHECK_S:
+            last = time.monotonic()
+            check()
+
+
+def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
+    """serve's check of its step: where a saver's retention removed it, warned of once
+    (an ops trial: its files, held open, kept their disk space, which neither ls nor du
+    showed, unsaid)."""
+    told = []
+
+    def check() -> None:
+        if not told and not os.path.lexists(step_dir / MANIFEST_NAME):
+            told.append(True)
+            _to_stderr(f"asyncckpt: warning: step {step} was removed from {step_dir.parent} "
+                       "while served (a saver's keep_last?): it is still served, from its "
+                       f"files held open, whose {human_bytes(nbytes)} of disk stay in use "
+                       "(unseen by ls and du) until this server stops; restart it to serve "
+                       "the newest step", flush=True)
+    return check
 
 
 # HTTPTransport's words for its arguments ("port=0", "host='x'", "own: port=)"): the
@@ -1712,7 +1737,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _warn(f"step {got} is marked damaged: {_mark_text(mark)}; its receivers will "
                   "likely fail their checks: serve another step (--step), or run 'asyncckpt "
                   "verify' on it (--verify refuses to serve a step that fails)")
-        _serve_until(stop)
+        served_bytes = 0
+        with contextlib.suppress(OSError):  # (its files' sizes, as du counts them)
+            served_bytes = sum(e.stat().st_size for e in os.scandir(step_dir) if e.is_file())
+        _serve_until(stop, _served_gone(step_dir, got, served_bytes))
     except KeyboardInterrupt:
         pass
     finally:
