@@ -769,6 +769,8 @@ def test_ls_shows_a_step_dir_it_cannot_list(root: Path, capsys: pytest.CaptureFi
     lines = out.splitlines()
     assert [ln.split()[0] for ln in lines[1:4]] == ["10", "20", "30"]
     assert "UNREADABLE: cannot be listed (Permission denied)" in lines[2]
+    # (an ops trial: ls said it "counts as no committed step" where verify said it may)
+    assert "it may hold a committed step, so which steps are committed is unknown" in out
     assert lines[3].rstrip().endswith("latest")
     assert "2 committed steps" in out and "1 step directory cannot be listed" in out
     code, out, _ = run(capsys, "ls", str(root), "--json")
@@ -827,6 +829,7 @@ def test_a_newest_step_that_cannot_be_listed_fails_verify_and_shows_in_ls(
     assert code == 0 and "step 30" in out
     code, out, err = run(capsys, "ls", str(root))  # ls shows it in a row of its own
     assert code == 1 and err == "" and "1 step directory cannot be listed" in out  # (as verify)
+    assert "it counts as no committed step (a symbolic link loop?" in out
 
 
 def test_a_temp_or_deleting_dir_is_named_uncommitted(

@@ -481,7 +481,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     unlistable, no_manifest = listing.unlistable, listing.no_manifest
     entries = listing.entries + [
         _unreadable_row(commit.step_of_dir_name(name), root / name,
-                        f"cannot be listed ({why}): it counts as no committed step")
+                        f"cannot be listed ({why}): "
+                        + ("it may hold a committed step, so which steps are committed is "
+                           "unknown; give this user read access to it" if why in _DENIED else
+                           "it counts as no committed step (a symbolic link loop? a damaged "
+                           "filesystem?)"))
         for name, why in unlistable]
     listed, latest = len(listing.entries), listing.latest
     # a step it cannot read (permissions, a newer format); a directory it cannot list for
