@@ -95,9 +95,10 @@ def test_steps_without_their_manifest_are_listed_in_order(
     for s in (85, 58, 74, 59, 84, 27):
         (root / f"step_{s:09d}").mkdir()
     code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert code == 1  # (steps without their manifest)
     bare = json.loads(out)["without_manifest"]
     assert bare == sorted(bare) and len(bare) == 6, bare
-    code, out, _ = run(capsys, "clean", str(root), "--without-manifest", "--dry-run", "--json")
+    _, out, _ = run(capsys, "clean", str(root), "--without-manifest", "--dry-run", "--json")
     names = [r["name"] for r in json.loads(out)["abandoned"] if r["kind"] == "without_manifest"]
     assert names == sorted(names) and len(names) == 6, out
 
@@ -2125,7 +2126,7 @@ def test_a_latest_step_retired_at_every_read_names_the_race_not_the_path(
         return real(step_dir, files, storage)
 
     monkeypatch.setattr(cli, "_damaged", retired_meanwhile)
-    code, out, err = run(capsys, "inspect", str(root), "--json")
+    code, out, _ = run(capsys, "inspect", str(root), "--json")
     said = json.loads(out)["error"]["message"]
     assert code == 2 and said.startswith(
         f"the latest step under {root} was deleted while it was being read, 3 times in a "

@@ -1655,7 +1655,7 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
     """serve's check of its step: where a saver's retention removed it, warned of once
     (an ops trial: its files, held open, kept their disk space, which neither ls nor du
     showed, unsaid)."""
-    told = []
+    told: list[bool] = []
 
     def check() -> None:
         if not told and not os.path.lexists(step_dir / MANIFEST_NAME):
@@ -2089,7 +2089,8 @@ def _main(argv: list[str] | None) -> int:
         return _failed(args, exc, str(exc), EXIT_CORRUPT)
     except CheckpointNotFoundError as exc:
         told = "'asyncckpt ls " in str(exc) or "; it holds " in str(exc) or (
-            "a torch.save file" in str(exc)) or ("times in a row" in str(exc)) or (  # (what to do with another format is said)
+            "a torch.save file" in str(exc)) or (  # (what to do with another format is said)
+            "times in a row" in str(exc)) or (
             "checkpoint root of its own" in str(exc)) or (
             "checkpoint roots of their own" in str(exc))
         hint = "" if told else (

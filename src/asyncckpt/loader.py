@@ -1395,12 +1395,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             # word, where the missing side was warned of) Said of the parts the target
             # holds; a part left out whole (the model alone of a training state) is meant.
             held = {p.split("/", 1)[0] for p in target.refs}
-            inside = [p for p in skipped_unexpected if p.split("/", 1)[0] in held]
-            if inside:
+            unread = [p for p in skipped_unexpected if p.split("/", 1)[0] in held]
+            if unread:
                 skipped = ((skipped + "; it also" if skipped else
                             f"loading {step_dir} with strict=False") +
-                           f" leaves {len(inside)} saved key(s) unread, which the target "
-                           f"lacks: {few(inside)}")
+                           f" leaves {len(unread)} saved key(s) unread, which the target "
+                           f"lacks: {few(unread)}")
             left_out = [p for p in skipped_unexpected if p.split("/", 1)[0] not in held]
             if left_out:
                 log.info("loading %s with strict=False: the parts the target leaves out are "
