@@ -271,17 +271,20 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
 
     import asyncckpt.writer as writer_module
 
+    for s in (1, 2, 3):  # (a restart with keep_last=2: rank 0 removes step 1 first)
+        asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=s)
     free = [0]
     monkeypatch.setattr(writer_module, "_free_bytes", lambda root: free[0])
     plan = SimpleNamespace(file_bytes=10 << 20, header=b" " * (1 << 20))
-    need = (10 << 20) + (1 << 20) + 4 * (1 << 20)
+    need = (10 << 20) + (64 << 10)  # (the manifest is rank 0's: no margin for it here)
     aborted: list[str | None] = [None]
-    job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1),
+    job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1,
+                                              timeout_s=60.0),
                           keep_last=2, removals=None, root=tmp_path, plan=plan, step=7,
-                          progress=SimpleNamespace(failed=False),
+                          storage=LocalStorage(), progress=SimpleNamespace(failed=False),
                           pulse=SimpleNamespace(stopped=lambda: aborted[0] is not None,
                                                 every_s=0.05))
-    free[0] = need - 1  # (a flat 1 MiB margin called this room enough)
+    free[0] = need - 1
     assert writer_module._free_if_short(job) == need - 1  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: free.__setitem__(0, need)).start()
     t0 = time.monotonic()
@@ -289,8 +292,13 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
         writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert 0.25 < time.monotonic() - t0 < 5.0  # (returned once rank 0 made room)
     # the figures, margin said: "lacks room" alone read as wrong beside free > file size
-    assert "the disk lacks room for this step (15.728639 MB free; it takes 15.728640 MB: " \
-        "its shard file, and its manifest with a margin): waiting up to 10 s" in caplog.text
+    assert "the disk lacks room for this step (10.55129 MB free; it takes 10.55130 MB: " \
+        "this rank's shard file, with a margin): waiting up to 10 s" in caplog.text
+    # rank 0's (coordinator's) need counts the manifest, with a margin that grows with
+    # the tensors listed
+    job.ctx.is_coordinator = True
+    assert writer_module._room_needed(job) == (10 << 20) + (1 << 20) + 4 * (1 << 20)
+    job.ctx.is_coordinator = False
     # a disk that stays full: back after the limit, to fail the write with ENOSPC
     free[0] = 0
     monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 0.3)
@@ -304,6 +312,20 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     t0 = time.monotonic()
     writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert 0.15 < time.monotonic() - t0 < 5.0
+    # a timeout_s of 10 s or less: half of it at most (a trial's rank waited its 10 s,
+    # and the others blamed it: "gave no sign of life")
+    aborted[0] = None
+    job.ctx.timeout_s = 0.6
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert 0.25 < time.monotonic() - t0 < 0.5
+    job.ctx.timeout_s = 60.0
+    # no more steps than keep_last keeps: rank 0 removes none before this save commits
+    # (a trial's keep_last=1 group: every rank but 0 waited 10 s at every save)
+    job.keep_last = 3
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.2
     # without keep_last nothing will free room: no wait at all
     job.keep_last = None
     t0 = time.monotonic()

@@ -982,7 +982,10 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
     it keeps are keep_last, should this save fail."""
     # (in a group, briefly: the other ranks wait on this one with their timeout_s, and its
     # beat moves only with progress)
-    limit = ROOM_WAIT_S if not job.ctx.distributed else ROOM_WAIT_GROUP_S
+    # (half the group's timeout_s at most: a trial's rank of timeout_s=10 waited its 10 s
+    # and was then blamed by the others, "gave no sign of life")
+    limit = ROOM_WAIT_S if not job.ctx.distributed else min(ROOM_WAIT_GROUP_S,
+                                                            job.ctx.timeout_s / 2)
     removals = job.removals
     if removals is not None and not removals.done() and (
             free := _free_if_short(job)) is not None:
@@ -997,7 +1000,7 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
         _retain(job, reaper, made, before=True)
         cf.wait([made], timeout=limit)
     elif job.keep_last is not None and job.ctx.distributed and (
-            free := _free_if_short(job)) is not None:
+            free := _free_if_short(job)) is not None and _removable_before(job):
         # The others of a group on a shared filesystem: rank 0 removes the old steps (its
         # retention, or the removals above), which this rank cannot wait on: it watches
         # the room free, briefly (a review: rank 0 waited for room, rank 1's shard met the
@@ -1019,6 +1022,19 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
             time.sleep(0.05)
 
 
+def _removable_before(job: SaveJob) -> bool:
+    """Whether rank 0 may remove steps before this save commits: only where more steps
+    are committed than keep_last keeps (a restart with a lower keep_last). Its retention
+    of the steps this save lets go of runs after the commit, which this rank's write comes
+    before (a trial's keep_last=1 group on a nearly full disk: each rank but 0 waited 10 s
+    at every save for removals that could not come)."""
+    try:
+        steps = commit.committed_steps(job.root, job.storage, skip_denied=True)
+    except (CheckpointError, OSError):
+        return True  # (cannot tell: watch, as before)
+    return job.keep_last is not None and len(steps) > job.keep_last
+
+
 def _free_if_short(job: SaveJob) -> int | None:
     """The bytes free on the disk of the checkpoint where that is less than this step
     takes, with a margin; None where it has room (or that cannot be known: a root that is
@@ -1030,7 +1046,11 @@ def _free_if_short(job: SaveJob) -> int | None:
 def _room_needed(job: SaveJob) -> int:
     """The room a step takes: its shard file, and its manifest with a margin (a few times
     the shard's header, which lists the same tensors; a flat 1 MiB undercounted one of
-    100,000 tensors, tens of MB)."""
+    100,000 tensors, tens of MB). In a group, the manifest is the coordinator's to write:
+    another rank's part takes its file and a small margin (a trial's rank 1, whose 1.8 MB
+    fitted, was held for the manifest it never writes)."""
+    if job.ctx.distributed and not job.ctx.is_coordinator:
+        return job.plan.file_bytes + (64 << 10)
     return job.plan.file_bytes + (1 << 20) + 4 * len(job.plan.header)
 
 
@@ -1039,8 +1059,9 @@ def _lacking(job: SaveJob, free: int) -> str:
     found it): the figures, margin said (an operator read 'lacks room' with more free than
     the step's file)."""
     free_mb, need_mb = _megabytes(free, _room_needed(job))
-    return (f"the disk lacks room for this step ({free_mb} free; it takes {need_mb}: its "
-            "shard file, and its manifest with a margin)")
+    part = ("this rank's shard file, with a margin" if job.ctx.distributed
+            and not job.ctx.is_coordinator else "its shard file, and its manifest with a margin")
+    return f"the disk lacks room for this step ({free_mb} free; it takes {need_mb}: {part})"
 
 
 def _statvfs(root: Path) -> Any:
