@@ -224,6 +224,47 @@ def test_the_coordinator_closes_only_once_the_others_read_the_last_verdict(
     assert AsyncCheckpointer(tmp_path).steps() == [1]
 
 
+def test_the_coordinator_whose_save_failed_closes_once_the_others_know(
+        tmp_path: Path) -> None:
+    """A trial: rank 0's write failed (EIO) and its close() returned at once; its process,
+    which hosted the Store, exited, and the ranks still writing were told "is the process
+    that hosts the Store alive?" in place of rank 0's error. It now waits for them after
+    a failure too (for those not named silent), and no longer than they take."""
+    from asyncckpt.storage import LocalStorage
+
+    failed_at: dict[int, float] = {}
+
+    class Disk(LocalStorage):
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def write_arena(self, path: Path, buf: Any, nbytes: int, ready: Any,
+                        direct: bool = True) -> None:
+            if self.r == 0:
+                raise OSError(5, "Input/output error")
+            time.sleep(1.0)  # (rank 1 writes slowly: it learns of the abort at its beat)
+            ready(0)
+            super().write_arena(path, buf, nbytes, ready, direct)
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> float:
+        ck = AsyncCheckpointer(tmp_path, rank=r, world_size=2, store=store, timeout_s=30,
+                               storage=Disk(r))
+        fut = ck.save_async({f"r{r}": torch.ones(1000)}, step=1)  # (each rank writes)
+        with pytest.raises(CheckpointSaveError, match="Input/output error"):
+            fut.wait()
+        failed_at[r] = time.monotonic()
+        ck.close()
+        return time.monotonic()
+
+    t0 = time.monotonic()
+    closed = all_ok(in_threads(rank))
+    assert closed[0] >= failed_at[1] - 0.05  # (rank 1 knew before rank 0 closed)
+    assert closed[0] - t0 < 8.0  # (not the whole 10 s wait: rank 1 said it knew)
+    assert AsyncCheckpointer(tmp_path).steps() == []
+
+
 def _dir_hash(path: Path) -> str:
     return hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
 
@@ -905,8 +946,8 @@ def test_rank_0_closes_after_the_others_read_its_refusal_to_start(tmp_path: Path
     waited: list[bool] = []
     real = DistContext.wait_verdict_seen
 
-    def recorded(self: DistContext, tag: str, timeout_s: float) -> bool:
-        got = real(self, tag, timeout_s)
+    def recorded(self: DistContext, tag: str, timeout_s: float, **kw: Any) -> bool:
+        got = real(self, tag, timeout_s, **kw)
         waited.append(got)
         return got
 

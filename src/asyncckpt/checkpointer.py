@@ -358,6 +358,15 @@ def _checked_storage(storage: Any) -> Storage:
 _FSYNC_FAILED = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
 
 
+def _silent_ranks(exc: BaseException) -> set[int]:
+    """The ranks other than 0 a failed save's error names as silent (dead or hung: a
+    timeout's ``ranks``), which will read no verdict."""
+    try:
+        return {int(r) for r in getattr(exc, "ranks", ()) or ()} - {0}
+    except Exception:
+        return set()
+
+
 class AsyncCheckpointer:
     """Saves state trees without stopping training; loads them back, verified.
 
@@ -1663,12 +1672,17 @@ class AsyncCheckpointer:
                 # (raised below when raise_missed: logged only where nothing raises it)
                 unseen = self._settle(last, f"closing {self.directory}: ",
                                       quiet=raise_missed)
-                if (self._ctx.distributed and self._ctx.is_coordinator and self._prev_tag
-                        and last._durable.exception() is None):
+                if self._ctx.distributed and self._ctx.is_coordinator and self._prev_tag:
                     # (the other ranks may still be reading its verdict from the Store,
-                    # which this process may host and take down when it exits)
+                    # which this process may host and take down when it exits; after a
+                    # failure too, of those not named silent: a trial's ranks, still
+                    # writing when rank 0's write failed, were told "is the process that
+                    # hosts the Store alive?" in place of rank 0's error)
+                    failed = last._durable.exception()
+                    silent = _silent_ranks(failed) if failed is not None else set()
                     self._ctx.wait_verdict_seen(self._prev_tag,
-                                                min(self._ctx.timeout_s, _VERDICT_SEEN_S))
+                                                min(self._ctx.timeout_s, _VERDICT_SEEN_S),
+                                                peers=self._ctx.world_size - 1 - len(silent))
             refused = self._refused_tag
             if refused is not None and self._ctx.distributed and refused == f"n{self._seq}":
                 # (the last save was refused before it started: a trial's rank 1 got "is

@@ -740,17 +740,20 @@ class DistContext:
         with contextlib.suppress(Exception):
             self.store.add(self.key(tag, "seen"), 1)
 
-    def wait_verdict_seen(self, tag: str, timeout_s: float) -> bool:
-        """Coordinator, at close: wait until every peer has read the verdict on save
-        ``tag``, or ``timeout_s`` passes. Rank 0 often hosts the Store (``init_method=
-        tcp://``, ``mp.spawn``): were it to exit at once, a peer still polling for the
-        verdict would see the connection reset and report its last save failed, though
-        it was committed. True once every peer has read it."""
+    def wait_verdict_seen(self, tag: str, timeout_s: float, peers: int | None = None
+                          ) -> bool:
+        """Coordinator, at close: wait until every peer (``peers`` of them, where fewer
+        are alive to read it) has read the verdict on save ``tag``, or ``timeout_s``
+        passes. Rank 0 often hosts the Store (``init_method=tcp://``, ``mp.spawn``): were
+        it to exit at once, a peer still polling for the verdict would see the connection
+        reset and report its last save failed, though it was committed (or blame the
+        Store for a failure it was not told). True once they have read it."""
+        want = self.world_size - 1 if peers is None else peers
         deadline = time.monotonic() + timeout_s
         poll_s = 0.001
         while True:
             try:
-                if self.store.add(self.key(tag, "seen"), 0) >= self.world_size - 1:
+                if self.store.add(self.key(tag, "seen"), 0) >= want:
                     return True
             except Exception:
                 return False  # the Store is gone already: nobody is left to tell

@@ -1176,6 +1176,10 @@ def _abort(job: SaveJob, exc: BaseException) -> None:
                 # the record too: the coordinator's hash thread may be waiting for it
                 for part in ("record", "done"):
                     ctx.put(ctx.key(job.tag, part, ctx.rank), {"rank": ctx.rank, "error": msg})
+            if not ctx.is_coordinator:
+                # it knows the outcome: rank 0's close() need not wait for it to read a
+                # verdict (a trial's rank 0, whose write failed, waited 10 s at close)
+                ctx.saw_verdict(job.tag)
             if ctx.is_coordinator:
                 verdict: dict[str, Any] = {"error": msg}
                 if isinstance(exc, commit.CommittedNotDurableError):  # the step is visible
