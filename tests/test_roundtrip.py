@@ -3241,6 +3241,36 @@ def test_the_combined_exclude_advice_keeps_the_lr_scheduler(ckpt):
     assert len(state["sched"].get_last_lr()) == 2
 
 
+def test_a_key_missing_inside_an_object_s_state_is_told_the_object_to_exclude(
+        tmp_path: Path) -> None:
+    """A distributed trial's resume at 3 ranks of a run of 2: its data loader's state
+    (one entry per data-parallel rank) lacked dp_rank_2, and the error said only "pass
+    strict=False", which would skip a model key gone missing as well."""
+
+    class Loader:
+        def __init__(self, n: int) -> None:
+            self.d = {f"dp_rank_{i}": {"pos": i, "t": torch.ones(1)} for i in range(n)}
+
+        def state_dict(self) -> dict[str, Any]:
+            return dict(self.d)
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.d = dict(sd)
+
+    asyncckpt.save({"model": nn.Linear(2, 2), "dataloader": Loader(2)}, tmp_path, step=1)
+    state = {"model": nn.Linear(2, 2), "dataloader": Loader(3)}
+    with pytest.raises(StateMismatchError) as info:
+        asyncckpt.load(tmp_path, state)
+    said = str(info.value)
+    assert "missing from the checkpoint: dataloader/dp_rank_2" in said
+    assert ("exclude=['dataloader'] leaves it out on both sides, the rest loading strictly; "
+            "exclude names no key inside an object's state: 'dataloader' is left out whole, "
+            "keeping its state as it is)") in said, said
+    code = said.split("exclude=", 1)[1].split("]", 1)[0] + "]"
+    asyncckpt.load(tmp_path, state, exclude=ast.literal_eval(code))  # (followed: it loads)
+    assert sorted(state["dataloader"].d) == ["dp_rank_0", "dp_rank_1", "dp_rank_2"]
+
+
 def test_the_wrapper_key_map_hint_names_what_it_leaves_unloaded(tmp_path):
     """A researcher trial's EMA (AveragedModel) loaded into a plain module: the key_map
     of the hint, followed, met the AveragedModel's n_averaged in a second error."""

@@ -1735,13 +1735,27 @@ def _exclude_hint(target: FlatState, saved: Iterable[str], missing: list[str],
     head, a dropped one) and keeps the rest strict, before ``otherwise`` (strict=False's
     advice, which would also skip a key that goes missing by mistake)."""
     paths = _by_whole_objects(target, missing + unexpected, skeleton)
+    # A key inside an object's state (not a module's: an AppState, a data loader's per-rank
+    # state) cannot be excluded alone, the object can (a distributed trial's resume at
+    # another world size lacked dataloader/dp_rank_2, and was told of strict=False alone)
+    owned: dict[str, str] = {}
+    if len(paths) <= 200:
+        for p in paths:
+            if not _excludable(target, p) and (o := _excludable_owner(target, p)) is not None:
+                owned[p] = o
+        paths = list(dict.fromkeys(owned.get(p, p) for p in paths))
     names = _condensed(target, paths, saved) if len(paths) <= 200 and all(
         _excludable(target, p) for p in paths) else []
     if not names or len(names) > 16:
         return otherwise
+    whole = sorted(set(owned.values()))
+    objects = (f"; exclude names no key inside an object's state: "
+               f"{' and '.join(repr(o) for o in whole)} "
+               f"{'is' if len(whole) == 1 else 'are'} left out whole, keeping "
+               f"{'its' if len(whole) == 1 else 'their'} state as it is" if whole else "")
     return (f" (a new or a dropped part, such as a head: exclude={names!r} leaves "
             f"{'it' if len(names) == 1 else 'them'} out on both sides, the rest loading "
-            f"strictly){otherwise}")
+            f"strictly{objects}){otherwise}")
 
 
 def _by_whole_objects(target: FlatState, paths: list[str],
