@@ -2281,6 +2281,23 @@ def test_a_damaged_step_is_marked_on_disk_for_later_processes(
     mark = json.loads((tmp_path / "step_000000004" / "damaged.json").read_text())
     assert mark["step"] == 4 and "checksum mismatch in tensor 'w'" in mark["problem"], mark
     assert abs(mark["found_unix"] - time.time()) < 60
+    # a plain load of the marked step is warned of (a distributed trial's group loaded
+    # one: the rank whose part was intact without a word, the others failed)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with pytest.raises(asyncckpt.CheckpointCorruptError):
+            asyncckpt.load(tmp_path)
+        assert f"{tmp_path / 'step_000000004'} is marked damaged: a load found it damaged " \
+            "at " in caplog.text and "load(..., fallback=True) takes the newest intact step" \
+            in caplog.text, caplog.text
+        caplog.clear()
+        with asyncckpt.AsyncCheckpointer(tmp_path) as ck, pytest.raises(
+                asyncckpt.CheckpointCorruptError):
+            ck.load(step=4)
+        assert "step_000000004 is marked damaged" in caplog.text
+        caplog.clear()
+        assert asyncckpt.load(tmp_path, step=3)["w"][0].item() == 3.0
+        assert "marked damaged" not in caplog.text
     # a later process: its loads read the newest step only, which is intact
     with asyncckpt.AsyncCheckpointer(tmp_path, keep_last=3) as ck:
         for s in (5, 6):

@@ -24,6 +24,7 @@ from .checkpointer import checked_directory as _checked_directory
 from .commit import StepLike as _StepLike
 from .commit import check_step as _check_step
 from .commit import resolve_step_dir as _resolve_step_dir
+from .commit import warn_if_marked as _warn_if_marked
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -292,6 +293,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 mark(found)
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
+        _warn_if_marked(step_dir, storage)
         try:
             return _load_from(step_dir, state, storage, strict=strict,
                               ignore_unexpected=ignore_unexpected, verify=verify,

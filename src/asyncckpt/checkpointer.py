@@ -1554,6 +1554,7 @@ class AsyncCheckpointer:
                     self._note_damaged(damaged)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
+            commit.warn_if_marked(step_dir, self.storage)
             try:
                 return load_from(step_dir, state, self.storage, strict=strict,
                                  ignore_unexpected=ignore_unexpected, verify=verify,

@@ -826,6 +826,25 @@ def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object]
     return doc
 
 
+def warn_if_marked(step_dir: Path, storage: ReadStorage) -> None:
+    """Before a plain load of ``step_dir``: warn where a load found it damaged before
+    (its damaged.json). A distributed trial's group loaded a step a fallback had marked:
+    the rank whose part was intact loaded it without a word, the others failed."""
+    try:
+        mark = read_damaged_mark(step_dir, storage)
+    except Exception:  # (a warning's look: never in the load's way)
+        return
+    if mark is None:
+        return
+    when = mark.get("found_unix")
+    at = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
+          if isinstance(when, (int, float)) else "")
+    log.warning("%s is marked damaged: a load found it damaged%s (%s: %.300s); it is loaded "
+                "as asked, every checksum checked (in a group, a rank whose part is intact "
+                "loads it while the others fail): load(..., fallback=True) takes the newest "
+                "intact step, on every rank", step_dir, at, DAMAGED_NAME, mark.get("problem"))
+
+
 def damaged_marks(root: Path, steps: Sequence[int], storage: ReadStorage) -> set[int]:
     """The steps of ``steps`` whose directory holds a damaged.json (one listing each)."""
     out = set()
