@@ -2549,3 +2549,32 @@ def test_a_late_coordinator_is_not_told_it_skipped_a_save_another_rank_skipped(
 
     out = in_threads(rank)
     assert not any("this rank skipped that save" in m for m in out[0]), out[0]
+
+
+def test_a_store_whose_host_is_lost_is_asked_no_more() -> None:
+    """A distributed trial: once rank 0 (the Store's host) died, every later call of the
+    survivors failed on its own, each printing torch's C++ stack trace of ~25 lines (5-6
+    a rank), which buried asyncckpt's message."""
+    from asyncckpt.dist import LosableStore
+
+    calls: list[str] = []
+
+    class Dying:
+        def get(self, key: str) -> bytes:
+            calls.append(key)
+            raise torch.distributed.DistNetworkError("Connection reset by peer\nframe #0: ...")
+
+        def set(self, key: str, value: str) -> None:
+            calls.append(key)
+
+    store = LosableStore(Dying())
+    store.set("a", "1")  # (fine until it is lost)
+    with pytest.raises(torch.distributed.DistNetworkError):
+        store.get("b")
+    with pytest.raises(torch.distributed.DistNetworkError, match=r"^Connection reset by peer$"):
+        store.set("c", "1")
+    assert calls == ["a", "b"]  # (not asked again: "c" raised at once)
+    # an error of another kind (a key not there yet, a timeout) is no loss
+    other = LosableStore(dist.HashStore())
+    other.set("k", "v")
+    assert other.get("k") == b"v" and other.lost is None

@@ -1073,7 +1073,37 @@ def resolve_context(directory: str, *, process_group: Any = None, rank: int | No
         raise CheckpointConfigError(
             f"world_size={world_size} needs a torch.distributed Store to coordinate through: "
             "call torch.distributed.init_process_group first, or pass store=")
-    return DistContext(rank, world_size, store, "", timeout_s, directory)
+    return DistContext(rank, world_size, None if store is None else LosableStore(store), "",
+                       timeout_s, directory)
+
+
+class LosableStore:
+    """A Store that, once its connection is lost (a DistNetworkError: its host died,
+    rank 0's process often), is asked no more: each later call raises that loss again at
+    once. torch prints a C++ stack trace of ~25 lines for every call that fails so: a
+    distributed trial's survivors printed 5-6 each, which buried asyncckpt's message."""
+
+    _CALLS = frozenset({"add", "check", "compare_set", "delete_key", "get", "multi_get",
+                        "multi_set", "set", "wait", "num_keys", "append"})
+
+    def __init__(self, store: Any) -> None:
+        self.inner = store
+        self.lost: str | None = None  # the loss, in words
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in self._CALLS:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.lost is not None:
+                raise torch.distributed.DistNetworkError(self.lost)
+            try:
+                return attr(*args, **kwargs)
+            except torch.distributed.DistNetworkError as exc:
+                self.lost = f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                raise
+        return call
 
 
 def _group_store(group: Any) -> Any:
