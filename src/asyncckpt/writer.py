@@ -45,6 +45,7 @@ from .errors import (
     CheckpointTimeoutError,
     NotPicklableError,
     seconds_text,
+    with_advice,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -632,6 +633,14 @@ class BackgroundWriter:
             # locals: views of the arena among them, which would keep it alive after
             # close() (or beside the next save's larger one). Only the frames' text stays.
             traceback.clear_frames(exc.__traceback__)
+            if (isinstance(exc, CheckpointTimeoutError) and job.ctx.is_coordinator
+                    and job.ctx.distributed and not job.committed):
+                # (a distributed trial: the others' error said "not committed"; rank 0's,
+                # the one most read, did not)
+                told = with_advice(exc, f"step {job.step} was not committed (the steps "
+                                       "committed before it are intact): restart the group "
+                                       "without the silent rank(s), or wait for them")
+                raise told from told.__cause__
             if isinstance(exc, CheckpointError):
                 raise
             if stopped is not None:

@@ -491,6 +491,8 @@ def test_coordinator_error_names_the_dead_rank(one_dies: tuple[Path, dict[int, A
     _, res = one_dies
     msg = res[0]["dies"]["msg"]
     assert "rank(s) [2]" in msg, f"rank 0's error does not name rank 2: {msg}"
+    # (a distributed trial: the others said "not committed", rank 0 did not)
+    assert "step 2 was not committed (the steps committed before it are intact)" in msg, msg
 
 
 def test_future_wait_reraises_the_saves_timeout_error() -> None:
