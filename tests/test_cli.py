@@ -1908,6 +1908,10 @@ def test_ls_of_a_shard_this_user_may_not_read_is_a_step_it_cannot_tell_of(
     code, out, _ = run(capsys, "ls", str(root), "--json")
     row = json.loads(out)["steps"][1]
     assert code == 2 and row["step"] == 20 and "permission denied" in row["error"], row
+    # (an ops trial: its manifest was read, yet every value was null, and the file named
+    # bare) what the manifest says is kept, the file named by its path
+    assert row["created_unix"] is not None and row["tensors"] == 3 and row["bytes"] > 0, row
+    assert row["error"].startswith(str(root / "step_000000020" / "rank_00000.safetensors"))
 
 
 def test_ls_and_verify_all_name_a_root_they_may_not_list_as_the_other_commands(

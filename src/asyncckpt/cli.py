@@ -635,12 +635,14 @@ class _Listing:
         denied = [] if damaged else [n for n in m.files if not os.access(d / n, os.R_OK)]
         if denied and d != self.root and not os.path.lexists(d):
             return None  # (retired meanwhile: a CLI trial's ls said "permission denied")
+        error = None
         if denied:
+            # (its manifest read: what it says is kept, an ops trial's health check lost
+            # the age of the latest step to nulls)
             self.untold = True
-            return _unreadable_row(
-                m.step, d, f"{', '.join(denied[:3])}{' and more' if len(denied) > 3 else ''} "
-                "cannot be read by this user (permission denied): a load of this step fails; "
-                "give it read access")
+            error = (f"{', '.join(str(d / n) for n in denied[:3])}"
+                     f"{' and more' if len(denied) > 3 else ''} cannot be read by this user "
+                     "(permission denied): a load of this step fails; give it read access")
         # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
         later, why = _later_metrics(d, self.storage)
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
@@ -648,7 +650,7 @@ class _Listing:
                 "created_unix": m.created_unix, "created": _iso(m.created_unix),
                 "library_version": m.library_version,
                 "metrics": _json_metrics({**later, **m.metrics}),
-                "metric_modes": m.metric_modes, "damaged": damaged, "error": None,
+                "metric_modes": m.metric_modes, "damaged": damaged, "error": error,
                 "metrics_error": why}
 
 
