@@ -334,6 +334,9 @@ def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
     reader.join(30)
     assert not reader.is_alive() and torch.equal(got[0]["w"], torch.full((1024,), 1.0))
     assert "its lock file cannot be taken" in caplog.text and "hunter2" not in caplog.text
+    # (an ops trial's read-only copy, where nothing saves, was told of "the process saving
+    # there")
+    assert "the process saving there" not in caplog.text, caplog.text
     assert secret.read_text() == "hunter2 is the password"
 
 

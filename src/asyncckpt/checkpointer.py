@@ -2734,9 +2734,9 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
     todo = [(s, why) for s, why in new
             if commit.read_damaged_mark(directory / commit.step_dir_name(s), storage) is None]
     owned = taken = False
+    refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
     if marks and todo:
         owned = lock.held or lock.held_in_this_process() is not None
-        refused: str | None = None  # (the lock file is a link, a FIFO, unwritable)
         if not owned:
             # (its purpose named: a trainer's first save meanwhile waits for it, as for
             # `asyncckpt clean`, rather than fail as if another process saved there)
@@ -2758,7 +2758,9 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
     steps = [s for s, _ in new]
     # (a reader beside a trainer marks nothing: the trainer's retention goes on counting
     # them, which the warning said it did not: a trial)
-    elsewhere = marks and bool(unmarked) and not owned and not taken
+    # (not where the lock could not be taken at all: an ops trial's read-only copy, where
+    # nothing saves, was told of "the process saving there")
+    elsewhere = marks and bool(unmarked) and not owned and not taken and refused is None
     log.warning(
         "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
         "%s. To save a step older than them, or to remove them now: %s", rank, steps,
