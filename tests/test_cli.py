@@ -89,6 +89,30 @@ def test_ls_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "incomplete" not in out
 
 
+def test_ls_says_what_a_step_s_directory_holds_on_disk(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An ops trial: a shard cut to 1,000 bytes was listed at the size its manifest
+    claims, and a stray 3 MB file in a step directory was neither counted nor told."""
+    step = root / "step_000000020"
+    (step / "core.1234").write_bytes(b"x" * 3000)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    rows = {r["step"]: r for r in json.loads(out)["steps"]}
+    assert code == 0, out  # (a file no save wrote is no damage)
+    assert rows[10]["disk_bytes"] == rows[10]["bytes"] and rows[10]["extra_files"] == []
+    assert rows[20]["extra_files"] == ["core.1234"]
+    assert rows[20]["disk_bytes"] == rows[20]["bytes"] + 3000
+    shard = step / "rank_00000.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = {r["step"]: r for r in json.loads(out)["steps"]}[20]
+    assert code == 1 and row["damaged"], out
+    assert row["disk_bytes"] == sum(p.stat().st_size for p in step.iterdir())
+    code, out, _ = run(capsys, "ls", str(root))
+    assert "1 file no save wrote: core.1234" in out, out
+    assert "in their directories)" in out, out
+
+
 def test_steps_without_their_manifest_are_listed_in_order(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # (an ops trial: in directory order, which made cron logs diff noisily)

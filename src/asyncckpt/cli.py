@@ -527,6 +527,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                    if metrics else []),
                  ", ".join((["latest"] if e["step"] == latest else [])
                            + ([f"best {_shown(args.best)}"] if e["step"] == best else [])
+                         + ([_shown(f"{_n(len(e['extra_files']), 'file')} no save wrote: "
+                                    f"{', '.join(e['extra_files'][:3])}"
+                                    f"{' and more' if len(e['extra_files']) > 3 else ''}")]
+                            if e["extra_files"] else [])
                            + ([_shown(f"DAMAGED: {'; '.join(e['damaged'])} (run 'asyncckpt "
                                       f"verify {root} --step {e['step']}')")]
                               if e["damaged"] else []))]
@@ -539,8 +543,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(_table(["STEP", "SIZE", "TENSORS", "CREATED", *(["METRICS"] if metrics else []),
                      ""], rows, right=(0, 1, 2)))
         total = sum(e["bytes"] or 0 for e in entries)
+        disk = sum(e.get("disk_bytes") or 0 for e in entries)
         _out(f"{_n(listed, 'committed step')}, "
              f"{human_bytes(total)} in all"
+             + (f" ({human_bytes(disk)} in their directories)" if disk and disk != total
+                else "")
              + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
                 "listed" if unlistable else ""))
     if unranked:
@@ -645,13 +652,40 @@ class _Listing:
                      "(permission denied): a load of this step fails; give it read access")
         # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
         later, why = _later_metrics(d, self.storage)
+        disk, extra = _on_disk(d, m.files)
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
+                "disk_bytes": disk, "extra_files": extra,
                 "tensors": m.tensors, "files": len(m.files),
                 "created_unix": m.created_unix, "created": _iso(m.created_unix),
                 "library_version": m.library_version,
                 "metrics": _json_metrics({**later, **m.metrics}),
                 "metric_modes": m.metric_modes, "damaged": damaged, "error": error,
                 "metrics_error": why}
+
+
+def _on_disk(step_dir: Path, files: Mapping[str, Any]) -> tuple[int | None, list[str]]:
+    """What a step's directory holds on disk: the sizes of all its files (as ``du
+    --apparent-size`` counts them: a shard cut short, metrics.json, damaged.json, a file no
+    save wrote), and the names of those no save writes there (a core dump, a copy's
+    temporary file), which nothing removes but the step's removal. An ops trial's ``ls``
+    said 4.2 MB of a shard cut to 1 KB, and a stray 3 MB file was neither counted nor
+    told. (None, []) where the directory cannot be listed."""
+    own = {*files, MANIFEST_NAME, LATER_METRICS_NAME, commit.DAMAGED_NAME}
+    total, extra = 0, []
+    try:
+        with os.scandir(step_dir) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # (gone meanwhile)
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                if e.name not in own and not e.name.startswith(f".{LATER_METRICS_NAME}.tmp-"):
+                    extra.append(e.name)
+    except OSError:
+        return None, []
+    return total, sorted(extra)
 
 
 def _later_metrics(step_dir: Path, storage: ReadStorage) -> tuple[dict[str, float], str | None]:
@@ -673,6 +707,7 @@ def _unreadable_row(step: int | None, path: Path, error: str,
     """ls --json's row of a step whose manifest cannot be read: every key a row has (a
     script reading ``row["bytes"]`` failed on these), its values null but ``error``."""
     return {"step": step, "path": str(path), "bytes": None, "tensors": None, "files": None,
+            "disk_bytes": None, "extra_files": [],
             "created_unix": None, "created": None, "library_version": None, "metrics": None,
             "metric_modes": None, "damaged": marked or [], "error": error,
             "metrics_error": None}
