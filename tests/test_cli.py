@@ -559,6 +559,12 @@ def test_a_dcp_checkpoint_or_a_torch_save_file_is_told_apart(
     with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(
             "it holds torch.save files (a.pt, b.pt, c.pth and 1 more)? load one with")):
         asyncckpt.load(pts)
+    # both kinds in one folder: each told (a trial's was told of the safetensors alone)
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(pts / "old.safetensors"))
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match=re.escape(
+            "Hugging Face weights?), which asyncckpt.load_safetensors(path, state) loads; and "
+            "torch.save files (a.pt, b.pt, c.pth and 1 more)? load one with")):
+        asyncckpt.load(pts)
     (tmp_path / "empty").mkdir()  # and nothing is said of a directory of neither
     with pytest.raises(asyncckpt.CheckpointNotFoundError) as info:
         asyncckpt.load(tmp_path / "empty")

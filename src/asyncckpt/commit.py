@@ -392,15 +392,16 @@ def foreign_hint(path: Path, names: Sequence[str] | None = None) -> str:
         return (f"; a torch.save file ({path.suffix})? load it with torch.load(path, "
                 "weights_only=True), then save the state with asyncckpt.save")
     if names is not None and MANIFEST_NAME not in names:
+        # (each kind there: a trial's folder of old .pt files and a safetensors file was
+        # told of the safetensors file alone)
         plain = sorted(n for n in names if n.endswith(".safetensors"))
-        if plain:
-            return (f"; it holds plain safetensors files ({few(plain, 3)}; Hugging Face "
-                    "weights?), which asyncckpt.load_safetensors(path, state) loads")
         saved = sorted(n for n in names if Path(n).suffix in _TORCH_SAVE_SUFFIXES)
-        if saved:
-            return (f"; it holds torch.save files ({few(saved, 3)})? load one with "
-                    "torch.load(file, weights_only=True), then save the state with "
-                    "asyncckpt.save")
+        told = ([f"plain safetensors files ({few(plain, 3)}; Hugging Face weights?), which "
+                 "asyncckpt.load_safetensors(path, state) loads"] if plain else []) + (
+            [f"torch.save files ({few(saved, 3)})? load one with torch.load(file, "
+             "weights_only=True), then save the state with asyncckpt.save"] if saved else [])
+        if told:
+            return "; it holds " + "; and ".join(told)
     return ""
 
 
