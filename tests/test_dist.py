@@ -1311,6 +1311,25 @@ def test_a_rank_that_forgot_its_shards_is_told_so(tmp_path: Path) -> None:
                 "rank 1 a plain tensor, taken as the whole") in msg, msg
 
 
+def test_ranks_of_different_plain_tensors_at_one_path_are_told_to_part_them(
+        tmp_path: Path) -> None:
+    """A distributed trial: each rank's own EMA tensor at one path, of another shape on
+    one rank, was told "ranks 0 and 1 disagree on tensor 'ema': float32 [4] vs float32
+    [5]", with nothing of what to do (the warning of differing values says it)."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> str:
+        with _synced(tmp_path, store, r) as ck:
+            with pytest.raises(CheckpointConfigError) as ei:
+                ck.save({"ema": torch.ones(4 + r)}, step=1)
+            return str(ei.value)
+
+    for msg in in_threads(rank).values():
+        assert "disagree on tensor 'ema': float32 [4] vs float32 [5]; a plain tensor at one " \
+            "path on every rank is taken as one replicated tensor: give each rank's own " \
+            "value a path of its own" in msg, msg
+
+
 def test_a_rank_given_by_hand_without_a_store_is_told_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(CheckpointConfigError, match=r"call torch\.distributed\."
                                                     r"init_process_group first, or pass store="):
