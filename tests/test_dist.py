@@ -2597,3 +2597,21 @@ def test_a_store_whose_host_is_lost_is_asked_no_more() -> None:
     other = LosableStore(dist.HashStore())
     other.set("k", "v")
     assert other.get("k") == b"v" and other.lost is None
+
+
+def test_a_gap_between_hand_declared_shards_names_the_ranks_boxes() -> None:
+    """A distributed trial's last rank declared a shard a row short: the error named the
+    missing rows, not whose box stopped short of them (a DTensor's error names ranks)."""
+    from asyncckpt.dist import _check_coverage
+    from asyncckpt.manifest import Chunk, FileEntry
+
+    files = {f"rank_{r:05d}.safetensors": FileEntry(f"rank_{r:05d}.safetensors", 0, r, 0, "")
+             for r in range(3)}
+    chunks = [Chunk(f"rank_{r:05d}.safetensors", "w", (o, 0), (n, 4), (0, 0), ())
+              for r, (o, n) in enumerate([(0, 4), (4, 3), (7, 2)])]
+    with pytest.raises(CheckpointSaveError) as info:
+        _check_coverage("w", (10, 4), chunks, files=files, ranks=[0, 1, 2])
+    said = str(info.value)
+    assert "no chunk holds indices 9..9 along dimension 0" in said, said
+    assert ("the ranks' boxes: rank 0 at offsets [0, 0], lengths [4, 4]; rank 1 at offsets "
+            "[4, 0], lengths [3, 4]; rank 2 at offsets [7, 0], lengths [2, 4]") in said, said

@@ -1532,6 +1532,12 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk],
                         f"the ranks that wrote none of it ({few(list(map(str, silent)), 8)}) "
                         "leave it out of its state, or hold something else at its path? (a "
                         "DTensor must be in every rank's state, at the same path)")
+            elif wrote and len(chunks) <= 8:
+                # (a distributed trial's rank that declared a shard a row short: the gap
+                # was named, not whose box stops short of it)
+                hint = "; the ranks' boxes: " + "; ".join(
+                    f"rank {files[c.file].rank} at offsets {list(c.offsets)}, lengths "
+                    f"{list(c.lengths)}" for c in chunks if c.file in files)
         raise CheckpointSaveError(
             f"tensor {key!r} of shape {list(shape)}: {problem}; every part of a tensor must be "
             f"held by exactly one box of the ranks' declared shards{hint}")
