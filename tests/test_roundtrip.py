@@ -1902,6 +1902,23 @@ def test_strict_false_names_the_saved_keys_it_leaves_unread_in_the_parts_loaded(
     with caplog.at_level("WARNING", logger="asyncckpt.loader"):  # (asked for: no word)
         asyncckpt.load(tmp_path, {"model": new}, ignore_unexpected=True)
     assert "unread" not in caplog.text
+    # (the review) a bare module as the target: its keys are the root's
+    bare = tmp_path / "bare"
+    asyncckpt.save(old, bare, step=1)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncckpt.loader"):
+        asyncckpt.load(bare, new, strict=False)
+    assert "leaves 2 saved key(s) unread, which the target lacks: 1.weight, 1.bias" in \
+        caplog.text, caplog.text
+    # ... and a nested state whose one subtree is left out whole: meant, no warning
+    nested = tmp_path / "nested"
+    asyncckpt.save({"train": {"model": old, "opt": {"x": torch.ones(2)}}}, nested, step=1)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="asyncckpt.loader"):
+        asyncckpt.load(nested, {"train": {"model": torch.nn.Sequential(
+            torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))}}, strict=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "not read (1 key(s): train/opt/x)" in caplog.text
 
 
 def test_a_target_of_another_dtype_or_on_meta_is_told_what_works(tmp_path: Path) -> None:

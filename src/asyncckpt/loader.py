@@ -1392,16 +1392,21 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                        f"key(s) the checkpoint does not hold as they are: {few(missing)}")
         if skipped_unexpected and not ignore_unexpected and not hint:
             # (a trial's model with a layer removed: the saved layer was dropped without a
-            # word, where the missing side was warned of) Said of the parts the target
-            # holds; a part left out whole (the model alone of a training state) is meant.
-            held = {p.split("/", 1)[0] for p in target.refs}
-            unread = [p for p in skipped_unexpected if p.split("/", 1)[0] in held]
+            # word, where the missing side was warned of) Said of keys whose parent the
+            # target holds (a module, an object, a dict with tensors: the root too, a bare
+            # module's); a part left out whole (the optimizer of {"model": model}, a
+            # subtree of a nested state) is meant.
+            nodes = {"", *target.statefuls}
+            for p in target.refs:
+                parts = p.split("/")
+                nodes.update("/".join(parts[:i]) for i in range(1, len(parts)))
+            unread = [p for p in skipped_unexpected if p.rpartition("/")[0] in nodes]
             if unread:
                 skipped = ((skipped + "; it also" if skipped else
                             f"loading {step_dir} with strict=False") +
                            f" leaves {len(unread)} saved key(s) unread, which the target "
                            f"lacks: {few(unread)}")
-            left_out = [p for p in skipped_unexpected if p.split("/", 1)[0] not in held]
+            left_out = [p for p in skipped_unexpected if p.rpartition("/")[0] not in nodes]
             if left_out:
                 log.info("loading %s with strict=False: the parts the target leaves out are "
                          "not read (%d key(s): %s)", step_dir, len(left_out), few(left_out, 3))
