@@ -1856,7 +1856,11 @@ def _best_step(args: argparse.Namespace, root: Path,
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
         # (an ops trial: a step's damaged metrics.json dropped it out of --best unsaid but
         # on stderr; export --best exported another step, exit 0)
-        lost = sorted(ckpt._metrics.unreadable(ckpt.steps()))
+        # (not those whose save recorded the metric itself: a later record cannot change
+        # it, the review)
+        lost = sorted(s for s in ckpt._metrics.unreadable(ckpt.steps())
+                      if args.best not in (ckpt._metrics._saved(root, s, ckpt.storage)[0]
+                                           or {}))
         if lost and unranked is not None:
             unranked += lost
         elif lost:
