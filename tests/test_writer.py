@@ -281,6 +281,7 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     job = SimpleNamespace(ctx=SimpleNamespace(distributed=True, is_coordinator=False, rank=1,
                                               timeout_s=60.0),
                           keep_last=2, removals=None, root=tmp_path, plan=plan, step=7,
+                          keep_every=None, keep_best=None, damaged=set(),
                           storage=LocalStorage(), progress=SimpleNamespace(failed=False),
                           pulse=SimpleNamespace(stopped=lambda: aborted[0] is not None,
                                                 every_s=0.05))
@@ -326,6 +327,13 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     t0 = time.monotonic()
     writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 0.2
+    # ... nor where keep_every keeps the one beyond keep_last (the review: counting the
+    # steps alone, every save of such a group still waited)
+    job.keep_last, job.keep_every = 2, 1
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.2
+    job.keep_every = None
     # without keep_last nothing will free room: no wait at all
     job.keep_last = None
     t0 = time.monotonic()

@@ -712,13 +712,15 @@ class KeepBest:
         that save (as the settings now rank)."""
         return self._before[0]
 
-    def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
-               damaged: Collection[int] = (), *, leave_out: int | None = None) -> set[int]:
-        """The ``count`` best of ``steps`` (every committed step) ranked among the steps
-        not ``damaged``: a damaged best one takes no intact step's place. It is spared as
-        well while it ranks among the best of all (a mark may be wrong: a passing read
-        error), and goes once others rank above it. Remembered (``spared_before``), with
-        the best but ``leave_out`` (``best_without_own``), from the same scores."""
+    def would_spare(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+                    damaged: Collection[int] = ()) -> set[int]:
+        """What ``spared`` would spare, remembering nothing (a rank but the coordinator
+        asks, to know whether the coordinator may remove steps before a save)."""
+        return self._pick(root, storage, steps, damaged)[0]
+
+    def _pick(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+              damaged: Collection[int]) -> tuple[set[int], Ranking, dict[int, float],
+                                                 set[int]]:
         steps = list(steps)
         mm = self.metric_mode
         ranking = Ranking(mm.metric, mm.get(root, storage, steps))
@@ -727,6 +729,16 @@ class KeepBest:
         intact = {s: v for s, v in scores.items() if s not in damaged}
         out = (set(ranking.best(intact, self.count)) | set(ranking.best(scores, self.count))
                | unreadable)
+        return out, ranking, scores, unreadable
+
+    def spared(self, root: Path, storage: ReadStorage, steps: Iterable[int],
+               damaged: Collection[int] = (), *, leave_out: int | None = None) -> set[int]:
+        """The ``count`` best of ``steps`` (every committed step) ranked among the steps
+        not ``damaged``: a damaged best one takes no intact step's place. It is spared as
+        well while it ranks among the best of all (a mark may be wrong: a passing read
+        error), and goes once others rank above it. Remembered (``spared_before``), with
+        the best but ``leave_out`` (``best_without_own``), from the same scores."""
+        out, ranking, scores, unreadable = self._pick(root, storage, steps, damaged)
         self._last[0] = out
         if leave_out is not None:
             self._before[0] = set(ranking.best(

@@ -1032,16 +1032,21 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
 
 
 def _removable_before(job: SaveJob) -> bool:
-    """Whether rank 0 may remove steps before this save commits: only where more steps
-    are committed than keep_last keeps (a restart with a lower keep_last). Its retention
-    of the steps this save lets go of runs after the commit, which this rank's write comes
-    before (a trial's keep_last=1 group on a nearly full disk: each rank but 0 waited 10 s
-    at every save for removals that could not come)."""
+    """Whether rank 0 may remove steps before this save commits: only those its retention
+    lets go of among the steps there now (a restart with a lower keep_last), as it picks
+    them before a save (keep_every's and keep_best's kept). Its retention of the steps
+    this save lets go of runs after the commit, which this rank's write comes before (a
+    trial's keep_last=1 group on a nearly full disk: each rank but 0 waited 10 s at every
+    save for removals that could not come). Asked only when short of room."""
+    best = job.keep_best
     try:
-        steps = commit.committed_steps(job.root, job.storage, skip_denied=True)
-    except (CheckpointError, OSError):
+        return bool(commit.doomed_steps(
+            job.root, job.keep_last, job.storage, protect=job.step, keep_every=job.keep_every,
+            spare=None if best is None else functools.partial(best.would_spare, job.root,
+                                                              job.storage),
+            damaged=job.damaged))
+    except Exception:
         return True  # (cannot tell: watch, as before)
-    return job.keep_last is not None and len(steps) > job.keep_last
 
 
 def _free_if_short(job: SaveJob) -> int | None:
