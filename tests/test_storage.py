@@ -337,7 +337,43 @@ def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
     # (an ops trial's read-only copy, where nothing saves, was told of "the process saving
     # there")
     assert "the process saving there" not in caplog.text, caplog.text
+    assert "no mark records them, so a later checkpointer's keep_last counts them" in \
+        caplog.text, caplog.text
     assert secret.read_text() == "hunter2 is the password"
+
+
+def test_a_mark_refused_by_a_lock_another_process_holds_names_that_process(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) An evaluator run as another user beside its trainer cannot open the lock
+    file for writing: that must not read as a copy where nothing saves."""
+    import logging
+
+    import asyncckpt
+    from asyncckpt.storage import DirectoryLock
+
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.full((1024,), 1.0)}, step=1)
+        ckpt.save({"w": torch.full((1024,), 2.0)}, step=2)
+    shard = tmp_path / "step_000000002" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fd = os.open(tmp_path / DirectoryLock.NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the trainer's)
+
+        def denied(self: DirectoryLock, *a: Any, **k: Any) -> bool:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(DirectoryLock, "acquire", denied)
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert asyncckpt.load(tmp_path, fallback=True)["w"][0].item() == 1.0
+        assert "the process saving there does not know of them" in caplog.text, caplog.text
+        assert DirectoryLock(tmp_path).held_by_another() is True
+    finally:
+        os.close(fd)
+    assert DirectoryLock(tmp_path).held_by_another() is False
 
 
 def test_a_fifo_named_like_a_temporary_directory_is_left_and_never_opened(

@@ -2760,7 +2760,10 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
     # them, which the warning said it did not: a trial)
     # (not where the lock could not be taken at all: an ops trial's read-only copy, where
     # nothing saves, was told of "the process saving there")
-    elsewhere = marks and bool(unmarked) and not owned and not taken and refused is None
+    # (nor where another user's lock file cannot be opened for writing, but is held: an
+    # evaluator beside its trainer, run as another user, is told of the trainer: review)
+    elsewhere = marks and bool(unmarked) and not owned and not taken and (
+        refused is None or lock.held_by_another() is True)
     log.warning(
         "rank=%d: step(s) %s under %s failed their checks and stay on disk (for a look)%s; "
         "%s. To save a step older than them, or to remove them now: %s", rank, steps,
@@ -2772,5 +2775,7 @@ def note_damaged(directory: Path, storage: Storage, new: list[tuple[int, str]],
         "the process saving there does not know of them: its keep_last goes on counting "
         "them, and keep_best ranking them; run 'asyncckpt verify' there, or load with "
         "fallback=True in that process" if elsewhere else
+        "no mark records them, so a later checkpointer's keep_last counts them until a "
+        "load that can write there marks them" if marks and unmarked else
         "keep_last does not count them, and removes them once older than the steps it keeps",
         remedy)

@@ -382,6 +382,27 @@ class DirectoryLock:
                     return True
         return False
 
+    def held_by_another(self) -> bool | None:
+        """Whether another process holds the lock, by a look that takes nothing (a shared
+        flock, tried and dropped at once: it needs read access only, as on a read-only
+        copy or another user's root); None where that cannot be told."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # (drops the shared lock, if it was taken)
+        return False
+
     def holder(self) -> str:
         """The pid the holder wrote (its first line: a writer that did not truncate
         leaves the end of a longer pid behind it)."""
