@@ -1597,3 +1597,17 @@ def test_an_accuracy_ranked_by_the_default_least_value_is_warned_of_before_it_co
         c.save(_state(2), 2, metrics={"acc": 2.0})
         assert c.best_step() == 2
     assert "ranks by the least" not in caplog.text
+
+
+def test_metric_names_are_read_by_their_words_not_inside_others() -> None:
+    """(review) The name rules that warn at a first save matched inside other words:
+    "iou" in "previous", "r2" in "layer2", "win" in "window"."""
+    from asyncckpt.best import reads_greater_is_better, reads_less_is_better
+
+    for name in ("val_acc", "valAcc", "accuracy", "top1", "f1", "mAP", "val_iou", "win_rate",
+                 "eval/score", "val_r2"):
+        assert reads_greater_is_better(name) and not reads_less_is_better(name), name
+    for name in ("previous", "layer2", "window", "power"):
+        assert not reads_greater_is_better(name) and not reads_less_is_better(name), name
+    for name in ("val_loss", "top1_err", "ValError", "val_ppl", "acc_loss"):
+        assert reads_less_is_better(name) and not reads_greater_is_better(name), name

@@ -1287,7 +1287,7 @@ def test_serve_warns_once_when_its_step_is_removed_while_served(
     assert err.count("was removed") == 1, err
     assert (f"step 30 was removed from {root} while served (a saver's keep_last?): it is "
             "still served, from its files held open, whose ") in err, err
-    assert "KiB of disk stay in use" in err
+    assert "KiB of disk space stays in use" in err
 
 
 def test_serve_checks_its_step_while_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:

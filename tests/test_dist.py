@@ -1328,6 +1328,19 @@ def test_ranks_of_different_plain_tensors_at_one_path_are_told_to_part_them(
         assert "disagree on tensor 'ema': float32 [4] vs float32 [5]; a plain tensor at one " \
             "path on every rank is taken as one replicated tensor: give each rank's own " \
             "value a path of its own" in msg, msg
+    # (review) one shape, two dtypes: a cast on one rank, not per-rank values
+    store2 = dist.HashStore()
+
+    def cast(r: int) -> str:
+        with _synced(tmp_path / "cast", store2, r) as ck:
+            with pytest.raises(CheckpointConfigError) as ei:
+                ck.save({"ema": torch.ones(4, dtype=torch.bfloat16 if r else torch.float32)},
+                        step=1)
+            return str(ei.value)
+
+    for msg in in_threads(cast).values():
+        assert msg.endswith("float32 [4] vs bfloat16 [4]; every rank must hold it in one "
+                            "dtype (a cast on one rank?)"), msg
 
 
 def test_a_rank_given_by_hand_without_a_store_is_told_what_to_pass(tmp_path: Path) -> None:

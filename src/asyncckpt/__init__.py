@@ -293,7 +293,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
                 mark(found)
     for attempt in range(_LATEST_TRIES):
         step_dir, resolved = _resolve_step_dir(Path(path), step, storage)
-        _warn_if_marked(step_dir, storage)
+        _warn_if_marked(step_dir, storage, verify)
         try:
             return _load_from(step_dir, state, storage, strict=strict,
                               ignore_unexpected=ignore_unexpected, verify=verify,

@@ -654,22 +654,32 @@ class MetricMode:
         return first
 
 
-# Metric names that read as "greater is better", and as "less is better"
-_GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|map\b|iou|"
-                                r"top\d|reward|return|win|r2")
-_LESS_IS_BETTER = re.compile(r"loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|cer|fid|dist")
+# Metric names that read as "greater is better", and as "less is better": words at the
+# start of a part of the name (val_acc, valAcc, top1/accuracy), not inside another word
+# (the review: "iou" in "previous", "r2" in "layer2", "win" in "window")
+_GREATER_IS_BETTER = re.compile(r"(?<![a-z0-9])(acc|f1|auc|bleu|rouge|precision|recall|score|"
+                                r"map(?![a-z])|iou(?![a-z])|top\d|reward|return|"
+                                r"win(?:s|rate)?(?![a-z])|r2(?![a-z0-9]))")
+_LESS_IS_BETTER = re.compile(r"(?<![a-z0-9])(loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|"
+                             r"cer|fid|dist)")
+
+
+def _words(metric: str) -> str:
+    """``metric`` lowercased, its camelCase parts apart (valAcc: val_acc)."""
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", metric).lower()
 
 
 def reads_greater_is_better(metric: str) -> bool:
     """Whether the name ``metric`` reads as one whose greatest value is best (accuracy,
     F1, reward...) and not also as a loss or an error."""
-    name = metric.lower()
-    return bool(_GREATER_IS_BETTER.search(name)) and not _LESS_IS_BETTER.search(name)
+    names = (_words(metric), metric.lower())  # (mAP: m_ap, and map)
+    return any(_GREATER_IS_BETTER.search(n) for n in names) and not reads_less_is_better(
+        metric)
 
 
 def reads_less_is_better(metric: str) -> bool:
     """Whether the name ``metric`` reads as a loss or an error (least is best)."""
-    return bool(_LESS_IS_BETTER.search(metric.lower()))
+    return any(_LESS_IS_BETTER.search(n) for n in (_words(metric), metric.lower()))
 
 
 def _both(found: Mapping[str, Sequence[int]]) -> str:

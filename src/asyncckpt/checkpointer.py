@@ -361,6 +361,8 @@ _FSYNC_FAILED = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
 def _silent_ranks(exc: BaseException) -> set[int]:
     """The ranks other than 0 a failed save's error names as silent (dead or hung: a
     timeout's ``ranks``), which will read no verdict."""
+    if not isinstance(exc, CheckpointTimeoutError):  # (a user's error may have ranks)
+        return set()
     try:
         return {int(r) for r in getattr(exc, "ranks", ()) or ()} - {0}
     except Exception:
@@ -1554,7 +1556,7 @@ class AsyncCheckpointer:
                     self._note_damaged(damaged)
             if shared and held is not None:  # counted: is it still there?
                 commit.resolve_step_dir(self.directory, held, self.storage)
-            commit.warn_if_marked(step_dir, self.storage)
+            commit.warn_if_marked(step_dir, self.storage, verify)
             try:
                 return load_from(step_dir, state, self.storage, strict=strict,
                                  ignore_unexpected=ignore_unexpected, verify=verify,

@@ -546,8 +546,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         disk = sum(e.get("disk_bytes") or 0 for e in entries)
         _out(f"{_n(listed, 'committed step')}, "
              f"{human_bytes(total)} in all"
-             + (f" ({human_bytes(disk)} in their directories)" if disk and disk != total
-                else "")
+             + (f" ({human_bytes(disk)} in their directories)" if disk and any(
+                 e.get("extra_files") or e.get("damaged") for e in entries) else "")
              + (f"; {_n(len(unlistable), 'step directory', 'step directories')} cannot be "
                 "listed" if unlistable else ""))
     if unranked:
@@ -1697,11 +1697,12 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
     def check() -> None:
         if not told and not os.path.lexists(step_dir / MANIFEST_NAME):
             told.append(True)
+            size = f"{human_bytes(nbytes)} of " if nbytes else ""
             _to_stderr(f"asyncckpt: warning: step {step} was removed from {step_dir.parent} "
                        "while served (a saver's keep_last?): it is still served, from its "
-                       f"files held open, whose {human_bytes(nbytes)} of disk stay in use "
-                       "(unseen by ls and du) until this server stops; restart it to serve "
-                       "the newest step", flush=True)
+                       f"files held open, whose {size}disk space stays in use (unseen by ls "
+                       "and du) until this server stops; restart it to serve the newest "
+                       "step", flush=True)
     return check
 
 
@@ -1780,7 +1781,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   "verify' on it (--verify refuses to serve a step that fails)")
         served_bytes = 0
         with contextlib.suppress(OSError):  # (its files' sizes, as du counts them)
-            served_bytes = sum(e.stat().st_size for e in os.scandir(step_dir) if e.is_file())
+            served_bytes = sum(e.stat().st_size for e in os.scandir(step_dir) if e.is_file()
+                               and is_shard_file_name(e.name))  # (those it holds open)
         _serve_until(stop, _served_gone(step_dir, got, served_bytes))
     except KeyboardInterrupt:
         pass

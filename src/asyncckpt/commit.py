@@ -156,7 +156,7 @@ def committed_steps(root: Path, storage: ReadStorage,
         if not (retired or (empty and tries_left == _RELISTS_AFTER_RETIRED)) or tries_left == 0:
             break
     if no_manifest is not None:  # (in order: an ops trial's cron logs diffed noisily)
-        no_manifest += sorted(bare)
+        no_manifest += sorted(bare, key=lambda n: (step_of_dir_name(n) or 0, n))
     for name, why in cannot:  # (once, of the last listing)
         # A symlink loop, EIO (or, for a save, no permission): one entry that cannot be
         # listed must not make every save of the root fail; the others are still there.
@@ -322,8 +322,9 @@ def check_new_step(root: Path, step: int, storage: ReadStorage, *, retention: bo
             + (", and keep_last would remove the new steps before it" if retention else "")
             + ". If the later steps belong to a run you rolled back, delete them with "
             f"ckpt.discard_steps_after({step}) (or save into a new directory); if you are "
-            "bringing old checkpoints in, save them oldest step first instead (sorted by "
-            "step, not by file name), keeping the steps committed here")
+            "bringing old checkpoints in, save them oldest step first (sorted by step, not "
+            f"by file name): remove the newer ones converted already the same way, or start "
+            "again in a new directory")
     return final
 
 
@@ -827,7 +828,7 @@ def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object]
     return doc
 
 
-def warn_if_marked(step_dir: Path, storage: ReadStorage) -> None:
+def warn_if_marked(step_dir: Path, storage: ReadStorage, verify: bool = True) -> None:
     """Before a plain load of ``step_dir``: warn where a load found it damaged before
     (its damaged.json). A distributed trial's group loaded a step a fallback had marked:
     the rank whose part was intact loaded it without a word, the others failed."""
@@ -841,9 +842,10 @@ def warn_if_marked(step_dir: Path, storage: ReadStorage) -> None:
     at = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
           if isinstance(when, (int, float)) else "")
     log.warning("%s is marked damaged: a load found it damaged%s (%s: %.300s); it is loaded "
-                "as asked, every checksum checked (in a group, a rank whose part is intact "
-                "loads it while the others fail): load(..., fallback=True) takes the newest "
-                "intact step, on every rank", step_dir, at, DAMAGED_NAME, mark.get("problem"))
+                "as asked, %s (in a group, a rank whose part is intact loads it while the "
+                "others fail): load(..., fallback=True) takes the newest intact step, on "
+                "every rank", step_dir, at, DAMAGED_NAME, mark.get("problem"),
+                "every checksum checked" if verify else "its checksums NOT checked (verify=False)")
 
 
 def damaged_marks(root: Path, steps: Sequence[int], storage: ReadStorage) -> set[int]:

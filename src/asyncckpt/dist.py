@@ -166,6 +166,8 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
                     hint = (f"; rank {sharded} saves a shard of it (a DTensor, or "
                             f"shards={{{it.key!r}: ShardMetadata(...)}}), rank {plain} a plain "
                             "tensor, taken as the whole: every rank must declare its shard")
+                elif whole and seen[1] == it.global_shape:  # (one shape, two dtypes)
+                    hint = ("; every rank must hold it in one dtype (a cast on one rank?)")
                 elif whole:  # (both whole: per-rank values at one path, a distributed trial)
                     hint = ("; a plain tensor at one path on every rank is taken as one "
                             "replicated tensor: give each rank's own value a path of its "
