@@ -781,10 +781,15 @@ class BackgroundWriter:
                               durable_s=durable - job.started)
         # (one line per save at INFO, the coordinator's: a thousand ranks' would bury the
         # log; the others' at DEBUG, and every rank's timings are in its CheckpointInfo)
-        log.log(logging.INFO if ctx.is_coordinator else logging.DEBUG,
-                "rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged %.3fs, durable "
-                "%.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9, final,
-                info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
+        level = logging.INFO if ctx.is_coordinator else logging.DEBUG
+        if job.sync:  # (blocked until keep_last's removals too: known once they are done)
+            log.log(level, "rank=%d step=%d committed %.3f GB to %s (mode='sync'): staged "
+                    "%.3fs, durable %.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9,
+                    final, info.staged_s, info.durable_s, info.durable_gbps)
+        else:
+            log.log(level, "rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged "
+                    "%.3fs, durable %.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9,
+                    final, info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
         return info
 
     def _commit(self, job: SaveJob, records: list[dict[str, Any]], *,
