@@ -1045,6 +1045,11 @@ def _removable_before(job: SaveJob) -> bool:
     save for removals that could not come). Asked only when short of room."""
     best = job.keep_best
     try:
+        # (removals in flight: the last save's retention hid its steps and is removing
+        # them, which frees the room: a QA re-check's rank 1 wrote into a full disk while
+        # rank 0's slow removals ran)
+        if commit.deleting_dirs(job.root, job.storage):
+            return True
         return bool(commit.doomed_steps(
             job.root, job.keep_last, job.storage, protect=job.step, keep_every=job.keep_every,
             spare=None if best is None else functools.partial(best.would_spare, job.root,
