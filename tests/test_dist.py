@@ -2628,3 +2628,19 @@ def test_a_gap_between_hand_declared_shards_names_the_ranks_boxes() -> None:
     assert "no chunk holds indices 9..9 along dimension 0" in said, said
     assert ("the ranks' boxes: rank 0 at offsets [0, 0], lengths [4, 4]; rank 1 at offsets "
             "[4, 0], lengths [3, 4]; rank 2 at offsets [7, 0], lengths [2, 4]") in said, said
+
+
+def test_rank_0_timed_out_on_a_rank_that_never_came_says_nothing_was_committed(
+        tmp_path: Path) -> None:
+    """A QA re-check: a rank dead before a save left rank 0 timed out on "the save plans"
+    with nothing of the step not being committed nor what to do (the others' errors and
+    rank 0's at the shard files say it)."""
+    store = dist.HashStore()
+    with _synced(tmp_path, store, 0, timeout_s=1.0) as ck, pytest.raises(
+            asyncckpt.CheckpointTimeoutError) as info:
+        ck.save({"w": torch.ones(2)}, step=1)
+    said = str(info.value)
+    assert "rank(s) [1]" in said and said.endswith(
+        "step 1 was not started, nothing committed (the steps committed before it are "
+        "intact): restart the group without the silent rank(s), or wait for them"), said
+    assert info.value.ranks == (1,)

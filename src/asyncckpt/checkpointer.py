@@ -2168,7 +2168,12 @@ class AsyncCheckpointer:
             got = ctx.gather((tag, "layout"), f"the save plans of step {step}",
                              look=lambda ranks: ctx.refuse_saving_elsewhere(ranks, step))
         except CheckpointTimeoutError as exc:
-            err = CheckpointTimeoutError(f"{exc}{ctx.why_absent(exc.ranks, self._seq)}")
+            # (not committed, as the others say, and what to do: a QA re-check's rank 0,
+            # its peer dead before this save, was told neither)
+            err = CheckpointTimeoutError(
+                f"{exc}{ctx.why_absent(exc.ranks, self._seq)}; step {step} was not started, "
+                "nothing committed (the steps committed before it are intact): restart the "
+                "group without the silent rank(s), or wait for them")
             err.ranks = exc.ranks
             raise err from exc
         self._skipped_by_me(step, got)
