@@ -2644,3 +2644,19 @@ def test_rank_0_timed_out_on_a_rank_that_never_came_says_nothing_was_committed(
         "step 1 was not started, nothing committed (the steps committed before it are "
         "intact): restart the group without the silent rank(s), or wait for them"), said
     assert info.value.ranks == (1,)
+
+
+def test_a_long_wait_looks_for_refusals_every_few_slices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI run: rank 0's wait for the save plans looked for a refusal the other rank had
+    posted only at slices 1, 2, 4, 8, 16, 32 (seconds): it read it after 32 s, and the
+    test's rank hung. The looks go on every 4th slice once past the 8th."""
+    import asyncckpt.dist as dist_mod
+
+    monkeypatch.setattr(dist_mod, "_SLICE_S", 0.05)
+    ctx = _ctx(timeout_s=1.2)  # (24 slices)
+    looked: list[float] = []
+    with pytest.raises(asyncckpt.CheckpointTimeoutError):
+        ctx.wait_keys({1: ctx.key("s1", "never", 1)}, "a key never posted",
+                      look=lambda ranks: looked.append(time.monotonic()))
+    assert len(looked) >= 7, looked  # (1, 2, 4, 8, 12, 16, 20: doubling had 5)

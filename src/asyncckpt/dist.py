@@ -194,6 +194,8 @@ _LEDGER_LOCK = threading.Lock()
 # waits nobody sits behind, five times less often): with thousands of ranks polling the
 # coordinator's Store, each poll counts.
 _POLL_MAX_S = 0.02
+_SLICE_S = 1.0  # wait_keys asks for its keys in slices of at most this
+_LOOK_EVERY_MAX = 4  # wait_keys' look: at least every this many slices
 _PROCESS: tuple[int, str] = (0, "")
 
 
@@ -807,7 +809,8 @@ class DistContext:
         The keys are asked for in slices of at most a second: after each, ``cancelled``
         is asked, and ``stop`` about each key that arrived meanwhile: when it says yes,
         the wait ends early and returns True. ``look`` is shown the ranks still waited
-        for after slices 1, 2, 4, 8... (a few Store reads in a long wait), and may raise.
+        for after slices 1, 2, 4, 8, then every 4th (a few Store reads in a long wait),
+        and may raise.
 
         With ``pulse`` (the save's), this rank beats while it waits, the wait ends with
         the other ranks' abort, and the timeout counts from the last progress of the
@@ -819,10 +822,10 @@ class DistContext:
         deadline = time.monotonic() + timeout
         # The baseline of the counts is taken after the first slice: it must end well
         # before the deadline, or a count that moves in between is never seen to.
-        first_slice = min(1.0, timeout / 2)
+        first_slice = min(_SLICE_S, timeout / 2)
         # A waiting rank beats once a slice: with a pulse, slices as short as its beats,
         # or a rank waiting on this one could see it silent for a whole timeout_s
-        slice_s = 1.0 if pulse is None else min(1.0, pulse.every_s)
+        slice_s = _SLICE_S if pulse is None else min(_SLICE_S, pulse.every_s)
         first_slice = min(first_slice, slice_s)
         pending = dict(keys)
         baseline = False
@@ -860,7 +863,9 @@ class DistContext:
                     return True
             slices += 1
             if look is not None and pending and slices == next_look:
-                next_look *= 2
+                # (1, 2, 4, 8, then every 4th: a refusal another rank posted is read within
+                # seconds; doubling for ever, a CI run's rank 0 read it after 32 s)
+                next_look += min(next_look, _LOOK_EVERY_MAX)
                 with self._store_errors(f"waiting for {what}", error):
                     look(sorted(pending))
             if pulse is not None and not baseline and pending:
