@@ -1255,6 +1255,15 @@ def test_the_cli_says_when_the_best_it_takes_is_nan(
         "outranks" in got.err, got.err
     assert main(["ls", str(tmp_path / "inf"), "--best", "loss", "--max"]) == 0
     assert "outranks" not in capsys.readouterr().err  # (+inf/-inf ranked last: no word)
+    # every step's +inf, ranked by the least: the worst there is (a QA re-check: told
+    # "no finite value outranks" it)
+    with AsyncCheckpointer(tmp_path / "allinf", mode="sync") as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step, metrics={"loss": INF})
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "allinf"), "--best", "loss"]) == 0
+    err = capsys.readouterr().err
+    assert "outranks" not in err and "its loss is inf, as is (or NaN) every step's" in err, err
 
 
 def test_a_refused_best_mode_is_raised_before_anything_is_staged_or_removed(

@@ -4783,3 +4783,21 @@ def test_a_step_older_than_those_committed_is_told_to_go_in_oldest_first(
     assert "save them oldest step first (sorted by step, not by file name): remove the " \
         "newer ones converted already" in said
     assert asyncckpt.AsyncCheckpointer(tmp_path).steps() == [60]
+
+
+def test_a_step_whose_damage_mark_cannot_be_read_is_not_said_marked(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A QA re-check: a step directory this user may not search (no damaged.json in it)
+    was warned of as 'marked damaged: a load found it damaged'."""
+    from asyncckpt import commit
+
+    class Unsearchable(asyncckpt.storage.LocalStorage):
+        def read_bytes(self, path: Path, limit: int) -> bytes:
+            if path.name == commit.DAMAGED_NAME:
+                raise PermissionError(13, "Permission denied")
+            return super().read_bytes(path, limit)
+
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        commit.warn_if_marked(tmp_path / "step_000000001", Unsearchable())
+    assert "marked damaged" not in caplog.text

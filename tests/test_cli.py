@@ -109,8 +109,16 @@ def test_ls_says_what_a_step_s_directory_holds_on_disk(
     assert code == 1 and row["damaged"], out
     assert row["disk_bytes"] == sum(p.stat().st_size for p in step.iterdir())
     code, out, _ = run(capsys, "ls", str(root))
-    assert "1 file no save wrote: core.1234" in out, out
+    assert "1 entry no save wrote: core.1234" in out, out
     assert "in their directories)" in out, out
+    # a subdirectory's files count too, as du counts them (a QA re-check: left out)
+    (step / "sub").mkdir()
+    (step / "sub" / "x").write_bytes(b"y" * 5000)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = {r["step"]: r for r in json.loads(out)["steps"]}[20]
+    assert row["extra_files"] == ["core.1234", "sub/"], row
+    assert row["disk_bytes"] == 5000 + sum(p.stat().st_size for p in step.iterdir()
+                                           if p.is_file()), row
 
 
 def test_steps_without_their_manifest_are_listed_in_order(
@@ -1288,6 +1296,24 @@ def test_serve_warns_once_when_its_step_is_removed_while_served(
     assert (f"step 30 was removed from {root} while served (a saver's keep_last?): it is "
             "still served, from its files held open, whose ") in err, err
     assert "KiB of disk space stays in use" in err
+    # a step saved anew meanwhile (a rollback, then the step again): stale, told
+    checks.clear()
+
+    def saved_anew(stop: Any, check: Any = None) -> None:
+        check()
+        with asyncckpt.AsyncCheckpointer(root) as ck:
+            assert ck.discard_steps_after(10) == [20]
+            ck.save({"w": torch.ones(3)}, step=20)
+        check()
+        check()
+        checks.append(check)
+
+    monkeypatch.setattr(cli, "_serve_until", saved_anew)
+    code, out, err = run(capsys, "serve", str(root), "--json")
+    assert code == 0 and checks and json.loads(out)["step"] == 20, (out, err)
+    assert err.count("was saved anew while served") == 1, err
+    assert f"step 20 under {root} was saved anew while served (a rollback, then that " \
+        "step again?)" in err and "was removed" not in err, err
 
 
 def test_serve_checks_its_step_while_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1327,7 +1327,8 @@ def test_ranks_of_different_plain_tensors_at_one_path_are_told_to_part_them(
     for msg in in_threads(rank).values():
         assert "disagree on tensor 'ema': float32 [4] vs float32 [5]; a plain tensor at one " \
             "path on every rank is taken as one replicated tensor: give each rank's own " \
-            "value a path of its own" in msg, msg
+            "value a path of its own (e.g. under the rank: f'ema_rank{rank}'), or declare " \
+            "the sharding (a DTensor, or shards={'ema': ShardMetadata(...)})" in msg, msg
     # (review) one shape, two dtypes: a cast on one rank, not per-rank values
     store2 = dist.HashStore()
 

@@ -527,7 +527,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                    if metrics else []),
                  ", ".join((["latest"] if e["step"] == latest else [])
                            + ([f"best {_shown(args.best)}"] if e["step"] == best else [])
-                         + ([_shown(f"{_n(len(e['extra_files']), 'file')} no save wrote: "
+                         + ([_shown(f"{_n(len(e['extra_files']), 'entry', 'entries')} no "
+                                    "save wrote: "
                                     f"{', '.join(e['extra_files'][:3])}"
                                     f"{' and more' if len(e['extra_files']) > 3 else ''}")]
                             if e["extra_files"] else [])
@@ -681,11 +682,14 @@ def _on_disk(step_dir: Path, files: Mapping[str, Any]) -> tuple[int | None, list
                     continue  # (gone meanwhile)
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
+                elif stat.S_ISDIR(st.st_mode):  # (what it holds, as du counts it: a QA
+                    total += _tree_bytes(Path(e.path))  # re-check's 3 MB subdirectory)
                 if e.name not in own and not e.name.startswith(f".{LATER_METRICS_NAME}.tmp-"):
-                    extra.append(e.name)
+                    extra.append(e.name + ("/" if stat.S_ISDIR(st.st_mode) else ""))
     except OSError:
         return None, []
     return total, sorted(extra)
+
 
 
 def _later_metrics(step_dir: Path, storage: ReadStorage) -> tuple[dict[str, float], str | None]:
@@ -1693,9 +1697,29 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
     (an ops trial: its files, held open, kept their disk space, which neither ls nor du
     showed, unsaid)."""
     told: list[bool] = []
+    try:
+        served = os.stat(step_dir / MANIFEST_NAME)
+        ident: tuple[int, int] | None = (served.st_dev, served.st_ino)
+    except OSError:
+        ident = None
 
     def check() -> None:
-        if not told and not os.path.lexists(step_dir / MANIFEST_NAME):
+        if told:
+            return
+        try:
+            now = os.stat(step_dir / MANIFEST_NAME)
+            anew = ident is not None and (now.st_dev, now.st_ino) != ident
+        except OSError:
+            now, anew = None, False
+        if anew:  # (a QA re-check: a rollback, then the step saved anew, went on being
+            # served as it was, stale, under its number, unsaid)
+            told.append(True)
+            _to_stderr(f"asyncckpt: warning: step {step} under {step_dir.parent} was saved "
+                       "anew while served (a rollback, then that step again?): this server "
+                       "still serves the step as it was when it started; restart it to "
+                       "serve the new one", flush=True)
+            return
+        if now is None:
             told.append(True)
             size = f"{human_bytes(nbytes)} of " if nbytes else ""
             _to_stderr(f"asyncckpt: warning: step {step} was removed from {step_dir.parent} "
@@ -1881,10 +1905,16 @@ def _best_step(args: argparse.Namespace, root: Path,
     if value is not None and math.isnan(value):  # (NaN ranks last: so every one is NaN)
         _warn(f"--best {args.best}: step {best} is taken, but its {args.best} is NaN, as is "
               "every step's that recorded it (a diverged run, or a broken evaluation?)")
-    elif value is not None and math.isinf(value):  # (it ranks first: -inf of a loss)
-        _warn(f"--best {args.best}: step {best} is taken, and its {args.best} is {value}, "
-              "which no finite value outranks (a diverged run, or a broken evaluation?): "
-              "check it before you use it, or name another step with --step")
+    elif value is not None and math.isinf(value):
+        ranked = asked or recorded or "min"
+        if (value < 0) == (ranked == "min"):  # (it ranks first: -inf of a loss)
+            _warn(f"--best {args.best}: step {best} is taken, and its {args.best} is "
+                  f"{value}, which no finite value outranks (a diverged run, or a broken "
+                  "evaluation?): check it before you use it, or name another step with --step")
+        else:  # (the worst there is, taken: every step's is so, or NaN)
+            _warn(f"--best {args.best}: step {best} is taken, but its {args.best} is "
+                  f"{value}, as is (or NaN) every step's that recorded it (a diverged run, "
+                  "or a broken evaluation?)")
     if best is not None and asked is not None and recorded is not None and (
             asked not in modes):
         _warn(f"--best {args.best} --{asked} ranks by the {MODE_WORDS[asked]} value (step {best}), "

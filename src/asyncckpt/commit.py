@@ -836,8 +836,8 @@ def warn_if_marked(step_dir: Path, storage: ReadStorage, verify: bool = True) ->
         mark = read_damaged_mark(step_dir, storage)
     except Exception:  # (a warning's look: never in the load's way)
         return
-    if mark is None:
-        return
+    if mark is None or str(mark.get("problem", "")).startswith(f"{DAMAGED_NAME} cannot be read"):
+        return  # (none, or none known: a step directory this user may not search is no mark)
     when = mark.get("found_unix")
     at = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
           if isinstance(when, (int, float)) else "")

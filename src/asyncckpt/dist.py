@@ -171,9 +171,9 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
                 elif whole:  # (both whole: per-rank values at one path, a distributed trial)
                     hint = ("; a plain tensor at one path on every rank is taken as one "
                             "replicated tensor: give each rank's own value a path of its "
-                            "own (e.g. under the rank: f'ema_rank{rank}'), or declare the "
-                            f"sharding (a DTensor, or shards={{{it.key!r}: "
-                            "ShardMetadata(...)}})")
+                            f"own (e.g. under the rank: f'{it.key}_rank{{rank}}'), or "
+                            f"declare the sharding (a DTensor, or shards={{{it.key!r}: "
+                            "ShardMetadata(...)})")
                 raise CheckpointConfigError(
                     f"ranks {seen[2]} and {rank} disagree on tensor {it.key!r}: "
                     f"{seen[0]} {list(seen[1])} vs {it.dtype} {list(it.global_shape)}{hint}")
