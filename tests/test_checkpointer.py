@@ -4801,3 +4801,30 @@ def test_a_step_whose_damage_mark_cannot_be_read_is_not_said_marked(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         commit.warn_if_marked(tmp_path / "step_000000001", Unsearchable())
     assert "marked damaged" not in caplog.text
+
+
+def test_prepare_with_an_optimizer_that_has_no_state_yet_says_when_to_call_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A perf trial called prepare() at start-up, as the README shows, before its AdamW's
+    first step: the buffer was sized without the moments, and the first save after the
+    step allocated again, its hint repeating "call prepare() at start-up"."""
+    import asyncckpt.checkpointer as ck_mod
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": opt}
+    monkeypatch.setattr(ck_mod, "_PREPARE_HINT_S", 0.0)  # (every allocation hinted)
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        ck.prepare(state, background=False)
+        assert "prepare(): the optimizer at 'optim' has no state yet" in caplog.text
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        caplog.clear()
+        ck.save(state, step=1)
+        assert "the state grew since prepare(): an optimizer makes its state at its first " \
+            "step, so call prepare() after that step" in caplog.text, caplog.text
+        caplog.clear()
+        ck.prepare(state, background=False)  # (after the step: nothing to say)
+    assert "has no state yet" not in caplog.text

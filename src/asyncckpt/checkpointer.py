@@ -452,6 +452,7 @@ class AsyncCheckpointer:
         self._transports: list[Any] = []
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
+        self._prepared = False  # prepare() was called (the allocation hint says so)
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
@@ -705,7 +706,8 @@ class AsyncCheckpointer:
             plan = self._plan_for(tensors)
             allocating = time.perf_counter()
             arena = self._arena_for(plan, save=True)  # may fail: e.g. out of (pinned) memory
-            _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating)
+            _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating,
+                          self._prepared)
         except BaseException as exc:
             if ctx.is_coordinator and not had_lock and self._lock.held and (
                     self._pending is None or self._pending.done()):
@@ -832,6 +834,17 @@ class AsyncCheckpointer:
             self._take_lock()
         flat = flatten(state)  # on this thread: state_dict() calls stay here
         apply_shards(flat, shards)
+        # (a perf trial's prepare() at start-up, its AdamW not stepped yet, sized a 96 MiB
+        # buffer; the first save after the step made one of 308 MiB, 0.5 s blocked)
+        stateless = [p or "<root>" for p, (obj, _) in flat.statefuls.items()
+                     if isinstance(obj, torch.optim.Optimizer) and not obj.state
+                     and any(g["params"] for g in obj.param_groups)]
+        if stateless:
+            log.warning("prepare(): the optimizer at %s has no state yet (it makes it at its "
+                        "first step): the host buffer is sized without it, and the first "
+                        "save after that step allocates again; call prepare() after the "
+                        "first optimizer.step()", ", ".join(map(repr, stateless[:3])))
+        self._prepared = True
         pending = self._pending
         if pending is not None and not pending.done() and self.config.on_busy == "error":
             raise CheckpointInFlightError(
@@ -2673,12 +2686,15 @@ def fill_extras(extras: Extras, after: Mapping[torch.device, Any] | None = None)
 _PREPARE_HINT_S = 0.25
 
 
-def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float) -> None:
+def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float,
+                  prepared: bool = False) -> None:
     if seconds >= _PREPARE_HINT_S:
         log.info("rank=%d step=%d: allocating the %.2f GB host buffer took %.2fs of this "
-                 "save's blocked time (a first save, or a grown state); ckpt.prepare(state) "
-                 "at start-up allocates it in the background", rank, step,
-                 plan.padded_bytes / 1e9, seconds)
+                 "save's blocked time (%s", rank, step, plan.padded_bytes / 1e9, seconds,
+                 "the state grew since prepare(): an optimizer makes its state at its "
+                 "first step, so call prepare() after that step)" if prepared else
+                 "a first save, or a grown state); ckpt.prepare(state) at start-up "
+                 "allocates it in the background")
 
 
 def _refuse_partial_shards(flat: FlatState, shards: Mapping[str, ShardMetadata]) -> None:
