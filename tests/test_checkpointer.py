@@ -4828,3 +4828,20 @@ def test_prepare_with_an_optimizer_that_has_no_state_yet_says_when_to_call_it(
         caplog.clear()
         ck.prepare(state, background=False)  # (after the step: nothing to say)
     assert "has no state yet" not in caplog.text
+
+
+def test_a_rollback_to_a_step_not_committed_is_warned_of_naming_what_goes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A perf trial's discard_steps_after(0), its step 0 long removed by keep_last, deleted
+    its only step, said at INFO alone."""
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck:
+        for s in (30, 40):
+            ck.save({"w": torch.ones(2)}, step=s)
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            assert ck.discard_steps_after(30) == [40]  # (a committed step: as asked)
+            assert "is not committed" not in caplog.text
+            ck.save({"w": torch.ones(2)}, step=40)
+            assert ck.discard_steps_after(5) == [30, 40]
+        assert ck.steps() == []
+    assert (f"discard_steps_after(5): step 5 is not committed under {tmp_path}; deleting "
+            "every step after it, [30, 40], which leaves no step at all") in caplog.text

@@ -1260,8 +1260,17 @@ class AsyncCheckpointer:
                     f"{commit.RETENTION_LOCK_S:.0f}s (called from a signal handler during a "
                     "load?); call again once it is done")
             bare: list[str] = []  # (step directories without a manifest: in the way too)
-            later = [s for s in commit.committed_steps(self.directory, self.storage, None,
-                                                       bare, skip_denied=True) if s > step]
+            every = commit.committed_steps(self.directory, self.storage, None, bare,
+                                           skip_denied=True)
+            later = [s for s in every if s > step]
+            if later and step not in every:
+                # (a perf trial's discard_steps_after(0), step 0 long gone by keep_last,
+                # deleted its only step, said at INFO alone)
+                kept = [s for s in every if s < step]
+                log.warning("discard_steps_after(%d): step %d is not committed under %s; "
+                            "deleting every step after it, %s, %s", step, step,
+                            self.directory, later,
+                            f"keeping {kept}" if kept else "which leaves no step at all")
             held = sorted(set(later) - set(self._in_use.spare(later)))
             if held:
                 raise CheckpointInFlightError(
