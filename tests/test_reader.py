@@ -1466,3 +1466,25 @@ def test_a_close_that_fails_after_a_good_read_is_logged_not_raised(
         assert all(torch.equal(got[k], v) for k, v in state.items())
     assert "closing a checkpoint file after reading it failed (OSError: [Errno 5]" in caplog.text
     assert verify_checkpoint(tmp_path / "step_000000001", _CloseFails()).ok
+
+
+def test_a_step_retired_before_its_manifest_is_read_is_told_deleted_while_read(
+        tmp_path: Path) -> None:
+    """A QA re-check's reader beside a keep_last=1 saver was told, 1 load in ~25,000,
+    "step_N has no manifest.json: not a committed checkpoint" of a step retention removed
+    as it was read."""
+    import asyncckpt
+    from asyncckpt.reader import read_manifest
+    from asyncckpt.storage import LocalStorage
+
+    asyncckpt.save({"w": torch.ones(2)}, tmp_path, step=1)
+    step_dir = tmp_path / "step_000000001"
+
+    class Retiring(LocalStorage):
+        def read_bytes(self, path: Path, limit: int) -> bytes:
+            step_dir.rename(tmp_path / ".step_000000001.deleting-0123456789ab")
+            return super().read_bytes(path, limit)
+
+    with pytest.raises(asyncckpt.CheckpointNotFoundError, match="was deleted while it was "
+                       "being read"):
+        read_manifest(step_dir, Retiring())

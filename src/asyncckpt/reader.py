@@ -112,6 +112,14 @@ def _manifest_bytes(step_dir: Path, storage: ReadStorage) -> tuple[Path, bytes]:
     except CheckpointError:
         raise  # already says what is missing (e.g. a peer that serves another step)
     except FileNotFoundError:
+        # (the directory gone with it: retired by a saver's keep_last as it was read, which
+        # a QA re-check's reader was told, 1 load in ~25,000, as "has no manifest.json")
+        try:
+            gone = step_dir.name not in storage.listdir(step_dir.parent)
+        except Exception:
+            gone = False
+        if gone:
+            raise deleted_while_read(step_dir) from None
         raise CheckpointNotFoundError(f"{step_dir} has no {MANIFEST_NAME}: not a committed "
                                       "checkpoint") from None
     except ValueError as exc:
