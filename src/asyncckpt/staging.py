@@ -348,7 +348,9 @@ def _copy_rows(item: WriteItem, src: torch.Tensor, arena: HostArena, lo: int, hi
     Units split tensors at arbitrary bytes; a strided copy goes by rows of dim 0, so the
     unit that holds the start of a row copies all of it (rows are never split).
     """
-    if src.dim() == 0 or src.stride(0) < max(src.stride()[1:]):
+    if src.dim() == 0 or src.stride(0) < max(
+            (st for st, n in zip(src.stride()[1:], src.shape[1:], strict=True) if n > 1),
+            default=0):
         # (a transposed or permuted tensor: its rows are strided gathers, and a slab of
         # them misses torch's blocked transpose; a trial's 24 MiB .t() views staged 4-10x
         # slower than one copy_ each) Whole, by the unit that holds its start: the units
