@@ -1614,9 +1614,11 @@ def test_metric_names_are_read_by_their_words_not_inside_others() -> None:
     from asyncckpt.best import reads_greater_is_better, reads_less_is_better
 
     for name in ("val_acc", "valAcc", "accuracy", "top1", "f1", "mAP", "val_iou", "win_rate",
-                 "eval/score", "val_r2"):
+                 "eval/score", "val_r2", "mIoU", "miou", "meanIoU", "val_mIoU", "valacc",
+                 "bestacc", "rocauc", "sacrebleu"):
         assert reads_greater_is_better(name) and not reads_less_is_better(name), name
     for name in ("previous", "layer2", "window", "power"):
         assert not reads_greater_is_better(name) and not reads_less_is_better(name), name
-    for name in ("val_loss", "top1_err", "ValError", "val_ppl", "acc_loss"):
+    for name in ("val_loss", "top1_err", "ValError", "val_ppl", "acc_loss", "valloss",
+                 "trainloss", "val_wer"):
         assert reads_less_is_better(name) and not reads_greater_is_better(name), name

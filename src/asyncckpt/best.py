@@ -654,14 +654,16 @@ class MetricMode:
         return first
 
 
-# Metric names that read as "greater is better", and as "less is better": words at the
-# start of a part of the name (val_acc, valAcc, top1/accuracy), not inside another word
-# (the review: "iou" in "previous", "r2" in "layer2", "win" in "window")
-_GREATER_IS_BETTER = re.compile(r"(?<![a-z0-9])(acc|f1|auc|bleu|rouge|precision|recall|score|"
+# Metric names that read as "greater is better", and as "less is better": a word that
+# ends where a word ends (mIoU, valacc, val_acc, accuracy; not "iou" in "previous"); the
+# short ones that open other words also where one begins (not "r2" in "layer2", "win" in
+# "window", "wer" in "power")
+_GREATER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|rouge|precision|recall|score|"
                                 r"map(?![a-z])|iou(?![a-z])|top\d|reward|return|"
-                                r"win(?:s|rate)?(?![a-z])|r2(?![a-z0-9]))")
-_LESS_IS_BETTER = re.compile(r"(?<![a-z0-9])(loss|err|perplexity|ppl|mse|mae|rmse|nll|wer|"
-                             r"cer|fid|dist)")
+                                r"(?<![a-z])win(?:s|rate|_rate)?(?![a-z])|"
+                                r"(?<![a-z0-9])r2(?![a-z0-9])")
+_LESS_IS_BETTER = re.compile(r"loss|err|perplexity|ppl|mse|mae|nll|(?<![a-z])wer(?![a-z])|"
+                             r"(?<![a-z])cer(?![a-z])|fid(?![a-z])|dist")
 
 
 def _words(metric: str) -> str:

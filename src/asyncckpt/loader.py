@@ -1396,7 +1396,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             # target holds (a module, an object, a dict with tensors: the root too, a bare
             # module's); a part left out whole (the optimizer of {"model": model}, a
             # subtree of a nested state) is meant.
-            nodes = {"", *target.statefuls}
+            # (the root only where it is an object or holds tensors of its own: a key a
+            # dict target leaves out at its top is a part left out whole, review)
+            nodes = set(target.statefuls)
+            if any("/" not in p for p in target.refs):
+                nodes.add("")
             for p in target.refs:
                 parts = p.split("/")
                 nodes.update("/".join(parts[:i]) for i in range(1, len(parts)))
