@@ -4802,6 +4802,11 @@ def test_a_step_whose_damage_mark_cannot_be_read_is_not_said_marked(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         commit.warn_if_marked(tmp_path / "step_000000001", Unsearchable())
     assert "marked damaged" not in caplog.text
+    # a mark that is there but cannot be read is one (review: retention counts it)
+    (tmp_path / "step_000000001" / commit.DAMAGED_NAME).write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        commit.warn_if_marked(tmp_path / "step_000000001", Unsearchable())
+    assert "step_000000001 is marked damaged" in caplog.text
 
 
 def test_prepare_with_an_optimizer_that_has_no_state_yet_says_when_to_call_it(

@@ -335,6 +335,14 @@ def test_a_rank_other_than_0_waits_briefly_for_the_room_rank_0_s_retention_makes
     t0 = time.monotonic()
     writer_module._room_for(job, None)  # type: ignore[arg-type]
     assert 0.25 < time.monotonic() - t0 < 5.0
+    # ... and only while room frees: one left behind for good (a removal that failed)
+    # holds no save for the whole limit (review)
+    monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 10.0)
+    monkeypatch.setattr(writer_module, "ROOM_STALL_S", 0.3)
+    t0 = time.monotonic()
+    writer_module._room_for(job, None)  # type: ignore[arg-type]
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    monkeypatch.setattr(writer_module, "ROOM_WAIT_GROUP_S", 0.3)
     hidden.rmdir()
     # ... nor where keep_every keeps the one beyond keep_last (the review: counting the
     # steps alone, every save of such a group still waited)

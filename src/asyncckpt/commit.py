@@ -836,8 +836,17 @@ def warn_if_marked(step_dir: Path, storage: ReadStorage, verify: bool = True) ->
         mark = read_damaged_mark(step_dir, storage)
     except Exception:  # (a warning's look: never in the load's way)
         return
-    if mark is None or str(mark.get("problem", "")).startswith(f"{DAMAGED_NAME} cannot be read"):
-        return  # (none, or none known: a step directory this user may not search is no mark)
+    if mark is None:
+        return
+    if str(mark.get("problem", "")).startswith(f"{DAMAGED_NAME} cannot be read"):
+        # (a step directory this user may not search is no mark, QA; a mark there that
+        # cannot be read is one, as retention counts it: review)
+        try:
+            there = DAMAGED_NAME in storage.listdir(step_dir)
+        except Exception:
+            there = False
+        if not there:
+            return
     when = mark.get("found_unix")
     at = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
           if isinstance(when, (int, float)) else "")

@@ -981,6 +981,7 @@ def _tell_backlog(job: SaveJob, behind: int) -> None:
 
 ROOM_WAIT_S = 120.0  # the longest a save waits for the last one's removals to free room
 ROOM_WAIT_GROUP_S = 10.0  # ... in a group
+ROOM_STALL_S = 3.0  # ... where no room freed for this long, the others' watch ends
 
 
 def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
@@ -1023,7 +1024,14 @@ def _room_for(job: SaveJob, reaper: cf.Executor) -> None:
                  "the old steps", job.ctx.rank, job.step, _lacking(job, free), limit)
         deadline = time.monotonic() + limit
         look = 0.0  # (the Store is asked once a beat's interval, not at every look)
-        while time.monotonic() < deadline and _free_if_short(job) is not None:
+        # (room that stops freeing: removals that failed for good, a .deleting- directory
+        # left behind, would hold every save for the whole limit: review)
+        last_free, freed_at = free, time.monotonic()
+        while time.monotonic() < deadline and (now := _free_if_short(job)) is not None:
+            if now > last_free:
+                last_free, freed_at = now, time.monotonic()
+            elif time.monotonic() - freed_at > ROOM_STALL_S:
+                return
             # (a DCP trial: rank 0 failed at once on the full disk, and rank 1 went on
             # watching for room its whole ROOM_WAIT_GROUP_S; the write then fails with
             # the abort's reason)
