@@ -4834,6 +4834,13 @@ def test_prepare_with_an_optimizer_that_has_no_state_yet_says_when_to_call_it(
         caplog.clear()
         ck.prepare(state, background=False)  # (after the step: nothing to say)
     assert "has no state yet" not in caplog.text
+    # nor of an optimizer that never makes state: plain SGD, frozen parameters (review)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    with caplog.at_level(logging.INFO, logger="asyncckpt"), \
+            asyncckpt.AsyncCheckpointer(tmp_path / "sgd") as ck:
+        ck.prepare({"m": model, "sgd": torch.optim.SGD(model.parameters(), lr=0.1),
+                    "frozen": torch.optim.AdamW(frozen.parameters())}, background=False)
+    assert "has no state yet" not in caplog.text
 
 
 def test_a_rollback_to_a_step_not_committed_is_warned_of_naming_what_goes(

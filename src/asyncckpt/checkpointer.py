@@ -452,7 +452,8 @@ class AsyncCheckpointer:
         self._transports: list[Any] = []
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
-        self._prepared = False  # prepare() was called (the allocation hint says so)
+        # prepare() met an optimizer without its state yet (the allocation hint says so)
+        self._prepared = False
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
@@ -803,7 +804,7 @@ class AsyncCheckpointer:
                 # left out)
                 object.__setattr__(info, "blocked_s", time.perf_counter() - started)
         log.debug("rank=%d step=%d save_async returned after %.3fs", ctx.rank, step,
-                  job.blocked_s)
+                  time.perf_counter() - started)
         return fut
 
     def prepare(self, state: Any, *, background: bool = True,
@@ -837,14 +838,13 @@ class AsyncCheckpointer:
         # (a perf trial's prepare() at start-up, its AdamW not stepped yet, sized a 96 MiB
         # buffer; the first save after the step made one of 308 MiB, 0.5 s blocked)
         stateless = [p or "<root>" for p, (obj, _) in flat.statefuls.items()
-                     if isinstance(obj, torch.optim.Optimizer) and not obj.state
-                     and any(g["params"] for g in obj.param_groups)]
+                     if isinstance(obj, torch.optim.Optimizer) and _will_make_state(obj)]
         if stateless:
             log.warning("prepare(): the optimizer at %s has no state yet (it makes it at its "
                         "first step): the host buffer is sized without it, and the first "
                         "save after that step allocates again; call prepare() after the "
                         "first optimizer.step()", ", ".join(map(repr, stateless[:3])))
-        self._prepared = True
+        self._prepared = bool(stateless)
         pending = self._pending
         if pending is not None and not pending.done() and self.config.on_busy == "error":
             raise CheckpointInFlightError(
@@ -1263,7 +1263,12 @@ class AsyncCheckpointer:
             every = commit.committed_steps(self.directory, self.storage, None, bare,
                                            skip_denied=True)
             later = [s for s in every if s > step]
-            if later and step not in every:
+            held = sorted(set(later) - set(self._in_use.spare(later)))
+            if held:
+                raise CheckpointInFlightError(
+                    f"cannot delete step(s) {held} under {self.directory}: a load of this "
+                    "checkpointer is reading them; call again once it is done")
+            if later and step not in every:  # (once nothing is in the way)
                 # (a perf trial's discard_steps_after(0), step 0 long gone by keep_last,
                 # deleted its only step, said at INFO alone)
                 kept = [s for s in every if s < step]
@@ -1271,11 +1276,6 @@ class AsyncCheckpointer:
                             "deleting every step after it, %s, %s", step, step,
                             self.directory, later,
                             f"keeping {kept}" if kept else "which leaves no step at all")
-            held = sorted(set(later) - set(self._in_use.spare(later)))
-            if held:
-                raise CheckpointInFlightError(
-                    f"cannot delete step(s) {held} under {self.directory}: a load of this "
-                    "checkpointer is reading them; call again once it is done")
             for s in reversed(later):
                 if not self._ctx.may_retire(s):
                     raise CheckpointInFlightError(
@@ -2693,6 +2693,18 @@ def fill_extras(extras: Extras, after: Mapping[torch.device, Any] | None = None)
 
 # A save that spends this long allocating its arena says that prepare() would spare it.
 _PREPARE_HINT_S = 0.25
+
+
+def _will_make_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` has no state yet but will make some at its first step: it has
+    parameters that take gradients, and is not a plain SGD without momentum (which never
+    makes any: review)."""
+    if opt.state:
+        return False
+    if not any(p.requires_grad for g in opt.param_groups for p in g["params"]):
+        return False
+    return not (type(opt) is torch.optim.SGD
+                and all(not g.get("momentum") for g in opt.param_groups))
 
 
 def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float,

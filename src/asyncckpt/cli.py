@@ -1697,9 +1697,12 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
     (an ops trial: its files, held open, kept their disk space, which neither ls nor du
     showed, unsaid)."""
     told: list[bool] = []
+    def identity(st: os.stat_result) -> tuple[int, ...]:
+        # (an inode alone is reused once freed, on ext4: review)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
     try:
-        served = os.stat(step_dir / MANIFEST_NAME)
-        ident: tuple[int, int] | None = (served.st_dev, served.st_ino)
+        ident: tuple[int, ...] | None = identity(os.stat(step_dir / MANIFEST_NAME))
     except OSError:
         ident = None
 
@@ -1708,7 +1711,7 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
             return
         try:
             now = os.stat(step_dir / MANIFEST_NAME)
-            anew = ident is not None and (now.st_dev, now.st_ino) != ident
+            anew = ident is not None and identity(now) != ident
         except OSError:
             now, anew = None, False
         if anew:  # (a QA re-check: a rollback, then the step saved anew, went on being
