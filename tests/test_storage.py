@@ -302,6 +302,17 @@ def test_a_lock_file_that_is_no_regular_file_is_refused_and_nothing_outside_is_w
     assert sorted(p.name for p in root.iterdir()) == [".asyncckpt.lock"]
 
 
+def _newest_of_two_damaged(root: Path) -> None:
+    """Steps 1 and 2 under ``root`` (w = 1.0, 2.0), a byte of step 2's data flipped."""
+    with AsyncCheckpointer(root, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((1024,), 1.0)}, step=1)
+        ckpt.save({"w": torch.full((1024,), 2.0)}, step=2)
+    shard = root / "step_000000002" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("planted", ["symlink", "fifo"])
 def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
         tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -311,13 +322,7 @@ def test_a_fallback_load_beside_a_planted_lock_file_marks_nothing_and_ends(
     import asyncckpt
     from asyncckpt.storage import DirectoryLock
 
-    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync") as ckpt:
-        ckpt.save({"w": torch.full((1024,), 1.0)}, step=1)
-        ckpt.save({"w": torch.full((1024,), 2.0)}, step=2)
-    shard = tmp_path / "step_000000002" / "rank_00000.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-8] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _newest_of_two_damaged(tmp_path)
     lock = tmp_path / DirectoryLock.NAME
     lock.unlink()
     secret = tmp_path.parent / f"{tmp_path.name}-secret.txt"
@@ -352,13 +357,7 @@ def test_a_mark_refused_by_a_lock_another_process_holds_names_that_process(
     import asyncckpt
     from asyncckpt.storage import DirectoryLock
 
-    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
-        ckpt.save({"w": torch.full((1024,), 1.0)}, step=1)
-        ckpt.save({"w": torch.full((1024,), 2.0)}, step=2)
-    shard = tmp_path / "step_000000002" / "rank_00000.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-8] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _newest_of_two_damaged(tmp_path)
     fd = os.open(tmp_path / DirectoryLock.NAME, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (the trainer's)
