@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 import asyncckpt
+import asyncckpt.storage as storage_mod
 from _manifests import long_entries
 from asyncckpt import tree
 from asyncckpt.cli import _iso, _when, human_bytes, main
@@ -1680,8 +1681,6 @@ def _no_lock_taken(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncckpt import cli
-
     if not Path("/proc/locks").exists():
         pytest.skip("no /proc/locks here: ls cannot tell")
     made = _leftovers(root)
@@ -1712,13 +1711,13 @@ def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFix
     else:  # (where a holder on another machine or in another container would not be seen)
         assert lock["held"] is None and lock["note"] and lock["pid"] == os.getpid(), lock
     # where a holder elsewhere would not be seen (NFS), ls says it cannot tell
-    real_mount = cli._mount_of
+    real_mount = storage_mod._mount_of
 
     def nfs(path: Path) -> tuple[str, int] | None:
         found = real_mount(path)
         return None if found is None else ("nfs4", found[1])
 
-    monkeypatch.setattr(cli, "_mount_of", nfs)
+    monkeypatch.setattr(storage_mod, "_mount_of", nfs)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     assert json.loads(out)["lock"] == {
         "held": None, "pid": os.getpid(),  # (the last to take it, as its lock file says)
@@ -1733,7 +1732,7 @@ def test_ls_tells_whether_the_lock_is_held(root: Path, capsys: pytest.CaptureFix
     code, out, _ = run(capsys, "clean", str(root), "--dry-run")  # (and lists them all the same)
     assert code == 0 and "whether a process holds the lock of" in out
     # without /proc/locks: cannot tell either
-    monkeypatch.setattr(cli, "_flock_holders", lambda inode, devices: None)
+    monkeypatch.setattr(storage_mod, "_flock_holders", lambda inode, devices: None)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     assert json.loads(out)["lock"]["held"] is None
 

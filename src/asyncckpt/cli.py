@@ -64,7 +64,7 @@ from .reader import (
     read_manifest_summary,
     verify_checkpoint,
 )
-from .storage import DirectoryLock, LocalStorage, ReadStorage
+from .storage import DirectoryLock, LocalStorage, ReadStorage, lock_state
 from .tree import ARRAY_NODES, dtype_name, iter_array_nodes, join_path
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
@@ -774,113 +774,11 @@ def _mark_text(mark: Mapping[str, object]) -> str:
 
 # --- the directory's lock, and clean -----------------------------------------------------------
 
-# The inode of /proc/self/ns/pid in the kernel's first pid namespace (a fixed number): there
-# /proc/locks shows every process's locks; in a container's, only those of its processes.
-_INIT_PID_NS = 0xEFFFFFFC
-# Filesystems of one machine, whose locks are all this kernel's (and so in /proc/locks). On
-# any other (NFS, Lustre, GPFS, CIFS, FUSE...) another machine's holder is not seen here.
-_LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "bcachefs", "f2fs", "jfs",
-                       "reiserfs", "nilfs2", "zfs", "tmpfs", "ramfs", "overlay", "vfat",
-                       "exfat", "ntfs", "ntfs3", "hfsplus"})
-
-
 def _lock_state(root: Path) -> dict[str, Any]:
-    """As _lock_state_of, with the holder's host where its lock file names one."""
-    state = _lock_state_of(root)
+    """As storage.lock_state, with the holder's host where its lock file names one."""
+    state = lock_state(root)
     state["host"] = DirectoryLock(root).holder_host() if state["pid"] is not None else None
     return state
-
-
-def _lock_state_of(root: Path) -> dict[str, Any]:
-    """Whether a process holds the lock of the (resolved) ``root`` now, and which, told
-    without taking the lock (a probe that took it, for a moment even, would fail a save
-    that came then) nor creating its file: the kernel's table of locks is read.
-
-    ``held``: True, False, or None where this machine cannot tell (no /proc/locks, a
-    network filesystem, a container's pid namespace: a holder elsewhere is not seen).
-    ``pid``: the holder's where held; where it cannot tell, the pid the lock file names
-    (the last process that took the lock: it may hold it still); else None. ``note``:
-    why it cannot tell, or None."""
-    lock = DirectoryLock(root)
-    try:
-        st = os.lstat(lock.path)
-    except FileNotFoundError:  # (a save creates it: none has taken a lock here)
-        return {"held": False, "pid": None, "note": None}
-    except OSError as exc:
-        return {"held": None, "pid": None,
-                "note": f"its lock file {lock.path} cannot be looked at: {exc.strerror or exc}"}
-    if not stat.S_ISREG(st.st_mode):  # (a link or a FIFO: no save takes a lock on it)
-        return {"held": False, "pid": None, "note": None}
-    named = lock.holder()
-    file_pid = int(named) if named.isdecimal() else None
-    mount = _mount_of(root)
-    devices = {st.st_dev} | ({mount[1]} if mount is not None else set())
-    holders = _flock_holders(st.st_ino, devices)
-    if holders:
-        pid = next((p for p in holders if p > 0), None)  # (this namespace's pid of it)
-        return {"held": True, "pid": pid if pid is not None else file_pid, "note": None}
-    if holders is None:
-        note = "this system has no /proc/locks to tell it"
-    elif mount is None or mount[0] not in _LOCAL_FS:
-        fs = f"a {mount[0]} filesystem" if mount is not None else "a filesystem of unknown type"
-        note = f"on {fs}, a holder on another machine is not seen from here"
-    elif not _in_init_pid_namespace():
-        note = ("this runs in a container's pid namespace: a holder in another container "
-                "(or on the host) is not seen from here")
-    else:
-        return {"held": False, "pid": None, "note": None}
-    return {"held": None, "pid": file_pid, "note": note}
-
-
-def _flock_holders(inode: int, devices: set[int]) -> list[int] | None:
-    """The pids (0 or less where not known here) of the processes /proc/locks says hold a
-    flock on the file ``inode`` of one of ``devices``; None where there is no /proc/locks."""
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            lines = f.read(1 << 24).splitlines()
-    except OSError:
-        return None
-    pids = []
-    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 5846 fe:00:2146431 0 EOF"
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK":  # (" -> FLOCK": one waiting for it)
-            continue
-        with contextlib.suppress(ValueError):
-            major, minor, ino = fields[5].split(":")
-            if int(ino) == inode and os.makedev(int(major, 16), int(minor, 16)) in devices:
-                pids.append(int(fields[4]))
-    return pids
-
-
-def _mount_of(path: Path) -> tuple[str, int] | None:
-    """The type of the filesystem ``path`` (resolved) lies on, and its device number as
-    /proc/locks gives it (the mount's: stat() gives another on btrfs); None where
-    /proc/self/mountinfo cannot be read."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read(1 << 24).splitlines()
-    except OSError:
-        return None
-    target = str(path)
-    found: tuple[str, str, int] | None = None
-    for line in lines:  # "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw"
-        fields = line.split()
-        with contextlib.suppress(ValueError, IndexError):
-            fstype = fields[fields.index("-", 6) + 1]
-            major, minor = (int(n) for n in fields[2].split(":"))
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            # (the longest mount point holding it; of equal ones, the last: mounted over)
-            if inside and (found is None or len(point) >= len(found[0])):
-                found = (point, fstype, os.makedev(major, minor))
-    return None if found is None else found[1:]
-
-
-def _in_init_pid_namespace() -> bool:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino == _INIT_PID_NS
-    except OSError:
-        return False
 
 
 def _pid_text(pid: int | None, host: str | None = None) -> str:
