@@ -4807,6 +4807,13 @@ def test_a_step_whose_damage_mark_cannot_be_read_is_not_said_marked(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         commit.warn_if_marked(tmp_path / "step_000000001", Unsearchable())
     assert "step_000000001 is marked damaged" in caplog.text
+    # a time no date can show is said as its number, never in the load's way
+    (tmp_path / "step_000000001" / commit.DAMAGED_NAME).write_text(
+        '{"found_unix": 1e30, "problem": "checksum mismatch"}')
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        commit.warn_if_marked(tmp_path / "step_000000001", asyncckpt.storage.LocalStorage())
+    assert "a load found it damaged at 1e+30 (damaged.json: checksum mismatch)" in caplog.text
 
 
 def test_prepare_with_an_optimizer_that_has_no_state_yet_says_when_to_call_it(

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -138,12 +138,7 @@ def _when(unix: float) -> str:
         return str(unix)
 
 
-def _iso(unix: float) -> str:
-    """ISO 8601 UTC time of ``unix``, or the raw number where no date can show it."""
-    try:
-        return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
-    except (ValueError, OverflowError, OSError):
-        return str(unix)
+_iso = commit.iso_time  # ISO 8601 UTC time, or the raw number where no date can show it
 
 
 def _shown(text: str, backslashes: bool = False) -> str:
@@ -765,11 +760,7 @@ def _damaged_mark(step_dir: Path, storage: ReadStorage) -> Mapping[str, object] 
     return mark
 
 
-def _mark_text(mark: Mapping[str, object]) -> str:
-    """A damaged.json's verdict (see commit.read_damaged_mark), in words."""
-    when = mark.get("found_unix")
-    at = f" at {_iso(when)}" if isinstance(when, (int, float)) else ""
-    return f"a load found it damaged{at} ({commit.DAMAGED_NAME}: {mark.get('problem')})"
+_mark_text = commit.mark_text  # a damaged.json's verdict, in words
 
 
 # --- the directory's lock, and clean -----------------------------------------------------------

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal, SupportsIndex, TypeAlias
 
@@ -828,6 +829,21 @@ def read_damaged_mark(step_dir: Path, storage: ReadStorage) -> dict[str, object]
     return doc
 
 
+def iso_time(unix: float) -> str:
+    """ISO 8601 UTC time of ``unix``, or the raw number where no date can show it."""
+    try:
+        return datetime.fromtimestamp(unix, tz=timezone.utc).isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        return str(unix)
+
+
+def mark_text(mark: Mapping[str, object]) -> str:
+    """A damaged.json's verdict (see read_damaged_mark), in words."""
+    when = mark.get("found_unix")
+    at = f" at {iso_time(when)}" if isinstance(when, (int, float)) else ""
+    return f"a load found it damaged{at} ({DAMAGED_NAME}: {mark.get('problem')})"
+
+
 def warn_if_marked(step_dir: Path, storage: ReadStorage, verify: bool = True) -> None:
     """Before a plain load of ``step_dir``: warn where a load found it damaged before
     (its damaged.json). A distributed trial's group loaded a step a fallback had marked:
@@ -847,13 +863,10 @@ def warn_if_marked(step_dir: Path, storage: ReadStorage, verify: bool = True) ->
             there = False
         if not there:
             return
-    when = mark.get("found_unix")
-    at = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
-          if isinstance(when, (int, float)) else "")
-    log.warning("%s is marked damaged: a load found it damaged%s (%s: %.300s); it is loaded "
-                "as asked, %s (in a group, a rank whose part is intact loads it while the "
-                "others fail): load(..., fallback=True) takes the newest intact step, on "
-                "every rank", step_dir, at, DAMAGED_NAME, mark.get("problem"),
+    log.warning("%s is marked damaged: %.400s; it is loaded as asked, %s (in a group, a "
+                "rank whose part is intact loads it while the others fail): load(..., "
+                "fallback=True) takes the newest intact step, on every rank", step_dir,
+                mark_text(mark),
                 "every checksum checked" if verify else "its checksums NOT checked (verify=False)")
 
 
