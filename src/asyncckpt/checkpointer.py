@@ -453,7 +453,7 @@ class AsyncCheckpointer:
         self._seq = 0
         self._preparing: cf.Future[Any] | None = None
         # prepare() met an optimizer without its state yet (the allocation hint says so)
-        self._prepared = False
+        self._prepared_stateless = False
         self._prev_tag: str | None = None
         self._failed_tags: list[str] = []  # saves that failed before the layout exchange
         self._in_use = commit.StepsInUse()  # steps being loaded: retention leaves them
@@ -708,7 +708,7 @@ class AsyncCheckpointer:
             allocating = time.perf_counter()
             arena = self._arena_for(plan, save=True)  # may fail: e.g. out of (pinned) memory
             _hint_prepare(ctx.rank, step, plan, time.perf_counter() - allocating,
-                          self._prepared)
+                          self._prepared_stateless)
         except BaseException as exc:
             if ctx.is_coordinator and not had_lock and self._lock.held and (
                     self._pending is None or self._pending.done()):
@@ -844,7 +844,7 @@ class AsyncCheckpointer:
                         "first step): the host buffer is sized without it, and the first "
                         "save after that step allocates again; call prepare() after the "
                         "first optimizer.step()", ", ".join(map(repr, stateless[:3])))
-        self._prepared = bool(stateless)
+        self._prepared_stateless = bool(stateless)
         pending = self._pending
         if pending is not None and not pending.done() and self.config.on_busy == "error":
             raise CheckpointInFlightError(
@@ -2708,12 +2708,12 @@ def _will_make_state(opt: torch.optim.Optimizer) -> bool:
 
 
 def _hint_prepare(rank: int, step: int, plan: WritePlan, seconds: float,
-                  prepared: bool = False) -> None:
+                  prepared_stateless: bool = False) -> None:
     if seconds >= _PREPARE_HINT_S:
         log.info("rank=%d step=%d: allocating the %.2f GB host buffer took %.2fs of this "
                  "save's blocked time (%s", rank, step, plan.padded_bytes / 1e9, seconds,
                  "the state grew since prepare(): an optimizer makes its state at its "
-                 "first step, so call prepare() after that step)" if prepared else
+                 "first step, so call prepare() after that step)" if prepared_stateless else
                  "a first save, or a grown state); ckpt.prepare(state) at start-up "
                  "allocates it in the background")
 

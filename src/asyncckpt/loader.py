@@ -2787,12 +2787,11 @@ def wrapper_hint(missing: list[str], unexpected: list[str], *,
         mapped = {sv for _, sv in pairs}
         extra = [x for x in unexpected if x not in mapped and _WRAPPER_PART.sub("", x) == x]
         also = (f"; {few([repr(x) for x in extra], 3)} "
-                f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target: with "
-                "the key_map, pass ignore_unexpected=True too" if extra and code else "")
-        if ignoring:  # (a trial was told to pass what it had passed)
-            also = (f"; {few([repr(x) for x in extra], 3)} "
-                    f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target, "
-                    "which ignore_unexpected=True skips" if extra and code else "")
+                f"{'has' if len(extra) == 1 else 'have'} no counterpart in the target"
+                # (passed already: a trial was told to pass what it had passed)
+                + (", which ignore_unexpected=True skips" if ignoring else
+                   ": with the key_map, pass ignore_unexpected=True too")
+                if extra and code else "")
         return (f"; the checkpoint's keys have {names} where the target's have none, as "
                 f"{who} add{'s it' if len(saved_only) == 1 else ' them'} (checkpoint {u!r}, "
                 f"target {m!r}{also}): load into the module wrapped the same way{key_map}")
