@@ -686,7 +686,6 @@ def _on_disk(step_dir: Path, files: Mapping[str, Any]) -> tuple[int | None, list
     return total, sorted(extra)
 
 
-
 def _later_metrics(step_dir: Path, storage: ReadStorage) -> tuple[dict[str, float], str | None]:
     """The metrics recorded for a step after its save (record_metrics), and why they
     cannot be read (None where they can); a file that cannot be read is warned of and
@@ -1586,6 +1585,7 @@ def _served_gone(step_dir: Path, step: int, nbytes: int) -> Callable[[], None]:
     (an ops trial: its files, held open, kept their disk space, which neither ls nor du
     showed, unsaid)."""
     told: list[bool] = []
+
     def identity(st: os.stat_result) -> tuple[int, ...]:
         # (an inode alone is reused once freed, on ext4: review)
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
@@ -1768,15 +1768,15 @@ def _best_step(args: argparse.Namespace, root: Path,
         ckpt._told_foreign = True  # (steps()'s resume warning: no resume here)
         # (every mode recorded: a flag that some step recorded is no flag against them;
         # the newest step's is what best_step() ranks by, as recorded_best_mode says)
-        modes = ckpt._metrics.recorded_modes(ckpt.directory, ckpt.storage, ckpt.steps(),
-                                             args.best)
+        steps = ckpt.steps()
+        modes = ckpt._metrics.recorded_modes(ckpt.directory, ckpt.storage, steps, args.best)
         recorded = max(modes, key=lambda m: modes[m][0]) if modes else None
         best = ckpt.best_step(args.best, asked)  # (None: as recorded, else the least)
         # (an ops trial: a step's damaged metrics.json dropped it out of --best unsaid but
         # on stderr; export --best exported another step, exit 0)
         # (not those whose save recorded the metric itself: a later record cannot change
         # it, the review)
-        lost = sorted(s for s in ckpt._metrics.unreadable(ckpt.steps())
+        lost = sorted(s for s in ckpt._metrics.unreadable(steps)
                       if args.best not in (ckpt._metrics._saved(root, s, ckpt.storage)[0]
                                            or {}))
         if lost and unranked is not None:
