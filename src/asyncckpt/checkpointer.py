@@ -53,6 +53,7 @@ from .dist import (
     layout_id,
     raise_failures,
     resolve_context,
+    silent_ranks_advice,
 )
 from .errors import (
     CheckpointClosedError,
@@ -2193,9 +2194,8 @@ class AsyncCheckpointer:
             # (not committed, as the others say, and what to do: a QA re-check's rank 0,
             # its peer dead before this save, was told neither)
             err = CheckpointTimeoutError(
-                f"{exc}{ctx.why_absent(exc.ranks, self._seq)}; step {step} was not started, "
-                "nothing committed (the steps committed before it are intact): restart the "
-                "group without the silent rank(s), or wait for them")
+                f"{exc}{ctx.why_absent(exc.ranks, self._seq)}; "
+                f"{silent_ranks_advice(step, started=False)}")
             err.ranks = exc.ranks
             raise err from exc
         self._skipped_by_me(step, got)

@@ -899,6 +899,14 @@ class DistContext:
 _CONFIG_REFUSED = re.compile(r"rank \d+: CheckpointConfigError: ")
 
 
+def silent_ranks_advice(step: int, started: bool) -> str:
+    """What rank 0's timeout on silent ranks adds, as the others' errors say it: the
+    step's fate, and what to do."""
+    fate = "was not committed" if started else "was not started, nothing committed"
+    return (f"step {step} {fate} (the steps committed before it are intact): restart the "
+            "group without the silent rank(s), or wait for them")
+
+
 def stopped_error(message: str, why: str) -> CheckpointError:
     """The error of a rank stopped because another failed the save for ``why`` (as the
     failing rank's abort worded it): CheckpointConfigError where that rank refused the

@@ -36,7 +36,7 @@ import xxhash
 from . import commit
 from ._gc import gc_paused
 from .best import KeepBest, MetricMode, StepMetrics, merged_metadata, merged_metrics
-from .dist import DistContext, Pulse, Replica, raise_failures
+from .dist import DistContext, Pulse, Replica, raise_failures, silent_ranks_advice
 from .errors import (
     CheckpointClosedError,
     CheckpointConfigError,
@@ -637,9 +637,7 @@ class BackgroundWriter:
                     and job.ctx.distributed and not job.committed):
                 # (a distributed trial: the others' error said "not committed"; rank 0's,
                 # the one most read, did not)
-                told = with_advice(exc, f"step {job.step} was not committed (the steps "
-                                       "committed before it are intact): restart the group "
-                                       "without the silent rank(s), or wait for them")
+                told = with_advice(exc, silent_ranks_advice(job.step, started=True))
                 raise told from told.__cause__
             if isinstance(exc, CheckpointError):
                 raise
@@ -781,15 +779,13 @@ class BackgroundWriter:
                               durable_s=durable - job.started)
         # (one line per save at INFO, the coordinator's: a thousand ranks' would bury the
         # log; the others' at DEBUG, and every rank's timings are in its CheckpointInfo)
-        level = logging.INFO if ctx.is_coordinator else logging.DEBUG
-        if job.sync:  # (blocked until keep_last's removals too: known once they are done)
-            log.log(level, "rank=%d step=%d committed %.3f GB to %s (mode='sync'): staged "
-                    "%.3fs, durable %.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9,
-                    final, info.staged_s, info.durable_s, info.durable_gbps)
-        else:
-            log.log(level, "rank=%d step=%d committed %.3f GB to %s: blocked %.3fs, staged "
-                    "%.3fs, durable %.3fs (%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9,
-                    final, info.blocked_s, info.staged_s, info.durable_s, info.durable_gbps)
+        # (mode="sync": blocked until keep_last's removals too, known once they are done)
+        log.log(logging.INFO if ctx.is_coordinator else logging.DEBUG,
+                "rank=%d step=%d committed %.3f GB to %s%s: %sstaged %.3fs, durable %.3fs "
+                "(%.2f GB/s)", ctx.rank, job.step, info.bytes / 1e9, final,
+                " (mode='sync')" if job.sync else "",
+                "" if job.sync else f"blocked {info.blocked_s:.3f}s, ", info.staged_s,
+                info.durable_s, info.durable_gbps)
         return info
 
     def _commit(self, job: SaveJob, records: list[dict[str, Any]], *,
