@@ -906,6 +906,10 @@ def test_target_list_longer_than_checkpoint_list(ckpt):
     assert type(out["t"]) is tuple and len(out["t"]) == 2 and out["t"][1] is b
     assert torch.equal(out["t"][0], t0)
     assert out["h"] is hist and hist == [1]  # only scalars differ: the checkpoint's list
+    # strict too (api.md: a list is a value; a history appended to goes back to the step's)
+    hist = [1, 2, 3]
+    ckpt.load({"l": [torch.zeros(2)], "t": (torch.zeros(2),), "h": hist})
+    assert hist == [1]
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -2748,6 +2752,29 @@ def test_cast_loads_complex_into_another_complex_dtype(
         in caplog.text, caplog.text
     with pytest.raises(StateMismatchError, match="another kind of dtype"):
         asyncckpt.load(tmp_path, {"z": torch.zeros(3), "y": target["y"]}, cast=True)
+
+
+def test_a_dtype_mismatch_is_told_the_advice_that_helps_it(tmp_path: Path) -> None:
+    """cast=True only where it would cast: a trial's float32 into a float64 numpy array,
+    and a bool into uint8, were told to pass cast=True, which then refused both."""
+    asyncckpt.save({"f": torch.ones(3), "b": torch.ones(3, dtype=torch.bool)}, tmp_path,
+                   step=1)
+    cases = [({"f": np.zeros(3), "b": torch.zeros(3, dtype=torch.bool)},
+              ["numpy arrays are never cast"]),
+             ({"f": torch.ones(3), "b": torch.zeros(3, dtype=torch.uint8)},
+              ["another kind of dtype (a bool into an integer"]),
+             ({"f": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.uint8)},
+              ["pass cast=True", "another kind of dtype"]),
+             ({"f": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.bool)},
+              ["pass cast=True"])]
+    for target, told in cases:
+        with pytest.raises(StateMismatchError) as info:
+            asyncckpt.load(tmp_path, target)
+        msg = str(info.value)
+        for phrase in told:
+            assert phrase in msg, (phrase, msg)
+        assert ("pass cast=True" in msg) == ("pass cast=True" in told), msg
+        assert ("never cast" in msg) == any("never cast" in p for p in told), msg
 
 
 def test_cast_loads_floats_into_another_float_dtype_in_place(tmp_path: Path) -> None:

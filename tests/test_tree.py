@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import enum
+import io
 import json
 import math
 import random
@@ -1053,6 +1054,16 @@ class _Color(enum.Enum):
     RED = 1
 
 
+class _OnlySaves:
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+
+class _OnlyLoads:
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        pass
+
+
 class _Steps(list):
     pass
 
@@ -1093,6 +1104,13 @@ class _Steps(list):
                  id="torch.device"),
     pytest.param(lambda: torch.utils.data.DataLoader([1, 2, 3]),
                  ["DataLoader has no state_dict()", "StatefulDataLoader"], id="DataLoader"),
+    pytest.param(lambda: io.BytesIO(b"x"), ["x.getvalue()", "io.BytesIO(b)"], id="BytesIO"),
+    pytest.param(lambda: _OnlySaves(), ["has state_dict() but no load_state_dict()",
+                                        "add load_state_dict() to _OnlySaves"],
+                 id="state_dict-alone"),
+    pytest.param(lambda: _OnlyLoads(), ["has load_state_dict() but no state_dict()",
+                                        "add state_dict() to _OnlyLoads"],
+                 id="load_state_dict-alone"),
 ])
 def test_a_value_of_no_saved_type_is_refused_saying_what_to_save(make, told) -> None:
     """A trial's namedtuple was told it "is not a ... tuple", and neither it nor an enum,
@@ -1203,3 +1221,30 @@ def test_an_argparse_namespace_is_told_to_be_saved_as_a_dict() -> None:
 
     with pytest.raises(UnsupportedLeafError, match=r"save vars\(x\) \(a dict of its fields\)"):
         flatten({"args": argparse.Namespace(lr=0.1)})
+
+
+def test_a_numpy_array_of_zero_byte_items_is_refused_as_unsupported() -> None:
+    """np.dtype([]) has items of 0 bytes: a trial's save raised ZeroDivisionError from the
+    stride check, no CheckpointError."""
+    with pytest.raises(UnsupportedLeafError, match=r"at 'v'.*no tensor equivalent"):
+        flatten({"v": np.empty(2, dtype=np.dtype([]))})
+
+
+def test_a_str_with_a_surrogate_pair_is_refused_and_a_lone_surrogate_round_trips() -> None:
+    """JSON readers join an escaped high and low surrogate into the one character they
+    encode: a trial's '\\ud83d\\ude00' came back as one emoji, unequal to what was saved."""
+    with pytest.raises(UnsupportedLeafError) as info:
+        flatten({"run": {"name": "ok \ud83d\ude00"}})
+    msg = str(info.value)
+    assert "at 'run/name'" in msg and "surrogate pair" in msg and "at index 3" in msg, msg
+    assert "'\U0001f600'" in msg or "\U0001f600" in msg, msg  # the joined character
+    _, back = roundtrip({"a": "x\udcffy", "b": "\udc00\ud800", "c": "\U0001f600"})
+    assert back == {"a": "x\udcffy", "b": "\udc00\ud800", "c": "\U0001f600"}
+
+
+@pytest.mark.parametrize(("key", "fix"), [(np.int64(3), "convert the key to int (int(k)"),
+                                          (True, "convert the key to str"),
+                                          (2.5, "convert the key to str")])
+def test_a_key_of_another_type_is_told_the_type_to_convert_it_to(key: object, fix: str) -> None:
+    with pytest.raises(UnsupportedLeafError, match=re.escape(fix)):
+        flatten({key: 1})

@@ -1256,13 +1256,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
     unwritable: list[str] = []
     shape_dtype = 0  # how many of the mismatches are of shape or dtype (the rest: of kind)
     grown: list[str] = []  # ... of shape alone, in the state of an object of the user's
-    other_dtype = False  # a target of another dtype (and the same shape) among the mismatches
+    # a tensor target of another dtype (and the same shape) that no cast=True casts into
+    other_dtype = False
     reshaped: list[str] = []  # the paths of the mismatches of shape
     # (path, saved shape) of whole targets that fit inside the saved tensor: maybe a shard
     # this rank holds, given without its shards= (a distributed trial was told exclude=)
     inside: list[tuple[str, tuple[int, ...]]] = []
     described: list[tuple[str, str]] = []  # the mismatches of shape or dtype: (path, what)
     numpy_dtype = False  # ... that is a numpy array, which cast=True does not cast
+    castable_dtype = False  # ... a tensor that cast=True (not given) would cast into
     writable = _WritableMemory()
     dests: dict[str, list[torch.Tensor]] = {}
     not_held: list[str] = []
@@ -1297,8 +1299,15 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                             and (len(entry.chunks) > 1 or _group_size() > 1)):
                         inside.append((path, tuple(entry.shape)))
                 elif t.dtype != entry.dtype:  # (of another shape, no cast would help)
-                    other_dtype = True
-                    numpy_dtype = numpy_dtype or (casts is not None and tkey in target.arrays)
+                    # which advice helps: numpy arrays are never cast, cast=True casts
+                    # within a kind only (a trial's float32 into a float64 array, and a
+                    # bool into uint8, were told to pass cast=True, which then refused)
+                    if tkey in target.arrays:
+                        numpy_dtype = True
+                    elif casts is None and castable(entry.dtype, t.dtype):
+                        castable_dtype = True
+                    else:
+                        other_dtype = True
                 arr = target.arrays.get(tkey) if target.arrays else None
                 kind = t.dtype if arr is None else f"numpy {arr.dtype}"  # (as the user has it)
                 what = (f"checkpoint {entry.dtype} {list(entry.shape)}, "
@@ -1523,12 +1532,13 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if numpy_dtype:
                 parts.append("numpy arrays are never cast: load into arrays of the saved "
                              "dtypes (or into tensors)")
-            elif other_dtype:
+            if castable_dtype:
                 parts.append("to load into tensors of another floating (integer, complex) "
-                             "dtype, pass cast=True" if casts is None else
-                             "to load into tensors of another kind of dtype (or of one "
-                             "torch cannot cast into, such as float4), load with state=None "
-                             "and convert")
+                             "dtype, pass cast=True")
+            if other_dtype:
+                parts.append("to load into tensors of another kind of dtype (a bool into an "
+                             "integer, an integer into a float; or of one torch cannot cast "
+                             "into, such as float4), load with state=None and convert")
         if readonly:  # reading into one fails (EFAULT) or crashes: refuse before any read
             parts.append(f"read-only numpy arrays: {few(readonly)}; pass writeable ones (e.g. "
                          "np.array(a), or a np.memmap opened with mode='r+')")

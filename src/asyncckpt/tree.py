@@ -19,8 +19,10 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import io
 import logging
 import random
+import re
 import struct
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -320,6 +322,8 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
             return _nan_node(obj)
         return {"t": "float", "v": repr(obj)}
     if t is str:
+        if not obj.isascii():
+            _check_no_surrogate_pair(obj, where)
         return {"t": "str", "v": obj}
     if t is bytes:
         return {"t": "bytes", "v": base64.b64encode(obj).decode("ascii")}
@@ -435,6 +439,18 @@ def _leaf_hint(obj: Any) -> str:
         return ("; a DataLoader has no state_dict(): save its position (epoch, batches "
                 "seen, the sampler's seed) through an object with state_dict()/"
                 "load_state_dict(), or use torchdata's StatefulDataLoader, which has them")
+    if isinstance(obj, io.BytesIO):  # (a module's get_extra_state() of some libraries)
+        return ("; save its bytes (x.getvalue()), and rebuild it with io.BytesIO(b) "
+                "after loading")
+    has_save = callable(getattr(obj, "state_dict", None))
+    if has_save != callable(getattr(obj, "load_state_dict", None)):
+        # (a trial's object had state_dict() alone, and was told of both as if of neither)
+        there, absent = (("state_dict", "load_state_dict") if has_save else
+                         ("load_state_dict", "state_dict"))
+        return (f"; it has {there}() but no {absent}(), and a checkpoint needs both (the "
+                f"load gives the saved state back through load_state_dict): add "
+                f"{absent}() to {cls}" + (", or save x.state_dict() and restore it yourself"
+                                          if has_save else ""))
     return ""
 
 
@@ -472,7 +488,9 @@ def _flatten_mapping(obj: Mapping[Any, Any], path: str, flat: FlatState, seen: _
         else:
             raise UnsupportedLeafError(
                 f"dict key {k!r} of type {tk.__name__} at {where!r}: only str and int keys "
-                "can be checkpointed; convert the key to str")
+                "can be checkpointed; convert the key to "
+                + ("int (int(k): a numpy integer)" if isinstance(k, np.integer) else
+                   "int" if isinstance(k, int) and not isinstance(k, bool) else "str"))
         if gone and seg in gone:  # (a load's exclude=: left out of the target)
             flat.excluded.append(prefix + seg)
             if isinstance(v, torch.Tensor):
@@ -512,6 +530,25 @@ def _check_key_text(k: str, where: str) -> None:
             "key") from None
 
 
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def _check_no_surrogate_pair(text: str, where: str) -> None:
+    """Refuse a str holding a high surrogate then a low one: the manifest's JSON writes
+    the two as escapes that every JSON reader joins into the one character they encode in
+    UTF-16, so the string would not come back as saved (a trial's '\\ud83d\\ude00' came
+    back as one emoji). A lone surrogate comes back as it is."""
+    found = _SURROGATE_PAIR.search(text)
+    if found is None:
+        return
+    joined = found.group().encode("utf-16", "surrogatepass").decode("utf-16")
+    raise UnsupportedLeafError(
+        f"str at {where!r} holds a UTF-16 surrogate pair ({found.group()!r} at index "
+        f"{found.start()}), which a load would give back as the one character it encodes "
+        f"({joined!r}), not as the two saved: join such pairs before saving "
+        "(s.encode('utf-16', 'surrogatepass').decode('utf-16')), or save the text as bytes")
+
+
 # str(int) refuses more than 4300 digits (sys.int_info.default_max_str_digits), and a
 # manifest writes ints as text: refuse such an int when the tree is flattened, naming
 # its path, not when the background writer encodes the manifest.
@@ -548,7 +585,8 @@ def _numpy_as_tensor(arr: np.ndarray, where: str, kind: str = "array") -> torch.
 def is_copied(arr: np.ndarray) -> bool:
     """Whether a flattened array's tensor is a copy: torch has no negative strides, nor
     strides that are no multiple of the item size (a field of a record array)."""
-    return any(s < 0 or s % arr.itemsize for s in arr.strides)
+    # (an item of 0 bytes, np.dtype([]): no copy; torch then refuses its dtype, as any void's)
+    return arr.itemsize > 0 and any(s < 0 or s % arr.itemsize for s in arr.strides)
 
 
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str,
