@@ -1238,6 +1238,7 @@ def test_a_str_with_a_surrogate_pair_is_refused_and_a_lone_surrogate_round_trips
     msg = str(info.value)
     assert "at 'run/name'" in msg and "surrogate pair" in msg and "at index 3" in msg, msg
     assert "'\U0001f600'" in msg or "\U0001f600" in msg, msg  # the joined character
+    flatten({"name": "\ud83d\ude00"}, target=True)  # a target's value is replaced: loads
     _, back = roundtrip({"a": "x\udcffy", "b": "\udc00\ud800", "c": "\U0001f600"})
     assert back == {"a": "x\udcffy", "b": "\udc00\ud800", "c": "\U0001f600"}
 

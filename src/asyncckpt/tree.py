@@ -322,7 +322,7 @@ def _flatten(obj: Any, path: str, flat: FlatState, seen: _Seen,
             return _nan_node(obj)
         return {"t": "float", "v": repr(obj)}
     if t is str:
-        if not obj.isascii():
+        if not obj.isascii() and not flat.target:  # (a target's value is replaced)
             _check_no_surrogate_pair(obj, where)
         return {"t": "str", "v": obj}
     if t is bytes:
