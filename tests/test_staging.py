@@ -148,6 +148,75 @@ def test_a_failing_copy_is_raised_after_every_thread_stopped(
     assert len(calls) == n  # and nothing copies any more
 
 
+def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_stopped(
+        helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review's Ctrl-C in the wait for the helpers made stage() return while a helper
+    still copied into the arena: the next save's copy into it committed mixed values."""
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 4096)
+    tensors = {f"t{i}": torch.randn(1024) for i in range(4)}  # one unit each
+    plan = fresh_plan(tensors)
+    arena = arena_for(plan)
+    real = staging._copy_range
+    main = threading.current_thread()
+    helper_busy, release = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def copy(item: plan_mod.WriteItem, *args: object) -> None:
+        if threading.current_thread() is main:
+            assert helper_busy.wait(5)  # (the helper holds a unit: this thread gets the rest)
+        elif not helper_busy.is_set():
+            helper_busy.set()
+            assert release.wait(5)
+            real(item, *args)  # type: ignore[arg-type]
+            events.append("helper copied")
+            return
+        real(item, *args)  # type: ignore[arg-type]
+
+    waits: list[object] = []
+
+    def wait(fs: object) -> object:
+        waits.append(fs)
+        if len(waits) == 1:  # the Ctrl-C lands in the first wait
+            threading.Timer(0.3, release.set).start()
+            raise KeyboardInterrupt
+        return cf.wait(fs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "_copy_range", copy)
+    monkeypatch.setattr(staging, "cf", type("cf", (), {"wait": staticmethod(wait)}))
+    progress = StagingProgress()
+    with pytest.raises(KeyboardInterrupt):
+        stage(plan, tensors, arena, progress, helpers=helpers, threads=2)
+    events.append("raised")
+    assert events == ["helper copied", "raised"]
+    assert not progress.done
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_check_runs_before_the_last_bytes_are_published(
+        threads: int, helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() (overlap's net for tensors changed while staged) fails the save before the
+    writer can have every byte: a review found the whole file published before it ran."""
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 4096)
+    monkeypatch.setattr(staging, "_PUBLISH_BYTES", 1)
+    tensors = {f"t{i}": torch.randn(1024) for i in range(6)}
+    plan = fresh_plan(tensors)
+    progress = StagingProgress()
+    published: list[int] = []
+    real_publish = progress.publish
+
+    def publish(upto: int, event: object = None) -> None:
+        published.append(upto)
+        real_publish(upto, event)
+
+    monkeypatch.setattr(progress, "publish", publish)
+    at_check: list[int] = []
+    stage(plan, tensors, arena_for(plan), progress, helpers=helpers, threads=threads,
+          check=lambda: at_check.append(max(published)))
+    assert len(published) > 1 and at_check and at_check[0] < plan.file_bytes, (
+        published, at_check, plan.file_bytes)
+    assert progress.done
+
+
 @pytest.mark.parametrize("copy_threads", [1, 3])
 def test_checkpointer_round_trips_with_any_copy_threads(tmp_path: object, copy_threads: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

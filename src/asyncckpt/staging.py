@@ -20,7 +20,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -296,7 +296,8 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
                     while frontier < len(units) and finished[frontier]:
                         frontier += 1
                     upto = unit_end(frontier - 1) if frontier else plan.body_offset
-                    if upto - published >= _PUBLISH_BYTES:
+                    # (the last unit's end is published by finish(), after check())
+                    if upto - published >= _PUBLISH_BYTES and frontier < len(units):
                         published = upto
                         progress.publish(upto)
 
@@ -308,9 +309,12 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
             break
     try:
         work()
-    finally:
-        for f in others:  # never return while a helper may still write the arena
-            cf.wait([f])
+    except BaseException as exc:
+        if not failed:  # (a Ctrl-C between units: the helpers stop at their next one)
+            failed.append(exc)
+        _join(others, failed)
+        raise
+    _join(others, failed)
     for f in others:
         f.result()
     if failed:
@@ -318,6 +322,26 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
     if check is not None:
         check()
     progress.finish(plan.file_bytes)
+
+
+def _join(helpers: Sequence[cf.Future[None]], failed: list[BaseException]) -> None:
+    """Wait until no helper copies into the arena: never return before, not even on a
+    Ctrl-C, which is held until they are done and then raised (a review's Ctrl-C in this
+    wait let save_async return while a helper still copied, and the next save's copy
+    into the same arena committed a step of mixed values). A Ctrl-C stops the helpers at
+    their next unit."""
+    held: BaseException | None = None
+    for f in helpers:
+        while True:
+            try:
+                cf.wait([f])
+                break
+            except KeyboardInterrupt as exc:
+                if not failed:
+                    failed.append(exc)
+                held = held or exc
+    if held is not None:
+        raise held
 
 
 def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
@@ -415,6 +439,7 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
                  base: int) -> None:
     several = len(streams) > 1
     unpublished = 0
+    last = plan.items[-1] if plan.items else None
     for item in plan.items:
         if stoppable and progress.failed:  # the save failed: leave the arena
             raise _stopped()
@@ -435,7 +460,7 @@ def _copy_serial(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena: Ho
         except Exception as exc:
             raise _naming(exc, item.key) from exc
         unpublished += item.nbytes
-        if unpublished >= _PUBLISH_BYTES:
+        if unpublished >= _PUBLISH_BYTES and item is not last:  # (the last: after check())
             progress.publish(item.end, _record_events(streams))
             unpublished = 0
 
