@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from _forks import in_forked_child
-from asyncckpt._pool import KeptThreads, kept_threads
+from asyncckpt._pool import KeptThreads, kept_threads, run_beside
 
 
 def test_calls_run_and_their_errors_come_back() -> None:
@@ -76,3 +78,113 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
         return 4
 
     assert in_forked_child(child) == 0
+
+
+def _sigint_main_in(seconds: float) -> None:
+    """A real Ctrl-C (SIGINT to the main thread) in ``seconds``: it lands in whatever
+    the main thread then waits in, as a user's would."""
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT)).start()
+
+
+def test_run_beside_returns_results_in_order_and_runs_refused_calls_here() -> None:
+    class Refusing:  # an executor of an exiting interpreter after its first submission
+        def __init__(self) -> None:
+            self.pool = KeptThreads(2, "test-beside")
+            self.taken = 0
+
+        def submit(self, fn: Callable[..., object], *args: object) -> object:
+            if self.taken:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            self.taken += 1
+            return self.pool.submit(fn, *args)
+
+    where: list[str] = []
+
+    def at(k: int) -> Callable[[], int]:
+        def run() -> int:
+            where.append(threading.current_thread().name)
+            return k
+        return run
+
+    assert run_beside(Refusing(), at(0), [at(1), at(2), at(3)], lambda: None) == [0, 1, 2, 3]
+    assert where.count(threading.current_thread().name) == 3  # the first and two refused
+
+
+def test_run_beside_raises_the_first_error_else_the_first_others() -> None:
+    pool = KeptThreads(3, "test-beside")
+
+    def fails(exc: Exception) -> Callable[[], None]:
+        def run() -> None:
+            raise exc
+        return run
+
+    with pytest.raises(KeyError):
+        run_beside(pool, fails(KeyError("first")), [fails(ValueError("other"))], lambda: None)
+    with pytest.raises(ValueError, match="one"):
+        run_beside(pool, lambda: None, [fails(ValueError("one")), fails(ValueError("two"))],
+                   lambda: None)
+
+
+def test_a_failing_first_stops_the_others_and_skips_those_not_started() -> None:
+    pool = KeptThreads(1, "test-beside-one")  # one thread: the second call queues behind
+    stopped = threading.Event()
+    running = threading.Event()
+    ran: list[str] = []
+
+    def busy() -> None:
+        running.set()
+        assert stopped.wait(10)
+        time.sleep(0.2)  # (still writing, say, after the stop: waited out)
+        ran.append("busy ended")
+
+    def first() -> None:
+        assert running.wait(10)
+        raise ValueError("bad bytes")
+
+    with pytest.raises(ValueError, match="bad bytes"):
+        run_beside(pool, first, [busy, lambda: ran.append("queued ran")], stopped.set)
+    ran.append("raised")
+    time.sleep(0.2)  # (the queued call had its turn on the pool's thread)
+    assert ran == ["busy ended", "raised"]
+
+
+def test_a_ctrl_c_in_the_wait_stops_the_others_and_is_raised_once_they_ended() -> None:
+    """A review's Ctrl-C in a load's wait for its reader threads made it raise while they
+    still wrote into the caller's tensors."""
+    pool = KeptThreads(2, "test-beside")
+    stopped = threading.Event()
+    events: list[str] = []
+
+    def reading() -> None:
+        assert stopped.wait(10)  # ends once told to stop, as a load's group does
+        time.sleep(0.3)
+        events.append("helper ended")
+
+    _sigint_main_in(0.2)
+    with pytest.raises(KeyboardInterrupt):
+        run_beside(pool, lambda: events.append("first done"), [reading], stopped.set)
+    events.append("raised")
+    assert events == ["first done", "helper ended", "raised"]
+
+
+def test_a_ctrl_c_in_a_submission_skips_the_call_it_queued() -> None:
+    """A Ctrl-C between the pool queueing a call and the submission returning lost its
+    future: the call then ran after the caller had gone (a save's copier wrote into the
+    arena the next save filled)."""
+    pool = KeptThreads(2, "test-beside")
+    ran: list[str] = []
+    gate = threading.Event()
+
+    class Interrupted:
+        def submit(self, fn: Callable[..., object], *args: object) -> object:
+            pool.submit(lambda: (gate.wait(10), fn(*args)))  # queued, then the Ctrl-C
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_beside(Interrupted(), lambda: ran.append("first"), [lambda: ran.append("other")],
+                   lambda: None)
+    gate.set()
+    time.sleep(0.2)
+    assert ran == []  # (the first never started; the queued one was skipped)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -492,6 +493,37 @@ def test_a_failing_group_stops_the_other_readers(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError, match="t00"):
         load_from(step_dir, None, storage, threads=2)
     assert storage.read < 6 * (1 << 21)  # the other group: one or two of its 12 tensors
+
+
+def test_a_ctrl_c_in_the_wait_for_the_readers_is_raised_once_they_stopped(
+        tmp_path: Path) -> None:
+    """A review's Ctrl-C while a load into the caller's tensors waited for its reader
+    threads raised at once, the threads still writing into those tensors."""
+    state = {f"t{i:02d}": torch.full((1 << 16,), float(i)) for i in range(8)}
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(state, step=1)
+    main = threading.main_thread()
+    release = threading.Event()
+    reads: list[str] = []
+
+    class Stalling(CountingStorage):  # the other thread's first read stalls
+        def pread_into(self, fd: int, views, offset: int) -> int:  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not main and not release.is_set():
+                assert release.wait(10)
+            n = super().pread_into(fd, views, offset)
+            reads.append("main" if threading.current_thread() is main else "helper")
+            return n
+
+    target = {k: torch.zeros_like(t) for k, t in state.items()}
+    assert main.ident is not None
+    threading.Timer(0.3, signal.pthread_kill, (main.ident, signal.SIGINT)).start()
+    threading.Timer(0.6, release.set).start()
+    with pytest.raises(KeyboardInterrupt):
+        load_from(tmp_path / "step_000000001", target, Stalling(), threads=2)
+    reads.append("raised")
+    time.sleep(0.3)
+    assert "helper" in reads and reads[-1] == "raised", reads  # (it stopped, after a read)
+    assert reads.count("helper") == 1  # stopped at its next piece
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import mmap
+import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -172,23 +173,47 @@ def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_stopped(
             return
         real(item, *args)  # type: ignore[arg-type]
 
-    waits: list[object] = []
-
-    def wait(fs: object) -> object:
-        waits.append(fs)
-        if len(waits) == 1:  # the Ctrl-C lands in the first wait
-            threading.Timer(0.3, release.set).start()
-            raise KeyboardInterrupt
-        return cf.wait(fs)  # type: ignore[arg-type]
-
     monkeypatch.setattr(staging, "_copy_range", copy)
-    monkeypatch.setattr(staging, "cf", type("cf", (), {"wait": staticmethod(wait)}))
+    # A real Ctrl-C once this thread waits for the helper, which copies on after it
+    threading.Timer(0.2, signal.pthread_kill, (main.ident, signal.SIGINT)).start()
+    threading.Timer(0.5, release.set).start()
     progress = StagingProgress()
     with pytest.raises(KeyboardInterrupt):
         stage(plan, tensors, arena, progress, helpers=helpers, threads=2)
     events.append("raised")
     assert events == ["helper copied", "raised"]
     assert not progress.done
+
+
+def test_a_ctrl_c_in_a_helpers_submission_leaves_no_copy_running(
+        helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C after the pool queued a helper's work but before submit returned lost its
+    future: the helper then copied into the arena after save_async had raised, over the
+    next save's bytes (a review committed a step of the wrong values so)."""
+    monkeypatch.setattr(plan_mod, "COPY_UNIT_BYTES", 4096)
+    tensors = {f"t{i}": torch.randn(1024) for i in range(4)}
+    plan = fresh_plan(tensors)
+    copies: list[str] = []
+    real = staging._copy_range
+
+    def copy(item: plan_mod.WriteItem, *args: object) -> None:
+        copies.append(item.key)
+        real(item, *args)  # type: ignore[arg-type]
+
+    gate = threading.Event()
+
+    class Interrupted:
+        def submit(self, fn: Callable[..., object], *args: object) -> object:
+            helpers.submit(lambda: (gate.wait(10), fn(*args)))  # queued, then the Ctrl-C
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging, "_copy_range", copy)
+    with pytest.raises(KeyboardInterrupt):
+        stage(plan, tensors, arena_for(plan), StagingProgress(), helpers=Interrupted(),
+              threads=2)
+    gate.set()
+    helpers.shutdown(wait=True)  # (the queued work had its turn)
+    assert copies == []
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -212,7 +237,8 @@ def test_check_runs_before_the_last_bytes_are_published(
     at_check: list[int] = []
     stage(plan, tensors, arena_for(plan), progress, helpers=helpers, threads=threads,
           check=lambda: at_check.append(max(published)))
-    assert len(published) > 1 and at_check and at_check[0] < plan.file_bytes, (
+    # (how far the writer got before depends on the threads' turns; never to the end)
+    assert published and at_check and at_check[0] < plan.file_bytes, (
         published, at_check, plan.file_bytes)
     assert progress.done
 

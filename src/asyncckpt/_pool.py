@@ -17,10 +17,11 @@ Threads are daemons: an idle one never holds up the interpreter's exit.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -96,6 +97,98 @@ class KeptThreads:
             else:
                 fut.set_exception(error)
             del fut, fn, args, result, error  # (nothing of a call outlives it here)
+
+
+class _Skipped(Exception):
+    """A call of :func:`run_beside` that started after the run had stopped: not run."""
+
+
+def run_beside(pool: Any, first: Callable[[], R], others: Sequence[Callable[[], R]],
+               stop: Callable[[], None]) -> list[R]:
+    """``first()`` on this thread and each of ``others`` on ``pool``'s threads (anything
+    with ``submit``); their results, in order, once every one is done. Raises the
+    first's error, else the first other's (in order).
+
+    Never returns or raises while one of ``others`` still runs, not even on a Ctrl-C:
+    those calls write where the caller is about to look (a review's Ctrl-C let a load
+    return while reader threads still wrote into the caller's tensors, and a save return
+    while a copier still wrote the arena its next save reused). Once ``first`` fails, or
+    a Ctrl-C comes, ``stop()`` is called (the others must then end soon), those not
+    started yet are skipped, even one whose submission the Ctrl-C interrupted, and those
+    running are waited out; a Ctrl-C during that wait is held and raised once they are.
+    Calls the pool refuses (the interpreter is exiting) run on this thread, after
+    ``first``.
+    """
+    lock = threading.Lock()
+    closed = [False]
+    running: list[threading.Event] = []
+
+    def call(fn: Callable[[], R]) -> R:
+        with lock:
+            if closed[0]:
+                raise _Skipped
+            done = threading.Event()
+            running.append(done)
+        try:
+            return fn()
+        finally:
+            done.set()
+
+    def close() -> None:
+        with lock:
+            closed[0] = True
+        stop()
+
+    futures: list[cf.Future[R]] = []
+    refused: list[Callable[[], R]] = []
+    try:
+        for fn in others:
+            if not refused:
+                try:
+                    futures.append(pool.submit(call, fn))
+                    continue
+                except RuntimeError:  # (the interpreter is exiting: this thread runs it)
+                    pass
+            refused.append(fn)
+        results = [first(), *(fn() for fn in refused)]
+    except BaseException:
+        _to_the_end(close)
+        with lock:
+            started = list(running)
+        _wait_all([done.wait for done in started], None)
+        raise  # (this error, not a Ctrl-C held meanwhile: it is the cause)
+    held = _wait_all([functools.partial(cf.wait, [f]) for f in futures], close)
+    if held is not None:
+        raise held
+    return [results[0], *(f.result() for f in futures), *results[1:]]
+
+
+def _to_the_end(fn: Callable[[], object]) -> None:
+    """``fn()``, run again if a Ctrl-C cuts it short (it must be idempotent)."""
+    while True:
+        try:
+            fn()
+            return
+        except KeyboardInterrupt:
+            pass
+
+
+def _wait_all(waits: Sequence[Callable[[], object]],
+              on_interrupt: Callable[[], None] | None) -> BaseException | None:
+    """Run each wait to its end: a Ctrl-C does not end one but is held (the first one,
+    returned), and calls ``on_interrupt`` once."""
+    held: BaseException | None = None
+    for wait in waits:
+        while True:
+            try:
+                wait()
+                break
+            except KeyboardInterrupt as exc:
+                if held is None:
+                    held = exc
+                    if on_interrupt is not None:
+                        _to_the_end(on_interrupt)
+    return held
 
 
 _lock = threading.Lock()

@@ -9,7 +9,6 @@ Nothing here unpickles or executes anything from the file.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import ctypes
 import dataclasses
@@ -31,7 +30,7 @@ import xxhash
 
 from . import _memory
 from ._gc import gc_paused
-from ._pool import KeptThreads, kept_threads
+from ._pool import KeptThreads, kept_threads, run_beside
 from .commit import step_of_dir_name
 from .errors import (
     CheckpointConfigError,
@@ -328,7 +327,7 @@ def _load_checked(step_dir: Path, manifest: Manifest, dests: Mapping[str, torch.
         # (several groups: one that fails stops the others at their next item)
         _in_groups(lambda g, stop: _read_group(step_dir, manifest, g, out, storage, verify,
                                                stop, advance, fresh, casts),
-                   _split(items, n, total), threading.Event() if n > 1 else None)
+                   _split(items, n, total), threading.Event() if n > 1 else None, storage)
     finally:
         # Reads straight into a given tensor's memory are in-place writes autograd does
         # not see: bump their version counters as copy_ would, so a graph that saved one
@@ -487,18 +486,25 @@ def _split(items: list[_C], n: int, total: int) -> list[list[_C]]:
 
 
 def _in_groups(read: Callable[[list[_C], threading.Event | None], _R], groups: list[list[_C]],
-               stop: threading.Event | None) -> list[_R]:
+               stop: threading.Event | None, storage: ReadStorage | None = None) -> list[_R]:
     """``read(group, stop)`` for every group: the first on this thread, the others on kept
     reader threads. Returns their results, in order, once every thread is done (never
-    leaving one writing into memory the caller is about to use); raises the first
-    group's error, else the first other's."""
-    pool = _read_pool()
-    futures = [pool.submit(read, g, stop) for g in groups[1:]]
-    try:
-        first = read(groups[0], stop)
-    finally:
-        cf.wait(futures)
-    return [first, *(f.result() for f in futures)]
+    leaving one writing into memory the caller is about to use, not even on a Ctrl-C:
+    it sets ``stop``, interrupts a peer's ``storage``, and is raised once they ended);
+    raises the first group's error, else the first other's."""
+    if len(groups) == 1:
+        return [read(groups[0], stop)]
+    event = stop if stop is not None else threading.Event()
+
+    def stopped() -> None:
+        event.set()
+        interrupt = getattr(storage, "interrupt", None)
+        if interrupt is not None:  # (threads blocked on a stalled peer end now)
+            with contextlib.suppress(Exception):
+                interrupt()
+
+    return run_beside(_read_pool(), functools.partial(read, groups[0], event),
+                      [functools.partial(read, g, event) for g in groups[1:]], stopped)
 
 
 def _advancing(progress: Callable[[int, int], None], total: int) -> Callable[[int], None]:

@@ -12,7 +12,6 @@ staged prefix of the file while later tensors are still being copied.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import ctypes
 import itertools
@@ -20,13 +19,14 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 
 from ._memory import populate
+from ._pool import run_beside
 from .errors import CheckpointSaveError, CheckpointTimeoutError
 from .plan import WriteItem, WritePlan, plain_memory
 
@@ -301,47 +301,23 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
                         published = upto
                         progress.publish(upto)
 
-    others = []
-    for _ in range(threads - 1):
-        try:
-            others.append(helpers.submit(work))
-        except RuntimeError:  # the interpreter is exiting: this thread copies the rest
-            break
-    try:
-        work()
-    except BaseException as exc:
-        if not failed:  # (a Ctrl-C between units: the helpers stop at their next one)
-            failed.append(exc)
-        _join(others, failed)
-        raise
-    _join(others, failed)
-    for f in others:
-        f.result()
+    def helper() -> None:
+        with contextlib.suppress(BaseException):  # (its error is in ``failed``)
+            work()
+
+    def stop() -> None:  # the others end at their next unit
+        if not failed:
+            failed.append(_stopped())
+
+    # Never returns while a helper still copies into the arena, not even on a Ctrl-C
+    # (held until they stop, then raised): a review's Ctrl-C let save_async return
+    # mid-copy, and the next save's copy into the same arena committed mixed values.
+    run_beside(helpers, work, [helper] * (threads - 1), stop)
     if failed:
         raise failed[0]
     if check is not None:
         check()
     progress.finish(plan.file_bytes)
-
-
-def _join(helpers: Sequence[cf.Future[None]], failed: list[BaseException]) -> None:
-    """Wait until no helper copies into the arena: never return before, not even on a
-    Ctrl-C, which is held until they are done and then raised (a review's Ctrl-C in this
-    wait let save_async return while a helper still copied, and the next save's copy
-    into the same arena committed a step of mixed values). A Ctrl-C stops the helpers at
-    their next unit."""
-    held: BaseException | None = None
-    for f in helpers:
-        while True:
-            try:
-                cf.wait([f])
-                break
-            except KeyboardInterrupt as exc:
-                if not failed:
-                    failed.append(exc)
-                held = held or exc
-    if held is not None:
-        raise held
 
 
 def _copy_range(item: WriteItem, src: torch.Tensor, arena: HostArena, base: int, lo: int,
