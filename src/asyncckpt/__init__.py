@@ -229,7 +229,7 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
         while True:
             left = max(deadline - _time.monotonic(), 0.001)
             peer = HTTPStorage(str(path), -1, token=token, timeout_s=left, deadline_s=left,
-                               max_file_bytes=max_file_bytes,
+                               timeout_told=timeout, max_file_bytes=max_file_bytes,
                                max_total_bytes=max_file_bytes if state is None else None)
             try:
                 peer.step = peer.current_step() if step is None else step

@@ -1450,10 +1450,12 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                          f"it): {few(missing)}")
             # (not a rename hint of names the view holds instead: those are its own
             # rank's; but a wrapper's part of every key, a DDP "module.", is one: a trial)
+            # (but after that advice, the rename hint: a trial's layer renamed on this
+            # side was told nothing of key_map=)
             hint = (hint if wrapped else
                     " (a peer serves what its own state holds; in a group, fetch each rank's "
                     "state from the same rank of a healthy replica; leave out what only this "
-                    "side holds with exclude=)")
+                    "side holds with exclude=)" + hint)
         elif missing:
             parts.append(f"missing from the checkpoint: {few(missing)}")
         if unexpected:
@@ -1462,9 +1464,9 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             label = "shape/dtype mismatch" if shape_dtype == len(mismatched) else "mismatched"
             parts.append(f"{label}: {_mismatches_text(mismatched, described)}")
             if manifest.partial and reshaped:  # (a heal: the advice below would not mend it)
-                parts.append("the peer's tensors have other shapes than this side's: a "
-                             "replacement is built as the sender is (the same model "
-                             "config); what follows loads a state unlike its peers'")
+                parts.append("the peer's tensors have other shapes than this side's: "
+                             "build the replacement with the sender's model config (its "
+                             "shapes); what follows loads a state unlike its peers'")
             for owner in grown:  # (a replay buffer, a list of metrics: it grows)
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "

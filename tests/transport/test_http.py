@@ -268,8 +268,27 @@ def test_a_fetch_that_runs_out_of_time_waiting_for_a_step_says_so(transports: An
     assert "did not answer the request for step 3" in text, text
     assert "not serving that step (not allowed yet, or withdrawn)" in text, text
     assert "pass a larger timeout" in text and "too slowly" not in text, text
+    # (a peer trial's timeout ran out while the sender checksummed a large live state)
+    assert "or is still checksumming the live state it serves" in text, text
     with pytest.raises(CheckpointTimeoutError, match="did not say which step it serves"):
         asyncckpt.load(srv.address(), token=TOKEN, timeout=1.0)
+
+
+def test_a_fetch_begun_again_within_what_is_left_quotes_the_timeout_passed(
+        transports: Any) -> None:
+    """(peer trial) load() fetches again, within what is left of its timeout, once the
+    step on offer moved on: that fetch's timeout error quoted the 0.078 s it had left."""
+    srv = transports(token=TOKEN, timeout=30.0)
+    srv.send_checkpoint([1], 3, state_of(), 10.0)
+    srv.disallow_checkpoint()
+    peer = HTTPStorage(srv.address(), -1, token=TOKEN, timeout_s=0.3, deadline_s=0.3,
+                       timeout_told=7.5)
+    try:
+        with pytest.raises(CheckpointTimeoutError, match=r"within the fetch's timeout of "
+                           r"7\.5s: it allows none"):
+            peer.current_step()
+    finally:
+        peer.close_all()
 
 
 # --- tokens ----------------------------------------------------------------------------------
@@ -3128,7 +3147,8 @@ def test_a_fetch_held_back_by_a_withdrawn_step_says_so_at_its_timeout(
         with pytest.raises(CheckpointTimeoutError, match=(
                 r"answered this fetch's first requests of step 4, then not "
                 rf"/v1/4/files/{FILE} within the fetch's timeout of 1s: it withdrew the step "
-                r"\(disallow_checkpoint\) and did not allow it again, or is stuck")):
+                r"\(disallow_checkpoint\(\), or the next save of a checkpointer serving it\) "
+                r"and did not allow it again, or is stuck")):
             peer.pread_into(fd, [memoryview(bytearray(4096))], 0)
     finally:
         peer.close_all()
@@ -3485,6 +3505,55 @@ def test_a_receiver_killed_mid_transfer_holds_disallow_briefly(transports: Any) 
     assert took < http_module._BROKEN_GRACE_S + 2.0, took  # (not STALL_S)
 
 
+@pytest.mark.parametrize("others", [0, 1])
+def test_a_receiver_killed_between_requests_holds_disallow_briefly(
+        transports: Any, others: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(peer trial) A receiver killed after its manifest came, its connection idle: its
+    fetch held disallow_checkpoint() STALL_S (10 s), no transfer of it having broken. A
+    fetch with no connection left open is over once _BROKEN_GRACE_S passes; one that
+    still has a connection (another thread of the receiver) is waited for as before."""
+    import http.client
+
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "STALL_S", 5.0)  # (10 s: the suite's time)
+    srv = transports(token=TOKEN, timeout=60.0)
+    srv.send_checkpoint([1], 1, {"w": torch.randn(1 << 16)}, 10.0)
+    fetch = "ef" * 8
+    conns = [http.client.HTTPConnection("127.0.0.1", port_of(srv), timeout=10)
+             for _ in range(1 + others)]
+    for c in conns:
+        c.request("GET", f"/v1/1/{http_module.MANIFEST_NAME}",
+                  headers={"Authorization": f"Bearer {TOKEN}", "Asyncckpt-Fetch": fetch})
+        resp = c.getresponse()
+        assert resp.status == 200 and resp.read()
+    conns[0].close()  # (killed between requests: the kernel closes its connection)
+    t0 = time.monotonic()
+    srv.disallow_checkpoint()
+    took = time.monotonic() - t0
+    if others:  # still asking within STALL_S: waited for (up to STALL_S of silence)
+        assert took >= http_module.STALL_S - 1.0, took
+    else:
+        assert took < http_module._BROKEN_GRACE_S + 1.5, took  # (not STALL_S)
+    for c in conns[1:]:
+        c.close()
+
+
+def test_a_receiver_with_a_renamed_layer_is_told_key_map(transports: Any) -> None:
+    """(peer trial) A layer renamed on the receiving side was told only to fetch from the
+    same rank of a healthy replica: nothing of key_map=."""
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 5, {"enc": {"weight": torch.randn(4, 8)}}, timeout=10)
+    with pytest.raises(StateMismatchError) as ei:
+        asyncckpt.load(srv.address(), {"encoder": {"weight": torch.zeros(4, 8)}},
+                       token=TOKEN, timeout=10)
+    text = str(ei.value)
+    assert "same rank of a healthy replica" in text and "key_map=" in text, text
+    got = asyncckpt.load(srv.address(), {"encoder": {"weight": torch.zeros(4, 8)}},
+                         token=TOKEN, timeout=10, key_map={"enc/weight": "encoder/weight"})
+    assert got["encoder"]["weight"].abs().sum() > 0
+
+
 def test_a_receiver_of_other_shapes_is_told_it_is_built_unlike_the_sender(
         transports: Any, tmp_path: Path) -> None:
     """A trial: a replacement of another hidden size was told to exclude= the parts that
@@ -3494,8 +3563,8 @@ def test_a_receiver_of_other_shapes_is_told_it_is_built_unlike_the_sender(
     with pytest.raises(StateMismatchError) as ei:
         asyncckpt.load(srv.address(), {"model": torch.nn.Linear(4, 6)}, token=TOKEN,
                        timeout=10)
-    assert "the peer's tensors have other shapes than this side's: a replacement is built " \
-           "as the sender is" in str(ei.value), ei.value
+    assert "the peer's tensors have other shapes than this side's: build the replacement " \
+           "with the sender's model config" in str(ei.value), ei.value
     asyncckpt.save({"model": torch.nn.Linear(4, 8)}, tmp_path, step=1)
     with pytest.raises(StateMismatchError) as ei:  # (from disk, no heal: not said)
         asyncckpt.load(tmp_path, {"model": torch.nn.Linear(4, 6)})

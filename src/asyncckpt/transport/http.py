@@ -202,8 +202,8 @@ class HTTPTransport(CheckpointTransport[Any]):
     Args:
         timeout: how long a request may wait for a step to be allowed, and the default
             for how long a fetch may take as a whole.
-        num_chunks: parallel connections a fetch uses (at most one per CPU the process
-            may run on, 2 at least: more only contend for the CPUs).
+        num_chunks: parallel connections a fetch uses (0 counts as 1); above 2, at
+            most one per CPU the process may run on (more only contend for the CPUs).
         host: interface to bind (127.0.0.1 by default; "0.0.0.0" or "::" for all).
         port: port to bind (0 picks a free one).
         advertise_host: the host put in ``metadata()`` when it differs from ``host``
@@ -302,6 +302,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._draining: Served | None = None  # the offer a disallow lets fetches finish
         self._fetch_of: dict[socket.socket, str] = {}  # a transfer's fetch, while it runs
         self._broken: dict[str, float] = {}  # when a fetch's last transfer broke off
+        # (or its last connection closed, its receiver saying nothing: killed between
+        # requests; a disallow waited STALL_S for it, not _BROKEN_GRACE_S)
+        self._open_conns: dict[str, int] = {}  # a fetch's connections still open
         self._receiving: set[HTTPStorage] = set()  # recv_checkpoint's fetches in progress
         self._tickets = itertools.count()
         host = _bare_host(host, "host")
@@ -334,7 +337,10 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def serve(self, served: Served, *, allow: bool = True,
               _since: tuple[int, int] | None = None) -> None:
-        """Offer ``served`` (replacing what was offered before) and allow its step.
+        """Offer ``served`` (replacing what was offered before) and allow its step
+        (``allow=False``: offer it not allowed yet, for ``allow_checkpoint``).
+        ``_since`` is internal (send_checkpoint's: the offer is not made, or not
+        allowed, if a withdraw() or disallow_checkpoint() came meanwhile).
 
         Raises:
             CheckpointClosedError: after ``shutdown()``.
@@ -744,11 +750,31 @@ class HTTPTransport(CheckpointTransport[Any]):
             if served_whole and fetch is not None and fetch in self._fetches:
                 self._seen(fetch, served)
             elif fetch is not None and fetch in self._fetches:
-                self._broken[fetch] = time.monotonic()
-                if len(self._broken) > _MAX_FETCHES:  # (of fetches forgotten since)
-                    self._broken = {f: t for f, t in self._broken.items()
-                                    if f in self._fetches}
+                self._mark_broken(fetch)
             self._cond.notify_all()
+
+    def _connection_of(self, fetch: str) -> None:
+        """A connection served its first request of ``fetch``."""
+        with self._cond:
+            self._open_conns[fetch] = self._open_conns.get(fetch, 0) + 1
+
+    def _connection_closed(self, fetches: Iterable[str]) -> None:
+        """A connection that served requests of ``fetches`` closed: a fetch left with
+        none open, not said done, counts as broken off (its receiver gone between
+        requests), as if a transfer broke."""
+        with self._cond:
+            for fetch in fetches:
+                n = self._open_conns.pop(fetch, 1) - 1
+                if n > 0:
+                    self._open_conns[fetch] = n
+                elif fetch in self._fetches:
+                    self._mark_broken(fetch)
+            self._cond.notify_all()
+
+    def _mark_broken(self, fetch: str) -> None:
+        self._broken[fetch] = time.monotonic()
+        if len(self._broken) > _MAX_FETCHES:  # (of fetches forgotten since)
+            self._broken = {f: t for f, t in self._broken.items() if f in self._fetches}
 
     def _authorized(self, header: str | None) -> bool:
         if self.token is None:
@@ -1059,6 +1085,14 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         # a slow or silent client must not hold a thread forever
         self.connection.settimeout(self.server.transport.timeout_s)
+        self._fetches: set[str] = set()  # the fetches this connection served requests of
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            if self._fetches:
+                self.server.transport._connection_closed(self._fetches)
 
     def handle_one_request(self) -> None:
         # The socket timeout bounds each recv, not a whole request: a client sending one
@@ -1202,6 +1236,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(204)
             self.end_headers()
             return None
+        if fetch is not None and fetch not in self._fetches and len(self._fetches) < 4:
+            self._fetches.add(fetch)  # (a handful: a client cycling ids gains nothing)
+            tr._connection_of(fetch)
         try:
             got = tr._acquire(step, self.connection, fetch)
         except _Retired as exc:
@@ -1363,7 +1400,7 @@ class HTTPStorage:
                  retries: int = 3, deadline_s: float | None = None,
                  max_manifest_bytes: int = PEER_MAX_MANIFEST_BYTES,
                  max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
-                 max_total_bytes: int | None = None):
+                 max_total_bytes: int | None = None, timeout_told: float | None = None):
         try:
             u = urlsplit(base)
             port = u.port
@@ -1394,7 +1431,9 @@ class HTTPStorage:
         self._lock = threading.Lock()
         self._max_range = 1 << 62  # lowered when the server answers 413
         self.saved_view = False  # the peer serves a saved step whole (see check_manifest)
-        self._deadline_s = deadline_s
+        # The timeout the caller passed, as errors quote it: a fetch begun again within
+        # what was left of it (the step on offer moved on) told "0.078 s"
+        self._told_s = timeout_told if timeout_told is not None else deadline_s
         self._ends_at = None if deadline_s is None else time.monotonic() + deadline_s
         self.max_manifest_bytes = max_manifest_bytes
         self.max_file_bytes = check_max_file_bytes(max_file_bytes)
@@ -1459,7 +1498,7 @@ class HTTPStorage:
         return CheckpointTimeoutError(
             f"fetching {f'step {self.step}' if self.step >= 0 else 'the current step'} "
             f"from {self._peer} did not end within its timeout of "
-            f"{seconds_text(self._deadline_s)}: the timeout is too short for this state's "
+            f"{seconds_text(self._told_s)}: the timeout is too short for this state's "
             "size over this network (pass a larger one), or the peer stalls or sends too "
             "slowly")
 
@@ -1477,19 +1516,22 @@ class HTTPStorage:
             raise CheckpointTimeoutError(
                 f"{self._peer} answered this fetch's first requests of step {self.step}, then "
                 f"not {self._url(what)} within the fetch's timeout of "
-                f"{seconds_text(self._deadline_s)}: it withdrew the step "
-                "(disallow_checkpoint) and did not allow it again, or is stuck; fetch again "
-                "(the step it serves now: /v1/current)")
+                f"{seconds_text(self._told_s)}: it withdrew the step (disallow_checkpoint(), "
+                "or the next save of a checkpointer serving it) and did not allow it again, "
+                "or is stuck; fetch again (the step it serves now: /v1/current)")
         if what == "current":
             raise CheckpointTimeoutError(
                 f"{self._peer} did not say which step it serves within the fetch's timeout "
-                f"of {seconds_text(self._deadline_s)}: it allows none (not yet, or it was "
+                f"of {seconds_text(self._told_s)}: it allows none (not yet, or it was "
                 "withdrawn), or is stuck; pass a larger timeout to wait longer")
+        checksumming = (", or is still checksumming the live state it serves (the first "
+                        "answer of a send_checkpoint waits for that: seconds for GBs)"
+                        if what == MANIFEST_NAME else "")
         raise CheckpointTimeoutError(
             f"{self._peer} did not answer the request for step {self.step} "
             f"({self._url(what)}) within the fetch's timeout of "
-            f"{seconds_text(self._deadline_s)}: it is not serving that step (not allowed yet, "
-            "or withdrawn), or is stuck; pass a larger timeout to wait longer")
+            f"{seconds_text(self._told_s)}: it is not serving that step (not allowed yet, "
+            f"or withdrawn){checksumming}, or is stuck; pass a larger timeout to wait longer")
 
     def _conn(self, fresh: bool = False) -> http.client.HTTPConnection:
         c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
@@ -1532,7 +1574,7 @@ class HTTPStorage:
         self._check_cancelled()
         if not (self._expired or time.monotonic() >= deadline - slack):
             return
-        waited = self._deadline_s if self._deadline_s is not None else self.timeout_s
+        waited = self._told_s if self._told_s is not None else self.timeout_s
         step = "any step" if what == "current" else f"step {self.step}"
         raise CheckpointTimeoutError(
             f"{self._peer} did not allow {step} within the fetch's timeout of "
