@@ -240,7 +240,26 @@ def test_ls_marks_a_step_a_fallback_load_found_damaged(
     (root / "step_000000030" / "damaged.json").write_bytes(b" " * 70000)  # (over the limit)
     assert "damaged.json cannot be read" in run(capsys, "ls", str(root))[1]
     (root / "step_000000030" / "damaged.json").write_text("{not json")
-    assert "(damaged.json: damaged.json is not a JSON object)" in run(capsys, "ls", str(root))[1]
+    assert "its damage mark is unreadable: damaged.json is not a JSON object" in run(
+        capsys, "ls", str(root))[1]
+
+
+def test_ls_says_a_garbage_damage_mark_is_unreadable_with_verify_s_advice(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(a crash trial) ls showed a damaged.json of garbage as a load's verdict, "a load
+    found it damaged (damaged.json: damaged.json is not a JSON object)": it says the mark
+    is unreadable, and what verify says to do of it (delete it where the step verifies)."""
+    mark = root / "step_000000020" / "damaged.json"
+    mark.write_bytes(b"\x00\xffgarbage{{")
+    code, out, _ = run(capsys, "ls", str(root))
+    row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["20"])
+    assert code == 1 and "DAMAGED: a load found it damaged" not in row, row
+    assert ("DAMAGED: its damage mark is unreadable: damaged.json is not a JSON object; "
+            "whether a load found it damaged is unknown: if verify finds the step intact, "
+            f"delete {mark} (run 'asyncckpt verify {root} --step 20')") in row, row
+    code, out, _ = run(capsys, "verify", str(root), "--step", "20")  # (the advice it gives)
+    assert code == 0 and f"it verifies now: if that was a passing fault, delete {mark}" in out
+    assert "its damage mark is unreadable" in out and "a load found it damaged (" not in out
 
 
 def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -771,6 +790,33 @@ def test_verify_names_a_missing_file_once(root: Path, capsys: pytest.CaptureFixt
     assert len(problems) == 2, problems
     assert problems[0].endswith("rank_00000.safetensors is missing: the checkpoint is damaged")
     assert "its 3 tensors were not read" in problems[1]
+
+
+def test_verify_counts_as_intact_only_the_tensors_it_checked(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(a crash trial) A step whose shard file was missing, or whose manifest was cut
+    short, read "0 tensors intact" of tensors never read: it says what it checked."""
+    from asyncckpt.cli import _tensors_checked
+    from asyncckpt.reader import VerifyReport
+
+    flip_byte(root / "step_000000010", "model/w")
+    code, out, _ = run(capsys, "verify", str(root), "--step", "10")
+    assert code == 1 and "1 problem (2 of 3 tensors intact):" in out, out
+    (root / "step_000000030" / "rank_00000.safetensors").unlink()
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and "0 tensors intact" not in out, out
+    assert ("2 problems (0 of 3 tensors checked: 0 intact; the rest could not be read "
+            "because of the problems below):") in out, out
+    manifest = root / "step_000000020" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    code, out, _ = run(capsys, "verify", str(root), "--step", "20")
+    assert code == 1 and "0 tensors intact" not in out, out
+    assert ("1 problem (no tensor checked: none could be read because of the problems "
+            "below):") in out, out
+    # (a step of several files, one of them damaged: the others' tensors are checked)
+    some = VerifyReport(root, 5, tensors=2, problems=["x", "y", "z"], listed=6, unchecked=3)
+    assert _tensors_checked(some) == ("3 of 6 tensors checked: 2 intact; the rest could not "
+                                      "be read because of the problems below")
 
 
 def test_verify_of_an_emptied_shard_says_it_is_too_short(

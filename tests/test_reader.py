@@ -140,6 +140,31 @@ def test_a_bad_block_is_caught_even_in_a_partial_read(tmp_path: Path) -> None:
         read_box(step_dir, ((9, 0), (3, 1024)), LocalStorage(), x.dtype)
 
 
+def test_a_checksum_mismatch_names_the_block_s_bytes_with_their_end(tmp_path: Path) -> None:
+    """(a crash trial) "bytes 1052700..": the range had no end. It ends where the block
+    does, exclusive as the other byte ranges said; a tensor's last block with the tensor."""
+    state = {"a": torch.arange(2500.0), "b": torch.arange(2500.0)}  # (10,000 bytes each)
+    with asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", block_bytes=4096) as ckpt:
+        ckpt.save(state, step=1)
+    step_dir = tmp_path / commit.step_dir_name(1)
+    manifest = read_manifest(step_dir, LocalStorage())
+    a, b = manifest.tensors["a"].chunks[0], manifest.tensors["b"].chunks[0]
+    with open(step_dir / a.file, "r+b") as f:
+        for pos in (a.byte_range[0] + 4096 + 5, b.byte_range[1] - 1):  # a's block 1, b's last
+            f.seek(pos)
+            byte = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([byte ^ 0x40]))
+    lo = a.byte_range[0] + 4096
+    want_a = f"'a' (block 1, bytes {lo}..{lo + 4096})"
+    want_b = f"'b' (block 2, bytes {b.byte_range[0] + 8192}..{b.byte_range[1]})"
+    report = verify_checkpoint(step_dir, LocalStorage())
+    assert want_a in report.problems[0] and want_b in report.problems[1], report.problems
+    with pytest.raises(CheckpointCorruptError) as info:
+        load_from(step_dir, {k: torch.zeros_like(v) for k, v in state.items()}, LocalStorage())
+    assert want_a in str(info.value) or want_b in str(info.value), info.value
+
+
 def test_box_byte_span_matches_the_row_major_layout() -> None:
     shape = (4, 5, 6)
     strides = row_major_strides(shape)

@@ -487,10 +487,39 @@ def test_a_full_disk_s_advice_fits_the_checkpointer_s_keep_last(
                           keep_last=3)
     monkeypatch.setattr(writer_module, "_free_inodes", lambda root: 0)
     said = writer_module._room_said(job, full)  # type: ignore[arg-type]
-    assert said.endswith("; but no inode is free: the filesystem is out of files "
-                         "(df -i))"), said
+    assert said.endswith("; but 0 free inodes: the filesystem is out of files, not bytes "
+                         "(df -i): remove files on it, old checkpoints or others, to free "
+                         "inodes)"), said
     monkeypatch.setattr(writer_module, "_free_inodes", lambda root: 5)  # (bytes, then)
     assert "inode" not in writer_module._room_said(job, full)  # type: ignore[arg-type]
+
+
+def test_a_save_out_of_inodes_says_so_and_what_to_remove(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a crash trial) A save that met ENOSPC on a filesystem out of inodes, bytes free,
+    named the bytes free alone and advised freeing space: it names the free inodes, and
+    that files (old checkpoints) are what to remove."""
+    import errno
+    import os
+    from types import SimpleNamespace
+
+    import asyncckpt.writer as writer_module
+
+    class _NoInode(LocalStorage):
+        def write_arena(self, path: Path, buf: memoryview, nbytes: int, ready: Any,
+                        direct_io: bool) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def statvfs(path: Any) -> Any:  # (8 GiB free, and not one inode)
+        return SimpleNamespace(f_bavail=8 << 20, f_frsize=1024, f_files=1000, f_favail=0)
+
+    monkeypatch.setattr(writer_module.os, "statvfs", statvfs)
+    with (asyncckpt.AsyncCheckpointer(tmp_path, mode="sync", storage=_NoInode()) as ckpt,
+          pytest.raises(asyncckpt.CheckpointSaveError) as info):
+        ckpt.save({"w": torch.ones(4)}, step=1)
+    said = str(info.value)
+    assert "MB free now" in said and "0 free inodes" in said, said
+    assert "remove files on it, old checkpoints or others, to free inodes" in said, said
 
 
 def test_the_storage_call_named_is_found_by_its_argument_in_every_signature() -> None:

@@ -735,16 +735,23 @@ def _not_regular(path: Path) -> bool:
 
 
 def _marked(step_dir: Path, storage: ReadStorage) -> list[str]:
-    """What the step's damaged.json says: a fallback load found it damaged."""
+    """What the step's damaged.json says: a fallback load found it damaged. One that cannot
+    be read gets verify's advice for it: a crash trial's ls showed a garbage damaged.json
+    as a load's verdict, with nothing to do about it."""
     mark = _damaged_mark(step_dir, storage)
-    return [] if mark is None else [_mark_text(mark)]
+    if mark is None:
+        return []
+    if _unread_mark(mark):
+        return [f"{_mark_text(mark)}: if verify finds the step intact, delete "
+                f"{step_dir / commit.DAMAGED_NAME}"]
+    return [_mark_text(mark)]
 
 
 def _damaged_mark(step_dir: Path, storage: ReadStorage) -> Mapping[str, object] | None:
     """The step's damaged.json (see commit.read_damaged_mark), or None: there is none, or
     none can be told of."""
     mark = commit.read_damaged_mark(step_dir, storage)
-    if mark is not None and set(mark) == {"problem"}:  # (no mark a load wrote: unread)
+    if mark is not None and _unread_mark(mark):
         # A directory this user may read but not search (mode 0400) answers every read
         # "permission denied": a damaged.json it does not hold is no mark (a trial's ls
         # said "a load found it damaged" of such a step, and exited 1 for it, not 2).
@@ -759,7 +766,19 @@ def _damaged_mark(step_dir: Path, storage: ReadStorage) -> Mapping[str, object] 
     return mark
 
 
-_mark_text = commit.mark_text  # a damaged.json's verdict, in words
+def _unread_mark(mark: Mapping[str, object]) -> bool:
+    """Whether ``mark`` is no mark a load wrote, but read_damaged_mark's word that the
+    damaged.json there cannot be read or parsed."""
+    return set(mark) == {"problem"}
+
+
+def _mark_text(mark: Mapping[str, object]) -> str:
+    """A damaged.json's verdict, in words; one that cannot be read is said to be so, not
+    "a load found it damaged" (which the file, garbage, does not say: a crash trial)."""
+    if _unread_mark(mark):
+        return (f"its damage mark is unreadable: {mark['problem']}; whether a load found it "
+                "damaged is unknown")
+    return commit.mark_text(mark)
 
 
 # --- the directory's lock, and clean -----------------------------------------------------------
@@ -1441,10 +1460,23 @@ def _print_verdict(step_dir: Path, report: VerifyReport, seconds: float) -> None
              f"({gbps:.2f} GB/s)")
         return
     _out(f"CORRUPT {step_dir}: {_n(len(report.problems), 'problem')} "
-         f"({_n(report.tensors, 'tensor')} intact):")
+         f"({_tensors_checked(report)}):")
     tail = "; load another step"  # (said once, after, with where to find one)
     for p in report.problems:
         _out(f"  - {_shown(p[:-len(tail)] if p.endswith(tail) else p)}")
+
+
+def _tensors_checked(report: VerifyReport) -> str:
+    """What a damaged step's report checked of its tensors, and found intact. A crash
+    trial's step whose shard file was missing, or whose manifest was cut short, read "0
+    tensors intact" of tensors never read: those are said unchecked, not counted."""
+    if report.listed is None:  # (no manifest read: no tensor is known, nor checked)
+        return "no tensor checked: none could be read because of the problems below"
+    checked = report.listed - report.unchecked
+    if report.unchecked == 0:
+        return f"{report.tensors} of {_n(report.listed, 'tensor')} intact"
+    return (f"{checked} of {_n(report.listed, 'tensor')} checked: {report.tensors} intact; "
+            "the rest could not be read because of the problems below")
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -1670,7 +1702,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             _decided(args, EXIT_CORRUPT)
             # (a CLI trial's damaged step 0 was told to "serve an earlier step")
             why = (f"not serving {step_dir}: {_n(len(got.problems), 'problem')} "
-                   f"({_n(got.tensors, 'tensor')} intact)"
+                   f"({_tensors_checked(got)})"
                    f"{_instead(args, step_dir, getattr(args, 'best', None) is not None)}")
             _to_stderr(f"asyncckpt: {why}")
             for p in got.problems[:20]:

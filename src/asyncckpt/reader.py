@@ -1021,10 +1021,13 @@ def _check_sums(path: Path, key: str, chunk: Chunk, first_block: int, sums: list
         bad = first_block + next(
             (i for i, (a, b) in enumerate(zip(got_sums, want, strict=False)) if a != b),
             len(want))
+        # (the block's bytes in the file, end exclusive as the other ranges said: a trial
+        # read "bytes 1052700..", with no end; the last block ends with the chunk)
+        lo = chunk.byte_range[0] + bad * block_bytes
+        hi = max(lo, min(lo + block_bytes, chunk.byte_range[1]))
         raise CheckpointCorruptError(
-            f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
-            f"{chunk.byte_range[0] + bad * block_bytes}..): the checkpoint is corrupt; load "
-            "another step", path=str(path), key=key)
+            f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes {lo}..{hi}): "
+            "the checkpoint is corrupt; load another step", path=str(path), key=key)
 
 
 @dataclass
@@ -1035,8 +1038,14 @@ class VerifyReport:
     step: int | None
     """The manifest's step; None when the manifest itself cannot be read."""
     tensors: int = 0
+    """The tensors checked and found intact."""
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    listed: int | None = None
+    """The tensors the manifest lists; None when it cannot be read (none was checked)."""
+    unchecked: int = 0
+    """Of those, the tensors not read, as a file of theirs is missing or damaged: neither
+    intact nor corrupt as far as this report can tell."""
 
     @property
     def ok(self) -> bool:
@@ -1055,7 +1064,7 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
         manifest = read_manifest(step_dir, storage)
     except CheckpointCorruptError as exc:
         return VerifyReport(step_dir, None, problems=[str(exc)])
-    report = VerifyReport(step_dir, manifest.step)
+    report = VerifyReport(step_dir, manifest.step, listed=len(manifest.tensors))
     damaged: set[str] = set()
     # (each tensor's chunks made once: a sharded one's are a ChunkTable, which makes them
     # at every walk; and walking them all once per file was files x chunks)
@@ -1094,6 +1103,7 @@ def verify_checkpoint(step_dir: Path, storage: ReadStorage, *, threads: int | No
         else:
             report.tensors += 1
             report.bytes += entry.nbytes
+    report.unchecked = sum(unread.values())
     for name, n in unread.items():
         report.problems.append(f"{step_dir / name}: its {n} tensor"
                                f"{'s were' if n != 1 else ' was'} not read, as the file is "

@@ -1645,8 +1645,11 @@ def _room_said(job: SaveJob, exc: BaseException) -> str:
     free_mb, need_mb = _megabytes(free, job.plan.file_bytes)
     said = f" ({free_mb} free now; this step's file takes {need_mb}"
     if _free_inodes(job.root) == 0:
-        # (a trial's full inode table read "8.4 MB free now; this step's file takes 0.0 MB")
-        said += "; but no inode is free: the filesystem is out of files (df -i)"
+        # (a trial's full inode table read "8.4 MB free now; this step's file takes 0.0 MB";
+        # then "no inode is free", the count and the fix unsaid: inodes come back as files
+        # go, whatever their size, so it names the files to remove)
+        said += ("; but 0 free inodes: the filesystem is out of files, not bytes (df -i): "
+                 "remove files on it, old checkpoints or others, to free inodes")
     elif job.keep_last == 1:  # (no lower keep_last to advise)
         said += ("; keep_last=1 keeps one step besides the one being saved: the disk needs "
                  "room for two steps, or free space")

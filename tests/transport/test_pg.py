@@ -981,6 +981,8 @@ def test_a_damaged_transfer_leaves_the_in_place_targets_untouched() -> None:
     assert info.value.key == "b"
     text = str(info.value)
     assert "damaged in transit" in text and "again" in text and "earlier step" not in text
+    # (the block's bytes with their end: a trial's read "bytes 1052700..")
+    assert re.search(r"\(block 0, bytes (\d+)\.\.(\d+)\)", text), text
     # not a mix of two steps: "a" (sent before b) and "b" keep step 5's values
     for k, t in target.items():
         assert t is before[k] and bool((t == 1.0).all()), (k, t.unique())

@@ -1076,9 +1076,11 @@ def _verify_file(manifest: Manifest, name: str, view: memoryview, step_dir: Path
         found = [bad_block(task) for task in tasks]
     for (key, c, _, _), bad in zip(tasks, found, strict=True):
         if bad is not None:
+            lo = c.byte_range[0] + bad * bb  # (the block's bytes, end exclusive, as a load's)
+            hi = max(lo, min(lo + bb, c.byte_range[1]))
             raise CheckpointCorruptError(
                 f"{path}: checksum mismatch in tensor {key!r} (block {bad}, bytes "
-                f"{c.byte_range[0] + bad * bb}..) of step {manifest.step} sent by {where}: "
+                f"{lo}..{hi}) of step {manifest.step} sent by {where}: "
                 "damaged in transit, or changed by the sender while it sent it (its "
                 "tensors must stay as they are until send_checkpoint returns: "
                 f"{uncopied_hint()}); nothing was loaded: receive it again (retry the "
