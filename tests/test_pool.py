@@ -188,3 +188,58 @@ def test_a_ctrl_c_in_a_submission_skips_the_call_it_queued() -> None:
     gate.set()
     time.sleep(0.2)
     assert ran == []  # (the first never started; the queued one was skipped)
+
+
+def test_what_a_signal_handler_raises_in_the_wait_is_held_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) A SIGTERM handler's sys.exit() in the wait left at once, the others still
+    running and never told to stop."""
+    pool = KeptThreads(2, "test-beside")
+    stopped = threading.Event()
+    events: list[str] = []
+
+    def reading() -> None:
+        assert stopped.wait(10)
+        time.sleep(0.2)
+        events.append("helper ended")
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(143)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        main = threading.main_thread().ident
+        assert main is not None
+        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGTERM)).start()
+        with pytest.raises(SystemExit):
+            run_beside(pool, lambda: None, [reading], stopped.set)
+        events.append("raised")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert events == ["helper ended", "raised"]
+
+
+def test_a_stop_that_fails_still_waits_for_the_others(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = KeptThreads(2, "test-beside")
+    started, release = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def other() -> None:
+        started.set()
+        assert release.wait(10)
+        events.append("other ended")
+
+    def first() -> None:
+        assert started.wait(10)
+        threading.Timer(0.3, release.set).start()
+        raise ValueError("bad bytes")
+
+    def stop() -> None:
+        raise RuntimeError("stop failed")
+
+    with pytest.raises(ValueError, match="bad bytes"):
+        run_beside(pool, first, [other], stop)
+    events.append("raised")
+    assert events == ["other ended", "raised"]
+    assert "stopping the threads" in caplog.text

@@ -17,7 +17,9 @@ Threads are daemons: an idle one never holds up the interpreter's exit.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
+import logging
 import os
 import threading
 from collections import deque
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class KeptThreads:
@@ -37,7 +40,8 @@ class KeptThreads:
             raise ValueError(f"max_threads={max_threads}: at least 1")
         self.max_threads = max_threads
         self.name = name
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._tasks: deque[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
         self._threads = 0
         # Threads running a call. A thread stops counting before it completes the call's
@@ -56,7 +60,10 @@ class KeptThreads:
         if os.getpid() != self._pid:  # (a pool carried into a forked child has no threads)
             raise RuntimeError(f"{self.name}: this pool belongs to process {self._pid}")
         fut: cf.Future[R] = cf.Future()
-        with self._cv:
+        # (the lock's own ``with``, in C: a Ctrl-C inside Condition.__enter__, a Python
+        # call, could land once it held the lock, and leave it held: a review's next load
+        # hung in submit)
+        with self._lock:
             self._tasks.append((fut, fn, args))
             self._cv.notify()  # (a free thread not waiting yet finds the call when it looks)
             if len(self._tasks) > self._threads - self._busy \
@@ -99,10 +106,6 @@ class KeptThreads:
             del fut, fn, args, result, error  # (nothing of a call outlives it here)
 
 
-class _Skipped(Exception):
-    """A call of :func:`run_beside` that started after the run had stopped: not run."""
-
-
 def run_beside(pool: Any, first: Callable[[], R], others: Sequence[Callable[[], R]],
                stop: Callable[[], None]) -> list[R]:
     """``first()`` on this thread and each of ``others`` on ``pool``'s threads (anything
@@ -121,73 +124,113 @@ def run_beside(pool: Any, first: Callable[[], R], others: Sequence[Callable[[], 
     """
     lock = threading.Lock()
     closed = [False]
-    running: list[threading.Event] = []
+    running: list[threading.Lock] = []  # the ``done`` of each call that started
+    n = len(others)
+    out: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
 
-    def call(fn: Callable[[], R]) -> R:
-        with lock:
-            if closed[0]:
-                raise _Skipped
-            done = threading.Event()
-            running.append(done)
+    # Each call's ``done`` is a plain lock, held until the call ends: waited for by
+    # ``with done: pass``, in C. (cf.wait and Event.wait take their locks in Python: a
+    # review's Ctrl-C 20 us apart landed inside them and left one held, the next wait
+    # hung for ever.)
+    def call(i: int, done: threading.Lock) -> None:
         try:
-            return fn()
+            with lock:
+                if closed[0]:
+                    return  # (stopped before it started: skipped)
+                running.append(done)
+            try:
+                out[i] = others[i]()
+            except BaseException as exc:  # (the caller's to see)
+                errors[i] = exc
         finally:
-            done.set()
+            with contextlib.suppress(RuntimeError):  # (released once)
+                done.release()
 
     def close() -> None:
         with lock:
             closed[0] = True
         stop()
 
-    futures: list[cf.Future[R]] = []
-    refused: list[Callable[[], R]] = []
+    dones: list[threading.Lock] = []
+    refused: list[int] = []
     try:
-        for fn in others:
+        for i in range(n):
             if not refused:
+                done = threading.Lock()
+                done.acquire()
                 try:
-                    futures.append(pool.submit(call, fn))
-                    continue
+                    pool.submit(call, i, done)
                 except RuntimeError:  # (the interpreter is exiting: this thread runs it)
-                    pass
-            refused.append(fn)
-        results = [first(), *(fn() for fn in refused)]
+                    done.release()
+                else:
+                    dones.append(done)
+                    continue
+            refused.append(i)
+        result = first()
+        for i in refused:
+            out[i] = others[i]()
     except BaseException:
         _to_the_end(close)
-        with lock:
-            started = list(running)
-        _wait_all([done.wait for done in started], None)
+        _wait_all(lambda: _through_all(lock, running), None)
         raise  # (this error, not a Ctrl-C held meanwhile: it is the cause)
-    held = _wait_all([functools.partial(cf.wait, [f]) for f in futures], close)
+    held = _wait_all(lambda: [functools.partial(_through, d) for d in dones], close)
     if held is not None:
         raise held
-    return [results[0], *(f.result() for f in futures), *results[1:]]
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return [result, *out]
+
+
+def _through(done: threading.Lock) -> None:
+    """Wait until ``done`` is released (its call ended)."""
+    with done:
+        pass
+
+
+def _through_all(lock: threading.Lock, running: list[threading.Lock]
+                 ) -> list[Callable[[], object]]:
+    with lock:
+        return [functools.partial(_through, d) for d in running]
 
 
 def _to_the_end(fn: Callable[[], object]) -> None:
-    """``fn()``, run again if a Ctrl-C cuts it short (it must be idempotent)."""
+    """``fn()``, run again if a Ctrl-C cuts it short (it must be idempotent); an error of
+    its own is logged, never in the way of the waits that follow it."""
     while True:
         try:
             fn()
             return
         except KeyboardInterrupt:
             pass
+        except Exception:
+            log.exception("stopping the threads of a load or save failed; waiting for them")
+            return
 
 
-def _wait_all(waits: Sequence[Callable[[], object]],
+def _wait_all(waits: Callable[[], Sequence[Callable[[], object]]],
               on_interrupt: Callable[[], None] | None) -> BaseException | None:
-    """Run each wait to its end: a Ctrl-C does not end one but is held (the first one,
-    returned), and calls ``on_interrupt`` once."""
+    """Run each of ``waits()`` to its end: a Ctrl-C (or what a signal handler raises, a
+    SystemExit of SIGTERM's) does not end one but is held (the first one, returned), and
+    calls ``on_interrupt`` once. (The waits are made inside the guarded loop too: a review
+    sent Ctrl-Cs 20 us apart, and one landed while they were made. Pure Python leaves a
+    few bytecodes between one handler and the next try: two Ctrl-Cs within microseconds
+    of each other may still land there.)"""
     held: BaseException | None = None
-    for wait in waits:
-        while True:
-            try:
-                wait()
-                break
-            except KeyboardInterrupt as exc:
-                if held is None:
-                    held = exc
-                    if on_interrupt is not None:
-                        _to_the_end(on_interrupt)
+    todo: list[Callable[[], object]] | None = None
+    while todo is None or todo:
+        try:
+            if todo is None:
+                todo = list(waits())
+            while todo:
+                todo[0]()
+                todo.pop(0)
+        except BaseException as exc:  # (held: the caller raises it)
+            if held is None:
+                held = exc
+                if on_interrupt is not None:
+                    _to_the_end(on_interrupt)
     return held
 
 

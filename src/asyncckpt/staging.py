@@ -302,8 +302,11 @@ def _stage_parallel(plan: WritePlan, tensors: Mapping[str, torch.Tensor], arena:
                         progress.publish(upto)
 
     def helper() -> None:
-        with contextlib.suppress(BaseException):  # (its error is in ``failed``)
+        try:
             work()
+        except BaseException as exc:  # (a copy's error is in ``failed`` already)
+            if not any(exc is e for e in failed):
+                failed.append(exc)
 
     def stop() -> None:  # the others end at their next unit
         if not failed:

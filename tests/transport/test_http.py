@@ -3539,6 +3539,39 @@ def test_a_receiver_killed_between_requests_holds_disallow_briefly(
         c.close()
 
 
+@pytest.mark.parametrize("how", ["evicted", "reaped"])
+def test_a_connection_the_server_cut_is_no_receiver_gone(transports: Any, how: str) -> None:
+    """(review) A receiver's only connection, idle while it allocated, cut by the server
+    (evicted for a newcomer on a full server, or past its wait for a request) marked its
+    fetch broken: the next disallow_checkpoint() stopped waiting for it and its next
+    request was refused. Only a receiver's own close is its going."""
+    import http.client
+
+    import asyncckpt.transport.http as http_module
+
+    srv = (transports(token=TOKEN, timeout=30.0, max_connections=1) if how == "evicted"
+           else transports(token=TOKEN, timeout=0.5))
+    srv.send_checkpoint([1], 1, {"w": torch.randn(1 << 10)}, 30.0)
+    fetch = "ab" * 8
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(srv), timeout=10)
+    conn.request("GET", f"/v1/1/{http_module.MANIFEST_NAME}",
+                 headers={"Authorization": f"Bearer {TOKEN}", "Asyncckpt-Fetch": fetch})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read()
+    assert srv._open_conns.get(fetch) == 1
+    if how == "evicted":  # a newcomer takes the idle connection's slot
+        other = http.client.HTTPConnection("127.0.0.1", port_of(srv), timeout=10)
+        other.request("GET", "/v1/current", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert other.getresponse().status == 200
+        other.close()
+    deadline = time.monotonic() + 10
+    while fetch in srv._open_conns and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fetch not in srv._open_conns  # (its connection ended)
+    assert fetch not in srv._broken and fetch in srv._fetches
+    conn.close()
+
+
 def test_a_receiver_with_a_renamed_layer_is_told_key_map(transports: Any) -> None:
     """(peer trial) A layer renamed on the receiving side was told only to fetch from the
     same rank of a healthy replica: nothing of key_map=."""

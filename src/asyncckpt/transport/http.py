@@ -758,16 +758,16 @@ class HTTPTransport(CheckpointTransport[Any]):
         with self._cond:
             self._open_conns[fetch] = self._open_conns.get(fetch, 0) + 1
 
-    def _connection_closed(self, fetches: Iterable[str]) -> None:
+    def _connection_closed(self, fetches: Iterable[str], gone: bool = True) -> None:
         """A connection that served requests of ``fetches`` closed: a fetch left with
-        none open, not said done, counts as broken off (its receiver gone between
-        requests), as if a transfer broke."""
+        none open, not said done, counts as broken off (its receiver ``gone`` between
+        requests: it closed the connection, not the server), as if a transfer broke."""
         with self._cond:
             for fetch in fetches:
                 n = self._open_conns.pop(fetch, 1) - 1
                 if n > 0:
                     self._open_conns[fetch] = n
-                elif fetch in self._fetches:
+                elif gone and fetch in self._fetches:
                     self._mark_broken(fetch)
             self._cond.notify_all()
 
@@ -1074,6 +1074,9 @@ def _cut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+_UNREAD = b"\0unread"  # a handler's request line before it is read
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # Responses are a header write then body writes: without this, Nagle holds the last
@@ -1086,13 +1089,19 @@ class _Handler(BaseHTTPRequestHandler):
         # a slow or silent client must not hold a thread forever
         self.connection.settimeout(self.server.transport.timeout_s)
         self._fetches: set[str] = set()  # the fetches this connection served requests of
+        # The server cut it (idle past its deadline, or evicted for a new connection): its
+        # receiver may be busy at home, allocating say, not gone (a review's healthy fetch
+        # was cut off by the next disallow so)
+        self._cut_by_server = False
+        self._request_in = False
 
     def finish(self) -> None:
         try:
             super().finish()
         finally:
             if self._fetches:
-                self.server.transport._connection_closed(self._fetches)
+                self.server.transport._connection_closed(self._fetches,
+                                                         gone=not self._cut_by_server)
 
     def handle_one_request(self) -> None:
         # The socket timeout bounds each recv, not a whole request: a client sending one
@@ -1101,10 +1110,15 @@ class _Handler(BaseHTTPRequestHandler):
         # by the deadline (at most _HEADER_WAIT_S); the deadline is lifted once they are (a
         # transfer may take long). Until then a new connection may also take its slot.
         self.server.set_deadline(self)
+        self._request_in = False
+        self.raw_requestline = _UNREAD  # (left so by a read of the request that timed out)
         try:
             super().handle_one_request()
+            if self.raw_requestline is _UNREAD:  # (the socket's timeout, the server's own)
+                self._cut_by_server = True
         finally:
-            self.server.clear_deadline(self)
+            if not self.server.clear_deadline(self) and not self._request_in:
+                self._cut_by_server = True  # (the reaper or an eviction took its deadline)
 
     def parse_request(self) -> bool:
         # The request is in: from here on it is never evicted. If it was meanwhile (the
@@ -1114,7 +1128,9 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         if not self.server.clear_deadline(self):
             self.close_connection = True
+            self._cut_by_server = True
             return False
+        self._request_in = True
         if self.request_version == "HTTP/0.9":  # (no status line to refuse it with)
             self.close_connection = True
             return False
