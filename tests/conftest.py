@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -60,3 +62,15 @@ def same():
 def tensor_bytes():
     """Bitwise view of a tensor: ``tensor_bytes(t) -> bytes``."""
     return raw_bytes
+
+
+@pytest.fixture()
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in the main thread, as at a terminal, for a test
+    that sends itself one: a shell's background job (CI started so) inherits SIGINT
+    ignored, and Python then leaves it ignored."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -150,6 +150,7 @@ def test_a_failing_first_stops_the_others_and_skips_those_not_started() -> None:
     assert ran == ["busy ended", "raised"]
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_in_the_wait_stops_the_others_and_is_raised_once_they_ended() -> None:
     """A review's Ctrl-C in a load's wait for its reader threads made it raise while they
     still wrote into the caller's tensors."""

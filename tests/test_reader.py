@@ -520,6 +520,7 @@ def test_a_failing_group_stops_the_other_readers(tmp_path: Path) -> None:
     assert storage.read < 6 * (1 << 21)  # the other group: one or two of its 12 tensors
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_in_the_wait_for_the_readers_is_raised_once_they_stopped(
         tmp_path: Path) -> None:
     """A review's Ctrl-C while a load into the caller's tensors waited for its reader

@@ -149,6 +149,7 @@ def test_a_failing_copy_is_raised_after_every_thread_stopped(
     assert len(calls) == n  # and nothing copies any more
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_stopped(
         helpers: cf.Executor, monkeypatch: pytest.MonkeyPatch) -> None:
     """A review's Ctrl-C in the wait for the helpers made stage() return while a helper
