@@ -122,6 +122,42 @@ def test_ls_says_what_a_step_s_directory_holds_on_disk(
                                            if p.is_file()), row
 
 
+def test_ls_stats_a_step_s_files_once(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ls lists each step's directory for its disk usage; the sizes its damage check
+    compares are taken from that listing, not from a second stat of every file (a
+    metadata call per file and step saved, on NFS)."""
+    from asyncckpt import commit
+
+    stated: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        stated.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit.os, "stat", counting_stat)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert code == 0 and len(json.loads(out)["steps"]) == 3, out
+    assert not [p for p in stated if p.endswith(".safetensors")], stated
+    # a shard cut short is still told, from the listing's size
+    shard = root / "step_000000020" / "rank_00000.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = {r["step"]: r for r in json.loads(out)["steps"]}[20]
+    assert code == 1 and len(row["damaged"]) == 1, row
+    assert row["damaged"][0].startswith("rank_00000.safetensors is 100 bytes, not "), row
+    # a link in a shard's place is followed, as a load follows it
+    shard.unlink()
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / "s").write_bytes(b"z" * 100)
+    shard.symlink_to(root / "elsewhere" / "s")
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    row = {r["step"]: r for r in json.loads(out)["steps"]}[20]
+    assert code == 1 and "rank_00000.safetensors is 100 bytes" in row["damaged"][0], row
+
+
 def test_steps_without_their_manifest_are_listed_in_order(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # (an ops trial: in directory order, which made cron logs diff noisily)
@@ -1266,18 +1302,22 @@ def test_a_saves_temporary_directory_is_no_damage_to_the_commands(
         assert code == 2 and "has no manifest.json" in err, (cmd, err)
 
 
+@pytest.mark.parametrize("when", ["before its listing", "after its listing"])
 def test_ls_skips_a_step_whose_files_went_with_it_while_looked_at(
-        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        when: str) -> None:
+    import asyncckpt.cli as cli
     from asyncckpt import commit
 
-    real = commit.files_amiss
+    hooked = "_on_disk" if when == "before its listing" else "files_amiss"
+    real = getattr(cli if hooked == "_on_disk" else commit, hooked)
 
-    def retire_first(step_dir: Path, files: Any) -> list[str]:
+    def retire_first(step_dir: Path, *args: Any) -> Any:
         if step_dir.name == "step_000000010" and step_dir.exists():
             shutil.rmtree(step_dir)  # (as retention, after the manifest was read)
-        return real(step_dir, files)
+        return real(step_dir, *args)
 
-    monkeypatch.setattr(commit, "files_amiss", retire_first)
+    monkeypatch.setattr(cli if hooked == "_on_disk" else commit, hooked, retire_first)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     doc = json.loads(out)
     assert code == 0 and [e["step"] for e in doc["steps"]] == [20, 30]

@@ -630,7 +630,9 @@ class _Listing:
             # row from an exit-2 one by the text of ``error`` alone (a CLI trial)
             return _unreadable_row(commit.step_of_dir_name(d.name), d, str(exc),
                                    ([] if unknown else [str(exc)]) + _marked(d, self.storage))
-        damaged = _damaged(d, m.files, self.storage)
+        # (one listing feeds both the sizes ls checks and its disk usage: a stat per file)
+        disk, extra, listed = _on_disk(d, m.files)
+        damaged = _damaged(d, m.files, self.storage, listed)
         if damaged and d != self.root and not os.path.lexists(d):
             return None  # retired while its files were looked at: no step now, no damage
         # (an adversary trial: a shard this user may not read was OK to ls, exit 0, while
@@ -648,7 +650,6 @@ class _Listing:
                      "(permission denied): a load of this step fails; give it read access")
         # (its files and its manifest: a state of 59 MB of scalars showed 4 KiB)
         later, why = _later_metrics(d, self.storage)
-        disk, extra = _on_disk(d, m.files)
         return {"step": m.step, "path": str(d), "bytes": m.total_bytes + m.manifest_bytes,
                 "disk_bytes": disk, "extra_files": extra,
                 "tensors": m.tensors, "files": len(m.files),
@@ -659,15 +660,17 @@ class _Listing:
                 "metrics_error": why}
 
 
-def _on_disk(step_dir: Path, files: Mapping[str, Any]) -> tuple[int | None, list[str]]:
+def _on_disk(step_dir: Path,
+             files: Mapping[str, Any]) -> tuple[int | None, list[str], dict[str, int]]:
     """What a step's directory holds on disk: the sizes of all its files (as ``du
     --apparent-size`` counts them: a shard cut short, metrics.json, damaged.json, a file no
     save wrote), and the names of those no save writes there (a core dump, a copy's
     temporary file), which nothing removes but the step's removal. An ops trial's ``ls``
     said 4.2 MB of a shard cut to 1 KB, and a stray 3 MB file was neither counted nor
-    told. (None, []) where the directory cannot be listed."""
+    told. Third, the sizes of its regular files by name, for ``_damaged``. (None, [], {})
+    where the directory cannot be listed."""
     own = {*files, MANIFEST_NAME, LATER_METRICS_NAME, commit.DAMAGED_NAME}
-    total, extra = 0, []
+    total, extra, regular = 0, [], {}
     try:
         with os.scandir(step_dir) as it:
             for e in it:
@@ -677,13 +680,14 @@ def _on_disk(step_dir: Path, files: Mapping[str, Any]) -> tuple[int | None, list
                     continue  # (gone meanwhile)
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
+                    regular[e.name] = st.st_size
                 elif stat.S_ISDIR(st.st_mode):  # (what it holds, as du counts it: a QA
                     total += _tree_bytes(Path(e.path))  # re-check's 3 MB subdirectory)
                 if e.name not in own and not e.name.startswith(f".{LATER_METRICS_NAME}.tmp-"):
                     extra.append(e.name + ("/" if stat.S_ISDIR(st.st_mode) else ""))
     except OSError:
-        return None, []
-    return total, sorted(extra)
+        return None, [], {}
+    return total, sorted(extra), regular
 
 
 def _later_metrics(step_dir: Path, storage: ReadStorage) -> tuple[dict[str, float], str | None]:
@@ -711,10 +715,12 @@ def _unreadable_row(step: int | None, path: Path, error: str,
             "metrics_error": None}
 
 
-def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage) -> list[str]:
+def _damaged(step_dir: Path, files: Mapping[str, Any], storage: ReadStorage,
+             listed: Mapping[str, int] | None = None) -> list[str]:
     """What ls and inspect say is amiss with a step, a stat per file and no byte read: its
-    manifest's ``files`` missing or not of their sizes, and its damaged.json."""
-    amiss = commit.files_amiss(step_dir, {n: f.bytes for n, f in files.items()})
+    manifest's ``files`` missing or not of their sizes, and its damaged.json. ``listed``:
+    the sizes a listing of the directory just took (see ``commit.files_amiss``)."""
+    amiss = commit.files_amiss(step_dir, {n: f.bytes for n, f in files.items()}, listed)
     # a FIFO, device or directory in a file's place is none, as verify says (a trial's ls
     # said "is 0 bytes, not N" of a FIFO, and "4096 bytes" of a directory); looked at only
     # where the sizes disagree (a stat per file is what ls costs, on NFS too)

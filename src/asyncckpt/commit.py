@@ -233,15 +233,20 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
     return False
 
 
-def files_amiss(step_dir: Path, sizes: Mapping[str, int]) -> list[str]:
+def files_amiss(step_dir: Path, sizes: Mapping[str, int],
+                listed: Mapping[str, int] | None = None) -> list[str]:
     """The files (name -> size, as the manifest has them) that are missing or not of
     their sizes, in words, one stat each (what a load of the step would refuse first;
     ``verify`` checks every byte): what ``ls`` shows DAMAGED, and ``best_step()`` and
-    retention pass over."""
+    retention pass over.
+
+    ``listed``: the sizes of the regular files a listing of ``step_dir`` just stat'ed
+    (``ls`` lists every step for its disk usage); a file found there is not stat'ed again,
+    the others (a link, a FIFO, one not listed) are, as before."""
     amiss = []
     for name, want in sizes.items():
         try:
-            size = os.stat(step_dir / name).st_size
+            size = listed[name] if listed and name in listed else os.stat(step_dir / name).st_size
         except FileNotFoundError:
             amiss.append(f"{name} is missing")
             continue
