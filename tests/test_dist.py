@@ -1987,6 +1987,49 @@ def test_ranks_saving_into_different_directories_are_told_at_once(tmp_path: Path
     assert all_ok(in_threads(shared)) == {0: [1], 1: [1]}
 
 
+@pytest.mark.parametrize("case", ["another directory", "another checkpointer"])
+def test_the_coordinator_s_close_waits_for_no_rank_found_in_another_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Rank 0's close() after a save it refused waits (it may host the Store) until the
+    others have read why; a rank found saving into another directory, or with another
+    checkpointer, never reads that save's keys: close() waited its whole wait for it
+    (10 s after every such refusal, a test suite's slowest tests)."""
+    import asyncckpt.checkpointer as checkpointer_mod
+
+    monkeypatch.setattr(checkpointer_mod, "_VERDICT_SEEN_S", 40.0)
+    store = dist.HashStore()
+
+    def rank(r: int) -> tuple[str, float]:
+        path = tmp_path / (f"rank{r}" if case == "another directory" else "shared")
+
+        def open_() -> AsyncCheckpointer:
+            return AsyncCheckpointer(path, rank=r, world_size=2, store=store, timeout_s=60,
+                                     mode="sync")
+
+        ck = open_()
+        try:
+            if case == "another checkpointer":
+                ck.save({"w": torch.full((4,), 1.0)}, step=1,
+                        shards={"w": ShardMetadata((8,), (4 * r,))})
+                if r == 1:
+                    ck.close()
+                    ck = open_()
+            with pytest.raises(CheckpointConfigError) as info:
+                ck.save({"w": torch.full((4,), 1.0)}, step=2,
+                        shards={"w": ShardMetadata((8,), (4 * r,))})
+        finally:
+            t0 = time.monotonic()
+            ck.close()
+        return str(info.value), time.monotonic() - t0
+
+    out = all_ok(in_threads(rank, timeout=120))
+    for r in (0, 1):
+        msg, closing = out[r]
+        assert closing < 20, (r, out)  # (40 s before: its wait for a word never posted)
+        assert f"rank {1 - r} is saving step 2 into" in msg, msg
+    assert not (tmp_path / "shared" / "step_000000002").exists()
+
+
 def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path: Path) -> None:
     """Only rank 1's rows of step 2 are damaged: rank 0 alone would load step 2, rank 1
     step 1, and the model would be stitched from two steps. All fall back together."""

@@ -51,6 +51,7 @@ from .dist import (
     encode_share,
     layout_digest,
     layout_id,
+    outside_ranks,
     raise_failures,
     resolve_context,
     silent_ranks_advice,
@@ -446,6 +447,7 @@ class AsyncCheckpointer:
         self._pending: CheckpointFuture | None = None
         self._last_said: tuple[int, str] | None = None  # (step, outcome) wait() handed over
         self._refused_tag: str | None = None  # the last save the coordinator refused to start
+        self._refused_outside = 0  # how many ranks it found in another save (not to wait for)
         self._closed = False
         self._record_lock = threading.Lock()  # (record_metrics: one at a time here)
         self._other_modes: dict[str, MetricMode] = {}  # (best_step of other metrics)
@@ -1717,8 +1719,9 @@ class AsyncCheckpointer:
             if refused is not None and self._ctx.distributed and refused == f"n{self._seq}":
                 # (the last save was refused before it started: a trial's rank 1 got "is
                 # the process that hosts the Store alive?" rather than the refusal)
-                self._ctx.wait_verdict_seen(refused, min(self._ctx.timeout_s,
-                                                         _VERDICT_SEEN_S))
+                self._ctx.wait_verdict_seen(
+                    refused, min(self._ctx.timeout_s, _VERDICT_SEEN_S),
+                    peers=self._ctx.world_size - 1 - self._refused_outside)
         except BaseException:
             interrupted = True
             raise
@@ -2406,6 +2409,9 @@ class AsyncCheckpointer:
         it with the step). The error's kind and silent ranks go with it, and the step of
         the coordinator's save, when known (a rank that skipped it is told so)."""
         self._refused_tag = tag  # (close() waits until the others have read it)
+        # (but for a rank found in another save: it never reads this one's keys, and
+        # close() waited 10 s for it after a rank saving into another directory)
+        self._refused_outside = len(set(outside_ranks(exc)) - {self._ctx.rank})
         self._ctx.claim(self._ctx.key(tag, "go"), json.dumps(
             {"error": why, "kind": type(exc).__name__, "said": said,
              "ranks": list(getattr(exc, "ranks", ()) or ()),

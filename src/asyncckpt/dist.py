@@ -205,6 +205,19 @@ _STORE_PART = 4 << 20
 _PARTS = "asyncckpt_parts"
 
 
+def _outside(exc: CheckpointConfigError, rank: object) -> CheckpointConfigError:
+    """``exc`` noting the rank found in another save than this one (another directory,
+    checkpointer or save of the group's), which never reads this save's keys: the
+    coordinator's close() waits for no word from it (see ``outside_ranks``)."""
+    exc._outside_ranks = (rank,) if type(rank) is int else ()  # type: ignore[attr-defined]
+    return exc
+
+
+def outside_ranks(exc: BaseException) -> tuple[int, ...]:
+    """The ranks ``exc`` found saving outside the save it ended (see ``_outside``)."""
+    return tuple(getattr(exc, "_outside_ranks", ()))
+
+
 def _part_key(key: str, i: int) -> str:
     return f"{key}/part/{i}"
 
@@ -345,14 +358,15 @@ class DistContext:
                         and got.get("namespace") == self.namespace):
                     with contextlib.suppress(Exception):
                         self.store.delete_key(order)
-                    raise CheckpointConfigError(str(got.get("text")))
+                    raise _outside(CheckpointConfigError(str(got.get("text"))),
+                                   got.get("from"))
             if self.store.check([told]):
                 got = json.loads(self.store.get(told))
                 if got.get("step") == step and got.get("directory") == self.directory:
                     with contextlib.suppress(Exception):
                         self.store.delete_key(told)
-                    raise CheckpointConfigError(self._elsewhere_text(
-                        got.get("rank"), got.get("other"), step))
+                    raise _outside(CheckpointConfigError(self._elsewhere_text(
+                        got.get("rank"), got.get("other"), step)), got.get("rank"))
             posted = [r for r in ranks if self.store.check([self._saving_key(r)])]
             raw = self.store.multi_get([self._saving_key(r) for r in posted]) if posted else []
         except CheckpointError:
@@ -386,15 +400,15 @@ class DistContext:
 
                 # (the other rank is told too)
                 self._tell(r, step, theirs, text(r, self.rank, other, mine))
-                raise CheckpointConfigError(text(self.rank, r, mine, other))
+                raise _outside(CheckpointConfigError(text(self.rank, r, mine, other)), r)
             if (isinstance(got, dict) and got.get("waiting") and got.get("step") == step
                     and got.get("directory") != self.directory):
                 with contextlib.suppress(Exception):
                     self.store.set(f"asyncckpt/saving-elsewhere/{r}", json.dumps(
                         {"step": step, "directory": got.get("directory"), "rank": self.rank,
                          "other": self.directory}))
-                raise CheckpointConfigError(self._elsewhere_text(r, got.get("directory"),
-                                                                 step))
+                raise _outside(CheckpointConfigError(
+                    self._elsewhere_text(r, got.get("directory"), step)), r)
 
     def tell_out_of_order(self, rank: int, step: int, text: str) -> None:
         """Have ``rank``'s wait in its save of ``step`` with this checkpointer's
@@ -405,7 +419,7 @@ class DistContext:
         with contextlib.suppress(Exception):  # (a best effort: the wait times out)
             self.store.set(f"asyncckpt/out-of-order/{rank}", json.dumps(
                 {"step": step, "directory": self.directory, "namespace": namespace,
-                 "text": text}))
+                 "text": text, "from": self.rank}))
 
     def _elsewhere_text(self, other: object, where: object, step: int) -> str:
         # (a trial's ranks passed a directory and a symlink to it: one directory, told as
