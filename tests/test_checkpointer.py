@@ -2665,10 +2665,13 @@ class SlowRemove(LocalStorage):
     def __init__(self) -> None:
         self.release = threading.Event()
         self.removing = threading.Event()
+        self.failed: list[Path] = []
 
     def remove_tree(self, path: Path) -> None:
         self.removing.set()
-        assert self.release.wait(30)
+        if not self.release.wait(30):
+            self.failed.append(path)  # (retention logs the error and goes on)
+            raise AssertionError(f"{path}: a removal waited 30 s for release")
         super().remove_tree(path)
 
 
@@ -2681,7 +2684,9 @@ def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
     ckpt = asyncckpt.AsyncCheckpointer(tmp_path, keep_last=1, storage=storage)
     try:
         ckpt.save(make_state(1), step=1)
-        ckpt.save(make_state(2), step=2)  # hides step 1; its removal blocks
+        # hides step 1; its removal blocks (a future's wait() is for the commit alone:
+        # save() waits for the removal too, and held this test 30 s, its removal failed)
+        ckpt.save_async(make_state(2), step=2).wait()
         assert removing.wait(10)
         assert ckpt.steps() == [2]  # out of sight already
         info = ckpt.save_async(make_state(3), step=3).wait(timeout=20)
@@ -2694,6 +2699,7 @@ def test_removing_old_steps_never_delays_the_next_save(tmp_path: Path) -> None:
         assert ckpt.steps() == [3]
         assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step", ".step"))) == [
             "step_000000003"]
+        assert storage.failed == [], storage.failed  # (each removal waited, none gave up)
     finally:
         release.set()
         ckpt.close()
