@@ -2030,6 +2030,40 @@ def test_the_coordinator_s_close_waits_for_no_rank_found_in_another_save(
     assert not (tmp_path / "shared" / "step_000000002").exists()
 
 
+def test_the_coordinator_s_close_stops_waiting_once_every_other_rank_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 skipped the save rank 0 gave up on, and closed its checkpointer: it reads
+    nothing more, and rank 0's close() waited its whole wait (10 s) for it to read why
+    the save failed."""
+    import asyncckpt.checkpointer as checkpointer_mod
+
+    monkeypatch.setattr(checkpointer_mod, "_VERDICT_SEEN_S", 40.0)
+    store = dist.HashStore()
+    gave_up, closed = threading.Event(), threading.Event()
+
+    def rank(r: int) -> float:
+        ck = _synced(tmp_path, store, r, timeout_s=1)
+        ck._ctx.timeout_s = 30.0
+        ck.save(_state(r), step=1)
+        ck._ctx.timeout_s = 1.0
+        if r == 1:
+            assert gave_up.wait(30)
+            ck.close()
+            closed.set()
+            return 0.0
+        with pytest.raises(CheckpointTimeoutError):
+            ck.save(_state(r), step=2)  # (rank 1 skips it)
+        gave_up.set()
+        assert closed.wait(30)
+        ck._ctx.timeout_s = 40.0  # (close() waits at most this long for rank 1's word)
+        t0 = time.monotonic()
+        ck.close()
+        return time.monotonic() - t0
+
+    out = all_ok(in_threads(rank, timeout=120))
+    assert out[0] < 20, out  # (40 s before)
+
+
 def test_a_fallback_load_in_a_group_ends_on_the_same_step_on_every_rank(tmp_path: Path) -> None:
     """Only rank 1's rows of step 2 are damaged: rank 0 alone would load step 2, rank 1
     step 1, and the model would be stitched from two steps. All fall back together."""

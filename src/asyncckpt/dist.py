@@ -771,13 +771,19 @@ class DistContext:
         passes. Rank 0 often hosts the Store (``init_method=tcp://``, ``mp.spawn``): were
         it to exit at once, a peer still polling for the verdict would see the connection
         reset and report its last save failed, though it was committed (or blame the
-        Store for a failure it was not told). True once they have read it."""
+        Store for a failure it was not told). True once they have read it, or every other
+        rank has closed its checkpointer of this group (none reads anything more: a rank
+        that skipped the save refused, then closed, held this wait its whole timeout)."""
         want = self.world_size - 1 if peers is None else peers
         deadline = time.monotonic() + timeout_s
         poll_s = 0.001
+        closed = self.key("closed")  # (see release; not made here, as _holds says)
         while True:
             try:
                 if self.store.add(self.key(tag, "seen"), 0) >= want:
+                    return True
+                if (self.store.check([closed])
+                        and self.store.add(closed, 0) >= self.world_size - 1):
                     return True
             except Exception:
                 return False  # the Store is gone already: nobody is left to tell
