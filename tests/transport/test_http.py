@@ -1267,7 +1267,7 @@ def test_ckpt_serve_offers_each_save_and_never_a_half_staged_arena(
         assert storage.writing.wait(10)
         for step in (1, 2):  # neither the old manifest over new bytes, nor an unverified step
             with pytest.raises(CheckpointTimeoutError):
-                fetch(srv, step, timeout=5.0)
+                fetch(srv, step, timeout=2.0)  # (held back until the gate opens below)
         storage.gate.set()
         fut.wait(30)
         assert_state(fetch(srv, 2), state)
