@@ -550,7 +550,11 @@ class DistContext:
         """How many loads hold ``step``. A count never made is 0, and is not made here:
         ``add(key, 0)`` would leave a key per step retired in the Store, for the job's
         life. (A load that counts itself after this check sees the retiring mark.)"""
-        key = self._hold_key(step)
+        return self._peek_count(self._hold_key(step))
+
+    def _peek_count(self, key: str) -> int:
+        """The count under ``key``, 0 where none was made; none is made here, as
+        ``add(key, 0)`` would (and leave it in the Store)."""
         return self.store.add(key, 0) if self.store.check([key]) else 0
 
     def retired(self, step: int) -> None:
@@ -777,13 +781,12 @@ class DistContext:
         want = self.world_size - 1 if peers is None else peers
         deadline = time.monotonic() + timeout_s
         poll_s = 0.001
-        closed = self.key("closed")  # (see release; not made here, as _holds says)
+        closed = self.key("closed")  # (see release)
         while True:
             try:
                 if self.store.add(self.key(tag, "seen"), 0) >= want:
                     return True
-                if (self.store.check([closed])
-                        and self.store.add(closed, 0) >= self.world_size - 1):
+                if self._peek_count(closed) >= self.world_size - 1:
                     return True
             except Exception:
                 return False  # the Store is gone already: nobody is left to tell
