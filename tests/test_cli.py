@@ -1309,15 +1309,16 @@ def test_ls_skips_a_step_whose_files_went_with_it_while_looked_at(
     import asyncckpt.cli as cli
     from asyncckpt import commit
 
-    hooked = "_on_disk" if when == "before its listing" else "files_amiss"
-    real = getattr(cli if hooked == "_on_disk" else commit, hooked)
+    module, hooked = ((cli, "_on_disk") if when == "before its listing"
+                      else (commit, "files_amiss"))
+    real = getattr(module, hooked)
 
     def retire_first(step_dir: Path, *args: Any) -> Any:
         if step_dir.name == "step_000000010" and step_dir.exists():
             shutil.rmtree(step_dir)  # (as retention, after the manifest was read)
         return real(step_dir, *args)
 
-    monkeypatch.setattr(cli if hooked == "_on_disk" else commit, hooked, retire_first)
+    monkeypatch.setattr(module, hooked, retire_first)
     code, out, _ = run(capsys, "ls", str(root), "--json")
     doc = json.loads(out)
     assert code == 0 and [e["step"] for e in doc["steps"]] == [20, 30]
