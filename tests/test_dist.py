@@ -62,6 +62,74 @@ def test_gather_timeout_names_the_silent_ranks() -> None:
         ctx.gather(("s1", "record"), "the records of step 1")
 
 
+def test_peek_reads_a_key_or_none_and_makes_none() -> None:
+    ctx = _ctx()
+    assert ctx.peek("k") is None
+    assert not ctx.store.check(["k"])  # (not made by the look)
+    ctx.store.set("k", "v")
+    assert ctx.peek("k") == b"v"
+    ctx.store.add("n", 3)
+    assert ctx._peek_count("n") == 3 and ctx._peek_count("m") == 0
+    assert not ctx.store.check(["m"])
+
+
+class _ClosesUnderfoot:
+    """A Store on which every other rank's key this rank finds is gone the next moment
+    (that rank closed and took its note away), and whose get and multi_get of a key not
+    there fail at once, noted, where a real Store would wait its whole timeout."""
+
+    def __init__(self, store: Any, mine: str) -> None:
+        self._store = store
+        self._mine = mine
+        self.blocked: list[str] = []
+
+    def check(self, keys: list[str]) -> bool:
+        found = self._store.check(keys)
+        for k in keys:
+            if found and not k.endswith(self._mine):
+                self._store.delete_key(k)
+        return found  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        got = self._store.compare_set(key, expected, desired)
+        if not key.endswith(self._mine):
+            self._store.delete_key(key)
+        return got  # type: ignore[no-any-return]
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        missing = [k for k in keys if not self._store.check([k])]
+        if missing:
+            self.blocked += missing
+            raise RuntimeError(f"would wait for {missing}")
+        return self._store.multi_get(keys)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_look_at_the_others_saves_never_waits_on_a_note_taken_away() -> None:
+    """A suite run's rank 1 found rank 0's note of the save it waited in, and read it
+    after rank 0 had refused the save and closed, taking its note away: the read waited
+    for the note the Store's whole timeout (5 minutes on a real one)."""
+    store = dist.HashStore()
+    theirs = DistContext(rank=0, world_size=2, store=store, namespace="a.0", timeout_s=5,
+                         directory="/runs/a")
+    theirs.note_saving(7, True)
+    odd = _ClosesUnderfoot(store, mine="/1")
+    ctx = DistContext(rank=1, world_size=2, store=odd, namespace="b.0",  # type: ignore[arg-type]
+                      timeout_s=5, directory="/runs/b")
+    # the note is read in the one call that finds it, so what it said is acted on
+    with pytest.raises(CheckpointConfigError, match="rank 0 is saving step 7 into '/runs/a'"):
+        ctx.refuse_saving_elsewhere([0], 7)
+    assert odd.blocked == []
+    assert not store.check(["asyncckpt/saving/0"])  # (it went, right after)
+    ctx.refuse_saving_elsewhere([0], 7)  # gone: nothing to refuse, and no wait for it
+    assert odd.blocked == []
+
+
 def test_cancelled_gather_gives_up_within_a_slice() -> None:
     ctx = _ctx(timeout_s=60.0)
     failed = threading.Event()
@@ -292,7 +360,11 @@ class _ReadLog:
         self.read.extend(keys)
         return self._store.multi_get(keys)  # type: ignore[no-any-return]
 
-    def __getattr__(self, name: str) -> Any:  # set, add, compare_set, delete_key
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self.read.append(key)  # (DistContext.peek reads so)
+        return self._store.compare_set(key, expected, desired)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:  # set, add, delete_key
         return getattr(self._store, name)
 
 

@@ -202,6 +202,8 @@ _PROCESS: tuple[int, str] = (0, "")
 # The most a Store value holds in one message: torch's TCPStore (libuv) refuses more than
 # 8 MiB and drops the connection. Longer values are posted in parts (DistContext.put).
 _STORE_PART = 4 << 20
+# What DistContext.peek asks compare_set to expect (and set, were it there: never is)
+_ABSENT = "\x00asyncckpt: not set"
 _PARTS = "asyncckpt_parts"
 
 
@@ -320,9 +322,10 @@ class DistContext:
         try:
             n = self.store.add(self._count_key(), 0)
             key = self.key("n1", "go", namespace=f"{base}.{n}")
-            if not self.store.check([key]):
+            raw = self.peek(key)  # (forgotten once the group starts its next save)
+            if raw is None:
                 return
-            go = self._decode(key, self.store.get(key))
+            go = self._decode(key, raw)
         except Exception:  # (a best effort: the save goes on, and fails as before)
             return
         if (type(go) is dict and go.get("kind") == "CheckpointTimeoutError"
@@ -352,28 +355,32 @@ class DistContext:
         told = f"asyncckpt/saving-elsewhere/{self.rank}"
         try:
             order = f"asyncckpt/out-of-order/{self.rank}"
-            if self.store.check([order]):
-                got = json.loads(self.store.get(order))
+            raw = self.peek(order)
+            if raw is not None:
+                got = json.loads(raw)
                 if (got.get("step") == step and got.get("directory") == self.directory
                         and got.get("namespace") == self.namespace):
                     with contextlib.suppress(Exception):
                         self.store.delete_key(order)
                     raise _outside(CheckpointConfigError(str(got.get("text"))),
                                    got.get("from"))
-            if self.store.check([told]):
-                got = json.loads(self.store.get(told))
+            raw = self.peek(told)
+            if raw is not None:
+                got = json.loads(raw)
                 if got.get("step") == step and got.get("directory") == self.directory:
                     with contextlib.suppress(Exception):
                         self.store.delete_key(told)
                     raise _outside(CheckpointConfigError(self._elsewhere_text(
                         got.get("rank"), got.get("other"), step)), got.get("rank"))
-            posted = [r for r in ranks if self.store.check([self._saving_key(r)])]
-            raw = self.store.multi_get([self._saving_key(r) for r in posted]) if posted else []
+            # (peeked: a rank that closes meanwhile takes its note away)
+            notes = [(r, self.peek(self._saving_key(r))) for r in ranks]
         except CheckpointError:
             raise
         except Exception:  # (a best effort: the wait goes on, and times out as before)
             return
-        for r, v in zip(posted, raw, strict=True):
+        for r, v in notes:
+            if v is None:
+                continue
             try:
                 got = json.loads(v)
             except ValueError:
@@ -555,7 +562,19 @@ class DistContext:
     def _peek_count(self, key: str) -> int:
         """The count under ``key``, 0 where none was made; none is made here, as
         ``add(key, 0)`` would (and leave it in the Store)."""
-        return self.store.add(key, 0) if self.store.check([key]) else 0
+        raw = self.peek(key)
+        return 0 if raw is None else int(raw)
+
+    def peek(self, key: str) -> bytes | None:
+        """What ``key`` holds, or None where it is not set, without waiting: ``get`` of a
+        key another rank deletes between a ``check`` and the ``get`` waits for it the
+        Store's whole timeout (a trial's rank, looking at the others' notes of the save
+        they wait in, sat in a ``multi_get`` after one closed and took its note away).
+        ``compare_set`` against a value no key holds answers at once: the key's value,
+        or the expected value back where there is no key (and makes none)."""
+        got = self.store.compare_set(key, _ABSENT, _ABSENT)
+        raw = got if isinstance(got, bytes) else str(got).encode()
+        return None if raw == _ABSENT.encode() else raw
 
     def retired(self, step: int) -> None:
         """Coordinator: the step is out of sight (or spared): drop its retiring mark, so
@@ -592,12 +611,10 @@ class DistContext:
         mine = int(self.namespace.rsplit(".", 1)[1])
         for r in ranks:
             try:
-                where_key = self._where_key(r)
-                where = json.loads(self.store.get(where_key)) if self.store.check(
-                    [where_key]) else None
-                dir_key = self._last_directory_key(r)
-                elsewhere = (self.store.get(dir_key).decode(errors="replace")
-                             if self.store.check([dir_key]) else self.directory)
+                raw = self.peek(self._where_key(r))
+                where = None if raw is None else json.loads(raw)
+                raw = self.peek(self._last_directory_key(r))
+                elsewhere = self.directory if raw is None else raw.decode(errors="replace")
                 if where is None and elsewhere != self.directory:  # never saved here
                     notes.append(f"rank {r} last started saving into {elsewhere!r}, this rank "
                                  f"into {self.directory!r}")
@@ -609,9 +626,9 @@ class DistContext:
                         f"#{mine + 1}")
                     continue
                 for later in range(seq + 1, seq + 4):
-                    key = self.key(f"n{later}", "layout", r)
-                    if self.store.check([key]):
-                        got = json.loads(self.store.get(key))
+                    raw = self.peek(self.key(f"n{later}", "layout", r))
+                    if raw is not None:
+                        got = json.loads(raw)
                         notes.append(f"rank {r} is at its save #{later} with this checkpointer "
                                      f"(step {got.get('step')}), this rank at #{seq}")
                         break
@@ -654,8 +671,9 @@ class DistContext:
             items = []
             for r in range(self.world_size):
                 closing = self.key("closing", r)
-                if self.store.check([closing]):
-                    info = json.loads(self.store.get(closing))
+                raw = self.peek(closing)
+                if raw is not None:
+                    info = json.loads(raw)
                     left.update(info["tags"])
                     shared.update(info.get("layouts", ()))
                     items += [self.key("items", r, d) for d in info["digests"]]
@@ -991,17 +1009,19 @@ class Pulse:
         beat = json.dumps({"n": count, "doing": doing}, separators=(",", ":"))
         with ctx._store_errors(f"posting rank {ctx.rank}'s sign of life"):
             ctx.store.set(ctx.key(self.tag, "beat", ctx.rank), beat)
-            if not self.watch or not ctx.store.check([self._abort_key]):
+            said = ctx.peek(self._abort_key) if self.watch else None
+            if said is None:
                 return
-            why = ctx.store.get(self._abort_key).decode(errors="replace")
+            why = said.decode(errors="replace")
         raise stopped_error(f"rank {ctx.rank}: stopped, nothing committed: {why}", why)
 
     def aborted(self) -> str | None:
         """Why another rank (or this one) stopped the save, if one has; None when none
         has, or the Store cannot say."""
         with contextlib.suppress(Exception):
-            if self.ctx.store.check([self._abort_key]):
-                return str(self.ctx.store.get(self._abort_key).decode(errors="replace"))
+            said = self.ctx.peek(self._abort_key)
+            if said is not None:
+                return said.decode(errors="replace")
         return None
 
     def stopped(self) -> bool:
@@ -1025,9 +1045,9 @@ class Pulse:
         for r in ranks:
             key = ctx.key(self.tag, "beat", r)
             with ctx._store_errors(f"reading rank {r}'s sign of life"):
-                if not ctx.store.check([key]):
+                raw = ctx.peek(key)
+                if raw is None:
                     continue
-                raw = ctx.store.get(key)
             count: object = raw
             try:
                 beat = json.loads(raw)
