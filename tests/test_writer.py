@@ -544,3 +544,37 @@ def test_the_storage_call_named_is_found_by_its_argument_in_every_signature() ->
     assert _first_argument(star(None, "/b")) == "/b"
     assert _first_argument(star(None, path="/c")) == "/c"
     assert _first_argument(keywords(None, fd=7)) == 7
+
+
+def test_a_rank_says_at_once_that_it_writes_once_staging_lets_it() -> None:
+    """Beats go once a second: a trial's rank 1, dead as it wrote its 8 MB shard (its
+    staging done within its first beat's second), was said by rank 0's timeout to be
+    "last staging: copied 4,096 of 8,004,096 bytes into host memory"."""
+    from types import SimpleNamespace
+
+    from asyncckpt.dist import Pulse
+    from asyncckpt.writer import _ready
+
+    ctx = DistContext(rank=1, world_size=2, store=dist.HashStore(), namespace="t",
+                      timeout_s=30.0)
+    progress = StagingProgress()
+    progress.publish(4096)
+    job = SimpleNamespace(pulse=Pulse(ctx, "s1"), progress=progress,
+                          plan=SimpleNamespace(file_bytes=8_004_096))
+    ready = _ready(job)  # type: ignore[arg-type]
+
+    def said() -> str:
+        return str(json.loads(ctx.store.get(ctx.key("s1", "beat", 1)))["doing"])
+
+    waiting = threading.Thread(target=ready, args=(8_004_096,), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not ctx.store.check([ctx.key("s1", "beat", 1)]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert said() == "staging: copied 4,096 of 8,004,096 bytes into host memory"
+    progress.finish(8_004_096)  # within the beat's second
+    waiting.join(10)
+    assert not waiting.is_alive()
+    assert said() == "writing its shard file, to byte 8,004,096 of 8,004,096"
+    ready(4096)  # later pieces beat once a second, as before
+    assert said() == "writing its shard file, to byte 8,004,096 of 8,004,096"

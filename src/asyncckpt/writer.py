@@ -1285,23 +1285,35 @@ def _ready(job: SaveJob) -> Callable[[int], None]:
     if pulse is None:
         return progress.wait_for
     total = job.plan.file_bytes
+    said_writing = False
+
+    def writing(offset: int) -> None:
+        nonlocal said_writing
+        staged = progress.staged
+        what = f"writing its shard file, to byte {offset:,} of {total:,}"
+        if not progress.done:  # (device copies may still be landing)
+            what += f", while staging copies the rest (at byte {staged:,})"
+        # The first piece it writes is said at once: beats go once a second, and a
+        # trial's rank 1, dead as it wrote, was said to be "last staging: copied 4,096 of
+        # 8,004,096 bytes", its beat as it began
+        pulse(what, at_once=not said_writing)
+        said_writing = True
 
     def ready(offset: int) -> None:
         while True:
             staged = progress.staged
             if staged >= offset or progress.failed:
-                what = f"writing its shard file, to byte {offset:,} of {total:,}"
-                if not progress.done:  # (device copies may still be landing)
-                    what += f", while staging copies the rest (at byte {staged:,})"
-                pulse(what)
+                writing(offset)
             else:
                 pulse(f"staging: copied {staged:,} of {total:,} bytes into host memory",
                       mark=staged)
             try:
                 progress.wait_for(offset, timeout=pulse.every_s)
-                return
             except CheckpointTimeoutError:  # staging is slow: beat, look, wait on
                 continue
+            if not said_writing:
+                writing(offset)
+            return
 
     return ready
 
@@ -1457,12 +1469,13 @@ def _describe(job: SaveJob) -> _Described:
 def _gather_records(job: SaveJob, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's record, in rank order, ``mine`` first (coordinator); raises if a rank
     reported an error, and gives up once this save has failed anyway."""
-    got = job.ctx.gather((job.tag, "record"), f"the shard layouts of step {job.step}",
+    got = job.ctx.gather((job.tag, "record"), f"the reports of the shard files of step {job.step}",
                          cancelled=lambda: job.progress.failed, pulse=job.pulse,
                          have={job.ctx.rank: mine})
     _raise_failed(job, got)
     # (no beats while it merges them into the manifest)
-    _say_doing(job, f"merging the shard layouts of step {job.step} into its manifest")
+    _say_doing(job, f"merging the reports of the shard files of step {job.step} into its "
+                    "manifest")
     return [got[r] for r in sorted(got)]
 
 
