@@ -1416,6 +1416,26 @@ def test_ranks_of_different_plain_tensors_at_one_path_are_told_to_part_them(
                             "dtype (a cast on one rank?)"), msg
 
 
+def test_shards_declaring_two_global_shapes_are_told_what_the_shapes_are() -> None:
+    # (a distributed trial: rank 0 declared ShardMetadata((4, 4), (0, 0)), rank 1
+    # ShardMetadata((5, 4), (2, 0)), and was told the shapes alone, with no fix)
+    from asyncckpt.dist import LocalItem, assign_writers
+
+    def shard(dtype: str, global_shape: tuple[int, ...], row: int) -> LocalItem:
+        return LocalItem("w", dtype, global_shape, ((row, 0), (2, 4)), 32)
+
+    with pytest.raises(CheckpointConfigError) as info:
+        assign_writers({0: [shard("float32", (4, 4), 0)], 1: [shard("float32", (5, 4), 2)]})
+    assert str(info.value) == (
+        "ranks 0 and 1 disagree on tensor 'w': float32 [4, 4] vs float32 [5, 4]; these are "
+        "the global shapes the two ranks' shards declare (a DTensor's, or ShardMetadata's "
+        "global_shape): every rank must declare the one shape of the whole tensor, its "
+        "shard's offsets within it")
+    with pytest.raises(CheckpointConfigError, match=r"float32 \[4, 4\] vs bfloat16 \[4, 4\]; "
+                       r"every rank must hold it in one dtype \(a cast on one rank\?\)$"):
+        assign_writers({0: [shard("float32", (4, 4), 0)], 1: [shard("bfloat16", (4, 4), 2)]})
+
+
 def test_a_rank_given_by_hand_without_a_store_is_told_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(CheckpointConfigError, match=r"call torch\.distributed\."
                                                     r"init_process_group first, or pass store="):

@@ -166,7 +166,7 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
                     hint = (f"; rank {sharded} saves a shard of it (a DTensor, or "
                             f"shards={{{it.key!r}: ShardMetadata(...)}}), rank {plain} a plain "
                             "tensor, taken as the whole: every rank must declare its shard")
-                elif whole and seen[1] == it.global_shape:  # (one shape, two dtypes)
+                elif seen[1] == it.global_shape:  # (one shape, two dtypes)
                     hint = ("; every rank must hold it in one dtype (a cast on one rank?)")
                 elif whole:  # (both whole: per-rank values at one path, a distributed trial)
                     hint = ("; a plain tensor at one path on every rank is taken as one "
@@ -174,6 +174,11 @@ def assign_writers(items_by_rank: Mapping[int, Sequence[LocalItem]]
                             f"own (e.g. under the rank: f'{it.key}_rank{{rank}}'), or "
                             f"declare the sharding (a DTensor, or shards={{{it.key!r}: "
                             "ShardMetadata(...)})")
+                else:  # (both shards, of two global shapes: a distributed trial)
+                    hint = ("; these are the global shapes the two ranks' shards declare (a "
+                            "DTensor's, or ShardMetadata's global_shape): every rank must "
+                            "declare the one shape of the whole tensor, its shard's offsets "
+                            "within it")
                 raise CheckpointConfigError(
                     f"ranks {seen[2]} and {rank} disagree on tensor {it.key!r}: "
                     f"{seen[0]} {list(seen[1])} vs {it.dtype} {list(it.global_shape)}{hint}")

@@ -1466,7 +1466,8 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
             if manifest.partial and reshaped:  # (a heal: the advice below would not mend it)
                 parts.append("the peer's tensors have other shapes than this side's: "
                              "build the replacement with the sender's model config (its "
-                             "shapes); what follows loads a state unlike its peers'")
+                             "shapes); leaving them out, as said below, loads the rest "
+                             "but leaves this side's state unlike its peers'")
             for owner in grown:  # (a replay buffer, a list of metrics: it grows)
                 parts.append(f"if the state of {owner} grows or shrinks as it runs, give its "
                              "class _asyncckpt_load_fresh = True: it then gets the "
@@ -1571,10 +1572,11 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                 "keys would keep their values and the checkpoint's go unread; if names "
                 "changed, map the saved ones to the new with key_map=)") if missing and unexpected
             else exclude_hint(
-                target, saved, missing, [], f" (ignore_unexpected=True skips the checkpoint's "
-                f"{len(skipped_unexpected)} key(s) the target lacks: "
-                f"{few(skipped_unexpected, 3)}; strict=False would also skip the missing ones, "
-                "which keep their values; if names changed, map the saved ones to the new with "
+                target, saved, missing, [], f" (the checkpoint's {len(skipped_unexpected)} "
+                f"key(s) the target lacks, {few(skipped_unexpected, 3)}, would be skipped, as "
+                "the ignore_unexpected=True given asks; strict=False would also skip the "
+                "missing ones, which keep their values; if names changed, map the saved ones "
+                "to the new with "
                 "key_map=)") if missing and skipped_unexpected
             else exclude_hint(target, saved, missing, [], " (pass strict=False to skip "
                                "missing and unexpected keys)") if missing
