@@ -2280,6 +2280,44 @@ def test_a_load_of_the_latest_step_retired_while_read_loads_the_newer_one(
         asyncckpt.load(tmp_path, step=2)  # (a step asked for by number is not replaced)
 
 
+def test_a_load_of_the_latest_step_outpaced_every_time_says_so_and_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial's reader beside a keep_last=1 saver (110 saves a second) had its third
+    try's step retired too, and was told of that step alone, to 'use a step that is
+    still committed'."""
+    from asyncckpt import checkpointer
+
+    saved = [1]
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=1)
+
+    def outpaced(real: Any) -> Any:
+        def load(step_dir: Path, *a: Any, **kw: Any) -> Any:
+            saved.append(saved[-1] + 1)  # a newer save commits; its keep_last=1 retires this
+            asyncckpt.save({"w": torch.ones(4)}, tmp_path, step=saved[-1])
+            shutil.rmtree(step_dir)
+            return real(step_dir, *a, **kw)
+        return load
+
+    monkeypatch.setattr(asyncckpt, "_load_from", outpaced(asyncckpt._load_from))
+    monkeypatch.setattr(checkpointer, "load_from", outpaced(checkpointer.load_from))
+    advice = ("the latest step went while it was read 3 times in a row: a saver's keep_last "
+              "here removes each step sooner than this load reads it; load when that saver "
+              "is done or saves less often, keep more steps there (keep_last=2, keep_every), "
+              "or pass step= of a step it keeps")
+    with pytest.raises(asyncckpt.CheckpointNotFoundError) as info:
+        asyncckpt.load(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'step_000000003'} was deleted while")
+    assert str(info.value).endswith(advice), info.value
+    with asyncckpt.AsyncCheckpointer(tmp_path) as ck, pytest.raises(
+            asyncckpt.CheckpointNotFoundError) as info:
+        ck.load({"w": torch.zeros(4)})
+    assert str(info.value).startswith(f"{tmp_path / 'step_000000006'} was deleted while")
+    assert str(info.value).endswith(advice), info.value
+    with pytest.raises(asyncckpt.CheckpointNotFoundError) as info:  # one asked for: as ever
+        asyncckpt.load(tmp_path, step=7)
+    assert "went while it was read" not in str(info.value)
+
+
 def test_a_damaged_step_is_marked_on_disk_for_later_processes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A trial's later process loaded the intact step 6 (never reading the damaged 4), and

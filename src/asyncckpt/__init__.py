@@ -57,6 +57,7 @@ from .loader import excluded_view as _excluded_view
 from .loader import load_from as _load_from
 from .manifest import is_shard_file_name as _is_shard_file_name
 from .preemption import PreemptionWatch
+from .reader import outpaced as _outpaced
 from .safetensors_files import load_safetensors
 from .storage import LocalStorage
 from .storage import LocalStorage as _LocalStorage
@@ -303,8 +304,13 @@ def _load_any(path: str | os.PathLike[str], state: Any, step: int | None, strict
             # The latest step, retired by the retention of a newer save (another process
             # trains here), or removed and saved again by a rollback, while it was read:
             # whichever is the latest now is loaded.
-            if step is not None or resolved is None or attempt + 1 == _LATEST_TRIES:
+            if step is not None or resolved is None:
                 raise
+            if attempt + 1 == _LATEST_TRIES:
+                err = _outpaced(exc, _LATEST_TRIES)
+                if err is None:
+                    raise
+                raise err from err.__cause__
             _logging.getLogger(__name__).info(
                 "step %d under %s could not be read (%s): loading the latest step again",
                 resolved, path, exc)

@@ -99,7 +99,7 @@ from .manifest import (
     shard_file_name,
 )
 from .plan import WritePlan, layout_signature, plain_memory, plan_writes
-from .reader import read_manifest, read_manifest_summary, tensor_bytes
+from .reader import outpaced, read_manifest, read_manifest_summary, tensor_bytes
 from .reports import Reports
 from .staging import (
     HostArena,
@@ -1536,7 +1536,10 @@ class AsyncCheckpointer:
                                          key_map=key_map, cast=cast))
             except CheckpointNotFoundError as exc:
                 if attempt + 1 == tries:
-                    raise
+                    err = outpaced(exc, tries)
+                    if err is None:
+                        raise
+                    raise err from err.__cause__
                 log.info("loading the latest step under %s again: %s", self.directory, exc)
             except CheckpointCorruptError as exc:
                 if self._ctx.distributed and not fallback:

@@ -41,7 +41,14 @@ from .errors import (
     retold,
 )
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry
-from .reader import copy_into, load_tensors, narrow_to_box, out_of_range, read_manifest
+from .reader import (
+    copy_into,
+    load_tensors,
+    narrow_to_box,
+    out_of_range,
+    read_manifest,
+    went,
+)
 from .storage import LocalStorage, ReadStorage
 from .tree import (
     ARRAY_NODES,
@@ -215,8 +222,8 @@ def load_from(step_dir: Path, state: Any, storage: ReadStorage, *, strict: bool 
             what = ("deleted while it was being read (by retention or another process)"
                     if now == (0, 0) else "replaced while it was being read (removed and "
                     "saved again, by a rollback in another process)")
-            raise CheckpointNotFoundError(
-                f"{step_dir} was {what}: load it again{held} ({exc})") from exc
+            raise went(CheckpointNotFoundError(
+                f"{step_dir} was {what}: load it again{held} ({exc})")) from exc
         raise
     seconds = time.perf_counter() - started
     gb = sum(read) / 1e9

@@ -38,6 +38,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointPermissionError,
+    with_advice,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -751,10 +752,32 @@ def _open(path: Path, storage: ReadStorage) -> int:
 def deleted_while_read(step_dir: Path) -> CheckpointNotFoundError:
     """The error of a step that went while it was read: retired by a newer save's
     keep_last (or removed by another process), which is no damage."""
-    return CheckpointNotFoundError(
+    return went(CheckpointNotFoundError(
         f"{step_dir} was deleted while it was being read (the keep_last retention of a newer "
         "save, or another process): use a step that is still committed ('asyncckpt ls' "
-        "lists them)")
+        "lists them)"))
+
+
+def went(exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """``exc``, marked as the error of a step that went (or was replaced) while it was
+    read: a load of the latest step tries the new latest (see loader.LATEST_TRIES)."""
+    exc.went_while_read = True  # type: ignore[attr-defined]
+    return exc
+
+
+OUTPACED = ("the latest step went while it was read {tries} times in a row: a saver's "
+            "keep_last here removes each step sooner than this load reads it; load when that "
+            "saver is done or saves less often, keep more steps there (keep_last=2, "
+            "keep_every), or pass step= of a step it keeps")
+
+
+def outpaced(exc: CheckpointNotFoundError, tries: int) -> CheckpointError | None:
+    """The error of the last of ``tries`` loads of the latest step, each of which found
+    its step gone (a trial's reader beside a keep_last=1 saver was told only of the last
+    one); None where ``exc`` is another error."""
+    if tries < 2 or not getattr(exc, "went_while_read", False):
+        return None
+    return with_advice(exc, OUTPACED.format(tries=tries))
 
 
 def _gone(step_dir: Path, storage: ReadStorage) -> bool:
