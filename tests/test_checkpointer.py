@@ -270,6 +270,22 @@ def test_two_saves_in_a_row_both_land(tmp_path: Path) -> None:
         assert tensors_equal(ckpt.load(step=2)["model"], s2["model"].state_dict())
 
 
+def test_async_pinned_without_cuda_says_it_stages_into_ordinary_memory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (documented, but a trial found only host_buffer_pinned to tell it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        with asyncckpt.AsyncCheckpointer(tmp_path / "a", mode="async_with_pinned_mem") as ck:
+            ck.save({"w": torch.ones(4)}, step=1)
+            assert not ck.host_buffer_pinned
+        with asyncckpt.AsyncCheckpointer(tmp_path / "b", mode="async"):
+            pass
+    said = [r.getMessage() for r in caplog.records if "without CUDA" in r.getMessage()]
+    assert said == ["mode='async_with_pinned_mem' without CUDA: the saves stage into ordinary "
+                    "(pageable) host memory, as mode='async' does"], said
+
+
 def test_sync_and_async_write_the_same_bytes(tmp_path: Path) -> None:
     state = make_state(3)
     asyncckpt.AsyncCheckpointer(tmp_path / "a", mode="sync").save(state, step=7)

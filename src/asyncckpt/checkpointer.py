@@ -405,6 +405,10 @@ class AsyncCheckpointer:
                                          strict_replicas=strict_replicas, on_busy=on_busy,
                                          direct_io=direct_io, block_bytes=block_bytes,
                                          timeout_s=timeout_s, copy_threads=copy_threads)
+        if self.config.mode == "async_pinned" and not torch.cuda.is_available():
+            # (as documented, but a trial found only host_buffer_pinned to tell it)
+            log.info("mode=%r without CUDA: the saves stage into ordinary (pageable) host "
+                     "memory, as mode='async' does", mode)
         given = os.path.abspath(checked_directory(directory, "directory"))
         self.storage: Storage = _checked_storage(storage)
         # The directory is pinned now, as the lock is taken on it: a relative path read
