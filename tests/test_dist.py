@@ -130,6 +130,60 @@ def test_a_look_at_the_others_saves_never_waits_on_a_note_taken_away() -> None:
     assert odd.blocked == []
 
 
+def test_a_wait_for_the_group_inside_a_save_lets_the_collector_run() -> None:
+    """save_async pauses the collector, process-wide, from flattening to the end of the
+    copy: over the wait for the other ranks between, which a late rank can stretch to
+    timeout_s, the other threads' garbage cycles went uncollected."""
+    import gc
+
+    from asyncckpt._gc import gc_paused
+
+    ctx = _ctx()
+    key = ctx.key("s1", "go")
+    seen: list[bool] = []
+    waiting = threading.Event()
+
+    def sample() -> None:
+        waiting.wait(10)
+        for _ in range(200):
+            seen.append(gc.isenabled())
+            time.sleep(0.001)
+        ctx.store.set(key, "{}")
+
+    assert gc.isenabled()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with gc_paused():
+        assert not gc.isenabled()
+        waiting.set()
+        ctx.wait_keys({0: key}, "the go")
+        assert not gc.isenabled()  # paused again for what follows the wait
+    sampler.join(10)
+    assert gc.isenabled()
+    assert seen.count(True) > len(seen) // 2, seen  # (on while it slept between looks)
+    # a wait beside another thread's pause (a burst of its own) leaves that pause on
+    ctx.store.delete_key(key)
+    seen.clear()
+    waiting.clear()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    burst, over = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            burst.set()
+            over.wait(10)
+
+    bursting = threading.Thread(target=other, daemon=True)
+    bursting.start()
+    assert burst.wait(10)
+    waiting.set()
+    ctx.wait_keys({0: key}, "the go")
+    over.set()
+    bursting.join(10)
+    assert seen and not any(seen), seen
+
+
 def test_cancelled_gather_gives_up_within_a_slice() -> None:
     ctx = _ctx(timeout_s=60.0)
     failed = threading.Event()

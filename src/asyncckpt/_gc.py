@@ -70,12 +70,15 @@ def gc_paused(settle: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gc_resumed() -> Iterator[None]:
+def gc_resumed(own: bool = False) -> Iterator[None]:
     """Inside a pause, let the collector run over a call into the user's code (a
     ``load_state_dict`` may make cycles of its own): it is enabled meanwhile if it was
-    when the pauses began, and paused again afterwards if any pause is still on."""
+    when the pauses began, and paused again afterwards if any pause is still on.
+    ``own``: only where this thread holds a pause (a wait inside its own, not one
+    beside another thread's burst)."""
     with _lock:
-        enable = _depth > 0 and _resume and not gc.isenabled()
+        enable = (_depth > 0 and _resume and not gc.isenabled()
+                  and (not own or threading.get_ident() in _held))
         if enable:
             gc.enable()
     try:

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._gc import gc_paused
+from ._gc import gc_paused, gc_resumed
 from .boxes import tiling_problem
 from .errors import (
     CheckpointConfigError,
@@ -899,7 +899,12 @@ class DistContext:
                 left = slice_end - time.monotonic()
                 if left <= 0:
                     break
-                time.sleep(min(poll_s, left))
+                # (save_async pauses the collector, for the whole process, over its bursts
+                # of small objects and over this wait for the group between them, which a
+                # late rank can stretch to timeout_s: its other threads' cycles are
+                # collected meanwhile)
+                with gc_resumed(own=True):
+                    time.sleep(min(poll_s, left))
                 poll_s = min(2 * poll_s, poll_max_s)
             with self._store_errors(f"waiting for {what}", error):
                 arrived = [r for r, k in pending.items() if self.store.check([k])]
