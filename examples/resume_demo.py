@@ -324,6 +324,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return opts
     if opts.every < 1 or opts.steps < 2:
         p.error("use --every >= 1 and --steps >= 2")
+    if opts.every + 1 >= opts.steps:  # (else no KILL_AT fits: a trial was told of it)
+        p.error(f"--every {opts.every} leaves no step to kill at between the first checkpoint "
+                f"and the end (--steps {opts.steps}): use --every < {opts.steps - 1}")
     if opts.kill_at is None:
         # just after a save: that save is likely still being written when the kill comes
         opts.kill_at = max(opts.steps * 7 // 10 // opts.every * opts.every, opts.every) + 1

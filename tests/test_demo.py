@@ -81,7 +81,10 @@ def test_compare_flags_any_difference(demo: ModuleType) -> None:
 @pytest.mark.parametrize("argv,named", [
     (["--steps", "10", "--kill-at", "12"], "--kill-at"),
     (["--steps", "10", "--every", "5", "--kill-at", "3"], "--kill-at"),
-    (["--every", "0"], "--every"), (["--steps", "1"], "--steps")])
+    (["--every", "0"], "--every"), (["--steps", "1"], "--steps"),
+    # (a trial: told "--kill-at must lie ...: 12 < KILL_AT < 12", of a --kill-at not given)
+    (["--steps", "12", "--every", "12"], "--every 12 leaves no step to kill at"),
+    (["--steps", "12", "--every", "20", "--kill-at", "6"], "use --every < 11")])
 def test_bad_options(demo: ModuleType, argv: list[str], named: str,
                      capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(argv) == 2
