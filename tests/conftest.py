@@ -74,3 +74,30 @@ def ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture(autouse=True)
+def no_collector_pause_left() -> Iterator[None]:
+    """Every test ends with no pause of the garbage collector held (see asyncckpt._gc),
+    once its background threads had a few seconds to finish: a pause a code path never
+    ends leaves the user's process without cyclic collection for good. A suite run's hung
+    rank thread held one and failed ten later tests, far from the cause; this names the
+    test that left it, and where the holders stand."""
+    import gc
+    import sys
+    import time
+    import traceback
+
+    from asyncckpt import _gc
+
+    yield
+    deadline = time.monotonic() + 5.0
+    while (_gc._depth or not gc.isenabled()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if _gc._depth or not gc.isenabled():
+        frames = sys._current_frames()
+        where = ["".join(traceback.format_stack(frames[t])[-4:])
+                 for t in list(_gc._held) if t in frames]
+        pytest.fail(f"the test left the collector paused (pauses held: {_gc._depth}, "
+                    f"collector enabled: {gc.isenabled()}); the holding threads stand at:\n"
+                    + "\n".join(where), pytrace=False)
