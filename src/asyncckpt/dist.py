@@ -573,8 +573,8 @@ class DistContext:
     def peek(self, key: str) -> bytes | None:
         """What ``key`` holds, or None where it is not set, without waiting: ``get`` of a
         key another rank deletes between a ``check`` and the ``get`` waits for it the
-        Store's whole timeout (a trial's rank, looking at the others' notes of the save
-        they wait in, sat in a ``multi_get`` after one closed and took its note away).
+        Store's whole timeout (a suite run's rank, looking at the others' notes of the
+        save they wait in, sat in a ``multi_get`` after one closed and took its note away).
         ``compare_set`` against a value no key holds answers at once: the key's value,
         or the expected value back where there is no key (and makes none)."""
         got = self.store.compare_set(key, _ABSENT, _ABSENT)
