@@ -498,9 +498,10 @@ class DistContext:
         holds are taken back first: it died, and retention would keep those steps for
         ever. Call under _LEDGER_LOCK."""
         key = self._holding_key()
-        if not self.store.check([key]):
+        raw = self.peek(key)
+        if raw is None:
             return {}
-        record = json.loads(self.store.get(key))
+        record = json.loads(raw)
         held = {str(k): int(n) for k, n in record.get("held", {}).items()}
         if record.get("process") == _process_token():
             return held
@@ -1704,8 +1705,8 @@ class FallbackAgreement:
             if timed_out is not None:
                 decision = self._decide(decision_key, {"rank": ctx.rank, "error": str(timed_out),
                                                        "timeout": True})
-            elif ctx.store.check([decision_key]):
-                decision = json.loads(ctx.store.get(decision_key))
+            elif (said := ctx.peek(decision_key)) is not None:
+                decision = json.loads(said)
             else:  # rank 0, with every verdict in
                 verdicts = [json.loads(v) for v in ctx.store.multi_get(list(keys.values()))]
                 decision = self._decide(decision_key, _decision(verdicts, step))
