@@ -27,6 +27,8 @@ class NotPicklableError(CheckpointConfigError, TypeError):
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint (or no such step) where one was asked for."""
 
+    _went_while_read = False  # the step went (or was replaced) as it was read (reader.went)
+
 
 class CheckpointCorruptError(CheckpointError, ValueError):
     """A checkpoint's bytes or metadata do not match what was committed.

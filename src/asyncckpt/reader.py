@@ -761,7 +761,7 @@ def deleted_while_read(step_dir: Path) -> CheckpointNotFoundError:
 def went(exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
     """``exc``, marked as the error of a step that went (or was replaced) while it was
     read: a load of the latest step tries the new latest (see loader.LATEST_TRIES)."""
-    exc.went_while_read = True  # type: ignore[attr-defined]
+    exc._went_while_read = True
     return exc
 
 
@@ -775,7 +775,7 @@ def outpaced(exc: CheckpointNotFoundError, tries: int) -> CheckpointError | None
     """The error of the last of ``tries`` loads of the latest step, each of which found
     its step gone (a trial's reader beside a keep_last=1 saver was told only of the last
     one); None where ``exc`` is another error."""
-    if tries < 2 or not getattr(exc, "went_while_read", False):
+    if tries < 2 or not exc._went_while_read:
         return None
     return with_advice(exc, OUTPACED.format(tries=tries))
 
