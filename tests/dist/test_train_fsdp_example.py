@@ -63,7 +63,12 @@ def torchrun(nproc: int, directory: Path, *extra: str) -> Run:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(EXAMPLE), "--dir", str(directory), "--steps", str(STEPS), "--every", str(EVERY),
            *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # (TMPDIR: torchrun makes a torchelastic_* directory there and never removes it; the
+    # suite's runs would otherwise leave theirs in /tmp)
+    scratch = directory.parent / f"tmp-{directory.name}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TMPDIR": str(scratch)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
