@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -548,6 +549,124 @@ def test_retention_keeps_the_intact_best_step_beside_one_cut_short(tmp_path: Pat
         assert ck.steps() == [1, 2, 3]  # (two intact, the damaged one newer than both kept)
         ck.save(_state(4), 4)
         assert ck.steps() == [3, 4]
+
+
+class _FlakyManifests(LocalStorage):
+    """Reading a manifest fails with ``err`` while ``on`` (a network mount's hiccup)."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__()
+        self.err = err
+        self.on = False
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        if self.on and path.name == "manifest.json":
+            raise OSError(self.err, os.strerror(self.err), str(path))
+        return super().read_bytes(path, limit)
+
+
+@pytest.mark.parametrize("err", [errno.ESTALE, errno.EIO, errno.EACCES, errno.EMFILE])
+def test_retention_keeps_steps_whose_manifests_cannot_be_read_for_the_moment(
+        tmp_path: Path, err: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A review: a restarted run's first retention met an ESTALE on every old manifest,
+    took the steps for damaged (not counted among the newest, older than the newest
+    kept) and deleted all but the new one. An error that says nothing of the bytes now
+    counts the step as intact, with a warning."""
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step)
+    flaky = _FlakyManifests(err)
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync", storage=flaky) as ckpt:
+        flaky.on = True
+        ckpt.save(_state(4), 4)
+        flaky.on = False
+        assert ckpt.steps() == [2, 3, 4]  # (was: [4])
+        assert ckpt.load(step=2)["step"] == 2
+    assert "retention keeps the step and counts it as intact" in caplog.text
+    # a manifest damaged for sure is still passed over: it takes no intact step's place
+    manifest = tmp_path / "step_000000004" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-5])
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync") as ckpt:
+        ckpt.save(_state(5), 5)
+        assert ckpt.steps() == [2, 3, 4, 5]
+
+
+def test_retention_keeps_steps_whose_files_cannot_be_stat_ed_for_the_moment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with a stat of the old shard files failing (ESTALE) in the running
+    checkpointer, whose manifests it knew: they counted as "cannot be read", amiss."""
+    import asyncckpt.commit as commit
+
+    real_stat = os.stat
+    on = [False]
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        p = str(path)
+        if on[0] and p.endswith(".safetensors") and "step_000000004" not in p:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), p)
+        return real_stat(path, *args, **kwargs)
+
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step)
+        step_dir = tmp_path / "step_000000002"
+        sizes = {p.name: p.stat().st_size for p in step_dir.glob("*.safetensors")}
+        monkeypatch.setattr(commit.os, "stat", stat)  # (os.stat itself)
+        on[0] = True
+        ckpt.save(_state(4), 4)
+        assert ckpt.steps() == [2, 3, 4]  # (was: [4])
+        # ls still shows a stat that failed; retention's sure=True passes it over
+        assert [a for a in commit.files_amiss(step_dir, sizes) if "cannot be read" in a]
+        assert commit.files_amiss(step_dir, sizes, sure=True) == []
+        on[0] = False
+        assert commit.files_amiss(step_dir, sizes) == []
+
+
+def test_keep_best_keeps_the_best_step_whose_manifest_cannot_be_read_for_the_moment(
+        tmp_path: Path) -> None:
+    """A review: an ESTALE on the best step's manifest made it a step without metrics,
+    and the next save's retention deleted it (keep_last=1, keep_best=1)."""
+    with AsyncCheckpointer(tmp_path, keep_last=1, keep_best=1, best_metric="val_loss",
+                           mode="sync") as ckpt:
+        for step, loss in ((1, 0.1), (2, 0.5), (3, 0.7)):
+            ckpt.save(_state(step), step, metrics={"val_loss": loss})
+        assert ckpt.steps() == [1, 3]
+    flaky = _FlakyManifests(errno.ESTALE)
+    with AsyncCheckpointer(tmp_path, keep_last=1, keep_best=1, best_metric="val_loss",
+                           mode="sync", storage=flaky) as ckpt:
+        flaky.on = True
+        ckpt.save(_state(4), 4, metrics={"val_loss": 0.9})
+        flaky.on = False
+        assert 1 in ckpt.steps()  # (was: [3, 4]); 3 stays too while 1 could not be ranked
+        assert ckpt.best_step() == 1
+        ckpt.save(_state(5), 5, metrics={"val_loss": 0.8})  # (readable again: ranked)
+        assert ckpt.steps() == [1, 5]
+
+
+def test_a_reader_whose_torch_lacks_a_dtype_marks_no_step_and_retention_keeps_them(
+        tmp_path: Path) -> None:
+    """A review: an evaluator on an older torch ran load(fallback=True) over steps holding
+    a dtype that torch lacks; each was taken for corrupt and marked damaged.json, and
+    the trainer's next save deleted them all but the new one."""
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"w": torch.full((4,), float(step)), "q": torch.zeros(8, dtype=torch.uint8)},
+                      step)
+    originals = {}
+    for step in (1, 2, 3):  # as a torch without uint8 would read them
+        manifest = tmp_path / f"step_{step:09d}" / "manifest.json"
+        raw = originals[manifest] = manifest.read_bytes()
+        body = raw[:raw.rindex(b',"digest"')] + b"}"
+        assert body.count(b'"uint8"') == 1
+        manifest.write_bytes(seal(body.replace(b'"uint8"', b'"float8_e9m9fn"')))
+    with pytest.raises(asyncckpt.CheckpointVersionError, match="'float8_e9m9fn'"):
+        AsyncCheckpointer(tmp_path).load(fallback=True)
+    assert not list(tmp_path.glob("step_*/damaged.json"))
+    for manifest, raw in originals.items():  # (the trainer's torch has it)
+        manifest.write_bytes(raw)
+    with AsyncCheckpointer(tmp_path, keep_last=3, mode="sync") as ckpt:
+        ckpt.save({"w": torch.zeros(4), "q": torch.zeros(8, dtype=torch.uint8)}, 4)
+        assert ckpt.steps() == [2, 3, 4]
 
 
 def test_a_step_retired_while_its_metrics_are_read_is_no_warning(

@@ -28,12 +28,13 @@ from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointSaveError,
     few,
 )
 from .manifest import MANIFEST_NAME, METRIC_MODES, compact_json, is_sealed, metrics_text, seal
-from .reader import read_manifest_summary
+from .reader import damage_is_certain, read_manifest_summary
 from .storage import LocalStorage, ReadStorage, Storage
 
 log = logging.getLogger(__name__)
@@ -349,11 +350,27 @@ class StepMetrics:
         if sizes is None:
             try:
                 summary = read_manifest_summary(root / step_dir_name(step), storage)
-            except (CheckpointError, OSError):
+            except (CheckpointError, OSError) as exc:
+                if not damage_is_certain(exc):  # (see damage_is_certain)
+                    self._unsure(step, exc)
+                    return False
                 return still_there(root, step_dir_name(step), storage)  # (gone: no verdict)
             sizes = {n: f.bytes for n, f in summary.files.items()}
             self._remember(step, ident, sizes)
-        return bool(files_amiss(root / step_dir_name(step), sizes))
+        return bool(files_amiss(root / step_dir_name(step), sizes, sure=True))
+
+    def _unsure(self, step: int, exc: BaseException) -> None:
+        """Warn (once per step and error) that ``step``'s manifest cannot be read now, for
+        a reason that says nothing of its bytes: it is kept, and counted as intact (one
+        warning: _saved's, where keep_best read its metrics first, is of the same cause)."""
+        said = (step, str(exc))
+        with self._lock:
+            warn = said not in self._told
+            self._told.add(said)
+        if warn:
+            log.warning("step %d's manifest cannot be read now (%s: %s); retention keeps the "
+                        "step and counts it as intact until a read says otherwise", step,
+                        type(exc).__name__, exc)
 
     def of(self, root: Path, step: int, storage: ReadStorage) -> dict[str, float]:
         """The metrics committed ``step`` recorded ({} where its manifest cannot be read)."""
@@ -416,11 +433,25 @@ class StepMetrics:
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
-            gone = isinstance(exc, FileNotFoundError) and not still_there(
-                root, step_dir_name(step), storage)
-            if not gone:
-                log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
-                            "without metrics", step, type(exc).__name__, exc)
+            gone = isinstance(exc, (FileNotFoundError, CheckpointNotFoundError)) and (
+                not still_there(root, step_dir_name(step), storage))
+            if gone:
+                return None, {}
+            if not damage_is_certain(exc):
+                # (an ESTALE, an EIO, a permission: its metrics may be the best; keep_best
+                # keeps it as it keeps a step whose metrics.json cannot be read, until they
+                # can be: a review's ESTALE had the best step deleted)
+                with self._lock:
+                    self._unreadable.add(step)
+                    warn = (step, str(exc)) not in self._told
+                    self._told.add((step, str(exc)))
+                if warn:
+                    log.warning("step %d's metrics cannot be read now (%s: %s); keep_best keeps "
+                                "the step until they can be read", step, type(exc).__name__,
+                                exc)
+                return None, {}
+            log.warning("step %d's metrics cannot be read (%s: %s); it counts as a step "
+                        "without metrics", step, type(exc).__name__, exc)
             return None, {}
         with self._lock:
             self._known[step] = (ident, metrics, modes)

@@ -234,7 +234,7 @@ def _is_committed(root: Path, name: str, storage: ReadStorage,
 
 
 def files_amiss(step_dir: Path, sizes: Mapping[str, int],
-                listed: Mapping[str, int] | None = None) -> list[str]:
+                listed: Mapping[str, int] | None = None, *, sure: bool = False) -> list[str]:
     """The files (name -> size, as the manifest has them) that are missing or not of
     their sizes, in words, one stat each (what a load of the step would refuse first;
     ``verify`` checks every byte): what ``ls`` shows DAMAGED, and ``best_step()`` and
@@ -242,16 +242,21 @@ def files_amiss(step_dir: Path, sizes: Mapping[str, int],
 
     ``listed``: the sizes of the regular files a listing of ``step_dir`` just stat'ed
     (``ls`` lists every step for its disk usage); a file found there is not stat'ed again,
-    the others (a link, a FIFO, one not listed) are, as before."""
+    the others (a link, a FIFO, one not listed) are, as before. ``sure``: only what is
+    certainly amiss (missing, or of another size); a stat that fails otherwise (ESTALE,
+    EIO, EACCES: a network mount's hiccup, a permission) tells nothing of the file, and
+    retention must not take an intact step for a damaged one on its word (a review's
+    ESTALE had every step but the newest deleted)."""
     amiss = []
     for name, want in sizes.items():
         try:
             size = listed[name] if listed and name in listed else os.stat(step_dir / name).st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             amiss.append(f"{name} is missing")
             continue
         except OSError as exc:
-            amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
+            if not sure:
+                amiss.append(f"{name} cannot be read ({exc.strerror or exc})")
             continue
         if size != want:
             amiss.append(f"{name} is {size} bytes, not {want}")

@@ -735,6 +735,17 @@ def _damaged(path: Path, exc: OSError, key: str | None = None) -> CheckpointErro
                                   maybe_intact=exc.errno == errno.EIO)
 
 
+def damage_is_certain(exc: BaseException) -> bool:
+    """Whether a failed read of a step's manifest (or files) proves the step damaged: a
+    corrupt manifest or file, or none there. Not an error of the moment (ESTALE, EMFILE,
+    ENOMEM), an EIO (a bad sector, or a network mount's outage), a permission, nor a
+    checkpoint newer than this reader: those say nothing of its bytes, and what removes
+    steps (retention) or passes over them must take such a step for intact."""
+    if isinstance(exc, CheckpointCorruptError):
+        return not exc.maybe_intact
+    return isinstance(exc, CheckpointNotFoundError)
+
+
 def _open(path: Path, storage: ReadStorage) -> int:
     try:
         return storage.open_read(path)
