@@ -2442,6 +2442,59 @@ def test_a_layer_inserted_into_a_sequential_is_told_the_key_map_that_moves_the_r
     assert torch.equal(model[4].weight, new_layer)
 
 
+class _Inner(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+class _Lora(nn.Module):
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.zeros(2, base.in_features))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 4)
+
+
+def test_the_renaming_advice_renames_nothing_it_is_not_for(tmp_path: Path) -> None:
+    """(a fine-tuning trial) A wrapped student beside its teacher was told
+    key_map=lambda p: p.replace('model/', 'model/inner.', 1), which renamed
+    teacher_model/ too: pasted, it failed on the teacher. And a LoRA-wrapped model beside
+    its EMA copy, .qkv. to .qkv.base., renamed the EMA's keys alike. The advice now keeps
+    each rename to the paths it is for, and loads as given."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    asyncckpt.save({"model": student, "teacher_model": teacher}, tmp_path / "a", step=1)
+    target = {"model": _Inner(nn.Linear(4, 4)), "teacher_model": nn.Linear(4, 4)}
+    with pytest.raises(StateMismatchError, match=r"key_map=(lambda p: .*)$") as info:
+        asyncckpt.load(tmp_path / "a", target)
+    code = re.search(r"key_map=(lambda p: .*)$", str(info.value)).group(1)  # type: ignore[union-attr]
+    asyncckpt.load(tmp_path / "a", target, key_map=eval(code))
+    assert torch.equal(target["model"].inner.weight, student.weight)
+    assert torch.equal(target["teacher_model"].weight, teacher.weight)
+
+    blocks = nn.ModuleList([_Block(), _Block()])
+    ema = nn.ModuleList([_Block(), _Block()])
+    asyncckpt.save({"model": blocks, "ema": ema}, tmp_path / "b", step=1)
+    wrapped = nn.ModuleList([_Block(), _Block()])
+    for b in wrapped:
+        b.qkv = _Lora(b.qkv)  # type: ignore[assignment]
+    target2 = {"model": wrapped, "ema": nn.ModuleList([_Block(), _Block()])}
+    with pytest.raises(StateMismatchError, match=r"key_map=(lambda p: .*)$") as info:
+        asyncckpt.load(tmp_path / "b", target2)
+    code = re.search(r"key_map=(lambda p: .*)$", str(info.value)).group(1)  # type: ignore[union-attr]
+    asyncckpt.load(tmp_path / "b", target2, key_map=eval(code), strict=False)
+    for got, want in zip(wrapped, blocks, strict=True):
+        assert torch.equal(got.qkv.base.weight, want.qkv.weight)  # type: ignore[union-attr]
+    for got, want in zip(target2["ema"], ema, strict=True):
+        assert torch.equal(got.qkv.weight, want.qkv.weight)  # type: ignore[union-attr]
+
+
 def test_hints_that_would_guess_give_no_full_map(tmp_path: Path) -> None:
     """(third review) Renamed tensors that fit two targets alike got a full key_map that,
     pasted, put the encoder in the decoder; a layer's weight and bias were moved to two

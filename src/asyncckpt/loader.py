@@ -1372,7 +1372,7 @@ def _match(manifest: Manifest, saved: dict[str, str], target: FlatState, strict:
                     _node_at(manifest.skeleton, old)) and _tensors_in_str_dicts(
                     _node_at(target.skeleton, new))))
             or _mapping_hint(missing, unexpected, fits, saved)
-            or substitution_hint(missing, unexpected)
+            or substitution_hint(missing, unexpected, saved)
             or renamed_hint(missing, unexpected, fits)
             or (f". {general}" if general else ""))
     stateless = _stateless_optimizer_dicts(target.skeleton, unexpected) if unexpected else []
@@ -2997,12 +2997,16 @@ def _substitutions(u: str, m: str) -> list[tuple[str, str]]:
     return [(a, b) for a, b in out if a and a != b and u.replace(a, b, 1) == m]
 
 
-def substitution_hint(missing: list[str], unexpected: list[str]) -> str:
+def substitution_hint(missing: list[str], unexpected: list[str],
+                      saved: Iterable[str] = ()) -> str:
     """Where up to 4 text replacements (a submodule renamed or wrapped: ``/blocks.`` to
     ``/layers.``, ``model/`` to ``model/net.``, ``.q.`` to ``.q.base.``) take most saved
     paths the target lacks to paths it wants, and none elsewhere: the key_map that does
     all of it (a trial was given one pair per error, and took 10 to 52 tries); ""
-    otherwise."""
+    otherwise. Each replacement is kept to the paths it is for (those starting with its
+    text, or with the first part they share) where it would rename others of ``saved``
+    (every saved path) too, and no hint is given where even that does (a trial's pasted
+    ``p.replace('model/', 'model/inner.', 1)`` renamed ``teacher_model/`` too)."""
     if not missing or not unexpected or len(unexpected) > 200_000:
         return ""
     want = set(missing)
@@ -3034,14 +3038,50 @@ def substitution_hint(missing: list[str], unexpected: list[str]) -> str:
         covered |= hits
     if not rules or 2 * len(covered) < len(missing) or len(covered) < 2:
         return ""
-    if len(rules) == 1:
-        (a, b), = rules
-        code = f"lambda p: p.replace({a!r}, {b!r}, 1)"
-    else:
-        code = (f"lambda p: next((p.replace(a, b, 1) for a, b in {rules!r} if a in p), p)")
+    code = _scoped_substitutions(rules, unexpected, saved)
+    if code is None:
+        return ""
     return (f"; the checkpoint's names differ from the target's by "
             f"{' and '.join(f'{a!r} for {b!r}' for a, b in rules)} ({len(covered)} of "
             f"{len(missing)} wanted keys): pass key_map={code}")
+
+
+def _scoped_substitutions(rules: list[tuple[str, str]], unexpected: list[str],
+                          saved: Iterable[str]) -> str | None:
+    """The code of the key_map doing ``rules`` (text ``a`` to ``b``, the first rule whose
+    ``a`` a path holds) to the ``unexpected`` saved paths and to no other ``saved`` one:
+    each rule kept to the paths that start with its ``a``, else with the first part that
+    the unexpected paths it renames share, where it would rename others; None where even
+    so it would."""
+    moving = set(unexpected)
+    others = [p for p in saved if p not in moving]
+    scoped: list[tuple[str, str, str]] = []  # (scope, a, b): paths starting with scope
+    for a, b in rules:
+        hit = [u for u in unexpected if a in u and not any(r[1] in u for r in scoped)]
+        if not any(a in p for p in others):
+            scoped.append(("", a, b))
+        elif all(u.startswith(a) for u in hit):
+            scoped.append((a, a, b))
+        else:
+            heads = {u[:u.find("/") + 1] for u in hit}
+            head = heads.pop() if len(heads) == 1 else ""
+            scoped.append((head, a, b))
+
+    def fn(p: str) -> str:
+        return next((p.replace(a, b, 1) for s, a, b in scoped if p.startswith(s) and a in p),
+                    p)
+
+    if any(fn(p) != p for p in others):
+        return None
+    if len(scoped) > 1:
+        return ("lambda p: next((p.replace(a, b, 1) for s, a, b in "
+                f"{scoped!r} if p.startswith(s) and a in p), p)")
+    (scope, a, b), = scoped
+    if not scope:
+        return f"lambda p: p.replace({a!r}, {b!r}, 1)"
+    if scope == a:
+        return f"lambda p: {b!r} + p[{len(a)}:] if p.startswith({a!r}) else p"
+    return f"lambda p: p.replace({a!r}, {b!r}, 1) if p.startswith({scope!r}) else p"
 
 
 def renamed_hint(missing: list[str], unexpected: list[str],
