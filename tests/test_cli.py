@@ -759,6 +759,14 @@ def test_python_dash_m(root: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
+def test_version_says_the_library_and_torch_versions(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """(a fine-tuning trial) --version was a usage error, exit 2."""
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"asyncckpt {asyncckpt.__version__} (torch {torch.__version__})")
+
+
 def test_inspect_prints_keys_and_values_no_encoding_can_hold(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1877,6 +1877,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 corrupt checkpoint (damaged, or a step directory "
                "without its manifest), 2 could not tell (a usage error, nothing found), "
                "130 interrupted")
+    import torch
+
+    from . import __version__
+    p.add_argument("--version", action="version",
+                   version=f"asyncckpt {__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="list the committed steps under a checkpoint root")
     ls.add_argument("dir", metavar="DIR", help="checkpoint root directory (or one step's "

@@ -609,8 +609,10 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
     if t.is_meta:
         raise UnsupportedLeafError(
             f"tensor at {path or '<root>'!r} is on the meta device and holds no data; " + (
-                "give it memory first (module.to_empty(device=...)), or load with state=None "
-                "and hand the tensors to module.load_state_dict(..., assign=True)"
+                "give it memory first (module.to_empty(device=...), then tie its tied "
+                "weights again), or load with state=None and hand the tensors to "
+                "module.load_state_dict(..., assign=True) (which makes each a Parameter of "
+                "its own: tie tied weights again after it, as module.tie_weights() does)"
                 if flat.target else "save the module once its tensors are on a real device"))
     if path == RESERVED_KEY:
         raise UnsupportedLeafError(
