@@ -643,6 +643,34 @@ def test_keep_best_keeps_the_best_step_whose_manifest_cannot_be_read_for_the_mom
         assert ckpt.steps() == [1, 5]
 
 
+def test_a_step_kept_while_its_manifest_could_not_be_read_goes_once_it_can(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step keep_best kept for a passing ESTALE (not the best) is ranked again once its
+    manifest reads, in the same checkpointer, whose metrics it had cached: not kept for
+    ever."""
+    flaky = _FlakyManifests(errno.ESTALE)
+    real_stat = os.stat
+    on = [False]
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if on[0] and str(path).endswith(os.path.join("step_000000002", "manifest.json")):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with AsyncCheckpointer(tmp_path, keep_last=1, keep_best=1, best_metric="val_loss",
+                           mode="sync", storage=flaky) as ckpt:
+        ckpt.save(_state(1), 1, metrics={"val_loss": 0.1})
+        ckpt.save(_state(2), 2, metrics={"val_loss": 0.5})
+        assert ckpt.steps() == [1, 2]
+        flaky.on = on[0] = True
+        ckpt.save(_state(3), 3, metrics={"val_loss": 0.7})
+        assert ckpt.steps() == [1, 2, 3]  # (2 could not be ranked: kept)
+        flaky.on = on[0] = False
+        ckpt.save(_state(4), 4, metrics={"val_loss": 0.9})
+        assert ckpt.steps() == [1, 4]
+
+
 def test_a_reader_whose_torch_lacks_a_dtype_marks_no_step_and_retention_keeps_them(
         tmp_path: Path) -> None:
     """A review: an evaluator on an older torch ran load(fallback=True) over steps holding

@@ -295,6 +295,7 @@ class StepMetrics:
         # step -> (its metrics.json's identity, the metrics it holds): see _later_of
         self._later_known: dict[int, tuple[object, dict[str, float]]] = {}
         self._unreadable: set[int] = set()  # steps whose metrics.json cannot be read
+        self._manifest_unsure: set[int] = set()  # manifest not readable now (an ESTALE)
 
     def note(self, root: Path, step: int, storage: ReadStorage,
              metrics: Mapping[str, float], modes: Mapping[str, str] | None = None) -> None:
@@ -426,6 +427,9 @@ class StepMetrics:
         with self._lock:
             got = self._known.get(step)
         if got is not None and got[0] == ident:
+            if self._manifest_unsure:
+                with self._lock:
+                    self._manifest_unsure.discard(step)
             return got[1], got[2]
         try:
             summary = read_manifest_summary(root / step_dir_name(step), storage)
@@ -442,7 +446,7 @@ class StepMetrics:
                 # keeps it as it keeps a step whose metrics.json cannot be read, until they
                 # can be: a review's ESTALE had the best step deleted)
                 with self._lock:
-                    self._unreadable.add(step)
+                    self._manifest_unsure.add(step)
                     warn = (step, str(exc)) not in self._told
                     self._told.add((step, str(exc)))
                 if warn:
@@ -455,6 +459,7 @@ class StepMetrics:
             return None, {}
         with self._lock:
             self._known[step] = (ident, metrics, modes)
+            self._manifest_unsure.discard(step)
         if ident is not None:  # (read once: the sizes too, for retention's amiss)
             self._remember(step, ident, {n: f.bytes for n, f in summary.files.items()})
         return metrics, modes
@@ -500,10 +505,12 @@ class StepMetrics:
 
     def unreadable(self, steps: Iterable[int]) -> set[int]:
         """Those of ``steps`` whose metrics recorded after the save could not be read when
-        last asked: keep_best keeps them (a trial's hand-corrected metrics.json of the best
-        step had it deleted at the next save, before it could be recorded again)."""
+        last asked, or whose manifest could not be, for a reason that says nothing of its
+        bytes: keep_best keeps them (a trial's hand-corrected metrics.json of the best
+        step had it deleted at the next save, before it could be recorded again; a
+        review's ESTALE on the best step's manifest, alike)."""
         with self._lock:
-            return self._unreadable.intersection(steps)
+            return (self._unreadable | self._manifest_unsure).intersection(steps)
 
     def scores(self, root: Path, storage: ReadStorage, steps: Iterable[int],
                metric: str) -> dict[int, float]:
@@ -521,6 +528,7 @@ class StepMetrics:
             for s in [s for s in self._later_known if s not in steps]:
                 del self._later_known[s]
             self._unreadable.intersection_update(steps)
+            self._manifest_unsure.intersection_update(steps)
         self.keep_files(steps)
         return out
 
