@@ -3473,6 +3473,48 @@ def test_telling_a_frozen_peer_a_fetch_is_over_takes_done_wait_s_in_all(
         thaw.set()
 
 
+@pytest.mark.parametrize("reconnect", [False, True])
+def test_a_peer_trickling_its_answer_to_done_holds_the_fetch_done_wait_s_at_most(
+        transports: Any, monkeypatch: pytest.MonkeyPatch, reconnect: bool) -> None:
+    """(a review) A hostile peer served the fetch, then sent its answer to "done" a byte
+    every 0.3 s: each read had its timeout, the whole none, and a load with timeout=3
+    returned after 30 s (the peer's choice). With its socket closed first, the "done"
+    reconnected on a socket nothing watched."""
+    import asyncckpt.transport.http as http_module
+
+    monkeypatch.setattr(http_module, "_DONE_WAIT_S", 0.5)
+    real_end = http_module._Handler.end_headers
+
+    def end_headers(self: Any) -> None:
+        if not self.path.endswith("/done"):
+            return real_end(self)
+        self.wfile.write(b"HTTP/1.1 204 No Content\r\n")
+        self.wfile.flush()
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            while time.monotonic() - t0 < 8.0:
+                self.wfile.write(b"a")
+                self.wfile.flush()
+                time.sleep(0.2)
+        self.close_connection = True
+        return None
+
+    monkeypatch.setattr(http_module._Handler, "end_headers", end_headers)
+    srv = transports(token=TOKEN)
+    srv.send_checkpoint([1], 4, state_of(), 10.0)
+    peer = HTTPStorage(srv.address(), 4, token=TOKEN, timeout_s=30.0, deadline_s=30.0)
+    fd = peer.open_read(Path(FILE))
+    assert peer.file_size(fd) > 0  # (answered: a "done" is owed)
+    if reconnect:
+        peer._local.conn.close()  # (its socket gone: the "done" connects again)
+    t0 = time.monotonic()
+    peer.close_all()
+    assert time.monotonic() - t0 < 2.0  # (0.5 s; was: 8 s, as long as the peer trickled)
+    t0 = time.monotonic()  # a whole receive alike, its data intact
+    assert_state(fetch(srv, 4, timeout=3.0), state_of())
+    assert time.monotonic() - t0 < 2.5
+
+
 def test_send_checkpoint_takes_no_timeout_as_pg_s_does(transports: Any) -> None:
     """(a review) The check of send_checkpoint's timeout refused None, PGTransport's
     default: code moving from one transport to the other broke."""

@@ -2042,21 +2042,43 @@ class HTTPStorage:
     def _say_done(self, reuse: bool = True) -> None:
         """Tell the peer this fetch is over, so that a disallow_checkpoint() there waits
         for it no longer: on this thread's connection where it is free (``reuse``), else
-        on a new one (best effort, each wait bounded by what is left of ``_DONE_WAIT_S``:
-        a peer that is gone or stuck, or of a version that knows no such request, answers
-        nothing that matters)."""
+        on a new one; best effort, ``_DONE_WAIT_S`` in all (a peer that is gone or stuck,
+        or of a version that knows no such request, answers nothing that matters). The
+        bound is a timer that shuts every socket of it: a socket's timeout bounds each
+        read alone, and a review's hostile peer, trickling its answer's headers a byte at
+        a time, held a load 30 s past its 3 s timeout."""
         ends = time.monotonic() + _DONE_WAIT_S
+        socks: list[socket.socket] = []
+        lock = threading.Lock()
+        over = [False]
+
+        def cut_all() -> None:
+            with lock:
+                over[0] = True
+                mine = list(socks)
+            for sock in mine:
+                _cut(sock)
+
+        def watch(sock: socket.socket) -> None:
+            with lock:
+                socks.append(sock)
+                late = over[0]
+            if late:
+                _cut(sock)
 
         def ask(c: http.client.HTTPConnection) -> bool:
             left = ends - time.monotonic()
             if left <= 0:
                 return False
             try:
-                # (both: a connection whose socket was closed reconnects in request(),
-                # with its own timeout, the fetch's: a frozen peer's kernel accepts)
+                # (connected here, not by request(), which reconnects a connection whose
+                # socket was closed with its own timeout, unwatched)
                 c.timeout = left
-                if c.sock is not None:
-                    c.sock.settimeout(left)
+                if c.sock is None:
+                    c.connect()
+                sock: socket.socket = c.sock
+                sock.settimeout(left)
+                watch(sock)
                 c.request("GET", self._url("done"), headers=self._headers)
                 c.getresponse().read(4096)
                 return True
@@ -2065,13 +2087,19 @@ class HTTPStorage:
                           self._fetch_id, exc)
                 return False
 
-        if reuse:
-            self._drop_stream(keep=True)
-            conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-            if conn is not None and ask(conn):
-                return
-        new = http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
+        timer = threading.Timer(_DONE_WAIT_S, cut_all)
+        timer.daemon = True
+        timer.start()
         try:
-            ask(new)
+            if reuse:
+                self._drop_stream(keep=True)
+                conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+                if conn is not None and ask(conn):
+                    return
+            new = http.client.HTTPConnection(self.host, self.port, timeout=_DONE_WAIT_S)
+            try:
+                ask(new)
+            finally:
+                new.close()
         finally:
-            new.close()
+            timer.cancel()
