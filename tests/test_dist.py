@@ -2426,6 +2426,38 @@ def _fallback_loads(tmp_path: Path, store: Any, rank1_storage: LocalStorage
     return in_threads(load)
 
 
+class _EIOOn(LocalStorage):
+    """An outage on one node: opening the shard files of ``step_dir`` fails with EIO."""
+
+    def __init__(self, step_dir: str) -> None:
+        super().__init__()
+        self.step_dir = step_dir
+
+    def open_read(self, path: Path) -> int:
+        if path.parent.name == self.step_dir and path.name.endswith(".safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return super().open_read(path)
+
+
+def test_another_rank_s_eio_in_a_group_fallback_load_marks_nothing(tmp_path: Path) -> None:
+    """(a review) An EIO may be an outage, not damage: a process alone, and the rank that
+    met it, marked nothing, but its verdict reached rank 0 without saying so, and rank 0
+    wrote damaged.json into the intact newest step (retention, best_step() and ls then
+    passed over it for good). The group still loads the older step."""
+    store = dist.HashStore()
+    _save_two_sharded_steps(tmp_path, store)
+    out = _fallback_loads(tmp_path, store, _EIOOn("step_000000002"))
+    for r in (0, 1):
+        assert not isinstance(out[r], BaseException), out
+        assert out[r]["step"] == 1
+    assert not (tmp_path / "step_000000002" / "damaged.json").exists()
+    # damage found for sure on rank 1 is still marked, by rank 0
+    _damage_rank1_part_of_step2(tmp_path)
+    out = _fallback_loads(tmp_path, store, LocalStorage())
+    assert [out[r]["step"] for r in (0, 1)] == [1, 1], out
+    assert "rank 1:" in (tmp_path / "step_000000002" / "damaged.json").read_text()
+
+
 def test_a_rank_that_runs_out_of_steps_tells_a_rank_that_has_more(tmp_path: Path) -> None:
     store = dist.HashStore()
     _save_two_sharded_steps(tmp_path, store)
@@ -2491,11 +2523,19 @@ def test_a_capped_group_decision_keeps_the_damage_before_the_steps_not_found(
         for r in (1, 2, 3)] + [
         {"step": 7, "problem": "checksum mismatch", "failed": False, "gone": False}]
     decision = dist_mod._decision(verdicts, 7)
-    assert [(r, g) for r, _, g in decision["bad"]] == [(4, False), (1, True)]
+    assert [(r, g, m) for r, _, g, m in decision["bad"]] == [(4, False, False),
+                                                            (1, True, False)]
     assert decision["bad"][1][1].endswith("(and 2 more ranks could not load this step)")
     # all gone: the summary entry too
     gone = dist_mod._decision(verdicts[:4], 7)["bad"]
-    assert [g for _, _, g in gone] == [True, True]
+    assert [g for _, _, g, _ in gone] == [True, True]
+    # an EIO (maybe intact) after the damage, before the steps not found; a summary of
+    # such findings alone marks nothing
+    verdicts[1] = {"step": 7, "problem": "EIO on rank 1", "failed": False, "gone": False,
+                   "maybe_intact": True}
+    decision = dist_mod._decision(verdicts, 7)
+    assert [(r, g, m) for r, _, g, m in decision["bad"]] == [(4, False, False),
+                                                            (1, False, True)]
 
 
 class _NoWait:

@@ -1657,9 +1657,11 @@ class FallbackAgreement:
         return self.ctx.rank
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False, gone: bool = False) -> list[Finding]:
+                 failed: bool = False, gone: bool = False,
+                 maybe_intact: bool = False) -> list[Finding]:
         """Post this rank's verdict on ``step`` (its ``attempt``-th try: None is intact;
-        ``gone``: the problem is that the step was not found; ``failed``: it raised
+        ``gone``: the problem is that the step was not found; ``maybe_intact``: it may be
+        no damage, as an EIO of an outage, which marks nothing; ``failed``: it raised
         something no fallback answers, or has no step to try, ``step`` None) and wait for
         the group's decision. Returns the other ranks that could not load the step, with
         what they found (at most 16 of them).
@@ -1678,7 +1680,7 @@ class FallbackAgreement:
         with ctx._store_errors(f"posting its verdict in {what}", CheckpointError):
             ctx.store.set(keys[ctx.rank],
                           json.dumps({"step": step, "problem": problem, "failed": failed,
-                                      "gone": gone}))
+                                      "gone": gone, "maybe_intact": maybe_intact}))
         if failed:
             self._decide(decision_key, {"rank": ctx.rank, "error": str(problem)})
             return []
@@ -1716,7 +1718,8 @@ class FallbackAgreement:
             cls = CheckpointTimeoutError if decision.get("timeout") else CheckpointError
             raise cls(f"rank {ctx.rank}: load(fallback=True) under {ctx.directory} stopped at "
                       f"step {step}: rank {decision.get('rank')} failed: {decision.get('error')}")
-        return [Finding(r, p, bool(g)) for r, p, g in decision.get("bad", ()) if r != ctx.rank]
+        return [Finding(r, p, bool(g), bool(m[0]) if m else False)
+                for r, p, g, *m in decision.get("bad", ()) if r != ctx.rank]
 
     def _decide(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
         """Claim the attempt's decision; return the one that holds (maybe another's)."""
@@ -1737,15 +1740,20 @@ def _decision(verdicts: Sequence[dict[str, Any]], step: int | None) -> dict[str,
                 f"it tried step {got['step']} where rank 0 tried step {step}: the ranks see "
                 "different committed steps (a directory that is not shared?)")}
         if got["problem"] is not None:
-            bad.append((r, str(got["problem"]), bool(got.get("gone"))))
+            bad.append((r, str(got["problem"]), bool(got.get("gone")),
+                        bool(got.get("maybe_intact"))))
     if len(bad) > _MAX_BAD_REPORTED:
         # the damage first: ranks that did not find the step (a lagging network
-        # filesystem's view, on every rank of other nodes) must not crowd out the one that
-        # found it corrupt, whose finding marks the step damaged
-        bad.sort(key=lambda b: b[2])
-        r, last, _ = bad[_MAX_BAD_REPORTED - 1]
+        # filesystem's view, on every rank of other nodes), or whose finding may be no
+        # damage (an EIO), must not crowd out the one that found it corrupt, whose
+        # finding marks the step damaged
+        bad.sort(key=lambda b: (b[2], b[3]))
+        r, last, _, _ = bad[_MAX_BAD_REPORTED - 1]
+        rest = bad[_MAX_BAD_REPORTED - 1:]
         bad[_MAX_BAD_REPORTED - 1] = (r, f"{last} (and {len(bad) - _MAX_BAD_REPORTED} more "
                                          "ranks could not load this step)",
-                                      all(b[2] for b in bad[_MAX_BAD_REPORTED - 1:]))
+                                      all(b[2] for b in rest),
+                                      all(b[2] or b[3] for b in rest) and not all(
+                                          b[2] for b in rest))
         del bad[_MAX_BAD_REPORTED:]
     return {"agreed": True, "bad": bad}

@@ -475,9 +475,10 @@ class _Told:
         return self.agree.rank
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False, gone: bool = False) -> list[Finding]:
+                 failed: bool = False, gone: bool = False,
+                 maybe_intact: bool = False) -> list[Finding]:
         self.attempt, self.done = attempt, True
-        others = self.agree(attempt, step, problem, failed, gone)
+        others = self.agree(attempt, step, problem, failed, gone, maybe_intact)
         self.attempt, self.done = attempt + 1, False
         return others
 
@@ -539,7 +540,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         try:
             others = [] if agree is None else agree(
                 attempt, step, None if problem is None else str(problem),
-                gone=isinstance(problem, CheckpointNotFoundError))
+                gone=isinstance(problem, CheckpointNotFoundError),
+                maybe_intact=isinstance(problem, CheckpointCorruptError)
+                and problem.maybe_intact)
         except CheckpointError as exc:  # another rank failed: this one read in place already
             if state is None:
                 raise
@@ -555,9 +558,9 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         # A step gone, here or on another rank (deleted while read; on a network
         # filesystem, not yet visible there), is no damage: nothing to mark or keep.
         # (nor what may be no damage: an EIO of an outage, a tensor too large for this
-        # machine)
+        # machine), on this rank or another (a review: rank 1's EIO had rank 0 mark it)
         corrupt = isinstance(problem, CheckpointCorruptError) and not problem.maybe_intact
-        bad = [(o.rank, o.problem) for o in others if not o.gone]
+        bad = [(o.rank, o.problem) for o in others if not o.gone and not o.maybe_intact]
         if damaged is not None and (corrupt or bad):
             if agree is None:  # (alone: the finding is this process's, no rank to name)
                 damaged.append((step, str(problem)))
@@ -576,7 +579,7 @@ def _newest_intact(root: Path, state: Any, storage: ReadStorage, strict: bool,
         if others and agree is not None and agree.rank != 0:
             log.warning("step %d under %s: %d other rank(s) could not load it (rank 0 logs "
                         "why); every rank tries an older step", step, root, len(others))
-        for r, what, _ in others:
+        for r, what, *_ in others:
             if agree is not None and agree.rank == 0:
                 log.warning("step %d under %s: rank %d could not load it (%s); every rank "
                             "tries an older step", step, root, r, what)
@@ -702,11 +705,14 @@ class _Rollback:
 class Finding(NamedTuple):
     """Another rank's verdict on a step it could not load (see Agreement): what it found,
     and whether the step was gone there (not found: deleted, or not yet visible on that
-    rank's view of a network filesystem) rather than damaged."""
+    rank's view of a network filesystem) rather than damaged, or may be intact (an EIO
+    of a network mount's outage, a tensor too large for that rank's memory: the load
+    goes past the step, and nothing marks it)."""
 
     rank: int
     problem: str
     gone: bool = False
+    maybe_intact: bool = False
 
 
 class Agreement(Protocol):
@@ -716,7 +722,8 @@ class Agreement(Protocol):
     def rank(self) -> int: ...  # this rank
 
     def __call__(self, attempt: int, step: int | None, problem: str | None,
-                 failed: bool = False, gone: bool = False) -> list[Finding]: ...
+                 failed: bool = False, gone: bool = False,
+                 maybe_intact: bool = False) -> list[Finding]: ...
 
 
 # --- exclude=: parts of the state a load leaves alone, on both sides ------------------------
