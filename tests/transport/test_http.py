@@ -380,6 +380,19 @@ def test_malformed_paths_traversal_and_absurd_ranges_get_4xx(transports: Any) ->
     answer = raw_request(port, smuggled.encode())
     assert answer.count(b"HTTP/1.1 ") == 1 and answer.startswith(b"HTTP/1.1 400"), answer[:300]
     assert b"Asyncckpt-Reason: a request here has no body" in answer
+    # (a review) two Content-Lengths, the first 0, and a header line with a space before
+    # its colon (which ended the headers there) were served, and the body after them as
+    # a second request
+    inner = "GET /v1/current HTTP/1.1\r\nX: y\r\n\r\n"
+    for framing, why in ((f"Content-Length: 0\r\nContent-Length: {len(inner)}\r\n",
+                          b"a request here has no body"),
+                         ("Transfer-Encoding : chunked\r\n", b"a malformed header line")):
+        smuggled = (f"GET /v1/5/manifest.json HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    f"{framing}\r\n{inner}")
+        answer = raw_request(port, smuggled.encode())
+        assert answer.count(b"HTTP/1.1 ") == 1 and answer.startswith(b"HTTP/1.1 400"), (
+            framing, answer[:300])
+        assert b"Asyncckpt-Reason: " + why in answer, answer[:300]
     # the Server header names no Python version
     answer = raw_request(port, b"GET /v1/current HTTP/1.1\r\nAuthorization: Bearer "
                          + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n")
@@ -1100,6 +1113,53 @@ def test_serving_a_damaged_directory_is_refused_as_a_load_would(tmp_path: Path,
         f.write(b"x")
     with pytest.raises(CheckpointCorruptError, match="bytes but the manifest says"):
         srv.serve_directory(info.path)
+
+
+def _get_bytes(srv: Any, path: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port_of(srv)), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return body
+
+
+def test_a_directory_served_serves_the_files_it_checked_not_what_replaced_them(
+        tmp_path: Path, transports: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a review) serve_directory checked the manifest and each shard file, then read the
+    manifest again and opened each file again by path: a symlink swapped in between (by
+    whoever may write the directory) had a file from outside the checkpoint served. Each
+    file is now opened once, and served as checked."""
+    import asyncckpt.transport.base as base
+
+    with AsyncCheckpointer(tmp_path / "ckpt") as ckpt:
+        info = ckpt.save({"w": torch.arange(4096.0)}, 3)
+    shard, manifest = info.path / FILE, info.path / "manifest.json"
+    want_shard, want_manifest = shard.read_bytes(), manifest.read_bytes()
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"TOP SECRET" * 100)
+    real_check, real_read = base.check_file, base.read_manifest
+
+    def check_then_swap(step_dir: Path, m: Any, name: str, storage: Any) -> None:
+        real_check(step_dir, m, name, storage)
+        (step_dir / name).unlink()
+        (step_dir / name).symlink_to(secret)
+
+    def read_then_swap(step_dir: Path, storage: Any) -> Any:
+        got = real_read(step_dir, storage)
+        (step_dir / "manifest.json").unlink()
+        (step_dir / "manifest.json").symlink_to(secret)
+        return got
+
+    monkeypatch.setattr(base, "check_file", check_then_swap)
+    monkeypatch.setattr(base, "read_manifest", read_then_swap)
+    srv = transports(token=TOKEN)
+    srv.serve_directory(info.path)
+    assert _get_bytes(srv, f"/v1/3/files/{FILE}") == want_shard
+    assert _get_bytes(srv, "/v1/3/manifest.json") == want_manifest
 
 
 def test_serve_directory_takes_a_root_and_names_a_path_that_is_not_there(

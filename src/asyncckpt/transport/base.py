@@ -38,7 +38,7 @@ from ..errors import (
     few,
     seconds_text,
 )
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, block_checksums
+from ..manifest import MANIFEST_NAME, Manifest, block_checksums
 from ..plan import WritePlan, layout_signature, plan_writes
 from ..reader import _check_file as check_file
 from ..reader import read_manifest, tensor_bytes
@@ -266,6 +266,9 @@ class DiskSource(FileSource):
                 raise EOFError(f"{self._file.name} ended {n - sent} bytes early")
             sent += k
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def close(self) -> None:
         self._file.close()
 
@@ -455,16 +458,53 @@ def serve_directory(step_dir: Path) -> Served:
     (CheckpointCorruptError, as a load or verify would say, if not)."""
     from ..commit import resolve_step_dir
 
-    storage = LocalStorage()
     # (a root, or a path that is not there, got "has no manifest.json: not a committed
     # checkpoint", where the CLI takes a root: a trial)
-    step_dir, _ = resolve_step_dir(step_dir, None, storage)
-    manifest = read_manifest(step_dir, storage)
-    for name in manifest.files:
-        check_file(step_dir, manifest, name, storage)
-    raw = (step_dir / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
-    return Served(manifest.step, lambda: raw,
-                  {name: DiskSource(step_dir / name) for name in manifest.files})
+    step_dir, _ = resolve_step_dir(step_dir, None, LocalStorage())
+    # Each file is opened once, and what is served is what was checked: the manifest's
+    # bytes as parsed, each shard file through the descriptor whose size and header were
+    # (a review swapped a symlink in between a check and a second open by path, and the
+    # server served a file from outside the checkpoint, 2 times in 300).
+    pinned = _Pinned(step_dir / MANIFEST_NAME)
+    manifest = read_manifest(step_dir, pinned)
+    raw = pinned.raw
+    sources: dict[str, DiskSource] = {}
+    try:
+        for name in manifest.files:
+            try:
+                src = sources[name] = DiskSource(step_dir / name)
+            except OSError:  # (missing, not a file...: the error a load would give)
+                check_file(step_dir, manifest, name, LocalStorage())
+                raise
+            pinned.fds[step_dir / name] = src.fileno()
+            check_file(step_dir, manifest, name, pinned)
+    except BaseException:
+        for src in sources.values():
+            src.close()
+        raise
+    return Served(manifest.step, lambda: raw, dict(sources))
+
+
+class _Pinned(LocalStorage):
+    """The local files of one step as first read or opened: the manifest's bytes kept
+    (``raw``), and reads of a shard file through the descriptor opened for serving
+    (``fds``: a duplicate of it, which the check closes)."""
+
+    def __init__(self, manifest: Path) -> None:
+        super().__init__()
+        self.manifest = manifest
+        self.raw = b""
+        self.fds: dict[Path, int] = {}
+
+    def read_bytes(self, path: Path, limit: int) -> bytes:
+        data = super().read_bytes(path, limit)
+        if path == self.manifest:
+            self.raw = data
+        return data
+
+    def open_read(self, path: Path) -> int:
+        fd = self.fds.get(path)
+        return super().open_read(path) if fd is None else os.dup(fd)
 
 
 _plans_lock = threading.Lock()

@@ -1134,9 +1134,18 @@ class _Handler(BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":  # (no status line to refuse it with)
             self.close_connection = True
             return False
-        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
+        if self.headers.defects or self.headers.get_payload():
+            # A header line that is none ("Transfer-Encoding : chunked", a space before the
+            # colon): the parser ended the headers there, and what follows it was served
+            # as a second request (a review's smuggling); a proxy may read it as framing.
+            # Refused (RFC 9112 5.1), with the connection (as every refusal but 413).
+            self._refuse(400, "a malformed header line")
+            return False
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if self.headers.get("Transfer-Encoding") or lengths != ["0"]:
             # A body is never read here: left on the connection, it would be parsed as the
-            # next request. (The token is not asked: nothing is told but this.)
+            # next request (so is a second Content-Length, a proxy's framing maybe). (The
+            # token is not asked: nothing is told but this.)
             self._refuse(400, "a request here has no body")
             return False
         if not hasattr(self, "do_" + self.command):
