@@ -1527,6 +1527,41 @@ def test_overlap_refuses_a_change_made_after_the_copy_but_before_wait_staged(
     # seen through wait_staged (or fut.wait), the failure is not raised again by close
 
 
+@pytest.mark.parametrize("alias", ["set_", "from_numpy"])
+def test_overlap_refuses_a_change_through_a_tied_alias_with_its_own_counter(
+        tmp_path: Path, alias: str) -> None:
+    """(a review) Two leaves that are the same view of one memory are stored once, and
+    the change check watched the kept tensor alone: an alias with a version counter of
+    its own (made with set_(), or torch.from_numpy of one array twice) was changed in
+    place before wait_staged() and mixed values were committed, no error."""
+    storage = _HeldWrite()
+    if alias == "set_":
+        a = torch.zeros(1 << 16)
+        b = torch.empty(0).set_(a.untyped_storage(), 0, a.shape, a.stride())
+    else:
+        arr = np.zeros(1 << 16, dtype=np.float32)
+        a, b = torch.from_numpy(arr), torch.from_numpy(arr)
+    with asyncckpt.AsyncCheckpointer(tmp_path, storage=storage) as ckpt:
+        fut = ckpt.save_async({"a": a, "b": b}, step=1, overlap=True)
+        deadline = time.monotonic() + 30
+        while not fut.staged():  # (the write waits: staging alone runs)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        b.add_(1.0)  # through the alias, before wait_staged(): the contract is broken
+        with pytest.raises(asyncckpt.CheckpointSaveError,
+                           match=r"'b' were changed in place after save_async"):
+            fut.wait_staged(30)
+        storage.release.set()
+        with pytest.raises(asyncckpt.CheckpointSaveError):
+            fut.wait(30)
+        assert ckpt.steps() == []
+        fut = ckpt.save_async({"a": a, "b": b}, step=2, overlap=True)  # (still tied)
+        fut.wait_staged(30)
+        fut.wait(30)
+        loaded = ckpt.load(step=2)
+        assert loaded["a"] is loaded["b"] and torch.equal(loaded["a"], torch.ones(1 << 16))
+
+
 def test_a_failure_seen_through_wait_staged_is_not_raised_again_by_close(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncckpt.checkpointer as mod

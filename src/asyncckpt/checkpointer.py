@@ -759,6 +759,8 @@ class AsyncCheckpointer:
                 # tensor's as it was, and a trial's FSDP2 saves committed changed values)
                 counted = {k: flat.wrappers.get(k, t) for k, t in watched.items()} if (
                     flat.wrappers) else watched
+                if flat.aliases:  # (a review: a change through a tied alias went unseen)
+                    counted = {**counted, **flat.aliases}
                 versions = _versions(counted)
                 check = functools.partial(_check_unchanged, step, counted, versions)
                 # (set before staging is queued: the writer reads it once staging is done)

@@ -188,6 +188,10 @@ class FlatState:
     # key -> the DTensor leaf whose local shard ``tensors`` holds: its version counter is
     # the one in-place ops on it bump (its local tensor's stays as it was)
     wrappers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # path -> a torch leaf stored under another path's key (the same view of the same
+    # memory) that is another tensor object: its own version counter may count an
+    # in-place change the kept one's does not (one made with set_(), or from_numpy twice)
+    aliases: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         box = self.boxes.get(key)
@@ -592,6 +596,7 @@ def is_copied(arr: np.ndarray) -> bool:
 def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: str,
                 writeable: bool = True) -> str:
     # This runs once per tensor inside save_async: the common case is kept cheap.
+    leaf = t
     box = None
     what = "tensor"
     if type(t) not in _PLAIN_TENSOR_TYPES and _is_dtensor(t):
@@ -652,6 +657,8 @@ def _add_tensor(t: torch.Tensor, path: str, flat: FlatState, seen: _Seen, kind: 
                 key = views.find(t, box, flat, empty_shard)
                 if key is not None:
                     flat.refs[path] = key
+                    if kind == "torch" and leaf is not flat.wrappers.get(key, flat.tensors[key]):
+                        flat.aliases[path] = leaf
                     return key
                 views.add(t, path, box, flat)
     if path in flat.tensors:  # escaping makes paths unique; never overwrite if it did not
