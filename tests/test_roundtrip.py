@@ -3301,6 +3301,7 @@ def test_one_numpy_array_at_two_paths_is_stored_once_and_comes_back_tied(
     assert sorted(manifest.tensors) == ["a", "t", "view"]  # (a tensor is a tensor still)
     out = asyncckpt.load(tmp_path)
     assert np.shares_memory(out["a"], out["b"]) and np.array_equal(out["b"], a)
+    assert out["a"] is out["b"]  # (one array, as tied tensors are one: a review)
     assert not np.shares_memory(out["a"], out["view"])
     assert isinstance(out["t"], torch.Tensor) and isinstance(out["b"], np.ndarray)
     x = np.zeros(6, np.float32)

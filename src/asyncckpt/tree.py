@@ -804,27 +804,32 @@ _DTENSOR_TYPES: set[type] = set()
 def unflatten(skeleton: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Build a plain tree from a skeleton and loaded tensors (stateful nodes become dicts).
 
-    Two leaves with one storage key come back as the same tensor object.
+    Two leaves with one storage key come back as the same tensor object, or the same
+    array (a review found two arrays over one memory, where tied tensors are one).
     """
-    return _build(skeleton, tensors)
+    return _build(skeleton, tensors, {})
 
 
-def _build(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _build(node: Node, tensors: Mapping[str, torch.Tensor], arrays: dict[str, Any]) -> Any:
     t = node["t"]
     if t == "tensor":
         return tensors[node["key"]]
     if t == "ndarray":
-        return tensors[node["key"]].numpy()
+        key = node["key"]
+        got = arrays.get(key)
+        if got is None:
+            got = arrays[key] = tensors[key].numpy()
+        return got
     if t == "npscalar":
         return tensors[node["key"]].numpy()[()]
     if t == "dict":
-        return {k: _build(v, tensors) for k, v in node["items"]}
+        return {k: _build(v, tensors, arrays) for k, v in node["items"]}
     if t == "list":
-        return [_build(v, tensors) for v in node["items"]]
+        return [_build(v, tensors, arrays) for v in node["items"]]
     if t == "tuple":
-        return tuple(_build(v, tensors) for v in node["items"])
+        return tuple(_build(v, tensors, arrays) for v in node["items"])
     if t == "stateful":
-        return _build(node["state"], tensors)
+        return _build(node["state"], tensors, arrays)
     return scalar_value(node)
 
 
