@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from ..commit import MAX_STEP, StepLike, as_step
@@ -1075,6 +1075,28 @@ def _cut(sock: socket.socket) -> None:
 
 
 _UNREAD = b"\0unread"  # a handler's request line before it is read
+_MAX_HEADER_BYTES = 64 * 1024  # a request's header lines, in all (ours send a few hundred)
+
+
+class _HeaderBudget:
+    """A handler's input as its headers are parsed: lines while the budget lasts, then
+    http.client's LineTooLong (the handler answers 431)."""
+
+    def __init__(self, f: Any, budget: int) -> None:
+        self._f, self._left = f, budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self._left <= 0:
+            raise http.client.LineTooLong("header lines")
+        line: bytes = self._f.readline(self._left + 1 if limit < 0 else min(limit,
+                                                                           self._left + 1))
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong("header lines")
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -1123,9 +1145,16 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         # The request is in: from here on it is never evicted. If it was meanwhile (the
         # cut socket reads as the end of the headers), it is not served: its slot is
-        # for the connection that evicted it.
-        if not super().parse_request():
-            return False
+        # for the connection that evicted it. Its headers are read within
+        # _MAX_HEADER_BYTES in all (http.client allows 100 lines of 64 KiB: a review's 64
+        # unauthenticated connections, each held before the token was asked, took 470 MiB).
+        rfile = self.rfile
+        self.rfile = cast(Any, _HeaderBudget(rfile, _MAX_HEADER_BYTES))
+        try:
+            if not super().parse_request():
+                return False
+        finally:
+            self.rfile = rfile
         if not self.server.clear_deadline(self):
             self.close_connection = True
             self._cut_by_server = True
