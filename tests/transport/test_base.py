@@ -275,3 +275,31 @@ def test_an_error_of_the_state_dict_callable_says_whose_call_it_was() -> None:
                "my_state)" in n for n in notes), notes
     got = check_state_dict_fn(lambda: {"w": 1})
     assert got is not None and got() == {"w": 1}
+
+
+def test_a_tensor_given_other_memory_while_served_is_served_from_its_old_memory() -> None:
+    """(a review) A live tensor's memory was viewed, not held: ``p.data = x`` (or
+    ``set_``) while it was sent freed it under the transfer, and gloo's EFAULT killed the
+    sending process. The offered memory is held now, and a storage resized in place
+    (its memory moved) is refused with the transport's error."""
+    import gc
+
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    want = w.clone()
+    offer = serve_state(3, {"w": w}, block_bytes=BLOCK, library_version="test")
+    src = offer.files["rank_00000.safetensors"]
+    view = src.tensor_view("w")
+    w.data = torch.full((1 << 16,), -1.0)  # (the old storage's last holder but the offer)
+    gc.collect()
+    junk = [torch.full((1 << 16,), 7.0) for _ in range(8)]  # (freed memory would be reused)
+    assert bytes(view) == bytes(tensor_bytes(want)) == bytes(src.tensor_view("w"))
+    del junk
+
+    v = torch.zeros(1 << 16)
+    offer = serve_state(4, {"v": v}, block_bytes=BLOCK, library_version="test")
+    src = offer.files["rank_00000.safetensors"]
+    src.tensor_view("v")
+    v.resize_(1 << 20)  # (its storage grows: its memory moves)
+    with pytest.raises(base.CheckpointTransportError, match=r"'v' was resized in place while "
+                       "it was being sent"):
+        src.tensor_view("v")

@@ -302,10 +302,22 @@ class LiveSource(FileSource):
         self._tensors = tensors
         self._ready = list(ready)
         self._lock = threading.Lock()
+        # key -> the storage of a tensor served from its own memory, and where that was:
+        # held, it stays allocated when the tensor is given another (``p.data = x``,
+        # ``set_``), and a storage resized meanwhile is told (a review: gloo was handed
+        # freed memory, and the sending process died of the EFAULT)
+        self._held: dict[str, tuple[Any, int]] = {}
 
     def tensor_view(self, key: str) -> memoryview:
         with self._lock:
-            return self._view(key)
+            mv = self._view(key)
+            held = self._held.get(key)
+        if held is not None and held[0].data_ptr() != held[1]:
+            raise CheckpointTransportError(
+                f"tensor {key!r} was resized in place while it was being sent: its memory "
+                "moved, and what was offered is gone; offer the state again once nothing "
+                "changes it (not until send_checkpoint returns)")
+        return mv
 
     def views(self, stop: threading.Event | None = None) -> list[memoryview]:
         """Every planned tensor's bytes, in the plan's order (one lock for all of them);
@@ -328,6 +340,9 @@ class LiveSource(FileSource):
                     self._ready.pop().synchronize()
                 t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
                 self._tensors[key] = t  # keep the copy alive while it is served
+            elif t.numel():
+                storage = t.untyped_storage()
+                self._held[key] = (storage, storage.data_ptr())
             mv = self._bytes[key] = tensor_bytes(t)
         return mv
 
