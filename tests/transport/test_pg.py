@@ -1562,3 +1562,26 @@ def test_gloo_unbounded_timeouts_wait_and_shutdown_cuts_off_a_send(tmp_path: Pat
 if __name__ == "__main__":
     rank_main(sys.argv[1])
 
+
+
+def test_a_pair_closed_by_a_peer_that_gave_up_is_not_told_as_a_crash() -> None:
+    """(a review) A destination that asked after its sender's send_checkpoint timed out
+    was told gloo's "Connection closed by peer ... typically caused by a remote worker
+    crashing", though the sender was alive: it had given up on this rank."""
+    class _Work:
+        def wait(self, timeout: Any) -> bool:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1. This "
+                               "is typically caused by a remote worker crashing.")
+
+    with pytest.raises(CheckpointTransportError, match=r"the peer may be alive: one that "
+                       r"timed out waiting for this rank .*closes the pair too"):
+        PGTransport._wait(None, lambda: _Work(), time.monotonic() + 5,  # type: ignore[arg-type]
+                          "sending the request for step 1 to peer rank 0")
+    with pytest.raises(CheckpointTransportError) as info:  # (another failure: no such word)
+        PGTransport._wait(None, _Broken, time.monotonic() + 5, "sending")  # type: ignore[arg-type]
+    assert "the peer may be alive" not in str(info.value)
+
+
+class _Broken:
+    def wait(self, timeout: Any) -> bool:
+        raise RuntimeError("message too long")

@@ -888,9 +888,12 @@ class PGTransport(CheckpointTransport[Any]):
                 raise CheckpointTimeoutError(
                     f"{what}: no answer within {seconds_text(left)} ({stuck}); recreate the "
                     "process group before using it again") from exc
+            closed = ("closed by peer" in text.lower() or "connection reset" in text.lower())
             raise CheckpointTransportError(
                 f"{what} failed: {text}; recreate the process group before using it again"
-                ) from exc
+                + ("; the peer may be alive: one that timed out waiting for this rank (a "
+                   "send_checkpoint whose destination asked too late) closes the pair too"
+                   if closed else "")) from exc
         if ok is False:
             raise CheckpointTimeoutError(f"{what}: no answer within {seconds_text(left)} ({stuck})")
 
