@@ -2211,6 +2211,36 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_with_its_json_document(
     assert signal.getsignal(signal.SIGTERM) is before  # (put back)
 
 
+def test_a_second_sigterm_does_not_cut_the_clean_up_of_the_first_short(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """(a review) `timeout` signals a command, then its process group: the second
+    SIGTERM, raised inside the clean-up the first started, left a sharded export's
+    temporary directory (GBs of shards) behind."""
+    import signal
+    import time
+
+    import asyncckpt.cli as cli
+
+    cleaned: list[bool] = []
+
+    def terminated(args: Any) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            raise AssertionError("SIGTERM did not end the command")
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGTERM)  # (the process group's, mid-clean-up)
+            time.sleep(0.05)
+            cleaned.append(True)
+            raise
+
+    monkeypatch.setattr(cli, "cmd_ls", terminated)
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert code == 130 and cleaned == [True]
+    assert json.loads(out)["error"]["type"] == "Interrupted"
+
+
 def test_a_sigterm_the_caller_ignores_stays_ignored(
         root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
         ) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -743,3 +745,32 @@ def test_two_tied_pairs_of_the_same_bytes_each_are_not_warned_of(
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         asyncckpt.load_safetensors(tmp_path / "two.safetensors", Two())
     assert not caplog.records, caplog.text
+
+
+def test_an_index_that_is_no_file_or_names_a_nul_is_refused_at_once(tmp_path: Path) -> None:
+    """(a review) A FIFO named model.safetensors.index.json hung the load for ever (a plain
+    open), and a NUL in an index's file name surfaced as a bare ValueError."""
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    got: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            asyncckpt.load_safetensors(tmp_path)
+        except BaseException as exc:  # (what the load raised, checked below)
+            got.append(exc)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # (a writer lets a blocked open of the FIFO go, and the thread end)
+        with open(os.open(index, os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        pytest.fail("load_safetensors blocked on a FIFO named as the index")
+    assert len(got) == 1 and isinstance(got[0], CheckpointCorruptError), got
+    assert "not a regular file" in str(got[0])
+    index.unlink()
+    index.write_text(json.dumps({"weight_map": {"w": "a.safe\0tensors"}}))
+    with pytest.raises(CheckpointCorruptError, match="which is not a file beside it"):
+        asyncckpt.load_safetensors(tmp_path)

@@ -2049,8 +2049,15 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
         return
 
+    told = [False]
+
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        # Once: `timeout` signals the command, then its process group, and the second
+        # SIGTERM cut short the clean-up the first had started (a review: a sharded
+        # export's temporary directory, with GBs of shards, was left behind)
+        if not told[0]:
+            told[0] = True
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

@@ -326,8 +326,8 @@ def files_of(source: Path) -> tuple[Path, list[str], dict[str, str] | None]:
 
 def _weight_map(index: Path) -> dict[str, str]:
     """A Hugging Face index's ``weight_map`` (tensor name -> file name), checked."""
-    try:
-        with open(index, "rb") as f:
+    try:  # (a FIFO there hung the load, a link to /dev/zero read 256 MiB: a review)
+        with open(index, "rb", opener=lambda p, _: open_regular(p)) as f:
             raw = f.read(_MAX_INDEX_BYTES + 1)
     except OSError as exc:
         raise CheckpointNotFoundError(f"{index}: cannot be read: {exc}") from exc
@@ -340,7 +340,7 @@ def _weight_map(index: Path) -> dict[str, str]:
         raise CheckpointCorruptError(
             f"{index} has no weight_map of tensor names to file names", path=str(index))
     for n in set(wmap.values()):
-        if not n or "/" in n or "\\" in n or n in (".", ".."):
+        if not n or "/" in n or "\\" in n or "\0" in n or n in (".", ".."):
             raise CheckpointCorruptError(
                 f"{index} names file {n!r}, which is not a file beside it", path=str(index))
     return wmap
