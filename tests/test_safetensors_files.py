@@ -774,3 +774,13 @@ def test_an_index_that_is_no_file_or_names_a_nul_is_refused_at_once(tmp_path: Pa
     index.write_text(json.dumps({"weight_map": {"w": "a.safe\0tensors"}}))
     with pytest.raises(CheckpointCorruptError, match="which is not a file beside it"):
         asyncckpt.load_safetensors(tmp_path)
+
+
+def test_a_shape_no_tensor_can_have_is_a_damaged_header_not_out_of_memory(
+        tmp_path: Path) -> None:
+    """(a review) [0, 2**61, 2**61] holds no bytes, so its size matched its empty range,
+    and torch's refusal to lay it out was told "could not be allocated (out of memory?)"."""
+    _write_raw(tmp_path / "f.safetensors",
+               {"w": {"dtype": "F32", "shape": [0, 2**61, 2**61], "data_offsets": [0, 0]}}, b"")
+    with pytest.raises(CheckpointCorruptError, match=r"is too large for any tensor"):
+        asyncckpt.load_safetensors(tmp_path / "f.safetensors")

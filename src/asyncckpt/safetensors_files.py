@@ -549,6 +549,9 @@ def _tensor_info(path: Path, name: str, info: Any, body: int) -> _Info:
     if (not isinstance(shape, list) or len(shape) > 64
             or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape)):
         raise bad(f"shape {shape!r} is not a list of sizes")
+    if math.prod(d for d in shape if d) >= 1 << 62:  # (a 0 among them: no bytes, yet torch
+        # cannot lay it out; a review's [0, 2**61, 2**61] was told "out of memory?")
+        raise bad(f"shape {shape} is too large for any tensor (a damaged or forged header)")
     offsets = info.get("data_offsets")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(type(o) is int for o in offsets)):
