@@ -28,7 +28,6 @@ from .errors import (
     CheckpointConfigError,
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointPermissionError,
     CheckpointSaveError,
     few,
@@ -360,15 +359,20 @@ class StepMetrics:
             self._remember(step, ident, sizes)
         return bool(files_amiss(root / step_dir_name(step), sizes, sure=True))
 
+    def _first_time(self, step: int, exc: BaseException) -> bool:
+        """Whether ``exc`` of ``step`` is told for the first time (a warning is given once
+        per step and error)."""
+        said = (step, str(exc))
+        with self._lock:
+            first = said not in self._told
+            self._told.add(said)
+        return first
+
     def _unsure(self, step: int, exc: BaseException) -> None:
         """Warn (once per step and error) that ``step``'s manifest cannot be read now, for
         a reason that says nothing of its bytes: it is kept, and counted as intact (one
         warning: _saved's, where keep_best read its metrics first, is of the same cause)."""
-        said = (step, str(exc))
-        with self._lock:
-            warn = said not in self._told
-            self._told.add(said)
-        if warn:
+        if self._first_time(step, exc):
             log.warning("step %d's manifest cannot be read now (%s: %s); retention keeps the "
                         "step and counts it as intact until a read says otherwise", step,
                         type(exc).__name__, exc)
@@ -437,8 +441,9 @@ class StepMetrics:
         except (CheckpointError, OSError) as exc:
             # (deleted since it was listed, by a saver's keep_last: no step, no warning; a
             # trial's monitor beside a trainer logged 229 of them)
-            gone = isinstance(exc, (FileNotFoundError, CheckpointNotFoundError)) and (
-                not still_there(root, step_dir_name(step), storage))
+            # (CheckpointNotFoundError is a FileNotFoundError)
+            gone = isinstance(exc, FileNotFoundError) and not still_there(
+                root, step_dir_name(step), storage)
             if gone:
                 return None, {}
             if not damage_is_certain(exc):
@@ -447,9 +452,7 @@ class StepMetrics:
                 # can be: a review's ESTALE had the best step deleted)
                 with self._lock:
                     self._manifest_unsure.add(step)
-                    warn = (step, str(exc)) not in self._told
-                    self._told.add((step, str(exc)))
-                if warn:
+                if self._first_time(step, exc):
                     log.warning("step %d's metrics cannot be read now (%s: %s); keep_best keeps "
                                 "the step until they can be read", step, type(exc).__name__,
                                 exc)
@@ -487,12 +490,9 @@ class StepMetrics:
         except (CheckpointCorruptError, CheckpointPermissionError, OSError) as exc:
             if isinstance(exc, FileNotFoundError):  # (the step went meanwhile)
                 return {}
-            said = (step, str(exc))
             with self._lock:
                 self._unreadable.add(step)
-                warn = said not in self._told
-                self._told.add(said)
-            if warn:
+            if self._first_time(step, exc):
                 log.warning("step %d: %s (keep_best keeps the step until they can be read)",
                             step, exc if isinstance(exc, CheckpointError) else (
                                 f"{root / step_dir_name(step) / LATER_METRICS_NAME} cannot "
